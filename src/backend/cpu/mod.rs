@@ -1,0 +1,263 @@
+//! The CPU backend: the exact semantics of every op on host memory shared by the N processes
+//! (or threads) of one machine. It is the reference the GPU kernels are tested against and what
+//! runs where there is no GPU.
+//!
+//! Segment layout (one file per buffer, named by the unique id):
+//! `[control: barrier slots | create records][rank 0: HT area | LL area][rank 1: ...]...`
+//! Normal-mode ops *publish* into the caller's own HT area, meet at a barrier, then *pull* from
+//! peers (`ht.rs`). Low-latency ops *push* into the receiver's LL area and raise epoch-tagged
+//! flags (`ll.rs`).
+
+pub(crate) mod ht;
+pub(crate) mod ll;
+pub mod shm;
+
+use super::{
+    Backend, BackendKind, BufferInfo, CachedDispatchArgs, CombineArgs, CombineOutputs, CreateArgs, DispatchArgs,
+    DispatchOutputs, DispatchPlan, LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs,
+    LlDispatchSendArgs, LlGeometry, LlStats, Stream, UNIQUE_ID_BYTES,
+};
+use crate::error::{Error, Result};
+use crate::tensor::TensorRef;
+use shm::{Region, Segment};
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+/// Most ranks one CPU buffer supports.
+pub const MAX_RANKS: usize = 256;
+const SLOT: usize = 64;
+const BARRIER_OFF: usize = 0;
+const RECORD_OFF: usize = MAX_RANKS * SLOT;
+const CONTROL_BYTES: usize = 2 * MAX_RANKS * SLOT;
+const ID_PREFIX: &[u8] = b"deep_ep_cpu:";
+const ALIGN: usize = 4096;
+
+fn align_up(n: usize, a: usize) -> usize {
+    n.div_ceil(a) * a
+}
+
+/// A buffer on host shared memory.
+pub struct CpuBackend {
+    pub(crate) info: BufferInfo,
+    seg: Segment,
+    ht_bytes: usize,
+    ll_bytes: usize,
+    region_bytes: usize,
+    /// Barriers this rank has passed (the value it publishes in its barrier slot).
+    epoch: u64,
+    pub(crate) timeout: Duration,
+    pub(crate) ll: ll::LlState,
+}
+
+impl CpuBackend {
+    /// A fresh rendezvous id: prefix + random name, zero-padded to [`UNIQUE_ID_BYTES`].
+    pub fn unique_id() -> Vec<u8> {
+        let mut rnd = [0u8; 16];
+        // SAFETY: getrandom writes at most len bytes into the buffer.
+        let got = unsafe { libc::getrandom(rnd.as_mut_ptr() as *mut libc::c_void, rnd.len(), 0) };
+        if got != rnd.len() as isize {
+            // Fall back to time and pid: uniqueness per machine is all that is needed.
+            let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
+            rnd[..8].copy_from_slice(&(t as u64).to_le_bytes());
+            rnd[8..12].copy_from_slice(&std::process::id().to_le_bytes());
+        }
+        let mut id = ID_PREFIX.to_vec();
+        id.extend(rnd.iter().map(|b| format!("{b:02x}")).collect::<String>().bytes());
+        id.resize(UNIQUE_ID_BYTES, 0);
+        id
+    }
+
+    fn path_from_id(op: &'static str, id: &[u8]) -> Result<String> {
+        let end = id.iter().position(|&b| b == 0).unwrap_or(id.len());
+        let body = &id[..end];
+        if !body.starts_with(ID_PREFIX) || body.len() == ID_PREFIX.len() {
+            return Err(Error::invalid(op, "unique_id was not made by get_unique_id('cpu')"));
+        }
+        let name = std::str::from_utf8(&body[ID_PREFIX.len()..])
+            .ok()
+            .filter(|s| s.bytes().all(|b| b.is_ascii_alphanumeric()))
+            .ok_or_else(|| Error::invalid(op, "unique_id holds an invalid name"))?;
+        Ok(format!("{}/deep_ep_{name}", crate::settings::shm_dir()))
+    }
+
+    /// Collective: every rank maps the same file, checks that all ranks asked for the same
+    /// buffer, and rank 0 unlinks the name.
+    pub fn create(a: &CreateArgs) -> Result<CpuBackend> {
+        const OP: &str = "deep_ep::create_buffer";
+        crate::ensure!(a.num_ranks >= 1 && a.num_ranks <= MAX_RANKS, OP, "num_ranks must be in 1..={MAX_RANKS}, got {}", a.num_ranks);
+        crate::ensure!(a.rank < a.num_ranks, OP, "rank {} out of range for {} ranks", a.rank, a.num_ranks);
+        let path = Self::path_from_id(OP, a.unique_id)?;
+        let ht_bytes = align_up(a.num_nvl_bytes, ALIGN);
+        let ll_bytes = align_up(a.num_rdma_bytes, ALIGN);
+        let region_bytes = ht_bytes + ll_bytes;
+        let total = CONTROL_BYTES + a.num_ranks * region_bytes;
+        let seg = Segment::open(OP, &path, total)?;
+        let mut b = CpuBackend {
+            info: BufferInfo {
+                rank: a.rank,
+                num_ranks: a.num_ranks,
+                device: a.device,
+                num_nvl_bytes: a.num_nvl_bytes,
+                num_rdma_bytes: a.num_rdma_bytes,
+                low_latency_mode: a.low_latency_mode,
+                backend: BackendKind::Cpu,
+            },
+            seg,
+            ht_bytes,
+            ll_bytes,
+            region_bytes,
+            epoch: 0,
+            timeout: crate::settings::timeout(),
+            ll: ll::LlState::default(),
+        };
+        let record = [1u64, a.num_ranks as u64, a.num_nvl_bytes as u64, a.num_rdma_bytes as u64, a.low_latency_mode as u64];
+        b.control().write(RECORD_OFF + a.rank * SLOT, &record);
+        let barrier = b.barrier(OP, "rendezvous of all ranks");
+        if a.rank == 0 {
+            b.seg.unlink();
+        }
+        barrier?;
+        for peer in 0..a.num_ranks {
+            let mut theirs = [0u64; 5];
+            b.control().read(RECORD_OFF + peer * SLOT, &mut theirs);
+            if theirs != record {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "rank {peer} created the buffer with (num_ranks, num_nvl_bytes, num_rdma_bytes, low_latency_mode) = {:?}, rank {} with {:?}",
+                        &theirs[1..],
+                        a.rank,
+                        &record[1..]
+                    ),
+                ));
+            }
+        }
+        Ok(b)
+    }
+
+    fn control(&self) -> Region {
+        self.seg.region(0, CONTROL_BYTES)
+    }
+
+    /// Rank `r`'s normal-mode area (`num_nvl_bytes`, page-aligned).
+    pub(crate) fn ht_region(&self, r: usize) -> Region {
+        self.seg.region(CONTROL_BYTES + r * self.region_bytes, self.ht_bytes)
+    }
+
+    /// Rank `r`'s low-latency area (`num_rdma_bytes`, page-aligned).
+    pub(crate) fn ll_region(&self, r: usize) -> Region {
+        self.seg.region(CONTROL_BYTES + r * self.region_bytes + self.ht_bytes, self.ll_bytes)
+    }
+
+    /// All ranks meet. On timeout the error names the ranks that never arrived.
+    pub(crate) fn barrier(&mut self, op: &'static str, what: &str) -> Result<()> {
+        self.epoch += 1;
+        let target = self.epoch;
+        let ctrl = self.control();
+        ctrl.atomic_u64(BARRIER_OFF + self.info.rank * SLOT).store(target, Ordering::Release);
+        let n = self.info.num_ranks;
+        let arrived = |p: usize| ctrl.atomic_u64(BARRIER_OFF + p * SLOT).load(Ordering::Acquire) >= target;
+        shm::wait_until(self.timeout, || (0..n).all(arrived)).map(|_| ()).map_err(|_| Error::Timeout {
+            op,
+            rank: self.info.rank,
+            peers: (0..n).filter(|&p| !arrived(p)).collect(),
+            timeout_ms: self.timeout.as_millis() as u64,
+            what: format!("barrier: {what}"),
+        })
+    }
+}
+
+impl Backend for CpuBackend {
+    fn info(&self) -> &BufferInfo {
+        &self.info
+    }
+
+    fn dispatch_prepare(&mut self, args: &DispatchArgs) -> Result<DispatchPlan> {
+        self.ht_dispatch_prepare(args)
+    }
+
+    fn dispatch_finish(&mut self, args: &DispatchArgs, plan: &DispatchPlan, out: &DispatchOutputs) -> Result<()> {
+        self.ht_dispatch_finish(args, plan, out)
+    }
+
+    fn cached_dispatch(&mut self, args: &CachedDispatchArgs, recv_x: &TensorRef, recv_x_scales: Option<&TensorRef>) -> Result<()> {
+        self.ht_cached_dispatch(args, recv_x, recv_x_scales)
+    }
+
+    fn combine(&mut self, args: &CombineArgs, out: &CombineOutputs) -> Result<()> {
+        self.ht_combine(args, out)
+    }
+
+    fn ll_dispatch_send(&mut self, g: &LlGeometry, o: &LlDispatchOptions, args: &LlDispatchSendArgs, out: &LlDispatchOutputs, _s: Stream) -> Result<()> {
+        self.ll_dispatch_send_impl(g, o, args, out)
+    }
+
+    fn ll_dispatch_recv(&mut self, g: &LlGeometry, o: &LlDispatchOptions, out: &LlDispatchOutputs, stats: &LlStats, _s: Stream) -> Result<()> {
+        self.ll_dispatch_recv_impl(g, o, out, stats)
+    }
+
+    fn ll_combine_send(&mut self, g: &LlGeometry, args: &LlCombineSendArgs, _s: Stream) -> Result<()> {
+        self.ll_combine_send_impl(g, args)
+    }
+
+    fn ll_combine_recv(&mut self, g: &LlGeometry, args: &LlCombineRecvArgs, stats: &LlStats, _s: Stream) -> Result<()> {
+        self.ll_combine_recv_impl(g, args, stats)
+    }
+
+    fn clean_low_latency_buffer(&mut self, g: &LlGeometry, _s: Stream) -> Result<()> {
+        self.ll_clean_impl(g)
+    }
+
+    fn next_low_latency_combine_buffer(&mut self, g: &LlGeometry) -> Result<TensorRef> {
+        self.ll_next_combine_buffer_impl(g)
+    }
+
+    fn destroy(&mut self) -> Result<()> {
+        // Nobody may still be reading a peer's area when the mapping goes away.
+        self.barrier("deep_ep::destroy_buffer", "all ranks release the buffer")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::Device;
+
+    fn args(id: &[u8], rank: usize, n: usize, nvl: usize) -> CreateArgs<'_> {
+        CreateArgs { unique_id: id, rank, num_ranks: n, device: Device::Cpu, num_nvl_bytes: nvl, num_rdma_bytes: 0, low_latency_mode: false }
+    }
+
+    #[test]
+    fn ranks_as_threads_rendezvous_and_barrier() {
+        let id = CpuBackend::unique_id();
+        let hs: Vec<_> = (0..3)
+            .map(|r| {
+                let id = id.clone();
+                std::thread::spawn(move || {
+                    let mut b = CpuBackend::create(&args(&id, r, 3, 1 << 16)).unwrap();
+                    for _ in 0..50 {
+                        b.barrier("test", "loop").unwrap();
+                    }
+                    b.destroy().unwrap();
+                })
+            })
+            .collect();
+        hs.into_iter().for_each(|h| h.join().unwrap());
+    }
+
+    #[test]
+    fn mismatched_sizes_are_reported_and_missing_rank_times_out() {
+        std::env::set_var("DEEP_EP_TIMEOUT_MS", "300");
+        let id = CpuBackend::unique_id();
+        let id2 = id.clone();
+        let t = std::thread::spawn(move || CpuBackend::create(&args(&id2, 1, 2, 1 << 13)).err().map(|e| e.to_string()));
+        let e0 = CpuBackend::create(&args(&id, 0, 2, 1 << 12)).err().unwrap().to_string();
+        let e1 = t.join().unwrap().unwrap();
+        assert!(e0.contains("rank 1 created the buffer"), "{e0}");
+        assert!(e1.contains("rank 0 created the buffer"), "{e1}");
+        let id = CpuBackend::unique_id();
+        let e = CpuBackend::create(&args(&id, 0, 2, 4096)).err().unwrap().to_string();
+        assert!(e.contains("waiting for rank(s) [1]"), "{e}");
+        assert!(CpuBackend::create(&args(b"nonsense", 0, 1, 0)).is_err());
+    }
+}

@@ -1,0 +1,228 @@
+//! POSIX shared memory for the CPU backend: one file-backed `mmap` per buffer, shared by all
+//! ranks of one machine. This module holds all of the CPU backend's `unsafe`: mapping, raw
+//! copies and atomics at offsets. Everything above it uses bounds-checked [`Region`]s.
+
+use crate::error::{Error, Result};
+use std::ffi::CString;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// Plain-old-data element types that may be viewed in shared memory.
+pub trait Pod: Copy + 'static {}
+impl Pod for u8 {}
+impl Pod for u16 {}
+impl Pod for i32 {}
+impl Pod for u32 {}
+impl Pod for i64 {}
+impl Pod for u64 {}
+impl Pod for f32 {}
+
+/// A mapped shared-memory file. Unmapped on drop; the file itself is unlinked by rank 0 as
+/// soon as every rank has mapped it, so nothing is left behind even if a process dies later.
+pub struct Segment {
+    ptr: *mut u8,
+    len: usize,
+    path: String,
+}
+
+// The mapping is process-wide memory; access is coordinated by the backend's protocol.
+unsafe impl Send for Segment {}
+
+fn os_err(op: &'static str, what: String) -> Error {
+    Error::Os { op, what, source: std::io::Error::last_os_error() }
+}
+
+impl Segment {
+    /// Opens (creating if needed) the file `path` and maps `len` bytes of it. Every rank calls
+    /// this with the same `len`; the file is sparse, so untouched pages cost no memory.
+    pub fn open(op: &'static str, path: &str, len: usize) -> Result<Segment> {
+        let cpath = CString::new(path).map_err(|_| Error::invalid(op, "shared-memory path contains NUL"))?;
+        // SAFETY: plain libc calls on a NUL-terminated path; every result is checked.
+        unsafe {
+            let fd = libc::open(cpath.as_ptr(), libc::O_RDWR | libc::O_CREAT | libc::O_CLOEXEC, 0o600);
+            if fd < 0 {
+                return Err(os_err(op, format!("open {path}")));
+            }
+            let mut st: libc::stat = std::mem::zeroed();
+            if libc::fstat(fd, &mut st) != 0 {
+                libc::close(fd);
+                return Err(os_err(op, format!("fstat {path}")));
+            }
+            // Grow only: a concurrent rank may have sized it already (same len by contract).
+            if (st.st_size as usize) < len && libc::ftruncate(fd, len as libc::off_t) != 0 {
+                libc::close(fd);
+                return Err(os_err(op, format!("ftruncate {path} to {len} bytes")));
+            }
+            let ptr = libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0);
+            libc::close(fd);
+            if ptr == libc::MAP_FAILED {
+                return Err(os_err(op, format!("mmap {len} bytes of {path}")));
+            }
+            Ok(Segment { ptr: ptr as *mut u8, len, path: path.to_string() })
+        }
+    }
+
+    /// Removes the file name (the mapping stays valid for every process that has it).
+    pub fn unlink(&self) {
+        if let Ok(c) = CString::new(self.path.as_str()) {
+            // SAFETY: NUL-terminated path; failure (already unlinked) is harmless.
+            unsafe { libc::unlink(c.as_ptr()) };
+        }
+    }
+
+    /// Total mapped bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the mapping is empty (never, for a created buffer).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// A bounds-checked window `[offset, offset + len)` of the mapping.
+    pub fn region(&self, offset: usize, len: usize) -> Region {
+        assert!(offset.checked_add(len).is_some_and(|e| e <= self.len), "region {offset}+{len} outside segment of {}", self.len);
+        // SAFETY: in bounds of the live mapping (checked above).
+        Region { ptr: unsafe { self.ptr.add(offset) }, len }
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        // SAFETY: ptr/len are exactly what mmap returned.
+        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
+    }
+}
+
+/// A window of shared memory. Copies in and out are bounds-checked; concurrent access to the
+/// same bytes is excluded by the backend's protocol (barriers and flags), not by the type.
+#[derive(Copy, Clone)]
+pub struct Region {
+    ptr: *mut u8,
+    len: usize,
+}
+
+unsafe impl Send for Region {}
+unsafe impl Sync for Region {}
+
+impl Region {
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the region is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// A sub-window.
+    pub fn sub(&self, offset: usize, len: usize) -> Region {
+        assert!(offset.checked_add(len).is_some_and(|e| e <= self.len), "sub-region {offset}+{len} outside region of {}", self.len);
+        // SAFETY: in bounds (checked above).
+        Region { ptr: unsafe { self.ptr.add(offset) }, len }
+    }
+
+    /// Copies `src` to byte `offset`.
+    pub fn write<T: Pod>(&self, offset: usize, src: &[T]) {
+        let bytes = std::mem::size_of_val(src);
+        assert!(offset.checked_add(bytes).is_some_and(|e| e <= self.len), "write {offset}+{bytes} outside region of {}", self.len);
+        // SAFETY: bounds checked; src is a valid slice; T is plain data.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr() as *const u8, self.ptr.add(offset), bytes) };
+    }
+
+    /// Copies from byte `offset` into `dst`.
+    pub fn read<T: Pod>(&self, offset: usize, dst: &mut [T]) {
+        let bytes = std::mem::size_of_val(dst);
+        assert!(offset.checked_add(bytes).is_some_and(|e| e <= self.len), "read {offset}+{bytes} outside region of {}", self.len);
+        // SAFETY: bounds checked; dst is a valid slice; T is plain data.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(offset), dst.as_mut_ptr() as *mut u8, bytes) };
+    }
+
+    /// Views `count` elements of `T` at byte `offset`. Only for data no peer writes until the
+    /// next barrier (the protocol guarantees it).
+    pub fn slice<T: Pod>(&self, offset: usize, count: usize) -> &[T] {
+        let bytes = count * std::mem::size_of::<T>();
+        assert!(offset.checked_add(bytes).is_some_and(|e| e <= self.len), "slice {offset}+{bytes} outside region of {}", self.len);
+        assert!((self.ptr as usize + offset) % std::mem::align_of::<T>() == 0, "misaligned slice at {offset}");
+        // SAFETY: bounds and alignment checked; the protocol keeps writers away meanwhile.
+        unsafe { std::slice::from_raw_parts(self.ptr.add(offset) as *const T, count) }
+    }
+
+    /// Mutable view of `count` elements of `T` at byte `offset`, for data only this rank writes.
+    #[allow(clippy::mut_from_ref)]
+    pub fn slice_mut<T: Pod>(&self, offset: usize, count: usize) -> &mut [T] {
+        let bytes = count * std::mem::size_of::<T>();
+        assert!(offset.checked_add(bytes).is_some_and(|e| e <= self.len), "slice_mut {offset}+{bytes} outside region of {}", self.len);
+        assert!((self.ptr as usize + offset) % std::mem::align_of::<T>() == 0, "misaligned slice at {offset}");
+        // SAFETY: bounds and alignment checked; the protocol gives this rank sole access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(offset) as *mut T, count) }
+    }
+
+    /// The 8-byte-aligned atomic word at byte `offset`.
+    pub fn atomic_u64(&self, offset: usize) -> &AtomicU64 {
+        assert!(offset + 8 <= self.len && (self.ptr as usize + offset) % 8 == 0, "bad atomic offset {offset}");
+        // SAFETY: in bounds, aligned, and shared memory is valid for atomics across processes.
+        unsafe { &*(self.ptr.add(offset) as *const AtomicU64) }
+    }
+
+    /// Raw pointer to byte `offset` (for tensors that view the buffer, e.g. zero-copy combine).
+    pub fn ptr_at(&self, offset: usize) -> *mut u8 {
+        assert!(offset <= self.len);
+        // SAFETY: in bounds.
+        unsafe { self.ptr.add(offset) }
+    }
+}
+
+/// Spins, then yields, then sleeps: ranks may outnumber cores, so a waiter must give the CPU
+/// to the rank it waits for.
+pub struct Backoff {
+    spins: u32,
+    start: Instant,
+    deadline: Duration,
+}
+
+impl Backoff {
+    /// A waiter that gives up after `timeout`.
+    pub fn new(timeout: Duration) -> Self {
+        Backoff { spins: 0, start: Instant::now(), deadline: timeout }
+    }
+
+    /// Waits a little; returns false once the deadline has passed.
+    pub fn snooze(&mut self) -> bool {
+        self.spins += 1;
+        if self.spins < 64 {
+            std::hint::spin_loop();
+        } else if self.spins < 256 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+        // Checking the clock every call is cheap next to a yield or sleep.
+        self.start.elapsed() < self.deadline
+    }
+
+    /// Time waited so far.
+    pub fn elapsed(&self) -> Duration {
+        self.start.elapsed()
+    }
+}
+
+/// Waits until `ready()` or the timeout; returns the time waited.
+pub fn wait_until(timeout: Duration, mut ready: impl FnMut() -> bool) -> std::result::Result<Duration, Duration> {
+    let mut b = Backoff::new(timeout);
+    loop {
+        if ready() {
+            return Ok(b.elapsed());
+        }
+        if !b.snooze() {
+            return if ready() { Ok(b.elapsed()) } else { Err(b.elapsed()) };
+        }
+    }
+}
+
+/// Loads an atomic with acquire ordering (readability helper for protocol code).
+pub fn load_acquire(a: &AtomicU64) -> u64 {
+    a.load(Ordering::Acquire)
+}

@@ -1,0 +1,336 @@
+//! Backends: one trait, one implementation per transport, chosen at buffer creation from the
+//! device and `DEEP_EP_BACKEND`. A backend that is not compiled in answers with
+//! [`Error::NotCompiled`]; a feature a backend lacks answers with [`Error::NotImplemented`].
+//!
+//! Argument structs are validated by `crate::ops` before a backend sees them: shapes, dtypes and
+//! devices are already consistent, so backends only check what depends on their own state
+//! (capacity, handle/buffer agreement).
+
+pub mod cpu;
+#[cfg(feature = "nccl")]
+pub mod nccl;
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::tensor::{Device, TensorRef};
+use std::ffi::c_void;
+
+/// Which transport a buffer uses.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum BackendKind {
+    /// Host shared memory between processes of one machine (development, CI, reference).
+    Cpu,
+    /// NCCL device API (LSA over NVLink, GIN over RDMA). Default on CUDA devices.
+    Nccl,
+    /// NVSHMEM (reserved).
+    Nvshmem,
+}
+
+impl BackendKind {
+    /// Name used in `DEEP_EP_BACKEND` and messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Cpu => "cpu",
+            BackendKind::Nccl => "nccl",
+            BackendKind::Nvshmem => "nvshmem",
+        }
+    }
+
+    /// Chooses the backend: an explicit non-empty `requested` name wins, then the
+    /// `DEEP_EP_BACKEND` environment variable, then the device's default (CPU tensors: `cpu`,
+    /// CUDA tensors: `nccl`). A CPU device always uses the CPU backend.
+    pub fn select(op: &'static str, requested: &str, device: Device) -> Result<BackendKind> {
+        let env = std::env::var("DEEP_EP_BACKEND").unwrap_or_default();
+        let name = if !requested.is_empty() { requested.to_string() } else { env };
+        let kind = match name.as_str() {
+            "" => match device {
+                Device::Cpu => BackendKind::Cpu,
+                Device::Cuda(_) => BackendKind::Nccl,
+            },
+            "cpu" => BackendKind::Cpu,
+            "nccl" => BackendKind::Nccl,
+            "nvshmem" => BackendKind::Nvshmem,
+            other => return Err(Error::invalid(op, format!("unknown backend '{other}' (expected cpu, nccl or nvshmem)"))),
+        };
+        match (kind, device) {
+            (BackendKind::Cpu, _) | (_, Device::Cuda(_)) => Ok(kind),
+            (_, Device::Cpu) => Ok(BackendKind::Cpu),
+        }
+    }
+}
+
+/// Static facts about a buffer, fixed at creation.
+#[derive(Clone, Debug)]
+pub struct BufferInfo {
+    pub rank: usize,
+    pub num_ranks: usize,
+    pub device: Device,
+    pub num_nvl_bytes: usize,
+    pub num_rdma_bytes: usize,
+    pub low_latency_mode: bool,
+    pub backend: BackendKind,
+}
+
+/// Arguments of `create_buffer` (collective over `num_ranks` processes).
+pub struct CreateArgs<'a> {
+    /// Rendezvous id produced by one rank's `get_unique_id` and shared by the caller.
+    pub unique_id: &'a [u8],
+    pub rank: usize,
+    pub num_ranks: usize,
+    pub device: Device,
+    pub num_nvl_bytes: usize,
+    pub num_rdma_bytes: usize,
+    pub low_latency_mode: bool,
+}
+
+/// CUDA stream to launch on (`cudaStream_t`); null for CPU buffers.
+pub type Stream = *mut c_void;
+
+/// Normal-mode dispatch inputs (non-cached). Shapes: N tokens, H hidden, S scales, K top-k,
+/// R ranks, E experts.
+pub struct DispatchArgs {
+    /// `[N, H]` bf16, or float8_e4m3fn with `x_scales`.
+    pub x: TensorRef,
+    /// `[N, S]` float32 or int32 (packed UE8M0), any strides; only with FP8 `x`.
+    pub x_scales: Option<TensorRef>,
+    /// `[N, K]` int32 or int64, global expert ids, −1 = none.
+    pub topk_idx: Option<TensorRef>,
+    /// `[N, K]` float32; present iff `topk_idx` is.
+    pub topk_weights: Option<TensorRef>,
+    /// `[R]` int32 from `get_dispatch_layout`.
+    pub num_tokens_per_rank: TensorRef,
+    /// `[N, R]` bool.
+    pub is_token_in_rank: TensorRef,
+    /// `[E]` int32.
+    pub num_tokens_per_expert: TensorRef,
+    pub num_experts: usize,
+    pub expert_alignment: usize,
+    /// 0: exact receive count (host sync); > 0: this many output rows, no host sync.
+    pub num_worst_tokens: usize,
+    pub config: Config,
+    pub stream: Stream,
+}
+
+/// What the first (notify) half of a dispatch learned: the output sizes.
+#[derive(Clone, Debug, Default)]
+pub struct DispatchPlan {
+    /// Real number of received tokens (rows of `recv_x` before worst-case padding).
+    pub num_recv_tokens: usize,
+    /// Rows to allocate: `num_recv_tokens`, or `num_worst_tokens` in worst-case mode.
+    pub num_rows: usize,
+    /// Per local expert, received (token, expert) selections rounded up to `expert_alignment`.
+    pub num_recv_tokens_per_expert: Vec<i32>,
+}
+
+/// Dispatch outputs, allocated by the caller from the [`DispatchPlan`]. Rows = `plan.num_rows`,
+/// C = `config.num_sms / 2` channels.
+pub struct DispatchOutputs {
+    /// `[rows, H]`, dtype of `x`.
+    pub recv_x: TensorRef,
+    /// `[rows, S]` contiguous, dtype of `x_scales`.
+    pub recv_x_scales: Option<TensorRef>,
+    /// `[rows, K]`, dtype of `topk_idx`: rank-local expert ids or −1.
+    pub recv_topk_idx: Option<TensorRef>,
+    /// `[rows, K]` float32 (0 where the id is −1).
+    pub recv_topk_weights: Option<TensorRef>,
+    /// `[R, R]` int32: `m[s][d]` = Σ_{s' ≤ s} tokens rank s' sends to rank d (every column valid).
+    pub rank_prefix_matrix: TensorRef,
+    /// `[R, C]` int32, sender side: inclusive prefix over channels of tokens sent to rank d.
+    pub channel_prefix_matrix: TensorRef,
+    /// `[R, C]` int32, receiver side: start of channel c inside the block received from s.
+    pub recv_channel_prefix_matrix: TensorRef,
+    /// `[rows]` int32: index of each received token in its source rank's `x` (−1 in padding).
+    pub recv_src_idx: TensorRef,
+    /// `[N, R]` int32: slot of token n in the (channel, rank d) queue, −1 if not sent to d.
+    pub send_head: TensorRef,
+}
+
+/// The routing state of a dispatch (DeepEP's intranode handle), as tensors.
+pub struct Handle {
+    pub rank_prefix_matrix: TensorRef,
+    pub channel_prefix_matrix: TensorRef,
+    pub recv_channel_prefix_matrix: TensorRef,
+    pub recv_src_idx: TensorRef,
+    pub is_token_in_rank: TensorRef,
+    pub send_head: TensorRef,
+}
+
+/// Dispatch that reuses a handle: no layout, no host sync; rows = `recv_src_idx.len()`.
+pub struct CachedDispatchArgs {
+    pub x: TensorRef,
+    pub x_scales: Option<TensorRef>,
+    pub handle: Handle,
+    pub config: Config,
+    pub stream: Stream,
+}
+
+/// Normal-mode combine: `x` rows in dispatch receive order are sent back and summed.
+pub struct CombineArgs {
+    /// `[rows, H]` bf16.
+    pub x: TensorRef,
+    /// `[rows, K]` float32, summed back like `x` (not applied).
+    pub topk_weights: Option<TensorRef>,
+    /// `[N, H]` bf16, added first (fp32).
+    pub bias_0: Option<TensorRef>,
+    pub bias_1: Option<TensorRef>,
+    pub handle: Handle,
+    pub config: Config,
+    pub stream: Stream,
+}
+
+/// Combine outputs: `combined_x [N, H]` bf16, `combined_topk_weights [N, K]` float32.
+pub struct CombineOutputs {
+    pub combined_x: TensorRef,
+    pub combined_topk_weights: Option<TensorRef>,
+}
+
+/// Static geometry shared by the low-latency ops of one call.
+#[derive(Copy, Clone, Debug)]
+pub struct LlGeometry {
+    /// T: most tokens any rank dispatches in one call.
+    pub num_max_dispatch_tokens_per_rank: usize,
+    pub hidden: usize,
+    pub num_experts: usize,
+}
+
+/// Length of the `recv_state` int64 tensor that carries a split LL call from its send op to its
+/// recv op (buffer half, sequence number, two reserved words).
+pub const LL_STATE_LEN: usize = 4;
+
+/// Low-latency dispatch options.
+#[derive(Copy, Clone, Debug)]
+pub struct LlDispatchOptions {
+    pub use_fp8: bool,
+    pub round_scale: bool,
+    pub use_ue8m0: bool,
+}
+
+/// Low-latency dispatch send-phase inputs.
+pub struct LlDispatchSendArgs {
+    /// `[N, H]` bf16, N ≤ T.
+    pub x: TensorRef,
+    /// `[N, K]` int32 or int64, global expert ids, −1 = none.
+    pub topk_idx: TensorRef,
+    /// `[N, K]` float32, optional (lets a backend reduce combine traffic; not required).
+    pub topk_weights: Option<TensorRef>,
+}
+
+/// Low-latency dispatch outputs (static shapes; E_l = E / R). Allocated by the send op,
+/// filled by the recv op.
+pub struct LlDispatchOutputs {
+    /// `[E_l, R*T, H]` bf16, or float8_e4m3fn with scales.
+    pub recv_x: TensorRef,
+    /// float32 `[E_l, R*T, H/128]` or int32 `[E_l, R*T, H/512]` (UE8M0), column-major in the
+    /// last two dims (token stride 1).
+    pub recv_x_scales: Option<TensorRef>,
+    /// `[E_l]` int32 valid rows per local expert.
+    pub recv_count: TensorRef,
+    /// `[E_l, R*T]` int32: source token index of each row.
+    pub src_info: TensorRef,
+    /// `[E_l, R]` int64: `(begin << 32) | count` per source rank.
+    pub layout_range: TensorRef,
+    /// `[LL_STATE_LEN]` int64, written by send, read by recv.
+    pub recv_state: TensorRef,
+}
+
+/// Monitoring tensors the LL recv phases add to (mutated in place).
+pub struct LlStats {
+    /// `[E_l]` int32: += received tokens per local expert (dispatch only).
+    pub cumulative_local_expert_recv_stats: Option<TensorRef>,
+    /// `[R]` int64: += time waited per source rank (ns on CPU, cycles on GPU).
+    pub wait_recv_cost_stats: Option<TensorRef>,
+}
+
+/// Low-latency combine send-phase inputs.
+pub struct LlCombineSendArgs {
+    /// `[E_l, R*T, H]` bf16 expert outputs in dispatch layout (ignored with `zero_copy`).
+    pub x: TensorRef,
+    pub src_info: TensorRef,
+    pub layout_range: TensorRef,
+    pub use_logfmt: bool,
+    /// The caller already wrote `x` into `next_low_latency_combine_buffer`.
+    pub zero_copy: bool,
+    /// `[LL_STATE_LEN]` int64, written here.
+    pub recv_state: TensorRef,
+}
+
+/// Low-latency combine recv-phase inputs; `out [N, H]` bf16 is written.
+pub struct LlCombineRecvArgs {
+    /// `[N, K]` int32 or int64: this rank's original global expert ids.
+    pub topk_idx: TensorRef,
+    /// `[N, K]` float32.
+    pub topk_weights: TensorRef,
+    pub recv_state: TensorRef,
+    pub out: TensorRef,
+}
+
+/// A transport for one buffer. Every method is collective unless noted: all ranks of the buffer
+/// call it in the same order. CUDA backends launch on `stream` and return without host sync
+/// unless noted; the CPU backend completes before returning.
+pub trait Backend: Send {
+    /// Static facts of this buffer.
+    fn info(&self) -> &BufferInfo;
+
+    /// First half of a dispatch: exchange counts, learn output sizes (host sync unless
+    /// `num_worst_tokens > 0`).
+    fn dispatch_prepare(&mut self, args: &DispatchArgs) -> Result<DispatchPlan>;
+
+    /// Second half: move tokens into the caller-allocated outputs.
+    fn dispatch_finish(&mut self, args: &DispatchArgs, plan: &DispatchPlan, out: &DispatchOutputs) -> Result<()>;
+
+    /// Dispatch with a handle from an earlier dispatch: `recv_x [rows, H]`, scales `[rows, S]`.
+    fn cached_dispatch(&mut self, args: &CachedDispatchArgs, recv_x: &TensorRef, recv_x_scales: Option<&TensorRef>) -> Result<()>;
+
+    /// Normal-mode combine (unweighted fp32 sum, ascending rank order, bias first).
+    fn combine(&mut self, args: &CombineArgs, out: &CombineOutputs) -> Result<()>;
+
+    /// LL dispatch, send phase: cast and push tokens; writes `out.recv_state`.
+    fn ll_dispatch_send(&mut self, g: &LlGeometry, o: &LlDispatchOptions, args: &LlDispatchSendArgs, out: &LlDispatchOutputs, stream: Stream) -> Result<()>;
+
+    /// LL dispatch, recv phase: wait for every source and fill `out`.
+    fn ll_dispatch_recv(&mut self, g: &LlGeometry, o: &LlDispatchOptions, out: &LlDispatchOutputs, stats: &LlStats, stream: Stream) -> Result<()>;
+
+    /// LL combine, send phase: push expert outputs back to their source ranks.
+    fn ll_combine_send(&mut self, g: &LlGeometry, args: &LlCombineSendArgs, stream: Stream) -> Result<()>;
+
+    /// LL combine, recv phase: wait and reduce Σ_k w_k·y_k in fp32 into `out`.
+    fn ll_combine_recv(&mut self, g: &LlGeometry, args: &LlCombineRecvArgs, stats: &LlStats, stream: Stream) -> Result<()>;
+
+    /// Zeroes both halves' LL signal areas (barriers before and after).
+    fn clean_low_latency_buffer(&mut self, g: &LlGeometry, stream: Stream) -> Result<()>;
+
+    /// The send buffer the next LL combine reads with `zero_copy` (not collective): a bf16
+    /// view `[E_l, R*T, H]` with strides `(R*T*M, M, 1)`, `M = H + H/128*2`.
+    fn next_low_latency_combine_buffer(&mut self, g: &LlGeometry) -> Result<TensorRef>;
+
+    /// Releases the buffer (collective: barriers so no peer still reads it).
+    fn destroy(&mut self) -> Result<()>;
+}
+
+/// Creates the backend `kind` for `args`.
+pub fn create(kind: BackendKind, args: &CreateArgs) -> Result<Box<dyn Backend>> {
+    const OP: &str = "deep_ep::create_buffer";
+    match kind {
+        BackendKind::Cpu => Ok(Box::new(cpu::CpuBackend::create(args)?)),
+        #[cfg(feature = "nccl")]
+        BackendKind::Nccl => Ok(Box::new(nccl::NcclBackend::create(args)?)),
+        #[cfg(not(feature = "nccl"))]
+        BackendKind::Nccl => Err(Error::NotCompiled { op: OP, backend: "nccl".into(), feature: "nccl" }),
+        BackendKind::Nvshmem => Err(Error::NotCompiled { op: OP, backend: "nvshmem".into(), feature: "nvshmem" }),
+    }
+}
+
+/// A fresh rendezvous id for `kind` (called on one rank, shared by the caller).
+pub fn unique_id(kind: BackendKind) -> Result<Vec<u8>> {
+    match kind {
+        BackendKind::Cpu => Ok(cpu::CpuBackend::unique_id()),
+        #[cfg(feature = "nccl")]
+        BackendKind::Nccl => nccl::NcclBackend::unique_id(),
+        #[cfg(not(feature = "nccl"))]
+        BackendKind::Nccl => Err(Error::NotCompiled { op: "deep_ep::get_unique_id", backend: "nccl".into(), feature: "nccl" }),
+        BackendKind::Nvshmem => Err(Error::NotCompiled { op: "deep_ep::get_unique_id", backend: "nvshmem".into(), feature: "nvshmem" }),
+    }
+}
+
+/// Length of every unique id (NCCL's `ncclUniqueId` is 128 bytes; the CPU id is padded to it).
+pub const UNIQUE_ID_BYTES: usize = 128;

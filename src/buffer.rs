@@ -1,0 +1,89 @@
+//! The buffer registry: torch sees a buffer as a plain `int` handle; this maps it to its
+//! backend. Handles are never reused, so a stale handle is reported as destroyed rather than
+//! silently reaching another buffer.
+
+use crate::backend::{self, Backend, BackendKind, CreateArgs};
+use crate::error::{Error, Result};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+struct Entry {
+    backend: Arc<Mutex<Box<dyn Backend>>>,
+    /// Set when a collective failed half-way (timeout): ranks are out of step.
+    poisoned: Arc<Mutex<Option<String>>>,
+}
+
+#[derive(Default)]
+struct Registry {
+    next: i64,
+    live: HashMap<i64, Entry>,
+    destroyed: Vec<i64>,
+}
+
+fn registry() -> &'static Mutex<Registry> {
+    static R: OnceLock<Mutex<Registry>> = OnceLock::new();
+    R.get_or_init(|| Mutex::new(Registry { next: 1, ..Default::default() }))
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // A panic inside a backend is caught at the FFI edge; the data stays usable.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Creates a buffer (collective) and returns its handle.
+pub fn create(kind: BackendKind, args: &CreateArgs) -> Result<i64> {
+    let b = backend::create(kind, args)?;
+    let mut r = lock(registry());
+    let h = r.next;
+    r.next += 1;
+    r.live.insert(h, Entry { backend: Arc::new(Mutex::new(b)), poisoned: Arc::new(Mutex::new(None)) });
+    Ok(h)
+}
+
+fn lookup(op: &'static str, handle: i64) -> Result<(Arc<Mutex<Box<dyn Backend>>>, Arc<Mutex<Option<String>>>)> {
+    let r = lock(registry());
+    match r.live.get(&handle) {
+        Some(e) => Ok((e.backend.clone(), e.poisoned.clone())),
+        None if r.destroyed.contains(&handle) => {
+            Err(Error::BadHandle { op, msg: format!("buffer handle {handle} was destroyed; create a new Buffer") })
+        }
+        None => Err(Error::BadHandle { op, msg: format!("buffer handle {handle} does not exist (never created in this process)") }),
+    }
+}
+
+/// Runs `f` on the buffer's backend. A buffer whose earlier collective timed out refuses
+/// further collectives until it is destroyed and created again.
+pub fn with<R>(op: &'static str, handle: i64, f: impl FnOnce(&mut dyn Backend) -> Result<R>) -> Result<R> {
+    let (b, poisoned) = lookup(op, handle)?;
+    if let Some(why) = lock(&poisoned).as_ref() {
+        return Err(Error::BadHandle {
+            op,
+            msg: format!("buffer {handle} is unusable after an earlier failure ({why}); destroy it and create a new one"),
+        });
+    }
+    let mut guard = lock(&b);
+    let res = f(guard.as_mut());
+    if let Err(e) = &res {
+        if e.poisons_buffer() {
+            *lock(&poisoned) = Some(e.to_string());
+        }
+    }
+    res
+}
+
+/// Destroys the buffer (collective for healthy buffers; a poisoned buffer is released locally
+/// without waiting for peers).
+pub fn destroy(op: &'static str, handle: i64) -> Result<()> {
+    let (b, poisoned) = lookup(op, handle)?;
+    let healthy = lock(&poisoned).is_none();
+    let res = if healthy { lock(&b).destroy() } else { Ok(()) };
+    let mut r = lock(registry());
+    r.live.remove(&handle);
+    r.destroyed.push(handle);
+    res
+}
+
+/// Number of live buffers in this process (diagnostics and leak tests).
+pub fn live_count() -> usize {
+    lock(registry()).live.len()
+}

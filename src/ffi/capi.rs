@@ -1,0 +1,1 @@
+//! The `extern "C"` API called by `torch_ops/`.

@@ -1,0 +1,1 @@
+//! Bindings to the C launch API of `kernels/*.cu`.

@@ -1,0 +1,9 @@
+//! Every `unsafe` boundary of the crate except shared memory (`backend::cpu::shm`): the C API
+//! that `torch_ops/` calls, host views of CPU tensors, and the kernel and NCCL bindings.
+
+pub mod capi;
+pub mod tensor;
+#[cfg(feature = "cuda")]
+pub mod kernels;
+#[cfg(feature = "nccl")]
+pub mod nccl;

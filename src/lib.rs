@@ -1,0 +1,35 @@
+//! # deep_ep
+//!
+//! DeepEP-compatible expert-parallel **dispatch** (send each token to the ranks hosting its
+//! top-k experts) and **combine** (bring expert outputs back and reduce them), as a Rust crate
+//! whose `libdeep_ep.so` registers `torch.ops.deep_ep.*` when loaded.
+//!
+//! Layers (see `docs/DESIGN.md`):
+//! - `kernels/*.cu`: device code behind a plain C launch API ([`ffi::kernels`]).
+//! - [`tensor`], [`config`], [`layout`], [`numerics`]: torch-free types and math.
+//! - [`ops`]: validation of every op's arguments, then a call into the buffer's backend.
+//! - [`backend`]: the [`backend::Backend`] trait; `cpu` (shared memory) and `nccl` (device API).
+//! - [`buffer`]: the registry that maps the integer handles seen by torch to backends.
+//! - [`ffi::capi`]: the `extern "C"` surface that `torch_ops/` (the only torch-aware code) calls.
+//! - [`reference`]: a single-process reference of every op, for tests.
+//!
+//! | cargo feature | what it adds | default |
+//! |---|---|---|
+//! | `cuda` | nvcc-built kernels, static cudart | yes |
+//! | `nccl` | NCCL bindings (bindgen, dlopen'ed at run time) and the NCCL backend | yes |
+//! | `torch` | the libtorch operator shim linked into the cdylib | yes |
+//! | `nvshmem` | reserved | no |
+
+pub mod backend;
+pub mod buffer;
+pub mod config;
+pub mod error;
+pub mod ffi;
+pub mod layout;
+pub mod numerics;
+pub mod ops;
+pub mod reference;
+pub mod settings;
+pub mod tensor;
+
+pub use error::{Error, Result};

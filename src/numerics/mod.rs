@@ -1,0 +1,4 @@
+//! Bit-exact numeric conversions shared by the CPU backend, the reference and the tests:
+//! bf16 (round to nearest even), FP8 E4M3 with per-128-channel scales (incl. UE8M0), LogFMT.
+
+pub mod bf16;

@@ -1,0 +1,1 @@
+//! Op entry points: validate arguments, then call the buffer's backend.

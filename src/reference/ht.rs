@@ -1,0 +1,1 @@
+//! Reference normal-mode dispatch/combine over all ranks in one process.

@@ -1,0 +1,27 @@
+//! Environment knobs, read in one place. Each is documented in README.md ("Environment").
+
+use std::time::Duration;
+
+/// Default deadline of every wait for peers.
+pub const DEFAULT_TIMEOUT_MS: u64 = 100_000;
+
+/// `DEEP_EP_TIMEOUT_MS`: how long any wait for a peer may take before it raises.
+pub fn timeout() -> Duration {
+    let ms = std::env::var("DEEP_EP_TIMEOUT_MS").ok().and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(DEFAULT_TIMEOUT_MS);
+    Duration::from_millis(ms.max(1))
+}
+
+/// `DEEP_EP_SHM_DIR`: where the CPU backend creates its shared-memory files
+/// (default `/dev/shm` when present, else the system temp directory).
+pub fn shm_dir() -> String {
+    if let Ok(d) = std::env::var("DEEP_EP_SHM_DIR") {
+        if !d.is_empty() {
+            return d;
+        }
+    }
+    if std::path::Path::new("/dev/shm").is_dir() {
+        "/dev/shm".to_string()
+    } else {
+        std::env::temp_dir().to_string_lossy().into_owned()
+    }
+}

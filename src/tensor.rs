@@ -16,6 +16,12 @@ pub enum DType {
     Int64 = 4,
     Bool = 5,
     UInt8 = 6,
+    /// Types no op accepts; listed so error messages can name them.
+    Float16 = 7,
+    Float64 = 8,
+    Int8 = 9,
+    Int16 = 10,
+    Other = 11,
 }
 
 impl DType {
@@ -29,6 +35,11 @@ impl DType {
             4 => DType::Int64,
             5 => DType::Bool,
             6 => DType::UInt8,
+            7 => DType::Float16,
+            8 => DType::Float64,
+            9 => DType::Int8,
+            10 => DType::Int16,
+            11 => DType::Other,
             _ => return None,
         })
     }
@@ -36,10 +47,10 @@ impl DType {
     /// Size of one element in bytes.
     pub fn size(self) -> usize {
         match self {
-            DType::BFloat16 => 2,
+            DType::BFloat16 | DType::Float16 | DType::Int16 => 2,
             DType::Float32 | DType::Int32 => 4,
-            DType::Int64 => 8,
-            DType::Float8E4m3 | DType::Bool | DType::UInt8 => 1,
+            DType::Int64 | DType::Float64 => 8,
+            DType::Float8E4m3 | DType::Bool | DType::UInt8 | DType::Int8 | DType::Other => 1,
         }
     }
 
@@ -53,6 +64,11 @@ impl DType {
             DType::Int64 => "int64",
             DType::Bool => "bool",
             DType::UInt8 => "uint8",
+            DType::Float16 => "float16",
+            DType::Float64 => "float64",
+            DType::Int8 => "int8",
+            DType::Int16 => "int16",
+            DType::Other => "an unsupported dtype",
         }
     }
 }

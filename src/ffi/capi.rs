@@ -1,1 +1,242 @@
-//! The `extern "C"` API called by `torch_ops/`.
+//! The `extern "C"` functions declared in `csrc/deep_ep_capi.h`. Each one converts its raw
+//! arguments into [`TensorRef`]s and backend argument structs, calls `crate::ops`, and turns
+//! every error and every panic into a nonzero status plus a thread-local message, so nothing
+//! unwinds into C++.
+
+use crate::backend::{CreateArgs, UNIQUE_ID_BYTES};
+use crate::config::{self, Config};
+use crate::error::{Error, Result};
+use crate::ops;
+use crate::tensor::{DType, Device, TensorRef, MAX_DIMS};
+use std::cell::RefCell;
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+/// `deep_ep_tensor_t`.
+#[repr(C)]
+#[derive(Copy, Clone)]
+pub struct RawTensor {
+    pub(crate) data: *mut c_void,
+    pub(crate) dtype: i32,
+    pub(crate) device: i32,
+    pub(crate) ndim: i32,
+    pub(crate) reserved: i32,
+    pub(crate) sizes: [i64; MAX_DIMS],
+    pub(crate) strides: [i64; MAX_DIMS],
+}
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+fn set_error(msg: String) {
+    let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
+    LAST_ERROR.with(|e| *e.borrow_mut() = c);
+}
+
+/// Runs `f`, mapping errors and panics to a status code (0 ok, 1 error, 2 internal panic).
+pub(crate) fn guard(f: impl FnOnce() -> Result<()>) -> c_int {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => 0,
+        Ok(Err(e)) => {
+            set_error(e.to_string());
+            1
+        }
+        Err(p) => {
+            let what = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
+            set_error(format!("deep_ep: internal error (please report): {what}"));
+            2
+        }
+    }
+}
+
+/// Message of the last failed call on this thread.
+#[no_mangle]
+pub extern "C" fn deep_ep_last_error() -> *const c_char {
+    LAST_ERROR.with(|e| e.borrow().as_ptr())
+}
+
+/// Reads an optional descriptor: NULL or `ndim == -1` is absent.
+///
+/// # Safety
+/// `p` is NULL or points to a descriptor built by the shim from a live tensor.
+pub(crate) unsafe fn opt_tensor(op: &'static str, name: &str, p: *const RawTensor) -> Result<Option<TensorRef>> {
+    if p.is_null() || (*p).ndim < 0 {
+        return Ok(None);
+    }
+    let r = &*p;
+    let dtype = DType::from_raw(r.dtype).ok_or_else(|| Error::invalid(op, format!("{name} has an unknown dtype code {}", r.dtype)))?;
+    let nd = r.ndim as usize;
+    if nd > MAX_DIMS {
+        return Err(Error::invalid(op, format!("{name} has {nd} dimensions, more than any op accepts")));
+    }
+    if r.sizes[..nd].iter().any(|&s| s < 0) {
+        return Err(Error::invalid(op, format!("{name} has a negative size")));
+    }
+    Ok(Some(TensorRef::new(r.data as *mut u8, dtype, Device::from_raw(r.device), &r.sizes[..nd], &r.strides[..nd])))
+}
+
+/// Reads a required descriptor.
+///
+/// # Safety
+/// As [`opt_tensor`].
+pub(crate) unsafe fn tensor(op: &'static str, name: &str, p: *const RawTensor) -> Result<TensorRef> {
+    opt_tensor(op, name, p)?.ok_or_else(|| Error::invalid(op, format!("{name} is required")))
+}
+
+pub(crate) fn check_size(op: &'static str, got: u32, want: usize) -> Result<()> {
+    if got as usize != want {
+        return Err(Error::invalid(op, format!("argument struct size {got} != {want}: the shim and the library were built from different headers")));
+    }
+    Ok(())
+}
+
+/// # Safety
+/// `p` is NULL or a NUL-terminated string.
+unsafe fn str_arg(p: *const c_char) -> String {
+    if p.is_null() {
+        String::new()
+    } else {
+        CStr::from_ptr(p).to_string_lossy().into_owned()
+    }
+}
+
+/// See `deep_ep_get_unique_id` in the header.
+///
+/// # Safety
+/// `out` points to `DEEP_EP_UNIQUE_ID_BYTES` writable bytes; `backend` is NULL or a C string.
+#[no_mangle]
+pub unsafe extern "C" fn deep_ep_get_unique_id(backend: *const c_char, device: i32, out: *mut u8) -> c_int {
+    guard(|| {
+        let id = ops::get_unique_id(&str_arg(backend), Device::from_raw(device))?;
+        std::ptr::copy_nonoverlapping(id.as_ptr(), out, UNIQUE_ID_BYTES.min(id.len()));
+        Ok(())
+    })
+}
+
+/// See `deep_ep_create_buffer` in the header.
+///
+/// # Safety
+/// `unique_id` points to `unique_id_len` bytes; `handle` is writable.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn deep_ep_create_buffer(
+    unique_id: *const u8,
+    unique_id_len: i64,
+    rank: i64,
+    num_ranks: i64,
+    device: i32,
+    num_nvl_bytes: i64,
+    num_rdma_bytes: i64,
+    low_latency_mode: i32,
+    backend: *const c_char,
+    handle: *mut i64,
+) -> c_int {
+    guard(|| {
+        const OP: &str = "deep_ep::create_buffer";
+        crate::ensure!(rank >= 0 && num_ranks >= 1, OP, "rank ({rank}) must be >= 0 and num_ranks ({num_ranks}) >= 1");
+        crate::ensure!(num_nvl_bytes >= 0 && num_rdma_bytes >= 0, OP, "buffer sizes must be >= 0, got {num_nvl_bytes} and {num_rdma_bytes}");
+        crate::ensure!(unique_id_len >= 0, OP, "unique_id length must be >= 0");
+        let id = std::slice::from_raw_parts(unique_id, unique_id_len as usize);
+        let args = CreateArgs {
+            unique_id: id,
+            rank: rank as usize,
+            num_ranks: num_ranks as usize,
+            device: Device::from_raw(device),
+            num_nvl_bytes: num_nvl_bytes as usize,
+            num_rdma_bytes: num_rdma_bytes as usize,
+            low_latency_mode: low_latency_mode != 0,
+        };
+        *handle = ops::create_buffer(&args, &str_arg(backend))?;
+        Ok(())
+    })
+}
+
+/// See `deep_ep_destroy_buffer` in the header.
+#[no_mangle]
+pub extern "C" fn deep_ep_destroy_buffer(handle: i64) -> c_int {
+    guard(|| ops::destroy_buffer(handle))
+}
+
+/// See `deep_ep_buffer_info` in the header.
+///
+/// # Safety
+/// `out` points to 7 writable int64.
+#[no_mangle]
+pub unsafe extern "C" fn deep_ep_buffer_info(handle: i64, out: *mut i64) -> c_int {
+    guard(|| {
+        let v = ops::buffer_info(handle)?;
+        std::ptr::copy_nonoverlapping(v.as_ptr(), out, v.len());
+        Ok(())
+    })
+}
+
+/// See `deep_ep_buffer_size_hint` in the header.
+///
+/// # Safety
+/// `cfg` points to `len` int64; `out` is writable.
+#[no_mangle]
+pub unsafe extern "C" fn deep_ep_buffer_size_hint(cfg: *const i64, len: i64, hidden_bytes: i64, num_ranks: i64, which: i32, out: *mut i64) -> c_int {
+    guard(|| {
+        const OP: &str = "deep_ep::buffer_size_hint";
+        let c = Config::from_slice(OP, std::slice::from_raw_parts(cfg, len.max(0) as usize))?;
+        crate::ensure!(hidden_bytes > 0 && num_ranks > 0, OP, "hidden_bytes ({hidden_bytes}) and num_ranks ({num_ranks}) must be positive");
+        let (h, r) = (hidden_bytes as usize, num_ranks as usize);
+        crate::ensure!(r <= 8 || r % 8 == 0, OP, "num_ranks must be <= 8 or a multiple of 8, got {r}");
+        *out = if which == 0 { c.nvl_buffer_size_hint(h, r) } else { c.rdma_buffer_size_hint(h, r) } as i64;
+        Ok(())
+    })
+}
+
+/// See `deep_ep_low_latency_rdma_size_hint` in the header.
+///
+/// # Safety
+/// `out` is writable.
+#[no_mangle]
+pub unsafe extern "C" fn deep_ep_low_latency_rdma_size_hint(t: i64, hidden: i64, num_ranks: i64, num_experts: i64, out: *mut i64) -> c_int {
+    guard(|| {
+        const OP: &str = "deep_ep::low_latency_rdma_size_hint";
+        crate::ensure!(t > 0 && hidden > 0 && num_ranks > 0 && num_experts > 0, OP, "all arguments must be positive, got ({t}, {hidden}, {num_ranks}, {num_experts})");
+        *out = config::low_latency_rdma_size_hint(t as usize, hidden as usize, num_ranks as usize, num_experts as usize) as i64;
+        Ok(())
+    })
+}
+
+/// See `deep_ep_check_dispatch_layout` in the header.
+///
+/// # Safety
+/// Descriptor from the shim.
+#[no_mangle]
+pub unsafe extern "C" fn deep_ep_check_dispatch_layout(topk_idx: *const RawTensor, num_experts: i64, num_ranks: i64) -> c_int {
+    guard(|| ops::check_dispatch_layout(&tensor("deep_ep::get_dispatch_layout", "topk_idx", topk_idx)?, num_experts, num_ranks))
+}
+
+/// See `deep_ep_get_dispatch_layout` in the header.
+///
+/// # Safety
+/// Descriptors from the shim.
+#[no_mangle]
+pub unsafe extern "C" fn deep_ep_get_dispatch_layout(
+    topk_idx: *const RawTensor,
+    num_experts: i64,
+    num_ranks: i64,
+    ntpr: *const RawTensor,
+    ntprr: *const RawTensor,
+    ntpe: *const RawTensor,
+    in_rank: *const RawTensor,
+    stream: *mut c_void,
+) -> c_int {
+    const OP: &str = "deep_ep::get_dispatch_layout";
+    guard(|| {
+        let idx = tensor(OP, "topk_idx", topk_idx)?;
+        ops::check_dispatch_layout(&idx, num_experts, num_ranks)?;
+        let out = ops::LayoutOutputs {
+            num_tokens_per_rank: tensor(OP, "num_tokens_per_rank", ntpr)?,
+            num_tokens_per_rdma_rank: opt_tensor(OP, "num_tokens_per_rdma_rank", ntprr)?,
+            num_tokens_per_expert: tensor(OP, "num_tokens_per_expert", ntpe)?,
+            is_token_in_rank: tensor(OP, "is_token_in_rank", in_rank)?,
+        };
+        ops::get_dispatch_layout(&idx, num_experts as usize, num_ranks as usize, &out, stream)
+    })
+}
+

@@ -1,1 +1,116 @@
-//! Op entry points: validate arguments, then call the buffer's backend.
+//! Op entry points below the C seam: validate every argument against the op's contract and the
+//! buffer, then call the buffer's backend. Backends may assume what is checked here.
+
+mod low_latency;
+mod normal;
+
+pub use low_latency::*;
+pub use normal::*;
+
+use crate::backend::{self, BackendKind, CreateArgs, UNIQUE_ID_BYTES};
+use crate::buffer;
+use crate::error::Result;
+use crate::layout;
+use crate::tensor::{DType, Device, TensorRef};
+
+/// `deep_ep::get_unique_id`: a rendezvous id for `backend` ("" = `DEEP_EP_BACKEND` or cpu).
+pub fn get_unique_id(backend_name: &str, device: Device) -> Result<Vec<u8>> {
+    let kind = BackendKind::select("deep_ep::get_unique_id", backend_name, device)?;
+    backend::unique_id(kind)
+}
+
+/// `deep_ep::create_buffer` (collective).
+pub fn create_buffer(args: &CreateArgs, backend_name: &str) -> Result<i64> {
+    const OP: &str = "deep_ep::create_buffer";
+    crate::ensure!(args.unique_id.len() == UNIQUE_ID_BYTES, OP, "unique_id must have {UNIQUE_ID_BYTES} bytes, got {}", args.unique_id.len());
+    crate::ensure!(args.num_ranks >= 1, OP, "num_ranks must be >= 1, got {}", args.num_ranks);
+    crate::ensure!(args.rank < args.num_ranks, OP, "rank {} out of range for num_ranks {}", args.rank, args.num_ranks);
+    crate::ensure!(args.num_nvl_bytes % 128 == 0 && args.num_rdma_bytes % 128 == 0, OP,
+        "num_nvl_bytes ({}) and num_rdma_bytes ({}) must be multiples of 128", args.num_nvl_bytes, args.num_rdma_bytes);
+    let kind = BackendKind::select(OP, backend_name, args.device)?;
+    buffer::create(kind, args)
+}
+
+/// `deep_ep::destroy_buffer` (collective).
+pub fn destroy_buffer(handle: i64) -> Result<()> {
+    buffer::destroy("deep_ep::destroy_buffer", handle)
+}
+
+/// `deep_ep::buffer_info`: `[rank, num_ranks, device, num_nvl_bytes, num_rdma_bytes,
+/// low_latency_mode, backend (0 cpu, 1 nccl, 2 nvshmem)]`.
+pub fn buffer_info(handle: i64) -> Result<[i64; 7]> {
+    buffer::with("deep_ep::buffer_info", handle, |b| {
+        let i = b.info();
+        Ok([
+            i.rank as i64,
+            i.num_ranks as i64,
+            i.device.to_raw() as i64,
+            i.num_nvl_bytes as i64,
+            i.num_rdma_bytes as i64,
+            i.low_latency_mode as i64,
+            i.backend as i64,
+        ])
+    })
+}
+
+/// Outputs of `get_dispatch_layout`, caller-allocated: `[R]`, `[R/8]` (absent when R ≤ 8),
+/// `[E]` int32 and `[N, R]` bool, on the device of `topk_idx`.
+pub struct LayoutOutputs {
+    pub num_tokens_per_rank: TensorRef,
+    pub num_tokens_per_rdma_rank: Option<TensorRef>,
+    pub num_tokens_per_expert: TensorRef,
+    pub is_token_in_rank: TensorRef,
+}
+
+/// Validates `get_dispatch_layout` inputs (call before allocating outputs).
+pub fn check_dispatch_layout(topk_idx: &TensorRef, num_experts: i64, num_ranks: i64) -> Result<()> {
+    const OP: &str = "deep_ep::get_dispatch_layout";
+    crate::ensure!(num_ranks >= 1, OP, "num_ranks must be >= 1, got {num_ranks}");
+    crate::ensure!(num_experts >= 1 && num_experts % num_ranks == 0, OP, "num_experts ({num_experts}) must be a positive multiple of num_ranks ({num_ranks})");
+    topk_idx.check(OP, "topk_idx").on(&[DType::Int32, DType::Int64], topk_idx.device)?.shape(&[("num_tokens", None), ("num_topk", None)])?.contiguous()?.done()
+}
+
+/// `deep_ep::get_dispatch_layout` (local, not collective). On CUDA it launches on `stream`.
+pub fn get_dispatch_layout(topk_idx: &TensorRef, num_experts: usize, num_ranks: usize, out: &LayoutOutputs, stream: backend::Stream) -> Result<()> {
+    check_dispatch_layout(topk_idx, num_experts as i64, num_ranks as i64)?;
+    match topk_idx.device {
+        Device::Cpu => {
+            let (n, k) = (topk_idx.size(0), topk_idx.size(1));
+            let l = layout::dispatch_layout(&topk_idx.cpu_indices_i64(), n, k, num_experts, num_ranks);
+            out.num_tokens_per_rank.cpu_slice_mut::<i32>().copy_from_slice(&l.num_tokens_per_rank);
+            if let Some(t) = &out.num_tokens_per_rdma_rank {
+                t.cpu_slice_mut::<i32>().copy_from_slice(&l.num_tokens_per_rdma_rank);
+            }
+            out.num_tokens_per_expert.cpu_slice_mut::<i32>().copy_from_slice(&l.num_tokens_per_expert);
+            for (d, s) in out.is_token_in_rank.cpu_slice_mut::<u8>().iter_mut().zip(&l.is_token_in_rank) {
+                *d = *s as u8;
+            }
+            Ok(())
+        }
+        Device::Cuda(_) => cuda_dispatch_layout(topk_idx, num_experts, num_ranks, out, stream),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_dispatch_layout(topk_idx: &TensorRef, e: usize, r: usize, out: &LayoutOutputs, stream: backend::Stream) -> Result<()> {
+    crate::ffi::kernels::dispatch_layout(
+        topk_idx,
+        e,
+        r,
+        &out.num_tokens_per_rank,
+        out.num_tokens_per_rdma_rank.as_ref(),
+        &out.num_tokens_per_expert,
+        &out.is_token_in_rank,
+        stream,
+    )
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_dispatch_layout(_: &TensorRef, _: usize, _: usize, _: &LayoutOutputs, _: backend::Stream) -> Result<()> {
+    Err(crate::error::Error::NotCompiled { op: "deep_ep::get_dispatch_layout", backend: "cuda".into(), feature: "cuda" })
+}
+
+/// Requires `t` to live on the buffer's device (one message shape for every op).
+pub(crate) fn on_device(op: &'static str, name: &'static str, t: &TensorRef, dtypes: &[DType], device: Device) -> Result<()> {
+    t.check(op, name).on(dtypes, device)?.done()
+}

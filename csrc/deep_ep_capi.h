@@ -1,0 +1,161 @@
+// deep_ep C API: the seam between the libtorch operator shim (torch_ops/) and the Rust core.
+//
+// Conventions
+// - Every function returns 0 on success, nonzero on failure; on failure
+//   deep_ep_last_error() returns a message for this thread ("deep_ep::dispatch: ...").
+// - Tensors cross as deep_ep_tensor_t descriptors. The caller keeps the storage alive for the
+//   call. An absent optional tensor has ndim = -1 and data = NULL.
+// - Every struct starts with `size` (sizeof the struct as the caller compiled it); Rust
+//   refuses a mismatch, so a stale header fails loudly instead of corrupting arguments.
+// - `stream` is the cudaStream_t to launch on (NULL for CPU buffers).
+// - "collective": every rank of the buffer must make the same call in the same order.
+#pragma once
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// Element types. Values are part of the ABI.
+enum deep_ep_dtype {
+  DEEP_EP_BF16 = 0, DEEP_EP_F32 = 1, DEEP_EP_FP8_E4M3 = 2, DEEP_EP_I32 = 3, DEEP_EP_I64 = 4, DEEP_EP_BOOL = 5, DEEP_EP_U8 = 6,
+  // accepted by no op; passed so errors can name them
+  DEEP_EP_F16 = 7, DEEP_EP_F64 = 8, DEEP_EP_I8 = 9, DEEP_EP_I16 = 10, DEEP_EP_OTHER = 11
+};
+
+#define DEEP_EP_MAX_DIMS 4
+#define DEEP_EP_UNIQUE_ID_BYTES 128
+#define DEEP_EP_LL_STATE_LEN 4
+
+typedef struct {
+  void* data;                         // device or host pointer to element [0, 0, ...]
+  int32_t dtype;                      // enum deep_ep_dtype
+  int32_t device;                     // -1 = CPU, n >= 0 = cuda:n
+  int32_t ndim;                       // 0..4; -1 = absent
+  int32_t reserved;
+  int64_t sizes[DEEP_EP_MAX_DIMS];
+  int64_t strides[DEEP_EP_MAX_DIMS];  // in elements
+} deep_ep_tensor_t;
+
+// Message of the last failed call on this thread (valid until the next call).
+const char* deep_ep_last_error(void);
+
+// ---- buffers -------------------------------------------------------------------------------
+// Fills out[DEEP_EP_UNIQUE_ID_BYTES] with a rendezvous id (backend "" = DEEP_EP_BACKEND or the
+// device's default; device as in deep_ep_tensor_t.device).
+int deep_ep_get_unique_id(const char* backend, int32_t device, uint8_t* out);
+// Collective. Creates a buffer; *handle receives its id.
+int deep_ep_create_buffer(const uint8_t* unique_id, int64_t unique_id_len, int64_t rank, int64_t num_ranks, int32_t device,
+                          int64_t num_nvl_bytes, int64_t num_rdma_bytes, int32_t low_latency_mode, const char* backend,
+                          int64_t* handle);
+// Collective. Destroys a buffer; the handle is never reused.
+int deep_ep_destroy_buffer(int64_t handle);
+// out[7] = rank, num_ranks, device, num_nvl_bytes, num_rdma_bytes, low_latency_mode, backend (0 cpu, 1 nccl, 2 nvshmem).
+int deep_ep_buffer_info(int64_t handle, int64_t* out);
+
+// ---- size hints and config (local, pure) -------------------------------------------------------
+// config[5] = num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv. which: 0 = NVLink hint, 1 = RDMA hint.
+int deep_ep_buffer_size_hint(const int64_t* config, int64_t config_len, int64_t hidden_bytes, int64_t num_ranks, int32_t which,
+                             int64_t* out);
+int deep_ep_low_latency_rdma_size_hint(int64_t num_max_dispatch_tokens_per_rank, int64_t hidden, int64_t num_ranks,
+                                       int64_t num_experts, int64_t* out);
+
+// ---- layout (local) -------------------------------------------------------------------------
+// Validates topk_idx before outputs are allocated.
+int deep_ep_check_dispatch_layout(const deep_ep_tensor_t* topk_idx, int64_t num_experts, int64_t num_ranks);
+// num_tokens_per_rdma_rank may be absent (num_ranks <= 8).
+int deep_ep_get_dispatch_layout(const deep_ep_tensor_t* topk_idx, int64_t num_experts, int64_t num_ranks,
+                                const deep_ep_tensor_t* num_tokens_per_rank, const deep_ep_tensor_t* num_tokens_per_rdma_rank,
+                                const deep_ep_tensor_t* num_tokens_per_expert, const deep_ep_tensor_t* is_token_in_rank,
+                                void* stream);
+
+// ---- normal mode (collective) -----------------------------------------------------------------
+typedef struct {
+  uint32_t size;
+  deep_ep_tensor_t x, x_scales, topk_idx, topk_weights;
+  deep_ep_tensor_t num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert;
+  int64_t expert_alignment, num_worst_tokens;
+  int64_t config[5];
+  void* stream;
+} deep_ep_dispatch_args_t;
+
+typedef struct {
+  uint32_t size;
+  int64_t num_recv_tokens;  // real received tokens
+  int64_t num_rows;         // rows to allocate (num_worst_tokens in worst-case mode)
+} deep_ep_dispatch_plan_t;
+
+typedef struct {
+  uint32_t size;
+  deep_ep_tensor_t recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights;
+  deep_ep_tensor_t rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, send_head;
+} deep_ep_dispatch_outputs_t;
+
+// The six tensors of a dispatch handle.
+typedef struct {
+  deep_ep_tensor_t rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head;
+} deep_ep_handle_t;
+
+// Validates, exchanges counts, and returns the output sizes; per_expert[num_local_experts]
+// receives the received selections per local expert rounded up to expert_alignment.
+int deep_ep_dispatch_prepare(int64_t handle, const deep_ep_dispatch_args_t* args, deep_ep_dispatch_plan_t* plan, int32_t* per_expert,
+                             int64_t per_expert_len);
+int deep_ep_dispatch_finish(int64_t handle, const deep_ep_dispatch_args_t* args, const deep_ep_dispatch_plan_t* plan,
+                            const deep_ep_dispatch_outputs_t* out);
+
+typedef struct {
+  uint32_t size;
+  deep_ep_tensor_t x, x_scales;
+  deep_ep_handle_t handle;
+  int64_t config[5];
+  void* stream;
+} deep_ep_cached_dispatch_args_t;
+
+// recv_x == NULL: validate only.
+int deep_ep_cached_dispatch(int64_t handle, const deep_ep_cached_dispatch_args_t* args, const deep_ep_tensor_t* recv_x,
+                            const deep_ep_tensor_t* recv_x_scales);
+
+typedef struct {
+  uint32_t size;
+  deep_ep_tensor_t x, topk_weights, bias_0, bias_1;
+  deep_ep_handle_t handle;
+  int64_t config[5];
+  void* stream;
+} deep_ep_combine_args_t;
+
+// combined_x == NULL: validate only.
+int deep_ep_combine(int64_t handle, const deep_ep_combine_args_t* args, const deep_ep_tensor_t* combined_x,
+                    const deep_ep_tensor_t* combined_topk_weights);
+
+// ---- low-latency mode -------------------------------------------------------------------------
+typedef struct {
+  uint32_t size;
+  int64_t num_max_dispatch_tokens_per_rank, hidden, num_experts;
+  int32_t use_fp8, round_scale, use_ue8m0;  // dispatch
+  int32_t use_logfmt, zero_copy;            // combine
+  void* stream;
+} deep_ep_ll_params_t;
+
+typedef struct {
+  uint32_t size;
+  deep_ep_tensor_t recv_x, recv_x_scales, recv_count, src_info, layout_range, recv_state;
+} deep_ep_ll_dispatch_outputs_t;
+
+// out == NULL: validate only (x, topk_idx, topk_weights, stats).
+int deep_ep_ll_dispatch_send(int64_t handle, const deep_ep_ll_params_t* p, const deep_ep_tensor_t* x, const deep_ep_tensor_t* topk_idx,
+                             const deep_ep_tensor_t* topk_weights, const deep_ep_tensor_t* cumulative_local_expert_recv_stats,
+                             const deep_ep_tensor_t* wait_recv_cost_stats, const deep_ep_ll_dispatch_outputs_t* out);
+int deep_ep_ll_dispatch_recv(int64_t handle, const deep_ep_ll_params_t* p, const deep_ep_ll_dispatch_outputs_t* out,
+                             const deep_ep_tensor_t* cumulative_local_expert_recv_stats, const deep_ep_tensor_t* wait_recv_cost_stats);
+int deep_ep_ll_combine_send(int64_t handle, const deep_ep_ll_params_t* p, const deep_ep_tensor_t* x, const deep_ep_tensor_t* src_info,
+                            const deep_ep_tensor_t* layout_range, const deep_ep_tensor_t* recv_state);
+int deep_ep_ll_combine_recv(int64_t handle, const deep_ep_ll_params_t* p, const deep_ep_tensor_t* topk_idx,
+                            const deep_ep_tensor_t* topk_weights, const deep_ep_tensor_t* recv_state, const deep_ep_tensor_t* out,
+                            const deep_ep_tensor_t* wait_recv_cost_stats);
+int deep_ep_ll_clean(int64_t handle, const deep_ep_ll_params_t* p);
+// Fills *view with a bf16 view [E_l, R*T, H] into the buffer (valid while the buffer lives).
+int deep_ep_ll_next_combine_buffer(int64_t handle, const deep_ep_ll_params_t* p, deep_ep_tensor_t* view);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,397 @@
+//! C API of the normal-mode and low-latency ops (continuation of `capi.rs`).
+
+use super::capi::{check_size, guard, opt_tensor, tensor, RawTensor};
+use crate::backend::{
+    CachedDispatchArgs, CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, DispatchPlan, Handle, LlCombineRecvArgs, LlCombineSendArgs,
+    LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlStats,
+};
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::ops;
+use crate::tensor::TensorRef;
+use std::ffi::{c_int, c_void};
+
+/// `deep_ep_dispatch_args_t`.
+#[repr(C)]
+pub struct RawDispatchArgs {
+    size: u32,
+    x: RawTensor,
+    x_scales: RawTensor,
+    topk_idx: RawTensor,
+    topk_weights: RawTensor,
+    num_tokens_per_rank: RawTensor,
+    is_token_in_rank: RawTensor,
+    num_tokens_per_expert: RawTensor,
+    expert_alignment: i64,
+    num_worst_tokens: i64,
+    config: [i64; 5],
+    stream: *mut c_void,
+}
+
+/// `deep_ep_dispatch_plan_t`.
+#[repr(C)]
+pub struct RawDispatchPlan {
+    size: u32,
+    num_recv_tokens: i64,
+    num_rows: i64,
+}
+
+/// `deep_ep_dispatch_outputs_t`.
+#[repr(C)]
+pub struct RawDispatchOutputs {
+    size: u32,
+    recv_x: RawTensor,
+    recv_x_scales: RawTensor,
+    recv_topk_idx: RawTensor,
+    recv_topk_weights: RawTensor,
+    rank_prefix_matrix: RawTensor,
+    channel_prefix_matrix: RawTensor,
+    recv_channel_prefix_matrix: RawTensor,
+    recv_src_idx: RawTensor,
+    send_head: RawTensor,
+}
+
+/// `deep_ep_handle_t`.
+#[repr(C)]
+pub struct RawHandle {
+    rank_prefix_matrix: RawTensor,
+    channel_prefix_matrix: RawTensor,
+    recv_channel_prefix_matrix: RawTensor,
+    recv_src_idx: RawTensor,
+    is_token_in_rank: RawTensor,
+    send_head: RawTensor,
+}
+
+/// `deep_ep_cached_dispatch_args_t`.
+#[repr(C)]
+pub struct RawCachedDispatchArgs {
+    size: u32,
+    x: RawTensor,
+    x_scales: RawTensor,
+    handle: RawHandle,
+    config: [i64; 5],
+    stream: *mut c_void,
+}
+
+/// `deep_ep_combine_args_t`.
+#[repr(C)]
+pub struct RawCombineArgs {
+    size: u32,
+    x: RawTensor,
+    topk_weights: RawTensor,
+    bias_0: RawTensor,
+    bias_1: RawTensor,
+    handle: RawHandle,
+    config: [i64; 5],
+    stream: *mut c_void,
+}
+
+/// `deep_ep_ll_params_t`.
+#[repr(C)]
+pub struct RawLlParams {
+    size: u32,
+    num_max_dispatch_tokens_per_rank: i64,
+    hidden: i64,
+    num_experts: i64,
+    use_fp8: i32,
+    round_scale: i32,
+    use_ue8m0: i32,
+    use_logfmt: i32,
+    zero_copy: i32,
+    stream: *mut c_void,
+}
+
+/// `deep_ep_ll_dispatch_outputs_t`.
+#[repr(C)]
+pub struct RawLlDispatchOutputs {
+    size: u32,
+    recv_x: RawTensor,
+    recv_x_scales: RawTensor,
+    recv_count: RawTensor,
+    src_info: RawTensor,
+    layout_range: RawTensor,
+    recv_state: RawTensor,
+}
+
+unsafe fn handle_of(op: &'static str, h: &RawHandle) -> Result<Handle> {
+    Ok(Handle {
+        rank_prefix_matrix: tensor(op, "rank_prefix_matrix", &h.rank_prefix_matrix)?,
+        channel_prefix_matrix: tensor(op, "channel_prefix_matrix", &h.channel_prefix_matrix)?,
+        recv_channel_prefix_matrix: tensor(op, "recv_channel_prefix_matrix", &h.recv_channel_prefix_matrix)?,
+        recv_src_idx: tensor(op, "recv_src_idx", &h.recv_src_idx)?,
+        is_token_in_rank: tensor(op, "is_token_in_rank", &h.is_token_in_rank)?,
+        send_head: tensor(op, "send_head", &h.send_head)?,
+    })
+}
+
+unsafe fn dispatch_args(a: *const RawDispatchArgs) -> Result<DispatchArgs> {
+    const OP: &str = "deep_ep::dispatch";
+    let a = &*a;
+    check_size(OP, a.size, std::mem::size_of::<RawDispatchArgs>())?;
+    crate::ensure!(a.expert_alignment >= 1, OP, "expert_alignment must be >= 1, got {}", a.expert_alignment);
+    crate::ensure!(a.num_worst_tokens >= 0, OP, "num_worst_tokens must be >= 0, got {}", a.num_worst_tokens);
+    let ntpe = tensor(OP, "num_tokens_per_expert", &a.num_tokens_per_expert)?;
+    Ok(DispatchArgs {
+        x: tensor(OP, "x", &a.x)?,
+        x_scales: opt_tensor(OP, "x_scales", &a.x_scales)?,
+        topk_idx: opt_tensor(OP, "topk_idx", &a.topk_idx)?,
+        topk_weights: opt_tensor(OP, "topk_weights", &a.topk_weights)?,
+        num_tokens_per_rank: tensor(OP, "num_tokens_per_rank", &a.num_tokens_per_rank)?,
+        is_token_in_rank: tensor(OP, "is_token_in_rank", &a.is_token_in_rank)?,
+        num_experts: if ntpe.ndim() == 1 { ntpe.size(0) } else { 0 },
+        num_tokens_per_expert: ntpe,
+        expert_alignment: a.expert_alignment as usize,
+        num_worst_tokens: a.num_worst_tokens as usize,
+        config: Config::from_slice(OP, &a.config)?,
+        stream: a.stream,
+    })
+}
+
+/// See `deep_ep_dispatch_prepare` in the header.
+///
+/// # Safety
+/// Pointers from the shim: args/plan valid, `per_expert` has `per_expert_len` writable int32.
+#[no_mangle]
+pub unsafe extern "C" fn deep_ep_dispatch_prepare(handle: i64, args: *const RawDispatchArgs, plan: *mut RawDispatchPlan, per_expert: *mut i32, per_expert_len: i64) -> c_int {
+    guard(|| {
+        let a = dispatch_args(args)?;
+        let p = ops::dispatch_prepare(handle, &a)?;
+        let pe = std::slice::from_raw_parts_mut(per_expert, per_expert_len.max(0) as usize);
+        crate::ensure!(pe.len() == p.num_recv_tokens_per_expert.len(), "deep_ep::dispatch", "internal: per-expert buffer of {} for {} local experts", pe.len(), p.num_recv_tokens_per_expert.len());
+        pe.copy_from_slice(&p.num_recv_tokens_per_expert);
+        *plan = RawDispatchPlan { size: std::mem::size_of::<RawDispatchPlan>() as u32, num_recv_tokens: p.num_recv_tokens as i64, num_rows: p.num_rows as i64 };
+        Ok(())
+    })
+}
+
+/// See `deep_ep_dispatch_finish` in the header.
+///
+/// # Safety
+/// Pointers from the shim.
+#[no_mangle]
+pub unsafe extern "C" fn deep_ep_dispatch_finish(handle: i64, args: *const RawDispatchArgs, plan: *const RawDispatchPlan, out: *const RawDispatchOutputs) -> c_int {
+    const OP: &str = "deep_ep::dispatch";
+    guard(|| {
+        let a = dispatch_args(args)?;
+        let p = &*plan;
+        let o = &*out;
+        check_size(OP, o.size, std::mem::size_of::<RawDispatchOutputs>())?;
+        let plan = DispatchPlan { num_recv_tokens: p.num_recv_tokens as usize, num_rows: p.num_rows as usize, num_recv_tokens_per_expert: vec![] };
+        let outs = DispatchOutputs {
+            recv_x: tensor(OP, "recv_x", &o.recv_x)?,
+            recv_x_scales: opt_tensor(OP, "recv_x_scales", &o.recv_x_scales)?,
+            recv_topk_idx: opt_tensor(OP, "recv_topk_idx", &o.recv_topk_idx)?,
+            recv_topk_weights: opt_tensor(OP, "recv_topk_weights", &o.recv_topk_weights)?,
+            rank_prefix_matrix: tensor(OP, "rank_prefix_matrix", &o.rank_prefix_matrix)?,
+            channel_prefix_matrix: tensor(OP, "channel_prefix_matrix", &o.channel_prefix_matrix)?,
+            recv_channel_prefix_matrix: tensor(OP, "recv_channel_prefix_matrix", &o.recv_channel_prefix_matrix)?,
+            recv_src_idx: tensor(OP, "recv_src_idx", &o.recv_src_idx)?,
+            send_head: tensor(OP, "send_head", &o.send_head)?,
+        };
+        ops::dispatch_finish(handle, &a, &plan, &outs)
+    })
+}
+
+/// See `deep_ep_cached_dispatch` in the header.
+///
+/// # Safety
+/// Pointers from the shim; `recv_x` NULL means validate only.
+#[no_mangle]
+pub unsafe extern "C" fn deep_ep_cached_dispatch(handle: i64, args: *const RawCachedDispatchArgs, recv_x: *const RawTensor, recv_x_scales: *const RawTensor) -> c_int {
+    const OP: &str = "deep_ep::cached_dispatch";
+    guard(|| {
+        let r = &*args;
+        check_size(OP, r.size, std::mem::size_of::<RawCachedDispatchArgs>())?;
+        let a = CachedDispatchArgs {
+            x: tensor(OP, "x", &r.x)?,
+            x_scales: opt_tensor(OP, "x_scales", &r.x_scales)?,
+            handle: handle_of(OP, &r.handle)?,
+            config: Config::from_slice(OP, &r.config)?,
+            stream: r.stream,
+        };
+        match opt_tensor(OP, "recv_x", recv_x)? {
+            None => ops::check_cached_dispatch(handle, &a),
+            Some(rx) => ops::cached_dispatch(handle, &a, &rx, opt_tensor(OP, "recv_x_scales", recv_x_scales)?.as_ref()),
+        }
+    })
+}
+
+/// See `deep_ep_combine` in the header.
+///
+/// # Safety
+/// Pointers from the shim; `combined_x` NULL means validate only.
+#[no_mangle]
+pub unsafe extern "C" fn deep_ep_combine(handle: i64, args: *const RawCombineArgs, combined_x: *const RawTensor, combined_w: *const RawTensor) -> c_int {
+    const OP: &str = "deep_ep::combine";
+    guard(|| {
+        let r = &*args;
+        check_size(OP, r.size, std::mem::size_of::<RawCombineArgs>())?;
+        let a = CombineArgs {
+            x: tensor(OP, "x", &r.x)?,
+            topk_weights: opt_tensor(OP, "topk_weights", &r.topk_weights)?,
+            bias_0: opt_tensor(OP, "bias_0", &r.bias_0)?,
+            bias_1: opt_tensor(OP, "bias_1", &r.bias_1)?,
+            handle: handle_of(OP, &r.handle)?,
+            config: Config::from_slice(OP, &r.config)?,
+            stream: r.stream,
+        };
+        match opt_tensor(OP, "combined_x", combined_x)? {
+            None => ops::check_combine(handle, &a),
+            Some(cx) => ops::combine(handle, &a, &CombineOutputs { combined_x: cx, combined_topk_weights: opt_tensor(OP, "combined_topk_weights", combined_w)? }),
+        }
+    })
+}
+
+unsafe fn ll_params(op: &'static str, p: *const RawLlParams) -> Result<(LlGeometry, LlDispatchOptions, &'static RawLlParams)> {
+    let p = &*p;
+    check_size(op, p.size, std::mem::size_of::<RawLlParams>())?;
+    crate::ensure!(p.num_max_dispatch_tokens_per_rank > 0 && p.hidden > 0 && p.num_experts > 0, op,
+        "num_max_dispatch_tokens_per_rank ({}), hidden ({}) and num_experts ({}) must be positive", p.num_max_dispatch_tokens_per_rank, p.hidden, p.num_experts);
+    let g = LlGeometry { num_max_dispatch_tokens_per_rank: p.num_max_dispatch_tokens_per_rank as usize, hidden: p.hidden as usize, num_experts: p.num_experts as usize };
+    let o = LlDispatchOptions { use_fp8: p.use_fp8 != 0, round_scale: p.round_scale != 0, use_ue8m0: p.use_ue8m0 != 0 };
+    Ok((g, o, p))
+}
+
+unsafe fn ll_stats(op: &'static str, cumulative: *const RawTensor, wait: *const RawTensor) -> Result<LlStats> {
+    Ok(LlStats {
+        cumulative_local_expert_recv_stats: opt_tensor(op, "cumulative_local_expert_recv_stats", cumulative)?,
+        wait_recv_cost_stats: opt_tensor(op, "wait_recv_cost_stats", wait)?,
+    })
+}
+
+unsafe fn ll_outputs(op: &'static str, o: &RawLlDispatchOutputs) -> Result<LlDispatchOutputs> {
+    check_size(op, o.size, std::mem::size_of::<RawLlDispatchOutputs>())?;
+    Ok(LlDispatchOutputs {
+        recv_x: tensor(op, "recv_x", &o.recv_x)?,
+        recv_x_scales: opt_tensor(op, "recv_x_scales", &o.recv_x_scales)?,
+        recv_count: tensor(op, "recv_count", &o.recv_count)?,
+        src_info: tensor(op, "src_info", &o.src_info)?,
+        layout_range: tensor(op, "layout_range", &o.layout_range)?,
+        recv_state: tensor(op, "recv_state", &o.recv_state)?,
+    })
+}
+
+/// See `deep_ep_ll_dispatch_send` in the header.
+///
+/// # Safety
+/// Pointers from the shim; `out` NULL means validate only.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn deep_ep_ll_dispatch_send(
+    handle: i64,
+    p: *const RawLlParams,
+    x: *const RawTensor,
+    topk_idx: *const RawTensor,
+    topk_weights: *const RawTensor,
+    cumulative: *const RawTensor,
+    wait: *const RawTensor,
+    out: *const RawLlDispatchOutputs,
+) -> c_int {
+    const OP: &str = "deep_ep::low_latency_dispatch";
+    guard(|| {
+        let (g, o, raw) = ll_params(OP, p)?;
+        let a = LlDispatchSendArgs { x: tensor(OP, "x", x)?, topk_idx: tensor(OP, "topk_idx", topk_idx)?, topk_weights: opt_tensor(OP, "topk_weights", topk_weights)? };
+        if out.is_null() {
+            return ops::check_low_latency_dispatch(handle, &g, &o, &a, &ll_stats(OP, cumulative, wait)?);
+        }
+        ops::low_latency_dispatch_send(handle, &g, &o, &a, &ll_outputs(OP, &*out)?, raw.stream)
+    })
+}
+
+/// See `deep_ep_ll_dispatch_recv` in the header.
+///
+/// # Safety
+/// Pointers from the shim.
+#[no_mangle]
+pub unsafe extern "C" fn deep_ep_ll_dispatch_recv(handle: i64, p: *const RawLlParams, out: *const RawLlDispatchOutputs, cumulative: *const RawTensor, wait: *const RawTensor) -> c_int {
+    const OP: &str = "deep_ep::low_latency_dispatch";
+    guard(|| {
+        let (g, o, raw) = ll_params(OP, p)?;
+        if out.is_null() {
+            return Err(Error::invalid(OP, "outputs are required"));
+        }
+        ops::low_latency_dispatch_recv(handle, &g, &o, &ll_outputs(OP, &*out)?, &ll_stats(OP, cumulative, wait)?, raw.stream)
+    })
+}
+
+/// See `deep_ep_ll_combine_send` in the header.
+///
+/// # Safety
+/// Pointers from the shim.
+#[no_mangle]
+pub unsafe extern "C" fn deep_ep_ll_combine_send(handle: i64, p: *const RawLlParams, x: *const RawTensor, src_info: *const RawTensor, layout_range: *const RawTensor, recv_state: *const RawTensor) -> c_int {
+    const OP: &str = "deep_ep::low_latency_combine";
+    guard(|| {
+        let (g, _, raw) = ll_params(OP, p)?;
+        let a = LlCombineSendArgs {
+            x: tensor(OP, "x", x)?,
+            src_info: tensor(OP, "src_info", src_info)?,
+            layout_range: tensor(OP, "layout_range", layout_range)?,
+            use_logfmt: raw.use_logfmt != 0,
+            zero_copy: raw.zero_copy != 0,
+            recv_state: tensor(OP, "recv_state", recv_state)?,
+        };
+        ops::low_latency_combine_send(handle, &g, &a, raw.stream)
+    })
+}
+
+/// See `deep_ep_ll_combine_recv` in the header.
+///
+/// # Safety
+/// Pointers from the shim.
+#[no_mangle]
+pub unsafe extern "C" fn deep_ep_ll_combine_recv(
+    handle: i64,
+    p: *const RawLlParams,
+    topk_idx: *const RawTensor,
+    topk_weights: *const RawTensor,
+    recv_state: *const RawTensor,
+    out: *const RawTensor,
+    wait: *const RawTensor,
+) -> c_int {
+    const OP: &str = "deep_ep::low_latency_combine";
+    guard(|| {
+        let (g, _, raw) = ll_params(OP, p)?;
+        let a = LlCombineRecvArgs {
+            topk_idx: tensor(OP, "topk_idx", topk_idx)?,
+            topk_weights: tensor(OP, "topk_weights", topk_weights)?,
+            recv_state: tensor(OP, "recv_state", recv_state)?,
+            out: tensor(OP, "out", out)?,
+        };
+        ops::low_latency_combine_recv(handle, &g, &a, &ll_stats(OP, std::ptr::null(), wait)?, raw.stream)
+    })
+}
+
+/// See `deep_ep_ll_clean` in the header.
+///
+/// # Safety
+/// Pointers from the shim.
+#[no_mangle]
+pub unsafe extern "C" fn deep_ep_ll_clean(handle: i64, p: *const RawLlParams) -> c_int {
+    guard(|| {
+        let (g, _, raw) = ll_params("deep_ep::clean_low_latency_buffer", p)?;
+        ops::clean_low_latency_buffer(handle, &g, raw.stream)
+    })
+}
+
+/// See `deep_ep_ll_next_combine_buffer` in the header.
+///
+/// # Safety
+/// Pointers from the shim; `view` writable.
+#[no_mangle]
+pub unsafe extern "C" fn deep_ep_ll_next_combine_buffer(handle: i64, p: *const RawLlParams, view: *mut RawTensor) -> c_int {
+    guard(|| {
+        let (g, _, _) = ll_params("deep_ep::get_next_low_latency_combine_buffer", p)?;
+        let t: TensorRef = ops::next_low_latency_combine_buffer(handle, &g)?;
+        *view = raw_of(&t);
+        Ok(())
+    })
+}
+
+fn raw_of(t: &TensorRef) -> RawTensor {
+    let mut sizes = [0i64; crate::tensor::MAX_DIMS];
+    let mut strides = [0i64; crate::tensor::MAX_DIMS];
+    sizes[..t.ndim()].copy_from_slice(t.sizes());
+    strides[..t.ndim()].copy_from_slice(t.strides());
+    RawTensor { data: t.data_ptr() as *mut c_void, dtype: t.dtype as i32, device: t.device.to_raw(), ndim: t.ndim() as i32, reserved: 0, sizes, strides }
+}

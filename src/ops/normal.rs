@@ -1,0 +1,129 @@
+//! Normal-mode (high-throughput) ops: validation and backend calls.
+
+use super::on_device;
+use crate::backend::{BufferInfo, CachedDispatchArgs, CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, DispatchPlan, Handle};
+use crate::buffer;
+use crate::error::Result;
+use crate::tensor::{DType, TensorRef};
+
+const DISPATCH: &str = "deep_ep::dispatch";
+const CACHED: &str = "deep_ep::cached_dispatch";
+const COMBINE: &str = "deep_ep::combine";
+
+/// Most top-k entries per token the kernels support (DeepEP's device assert).
+pub const MAX_TOPK: usize = 32;
+/// Most experts per rank (DeepEP's `NUM_MAX_LOCAL_EXPERTS`).
+pub const MAX_LOCAL_EXPERTS: usize = 1024;
+
+/// Checks `x` (and its FP8 scales) for a normal-mode dispatch on `info`'s device.
+fn check_x(op: &'static str, x: &TensorRef, scales: &Option<TensorRef>, info: &BufferInfo) -> Result<()> {
+    let dev = info.device;
+    x.check(op, "x").on(&[DType::BFloat16, DType::Float8E4m3], dev)?.shape(&[("num_tokens", None), ("hidden", None)])?.contiguous()?;
+    crate::ensure!((x.size(1) * x.dtype.size()) % 16 == 0, op, "x rows must be a multiple of 16 bytes, got hidden={} of {}", x.size(1), x.dtype);
+    match (x.dtype, scales) {
+        (DType::Float8E4m3, None) => crate::ensure!(false, op, "x is float8_e4m3fn: pass (x, x_scales) with per-token scales"),
+        (DType::BFloat16, Some(_)) => crate::ensure!(false, op, "x_scales given but x is bfloat16 (scales only go with float8_e4m3fn x)"),
+        (_, Some(s)) => {
+            s.check(op, "x_scales").on(&[DType::Float32, DType::Int32], dev)?.shape(&[("num_tokens", Some(x.size(0))), ("num_scales", None)])?;
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// Checks a dispatch handle (6 tensors) against the buffer and `config.num_sms`.
+fn check_handle(op: &'static str, h: &Handle, info: &BufferInfo, num_channels: usize) -> Result<()> {
+    let (r, dev) = (info.num_ranks, info.device);
+    h.rank_prefix_matrix.check(op, "rank_prefix_matrix").on(&[DType::Int32], dev)?.shape(&[("num_ranks", Some(r)), ("num_ranks", Some(r))])?.contiguous()?;
+    let chan_msg = "(config.num_sms / 2 must equal the dispatch's)";
+    for (t, name) in [(&h.channel_prefix_matrix, "channel_prefix_matrix"), (&h.recv_channel_prefix_matrix, "recv_channel_prefix_matrix")] {
+        on_device(op, name, t, &[DType::Int32], dev)?;
+        crate::ensure!(t.sizes() == [r as i64, num_channels as i64], op, "{name} must have shape [{r}, {}] {chan_msg}, got {:?}", num_channels, t.sizes());
+    }
+    h.recv_src_idx.check(op, "recv_src_idx").on(&[DType::Int32], dev)?.shape(&[("num_recv_tokens", None)])?.contiguous()?;
+    h.is_token_in_rank.check(op, "is_token_in_rank").on(&[DType::Bool], dev)?.shape(&[("num_tokens", None), ("num_ranks", Some(r))])?.contiguous()?;
+    let n = h.is_token_in_rank.size(0);
+    h.send_head.check(op, "send_head").on(&[DType::Int32], dev)?.shape(&[("num_tokens", Some(n)), ("num_ranks", Some(r))])?.contiguous()?.done()
+}
+
+/// Validates a dispatch and runs its first half (collective; host sync unless worst-case).
+pub fn dispatch_prepare(handle: i64, a: &DispatchArgs) -> Result<DispatchPlan> {
+    buffer::with(DISPATCH, handle, |b| {
+        let info = b.info().clone();
+        let (dev, r) = (info.device, info.num_ranks);
+        check_x(DISPATCH, &a.x, &a.x_scales, &info)?;
+        let n = a.x.size(0);
+        a.num_tokens_per_rank.check(DISPATCH, "num_tokens_per_rank").on(&[DType::Int32], dev)?.shape(&[("num_ranks", Some(r))])?.contiguous()?;
+        a.is_token_in_rank.check(DISPATCH, "is_token_in_rank").on(&[DType::Bool], dev)?.shape(&[("num_tokens", Some(n)), ("num_ranks", Some(r))])?.contiguous()?;
+        a.num_tokens_per_expert.check(DISPATCH, "num_tokens_per_expert").on(&[DType::Int32], dev)?.shape(&[("num_experts", None)])?.contiguous()?;
+        let e = a.num_tokens_per_expert.size(0);
+        crate::ensure!(e == a.num_experts, DISPATCH, "internal: num_experts {} != num_tokens_per_expert size {e}", a.num_experts);
+        crate::ensure!(e > 0 && e % r == 0, DISPATCH, "num_tokens_per_expert has {e} experts, which is not a positive multiple of num_ranks ({r})");
+        crate::ensure!(e / r <= MAX_LOCAL_EXPERTS, DISPATCH, "{} experts per rank exceeds the limit of {MAX_LOCAL_EXPERTS}", e / r);
+        match (&a.topk_idx, &a.topk_weights) {
+            (Some(i), Some(w)) => {
+                i.check(DISPATCH, "topk_idx").on(&[DType::Int32, DType::Int64], dev)?.shape(&[("num_tokens", Some(n)), ("num_topk", None)])?.contiguous()?;
+                let k = i.size(1);
+                crate::ensure!((1..=MAX_TOPK).contains(&k), DISPATCH, "num_topk must be in 1..={MAX_TOPK}, got {k}");
+                w.check(DISPATCH, "topk_weights").on(&[DType::Float32], dev)?.shape(&[("num_tokens", Some(n)), ("num_topk", Some(k))])?.contiguous()?;
+            }
+            (None, None) => crate::ensure!(a.num_worst_tokens == 0, DISPATCH, "num_worst_tokens > 0 requires topk_idx and topk_weights"),
+            _ => crate::ensure!(false, DISPATCH, "topk_idx and topk_weights must be given together"),
+        }
+        crate::ensure!(a.expert_alignment >= 1, DISPATCH, "expert_alignment must be >= 1, got {}", a.expert_alignment);
+        b.dispatch_prepare(a)
+    })
+}
+
+/// Second half of a dispatch into outputs allocated from `plan` (collective).
+pub fn dispatch_finish(handle: i64, a: &DispatchArgs, plan: &DispatchPlan, o: &DispatchOutputs) -> Result<()> {
+    buffer::with(DISPATCH, handle, |b| b.dispatch_finish(a, plan, o))
+}
+
+/// Validates a cached dispatch (call before allocating `[rows, H]` outputs).
+pub fn check_cached_dispatch(handle: i64, a: &CachedDispatchArgs) -> Result<()> {
+    buffer::with(CACHED, handle, |b| {
+        let info = b.info().clone();
+        check_x(CACHED, &a.x, &a.x_scales, &info)?;
+        check_handle(CACHED, &a.handle, &info, a.config.num_channels())?;
+        let n = a.handle.is_token_in_rank.size(0);
+        crate::ensure!(a.x.size(0) == n, CACHED, "x has {} tokens but the handle was made for {n}", a.x.size(0));
+        Ok(())
+    })
+}
+
+/// Dispatch reusing a handle (collective, no host sync on GPUs).
+pub fn cached_dispatch(handle: i64, a: &CachedDispatchArgs, recv_x: &TensorRef, recv_x_scales: Option<&TensorRef>) -> Result<()> {
+    check_cached_dispatch(handle, a)?;
+    buffer::with(CACHED, handle, |b| b.cached_dispatch(a, recv_x, recv_x_scales))
+}
+
+/// Validates a combine (call before allocating `[N, H]` outputs).
+pub fn check_combine(handle: i64, a: &CombineArgs) -> Result<()> {
+    buffer::with(COMBINE, handle, |b| {
+        let info = b.info().clone();
+        let dev = info.device;
+        check_handle(COMBINE, &a.handle, &info, a.config.num_channels())?;
+        let rows = a.handle.recv_src_idx.size(0);
+        let n = a.handle.send_head.size(0);
+        a.x.check(COMBINE, "x").on(&[DType::BFloat16], dev)?.shape(&[("num_recv_tokens", Some(rows)), ("hidden", None)])?.contiguous()?;
+        let h = a.x.size(1);
+        crate::ensure!((h * 2) % 16 == 0, COMBINE, "x rows must be a multiple of 16 bytes, got hidden={h}");
+        if let Some(w) = &a.topk_weights {
+            w.check(COMBINE, "topk_weights").on(&[DType::Float32], dev)?.shape(&[("num_recv_tokens", Some(rows)), ("num_topk", None)])?.contiguous()?;
+            crate::ensure!((1..=MAX_TOPK).contains(&w.size(1)), COMBINE, "num_topk must be in 1..={MAX_TOPK}, got {}", w.size(1));
+        }
+        for (bias, name) in [(&a.bias_0, "bias_0"), (&a.bias_1, "bias_1")] {
+            if let Some(t) = bias {
+                t.check(COMBINE, name).on(&[DType::BFloat16], dev)?.shape(&[("num_tokens", Some(n)), ("hidden", Some(h))])?.contiguous()?;
+            }
+        }
+        Ok(())
+    })
+}
+
+/// Normal-mode combine (collective).
+pub fn combine(handle: i64, a: &CombineArgs, o: &CombineOutputs) -> Result<()> {
+    check_combine(handle, a)?;
+    buffer::with(COMBINE, handle, |b| b.combine(a, o))
+}

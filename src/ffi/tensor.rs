@@ -37,6 +37,33 @@ impl TensorRef {
         unsafe { std::slice::from_raw_parts_mut(self.data as *mut T, n) }
     }
 
+    /// The raw bytes of a contiguous CPU tensor of any dtype.
+    pub fn cpu_bytes(&self) -> &[u8] {
+        assert_eq!(self.device, Device::Cpu, "host view of a {} tensor", self.device);
+        assert!(self.is_contiguous(), "host view of a non-contiguous tensor");
+        let n = self.numel() * self.dtype.size();
+        if n == 0 {
+            return &[];
+        }
+        assert!(!self.data.is_null(), "host view of a tensor without data");
+        // SAFETY: a live contiguous CPU tensor of n bytes (see cpu_slice).
+        unsafe { std::slice::from_raw_parts(self.data as *const u8, n) }
+    }
+
+    /// Mutable raw bytes of a contiguous CPU output tensor of any dtype.
+    #[allow(clippy::mut_from_ref)]
+    pub fn cpu_bytes_mut(&self) -> &mut [u8] {
+        assert_eq!(self.device, Device::Cpu, "host view of a {} tensor", self.device);
+        assert!(self.is_contiguous(), "host view of a non-contiguous tensor");
+        let n = self.numel() * self.dtype.size();
+        if n == 0 {
+            return &mut [];
+        }
+        assert!(!self.data.is_null(), "host view of a tensor without data");
+        // SAFETY: as cpu_slice_mut.
+        unsafe { std::slice::from_raw_parts_mut(self.data as *mut u8, n) }
+    }
+
     /// Copies a 2-D CPU tensor with any strides into row-major bytes.
     pub fn cpu_copy_2d_contiguous(&self) -> Vec<u8> {
         assert_eq!(self.device, Device::Cpu);

@@ -153,7 +153,7 @@ impl CpuBackend {
             me.write(offs[0], ntpr);
             me.write(offs[1], ntpe);
             me.write(offs[2], in_rank);
-            me.write(offs[3], a.x.cpu_slice::<u8>());
+            me.write(offs[3], a.x.cpu_bytes());
             if let Some(s) = &a.x_scales {
                 me.write(offs[4], &s.cpu_copy_2d_contiguous());
             }
@@ -215,8 +215,8 @@ impl CpuBackend {
         let el = e / nr;
         let c = a.config.num_channels();
 
-        let recv_x = o.recv_x.cpu_slice_mut::<u8>();
-        let mut recv_scales = o.recv_x_scales.as_ref().map(|t| t.cpu_slice_mut::<u8>());
+        let recv_x = o.recv_x.cpu_bytes_mut();
+        let mut recv_scales = o.recv_x_scales.as_ref().map(|t| t.cpu_bytes_mut());
         let mut recv_idx = vec![-1i64; plan.num_rows * k];
         let mut recv_w = o.recv_topk_weights.as_ref().map(|t| t.cpu_slice_mut::<f32>());
         let src_idx = o.recv_src_idx.cpu_slice_mut::<i32>();
@@ -317,7 +317,7 @@ impl CpuBackend {
             let me = self.ht_region(r);
             me.write(offs[0], m);
             me.write(offs[1], a.handle.is_token_in_rank.cpu_slice::<u8>());
-            me.write(offs[2], a.x.cpu_slice::<u8>());
+            me.write(offs[2], a.x.cpu_bytes());
             if let Some(s) = &a.x_scales {
                 me.write(offs[3], &s.cpu_copy_2d_contiguous());
             }
@@ -331,8 +331,8 @@ impl CpuBackend {
         if let Some(p) = headers.iter().position(|h| h.0[W_ROW_BYTES] != words[W_ROW_BYTES] || h.0[W_SCALE_BYTES] != words[W_SCALE_BYTES]) {
             return Err(Error::invalid(OP, format!("rank {p} dispatches rows of another size or dtype than this rank")));
         }
-        let out = recv_x.cpu_slice_mut::<u8>();
-        let mut out_s = recv_scales.map(|t| t.cpu_slice_mut::<u8>());
+        let out = recv_x.cpu_bytes_mut();
+        let mut out_s = recv_scales.map(|t| t.cpu_bytes_mut());
         out.fill(0);
         if let Some(s) = out_s.as_deref_mut() {
             s.fill(0);

@@ -1,0 +1,131 @@
+"""Fake (meta) kernels of every deep_ep op, for torch.compile, FakeTensor and opcheck.
+
+Shapes follow torch_ops/schema.cpp. The receive count of a non-cached normal dispatch depends on
+the data, so it is a dynamic size; everything else is static. Ops whose shapes depend on the
+buffer (its rank count) read it through buffer_info outside fake mode: it is a host-side lookup.
+"""
+import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from . import _lib
+
+_lib.load()
+ops = torch.ops.deep_ep
+LL_STATE_LEN = 4
+
+
+def _num_ranks(handle: int) -> int:
+    with unset_fake_temporarily():
+        return int(ops.buffer_info.default(handle)[1])
+
+
+def _device(handle: int) -> torch.device:
+    with unset_fake_temporarily():
+        d = int(ops.buffer_info.default(handle)[2])
+    return torch.device("cpu") if d < 0 else torch.device("cuda", d)
+
+
+@torch.library.register_fake("deep_ep::get_dispatch_layout")
+def _layout(topk_idx, num_experts, num_ranks):
+    n = topk_idx.shape[0]
+    i32 = torch.int32
+    return (
+        topk_idx.new_empty((num_ranks,), dtype=i32),
+        topk_idx.new_empty((num_ranks // 8 if num_ranks > 8 else 0,), dtype=i32),
+        topk_idx.new_empty((num_experts,), dtype=i32),
+        topk_idx.new_empty((n, num_ranks), dtype=torch.bool),
+    )
+
+
+@torch.library.register_fake("deep_ep::dispatch")
+def _dispatch(handle, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+              num_tokens_per_expert, expert_alignment, num_worst_tokens, config):
+    r = num_tokens_per_rank.shape[0]
+    e = num_tokens_per_expert.shape[0]
+    c = config[0] // 2
+    n = x.shape[0]
+    rows = num_worst_tokens if num_worst_tokens > 0 else torch.library.get_ctx().new_dynamic_size()
+    i32 = torch.int32
+    scales = x_scales.new_empty((rows, x_scales.shape[1])) if x_scales is not None else x.new_empty((0,), dtype=torch.float32)
+    idx = topk_idx.new_empty((rows, topk_idx.shape[1])) if topk_idx is not None else x.new_empty((0,), dtype=torch.int64)
+    w = topk_weights.new_empty((rows, topk_weights.shape[1])) if topk_weights is not None else x.new_empty((0,), dtype=torch.float32)
+    per_expert = torch.empty((e // r if num_worst_tokens == 0 else 0,), dtype=i32, device="cpu")
+    return (
+        x.new_empty((rows, x.shape[1])), scales, idx, w, per_expert,
+        x.new_empty((r, r), dtype=i32), x.new_empty((r, c), dtype=i32), x.new_empty((r, c), dtype=i32),
+        x.new_empty((rows,), dtype=i32), x.new_empty((n, r), dtype=i32),
+    )
+
+
+@torch.library.register_fake("deep_ep::cached_dispatch")
+def _cached(handle, x, x_scales, rpm, cpm, rcpm, recv_src_idx, is_token_in_rank, send_head, config):
+    rows = recv_src_idx.shape[0]
+    scales = x_scales.new_empty((rows, x_scales.shape[1])) if x_scales is not None else x.new_empty((0,), dtype=torch.float32)
+    return x.new_empty((rows, x.shape[1])), scales
+
+
+@torch.library.register_fake("deep_ep::combine")
+def _combine(handle, x, topk_weights, bias_0, bias_1, rpm, cpm, rcpm, recv_src_idx, is_token_in_rank, send_head, config):
+    n = send_head.shape[0]
+    w = topk_weights.new_empty((n, topk_weights.shape[1])) if topk_weights is not None else x.new_empty((0,), dtype=torch.float32)
+    return x.new_empty((n, x.shape[1])), w
+
+
+def _ll_outputs(handle, x, t, e, use_fp8, use_ue8m0):
+    r = _num_ranks(handle)
+    el, rows, h = e // r, r * t, x.shape[1]
+    recv_x = x.new_empty((el, rows, h), dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16)
+    if use_fp8:
+        cols, dt = (h // 512, torch.int32) if use_ue8m0 else (h // 128, torch.float32)
+        scales = x.new_empty((el, cols, rows), dtype=dt).transpose(1, 2)
+    else:
+        scales = x.new_empty((0,), dtype=torch.float32)
+    return (recv_x, scales, x.new_empty((el,), dtype=torch.int32), x.new_empty((el, rows), dtype=torch.int32),
+            x.new_empty((el, r), dtype=torch.int64))
+
+
+@torch.library.register_fake("deep_ep::low_latency_dispatch")
+def _ll_dispatch(handle, x, topk_idx, topk_weights, cumulative, wait, t, e, use_fp8, round_scale, use_ue8m0):
+    return _ll_outputs(handle, x, t, e, use_fp8, use_ue8m0)
+
+
+@torch.library.register_fake("deep_ep::low_latency_dispatch_send")
+def _ll_dispatch_send(handle, x, topk_idx, topk_weights, t, e, use_fp8, round_scale, use_ue8m0):
+    return _ll_outputs(handle, x, t, e, use_fp8, use_ue8m0) + (x.new_empty((LL_STATE_LEN,), dtype=torch.int64),)
+
+
+@torch.library.register_fake("deep_ep::low_latency_dispatch_recv")
+def _ll_dispatch_recv(handle, state, recv_x, scales, count, src_info, layout_range, cumulative, wait, t, e, use_fp8, round_scale, use_ue8m0):
+    return None
+
+
+@torch.library.register_fake("deep_ep::low_latency_combine")
+def _ll_combine(handle, x, topk_idx, topk_weights, src_info, layout_range, out, wait, t, e, use_logfmt, zero_copy):
+    return None
+
+
+@torch.library.register_fake("deep_ep::low_latency_combine_send")
+def _ll_combine_send(handle, x, src_info, layout_range, t, e, use_logfmt, zero_copy):
+    return x.new_empty((LL_STATE_LEN,), dtype=torch.int64)
+
+
+@torch.library.register_fake("deep_ep::low_latency_combine_recv")
+def _ll_combine_recv(handle, state, topk_idx, topk_weights, out, wait, t, hidden, e):
+    return None
+
+
+@torch.library.register_fake("deep_ep::get_next_low_latency_combine_buffer")
+def _ll_next(handle, t, hidden, e):
+    r = _num_ranks(handle)
+    m = hidden + hidden // 128 * 2
+    return torch.empty_strided((e // r, r * t, hidden), (r * t * m, m, 1), dtype=torch.bfloat16, device=_device(handle))
+
+
+# Collective ops must never be dropped or reordered by graph passes, even when an output is unused.
+for _name in ("dispatch", "cached_dispatch", "combine", "low_latency_dispatch", "low_latency_dispatch_send",
+              "low_latency_dispatch_recv", "low_latency_combine", "low_latency_combine_send", "low_latency_combine_recv",
+              "clean_low_latency_buffer"):
+    try:
+        torch.fx.node.has_side_effect(getattr(ops, _name).default)
+    except AttributeError:  # older torch: the op is still kept when its outputs are used
+        pass

@@ -1,0 +1,305 @@
+"""`Buffer`: DeepEP V1's Python API over torch.ops.deep_ep.
+
+Constructor, method names, argument names, defaults and return tuples follow DeepEP V1
+(`deep_ep/buffer.py`). Routing state (handles) are tuples of tensors and ints. On CUDA buffers
+normal-mode ops run on the buffer's communication stream with DeepEP's event semantics; CPU
+buffers complete every op before returning (events are None).
+"""
+import contextlib
+import os
+from typing import Callable, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from . import _fake  # noqa: F401  (registers fake kernels)
+from . import _lib
+from .utils import Config, EventHandle, EventOverlap
+
+_lib.load()
+ops = torch.ops.deep_ep
+
+_DISPATCH_TABLE = {2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128), 16: (36, 288, 20, 128),
+                   24: (32, 288, 8, 128), 32: (32, 288, 8, 128), 48: (32, 288, 8, 128), 64: (32, 288, 8, 128),
+                   96: (20, 480, 12, 128), 128: (20, 560, 12, 128), 144: (32, 720, 12, 128), 160: (28, 720, 12, 128)}
+_COMBINE_TABLE = {2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128), 16: (4, 288, 12, 128),
+                  24: (1, 288, 8, 128), 32: (1, 288, 8, 128), 48: (1, 288, 8, 128), 64: (1, 288, 8, 128),
+                  96: (1, 480, 8, 128), 128: (1, 560, 8, 128), 144: (2, 720, 8, 128), 160: (2, 720, 8, 128)}
+
+
+def _default_device() -> torch.device:
+    if os.environ.get("DEEP_EP_BACKEND", "") != "cpu" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _opt(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """Ops return empty tensors for absent optional outputs."""
+    return None if t.dim() == 1 and t.numel() == 0 else t
+
+
+class Buffer:
+    """A communication buffer for expert-parallel dispatch and combine (DeepEP V1 API).
+
+    Arguments as DeepEP's: `group` (a ProcessGroup; `comm` is not supported), `num_nvl_bytes`
+    (normal-mode buffer), `num_rdma_bytes` (low-latency buffer), `low_latency_mode`,
+    `explicitly_destroy`. `num_qps_per_rank`, `allow_nvlink_for_low_latency_mode`, `allow_mnnvl`,
+    `use_fabric` are accepted for compatibility. Extension: `device` (default: the current CUDA
+    device, or the CPU when CUDA is absent or DEEP_EP_BACKEND=cpu) and `backend`.
+    """
+
+    num_sms: int = 20
+
+    def __init__(self, group: Optional[dist.ProcessGroup], num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
+                 allow_mnnvl: bool = False, use_fabric: bool = False, explicitly_destroy: bool = False,
+                 enable_shrink: bool = False, comm=None, device: Optional[Union[str, torch.device]] = None,
+                 backend: str = ""):
+        if group is None:
+            raise ValueError("deep_ep_rs.Buffer: a torch.distributed group is required (mpi4py comm is not supported)")
+        if enable_shrink:
+            raise NotImplementedError("deep_ep_rs.Buffer: enable_shrink (rank masking) is not implemented yet")
+        self.group = group
+        self.rank = group.rank()
+        self.group_size = group.size()
+        self.num_nvl_bytes = int(num_nvl_bytes)
+        self.num_rdma_bytes = int(num_rdma_bytes)
+        self.low_latency_mode = bool(low_latency_mode)
+        self.explicitly_destroy = bool(explicitly_destroy)
+        self.enable_shrink = False
+        self.num_qps_per_rank = num_qps_per_rank
+        self.device = torch.device(device) if device is not None else _default_device()
+        self._handle = None
+        uid = ops.get_unique_id(backend, self.device).tolist() if self.rank == 0 else None
+        ids = [None] * self.group_size
+        dist.all_gather_object(ids, uid, group=group)
+        self._handle = int(ops.create_buffer(torch.tensor(ids[0], dtype=torch.uint8), self.rank, self.group_size, self.device,
+                                             self.num_nvl_bytes, self.num_rdma_bytes, self.low_latency_mode, backend))
+        self.runtime = self._handle
+        self._comm_stream = torch.cuda.Stream(device=self.device, priority=-1) if self.device.type == "cuda" else None
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    @property
+    def handle(self) -> int:
+        """The integer buffer handle the ops take."""
+        if self._handle is None:
+            raise RuntimeError("deep_ep_rs.Buffer: the buffer was destroyed")
+        return self._handle
+
+    def destroy(self) -> None:
+        """Releases the buffer (requires explicitly_destroy=True, as DeepEP)."""
+        assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
+        if self._handle is not None:
+            h, self._handle = self._handle, None
+            ops.destroy_buffer(h)
+
+    def __del__(self):
+        h = getattr(self, "_handle", None)
+        if h is not None:
+            if self.explicitly_destroy:
+                print("deep_ep_rs.Buffer: explicitly_destroy=True but destroy() was not called; releasing in the destructor")
+            try:
+                ops.destroy_buffer(h)
+            except Exception:  # interpreter shutdown: nothing more to do
+                pass
+
+    def is_available(self) -> bool:
+        return self._handle is not None
+
+    # ---- static helpers ---------------------------------------------------------------------
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        return True
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        assert new_num_sms % 2 == 0, "The SM count must be even"
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        return EventOverlap(EventHandle())
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int) -> int:
+        return int(ops.low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts))
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        assert num_ranks in _DISPATCH_TABLE or num_ranks in (1, 3, 5, 6, 7), f"Unsupported number of EP ranks: {num_ranks}"
+        return Config(Buffer.num_sms, *_DISPATCH_TABLE.get(num_ranks, _DISPATCH_TABLE[4 if num_ranks < 4 else 8]))
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        assert num_ranks in _COMBINE_TABLE or num_ranks in (1, 3, 5, 6, 7), f"Unsupported number of EP ranks: {num_ranks}"
+        return Config(Buffer.num_sms, *_COMBINE_TABLE.get(num_ranks, _COMBINE_TABLE[4 if num_ranks < 4 else 8]))
+
+    def get_comm_stream(self) -> Optional[torch.cuda.Stream]:
+        return self._comm_stream
+
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> torch.Tensor:
+        raise NotImplementedError("deep_ep_rs.Buffer.get_local_buffer_tensor is not supported")
+
+    # ---- stream handling (DeepEP semantics) ---------------------------------------------------
+    @contextlib.contextmanager
+    def _on_comm_stream(self, previous_event: Optional[EventOverlap], async_finish: bool, allocate_on_comm_stream: bool, result: list):
+        """Runs the body on the comm stream after `previous_event` (or the current stream), then
+        either makes the current stream wait or returns an event through `result`."""
+        if allocate_on_comm_stream:
+            assert previous_event is not None and async_finish, "allocate_on_comm_stream requires previous_event and async_finish"
+        if self._comm_stream is None:
+            yield
+            result.append(EventOverlap(None))
+            return
+        compute = torch.cuda.current_stream(self.device)
+        if previous_event is not None and previous_event.event is not None:
+            self._comm_stream.wait_event(previous_event.event.event)
+        else:
+            self._comm_stream.wait_stream(compute)
+        with torch.cuda.stream(self._comm_stream):
+            yield
+        if async_finish:
+            result.append(EventOverlap(EventHandle(self._comm_stream)))
+        else:
+            compute.wait_stream(self._comm_stream)
+            result.append(EventOverlap(None))
+
+    @staticmethod
+    def _keep_alive(event: EventOverlap, tensors) -> EventOverlap:
+        if event.event is not None:
+            event.extra_tensors = tuple(t for t in tensors if isinstance(t, torch.Tensor))
+        return event
+
+    # ---- normal mode ----------------------------------------------------------------------------
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: Optional[EventOverlap] = None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """Returns (num_tokens_per_rank [R] i32, num_tokens_per_rdma_rank [R/8] or None,
+        num_tokens_per_expert [E] i32, is_token_in_rank [N, R] bool, event)."""
+        ev: list = []
+        with self._on_comm_stream(previous_event, async_finish, allocate_on_comm_stream, ev):
+            a, b, c, d = ops.get_dispatch_layout(topk_idx, num_experts, self.group_size)
+        return a, _opt(b), c, d, self._keep_alive(ev[0], (topk_idx, a, b, c, d))
+
+    def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], handle: Optional[Tuple] = None,
+                 num_tokens_per_rank: Optional[torch.Tensor] = None, num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                 is_token_in_rank: Optional[torch.Tensor] = None, num_tokens_per_expert: Optional[torch.Tensor] = None,
+                 topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None, expert_alignment: int = 1,
+                 num_worst_tokens: int = 0, config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+                 async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """Sends each token to the ranks of its experts. Returns (recv_x [or (recv_x, recv_x_scales)],
+        recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event); the
+        cached form (`handle` given) returns (recv_x, None, None, None, None, event)."""
+        config = self.get_dispatch_config(self.group_size) if config is None else config
+        x, x_scales = x if isinstance(x, tuple) else (x, None)
+        ev: list = []
+        if handle is not None:
+            assert topk_idx is None and topk_weights is None, "cached dispatch takes no topk_idx/topk_weights"
+            rpm, cpm, rcpm, src_idx, in_rank, send_head = handle
+            with self._on_comm_stream(previous_event, async_finish, allocate_on_comm_stream, ev):
+                recv_x, recv_s = ops.cached_dispatch(self.handle, x, x_scales, rpm, cpm, rcpm, src_idx, in_rank, send_head,
+                                                     config.to_list())
+            out_x = (recv_x, recv_s) if x_scales is not None else recv_x
+            return out_x, None, None, None, None, self._keep_alive(ev[0], (x, x_scales, recv_x, recv_s) + tuple(handle))
+        assert num_tokens_per_rank is not None and is_token_in_rank is not None and num_tokens_per_expert is not None, \
+            "dispatch needs the layout tensors (get_dispatch_layout) or a handle"
+        with self._on_comm_stream(previous_event, async_finish, allocate_on_comm_stream, ev):
+            (recv_x, recv_s, recv_idx, recv_w, per_expert, rpm, cpm, rcpm, src_idx, send_head) = ops.dispatch(
+                self.handle, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+                num_tokens_per_expert, expert_alignment, num_worst_tokens, config.to_list())
+        new_handle = (rpm, cpm, rcpm, src_idx, is_token_in_rank, send_head)
+        out_x = (recv_x, recv_s) if x_scales is not None else recv_x
+        per_expert_list = per_expert.tolist() if num_worst_tokens == 0 else []
+        event = self._keep_alive(ev[0], (x, x_scales, topk_idx, topk_weights, recv_x, recv_s, recv_idx, recv_w) + new_handle)
+        return (out_x, recv_idx if topk_idx is not None else None, recv_w if topk_weights is not None else None,
+                per_expert_list, new_handle, event)
+
+    def combine(self, x: torch.Tensor, handle: Tuple, topk_weights: Optional[torch.Tensor] = None,
+                bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None] = None, config: Optional[Config] = None,
+                previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False):
+        """Sends expert outputs back and sums them (unweighted, fp32, ascending rank order, bias
+        first). Returns (combined_x [N, H], combined_topk_weights [N, K] or None, event)."""
+        config = self.get_combine_config(self.group_size) if config is None else config
+        bias_0, bias_1 = (bias if isinstance(bias, tuple) else (bias, None))
+        rpm, cpm, rcpm, src_idx, in_rank, send_head = handle
+        ev: list = []
+        with self._on_comm_stream(previous_event, async_finish, allocate_on_comm_stream, ev):
+            out, out_w = ops.combine(self.handle, x, topk_weights, bias_0, bias_1, rpm, cpm, rcpm, src_idx, in_rank, send_head,
+                                     config.to_list())
+        event = self._keep_alive(ev[0], (x, topk_weights, bias_0, bias_1, out, out_w) + tuple(handle))
+        return out, (out_w if topk_weights is not None else None), event
+
+    def internode_dispatch(self, *args, **kwargs):
+        raise NotImplementedError("deep_ep_rs: internode (RDMA) dispatch is not implemented yet")
+
+    def internode_combine(self, *args, **kwargs):
+        raise NotImplementedError("deep_ep_rs: internode (RDMA) combine is not implemented yet")
+
+    # ---- low-latency mode -------------------------------------------------------------------
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        ops.clean_low_latency_buffer(self.handle, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False, topk_weights: Optional[torch.Tensor] = None):
+        """Returns (recv_x [or (recv_x, scales)], recv_count, handle, event, hook); handle =
+        (src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)."""
+        assert not (async_finish and return_recv_hook), "async_finish and return_recv_hook are mutually exclusive"
+        t, e = num_max_dispatch_tokens_per_rank, num_experts
+        if return_recv_hook:
+            recv_x, scales, count, src_info, layout_range, state = ops.low_latency_dispatch_send(
+                self.handle, x, topk_idx, topk_weights, t, e, use_fp8, round_scale, use_ue8m0)
+
+            def hook():
+                ops.low_latency_dispatch_recv(self.handle, state, recv_x, scales, count, src_info, layout_range,
+                                              cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, t, e, use_fp8,
+                                              round_scale, use_ue8m0)
+        else:
+            hook = None
+            recv_x, scales, count, src_info, layout_range = ops.low_latency_dispatch(
+                self.handle, x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, t, e,
+                use_fp8, round_scale, use_ue8m0)
+        handle = (src_info, layout_range, t, x.size(1), e)
+        event = EventOverlap(EventHandle(), (x, topk_idx, recv_x, scales, count, src_info, layout_range)) \
+            if async_finish and x.is_cuda else EventOverlap(None)
+        return ((recv_x, scales) if use_fp8 else recv_x), count, handle, event, hook
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: Tuple,
+                            use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out: Optional[torch.Tensor] = None,
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
+        """Returns (combined_x [N, H] bf16 = Σ_k w_k·y_k, event, hook)."""
+        assert not (async_finish and return_recv_hook), "async_finish and return_recv_hook are mutually exclusive"
+        src_info, layout_range, t, hidden, e = handle
+        if out is None:
+            out = torch.empty((topk_idx.size(0), hidden), dtype=torch.bfloat16, device=x.device)
+        if return_recv_hook:
+            state = ops.low_latency_combine_send(self.handle, x, src_info, layout_range, t, e, use_logfmt, zero_copy)
+
+            def hook():
+                ops.low_latency_combine_recv(self.handle, state, topk_idx, topk_weights, out, combine_wait_recv_cost_stats, t,
+                                             hidden, e)
+        else:
+            hook = None
+            ops.low_latency_combine(self.handle, x, topk_idx, topk_weights, src_info, layout_range, out,
+                                    combine_wait_recv_cost_stats, t, e, use_logfmt, zero_copy)
+        event = EventOverlap(EventHandle(), (x, topk_idx, topk_weights, src_info, layout_range, out)) \
+            if async_finish and x.is_cuda else EventOverlap(None)
+        return out, event, hook
+
+    def get_next_low_latency_combine_buffer(self, handle: Tuple) -> torch.Tensor:
+        """The bf16 [E_l, R*T, H] view a zero-copy combine reads."""
+        _, _, t, hidden, e = handle
+        return ops.get_next_low_latency_combine_buffer(self.handle, t, hidden, e)
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False):
+        raise NotImplementedError("deep_ep_rs: rank masking (enable_shrink) is not implemented yet")
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor):
+        raise NotImplementedError("deep_ep_rs: rank masking (enable_shrink) is not implemented yet")
+
+    def low_latency_clean_mask_buffer(self):
+        raise NotImplementedError("deep_ep_rs: rank masking (enable_shrink) is not implemented yet")

@@ -1,0 +1,78 @@
+"""Config and EventOverlap, with DeepEP V1's names, arguments and defaults."""
+from typing import Any, Optional, Tuple
+
+import torch
+
+from . import _lib
+
+_lib.load()
+
+
+class Config:
+    """Normal-mode kernel configuration (DeepEP V1 `Config`).
+
+    Arguments: num_sms (blocks; even; channels = num_sms / 2), num_max_nvl_chunked_send_tokens,
+    num_max_nvl_chunked_recv_tokens, num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens.
+    Invalid combinations raise RuntimeError from the library (the same checks as DeepEP).
+    """
+
+    def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6, num_max_nvl_chunked_recv_tokens: int = 256,
+                 num_max_rdma_chunked_send_tokens: int = 6, num_max_rdma_chunked_recv_tokens: int = 256):
+        self.num_sms = int(num_sms)
+        self.num_max_nvl_chunked_send_tokens = int(num_max_nvl_chunked_send_tokens)
+        self.num_max_nvl_chunked_recv_tokens = int(num_max_nvl_chunked_recv_tokens)
+        self.num_max_rdma_chunked_send_tokens = int(num_max_rdma_chunked_send_tokens)
+        rdma_recv = int(num_max_rdma_chunked_recv_tokens)
+        send = max(self.num_max_rdma_chunked_send_tokens, 1)
+        self.num_max_rdma_chunked_recv_tokens = (rdma_recv + send - 1) // send * send  # DeepEP rounds up
+        torch.ops.deep_ep.nvl_buffer_size_hint(self.to_list(), 16, 1)  # validates
+
+    def to_list(self) -> list:
+        """The `int[5]` config argument of the ops."""
+        return [self.num_sms, self.num_max_nvl_chunked_send_tokens, self.num_max_nvl_chunked_recv_tokens,
+                self.num_max_rdma_chunked_send_tokens, self.num_max_rdma_chunked_recv_tokens]
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes of NVLink buffer this config needs for `hidden_bytes` per token."""
+        return int(torch.ops.deep_ep.nvl_buffer_size_hint(self.to_list(), hidden_bytes, num_ranks))
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes of RDMA buffer this config needs (0 within one NVLink domain)."""
+        return int(torch.ops.deep_ep.rdma_buffer_size_hint(self.to_list(), hidden_bytes, num_ranks))
+
+    def __repr__(self) -> str:
+        return f"Config({', '.join(map(str, self.to_list()))})"
+
+
+class EventHandle:
+    """A CUDA event recorded on the current stream at construction (DeepEP's `EventHandle`)."""
+
+    def __init__(self, stream: Optional[torch.cuda.Stream] = None):
+        self.event = torch.cuda.Event()
+        self.event.record(stream if stream is not None else torch.cuda.current_stream())
+
+    def current_stream_wait(self) -> None:
+        torch.cuda.current_stream().wait_event(self.event)
+
+
+class EventOverlap:
+    """An optional event plus tensors kept alive until it is waited on (DeepEP V1).
+
+    CPU buffers finish every op before returning, so their events are None.
+    """
+
+    def __init__(self, event: Optional[EventHandle] = None, extra_tensors: Optional[Tuple[Any, ...]] = None):
+        self.event = event
+        self.extra_tensors = extra_tensors
+
+    def current_stream_wait(self) -> None:
+        """Makes the current stream wait for the event."""
+        assert self.event is not None
+        self.event.current_stream_wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc_val, exc_tb):
+        if self.event is not None:
+            self.event.current_stream_wait()

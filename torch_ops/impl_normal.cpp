@@ -1,0 +1,153 @@
+// get_dispatch_layout and the normal-mode ops. One implementation serves CPU and CUDA tensors:
+// the Rust side routes on the buffer's backend and the tensors' device. Outputs are allocated
+// here after the library has validated the inputs.
+#include <c10/core/DeviceGuard.h>
+#include "common.h"
+
+namespace deep_ep_ops {
+namespace {
+
+using at::Tensor;
+using std::optional;
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> get_dispatch_layout(const Tensor& topk_idx, int64_t num_experts, int64_t num_ranks) {
+  auto ti = raw(topk_idx);
+  check(deep_ep_check_dispatch_layout(&ti, num_experts, num_ranks));
+  c10::OptionalDeviceGuard guard(topk_idx.device());
+  auto i32 = topk_idx.options().dtype(at::kInt);
+  int64_t n = topk_idx.size(0);
+  auto per_rank = at::empty({num_ranks}, i32);
+  auto per_rdma = at::empty({num_ranks > 8 ? num_ranks / 8 : 0}, i32);
+  auto per_expert = at::empty({num_experts}, i32);
+  auto in_rank = at::empty({n, num_ranks}, topk_idx.options().dtype(at::kBool));
+  auto a = raw(per_rank), b = num_ranks > 8 ? raw(per_rdma) : absent(), c = raw(per_expert), d = raw(in_rank);
+  check(deep_ep_get_dispatch_layout(&ti, num_experts, num_ranks, &a, &b, &c, &d, stream_for(topk_idx.device())));
+  return {per_rank, per_rdma, per_expert, in_rank};
+}
+
+void fill_config(int64_t* dst, at::IntArrayRef config) {
+  TORCH_CHECK(config.size() == 5, "deep_ep: config must have 5 ints [num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv], got ", config);
+  for (int i = 0; i < 5; ++i) dst[i] = config[i];
+}
+
+deep_ep_handle_t raw_handle(const Tensor& rpm, const Tensor& cpm, const Tensor& rcpm, const Tensor& src_idx, const Tensor& in_rank,
+                            const Tensor& send_head) {
+  return deep_ep_handle_t{raw(rpm), raw(cpm), raw(rcpm), raw(src_idx), raw(in_rank), raw(send_head)};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dispatch(
+    int64_t handle, const Tensor& x, const optional<Tensor>& x_scales, const optional<Tensor>& topk_idx,
+    const optional<Tensor>& topk_weights, const Tensor& num_tokens_per_rank, const Tensor& is_token_in_rank,
+    const Tensor& num_tokens_per_expert, int64_t expert_alignment, int64_t num_worst_tokens, at::IntArrayRef config) {
+  c10::OptionalDeviceGuard guard(x.device());
+  deep_ep_dispatch_args_t args{};
+  args.size = sizeof(args);
+  args.x = raw(x);
+  args.x_scales = raw(x_scales);
+  args.topk_idx = raw(topk_idx);
+  args.topk_weights = raw(topk_weights);
+  args.num_tokens_per_rank = raw(num_tokens_per_rank);
+  args.is_token_in_rank = raw(is_token_in_rank);
+  args.num_tokens_per_expert = raw(num_tokens_per_expert);
+  args.expert_alignment = expert_alignment;
+  args.num_worst_tokens = num_worst_tokens;
+  fill_config(args.config, config);
+  args.stream = stream_for(x.device());
+
+  auto info = buffer_info(handle);
+  int64_t num_experts = num_tokens_per_expert.dim() == 1 ? num_tokens_per_expert.size(0) : 0;
+  int64_t num_local = info.num_ranks() > 0 ? num_experts / info.num_ranks() : 0;
+  auto per_expert = at::empty({num_local}, at::TensorOptions().dtype(at::kInt));
+  deep_ep_dispatch_plan_t plan{};
+  plan.size = sizeof(plan);
+  check(deep_ep_dispatch_prepare(handle, &args, &plan, per_expert.data_ptr<int32_t>(), num_local));
+
+  // Inputs are validated from here on.
+  const int64_t rows = plan.num_rows, n = x.size(0), r = info.num_ranks(), c = config[0] / 2;
+  auto dev = x.options();
+  auto i32 = dev.dtype(at::kInt);
+  Tensor recv_x = at::empty({rows, x.size(1)}, dev);
+  Tensor recv_scales = x_scales ? at::empty({rows, x_scales->size(1)}, x_scales->options()) : none_like(dev.dtype(at::kFloat));
+  Tensor recv_idx = topk_idx ? at::empty({rows, topk_idx->size(1)}, topk_idx->options()) : none_like(dev.dtype(at::kLong));
+  Tensor recv_w = topk_weights ? at::empty({rows, topk_weights->size(1)}, topk_weights->options()) : none_like(dev.dtype(at::kFloat));
+  Tensor rpm = at::empty({r, r}, i32), cpm = at::empty({r, c}, i32), rcpm = at::empty({r, c}, i32);
+  Tensor src_idx = at::empty({rows}, i32), send_head = at::empty({n, r}, i32);
+
+  deep_ep_dispatch_outputs_t out{};
+  out.size = sizeof(out);
+  out.recv_x = raw(recv_x);
+  out.recv_x_scales = x_scales ? raw(recv_scales) : absent();
+  out.recv_topk_idx = topk_idx ? raw(recv_idx) : absent();
+  out.recv_topk_weights = topk_weights ? raw(recv_w) : absent();
+  out.rank_prefix_matrix = raw(rpm);
+  out.channel_prefix_matrix = raw(cpm);
+  out.recv_channel_prefix_matrix = raw(rcpm);
+  out.recv_src_idx = raw(src_idx);
+  out.send_head = raw(send_head);
+  check(deep_ep_dispatch_finish(handle, &args, &plan, &out));
+  if (num_worst_tokens > 0) per_expert = at::empty({0}, at::TensorOptions().dtype(at::kInt));
+  return {recv_x, recv_scales, recv_idx, recv_w, per_expert, rpm, cpm, rcpm, src_idx, send_head};
+}
+
+std::tuple<Tensor, Tensor> cached_dispatch(int64_t handle, const Tensor& x, const optional<Tensor>& x_scales, const Tensor& rpm,
+                                           const Tensor& cpm, const Tensor& rcpm, const Tensor& src_idx, const Tensor& in_rank,
+                                           const Tensor& send_head, at::IntArrayRef config) {
+  c10::OptionalDeviceGuard guard(x.device());
+  deep_ep_cached_dispatch_args_t args{};
+  args.size = sizeof(args);
+  args.x = raw(x);
+  args.x_scales = raw(x_scales);
+  args.handle = raw_handle(rpm, cpm, rcpm, src_idx, in_rank, send_head);
+  fill_config(args.config, config);
+  args.stream = stream_for(x.device());
+  check(deep_ep_cached_dispatch(handle, &args, nullptr, nullptr));
+  const int64_t rows = src_idx.size(0);
+  Tensor recv_x = at::empty({rows, x.size(1)}, x.options());
+  Tensor recv_scales = x_scales ? at::empty({rows, x_scales->size(1)}, x_scales->options()) : none_like(x.options().dtype(at::kFloat));
+  auto rx = raw(recv_x);
+  auto rs = x_scales ? raw(recv_scales) : absent();
+  check(deep_ep_cached_dispatch(handle, &args, &rx, &rs));
+  return {recv_x, recv_scales};
+}
+
+std::tuple<Tensor, Tensor> combine(int64_t handle, const Tensor& x, const optional<Tensor>& topk_weights, const optional<Tensor>& bias_0,
+                                   const optional<Tensor>& bias_1, const Tensor& rpm, const Tensor& cpm, const Tensor& rcpm,
+                                   const Tensor& src_idx, const Tensor& in_rank, const Tensor& send_head, at::IntArrayRef config) {
+  c10::OptionalDeviceGuard guard(x.device());
+  deep_ep_combine_args_t args{};
+  args.size = sizeof(args);
+  args.x = raw(x);
+  args.topk_weights = raw(topk_weights);
+  args.bias_0 = raw(bias_0);
+  args.bias_1 = raw(bias_1);
+  args.handle = raw_handle(rpm, cpm, rcpm, src_idx, in_rank, send_head);
+  fill_config(args.config, config);
+  args.stream = stream_for(x.device());
+  check(deep_ep_combine(handle, &args, nullptr, nullptr));
+  const int64_t n = send_head.size(0);
+  Tensor out = at::empty({n, x.size(1)}, x.options());
+  Tensor out_w = topk_weights ? at::empty({n, topk_weights->size(1)}, topk_weights->options()) : none_like(x.options().dtype(at::kFloat));
+  auto ro = raw(out);
+  auto rw = topk_weights ? raw(out_w) : absent();
+  check(deep_ep_combine(handle, &args, &ro, &rw));
+  return {out, out_w};
+}
+
+}  // namespace
+}  // namespace deep_ep_ops
+
+TORCH_LIBRARY_IMPL(deep_ep, CPU, m) {
+  m.impl("get_dispatch_layout", &deep_ep_ops::get_dispatch_layout);
+  m.impl("dispatch", &deep_ep_ops::dispatch);
+  m.impl("cached_dispatch", &deep_ep_ops::cached_dispatch);
+  m.impl("combine", &deep_ep_ops::combine);
+}
+
+#ifdef USE_CUDA
+TORCH_LIBRARY_IMPL(deep_ep, CUDA, m) {
+  m.impl("get_dispatch_layout", &deep_ep_ops::get_dispatch_layout);
+  m.impl("dispatch", &deep_ep_ops::dispatch);
+  m.impl("cached_dispatch", &deep_ep_ops::cached_dispatch);
+  m.impl("combine", &deep_ep_ops::combine);
+}
+#endif

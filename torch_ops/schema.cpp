@@ -1,0 +1,98 @@
+// Every deep_ep op schema, one comment each. Implementations: impl_buffer.cpp (buffers, hints),
+// impl_normal.cpp (layout, normal mode), impl_low_latency.cpp (low-latency mode). Fake kernels
+// live in python/deep_ep_rs/_fake.py (loaded on demand through set_python_module).
+//
+// Shapes: N tokens on this rank, H hidden, S = H/128 scales, K top-k, R ranks, E experts,
+// E_l = E/R local experts, T = num_max_dispatch_tokens_per_rank, C = config[0]/2 channels,
+// rows = received tokens. `config` is [num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv].
+// Ops marked "collective" must be called by every rank of the buffer in the same order.
+#include <torch/library.h>
+
+TORCH_LIBRARY(deep_ep, m) {
+  m.set_python_module("deep_ep_rs._fake");
+
+  // uint8[128] CPU rendezvous id for `backend` ("" = DEEP_EP_BACKEND or the device default).
+  m.def("get_unique_id(str backend='', Device? device=None) -> Tensor");
+  // Collective. Creates a buffer on `device`; returns its handle.
+  m.def(
+      "create_buffer(Tensor unique_id, int rank, int num_ranks, Device device, int num_nvl_bytes, int num_rdma_bytes, "
+      "bool low_latency_mode, str backend='') -> int");
+  // Collective. Destroys the buffer; the handle is never reused.
+  m.def("destroy_buffer(int handle) -> ()");
+  // [rank, num_ranks, device, num_nvl_bytes, num_rdma_bytes, low_latency_mode, backend(0 cpu,1 nccl,2 nvshmem)].
+  m.def("buffer_info(int handle) -> int[]");
+  // DeepEP's Config.get_nvl_buffer_size_hint / get_rdma_buffer_size_hint and the LL RDMA hint (bytes).
+  m.def("nvl_buffer_size_hint(int[] config, int hidden_bytes, int num_ranks) -> int");
+  m.def("rdma_buffer_size_hint(int[] config, int hidden_bytes, int num_ranks) -> int");
+  m.def("low_latency_rdma_size_hint(int num_max_dispatch_tokens_per_rank, int hidden, int num_ranks, int num_experts) -> int");
+
+  // Local. topk_idx [N,K] int32/int64 (-1 = none) -> tokens per rank [R] i32, per node [R/8] i32
+  // (empty when R <= 8), per expert [E] i32, is_token_in_rank [N,R] bool.
+  m.def(
+      "get_dispatch_layout(Tensor topk_idx, int num_experts, int num_ranks) -> "
+      "(Tensor num_tokens_per_rank, Tensor num_tokens_per_rdma_rank, Tensor num_tokens_per_expert, Tensor is_token_in_rank)");
+  // Collective, normal mode. x [N,H] bf16 or fp8 with x_scales [N,S] f32/i32. Returns recv_x [rows,H],
+  // recv_x_scales [rows,S] (empty without scales), recv_topk_idx [rows,K] (local ids or -1) and
+  // recv_topk_weights [rows,K] (empty without top-k), num_recv_tokens_per_expert [E_l] i32 on the CPU
+  // (empty with num_worst_tokens > 0), and the handle: rank_prefix_matrix [R,R], channel_prefix_matrix
+  // [R,C], recv_channel_prefix_matrix [R,C], recv_src_idx [rows], send_head [N,R] (all i32).
+  // rows = received tokens, or num_worst_tokens when > 0 (no host sync).
+  m.def(
+      "dispatch(int handle, Tensor x, Tensor? x_scales, Tensor? topk_idx, Tensor? topk_weights, Tensor num_tokens_per_rank, "
+      "Tensor is_token_in_rank, Tensor num_tokens_per_expert, int expert_alignment, int num_worst_tokens, int[] config) -> "
+      "(Tensor recv_x, Tensor recv_x_scales, Tensor recv_topk_idx, Tensor recv_topk_weights, Tensor num_recv_tokens_per_expert, "
+      "Tensor rank_prefix_matrix, Tensor channel_prefix_matrix, Tensor recv_channel_prefix_matrix, Tensor recv_src_idx, Tensor send_head)");
+  // Collective, normal mode, reusing a handle (rows = recv_src_idx.size(0), no host sync).
+  m.def(
+      "cached_dispatch(int handle, Tensor x, Tensor? x_scales, Tensor rank_prefix_matrix, Tensor channel_prefix_matrix, "
+      "Tensor recv_channel_prefix_matrix, Tensor recv_src_idx, Tensor is_token_in_rank, Tensor send_head, int[] config) -> "
+      "(Tensor recv_x, Tensor recv_x_scales)");
+  // Collective, normal mode. x [rows,H] bf16 in dispatch order -> combined_x [N,H] bf16 = fp32 sum of
+  // bias_0, bias_1, then the rows from each rank in ascending rank order; topk_weights [rows,K] f32 are
+  // summed the same way into combined_topk_weights [N,K] (empty without them). Not weighted.
+  m.def(
+      "combine(int handle, Tensor x, Tensor? topk_weights, Tensor? bias_0, Tensor? bias_1, Tensor rank_prefix_matrix, "
+      "Tensor channel_prefix_matrix, Tensor recv_channel_prefix_matrix, Tensor recv_src_idx, Tensor is_token_in_rank, "
+      "Tensor send_head, int[] config) -> (Tensor combined_x, Tensor combined_topk_weights)");
+
+  // Collective, low-latency. x [N,H] bf16 (N <= T), topk_idx [N,K] -> recv_x [E_l,R*T,H] (fp8 or bf16),
+  // recv_x_scales (f32 [E_l,R*T,S] or UE8M0 i32 [E_l,R*T,H/512], column-major; empty for bf16),
+  // recv_count [E_l] i32, src_info [E_l,R*T] i32, layout_range [E_l,R] i64 ((begin<<32)|count).
+  // The optional stats are added to in place.
+  m.def(
+      "low_latency_dispatch(int handle, Tensor x, Tensor topk_idx, Tensor? topk_weights, "
+      "Tensor(a!)? cumulative_local_expert_recv_stats, Tensor(b!)? dispatch_wait_recv_cost_stats, "
+      "int num_max_dispatch_tokens_per_rank, int num_experts, bool use_fp8, bool round_scale, bool use_ue8m0) -> "
+      "(Tensor recv_x, Tensor recv_x_scales, Tensor recv_count, Tensor src_info, Tensor layout_range)");
+  // Send phase of low_latency_dispatch: outputs are allocated but valid only after
+  // low_latency_dispatch_recv(recv_state, ...). recv_state is i64 [4].
+  m.def(
+      "low_latency_dispatch_send(int handle, Tensor x, Tensor topk_idx, Tensor? topk_weights, "
+      "int num_max_dispatch_tokens_per_rank, int num_experts, bool use_fp8, bool round_scale, bool use_ue8m0) -> "
+      "(Tensor recv_x, Tensor recv_x_scales, Tensor recv_count, Tensor src_info, Tensor layout_range, Tensor recv_state)");
+  // Receive phase: waits for every source and fills the send phase's outputs in place.
+  m.def(
+      "low_latency_dispatch_recv(int handle, Tensor recv_state, Tensor(a!) recv_x, Tensor(b!) recv_x_scales, Tensor(c!) recv_count, "
+      "Tensor(d!) src_info, Tensor(e!) layout_range, Tensor(f!)? cumulative_local_expert_recv_stats, "
+      "Tensor(g!)? dispatch_wait_recv_cost_stats, int num_max_dispatch_tokens_per_rank, int num_experts, bool use_fp8, "
+      "bool round_scale, bool use_ue8m0) -> ()");
+  // Collective, low-latency. x [E_l,R*T,H] bf16 expert outputs; topk_idx/topk_weights [N,K] are this
+  // rank's original routing; out [N,H] bf16 = Σ_k w_k·y_k (fp32, ascending k) is written in place.
+  m.def(
+      "low_latency_combine(int handle, Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor src_info, Tensor layout_range, "
+      "Tensor(a!) out, Tensor(b!)? combine_wait_recv_cost_stats, int num_max_dispatch_tokens_per_rank, int num_experts, "
+      "bool use_logfmt, bool zero_copy) -> ()");
+  // Send phase of low_latency_combine; returns recv_state i64 [4] for the receive phase.
+  m.def(
+      "low_latency_combine_send(int handle, Tensor x, Tensor src_info, Tensor layout_range, int num_max_dispatch_tokens_per_rank, "
+      "int num_experts, bool use_logfmt, bool zero_copy) -> Tensor");
+  // Receive phase of low_latency_combine.
+  m.def(
+      "low_latency_combine_recv(int handle, Tensor recv_state, Tensor topk_idx, Tensor topk_weights, Tensor(a!) out, "
+      "Tensor(b!)? combine_wait_recv_cost_stats, int num_max_dispatch_tokens_per_rank, int hidden, int num_experts) -> ()");
+  // Collective. Zeroes the LL signal areas of both halves (needed only after a mode switch).
+  m.def("clean_low_latency_buffer(int handle, int num_max_dispatch_tokens_per_rank, int hidden, int num_experts) -> ()");
+  // Local. bf16 view [E_l,R*T,H] (strides R*T*M, M, 1 with M = H + H/64) into the buffer the next
+  // low_latency_combine(zero_copy=True) reads; valid while the buffer lives.
+  m.def("get_next_low_latency_combine_buffer(int handle, int num_max_dispatch_tokens_per_rank, int hidden, int num_experts) -> Tensor");
+}

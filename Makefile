@@ -1,0 +1,52 @@
+# Two entry points (see README): `make demo` and `make test`. Both install what they need first.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SITE = $(shell $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+export DEEP_EP_PYTHON := $(abspath $(PY))
+TORCH_PIN := torch==2.11.0
+CUDA_PIN := cuda-toolkit[nvcc,nvvm,crt,cccl,cudart]==13.0.2
+NCCL_PIN := nvidia-nccl-cu13==2.28.9
+LIB := target/release/libdeep_ep.so
+PYTEST_ENV := PYTHONPATH=python DEEP_EP_LIBRARY=$(abspath $(LIB))
+
+.PHONY: demo test deps build install rust-test py-test gpu-test clean
+
+demo: build
+	$(PYTEST_ENV) $(PY) examples/moe_demo.py --ranks 4
+
+test: build rust-test py-test gpu-test
+
+# Python venv with torch (the CUDA 13 wheel is PyPI's default), nvcc and NCCL from pip, and
+# libclang for bindgen. Re-runs only when this Makefile changes.
+deps: $(VENV)/.deps-ok
+$(VENV)/.deps-ok: Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_PIN)" "$(CUDA_PIN)" "$(NCCL_PIN)" pytest numpy expecttest hypothesis setuptools wheel
+	@if ! ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1 && ! ls /usr/lib/x86_64-linux-gnu/libclang*.so* >/dev/null 2>&1; then \
+	  echo "installing libclang-dev (bindgen)"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libclang-dev) || \
+	  (sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libclang-dev); fi
+	touch $@
+
+build: deps
+	cargo build --release
+
+install: deps
+	$(PY) -m pip install --no-build-isolation .
+
+rust-test: deps
+	cargo test --release
+
+py-test: build
+	$(PYTEST_ENV) $(PY) -m pytest tests/python -q
+
+# GPU tier: runs only where CUDA devices are visible (skipped with a message otherwise).
+gpu-test: build
+	@if $(PY) -c 'import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then \
+	  $(PYTEST_ENV) $(PY) -m pytest tests/gpu -q; \
+	else echo "gpu-test: no CUDA device visible, GPU tier skipped"; fi
+
+clean:
+	cargo clean

@@ -64,6 +64,42 @@ impl TensorRef {
         unsafe { std::slice::from_raw_parts_mut(self.data as *mut u8, n) }
     }
 
+    /// Whether the strides are a permutation of a contiguous layout (e.g. a transposed view):
+    /// the elements exactly cover `numel` consecutive storage slots.
+    pub fn is_dense(&self) -> bool {
+        if self.numel() == 0 {
+            return true;
+        }
+        let mut dims: Vec<(i64, i64)> = self.strides().iter().copied().zip(self.sizes().iter().copied()).filter(|&(_, n)| n != 1).collect();
+        dims.sort_unstable();
+        let mut expected = 1i64;
+        for (stride, size) in dims {
+            if stride != expected {
+                return false;
+            }
+            expected *= size;
+        }
+        true
+    }
+
+    /// The `numel` storage elements of a dense CPU output tensor with any dense strides (see
+    /// [`TensorRef::is_dense`]), in storage order: index them with `strides()`. Used for
+    /// outputs DeepEP allocates transposed, such as LL FP8 scales.
+    #[allow(clippy::mut_from_ref)]
+    pub fn cpu_dense_storage_mut<T: Pod>(&self) -> &mut [T] {
+        assert_eq!(self.device, Device::Cpu, "host view of a {} tensor", self.device);
+        assert_eq!(self.dtype.size(), std::mem::size_of::<T>(), "host view with wrong element size for {}", self.dtype);
+        assert!(self.is_dense(), "dense host view of a tensor with gaps or overlaps: sizes {:?} strides {:?}", self.sizes(), self.strides());
+        let n = self.numel();
+        if n == 0 {
+            return &mut [];
+        }
+        assert!(!self.data.is_null(), "host view of a tensor without data");
+        // SAFETY: capi built this from a live CPU tensor whose n elements occupy exactly n
+        // consecutive slots from `data` (density checked above); the op owns it for the call.
+        unsafe { std::slice::from_raw_parts_mut(self.data as *mut T, n) }
+    }
+
     /// Copies a 2-D CPU tensor with any strides into row-major bytes.
     pub fn cpu_copy_2d_contiguous(&self) -> Vec<u8> {
         assert_eq!(self.device, Device::Cpu);

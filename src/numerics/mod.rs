@@ -2,3 +2,5 @@
 //! bf16 (round to nearest even), FP8 E4M3 with per-128-channel scales (incl. UE8M0), LogFMT.
 
 pub mod bf16;
+pub mod fp8;
+pub mod logfmt;

@@ -3,3 +3,4 @@
 //! model the CPU backend and GPU kernels must agree with.
 
 pub mod ht;
+pub mod ll;

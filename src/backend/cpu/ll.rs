@@ -1,35 +1,447 @@
-//! Low-latency ops on the CPU backend (placeholder until the LL implementation lands).
+//! Low-latency ops on the CPU backend: DeepEP's LL protocol on shared memory. Senders *push*
+//! messages into the receiver's LL area and then raise signal words; receivers wait for the
+//! words of this call and copy or reduce. No barrier between ranks in any LL call.
+//!
+//! # LL area of one rank (`num_rdma_bytes`, sizes from [`LowLatencyLayout`])
+//! `[signal 0][signal 1][send 0][send 1][recv 0][recv 1]` (DeepEP's byte order), so the area
+//! DeepEP's `get_low_latency_rdma_size_hint` sizes is always enough. Per half `h`:
+//! - signal: `E` 32-bit words (two per 64-bit atomic), shared by the dispatch and the combine
+//!   that use this half (one at a time). Dispatch: word `l·R + s` = count from source rank `s`
+//!   for local expert `l`. Combine: word `g = s·E_l + l` = source rank `s` has written all rows
+//!   of its local expert `l`. Value `(seq mod 2^16) << 16 | (count + 1)` (combine: count 0).
+//! - send: the zero-copy combine buffer, `[E_l][R·T]` rows of `M = H + H/128·2` bf16.
+//! - recv: dispatch messages `[E_l][R][T]` of `dispatch_msg_bytes` (16-byte header
+//!   `[src token, 0, 0, 0]` i32, then `H` bf16, or `H` E4M3 bytes + `H/128` f32 `scale_inv`), or
+//!   combine slots `[E][T]` of `combine_slot_bytes` keyed by (global expert, source token):
+//!   `H` bf16, or a [`logfmt`] slot.
+//!
+//! # Halves and sequence numbers
+//! Every LL send (dispatch or combine) takes the half `LlState::next_half` and flips it, like
+//! DeepEP's buffer index, and bumps that half's sequence number. All ranks issue the same LL
+//! call sequence, so halves and numbers agree. Every call writes all `E` words of its half on
+//! every rank, so a word always holds this call's tag, the previous call's tag or zero: no
+//! cleaning between calls. The send op writes `[half, seq, flags, kind]` into `recv_state`
+//! and the recv op works from that alone, so split calls may interleave (at most two in
+//! flight, DeepEP's rule); a recv whose half was reused by a later send is an error.
+//! Data is written with plain copies before the signal's release store; waits load with
+//! acquire.
 
+use super::shm::{self, Region};
 use super::CpuBackend;
-use crate::backend::{LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlStats};
+use crate::backend::{LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlStats, LL_STATE_LEN};
+use crate::config::{low_latency_rdma_size_hint, LowLatencyLayout};
 use crate::error::{Error, Result};
-use crate::tensor::TensorRef;
+use crate::numerics::{bf16, fp8, logfmt};
+use crate::tensor::{DType, Device, TensorRef};
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+const OP_DISPATCH: &str = "deep_ep::low_latency_dispatch";
+const OP_COMBINE: &str = "deep_ep::low_latency_combine";
+const OP_CLEAN: &str = "deep_ep::clean_low_latency_buffer";
+const OP_NEXT: &str = "deep_ep::get_next_low_latency_combine_buffer";
+const KIND_DISPATCH: i64 = 1;
+const KIND_COMBINE: i64 = 2;
+const FLAG_FP8: i64 = 1;
+const FLAG_ROUND_SCALE: i64 = 2;
+const FLAG_UE8M0: i64 = 4;
+const FLAG_LOGFMT: i64 = 8;
+/// Counts travel in 16 bits (`count + 1`).
+const MAX_T: usize = 0xfffe;
+const HEADER: usize = 16;
 
 /// Host-side low-latency state of one buffer.
 #[derive(Default, Debug)]
-pub struct LlState {}
+pub struct LlState {
+    /// Half the next LL send uses (DeepEP's `low_latency_buffer_idx`).
+    next_half: usize,
+    /// Sends issued per half since creation or the last clean.
+    seq: [u32; 2],
+}
 
-fn todo(op: &'static str) -> Error {
-    Error::NotImplemented { op, backend: "cpu", feature: "low-latency mode" }
+/// Byte geometry of one LL call.
+struct Geo {
+    r: usize,
+    el: usize,
+    e: usize,
+    t: usize,
+    h: usize,
+    s: usize,
+    /// Zero-copy row length in bf16 elements.
+    m: usize,
+    lay: LowLatencyLayout,
+}
+
+impl Geo {
+    fn sig(&self, half: usize) -> usize {
+        half * self.lay.signal_bytes
+    }
+    fn send(&self, half: usize) -> usize {
+        2 * self.lay.signal_bytes + half * self.lay.send_bytes
+    }
+    fn recv(&self, half: usize) -> usize {
+        2 * (self.lay.signal_bytes + self.lay.send_bytes) + half * self.lay.recv_bytes
+    }
+    /// Dispatch message of (local expert, source rank, slot).
+    fn msg(&self, half: usize, l: usize, src: usize, slot: usize) -> usize {
+        self.recv(half) + ((l * self.r + src) * self.t + slot) * self.lay.dispatch_msg_bytes
+    }
+    /// Combine slot of (global expert, source token).
+    fn slot(&self, half: usize, e: usize, tok: usize) -> usize {
+        self.recv(half) + (e * self.t + tok) * self.lay.combine_slot_bytes
+    }
+}
+
+fn tag(seq: u32, count: usize) -> u32 {
+    ((seq & 0xffff) << 16) | (count as u32 + 1)
+}
+
+/// The count a word carries if it holds call `seq`'s tag.
+fn arrived(v: u32, seq: u32) -> Option<usize> {
+    (v >> 16 == seq & 0xffff && v & 0xffff != 0).then(|| (v & 0xffff) as usize - 1)
+}
+
+/// Release-stores 32-bit signal word `w` of the array at `base` (an RMW of its 64-bit word,
+/// so two senders sharing it never clobber each other).
+fn sig_store(reg: &Region, base: usize, w: usize, v: u32) {
+    let shift = 32 * (w % 2);
+    let a = reg.atomic_u64(base + 8 * (w / 2));
+    let _ = a.fetch_update(Ordering::Release, Ordering::Relaxed, |old| Some((old & !(0xffff_ffffu64 << shift)) | ((v as u64) << shift)));
+}
+
+fn sig_load(reg: &Region, base: usize, w: usize) -> u32 {
+    (shm::load_acquire(reg.atomic_u64(base + 8 * (w / 2))) >> (32 * (w % 2))) as u32
+}
+
+fn write_state(t: &TensorRef, half: usize, seq: u32, flags: i64, kind: i64) {
+    t.cpu_slice_mut::<i64>()[..LL_STATE_LEN].copy_from_slice(&[half as i64, seq as i64, flags, kind]);
+}
+
+fn dispatch_flags(o: &LlDispatchOptions) -> i64 {
+    (o.use_fp8 as i64 * FLAG_FP8) | (o.round_scale as i64 * FLAG_ROUND_SCALE) | (o.use_ue8m0 as i64 * FLAG_UE8M0)
 }
 
 impl CpuBackend {
-    pub(super) fn ll_dispatch_send_impl(&mut self, _g: &LlGeometry, _o: &LlDispatchOptions, _a: &LlDispatchSendArgs, _out: &LlDispatchOutputs) -> Result<()> {
-        Err(todo("deep_ep::low_latency_dispatch"))
+    /// Geometry of an LL call, checking what depends on this buffer: LL mode and capacity.
+    fn ll_geo(&self, op: &'static str, g: &LlGeometry) -> Result<Geo> {
+        let (r, e, t, h) = (self.info.num_ranks, g.num_experts, g.num_max_dispatch_tokens_per_rank, g.hidden);
+        crate::ensure!(self.info.low_latency_mode, op, "the buffer was not created with low_latency_mode=True");
+        crate::ensure!(e > 0 && e % r == 0, op, "num_experts ({e}) must be a positive multiple of num_ranks ({r})");
+        crate::ensure!(h > 0 && h % fp8::GROUP == 0, op, "hidden ({h}) must be a positive multiple of 128");
+        crate::ensure!((1..=MAX_T).contains(&t), op, "num_max_dispatch_tokens_per_rank ({t}) must be in 1..={MAX_T} on the cpu backend");
+        let lay = LowLatencyLayout::new(t, h, e);
+        let need = lay.total_bytes();
+        crate::ensure!(
+            self.info.num_rdma_bytes >= need,
+            op,
+            "num_rdma_bytes = {} is too small for num_max_dispatch_tokens_per_rank={t}, hidden={h}, num_experts={e}: the low-latency buffer needs {need} bytes (get_low_latency_rdma_size_hint gives {})",
+            self.info.num_rdma_bytes,
+            low_latency_rdma_size_hint(t, h, r, e)
+        );
+        Ok(Geo { r, el: e / r, e, t, h, s: h / fp8::GROUP, m: h + h / fp8::GROUP * 2, lay })
     }
-    pub(super) fn ll_dispatch_recv_impl(&mut self, _g: &LlGeometry, _o: &LlDispatchOptions, _out: &LlDispatchOutputs, _s: &LlStats) -> Result<()> {
-        Err(todo("deep_ep::low_latency_dispatch"))
+
+    /// Takes the half for a new send: flips `next_half`, bumps its sequence number.
+    fn ll_begin_send(&mut self) -> (usize, u32) {
+        let half = self.ll.next_half;
+        self.ll.next_half ^= 1;
+        self.ll.seq[half] = self.ll.seq[half].wrapping_add(1);
+        (half, self.ll.seq[half])
     }
-    pub(super) fn ll_combine_send_impl(&mut self, _g: &LlGeometry, _a: &LlCombineSendArgs) -> Result<()> {
-        Err(todo("deep_ep::low_latency_combine"))
+
+    /// `(half, seq, flags)` from a send op's `recv_state`, checked against this buffer.
+    fn ll_read_state(&self, op: &'static str, st: &TensorRef, kind: i64) -> Result<(usize, u32, i64)> {
+        let v = st.cpu_slice::<i64>();
+        crate::ensure!(v.len() >= LL_STATE_LEN, op, "recv_state must hold {LL_STATE_LEN} int64, got {}", v.len());
+        let what = if kind == KIND_DISPATCH { "low_latency_dispatch_send" } else { "low_latency_combine_send" };
+        crate::ensure!(v[3] == kind && (0..2).contains(&v[0]) && v[1] > 0, op, "recv_state {:?} was not produced by {what}", &v[..LL_STATE_LEN]);
+        let (half, seq) = (v[0] as usize, v[1] as u32);
+        crate::ensure!(
+            self.ll.seq[half] == seq,
+            op,
+            "the buffer half of this receive was reused by a later low-latency send (at most two low-latency calls may be in flight), or the buffer was cleaned"
+        );
+        Ok((half, seq, v[2]))
     }
-    pub(super) fn ll_combine_recv_impl(&mut self, _g: &LlGeometry, _a: &LlCombineRecvArgs, _s: &LlStats) -> Result<()> {
-        Err(todo("deep_ep::low_latency_combine"))
+
+    /// Waits until `ready()`; on expiry names `peers()` (the ranks that have not arrived).
+    fn ll_wait(&self, op: &'static str, what: impl Fn() -> String, mut ready: impl FnMut() -> bool, peers: impl Fn() -> Vec<usize>) -> Result<Duration> {
+        shm::wait_until(self.timeout, &mut ready).map_err(|_| Error::Timeout {
+            op,
+            rank: self.info.rank,
+            peers: peers(),
+            timeout_ms: self.timeout.as_millis() as u64,
+            what: what(),
+        })
     }
-    pub(super) fn ll_clean_impl(&mut self, _g: &LlGeometry) -> Result<()> {
-        Err(todo("deep_ep::clean_low_latency_buffer"))
+
+    pub(super) fn ll_dispatch_send_impl(&mut self, g: &LlGeometry, o: &LlDispatchOptions, a: &LlDispatchSendArgs, out: &LlDispatchOutputs) -> Result<()> {
+        let geo = self.ll_geo(OP_DISPATCH, g)?;
+        let (n, h, t, me) = (a.x.size(0), geo.h, geo.t, self.info.rank);
+        let k = if a.topk_idx.ndim() == 2 { a.topk_idx.size(1) } else { 0 };
+        crate::ensure!(a.topk_idx.numel() == n * k, OP_DISPATCH, "topk_idx must be [{n}, num_topk], got {:?}", a.topk_idx.sizes());
+        crate::ensure!(n <= t, OP_DISPATCH, "x has {n} tokens, more than num_max_dispatch_tokens_per_rank ({t})");
+        let x = a.x.cpu_slice::<u16>();
+        let idx = a.topk_idx.cpu_indices_i64();
+        // Validate before any write so an error leaves the shared state untouched.
+        let mut count = vec![0usize; geo.e];
+        for &e in &idx {
+            if e >= 0 {
+                crate::ensure!((e as usize) < geo.e, OP_DISPATCH, "topk_idx holds expert {e}, outside [0, {})", geo.e);
+                count[e as usize] += 1;
+            }
+        }
+        if let Some(e) = count.iter().position(|&c| c > t) {
+            return Err(Error::invalid(OP_DISPATCH, format!("expert {e} is selected {} times, more than num_max_dispatch_tokens_per_rank ({t}) (repeated top-k entries?)", count[e])));
+        }
+        let (half, seq) = self.ll_begin_send();
+        let regions: Vec<Region> = (0..geo.r).map(|d| self.ll_region(d)).collect();
+        let mut slot = vec![0usize; geo.e];
+        let (mut q, mut si) = (vec![0u8; h], vec![0f32; geo.s]);
+        for tok in 0..n {
+            let sel = &idx[tok * k..(tok + 1) * k];
+            if sel.iter().all(|&e| e < 0) {
+                continue;
+            }
+            let row = &x[tok * h..(tok + 1) * h];
+            if o.use_fp8 {
+                fp8::ll_cast_token(row, o.round_scale, &mut q, &mut si);
+            }
+            for &e in sel.iter().filter(|&&e| e >= 0) {
+                let e = e as usize;
+                let (dst, l) = (e / geo.el, e % geo.el);
+                let off = geo.msg(half, l, me, slot[e]);
+                slot[e] += 1;
+                let reg = &regions[dst];
+                reg.write::<i32>(off, &[tok as i32, 0, 0, 0]);
+                if o.use_fp8 {
+                    reg.write::<u8>(off + HEADER, &q);
+                    reg.write::<f32>(off + HEADER + h, &si);
+                } else {
+                    reg.write::<u16>(off + HEADER, row);
+                }
+            }
+        }
+        // Every (rank, local expert) gets a count, zero included, so receivers need no CPU.
+        for (e, &c) in count.iter().enumerate() {
+            sig_store(&regions[e / geo.el], geo.sig(half), (e % geo.el) * geo.r + me, tag(seq, c));
+        }
+        write_state(&out.recv_state, half, seq, dispatch_flags(o), KIND_DISPATCH);
+        Ok(())
     }
-    pub(super) fn ll_next_combine_buffer_impl(&mut self, _g: &LlGeometry) -> Result<TensorRef> {
-        Err(todo("deep_ep::get_next_low_latency_combine_buffer"))
+
+    pub(super) fn ll_dispatch_recv_impl(&mut self, g: &LlGeometry, o: &LlDispatchOptions, out: &LlDispatchOutputs, stats: &LlStats) -> Result<()> {
+        let geo = self.ll_geo(OP_DISPATCH, g)?;
+        let (half, seq, flags) = self.ll_read_state(OP_DISPATCH, &out.recv_state, KIND_DISPATCH)?;
+        crate::ensure!(flags == dispatch_flags(o), OP_DISPATCH, "the options of the receive ({o:?}) differ from those of the send (flags {flags})");
+        let (r, el, t, h, s) = (geo.r, geo.el, geo.t, geo.h, geo.s);
+        let rt = r * t;
+        crate::ensure!(!o.use_ue8m0 || s % 4 == 0, OP_DISPATCH, "use_ue8m0 needs hidden % 512 == 0, got {h}");
+        let mine = self.ll_region(self.info.rank);
+        let recv_count = out.recv_count.cpu_slice_mut::<i32>();
+        let src_info = out.src_info.cpu_slice_mut::<i32>();
+        let layout_range = out.layout_range.cpu_slice_mut::<i64>();
+        let (x16, x8) = if o.use_fp8 { (&mut [][..], out.recv_x.cpu_slice_mut::<u8>()) } else { (out.recv_x.cpu_slice_mut::<u16>(), &mut [][..]) };
+        let scales = out.recv_x_scales.as_ref().filter(|_| o.use_fp8);
+        let (sf, su, st) = match scales {
+            Some(sc) if o.use_ue8m0 => (&mut [][..], sc.cpu_dense_storage_mut::<i32>(), sc.strides().to_vec()),
+            Some(sc) => (sc.cpu_dense_storage_mut::<f32>(), &mut [][..], sc.strides().to_vec()),
+            None => (&mut [][..], &mut [][..], vec![0; 3]),
+        };
+        let mut waited = vec![0u64; r];
+        let mut si = vec![0f32; s];
+        let sig = geo.sig(half);
+        for l in 0..el {
+            let mut begin = 0usize;
+            for src in 0..r {
+                let w = l * r + src;
+                let d = self.ll_wait(
+                    OP_DISPATCH,
+                    || format!("dispatch count of local expert {l} from rank {src} (half {half}, call {seq}); word holds {:#x}", sig_load(&mine, sig, w)),
+                    || arrived(sig_load(&mine, sig, w), seq).is_some(),
+                    || vec![src],
+                )?;
+                waited[src] += d.as_nanos() as u64;
+                let count = arrived(sig_load(&mine, sig, w), seq).unwrap_or(0);
+                crate::ensure!(count <= t, OP_DISPATCH, "rank {src} announced {count} tokens for local expert {l}, more than {t}");
+                layout_range[l * r + src] = ((begin as i64) << 32) | count as i64;
+                for i in 0..count {
+                    let (off, row) = (geo.msg(half, l, src, i), l * rt + begin + i);
+                    mine.read::<i32>(off, &mut src_info[row..row + 1]);
+                    if !o.use_fp8 {
+                        mine.read::<u16>(off + HEADER, &mut x16[row * h..(row + 1) * h]);
+                        continue;
+                    }
+                    mine.read::<u8>(off + HEADER, &mut x8[row * h..(row + 1) * h]);
+                    mine.read::<f32>(off + HEADER + h, &mut si);
+                    let base = l as i64 * st[0] + (begin + i) as i64 * st[1];
+                    for (gi, &v) in si.iter().enumerate() {
+                        if o.use_ue8m0 && !su.is_empty() {
+                            // Byte gi % 4 of int32 pack gi / 4 (little-endian).
+                            let p = &mut su[(base + (gi / 4) as i64 * st[2]) as usize];
+                            let mut b = p.to_le_bytes();
+                            b[gi % 4] = fp8::ue8m0(v);
+                            *p = i32::from_le_bytes(b);
+                        } else if !sf.is_empty() {
+                            sf[(base + gi as i64 * st[2]) as usize] = v;
+                        }
+                    }
+                }
+                begin += count;
+            }
+            recv_count[l] = begin as i32;
+        }
+        if let Some(c) = &stats.cumulative_local_expert_recv_stats {
+            for (a, &b) in c.cpu_slice_mut::<i32>().iter_mut().zip(recv_count.iter()) {
+                *a += b;
+            }
+        }
+        if let Some(w) = &stats.wait_recv_cost_stats {
+            for (a, &b) in w.cpu_slice_mut::<i64>().iter_mut().zip(&waited) {
+                *a += b as i64;
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn ll_combine_send_impl(&mut self, g: &LlGeometry, a: &LlCombineSendArgs) -> Result<()> {
+        let geo = self.ll_geo(OP_COMBINE, g)?;
+        crate::ensure!(!(a.use_logfmt && a.zero_copy), OP_COMBINE, "zero_copy and use_logfmt cannot be used together");
+        let (r, el, t, h, me) = (geo.r, geo.el, geo.t, geo.h, self.info.rank);
+        let rt = r * t;
+        let layout_range = a.layout_range.cpu_slice::<i64>();
+        let src_info = a.src_info.cpu_slice::<i32>();
+        crate::ensure!(layout_range.len() == el * r && src_info.len() == el * rt, OP_COMBINE, "handle shapes do not match num_experts={} and num_ranks={r}", geo.e);
+        let range = |l: usize, s: usize| {
+            let v = layout_range[l * r + s];
+            ((v >> 32) as usize, (v & 0xffff_ffff) as usize)
+        };
+        for l in 0..el {
+            for s in 0..r {
+                let (b, c) = range(l, s);
+                crate::ensure!(b + c <= rt && c <= t, OP_COMBINE, "layout_range[{l}][{s}] = (begin {b}, count {c}) is outside the {rt} rows of an expert");
+                for row in b..b + c {
+                    let tok = src_info[l * rt + row];
+                    crate::ensure!((0..t as i32).contains(&tok), OP_COMBINE, "src_info[{l}][{row}] = {tok} is not a token index below {t}");
+                }
+            }
+        }
+        let x = if a.zero_copy { &[][..] } else { a.x.cpu_slice::<u16>() };
+        let (half, seq) = self.ll_begin_send();
+        let mine = self.ll_region(me);
+        let mut row_buf = vec![0u16; h];
+        let mut slot_buf = vec![0u8; if a.use_logfmt { logfmt::slot_bytes(h) } else { 0 }];
+        for s in 0..r {
+            let dst = self.ll_region(s);
+            for l in 0..el {
+                let (b, c) = range(l, s);
+                for row in b..b + c {
+                    let y: &[u16] = if a.zero_copy {
+                        mine.read::<u16>(geo.send(half) + (l * rt + row) * geo.m * 2, &mut row_buf);
+                        &row_buf
+                    } else {
+                        &x[(l * rt + row) * h..(l * rt + row + 1) * h]
+                    };
+                    let off = geo.slot(half, me * el + l, src_info[l * rt + row] as usize);
+                    if a.use_logfmt {
+                        logfmt::encode(y, &mut slot_buf);
+                        dst.write::<u8>(off, &slot_buf);
+                    } else {
+                        dst.write::<u16>(off, y);
+                    }
+                }
+            }
+            for l in 0..el {
+                sig_store(&dst, geo.sig(half), me * el + l, tag(seq, 0));
+            }
+        }
+        write_state(&a.recv_state, half, seq, a.use_logfmt as i64 * FLAG_LOGFMT, KIND_COMBINE);
+        Ok(())
+    }
+
+    pub(super) fn ll_combine_recv_impl(&mut self, g: &LlGeometry, a: &LlCombineRecvArgs, stats: &LlStats) -> Result<()> {
+        let geo = self.ll_geo(OP_COMBINE, g)?;
+        let (half, seq, flags) = self.ll_read_state(OP_COMBINE, &a.recv_state, KIND_COMBINE)?;
+        let logfmt = flags & FLAG_LOGFMT != 0;
+        let (r, el, t, h) = (geo.r, geo.el, geo.t, geo.h);
+        let n = a.out.size(0);
+        crate::ensure!(n <= t, OP_COMBINE, "out has {n} tokens, more than num_max_dispatch_tokens_per_rank ({t})");
+        let idx = a.topk_idx.cpu_indices_i64();
+        let w = a.topk_weights.cpu_slice::<f32>();
+        let k = if a.topk_idx.ndim() == 2 { a.topk_idx.size(1) } else { 0 };
+        crate::ensure!(idx.len() == n * k && w.len() == idx.len(), OP_COMBINE, "topk_idx and topk_weights must be [{n}, num_topk], got {:?} and {:?}", a.topk_idx.sizes(), a.topk_weights.sizes());
+        if let Some(&e) = idx.iter().find(|&&e| e >= geo.e as i64) {
+            return Err(Error::invalid(OP_COMBINE, format!("topk_idx holds expert {e}, outside [0, {})", geo.e)));
+        }
+        let mine = self.ll_region(self.info.rank);
+        let sig = geo.sig(half);
+        let missing = |s: usize| (s * el..(s + 1) * el).any(|w| arrived(sig_load(&mine, sig, w), seq).is_none());
+        let mut waited = vec![0u64; r];
+        for (s, ws) in waited.iter_mut().enumerate() {
+            let d = self.ll_wait(
+                OP_COMBINE,
+                || format!("combine flags of rank {s}'s local experts (half {half}, call {seq})"),
+                || !missing(s),
+                || (0..r).filter(|&p| missing(p)).collect(),
+            )?;
+            *ws = d.as_nanos() as u64;
+        }
+        let out = a.out.cpu_slice_mut::<u16>();
+        let mut acc = vec![0f32; h];
+        let mut row = vec![0u16; h];
+        let mut slot = vec![0u8; if logfmt { logfmt::slot_bytes(h) } else { 0 }];
+        for tok in 0..n {
+            acc.fill(0.0);
+            for kk in 0..k {
+                let e = idx[tok * k + kk];
+                if e < 0 {
+                    continue;
+                }
+                let (off, wt) = (geo.slot(half, e as usize, tok), w[tok * k + kk]);
+                if logfmt {
+                    mine.read::<u8>(off, &mut slot);
+                    logfmt::decode_accumulate(&slot, wt, &mut acc);
+                } else {
+                    mine.read::<u16>(off, &mut row);
+                    for (a, &y) in acc.iter_mut().zip(&row) {
+                        *a = bf16::to_f32(y).mul_add(wt, *a);
+                    }
+                }
+            }
+            for (o, &v) in out[tok * h..(tok + 1) * h].iter_mut().zip(&acc) {
+                *o = bf16::from_f32(v);
+            }
+        }
+        if let Some(ws) = &stats.wait_recv_cost_stats {
+            for (a, &b) in ws.cpu_slice_mut::<i64>().iter_mut().zip(&waited) {
+                *a += b as i64;
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn ll_clean_impl(&mut self, g: &LlGeometry) -> Result<()> {
+        let geo = self.ll_geo(OP_CLEAN, g)?;
+        // Nobody may still be sending into the signals we zero, nor start before we finish.
+        self.barrier(OP_CLEAN, "before zeroing the low-latency signals")?;
+        let mine = self.ll_region(self.info.rank);
+        for half in 0..2 {
+            for off in (0..geo.lay.signal_bytes).step_by(8) {
+                mine.atomic_u64(geo.sig(half) + off).store(0, Ordering::Relaxed);
+            }
+        }
+        self.ll = LlState::default();
+        self.barrier(OP_CLEAN, "after zeroing the low-latency signals")
+    }
+
+    pub(super) fn ll_next_combine_buffer_impl(&mut self, g: &LlGeometry) -> Result<TensorRef> {
+        let geo = self.ll_geo(OP_NEXT, g)?;
+        let ptr = self.ll_region(self.info.rank).ptr_at(geo.send(self.ll.next_half));
+        let (rt, m) = ((geo.r * geo.t) as i64, geo.m as i64);
+        Ok(TensorRef::new(ptr, DType::BFloat16, Device::Cpu, &[geo.el as i64, rt, geo.h as i64], &[rt * m, m, 1]))
     }
 }
+
+#[cfg(test)]
+#[path = "ll_tests.rs"]
+mod tests;

@@ -187,6 +187,9 @@ impl TensorRef {
 
     /// Row-major contiguity, ignoring strides of size-1 dimensions as torch does.
     pub fn is_contiguous(&self) -> bool {
+        if self.numel() == 0 {
+            return true; // torch reports empty tensors contiguous whatever their strides
+        }
         let mut expected = 1i64;
         for d in (0..self.ndim).rev() {
             if self.sizes[d] != 1 && self.strides[d] != expected {

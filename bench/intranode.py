@@ -1,0 +1,168 @@
+"""Intranode normal-mode benchmark: deep_ep dispatch/combine beside the naive
+torch.distributed.all_to_all_single baseline, measured in the same run.
+
+    torchrun --nproc-per-node 4 bench/intranode.py --out bench/results/DATE-intranode-ep4.json
+
+Times are per call (µs), median over iterations after warm-up, slowest rank's median. Logical
+GB/s counts every received token (local ones included) × its bytes, DeepEP's convention.
+`dispatch` is timed with a cached handle (DeepEP's tuning convention: no host sync);
+`dispatch_sync` is the full non-cached call including the host wait for the receive count.
+"""
+import argparse
+import datetime
+import json
+import os
+import subprocess
+
+import torch
+import torch.distributed as dist
+
+import deep_ep_rs
+
+
+def timed(fn, iters, warmup=5):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) * 1e3)
+    times.sort()
+    t = torch.tensor([times[len(times) // 2], times[0], times[-1]], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # slowest rank
+    return t.tolist()
+
+
+def per_token_cast_to_fp8(x):
+    n, h = x.shape
+    xv = x.float().view(n, h // 128, 128)
+    amax = xv.abs().amax(dim=2, keepdim=True).clamp(min=1e-4)
+    return (xv * (448.0 / amax)).to(torch.float8_e4m3fn).view(n, h), (amax / 448.0).view(n, h // 128)
+
+
+def baseline(x, is_in_rank, world, iters):
+    """The naive all_to_all_single dispatch/combine of the project's baseline script."""
+    tok_idx, dst = is_in_rank.nonzero(as_tuple=True)
+    order = torch.argsort(dst, stable=True)
+    tok_idx, dst = tok_idx[order], dst[order]
+
+    def dispatch():
+        send_counts = torch.bincount(dst, minlength=world)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts)
+        sc, rc = send_counts.tolist(), recv_counts.tolist()
+        send = x.index_select(0, tok_idx)
+        recv = torch.empty(sum(rc), x.shape[1], dtype=x.dtype, device=x.device)
+        dist.all_to_all_single(recv, send, rc, sc)
+        return recv, sc, rc
+
+    recv, sc, rc = dispatch()
+
+    def combine():
+        back = torch.empty(sum(sc), x.shape[1], dtype=recv.dtype, device=x.device)
+        dist.all_to_all_single(back, recv, sc, rc)
+        return torch.zeros_like(x).index_add_(0, tok_idx, back)
+
+    return timed(dispatch, iters), timed(combine, iters), recv.shape[0]
+
+
+def run_case(buf, args, tokens, num_sms, rank, world):
+    torch.manual_seed(1000 + rank)
+    h, k, e = args.hidden, args.topk, args.experts
+    x = torch.randn(tokens, h, dtype=torch.bfloat16, device="cuda")
+    scores = torch.randn(tokens, e, device="cuda").abs() + 1
+    topk_idx = scores.topk(k, dim=-1, sorted=False).indices
+    topk_w = torch.rand(tokens, k, device="cuda")
+    cfg = deep_ep_rs.Config(num_sms, *args.dispatch_cfg)
+    ccfg = deep_ep_rs.Config(num_sms, *args.combine_cfg)
+    ntpr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(topk_idx, e)
+    kw = dict(num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe, config=cfg)
+    recv_x, recv_idx, recv_w, _, handle, _ = buf.dispatch(x, topk_idx=topk_idx, topk_weights=topk_w, **kw)
+    recv_tokens = recv_x.shape[0]
+    rows = []
+
+    def row(op, dtype, times, nbytes, impl="deep_ep", sms=num_sms):
+        rows.append({"op": op, "mode": "intranode", "impl": impl, "dtype": dtype, "ranks": world, "tokens": tokens, "hidden": h,
+                     "topk": k, "experts": e, "sms": sms, "graph": False, "us_median": times[0], "us_min": times[1],
+                     "us_max": times[2], "logical_gbps": nbytes / (times[0] * 1e-6) / 1e9})
+
+    bf16_bytes = recv_tokens * h * 2
+    row("dispatch", "bf16", timed(lambda: buf.dispatch(x, handle=handle, config=cfg), args.iters), bf16_bytes)
+    row("dispatch_sync", "bf16", timed(lambda: buf.dispatch(x, topk_idx=topk_idx, topk_weights=topk_w, **kw), args.iters), bf16_bytes)
+    x8 = per_token_cast_to_fp8(x)
+    x8 = (x8[0], x8[1].T.contiguous().T)
+    row("dispatch", "fp8", timed(lambda: buf.dispatch(x8, handle=handle, config=cfg), args.iters), bf16_bytes * (1 + 4 / 128) / 2)
+    row("combine", "bf16", timed(lambda: buf.combine(recv_x, handle, config=ccfg), args.iters), bf16_bytes)
+    bd, bc, brecv = baseline(x, in_rank, world, args.iters)
+    row("dispatch", "bf16", bd, brecv * h * 2, impl="torch_all_to_all", sms=None)
+    row("combine", "bf16", bc, brecv * h * 2, impl="torch_all_to_all", sms=None)
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--tokens", type=int, nargs="+", default=[4096])
+    p.add_argument("--sms", type=int, nargs="+", default=[20])
+    p.add_argument("--dispatch-cfg", type=int, nargs=4, default=[6, 256, 6, 128])
+    p.add_argument("--combine-cfg", type=int, nargs=4, default=[9, 256, 6, 128])
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--nvl-bytes", type=int, default=2_000_000_000)
+    p.add_argument("--out", default="")
+    p.add_argument("--plot", default="")
+    args = p.parse_args()
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    buf = deep_ep_rs.Buffer(dist.new_group(list(range(world))), args.nvl_bytes, 0, explicitly_destroy=True)
+    rows = []
+    for tokens in args.tokens:
+        for sms in args.sms:
+            rows += run_case(buf, args, tokens, sms, rank, world)
+    buf.destroy()
+    if rank == 0:
+        print(f"{'op':>14} {'impl':>17} {'dtype':>5} {'tokens':>6} {'sms':>4} {'us':>9} {'GB/s':>7}  ratio vs naive")
+        base = {(r["op"], r["tokens"]): r["us_median"] for r in rows if r["impl"] == "torch_all_to_all"}
+        for r in rows:
+            ref = base.get((r["op"].replace("_sync", ""), r["tokens"]))
+            ratio = f"{ref / r['us_median']:.2f}x" if ref and r["impl"] == "deep_ep" else ""
+            print(f"{r['op']:>14} {r['impl']:>17} {r['dtype']:>5} {r['tokens']:>6} {str(r['sms']):>4} {r['us_median']:>9.1f} "
+                  f"{r['logical_gbps']:>7.1f}  {ratio}")
+        if args.out:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+            env = {"date": datetime.date.today().isoformat(), "git_commit": commit or "unknown",
+                   "command": "torchrun --nproc-per-node %d bench/intranode.py %s" % (world, " ".join(os.sys.argv[1:])),
+                   "device": torch.cuda.get_device_name(), "num_gpus": world, "torch": torch.__version__,
+                   "nccl": ".".join(map(str, torch.cuda.nccl.version())), "rows": rows}
+            with open(args.out, "w") as f:
+                json.dump(env, f, indent=1)
+        if args.plot:
+            plot(rows, args.plot)
+    dist.destroy_process_group()
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key in sorted({(r["op"], r["impl"], r["dtype"], r["sms"]) for r in rows}):
+        pts = sorted((r["tokens"], r["logical_gbps"]) for r in rows if (r["op"], r["impl"], r["dtype"], r["sms"]) == key)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]} {key[1]} {key[2]} sms={key[3]}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per rank")
+    ax.set_ylabel("logical GB/s")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Shared fixtures of the CPU test tier.
+
+- The library: `deep_ep_rs` is imported from python/ (added to sys.path) and loads
+  $DEEP_EP_LIBRARY, defaulting to target/release/libdeep_ep.so of this checkout.
+- `rank_pool(n)`: a session-wide pool of n spawned ranks in one gloo group (see _harness.py);
+  `pool.run(fn, *args)` runs fn(rank, world_size, *args) on each rank and returns the results, or
+  raises the failing ranks' tracebacks. Pools are started lazily and reused by every test.
+- `buffer1`: a 1-rank CPU buffer (create_buffer with num_ranks=1 is a valid collective of one).
+- `ll_or_skip(fn)`: low-latency tests skip while the CPU backend answers "not implemented yet".
+"""
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT / "python") not in sys.path:
+    sys.path.insert(0, str(ROOT / "python"))
+if not os.environ.get("DEEP_EP_LIBRARY"):
+    _lib = ROOT / "target" / "release" / "libdeep_ep.so"
+    if _lib.is_file():
+        os.environ["DEEP_EP_LIBRARY"] = str(_lib)
+os.environ.setdefault("DEEP_EP_TIMEOUT_MS", "20000")
+os.environ.setdefault("DEEP_EP_BACKEND", "cpu")
+# Spawned workers import deep_ep_rs from python/ too.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT / "python"), os.environ.get("PYTHONPATH", "")] if p)
+
+from _harness import RankPool  # noqa: E402
+
+NOT_IMPLEMENTED = re.compile(r"not implemented.*yet", re.S)
+
+
+def is_not_implemented(exc: BaseException) -> bool:
+    return isinstance(exc, (RuntimeError, NotImplementedError)) and bool(NOT_IMPLEMENTED.search(str(exc)))
+
+
+def ll_or_skip(fn, *args, **kwargs):
+    """Calls a low-latency op/method; skips the test while LL is not implemented on the CPU."""
+    try:
+        return fn(*args, **kwargs)
+    except (RuntimeError, NotImplementedError) as e:
+        if is_not_implemented(e):
+            pytest.skip(f"low-latency mode not implemented on this backend yet: {e}")
+        raise
+
+
+@pytest.fixture(scope="session")
+def deep_ep():
+    import deep_ep_rs
+
+    return deep_ep_rs
+
+
+@pytest.fixture(scope="session")
+def ops(deep_ep):
+    import torch
+
+    return torch.ops.deep_ep
+
+
+_POOLS = {}
+
+
+@pytest.fixture(scope="session")
+def rank_pool():
+    def get(world_size: int) -> RankPool:
+        pool = _POOLS.get(world_size)
+        if pool is None or not pool.alive:
+            pool = _POOLS[world_size] = RankPool(world_size)
+        return pool
+
+    yield get
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
+
+
+def make_buffer1(ops, num_nvl_bytes=1 << 24, num_rdma_bytes=0, low_latency_mode=False):
+    import torch
+
+    uid = ops.get_unique_id("cpu", torch.device("cpu"))
+    return int(ops.create_buffer(uid, 0, 1, torch.device("cpu"), num_nvl_bytes, num_rdma_bytes, low_latency_mode, "cpu"))
+
+
+@pytest.fixture
+def buffer1(ops):
+    h = make_buffer1(ops)
+    yield h
+    ops.destroy_buffer(h)
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="no CUDA device (gpu tier)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -51,7 +51,8 @@ int deep_ep_create_buffer(const uint8_t* unique_id, int64_t unique_id_len, int64
 // Collective. Destroys a buffer; the handle is never reused.
 int deep_ep_destroy_buffer(int64_t handle);
 // out[7] = rank, num_ranks, device, num_nvl_bytes, num_rdma_bytes, low_latency_mode, backend (0 cpu, 1 nccl, 2 nvshmem).
-int deep_ep_buffer_info(int64_t handle, int64_t* out);
+// `op` names the calling op in errors (NULL: "deep_ep::buffer_info").
+int deep_ep_buffer_info(int64_t handle, const char* op, int64_t* out);
 
 // ---- size hints and config (local, pure) -------------------------------------------------------
 // config[5] = num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv. which: 0 = NVLink hint, 1 = RDMA hint.

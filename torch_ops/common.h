@@ -68,10 +68,17 @@ struct BufferInfo {
   int64_t num_ranks() const { return v[1]; }
 };
 
-inline BufferInfo buffer_info(int64_t handle) {
+// `op` ("deep_ep::dispatch") names the calling op in errors about the handle.
+inline BufferInfo buffer_info(int64_t handle, const char* op) {
   BufferInfo b{};
-  check(deep_ep_buffer_info(handle, b.v));
+  check(deep_ep_buffer_info(handle, op, b.v));
   return b;
+}
+
+// config must be [num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv].
+inline void fill_config(int64_t* dst, at::IntArrayRef config, const char* op) {
+  TORCH_CHECK(config.size() == 5, op, ": config must have 5 ints [num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv], got ", config);
+  for (int i = 0; i < 5; ++i) dst[i] = config[i];
 }
 
 // Empty tensor standing for an absent optional output.

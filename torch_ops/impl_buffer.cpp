@@ -32,7 +32,7 @@ int64_t create_buffer(const at::Tensor& unique_id, int64_t rank, int64_t num_ran
 void destroy_buffer(int64_t handle) { check(deep_ep_destroy_buffer(handle)); }
 
 std::vector<int64_t> buffer_info_op(int64_t handle) {
-  auto b = buffer_info(handle);
+  auto b = buffer_info(handle, "deep_ep::buffer_info");
   return std::vector<int64_t>(b.v, b.v + 7);
 }
 

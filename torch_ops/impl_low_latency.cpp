@@ -45,19 +45,21 @@ LlOutputs dispatch_send(int64_t handle, const Tensor& x, const Tensor& topk_idx,
   auto rx = raw(x), ri = raw(topk_idx), rw = raw(topk_weights), rc = raw(cumulative), rs = raw(wait);
   check(deep_ep_ll_dispatch_send(handle, &p, &rx, &ri, &rw, &rc, &rs, nullptr));
 
-  const int64_t r = buffer_info(handle).num_ranks(), el = e / r, rows = r * t, h = x.size(1);
+  const int64_t r = buffer_info(handle, "deep_ep::low_latency_dispatch").num_ranks(), el = e / r, rows = r * t, h = x.size(1);
   auto o = x.options();
+  // Rows past recv_count are unspecified (DeepEP); on the CPU reference they are zero so that
+  // results are a pure function of the inputs. GPUs skip the extra memset.
+  auto alloc = [&](at::IntArrayRef shape, at::ScalarType t) { return x.is_cpu() ? at::zeros(shape, o.dtype(t)) : at::empty(shape, o.dtype(t)); };
   LlOutputs out;
-  out.recv_x = at::empty({el, rows, h}, o.dtype(use_fp8 ? at::kFloat8_e4m3fn : at::kBFloat16));
+  out.recv_x = alloc({el, rows, h}, use_fp8 ? at::kFloat8_e4m3fn : at::kBFloat16);
   if (use_fp8) {
     // Column-major in the last two dims, as DeepEP: allocated [E_l, S, R*T] and transposed.
-    out.recv_x_scales = use_ue8m0 ? at::empty({el, h / 512, rows}, o.dtype(at::kInt)).transpose(1, 2)
-                                  : at::empty({el, h / 128, rows}, o.dtype(at::kFloat)).transpose(1, 2);
+    out.recv_x_scales = use_ue8m0 ? alloc({el, h / 512, rows}, at::kInt).transpose(1, 2) : alloc({el, h / 128, rows}, at::kFloat).transpose(1, 2);
   } else {
     out.recv_x_scales = none_like(o.dtype(at::kFloat));
   }
   out.recv_count = at::empty({el}, o.dtype(at::kInt));
-  out.src_info = at::empty({el, rows}, o.dtype(at::kInt));
+  out.src_info = alloc({el, rows}, at::kInt);
   out.layout_range = at::empty({el, r}, o.dtype(at::kLong));
   out.recv_state = at::zeros({DEEP_EP_LL_STATE_LEN}, o.dtype(at::kLong));
   auto ro = out.raw_outputs();
@@ -143,7 +145,7 @@ void low_latency_combine_recv(int64_t handle, const Tensor& state, const Tensor&
 }
 
 void clean_low_latency_buffer(int64_t handle, int64_t t, int64_t hidden, int64_t e) {
-  auto info = buffer_info(handle);
+  auto info = buffer_info(handle, "deep_ep::clean_low_latency_buffer");
   at::Device dev = info.v[2] >= 0 ? at::Device(at::kCUDA, info.v[2]) : at::Device(at::kCPU);
   c10::OptionalDeviceGuard guard(dev);
   auto p = params(t, hidden, e, dev);
@@ -151,7 +153,7 @@ void clean_low_latency_buffer(int64_t handle, int64_t t, int64_t hidden, int64_t
 }
 
 Tensor get_next_low_latency_combine_buffer(int64_t handle, int64_t t, int64_t hidden, int64_t e) {
-  auto info = buffer_info(handle);
+  auto info = buffer_info(handle, "deep_ep::get_next_low_latency_combine_buffer");
   at::Device dev = info.v[2] >= 0 ? at::Device(at::kCUDA, info.v[2]) : at::Device(at::kCPU);
   auto p = params(t, hidden, e, dev);
   deep_ep_tensor_t v{};

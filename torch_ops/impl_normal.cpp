@@ -25,11 +25,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> get_dispatch_layout(const Tensor& top
   return {per_rank, per_rdma, per_expert, in_rank};
 }
 
-void fill_config(int64_t* dst, at::IntArrayRef config) {
-  TORCH_CHECK(config.size() == 5, "deep_ep: config must have 5 ints [num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv], got ", config);
-  for (int i = 0; i < 5; ++i) dst[i] = config[i];
-}
-
 deep_ep_handle_t raw_handle(const Tensor& rpm, const Tensor& cpm, const Tensor& rcpm, const Tensor& src_idx, const Tensor& in_rank,
                             const Tensor& send_head) {
   return deep_ep_handle_t{raw(rpm), raw(cpm), raw(rcpm), raw(src_idx), raw(in_rank), raw(send_head)};
@@ -51,10 +46,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
   args.num_tokens_per_expert = raw(num_tokens_per_expert);
   args.expert_alignment = expert_alignment;
   args.num_worst_tokens = num_worst_tokens;
-  fill_config(args.config, config);
+  fill_config(args.config, config, "deep_ep::dispatch");
   args.stream = stream_for(x.device());
 
-  auto info = buffer_info(handle);
+  auto info = buffer_info(handle, "deep_ep::dispatch");
   int64_t num_experts = num_tokens_per_expert.dim() == 1 ? num_tokens_per_expert.size(0) : 0;
   int64_t num_local = info.num_ranks() > 0 ? num_experts / info.num_ranks() : 0;
   auto per_expert = at::empty({num_local}, at::TensorOptions().dtype(at::kInt));
@@ -98,7 +93,7 @@ std::tuple<Tensor, Tensor> cached_dispatch(int64_t handle, const Tensor& x, cons
   args.x = raw(x);
   args.x_scales = raw(x_scales);
   args.handle = raw_handle(rpm, cpm, rcpm, src_idx, in_rank, send_head);
-  fill_config(args.config, config);
+  fill_config(args.config, config, "deep_ep::cached_dispatch");
   args.stream = stream_for(x.device());
   check(deep_ep_cached_dispatch(handle, &args, nullptr, nullptr));
   const int64_t rows = src_idx.size(0);
@@ -121,7 +116,7 @@ std::tuple<Tensor, Tensor> combine(int64_t handle, const Tensor& x, const option
   args.bias_0 = raw(bias_0);
   args.bias_1 = raw(bias_1);
   args.handle = raw_handle(rpm, cpm, rcpm, src_idx, in_rank, send_head);
-  fill_config(args.config, config);
+  fill_config(args.config, config, "deep_ep::combine");
   args.stream = stream_for(x.device());
   check(deep_ep_combine(handle, &args, nullptr, nullptr));
   const int64_t n = send_head.size(0);

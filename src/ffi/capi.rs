@@ -161,14 +161,25 @@ pub extern "C" fn deep_ep_destroy_buffer(handle: i64) -> c_int {
 /// See `deep_ep_buffer_info` in the header.
 ///
 /// # Safety
-/// `out` points to 7 writable int64.
+/// `out` points to 7 writable int64; `op` is NULL or a C string.
 #[no_mangle]
-pub unsafe extern "C" fn deep_ep_buffer_info(handle: i64, out: *mut i64) -> c_int {
+pub unsafe extern "C" fn deep_ep_buffer_info(handle: i64, op: *const c_char, out: *mut i64) -> c_int {
     guard(|| {
-        let v = ops::buffer_info(handle)?;
+        let v = ops::buffer_info(handle, op_name(&str_arg(op)))?;
         std::ptr::copy_nonoverlapping(v.as_ptr(), out, v.len());
         Ok(())
     })
+}
+
+/// Maps a caller-supplied op name onto the static names errors carry.
+fn op_name(name: &str) -> &'static str {
+    const KNOWN: &[&str] = &[
+        "deep_ep::dispatch", "deep_ep::cached_dispatch", "deep_ep::combine", "deep_ep::low_latency_dispatch",
+        "deep_ep::low_latency_dispatch_send", "deep_ep::low_latency_dispatch_recv", "deep_ep::low_latency_combine",
+        "deep_ep::low_latency_combine_send", "deep_ep::low_latency_combine_recv", "deep_ep::clean_low_latency_buffer",
+        "deep_ep::get_next_low_latency_combine_buffer",
+    ];
+    KNOWN.iter().find(|k| **k == name).copied().unwrap_or("deep_ep::buffer_info")
 }
 
 /// See `deep_ep_buffer_size_hint` in the header.
@@ -178,11 +189,11 @@ pub unsafe extern "C" fn deep_ep_buffer_info(handle: i64, out: *mut i64) -> c_in
 #[no_mangle]
 pub unsafe extern "C" fn deep_ep_buffer_size_hint(cfg: *const i64, len: i64, hidden_bytes: i64, num_ranks: i64, which: i32, out: *mut i64) -> c_int {
     guard(|| {
-        const OP: &str = "deep_ep::buffer_size_hint";
-        let c = Config::from_slice(OP, std::slice::from_raw_parts(cfg, len.max(0) as usize))?;
-        crate::ensure!(hidden_bytes > 0 && num_ranks > 0, OP, "hidden_bytes ({hidden_bytes}) and num_ranks ({num_ranks}) must be positive");
+        let op = if which == 0 { "deep_ep::nvl_buffer_size_hint" } else { "deep_ep::rdma_buffer_size_hint" };
+        let c = Config::from_slice(op, std::slice::from_raw_parts(cfg, len.max(0) as usize))?;
+        crate::ensure!(hidden_bytes > 0 && num_ranks > 0, op, "hidden_bytes ({hidden_bytes}) and num_ranks ({num_ranks}) must be positive");
         let (h, r) = (hidden_bytes as usize, num_ranks as usize);
-        crate::ensure!(r <= 8 || r % 8 == 0, OP, "num_ranks must be <= 8 or a multiple of 8, got {r}");
+        crate::ensure!(r <= 8 || r % 8 == 0, op, "num_ranks must be <= 8 or a multiple of 8, got {r}");
         *out = if which == 0 { c.nvl_buffer_size_hint(h, r) } else { c.rdma_buffer_size_hint(h, r) } as i64;
         Ok(())
     })

@@ -38,8 +38,9 @@ pub fn destroy_buffer(handle: i64) -> Result<()> {
 
 /// `deep_ep::buffer_info`: `[rank, num_ranks, device, num_nvl_bytes, num_rdma_bytes,
 /// low_latency_mode, backend (0 cpu, 1 nccl, 2 nvshmem)]`.
-pub fn buffer_info(handle: i64) -> Result<[i64; 7]> {
-    buffer::with("deep_ep::buffer_info", handle, |b| {
+/// `op` names the calling op in errors.
+pub fn buffer_info(handle: i64, op: &'static str) -> Result<[i64; 7]> {
+    buffer::with(op, handle, |b| {
         let i = b.info();
         Ok([
             i.rank as i64,

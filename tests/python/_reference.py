@@ -217,7 +217,7 @@ def ue8m0_pack(scale_inv: torch.Tensor) -> torch.Tensor:
 
 def ue8m0_unpack(packed: torch.Tensor) -> torch.Tensor:
     """[..., S/4] int32 -> [..., S] float32 powers of two."""
-    b = packed.contiguous().view(torch.uint8).to(torch.int32)  # little-endian bytes
+    b = packed.clone(memory_format=torch.contiguous_format).view(torch.uint8).to(torch.int32)  # little-endian bytes
     return (b << 23).view(torch.float32)
 
 

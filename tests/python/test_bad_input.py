@@ -286,9 +286,6 @@ def test_use_after_destroy(ops, shared_buffer):
     assert assert_works(shared_buffer) > 0
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: dispatch with a destroyed or never-created buffer handle raises "
-                   "'deep_ep::buffer_info: buffer handle N ...' instead of 'deep_ep::dispatch: ...' - the dispatch shim "
-                   "(torch_ops/impl_normal.cpp) calls buffer_info(handle) before the library validates the call")
 @pytest.mark.parametrize("handle", ["destroyed", "never-created"])
 def test_dispatch_bad_handle_names_dispatch(ops, shared_buffer, handle):
     if handle == "destroyed":
@@ -319,9 +316,6 @@ def test_config_wrong_length_is_rejected(ops, shared_buffer, cfg):
     assert assert_works(shared_buffer) > 0
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: a config list without 5 ints is rejected by the C++ shim (fill_config in "
-                   "torch_ops/impl_normal.cpp) with 'deep_ep: config must have 5 ints ...' - the message does not start with "
-                   "the op name 'deep_ep::dispatch:' like every other error")
 @pytest.mark.parametrize("cfg", [[4, 6, 256, 6], [4, 6, 256, 6, 128, 1]], ids=["4-ints", "6-ints"])
 def test_config_wrong_length_names_the_op(ops, shared_buffer, cfg):
     ctx = Ctx(shared_buffer)
@@ -331,8 +325,6 @@ def test_config_wrong_length_names_the_op(ops, shared_buffer, cfg):
         assert assert_works(shared_buffer) > 0
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: Config(num_sms=3) (validated through deep_ep::nvl_buffer_size_hint) raises "
-                   "'deep_ep::buffer_size_hint: config.num_sms must be even ...' - there is no op named deep_ep::buffer_size_hint")
 def test_python_config_odd_num_sms_names_an_existing_op(deep_ep):
     expect_error("nvl_buffer_size_hint", r"num_sms", deep_ep.Config, 3)
 

@@ -19,6 +19,10 @@ import torch
 from conftest import ll_or_skip, make_buffer1
 
 ALL_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+# The LL send ops return recv_state = (buffer half, call sequence number, ...): two calls differ
+# by design, and test_aot_dispatch_dynamic compares an eager call's outputs with a second
+# (traced) call's. Shapes and dtypes of that output are still checked by test_faketensor.
+SEND_UTILS = ALL_UTILS[:3]
 CFG = [20, 6, 256, 6, 128]
 
 
@@ -181,7 +185,7 @@ def test_low_latency_dispatch(ops, ll_buffer, mode):
 def test_low_latency_dispatch_send_recv(ops, ll_buffer, mode):
     use_fp8, round_scale, ue8m0 = LL_MODES[mode]
     x, idx, w = ll_inputs(seed=1)
-    for util in ALL_UTILS:
+    for util in SEND_UTILS:
         buf = ll_buffer()
         send_args = (buf, x, idx, w, T, E, use_fp8, round_scale, ue8m0)
         out = ll_or_skip(ops.low_latency_dispatch_send.default, *send_args)
@@ -214,7 +218,7 @@ def test_low_latency_combine(ops, ll_buffer, logfmt):
 
 @pytest.mark.lowlatency
 def test_low_latency_combine_send_recv(ops, ll_buffer):
-    for util in ALL_UTILS:
+    for util in SEND_UTILS:
         buf = ll_buffer()
         x, idx, w, recv_x, src_info, layout_range = _ll_dispatched(ops, buf)
         send_args = (buf, recv_x, src_info, layout_range, T, E, False, False)

@@ -124,7 +124,18 @@ impl CpuBackend {
     fn rendezvous(&mut self, kind: Kind, words: [u64; NUM_WORDS], own: Option<Error>) -> Result<Vec<Header>> {
         self.publish_header(kind, words, own.as_ref());
         self.barrier(kind.op(), "all ranks published their inputs")?;
-        self.check_peers(kind, own)
+        let checked = self.check_peers(kind, own);
+        self.together(kind, checked)
+    }
+
+    /// Every rank reaches the same verdict after a rendezvous. On failure all ranks meet once
+    /// more before raising: a rank that raised at once would start its next call and overwrite
+    /// its area while a peer was still reading the failed call's header.
+    fn together<T>(&mut self, kind: Kind, r: Result<T>) -> Result<T> {
+        if r.is_err() {
+            self.barrier(kind.op(), "all ranks saw the error")?;
+        }
+        r
     }
 
     fn capacity_error(&self, op: &'static str, need: usize) -> Option<Error> {
@@ -172,7 +183,14 @@ impl CpuBackend {
         words[W_WORST] = a.num_worst_tokens as u64;
         words[W_FLAGS] = flags;
         let headers = self.rendezvous(Kind::Dispatch, words, own)?;
+        let plan = self.plan_dispatch(a, &headers, &words, &offs);
+        self.together(Kind::Dispatch, plan)
+    }
 
+    /// Global checks and output sizes of a dispatch, from every rank's published header.
+    fn plan_dispatch(&self, a: &DispatchArgs, headers: &[Header], words: &[u64; NUM_WORDS], offs: &[usize]) -> Result<DispatchPlan> {
+        const OP: &str = "deep_ep::dispatch";
+        let (r, nr, e) = (self.info.rank, self.info.num_ranks, a.num_experts);
         for (p, h) in headers.iter().enumerate() {
             for w in [W_ROW_BYTES, W_SCALE_BYTES, W_TOPK, W_EXPERTS, W_FLAGS] {
                 if h.0[w] != words[w] {
@@ -327,10 +345,13 @@ impl CpuBackend {
         words[W_ROW_BYTES] = row_bytes as u64;
         words[W_SCALE_BYTES] = scale_bytes as u64;
         let headers = self.rendezvous(Kind::CachedDispatch, words, own)?;
-        self.check_same_handles(OP, offs[0], m)?;
-        if let Some(p) = headers.iter().position(|h| h.0[W_ROW_BYTES] != words[W_ROW_BYTES] || h.0[W_SCALE_BYTES] != words[W_SCALE_BYTES]) {
-            return Err(Error::invalid(OP, format!("rank {p} dispatches rows of another size or dtype than this rank")));
-        }
+        let same = self.check_same_handles(OP, offs[0], m).and_then(|_| {
+            match headers.iter().position(|h| h.0[W_ROW_BYTES] != words[W_ROW_BYTES] || h.0[W_SCALE_BYTES] != words[W_SCALE_BYTES]) {
+                Some(p) => Err(Error::invalid(OP, format!("rank {p} dispatches rows of another size or dtype than this rank"))),
+                None => Ok(()),
+            }
+        });
+        self.together(Kind::CachedDispatch, same)?;
         let out = recv_x.cpu_bytes_mut();
         let mut out_s = recv_scales.map(|t| t.cpu_bytes_mut());
         out.fill(0);
@@ -379,10 +400,13 @@ impl CpuBackend {
         words[W_ROW_BYTES] = (hidden * 2) as u64;
         words[W_TOPK] = k as u64;
         let headers = self.rendezvous(Kind::Combine, words, own)?;
-        self.check_same_handles(OP, offs[0], m)?;
-        if let Some(p) = headers.iter().position(|h| h.0[W_ROW_BYTES] != words[W_ROW_BYTES] || h.0[W_TOPK] != words[W_TOPK]) {
-            return Err(Error::invalid(OP, format!("rank {p} combines another hidden size or top-k (or passes topk_weights where this rank does not)")));
-        }
+        let same = self.check_same_handles(OP, offs[0], m).and_then(|_| {
+            match headers.iter().position(|h| h.0[W_ROW_BYTES] != words[W_ROW_BYTES] || h.0[W_TOPK] != words[W_TOPK]) {
+                Some(p) => Err(Error::invalid(OP, format!("rank {p} combines another hidden size or top-k (or passes topk_weights where this rank does not)"))),
+                None => Ok(()),
+            }
+        });
+        self.together(Kind::Combine, same)?;
 
         let in_rank = a.handle.is_token_in_rank.cpu_slice::<u8>();
         let bias: Vec<&[u16]> = [&a.bias_0, &a.bias_1].into_iter().flatten().map(|b| b.cpu_slice::<u16>()).collect();

@@ -191,7 +191,10 @@ def test_low_latency_dispatch_send_recv(ops, ll_buffer, mode):
         out = ll_or_skip(ops.low_latency_dispatch_send.default, *send_args)
         ops.low_latency_dispatch_recv.default(buf, out[5], *out[:5], None, None, T, E, use_fp8, round_scale, ue8m0)
         check(ops.low_latency_dispatch_send.default, send_args, (util,))
-    for util in ALL_UTILS[:3]:  # see the module docstring: a receive phase runs once per send phase
+    # torch's test_schema compares mutated arguments arithmetically, which CPU float8 tensors do
+    # not support ("mul_cpu_reduced_float" not implemented): skip only that check for FP8 recv_x.
+    recv_utils = ALL_UTILS[1:3] if use_fp8 else ALL_UTILS[:3]
+    for util in recv_utils:  # see the module docstring: a receive phase runs once per send phase
         buf = ll_buffer()
         out = ll_or_skip(ops.low_latency_dispatch_send.default, buf, x, idx, w, T, E, use_fp8, round_scale, ue8m0)
         recv_args = (buf, out[5], *out[:5], torch.zeros((E,), dtype=torch.int32), None, T, E, use_fp8, round_scale, ue8m0)

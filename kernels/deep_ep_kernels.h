@@ -87,6 +87,7 @@ int deep_ep_cuda_stream_synchronize(void* stream);
 #define DEEP_EP_IC_ERR_TIMEOUT 1  /* a barrier passed timeout_ns; error_rank = the rank missing */
 #define DEEP_EP_IC_ERR_MISMATCH 2 /* error_rank staged another kind/size of op than this rank */
 #define DEEP_EP_IC_ERR_OVERFLOW 3 /* error_rank receives error_value tokens > num_worst error_limit */
+#define DEEP_EP_IC_ERR_CAPACITY 4 /* combine: error_rank's window needs error_value KiB > error_limit KiB */
 
 /* Host-mapped status block (cudaHostAllocMapped), written by kernels, read and cleared by the host. */
 typedef struct {
@@ -166,8 +167,7 @@ int deep_ep_ic_sync(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_sync_args_t* a
 /* K1: stage this rank's inputs into its own window at layout.off and write the layout header.
  * Present inputs are copied (scales from any strides to row-major, top-k ids widened to int64);
  * for a dispatch layout, send_head [N, R] and channel_prefix_matrix [R, C] are computed from
- * is_token_in_rank (crate::layout::send_side); with send_head (cached), it is copied. combine_rpm (combine): stage only the
- * first rank_prefix_matrix[R-1][rank] rows of x (the rest is worst-case padding). */
+ * is_token_in_rank (crate::layout::send_side); with send_head (cached), it is copied. */
 typedef struct {
   deep_ep_ic_layout_t layout;
   const void* x;               /* [N, row_bytes] contiguous */
@@ -181,7 +181,6 @@ typedef struct {
   const int32_t* num_tokens_per_expert; /* [E] */
   const bool* is_token_in_rank;         /* [N, R] */
   const int32_t* send_head;             /* [N, R] */
-  const int32_t* combine_rpm;           /* [R, R] */
 } deep_ep_ic_stage_args_t;
 int deep_ep_ic_stage(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_stage_args_t* args, void* stream);
 
@@ -207,9 +206,29 @@ typedef struct {
 } deep_ep_ic_pull_args_t;
 int deep_ep_ic_pull(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_pull_args_t* args, void* stream);
 
-/* K3 of combine: out[n] = bf16(((0 + bias_0[n]) + bias_1[n]) + sum over d ascending with
- * is_token_in_rank[n][d] of x_d[row]) in fp32, row = rpm[rank-1][d] + cpm[d][c-1] +
- * send_head[n][d] read from rank d's window; weights summed the same way. */
+/* Combine is push, then local reduce. Window of rank s during a combine (offsets every rank
+ * computes from the handle's rank_prefix_matrix, identical on all ranks): rows of x at
+ * CONTROL_BYTES, then (128-aligned) the weights; the rows that rank d sends back to s are at
+ * [base_s(d), base_s(d) + cnt(s, d)) with cnt(s, d) = rpm[s][d] - rpm[s-1][d] and
+ * base_s(d) = sum over d' < d of cnt(s, d'), in the order s sent them.
+ *
+ * K1 of combine: writes this rank's first rpm[R-1][rank] rows of x (and weights) into the windows
+ * of the ranks they came from, and its layout header (kind, row bytes, top-k, channels) into its
+ * own window. Every rank checks every window's need first; if one does not fit, no rank writes
+ * anything and DEEP_EP_IC_ERR_CAPACITY cancels the op (found identically on every rank). */
+typedef struct {
+  deep_ep_ic_layout_t layout;           /* header fields only */
+  const void* x;                        /* [num_rows, row_bytes] */
+  const float* topk_weights;            /* [num_rows, K] or NULL */
+  const int32_t* rank_prefix_matrix;    /* [R, R] of the handle */
+  int64_t num_rows;
+  int32_t num_blocks, reserved;
+} deep_ep_ic_push_args_t;
+int deep_ep_ic_combine_push(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_push_args_t* args, void* stream);
+
+/* K3 of combine (local reads only): out[n] = bf16(((0 + bias_0[n]) + bias_1[n]) + sum over d
+ * ascending with is_token_in_rank[n][d] of y) in fp32, y = the row rank d pushed for this token,
+ * at base_rank(d) + cpm[d][c-1] + send_head[n][d]; weights summed the same way. */
 typedef struct {
   const int32_t* rank_prefix_matrix;    /* [R, R] */
   const int32_t* channel_prefix_matrix; /* [R, C] */
@@ -228,7 +247,7 @@ int deep_ep_ic_combine(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_combine_arg
 int deep_ep_ic_reset(const deep_ep_ic_ctx_t* ctx, void* stream);
 /* Clears the device copy of a reported error (the host clears the mapped block itself). */
 int deep_ep_ic_clear_error(const deep_ep_ic_ctx_t* ctx, void* stream);
-/* [OUT host] sizes[0..6] = sizeof of ctx, layout, sync, stage, pull, combine args and host status
+/* [OUT host] sizes[0..7] = sizeof of ctx, layout, sync, stage, pull, combine, push args, host status
  * (the Rust mirrors check theirs against these). */
 void deep_ep_ic_struct_sizes(size_t* sizes);
 /* [OUT host] the scratch int create's host rendezvous all-reduces (device pointer). */

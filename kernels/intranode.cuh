@@ -143,6 +143,16 @@ __device__ __forceinline__ void warp_zero(void* dst, int64_t bytes, int lane) {
   }
 }
 
+// ---- combine geometry (deep_ep_kernels.h): from the handle's rank_prefix_matrix ---------------
+// Rows rank s sent to rank d.
+__device__ __forceinline__ int64_t sent_rows(const int* rpm, int R, int s, int d) {
+  return rpm[s * R + d] - (s > 0 ? rpm[(s - 1) * R + d] : 0);
+}
+// Offset of the weights in a combine window holding `pairs` rows of `row_bytes`.
+__device__ __forceinline__ uint64_t combine_weights_off(int64_t pairs, int64_t row_bytes) {
+  return DEEP_EP_IC_CONTROL_BYTES + (static_cast<uint64_t>(pairs * row_bytes) + 127) / 128 * 128;
+}
+
 // crate::layout::channel_range: tokens per channel.
 __device__ __forceinline__ int64_t tokens_per_channel(int64_t n, int64_t c) { return c > 0 ? (n + c - 1) / c : 0; }
 

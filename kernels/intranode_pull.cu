@@ -1,15 +1,18 @@
-// intranode_pull.cu: the data kernels (K3) of the intranode normal-mode ops. They run after the
-// barrier kernel, so every peer's staged sections are complete and stay unchanged until this
-// rank's next op starts (the next op begins with a barrier). Peer memory is read with L2-only
-// loads (__ldcg); nothing here waits on anything.
+// intranode_pull.cu: the data-moving kernels of the intranode normal-mode ops (besides staging).
+// The K3 kernels run after the data barrier, so every peer's staged sections are complete and stay
+// unchanged until this rank's next op starts (the next op begins with a barrier); push_kernel runs
+// after the start barrier, when every peer is done with its window. Peer memory is read with
+// L2-only loads (__ldcg); nothing here waits on anything.
 //
 // pull_kernel (dispatch, cached dispatch): one warp per task of kTaskTokens consecutive tokens of
 // one source; lanes read the tokens' send_head entries for this rank, compute their destination
 // rows, and the warp copies the selected rows one after the other (16-byte loads, 8 in flight per
 // lane).
-// combine_kernel: one warp per token of this rank; lane d finds where rank d staged the token's
-// row, then the warp reduces 8 columns per lane at a time: fp32 adds in the fixed order bias_0,
-// bias_1, ranks ascending (__fadd_rn: no contraction), one bf16 rounding at the end.
+// push_kernel (combine K1): one warp per received row, written into the window of the rank it came
+// from (remote 16-byte stores). combine_kernel (K3): one warp per token of this rank; lane d finds
+// where rank d pushed the token's row in this rank's window, then the warp reduces 8 columns per
+// lane at a time: fp32 adds in the fixed order bias_0, bias_1, ranks ascending (__fadd_rn: no
+// contraction), one bf16 rounding at the end.
 #include <cstdint>
 
 #include "intranode.cuh"
@@ -183,40 +186,110 @@ __device__ __forceinline__ void reduce_group(int4* out, const uint16_t* b0, bool
   out[g] = make_int4(static_cast<int>(packed[0]), static_cast<int>(packed[1]), static_cast<int>(packed[2]), static_cast<int>(packed[3]));
 }
 
-// kR >= num_ranks: register arrays sized for the rank count (2, 4 or 8).
+// K1 of combine: this rank's received rows go back into the windows of the ranks they came from.
+__global__ void __launch_bounds__(kThreads) push_kernel(const __grid_constant__ Ctx c, const __grid_constant__ deep_ep_ic_push_args_t a) {
+  __shared__ int s_rpm[kMaxRanks * kMaxRanks];
+  __shared__ int64_t s_base[kMaxRanks];    // s_base[s]: where this rank's rows start in s's window
+  __shared__ uint64_t s_woff[kMaxRanks];   // weights offset in s's window
+  __shared__ int s_fail;
+  const Layout& L = a.layout;
+  const int R = c.num_ranks, me = c.rank, tid = threadIdx.x, lane = tid & 31;
+  if (blockIdx.x == 0 && tid < DEEP_EP_IC_LAYOUT_BYTES / 8) {
+    const uint64_t* words = reinterpret_cast<const uint64_t*>(&L);
+    at<uint64_t>(local(c), kHeaderOff)[tid] = tid < sizeof(Layout) / 8 ? words[tid] : 0;
+  }
+  for (int i = tid; i < R * R; i += blockDim.x) s_rpm[i] = a.rank_prefix_matrix[i];
+  __syncthreads();
+  const int64_t rb = L.row_bytes, K = L.num_topk;
+  if (tid == 0) {
+    s_fail = 0;
+    for (int s = 0; s < R; ++s) {
+      int64_t pairs = 0, base = 0;
+      bool bad = false;
+      for (int d = 0; d < R; ++d) {
+        const int64_t k = sent_rows(s_rpm, R, s, d);
+        bad |= k < 0;
+        if (d < me) base += k;
+        pairs += k;
+      }
+      s_base[s] = base;
+      s_woff[s] = combine_weights_off(pairs, rb);
+      const uint64_t need = s_woff[s] + static_cast<uint64_t>(pairs * K) * 4;
+      if (bad || need > c.window_bytes) {
+        s_fail = 1;
+        if (blockIdx.x == 0) {  // every rank finds the same: all skip this combine
+          report(c, DEEP_EP_IC_ERR_CAPACITY, s, DEEP_EP_IC_SITE_COMBINE_START, static_cast<int>(min(need >> 10, uint64_t{INT32_MAX})),
+                 static_cast<int>(min(c.window_bytes >> 10, uint64_t{INT32_MAX})));
+          *at<volatile int>(local(c), kScrOpBad) = 1;
+        }
+        break;
+      }
+    }
+  }
+  __syncthreads();
+  if (s_fail) return;
+  const int64_t rows = min(static_cast<int64_t>(max(s_rpm[(R - 1) * R + me], 0)), a.num_rows);
+  const int64_t gwarp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + tid) >> 5;
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  const char* x = static_cast<const char*>(a.x);
+  for (int64_t r = gwarp; r < rows; r += warps) {
+    int s = 0;  // rows [rpm[s-1][me], rpm[s][me]) came from s
+    while (s + 1 < R && r >= s_rpm[s * R + me]) ++s;
+    const int64_t row = s_base[s] + r - (s > 0 ? s_rpm[(s - 1) * R + me] : 0);
+    char* dst = window(c, s);
+    warp_copy(dst + DEEP_EP_IC_CONTROL_BYTES + row * rb, x + r * rb, rb, lane);
+    if (a.topk_weights != nullptr) {
+      float* w = reinterpret_cast<float*>(dst + s_woff[s]) + row * K;
+      for (int64_t j = lane; j < K; j += 32) w[j] = a.topk_weights[r * K + j];
+    }
+  }
+  __threadfence_system();  // the remote writes are performed before the data barrier signals
+}
+
+// K3 of combine, kR >= num_ranks (register arrays sized for 2, 4 or 8 ranks). Reads only this
+// rank's window, where every rank pushed its rows.
 template <int kR>
 __global__ void __launch_bounds__(kThreads) combine_kernel(const __grid_constant__ Ctx c, const __grid_constant__ deep_ep_ic_combine_args_t a) {
-  __shared__ Layout s_layout[kMaxRanks];
+  __shared__ int64_t s_base[kMaxRanks];  // s_base[d]: where rank d's rows start in this window
+  __shared__ int64_t s_count[kMaxRanks];
+  __shared__ uint64_t s_woff;
   if (op_cancelled(c)) return;
-  load_layouts(c, s_layout);
   const int R = c.num_ranks, rank = c.rank, lane = threadIdx.x & 31;
   const int C = a.num_channels, K = a.num_topk;
-  const int64_t H = a.hidden, groups = H / 8, n_tokens = a.num_tokens;
+  const int64_t H = a.hidden, groups = H / 8, n_tokens = a.num_tokens, rb = H * 2;
+  if (threadIdx.x == 0) {
+    int64_t base = 0;
+    for (int d = 0; d < R; ++d) {
+      s_base[d] = base;
+      s_count[d] = sent_rows(a.rank_prefix_matrix, R, rank, d);
+      base += s_count[d];
+    }
+    s_woff = combine_weights_off(base, rb);
+  }
+  __syncthreads();
   const int64_t per = tokens_per_channel(n_tokens, C);
   const int64_t gwarp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
   const unsigned char* in_rank = reinterpret_cast<const unsigned char*>(a.is_token_in_rank);
   const bool b0_aligned = (reinterpret_cast<uintptr_t>(a.bias_0) & 15) == 0;
   const bool b1_aligned = (reinterpret_cast<uintptr_t>(a.bias_1) & 15) == 0;
+  char* me = local(c);
 
   for (int64_t n = gwarp; n < n_tokens; n += warps) {
-    // Lane d: where rank d staged this token's row (this rank's handle), or -1.
+    // Lane d: where rank d pushed this token's row (position in this rank's send order to d).
     int64_t row = -1;
     if (lane < R && in_rank[n * R + lane] != 0) {
       const int d = lane;
       const int64_t ch = n / per;
-      row = (rank > 0 ? a.rank_prefix_matrix[(rank - 1) * R + d] : 0) + (ch > 0 ? a.channel_prefix_matrix[d * C + ch - 1] : 0) +
-            a.send_head[n * R + d];
-      if (row < 0 || row >= s_layout[d].num_tokens) row = -1;
+      const int64_t pos = (ch > 0 ? a.channel_prefix_matrix[d * C + ch - 1] : 0) + a.send_head[n * R + d];
+      if (pos >= 0 && pos < s_count[d]) row = s_base[d] + pos;
     }
     int64_t rows[kR];
     const int4* src[kR];
 #pragma unroll
     for (int d = 0; d < kR; ++d) {
       rows[d] = __shfl_sync(0xffffffffu, row, d);
-      src[d] = (d < R && rows[d] >= 0)
-                   ? reinterpret_cast<const int4*>(window(c, d) + s_layout[d].off[DEEP_EP_IC_SEC_X] + rows[d] * H * 2)
-                   : nullptr;
+      src[d] = (d < R && rows[d] >= 0) ? reinterpret_cast<const int4*>(me + DEEP_EP_IC_CONTROL_BYTES + rows[d] * rb) : nullptr;
     }
     const uint16_t* b0 = a.bias_0 != nullptr ? a.bias_0 + n * H : nullptr;
     const uint16_t* b1 = a.bias_1 != nullptr ? a.bias_1 + n * H : nullptr;
@@ -237,14 +310,12 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const __grid_constant
       if (has1) reduce_group<kR>(out, b0, b0_aligned, b1, b1_aligned, v1, src, g1);
     }
     if (a.out_weights != nullptr) {
+      const float* wbase = reinterpret_cast<const float*>(me + s_woff);
       for (int j = lane; j < K; j += 32) {
         float w = 0.0f;
 #pragma unroll
         for (int d = 0; d < kR; ++d) {
-          if (src[d] != nullptr) {
-            const float* wd = reinterpret_cast<const float*>(window(c, d) + s_layout[d].off[DEEP_EP_IC_SEC_WEIGHTS]);
-            w = __fadd_rn(w, __ldcg(wd + rows[d] * K + j));
-          }
+          if (src[d] != nullptr) w = __fadd_rn(w, __ldcg(wbase + rows[d] * K + j));
         }
         a.out_weights[n * K + j] = w;
       }
@@ -272,6 +343,15 @@ extern "C" int deep_ep_ic_pull(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_pul
       (args->num_rows > 0 && args->recv_x == nullptr) || args->num_local_experts < 0)
     return cudaErrorInvalidValue;
   pull_kernel<<<args->num_blocks, kThreads, 0, as_stream(stream)>>>(*ctx, *args);
+  return cudaGetLastError();
+}
+
+extern "C" int deep_ep_ic_combine_push(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_push_args_t* args, void* stream) {
+  if (!pull_ctx_ok(ctx) || args == nullptr || args->num_blocks < 1 || args->num_rows < 0 || args->layout.row_bytes < 0 ||
+      args->layout.num_topk < 0 || (args->num_rows > 0 && args->x == nullptr) || args->rank_prefix_matrix == nullptr ||
+      ctx->window_bytes < DEEP_EP_IC_CONTROL_BYTES)
+    return cudaErrorInvalidValue;
+  push_kernel<<<args->num_blocks, kThreads, 0, as_stream(stream)>>>(*ctx, *args);
   return cudaGetLastError();
 }
 

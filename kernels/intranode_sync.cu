@@ -203,8 +203,7 @@ __global__ void __launch_bounds__(kThreads) stage_kernel(const __grid_constant__
     }
   }
   // Rows: one warp per row.
-  int64_t rows = n;
-  if (a.combine_rpm != nullptr) rows = min(rows, static_cast<int64_t>(max(a.combine_rpm[(R - 1) * R + c.rank], 0)));
+  const int64_t rows = n;
   const int lane = threadIdx.x & 31;
   const int64_t warps = threads >> 5;
   char* x_dst = me + L.off[DEEP_EP_IC_SEC_X];
@@ -278,5 +277,6 @@ extern "C" void deep_ep_ic_struct_sizes(size_t* sizes) {
   sizes[3] = sizeof(deep_ep_ic_stage_args_t);
   sizes[4] = sizeof(deep_ep_ic_pull_args_t);
   sizes[5] = sizeof(deep_ep_ic_combine_args_t);
-  sizes[6] = sizeof(deep_ep_ic_host_status_t);
+  sizes[6] = sizeof(deep_ep_ic_push_args_t);
+  sizes[7] = sizeof(deep_ep_ic_host_status_t);
 }

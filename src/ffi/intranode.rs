@@ -74,6 +74,7 @@ pub mod err {
     pub const TIMEOUT: i32 = 1;
     pub const MISMATCH: i32 = 2;
     pub const OVERFLOW: i32 = 3;
+    pub const CAPACITY: i32 = 4;
 }
 
 /// `deep_ep_ic_ctx_t`: the buffer as kernels see it.
@@ -133,7 +134,19 @@ pub struct StageArgs {
     pub num_tokens_per_expert: *const i32,
     pub is_token_in_rank: *const bool,
     pub send_head: *const i32,
-    pub combine_rpm: *const i32,
+}
+
+/// `deep_ep_ic_push_args_t` (combine K1).
+#[repr(C)]
+#[derive(Copy, Clone, Debug)]
+pub struct PushArgs {
+    pub layout: Layout,
+    pub x: *const c_void,
+    pub topk_weights: *const f32,
+    pub rank_prefix_matrix: *const i32,
+    pub num_rows: i64,
+    pub num_blocks: i32,
+    pub reserved: i32,
 }
 
 /// `deep_ep_ic_pull_args_t` (null pointer = absent output / use notify's input).
@@ -201,12 +214,13 @@ macro_rules! zeroed_default {
         }
     )*};
 }
-zeroed_default!(StageArgs, PullArgs, CombineArgs);
+zeroed_default!(StageArgs, PushArgs, PullArgs, CombineArgs);
 
 extern "C" {
     fn deep_ep_ic_sync(ctx: *const Ctx, args: *const SyncArgs, stream: *mut c_void) -> c_int;
     fn deep_ep_ic_stage(ctx: *const Ctx, args: *const StageArgs, stream: *mut c_void) -> c_int;
     fn deep_ep_ic_pull(ctx: *const Ctx, args: *const PullArgs, stream: *mut c_void) -> c_int;
+    fn deep_ep_ic_combine_push(ctx: *const Ctx, args: *const PushArgs, stream: *mut c_void) -> c_int;
     fn deep_ep_ic_combine(ctx: *const Ctx, args: *const CombineArgs, stream: *mut c_void) -> c_int;
     fn deep_ep_ic_reset(ctx: *const Ctx, stream: *mut c_void) -> c_int;
     fn deep_ep_ic_clear_error(ctx: *const Ctx, stream: *mut c_void) -> c_int;
@@ -226,8 +240,8 @@ extern "C" {
 /// Compares the Rust mirrors with the C structs (a mismatch means the header and this file
 /// diverged; kernels would read garbage).
 pub fn check_struct_sizes(op: &'static str) -> Result<()> {
-    let mut c = [0usize; 7];
-    // SAFETY: writes exactly 7 sizes.
+    let mut c = [0usize; 8];
+    // SAFETY: writes exactly 8 sizes.
     unsafe { deep_ep_ic_struct_sizes(c.as_mut_ptr()) };
     let rust = [
         std::mem::size_of::<Ctx>(),
@@ -236,6 +250,7 @@ pub fn check_struct_sizes(op: &'static str) -> Result<()> {
         std::mem::size_of::<StageArgs>(),
         std::mem::size_of::<PullArgs>(),
         std::mem::size_of::<CombineArgs>(),
+        std::mem::size_of::<PushArgs>(),
         std::mem::size_of::<HostStatusRaw>(),
     ];
     crate::ensure!(c == rust, op, "internal: intranode struct sizes differ between C {c:?} and Rust {rust:?}");
@@ -266,6 +281,13 @@ pub fn stage(op: &'static str, ctx: &Ctx, args: &StageArgs, stream: *mut c_void)
 pub fn pull(op: &'static str, ctx: &Ctx, args: &PullArgs, stream: *mut c_void) -> Result<()> {
     // SAFETY: see the comment above.
     check(unsafe { deep_ep_ic_pull(ctx, args, stream) }, op, "intranode pull kernel launch")
+}
+
+/// K1 of combine: push received rows back into their source ranks' windows.
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
+pub fn combine_push(op: &'static str, ctx: &Ctx, args: &PushArgs, stream: *mut c_void) -> Result<()> {
+    // SAFETY: see the comment above.
+    check(unsafe { deep_ep_ic_combine_push(ctx, args, stream) }, op, "intranode combine push kernel launch")
 }
 
 /// K3 of combine.

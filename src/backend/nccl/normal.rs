@@ -10,6 +10,10 @@
 //!   counts into host-mapped memory);
 //! - K3 `pull` / `combine`: this rank reads what it receives from the peers' windows.
 //!
+//! Combine differs in K1: instead of staging, every rank pushes the rows it holds straight into
+//! the windows of the ranks they came from (remote stores; offsets from the handle's
+//! rank_prefix_matrix, which every rank has in full), and K3 reduces from its own window only.
+//!
 //! Only a dispatch without `num_worst_tokens` waits on the host (for the receive counts between
 //! K2 and K3, `dispatch_prepare` → `dispatch_finish`); everything else is CUDA-graph capturable.
 //!
@@ -17,13 +21,16 @@
 //! recorded in the host-mapped status block and raised by the next host-side call of the buffer
 //! (or by the dispatch wait). A capacity error is raised before anything is launched, by the
 //! rank whose staged data does not fit: its peers then time out at the next barrier (known
-//! limitation: unlike the CPU backend, such an error is not raised on every rank at once).
+//! limitation: unlike the CPU backend, such an error is not raised on every rank at once). For
+//! combine the host checks its own rows; the exact need of every window depends on the routing
+//! (device data), so the push kernel checks it on every rank (all find the same), skips the op
+//! everywhere and records the error for the next call.
 
 use super::NcclBackend;
 use crate::backend::{CachedDispatchArgs, CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, DispatchPlan};
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::ffi::intranode::{self, err, kind, site, CombineArgs as KCombine, KernelError, Layout, PullArgs, StageArgs, SyncArgs, CONTROL_BYTES, MAX_CHANNELS, NUM_SECTIONS};
+use crate::ffi::intranode::{self, err, kind, site, CombineArgs as KCombine, KernelError, Layout, PullArgs, PushArgs, StageArgs, SyncArgs, CONTROL_BYTES, MAX_CHANNELS, NUM_SECTIONS};
 use crate::tensor::{DType, TensorRef};
 use std::ffi::c_void;
 use std::time::{Duration, Instant};
@@ -111,6 +118,10 @@ impl NcclBackend {
             err::OVERFLOW => Error::invalid(op, format!(
                 "tokens over capacity: rank {} receives {} tokens but its num_worst_tokens is {} (found at {where_}; rows past num_worst_tokens were dropped)",
                 e.rank, e.value, e.limit
+            )),
+            err::CAPACITY => Error::invalid(op, format!(
+                "tokens over capacity: a combine needed {} KiB of rank {}'s NVLink window, which holds {} KiB; every rank skipped that combine (its outputs are invalid)",
+                e.value, e.rank, e.limit
             )),
             c => Error::Device { op, what: "intranode kernel".into(), detail: format!("unknown error code {c} at {where_}") },
         }
@@ -319,6 +330,8 @@ impl NcclBackend {
             COMBINE,
             "internal: combine outputs do not match [{n}, {hidden}] / [{n}, {k}]"
         );
+        // This rank's rows (what it pushes) as the host-side estimate; the push kernel checks
+        // every window's exact need.
         let (off, end) = place([0, 0, 0, 0, rows * hidden * 2, 0, 0, rows * k * 4]);
         self.check_capacity(COMBINE, end)?;
         let layout = Layout {
@@ -331,15 +344,16 @@ impl NcclBackend {
             ..Default::default()
         };
         self.barrier(COMBINE, SyncArgs { site: site::COMBINE_START, op_start: 1, ..Default::default() }, a.stream)?;
-        let stage = StageArgs {
+        let push = PushArgs {
             layout,
             x: ptr(&a.x),
-            num_blocks: i32_of(a.config.num_sms),
             topk_weights: opt_ptr(a.topk_weights.as_ref()),
-            combine_rpm: ptr(&a.handle.rank_prefix_matrix),
-            ..Default::default()
+            rank_prefix_matrix: ptr(&a.handle.rank_prefix_matrix),
+            num_rows: rows as i64,
+            num_blocks: i32_of(a.config.num_sms),
+            reserved: 0,
         };
-        intranode::stage(COMBINE, self.window.ctx(), &stage, a.stream)?;
+        intranode::combine_push(COMBINE, self.window.ctx(), &push, a.stream)?;
         self.barrier(COMBINE, SyncArgs { site: site::COMBINE_DATA, gather: 1, ..Default::default() }, a.stream)?;
         let args = KCombine {
             rank_prefix_matrix: ptr(&a.handle.rank_prefix_matrix),

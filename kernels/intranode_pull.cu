@@ -191,6 +191,7 @@ __global__ void __launch_bounds__(kThreads) push_kernel(const __grid_constant__ 
   __shared__ int s_rpm[kMaxRanks * kMaxRanks];
   __shared__ int64_t s_base[kMaxRanks];    // s_base[s]: where this rank's rows start in s's window
   __shared__ uint64_t s_woff[kMaxRanks];   // weights offset in s's window
+  __shared__ int64_t s_vstart[kMaxRanks + 1];  // rows in the order of sources me, me + 1, ...
   __shared__ int s_fail;
   const Layout& L = a.layout;
   const int R = c.num_ranks, me = c.rank, tid = threadIdx.x, lane = tid & 31;
@@ -226,21 +227,35 @@ __global__ void __launch_bounds__(kThreads) push_kernel(const __grid_constant__ 
       }
     }
   }
+  if (tid == 0 && !s_fail) {
+    int64_t acc = 0;
+    for (int v = 0; v < R; ++v) {
+      s_vstart[v] = acc;
+      acc += sent_rows(s_rpm, R, (me + v) % R, me);
+    }
+    s_vstart[R] = acc;
+  }
   __syncthreads();
   if (s_fail) return;
-  const int64_t rows = min(static_cast<int64_t>(max(s_rpm[(R - 1) * R + me], 0)), a.num_rows);
   const int64_t gwarp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + tid) >> 5;
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
   const char* x = static_cast<const char*>(a.x);
-  for (int64_t r = gwarp; r < rows; r += warps) {
-    int s = 0;  // rows [rpm[s-1][me], rpm[s][me]) came from s
-    while (s + 1 < R && r >= s_rpm[s * R + me]) ++s;
-    const int64_t row = s_base[s] + r - (s > 0 ? s_rpm[(s - 1) * R + me] : 0);
+  // Rows [rpm[s-1][me], rpm[s][me]) of x came from s. They are walked source by source starting
+  // with s = me, then me + 1, ...: at any time the ranks mostly write to different ranks (walking
+  // s = 0, 1, ... on every rank made all ranks write into one window at a time).
+  for (int64_t q = gwarp; q < s_vstart[R]; q += warps) {
+    int v = 0;
+    while (v + 1 < R && q >= s_vstart[v + 1]) ++v;
+    const int s = (me + v) % R;
+    const int64_t j = q - s_vstart[v];
+    const int64_t r = (s > 0 ? s_rpm[(s - 1) * R + me] : 0) + j;
+    if (r >= a.num_rows) continue;  // inconsistent handle: x has fewer rows
+    const int64_t row = s_base[s] + j;
     char* dst = window(c, s);
     warp_copy(dst + DEEP_EP_IC_CONTROL_BYTES + row * rb, x + r * rb, rb, lane);
     if (a.topk_weights != nullptr) {
       float* w = reinterpret_cast<float*>(dst + s_woff[s]) + row * K;
-      for (int64_t j = lane; j < K; j += 32) w[j] = a.topk_weights[r * K + j];
+      for (int64_t i = lane; i < K; i += 32) w[i] = a.topk_weights[r * K + i];
     }
   }
   __threadfence_system();  // the remote writes are performed before the data barrier signals

@@ -300,31 +300,40 @@ def timing(rank, num_ranks, gpu_buf, deep_ep_rs) -> dict:
         cached = t_events(lambda: gpu_buf.dispatch(x, handle=handle, config=config))
         comb = t_events(lambda: gpu_buf.combine(recv_x, handle, topk_weights=recv_w, config=config))
         if sms == 24:  # per-kernel GPU time of one dispatch (worst case), cached dispatch, combine
-            res["kernels"] = kernel_times(lambda: (
-                gpu_buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe, topk_idx=idx,
-                                 topk_weights=w, num_worst_tokens=n * num_ranks, config=config),
-                gpu_buf.dispatch(x, handle=handle, config=config),
-                gpu_buf.combine(recv_x, handle, topk_weights=recv_w, config=config)))
+            res["kernels"] = kernel_times({
+                "dispatch_worst": lambda: gpu_buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank,
+                                                           num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=w,
+                                                           num_worst_tokens=n * num_ranks, config=config),
+                "cached": lambda: gpu_buf.dispatch(x, handle=handle, config=config),
+                "combine": lambda: gpu_buf.combine(recv_x, handle, topk_weights=recv_w, config=config)})
         res[sms] = dict(recv_tokens=recv_x.shape[0], dispatch_us=disp, dispatch_worst_us=disp_worst, cached_dispatch_us=cached,
                         combine_us=comb, dispatch_GBps=recv_bytes / disp / 1e3, cached_GBps=recv_bytes / cached / 1e3,
                         combine_GBps=recv_bytes / comb / 1e3)
     return res
 
 
-def kernel_times(fn) -> dict:
-    """GPU time (us) per kernel name of one call of `fn` (torch.profiler / CUPTI)."""
+KERNELS = ["sync_kernel", "stage_kernel", "pull_kernel", "push_kernel", "combine_kernel", "dispatch_layout_kernel"]
+
+
+def kernel_times(fns: dict) -> dict:
+    """Per op: {kernel: [launches, total GPU us]} of one call (torch.profiler / CUPTI)."""
     try:
         from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
         out = {}
-        for e in prof.key_averages():
-            if e.device_type.name == "CUDA" or getattr(e, "device_time_total", 0) > 0:
-                t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-                if t > 0:
-                    out[e.key[:60]] = round(t, 1)
-        return dict(sorted(out.items(), key=lambda kv: -kv[1])[:12])
+        for name, fn in fns.items():
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                fn()
+                torch.cuda.synchronize()
+            ks = {}
+            for e in prof.key_averages():
+                t = getattr(e, "device_time_total", 0) or 0
+                if t <= 0:
+                    continue
+                short = next((k for k in KERNELS if k in e.key), e.key[:32])
+                c, tt = ks.get(short, [0, 0.0])
+                ks[short] = [c + e.count, round(tt + t, 1)]
+            out[name] = ks
+        return out
     except Exception as e:  # noqa: BLE001 - diagnostics only
         return {"profiler error": str(e)[:200]}
 
@@ -411,7 +420,7 @@ def test_intranode_matches_cpu_backend(num_ranks):
             print(f"    error: {res['error']}")
     if results[0]["timing"]:
         for r in results:
-            print(f"  kernels rank {r['rank']} (us, 24 SMs, worst dispatch + cached + combine): {r['timing'].pop('kernels', None)}")
+            print(f"  kernels rank {r['rank']} (24 SMs; kernel: [launches, GPU us]): {r['timing'].pop('kernels', None)}")
         for sms, t in results[0]["timing"].items():
             worst = {k: max(r["timing"][sms][k] for r in results) for k in t if k.endswith("_us")}
             print(f"  timing rank 0, num_sms={sms}: " + ", ".join(f"{k}={v:.1f}" for k, v in t.items())

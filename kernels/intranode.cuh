@@ -164,6 +164,17 @@ __device__ __forceinline__ uint16_t bf16_bits(float f) {
 }
 __device__ __forceinline__ float bf16_to_f32(uint32_t b) { return __uint_as_float(b << 16); }
 
+// Host side of the launch functions: a ctx the kernels can use.
+bool ctx_ok(const Ctx* c) {
+  if (c == nullptr || c->num_ranks < 1 || c->num_ranks > kMaxRanks || c->rank < 0 || c->rank >= c->num_ranks ||
+      c->host_status == nullptr || c->window_bytes < DEEP_EP_IC_CONTROL_BYTES)
+    return false;
+  for (int p = 0; p < c->num_ranks; ++p) {
+    if (c->peer_base[p] == nullptr) return false;
+  }
+  return true;
+}
+
 }  // namespace
 }  // namespace ic
 }  // namespace deep_ep

@@ -345,16 +345,8 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const __grid_constant
 using namespace deep_ep;
 using namespace deep_ep::ic;
 
-static bool pull_ctx_ok(const deep_ep_ic_ctx_t* c) {
-  if (c == nullptr || c->num_ranks < 1 || c->num_ranks > kMaxRanks || c->rank < 0 || c->rank >= c->num_ranks) return false;
-  for (int p = 0; p < c->num_ranks; ++p) {
-    if (c->peer_base[p] == nullptr) return false;
-  }
-  return true;
-}
-
 extern "C" int deep_ep_ic_pull(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_pull_args_t* args, void* stream) {
-  if (!pull_ctx_ok(ctx) || args == nullptr || args->num_blocks < 1 || args->num_rows < 0 ||
+  if (!ctx_ok(ctx) || args == nullptr || args->num_blocks < 1 || args->num_rows < 0 ||
       (args->num_rows > 0 && args->recv_x == nullptr) || args->num_local_experts < 0)
     return cudaErrorInvalidValue;
   pull_kernel<<<args->num_blocks, kThreads, 0, as_stream(stream)>>>(*ctx, *args);
@@ -362,16 +354,15 @@ extern "C" int deep_ep_ic_pull(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_pul
 }
 
 extern "C" int deep_ep_ic_combine_push(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_push_args_t* args, void* stream) {
-  if (!pull_ctx_ok(ctx) || args == nullptr || args->num_blocks < 1 || args->num_rows < 0 || args->layout.row_bytes < 0 ||
-      args->layout.num_topk < 0 || (args->num_rows > 0 && args->x == nullptr) || args->rank_prefix_matrix == nullptr ||
-      ctx->window_bytes < DEEP_EP_IC_CONTROL_BYTES)
+  if (!ctx_ok(ctx) || args == nullptr || args->num_blocks < 1 || args->num_rows < 0 || args->layout.row_bytes < 0 ||
+      args->layout.num_topk < 0 || (args->num_rows > 0 && args->x == nullptr) || args->rank_prefix_matrix == nullptr)
     return cudaErrorInvalidValue;
   push_kernel<<<args->num_blocks, kThreads, 0, as_stream(stream)>>>(*ctx, *args);
   return cudaGetLastError();
 }
 
 extern "C" int deep_ep_ic_combine(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_combine_args_t* args, void* stream) {
-  if (!pull_ctx_ok(ctx) || args == nullptr || args->num_blocks < 1 || args->num_tokens < 0 || args->hidden < 0 ||
+  if (!ctx_ok(ctx) || args == nullptr || args->num_blocks < 1 || args->num_tokens < 0 || args->hidden < 0 ||
       args->hidden % 8 != 0 || args->num_channels < 1 || args->num_topk < 0 ||
       (args->num_tokens > 0 && (args->out == nullptr || args->rank_prefix_matrix == nullptr ||
                                 args->channel_prefix_matrix == nullptr || args->is_token_in_rank == nullptr ||

@@ -220,16 +220,6 @@ __global__ void reset_kernel(const __grid_constant__ Ctx c) {
 
 __global__ void clear_error_kernel(const __grid_constant__ Ctx c) { *at<int>(local(c), kScrError) = 0; }
 
-bool ctx_ok(const Ctx* c) {
-  if (c == nullptr || c->num_ranks < 1 || c->num_ranks > kMaxRanks || c->rank < 0 || c->rank >= c->num_ranks ||
-      c->host_status == nullptr || c->window_bytes < DEEP_EP_IC_CONTROL_BYTES)
-    return false;
-  for (int p = 0; p < c->num_ranks; ++p) {
-    if (c->peer_base[p] == nullptr) return false;
-  }
-  return true;
-}
-
 }  // namespace
 }  // namespace ic
 }  // namespace deep_ep

@@ -9,7 +9,7 @@
 //! the safe launch wrappers sound.
 
 use super::kernels::check;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use std::ffi::{c_int, c_void};
 
 /// Most ranks of one intranode buffer (`DEEP_EP_IC_MAX_RANKS`).
@@ -477,11 +477,6 @@ impl Drop for Stream {
 pub fn device_synchronize(op: &'static str) -> Result<()> {
     // SAFETY: plain runtime call.
     check(unsafe { deep_ep_cuda_device_synchronize() }, op, "cudaDeviceSynchronize")
-}
-
-/// `Error::Device` for a failed intranode step.
-pub fn device_error(op: &'static str, what: impl Into<String>, detail: impl Into<String>) -> Error {
-    Error::Device { op, what: what.into(), detail: detail.into() }
 }
 
 #[cfg(test)]

@@ -62,6 +62,219 @@ int deep_ep_cuda_memcpy_dtoh(void* host_dst, const void* src, size_t bytes);
 int deep_ep_cuda_memset_async(void* ptr, int value, size_t bytes, void* stream);
 int deep_ep_cuda_stream_synchronize(void* stream);
 
+/* ---------------------------------------------------------------------------------------------
+ * Intranode normal mode (kernels/intranode_*.cu): pull model over one NCCL symmetric window per
+ * buffer. Every rank stages its inputs into its OWN window, ranks meet at a flag barrier in the
+ * window's control area, then each rank pulls what it receives from its peers' windows.
+ *
+ * Window layout (offsets identical on every rank):
+ *   [0, 1024)          barrier slots: slot p (128 B apart, u64) is written by rank p
+ *   [1024, 1280)       this rank's staged layout (deep_ep_ic_layout_t), read by peers
+ *   [4096, CONTROL)    local scratch: sticky timeout flag, first error, per-op "bad" flag, barrier
+ *                      epoch, gathered peer layouts, rank_prefix_matrix, receiver channel starts
+ *   [CONTROL, ...)     staged sections at the offsets of this rank's layout
+ * Every function below is asynchronous on `stream`, launches only kernels (CUDA-graph
+ * capturable) and returns a cudaError_t as int.
+ * ------------------------------------------------------------------------------------------- */
+#define DEEP_EP_IC_MAX_RANKS 8
+#define DEEP_EP_IC_MAX_CHANNELS 512
+#define DEEP_EP_IC_MAX_LOCAL_EXPERTS 1024
+#define DEEP_EP_IC_CONTROL_BYTES 65536
+#define DEEP_EP_IC_LAYOUT_BYTES 256
+
+/* Error codes in deep_ep_ic_host_status_t.error. */
+#define DEEP_EP_IC_OK 0
+#define DEEP_EP_IC_ERR_TIMEOUT 1  /* a barrier passed timeout_ns; error_rank = the rank missing */
+#define DEEP_EP_IC_ERR_MISMATCH 2 /* error_rank staged another kind/size of op than this rank */
+#define DEEP_EP_IC_ERR_OVERFLOW 3 /* error_rank receives error_value tokens > num_worst error_limit */
+#define DEEP_EP_IC_ERR_CAPACITY 4 /* combine: error_rank's window needs error_value KiB > error_limit KiB */
+
+/* Host-mapped status block (cudaHostAllocMapped), written by kernels, read and cleared by the host. */
+typedef struct {
+  int32_t error;       /* DEEP_EP_IC_ERR_*; written last, after the fields below */
+  int32_t error_rank;
+  int32_t error_site;  /* the DEEP_EP_IC_SITE_* of the kernel that found it */
+  int32_t error_value;
+  int32_t error_limit;
+  int32_t recv_count;  /* notify with write_host_counts: tokens this rank receives; -1 before */
+  int32_t reserved[2];
+  int32_t per_expert[DEEP_EP_IC_MAX_LOCAL_EXPERTS]; /* written before recv_count */
+} deep_ep_ic_host_status_t;
+
+/* Where a barrier is (for messages). */
+#define DEEP_EP_IC_SITE_DISPATCH_START 1
+#define DEEP_EP_IC_SITE_DISPATCH_NOTIFY 2
+#define DEEP_EP_IC_SITE_CACHED_START 3
+#define DEEP_EP_IC_SITE_CACHED_DATA 4
+#define DEEP_EP_IC_SITE_COMBINE_START 5
+#define DEEP_EP_IC_SITE_COMBINE_DATA 6
+#define DEEP_EP_IC_SITE_CREATE 7
+#define DEEP_EP_IC_SITE_DESTROY 8
+
+/* The buffer as kernels see it. */
+typedef struct {
+  void* peer_base[DEEP_EP_IC_MAX_RANKS]; /* window base of rank p, valid on this GPU (NVLink) */
+  int32_t rank, num_ranks;               /* 1 <= num_ranks <= DEEP_EP_IC_MAX_RANKS */
+  uint64_t window_bytes;
+  deep_ep_ic_host_status_t* host_status; /* device pointer of the mapped block */
+  uint64_t timeout_ns;                   /* barrier deadline (globaltimer ns) */
+} deep_ep_ic_ctx_t;
+
+/* Sections of a staged op (byte offsets into the rank's own window; 0 = absent). */
+#define DEEP_EP_IC_SEC_COUNTS_RANK 0   /* [R] int32 num_tokens_per_rank */
+#define DEEP_EP_IC_SEC_COUNTS_EXPERT 1 /* [E] int32 num_tokens_per_expert */
+#define DEEP_EP_IC_SEC_SEND_HEAD 2     /* [N, R] int32 */
+#define DEEP_EP_IC_SEC_CPM 3           /* [R, C] int32 sender channel_prefix_matrix (inclusive) */
+#define DEEP_EP_IC_SEC_X 4             /* [N, row_bytes] */
+#define DEEP_EP_IC_SEC_SCALES 5        /* [N, S] 4-byte scales, row-major */
+#define DEEP_EP_IC_SEC_TOPK 6          /* [N, K] int64 global expert ids */
+#define DEEP_EP_IC_SEC_WEIGHTS 7       /* [N, K] float32 */
+#define DEEP_EP_IC_NUM_SECTIONS 8
+
+/* Op kinds in a layout. */
+#define DEEP_EP_IC_KIND_DISPATCH 1
+#define DEEP_EP_IC_KIND_CACHED 2
+#define DEEP_EP_IC_KIND_COMBINE 3
+
+/* What one rank stages: copied into its window header, read by peers (<= 256 bytes). */
+typedef struct {
+  int64_t kind;
+  int64_t num_tokens;  /* N: rows staged (combine: rows of x) */
+  int64_t row_bytes;   /* bytes of one x row */
+  int64_t num_scales;  /* S (0 without scales) */
+  int64_t num_topk;    /* K (0 without top-k / weights) */
+  int64_t num_experts; /* E (dispatch) */
+  int64_t num_worst;   /* num_worst_tokens (dispatch) */
+  int64_t num_channels;
+  uint64_t off[DEEP_EP_IC_NUM_SECTIONS];
+} deep_ep_ic_layout_t;
+
+/* K0 / K2: barrier (one block). With gather, copies every peer's layout into scratch after the
+ * barrier and flags a mismatch (kind, row bytes, scales, top-k, experts, channels) as an error
+ * that stops this op's data kernels. With notify (dispatch), also computes the
+ * rank_prefix_matrix, this rank's receiver channel starts and (write_host_counts) the receive
+ * count and per-local-expert counts rounded up to expert_alignment into the host block, and
+ * flags any rank whose receive count exceeds its num_worst_tokens. op_start resets the per-op
+ * error flag. A barrier whose peers do not arrive within timeout_ns records
+ * DEEP_EP_IC_ERR_TIMEOUT and returns; after that every barrier and data kernel of the buffer
+ * returns at once. */
+typedef struct {
+  int32_t site, op_start, gather, notify, write_host_counts;
+  int32_t expert_alignment, num_local_experts;
+} deep_ep_ic_sync_args_t;
+int deep_ep_ic_sync(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_sync_args_t* args, void* stream);
+
+/* K1: stage this rank's inputs into its own window at layout.off and write the layout header.
+ * Present inputs are copied (scales from any strides to row-major, top-k ids widened to int64);
+ * for a dispatch layout, send_head [N, R] and channel_prefix_matrix [R, C] are computed from
+ * is_token_in_rank (crate::layout::send_side); with send_head (cached), it is copied. */
+typedef struct {
+  deep_ep_ic_layout_t layout;
+  const void* x;               /* [N, row_bytes] contiguous */
+  const void* scales;          /* [N, S] 4-byte elements, strides in elements below */
+  int64_t scale_stride0, scale_stride1;
+  const void* topk_idx;        /* [N, K] int32 or int64 */
+  int32_t topk_is_int64;
+  int32_t num_blocks;          /* grid size (config.num_sms) */
+  const float* topk_weights;   /* [N, K] */
+  const int32_t* num_tokens_per_rank;   /* [R] */
+  const int32_t* num_tokens_per_expert; /* [E] */
+  const bool* is_token_in_rank;         /* [N, R] */
+  const int32_t* send_head;             /* [N, R] */
+} deep_ep_ic_stage_args_t;
+int deep_ep_ic_stage(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_stage_args_t* args, void* stream);
+
+/* K3 of (cached) dispatch: pull every row this rank receives, sources ascending, then token
+ * order: row = rpm[s-1][rank] + rcpm[s][c] + send_head_s[n][rank]. Rows >= num_rows are dropped.
+ * Rows [received, num_rows) are padding: x/scales/weights 0, top-k ids and src idx -1. With
+ * rank_prefix_matrix etc. non-NULL the handle outputs are written too. rpm_in/rcpm_in NULL: use
+ * notify's. */
+typedef struct {
+  void* recv_x;                 /* [num_rows, row_bytes] */
+  void* recv_scales;            /* [num_rows, S] or NULL */
+  void* recv_topk_idx;          /* [num_rows, K] int32/int64 or NULL */
+  float* recv_topk_weights;     /* [num_rows, K] or NULL */
+  int32_t* recv_src_idx;        /* [num_rows] or NULL */
+  int32_t* rank_prefix_matrix;  /* [R, R] out or NULL */
+  int32_t* channel_prefix_matrix;      /* [R, C] out or NULL */
+  int32_t* recv_channel_prefix_matrix; /* [R, C] out or NULL */
+  int32_t* send_head;           /* [N, R] out or NULL */
+  const int32_t* rpm_in;        /* [R, R] or NULL */
+  const int32_t* rcpm_in;       /* [R, C] or NULL */
+  int64_t num_rows;
+  int32_t topk_is_int64, num_local_experts, num_blocks, reserved;
+} deep_ep_ic_pull_args_t;
+int deep_ep_ic_pull(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_pull_args_t* args, void* stream);
+
+/* Combine is push, then local reduce. Window of rank s during a combine (offsets every rank
+ * computes from the handle's rank_prefix_matrix, identical on all ranks): rows of x at
+ * CONTROL_BYTES, then (128-aligned) the weights; the rows that rank d sends back to s are at
+ * [base_s(d), base_s(d) + cnt(s, d)) with cnt(s, d) = rpm[s][d] - rpm[s-1][d] and
+ * base_s(d) = sum over d' < d of cnt(s, d'), in the order s sent them.
+ *
+ * K1 of combine: writes this rank's first rpm[R-1][rank] rows of x (and weights) into the windows
+ * of the ranks they came from, and its layout header (kind, row bytes, top-k, channels) into its
+ * own window. Every rank checks every window's need first; if one does not fit, no rank writes
+ * anything and DEEP_EP_IC_ERR_CAPACITY cancels the op (found identically on every rank). */
+typedef struct {
+  deep_ep_ic_layout_t layout;           /* header fields only */
+  const void* x;                        /* [num_rows, row_bytes] */
+  const float* topk_weights;            /* [num_rows, K] or NULL */
+  const int32_t* rank_prefix_matrix;    /* [R, R] of the handle */
+  int64_t num_rows;
+  int32_t num_blocks, reserved;
+} deep_ep_ic_push_args_t;
+int deep_ep_ic_combine_push(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_push_args_t* args, void* stream);
+
+/* K3 of combine (local reads only): out[n] = bf16(((0 + bias_0[n]) + bias_1[n]) + sum over d
+ * ascending with is_token_in_rank[n][d] of y) in fp32, y = the row rank d pushed for this token,
+ * at base_rank(d) + cpm[d][c-1] + send_head[n][d]; weights summed the same way. */
+typedef struct {
+  const int32_t* rank_prefix_matrix;    /* [R, R] */
+  const int32_t* channel_prefix_matrix; /* [R, C] */
+  const bool* is_token_in_rank;         /* [N, R] */
+  const int32_t* send_head;             /* [N, R] */
+  const uint16_t* bias_0;               /* [N, H] bf16 or NULL */
+  const uint16_t* bias_1;               /* [N, H] bf16 or NULL */
+  uint16_t* out;                        /* [N, H] bf16 */
+  float* out_weights;                   /* [N, K] or NULL */
+  int64_t num_tokens;
+  int32_t hidden, num_topk, num_channels, num_blocks;
+} deep_ep_ic_combine_args_t;
+int deep_ep_ic_combine(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_combine_args_t* args, void* stream);
+
+/* Zeroes the control area of this rank's window (create, before the first barrier). */
+int deep_ep_ic_reset(const deep_ep_ic_ctx_t* ctx, void* stream);
+/* Clears the device copy of a reported error (the host clears the mapped block itself). */
+int deep_ep_ic_clear_error(const deep_ep_ic_ctx_t* ctx, void* stream);
+/* [OUT host] sizes[0..7] = sizeof of ctx, layout, sync, stage, pull, combine, push args, host status
+ * (the Rust mirrors check theirs against these). */
+void deep_ep_ic_struct_sizes(size_t* sizes);
+/* [OUT host] the scratch int create's host rendezvous all-reduces (device pointer). */
+void* deep_ep_ic_rendezvous_word(const deep_ep_ic_ctx_t* ctx);
+
+/* ---- NCCL device-API glue (kernels/nccl_glue.cu). NCCL is dlopen'ed by Rust: the function
+ * pointers are passed in, so this library has no link-time NCCL dependency. ---- */
+/* sizeof(ncclDevComm) of the headers this was built with. */
+size_t deep_ep_nccl_devcomm_bytes(void);
+/* ncclDevCommCreate with zeroed requirements, lsaBarrierCount = lsa_barrier_count and
+ * lsaMultimem false. [OUT host] devcomm (devcomm_bytes, 8-aligned), lsa_size, lsa_rank.
+ * Returns the ncclResult_t (or -1 when devcomm_bytes is too small). */
+int deep_ep_nccl_devcomm_create(void* create_fn, void* comm, int lsa_barrier_count, void* devcomm,
+                                size_t devcomm_bytes, int* lsa_size, int* lsa_rank);
+/* ncclDevCommDestroy; returns the ncclResult_t. */
+int deep_ep_nccl_devcomm_destroy(void* destroy_fn, void* comm, const void* devcomm);
+/* [OUT host] base[p] = ncclGetPeerPointer(window, 0, p) for p < num_ranks (synchronous). */
+int deep_ep_nccl_window_peer_bases(void* window, int num_ranks, void** base);
+
+/* More runtime helpers (host plumbing). */
+int deep_ep_cuda_get_device(int* device);
+int deep_ep_cuda_host_alloc_mapped(void** host, void** device_ptr, size_t bytes);
+int deep_ep_cuda_free_host(void* host);
+int deep_ep_cuda_stream_create(void** stream);
+int deep_ep_cuda_stream_destroy(void* stream);
+int deep_ep_cuda_device_synchronize(void);
+
 #ifdef __cplusplus
 }
 #endif

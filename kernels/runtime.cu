@@ -41,3 +41,35 @@ extern "C" int deep_ep_cuda_memset_async(void* ptr, int value, size_t bytes, voi
 extern "C" int deep_ep_cuda_stream_synchronize(void* stream) {
   return cudaStreamSynchronize(deep_ep::as_stream(stream));
 }
+
+extern "C" int deep_ep_cuda_get_device(int* device) {
+  if (device == nullptr) return cudaErrorInvalidValue;
+  return cudaGetDevice(device);
+}
+
+extern "C" int deep_ep_cuda_host_alloc_mapped(void** host, void** device_ptr, size_t bytes) {
+  if (host == nullptr || device_ptr == nullptr) return cudaErrorInvalidValue;
+  *host = nullptr;
+  *device_ptr = nullptr;
+  DEEP_EP_TRY(cudaHostAlloc(host, bytes, cudaHostAllocMapped | cudaHostAllocPortable));
+  const cudaError_t st = cudaHostGetDevicePointer(device_ptr, *host, 0);
+  if (st != cudaSuccess) {
+    cudaFreeHost(*host);
+    *host = nullptr;
+  }
+  return st;
+}
+
+extern "C" int deep_ep_cuda_free_host(void* host) { return cudaFreeHost(host); }
+
+extern "C" int deep_ep_cuda_stream_create(void** stream) {
+  if (stream == nullptr) return cudaErrorInvalidValue;
+  cudaStream_t s = nullptr;
+  DEEP_EP_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  *stream = s;
+  return cudaSuccess;
+}
+
+extern "C" int deep_ep_cuda_stream_destroy(void* stream) { return cudaStreamDestroy(deep_ep::as_stream(stream)); }
+
+extern "C" int deep_ep_cuda_device_synchronize(void) { return cudaDeviceSynchronize(); }

@@ -6,5 +6,9 @@ pub mod capi_modes;
 pub mod tensor;
 #[cfg(feature = "cuda")]
 pub mod kernels;
+#[cfg(feature = "cuda")]
+pub mod intranode;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+#[cfg(feature = "nccl")]
+pub mod nccl_window;

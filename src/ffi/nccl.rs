@@ -16,6 +16,7 @@ mod sys {
 pub use sys::*;
 
 use crate::error::{Error, Result};
+use std::ffi::c_void;
 use std::sync::{Mutex, OnceLock};
 
 /// Soname opened when `DEEP_EP_NCCL_LIBRARY` is unset (the only name the pip wheels ship).
@@ -78,9 +79,49 @@ pub fn library() -> Result<&'static NcclLib> {
     if let Some(lib) = LIB.get() {
         return Ok(*lib);
     }
-    let path = std::env::var("DEEP_EP_NCCL_LIBRARY").ok().filter(|p| !p.is_empty()).unwrap_or_else(|| DEFAULT_LIBRARY.to_string());
-    let lib = open(&path)?;
+    let lib = open(&library_path())?;
     Ok(*LIB.get_or_init(|| lib))
+}
+
+/// What [`library`] opens: `DEEP_EP_NCCL_LIBRARY`, else [`DEFAULT_LIBRARY`].
+fn library_path() -> String {
+    std::env::var("DEEP_EP_NCCL_LIBRARY").ok().filter(|p| !p.is_empty()).unwrap_or_else(|| DEFAULT_LIBRARY.to_string())
+}
+
+/// The host functions of NCCL's device API that `nccl.h` does not declare (they live in the C++
+/// header `nccl_device/core.h`), as raw addresses for the C glue in `kernels/nccl_glue.cu`.
+pub struct DeviceApi {
+    /// `ncclDevCommCreate(ncclComm_t, const ncclDevCommRequirements_t*, ncclDevComm_t*)`.
+    pub dev_comm_create: *mut c_void,
+    /// `ncclDevCommDestroy(ncclComm_t, const ncclDevComm_t*)`.
+    pub dev_comm_destroy: *mut c_void,
+}
+
+// SAFETY: two immutable code addresses of a library that is never unloaded.
+unsafe impl Send for DeviceApi {}
+unsafe impl Sync for DeviceApi {}
+
+static DEVICE_API: OnceLock<DeviceApi> = OnceLock::new();
+
+/// Resolves the device-API host functions from the same library as [`library`] (opening it again
+/// returns the loaded copy; the handle is leaked like the first one).
+pub fn device_api() -> Result<&'static DeviceApi> {
+    if let Some(api) = DEVICE_API.get() {
+        return Ok(api);
+    }
+    let path = library_path();
+    let fail = |what: &str, e: String| Error::Device { op: OP, what: what.to_string(), detail: format!("{e} (NCCL {path:?})") };
+    // SAFETY: the library is already loaded by `library()`; loading runs no new initialisers.
+    let lib = unsafe { libloading::Library::new(&path) }.map_err(|e| fail("loading NCCL for the device API", e.to_string()))?;
+    let sym = |name: &[u8]| -> Result<*mut c_void> {
+        // SAFETY: a `*mut c_void` symbol is the address of the function; it is only called by the
+        // glue with the prototype of nccl_device/core.h.
+        let s = unsafe { lib.get::<*mut c_void>(name) }.map_err(|e| fail("resolving the NCCL device API", e.to_string()))?;
+        Ok(*s)
+    };
+    let api = DeviceApi { dev_comm_create: sym(b"ncclDevCommCreate\0")?, dev_comm_destroy: sym(b"ncclDevCommDestroy\0")? };
+    std::mem::forget(lib); // never unloaded (see `open`)
+    Ok(DEVICE_API.get_or_init(|| api))
 }
 
 /// Turns an `ncclResult_t` into `Ok` or an [`Error::Device`] with NCCL's own error text.

@@ -54,17 +54,24 @@ def test_layout_kernel_in_cuda_graph():
     del out
 
 
-def test_nccl_backend_loads_and_reports_unimplemented_kernels():
+def test_nccl_backend_single_rank_round_trip():
+    """A one-rank nccl buffer: dispatch returns the tokens, combine sums them back."""
     uid = ops.get_unique_id("nccl", torch.device("cuda", 0))
     assert uid.dtype == torch.uint8 and uid.numel() == 128 and int(uid.sum()) != 0
     h = ops.create_buffer(uid, 0, 1, torch.device("cuda", 0), 1 << 20, 0, False, "nccl")
     info = ops.buffer_info(h)
     assert info[:3] == [0, 1, 0] and info[6] == 1
     x = torch.randn(4, 256, device="cuda").bfloat16()
-    idx = torch.zeros(4, 1, dtype=torch.int64, device="cuda")
+    idx = torch.tensor([[0], [-1], [3], [7]], dtype=torch.int64, device="cuda")
+    w = torch.ones(4, 1, device="cuda")
     ntpr, _, ntpe, in_rank = ops.get_dispatch_layout(idx, 8, 1)
-    with pytest.raises(RuntimeError, match=r"deep_ep::dispatch: .*not implemented on the nccl backend yet"):
-        ops.dispatch(h, x, None, idx, torch.ones(4, 1, device="cuda"), ntpr, in_rank, ntpe, 1, 0, [20, 6, 256, 6, 128])
+    cfg = [20, 6, 256, 6, 128]
+    d = ops.dispatch(h, x, None, idx, w, ntpr, in_rank, ntpe, 1, 0, cfg)
+    recv_x, recv_idx, recv_src = d[0], d[2], d[8]
+    assert recv_x.shape == (3, 256) and torch.equal(recv_x, x[[0, 2, 3]])
+    assert recv_src.tolist() == [0, 2, 3] and recv_idx.flatten().tolist() == [0, 3, 7]
+    comb, _ = ops.combine(h, recv_x, None, None, None, d[5], d[6], d[7], d[8], in_rank, d[9], cfg)
+    assert torch.equal(comb[[0, 2, 3]], x[[0, 2, 3]]) and int(comb[1].abs().sum()) == 0
     ops.destroy_buffer(h)
     out = os.environ.get("DEEP_EP_SMOKE_JSON")
     if out:

@@ -1,0 +1,180 @@
+// intranode.cuh: window layout, memory-model helpers and error reporting shared by the intranode
+// normal-mode kernels (intranode_sync.cu, intranode_pull.cu). Everything here has internal
+// linkage (anonymous namespace): the .cu files are compiled with -rdc and each gets its own copy.
+#pragma once
+
+#include <cstdint>
+
+#include "common.cuh"
+
+namespace deep_ep {
+namespace ic {
+namespace {
+
+constexpr int kMaxRanks = DEEP_EP_IC_MAX_RANKS;
+constexpr int kMaxChannels = DEEP_EP_IC_MAX_CHANNELS;
+constexpr int kThreads = 512;  // data kernels: 16 warps per block
+constexpr int kWarps = kThreads / 32;
+constexpr int kSyncThreads = 256;
+
+// Control area of every window (DEEP_EP_IC_CONTROL_BYTES); see deep_ep_kernels.h.
+constexpr size_t kSlotBytes = 128;
+constexpr size_t kBarrierOff = 0;
+constexpr size_t kHeaderOff = 1024;
+constexpr size_t kScratchOff = 4096;
+constexpr size_t kScrTimedOut = kScratchOff + 0;  // int: a barrier timed out (sticky)
+constexpr size_t kScrError = kScratchOff + 4;     // int: first unreported error code
+constexpr size_t kScrOpBad = kScratchOff + 8;     // int: this op's data kernels must not run
+constexpr size_t kScrRendezvous = kScratchOff + 12;  // int all-reduced by create
+constexpr size_t kScrEpoch = kScratchOff + 16;    // u64: barriers passed
+constexpr size_t kScrHeaders = kScratchOff + 256;  // [R] layouts gathered after the barrier
+constexpr size_t kScrRpm = kScrHeaders + kMaxRanks * DEEP_EP_IC_LAYOUT_BYTES;  // [R, R] int
+constexpr size_t kScrRcpm = kScrRpm + kMaxRanks * kMaxRanks * 4;              // [R, C] int
+constexpr size_t kScrEnd = kScrRcpm + kMaxRanks * kMaxChannels * 4;
+static_assert(kBarrierOff + kMaxRanks * kSlotBytes <= kHeaderOff, "barrier slots overlap the header");
+static_assert(sizeof(deep_ep_ic_layout_t) <= DEEP_EP_IC_LAYOUT_BYTES, "layout larger than its slot");
+static_assert(kHeaderOff + DEEP_EP_IC_LAYOUT_BYTES <= kScratchOff, "header overlaps the scratch");
+static_assert(kScrEnd <= DEEP_EP_IC_CONTROL_BYTES, "scratch larger than the control area");
+
+using Ctx = deep_ep_ic_ctx_t;
+using Layout = deep_ep_ic_layout_t;
+
+__device__ __forceinline__ char* window(const Ctx& c, int rank) { return static_cast<char*>(c.peer_base[rank]); }
+__device__ __forceinline__ char* local(const Ctx& c) { return window(c, c.rank); }
+template <typename T>
+__device__ __forceinline__ T* at(char* base, size_t off) { return reinterpret_cast<T*>(base + off); }
+
+__device__ __forceinline__ const Layout& scratch_layout(const Ctx& c, int rank) {
+  return *at<const Layout>(local(c), kScrHeaders + static_cast<size_t>(rank) * DEEP_EP_IC_LAYOUT_BYTES);
+}
+
+// ---- memory model -------------------------------------------------------------------------
+__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ int ld_volatile(const int* p) { return *reinterpret_cast<const volatile int*>(p); }
+__device__ __forceinline__ uint64_t ld_volatile(const uint64_t* p) {
+  return *reinterpret_cast<const volatile uint64_t*>(p);
+}
+__device__ __forceinline__ uint64_t globaltimer() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// ---- errors ----------------------------------------------------------------------------------
+// Records an error in the device word and, for the first one since the host last cleared it,
+// in the host-mapped block (fields first, code last). A timeout also replaces an earlier
+// non-timeout error (it is what the host must see) and sets the sticky timeout flag.
+__device__ void report(const Ctx& c, int code, int about_rank, int site, int value, int limit) {
+  int* err = at<int>(local(c), kScrError);
+  bool first;
+  if (code == DEEP_EP_IC_ERR_TIMEOUT) {
+    atomicExch(at<int>(local(c), kScrTimedOut), 1);
+    first = atomicExch(err, code) != DEEP_EP_IC_ERR_TIMEOUT;
+  } else {
+    first = atomicCAS(err, 0, code) == 0;
+  }
+  if (!first) return;
+  volatile deep_ep_ic_host_status_t* h = c.host_status;
+  h->error_rank = about_rank;
+  h->error_site = site;
+  h->error_value = value;
+  h->error_limit = limit;
+  __threadfence_system();
+  h->error = code;
+  __threadfence_system();
+}
+
+// Data kernels: whether this op must not move data (a barrier timed out, or the ranks staged
+// mismatching ops). Read by one thread and broadcast.
+__device__ __forceinline__ bool op_cancelled(const Ctx& c) {
+  __shared__ int s_cancel;
+  if (threadIdx.x == 0) {
+    s_cancel = ld_volatile(at<int>(local(c), kScrTimedOut)) != 0 || ld_volatile(at<int>(local(c), kScrOpBad)) != 0;
+  }
+  __syncthreads();
+  return s_cancel != 0;
+}
+
+// ---- copies ----------------------------------------------------------------------------------
+// One warp copies `bytes` from `src` to `dst`: 16-byte L2-only loads (peer memory changes between
+// ops, so no non-coherent cache path), kUnroll loads in flight per lane; bytes one by one when
+// either side is not 16-byte aligned.
+constexpr int kUnroll = 8;
+__device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t bytes, int lane) {
+  if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes)) & 15) == 0) {
+    const int4* s = static_cast<const int4*>(src);
+    int4* d = static_cast<int4*>(dst);
+    const int64_t n = bytes / 16;
+    for (int64_t base = 0; base < n; base += 32 * kUnroll) {
+      int4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = base + u * 32 + lane;
+        if (i < n) v[u] = __ldcg(s + i);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = base + u * 32 + lane;
+        if (i < n) d[i] = v[u];
+      }
+    }
+  } else {
+    const unsigned char* s = static_cast<const unsigned char*>(src);
+    unsigned char* d = static_cast<unsigned char*>(dst);
+    for (int64_t i = lane; i < bytes; i += 32) d[i] = __ldcg(reinterpret_cast<const char*>(s) + i);
+  }
+}
+
+// One warp zero-fills `bytes` at `dst`.
+__device__ __forceinline__ void warp_zero(void* dst, int64_t bytes, int lane) {
+  if (((reinterpret_cast<uintptr_t>(dst) | static_cast<uintptr_t>(bytes)) & 15) == 0) {
+    int4* d = static_cast<int4*>(dst);
+    for (int64_t i = lane; i < bytes / 16; i += 32) d[i] = make_int4(0, 0, 0, 0);
+  } else {
+    unsigned char* d = static_cast<unsigned char*>(dst);
+    for (int64_t i = lane; i < bytes; i += 32) d[i] = 0;
+  }
+}
+
+// ---- combine geometry (deep_ep_kernels.h): from the handle's rank_prefix_matrix ---------------
+// Rows rank s sent to rank d.
+__device__ __forceinline__ int64_t sent_rows(const int* rpm, int R, int s, int d) {
+  return rpm[s * R + d] - (s > 0 ? rpm[(s - 1) * R + d] : 0);
+}
+// Offset of the weights in a combine window holding `pairs` rows of `row_bytes`.
+__device__ __forceinline__ uint64_t combine_weights_off(int64_t pairs, int64_t row_bytes) {
+  return DEEP_EP_IC_CONTROL_BYTES + (static_cast<uint64_t>(pairs * row_bytes) + 127) / 128 * 128;
+}
+
+// crate::layout::channel_range: tokens per channel.
+__device__ __forceinline__ int64_t tokens_per_channel(int64_t n, int64_t c) { return c > 0 ? (n + c - 1) / c : 0; }
+
+// crate::numerics::bf16::from_f32: round to nearest even, NaN kept quiet (not cuda_bf16's NaN).
+__device__ __forceinline__ uint16_t bf16_bits(float f) {
+  const uint32_t bits = __float_as_uint(f);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+__device__ __forceinline__ float bf16_to_f32(uint32_t b) { return __uint_as_float(b << 16); }
+
+// Host side of the launch functions: a ctx the kernels can use.
+bool ctx_ok(const Ctx* c) {
+  if (c == nullptr || c->num_ranks < 1 || c->num_ranks > kMaxRanks || c->rank < 0 || c->rank >= c->num_ranks ||
+      c->host_status == nullptr || c->window_bytes < DEEP_EP_IC_CONTROL_BYTES)
+    return false;
+  for (int p = 0; p < c->num_ranks; ++p) {
+    if (c->peer_base[p] == nullptr) return false;
+  }
+  return true;
+}
+
+}  // namespace
+}  // namespace ic
+}  // namespace deep_ep

@@ -1,0 +1,272 @@
+// intranode_sync.cu: the barrier/notify kernel (K0, K2) and the staging kernel (K1) of the
+// intranode normal-mode ops. Protocol and window layout: deep_ep_kernels.h and intranode.cuh.
+//
+// Barrier: every rank keeps an epoch (barriers passed) in its scratch; a barrier increments it,
+// writes it with st.release.sys into slot[my rank] of every peer's window, and waits with
+// ld.acquire.sys until every slot of its own window holds at least that epoch. Epochs only grow
+// and a rank cannot be more than one barrier ahead of the slowest, so `>=` is exact. The epoch
+// lives on the device, so a captured CUDA graph advances it on every replay. A wait is bounded by
+// timeout_ns (globaltimer); on expiry the kernel records the missing rank and returns.
+#include <cstdint>
+
+#include "intranode.cuh"
+
+namespace deep_ep {
+namespace ic {
+namespace {
+
+// Layout words compared across ranks (kind, row bytes, scales, top-k, experts, channels).
+__device__ __forceinline__ bool same_op(const Layout& a, const Layout& b) {
+  return a.kind == b.kind && a.row_bytes == b.row_bytes && a.num_scales == b.num_scales && a.num_topk == b.num_topk &&
+         a.num_experts == b.num_experts && a.num_channels == b.num_channels;
+}
+
+__global__ void __launch_bounds__(kSyncThreads) sync_kernel(const __grid_constant__ Ctx c, const __grid_constant__ deep_ep_ic_sync_args_t a) {
+  __shared__ uint64_t s_epoch;
+  __shared__ int s_skip, s_failed, s_bad;
+  __shared__ int s_counts[kMaxRanks][kMaxRanks];  // s_counts[s][d]: tokens rank s sends to d
+  char* me = local(c);
+  const int R = c.num_ranks, tid = threadIdx.x;
+  if (tid == 0) {
+    s_skip = ld_volatile(at<int>(me, kScrTimedOut)) != 0;
+    s_failed = 0;
+    s_bad = 0;
+    if (a.op_start) *at<volatile int>(me, kScrOpBad) = 0;
+    if (!s_skip) {
+      uint64_t* epoch = at<uint64_t>(me, kScrEpoch);
+      s_epoch = *epoch + 1;
+      *epoch = s_epoch;
+    }
+  }
+  __syncthreads();
+  if (s_skip) return;
+
+  if (tid < R) {
+    const int p = tid;
+    __threadfence_system();  // this rank's staged data before the signal (belt and braces)
+    st_release_sys(at<uint64_t>(window(c, p), kBarrierOff + c.rank * kSlotBytes), s_epoch);
+    const uint64_t* slot = at<const uint64_t>(me, kBarrierOff + p * kSlotBytes);
+    const uint64_t start = globaltimer();
+    while (ld_acquire_sys(slot) < s_epoch) {
+      if (globaltimer() - start > c.timeout_ns) {
+        report(c, DEEP_EP_IC_ERR_TIMEOUT, p, a.site, 0, 0);
+        atomicExch(&s_failed, 1);
+        break;
+      }
+    }
+    if (a.gather && !s_failed) {
+      // The peer's layout, read by the thread that acquired its signal.
+      const uint64_t* src = at<const uint64_t>(window(c, p), kHeaderOff);
+      uint64_t* dst = at<uint64_t>(me, kScrHeaders + static_cast<size_t>(p) * DEEP_EP_IC_LAYOUT_BYTES);
+      for (int i = 0; i < DEEP_EP_IC_LAYOUT_BYTES / 8; ++i) dst[i] = ld_volatile(src + i);
+    }
+  }
+  __syncthreads();
+  if (s_failed || !a.gather) return;
+
+  const Layout& mine = scratch_layout(c, c.rank);
+  if (tid < R && !same_op(scratch_layout(c, tid), mine)) {
+    report(c, DEEP_EP_IC_ERR_MISMATCH, tid, a.site, 0, 0);
+    atomicExch(&s_bad, 1);
+  }
+  __syncthreads();
+  if (s_bad) {
+    if (tid == 0) *at<volatile int>(me, kScrOpBad) = 1;
+    return;
+  }
+  if (!a.notify) return;
+
+  // ---- notify (dispatch): counts of every rank, read from the peers' staged sections ----------
+  for (int i = tid; i < R * R; i += blockDim.x) {
+    const int s = i / R, d = i % R;
+    const int* counts = at<const int>(window(c, s), scratch_layout(c, s).off[DEEP_EP_IC_SEC_COUNTS_RANK]);
+    s_counts[s][d] = ld_volatile(counts + d);
+  }
+  __syncthreads();
+  int* rpm = at<int>(me, kScrRpm);
+  if (tid < R) {  // column d = tid of rank_prefix_matrix, and rank d's worst-case overflow
+    const int d = tid;
+    int acc = 0;
+    for (int s = 0; s < R; ++s) {
+      acc += s_counts[s][d];
+      rpm[s * R + d] = acc;
+    }
+    const int64_t worst = scratch_layout(c, d).num_worst;
+    if (worst > 0 && acc > worst) report(c, DEEP_EP_IC_ERR_OVERFLOW, d, a.site, acc, static_cast<int>(worst));
+  }
+  // Receiver channel starts: rcpm[s][ch] = exclusive prefix over s's channels of its tokens to me.
+  const int C = static_cast<int>(mine.num_channels);
+  int* rcpm = at<int>(me, kScrRcpm);
+  for (int i = tid; i < R * C; i += blockDim.x) {
+    const int s = i / C, ch = i % C;
+    const int* cpm = at<const int>(window(c, s), scratch_layout(c, s).off[DEEP_EP_IC_SEC_CPM]);
+    rcpm[i] = ch > 0 ? ld_volatile(cpm + c.rank * C + ch - 1) : 0;
+  }
+  if (!a.write_host_counts) return;
+  volatile deep_ep_ic_host_status_t* h = c.host_status;
+  const int el = a.num_local_experts;
+  const int64_t align = a.expert_alignment > 0 ? a.expert_alignment : 1;
+  for (int i = tid; i < el; i += blockDim.x) {
+    int64_t sum = 0;
+    for (int s = 0; s < R; ++s) {
+      const int* per_expert = at<const int>(window(c, s), scratch_layout(c, s).off[DEEP_EP_IC_SEC_COUNTS_EXPERT]);
+      sum += ld_volatile(per_expert + c.rank * el + i);
+    }
+    h->per_expert[i] = static_cast<int32_t>((sum + align - 1) / align * align);
+  }
+  __syncthreads();
+  if (tid == 0) {
+    __threadfence_system();
+    h->recv_count = rpm[(R - 1) * R + c.rank];
+    __threadfence_system();
+  }
+}
+
+// crate::layout::send_side for destination d: one warp per channel scans its tokens 32 at a
+// time (ballot prefix), then one thread turns the channel counts into the inclusive prefix.
+__device__ void send_side(const Ctx& c, const deep_ep_ic_stage_args_t& a, int d, int* s_channel_counts) {
+  const Layout& L = a.layout;
+  const int R = c.num_ranks, C = static_cast<int>(L.num_channels);
+  const int64_t n = L.num_tokens, per = tokens_per_channel(n, C);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int* send_head = at<int>(local(c), L.off[DEEP_EP_IC_SEC_SEND_HEAD]);
+  const unsigned char* in_rank = reinterpret_cast<const unsigned char*>(a.is_token_in_rank);
+  for (int ch = warp; ch < C; ch += kWarps) {
+    const int64_t start = min(per * ch, n), end = min(start + per, n);
+    int running = 0;
+    for (int64_t base = start; base < end; base += 32) {
+      const int64_t t = base + lane;
+      const bool in = t < end && in_rank[t * R + d] != 0;
+      const unsigned mask = __ballot_sync(0xffffffffu, in);
+      if (t < end) send_head[t * R + d] = in ? running + __popc(mask & ((1u << lane) - 1u)) : -1;
+      running += __popc(mask);
+    }
+    if (lane == 0) s_channel_counts[ch] = running;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* cpm = at<int>(local(c), L.off[DEEP_EP_IC_SEC_CPM]);
+    int acc = 0;
+    for (int ch = 0; ch < C; ++ch) {
+      acc += s_channel_counts[ch];
+      cpm[d * C + ch] = acc;
+    }
+  }
+  __syncthreads();
+}
+
+__global__ void __launch_bounds__(kThreads) stage_kernel(const __grid_constant__ Ctx c, const __grid_constant__ deep_ep_ic_stage_args_t a) {
+  __shared__ int s_channel_counts[kMaxChannels];
+  const Layout& L = a.layout;
+  char* me = local(c);
+  const int R = c.num_ranks;
+  if (blockIdx.x == 0 && threadIdx.x < DEEP_EP_IC_LAYOUT_BYTES / 8) {
+    const uint64_t* words = reinterpret_cast<const uint64_t*>(&L);
+    uint64_t* dst = at<uint64_t>(me, kHeaderOff);
+    dst[threadIdx.x] = threadIdx.x < sizeof(Layout) / 8 ? words[threadIdx.x] : 0;
+  }
+  if (L.kind == DEEP_EP_IC_KIND_DISPATCH) {  // also with no tokens: the prefix matrix must be zeros
+    for (int d = blockIdx.x; d < R; d += gridDim.x) send_side(c, a, d, s_channel_counts);
+  }
+
+  const int64_t n = L.num_tokens, k = L.num_topk, s = L.num_scales;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  if (a.num_tokens_per_rank != nullptr) {
+    int* dst = at<int>(me, L.off[DEEP_EP_IC_SEC_COUNTS_RANK]);
+    for (int64_t i = tid; i < R; i += threads) dst[i] = a.num_tokens_per_rank[i];
+  }
+  if (a.num_tokens_per_expert != nullptr) {
+    int* dst = at<int>(me, L.off[DEEP_EP_IC_SEC_COUNTS_EXPERT]);
+    for (int64_t i = tid; i < L.num_experts; i += threads) dst[i] = a.num_tokens_per_expert[i];
+  }
+  if (a.send_head != nullptr) {
+    int* dst = at<int>(me, L.off[DEEP_EP_IC_SEC_SEND_HEAD]);
+    for (int64_t i = tid; i < n * R; i += threads) dst[i] = a.send_head[i];
+  }
+  if (a.topk_idx != nullptr) {
+    int64_t* dst = at<int64_t>(me, L.off[DEEP_EP_IC_SEC_TOPK]);
+    for (int64_t i = tid; i < n * k; i += threads) {
+      dst[i] = a.topk_is_int64 ? static_cast<const int64_t*>(a.topk_idx)[i] : static_cast<const int32_t*>(a.topk_idx)[i];
+    }
+  }
+  if (a.topk_weights != nullptr) {
+    float* dst = at<float>(me, L.off[DEEP_EP_IC_SEC_WEIGHTS]);
+    for (int64_t i = tid; i < n * k; i += threads) dst[i] = a.topk_weights[i];
+  }
+  if (a.scales != nullptr && s > 0) {
+    uint32_t* dst = at<uint32_t>(me, L.off[DEEP_EP_IC_SEC_SCALES]);
+    const uint32_t* src = static_cast<const uint32_t*>(a.scales);
+    for (int64_t i = tid; i < n * s; i += threads) {
+      const int64_t t = i / s, j = i - t * s;
+      dst[i] = src[t * a.scale_stride0 + j * a.scale_stride1];
+    }
+  }
+  // Rows: one warp per row.
+  const int64_t rows = n;
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = threads >> 5;
+  char* x_dst = me + L.off[DEEP_EP_IC_SEC_X];
+  const char* x_src = static_cast<const char*>(a.x);
+  for (int64_t t = tid >> 5; t < rows; t += warps) warp_copy(x_dst + t * L.row_bytes, x_src + t * L.row_bytes, L.row_bytes, lane);
+}
+
+__global__ void reset_kernel(const __grid_constant__ Ctx c) {
+  int4* p = reinterpret_cast<int4*>(local(c));
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < DEEP_EP_IC_CONTROL_BYTES / 16; i += gridDim.x * blockDim.x) {
+    p[i] = make_int4(0, 0, 0, 0);
+  }
+}
+
+__global__ void clear_error_kernel(const __grid_constant__ Ctx c) { *at<int>(local(c), kScrError) = 0; }
+
+}  // namespace
+}  // namespace ic
+}  // namespace deep_ep
+
+using namespace deep_ep;
+using namespace deep_ep::ic;
+
+extern "C" int deep_ep_ic_sync(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_sync_args_t* args, void* stream) {
+  if (!ctx_ok(ctx) || args == nullptr || args->num_local_experts < 0 || args->num_local_experts > DEEP_EP_IC_MAX_LOCAL_EXPERTS)
+    return cudaErrorInvalidValue;
+  sync_kernel<<<1, kSyncThreads, 0, as_stream(stream)>>>(*ctx, *args);
+  return cudaGetLastError();
+}
+
+extern "C" int deep_ep_ic_stage(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_stage_args_t* args, void* stream) {
+  if (!ctx_ok(ctx) || args == nullptr || args->num_blocks < 1 || args->layout.num_channels < 1 ||
+      args->layout.num_channels > kMaxChannels || args->layout.num_tokens < 0 || args->layout.row_bytes < 0 ||
+      (args->layout.num_tokens > 0 && args->x == nullptr))
+    return cudaErrorInvalidValue;
+  stage_kernel<<<args->num_blocks, kThreads, 0, as_stream(stream)>>>(*ctx, *args);
+  return cudaGetLastError();
+}
+
+extern "C" int deep_ep_ic_reset(const deep_ep_ic_ctx_t* ctx, void* stream) {
+  if (!ctx_ok(ctx)) return cudaErrorInvalidValue;
+  reset_kernel<<<16, 256, 0, as_stream(stream)>>>(*ctx);
+  return cudaGetLastError();
+}
+
+extern "C" int deep_ep_ic_clear_error(const deep_ep_ic_ctx_t* ctx, void* stream) {
+  if (!ctx_ok(ctx)) return cudaErrorInvalidValue;
+  clear_error_kernel<<<1, 1, 0, as_stream(stream)>>>(*ctx);
+  return cudaGetLastError();
+}
+
+extern "C" void* deep_ep_ic_rendezvous_word(const deep_ep_ic_ctx_t* ctx) {
+  if (!ctx_ok(ctx)) return nullptr;
+  return static_cast<char*>(ctx->peer_base[ctx->rank]) + kScrRendezvous;
+}
+
+extern "C" void deep_ep_ic_struct_sizes(size_t* sizes) {
+  sizes[0] = sizeof(deep_ep_ic_ctx_t);
+  sizes[1] = sizeof(deep_ep_ic_layout_t);
+  sizes[2] = sizeof(deep_ep_ic_sync_args_t);
+  sizes[3] = sizeof(deep_ep_ic_stage_args_t);
+  sizes[4] = sizeof(deep_ep_ic_pull_args_t);
+  sizes[5] = sizeof(deep_ep_ic_combine_args_t);
+  sizes[6] = sizeof(deep_ep_ic_push_args_t);
+  sizes[7] = sizeof(deep_ep_ic_host_status_t);
+}

@@ -1,0 +1,63 @@
+// nccl_glue.cu: the C++-only parts of NCCL's device API that Rust cannot call directly.
+// ncclDevCommRequirements / ncclDevComm are C++ structs of nccl_device.h, and window peer
+// pointers exist only on the device. NCCL itself is dlopen'ed by Rust (src/ffi/nccl.rs), which
+// passes the function pointers in: nothing here links against libnccl.
+#include <cstring>
+
+// NCCL's device headers trip -Wunused-parameter in the host pass; they are not ours to fix.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-parameter"
+#include <nccl.h>
+#include <nccl_device.h>
+#pragma GCC diagnostic pop
+
+#include "common.cuh"
+
+namespace {
+
+using DevCommCreateFn = ncclResult_t (*)(ncclComm_t, const ncclDevCommRequirements_t*, ncclDevComm_t*);
+using DevCommDestroyFn = ncclResult_t (*)(ncclComm_t, const ncclDevComm_t*);
+
+__global__ void peer_bases_kernel(ncclWindow_t window, int num_ranks, void** out) {
+  const int p = threadIdx.x;
+  if (p < num_ranks) out[p] = ncclGetPeerPointer(window, 0, p);
+}
+
+}  // namespace
+
+extern "C" size_t deep_ep_nccl_devcomm_bytes(void) { return sizeof(ncclDevComm); }
+
+extern "C" int deep_ep_nccl_devcomm_create(void* create_fn, void* comm, int lsa_barrier_count, void* devcomm,
+                                           size_t devcomm_bytes, int* lsa_size, int* lsa_rank) {
+  if (create_fn == nullptr || comm == nullptr || devcomm == nullptr || devcomm_bytes < sizeof(ncclDevComm) ||
+      lsa_size == nullptr || lsa_rank == nullptr)
+    return -1;
+  ncclDevCommRequirements_t reqs;
+  std::memset(&reqs, 0, sizeof(reqs));  // 2.28.9 has no initializer macro; lsaMultimem stays false
+  reqs.lsaBarrierCount = lsa_barrier_count;
+  ncclDevComm* out = static_cast<ncclDevComm*>(devcomm);
+  std::memset(out, 0, sizeof(ncclDevComm));
+  const ncclResult_t res = reinterpret_cast<DevCommCreateFn>(create_fn)(static_cast<ncclComm_t>(comm), &reqs, out);
+  if (res == ncclSuccess) {
+    *lsa_size = out->lsaSize;
+    *lsa_rank = out->lsaRank;
+  }
+  return static_cast<int>(res);
+}
+
+extern "C" int deep_ep_nccl_devcomm_destroy(void* destroy_fn, void* comm, const void* devcomm) {
+  if (destroy_fn == nullptr || comm == nullptr || devcomm == nullptr) return -1;
+  return static_cast<int>(reinterpret_cast<DevCommDestroyFn>(destroy_fn)(static_cast<ncclComm_t>(comm),
+                                                                        static_cast<const ncclDevComm*>(devcomm)));
+}
+
+extern "C" int deep_ep_nccl_window_peer_bases(void* window, int num_ranks, void** base) {
+  if (window == nullptr || base == nullptr || num_ranks < 1 || num_ranks > 1024) return cudaErrorInvalidValue;
+  void** dev = nullptr;
+  DEEP_EP_TRY(cudaMalloc(&dev, sizeof(void*) * num_ranks));
+  peer_bases_kernel<<<1, num_ranks>>>(static_cast<ncclWindow_t>(window), num_ranks, dev);
+  cudaError_t st = cudaGetLastError();
+  if (st == cudaSuccess) st = cudaMemcpy(base, dev, sizeof(void*) * num_ranks, cudaMemcpyDeviceToHost);
+  const cudaError_t freed = cudaFree(dev);
+  return static_cast<int>(st != cudaSuccess ? st : freed);
+}

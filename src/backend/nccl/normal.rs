@@ -1,0 +1,391 @@
+//! Normal-mode (high-throughput) ops of the NCCL backend, intranode. Same results as
+//! `backend/cpu/ht.rs`, bit for bit.
+//!
+//! Every op is four launches on the caller's stream:
+//! - K0 `sync` (start barrier): every peer finished reading this rank's previously staged data;
+//! - K1 `stage`: this rank's inputs into its own window (plus, for dispatch, its send side:
+//!   `send_head` and `channel_prefix_matrix`), with a layout header peers read;
+//! - K2 `sync` (data barrier): gathers every peer's layout and checks that all ranks run the same
+//!   op; for dispatch it also notifies (rank_prefix_matrix, receiver channel starts, receive
+//!   counts into host-mapped memory);
+//! - K3 `pull` / `combine`: this rank reads what it receives from the peers' windows.
+//!
+//! Combine differs in K1: instead of staging, every rank pushes the rows it holds straight into
+//! the windows of the ranks they came from (remote stores; offsets from the handle's
+//! rank_prefix_matrix, which every rank has in full), and K3 reduces from its own window only.
+//!
+//! Only a dispatch without `num_worst_tokens` waits on the host (for the receive counts between
+//! K2 and K3, `dispatch_prepare` → `dispatch_finish`); everything else is CUDA-graph capturable.
+//!
+//! Errors found by kernels (a peer missing at a barrier, mismatching ops, worst-case overflow) are
+//! recorded in the host-mapped status block and raised by the next host-side call of the buffer
+//! (or by the dispatch wait). A capacity error is raised before anything is launched, by the
+//! rank whose staged data does not fit: its peers then time out at the next barrier (known
+//! limitation: unlike the CPU backend, such an error is not raised on every rank at once). For
+//! combine the host checks its own rows; the exact need of every window depends on the routing
+//! (device data), so the push kernel checks it on every rank (all find the same), skips the op
+//! everywhere and records the error for the next call.
+
+use super::NcclBackend;
+use crate::backend::{CachedDispatchArgs, CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, DispatchPlan};
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::ffi::intranode::{self, err, kind, site, CombineArgs as KCombine, KernelError, Layout, PullArgs, PushArgs, StageArgs, SyncArgs, CONTROL_BYTES, MAX_CHANNELS, NUM_SECTIONS};
+use crate::tensor::{DType, TensorRef};
+use std::ffi::c_void;
+use std::time::{Duration, Instant};
+
+const DISPATCH: &str = "deep_ep::dispatch";
+const CACHED: &str = "deep_ep::cached_dispatch";
+const COMBINE: &str = "deep_ep::combine";
+/// Alignment of staged sections.
+const SECTION_ALIGN: usize = 128;
+
+/// Offsets of consecutive sections after the control area, and the end of the last one.
+fn place(sizes: [usize; NUM_SECTIONS]) -> ([u64; NUM_SECTIONS], usize) {
+    let mut off = [0u64; NUM_SECTIONS];
+    let mut at = CONTROL_BYTES;
+    for (o, s) in off.iter_mut().zip(sizes) {
+        *o = at as u64;
+        at += s.div_ceil(SECTION_ALIGN) * SECTION_ALIGN;
+    }
+    (off, at)
+}
+
+fn channels(op: &'static str, config: &Config) -> Result<usize> {
+    let c = config.num_channels();
+    crate::ensure!(c <= MAX_CHANNELS, op, "config.num_sms = {} is above the nccl backend's limit of {}", config.num_sms, 2 * MAX_CHANNELS);
+    Ok(c)
+}
+
+fn ptr<T>(t: &TensorRef) -> *const T {
+    t.data_ptr() as *const T
+}
+fn ptr_mut<T>(t: &TensorRef) -> *mut T {
+    t.data_ptr() as *mut T
+}
+fn opt_ptr<T>(t: Option<&TensorRef>) -> *const T {
+    t.map_or(std::ptr::null(), ptr)
+}
+fn opt_ptr_mut<T>(t: Option<&TensorRef>) -> *mut T {
+    t.map_or(std::ptr::null_mut(), ptr_mut)
+}
+fn is_int64(t: Option<&TensorRef>) -> i32 {
+    t.is_some_and(|t| t.dtype == DType::Int64) as i32
+}
+fn i32_of(v: usize) -> i32 {
+    v.min(i32::MAX as usize) as i32
+}
+/// `(pointer, stride0, stride1)` of optional `[N, S]` scales (strides in elements).
+fn scales_of(t: Option<&TensorRef>) -> (*const c_void, i64, i64) {
+    t.map_or((std::ptr::null(), 0, 0), |s| (ptr(s), s.strides()[0], s.strides()[1]))
+}
+
+impl NcclBackend {
+    fn check_capacity(&self, op: &'static str, end: usize) -> Result<()> {
+        let have = self.window.bytes();
+        if end > have {
+            return Err(Error::invalid(op, format!(
+                "tokens over capacity: this call stages {} bytes into the buffer's NVLink window, which holds {} (num_nvl_bytes = {}, rounded up to 2 MiB)",
+                end - CONTROL_BYTES, have - CONTROL_BYTES, self.info.num_nvl_bytes
+            )));
+        }
+        Ok(())
+    }
+
+    /// Turns a recorded kernel error into the error raised by `op`; non-fatal ones are cleared
+    /// (host block now, device copy on `stream`) so the buffer stays usable.
+    fn kernel_error(&self, op: &'static str, e: KernelError, stream: *mut c_void) -> Error {
+        let where_ = site::name(e.site);
+        if e.code != err::TIMEOUT {
+            self.window.status().clear_error();
+            if let Err(x) = intranode::clear_error(op, self.window.ctx(), stream) {
+                return x;
+            }
+        }
+        match e.code {
+            err::TIMEOUT => Error::Timeout {
+                op,
+                rank: self.info.rank,
+                peers: vec![e.rank.max(0) as usize],
+                timeout_ms: self.timeout_ms(),
+                what: format!("GPU barrier: {where_}; the buffer is unusable now"),
+            },
+            err::MISMATCH => Error::invalid(op, format!(
+                "rank {} ran another op or shape than this rank at {where_} (kind, hidden size, dtype, scales, top-k, experts or config.num_sms differ): all ranks must call the same ops with the same shapes in the same order",
+                e.rank
+            )),
+            err::OVERFLOW => Error::invalid(op, format!(
+                "tokens over capacity: rank {} receives {} tokens but its num_worst_tokens is {} (found at {where_}; rows past num_worst_tokens were dropped)",
+                e.rank, e.value, e.limit
+            )),
+            err::CAPACITY => Error::invalid(op, format!(
+                "tokens over capacity: a combine needed {} KiB of rank {}'s NVLink window, which holds {} KiB; every rank skipped that combine (its outputs are invalid)",
+                e.value, e.rank, e.limit
+            )),
+            c => Error::Device { op, what: "intranode kernel".into(), detail: format!("unknown error code {c} at {where_}") },
+        }
+    }
+
+    /// Raises an error a kernel of an earlier op recorded.
+    fn check_pending(&self, op: &'static str, stream: *mut c_void) -> Result<()> {
+        match self.window.status().error() {
+            Some(e) => Err(self.kernel_error(op, e, stream)),
+            None => Ok(()),
+        }
+    }
+
+    /// Host wait of a non-worst-case dispatch: the notify kernel's receive count.
+    fn wait_recv_count(&self, op: &'static str, stream: *mut c_void) -> Result<usize> {
+        let status = self.window.status();
+        // The GPU's own barrier deadline comes first, so its diagnosis (which rank) is seen.
+        let deadline = Instant::now() + self.timeout + Duration::from_secs(1);
+        let mut spins = 0u32;
+        loop {
+            if let Some(e) = status.error() {
+                return Err(self.kernel_error(op, e, stream));
+            }
+            let n = status.recv_count();
+            if n >= 0 {
+                if let Some(e) = status.error() {
+                    return Err(self.kernel_error(op, e, stream));
+                }
+                return Ok(n as usize);
+            }
+            if Instant::now() > deadline {
+                return Err(Error::Timeout {
+                    op,
+                    rank: self.info.rank,
+                    peers: vec![],
+                    timeout_ms: self.timeout_ms(),
+                    what: "the host waited for the notify kernel's receive counts (is the stream blocked by earlier work?)".into(),
+                });
+            }
+            spins += 1;
+            if spins > 1000 {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    fn barrier(&self, op: &'static str, args: SyncArgs, stream: *mut c_void) -> Result<()> {
+        intranode::sync(op, self.window.ctx(), &args, stream)
+    }
+
+    pub(super) fn ht_dispatch_prepare(&mut self, a: &DispatchArgs) -> Result<DispatchPlan> {
+        self.check_pending(DISPATCH, a.stream)?;
+        let nr = self.info.num_ranks;
+        let c = channels(DISPATCH, &a.config)?;
+        let n = a.x.size(0);
+        let rb = a.x.size(1) * a.x.dtype.size();
+        let s = a.x_scales.as_ref().map_or(0, |t| t.size(1));
+        let k = a.topk_idx.as_ref().map_or(0, |t| t.size(1));
+        let e = a.num_experts;
+        let el = e / nr;
+        let (off, end) = place([nr * 4, e * 4, n * nr * 4, nr * c * 4, n * rb, n * s * 4, n * k * 8, n * k * 4]);
+        self.check_capacity(DISPATCH, end)?;
+        let layout = Layout {
+            kind: kind::DISPATCH,
+            num_tokens: n as i64,
+            row_bytes: rb as i64,
+            num_scales: s as i64,
+            num_topk: k as i64,
+            num_experts: e as i64,
+            num_worst: a.num_worst_tokens as i64,
+            num_channels: c as i64,
+            off,
+        };
+        let host_counts = a.num_worst_tokens == 0;
+        if host_counts {
+            self.window.status().set_recv_count(-1);
+        }
+        self.barrier(DISPATCH, SyncArgs { site: site::DISPATCH_START, op_start: 1, ..Default::default() }, a.stream)?;
+        let (scales, scale_stride0, scale_stride1) = scales_of(a.x_scales.as_ref());
+        let stage = StageArgs {
+            layout,
+            x: ptr(&a.x),
+            scales,
+            scale_stride0,
+            scale_stride1,
+            topk_idx: opt_ptr(a.topk_idx.as_ref()),
+            topk_is_int64: is_int64(a.topk_idx.as_ref()),
+            num_blocks: i32_of(a.config.num_sms),
+            topk_weights: opt_ptr(a.topk_weights.as_ref()),
+            num_tokens_per_rank: ptr(&a.num_tokens_per_rank),
+            num_tokens_per_expert: ptr(&a.num_tokens_per_expert),
+            is_token_in_rank: ptr(&a.is_token_in_rank),
+            ..Default::default()
+        };
+        intranode::stage(DISPATCH, self.window.ctx(), &stage, a.stream)?;
+        let notify = SyncArgs {
+            site: site::DISPATCH_NOTIFY,
+            op_start: 0,
+            gather: 1,
+            notify: 1,
+            write_host_counts: host_counts as i32,
+            expert_alignment: i32_of(a.expert_alignment),
+            num_local_experts: i32_of(el),
+        };
+        self.barrier(DISPATCH, notify, a.stream)?;
+        if !host_counts {
+            // Receive counts stay on the device (the pull kernel reads them there).
+            return Ok(DispatchPlan { num_recv_tokens: 0, num_rows: a.num_worst_tokens, num_recv_tokens_per_expert: vec![0; el] });
+        }
+        let recv = self.wait_recv_count(DISPATCH, a.stream)?;
+        Ok(DispatchPlan { num_recv_tokens: recv, num_rows: recv, num_recv_tokens_per_expert: self.window.status().per_expert(el) })
+    }
+
+    pub(super) fn ht_dispatch_finish(&mut self, a: &DispatchArgs, plan: &DispatchPlan, o: &DispatchOutputs) -> Result<()> {
+        let nr = self.info.num_ranks;
+        let c = channels(DISPATCH, &a.config)?;
+        let rows = plan.num_rows;
+        let n = a.x.size(0);
+        // The kernel writes exactly these sizes (the shim allocated them from the plan).
+        let sized = |t: &TensorRef, len: usize| t.numel() == len && t.is_contiguous();
+        let ok = o.recv_x.size(0) == rows
+            && sized(&o.recv_src_idx, rows)
+            && sized(&o.rank_prefix_matrix, nr * nr)
+            && sized(&o.channel_prefix_matrix, nr * c)
+            && sized(&o.recv_channel_prefix_matrix, nr * c)
+            && sized(&o.send_head, n * nr)
+            && o.recv_topk_idx.as_ref().map_or(true, |t| t.size(0) == rows)
+            && o.recv_x_scales.as_ref().map_or(true, |t| t.size(0) == rows);
+        crate::ensure!(ok, DISPATCH, "internal: dispatch outputs do not match the plan ({rows} rows)");
+        let pull = PullArgs {
+            recv_x: o.recv_x.data_ptr().cast(),
+            recv_scales: opt_ptr_mut(o.recv_x_scales.as_ref()),
+            recv_topk_idx: opt_ptr_mut(o.recv_topk_idx.as_ref()),
+            recv_topk_weights: opt_ptr_mut(o.recv_topk_weights.as_ref()),
+            recv_src_idx: ptr_mut(&o.recv_src_idx),
+            rank_prefix_matrix: ptr_mut(&o.rank_prefix_matrix),
+            channel_prefix_matrix: ptr_mut(&o.channel_prefix_matrix),
+            recv_channel_prefix_matrix: ptr_mut(&o.recv_channel_prefix_matrix),
+            send_head: ptr_mut(&o.send_head),
+            num_rows: rows as i64,
+            topk_is_int64: is_int64(o.recv_topk_idx.as_ref()),
+            num_local_experts: i32_of(a.num_experts / nr),
+            num_blocks: i32_of(a.config.num_sms),
+            ..Default::default()
+        };
+        intranode::pull(DISPATCH, self.window.ctx(), &pull, a.stream)
+    }
+
+    pub(super) fn ht_cached_dispatch(&mut self, a: &CachedDispatchArgs, recv_x: &TensorRef, recv_scales: Option<&TensorRef>) -> Result<()> {
+        self.check_pending(CACHED, a.stream)?;
+        let nr = self.info.num_ranks;
+        let c = channels(CACHED, &a.config)?;
+        let n = a.x.size(0);
+        let rb = a.x.size(1) * a.x.dtype.size();
+        let s = a.x_scales.as_ref().map_or(0, |t| t.size(1));
+        let rows = a.handle.recv_src_idx.numel();
+        crate::ensure!(recv_x.size(0) == rows && recv_scales.map_or(true, |t| t.size(0) == rows), CACHED, "internal: outputs do not have {rows} rows");
+        let (off, end) = place([0, 0, n * nr * 4, 0, n * rb, n * s * 4, 0, 0]);
+        self.check_capacity(CACHED, end)?;
+        let layout = Layout {
+            kind: kind::CACHED,
+            num_tokens: n as i64,
+            row_bytes: rb as i64,
+            num_scales: s as i64,
+            num_channels: c as i64,
+            off,
+            ..Default::default()
+        };
+        self.barrier(CACHED, SyncArgs { site: site::CACHED_START, op_start: 1, ..Default::default() }, a.stream)?;
+        let (scales, scale_stride0, scale_stride1) = scales_of(a.x_scales.as_ref());
+        let stage = StageArgs {
+            layout,
+            x: ptr(&a.x),
+            scales,
+            scale_stride0,
+            scale_stride1,
+            num_blocks: i32_of(a.config.num_sms),
+            send_head: ptr(&a.handle.send_head),
+            ..Default::default()
+        };
+        intranode::stage(CACHED, self.window.ctx(), &stage, a.stream)?;
+        self.barrier(CACHED, SyncArgs { site: site::CACHED_DATA, gather: 1, ..Default::default() }, a.stream)?;
+        let pull = PullArgs {
+            recv_x: recv_x.data_ptr().cast(),
+            recv_scales: opt_ptr_mut(recv_scales),
+            rpm_in: ptr(&a.handle.rank_prefix_matrix),
+            rcpm_in: ptr(&a.handle.recv_channel_prefix_matrix),
+            num_rows: rows as i64,
+            num_blocks: i32_of(a.config.num_sms),
+            ..Default::default()
+        };
+        intranode::pull(CACHED, self.window.ctx(), &pull, a.stream)
+    }
+
+    pub(super) fn ht_combine(&mut self, a: &CombineArgs, o: &CombineOutputs) -> Result<()> {
+        self.check_pending(COMBINE, a.stream)?;
+        let c = channels(COMBINE, &a.config)?;
+        let rows = a.x.size(0);
+        let hidden = a.x.size(1);
+        let k = a.topk_weights.as_ref().map_or(0, |w| w.size(1));
+        let n = o.combined_x.size(0);
+        crate::ensure!(
+            o.combined_x.numel() == n * hidden && o.combined_topk_weights.as_ref().map_or(k == 0, |w| w.numel() == n * k),
+            COMBINE,
+            "internal: combine outputs do not match [{n}, {hidden}] / [{n}, {k}]"
+        );
+        // This rank's rows (what it pushes) as the host-side estimate; the push kernel checks
+        // every window's exact need.
+        let (off, end) = place([0, 0, 0, 0, rows * hidden * 2, 0, 0, rows * k * 4]);
+        self.check_capacity(COMBINE, end)?;
+        let layout = Layout {
+            kind: kind::COMBINE,
+            num_tokens: rows as i64,
+            row_bytes: (hidden * 2) as i64,
+            num_topk: k as i64,
+            num_channels: c as i64,
+            off,
+            ..Default::default()
+        };
+        self.barrier(COMBINE, SyncArgs { site: site::COMBINE_START, op_start: 1, ..Default::default() }, a.stream)?;
+        let push = PushArgs {
+            layout,
+            x: ptr(&a.x),
+            topk_weights: opt_ptr(a.topk_weights.as_ref()),
+            rank_prefix_matrix: ptr(&a.handle.rank_prefix_matrix),
+            num_rows: rows as i64,
+            num_blocks: i32_of(a.config.num_sms),
+            reserved: 0,
+        };
+        intranode::combine_push(COMBINE, self.window.ctx(), &push, a.stream)?;
+        self.barrier(COMBINE, SyncArgs { site: site::COMBINE_DATA, gather: 1, ..Default::default() }, a.stream)?;
+        let args = KCombine {
+            rank_prefix_matrix: ptr(&a.handle.rank_prefix_matrix),
+            channel_prefix_matrix: ptr(&a.handle.channel_prefix_matrix),
+            is_token_in_rank: ptr(&a.handle.is_token_in_rank),
+            send_head: ptr(&a.handle.send_head),
+            bias_0: opt_ptr(a.bias_0.as_ref()),
+            bias_1: opt_ptr(a.bias_1.as_ref()),
+            out: ptr_mut(&o.combined_x),
+            out_weights: opt_ptr_mut(o.combined_topk_weights.as_ref()),
+            num_tokens: n as i64,
+            hidden: i32_of(hidden),
+            num_topk: i32_of(k),
+            num_channels: i32_of(c),
+            num_blocks: i32_of(a.config.num_sms),
+        };
+        intranode::combine(COMBINE, self.window.ctx(), &args, a.stream)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sections_are_aligned_and_follow_the_control_area() {
+        let (off, end) = place([8, 0, 130, 1, 0, 0, 0, 256]);
+        assert_eq!(off[0] as usize, CONTROL_BYTES);
+        assert_eq!(off[1], off[0] + 128);
+        assert_eq!(off[2], off[1]);
+        assert_eq!(off[3], off[2] + 256);
+        assert!(off.iter().all(|o| o % SECTION_ALIGN as u64 == 0));
+        assert_eq!(end, off[7] as usize + 256);
+    }
+}

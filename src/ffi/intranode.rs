@@ -1,0 +1,490 @@
+//! Bindings to the intranode normal-mode kernels (`kernels/intranode_*.cu`) and the CUDA runtime
+//! helpers the NCCL backend needs (`kernels/runtime.cu`); the C declarations and the protocol are
+//! in `kernels/deep_ep_kernels.h` (keep both in step: [`check_struct_sizes`] compares the
+//! mirrored struct sizes with the C ones at buffer creation).
+//!
+//! Every launch is asynchronous on the stream it is given and CUDA-graph capturable. The structs
+//! carry raw device pointers: the backend fills them only from live tensors handed over by
+//! `ffi::capi` (validated by `crate::ops`) and from the buffer's own window, which is what makes
+//! the safe launch wrappers sound.
+
+use super::kernels::check;
+use crate::error::Result;
+use std::ffi::{c_int, c_void};
+
+/// Most ranks of one intranode buffer (`DEEP_EP_IC_MAX_RANKS`).
+pub const MAX_RANKS: usize = 8;
+/// Most channels (`config.num_sms / 2`).
+pub const MAX_CHANNELS: usize = 512;
+/// Most local experts a notify reports.
+pub const MAX_LOCAL_EXPERTS: usize = 1024;
+/// Control area at the start of every window.
+pub const CONTROL_BYTES: usize = 65536;
+/// Staged sections of a [`Layout`].
+pub const NUM_SECTIONS: usize = 8;
+
+/// Section indices of [`Layout::off`] (`DEEP_EP_IC_SEC_*`).
+pub mod sec {
+    pub const COUNTS_RANK: usize = 0;
+    pub const COUNTS_EXPERT: usize = 1;
+    pub const SEND_HEAD: usize = 2;
+    pub const CPM: usize = 3;
+    pub const X: usize = 4;
+    pub const SCALES: usize = 5;
+    pub const TOPK: usize = 6;
+    pub const WEIGHTS: usize = 7;
+}
+
+/// Op kinds of a [`Layout`] (`DEEP_EP_IC_KIND_*`).
+pub mod kind {
+    pub const DISPATCH: i64 = 1;
+    pub const CACHED: i64 = 2;
+    pub const COMBINE: i64 = 3;
+}
+
+/// Barrier sites (`DEEP_EP_IC_SITE_*`), for messages.
+pub mod site {
+    pub const DISPATCH_START: i32 = 1;
+    pub const DISPATCH_NOTIFY: i32 = 2;
+    pub const CACHED_START: i32 = 3;
+    pub const CACHED_DATA: i32 = 4;
+    pub const COMBINE_START: i32 = 5;
+    pub const COMBINE_DATA: i32 = 6;
+    pub const CREATE: i32 = 7;
+    pub const DESTROY: i32 = 8;
+
+    /// Human name of a site.
+    pub fn name(site: i32) -> &'static str {
+        match site {
+            DISPATCH_START => "the start barrier of dispatch",
+            DISPATCH_NOTIFY => "the notify barrier of dispatch",
+            CACHED_START => "the start barrier of cached_dispatch",
+            CACHED_DATA => "the data barrier of cached_dispatch",
+            COMBINE_START => "the start barrier of combine",
+            COMBINE_DATA => "the data barrier of combine",
+            CREATE => "the barrier of create_buffer",
+            DESTROY => "the barrier of destroy_buffer",
+            _ => "an unknown barrier",
+        }
+    }
+}
+
+/// Error codes of the host-mapped status block (`DEEP_EP_IC_ERR_*`).
+pub mod err {
+    pub const TIMEOUT: i32 = 1;
+    pub const MISMATCH: i32 = 2;
+    pub const OVERFLOW: i32 = 3;
+    pub const CAPACITY: i32 = 4;
+}
+
+/// `deep_ep_ic_ctx_t`: the buffer as kernels see it.
+#[repr(C)]
+#[derive(Copy, Clone, Debug)]
+pub struct Ctx {
+    pub peer_base: [*mut c_void; MAX_RANKS],
+    pub rank: i32,
+    pub num_ranks: i32,
+    pub window_bytes: u64,
+    pub host_status: *mut c_void,
+    pub timeout_ns: u64,
+}
+
+/// `deep_ep_ic_layout_t`: what one rank stages, read by its peers.
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct Layout {
+    pub kind: i64,
+    pub num_tokens: i64,
+    pub row_bytes: i64,
+    pub num_scales: i64,
+    pub num_topk: i64,
+    pub num_experts: i64,
+    pub num_worst: i64,
+    pub num_channels: i64,
+    pub off: [u64; NUM_SECTIONS],
+}
+
+/// `deep_ep_ic_sync_args_t`.
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default)]
+pub struct SyncArgs {
+    pub site: i32,
+    pub op_start: i32,
+    pub gather: i32,
+    pub notify: i32,
+    pub write_host_counts: i32,
+    pub expert_alignment: i32,
+    pub num_local_experts: i32,
+}
+
+/// `deep_ep_ic_stage_args_t` (null pointer = absent input).
+#[repr(C)]
+#[derive(Copy, Clone, Debug)]
+pub struct StageArgs {
+    pub layout: Layout,
+    pub x: *const c_void,
+    pub scales: *const c_void,
+    pub scale_stride0: i64,
+    pub scale_stride1: i64,
+    pub topk_idx: *const c_void,
+    pub topk_is_int64: i32,
+    pub num_blocks: i32,
+    pub topk_weights: *const f32,
+    pub num_tokens_per_rank: *const i32,
+    pub num_tokens_per_expert: *const i32,
+    pub is_token_in_rank: *const bool,
+    pub send_head: *const i32,
+}
+
+/// `deep_ep_ic_push_args_t` (combine K1).
+#[repr(C)]
+#[derive(Copy, Clone, Debug)]
+pub struct PushArgs {
+    pub layout: Layout,
+    pub x: *const c_void,
+    pub topk_weights: *const f32,
+    pub rank_prefix_matrix: *const i32,
+    pub num_rows: i64,
+    pub num_blocks: i32,
+    pub reserved: i32,
+}
+
+/// `deep_ep_ic_pull_args_t` (null pointer = absent output / use notify's input).
+#[repr(C)]
+#[derive(Copy, Clone, Debug)]
+pub struct PullArgs {
+    pub recv_x: *mut c_void,
+    pub recv_scales: *mut c_void,
+    pub recv_topk_idx: *mut c_void,
+    pub recv_topk_weights: *mut f32,
+    pub recv_src_idx: *mut i32,
+    pub rank_prefix_matrix: *mut i32,
+    pub channel_prefix_matrix: *mut i32,
+    pub recv_channel_prefix_matrix: *mut i32,
+    pub send_head: *mut i32,
+    pub rpm_in: *const i32,
+    pub rcpm_in: *const i32,
+    pub num_rows: i64,
+    pub topk_is_int64: i32,
+    pub num_local_experts: i32,
+    pub num_blocks: i32,
+    pub reserved: i32,
+}
+
+/// `deep_ep_ic_combine_args_t`.
+#[repr(C)]
+#[derive(Copy, Clone, Debug)]
+pub struct CombineArgs {
+    pub rank_prefix_matrix: *const i32,
+    pub channel_prefix_matrix: *const i32,
+    pub is_token_in_rank: *const bool,
+    pub send_head: *const i32,
+    pub bias_0: *const u16,
+    pub bias_1: *const u16,
+    pub out: *mut u16,
+    pub out_weights: *mut f32,
+    pub num_tokens: i64,
+    pub hidden: i32,
+    pub num_topk: i32,
+    pub num_channels: i32,
+    pub num_blocks: i32,
+}
+
+/// `deep_ep_ic_host_status_t`.
+#[repr(C)]
+struct HostStatusRaw {
+    error: i32,
+    error_rank: i32,
+    error_site: i32,
+    error_value: i32,
+    error_limit: i32,
+    recv_count: i32,
+    reserved: [i32; 2],
+    per_expert: [i32; MAX_LOCAL_EXPERTS],
+}
+
+macro_rules! zeroed_default {
+    ($($t:ty),*) => {$(
+        impl Default for $t {
+            fn default() -> Self {
+                // SAFETY: every field is an integer, a raw pointer or an array of them, for which
+                // all-zero bytes are a valid value (0 / null = absent).
+                unsafe { std::mem::zeroed() }
+            }
+        }
+    )*};
+}
+zeroed_default!(StageArgs, PushArgs, PullArgs, CombineArgs);
+
+extern "C" {
+    fn deep_ep_ic_sync(ctx: *const Ctx, args: *const SyncArgs, stream: *mut c_void) -> c_int;
+    fn deep_ep_ic_stage(ctx: *const Ctx, args: *const StageArgs, stream: *mut c_void) -> c_int;
+    fn deep_ep_ic_pull(ctx: *const Ctx, args: *const PullArgs, stream: *mut c_void) -> c_int;
+    fn deep_ep_ic_combine_push(ctx: *const Ctx, args: *const PushArgs, stream: *mut c_void) -> c_int;
+    fn deep_ep_ic_combine(ctx: *const Ctx, args: *const CombineArgs, stream: *mut c_void) -> c_int;
+    fn deep_ep_ic_reset(ctx: *const Ctx, stream: *mut c_void) -> c_int;
+    fn deep_ep_ic_clear_error(ctx: *const Ctx, stream: *mut c_void) -> c_int;
+    fn deep_ep_ic_struct_sizes(sizes: *mut usize);
+    fn deep_ep_ic_rendezvous_word(ctx: *const Ctx) -> *mut c_void;
+
+    fn deep_ep_cuda_get_device(device: *mut c_int) -> c_int;
+    fn deep_ep_cuda_set_device(device: c_int) -> c_int;
+    fn deep_ep_cuda_host_alloc_mapped(host: *mut *mut c_void, device_ptr: *mut *mut c_void, bytes: usize) -> c_int;
+    fn deep_ep_cuda_free_host(host: *mut c_void) -> c_int;
+    fn deep_ep_cuda_stream_create(stream: *mut *mut c_void) -> c_int;
+    fn deep_ep_cuda_stream_destroy(stream: *mut c_void) -> c_int;
+    fn deep_ep_cuda_stream_synchronize(stream: *mut c_void) -> c_int;
+    fn deep_ep_cuda_device_synchronize() -> c_int;
+}
+
+/// Compares the Rust mirrors with the C structs (a mismatch means the header and this file
+/// diverged; kernels would read garbage).
+pub fn check_struct_sizes(op: &'static str) -> Result<()> {
+    let mut c = [0usize; 8];
+    // SAFETY: writes exactly 8 sizes.
+    unsafe { deep_ep_ic_struct_sizes(c.as_mut_ptr()) };
+    let rust = [
+        std::mem::size_of::<Ctx>(),
+        std::mem::size_of::<Layout>(),
+        std::mem::size_of::<SyncArgs>(),
+        std::mem::size_of::<StageArgs>(),
+        std::mem::size_of::<PullArgs>(),
+        std::mem::size_of::<CombineArgs>(),
+        std::mem::size_of::<PushArgs>(),
+        std::mem::size_of::<HostStatusRaw>(),
+    ];
+    crate::ensure!(c == rust, op, "internal: intranode struct sizes differ between C {c:?} and Rust {rust:?}");
+    Ok(())
+}
+
+// The launches below are sound because `Ctx` comes from a live window (`ffi::nccl_window`) and
+// every pointer in the argument structs is null or the data of a live tensor of the size the
+// kernel reads/writes (checked by `crate::ops` and the backend before the struct is built); the
+// C side refuses inconsistent sizes with cudaErrorInvalidValue.
+
+/// K0/K2: barrier, optionally gather + notify (one block).
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
+pub fn sync(op: &'static str, ctx: &Ctx, args: &SyncArgs, stream: *mut c_void) -> Result<()> {
+    // SAFETY: see the comment above; both structs are read by value.
+    check(unsafe { deep_ep_ic_sync(ctx, args, stream) }, op, "intranode barrier kernel launch")
+}
+
+/// K1: stage this rank's inputs into its own window.
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
+pub fn stage(op: &'static str, ctx: &Ctx, args: &StageArgs, stream: *mut c_void) -> Result<()> {
+    // SAFETY: see the comment above.
+    check(unsafe { deep_ep_ic_stage(ctx, args, stream) }, op, "intranode stage kernel launch")
+}
+
+/// K3 of (cached) dispatch.
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
+pub fn pull(op: &'static str, ctx: &Ctx, args: &PullArgs, stream: *mut c_void) -> Result<()> {
+    // SAFETY: see the comment above.
+    check(unsafe { deep_ep_ic_pull(ctx, args, stream) }, op, "intranode pull kernel launch")
+}
+
+/// K1 of combine: push received rows back into their source ranks' windows.
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
+pub fn combine_push(op: &'static str, ctx: &Ctx, args: &PushArgs, stream: *mut c_void) -> Result<()> {
+    // SAFETY: see the comment above.
+    check(unsafe { deep_ep_ic_combine_push(ctx, args, stream) }, op, "intranode combine push kernel launch")
+}
+
+/// K3 of combine.
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
+pub fn combine(op: &'static str, ctx: &Ctx, args: &CombineArgs, stream: *mut c_void) -> Result<()> {
+    // SAFETY: see the comment above.
+    check(unsafe { deep_ep_ic_combine(ctx, args, stream) }, op, "intranode combine kernel launch")
+}
+
+/// Zeroes this rank's control area.
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
+pub fn reset(op: &'static str, ctx: &Ctx, stream: *mut c_void) -> Result<()> {
+    // SAFETY: writes the first CONTROL_BYTES of this rank's own window.
+    check(unsafe { deep_ep_ic_reset(ctx, stream) }, op, "intranode reset kernel launch")
+}
+
+/// Clears the device copy of a reported error.
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
+pub fn clear_error(op: &'static str, ctx: &Ctx, stream: *mut c_void) -> Result<()> {
+    // SAFETY: writes one int of this rank's scratch.
+    check(unsafe { deep_ep_ic_clear_error(ctx, stream) }, op, "intranode clear-error kernel launch")
+}
+
+/// Device pointer of the scratch int that create's host rendezvous all-reduces.
+pub fn rendezvous_word(ctx: &Ctx) -> *mut c_void {
+    // SAFETY: pure address arithmetic on the ctx.
+    unsafe { deep_ep_ic_rendezvous_word(ctx) }
+}
+
+/// An error a kernel recorded in the host-mapped block.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct KernelError {
+    pub code: i32,
+    pub rank: i32,
+    pub site: i32,
+    pub value: i32,
+    pub limit: i32,
+}
+
+/// The host-mapped status block of one buffer (`cudaHostAllocMapped`): kernels write it, the
+/// host polls it with volatile reads. Freed on drop.
+pub struct HostStatus {
+    host: *mut HostStatusRaw,
+    device: *mut c_void,
+}
+
+// SAFETY: the block is plain pinned host memory; the backend owning it is used under a mutex.
+unsafe impl Send for HostStatus {}
+
+macro_rules! field {
+    ($self:ident . $f:ident) => {
+        // SAFETY: `host` points to a live, aligned HostStatusRaw for the lifetime of self.
+        std::ptr::addr_of_mut!((*$self.host).$f)
+    };
+}
+
+impl HostStatus {
+    /// Allocates the block (error 0, recv_count −1) for the current device.
+    pub fn new(op: &'static str) -> Result<HostStatus> {
+        let (mut host, mut device) = (std::ptr::null_mut(), std::ptr::null_mut());
+        let bytes = std::mem::size_of::<HostStatusRaw>();
+        // SAFETY: writes two pointers; the allocation is `bytes` of pinned, mapped memory.
+        check(unsafe { deep_ep_cuda_host_alloc_mapped(&mut host, &mut device, bytes) }, op, "cudaHostAlloc(mapped)")?;
+        let s = HostStatus { host: host.cast(), device };
+        // SAFETY: the block is ours and `bytes` long.
+        unsafe { std::ptr::write_bytes(s.host.cast::<u8>(), 0, bytes) };
+        s.set_recv_count(-1);
+        Ok(s)
+    }
+
+    /// Device pointer of the block (for [`Ctx::host_status`]).
+    pub fn device_ptr(&self) -> *mut c_void {
+        self.device
+    }
+
+    /// The recorded error, if any.
+    pub fn error(&self) -> Option<KernelError> {
+        // SAFETY: volatile reads of the live block (see `field!`).
+        unsafe {
+            let code = field!(self.error).read_volatile();
+            if code == 0 {
+                return None;
+            }
+            std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+            Some(KernelError {
+                code,
+                rank: field!(self.error_rank).read_volatile(),
+                site: field!(self.error_site).read_volatile(),
+                value: field!(self.error_value).read_volatile(),
+                limit: field!(self.error_limit).read_volatile(),
+            })
+        }
+    }
+
+    /// Forgets the recorded error (the device copy is cleared separately).
+    pub fn clear_error(&self) {
+        // SAFETY: volatile write into the live block.
+        unsafe { field!(self.error).write_volatile(0) }
+    }
+
+    /// Sets the receive count the notify kernel overwrites (−1 = not yet).
+    pub fn set_recv_count(&self, v: i32) {
+        // SAFETY: volatile write into the live block.
+        unsafe { field!(self.recv_count).write_volatile(v) }
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// The receive count the notify kernel wrote (−1 until then).
+    pub fn recv_count(&self) -> i32 {
+        // SAFETY: volatile read of the live block.
+        unsafe { field!(self.recv_count).read_volatile() }
+    }
+
+    /// The first `n` per-local-expert counts (written before the receive count).
+    pub fn per_expert(&self, n: usize) -> Vec<i32> {
+        std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+        // SAFETY: volatile reads of the live block, n <= MAX_LOCAL_EXPERTS.
+        (0..n.min(MAX_LOCAL_EXPERTS)).map(|i| unsafe { field!(self.per_expert).cast::<i32>().add(i).read_volatile() }).collect()
+    }
+}
+
+impl Drop for HostStatus {
+    fn drop(&mut self) {
+        // SAFETY: allocated by cudaHostAlloc in `new`, freed once.
+        let st = unsafe { deep_ep_cuda_free_host(self.host.cast()) };
+        if st != 0 {
+            eprintln!("deep_ep: cudaFreeHost of the status block failed: {}", super::kernels::cuda_error_text(st));
+        }
+    }
+}
+
+/// Makes `device` current for the guard's lifetime and restores the previous one.
+pub struct DeviceGuard {
+    previous: c_int,
+}
+
+impl DeviceGuard {
+    pub fn new(op: &'static str, device: i32) -> Result<DeviceGuard> {
+        let mut previous: c_int = 0;
+        // SAFETY: writes one int.
+        check(unsafe { deep_ep_cuda_get_device(&mut previous) }, op, "cudaGetDevice")?;
+        // SAFETY: plain runtime call.
+        check(unsafe { deep_ep_cuda_set_device(device) }, op, "cudaSetDevice")?;
+        Ok(DeviceGuard { previous })
+    }
+}
+
+impl Drop for DeviceGuard {
+    fn drop(&mut self) {
+        // SAFETY: plain runtime call; restores the device that was current before.
+        let _ = unsafe { deep_ep_cuda_set_device(self.previous) };
+    }
+}
+
+/// A private non-blocking stream (create/destroy work), destroyed on drop.
+pub struct Stream(*mut c_void);
+
+// SAFETY: a cudaStream_t may be used from any thread; the owner serialises its use.
+unsafe impl Send for Stream {}
+
+impl Stream {
+    pub fn new(op: &'static str) -> Result<Stream> {
+        let mut s = std::ptr::null_mut();
+        // SAFETY: writes one stream handle.
+        check(unsafe { deep_ep_cuda_stream_create(&mut s) }, op, "cudaStreamCreate")?;
+        Ok(Stream(s))
+    }
+
+    pub fn raw(&self) -> *mut c_void {
+        self.0
+    }
+
+    pub fn synchronize(&self, op: &'static str) -> Result<()> {
+        // SAFETY: the stream is live.
+        check(unsafe { deep_ep_cuda_stream_synchronize(self.0) }, op, "cudaStreamSynchronize")
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        // SAFETY: created in `new`, destroyed once.
+        let _ = unsafe { deep_ep_cuda_stream_destroy(self.0) };
+    }
+}
+
+/// Waits for all work on the current device.
+pub fn device_synchronize(op: &'static str) -> Result<()> {
+    // SAFETY: plain runtime call.
+    check(unsafe { deep_ep_cuda_device_synchronize() }, op, "cudaDeviceSynchronize")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mirrored_structs_match_the_header() {
+        check_struct_sizes("test").expect("struct sizes");
+    }
+}

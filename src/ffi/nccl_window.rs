@@ -1,0 +1,255 @@
+//! One NCCL communicator with one symmetric window: what an intranode buffer of the `nccl`
+//! backend owns. Creation and [`Window::close`] are collective; dropping a window that was not
+//! closed releases it locally (communicator aborted), which is the path for buffers whose ranks
+//! fell out of step.
+//!
+//! Creation (the order verified on the GPU machine, docs/DEVICE.md): `ncclCommInitRank` →
+//! `ncclMemAlloc` + `ncclCommWindowRegister(..., NCCL_WIN_COLL_SYMMETRIC)` → `ncclDevCommCreate`
+//! (zeroed requirements, one LSA barrier, no multimem; it proves the device-comm path and tells
+//! the LSA team size, which must be the whole communicator: intranode only) → peer base pointers (a kernel calls `ncclGetPeerPointer`) →
+//! host-mapped status block → control area zeroed → an all-reduce of one int as the host
+//! rendezvous, so no peer signals into a control area that is not zeroed yet.
+
+use super::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream, CONTROL_BYTES, MAX_RANKS};
+use super::kernels::check as cuda_check;
+use super::nccl::{self, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId, ncclWindow_t, nccl_fn, DeviceApi, NcclLib};
+use crate::error::{Error, Result};
+use std::ffi::{c_int, c_void};
+
+const OP: &str = "deep_ep::create_buffer";
+const DESTROY: &str = "deep_ep::destroy_buffer";
+/// `ncclMemAlloc` granularity.
+const ALLOC_ALIGN: usize = 2 << 20;
+
+extern "C" {
+    fn deep_ep_nccl_devcomm_bytes() -> usize;
+    fn deep_ep_nccl_devcomm_create(create_fn: *mut c_void, comm: *mut c_void, lsa_barrier_count: c_int, devcomm: *mut c_void, devcomm_bytes: usize, lsa_size: *mut c_int, lsa_rank: *mut c_int) -> c_int;
+    fn deep_ep_nccl_devcomm_destroy(destroy_fn: *mut c_void, comm: *mut c_void, devcomm: *const c_void) -> c_int;
+    fn deep_ep_nccl_window_peer_bases(window: *mut c_void, num_ranks: c_int, base: *mut *mut c_void) -> c_int;
+}
+
+/// What [`Window::create`] needs.
+pub struct WindowArgs<'a> {
+    pub unique_id: &'a [u8; 128],
+    pub rank: usize,
+    pub num_ranks: usize,
+    pub device: i32,
+    /// Bytes for staged data; the window adds the control area and rounds up to 2 MiB.
+    pub data_bytes: usize,
+    pub timeout_ns: u64,
+}
+
+/// A communicator, its device comm and one symmetric window with its control area.
+pub struct Window {
+    lib: &'static NcclLib,
+    api: &'static DeviceApi,
+    device: i32,
+    comm: ncclComm_t,
+    devcomm: Option<Vec<u64>>,
+    mem: *mut c_void,
+    win: ncclWindow_t,
+    bytes: usize,
+    ctx: Ctx,
+    status: Option<HostStatus>,
+}
+
+// SAFETY: the handles are plain NCCL/CUDA handles, usable from any thread; a window is only used
+// under its buffer's mutex.
+unsafe impl Send for Window {}
+
+fn nccl_check(lib: &NcclLib, res: nccl::ncclResult_t, what: &str) -> Result<()> {
+    nccl::check(lib, res, what)
+}
+
+impl Window {
+    /// Collective over `num_ranks` processes (one per GPU, all on one NVLink domain).
+    pub fn create(a: &WindowArgs) -> Result<Window> {
+        intranode::check_struct_sizes(OP)?;
+        let lib = nccl::library()?;
+        let api = nccl::device_api()?;
+        crate::ensure!(a.num_ranks >= 1 && a.num_ranks <= MAX_RANKS, OP, "internal: {} ranks", a.num_ranks);
+        let _guard = DeviceGuard::new(OP, a.device)?;
+        let bytes = (a.data_bytes + CONTROL_BYTES).div_ceil(ALLOC_ALIGN) * ALLOC_ALIGN;
+        let mut w = Window {
+            lib,
+            api,
+            device: a.device,
+            comm: std::ptr::null_mut(),
+            devcomm: None,
+            mem: std::ptr::null_mut(),
+            win: std::ptr::null_mut(),
+            bytes,
+            ctx: Ctx {
+                peer_base: [std::ptr::null_mut(); MAX_RANKS],
+                rank: a.rank as i32,
+                num_ranks: a.num_ranks as i32,
+                window_bytes: bytes as u64,
+                host_status: std::ptr::null_mut(),
+                timeout_ns: a.timeout_ns,
+            },
+            status: None,
+        };
+        // From here on a failure returns early and Drop releases what exists.
+        let mut id = ncclUniqueId::default();
+        for (d, s) in id.internal.iter_mut().zip(a.unique_id.iter()) {
+            *d = *s as _;
+        }
+        let init = nccl_fn!(lib, ncclCommInitRank);
+        // SAFETY: writes one communicator handle; the id is 128 bytes by value.
+        nccl_check(lib, unsafe { init(&mut w.comm, a.num_ranks as c_int, id, a.rank as c_int) }, "ncclCommInitRank")?;
+
+        let mem_alloc = nccl_fn!(lib, ncclMemAlloc);
+        // SAFETY: writes one device pointer; the size is a multiple of 2 MiB.
+        nccl_check(lib, unsafe { mem_alloc(&mut w.mem, bytes) }, "ncclMemAlloc")?;
+        let register = nccl_fn!(lib, ncclCommWindowRegister);
+        // SAFETY: `mem` holds `bytes` bytes from ncclMemAlloc; writes one window handle.
+        let res = unsafe { register(w.comm, w.mem, bytes, &mut w.win, nccl::NCCL_WIN_COLL_SYMMETRIC as c_int) };
+        nccl_check(lib, res, "ncclCommWindowRegister")?;
+        // SAFETY: pure query of the glue's struct size.
+        let dc_bytes = unsafe { deep_ep_nccl_devcomm_bytes() };
+        let mut devcomm = vec![0u64; dc_bytes.div_ceil(8)];
+        let (mut lsa_size, mut lsa_rank): (c_int, c_int) = (0, 0);
+        // SAFETY: the glue calls ncclDevCommCreate (address resolved from the loaded NCCL) with a
+        // live communicator and writes a devcomm of `dc_bytes` into our 8-aligned buffer.
+        let res = unsafe {
+            deep_ep_nccl_devcomm_create(api.dev_comm_create, w.comm.cast(), 1, devcomm.as_mut_ptr().cast(), dc_bytes, &mut lsa_size, &mut lsa_rank)
+        };
+        nccl_check(lib, nccl::ncclResult_t(res as _), "ncclDevCommCreate")?;
+        w.devcomm = Some(devcomm);
+        if lsa_size as usize != a.num_ranks {
+            return Err(Error::NotImplemented { op: OP, backend: "nccl", feature: "internode buffers (ranks outside one NVLink domain)" });
+        }
+        crate::ensure!(lsa_rank as usize == a.rank, OP, "NCCL placed rank {} at LSA rank {lsa_rank}", a.rank);
+
+        // SAFETY: the window is live; writes num_ranks pointers into peer_base.
+        let st = unsafe { deep_ep_nccl_window_peer_bases(w.win.cast(), a.num_ranks as c_int, w.ctx.peer_base.as_mut_ptr()) };
+        cuda_check(st, OP, "reading the window's peer pointers")?;
+
+        let status = HostStatus::new(OP)?;
+        w.ctx.host_status = status.device_ptr();
+        w.status = Some(status);
+
+        let stream = Stream::new(OP)?;
+        intranode::reset(OP, &w.ctx, stream.raw())?;
+        stream.synchronize(OP)?;
+        let all_reduce = nccl_fn!(lib, ncclAllReduce);
+        let word = intranode::rendezvous_word(&w.ctx);
+        // SAFETY: one int of this rank's window, on our private stream.
+        let res = unsafe { all_reduce(word, word, 1, ncclDataType_t::ncclInt32, ncclRedOp_t::ncclSum, w.comm, stream.raw()) };
+        nccl_check(lib, res, "ncclAllReduce (create rendezvous)")?;
+        stream.synchronize(OP)?;
+        Ok(w)
+    }
+
+    /// What kernels need to address the buffer.
+    pub fn ctx(&self) -> &Ctx {
+        &self.ctx
+    }
+
+    /// The host-mapped status block.
+    pub fn status(&self) -> &HostStatus {
+        self.status.as_ref().expect("status block exists after create")
+    }
+
+    /// Bytes of the window (control area included).
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Collective release: waits for the device, meets every peer at a barrier (so none still
+    /// reads this window), then tears NCCL down in order. On a barrier timeout the window is
+    /// released locally instead (communicator aborted) and the timeout is returned.
+    pub fn close(&mut self, timeout_ms: u64) -> Result<()> {
+        if self.comm.is_null() {
+            return Ok(());
+        }
+        let _guard = DeviceGuard::new(DESTROY, self.device)?;
+        intranode::device_synchronize(DESTROY)?;
+        let stream = Stream::new(DESTROY)?;
+        let args = intranode::SyncArgs { site: intranode::site::DESTROY, ..Default::default() };
+        intranode::sync(DESTROY, &self.ctx, &args, stream.raw())?;
+        stream.synchronize(DESTROY)?;
+        if let Some(e) = self.status().error().filter(|e| e.code == intranode::err::TIMEOUT) {
+            return Err(Error::Timeout {
+                op: DESTROY,
+                rank: self.ctx.rank as usize,
+                peers: vec![e.rank.max(0) as usize],
+                timeout_ms,
+                what: intranode::site::name(e.site).to_string(),
+            });
+        }
+        let mut first: Result<()> = Ok(());
+        let mut note = |r: Result<()>| {
+            if first.is_ok() {
+                first = r;
+            }
+        };
+        if let Some(dc) = self.devcomm.take() {
+            // SAFETY: the devcomm was created on this communicator and is destroyed once.
+            let res = unsafe { deep_ep_nccl_devcomm_destroy(self.api.dev_comm_destroy, self.comm.cast(), dc.as_ptr().cast()) };
+            note(nccl_check(self.lib, nccl::ncclResult_t(res as _), "ncclDevCommDestroy"));
+        }
+        if !self.win.is_null() {
+            note((|| {
+                let f = nccl_fn!(self.lib, ncclCommWindowDeregister);
+                // SAFETY: the window was registered on this communicator; deregistered once.
+                nccl_check(self.lib, unsafe { f(self.comm, self.win) }, "ncclCommWindowDeregister")
+            })());
+            self.win = std::ptr::null_mut();
+        }
+        if !self.mem.is_null() {
+            note((|| {
+                let f = nccl_fn!(self.lib, ncclMemFree);
+                // SAFETY: allocated by ncclMemAlloc, no longer registered; freed once.
+                nccl_check(self.lib, unsafe { f(self.mem) }, "ncclMemFree")
+            })());
+            self.mem = std::ptr::null_mut();
+        }
+        note((|| {
+            let f = nccl_fn!(self.lib, ncclCommFinalize);
+            // SAFETY: live communicator.
+            nccl_check(self.lib, unsafe { f(self.comm) }, "ncclCommFinalize")
+        })());
+        note((|| {
+            let f = nccl_fn!(self.lib, ncclCommDestroy);
+            // SAFETY: live communicator, destroyed once.
+            nccl_check(self.lib, unsafe { f(self.comm) }, "ncclCommDestroy")
+        })());
+        self.comm = std::ptr::null_mut();
+        first
+    }
+}
+
+impl Drop for Window {
+    /// Local release (no peer involved): abort the communicator, free the memory. Errors are
+    /// logged, never raised.
+    fn drop(&mut self) {
+        let _guard = DeviceGuard::new(DESTROY, self.device).ok();
+        if !self.comm.is_null() {
+            // Let queued kernels that read or write the window finish first (they are bounded
+            // by the barrier timeout).
+            if let Err(e) = intranode::device_synchronize(DESTROY) {
+                eprintln!("deep_ep: releasing an NCCL buffer: {e}");
+            }
+            match self.lib.ncclCommAbort.as_ref() {
+                // SAFETY: live communicator, aborted once.
+                Ok(f) => {
+                    if let Err(e) = nccl_check(self.lib, unsafe { f(self.comm) }, "ncclCommAbort") {
+                        eprintln!("deep_ep: releasing an NCCL buffer: {e}");
+                    }
+                }
+                Err(e) => eprintln!("deep_ep: releasing an NCCL buffer: ncclCommAbort missing: {e}"),
+            }
+            self.comm = std::ptr::null_mut();
+        }
+        if !self.mem.is_null() {
+            if let Ok(f) = self.lib.ncclMemFree.as_ref() {
+                // SAFETY: allocated by ncclMemAlloc; its communicator is gone; freed once.
+                if let Err(e) = nccl_check(self.lib, unsafe { f(self.mem) }, "ncclMemFree") {
+                    eprintln!("deep_ep: releasing an NCCL buffer: {e}");
+                }
+            }
+            self.mem = std::ptr::null_mut();
+        }
+    }
+}

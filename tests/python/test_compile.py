@@ -4,7 +4,7 @@ inductor backend, CPU), must equal eager. fullgraph=True raises on any graph bre
 router -> get_dispatch_layout -> dispatch -> per-expert linear on recv_x (by recv_topk_idx, weighted
 by recv_topk_weights) -> combine. Runs on 1 rank in-process and on 2 ranks in the rank pool; both
 the data-dependent dispatch (unbacked row count) and the worst-case dispatch (static rows) are
-compiled.
+compiled (the 2-rank run compiles the data-dependent one only, to keep compile time modest).
 """
 import pytest
 import torch
@@ -42,13 +42,13 @@ class MoE(torch.nn.Module):
         return combined
 
 
-def run_model(handle, num_ranks, rank, num_tokens=(13, 29, 1)):
-    """Eager vs compiled on several token counts (compiled with dynamic shapes: one graph)."""
+def run_model(handle, num_ranks, rank, num_tokens=(13, 29, 1), worst_values=(0, 64)):
+    """Eager vs compiled on several token counts (compiled with dynamic shapes: one graph per model)."""
     import torch._dynamo
 
     torch._dynamo.reset()
     results = []
-    for worst in (0, 64):
+    for worst in worst_values:
         model = MoE(handle, num_ranks, rank, num_worst_tokens=worst)
         compiled = torch.compile(model, fullgraph=True, dynamic=True)
         for i, n in enumerate(num_tokens):
@@ -75,7 +75,8 @@ def compile_worker(rank, world):
 
     buf = deep_ep_rs.Buffer(dist.group.WORLD, 1 << 22, 0, device="cpu", explicitly_destroy=True)
     try:
-        return run_model(buf.handle, world, rank)
+        # the data-dependent (unbacked row count) dispatch; the worst-case one is compiled on 1 rank
+        return run_model(buf.handle, world, rank, worst_values=(0,))
     finally:
         buf.destroy()
 
@@ -83,4 +84,4 @@ def compile_worker(rank, world):
 @pytest.mark.slow
 def test_compile_moe_two_ranks(rank_pool):
     results = rank_pool(2).run(compile_worker, timeout=400)
-    assert all(len(r) == 6 for r in results)
+    assert all(len(r) == 3 for r in results)

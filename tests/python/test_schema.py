@@ -49,6 +49,9 @@ EXPECTED = {
 }
 
 # Ops on the data path (tensors in and/or out, may sit inside a compiled graph): each needs a fake kernel.
+# Not listed: the setup ops get_unique_id (returns a CPU tensor) and create_buffer (takes one) have no
+# fake kernel, so they cannot run under FakeTensorMode (buffers are created outside compiled code);
+# the remaining ops take and return no tensors.
 FAKE_OPS = ["get_dispatch_layout", "dispatch", "cached_dispatch", "combine", "low_latency_dispatch", "low_latency_dispatch_send",
             "low_latency_dispatch_recv", "low_latency_combine", "low_latency_combine_send", "low_latency_combine_recv",
             "get_next_low_latency_combine_buffer"]

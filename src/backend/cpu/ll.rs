@@ -17,7 +17,7 @@
 //!
 //! # Halves and sequence numbers
 //! Every LL send (dispatch or combine) takes the half `LlState::next_half` and flips it, like
-//! DeepEP's buffer index, and bumps that half's sequence number. All ranks issue the same LL
+//! DeepEP's buffer index, and takes the next call number (one counter for both halves). All ranks issue the same LL
 //! call sequence, so halves and numbers agree. Every call writes all `E` words of its half on
 //! every rank, so a word always holds this call's tag, the previous call's tag or zero: no
 //! cleaning between calls. The send op writes `[half, seq, flags, kind]` into `recv_state`
@@ -55,8 +55,13 @@ const HEADER: usize = 16;
 pub struct LlState {
     /// Half the next LL send uses (DeepEP's `low_latency_buffer_idx`).
     next_half: usize,
-    /// Sends issued per half since creation or the last clean.
+    /// Sequence number of the latest send on each half.
     seq: [u32; 2],
+    /// Sends issued since creation or the last clean, both halves together. One counter for
+    /// both halves keeps every call's tag unique: a word left behind by the other half, or
+    /// by a call with another geometry (signal offsets move with E), can never carry the
+    /// tag a waiter expects, so no rank can see a stale word as an arrival.
+    calls: u32,
 }
 
 /// Byte geometry of one LL call.
@@ -145,7 +150,12 @@ impl CpuBackend {
     fn ll_begin_send(&mut self) -> (usize, u32) {
         let half = self.ll.next_half;
         self.ll.next_half ^= 1;
-        self.ll.seq[half] = self.ll.seq[half].wrapping_add(1);
+        // Tags keep 16 bits of the counter; 0 is skipped so a zeroed word never matches.
+        self.ll.calls = self.ll.calls.wrapping_add(1);
+        if self.ll.calls & 0xffff == 0 {
+            self.ll.calls = self.ll.calls.wrapping_add(1);
+        }
+        self.ll.seq[half] = self.ll.calls;
         (half, self.ll.seq[half])
     }
 

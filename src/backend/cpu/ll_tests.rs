@@ -331,10 +331,11 @@ fn run_rank(c: Case, id: Vec<u8>, rank: usize, inputs: Vec<Input>) -> Vec<RankRo
         assert!(e.unwrap_err().to_string().contains("reused"));
     }
     if !c.split && disps.len() >= 3 {
-        // (half, seq) per round: the extra dispatch of round 1 moved it to half 1; the clean
-        // before round 2 restarted at half 0, call 1.
+        // (half, call) per round: calls are numbered across both halves (round 0: dispatch 1,
+        // combine 2; round 1: dispatches 3 and 4, the extra one on half 1); the clean before
+        // round 2 restarted at half 0, call 1.
         let hs: Vec<(i64, i64)> = disps.iter().take(3).map(|d| (d.state[0], d.state[1])).collect();
-        assert_eq!(hs, vec![(0, 1), (1, 2), (0, 1)]);
+        assert_eq!(hs, vec![(0, 1), (1, 4), (0, 1)]);
     }
     let total: Vec<i32> = (0..el).map(|l| disps.iter().map(|d| d.count[l]).sum()).collect();
     assert_eq!(cum, total, "cumulative_local_expert_recv_stats");

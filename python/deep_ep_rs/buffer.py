@@ -118,7 +118,9 @@ class Buffer:
 
     @staticmethod
     def capture() -> EventOverlap:
-        return EventOverlap(EventHandle())
+        """An event on the current CUDA stream (an empty EventOverlap without CUDA, where every
+        op completes before returning)."""
+        return EventOverlap(EventHandle() if torch.cuda.is_available() else None)
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int) -> int:

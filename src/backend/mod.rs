@@ -54,6 +54,11 @@ impl BackendKind {
         };
         match (kind, device) {
             (BackendKind::Cpu, _) | (_, Device::Cuda(_)) => Ok(kind),
+            // An explicit request that cannot be honoured is an error; the environment
+            // variable only sets a preference for GPU buffers.
+            (_, Device::Cpu) if !requested.is_empty() => {
+                Err(Error::invalid(op, format!("backend '{}' needs a CUDA device; CPU buffers use the cpu backend", kind.name())))
+            }
             (_, Device::Cpu) => Ok(BackendKind::Cpu),
         }
     }

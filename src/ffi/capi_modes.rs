@@ -128,7 +128,8 @@ unsafe fn dispatch_args(a: *const RawDispatchArgs) -> Result<DispatchArgs> {
     const OP: &str = "deep_ep::dispatch";
     let a = &*a;
     check_size(OP, a.size, std::mem::size_of::<RawDispatchArgs>())?;
-    crate::ensure!(a.expert_alignment >= 1, OP, "expert_alignment must be >= 1, got {}", a.expert_alignment);
+    crate::ensure!(a.expert_alignment >= 1 && a.expert_alignment <= ops::MAX_EXPERT_ALIGNMENT as i64, OP,
+        "expert_alignment must be in 1..={} (aligned counts are int32), got {}", ops::MAX_EXPERT_ALIGNMENT, a.expert_alignment);
     crate::ensure!(a.num_worst_tokens >= 0, OP, "num_worst_tokens must be >= 0, got {}", a.num_worst_tokens);
     let ntpe = tensor(OP, "num_tokens_per_expert", &a.num_tokens_per_expert)?;
     Ok(DispatchArgs {

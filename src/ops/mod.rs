@@ -68,6 +68,7 @@ pub fn check_dispatch_layout(topk_idx: &TensorRef, num_experts: i64, num_ranks: 
     const OP: &str = "deep_ep::get_dispatch_layout";
     crate::ensure!(num_ranks >= 1, OP, "num_ranks must be >= 1, got {num_ranks}");
     crate::ensure!(num_experts >= 1 && num_experts % num_ranks == 0, OP, "num_experts ({num_experts}) must be a positive multiple of num_ranks ({num_ranks})");
+    crate::ensure!(num_ranks <= 8 || num_ranks % 8 == 0, OP, "num_ranks ({num_ranks}) above 8 must be a multiple of 8 (nodes of 8 GPUs)");
     topk_idx.check(OP, "topk_idx").on(&[DType::Int32, DType::Int64], topk_idx.device)?.shape(&[("num_tokens", None), ("num_topk", None)])?.contiguous()?.done()
 }
 

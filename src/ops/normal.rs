@@ -12,6 +12,8 @@ const COMBINE: &str = "deep_ep::combine";
 
 /// Most top-k entries per token the kernels support (DeepEP's device assert).
 pub const MAX_TOPK: usize = 32;
+/// Largest `expert_alignment`: aligned per-expert counts must stay far inside int32.
+pub const MAX_EXPERT_ALIGNMENT: usize = 1 << 20;
 /// Most experts per rank (DeepEP's `NUM_MAX_LOCAL_EXPERTS`).
 pub const MAX_LOCAL_EXPERTS: usize = 1024;
 
@@ -70,7 +72,8 @@ pub fn dispatch_prepare(handle: i64, a: &DispatchArgs) -> Result<DispatchPlan> {
             (None, None) => crate::ensure!(a.num_worst_tokens == 0, DISPATCH, "num_worst_tokens > 0 requires topk_idx and topk_weights"),
             _ => crate::ensure!(false, DISPATCH, "topk_idx and topk_weights must be given together"),
         }
-        crate::ensure!(a.expert_alignment >= 1, DISPATCH, "expert_alignment must be >= 1, got {}", a.expert_alignment);
+        crate::ensure!((1..=MAX_EXPERT_ALIGNMENT).contains(&a.expert_alignment), DISPATCH,
+            "expert_alignment must be in 1..={MAX_EXPERT_ALIGNMENT} (aligned counts are int32), got {}", a.expert_alignment);
         b.dispatch_prepare(a)
     })
 }

@@ -172,7 +172,7 @@ CASES = [
     ("dispatch-in-rank-inconsistent", "dispatch", r"is_token_in_rank does not match topk_idx",
      lambda c: c.d(in_rank=torch.ones_like(c.in_rank), ntpr=torch.tensor([N], dtype=torch.int32))),
     # dispatch: scalars and config
-    ("dispatch-alignment-zero", "dispatch", r"expert_alignment must be >= 1", lambda c: c.d(align=0)),
+    ("dispatch-alignment-zero", "dispatch", r"expert_alignment must be in 1\.\.", lambda c: c.d(align=0)),
     ("dispatch-worst-negative", "dispatch", r"num_worst_tokens must be >= 0", lambda c: c.d(worst=-1)),
     ("dispatch-worst-without-topk", "dispatch", r"num_worst_tokens > 0 requires topk_idx", lambda c: c.d(idx=None, w=None, worst=8)),
     ("dispatch-worst-too-small", "dispatch", r"num_worst_tokens", lambda c: c.d(worst=2)),
@@ -635,20 +635,16 @@ RACE = ("library bug (race, src/backend/cpu/ht.rs): errors raised after the rend
         "call's data. Repro: 2 ranks, rank 1 passes num_tokens_per_rank + 1, then both dispatch correctly at once")
 
 
-@pytest.mark.xfail(strict=True, reason=RACE)
 @pytest.mark.parametrize("kind", ["one-sided-counts", "one-sided-expert-id"])
 def test_two_ranks_one_sided_error_is_raised_on_both(rank_pool, kind):
     _check_disagreement(rank_pool, kind, 30)
 
 
-@pytest.mark.xfail(strict=True, reason=RACE + " (same race for mismatches found by comparing the peers' headers)")
 @pytest.mark.parametrize("kind", ["different-hidden", "different-ops"])
 def test_two_ranks_disagreeing_calls_are_raised_on_both(rank_pool, kind):
     _check_disagreement(rank_pool, kind, 30)
 
 
-@pytest.mark.xfail(strict=True, reason=RACE + " (worst-case overflow: the slower rank reads the counts of the peer's "
-                   "next call and reports a wrong received-token count, 12 instead of 7)")
 def test_two_ranks_overflow_message_is_stable(rank_pool):
     _check_disagreement(rank_pool, "worst-case-overflow", 60)
 
@@ -657,10 +653,6 @@ def test_two_ranks_overflow_message_is_stable(rank_pool):
 # more argument edge cases
 
 
-@pytest.mark.xfail(strict=True, reason="library bug (src/layout.rs dispatch_layout): get_dispatch_layout with num_ranks > 8 "
-                   "that is not a multiple of 8 (e.g. 9 or 12) panics with 'index out of bounds: the len is 1 but the index "
-                   "is 1' (num_tokens_per_rdma_rank has num_ranks / 8 entries but ranks 8.. map to node 1); Python sees "
-                   "'deep_ep: internal error (please report)' instead of a 'deep_ep::get_dispatch_layout: num_ranks ...' error")
 @pytest.mark.parametrize("num_ranks", [9, 12])
 def test_layout_num_ranks_not_multiple_of_8(ops, shared_buffer, num_ranks):
     idx = torch.tensor([[0, num_ranks * 2 - 1], [num_ranks - 1, num_ranks]])
@@ -670,10 +662,6 @@ def test_layout_num_ranks_not_multiple_of_8(ops, shared_buffer, num_ranks):
         assert assert_works(shared_buffer) > 0  # the caught panic left the process usable
 
 
-@pytest.mark.xfail(strict=True, reason="library bug (src/backend/cpu/ht.rs ht_dispatch_prepare): a huge expert_alignment "
-                   "is accepted and the rounded per-expert counts silently wrap in int32: expert_alignment=2**31 returns "
-                   "num_recv_tokens_per_expert [-2147483648, ...], 2**40 returns [0, ...]; expected a "
-                   "'deep_ep::dispatch: expert_alignment ...' error when the rounded count does not fit int32")
 @pytest.mark.parametrize("align", [2 ** 31, 2 ** 40])
 def test_expert_alignment_overflow(ops, shared_buffer, align):
     ctx = Ctx(shared_buffer)

@@ -191,19 +191,12 @@ def test_async_finish_on_cpu_returns_completed_results(deep_ep, buf):
     assert torch.equal(combined, torch.where(in_rank, x, torch.zeros_like(x)))
 
 
-@pytest.mark.xfail(strict=True, reason="library bug (python/deep_ep_rs/utils.py): on a CPU buffer, DeepEP's idiom "
-                   "`event.current_stream_wait()` after an async_finish=True call raises AssertionError, because CPU "
-                   "buffers return EventOverlap(None) and current_stream_wait asserts the event is not None; code "
-                   "written for DeepEP (`if async_finish: event.current_stream_wait()`) crashes on the CPU backend")
 def test_async_finish_event_wait_on_cpu(deep_ep, buf):
     _, _, ev, out = _dispatch_async(deep_ep, buf, async_finish=True)
     ev.current_stream_wait()
     out[-1].current_stream_wait()
 
 
-@pytest.mark.xfail(strict=True, reason="questionable (python/deep_ep_rs/buffer.py): Buffer.capture() always creates a "
-                   "CUDA event, so DeepEP's `previous_event=Buffer.capture()` idiom raises 'Found no NVIDIA driver' on a "
-                   "CPU-only machine instead of returning an empty EventOverlap for CPU buffers")
 def test_capture_on_cpu_only_machine(deep_ep, buf):
     if torch.cuda.is_available():
         pytest.skip("only meaningful without CUDA")

@@ -10,9 +10,10 @@
 // lane).
 // push_kernel (combine K1): one warp per received row, written into the window of the rank it came
 // from (remote 16-byte stores). combine_kernel (K3): one warp per token of this rank; lane d finds
-// where rank d pushed the token's row in this rank's window, then the warp reduces 8 columns per
-// lane at a time: fp32 adds in the fixed order bias_0, bias_1, ranks ascending (__fadd_rn: no
-// contraction), one bf16 rounding at the end.
+// where rank d pushed the token's row in this rank's window (index words loaded one token ahead),
+// then the warp reduces 4 groups of 8 columns per lane at a time (1 at 8 ranks: registers), all
+// loads issued first: fp32 adds in the fixed order bias_0, bias_1, ranks ascending (__fadd_rn: no
+// contraction), one bf16 rounding at the end (cvt.rn.bf16x2; NaN groups via the bit trick).
 #include <cstdint>
 
 #include "intranode.cuh"
@@ -165,6 +166,14 @@ __device__ __forceinline__ int4 load_bf16x8(const uint16_t* p, bool aligned) {
   return make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]), static_cast<int>(w[3]));
 }
 
+// Two floats to packed bf16 (lo = a, hi = b): one cvt.rn.bf16x2.f32, round to nearest even with
+// subnormals kept, the same bits as bf16_bits for every non-NaN input.
+__device__ __forceinline__ uint32_t cvt_bf16x2(float a, float b) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
+  return r;
+}
+
 // One output group of 8 columns: ((0 + bias_0) + bias_1) + x_d for d ascending, then bf16.
 template <int kR>
 __device__ __forceinline__ void reduce_group(int4* out, const uint16_t* b0, bool b0_aligned, const uint16_t* b1, bool b1_aligned,
@@ -178,10 +187,18 @@ __device__ __forceinline__ void reduce_group(int4* out, const uint16_t* b0, bool
   for (int d = 0; d < kR; ++d) {
     if (src[d] != nullptr) add_bf16x8(acc, v[d]);
   }
-  uint32_t packed[4];
+  bool nan = false;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    packed[i] = static_cast<uint32_t>(bf16_bits(acc[2 * i])) | (static_cast<uint32_t>(bf16_bits(acc[2 * i + 1])) << 16);
+  for (int i = 0; i < 8; ++i) nan |= acc[i] != acc[i];
+  uint32_t packed[4];
+  if (!nan) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) packed[i] = cvt_bf16x2(acc[2 * i], acc[2 * i + 1]);
+  } else {  // NaN payloads as crate::numerics::bf16::from_f32 keeps them
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      packed[i] = static_cast<uint32_t>(bf16_bits(acc[2 * i])) | (static_cast<uint32_t>(bf16_bits(acc[2 * i + 1])) << 16);
+    }
   }
   out[g] = make_int4(static_cast<int>(packed[0]), static_cast<int>(packed[1]), static_cast<int>(packed[2]), static_cast<int>(packed[3]));
 }
@@ -290,14 +307,29 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const __grid_constant
   const bool b1_aligned = (reinterpret_cast<uintptr_t>(a.bias_1) & 15) == 0;
   char* me = local(c);
 
+  // Lane d < R: the index words of token n for rank d (is_token_in_rank, channel prefix,
+  // send_head), loaded one token ahead so their round trip overlaps the previous token's work.
+  auto load_idx = [&](int64_t n, int& in, int& cp, int& sh) {
+    in = 0;
+    cp = 0;
+    sh = -1;
+    if (lane < R && n < n_tokens) {
+      const int64_t ch = n / per;
+      in = in_rank[n * R + lane];
+      if (ch > 0) cp = a.channel_prefix_matrix[lane * C + ch - 1];
+      sh = a.send_head[n * R + lane];
+    }
+  };
+  int nx_in, nx_cp, nx_sh;
+  load_idx(gwarp, nx_in, nx_cp, nx_sh);
   for (int64_t n = gwarp; n < n_tokens; n += warps) {
     // Lane d: where rank d pushed this token's row (position in this rank's send order to d).
+    const int cur_in = nx_in, cur_cp = nx_cp, cur_sh = nx_sh;
+    load_idx(n + warps, nx_in, nx_cp, nx_sh);
     int64_t row = -1;
-    if (lane < R && in_rank[n * R + lane] != 0) {
-      const int d = lane;
-      const int64_t ch = n / per;
-      const int64_t pos = (ch > 0 ? a.channel_prefix_matrix[d * C + ch - 1] : 0) + a.send_head[n * R + d];
-      if (pos >= 0 && pos < s_count[d]) row = s_base[d] + pos;
+    if (lane < R && cur_in != 0) {
+      const int64_t pos = static_cast<int64_t>(cur_cp) + cur_sh;
+      if (pos >= 0 && pos < s_count[lane]) row = s_base[lane] + pos;
     }
     int64_t rows[kR];
     const int4* src[kR];
@@ -309,20 +341,25 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const __grid_constant
     const uint16_t* b0 = a.bias_0 != nullptr ? a.bias_0 + n * H : nullptr;
     const uint16_t* b1 = a.bias_1 != nullptr ? a.bias_1 + n * H : nullptr;
     int4* out = reinterpret_cast<int4*>(a.out + n * H);  // 16-byte aligned: H % 8 == 0
-    // Two groups of 8 columns per lane and iteration, every source's loads issued first.
-    for (int64_t g0 = lane; g0 < groups; g0 += 64) {
-      const int64_t g1 = g0 + 32;
-      const bool has1 = g1 < groups;
-      int4 v0[kR], v1[kR];
+    // kG groups of 8 columns per lane and iteration, every source's loads issued first.
+    constexpr int kG = kR <= 4 ? 4 : 1;
+    for (int64_t gb = lane; gb < groups; gb += 32 * kG) {
+      int4 v[kG][kR];
 #pragma unroll
-      for (int d = 0; d < kR; ++d) {
-        if (src[d] != nullptr) {
-          v0[d] = __ldcg(src[d] + g0);
-          if (has1) v1[d] = __ldcg(src[d] + g1);
+      for (int u = 0; u < kG; ++u) {
+        const int64_t g = gb + 32 * u;
+        if (g < groups) {
+#pragma unroll
+          for (int d = 0; d < kR; ++d) {
+            if (src[d] != nullptr) v[u][d] = __ldcg(src[d] + g);
+          }
         }
       }
-      reduce_group<kR>(out, b0, b0_aligned, b1, b1_aligned, v0, src, g0);
-      if (has1) reduce_group<kR>(out, b0, b0_aligned, b1, b1_aligned, v1, src, g1);
+#pragma unroll
+      for (int u = 0; u < kG; ++u) {
+        const int64_t g = gb + 32 * u;
+        if (g < groups) reduce_group<kR>(out, b0, b0_aligned, b1, b1_aligned, v[u], src, g);
+      }
     }
     if (a.out_weights != nullptr) {
       const float* wbase = reinterpret_cast<const float*>(me + s_woff);

@@ -26,6 +26,7 @@ pub mod config;
 pub mod error;
 pub mod ffi;
 pub mod layout;
+pub mod log;
 pub mod numerics;
 pub mod ops;
 pub mod reference;

@@ -22,6 +22,7 @@
 
 pub mod backend;
 pub mod buffer;
+pub mod build_info;
 pub mod config;
 pub mod error;
 pub mod ffi;

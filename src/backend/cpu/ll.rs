@@ -11,7 +11,8 @@
 //!   of its local expert `l`. Value `(seq mod 2^16) << 16 | (count + 1)` (combine: count 0).
 //! - send: the zero-copy combine buffer, `[E_l][R·T]` rows of `M = H + H/128·2` bf16.
 //! - recv: dispatch messages `[E_l][R][T]` of `dispatch_msg_bytes` (16-byte header
-//!   `[src token, 0, 0, 0]` i32, then `H` bf16, or `H` E4M3 bytes + `H/128` f32 `scale_inv`), or
+//!   `[src token, H, T, E]` i32, checked by the receiver so that ranks calling with different
+//!   geometries get an error instead of garbage, then `H` bf16, or `H` E4M3 bytes + `H/128` f32 `scale_inv`), or
 //!   combine slots `[E][T]` of `combine_slot_bytes` keyed by (global expert, source token):
 //!   `H` bf16, or a [`logfmt`] slot.
 //!
@@ -252,7 +253,7 @@ impl CpuBackend {
                 let off = geo.msg(half, l, me, slot[e]);
                 slot[e] += 1;
                 let reg = &regions[dst];
-                reg.write::<i32>(off, &[tok as i32, 0, 0, 0]);
+                reg.write::<i32>(off, &[tok as i32, h as i32, t as i32, geo.e as i32]);
                 if o.use_fp8 {
                     reg.write::<u8>(off + HEADER, &q);
                     reg.write::<f32>(off + HEADER + h, &si);
@@ -306,7 +307,16 @@ impl CpuBackend {
                 layout_range[l * r + src] = ((begin as i64) << 32) | count as i64;
                 for i in 0..count {
                     let (off, row) = (geo.msg(half, l, src, i), l * rt + begin + i);
-                    mine.read::<i32>(off, &mut src_info[row..row + 1]);
+                    let mut hdr = [0i32; 4];
+                    mine.read::<i32>(off, &mut hdr);
+                    if hdr[1..] != [h as i32, t as i32, geo.e as i32] {
+                        self.ll.geometry = Some((0, 0, 0)); // ranks disagree: the next send meets and re-zeroes
+                        return Err(Error::invalid(OP_DISPATCH, format!(
+                            "a message from rank {src} for local expert {l} carries (hidden, num_max_dispatch_tokens_per_rank, num_experts) = {:?}, this rank receives with ({h}, {t}, {}): every rank must pass the same values",
+                            &hdr[1..], geo.e
+                        )));
+                    }
+                    src_info[row] = hdr[0];
                     if !o.use_fp8 {
                         mine.read::<u16>(off + HEADER, &mut x16[row * h..(row + 1) * h]);
                         continue;

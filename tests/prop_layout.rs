@@ -12,7 +12,7 @@ fn routing() -> impl Strategy<Value = (usize, usize, usize, usize, Vec<i64>)> {
         |(r, el, n, k, masked)| {
             let e = r * el;
             let id = prop_oneof![
-                (masked as u32).max(1) => Just(-1i64),
+                masked.max(1) => Just(-1i64),
                 (1000 - masked).max(1) => 0..e as i64,
                 20 => prop::sample::select(vec![-2i64, e as i64]),
             ];
@@ -26,7 +26,7 @@ fn valid(e: i64, num_experts: usize) -> bool {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 2048, ..ProptestConfig::default() })]
 
     #[test]
     fn dispatch_layout_counts_are_consistent((r, e, n, k, idx) in routing()) {

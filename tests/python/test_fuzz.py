@@ -9,7 +9,7 @@ regenerates every rank's tensors from the example's seed, runs layout -> dispatc
 dispatch -> combine and low-latency dispatch -> combine on buffers it keeps across examples (so
 the low-latency geometry changes between calls), and compares bit for bit with _reference.py.
 
-Examples per rank count: DEEP_EP_FUZZ_EXAMPLES (default 100; sized for < 60 s with both pools).
+Examples per rank count: DEEP_EP_FUZZ_EXAMPLES (default 200; sized for < 60 s with both pools).
 Shrinking is off (each failure restarts the ranks); the falsifying example is printed.
 """
 import os
@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import _reference as ref
 from test_roundtrip import check_dispatch, same
 
-EXAMPLES = int(os.environ.get("DEEP_EP_FUZZ_EXAMPLES", "100"))
+EXAMPLES = int(os.environ.get("DEEP_EP_FUZZ_EXAMPLES", "200"))
 MAX_TOKENS, MAX_HIDDEN, MAX_LOCAL_EXPERTS = 24, 512, 8
 FP8_MAX_INV = torch.tensor(1.0 / 448.0, dtype=torch.float32)  # DeepEP's f32 constant kFinfoAmaxInvE4M3
 

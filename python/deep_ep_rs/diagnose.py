@@ -59,6 +59,7 @@ def _selftest_ranks(rank: int, world: int, device: str):
     import deep_ep_rs
 
     dev = torch.device(device if device == "cpu" else f"cuda:{rank}")
+    backend = "cpu" if device == "cpu" else "nccl"  # explicit: DEEP_EP_BACKEND must not redirect the test
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     n, hidden, topk, experts = 16, 256, 2, 4 * world
@@ -69,7 +70,7 @@ def _selftest_ranks(rank: int, world: int, device: str):
     w = torch.ones((n, topk), dtype=torch.float32, device=dev)
 
     def normal():
-        buf = deep_ep_rs.Buffer(dist.group.WORLD, 1 << 22, 0, device=dev, explicitly_destroy=True)
+        buf = deep_ep_rs.Buffer(dist.group.WORLD, 1 << 22, 0, device=dev, explicitly_destroy=True, backend=backend)
         try:
             ntpr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(idx, experts)
             total = ntpr.to("cpu", copy=True)  # all_reduce works in place
@@ -86,7 +87,8 @@ def _selftest_ranks(rank: int, world: int, device: str):
 
     def low_latency():
         nbytes = deep_ep_rs.Buffer.get_low_latency_rdma_size_hint(n, hidden, world, experts)
-        buf = deep_ep_rs.Buffer(dist.group.WORLD, 0, nbytes, low_latency_mode=True, device=dev, explicitly_destroy=True)
+        buf = deep_ep_rs.Buffer(dist.group.WORLD, 0, nbytes, low_latency_mode=True, device=dev, explicitly_destroy=True,
+                                backend=backend)
         try:
             recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, n, experts, use_fp8=False)
             out, _, _ = buf.low_latency_combine(recv, idx, w, handle)

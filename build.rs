@@ -316,6 +316,10 @@ fn main() {
             fail(&[e], &py);
         }
     }
+    // Reported by `deep_ep::build_info` (src/build_info.rs).
+    println!("cargo:rustc-env=DEEP_EP_BUILD_CUDA_ARCHS={}", if want_cuda { archs.join(",") } else { String::new() });
+    println!("cargo:rustc-env=DEEP_EP_BUILD_CUDART={}", if want_cuda { cudart.as_str() } else { "" });
+    println!("cargo:rustc-env=DEEP_EP_BUILD_TORCH={}", torch.as_ref().map_or(String::new(), |t| t.source.clone()));
 }
 
 /// Compiles `kernels/*.cu` with nvcc into `libdeep_ep_kernels.a` and links cudart.

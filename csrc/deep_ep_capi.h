@@ -39,6 +39,9 @@ typedef struct {
 
 // Message of the last failed call on this thread (valid until the next call).
 const char* deep_ep_last_error(void);
+// JSON object describing this build (crate version, features, backends, CUDA archs, NCCL header
+// version, torch); valid for the life of the process.
+const char* deep_ep_build_info(void);
 
 // ---- buffers -------------------------------------------------------------------------------
 // Fills out[DEEP_EP_UNIQUE_ID_BYTES] with a rendezvous id (backend "" = DEEP_EP_BACKEND or the

@@ -32,11 +32,20 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// Creates a buffer (collective) and returns its handle.
 pub fn create(kind: BackendKind, args: &CreateArgs) -> Result<i64> {
-    let b = backend::create(kind, args)?;
+    let b = backend::create(kind, args).inspect_err(|e| {
+        if e.poisons_buffer() {
+            crate::log_warn!(Some(args.rank), "{e}");
+        }
+    })?;
     let mut r = lock(registry());
     let h = r.next;
     r.next += 1;
     r.live.insert(h, Entry { backend: Arc::new(Mutex::new(b)), poisoned: Arc::new(Mutex::new(None)) });
+    crate::log_info!(
+        Some(args.rank),
+        "created buffer {h}: backend {}, device {}, {} ranks, num_nvl_bytes {}, num_rdma_bytes {}, low_latency_mode {}",
+        kind.name(), args.device, args.num_ranks, args.num_nvl_bytes, args.num_rdma_bytes, args.low_latency_mode
+    );
     Ok(h)
 }
 
@@ -56,15 +65,20 @@ fn lookup(op: &'static str, handle: i64) -> Result<(Arc<Mutex<Box<dyn Backend>>>
 pub fn with<R>(op: &'static str, handle: i64, f: impl FnOnce(&mut dyn Backend) -> Result<R>) -> Result<R> {
     let (b, poisoned) = lookup(op, handle)?;
     if let Some(why) = lock(&poisoned).as_ref() {
-        return Err(Error::BadHandle {
+        let e = Error::BadHandle {
             op,
             msg: format!("buffer {handle} is unusable after an earlier failure ({why}); destroy it and create a new one"),
-        });
+        };
+        crate::log_warn!(Some(lock(&b).info().rank), "{e}");
+        return Err(e);
     }
     let mut guard = lock(&b);
+    let rank = Some(guard.info().rank);
+    crate::log_debug!(rank, "{op} on buffer {handle}");
     let res = f(guard.as_mut());
     if let Err(e) = &res {
         if e.poisons_buffer() {
+            crate::log_warn!(rank, "{e}; buffer {handle} is now unusable (destroy it and create a new one)");
             *lock(&poisoned) = Some(e.to_string());
         }
     }
@@ -76,7 +90,11 @@ pub fn with<R>(op: &'static str, handle: i64, f: impl FnOnce(&mut dyn Backend) -
 pub fn destroy(op: &'static str, handle: i64) -> Result<()> {
     let (b, poisoned) = lookup(op, handle)?;
     let healthy = lock(&poisoned).is_none();
-    let res = if healthy { lock(&b).destroy() } else { Ok(()) };
+    let mut guard = lock(&b);
+    let rank = Some(guard.info().rank);
+    let res = if healthy { guard.destroy() } else { Ok(()) };
+    drop(guard);
+    crate::log_info!(rank, "destroyed buffer {handle}{}", if healthy { "" } else { " (poisoned: released locally)" });
     let mut r = lock(registry());
     r.live.remove(&handle);
     r.destroyed.push(handle);

@@ -22,10 +22,12 @@
 
 pub mod backend;
 pub mod buffer;
+pub mod build_info;
 pub mod config;
 pub mod error;
 pub mod ffi;
 pub mod layout;
+pub mod log;
 pub mod numerics;
 pub mod ops;
 pub mod reference;

@@ -25,3 +25,18 @@ pub fn shm_dir() -> String {
         std::env::temp_dir().to_string_lossy().into_owned()
     }
 }
+
+/// `DEEP_EP_LOG`: `off`, `warn` (default), `info` or `debug`; read once per process. An
+/// unknown value keeps the default and says so once on stderr.
+pub fn log_level() -> crate::log::Level {
+    use crate::log::Level;
+    static LEVEL: std::sync::OnceLock<Level> = std::sync::OnceLock::new();
+    *LEVEL.get_or_init(|| match std::env::var("DEEP_EP_LOG") {
+        Err(_) => Level::Warn,
+        Ok(v) if v.trim().is_empty() => Level::Warn,
+        Ok(v) => Level::parse(&v).unwrap_or_else(|| {
+            eprintln!("[deep_ep] warn: DEEP_EP_LOG={v:?} is not one of off, warn, info, debug; using warn");
+            Level::Warn
+        }),
+    })
+}

@@ -54,6 +54,8 @@ int64_t ll_hint(int64_t t, int64_t hidden, int64_t num_ranks, int64_t num_expert
   return out;
 }
 
+std::string build_info() { return std::string(deep_ep_build_info()); }
+
 }  // namespace
 }  // namespace deep_ep_ops
 
@@ -65,4 +67,5 @@ TORCH_LIBRARY_IMPL(deep_ep, CompositeExplicitAutograd, m) {
   m.impl("nvl_buffer_size_hint", &deep_ep_ops::nvl_hint);
   m.impl("rdma_buffer_size_hint", &deep_ep_ops::rdma_hint);
   m.impl("low_latency_rdma_size_hint", &deep_ep_ops::ll_hint);
+  m.impl("build_info", &deep_ep_ops::build_info);
 }

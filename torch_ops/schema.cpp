@@ -25,6 +25,8 @@ TORCH_LIBRARY(deep_ep, m) {
   m.def("nvl_buffer_size_hint(int[] config, int hidden_bytes, int num_ranks) -> int");
   m.def("rdma_buffer_size_hint(int[] config, int hidden_bytes, int num_ranks) -> int");
   m.def("low_latency_rdma_size_hint(int num_max_dispatch_tokens_per_rank, int hidden, int num_ranks, int num_experts) -> int");
+  // JSON object describing this build of the library (python -m deep_ep_rs.diagnose prints it).
+  m.def("build_info() -> str");
 
   // Local. topk_idx [N,K] int32/int64 (-1 = none) -> tokens per rank [R] i32, per node [R/8] i32
   // (empty when R <= 8), per expert [E] i32, is_token_in_rank [N,R] bool.

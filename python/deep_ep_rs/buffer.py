@@ -106,6 +106,36 @@ class Buffer:
     def is_available(self) -> bool:
         return self._handle is not None
 
+    def memory_report(self, hidden: Optional[int] = None, num_max_dispatch_tokens_per_rank: Optional[int] = None,
+                      num_experts: Optional[int] = None) -> dict:
+        """What this buffer holds (from `buffer_info`): rank, num_ranks, device, backend,
+        num_nvl_bytes, num_rdma_bytes, low_latency_mode. With `hidden`, adds `size_hints`: the
+        bytes the default dispatch/combine configs ask for BF16 tokens of that size (DeepEP's
+        size hints; rank counts without a default config are left out) and `meets_size_hints`.
+        With `num_max_dispatch_tokens_per_rank` and `num_experts` too, adds the low-latency hint."""
+        rank, num_ranks, dev, nvl, rdma, ll, backend = (int(v) for v in ops.buffer_info(self.handle))
+        report = {"rank": rank, "num_ranks": num_ranks, "device": "cpu" if dev < 0 else f"cuda:{dev}",
+                  "backend": {0: "cpu", 1: "nccl", 2: "nvshmem"}.get(backend, str(backend)), "num_nvl_bytes": nvl,
+                  "num_rdma_bytes": rdma, "low_latency_mode": bool(ll)}
+        if hidden is None:
+            return report
+        hints = {}
+        for name, get in (("dispatch", Buffer.get_dispatch_config), ("combine", Buffer.get_combine_config)):
+            try:
+                cfg = get(num_ranks)
+            except AssertionError:  # no default config for this rank count
+                continue
+            hints[f"{name}_nvl_bytes"] = cfg.get_nvl_buffer_size_hint(hidden * 2, num_ranks)
+            hints[f"{name}_rdma_bytes"] = cfg.get_rdma_buffer_size_hint(hidden * 2, num_ranks)
+        ok = all(nvl >= v for k, v in hints.items() if k.endswith("nvl_bytes"))
+        ok = ok and all(rdma >= v for k, v in hints.items() if k.endswith("rdma_bytes"))
+        if num_max_dispatch_tokens_per_rank is not None and num_experts is not None:
+            hints["low_latency_rdma_bytes"] = Buffer.get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden,
+                                                                                    num_ranks, num_experts)
+            ok = ok and rdma >= hints["low_latency_rdma_bytes"]
+        report.update(hidden=hidden, size_hints=hints, meets_size_hints=ok)
+        return report
+
     # ---- static helpers ---------------------------------------------------------------------
     @staticmethod
     def is_sm90_compiled() -> bool:

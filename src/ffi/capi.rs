@@ -101,6 +101,13 @@ unsafe fn str_arg(p: *const c_char) -> String {
     }
 }
 
+/// See `deep_ep_build_info` in the header: a JSON object valid for the life of the process.
+#[no_mangle]
+pub extern "C" fn deep_ep_build_info() -> *const c_char {
+    static INFO: std::sync::OnceLock<CString> = std::sync::OnceLock::new();
+    INFO.get_or_init(|| CString::new(crate::build_info::json()).unwrap_or_default()).as_ptr()
+}
+
 /// See `deep_ep_get_unique_id` in the header.
 ///
 /// # Safety

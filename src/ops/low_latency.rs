@@ -47,7 +47,9 @@ fn check_stats(op: &'static str, s: &LlStats, info: &BufferInfo, num_local_exper
         t.check(op, "cumulative_local_expert_recv_stats").on(&[DType::Int32], info.device)?.shape(&[("num_local_experts", Some(num_local_experts))])?.contiguous()?;
     }
     if let Some(t) = &s.wait_recv_cost_stats {
-        t.check(op, "wait_recv_cost_stats").on(&[DType::Int64], info.device)?.shape(&[("num_ranks", Some(info.num_ranks))])?.contiguous()?;
+        // named as in the op schemas
+        let name = if op == DISPATCH { "dispatch_wait_recv_cost_stats" } else { "combine_wait_recv_cost_stats" };
+        t.check(op, name).on(&[DType::Int64], info.device)?.shape(&[("num_ranks", Some(info.num_ranks))])?.contiguous()?;
     }
     Ok(())
 }

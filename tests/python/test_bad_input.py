@@ -677,3 +677,234 @@ def test_large_expert_alignment_rounds_up(ops, shared_buffer):
     counts = torch.bincount(ctx.idx[ctx.idx >= 0], minlength=E)
     assert out[4].tolist() == [(-(-int(c) // 1000)) * 1000 for c in counts]
     assert out[0].shape[0] == ctx.rows  # alignment does not pad recv_x (DeepEP V1)
+
+
+# More malformed calls, covering every op that takes arguments: lifecycle (calls after destroy),
+# create_buffer ranks and sizes, size hints, split low-latency ops, LL geometry against the
+# buffer's size. Errors of the split LL ops name their family (`deep_ep::low_latency_dispatch`
+# for *_send/*_recv): the C seam is shared by the fused and the split ops.
+
+FAMILY = {"low_latency_dispatch_send": "low_latency_dispatch", "low_latency_dispatch_recv": "low_latency_dispatch",
+          "low_latency_combine_send": "low_latency_combine", "low_latency_combine_recv": "low_latency_combine"}
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def dead_handle(ops):
+    h = make_buffer1(ops, num_nvl_bytes=1 << 20, num_rdma_bytes=1 << 20, low_latency_mode=True)
+    ops.destroy_buffer(h)
+    return h
+
+
+class LLCtx:
+    """A completed LL dispatch (split send + recv) on the LL buffer, the normal-mode Ctx, and a
+    destroyed handle."""
+
+    def __init__(self, ops, ll_h, normal_h, dead):
+        self.ops, self.h, self.dead, self.n = ops, ll_h, dead, Ctx(normal_h)
+        g = torch.Generator().manual_seed(5)
+        self.x = torch.randn((3, H_LL), generator=g).to(torch.bfloat16)
+        self.idx = torch.tensor([[0, 1], [2, 3], [4, -1]])
+        self.w = torch.ones((3, 2))
+        self.rx, self.sc, self.cnt, self.src, self.lr, self.st = self.send()
+        self.recv(self.st)
+        self.out = torch.empty((3, H_LL), dtype=torch.bfloat16)
+
+    def send(self, h=None, x=None, idx=None, w=None, t=T_LL, e=E_LL, stats=None):
+        return self.ops.low_latency_dispatch_send(self.h if h is None else h, self.x if x is None else x, self.idx if idx is None else idx,
+                                                  self.w if w is None else w, t, e, False, False, False)
+
+    def recv(self, st, h=None, rx=None):
+        self.ops.low_latency_dispatch_recv(self.h if h is None else h, st, self.rx if rx is None else rx, self.sc, self.cnt, self.src,
+                                           self.lr, None, None, T_LL, E_LL, False, False, False)
+
+    def fused(self, h=None, x=None, idx=None, w=None, t=T_LL, e=E_LL, wait=None):
+        return self.ops.low_latency_dispatch(self.h if h is None else h, self.x if x is None else x, self.idx if idx is None else idx,
+                                             self.w if w is None else w, None, wait, t, e, False, False, False)
+
+    def combine(self, h=None, w=None, src=None, out=None, logfmt=False, zero_copy=False):
+        self.ops.low_latency_combine(self.h if h is None else h, self.rx, self.idx, self.w if w is None else w,
+                                     self.src if src is None else src, self.lr, self.out if out is None else out, None, T_LL, E_LL,
+                                     logfmt, zero_copy)
+
+    def combine_send(self, h=None, logfmt=False, zero_copy=False):
+        return self.ops.low_latency_combine_send(self.h if h is None else h, self.rx, self.src, self.lr, T_LL, E_LL, logfmt, zero_copy)
+
+    def combine_recv(self, st, h=None):
+        self.ops.low_latency_combine_recv(self.h if h is None else h, st, self.idx, self.w, self.out, None, T_LL, H_LL, E_LL)
+
+    def create(self, rank=0, num_ranks=1, nvl=1 << 20, device=CPU, backend="cpu"):
+        return self.ops.create_buffer(self.ops.get_unique_id("cpu"), rank, num_ranks, device, nvl, 0, False, backend)
+
+
+def _stale_recv(c):
+    states = [c.send()[-1] for _ in range(3)]  # the third send reuses the first one's half
+    return c.recv(states[0])
+
+
+DESTROYED = r"buffer handle \d+ was destroyed"
+CFG20 = [20, 6, 256, 6, 128]
+EXTRA_CASES = [
+    # calls after destroy, one per op taking a handle (dispatch/cached/combine/destroy/buffer_info: test_use_after_destroy)
+    ("destroyed-ll-dispatch", "low_latency_dispatch", DESTROYED, lambda c: c.fused(h=c.dead)),
+    ("destroyed-ll-dispatch-send", "low_latency_dispatch_send", DESTROYED, lambda c: c.send(h=c.dead)),
+    ("destroyed-ll-dispatch-recv", "low_latency_dispatch_recv", DESTROYED, lambda c: c.recv(c.st, h=c.dead)),
+    ("destroyed-ll-combine", "low_latency_combine", DESTROYED, lambda c: c.combine(h=c.dead)),
+    ("destroyed-ll-combine-send", "low_latency_combine_send", DESTROYED, lambda c: c.combine_send(h=c.dead)),
+    ("destroyed-ll-combine-recv", "low_latency_combine_recv", DESTROYED, lambda c: c.combine_recv(c.st, h=c.dead)),
+    ("destroyed-clean", "clean_low_latency_buffer", DESTROYED, lambda c: c.ops.clean_low_latency_buffer(c.dead, T_LL, H_LL, E_LL)),
+    ("destroyed-next-combine-buffer", "get_next_low_latency_combine_buffer", DESTROYED,
+     lambda c: c.ops.get_next_low_latency_combine_buffer(c.dead, T_LL, H_LL, E_LL)),
+    ("destroy-never-created", "destroy_buffer", r"buffer handle 987654323 does not exist", lambda c: c.ops.destroy_buffer(987654323)),
+    # create_buffer: ranks, sizes, device
+    ("create-rank-equals-num-ranks", "create_buffer", r"rank 2 out of range for num_ranks 2", lambda c: c.create(rank=2, num_ranks=2)),
+    ("create-zero-ranks", "create_buffer", r"num_ranks \(0\) >= 1", lambda c: c.create(num_ranks=0)),
+    ("create-negative-rank", "create_buffer", r"rank \(-1\) must be >= 0", lambda c: c.create(rank=-1, num_ranks=2)),
+    ("create-negative-bytes", "create_buffer", r"buffer sizes must be >= 0, got -128", lambda c: c.create(nvl=-128)),
+    ("create-cpu-backend-on-cuda", "create_buffer", r"cpu backend works on CPU tensors; device cuda:0",
+     lambda c: c.create(device=torch.device("cuda", 0))),
+    ("unique-id-unknown-backend", "get_unique_id", r"unknown backend 'bogus'", lambda c: c.ops.get_unique_id("bogus")),
+    # size hints
+    ("nvl-hint-zero-hidden", "nvl_buffer_size_hint", r"hidden_bytes \(0\)", lambda c: c.ops.nvl_buffer_size_hint(CFG20, 0, 1)),
+    ("nvl-hint-config-4-ints", "nvl_buffer_size_hint", r"config must be 5", lambda c: c.ops.nvl_buffer_size_hint(CFG20[:4], 1024, 2)),
+    ("rdma-hint-12-ranks", "rdma_buffer_size_hint", r"num_ranks must be <= 8 or a multiple of 8, got 12",
+     lambda c: c.ops.rdma_buffer_size_hint(CFG20, 1024, 12)),
+    ("ll-hint-zero-hidden", "low_latency_rdma_size_hint", r"all arguments must be positive",
+     lambda c: c.ops.low_latency_rdma_size_hint(4, 0, 1, 8)),
+    # normal mode: shapes, dtypes, contiguity
+    ("dispatch-topk-3d", "dispatch", r"topk_idx must have shape", lambda c: c.n.d(idx=c.n.idx.view(N, K, 1))),
+    ("dispatch-scales-1d", "dispatch", r"x_scales must have shape", lambda c: c.n.d(x=_fp8(c.n), scales=torch.ones((N,)))),
+    ("dispatch-in-rank-noncontig", "dispatch", r"is_token_in_rank must be contiguous",
+     lambda c: c.n.d(in_rank=torch.cat([c.n.in_rank, c.n.in_rank], 1)[:, ::2])),
+    ("dispatch-topk-noncontig", "dispatch", r"topk_idx must be contiguous", lambda c: c.n.d(idx=torch.cat([c.n.idx, c.n.idx], 1)[:, ::2])),
+    ("dispatch-ntpr-length", "dispatch", r"num_tokens_per_rank must have shape", lambda c: c.n.d(ntpr=torch.zeros((2,), dtype=torch.int32))),
+    ("dispatch-weights-noncontig", "dispatch", r"topk_weights must be contiguous", lambda c: c.n.d(w=torch.cat([c.n.w, c.n.w], 1)[:, ::2])),
+    ("cached-x-float32", "cached_dispatch", r"\bx must be bfloat16 or float8_e4m3fn", lambda c: c.n.cached(x=c.n.x.float())),
+    ("cached-rcpm-dtype", "cached_dispatch", r"recv_channel_prefix_matrix must be int32", lambda c: c.n.cached(rcpm=c.n.handle[2].long())),
+    ("combine-weights-dtype", "combine", r"topk_weights must be float32", lambda c: c.n.combine(w=torch.zeros((c.n.rows, K), dtype=torch.float64))),
+    ("combine-topk-33", "combine", r"num_topk must be in 1..=32, got 33", lambda c: c.n.combine(w=torch.zeros((c.n.rows, 33)))),
+    ("combine-hidden-8-bytes", "combine", r"\bx rows must be a multiple of 16 bytes",
+     lambda c: c.n.combine(y=torch.zeros((c.n.rows, 4), dtype=torch.bfloat16))),
+    # low latency: geometry against the buffer, ids, shapes, states of the split ops
+    ("ll-hidden-larger-than-buffer", "low_latency_dispatch", r"num_rdma_bytes \(\d+\) is smaller than get_low_latency_rdma_size_hint\(4, 1024",
+     lambda c: c.fused(x=torch.zeros((3, 1024), dtype=torch.bfloat16))),
+    ("ll-zero-experts", "low_latency_dispatch", r"num_experts \(0\) must be positive", lambda c: c.fused(e=0)),
+    ("ll-expert-out-of-range", "low_latency_dispatch", r"topk_idx holds expert 8, outside \[0, 8\)",
+     lambda c: c.fused(idx=torch.tensor([[0, 8], [1, 2], [3, 4]]))),
+    ("ll-topk-33", "low_latency_dispatch", r"num_topk must be in 1..=32, got 33", lambda c: c.fused(idx=torch.zeros((3, 33), dtype=torch.int64), w=None)),
+    ("ll-weights-shape", "low_latency_dispatch", r"topk_weights must have shape \[num_tokens=3, num_topk=2\]", lambda c: c.fused(w=torch.ones((3, 3)))),
+    ("ll-x-noncontig", "low_latency_dispatch", r"\bx must be contiguous", lambda c: c.fused(x=torch.cat([c.x, c.x], 1)[:, ::2])),
+    ("ll-wait-stats-shape", "low_latency_dispatch", r"dispatch_wait_recv_cost_stats must have shape \[num_ranks=1\]",
+     lambda c: c.fused(wait=torch.zeros((2,), dtype=torch.int64))),
+    ("ll-send-tokens-over-capacity", "low_latency_dispatch_send", r"tokens over capacity: 5 tokens",
+     lambda c: c.send(x=torch.zeros((5, H_LL), dtype=torch.bfloat16), idx=torch.zeros((5, 1), dtype=torch.int64), w=torch.ones((5, 1)))),
+    ("ll-recv-zero-state", "low_latency_dispatch_recv", r"recv_state \[0, 0, 0, 0\] was not produced by low_latency_dispatch_send",
+     lambda c: c.recv(torch.zeros((4,), dtype=torch.int64))),
+    ("ll-recv-stale-state", "low_latency_dispatch_recv", r"reused by a later low-latency send", _stale_recv),
+    ("ll-recv-x-dtype", "low_latency_dispatch_recv", r"recv_x must be bfloat16", lambda c: c.recv(c.send()[-1], rx=c.rx.float())),
+    ("ll-combine-out-shape", "low_latency_combine", r"out must have shape \[num_tokens=3, hidden=256\]",
+     lambda c: c.combine(out=torch.empty((3, H_LL + 128), dtype=torch.bfloat16))),
+    ("ll-combine-weights-dtype", "low_latency_combine", r"topk_weights must be float32", lambda c: c.combine(w=c.w.double())),
+    ("ll-combine-src-info-dtype", "low_latency_combine", r"src_info must be int32", lambda c: c.combine(src=c.src.long())),
+    ("ll-combine-send-zero-copy-logfmt", "low_latency_combine_send", r"zero_copy and use_logfmt cannot be combined",
+     lambda c: c.combine_send(logfmt=True, zero_copy=True)),
+    ("ll-combine-recv-dispatch-state", "low_latency_combine_recv", r"was not produced by low_latency_combine_send",
+     lambda c: c.combine_recv(c.send()[-1])),
+    ("ll-next-buffer-hidden-100", "get_next_low_latency_combine_buffer", r"hidden must be a positive multiple of 128, got 100",
+     lambda c: c.ops.get_next_low_latency_combine_buffer(c.h, T_LL, 100, E_LL)),
+    ("ll-clean-zero-tokens", "clean_low_latency_buffer", r"num_max_dispatch_tokens_per_rank \(0\)",
+     lambda c: c.ops.clean_low_latency_buffer(c.h, 0, H_LL, E_LL)),
+]
+
+
+@pytest.mark.parametrize("case", EXTRA_CASES, ids=[c[0] for c in EXTRA_CASES])
+def test_more_bad_calls_then_still_usable(ops, ll_buffer, shared_buffer, dead_handle, case):
+    name, op, arg_regex, fn = case
+    ctx = LLCtx(ops, ll_buffer, shared_buffer, dead_handle)
+    expect_error(FAMILY.get(op, op), arg_regex, fn, ctx)
+    ll_still_works(ll_buffer)
+    assert assert_works(shared_buffer, seed=len(name)) > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# 2 ranks: arguments that disagree between ranks (hidden, LL geometry, num_ranks at creation)
+
+
+def disagreeing_ranks_worker(rank, world):
+    import deep_ep_rs
+    import torch.distributed as dist
+
+    e = E * world
+    calls = 0
+    buf = deep_ep_rs.Buffer(dist.group.WORLD, 1 << 22, 0, device="cpu", explicitly_destroy=True)
+    try:
+        # normal mode: hidden differs between the ranks; both raise, then a correct round trip
+        x, idx, w = good_inputs(80 + rank, h=H * (rank + 1), e=e, num_ranks=world)
+        expect_error("dispatch", r"every rank must use the same hidden size", dispatch, buf.handle, x, idx, w, e=e, num_ranks=world)
+        assert_works(buf.handle, rank, world, seed=500)
+        calls += 1
+    finally:
+        buf.destroy()
+    # low latency: hidden differs between the ranks (each fits the buffer); both raise, then a
+    # correct dispatch/combine on the same buffer works
+    nbytes = -(-int(torch.ops.deep_ep.low_latency_rdma_size_hint(T_LL, 2 * H_LL, world, E_LL)) // 128) * 128
+    ll = deep_ep_rs.Buffer(dist.group.WORLD, 0, nbytes, low_latency_mode=True, device="cpu", explicitly_destroy=True)
+    try:
+        idx = torch.tensor([[0, 4], [1, 5], [2, 6]])  # every rank sends to every rank
+        xh = torch.ones((3, H_LL * (rank + 1)), dtype=torch.bfloat16)
+        expect_error("low_latency_dispatch", r"every rank must pass the same values", ll.low_latency_dispatch, xh, idx, T_LL, E_LL,
+                     use_fp8=False)
+        x = torch.ones((3, H_LL), dtype=torch.bfloat16) * (rank + 1)
+        recv, _, handle, _, _ = ll.low_latency_dispatch(x, idx, T_LL, E_LL, use_fp8=False)
+        out, _, _ = ll.low_latency_combine(recv, idx, torch.ones((3, 2)), handle)
+        assert torch.equal(out, x * 2)
+        calls += 1
+    finally:
+        ll.destroy()
+    # create_buffer: the ranks disagree on num_ranks
+    old = os.environ.get("DEEP_EP_TIMEOUT_MS")
+    os.environ["DEEP_EP_TIMEOUT_MS"] = "1500"
+    try:
+        uid = [torch.ops.deep_ep.get_unique_id("cpu").tolist() if rank == 0 else None]
+        dist.broadcast_object_list(uid, src=0)
+        uid = torch.tensor(uid[0], dtype=torch.uint8)
+        args = (uid, rank, world + rank, CPU, 1 << 20, 0, False, "cpu")  # rank 1 believes in 3 ranks
+        regex = r"rank 1 created the buffer with \(num_ranks, .*\) = \[3," if rank == 0 else r"timed out .* waiting for rank\(s\) \[2\]"
+        expect_error("create_buffer", regex, torch.ops.deep_ep.create_buffer, *args)
+        calls += 1
+    finally:
+        os.environ["DEEP_EP_TIMEOUT_MS"] = old if old is not None else "20000"
+    dist.barrier()
+    buf = deep_ep_rs.Buffer(dist.group.WORLD, 1 << 22, 0, device="cpu", explicitly_destroy=True)
+    try:
+        assert_works(buf.handle, rank, world, seed=501)
+    finally:
+        buf.destroy()
+    return calls
+
+
+TWO_RANK_DISAGREEING = 3
+
+
+def test_two_ranks_disagreeing_arguments(rank_pool):
+    assert rank_pool(2).run(disagreeing_ranks_worker) == [TWO_RANK_DISAGREEING] * 2
+
+
+# ---------------------------------------------------------------------------------------------
+# the count
+
+
+TWO_RANK_SAME_BAD_INPUT = 12  # test_two_ranks_same_bad_input_then_continue
+OTHER_SINGLE_CALLS = ["dispatch-tokens-over-capacity", "destroyed-cached", "destroyed-combine", "destroyed-destroy", "destroyed-buffer-info",
+                      "destroyed-dispatch", "config-4-ints", "config-6-ints", "python-config-odd-num-sms"]
+
+
+def test_at_least_forty_distinct_malformed_calls_across_all_ops(ops):
+    ids = [c[0] for c in CASES] + [c[0] for c in LL_CASES] + [c[0] for c in EXTRA_CASES] + OTHER_SINGLE_CALLS
+    assert len(ids) == len(set(ids)), "case ids must be distinct"
+    total = len(ids) + TWO_RANK_SAME_BAD_INPUT + TWO_RANK_DISAGREEING
+    assert total >= 40, total
+    covered = {c[1] for c in CASES} | {c[1] for c in EXTRA_CASES} | {"low_latency_dispatch", "low_latency_combine"}
+    covered |= {"nvl_buffer_size_hint"}  # test_python_config_odd_num_sms_names_an_existing_op
+    every_op = {n.split("::", 1)[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("deep_ep::")}
+    assert every_op - covered == {"build_info"}, f"ops without a malformed-call test: {every_op - covered - {'build_info'}}"

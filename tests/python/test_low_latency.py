@@ -327,3 +327,34 @@ def test_ll_checks_reject_wrong_results(corrupt):
     case = ll_cases(1)[0]
     with pytest.raises(AssertionError):
         check_ll_case(ReferenceLLBuffer(corrupt=corrupt), case, 0, 1)
+
+
+def geometry_change_worker(rank, world):
+    """Regression: rank 0 is slow to receive a combine while rank 1 already dispatches with more
+    experts, whose signal words (at other offsets) used to overwrite the combine flags rank 0
+    waited on (a timeout). A geometry change now makes the ranks meet first."""
+    import time
+
+    import deep_ep_rs
+    import torch.distributed as dist
+
+    nbytes = -(-deep_ep_rs.Buffer.get_low_latency_rdma_size_hint(T, H, world, 40 * world) // 128) * 128
+    buf = deep_ep_rs.Buffer(dist.group.WORLD, 0, nbytes, low_latency_mode=True, device="cpu", explicitly_destroy=True)
+    try:
+        x = torch.ones((T, H), dtype=torch.bfloat16) * (rank + 1)
+        for e in (4 * world, 40 * world, 4 * world):
+            idx = torch.arange(T * 2).view(T, 2) % e
+            w = torch.ones((T, 2))
+            recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, e, use_fp8=False)
+            out, _, hook = buf.low_latency_combine(recv, idx, w, handle, return_recv_hook=True)
+            if rank == 0:
+                time.sleep(0.5)  # the peer moves on to the next geometry meanwhile
+            hook()
+            assert torch.equal(out, x * 2), f"combine with {e} experts"
+    finally:
+        buf.destroy()
+
+
+@pytest.mark.lowlatency
+def test_geometry_change_while_a_peer_still_receives(rank_pool):
+    rank_pool(2).run(geometry_change_worker, timeout=60)

@@ -13,6 +13,7 @@ EXPECTED = {
     "nvl_buffer_size_hint": "nvl_buffer_size_hint(int[] config, int hidden_bytes, int num_ranks) -> int",
     "rdma_buffer_size_hint": "rdma_buffer_size_hint(int[] config, int hidden_bytes, int num_ranks) -> int",
     "low_latency_rdma_size_hint": "low_latency_rdma_size_hint(int num_max_dispatch_tokens_per_rank, int hidden, int num_ranks, int num_experts) -> int",
+    "build_info": "build_info() -> str",
     "get_dispatch_layout": "get_dispatch_layout(Tensor topk_idx, int num_experts, int num_ranks) -> "
                            "(Tensor num_tokens_per_rank, Tensor num_tokens_per_rdma_rank, Tensor num_tokens_per_expert, Tensor is_token_in_rank)",
     "dispatch": "dispatch(int handle, Tensor x, Tensor? x_scales, Tensor? topk_idx, Tensor? topk_weights, Tensor num_tokens_per_rank, "
@@ -98,5 +99,5 @@ def test_ops_have_real_cpu_kernels(deep_ep):
                  "low_latency_dispatch_recv", "low_latency_combine", "low_latency_combine_send", "low_latency_combine_recv"]:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"deep_ep::{name}", "CPU"), name
     for name in ["get_unique_id", "create_buffer", "destroy_buffer", "buffer_info", "nvl_buffer_size_hint", "rdma_buffer_size_hint",
-                 "low_latency_rdma_size_hint", "clean_low_latency_buffer", "get_next_low_latency_combine_buffer"]:
+                 "low_latency_rdma_size_hint", "clean_low_latency_buffer", "get_next_low_latency_combine_buffer", "build_info"]:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"deep_ep::{name}", "CompositeExplicitAutograd"), name

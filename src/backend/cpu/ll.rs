@@ -11,7 +11,8 @@
 //!   of its local expert `l`. Value `(seq mod 2^16) << 16 | (count + 1)` (combine: count 0).
 //! - send: the zero-copy combine buffer, `[E_l][R·T]` rows of `M = H + H/128·2` bf16.
 //! - recv: dispatch messages `[E_l][R][T]` of `dispatch_msg_bytes` (16-byte header
-//!   `[src token, 0, 0, 0]` i32, then `H` bf16, or `H` E4M3 bytes + `H/128` f32 `scale_inv`), or
+//!   `[src token, H, T, E]` i32, checked by the receiver so that ranks calling with different
+//!   geometries get an error instead of garbage, then `H` bf16, or `H` E4M3 bytes + `H/128` f32 `scale_inv`), or
 //!   combine slots `[E][T]` of `combine_slot_bytes` keyed by (global expert, source token):
 //!   `H` bf16, or a [`logfmt`] slot.
 //!
@@ -25,6 +26,14 @@
 //! flight, DeepEP's rule); a recv whose half was reused by a later send is an error.
 //! Data is written with plain copies before the signal's release store; waits load with
 //! acquire.
+//!
+//! # Geometry changes
+//! Where the signal words lie depends on `(T, H, E)`. When a send uses another geometry than
+//! the previous LL call, a fast peer's new signals could land on words a slow peer still waits
+//! on, and the new words may hold old payload bytes. So at such a send (all ranks reach the
+//! same one) the ranks meet, zero their signal words of the new geometry, and meet again: the
+//! only barriers of LL mode besides `clean_low_latency_buffer`. (A receive still in flight
+//! across a geometry change is not supported.)
 
 use super::shm::{self, Region};
 use super::CpuBackend;
@@ -62,6 +71,8 @@ pub struct LlState {
     /// by a call with another geometry (signal offsets move with E), can never carry the
     /// tag a waiter expects, so no rank can see a stale word as an arrival.
     calls: u32,
+    /// `(T, H, E)` of the last send or clean; `None` while the signal area is untouched.
+    geometry: Option<(usize, usize, usize)>,
 }
 
 /// Byte geometry of one LL call.
@@ -146,6 +157,34 @@ impl CpuBackend {
         Ok(Geo { r, el: e / r, e, t, h, s: h / fp8::GROUP, m: h + h / fp8::GROUP * 2, lay })
     }
 
+    /// Zeroes this rank's signal words of both halves of `geo`.
+    fn ll_zero_signals(&self, geo: &Geo) {
+        let mine = self.ll_region(self.info.rank);
+        for half in 0..2 {
+            for off in (0..geo.lay.signal_bytes).step_by(8) {
+                mine.atomic_u64(geo.sig(half) + off).store(0, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Before a send: if the geometry differs from the last LL call's, all ranks meet, zero
+    /// their signal words of the new geometry and meet again (see "Geometry changes" above).
+    fn ll_enter_geometry(&mut self, op: &'static str, geo: &Geo) -> Result<()> {
+        let key = (geo.t, geo.h, geo.e);
+        match self.ll.geometry {
+            Some(k) if k == key => return Ok(()),
+            None => {
+                self.ll.geometry = Some(key); // a fresh LL area is all zeros
+                return Ok(());
+            }
+            Some(_) => {}
+        }
+        self.barrier(op, "every rank finished the calls of the previous low-latency geometry")?;
+        self.ll_zero_signals(geo);
+        self.ll.geometry = Some(key);
+        self.barrier(op, "every rank zeroed its signals for the new low-latency geometry")
+    }
+
     /// Takes the half for a new send: flips `next_half`, bumps its sequence number.
     fn ll_begin_send(&mut self) -> (usize, u32) {
         let half = self.ll.next_half;
@@ -204,6 +243,7 @@ impl CpuBackend {
         if let Some(e) = count.iter().position(|&c| c > t) {
             return Err(Error::invalid(OP_DISPATCH, format!("expert {e} is selected {} times, more than num_max_dispatch_tokens_per_rank ({t}) (repeated top-k entries?)", count[e])));
         }
+        self.ll_enter_geometry(OP_DISPATCH, &geo)?;
         let (half, seq) = self.ll_begin_send();
         let regions: Vec<Region> = (0..geo.r).map(|d| self.ll_region(d)).collect();
         let mut slot = vec![0usize; geo.e];
@@ -223,7 +263,7 @@ impl CpuBackend {
                 let off = geo.msg(half, l, me, slot[e]);
                 slot[e] += 1;
                 let reg = &regions[dst];
-                reg.write::<i32>(off, &[tok as i32, 0, 0, 0]);
+                reg.write::<i32>(off, &[tok as i32, h as i32, t as i32, geo.e as i32]);
                 if o.use_fp8 {
                     reg.write::<u8>(off + HEADER, &q);
                     reg.write::<f32>(off + HEADER + h, &si);
@@ -277,7 +317,16 @@ impl CpuBackend {
                 layout_range[l * r + src] = ((begin as i64) << 32) | count as i64;
                 for i in 0..count {
                     let (off, row) = (geo.msg(half, l, src, i), l * rt + begin + i);
-                    mine.read::<i32>(off, &mut src_info[row..row + 1]);
+                    let mut hdr = [0i32; 4];
+                    mine.read::<i32>(off, &mut hdr);
+                    if hdr[1..] != [h as i32, t as i32, geo.e as i32] {
+                        self.ll.geometry = Some((0, 0, 0)); // ranks disagree: the next send meets and re-zeroes
+                        return Err(Error::invalid(OP_DISPATCH, format!(
+                            "a message from rank {src} for local expert {l} carries (hidden, num_max_dispatch_tokens_per_rank, num_experts) = {:?}, this rank receives with ({h}, {t}, {}): every rank must pass the same values",
+                            &hdr[1..], geo.e
+                        )));
+                    }
+                    src_info[row] = hdr[0];
                     if !o.use_fp8 {
                         mine.read::<u16>(off + HEADER, &mut x16[row * h..(row + 1) * h]);
                         continue;
@@ -337,6 +386,7 @@ impl CpuBackend {
             }
         }
         let x = if a.zero_copy { &[][..] } else { a.x.cpu_slice::<u16>() };
+        self.ll_enter_geometry(OP_COMBINE, &geo)?;
         let (half, seq) = self.ll_begin_send();
         let mine = self.ll_region(me);
         let mut row_buf = vec![0u16; h];
@@ -434,13 +484,8 @@ impl CpuBackend {
         let geo = self.ll_geo(OP_CLEAN, g)?;
         // Nobody may still be sending into the signals we zero, nor start before we finish.
         self.barrier(OP_CLEAN, "before zeroing the low-latency signals")?;
-        let mine = self.ll_region(self.info.rank);
-        for half in 0..2 {
-            for off in (0..geo.lay.signal_bytes).step_by(8) {
-                mine.atomic_u64(geo.sig(half) + off).store(0, Ordering::Relaxed);
-            }
-        }
-        self.ll = LlState::default();
+        self.ll_zero_signals(&geo);
+        self.ll = LlState { geometry: Some((geo.t, geo.h, geo.e)), ..LlState::default() };
         self.barrier(OP_CLEAN, "after zeroing the low-latency signals")
     }
 

@@ -81,7 +81,7 @@ impl CpuBackend {
     }
 
     /// Collective: every rank maps the same file, checks that all ranks asked for the same
-    /// buffer, and rank 0 unlinks the name.
+    /// buffer, and rank 0 unlinks the name (every rank, when the rendezvous times out).
     pub fn create(a: &CreateArgs) -> Result<CpuBackend> {
         const OP: &str = "deep_ep::create_buffer";
         crate::ensure!(a.num_ranks >= 1 && a.num_ranks <= MAX_RANKS, OP, "num_ranks must be in 1..={MAX_RANKS}, got {}", a.num_ranks);
@@ -114,7 +114,9 @@ impl CpuBackend {
         let record = [1u64, a.num_ranks as u64, a.num_nvl_bytes as u64, a.num_rdma_bytes as u64, a.low_latency_mode as u64];
         b.control().write(RECORD_OFF + a.rank * SLOT, &record);
         let barrier = b.barrier(OP, "rendezvous of all ranks");
-        if a.rank == 0 {
+        // Rank 0 removes the name once all ranks mapped it; after a failed rendezvous every
+        // rank does, so no file is left behind and a late rank cannot join a failed buffer.
+        if a.rank == 0 || barrier.is_err() {
             b.seg.unlink();
         }
         barrier?;

@@ -76,6 +76,21 @@ pub struct BufferInfo {
     pub backend: BackendKind,
 }
 
+impl BufferInfo {
+    /// The facts `create_buffer` fixes, for a buffer on `backend`.
+    pub fn from_args(a: &CreateArgs, backend: BackendKind) -> Self {
+        BufferInfo {
+            rank: a.rank,
+            num_ranks: a.num_ranks,
+            device: a.device,
+            num_nvl_bytes: a.num_nvl_bytes,
+            num_rdma_bytes: a.num_rdma_bytes,
+            low_latency_mode: a.low_latency_mode,
+            backend,
+        }
+    }
+}
+
 /// Arguments of `create_buffer` (collective over `num_ranks` processes).
 pub struct CreateArgs<'a> {
     /// Rendezvous id produced by one rank's `get_unique_id` and shared by the caller.

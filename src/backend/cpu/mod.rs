@@ -94,15 +94,7 @@ impl CpuBackend {
         let total = CONTROL_BYTES + a.num_ranks * region_bytes;
         let seg = Segment::open(OP, &path, total)?;
         let mut b = CpuBackend {
-            info: BufferInfo {
-                rank: a.rank,
-                num_ranks: a.num_ranks,
-                device: a.device,
-                num_nvl_bytes: a.num_nvl_bytes,
-                num_rdma_bytes: a.num_rdma_bytes,
-                low_latency_mode: a.low_latency_mode,
-                backend: BackendKind::Cpu,
-            },
+            info: BufferInfo::from_args(a, BackendKind::Cpu),
             seg,
             ht_bytes,
             ll_bytes,

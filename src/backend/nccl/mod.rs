@@ -72,15 +72,7 @@ impl NcclBackend {
             data_bytes: a.num_nvl_bytes,
             timeout_ns: timeout.as_nanos().min(u64::MAX as u128) as u64,
         })?;
-        let info = BufferInfo {
-            rank: a.rank,
-            num_ranks: a.num_ranks,
-            device: a.device,
-            num_nvl_bytes: a.num_nvl_bytes,
-            num_rdma_bytes: a.num_rdma_bytes,
-            low_latency_mode: a.low_latency_mode,
-            backend: BackendKind::Nccl,
-        };
+        let info = BufferInfo::from_args(a, BackendKind::Nccl);
         Ok(NcclBackend { info, lib, nccl_version, window, timeout })
     }
 

@@ -13,6 +13,7 @@ from . import _lib
 _lib.load()
 
 from . import _fake  # noqa: E402,F401
+from . import _autograd  # noqa: E402,F401  (dispatch <-> combine backward)
 from .buffer import Buffer  # noqa: E402
 from .utils import Config, EventHandle, EventOverlap  # noqa: E402
 

@@ -6,6 +6,7 @@ correct dispatch/cached dispatch/combine runs and is checked against the referen
 2-rank run where both ranks pass the same bad inputs (and one-sided content errors, which the CPU
 backend raises on all ranks) and then continue correctly.
 """
+import contextlib
 import os
 import re
 
@@ -42,6 +43,20 @@ def dispatch(h, x, idx, w, scales=None, align=1, worst=0, cfg=CFG, e=E, num_rank
 def handle_of(out, in_rank):
     rpm, cpm, rcpm, src_idx, send_head = out[5:10]
     return [rpm, cpm, rcpm, src_idx, in_rank, send_head]
+
+
+@contextlib.contextmanager
+def timeout_ms(ms):
+    """Sets DEEP_EP_TIMEOUT_MS (read at buffer creation) for the block, then restores it."""
+    old = os.environ.get("DEEP_EP_TIMEOUT_MS")
+    os.environ["DEEP_EP_TIMEOUT_MS"] = str(ms)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("DEEP_EP_TIMEOUT_MS")
+        else:
+            os.environ["DEEP_EP_TIMEOUT_MS"] = old
 
 
 def assert_works(h, rank=0, num_ranks=1, seed=123):
@@ -478,15 +493,8 @@ def one_sided_validation_worker(rank, world):
     import deep_ep_rs
     import torch.distributed as dist
 
-    old = os.environ.get("DEEP_EP_TIMEOUT_MS")
-    os.environ["DEEP_EP_TIMEOUT_MS"] = "1500"  # read at buffer creation
-    try:
+    with timeout_ms(1500):
         buf = deep_ep_rs.Buffer(dist.group.WORLD, 1 << 22, 0, device="cpu", explicitly_destroy=True)
-    finally:
-        if old is None:
-            os.environ.pop("DEEP_EP_TIMEOUT_MS")
-        else:
-            os.environ["DEEP_EP_TIMEOUT_MS"] = old
     e = E * world
     x, idx, w = good_inputs(70 + rank, e=e, num_ranks=world)
     ntpr, in_rank, ntpe = layout(idx, e, world)
@@ -732,9 +740,7 @@ def disagreeing_ranks_worker(rank, world):
     finally:
         ll.destroy()
     # create_buffer: the ranks disagree on num_ranks
-    old = os.environ.get("DEEP_EP_TIMEOUT_MS")
-    os.environ["DEEP_EP_TIMEOUT_MS"] = "1500"
-    try:
+    with timeout_ms(1500):
         uid = [torch.ops.deep_ep.get_unique_id("cpu").tolist() if rank == 0 else None]
         dist.broadcast_object_list(uid, src=0)
         uid = torch.tensor(uid[0], dtype=torch.uint8)
@@ -742,8 +748,6 @@ def disagreeing_ranks_worker(rank, world):
         regex = r"rank 1 created the buffer with \(num_ranks, .*\) = \[3," if rank == 0 else r"timed out .* waiting for rank\(s\) \[2\]"
         expect_error("create_buffer", regex, torch.ops.deep_ep.create_buffer, *args)
         calls += 1
-    finally:
-        os.environ["DEEP_EP_TIMEOUT_MS"] = old if old is not None else "20000"
     dist.barrier()
     buf = deep_ep_rs.Buffer(dist.group.WORLD, 1 << 22, 0, device="cpu", explicitly_destroy=True)
     try:

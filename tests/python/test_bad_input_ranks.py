@@ -1,6 +1,5 @@
 """Bad input on 2 ranks that disagree: an error found on one rank (or a disagreement between
 ranks) must be raised on every rank, and the ranks must stay in step for the next call."""
-import os
 import re
 import time
 
@@ -8,7 +7,7 @@ import pytest
 import torch
 
 import _reference as ref
-from test_bad_input import CFG, E, assert_works, dispatch, good_inputs, handle_of, layout
+from test_bad_input import CFG, E, assert_works, dispatch, good_inputs, handle_of, layout, timeout_ms
 
 # ---------------------------------------------------------------------------------------------
 # 2 ranks that disagree: one-sided errors (the CPU backend publishes a status word so that an
@@ -32,15 +31,8 @@ def _disagreement_worker(rank, world, kind, iters, delay_rank1_s=0.0):
     import deep_ep_rs
     import torch.distributed as dist
 
-    old = os.environ.get("DEEP_EP_TIMEOUT_MS")
-    os.environ["DEEP_EP_TIMEOUT_MS"] = "2000"
-    try:
+    with timeout_ms(2000):
         buf = deep_ep_rs.Buffer(dist.group.WORLD, 1 << 22, 0, device="cpu", explicitly_destroy=True)
-    finally:
-        if old is None:
-            os.environ.pop("DEEP_EP_TIMEOUT_MS")
-        else:
-            os.environ["DEEP_EP_TIMEOUT_MS"] = old
     h, e = buf.handle, E * world
     x, idx, w = good_inputs(40 + rank, e=e, num_ranks=world)
     ntpr, in_rank, ntpe = layout(idx, e, world)

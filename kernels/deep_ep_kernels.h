@@ -110,6 +110,9 @@ typedef struct {
 #define DEEP_EP_IC_SITE_COMBINE_DATA 6
 #define DEEP_EP_IC_SITE_CREATE 7
 #define DEEP_EP_IC_SITE_DESTROY 8
+#define DEEP_EP_IC_SITE_DISPATCH_RECV 9 /* push dispatch: the barrier after the push */
+#define DEEP_EP_IC_SITE_CACHED_RECV 10  /* push cached dispatch: the barrier after the push */
+#define DEEP_EP_IC_SITE_DISPATCH_PUSH 11 /* push kernel (capacity check of cached dispatch) */
 
 /* The buffer as kernels see it. */
 typedef struct {
@@ -147,6 +150,16 @@ typedef struct {
   int64_t num_worst;   /* num_worst_tokens (dispatch) */
   int64_t num_channels;
   uint64_t off[DEEP_EP_IC_NUM_SECTIONS];
+  /* Push dispatch (0 = pull model): receive area of this rank's window, written by the senders.
+   * At recv_off (128-aligned), for recv_cap rows, each sub-array 128-aligned after the previous:
+   * x [cap, row_bytes], scales [cap, S] 4-byte, top-k ids [cap, K] int64 (already rewritten to
+   * local expert ids, -1 elsewhere), weights [cap, K] float32 (0 where the id is -1),
+   * src idx [cap] int32. Row i is output row i (the pull model's row numbering). */
+  uint64_t recv_off;
+  int64_t recv_cap;
+  /* Rows this rank keeps (its output rows: num_worst_tokens, or the cached handle's rows); senders
+   * drop rows at or past it. -1: no limit (a non-worst-case dispatch keeps all it receives). */
+  int64_t recv_limit;
 } deep_ep_ic_layout_t;
 
 /* K0 / K2: barrier (one block). With gather, copies every peer's layout into scratch after the
@@ -206,6 +219,41 @@ typedef struct {
 } deep_ep_ic_pull_args_t;
 int deep_ep_ic_pull(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_pull_args_t* args, void* stream);
 
+/* Push dispatch, K3 (after the notify / data barrier): every rank reads each of its rows of x once
+ * and stores it to every destination d with send_head[t][d] >= 0, at output row
+ * rpm[rank-1][d] + cpm[d][ch(t)-1] + send_head[t][d] (the row the pull model gives it): straight
+ * into its own outputs when d == rank, else into d's receive area (layout.recv_off), with scales,
+ * top-k ids rewritten to d's local expert ids, weights (0 where the id is not local) and the source
+ * token index. Rows at or past d's recv_limit are dropped. Every rank first checks that every
+ * receive area holds its rows (same verdict everywhere); if one does not, no rank writes and
+ * DEEP_EP_IC_ERR_CAPACITY cancels the op. NULL send_head / channel_prefix_matrix / rpm_in: this
+ * rank's staged send side and notify's rank_prefix_matrix. */
+typedef struct {
+  const void* x;                /* [N, row_bytes] contiguous */
+  const void* scales;           /* [N, S] 4-byte elements, strides in elements below, or NULL */
+  int64_t scale_stride0, scale_stride1;
+  const void* topk_idx;         /* [N, K] int32/int64 (topk_is_int64) global ids, or NULL */
+  const float* topk_weights;    /* [N, K] or NULL */
+  const int32_t* send_head;     /* [N, R] or NULL */
+  const int32_t* channel_prefix_matrix; /* [R, C] inclusive, or NULL */
+  const int32_t* rpm_in;        /* [R, R] or NULL */
+  void* recv_x;                 /* this rank's outputs (rows it sends itself) */
+  void* recv_scales;
+  void* recv_topk_idx;          /* same dtype as topk_idx */
+  float* recv_topk_weights;
+  int32_t* recv_src_idx;
+  int64_t num_tokens;           /* N */
+  int64_t num_rows;             /* rows of this rank's outputs */
+  int32_t topk_is_int64, num_local_experts, num_blocks, reserved;
+} deep_ep_ic_dispatch_push_args_t;
+int deep_ep_ic_dispatch_push(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_dispatch_push_args_t* args, void* stream);
+
+/* Push dispatch, K5 (after the barrier that follows the push): moves the rows the peers pushed
+ * from this rank's receive area into the outputs (local copies; the rows this rank sent itself
+ * are already there), writes the padding rows and the handle outputs exactly as deep_ep_ic_pull
+ * (same args; num_local_experts unused: the senders rewrote the ids). */
+int deep_ep_ic_copy_out(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_pull_args_t* args, void* stream);
+
 /* Combine is push, then local reduce. Window of rank s during a combine (offsets every rank
  * computes from the handle's rank_prefix_matrix, identical on all ranks): rows of x at
  * CONTROL_BYTES, then (128-aligned) the weights; the rows that rank d sends back to s are at
@@ -247,8 +295,8 @@ int deep_ep_ic_combine(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_combine_arg
 int deep_ep_ic_reset(const deep_ep_ic_ctx_t* ctx, void* stream);
 /* Clears the device copy of a reported error (the host clears the mapped block itself). */
 int deep_ep_ic_clear_error(const deep_ep_ic_ctx_t* ctx, void* stream);
-/* [OUT host] sizes[0..7] = sizeof of ctx, layout, sync, stage, pull, combine, push args, host status
- * (the Rust mirrors check theirs against these). */
+/* [OUT host] sizes[0..8] = sizeof of ctx, layout, sync, stage, pull, combine, push args, host status,
+ * dispatch push args (the Rust mirrors check theirs against these). */
 void deep_ep_ic_struct_sizes(size_t* sizes);
 /* [OUT host] the scratch int create's host rendezvous all-reduces (device pointer). */
 void* deep_ep_ic_rendezvous_word(const deep_ep_ic_ctx_t* ctx);

@@ -153,6 +153,43 @@ __device__ __forceinline__ uint64_t combine_weights_off(int64_t pairs, int64_t r
   return DEEP_EP_IC_CONTROL_BYTES + (static_cast<uint64_t>(pairs * row_bytes) + 127) / 128 * 128;
 }
 
+// ---- push dispatch: receive areas (deep_ep_kernels.h, deep_ep_ic_layout_t::recv_off) ------------
+__device__ __forceinline__ uint64_t align128(uint64_t v) { return (v + 127) / 128 * 128; }
+struct RecvArea {
+  char* x;
+  uint32_t* scales;
+  int64_t* ids;
+  float* weights;
+  int32_t* src;
+};
+// The receive area of the rank whose window starts at `base` and whose layout is `L`.
+__device__ __forceinline__ RecvArea recv_area(char* base, const Layout& L) {
+  const uint64_t cap = L.recv_cap > 0 ? static_cast<uint64_t>(L.recv_cap) : 0;
+  RecvArea r;
+  uint64_t off = L.recv_off;
+  r.x = base + off;
+  off += align128(cap * static_cast<uint64_t>(L.row_bytes));
+  r.scales = reinterpret_cast<uint32_t*>(base + off);
+  off += align128(cap * static_cast<uint64_t>(L.num_scales) * 4);
+  r.ids = reinterpret_cast<int64_t*>(base + off);
+  off += align128(cap * static_cast<uint64_t>(L.num_topk) * 8);
+  r.weights = reinterpret_cast<float*>(base + off);
+  off += align128(cap * static_cast<uint64_t>(L.num_topk) * 4);
+  r.src = reinterpret_cast<int32_t*>(base + off);
+  return r;
+}
+// Rows the senders push into the receive area of a rank that receives `received` rows.
+__device__ __forceinline__ int64_t pushed_rows(const Layout& L, int64_t received) {
+  const int64_t r = max(received, int64_t{0});
+  return L.recv_limit >= 0 ? min(r, L.recv_limit) : r;
+}
+// Whether they fit; else `need_kib` is the window the receive area needs (KiB).
+__device__ __forceinline__ bool recv_fits(const Layout& L, int64_t rows, uint64_t* need_kib) {
+  const uint64_t per = static_cast<uint64_t>(L.row_bytes + 4 * L.num_scales + 12 * L.num_topk + 4);
+  *need_kib = (L.recv_off + static_cast<uint64_t>(rows) * per + 5 * 128) >> 10;
+  return rows <= L.recv_cap;
+}
+
 // crate::layout::channel_range: tokens per channel.
 __device__ __forceinline__ int64_t tokens_per_channel(int64_t n, int64_t c) { return c > 0 ? (n + c - 1) / c : 0; }
 

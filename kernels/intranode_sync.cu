@@ -15,10 +15,11 @@ namespace deep_ep {
 namespace ic {
 namespace {
 
-// Layout words compared across ranks (kind, row bytes, scales, top-k, experts, channels).
+// Layout words compared across ranks (kind, row bytes, scales, top-k, experts, channels, push or
+// pull model).
 __device__ __forceinline__ bool same_op(const Layout& a, const Layout& b) {
   return a.kind == b.kind && a.row_bytes == b.row_bytes && a.num_scales == b.num_scales && a.num_topk == b.num_topk &&
-         a.num_experts == b.num_experts && a.num_channels == b.num_channels;
+         a.num_experts == b.num_experts && a.num_channels == b.num_channels && (a.recv_off != 0) == (b.recv_off != 0);
 }
 
 __global__ void __launch_bounds__(kSyncThreads) sync_kernel(const __grid_constant__ Ctx c, const __grid_constant__ deep_ep_ic_sync_args_t a) {
@@ -91,8 +92,17 @@ __global__ void __launch_bounds__(kSyncThreads) sync_kernel(const __grid_constan
       acc += s_counts[s][d];
       rpm[s * R + d] = acc;
     }
-    const int64_t worst = scratch_layout(c, d).num_worst;
+    const Layout& Ld = scratch_layout(c, d);
+    const int64_t worst = Ld.num_worst;
     if (worst > 0 && acc > worst) report(c, DEEP_EP_IC_ERR_OVERFLOW, d, a.site, acc, static_cast<int>(worst));
+    // Push model: d's receive area must hold what the senders push (every rank finds the same
+    // and cancels the op before the host reads the receive count).
+    uint64_t need_kib = 0;
+    if (Ld.recv_off != 0 && !recv_fits(Ld, pushed_rows(Ld, acc), &need_kib)) {
+      report(c, DEEP_EP_IC_ERR_CAPACITY, d, a.site, static_cast<int>(min(need_kib, uint64_t{INT32_MAX})),
+             static_cast<int>(min(c.window_bytes >> 10, uint64_t{INT32_MAX})));
+      *at<volatile int>(me, kScrOpBad) = 1;
+    }
   }
   // Receiver channel starts: rcpm[s][ch] = exclusive prefix over s's channels of its tokens to me.
   const int C = static_cast<int>(mine.num_channels);
@@ -202,8 +212,8 @@ __global__ void __launch_bounds__(kThreads) stage_kernel(const __grid_constant__
       dst[i] = src[t * a.scale_stride0 + j * a.scale_stride1];
     }
   }
-  // Rows: one warp per row.
-  const int64_t rows = n;
+  // Rows: one warp per row (pull model only; the push model reads x where it is).
+  const int64_t rows = L.off[DEEP_EP_IC_SEC_X] != 0 ? n : 0;
   const int lane = threadIdx.x & 31;
   const int64_t warps = threads >> 5;
   char* x_dst = me + L.off[DEEP_EP_IC_SEC_X];
@@ -237,7 +247,7 @@ extern "C" int deep_ep_ic_sync(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_syn
 extern "C" int deep_ep_ic_stage(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_stage_args_t* args, void* stream) {
   if (!ctx_ok(ctx) || args == nullptr || args->num_blocks < 1 || args->layout.num_channels < 1 ||
       args->layout.num_channels > kMaxChannels || args->layout.num_tokens < 0 || args->layout.row_bytes < 0 ||
-      (args->layout.num_tokens > 0 && args->x == nullptr))
+      (args->layout.num_tokens > 0 && args->layout.off[DEEP_EP_IC_SEC_X] != 0 && args->x == nullptr))
     return cudaErrorInvalidValue;
   stage_kernel<<<args->num_blocks, kThreads, 0, as_stream(stream)>>>(*ctx, *args);
   return cudaGetLastError();
@@ -269,4 +279,5 @@ extern "C" void deep_ep_ic_struct_sizes(size_t* sizes) {
   sizes[5] = sizeof(deep_ep_ic_combine_args_t);
   sizes[6] = sizeof(deep_ep_ic_push_args_t);
   sizes[7] = sizeof(deep_ep_ic_host_status_t);
+  sizes[8] = sizeof(deep_ep_ic_dispatch_push_args_t);
 }

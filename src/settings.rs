@@ -40,3 +40,21 @@ pub fn log_level() -> crate::log::Level {
         }),
     })
 }
+
+/// `DEEP_EP_INTRANODE_DISPATCH`: `push` (default) or `pull`, the data path of the nccl backend's
+/// intranode (cached) dispatch; read once per process. All ranks must use the same (a mismatch
+/// is reported as ranks running different ops). An unknown value keeps the default and says so.
+pub fn intranode_dispatch_pull() -> bool {
+    static PULL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *PULL.get_or_init(|| match std::env::var("DEEP_EP_INTRANODE_DISPATCH") {
+        Err(_) => false,
+        Ok(v) => match v.trim() {
+            "" | "push" => false,
+            "pull" => true,
+            other => {
+                eprintln!("[deep_ep] warn: DEEP_EP_INTRANODE_DISPATCH={other:?} is not push or pull; using push");
+                false
+            }
+        },
+    })
+}

@@ -52,6 +52,9 @@ pub mod site {
     pub const COMBINE_DATA: i32 = 6;
     pub const CREATE: i32 = 7;
     pub const DESTROY: i32 = 8;
+    pub const DISPATCH_RECV: i32 = 9;
+    pub const CACHED_RECV: i32 = 10;
+    pub const DISPATCH_PUSH: i32 = 11;
 
     /// Human name of a site.
     pub fn name(site: i32) -> &'static str {
@@ -64,6 +67,9 @@ pub mod site {
             COMBINE_DATA => "the data barrier of combine",
             CREATE => "the barrier of create_buffer",
             DESTROY => "the barrier of destroy_buffer",
+            DISPATCH_RECV => "the receive barrier of dispatch",
+            CACHED_RECV => "the receive barrier of cached_dispatch",
+            DISPATCH_PUSH => "the push kernel of dispatch",
             _ => "an unknown barrier",
         }
     }
@@ -102,6 +108,12 @@ pub struct Layout {
     pub num_worst: i64,
     pub num_channels: i64,
     pub off: [u64; NUM_SECTIONS],
+    /// Push dispatch: offset of this rank's receive area in its window (0 = pull model).
+    pub recv_off: u64,
+    /// Rows the receive area holds.
+    pub recv_cap: i64,
+    /// Rows this rank keeps (senders drop the rest); −1 = all it receives.
+    pub recv_limit: i64,
 }
 
 /// `deep_ep_ic_sync_args_t`.
@@ -171,6 +183,33 @@ pub struct PullArgs {
     pub reserved: i32,
 }
 
+/// `deep_ep_ic_dispatch_push_args_t` (null pointer = absent input or output; null send_head /
+/// channel_prefix_matrix / rpm_in = this rank's staged send side and notify's matrix).
+#[repr(C)]
+#[derive(Copy, Clone, Debug)]
+pub struct DispatchPushArgs {
+    pub x: *const c_void,
+    pub scales: *const c_void,
+    pub scale_stride0: i64,
+    pub scale_stride1: i64,
+    pub topk_idx: *const c_void,
+    pub topk_weights: *const f32,
+    pub send_head: *const i32,
+    pub channel_prefix_matrix: *const i32,
+    pub rpm_in: *const i32,
+    pub recv_x: *mut c_void,
+    pub recv_scales: *mut c_void,
+    pub recv_topk_idx: *mut c_void,
+    pub recv_topk_weights: *mut f32,
+    pub recv_src_idx: *mut i32,
+    pub num_tokens: i64,
+    pub num_rows: i64,
+    pub topk_is_int64: i32,
+    pub num_local_experts: i32,
+    pub num_blocks: i32,
+    pub reserved: i32,
+}
+
 /// `deep_ep_ic_combine_args_t`.
 #[repr(C)]
 #[derive(Copy, Clone, Debug)]
@@ -214,12 +253,14 @@ macro_rules! zeroed_default {
         }
     )*};
 }
-zeroed_default!(StageArgs, PushArgs, PullArgs, CombineArgs);
+zeroed_default!(StageArgs, PushArgs, PullArgs, CombineArgs, DispatchPushArgs);
 
 extern "C" {
     fn deep_ep_ic_sync(ctx: *const Ctx, args: *const SyncArgs, stream: *mut c_void) -> c_int;
     fn deep_ep_ic_stage(ctx: *const Ctx, args: *const StageArgs, stream: *mut c_void) -> c_int;
     fn deep_ep_ic_pull(ctx: *const Ctx, args: *const PullArgs, stream: *mut c_void) -> c_int;
+    fn deep_ep_ic_dispatch_push(ctx: *const Ctx, args: *const DispatchPushArgs, stream: *mut c_void) -> c_int;
+    fn deep_ep_ic_copy_out(ctx: *const Ctx, args: *const PullArgs, stream: *mut c_void) -> c_int;
     fn deep_ep_ic_combine_push(ctx: *const Ctx, args: *const PushArgs, stream: *mut c_void) -> c_int;
     fn deep_ep_ic_combine(ctx: *const Ctx, args: *const CombineArgs, stream: *mut c_void) -> c_int;
     fn deep_ep_ic_reset(ctx: *const Ctx, stream: *mut c_void) -> c_int;
@@ -240,8 +281,8 @@ extern "C" {
 /// Compares the Rust mirrors with the C structs (a mismatch means the header and this file
 /// diverged; kernels would read garbage).
 pub fn check_struct_sizes(op: &'static str) -> Result<()> {
-    let mut c = [0usize; 8];
-    // SAFETY: writes exactly 8 sizes.
+    let mut c = [0usize; 9];
+    // SAFETY: writes exactly 9 sizes.
     unsafe { deep_ep_ic_struct_sizes(c.as_mut_ptr()) };
     let rust = [
         std::mem::size_of::<Ctx>(),
@@ -252,6 +293,7 @@ pub fn check_struct_sizes(op: &'static str) -> Result<()> {
         std::mem::size_of::<CombineArgs>(),
         std::mem::size_of::<PushArgs>(),
         std::mem::size_of::<HostStatusRaw>(),
+        std::mem::size_of::<DispatchPushArgs>(),
     ];
     crate::ensure!(c == rust, op, "internal: intranode struct sizes differ between C {c:?} and Rust {rust:?}");
     Ok(())
@@ -281,6 +323,20 @@ pub fn stage(op: &'static str, ctx: &Ctx, args: &StageArgs, stream: *mut c_void)
 pub fn pull(op: &'static str, ctx: &Ctx, args: &PullArgs, stream: *mut c_void) -> Result<()> {
     // SAFETY: see the comment above.
     check(unsafe { deep_ep_ic_pull(ctx, args, stream) }, op, "intranode pull kernel launch")
+}
+
+/// K3 of push (cached) dispatch: every row of x into its destinations' receive areas.
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
+pub fn dispatch_push(op: &'static str, ctx: &Ctx, args: &DispatchPushArgs, stream: *mut c_void) -> Result<()> {
+    // SAFETY: see the comment above.
+    check(unsafe { deep_ep_ic_dispatch_push(ctx, args, stream) }, op, "intranode dispatch push kernel launch")
+}
+
+/// K5 of push (cached) dispatch: receive area into the outputs.
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
+pub fn copy_out(op: &'static str, ctx: &Ctx, args: &PullArgs, stream: *mut c_void) -> Result<()> {
+    // SAFETY: see the comment above.
+    check(unsafe { deep_ep_ic_copy_out(ctx, args, stream) }, op, "intranode copy-out kernel launch")
 }
 
 /// K1 of combine: push received rows back into their source ranks' windows.

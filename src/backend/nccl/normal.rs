@@ -1,7 +1,8 @@
 //! Normal-mode (high-throughput) ops of the NCCL backend, intranode. Same results as
 //! `backend/cpu/ht.rs`, bit for bit.
 //!
-//! Every op is four launches on the caller's stream:
+//! Every op is four launches on the caller's stream (the pull model; dispatch uses the push model
+//! below unless `DEEP_EP_INTRANODE_DISPATCH=pull`):
 //! - K0 `sync` (start barrier): every peer finished reading this rank's previously staged data;
 //! - K1 `stage`: this rank's inputs into its own window (plus, for dispatch, its send side:
 //!   `send_head` and `channel_prefix_matrix`), with a layout header peers read;
@@ -9,6 +10,13 @@
 //!   op; for dispatch it also notifies (rank_prefix_matrix, receiver channel starts, receive
 //!   counts into host-mapped memory);
 //! - K3 `pull` / `combine`: this rank reads what it receives from the peers' windows.
+//!
+//! Push model of (cached) dispatch: K1 stages only the small send side (no copy of x), and K3 is
+//! `dispatch_push`: every rank reads its rows of x once and stores them (with scales, top-k ids
+//! rewritten to the receiver's local ids, weights, source index) at their final output rows into
+//! the receivers' windows (receive area after the staged sections; its rows are the output rows),
+//! or straight into its own outputs; K4 is a barrier and K5 `copy_out` moves the receive area into
+//! the outputs (local copies) and writes the padding and handle outputs. Same rows, same bits.
 //!
 //! Combine differs in K1: instead of staging, every rank pushes the rows it holds straight into
 //! the windows of the ranks they came from (remote stores; offsets from the handle's
@@ -30,7 +38,7 @@ use super::NcclBackend;
 use crate::backend::{CachedDispatchArgs, CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, DispatchPlan};
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::ffi::intranode::{self, err, kind, site, CombineArgs as KCombine, KernelError, Layout, PullArgs, PushArgs, StageArgs, SyncArgs, CONTROL_BYTES, MAX_CHANNELS, NUM_SECTIONS};
+use crate::ffi::intranode::{self, err, kind, sec, site, CombineArgs as KCombine, DispatchPushArgs, KernelError, Layout, PullArgs, PushArgs, StageArgs, SyncArgs, CONTROL_BYTES, MAX_CHANNELS, NUM_SECTIONS};
 use crate::tensor::{DType, TensorRef};
 use std::ffi::c_void;
 use std::time::{Duration, Instant};
@@ -82,6 +90,15 @@ fn scales_of(t: Option<&TensorRef>) -> (*const c_void, i64, i64) {
 }
 
 impl NcclBackend {
+    /// Push model: the receive area after the staged sections (which end at `end`, 128-aligned):
+    /// `(recv_off, recv_cap)`, the capacity in rows of `row_bytes` plus their side outputs
+    /// (`deep_ep_ic_layout_t` in kernels/deep_ep_kernels.h: 5 sub-arrays, each 128-aligned).
+    fn recv_area(&self, end: usize, row_bytes: usize, scales: usize, topk: usize) -> (u64, i64) {
+        let per = row_bytes + 4 * scales + 12 * topk + 4;
+        let avail = self.window.bytes().saturating_sub(end).saturating_sub(5 * SECTION_ALIGN);
+        (end as u64, (avail / per).min(i64::MAX as usize) as i64)
+    }
+
     fn check_capacity(&self, op: &'static str, end: usize) -> Result<()> {
         let have = self.window.bytes();
         if end > have {
@@ -119,10 +136,13 @@ impl NcclBackend {
                 "tokens over capacity: rank {} receives {} tokens but its num_worst_tokens is {} (found at {where_}; rows past num_worst_tokens were dropped)",
                 e.rank, e.value, e.limit
             )),
-            err::CAPACITY => Error::invalid(op, format!(
-                "tokens over capacity: a combine needed {} KiB of rank {}'s NVLink window, which holds {} KiB; every rank skipped that combine (its outputs are invalid)",
-                e.value, e.rank, e.limit
-            )),
+            err::CAPACITY => {
+                let what = if matches!(e.site, site::COMBINE_START | site::COMBINE_DATA) { "combine" } else { "dispatch" };
+                Error::invalid(op, format!(
+                    "tokens over capacity: a {what} needed {} KiB of rank {}'s NVLink window, which holds {} KiB (found at {where_}); every rank skipped that {what} (its outputs are invalid)",
+                    e.value, e.rank, e.limit
+                ))
+            }
             c => Error::Device { op, what: "intranode kernel".into(), detail: format!("unknown error code {c} at {where_}") },
         }
     }
@@ -184,8 +204,19 @@ impl NcclBackend {
         let k = a.topk_idx.as_ref().map_or(0, |t| t.size(1));
         let e = a.num_experts;
         let el = e / nr;
-        let (off, end) = place([nr * 4, e * 4, n * nr * 4, nr * c * 4, n * rb, n * s * 4, n * k * 8, n * k * 4]);
+        let pull = crate::settings::intranode_dispatch_pull();
+        let (mut off, end) = if pull {
+            place([nr * 4, e * 4, n * nr * 4, nr * c * 4, n * rb, n * s * 4, n * k * 8, n * k * 4])
+        } else {
+            place([nr * 4, e * 4, n * nr * 4, nr * c * 4, 0, 0, 0, 0])
+        };
         self.check_capacity(DISPATCH, end)?;
+        let (recv_off, recv_cap) = if pull { (0, 0) } else { self.recv_area(end, rb, s, k) };
+        if !pull {
+            for i in [sec::X, sec::SCALES, sec::TOPK, sec::WEIGHTS] {
+                off[i] = 0; // not staged: the push kernel reads the inputs where they are
+            }
+        }
         let layout = Layout {
             kind: kind::DISPATCH,
             num_tokens: n as i64,
@@ -196,23 +227,26 @@ impl NcclBackend {
             num_worst: a.num_worst_tokens as i64,
             num_channels: c as i64,
             off,
+            recv_off,
+            recv_cap,
+            recv_limit: if a.num_worst_tokens > 0 { a.num_worst_tokens as i64 } else { -1 },
         };
         let host_counts = a.num_worst_tokens == 0;
         if host_counts {
             self.window.status().set_recv_count(-1);
         }
         self.barrier(DISPATCH, SyncArgs { site: site::DISPATCH_START, op_start: 1, ..Default::default() }, a.stream)?;
-        let (scales, scale_stride0, scale_stride1) = scales_of(a.x_scales.as_ref());
+        let (scales, scale_stride0, scale_stride1) = if pull { scales_of(a.x_scales.as_ref()) } else { (std::ptr::null(), 0, 0) };
         let stage = StageArgs {
             layout,
             x: ptr(&a.x),
             scales,
             scale_stride0,
             scale_stride1,
-            topk_idx: opt_ptr(a.topk_idx.as_ref()),
+            topk_idx: if pull { opt_ptr(a.topk_idx.as_ref()) } else { std::ptr::null() },
             topk_is_int64: is_int64(a.topk_idx.as_ref()),
             num_blocks: i32_of(a.config.num_sms),
-            topk_weights: opt_ptr(a.topk_weights.as_ref()),
+            topk_weights: if pull { opt_ptr(a.topk_weights.as_ref()) } else { std::ptr::null() },
             num_tokens_per_rank: ptr(&a.num_tokens_per_rank),
             num_tokens_per_expert: ptr(&a.num_tokens_per_expert),
             is_token_in_rank: ptr(&a.is_token_in_rank),
@@ -269,7 +303,37 @@ impl NcclBackend {
             num_blocks: i32_of(a.config.num_sms),
             ..Default::default()
         };
-        intranode::pull(DISPATCH, self.window.ctx(), &pull, a.stream)
+        if crate::settings::intranode_dispatch_pull() {
+            return intranode::pull(DISPATCH, self.window.ctx(), &pull, a.stream);
+        }
+        crate::ensure!(
+            o.recv_topk_idx.is_none() || is_int64(o.recv_topk_idx.as_ref()) == is_int64(a.topk_idx.as_ref()),
+            DISPATCH,
+            "internal: recv_topk_idx dtype differs from topk_idx"
+        );
+        let (scales, scale_stride0, scale_stride1) = scales_of(a.x_scales.as_ref());
+        let push = DispatchPushArgs {
+            x: ptr(&a.x),
+            scales,
+            scale_stride0,
+            scale_stride1,
+            topk_idx: opt_ptr(a.topk_idx.as_ref()),
+            topk_weights: opt_ptr(a.topk_weights.as_ref()),
+            recv_x: pull.recv_x,
+            recv_scales: pull.recv_scales,
+            recv_topk_idx: pull.recv_topk_idx,
+            recv_topk_weights: pull.recv_topk_weights,
+            recv_src_idx: pull.recv_src_idx,
+            num_tokens: n as i64,
+            num_rows: rows as i64,
+            topk_is_int64: is_int64(a.topk_idx.as_ref()),
+            num_local_experts: pull.num_local_experts,
+            num_blocks: pull.num_blocks,
+            ..Default::default()
+        };
+        intranode::dispatch_push(DISPATCH, self.window.ctx(), &push, a.stream)?;
+        self.barrier(DISPATCH, SyncArgs { site: site::DISPATCH_RECV, ..Default::default() }, a.stream)?;
+        intranode::copy_out(DISPATCH, self.window.ctx(), &pull, a.stream)
     }
 
     pub(super) fn ht_cached_dispatch(&mut self, a: &CachedDispatchArgs, recv_x: &TensorRef, recv_scales: Option<&TensorRef>) -> Result<()> {
@@ -281,8 +345,13 @@ impl NcclBackend {
         let s = a.x_scales.as_ref().map_or(0, |t| t.size(1));
         let rows = a.handle.recv_src_idx.numel();
         crate::ensure!(recv_x.size(0) == rows && recv_scales.map_or(true, |t| t.size(0) == rows), CACHED, "internal: outputs do not have {rows} rows");
-        let (off, end) = place([0, 0, n * nr * 4, 0, n * rb, n * s * 4, 0, 0]);
+        let pull = crate::settings::intranode_dispatch_pull();
+        let (mut off, end) = place(if pull { [0, 0, n * nr * 4, 0, n * rb, n * s * 4, 0, 0] } else { [0; NUM_SECTIONS] });
         self.check_capacity(CACHED, end)?;
+        let (recv_off, recv_cap) = if pull { (0, 0) } else { self.recv_area(end, rb, s, 0) };
+        if !pull {
+            off = [0; NUM_SECTIONS]; // nothing staged: the push kernel reads x and the handle
+        }
         let layout = Layout {
             kind: kind::CACHED,
             num_tokens: n as i64,
@@ -290,19 +359,27 @@ impl NcclBackend {
             num_scales: s as i64,
             num_channels: c as i64,
             off,
+            recv_off,
+            recv_cap,
+            recv_limit: rows as i64,
             ..Default::default()
         };
         self.barrier(CACHED, SyncArgs { site: site::CACHED_START, op_start: 1, ..Default::default() }, a.stream)?;
         let (scales, scale_stride0, scale_stride1) = scales_of(a.x_scales.as_ref());
-        let stage = StageArgs {
-            layout,
-            x: ptr(&a.x),
-            scales,
-            scale_stride0,
-            scale_stride1,
-            num_blocks: i32_of(a.config.num_sms),
-            send_head: ptr(&a.handle.send_head),
-            ..Default::default()
+        let stage = if pull {
+            StageArgs {
+                layout,
+                x: ptr(&a.x),
+                scales,
+                scale_stride0,
+                scale_stride1,
+                num_blocks: i32_of(a.config.num_sms),
+                send_head: ptr(&a.handle.send_head),
+                ..Default::default()
+            }
+        } else {
+            // Header only.
+            StageArgs { layout, num_blocks: i32_of(a.config.num_sms), ..Default::default() }
         };
         intranode::stage(CACHED, self.window.ctx(), &stage, a.stream)?;
         self.barrier(CACHED, SyncArgs { site: site::CACHED_DATA, gather: 1, ..Default::default() }, a.stream)?;
@@ -315,7 +392,27 @@ impl NcclBackend {
             num_blocks: i32_of(a.config.num_sms),
             ..Default::default()
         };
-        intranode::pull(CACHED, self.window.ctx(), &pull, a.stream)
+        if crate::settings::intranode_dispatch_pull() {
+            return intranode::pull(CACHED, self.window.ctx(), &pull, a.stream);
+        }
+        let push = DispatchPushArgs {
+            x: ptr(&a.x),
+            scales,
+            scale_stride0,
+            scale_stride1,
+            send_head: ptr(&a.handle.send_head),
+            channel_prefix_matrix: ptr(&a.handle.channel_prefix_matrix),
+            rpm_in: pull.rpm_in,
+            recv_x: pull.recv_x,
+            recv_scales: pull.recv_scales,
+            num_tokens: n as i64,
+            num_rows: rows as i64,
+            num_blocks: pull.num_blocks,
+            ..Default::default()
+        };
+        intranode::dispatch_push(CACHED, self.window.ctx(), &push, a.stream)?;
+        self.barrier(CACHED, SyncArgs { site: site::CACHED_RECV, ..Default::default() }, a.stream)?;
+        intranode::copy_out(CACHED, self.window.ctx(), &pull, a.stream)
     }
 
     pub(super) fn ht_combine(&mut self, a: &CombineArgs, o: &CombineOutputs) -> Result<()> {

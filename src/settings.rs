@@ -41,19 +41,19 @@ pub fn log_level() -> crate::log::Level {
     })
 }
 
-/// `DEEP_EP_INTRANODE_DISPATCH`: `push` (default) or `pull`, the data path of the nccl backend's
+/// `DEEP_EP_INTRANODE_DISPATCH`: `pull` (default) or `push`, the data path of the nccl backend's
 /// intranode (cached) dispatch; read once per process. All ranks must use the same (a mismatch
 /// is reported as ranks running different ops). An unknown value keeps the default and says so.
 pub fn intranode_dispatch_pull() -> bool {
     static PULL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *PULL.get_or_init(|| match std::env::var("DEEP_EP_INTRANODE_DISPATCH") {
-        Err(_) => false,
+        Err(_) => true,
         Ok(v) => match v.trim() {
-            "" | "push" => false,
-            "pull" => true,
+            "" | "pull" => true,
+            "push" => false,
             other => {
-                eprintln!("[deep_ep] warn: DEEP_EP_INTRANODE_DISPATCH={other:?} is not push or pull; using push");
-                false
+                eprintln!("[deep_ep] warn: DEEP_EP_INTRANODE_DISPATCH={other:?} is not pull or push; using pull");
+                true
             }
         },
     })

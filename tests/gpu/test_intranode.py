@@ -10,6 +10,7 @@ top-k, worst-case mode, expert alignment, several num_sms), then a CUDA graph of
 dispatch + combine is captured once and replayed with fresh inputs. With DEEP_EP_TIMING=1 the
 4-rank run ends with a timing of DeepEP's benchmark shape.
 
+Runs once per dispatch data path (DEEP_EP_INTRANODE_DISPATCH=pull and push).
 Environment: DEEP_EP_INTRANODE_CONFIGS (default 200), DEEP_EP_INTRANODE_SEED, DEEP_EP_TEST_LOG
 (directory for per-rank JSON results), DEEP_EP_TIMING. DEEP_EP_INTRANODE_DRY=1 runs the harness
 without a GPU (a second CPU buffer stands in for the GPU one; no graph, no timing).
@@ -312,7 +313,7 @@ def timing(rank, num_ranks, gpu_buf, deep_ep_rs) -> dict:
     return res
 
 
-KERNELS = ["sync_kernel", "stage_kernel", "pull_kernel", "push_kernel", "combine_kernel", "dispatch_layout_kernel"]
+KERNELS = ["sync_kernel", "stage_kernel", "pull_kernel", "dispatch_push_kernel", "copy_out_kernel", "push_kernel", "combine_kernel", "dispatch_layout_kernel"]
 
 
 def kernel_times(fns: dict) -> dict:
@@ -389,7 +390,10 @@ def worker(rank, num_ranks, port, out_dir, count, seed, do_timing):
 
 
 @pytest.mark.parametrize("num_ranks", [2, 4])
-def test_intranode_matches_cpu_backend(num_ranks):
+@pytest.mark.parametrize("dispatch_path", ["pull", "push"])
+def test_intranode_matches_cpu_backend(num_ranks, dispatch_path, monkeypatch):
+    """Both data paths of the GPU dispatch (DEEP_EP_INTRANODE_DISPATCH), inherited by the workers."""
+    monkeypatch.setenv("DEEP_EP_INTRANODE_DISPATCH", dispatch_path)
     if not DRY and torch.cuda.device_count() < num_ranks:
         pytest.skip(f"needs {num_ranks} GPUs")
     for v in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
@@ -400,7 +404,7 @@ def test_intranode_matches_cpu_backend(num_ranks):
     seed = int(os.environ.get("DEEP_EP_INTRANODE_SEED", "1"))
     do_timing = os.environ.get("DEEP_EP_TIMING", "") == "1" and num_ranks == 4
     out_dir = os.environ.get("DEEP_EP_TEST_LOG") or tempfile.mkdtemp(prefix="deep_ep_intranode_")
-    out_dir = os.path.join(out_dir, f"r{num_ranks}")
+    out_dir = os.path.join(out_dir, f"r{num_ranks}-{dispatch_path}")
     os.makedirs(out_dir, exist_ok=True)
     t0 = time.time()
     mp.spawn(worker, args=(num_ranks, _free_port(), out_dir, count, seed, do_timing), nprocs=num_ranks, join=True)
@@ -408,7 +412,7 @@ def test_intranode_matches_cpu_backend(num_ranks):
     for r in range(num_ranks):
         with open(os.path.join(out_dir, f"rank{r}.json")) as f:
             results.append(json.load(f))
-    print(f"\n[{num_ranks} ranks] {time.time() - t0:.1f} s")
+    print(f"\n[{num_ranks} ranks, {dispatch_path} dispatch] {time.time() - t0:.1f} s")
     for res in results:
         print(f"  rank {res['rank']}: {res['passed']}/{res['configs']} configs passed, {len(res['failures'])} failed, "
               f"graph errors: {None if res['graph'] is None else len(res['graph'])}")

@@ -1,8 +1,8 @@
 //! Normal-mode (high-throughput) ops of the NCCL backend, intranode. Same results as
 //! `backend/cpu/ht.rs`, bit for bit.
 //!
-//! Every op is four launches on the caller's stream (the pull model; dispatch uses the push model
-//! below unless `DEEP_EP_INTRANODE_DISPATCH=pull`):
+//! Every op is four launches on the caller's stream (the pull model; with
+//! `DEEP_EP_INTRANODE_DISPATCH=push`, dispatch uses the push model below):
 //! - K0 `sync` (start barrier): every peer finished reading this rank's previously staged data;
 //! - K1 `stage`: this rank's inputs into its own window (plus, for dispatch, its send side:
 //!   `send_head` and `channel_prefix_matrix`), with a layout header peers read;

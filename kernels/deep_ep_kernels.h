@@ -110,9 +110,8 @@ typedef struct {
 #define DEEP_EP_IC_SITE_COMBINE_DATA 6
 #define DEEP_EP_IC_SITE_CREATE 7
 #define DEEP_EP_IC_SITE_DESTROY 8
-#define DEEP_EP_IC_SITE_DISPATCH_RECV 9 /* push dispatch: the barrier after the push */
-#define DEEP_EP_IC_SITE_CACHED_RECV 10  /* push cached dispatch: the barrier after the push */
-#define DEEP_EP_IC_SITE_DISPATCH_PUSH 11 /* push kernel (capacity check of cached dispatch) */
+#define DEEP_EP_IC_SITE_DISPATCH_RECV 9  /* push dispatch: a copy warp waiting for a sender's channel */
+#define DEEP_EP_IC_SITE_DISPATCH_PUSH 10 /* push dispatch kernel (receive-area capacity check) */
 
 /* The buffer as kernels see it. */
 typedef struct {
@@ -219,15 +218,21 @@ typedef struct {
 } deep_ep_ic_pull_args_t;
 int deep_ep_ic_pull(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_pull_args_t* args, void* stream);
 
-/* Push dispatch, K3 (after the notify / data barrier): every rank reads each of its rows of x once
- * and stores it to every destination d with send_head[t][d] >= 0, at output row
- * rpm[rank-1][d] + cpm[d][ch(t)-1] + send_head[t][d] (the row the pull model gives it): straight
- * into its own outputs when d == rank, else into d's receive area (layout.recv_off), with scales,
- * top-k ids rewritten to d's local expert ids, weights (0 where the id is not local) and the source
- * token index. Rows at or past d's recv_limit are dropped. Every rank first checks that every
- * receive area holds its rows (same verdict everywhere); if one does not, no rank writes and
- * DEEP_EP_IC_ERR_CAPACITY cancels the op. NULL send_head / channel_prefix_matrix / rpm_in: this
- * rank's staged send side and notify's rank_prefix_matrix. */
+/* Push dispatch, K3 (after the notify / data barrier; the op's last kernel). Every rank reads each
+ * of its rows of x once and stores it to every destination d with send_head[t][d] >= 0, at output
+ * row rpm[rank-1][d] + cpm[d][ch(t)-1] + send_head[t][d] (the row the pull model gives it):
+ * straight into its own outputs when d == rank, else into d's receive area (layout.recv_off),
+ * with scales, top-k ids rewritten to d's local expert ids, weights (0 where the id is not local)
+ * and the source token index. Rows at or past d's recv_limit are dropped. When all its tokens of
+ * channel ch are stored, the sender raises flag (sender, ch) in every peer's control area (the
+ * data barrier's epoch). Meanwhile copy_warps warps of every block move each (source, channel)
+ * range of this rank's receive area into the outputs `out` as soon as its flag is up (waits
+ * bounded by timeout_ns, DEEP_EP_IC_ERR_TIMEOUT names the source), and write the padding rows and
+ * handle outputs exactly as deep_ep_ic_pull (out.num_local_experts unused: the senders rewrote
+ * the ids). Every rank first checks that every receive area holds its rows (same verdict
+ * everywhere); if one does not, no rank writes and DEEP_EP_IC_ERR_CAPACITY cancels the op.
+ * NULL send_head / channel_prefix_matrix / rpm_in: this rank's staged send side and notify's
+ * rank_prefix_matrix. */
 typedef struct {
   const void* x;                /* [N, row_bytes] contiguous */
   const void* scales;           /* [N, S] 4-byte elements, strides in elements below, or NULL */
@@ -237,22 +242,18 @@ typedef struct {
   const int32_t* send_head;     /* [N, R] or NULL */
   const int32_t* channel_prefix_matrix; /* [R, C] inclusive, or NULL */
   const int32_t* rpm_in;        /* [R, R] or NULL */
-  void* recv_x;                 /* this rank's outputs (rows it sends itself) */
+  void* recv_x;                 /* this rank's outputs (rows it sends itself); = out->recv_x */
   void* recv_scales;
   void* recv_topk_idx;          /* same dtype as topk_idx */
   float* recv_topk_weights;
   int32_t* recv_src_idx;
   int64_t num_tokens;           /* N */
-  int64_t num_rows;             /* rows of this rank's outputs */
-  int32_t topk_is_int64, num_local_experts, num_blocks, reserved;
+  int64_t num_rows;             /* rows of this rank's outputs; = out->num_rows */
+  int32_t topk_is_int64, num_local_experts, num_blocks;
+  int32_t copy_warps;           /* warps per block that copy out, 1..15 */
 } deep_ep_ic_dispatch_push_args_t;
-int deep_ep_ic_dispatch_push(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_dispatch_push_args_t* args, void* stream);
-
-/* Push dispatch, K5 (after the barrier that follows the push): moves the rows the peers pushed
- * from this rank's receive area into the outputs (local copies; the rows this rank sent itself
- * are already there), writes the padding rows and the handle outputs exactly as deep_ep_ic_pull
- * (same args; num_local_experts unused: the senders rewrote the ids). */
-int deep_ep_ic_copy_out(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_pull_args_t* args, void* stream);
+int deep_ep_ic_dispatch_push(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_dispatch_push_args_t* args,
+                             const deep_ep_ic_pull_args_t* out, void* stream);
 
 /* Combine is push, then local reduce. Window of rank s during a combine (offsets every rank
  * computes from the handle's rank_prefix_matrix, identical on all ranks): rows of x at

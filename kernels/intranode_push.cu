@@ -1,16 +1,21 @@
 // intranode_push.cu: push model of the intranode normal-mode dispatch (deep_ep_kernels.h).
 //
-// dispatch_push_kernel (K3, after the notify / data barrier): one warp per token of this rank.
-// Lane d < R finds the token's output row on rank d (index words loaded one token ahead), then
-// the warp reads the row of x once from local memory (8 16-byte loads per lane in flight) and
-// stores each piece to every destination: remote ranks first, in the order rank + 1, rank + 2, ...
-// (at any time the ranks mostly write to different peers), this rank's own outputs last. Row
-// numbering and every side output are those of the pull model (intranode_pull.cu), so results are
-// bit-identical; only who moves the bytes changes (NVLink stores, which measured faster than
-// NVLink loads, and no staging copy of x).
-// copy_out_kernel (K5, after the barrier that follows the push): local copies from this rank's
-// receive area into its outputs. The area is in output-row order, so rows are two contiguous
-// ranges (before and after the block this rank sent itself): flat 16-byte copies, no per-row work.
+// dispatch_push_kernel (K3, after the notify / data barrier; the op's last kernel). Each block's
+// warps are split: the first 16 - copy_warps push, the others copy out.
+// Push warps: one warp per token of this rank, in token order (so channels complete in order).
+// Lane d < R finds the token's output row on rank d (index words loaded one token ahead), then the
+// warp reads the row of x once from local memory (8 16-byte loads per lane in flight) and stores
+// each piece to every destination: remote ranks first, in the order rank + 1, rank + 2, ... (at
+// any time the ranks mostly write to different peers), this rank's own outputs last. Row numbering
+// and every side output are those of the pull model (intranode_pull.cu), so results are
+// bit-identical. After each token the warp counts it in its channel's counter (local atomic, after
+// a system fence); the warp that completes a channel fences again and raises flag (me, channel) =
+// this op's barrier epoch in every peer's window (st.release.sys).
+// Copy warps: the rows rank s pushed for its channel ch are one contiguous range of this rank's
+// receive area (output-row order); channel by channel, source by source, every copy warp waits for
+// flag (s, ch) (ld.acquire.sys, globaltimer deadline that reports s) and copies its share of the
+// range into the outputs with flat 16-byte copies, then the small arrays. So the local copy-out
+// overlaps the NVLink push instead of following it behind a barrier.
 #include <cstdint>
 
 #include "intranode.cuh"
@@ -51,9 +56,12 @@ __device__ __noinline__ void push_side(const deep_ep_ic_dispatch_push_args_t& a,
   if (src != nullptr && lane == 0) src[r] = static_cast<int32_t>(t);
 }
 
+__device__ void copy_out(const Ctx& c, const deep_ep_ic_pull_args_t& a, int cw, int num_cw, uint64_t epoch);
+
 template <int kR>
-__global__ void __launch_bounds__(kThreads)
-    dispatch_push_kernel(const __grid_constant__ Ctx c, const __grid_constant__ deep_ep_ic_dispatch_push_args_t a) {
+__global__ void __launch_bounds__(kThreads) dispatch_push_kernel(const __grid_constant__ Ctx c,
+                                                                 const __grid_constant__ deep_ep_ic_dispatch_push_args_t a,
+                                                                 const __grid_constant__ deep_ep_ic_pull_args_t p) {
   __shared__ RecvArea s_area[kMaxRanks];
   __shared__ int64_t s_base[kMaxRanks];   // s_base[d]: first row of this rank's block on d
   __shared__ int64_t s_limit[kMaxRanks];  // rows d keeps
@@ -84,6 +92,12 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
   if (s_fail) return;
+  const uint64_t epoch = *at<const uint64_t>(local(c), kScrEpoch);  // the data barrier's: equal on all ranks
+  const int warp = tid >> 5, copy_warps = a.copy_warps, push_warps = kWarps - copy_warps;
+  if (warp >= push_warps) {
+    copy_out(c, p, blockIdx.x * copy_warps + (warp - push_warps), gridDim.x * copy_warps, epoch);
+    return;
+  }
 
   const Layout& mine = scratch_layout(c, me);
   const int C = static_cast<int>(mine.num_channels);
@@ -96,8 +110,20 @@ __global__ void __launch_bounds__(kThreads)
   // Window receive areas are 128-aligned and rows follow at multiples of rb.
   const bool vec = ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(recv_x) | static_cast<uintptr_t>(rb)) & 15) == 0;
   const int n16 = static_cast<int>(rb / 16);
-  const int64_t gwarp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + tid) >> 5;
-  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  const int64_t gwarp = static_cast<int64_t>(blockIdx.x) * push_warps + warp;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * push_warps;
+  int* done = at<int>(local(c), kScrChanDone);  // zeroed by this op's stage kernel
+  // Raises flag (me, ch) in every peer's window: all of this rank's rows of channel ch are there.
+  auto signal = [&](int ch) {
+    for (int d = 0; d < R; ++d) {
+      if (d != me) st_release_sys(at<uint64_t>(window(c, d), kScrChanFlags + (static_cast<size_t>(me) * kMaxChannels + ch) * 8), epoch);
+    }
+  };
+  if (gwarp == 0 && lane == 0) {  // channels without tokens are complete now
+    for (int ch = 0; ch < C; ++ch) {
+      if (min(per * (ch + 1), N) - min(per * ch, N) == 0) signal(ch);
+    }
+  }
 
   // Lane d < R: send_head[t][d] and this rank's channel start on d.
   auto load_idx = [&](int64_t t, int& s, int& cp) {
@@ -161,16 +187,41 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t r = __shfl_sync(0xffffffffu, row, d);
       if (r >= 0) push_side(a, s_area[d], d, d == me, r, t, rb, S, K, vec, lane);
     }
+    // Count the token in its channel; the warp that completes the channel publishes it. The
+    // warp's stores are ordered before lane 0's fence by __syncwarp (fences are cumulative).
+    __syncwarp();
+    if (lane == 0) {
+      const int ch = static_cast<int>(t / per);
+      __threadfence_system();
+      const int64_t in_channel = min(per * (ch + 1), N) - per * ch;
+      if (atomicAdd(done + ch, 1) + 1 == in_channel) {
+        __threadfence_system();  // every counted warp's rows before the flag
+        signal(ch);
+      }
+    }
+    __syncwarp();
   }
-  __threadfence_system();  // the remote writes are performed before the next barrier signals
 }
 
-// Maps a flat index over [0, lo) ++ [hi, end) (lo <= hi) to its position.
-__device__ __forceinline__ int64_t skip_gap(int64_t i, int64_t lo, int64_t gap) { return i < lo ? i : i + gap; }
+// Waits (every lane) until flag (s, ch) of this rank's window reaches `epoch`; false after the
+// deadline (reported, naming s).
+__device__ bool wait_channel(const Ctx& c, int s, int ch, uint64_t epoch) {
+  const uint64_t* flag = at<const uint64_t>(local(c), kScrChanFlags + (static_cast<size_t>(s) * kMaxChannels + ch) * 8);
+  const uint64_t start = globaltimer();
+  while (ld_acquire_sys(flag) < epoch) {
+    __nanosleep(128);  // leave issue slots to the push warps of this SM
+    if (globaltimer() - start > c.timeout_ns) {
+      report(c, DEEP_EP_IC_ERR_TIMEOUT, s, DEEP_EP_IC_SITE_DISPATCH_RECV, ch, 0);
+      return false;
+    }
+  }
+  return true;
+}
 
-__global__ void __launch_bounds__(kThreads) copy_out_kernel(const __grid_constant__ Ctx c, const __grid_constant__ deep_ep_ic_pull_args_t a) {
-  if (op_cancelled(c)) return;
-  const int R = c.num_ranks, rank = c.rank, tid = threadIdx.x, lane = tid & 31;
+// Copy warp cw of num_cw: receive area -> outputs, channel by channel as the senders complete them;
+// also the padding rows and the handle outputs (no wait).
+__device__ void copy_out(const Ctx& c, const deep_ep_ic_pull_args_t& a, int cw, int num_cw, uint64_t epoch) {
+  const int R = c.num_ranks, rank = c.rank, lane = threadIdx.x & 31;
   const Layout& me = scratch_layout(c, rank);
   const int* rpm = a.rpm_in != nullptr ? a.rpm_in : at<const int>(local(c), kScrRpm);
   const int* rcpm = a.rcpm_in != nullptr ? a.rcpm_in : at<const int>(local(c), kScrRcpm);
@@ -178,13 +229,7 @@ __global__ void __launch_bounds__(kThreads) copy_out_kernel(const __grid_constan
   const int64_t rb = me.row_bytes, S = me.num_scales, K = me.num_topk;
   const int64_t received = max(rpm[(R - 1) * R + rank], 0);
   const int64_t real_rows = min(received, a.num_rows);
-  // The block this rank sent itself (already in the outputs).
-  const int64_t lo = min(max(rank > 0 ? static_cast<int64_t>(rpm[(rank - 1) * R + rank]) : 0, int64_t{0}), real_rows);
-  const int64_t hi = min(max(static_cast<int64_t>(rpm[rank * R + rank]), lo), real_rows);
-  const int64_t gap = hi - lo, moved = real_rows - gap;
-  const int64_t gtid = static_cast<int64_t>(blockIdx.x) * blockDim.x + tid;
-  const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t gwarp = gtid >> 5, warps = threads >> 5;
+  const int64_t gtid = static_cast<int64_t>(cw) * 32 + lane, threads = static_cast<int64_t>(num_cw) * 32;
   const RecvArea A = recv_area(local(c), me);
 
   // Handle outputs (dispatch), as pull_kernel.
@@ -206,7 +251,7 @@ __global__ void __launch_bounds__(kThreads) copy_out_kernel(const __grid_constan
   char* recv_x = static_cast<char*>(a.recv_x);
   uint32_t* recv_scales = static_cast<uint32_t*>(a.recv_scales);
   // Worst-case padding rows.
-  for (int64_t row = real_rows + gwarp; row < a.num_rows; row += warps) {
+  for (int64_t row = real_rows + cw; row < a.num_rows; row += num_cw) {
     warp_zero(recv_x + row * rb, rb, lane);
     if (recv_scales != nullptr) {
       for (int64_t j = lane; j < S; j += 32) recv_scales[row * S + j] = 0;
@@ -221,53 +266,51 @@ __global__ void __launch_bounds__(kThreads) copy_out_kernel(const __grid_constan
     if (a.recv_src_idx != nullptr && lane == 0) a.recv_src_idx[row] = -1;
   }
 
-  // Rows [0, lo) and [hi, real_rows): flat copies.
-  if (((reinterpret_cast<uintptr_t>(recv_x) | static_cast<uintptr_t>(rb)) & 15) == 0) {
-    const int4* s4 = reinterpret_cast<const int4*>(A.x);
-    int4* d4 = reinterpret_cast<int4*>(recv_x);
-    const int64_t n16 = rb / 16, lo16 = lo * n16, gap16 = gap * n16, total = moved * n16;
-    for (int64_t base = gtid; base < total; base += threads * kUnroll) {
-      int4 v[kUnroll];
+  const bool vec = ((reinterpret_cast<uintptr_t>(recv_x) | static_cast<uintptr_t>(rb)) & 15) == 0;
+  const int64_t n16 = rb / 16;
+  for (int ch = 0; ch < C; ++ch) {
+    for (int v = 1; v < R; ++v) {
+      const int s = (rank + v) % R;
+      const int64_t base = s > 0 ? rpm[(s - 1) * R + rank] : 0;
+      const int64_t lo = max(base + rcpm[s * C + ch], int64_t{0});
+      const int64_t hi = min(ch + 1 < C ? base + rcpm[s * C + ch + 1] : static_cast<int64_t>(rpm[s * R + rank]), real_rows);
+      if (lo >= hi) continue;  // nothing from s in this channel (or past the kept rows)
+      if (!__all_sync(0xffffffffu, wait_channel(c, s, ch, epoch))) return;
+      if (vec) {
+        const int4* s4 = reinterpret_cast<const int4*>(A.x) + lo * n16;
+        int4* d4 = reinterpret_cast<int4*>(recv_x) + lo * n16;
+        const int64_t total = (hi - lo) * n16;
+        for (int64_t i0 = gtid; i0 < total; i0 += threads * kUnroll) {
+          int4 v4[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t i = base + u * threads;
-        if (i < total) v[u] = __ldcs(s4 + skip_gap(i, lo16, gap16));
-      }
+          for (int u = 0; u < kUnroll; ++u) {
+            const int64_t i = i0 + u * threads;
+            if (i < total) v4[u] = __ldcs(s4 + i);
+          }
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t i = base + u * threads;
-        if (i < total) d4[skip_gap(i, lo16, gap16)] = v[u];
+          for (int u = 0; u < kUnroll; ++u) {
+            const int64_t i = i0 + u * threads;
+            if (i < total) d4[i] = v4[u];
+          }
+        }
+      } else {
+        for (int64_t i = lo * rb + gtid; i < hi * rb; i += threads) recv_x[i] = A.x[i];
       }
-    }
-  } else {
-    const int64_t lob = lo * rb, gapb = gap * rb, total = moved * rb;
-    for (int64_t i = gtid; i < total; i += threads) {
-      const int64_t j = skip_gap(i, lob, gapb);
-      recv_x[j] = A.x[j];
-    }
-  }
-  if (recv_scales != nullptr) {
-    const int64_t total = moved * S;
-    for (int64_t i = gtid; i < total; i += threads) {
-      const int64_t j = skip_gap(i, lo * S, gap * S);
-      recv_scales[j] = A.scales[j];
-    }
-  }
-  if (a.recv_topk_idx != nullptr || a.recv_topk_weights != nullptr) {
-    const int64_t total = moved * K;
-    for (int64_t i = gtid; i < total; i += threads) {
-      const int64_t j = skip_gap(i, lo * K, gap * K);
-      if (a.recv_topk_idx != nullptr) {
-        if (a.topk_is_int64) static_cast<int64_t*>(a.recv_topk_idx)[j] = A.ids[j];
-        else static_cast<int32_t*>(a.recv_topk_idx)[j] = static_cast<int32_t>(A.ids[j]);
+      if (recv_scales != nullptr) {
+        for (int64_t i = lo * S + gtid; i < hi * S; i += threads) recv_scales[i] = A.scales[i];
       }
-      if (a.recv_topk_weights != nullptr) a.recv_topk_weights[j] = A.weights[j];
-    }
-  }
-  if (a.recv_src_idx != nullptr) {
-    for (int64_t i = gtid; i < moved; i += threads) {
-      const int64_t j = skip_gap(i, lo, gap);
-      a.recv_src_idx[j] = A.src[j];
+      if (a.recv_topk_idx != nullptr || a.recv_topk_weights != nullptr) {
+        for (int64_t i = lo * K + gtid; i < hi * K; i += threads) {
+          if (a.recv_topk_idx != nullptr) {
+            if (a.topk_is_int64) static_cast<int64_t*>(a.recv_topk_idx)[i] = A.ids[i];
+            else static_cast<int32_t*>(a.recv_topk_idx)[i] = static_cast<int32_t>(A.ids[i]);
+          }
+          if (a.recv_topk_weights != nullptr) a.recv_topk_weights[i] = A.weights[i];
+        }
+      }
+      if (a.recv_src_idx != nullptr) {
+        for (int64_t i = lo + gtid; i < hi; i += threads) a.recv_src_idx[i] = A.src[i];
+      }
     }
   }
 }
@@ -279,21 +322,22 @@ __global__ void __launch_bounds__(kThreads) copy_out_kernel(const __grid_constan
 using namespace deep_ep;
 using namespace deep_ep::ic;
 
-extern "C" int deep_ep_ic_dispatch_push(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_dispatch_push_args_t* args, void* stream) {
-  if (!ctx_ok(ctx) || args == nullptr || args->num_blocks < 1 || args->num_rows < 0 || args->num_tokens < 0 ||
-      args->num_local_experts < 0 || (args->num_tokens > 0 && args->x == nullptr) ||
-      (args->num_rows > 0 && args->recv_x == nullptr))
+extern "C" int deep_ep_ic_dispatch_push(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_dispatch_push_args_t* args,
+                                        const deep_ep_ic_pull_args_t* out, void* stream) {
+  if (!ctx_ok(ctx) || args == nullptr || out == nullptr || args->num_blocks < 1 || args->num_rows < 0 || args->num_tokens < 0 ||
+      args->num_local_experts < 0 || args->copy_warps < 1 || args->copy_warps >= kWarps ||
+      (args->num_tokens > 0 && args->x == nullptr) || (args->num_rows > 0 && args->recv_x == nullptr) ||
+      out->num_rows != args->num_rows || out->recv_x != args->recv_x)
     return cudaErrorInvalidValue;
+  // Copy warps wait for peers' push warps: all blocks must be resident at once (one per SM at 512
+  // threads), so the grid never exceeds the SM count (the work split does not depend on it).
+  int device = 0, sms = 0;
+  DEEP_EP_TRY(cudaGetDevice(&device));
+  DEEP_EP_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int blocks = sms > 0 ? min(args->num_blocks, sms) : args->num_blocks;
   const cudaStream_t s = as_stream(stream);
-  if (ctx->num_ranks <= 2) dispatch_push_kernel<2><<<args->num_blocks, kThreads, 0, s>>>(*ctx, *args);
-  else if (ctx->num_ranks <= 4) dispatch_push_kernel<4><<<args->num_blocks, kThreads, 0, s>>>(*ctx, *args);
-  else dispatch_push_kernel<8><<<args->num_blocks, kThreads, 0, s>>>(*ctx, *args);
-  return cudaGetLastError();
-}
-
-extern "C" int deep_ep_ic_copy_out(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_pull_args_t* args, void* stream) {
-  if (!ctx_ok(ctx) || args == nullptr || args->num_blocks < 1 || args->num_rows < 0 || (args->num_rows > 0 && args->recv_x == nullptr))
-    return cudaErrorInvalidValue;
-  copy_out_kernel<<<args->num_blocks, kThreads, 0, as_stream(stream)>>>(*ctx, *args);
+  if (ctx->num_ranks <= 2) dispatch_push_kernel<2><<<blocks, kThreads, 0, s>>>(*ctx, *args, *out);
+  else if (ctx->num_ranks <= 4) dispatch_push_kernel<4><<<blocks, kThreads, 0, s>>>(*ctx, *args, *out);
+  else dispatch_push_kernel<8><<<blocks, kThreads, 0, s>>>(*ctx, *args, *out);
   return cudaGetLastError();
 }

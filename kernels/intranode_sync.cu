@@ -182,6 +182,8 @@ __global__ void __launch_bounds__(kThreads) stage_kernel(const __grid_constant__
   const int64_t n = L.num_tokens, k = L.num_topk, s = L.num_scales;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  // Push dispatch: this op's per-channel counters of pushed tokens.
+  for (int64_t i = tid; i < L.num_channels; i += threads) at<int>(me, kScrChanDone)[i] = 0;
   if (a.num_tokens_per_rank != nullptr) {
     int* dst = at<int>(me, L.off[DEEP_EP_IC_SEC_COUNTS_RANK]);
     for (int64_t i = tid; i < R; i += threads) dst[i] = a.num_tokens_per_rank[i];

@@ -58,3 +58,22 @@ pub fn intranode_dispatch_pull() -> bool {
         },
     })
 }
+
+/// `DEEP_EP_INTRANODE_COPY_WARPS`: warps of each 16-warp block of the push dispatch kernel that
+/// copy received rows into the outputs while the others push (1..15, default 4); read once.
+pub fn intranode_copy_warps() -> i32 {
+    static W: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
+    *W.get_or_init(|| {
+        let d = 4;
+        match std::env::var("DEEP_EP_INTRANODE_COPY_WARPS") {
+            Err(_) => d,
+            Ok(v) => match v.trim().parse::<i32>() {
+                Ok(w) if (1..=15).contains(&w) => w,
+                _ => {
+                    eprintln!("[deep_ep] warn: DEEP_EP_INTRANODE_COPY_WARPS={v:?} is not 1..15; using {d}");
+                    d
+                }
+            },
+        }
+    })
+}

@@ -53,8 +53,7 @@ pub mod site {
     pub const CREATE: i32 = 7;
     pub const DESTROY: i32 = 8;
     pub const DISPATCH_RECV: i32 = 9;
-    pub const CACHED_RECV: i32 = 10;
-    pub const DISPATCH_PUSH: i32 = 11;
+    pub const DISPATCH_PUSH: i32 = 10;
 
     /// Human name of a site.
     pub fn name(site: i32) -> &'static str {
@@ -67,9 +66,8 @@ pub mod site {
             COMBINE_DATA => "the data barrier of combine",
             CREATE => "the barrier of create_buffer",
             DESTROY => "the barrier of destroy_buffer",
-            DISPATCH_RECV => "the receive barrier of dispatch",
-            CACHED_RECV => "the receive barrier of cached_dispatch",
-            DISPATCH_PUSH => "the push kernel of dispatch",
+            DISPATCH_RECV => "the receive wait of (cached) dispatch (a sender's channel never arrived)",
+            DISPATCH_PUSH => "the push kernel of (cached) dispatch",
             _ => "an unknown barrier",
         }
     }
@@ -207,7 +205,8 @@ pub struct DispatchPushArgs {
     pub topk_is_int64: i32,
     pub num_local_experts: i32,
     pub num_blocks: i32,
-    pub reserved: i32,
+    /// Warps per block that copy received rows out (1..15); the others push.
+    pub copy_warps: i32,
 }
 
 /// `deep_ep_ic_combine_args_t`.
@@ -259,8 +258,7 @@ extern "C" {
     fn deep_ep_ic_sync(ctx: *const Ctx, args: *const SyncArgs, stream: *mut c_void) -> c_int;
     fn deep_ep_ic_stage(ctx: *const Ctx, args: *const StageArgs, stream: *mut c_void) -> c_int;
     fn deep_ep_ic_pull(ctx: *const Ctx, args: *const PullArgs, stream: *mut c_void) -> c_int;
-    fn deep_ep_ic_dispatch_push(ctx: *const Ctx, args: *const DispatchPushArgs, stream: *mut c_void) -> c_int;
-    fn deep_ep_ic_copy_out(ctx: *const Ctx, args: *const PullArgs, stream: *mut c_void) -> c_int;
+    fn deep_ep_ic_dispatch_push(ctx: *const Ctx, args: *const DispatchPushArgs, out: *const PullArgs, stream: *mut c_void) -> c_int;
     fn deep_ep_ic_combine_push(ctx: *const Ctx, args: *const PushArgs, stream: *mut c_void) -> c_int;
     fn deep_ep_ic_combine(ctx: *const Ctx, args: *const CombineArgs, stream: *mut c_void) -> c_int;
     fn deep_ep_ic_reset(ctx: *const Ctx, stream: *mut c_void) -> c_int;
@@ -325,18 +323,12 @@ pub fn pull(op: &'static str, ctx: &Ctx, args: &PullArgs, stream: *mut c_void) -
     check(unsafe { deep_ep_ic_pull(ctx, args, stream) }, op, "intranode pull kernel launch")
 }
 
-/// K3 of push (cached) dispatch: every row of x into its destinations' receive areas.
+/// K3 of push (cached) dispatch: every row of x into its destinations' receive areas, and the
+/// overlapped copy-out of this rank's receive area into the outputs `out`.
 #[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
-pub fn dispatch_push(op: &'static str, ctx: &Ctx, args: &DispatchPushArgs, stream: *mut c_void) -> Result<()> {
+pub fn dispatch_push(op: &'static str, ctx: &Ctx, args: &DispatchPushArgs, out: &PullArgs, stream: *mut c_void) -> Result<()> {
     // SAFETY: see the comment above.
-    check(unsafe { deep_ep_ic_dispatch_push(ctx, args, stream) }, op, "intranode dispatch push kernel launch")
-}
-
-/// K5 of push (cached) dispatch: receive area into the outputs.
-#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
-pub fn copy_out(op: &'static str, ctx: &Ctx, args: &PullArgs, stream: *mut c_void) -> Result<()> {
-    // SAFETY: see the comment above.
-    check(unsafe { deep_ep_ic_copy_out(ctx, args, stream) }, op, "intranode copy-out kernel launch")
+    check(unsafe { deep_ep_ic_dispatch_push(ctx, args, out, stream) }, op, "intranode dispatch push kernel launch")
 }
 
 /// K1 of combine: push received rows back into their source ranks' windows.

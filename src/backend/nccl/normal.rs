@@ -15,8 +15,10 @@
 //! `dispatch_push`: every rank reads its rows of x once and stores them (with scales, top-k ids
 //! rewritten to the receiver's local ids, weights, source index) at their final output rows into
 //! the receivers' windows (receive area after the staged sections; its rows are the output rows),
-//! or straight into its own outputs; K4 is a barrier and K5 `copy_out` moves the receive area into
-//! the outputs (local copies) and writes the padding and handle outputs. Same rows, same bits.
+//! or straight into its own outputs, and raises a flag per finished channel; in the same kernel a
+//! few warps per block copy each (source, channel) range of the own receive area into the outputs
+//! as soon as its flag is up (local copies overlapping the NVLink stores), and write the padding
+//! and handle outputs. Same rows, same bits.
 //!
 //! Combine differs in K1: instead of staging, every rank pushes the rows it holds straight into
 //! the windows of the ranks they came from (remote stores; offsets from the handle's
@@ -329,11 +331,10 @@ impl NcclBackend {
             topk_is_int64: is_int64(a.topk_idx.as_ref()),
             num_local_experts: pull.num_local_experts,
             num_blocks: pull.num_blocks,
+            copy_warps: crate::settings::intranode_copy_warps(),
             ..Default::default()
         };
-        intranode::dispatch_push(DISPATCH, self.window.ctx(), &push, a.stream)?;
-        self.barrier(DISPATCH, SyncArgs { site: site::DISPATCH_RECV, ..Default::default() }, a.stream)?;
-        intranode::copy_out(DISPATCH, self.window.ctx(), &pull, a.stream)
+        intranode::dispatch_push(DISPATCH, self.window.ctx(), &push, &pull, a.stream)
     }
 
     pub(super) fn ht_cached_dispatch(&mut self, a: &CachedDispatchArgs, recv_x: &TensorRef, recv_scales: Option<&TensorRef>) -> Result<()> {
@@ -408,11 +409,10 @@ impl NcclBackend {
             num_tokens: n as i64,
             num_rows: rows as i64,
             num_blocks: pull.num_blocks,
+            copy_warps: crate::settings::intranode_copy_warps(),
             ..Default::default()
         };
-        intranode::dispatch_push(CACHED, self.window.ctx(), &push, a.stream)?;
-        self.barrier(CACHED, SyncArgs { site: site::CACHED_RECV, ..Default::default() }, a.stream)?;
-        intranode::copy_out(CACHED, self.window.ctx(), &pull, a.stream)
+        intranode::dispatch_push(CACHED, self.window.ctx(), &push, &pull, a.stream)
     }
 
     pub(super) fn ht_combine(&mut self, a: &CombineArgs, o: &CombineOutputs) -> Result<()> {

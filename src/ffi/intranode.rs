@@ -52,6 +52,9 @@ pub mod site {
     pub const COMBINE_DATA: i32 = 6;
     pub const CREATE: i32 = 7;
     pub const DESTROY: i32 = 8;
+    pub const LL_GEOMETRY: i32 = 9;
+    pub const LL_DISPATCH: i32 = 10;
+    pub const LL_COMBINE: i32 = 11;
 
     /// Human name of a site.
     pub fn name(site: i32) -> &'static str {
@@ -64,6 +67,9 @@ pub mod site {
             COMBINE_DATA => "the data barrier of combine",
             CREATE => "the barrier of create_buffer",
             DESTROY => "the barrier of destroy_buffer",
+            LL_GEOMETRY => "the barrier around a low-latency signal reset",
+            LL_DISPATCH => "the receive of low_latency_dispatch",
+            LL_COMBINE => "the receive of low_latency_combine",
             _ => "an unknown barrier",
         }
     }

@@ -19,8 +19,17 @@ namespace deep_ep {
 namespace ic {
 namespace {
 
-constexpr int kLlThreads = 512;
+// Send and dispatch-receive kernels: small blocks so that every block of a call is resident at
+// once (a block per expert / (expert, rank) pair has only a few tokens); the combine receive
+// reduces with large blocks.
+constexpr int kLlThreads = 128;
 constexpr int kLlWarps = kLlThreads / 32;
+constexpr int kReduceThreads = 512;
+// Scan tiles: kScanUnroll entries per thread in flight.
+constexpr int kScanUnroll = 4;
+constexpr int kScanTile = kScanUnroll * kLlThreads;
+// Channels one warp moves per work item (8 FP8 scale groups, 2 KiB of BF16).
+constexpr int kChunk = 1024;
 // LL words of the control area's scratch (local only): the call counter and the "blocks done"
 // counter of the send kernels (the last block advances the call counter and resets this one).
 constexpr size_t kLlCalls = 49152;
@@ -111,12 +120,13 @@ __device__ __forceinline__ uint32_t e4m3(float v) {
   return static_cast<uint32_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
 }
 
-// One warp casts token row `x` (H bf16) into `dst` (H E4M3 bytes then S f32 scale_inv). Lane i
-// holds channels 4i..4i+3 of each 128-channel group; kGroups groups are loaded at once.
-__device__ void cast_row_fp8(const uint16_t* x, char* dst, int H, bool round_scale, int lane) {
-  constexpr int kGroups = 8;
-  const int S = H / 128;
-  for (int g0 = 0; g0 < S; g0 += kGroups) {
+// One warp casts groups [g_begin, g_end) of token row `x` (H bf16) into `dst` (H E4M3 bytes then
+// S f32 scale_inv). Lane i holds channels 4i..4i+3 of each 128-channel group; kGroups groups are
+// loaded at once.
+__device__ void cast_groups_fp8(const uint16_t* x, char* dst, int H, int g_begin, int g_end, bool round_scale, int lane) {
+  constexpr int kGroups = kChunk / 128;
+  const int S = g_end;
+  for (int g0 = g_begin; g0 < S; g0 += kGroups) {
     uint2 v[kGroups];
 #pragma unroll
     for (int u = 0; u < kGroups; ++u) {
@@ -150,45 +160,61 @@ __device__ void cast_row_fp8(const uint16_t* x, char* dst, int H, bool round_sca
 }
 
 // ---- dispatch ---------------------------------------------------------------------------------
-// Block e (global expert): scans topk_idx in tiles of kLlThreads entries (ballot + warp prefix, so
-// slots follow (token, k) order), and per tile its warps push the selecting tokens.
+// Block e (global expert): scans topk_idx in tiles of kScanTile entries (ballot + prefix over
+// (unroll step, warp), so slots follow (token, k) order), and per tile its warps push the
+// selecting tokens, one (token, kChunk channels) work item at a time.
 __global__ void __launch_bounds__(kLlThreads) ll_dispatch_send_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
   __shared__ uint32_t s_seq;
   __shared__ int s_skip;
-  __shared__ int s_warp[kLlWarps];
-  __shared__ int s_tok[kLlThreads];
+  __shared__ int s_warp[kScanUnroll * kLlWarps];
+  __shared__ int s_tok[kScanTile];
   if (!begin_send(c, a, DEEP_EP_LL_KIND_DISPATCH, &s_seq, &s_skip)) return;
   const int e = blockIdx.x, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int R = c.num_ranks, El = a.num_experts / R, dst = e / El, l = e % El, T = a.num_max_tokens, H = a.hidden;
   const int64_t total = static_cast<int64_t>(a.num_tokens) * a.num_topk;
+  const int nchunks = (H + kChunk - 1) / kChunk;
   char* peer = window(c, dst);
   const uint64_t msg_base = recv_off(a, a.half) + static_cast<uint64_t>(l * R + c.rank) * T * a.msg_bytes;
   int base = 0;
-  for (int64_t t0 = 0; t0 < total; t0 += kLlThreads) {
-    const int64_t j = t0 + tid;
-    const bool m = j < total && topk_at(a, j) == e;
-    const unsigned b = __ballot_sync(0xffffffffu, m);
-    if (lane == 0) s_warp[warp] = __popc(b);
-    __syncthreads();
-    int before = 0, tile = 0;
+  for (int64_t t0 = 0; t0 < total; t0 += kScanTile) {
+    bool m[kScanUnroll];
 #pragma unroll
-    for (int w = 0; w < kLlWarps; ++w) {
-      before += w < warp ? s_warp[w] : 0;
-      tile += s_warp[w];
+    for (int u = 0; u < kScanUnroll; ++u) {
+      const int64_t j = t0 + u * kLlThreads + tid;
+      m[u] = j < total && topk_at(a, j) == e;
     }
-    if (m) s_tok[before + __popc(b & ((1u << lane) - 1))] = static_cast<int>(j / a.num_topk);
+    unsigned b[kScanUnroll];
+#pragma unroll
+    for (int u = 0; u < kScanUnroll; ++u) {
+      b[u] = __ballot_sync(0xffffffffu, m[u]);
+      if (lane == 0) s_warp[u * kLlWarps + warp] = __popc(b[u]);
+    }
     __syncthreads();
-    for (int i = warp; i < tile; i += kLlWarps) {
+    int tile = 0;
+#pragma unroll
+    for (int q = 0; q < kScanUnroll * kLlWarps; ++q) tile += s_warp[q];
+#pragma unroll
+    for (int u = 0; u < kScanUnroll; ++u) {
+      if (!m[u]) continue;
+      int before = 0;
+      for (int q = 0; q < u * kLlWarps + warp; ++q) before += s_warp[q];
+      const int64_t j = t0 + u * kLlThreads + tid;
+      s_tok[before + __popc(b[u] & ((1u << lane) - 1))] = static_cast<int>(j / a.num_topk);
+    }
+    __syncthreads();
+    for (int it = warp; it < tile * nchunks; it += kLlWarps) {
+      const int i = it / nchunks, ch = it % nchunks;
       const int slot = base + i;
       if (slot >= T) break;
       const int tok = s_tok[i];
       char* msg = peer + msg_base + static_cast<uint64_t>(slot) * a.msg_bytes;
-      if (lane == 0) *reinterpret_cast<int4*>(msg) = make_int4(tok, H, T, a.num_experts);
+      if (ch == 0 && lane == 0) *reinterpret_cast<int4*>(msg) = make_int4(tok, H, T, a.num_experts);
       const uint16_t* row = static_cast<const uint16_t*>(a.x) + static_cast<int64_t>(tok) * H;
+      const int c0 = ch * kChunk, c1 = min(H, c0 + kChunk);
       if (a.use_fp8) {
-        cast_row_fp8(row, msg + 16, H, a.round_scale != 0, lane);
+        cast_groups_fp8(row, msg + 16, H, c0 / 128, c1 / 128, a.round_scale != 0, lane);
       } else {
-        warp_copy(msg + 16, row, static_cast<int64_t>(H) * 2, lane);
+        warp_copy(msg + 16 + 2 * static_cast<int64_t>(c0), row + c0, 2 * static_cast<int64_t>(c1 - c0), lane);
       }
     }
     base += tile;
@@ -312,13 +338,15 @@ __global__ void __launch_bounds__(kLlThreads) ll_combine_send_kernel(const __gri
   if (b < 0 || cnt > T || b + cnt > RT) cnt = 0;  // not from a dispatch of this geometry (the host checks shapes)
   char* peer = window(c, s);
   const uint64_t dst_base = recv_off(a, a.half) + static_cast<uint64_t>(c.rank * El + l) * T * (2 * static_cast<uint64_t>(H));
-  for (int64_t i = warp; i < cnt; i += kLlWarps) {
-    const int64_t row = b + i;
+  const int nchunks = (H + kChunk - 1) / kChunk;
+  for (int64_t it = warp; it < cnt * nchunks; it += kLlWarps) {
+    const int64_t row = b + it / nchunks;
+    const int c0 = static_cast<int>(it % nchunks) * kChunk, c1 = min(H, c0 + kChunk);
     const int tok = a.src_info[l * RT + row];
     if (tok < 0 || tok >= T) continue;
-    const void* src = a.zero_copy ? static_cast<const void*>(local(c) + send_off(a, a.half) + (l * RT + row) * M * 2)
-                                  : static_cast<const void*>(static_cast<const uint16_t*>(a.x) + (l * RT + row) * H);
-    warp_copy(peer + dst_base + static_cast<uint64_t>(tok) * 2 * H, src, 2 * static_cast<int64_t>(H), lane);
+    const uint16_t* src = a.zero_copy ? reinterpret_cast<const uint16_t*>(local(c) + send_off(a, a.half) + (l * RT + row) * M * 2)
+                                      : static_cast<const uint16_t*>(a.x) + (l * RT + row) * H;
+    warp_copy(peer + dst_base + (static_cast<uint64_t>(tok) * H + c0) * 2, src + c0, 2 * static_cast<int64_t>(c1 - c0), lane);
   }
   __threadfence_system();
   __syncthreads();
@@ -331,7 +359,7 @@ __global__ void __launch_bounds__(kLlThreads) ll_combine_send_kernel(const __gri
 
 // Every block waits for all E words, then reduces tokens blockIdx.x, +gridDim.x, ...: thread j
 // owns channels 8j..8j+7: acc = fma(y_k, w_k, acc) over k in order (crate: f32::mul_add).
-__global__ void __launch_bounds__(kLlThreads) ll_combine_recv_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
+__global__ void __launch_bounds__(kReduceThreads) ll_combine_recv_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
   __shared__ int s_ok, s_half;
   __shared__ uint32_t s_seq;
   __shared__ unsigned long long s_wait[kMaxRanks];
@@ -453,7 +481,7 @@ extern "C" int deep_ep_llk_combine_recv(const deep_ep_ic_ctx_t* ctx, const deep_
     return static_cast<int>(cudaErrorInvalidValue);
   // With no token the receive still waits for every word (the call completes for every rank).
   const int blocks = args->num_tokens < 1 ? 1 : (args->num_tokens < args->num_blocks ? args->num_tokens : args->num_blocks);
-  ll_combine_recv_kernel<<<blocks, kLlThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args);
+  ll_combine_recv_kernel<<<blocks, kReduceThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -36,8 +36,10 @@ const OP_CLEAN: &str = "deep_ep::clean_low_latency_buffer";
 const OP_NEXT: &str = "deep_ep::get_next_low_latency_combine_buffer";
 /// Tags carry `count + 1` in 16 bits.
 const MAX_T: usize = 0xfffe;
-/// Grid size of the receive kernels (about two blocks per SM of an H100/H200).
-const RECV_BLOCKS: i32 = 264;
+/// Blocks of the dispatch receive (128 threads each, ~4 per SM of an H100/H200, all resident).
+const RECV_BLOCKS: i32 = 528;
+/// Blocks of the combine receive (512 threads each, one per SM).
+const REDUCE_BLOCKS: i32 = 132;
 const FLAG_FP8: i32 = 1;
 const FLAG_ROUND_SCALE: i32 = 2;
 const FLAG_UE8M0: i32 = 4;
@@ -239,6 +241,7 @@ impl NcclBackend {
         a.recv_state = ptr(&r.recv_state);
         a.out = ptr(&r.out);
         a.wait_stats = opt_ptr(st.wait_recv_cost_stats.as_ref());
+        a.num_blocks = REDUCE_BLOCKS;
         k::combine_recv(OP_COMBINE, self.window.ctx(), &a, stream)
     }
 

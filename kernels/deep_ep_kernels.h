@@ -112,6 +112,9 @@ typedef struct {
 #define DEEP_EP_IC_SITE_DESTROY 8
 #define DEEP_EP_IC_SITE_DISPATCH_RECV 9  /* push dispatch: a copy warp waiting for a sender's channel */
 #define DEEP_EP_IC_SITE_DISPATCH_PUSH 10 /* push dispatch kernel (receive-area capacity check) */
+#define DEEP_EP_IC_SITE_LL_GEOMETRY 11 /* low-latency: barriers around a signal reset */
+#define DEEP_EP_IC_SITE_LL_DISPATCH 12 /* low-latency dispatch receive */
+#define DEEP_EP_IC_SITE_LL_COMBINE 13 /* low-latency combine receive */
 
 /* The buffer as kernels see it. */
 typedef struct {
@@ -301,6 +304,69 @@ int deep_ep_ic_clear_error(const deep_ep_ic_ctx_t* ctx, void* stream);
 void deep_ep_ic_struct_sizes(size_t* sizes);
 /* [OUT host] the scratch int create's host rendezvous all-reduces (device pointer). */
 void* deep_ep_ic_rendezvous_word(const deep_ep_ic_ctx_t* ctx);
+
+
+/* ---------------------------------------------------------------------------------------------
+ * Low-latency mode (kernels/low_latency.cu): DeepEP's LL protocol over the same window. Senders
+ * push messages into the receiver's LL area with NVLink stores and then release-store 32-bit
+ * signal words; receivers acquire the words of their call and copy or reduce locally. No barrier
+ * between ranks in a call. Area of every rank at ll_off (crate::config::LowLatencyLayout sizes,
+ * the CPU backend's byte order): [signal 0][signal 1][send 0][send 1][recv 0][recv 1]; per half:
+ *   signal: E u32 words. Dispatch: word l*R + s = tag(seq, count from source s for local expert
+ *           l). Combine: word s*E_l + l = tag(seq, 0): source s wrote every row of its expert l.
+ *           tag(seq, c) = (seq & 0xffff) << 16 | (c + 1); a word only ever holds a tag.
+ *   send:   the zero-copy combine buffer [E_l][R*T] rows of M = H + H/128*2 bf16.
+ *   recv:   dispatch messages [E_l][R][T] of msg_bytes (16-byte header {src token, H, T, E} i32,
+ *           then H bf16, or H E4M3 bytes + H/128 f32 scale_inv), or combine rows [E][T] of H bf16
+ *           keyed by (global expert, source token).
+ * The call number seq lives on the device (scratch of the control area): every send kernel takes
+ * the next one and writes {half, seq, flags, kind} into recv_state, which the receive kernel reads,
+ * so a captured CUDA graph gets fresh tags on every replay. The half is chosen by the host.
+ * Receive order: per (local expert, source) in increasing token index (a block-wide scan, no
+ * atomics), sources ascending: identical to the CPU backend. Waits are bounded by timeout_ns and
+ * report DEEP_EP_IC_ERR_TIMEOUT with the rank waited for; DEEP_EP_IC_ERR_OVERFLOW (an expert
+ * selected more than T times: error_value = selections, error_limit = T) and
+ * DEEP_EP_IC_ERR_MISMATCH (a message with another geometry, or a receive whose recv_state does not
+ * come from a matching send) are reported the same way.
+ * ------------------------------------------------------------------------------------------- */
+#define DEEP_EP_LL_KIND_DISPATCH 1
+#define DEEP_EP_LL_KIND_COMBINE 2
+typedef struct {
+  uint64_t ll_off;                          /* byte offset of the LL area in every window */
+  uint64_t signal_bytes, send_bytes, recv_bytes, msg_bytes; /* per half; msg = dispatch message */
+  int32_t num_max_tokens, hidden, num_experts, half; /* T, H, E; half used by a send */
+  int32_t use_fp8, round_scale, use_ue8m0, flags;    /* flags: recorded / checked in recv_state */
+  int32_t zero_copy, num_tokens, num_topk, topk_is_int64; /* N: tokens of x / out */
+  const void* x;             /* dispatch: [N, H] bf16; combine: [E_l, R*T, H] bf16 (contiguous) */
+  const void* topk_idx;      /* [N, K] int32/int64 */
+  const float* topk_weights; /* [N, K] (combine receive) */
+  int64_t* recv_state;       /* [4] int64 */
+  void* recv_x;              /* [E_l, R*T, H] bf16 or E4M3 */
+  void* recv_scales;         /* [E_l, R*T, S] f32 or [E_l, R*T, S/4] int32 (UE8M0), strides below */
+  int64_t scale_stride[3];
+  int32_t* recv_count;       /* [E_l] */
+  int32_t* src_info;         /* [E_l, R*T] */
+  int64_t* layout_range;     /* [E_l, R] */
+  int32_t* cumulative;       /* [E_l] += received tokens, or NULL */
+  int64_t* wait_stats;       /* [R] += cycles waited per source, or NULL */
+  uint16_t* out;             /* combine: [N, H] bf16 */
+  int32_t num_blocks, reserved;
+} deep_ep_ll_args_t;
+/* Send phase of a dispatch: one block per global expert scans topk_idx and pushes each selecting
+ * token (cast to FP8 when use_fp8) into the expert's rank, then signals the count. */
+int deep_ep_llk_dispatch_send(const deep_ep_ic_ctx_t* ctx, const deep_ep_ll_args_t* args, void* stream);
+/* Receive phase: waits for every source's count of each local expert, copies the messages into
+ * recv_x / scales / src_info, writes recv_count and layout_range, adds the stats. */
+int deep_ep_llk_dispatch_recv(const deep_ep_ic_ctx_t* ctx, const deep_ep_ll_args_t* args, void* stream);
+/* Send phase of a combine: one block per (local expert, source rank) pushes the rows of
+ * layout_range back to the source rank at (global expert, src token), then signals. */
+int deep_ep_llk_combine_send(const deep_ep_ic_ctx_t* ctx, const deep_ep_ll_args_t* args, void* stream);
+/* Receive phase: waits for all E words, out[n] = bf16(sum over k in order of fma(y, w_k, acc)). */
+int deep_ep_llk_combine_recv(const deep_ep_ic_ctx_t* ctx, const deep_ep_ll_args_t* args, void* stream);
+/* Zeroes this rank's signal words of both halves (between two barriers on the host side). */
+int deep_ep_llk_zero_signals(const deep_ep_ic_ctx_t* ctx, const deep_ep_ll_args_t* args, void* stream);
+/* sizeof(deep_ep_ll_args_t) (the Rust mirror checks its size against it). */
+size_t deep_ep_llk_args_bytes(void);
 
 /* ---- NCCL device-API glue (kernels/nccl_glue.cu). NCCL is dlopen'ed by Rust: the function
  * pointers are passed in, so this library has no link-time NCCL dependency. ---- */

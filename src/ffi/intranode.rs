@@ -54,6 +54,9 @@ pub mod site {
     pub const DESTROY: i32 = 8;
     pub const DISPATCH_RECV: i32 = 9;
     pub const DISPATCH_PUSH: i32 = 10;
+    pub const LL_GEOMETRY: i32 = 11;
+    pub const LL_DISPATCH: i32 = 12;
+    pub const LL_COMBINE: i32 = 13;
 
     /// Human name of a site.
     pub fn name(site: i32) -> &'static str {
@@ -68,6 +71,9 @@ pub mod site {
             DESTROY => "the barrier of destroy_buffer",
             DISPATCH_RECV => "the receive wait of (cached) dispatch (a sender's channel never arrived)",
             DISPATCH_PUSH => "the push kernel of (cached) dispatch",
+            LL_GEOMETRY => "the barrier around a low-latency signal reset",
+            LL_DISPATCH => "the receive of low_latency_dispatch",
+            LL_COMBINE => "the receive of low_latency_combine",
             _ => "an unknown barrier",
         }
     }

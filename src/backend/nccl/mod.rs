@@ -1,6 +1,7 @@
 //! The NCCL device-API backend. Intranode normal mode (dispatch, cached dispatch, combine) runs
 //! on one NCCL symmetric window per buffer with a pull model (`normal.rs`, kernels in
-//! `kernels/intranode_*.cu`); low-latency mode and internode buffers answer
+//! `kernels/intranode_*.cu`); low-latency mode pushes over the same window's peer pointers
+//! (`low_latency.rs`, `kernels/low_latency.cu`); internode buffers answer
 //! [`Error::NotImplemented`].
 //!
 //! Every rank stages its inputs into its own window, the ranks meet at a flag barrier in the
@@ -11,6 +12,7 @@
 //! Ordering rule: all ops of one buffer must be ordered on the GPU (one stream, or streams joined
 //! by events), as with DeepEP's comm stream: barrier epochs live on the device.
 
+mod low_latency;
 mod normal;
 
 use super::{Backend, BackendKind, BufferInfo, CachedDispatchArgs, CombineArgs, CombineOutputs, CreateArgs, DispatchArgs, DispatchOutputs, DispatchPlan, LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlStats, Stream, UNIQUE_ID_BYTES};
@@ -32,6 +34,8 @@ pub struct NcclBackend {
     nccl_version: i32,
     window: Window,
     timeout: Duration,
+    /// Low-latency host state (half of the next send, geometry of the signals).
+    ll: low_latency::LlState,
 }
 
 fn ni(op: &'static str, feature: &'static str) -> Error {
@@ -63,17 +67,18 @@ impl NcclBackend {
         if a.num_ranks > MAX_RANKS {
             return Err(ni(OP, "buffers of more than 8 ranks (internode)"));
         }
+        crate::ffi::low_latency::check_struct_size(OP)?;
         let timeout = crate::settings::timeout();
         let window = Window::create(&WindowArgs {
             unique_id: &unique_id,
             rank: a.rank,
             num_ranks: a.num_ranks,
             device,
-            data_bytes: a.num_nvl_bytes,
+            data_bytes: a.num_nvl_bytes + low_latency::extra_window_bytes(a.num_nvl_bytes, a.num_rdma_bytes, a.low_latency_mode),
             timeout_ns: timeout.as_nanos().min(u64::MAX as u128) as u64,
         })?;
         let info = BufferInfo::from_args(a, BackendKind::Nccl);
-        Ok(NcclBackend { info, lib, nccl_version, window, timeout })
+        Ok(NcclBackend { info, lib, nccl_version, window, timeout, ll: low_latency::LlState::default() })
     }
 
     /// A fresh `ncclUniqueId` ([`UNIQUE_ID_BYTES`] bytes) from one rank; host only, no GPU needed.
@@ -93,12 +98,12 @@ impl Backend for NcclBackend {
     fn dispatch_finish(&mut self, a: &DispatchArgs, p: &DispatchPlan, o: &DispatchOutputs) -> Result<()> { self.ht_dispatch_finish(a, p, o) }
     fn cached_dispatch(&mut self, a: &CachedDispatchArgs, x: &TensorRef, s: Option<&TensorRef>) -> Result<()> { self.ht_cached_dispatch(a, x, s) }
     fn combine(&mut self, a: &CombineArgs, o: &CombineOutputs) -> Result<()> { self.ht_combine(a, o) }
-    fn ll_dispatch_send(&mut self, _g: &LlGeometry, _o: &LlDispatchOptions, _a: &LlDispatchSendArgs, _out: &LlDispatchOutputs, _s: Stream) -> Result<()> { Err(ni("deep_ep::low_latency_dispatch", "low-latency dispatch")) }
-    fn ll_dispatch_recv(&mut self, _g: &LlGeometry, _o: &LlDispatchOptions, _out: &LlDispatchOutputs, _st: &LlStats, _s: Stream) -> Result<()> { Err(ni("deep_ep::low_latency_dispatch", "low-latency dispatch")) }
-    fn ll_combine_send(&mut self, _g: &LlGeometry, _a: &LlCombineSendArgs, _s: Stream) -> Result<()> { Err(ni("deep_ep::low_latency_combine", "low-latency combine")) }
-    fn ll_combine_recv(&mut self, _g: &LlGeometry, _a: &LlCombineRecvArgs, _st: &LlStats, _s: Stream) -> Result<()> { Err(ni("deep_ep::low_latency_combine", "low-latency combine")) }
-    fn clean_low_latency_buffer(&mut self, _g: &LlGeometry, _s: Stream) -> Result<()> { Err(ni("deep_ep::clean_low_latency_buffer", "low-latency mode")) }
-    fn next_low_latency_combine_buffer(&mut self, _g: &LlGeometry) -> Result<TensorRef> { Err(ni("deep_ep::get_next_low_latency_combine_buffer", "low-latency mode")) }
+    fn ll_dispatch_send(&mut self, g: &LlGeometry, o: &LlDispatchOptions, a: &LlDispatchSendArgs, out: &LlDispatchOutputs, s: Stream) -> Result<()> { self.ll_dispatch_send_impl(g, o, a, out, s) }
+    fn ll_dispatch_recv(&mut self, g: &LlGeometry, o: &LlDispatchOptions, out: &LlDispatchOutputs, st: &LlStats, s: Stream) -> Result<()> { self.ll_dispatch_recv_impl(g, o, out, st, s) }
+    fn ll_combine_send(&mut self, g: &LlGeometry, a: &LlCombineSendArgs, s: Stream) -> Result<()> { self.ll_combine_send_impl(g, a, s) }
+    fn ll_combine_recv(&mut self, g: &LlGeometry, a: &LlCombineRecvArgs, st: &LlStats, s: Stream) -> Result<()> { self.ll_combine_recv_impl(g, a, st, s) }
+    fn clean_low_latency_buffer(&mut self, g: &LlGeometry, s: Stream) -> Result<()> { self.ll_clean_impl(g, s) }
+    fn next_low_latency_combine_buffer(&mut self, g: &LlGeometry) -> Result<TensorRef> { self.ll_next_combine_buffer_impl(g) }
     fn destroy(&mut self) -> Result<()> {
         let timeout_ms = self.timeout_ms();
         self.window.close(timeout_ms)

@@ -1,0 +1,197 @@
+"""Low-latency benchmark: deep_ep low_latency_dispatch / low_latency_combine beside the naive
+torch.distributed.all_to_all_single baseline, measured in the same run.
+
+    torchrun --nproc-per-node 4 bench/low_latency.py --tokens 128 --out bench/results/DATE-low-latency-ep4.json
+    torchrun --nproc-per-node 4 bench/low_latency.py --tokens 1 2 4 ... 512 --plot sweep.png --out ...
+
+For each token count N (num_max_dispatch_tokens_per_rank = N; DeepEP's shape: 128, hidden 7168,
+top-8 of 288 experts, FP8 dispatch, BF16 combine):
+- `graph: true` rows: two calls (alternating buffer halves, as consecutive calls in a model)
+  captured in one CUDA graph, replayed back to back; time per call = elapsed / (2 * replays);
+  `dispatch+combine` is one whole step (dispatch -> combine) per replay.
+- eager rows: CUDA events around each call, median; with `send_us` / `recv_us` from the hook
+  split (send op timed, all ranks synchronised, then the receive hook timed: data already there).
+- `torch_all_to_all`: the naive baseline (counts exchange + all_to_all_single of deduplicated
+  tokens, host sync), BF16 payload both ways, median per call.
+Times are the slowest rank's. Logical GB/s counts every received (token, expert) pair × its bytes
+(FP8: H + H/128*4, BF16: 2H), DeepEP's LL convention.
+"""
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import deep_ep_rs  # noqa: E402
+from intranode import baseline, timed  # noqa: E402
+
+
+def slowest(v):
+    t = torch.tensor([float(v)], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def graph_time(fn, calls, replays):
+    """Captures `fn` (which issues `calls` ops) once, replays it back to back; us per op."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(5):
+        g.replay()
+    torch.cuda.synchronize()
+    dist.barrier()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(replays):
+        g.replay()
+    e.record()
+    torch.cuda.synchronize()
+    us = s.elapsed_time(e) * 1e3 / (replays * calls)
+    del g
+    return slowest(us)
+
+
+def split_time(send, iters):
+    """Hook mode: median send-op time and median receive-hook time (data already arrived)."""
+    ts, tr = [], []
+    for i in range(iters + 3):
+        torch.cuda.synchronize()
+        dist.barrier()
+        a, b, c = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        a.record()
+        hook = send()
+        b.record()
+        torch.cuda.synchronize()
+        dist.barrier()
+        b2 = torch.cuda.Event(enable_timing=True)
+        b2.record()
+        hook()
+        c.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            ts.append(a.elapsed_time(b) * 1e3)
+            tr.append(b2.elapsed_time(c) * 1e3)
+    ts.sort()
+    tr.sort()
+    return slowest(ts[len(ts) // 2]), slowest(tr[len(tr) // 2])
+
+
+def run_case(buf, args, n, rank, world):
+    torch.manual_seed(1000 + rank)
+    h, k, e = args.hidden, args.topk, args.experts
+    t = max(n, 1)
+    x = torch.randn(n, h, dtype=torch.bfloat16, device="cuda")
+    scores = torch.randn(n, e, device="cuda").abs() + 1
+    idx = scores.topk(k, dim=-1).indices
+    w = torch.rand(n, k, device="cuda")
+    rows = []
+
+    def row(op, dtype, us, pairs_bytes, impl="deep_ep", graph=False, **extra):
+        r = {"op": op, "mode": "low-latency", "impl": impl, "dtype": dtype, "ranks": world, "tokens": n, "hidden": h, "topk": k,
+             "experts": e, "sms": None, "graph": graph, "us_median": us, "us_min": None, "us_max": None,
+             "logical_gbps": pairs_bytes / (us * 1e-6) / 1e9 if us > 0 else 0.0}
+        r.update(extra)
+        rows.append(r)
+
+    def disp(fp8, hook=False):
+        return buf.low_latency_dispatch(x, idx, t, e, use_fp8=fp8, return_recv_hook=hook, topk_weights=w)
+
+    recv, count, handle, _, _ = disp(False)
+    torch.cuda.synchronize()
+    pairs = slowest(int(count.sum()))
+    fp8_bytes, bf16_bytes = pairs * (h + h // 128 * 4), pairs * h * 2
+    y = recv.clone()
+    out = torch.empty(n, h, dtype=torch.bfloat16, device="cuda")
+
+    def comb(hook=False):
+        return buf.low_latency_combine(y, idx, w, handle, out=out, return_recv_hook=hook)
+
+    def two(f):
+        return lambda: (f(), f())
+
+    row("dispatch", "fp8", graph_time(two(lambda: disp(True)), 2, args.replays), fp8_bytes, graph=True)
+    row("dispatch", "bf16", graph_time(two(lambda: disp(False)), 2, args.replays), bf16_bytes, graph=True)
+    row("combine", "bf16", graph_time(two(comb), 2, args.replays), bf16_bytes, graph=True)
+    row("dispatch+combine", "fp8/bf16", graph_time(lambda: (disp(True), comb()), 1, args.replays), fp8_bytes + bf16_bytes, graph=True)
+    d_send, d_recv = split_time(lambda: disp(True, True)[4], args.iters)
+    row("dispatch", "fp8", timed(lambda: disp(True), args.iters)[0], fp8_bytes, send_us=d_send, recv_us=d_recv)
+    c_send, c_recv = split_time(lambda: comb(True)[2], args.iters)
+    row("combine", "bf16", timed(comb, args.iters)[0], bf16_bytes, send_us=c_send, recv_us=c_recv)
+    in_rank = torch.zeros(n, world, dtype=torch.bool, device="cuda")
+    in_rank.scatter_(1, idx // (e // world), True)
+    bd, bc, _ = baseline(x, in_rank, world, args.iters)
+    row("dispatch", "bf16", bd[0], bf16_bytes, impl="torch_all_to_all")
+    row("combine", "bf16", bc[0], bf16_bytes, impl="torch_all_to_all")
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--experts", type=int, default=288)
+    p.add_argument("--tokens", type=int, nargs="+", default=[128])
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--replays", type=int, default=200)
+    p.add_argument("--out", default="")
+    p.add_argument("--plot", default="")
+    args = p.parse_args()
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    size = deep_ep_rs.Buffer.get_low_latency_rdma_size_hint(max(args.tokens), args.hidden, world, args.experts)
+    buf = deep_ep_rs.Buffer(dist.new_group(list(range(world))), 0, size, low_latency_mode=True, explicitly_destroy=True)
+    rows = []
+    for n in args.tokens:
+        rows += run_case(buf, args, n, rank, world)
+    buf.destroy()
+    if rank == 0:
+        print(f"{'op':>17} {'impl':>17} {'dtype':>8} {'tokens':>6} {'graph':>5} {'us':>8} {'send':>6} {'recv':>6} {'GB/s':>7}  vs naive")
+        base = {(r["op"], r["tokens"]): r["us_median"] for r in rows if r["impl"] == "torch_all_to_all"}
+        for r in rows:
+            ref = base.get((r["op"], r["tokens"]))
+            ratio = f"{ref / r['us_median']:.1f}x" if ref and r["impl"] == "deep_ep" else ""
+            print(f"{r['op']:>17} {r['impl']:>17} {r['dtype']:>8} {r['tokens']:>6} {str(r['graph']):>5} {r['us_median']:>8.1f} "
+                  f"{r.get('send_us', 0):>6.1f} {r.get('recv_us', 0):>6.1f} {r['logical_gbps']:>7.1f}  {ratio}")
+        if args.out:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+            env = {"date": datetime.date.today().isoformat(), "git_commit": commit or "unknown",
+                   "command": "torchrun --nproc-per-node %d bench/low_latency.py %s" % (world, " ".join(sys.argv[1:])),
+                   "device": torch.cuda.get_device_name(), "num_gpus": world, "torch": torch.__version__,
+                   "nccl": ".".join(map(str, torch.cuda.nccl.version())), "rows": rows}
+            with open(args.out, "w") as f:
+                json.dump(env, f, indent=1)
+        if args.plot:
+            plot(rows, args.plot)
+    dist.destroy_process_group()
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    keys = sorted({(r["op"], r["impl"], r["dtype"], r["graph"]) for r in rows})
+    for key in keys:
+        pts = sorted((r["tokens"], r["us_median"]) for r in rows if (r["op"], r["impl"], r["dtype"], r["graph"]) == key)
+        if len(pts) > 1:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]} {key[1]} {key[2]}{' graph' if key[3] else ''}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens per rank")
+    ax.set_ylabel("us per call")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

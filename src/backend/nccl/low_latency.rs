@@ -1,0 +1,277 @@
+//! Low-latency ops of the NCCL backend (DeepEP's LL protocol over NVLink peer pointers). Same
+//! results as `backend/cpu/ll.rs`, bit for bit: per (local expert, source rank) rows in increasing
+//! token index, sources ascending; combine sums `fma(y_k, w_k, acc)` over `k` in order.
+//!
+//! # LL area
+//! In low-latency mode the window holds `num_rdma_bytes` more after the normal-mode data
+//! (`ll_off` = control area + `num_nvl_bytes` rounded up to 128, identical on every rank), laid
+//! out like the CPU backend's LL area (`[signal 0][signal 1][send 0][send 1][recv 0][recv 1]`,
+//! sizes from [`LowLatencyLayout`]). Normal-mode ops that overflow `num_nvl_bytes` may write
+//! into it: switching modes needs `clean_low_latency_buffer`, as in DeepEP.
+//!
+//! # Calls, halves, tags
+//! Each send takes the half `next_half` (host, DeepEP's buffer index) and the next call number
+//! (device: the send kernel reads and advances it, so a replayed CUDA graph gets fresh tags); the
+//! send kernel writes `[half, seq, flags, kind]` into `recv_state` and the receive kernel works
+//! from that alone. Signal words always hold some call's tag (or zero), so consecutive calls need
+//! no cleaning. The first LL call of a buffer, and a call with another `(T, H, E)` than the
+//! previous one, meet at a barrier, zero their signal words and meet again (as the CPU backend).
+//!
+//! # Errors
+//! Kernels record timeouts (with the rank waited for), overflows and mismatches in the host-mapped
+//! status block; the next host-side call of the buffer raises them (`check_ll_pending`). A timeout
+//! leaves the buffer unusable (every later kernel returns at once).
+
+use super::NcclBackend;
+use crate::backend::{LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlStats, Stream};
+use crate::config::{low_latency_rdma_size_hint, LowLatencyLayout, BUFFER_ALIGNMENT};
+use crate::error::{Error, Result};
+use crate::ffi::intranode::{self, err, site, SyncArgs, CONTROL_BYTES};
+use crate::ffi::low_latency::{self as k, LlArgs};
+use crate::tensor::{DType, TensorRef};
+
+const OP_DISPATCH: &str = "deep_ep::low_latency_dispatch";
+const OP_COMBINE: &str = "deep_ep::low_latency_combine";
+const OP_CLEAN: &str = "deep_ep::clean_low_latency_buffer";
+const OP_NEXT: &str = "deep_ep::get_next_low_latency_combine_buffer";
+/// Tags carry `count + 1` in 16 bits.
+const MAX_T: usize = 0xfffe;
+/// Blocks of the dispatch receive (128 threads each, ~4 per SM of an H100/H200, all resident).
+const RECV_BLOCKS: i32 = 528;
+/// Blocks of the combine receive (512 threads each, one per SM).
+const REDUCE_BLOCKS: i32 = 132;
+const FLAG_FP8: i32 = 1;
+const FLAG_ROUND_SCALE: i32 = 2;
+const FLAG_UE8M0: i32 = 4;
+
+/// Host-side LL state of one buffer.
+#[derive(Default, Debug)]
+pub struct LlState {
+    /// Half the next LL send uses.
+    next_half: usize,
+    /// `(T, H, E)` of the last send or clean; `None` before the first LL call.
+    geometry: Option<(usize, usize, usize)>,
+}
+
+/// Bytes the window needs beyond `num_nvl_bytes` for LL mode (`num_rdma_bytes`, plus alignment).
+pub fn extra_window_bytes(num_nvl_bytes: usize, num_rdma_bytes: usize, low_latency_mode: bool) -> usize {
+    if low_latency_mode {
+        num_nvl_bytes.div_ceil(BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT - num_nvl_bytes + num_rdma_bytes
+    } else {
+        0
+    }
+}
+
+fn ptr<T>(t: &TensorRef) -> *mut T {
+    t.data_ptr() as *mut T
+}
+fn opt_ptr<T>(t: Option<&TensorRef>) -> *mut T {
+    t.map_or(std::ptr::null_mut(), ptr)
+}
+fn dispatch_flags(o: &LlDispatchOptions) -> i32 {
+    (o.use_fp8 as i32 * FLAG_FP8) | (o.round_scale as i32 * FLAG_ROUND_SCALE) | (o.use_ue8m0 as i32 * FLAG_UE8M0)
+}
+fn aligned(op: &'static str, name: &str, t: &TensorRef) -> Result<()> {
+    crate::ensure!(t.data_ptr() as usize % 16 == 0, op, "{name} must start at a 16-byte aligned address on the nccl backend (got a view at {:p})", t.data_ptr());
+    Ok(())
+}
+
+impl NcclBackend {
+    /// The LL geometry as kernel arguments (area offsets and sizes), after the checks that
+    /// depend on this buffer.
+    fn ll_args(&self, op: &'static str, g: &LlGeometry) -> Result<LlArgs> {
+        let (r, e, t, h) = (self.info.num_ranks, g.num_experts, g.num_max_dispatch_tokens_per_rank, g.hidden);
+        crate::ensure!(self.info.low_latency_mode, op, "the buffer was not created with low_latency_mode=True");
+        crate::ensure!(e > 0 && e % r == 0, op, "num_experts ({e}) must be a positive multiple of num_ranks ({r})");
+        crate::ensure!(h > 0 && h % 128 == 0, op, "hidden ({h}) must be a positive multiple of 128");
+        crate::ensure!((1..=MAX_T).contains(&t), op, "num_max_dispatch_tokens_per_rank ({t}) must be in 1..={MAX_T}");
+        // Regions start 16-byte aligned (vector loads and stores) unless E·T·(H/128) is not a
+        // multiple of 4 (a combine slot is 4·H/128 + 2·H bytes).
+        crate::ensure!((e * t * (h / 128)) % 4 == 0, op, "the nccl backend needs num_experts * num_max_dispatch_tokens_per_rank * hidden / 128 to be a multiple of 4, got {e} * {t} * {}", h / 128);
+        let lay = LowLatencyLayout::new(t, h, e);
+        let need = lay.total_bytes();
+        crate::ensure!(
+            self.info.num_rdma_bytes >= need,
+            op,
+            "num_rdma_bytes = {} is too small for num_max_dispatch_tokens_per_rank={t}, hidden={h}, num_experts={e}: the low-latency buffer needs {need} bytes (get_low_latency_rdma_size_hint gives {})",
+            self.info.num_rdma_bytes,
+            low_latency_rdma_size_hint(t, h, r, e)
+        );
+        let ll_off = CONTROL_BYTES + self.info.num_nvl_bytes.div_ceil(BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT;
+        crate::ensure!(ll_off + need <= self.window.bytes(), op, "internal: LL area [{ll_off}, +{need}) outside the window of {} bytes", self.window.bytes());
+        Ok(LlArgs {
+            ll_off: ll_off as u64,
+            signal_bytes: lay.signal_bytes as u64,
+            send_bytes: lay.send_bytes as u64,
+            recv_bytes: lay.recv_bytes as u64,
+            msg_bytes: lay.dispatch_msg_bytes as u64,
+            num_max_tokens: t as i32,
+            hidden: h as i32,
+            num_experts: e as i32,
+            num_blocks: RECV_BLOCKS,
+            ..LlArgs::default()
+        })
+    }
+
+    /// Raises an error a kernel recorded earlier; non-timeout errors are cleared so the buffer
+    /// stays usable.
+    fn check_ll_pending(&self, op: &'static str, stream: Stream) -> Result<()> {
+        let Some(e) = self.window.status().error() else { return Ok(()) };
+        let where_ = site::name(e.site);
+        if e.code != err::TIMEOUT {
+            self.window.status().clear_error();
+            intranode::clear_error(op, self.window.ctx(), stream)?;
+        }
+        Err(match e.code {
+            err::TIMEOUT => Error::Timeout {
+                op,
+                rank: self.info.rank,
+                peers: vec![e.rank.max(0) as usize],
+                timeout_ms: self.timeout_ms(),
+                what: format!("GPU wait: {where_}; the buffer is unusable now"),
+            },
+            err::OVERFLOW if e.site == site::LL_DISPATCH => Error::invalid(op, format!(
+                "tokens over capacity: an expert of rank {} was selected {} times in one low-latency dispatch, more than num_max_dispatch_tokens_per_rank ({}); the extra selections were dropped",
+                e.rank, e.value, e.limit
+            )),
+            err::MISMATCH if e.site == site::LL_DISPATCH || e.site == site::LL_COMBINE => Error::invalid(op, format!(
+                "{where_} found data of another call (rank {}, value {}, expected {}): all ranks must pass the same hidden, num_max_dispatch_tokens_per_rank and num_experts, and a receive needs the state of the matching send",
+                e.rank, e.value, e.limit
+            )),
+            c => Error::Device { op, what: "low-latency kernel".into(), detail: format!("error code {c} (rank {}) at {where_}", e.rank) },
+        })
+    }
+
+    /// Zeroes the signal words of `a`'s geometry on every rank, between two barriers.
+    fn ll_reset_signals(&self, op: &'static str, a: &LlArgs, stream: Stream) -> Result<()> {
+        let barrier = SyncArgs { site: site::LL_GEOMETRY, ..Default::default() };
+        intranode::sync(op, self.window.ctx(), &barrier, stream)?;
+        k::zero_signals(op, self.window.ctx(), a, stream)?;
+        intranode::sync(op, self.window.ctx(), &barrier, stream)
+    }
+
+    /// Before a send: the first LL call, or one with a new geometry, resets the signals; then
+    /// takes the half.
+    fn ll_begin_send(&mut self, op: &'static str, a: &mut LlArgs, stream: Stream) -> Result<()> {
+        let key = (a.num_max_tokens as usize, a.hidden as usize, a.num_experts as usize);
+        if self.ll.geometry != Some(key) {
+            self.ll_reset_signals(op, a, stream)?;
+            self.ll.geometry = Some(key);
+        }
+        a.half = self.ll.next_half as i32;
+        self.ll.next_half ^= 1;
+        Ok(())
+    }
+
+    pub(super) fn ll_dispatch_send_impl(&mut self, g: &LlGeometry, o: &LlDispatchOptions, s: &LlDispatchSendArgs, out: &LlDispatchOutputs, stream: Stream) -> Result<()> {
+        self.check_ll_pending(OP_DISPATCH, stream)?;
+        let mut a = self.ll_args(OP_DISPATCH, g)?;
+        let n = s.x.size(0);
+        let k = if s.topk_idx.ndim() == 2 { s.topk_idx.size(1) } else { 0 };
+        crate::ensure!(n <= g.num_max_dispatch_tokens_per_rank, OP_DISPATCH, "x has {n} tokens, more than num_max_dispatch_tokens_per_rank ({})", g.num_max_dispatch_tokens_per_rank);
+        crate::ensure!(k <= 16, OP_DISPATCH, "num_topk must be <= 16 on the nccl backend, got {k}");
+        aligned(OP_DISPATCH, "x", &s.x)?;
+        a.use_fp8 = o.use_fp8 as i32;
+        a.round_scale = o.round_scale as i32;
+        a.use_ue8m0 = o.use_ue8m0 as i32;
+        a.flags = dispatch_flags(o);
+        a.num_tokens = n as i32;
+        a.num_topk = k as i32;
+        a.topk_is_int64 = (s.topk_idx.dtype == DType::Int64) as i32;
+        a.x = ptr(&s.x);
+        a.topk_idx = ptr(&s.topk_idx);
+        a.recv_state = ptr(&out.recv_state);
+        self.ll_begin_send(OP_DISPATCH, &mut a, stream)?;
+        k::dispatch_send(OP_DISPATCH, self.window.ctx(), &a, stream)
+    }
+
+    pub(super) fn ll_dispatch_recv_impl(&mut self, g: &LlGeometry, o: &LlDispatchOptions, out: &LlDispatchOutputs, st: &LlStats, stream: Stream) -> Result<()> {
+        self.check_ll_pending(OP_DISPATCH, stream)?;
+        let mut a = self.ll_args(OP_DISPATCH, g)?;
+        a.use_fp8 = o.use_fp8 as i32;
+        a.round_scale = o.round_scale as i32;
+        a.use_ue8m0 = o.use_ue8m0 as i32;
+        a.flags = dispatch_flags(o);
+        aligned(OP_DISPATCH, "recv_x", &out.recv_x)?;
+        a.recv_x = ptr(&out.recv_x);
+        if let Some(sc) = out.recv_x_scales.as_ref().filter(|_| o.use_fp8) {
+            a.recv_scales = ptr(sc);
+            a.scale_stride = [sc.strides()[0], sc.strides()[1], sc.strides()[2]];
+        }
+        a.recv_count = ptr(&out.recv_count);
+        a.src_info = ptr(&out.src_info);
+        a.layout_range = ptr(&out.layout_range);
+        a.recv_state = ptr(&out.recv_state);
+        a.cumulative = opt_ptr(st.cumulative_local_expert_recv_stats.as_ref());
+        a.wait_stats = opt_ptr(st.wait_recv_cost_stats.as_ref());
+        k::dispatch_recv(OP_DISPATCH, self.window.ctx(), &a, stream)
+    }
+
+    pub(super) fn ll_combine_send_impl(&mut self, g: &LlGeometry, s: &LlCombineSendArgs, stream: Stream) -> Result<()> {
+        self.check_ll_pending(OP_COMBINE, stream)?;
+        if s.use_logfmt {
+            return Err(Error::NotImplemented { op: OP_COMBINE, backend: "nccl", feature: "use_logfmt in low-latency combine" });
+        }
+        let mut a = self.ll_args(OP_COMBINE, g)?;
+        a.zero_copy = s.zero_copy as i32;
+        if !s.zero_copy {
+            aligned(OP_COMBINE, "x", &s.x)?;
+            a.x = ptr(&s.x);
+        }
+        a.src_info = ptr(&s.src_info);
+        a.layout_range = ptr(&s.layout_range);
+        a.recv_state = ptr(&s.recv_state);
+        self.ll_begin_send(OP_COMBINE, &mut a, stream)?;
+        k::combine_send(OP_COMBINE, self.window.ctx(), &a, stream)
+    }
+
+    pub(super) fn ll_combine_recv_impl(&mut self, g: &LlGeometry, r: &LlCombineRecvArgs, st: &LlStats, stream: Stream) -> Result<()> {
+        self.check_ll_pending(OP_COMBINE, stream)?;
+        let mut a = self.ll_args(OP_COMBINE, g)?;
+        let n = r.out.size(0);
+        let k = if r.topk_idx.ndim() == 2 { r.topk_idx.size(1) } else { 0 };
+        crate::ensure!(n <= g.num_max_dispatch_tokens_per_rank, OP_COMBINE, "out has {n} tokens, more than num_max_dispatch_tokens_per_rank ({})", g.num_max_dispatch_tokens_per_rank);
+        crate::ensure!(k <= 16, OP_COMBINE, "num_topk must be <= 16 on the nccl backend, got {k}");
+        aligned(OP_COMBINE, "out", &r.out)?;
+        a.num_tokens = n as i32;
+        a.num_topk = k as i32;
+        a.topk_is_int64 = (r.topk_idx.dtype == DType::Int64) as i32;
+        a.topk_idx = ptr(&r.topk_idx);
+        a.topk_weights = ptr(&r.topk_weights);
+        a.recv_state = ptr(&r.recv_state);
+        a.out = ptr(&r.out);
+        a.wait_stats = opt_ptr(st.wait_recv_cost_stats.as_ref());
+        a.num_blocks = REDUCE_BLOCKS;
+        k::combine_recv(OP_COMBINE, self.window.ctx(), &a, stream)
+    }
+
+    pub(super) fn ll_clean_impl(&mut self, g: &LlGeometry, stream: Stream) -> Result<()> {
+        self.check_ll_pending(OP_CLEAN, stream)?;
+        let a = self.ll_args(OP_CLEAN, g)?;
+        self.ll_reset_signals(OP_CLEAN, &a, stream)?;
+        self.ll = LlState { next_half: 0, geometry: Some((a.num_max_tokens as usize, a.hidden as usize, a.num_experts as usize)) };
+        Ok(())
+    }
+
+    pub(super) fn ll_next_combine_buffer_impl(&mut self, g: &LlGeometry) -> Result<TensorRef> {
+        let a = self.ll_args(OP_NEXT, g)?;
+        let (r, el, t, h) = (self.info.num_ranks as i64, (g.num_experts / self.info.num_ranks) as i64, a.num_max_tokens as i64, a.hidden as i64);
+        let (rt, m) = (r * t, h + h / 128 * 2);
+        let off = a.ll_off + 2 * a.signal_bytes + self.ll.next_half as u64 * a.send_bytes;
+        let base = self.window.ctx().peer_base[self.info.rank] as *mut u8;
+        let ptr = base.wrapping_add(off as usize);
+        Ok(TensorRef::new(ptr, DType::BFloat16, self.info.device, &[el, rt, h], &[rt * m, m, 1]))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn extra_bytes_keep_the_area_aligned() {
+        assert_eq!(extra_window_bytes(100, 1000, false), 0);
+        assert_eq!(extra_window_bytes(100, 1000, true), 28 + 1000);
+        assert_eq!(extra_window_bytes(0, 1000, true), 1000);
+    }
+}

@@ -1,0 +1,319 @@
+"""Low-latency mode on the nccl backend against the CPU backend, bit for bit.
+
+One process per GPU (torch.multiprocessing spawn, gloo for torch.distributed). Every process holds
+a CPU buffer and a GPU buffer (both low_latency_mode) over the same group, builds the same random
+inputs for both, runs low_latency_dispatch -> stand-in expert -> low_latency_combine on each and
+compares: recv_count, layout_range, cumulative stats exactly; recv_x, scales and src_info on the
+valid rows bitwise (both backends receive per (expert, source) in increasing token index); the
+combined output bitwise. Random configurations (default 200 per rank count): tokens 0..T with 0
+and 1, T up to 1500, hidden 2048/4096/5120/7168/8192 and 2176, top-k 1..9 with -1 entries, 8..288
+experts, int32/int64 ids, BF16 / FP8 / FP8 round_scale / FP8 UE8M0, combine fused, with hooks,
+zero-copy or into a caller-supplied out, dispatch with hooks, and two dispatches in flight.
+Then CUDA graphs of a whole decode step (dispatch -> expert -> combine), without and with hooks,
+are captured once and replayed DEEP_EP_LL_REPLAYS times (default 1000) with fresh inputs; every
+DEEP_EP_LL_CHECK_EVERY-th replay (default 10; 1 = all) and the last are checked against the CPU
+backend (its LL ops cost ~0.1 s per step, which made checking all 2 x 1000 replays too slow for
+one device command).
+
+Environment: DEEP_EP_LL_CONFIGS, DEEP_EP_LL_SEED, DEEP_EP_LL_REPLAYS, DEEP_EP_LL_BYTES (LL bytes
+per buffer, default 512 MiB; it bounds T * hidden * experts), DEEP_EP_TEST_LOG (directory for per-rank JSON results),
+DEEP_EP_LL_SECONDS (stop the random configurations after this many seconds; all that ran must pass),
+DEEP_EP_INTRANODE_DRY=1 (a second CPU buffer stands in for the GPU one; no graph).
+"""
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from test_intranode import DRY, _free_port, bits, diff, sync, to_gpu
+
+HIDDENS = [2048, 4096, 5120, 7168, 8192, 2176]
+TS = [1, 4, 16, 64, 128, 256, 512, 1024, 1500]
+MODES = {"bf16": (False, False, False), "fp8": (True, False, False), "fp8-round": (True, True, False), "fp8-ue8m0": (True, True, True)}
+COMBINES = ["fused", "hook", "zero_copy", "out"]
+LL_BYTES = int(os.environ.get("DEEP_EP_LL_BYTES", str(1 << 29)))
+
+
+def hint(t, h, r, e):
+    import deep_ep_rs
+    return deep_ep_rs.Buffer.get_low_latency_rdma_size_hint(t, h, r, e)
+
+
+def make_configs(num_ranks: int, count: int, seed: int) -> list:
+    """The same list on every rank."""
+    rng = random.Random(seed * 1000 + num_ranks + 17)
+    cfgs = []
+    while len(cfgs) < count:
+        i = len(cfgs)
+        hidden = rng.choice(HIDDENS)
+        experts = rng.choice([e for e in (8, 16, 32, 64, 128, 256, 288) if e % num_ranks == 0])
+        t = rng.choice(TS)
+        if hint(t, hidden, num_ranks, experts) > LL_BYTES:
+            continue
+        mode = rng.choice([m for m in MODES if m != "fp8-ue8m0" or hidden % 512 == 0])
+        def tokens():
+            u = rng.random()
+            return 0 if u < 0.1 else 1 if u < 0.2 else t if u < 0.35 else rng.randint(0, t)
+        cfg = dict(index=i, t=t, hidden=hidden, experts=experts, mode=mode, tokens=[tokens() for _ in range(num_ranks)],
+                   topk=rng.randint(1, min(9, experts)), minus_one=rng.choice([0.0, 0.05, 0.3]), idx64=rng.random() < 0.5,
+                   combine=rng.choice(COMBINES), dispatch_hook=rng.random() < 0.3, two_in_flight=rng.random() < 0.15,
+                   stats=rng.random() < 0.7)
+        if i == 0:
+            cfg["tokens"] = [0] * num_ranks
+        if i == 1:
+            cfg["tokens"] = [1] * num_ranks
+        cfgs.append(cfg)
+    return cfgs
+
+
+def make_inputs(g, n, hidden, k, experts, minus_one, idx64):
+    x = torch.randn(n, hidden, generator=g)
+    # A few large and tiny rows so FP8 scales vary across groups.
+    x = (x * torch.exp2(torch.randint(-8, 9, (n, hidden // 128), generator=g).float()).repeat_interleave(128, dim=1)).bfloat16()
+    scores = torch.rand(n, experts, generator=g)
+    idx = scores.topk(k, dim=1).indices
+    if minus_one > 0:
+        idx[torch.rand(n, k, generator=g) < minus_one] = -1
+    w = torch.randn(n, k, generator=g)
+    return x, idx.to(torch.int64 if idx64 else torch.int32), w
+
+
+def valid_rows(count: torch.Tensor, rows: int) -> torch.Tensor:
+    """[E_l, rows] bool: row r of expert l is below recv_count[l]."""
+    return torch.arange(rows)[None, :] < count.cpu()[:, None].long()
+
+
+def cmp_dispatch(tag, g, c, fp8, el) -> list:
+    """g, c = ((recv_x, scales), count, handle) of the GPU and CPU buffers."""
+    (gx, gs), gcount, gh = g
+    (cx, cs), ccount, ch = c
+    errs = diff(f"{tag} recv_count", gcount, ccount) + diff(f"{tag} layout_range", gh[1], ch[1])
+    if errs:
+        return errs
+    mask = valid_rows(ccount, cx.shape[1])
+    errs += diff(f"{tag} recv_x", bits(gx)[mask], bits(cx)[mask]) + diff(f"{tag} src_info", gh[0].cpu()[mask], ch[0][mask])
+    if fp8:
+        errs += diff(f"{tag} scales", bits(gs)[mask], bits(cs)[mask])
+    return errs
+
+
+def one_dispatch(buf, dev, x, idx, w, t, e, mode, hook, stats):
+    use_fp8, rs, ue = MODES[mode]
+    cum, wait = stats
+    rx, count, handle, _, h = buf.low_latency_dispatch(dev(x), dev(idx), t, e, cumulative_local_expert_recv_stats=cum,
+                                                       dispatch_wait_recv_cost_stats=wait, use_fp8=use_fp8, round_scale=rs,
+                                                       use_ue8m0=ue, return_recv_hook=hook, topk_weights=dev(w))
+    return rx, count, handle, h
+
+
+def run_config(cfg, rank, num_ranks, cpu_buf, gpu_buf) -> list:
+    g = torch.Generator().manual_seed(cfg["index"] * 7919 + rank * 104729 + 3)
+    t, hidden, e, k = cfg["t"], cfg["hidden"], cfg["experts"], cfg["topk"]
+    el = e // num_ranks
+    n = cfg["tokens"][rank]
+    fp8 = MODES[cfg["mode"]][0]
+    x, idx, w = make_inputs(g, n, hidden, k, e, cfg["minus_one"], cfg["idx64"])
+    x2, idx2, w2 = make_inputs(g, n, hidden, k, e, cfg["minus_one"], cfg["idx64"])
+    # Expert outputs: rows drawn from a random bank (cheap at T * hidden = millions of values).
+    bank = torch.randn(97, hidden, generator=g).bfloat16()
+    y = bank[torch.randint(0, 97, (el * num_ranks * t,), generator=g)].view(el, num_ranks * t, hidden)
+    res = {}
+    for name, buf, dev in (("cpu", cpu_buf, lambda v: v), ("gpu", gpu_buf, to_gpu)):
+        stats = (dev(torch.zeros(el, dtype=torch.int32)), dev(torch.zeros(num_ranks, dtype=torch.int64))) if cfg["stats"] else (None, None)
+        out = {}
+        if cfg["two_in_flight"]:
+            a = one_dispatch(buf, dev, x, idx, w, t, e, cfg["mode"], True, (None, None))
+            b = one_dispatch(buf, dev, x2, idx2, w2, t, e, cfg["mode"], True, (None, None))
+            a[3]()
+            b[3]()
+            # A third send would reuse A's half: every rank must have received A first.
+            sync()
+            dist.barrier()
+            out["second"] = b
+            d = a
+        else:
+            d = one_dispatch(buf, dev, x, idx, w, t, e, cfg["mode"], cfg["dispatch_hook"], stats)
+            if d[3] is not None:
+                d[3]()
+        rx, count, handle, _ = d
+        out["dispatch"] = ((rx, None) if not fp8 else rx, count, handle)
+        mode = cfg["combine"]
+        yin = dev(y)
+        if mode == "zero_copy":
+            buf.get_next_low_latency_combine_buffer(handle).copy_(yin)
+        kw = dict(zero_copy=mode == "zero_copy", return_recv_hook=mode == "hook")
+        if mode == "out":
+            kw["out"] = dev(torch.full((n, hidden), 7.0).bfloat16())
+        comb, _, hook = buf.low_latency_combine(yin, dev(idx), dev(w), handle, **kw)
+        if hook is not None:
+            hook()
+        out["combine"] = comb
+        out["stats"] = stats
+        res[name] = out
+    sync()
+    c, gg = res["cpu"], res["gpu"]
+    errs = cmp_dispatch("dispatch", gg["dispatch"], c["dispatch"], fp8, el)
+    if "second" in c:
+        sc, sg = c["second"], gg["second"]
+        errs += cmp_dispatch("second dispatch", ((sg[0], None) if not fp8 else sg[0], sg[1], sg[2]),
+                             ((sc[0], None) if not fp8 else sc[0], sc[1], sc[2]), fp8, el)
+    errs += diff("combined_x", gg["combine"], c["combine"])
+    if cfg["stats"] and not cfg["two_in_flight"]:
+        errs += diff("cumulative_local_expert_recv_stats", gg["stats"][0], c["stats"][0])
+        if not DRY and int((gg["stats"][1].cpu() < 0).sum()) > 0:
+            errs.append("dispatch_wait_recv_cost_stats went negative")
+    return errs
+
+
+def graph_test(rank, num_ranks, cpu_buf, gpu_buf, replays: int, hooks: bool) -> list:
+    """dispatch -> stand-in expert (per-expert scalar multiply, exact on both sides) -> combine,
+    captured once, replayed with fresh x / ids / weights, every replay checked."""
+    n, t, hidden, e, k = 24, 32, 2048, 8 * num_ranks, 4
+    el = e // num_ranks
+    x = torch.zeros(n, hidden, dtype=torch.bfloat16, device="cuda")
+    idx = torch.zeros(n, k, dtype=torch.int64, device="cuda")
+    w = torch.zeros(n, k, device="cuda")
+    scale = (torch.arange(el).float().add(1).mul(0.5)).bfloat16().view(el, 1, 1)
+    gscale = scale.cuda()
+
+    def fill(step):
+        g = torch.Generator().manual_seed(77777 * (step + 1) + rank + (500000 if hooks else 0))
+        xc, ic, wc = make_inputs(g, n, hidden, k, e, 0.1, True)
+        x.copy_(xc), idx.copy_(ic), w.copy_(wc)
+        return xc, ic, wc
+
+    def body():
+        rx, count, handle, _, h = gpu_buf.low_latency_dispatch(x, idx, t, e, use_fp8=False, return_recv_hook=hooks, topk_weights=w)
+        if h is not None:
+            h()
+        y = rx * gscale
+        out, _, h2 = gpu_buf.low_latency_combine(y, idx, w, handle, return_recv_hook=hooks)
+        if h2 is not None:
+            h2()
+        return rx, count, handle, out
+
+    fill(0)
+    body()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rx, count, handle, out = body()
+    errs = []
+    every = max(1, int(os.environ.get("DEEP_EP_LL_CHECK_EVERY", "10")))
+    for step in range(1, replays + 1):
+        xc, ic, wc = fill(step)
+        graph.replay()
+        if step % every != 0 and step != replays:
+            continue  # fresh inputs every replay; the CPU reference (~0.1 s a call) runs on a sample
+        crx, ccount, chandle, _, _ = cpu_buf.low_latency_dispatch(xc, ic, t, e, use_fp8=False, topk_weights=wc)
+        cout, _, _ = cpu_buf.low_latency_combine(crx * scale, ic, wc, chandle)
+        torch.cuda.synchronize()
+        e1 = cmp_dispatch("graph", ((rx, None), count, handle), ((crx, None), ccount, chandle), False, el)
+        e1 += diff("graph combined_x", out, cout)
+        errs += [f"replay {step}: {m}" for m in e1]
+        if rank == 0 and step % 250 == 0:
+            print(f"graph (hooks={hooks}) {num_ranks} ranks: {step} replays checked, {len(errs)} errors", flush=True)
+        if len(errs) > 10:
+            break
+    del graph
+    return errs
+
+
+def worker(rank, num_ranks, port, out_dir, count, seed, replays):
+    os.environ.setdefault("DEEP_EP_TIMEOUT_MS", "30000")
+    if not DRY:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
+    import deep_ep_rs
+    group = dist.group.WORLD
+    result = dict(rank=rank, num_ranks=num_ranks, configs=0, passed=0, failures=[], seconds=0.0, graph=None, graph_hooks=None, error=None)
+    try:
+        cpu_buf = deep_ep_rs.Buffer(group, 0, LL_BYTES, low_latency_mode=True, device="cpu", backend="cpu", explicitly_destroy=True)
+        if DRY:
+            gpu_buf = deep_ep_rs.Buffer(group, 0, LL_BYTES, low_latency_mode=True, device="cpu", backend="cpu", explicitly_destroy=True)
+        else:
+            gpu_buf = deep_ep_rs.Buffer(group, 0, LL_BYTES, low_latency_mode=True, device=torch.device("cuda", rank), backend="nccl",
+                                        explicitly_destroy=True)
+        stopped = False
+        seconds = float(os.environ.get("DEEP_EP_LL_SECONDS", "0"))
+        start = time.perf_counter()
+        for cfg in make_configs(num_ranks, count, seed):
+            exc = None
+            t0 = time.perf_counter()
+            try:
+                errs = run_config(cfg, rank, num_ranks, cpu_buf, gpu_buf)
+            except Exception as e:  # noqa: BLE001 - recorded and reported
+                exc = f"{type(e).__name__}: {e}"
+                errs = [f"exception: {exc}"]
+            result["configs"] += 1
+            result["seconds"] += time.perf_counter() - t0
+            if errs:
+                result["failures"].append(dict(cfg=cfg, errors=errs[:6]))
+            else:
+                result["passed"] += 1
+            over_time = seconds > 0 and time.perf_counter() - start > seconds
+            flag = torch.tensor([2 if exc else 1 if over_time else 0])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if int(flag) == 2:  # ranks may be out of step: stop here
+                stopped = True
+                break
+            if rank == 0 and result["configs"] % 10 == 0:
+                print(f"{num_ranks} ranks: {result['configs']} configs, {result['passed']} passed, {time.perf_counter() - start:.0f} s", flush=True)
+            if int(flag) == 1:  # time budget spent (DEEP_EP_LL_SECONDS): the configs run so far count
+                break
+        if not stopped and not DRY:
+            t0 = time.perf_counter()
+            result["graph"] = graph_test(rank, num_ranks, cpu_buf, gpu_buf, replays, hooks=False)
+            result["graph_hooks"] = graph_test(rank, num_ranks, cpu_buf, gpu_buf, replays, hooks=True)
+            result["graph_seconds"] = time.perf_counter() - t0
+        if not stopped:
+            gpu_buf.destroy()
+            cpu_buf.destroy()
+    except Exception:  # noqa: BLE001
+        result["error"] = traceback.format_exc()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_low_latency_matches_cpu_backend(num_ranks):
+    if not DRY and torch.cuda.device_count() < num_ranks:
+        pytest.skip(f"needs {num_ranks} GPUs")
+    for v in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        os.environ.setdefault(v, "0" if v == "NCCL_NVLS_ENABLE" else "1")
+    if "DEEP_EP_SHM_DIR" not in os.environ and (not os.path.isdir("/dev/shm") or shutil.disk_usage("/dev/shm").free < 3 * num_ranks * LL_BYTES):
+        os.environ["DEEP_EP_SHM_DIR"] = tempfile.gettempdir()
+    count = int(os.environ.get("DEEP_EP_LL_CONFIGS", "200"))
+    seed = int(os.environ.get("DEEP_EP_LL_SEED", "1"))
+    replays = int(os.environ.get("DEEP_EP_LL_REPLAYS", "1000"))
+    out_dir = os.environ.get("DEEP_EP_TEST_LOG") or tempfile.mkdtemp(prefix="deep_ep_ll_")
+    out_dir = os.path.join(out_dir, f"ll_ranks{num_ranks}")
+    os.makedirs(out_dir, exist_ok=True)
+    mp.start_processes(worker, args=(num_ranks, _free_port(), out_dir, count, seed, replays), nprocs=num_ranks, start_method="spawn")
+    results = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(num_ranks)]
+    lines = []
+    for r in results:
+        lines.append(f"rank {r['rank']}: {r['passed']}/{r['configs']} configs passed in {r['seconds']:.1f} s, graph ({r.get('graph_seconds', 0):.1f} s) errors {r['graph']}, hook graph errors {r['graph_hooks']}")
+        if r["error"]:
+            lines.append(r["error"])
+        for f in r["failures"][:5]:
+            lines.append(json.dumps(f)[:800])
+    print("\n".join(lines))
+    for r in results:
+        assert r["error"] is None, r["error"]
+        limited = float(os.environ.get("DEEP_EP_LL_SECONDS", "0")) > 0
+        assert r["configs"] >= 1 and r["passed"] == r["configs"] and (limited or r["configs"] == count), "\n".join(lines)
+        if not DRY:
+            assert r["graph"] == [] and r["graph_hooks"] == [], "\n".join(lines)

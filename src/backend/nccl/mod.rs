@@ -10,11 +10,17 @@
 //!
 //! Ordering rule: all ops of one buffer must be ordered on the GPU (one stream, or streams joined
 //! by events), as with DeepEP's comm stream: barrier epochs live on the device.
+//!
+//! Rank masking (LL): the mask and the shrink flag live in a host-mapped `int32_t[16]` block
+//! ([`HostMask`], layout in `ffi::host_mask`): words 0..8 = rank masked, word 8 = shrink mode.
+//! [`NcclBackend::ll_mask_device_ptr`] is the pointer LL kernels take; they read it at every
+//! launch (graph replays included), so mask updates need no re-capture.
 
 mod normal;
 
 use super::{Backend, BackendKind, BufferInfo, CachedDispatchArgs, CombineArgs, CombineOutputs, CreateArgs, DispatchArgs, DispatchOutputs, DispatchPlan, LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlStats, Stream, UNIQUE_ID_BYTES};
 use crate::error::{Error, Result};
+use crate::ffi::host_mask::{HostMask, SHRINK_WORD};
 use crate::ffi::intranode::MAX_RANKS;
 use crate::ffi::nccl::{self, NcclLib};
 use crate::ffi::nccl_window::{Window, WindowArgs};
@@ -32,6 +38,8 @@ pub struct NcclBackend {
     nccl_version: i32,
     window: Window,
     timeout: Duration,
+    /// LL rank mask + shrink flag, host-mapped so LL kernels read it (see the module doc).
+    mask: HostMask,
 }
 
 fn ni(op: &'static str, feature: &'static str) -> Error {
@@ -73,13 +81,21 @@ impl NcclBackend {
             timeout_ns: timeout.as_nanos().min(u64::MAX as u128) as u64,
         })?;
         let info = BufferInfo::from_args(a, BackendKind::Nccl);
-        Ok(NcclBackend { info, lib, nccl_version, window, timeout })
+        let mask = HostMask::new(OP)?;
+        Ok(NcclBackend { info, lib, nccl_version, window, timeout, mask })
     }
 
     /// A fresh `ncclUniqueId` ([`UNIQUE_ID_BYTES`] bytes) from one rank; host only, no GPU needed.
     pub fn unique_id() -> Result<Vec<u8>> {
         let (lib, _) = checked_library()?;
         Ok(nccl::unique_id(lib)?.to_vec())
+    }
+
+    /// Device pointer of the LL rank-mask block (`int32_t[16]`: words 0..8 = 1 if the rank is
+    /// masked, word 8 = shrink mode), for the LL kernels' arguments.
+    #[allow(dead_code)]
+    pub fn ll_mask_device_ptr(&self) -> *mut std::ffi::c_void {
+        self.mask.device_ptr()
     }
 
     fn timeout_ms(&self) -> u64 {
@@ -102,6 +118,26 @@ impl Backend for NcclBackend {
     fn destroy(&mut self) -> Result<()> {
         let timeout_ms = self.timeout_ms();
         self.window.close(timeout_ms)
+    }
+    fn ll_update_mask(&mut self, rank: usize, masked: bool) -> Result<()> {
+        self.mask.set(rank, masked as i32);
+        Ok(())
+    }
+    fn ll_mask(&self) -> Vec<bool> {
+        (0..self.info.num_ranks).map(|r| self.mask.get(r) != 0).collect()
+    }
+    fn ll_clean_mask(&mut self) -> Result<()> {
+        (0..MAX_RANKS).for_each(|r| self.mask.set(r, 0));
+        Ok(())
+    }
+    fn ll_set_shrink(&mut self, enable: bool) -> Result<()> {
+        self.mask.set(SHRINK_WORD, enable as i32);
+        Ok(())
+    }
+    fn wait_stats(&mut self, _reset: bool) -> Result<Vec<[i64; 2]>> {
+        // Peer waits run in kernels (flag barriers); LL kernels report per-source wait time in
+        // the dispatch/combine_wait_recv_cost_stats tensors instead.
+        Err(ni("deep_ep::wait_stats", "per-peer host wait statistics (waits run on the GPU; use the LL *_wait_recv_cost_stats tensors)"))
     }
 }
 

@@ -98,7 +98,7 @@ TORCH_LIBRARY(deep_ep, m) {
   // low_latency_combine(zero_copy=True) reads; valid while the buffer lives.
   m.def("get_next_low_latency_combine_buffer(int handle, int num_max_dispatch_tokens_per_rank, int hidden, int num_experts) -> Tensor");
 
-  // Local. Rank masking of low-latency mode (DeepEP's shrink helpers): this rank's LL ops skip a
+  // Local. Rank masking of low-latency mode (DeepEP's shrink-mode calls): this rank's LL ops skip a
   // masked rank (no send, no wait) and drop the experts it owns (combine contribution zero).
   // mask=True masks rank_to_mask, mask=False unmasks it.
   m.def("low_latency_update_mask_buffer(int handle, int rank_to_mask, bool mask=False) -> ()");

@@ -8,7 +8,11 @@ The cases are shared: this module imports them and swaps in CUDA inputs (the cas
 created under `with torch.device("cuda:0")`). Content checks that need the data on the host
 (routing tensors that disagree with topk_idx, ids out of range, handles of another dispatch) are
 made by the cpu backend; on the nccl backend they would need a device sync, so the GPU path does
-not raise for them (HOST_CONTENT_CHECKS): those calls must leave the library usable.
+not raise for them (HOST_CONTENT_CHECKS): those calls must leave the library usable. A worst-case
+overflow is found by a kernel and raised by the call or by the buffer's next call (KERNEL_CHECKS).
+
+DEEP_EP_GPU_DRY=1 runs the module without a GPU (cpu device and backend; the GPU-only cases skip),
+to check the harness itself.
 """
 import importlib.util
 import os
@@ -43,30 +47,48 @@ def _import_cases():
 
 
 tb = _import_cases()
-DEV = torch.device("cuda", 0)
+import deep_ep_rs  # noqa: E402,F401  (loads the library: registers torch.ops.deep_ep)
+
+SUPPORTS_DRY = True
+DRY = os.environ.get("DEEP_EP_GPU_DRY", "") == "1"
+DEV = torch.device("cpu") if DRY else torch.device("cuda", 0)
+BACKEND = "cpu" if DRY else "nccl"
 _cpu_good_inputs = tb.good_inputs
 
 # Data-content checks the cpu backend makes on the host and the nccl backend does not.
 HOST_CONTENT_CHECKS = {"dispatch-expert-id-too-large", "dispatch-expert-id-below-minus-one", "dispatch-ntpr-inconsistent",
                        "dispatch-ntpe-inconsistent", "dispatch-in-rank-inconsistent", "cached-stale-handle-other-dispatch",
                        "combine-stale-handle"}
+# Found by a kernel (no host sync in worst-case mode): raised by the call or by the buffer's next call.
+KERNEL_CHECKS = {"dispatch-worst-too-small"}
 # Same error, other words on CUDA inputs.
-GPU_REGEX = {"invalid-unique-id": r"unique_id must be a 1-D uint8 CPU tensor"}
+GPU_REGEX = {} if DRY else {"invalid-unique-id": r"unique_id must be a 1-D uint8 CPU tensor"}
 
 
 def _cuda_good_inputs(*a, **kw):
     return tuple(t.to(DEV) for t in _cpu_good_inputs(*a, **kw))
 
 
+def sync():
+    if not DRY:
+        torch.cuda.synchronize()
+
+
+def new_buffer(nvl):
+    ops = torch.ops.deep_ep
+    return int(ops.create_buffer(ops.get_unique_id(BACKEND, DEV), 0, 1, DEV, nvl, 0, False, BACKEND))
+
+
 @pytest.fixture(scope="module")
 def gpu_buffer():
-    if not torch.cuda.is_available():
+    if not DRY and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     for k, v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
         os.environ.setdefault(k, v)
-    torch.cuda.set_device(DEV)
+    if not DRY:
+        torch.cuda.set_device(DEV)
     ops = torch.ops.deep_ep
-    h = int(ops.create_buffer(ops.get_unique_id("nccl", DEV), 0, 1, DEV, 1 << 24, 0, False, "nccl"))
+    h = new_buffer(1 << 24)
     tb.good_inputs = _cuda_good_inputs
     try:
         assert gpu_works(h) > 0
@@ -89,7 +111,7 @@ def gpu_works(h, seed=123):
     assert torch.equal(cx, x[sel])
     got, _ = torch.ops.deep_ep.combine(h, out[0], None, None, None, *hd, tb.CFG)
     assert torch.equal(got, torch.where(sel.view(-1, 1), x, torch.zeros_like(x))), "combine after an error returned wrong values"
-    torch.cuda.synchronize()
+    sync()
     return int(sel.sum())
 
 
@@ -97,21 +119,24 @@ def gpu_works(h, seed=123):
 def test_shared_bad_call_on_gpu_then_still_usable(gpu_buffer, case):
     name, op, regex, fn = case
     ctx = tb.Ctx(gpu_buffer)
-    if name in HOST_CONTENT_CHECKS:
+    if name in KERNEL_CHECKS:
+        with pytest.raises(RuntimeError) as ei:
+            with torch.device(DEV):
+                fn(ctx)
+            sync()
+            gpu_works(gpu_buffer)
+        assert str(ei.value).startswith("deep_ep::dispatch: ") and re.search(regex, str(ei.value)), str(ei.value)
+    elif name in HOST_CONTENT_CHECKS:
         try:
             with torch.device(DEV):
                 fn(ctx)
-            torch.cuda.synchronize()
+            sync()
         except RuntimeError as e:
             assert str(e).startswith("deep_ep::"), str(e)
     else:
         with torch.device(DEV):
             tb.expect_error(op, GPU_REGEX.get(name, regex), fn, ctx)
     assert gpu_works(gpu_buffer, seed=len(name)) > 0
-
-
-def _dispatch_with(c, **kw):
-    return c.d(**kw)
 
 
 GPU_CASES = [
@@ -137,13 +162,15 @@ GPU_CASES = [
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 def test_gpu_only_bad_call_then_still_usable(gpu_buffer, case):
     name, op, regex, fn = case
+    if DRY and (name.startswith("mixed-") or name.startswith("nccl-") or name == "wait-stats-on-gpu-buffer"):
+        pytest.skip("needs a CUDA device")
     tb.expect_error(op, regex, fn, tb.Ctx(gpu_buffer))
     assert gpu_works(gpu_buffer) > 0
 
 
 def test_calls_after_destroy_on_gpu(gpu_buffer):
     ops = torch.ops.deep_ep
-    h = int(ops.create_buffer(ops.get_unique_id("nccl", DEV), 0, 1, DEV, 1 << 22, 0, False, "nccl"))
+    h = new_buffer(1 << 22)
     c = tb.Ctx(h)
     ops.destroy_buffer(h)
     calls = [("dispatch", lambda: c.d()), ("cached_dispatch", lambda: c.cached()), ("combine", lambda: c.combine()),

@@ -91,6 +91,8 @@ def create_destroy_worker(rank, world, cycles):
             gen = torch.Generator(device=dev).manual_seed(i)
             _spawn.ht_check(b, rank, world, n=64, hidden=1024, experts=16, topk=2, gen=gen, salt=i)
         b.destroy()
+        if rank == 0 and i % 25 == 24:
+            print(f"create/destroy cycle {i + 1}: {time.monotonic() - t0:.1f} s", flush=True)
     took = time.monotonic() - t0
     _, free1 = _mem()
     return dict(cycles=cycles, seconds=took, free=(free0, free1))

@@ -1,4 +1,4 @@
-"""Rank masking in low-latency mode (DeepEP's shrink helpers) and per-peer wait statistics on the
+"""Rank masking in low-latency mode (DeepEP's shrink-mode calls) and per-peer wait statistics on the
 CPU backend, multi-process: a dead rank that never calls an LL op, the survivors mask it (by
 hand, or shrink mode does after a timeout) and still get the reference results with the dead
 rank's experts dropped; mask query/update/clean and their argument errors; wait_stats names a

@@ -345,7 +345,7 @@ class Buffer:
     def wait_stats(self, reset: bool = False) -> torch.Tensor:
         """Per-peer host wait statistics of this rank (extension, local): int64 `[num_ranks, 2]`
         on the CPU, row p = [waits that included rank p, nanoseconds until p arrived], summed
-        since creation or the last `reset=True`. Covers every barrier and LL receive wait of
+        since creation or the last `reset=True` (this rank's own row stays zero). Covers every barrier and LL receive wait of
         the cpu backend; a rank that is always waited for longest is the straggler. The nccl
         backend waits on the GPU and raises (use the LL `*_wait_recv_cost_stats` tensors)."""
         return ops.wait_stats(self.handle, reset)

@@ -346,7 +346,7 @@ pub trait Backend: Send {
 
     /// Per-peer host wait statistics since creation or the last reset, local: for each rank
     /// `p`, `[waits, nanoseconds]` = how many host-side waits of this rank included `p` and the
-    /// total time spent until `p` arrived. Backends whose waits run on the GPU answer
+    /// total time spent until `p` arrived (the own row stays zero). Backends whose waits run on the GPU answer
     /// [`Error::NotImplemented`].
     fn wait_stats(&mut self, reset: bool) -> Result<Vec<[i64; 2]>>;
 }

@@ -168,13 +168,14 @@ impl CpuBackend {
         ctrl.atomic_u64(BARRIER_OFF + self.info.rank * SLOT).store(target, Ordering::Release);
         let n = self.info.num_ranks;
         let skip: Vec<bool> = (0..n).map(|p| masked_skip && self.mask[p]).collect();
+        let me = self.info.rank;
         let arrived = |p: usize| skip[p] || ctrl.atomic_u64(BARRIER_OFF + p * SLOT).load(Ordering::Acquire) >= target;
         let start = std::time::Instant::now();
         let mut seen = vec![false; n];
         let waits = &mut self.waits;
         let res = shm::wait_until(self.timeout, || {
             for p in 0..n {
-                if !seen[p] && !skip[p] && arrived(p) {
+                if !seen[p] && !skip[p] && p != me && arrived(p) {
                     seen[p] = true;
                     waits[p][0] += 1;
                     waits[p][1] += start.elapsed().as_nanos() as i64;
@@ -299,6 +300,44 @@ mod tests {
             })
             .collect();
         hs.into_iter().for_each(|h| h.join().unwrap());
+    }
+
+    #[test]
+    fn masked_barriers_skip_a_dead_rank_and_shrink_mode_masks_it() {
+        let id = CpuBackend::unique_id();
+        std::env::set_var("DEEP_EP_TIMEOUT_MS", "300");
+        let mut all: Vec<CpuBackend> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..3).map(|r| { let id = id.clone(); s.spawn(move || CpuBackend::create(&args(&id, r, 3, 4096)).unwrap()) }).collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let _dead = all.pop().unwrap(); // rank 2 never takes part again
+        let res: Vec<(Result<()>, Result<()>, Result<()>, Vec<bool>, Vec<[i64; 2]>)> = std::thread::scope(|s| {
+            let hs: Vec<_> = all
+                .iter_mut()
+                .map(|b| {
+                    s.spawn(move || {
+                        b.wait_stats(true).unwrap(); // forget the rendezvous
+                        b.ll_update_mask(2, true).unwrap();
+                        let masked = b.barrier_among("test", "masked", true);
+                        let ht = b.barrier_among("test", "normal mode ignores the mask", false);
+                        b.ll_clean_mask().unwrap();
+                        b.ll_set_shrink(true).unwrap();
+                        let shrink = b.barrier_among("test", "shrink", true);
+                        (masked, ht, shrink, b.ll_mask(), b.wait_stats(true).unwrap())
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, (masked, ht, shrink, mask, waits)) in res.into_iter().enumerate() {
+            assert!(masked.is_ok(), "{masked:?}");
+            let e = ht.unwrap_err().to_string();
+            assert!(e.contains("waiting for rank(s) [2]"), "{e}");
+            assert!(shrink.is_ok(), "{shrink:?}");
+            assert_eq!(mask, vec![false, false, true], "shrink mode masks the rank that did not arrive");
+            let peer = 1 - rank;
+            assert!(waits[peer][0] == 3 && waits[rank] == [0, 0] && waits[2][0] == 0, "{waits:?}");
+        }
     }
 
     #[test]

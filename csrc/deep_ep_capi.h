@@ -160,6 +160,13 @@ int deep_ep_ll_clean(int64_t handle, const deep_ep_ll_params_t* p);
 // Fills *view with a bf16 view [E_l, R*T, H] into the buffer (valid while the buffer lives).
 int deep_ep_ll_next_combine_buffer(int64_t handle, const deep_ep_ll_params_t* p, deep_ep_tensor_t* view);
 
+// ---- rank masking and wait statistics (local) ----------------------------------------------
+// action 0: mask (value 1) or unmask (value 0) `rank`; 1: query, out[0..num_ranks) = 1 if masked
+// (out_len must be num_ranks); 2: unmask every rank; 3: shrink mode on (value 1) or off.
+int deep_ep_ll_mask(int64_t handle, int32_t action, int64_t rank, int32_t value, int32_t* out, int64_t out_len);
+// out[2*num_ranks] = per peer [waits, nanoseconds] of host waits; reset != 0 zeroes them after reading.
+int deep_ep_wait_stats(int64_t handle, int32_t reset, int64_t* out, int64_t out_len);
+
 #ifdef __cplusplus
 }
 #endif

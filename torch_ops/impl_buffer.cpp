@@ -1,4 +1,4 @@
-// Buffer lifecycle and size hints. These take no device tensors, so they are registered for
+// Buffer lifecycle, size hints, rank masking and wait statistics. These take no device tensors, so they are registered for
 // CompositeExplicitAutograd (any device, no autograd).
 #include "common.h"
 
@@ -56,6 +56,30 @@ int64_t ll_hint(int64_t t, int64_t hidden, int64_t num_ranks, int64_t num_expert
 
 std::string build_info() { return std::string(deep_ep_build_info()); }
 
+void ll_update_mask(int64_t handle, int64_t rank, bool mask) { check(deep_ep_ll_mask(handle, 0, rank, mask ? 1 : 0, nullptr, 0)); }
+
+void ll_query_mask(int64_t handle, const at::Tensor& mask_status) {
+  const char* op = "deep_ep::low_latency_query_mask_buffer";
+  const int64_t r = buffer_info(handle, op).num_ranks();
+  TORCH_CHECK(mask_status.scalar_type() == at::kInt && mask_status.dim() == 1 && mask_status.size(0) == r, op,
+              ": mask_status must be a 1-D int32 tensor of num_ranks = ", r, " elements, got ", mask_status.scalar_type(), " of shape ",
+              mask_status.sizes());
+  auto host = at::empty({r}, at::TensorOptions().dtype(at::kInt));
+  check(deep_ep_ll_mask(handle, 1, 0, 0, host.data_ptr<int32_t>(), r));
+  mask_status.copy_(host);
+}
+
+void ll_clean_mask(int64_t handle) { check(deep_ep_ll_mask(handle, 2, 0, 0, nullptr, 0)); }
+
+void ll_set_shrink(int64_t handle, bool enable) { check(deep_ep_ll_mask(handle, 3, 0, enable ? 1 : 0, nullptr, 0)); }
+
+at::Tensor wait_stats(int64_t handle, bool reset) {
+  const int64_t r = buffer_info(handle, "deep_ep::wait_stats").num_ranks();
+  auto out = at::zeros({r, 2}, at::TensorOptions().dtype(at::kLong));
+  check(deep_ep_wait_stats(handle, reset ? 1 : 0, out.data_ptr<int64_t>(), 2 * r));
+  return out;
+}
+
 }  // namespace
 }  // namespace deep_ep_ops
 
@@ -68,4 +92,9 @@ TORCH_LIBRARY_IMPL(deep_ep, CompositeExplicitAutograd, m) {
   m.impl("rdma_buffer_size_hint", &deep_ep_ops::rdma_hint);
   m.impl("low_latency_rdma_size_hint", &deep_ep_ops::ll_hint);
   m.impl("build_info", &deep_ep_ops::build_info);
+  m.impl("low_latency_update_mask_buffer", &deep_ep_ops::ll_update_mask);
+  m.impl("low_latency_query_mask_buffer", &deep_ep_ops::ll_query_mask);
+  m.impl("low_latency_clean_mask_buffer", &deep_ep_ops::ll_clean_mask);
+  m.impl("low_latency_set_shrink", &deep_ep_ops::ll_set_shrink);
+  m.impl("wait_stats", &deep_ep_ops::wait_stats);
 }

@@ -97,4 +97,19 @@ TORCH_LIBRARY(deep_ep, m) {
   // Local. bf16 view [E_l,R*T,H] (strides R*T*M, M, 1 with M = H + H/64) into the buffer the next
   // low_latency_combine(zero_copy=True) reads; valid while the buffer lives.
   m.def("get_next_low_latency_combine_buffer(int handle, int num_max_dispatch_tokens_per_rank, int hidden, int num_experts) -> Tensor");
+
+  // Local. Rank masking of low-latency mode (DeepEP's shrink-mode calls): this rank's LL ops skip a
+  // masked rank (no send, no wait) and drop the experts it owns (combine contribution zero).
+  // mask=True masks rank_to_mask, mask=False unmasks it.
+  m.def("low_latency_update_mask_buffer(int handle, int rank_to_mask, bool mask=False) -> ()");
+  // Local. mask_status int32 [R] (any device) <- 1 for each masked rank, else 0.
+  m.def("low_latency_query_mask_buffer(int handle, Tensor(a!) mask_status) -> ()");
+  // Local. Unmasks every rank.
+  m.def("low_latency_clean_mask_buffer(int handle) -> ()");
+  // Local. Shrink mode (DeepEP's enable_shrink): an LL wait that times out masks the missing ranks
+  // instead of raising.
+  m.def("low_latency_set_shrink(int handle, bool enable) -> ()");
+  // Local. int64 [R, 2] CPU: per peer [waits, nanoseconds] of this rank's host-side waits since
+  // creation or the last reset (cpu backend; the nccl backend waits on the GPU and raises).
+  m.def("wait_stats(int handle, bool reset=False) -> Tensor");
 }

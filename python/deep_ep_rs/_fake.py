@@ -121,10 +121,22 @@ def _ll_next(handle, t, hidden, e):
     return torch.empty_strided((e // r, r * t, hidden), (r * t * m, m, 1), dtype=torch.bfloat16, device=_device(handle))
 
 
-# Collective ops must never be dropped or reordered by graph passes, even when an output is unused.
+@torch.library.register_fake("deep_ep::low_latency_query_mask_buffer")
+def _ll_query_mask(handle, mask_status):
+    return None
+
+
+@torch.library.register_fake("deep_ep::wait_stats")
+def _wait_stats(handle, reset=False):
+    return torch.empty((_num_ranks(handle), 2), dtype=torch.int64)
+
+
+# Collective ops must never be dropped or reordered by graph passes, even when an output is unused;
+# neither may the local ops that change the rank mask.
 for _name in ("dispatch", "cached_dispatch", "combine", "low_latency_dispatch", "low_latency_dispatch_send",
               "low_latency_dispatch_recv", "low_latency_combine", "low_latency_combine_send", "low_latency_combine_recv",
-              "clean_low_latency_buffer"):
+              "clean_low_latency_buffer", "low_latency_update_mask_buffer", "low_latency_query_mask_buffer",
+              "low_latency_clean_mask_buffer", "low_latency_set_shrink"):
     try:
         torch.fx.node.has_side_effect(getattr(ops, _name).default)
     except AttributeError:  # older torch: the op is still kept when its outputs are used

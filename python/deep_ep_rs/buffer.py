@@ -43,7 +43,8 @@ class Buffer:
 
     Arguments as DeepEP's: `group` (a ProcessGroup; `comm` is not supported), `num_nvl_bytes`
     (normal-mode buffer), `num_rdma_bytes` (low-latency buffer), `low_latency_mode`,
-    `explicitly_destroy`. `num_qps_per_rank`, `allow_nvlink_for_low_latency_mode`, `allow_mnnvl`,
+    `explicitly_destroy`, `enable_shrink` (an LL wait that times out masks the missing rank
+    instead of raising; the mask methods work with or without it). `num_qps_per_rank`, `allow_nvlink_for_low_latency_mode`, `allow_mnnvl`,
     `use_fabric` are accepted for compatibility. Extension: `device` (default: the current CUDA
     device, or the CPU when CUDA is absent or DEEP_EP_BACKEND=cpu) and `backend`.
     """
@@ -57,8 +58,6 @@ class Buffer:
                  backend: str = ""):
         if group is None:
             raise ValueError("deep_ep_rs.Buffer: a torch.distributed group is required (mpi4py comm is not supported)")
-        if enable_shrink:
-            raise NotImplementedError("deep_ep_rs.Buffer: enable_shrink (rank masking) is not implemented yet")
         self.group = group
         self.rank = group.rank()
         self.group_size = group.size()
@@ -66,7 +65,7 @@ class Buffer:
         self.num_rdma_bytes = int(num_rdma_bytes)
         self.low_latency_mode = bool(low_latency_mode)
         self.explicitly_destroy = bool(explicitly_destroy)
-        self.enable_shrink = False
+        self.enable_shrink = bool(enable_shrink)
         self.num_qps_per_rank = num_qps_per_rank
         self.device = torch.device(device) if device is not None else _default_device()
         self._handle = None
@@ -76,6 +75,8 @@ class Buffer:
         self._handle = int(ops.create_buffer(torch.tensor(ids[0], dtype=torch.uint8), self.rank, self.group_size, self.device,
                                              self.num_nvl_bytes, self.num_rdma_bytes, self.low_latency_mode, backend))
         self.runtime = self._handle
+        if self.enable_shrink:
+            ops.low_latency_set_shrink(self._handle, True)
         self._comm_stream = torch.cuda.Stream(device=self.device, priority=-1) if self.device.type == "cuda" else None
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -327,11 +328,24 @@ class Buffer:
         _, _, t, hidden, e = handle
         return ops.get_next_low_latency_combine_buffer(self.handle, t, hidden, e)
 
-    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False):
-        raise NotImplementedError("deep_ep_rs: rank masking (enable_shrink) is not implemented yet")
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Masks (`mask=True`) or unmasks `rank_to_mask` for this rank's LL ops (local). A
+        masked rank is neither sent to nor waited for; tokens routed to its experts are
+        dropped (no send, zero combine contribution)."""
+        ops.low_latency_update_mask_buffer(self.handle, rank_to_mask, mask)
 
-    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor):
-        raise NotImplementedError("deep_ep_rs: rank masking (enable_shrink) is not implemented yet")
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Writes the mask into `mask_status` (int32 `[num_ranks]`, any device): 1 = masked."""
+        ops.low_latency_query_mask_buffer(self.handle, mask_status)
 
-    def low_latency_clean_mask_buffer(self):
-        raise NotImplementedError("deep_ep_rs: rank masking (enable_shrink) is not implemented yet")
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmasks every rank (local)."""
+        ops.low_latency_clean_mask_buffer(self.handle)
+
+    def wait_stats(self, reset: bool = False) -> torch.Tensor:
+        """Per-peer host wait statistics of this rank (extension, local): int64 `[num_ranks, 2]`
+        on the CPU, row p = [waits that included rank p, nanoseconds until p arrived], summed
+        since creation or the last `reset=True` (this rank's own row stays zero). Covers every barrier and LL receive wait of
+        the cpu backend; a rank that is always waited for longest is the straggler. The nccl
+        backend waits on the GPU and raises (use the LL `*_wait_recv_cost_stats` tensors)."""
+        return ops.wait_stats(self.handle, reset)

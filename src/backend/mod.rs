@@ -325,6 +325,30 @@ pub trait Backend: Send {
 
     /// Releases the buffer (collective: barriers so no peer still reads it).
     fn destroy(&mut self) -> Result<()>;
+
+    /// Rank masking of low-latency mode (DeepEP's `low_latency_update_mask_buffer`), local:
+    /// marks `rank` (already range-checked) dead (`masked`) or alive. LL ops of this rank then
+    /// neither send to nor wait for a masked rank, and the experts it owns are dropped: tokens
+    /// routed to them are not sent and contribute zero to the combine. Takes effect at the next
+    /// LL op (on CUDA: at the next kernel launch or graph replay, the mask lives in host-mapped
+    /// memory). Normal-mode ops ignore the mask.
+    fn ll_update_mask(&mut self, rank: usize, masked: bool) -> Result<()>;
+
+    /// The mask of every rank (`true` = masked), local.
+    fn ll_mask(&self) -> Vec<bool>;
+
+    /// Unmasks every rank (DeepEP's `low_latency_clean_mask_buffer`), local.
+    fn ll_clean_mask(&mut self) -> Result<()>;
+
+    /// Shrink mode (DeepEP's `enable_shrink`), local: when on, an LL wait (or an LL barrier)
+    /// that times out masks the ranks that did not arrive and goes on instead of raising.
+    fn ll_set_shrink(&mut self, enable: bool) -> Result<()>;
+
+    /// Per-peer host wait statistics since creation or the last reset, local: for each rank
+    /// `p`, `[waits, nanoseconds]` = how many host-side waits of this rank included `p` and the
+    /// total time spent until `p` arrived (the own row stays zero). Backends whose waits run on the GPU answer
+    /// [`Error::NotImplemented`].
+    fn wait_stats(&mut self, reset: bool) -> Result<Vec<[i64; 2]>>;
 }
 
 /// Creates the backend `kind` for `args`.

@@ -184,7 +184,7 @@ fn op_name(name: &str) -> &'static str {
         "deep_ep::dispatch", "deep_ep::cached_dispatch", "deep_ep::combine", "deep_ep::low_latency_dispatch",
         "deep_ep::low_latency_dispatch_send", "deep_ep::low_latency_dispatch_recv", "deep_ep::low_latency_combine",
         "deep_ep::low_latency_combine_send", "deep_ep::low_latency_combine_recv", "deep_ep::clean_low_latency_buffer",
-        "deep_ep::get_next_low_latency_combine_buffer",
+        "deep_ep::get_next_low_latency_combine_buffer", "deep_ep::low_latency_query_mask_buffer", "deep_ep::wait_stats",
     ];
     KNOWN.iter().find(|k| **k == name).copied().unwrap_or("deep_ep::buffer_info")
 }
@@ -258,3 +258,41 @@ pub unsafe extern "C" fn deep_ep_get_dispatch_layout(
     })
 }
 
+
+/// See `deep_ep_ll_mask` in the header.
+///
+/// # Safety
+/// `out` points to `out_len` writable int32 (may be NULL unless `action` is 1).
+#[no_mangle]
+pub unsafe extern "C" fn deep_ep_ll_mask(handle: i64, action: i32, rank: i64, value: i32, out: *mut i32, out_len: i64) -> c_int {
+    guard(|| match action {
+        0 => ops::low_latency_update_mask(handle, rank, value != 0),
+        1 => {
+            const OP: &str = "deep_ep::low_latency_query_mask_buffer";
+            let m = ops::low_latency_query_mask(handle)?;
+            crate::ensure!(!out.is_null() && out_len as usize == m.len(), OP, "mask_status must have num_ranks = {} elements, got {out_len}", m.len());
+            std::ptr::copy_nonoverlapping(m.as_ptr(), out, m.len());
+            Ok(())
+        }
+        2 => ops::low_latency_clean_mask(handle),
+        3 => ops::low_latency_set_shrink(handle, value != 0),
+        _ => Err(Error::invalid("deep_ep::low_latency_update_mask_buffer", format!("internal: unknown mask action {action}"))),
+    })
+}
+
+/// See `deep_ep_wait_stats` in the header.
+///
+/// # Safety
+/// `out` points to `out_len` writable int64.
+#[no_mangle]
+pub unsafe extern "C" fn deep_ep_wait_stats(handle: i64, reset: i32, out: *mut i64, out_len: i64) -> c_int {
+    guard(|| {
+        let v = ops::wait_stats(handle, reset != 0)?;
+        crate::ensure!(!out.is_null() && out_len as usize == 2 * v.len(), "deep_ep::wait_stats", "internal: output must hold {} int64, got {out_len}", 2 * v.len());
+        for (i, w) in v.iter().enumerate() {
+            *out.add(2 * i) = w[0];
+            *out.add(2 * i + 1) = w[1];
+        }
+        Ok(())
+    })
+}

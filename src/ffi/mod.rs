@@ -10,6 +10,8 @@ pub mod kernels;
 pub mod intranode;
 #[cfg(feature = "cuda")]
 pub mod low_latency;
+#[cfg(feature = "cuda")]
+pub mod host_mask;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 #[cfg(feature = "nccl")]

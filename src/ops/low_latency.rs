@@ -160,3 +160,34 @@ pub fn next_low_latency_combine_buffer(handle: i64, g: &LlGeometry) -> Result<Te
         b.next_low_latency_combine_buffer(g)
     })
 }
+
+const MASK_UPDATE: &str = "deep_ep::low_latency_update_mask_buffer";
+const MASK_QUERY: &str = "deep_ep::low_latency_query_mask_buffer";
+const MASK_CLEAN: &str = "deep_ep::low_latency_clean_mask_buffer";
+const SHRINK: &str = "deep_ep::low_latency_set_shrink";
+
+/// `deep_ep::low_latency_update_mask_buffer` (local): masks (`masked`) or unmasks `rank` for
+/// this rank's LL ops.
+pub fn low_latency_update_mask(handle: i64, rank: i64, masked: bool) -> Result<()> {
+    buffer::with(MASK_UPDATE, handle, |b| {
+        let r = b.info().num_ranks;
+        crate::ensure!((0..r as i64).contains(&rank), MASK_UPDATE, "rank_to_mask must be in [0, {r}), got {rank}");
+        crate::log_info!(Some(b.info().rank), "{MASK_UPDATE}: rank {rank} {}", if masked { "masked" } else { "unmasked" });
+        b.ll_update_mask(rank as usize, masked)
+    })
+}
+
+/// `deep_ep::low_latency_query_mask_buffer` (local): 1 per masked rank, 0 otherwise (`[R]`).
+pub fn low_latency_query_mask(handle: i64) -> Result<Vec<i32>> {
+    buffer::with(MASK_QUERY, handle, |b| Ok(b.ll_mask().into_iter().map(i32::from).collect()))
+}
+
+/// `deep_ep::low_latency_clean_mask_buffer` (local): unmasks every rank.
+pub fn low_latency_clean_mask(handle: i64) -> Result<()> {
+    buffer::with(MASK_CLEAN, handle, |b| b.ll_clean_mask())
+}
+
+/// `deep_ep::low_latency_set_shrink` (local): shrink mode on or off (see `Backend::ll_set_shrink`).
+pub fn low_latency_set_shrink(handle: i64, enable: bool) -> Result<()> {
+    buffer::with(SHRINK, handle, |b| b.ll_set_shrink(enable))
+}

@@ -116,3 +116,9 @@ fn cuda_dispatch_layout(_: &TensorRef, _: usize, _: usize, _: &LayoutOutputs, _:
 pub(crate) fn on_device(op: &'static str, name: &'static str, t: &TensorRef, dtypes: &[DType], device: Device) -> Result<()> {
     t.check(op, name).on(dtypes, device)?.done()
 }
+
+/// `deep_ep::wait_stats` (local): per peer `[waits, nanoseconds]` of this rank's host waits
+/// (see `Backend::wait_stats`); `reset` zeroes them after reading.
+pub fn wait_stats(handle: i64, reset: bool) -> Result<Vec<[i64; 2]>> {
+    buffer::with("deep_ep::wait_stats", handle, |b| b.wait_stats(reset))
+}

@@ -13,7 +13,9 @@ ops = torch.ops.deep_ep
 EXPECTED_OPS = ["get_unique_id", "create_buffer", "destroy_buffer", "buffer_info", "get_dispatch_layout", "dispatch",
                 "cached_dispatch", "combine", "low_latency_dispatch", "low_latency_dispatch_send", "low_latency_dispatch_recv",
                 "low_latency_combine", "low_latency_combine_send", "low_latency_combine_recv", "clean_low_latency_buffer",
-                "get_next_low_latency_combine_buffer", "nvl_buffer_size_hint", "rdma_buffer_size_hint", "low_latency_rdma_size_hint"]
+                "get_next_low_latency_combine_buffer", "nvl_buffer_size_hint", "rdma_buffer_size_hint", "low_latency_rdma_size_hint",
+                "low_latency_update_mask_buffer", "low_latency_query_mask_buffer", "low_latency_clean_mask_buffer",
+                "low_latency_set_shrink", "wait_stats"]
 
 
 def test_ops_registered():

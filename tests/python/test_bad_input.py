@@ -633,6 +633,11 @@ EXTRA_CASES = [
     ("destroyed-clean", "clean_low_latency_buffer", DESTROYED, lambda c: c.ops.clean_low_latency_buffer(c.dead, T_LL, H_LL, E_LL)),
     ("destroyed-next-combine-buffer", "get_next_low_latency_combine_buffer", DESTROYED,
      lambda c: c.ops.get_next_low_latency_combine_buffer(c.dead, T_LL, H_LL, E_LL)),
+    ("mask-rank-out-of-range", "low_latency_update_mask_buffer", r"rank_to_mask must be in \[0, 1\), got 5", lambda c: c.ops.low_latency_update_mask_buffer(c.h, 5, True)),
+    ("mask-status-float", "low_latency_query_mask_buffer", r"mask_status must be a 1-D int32", lambda c: c.ops.low_latency_query_mask_buffer(c.h, torch.zeros(1))),
+    ("destroyed-clean-mask", "low_latency_clean_mask_buffer", DESTROYED, lambda c: c.ops.low_latency_clean_mask_buffer(c.dead)),
+    ("destroyed-set-shrink", "low_latency_set_shrink", DESTROYED, lambda c: c.ops.low_latency_set_shrink(c.dead, True)),
+    ("destroyed-wait-stats", "wait_stats", DESTROYED, lambda c: c.ops.wait_stats(c.dead)),
     ("destroy-never-created", "destroy_buffer", r"buffer handle 987654323 does not exist", lambda c: c.ops.destroy_buffer(987654323)),
     # create_buffer: ranks, sizes, device
     ("create-rank-equals-num-ranks", "create_buffer", r"rank 2 out of range for num_ranks 2", lambda c: c.create(rank=2, num_ranks=2)),

@@ -47,6 +47,11 @@ EXPECTED = {
     "clean_low_latency_buffer": "clean_low_latency_buffer(int handle, int num_max_dispatch_tokens_per_rank, int hidden, int num_experts) -> ()",
     "get_next_low_latency_combine_buffer": "get_next_low_latency_combine_buffer(int handle, int num_max_dispatch_tokens_per_rank, int hidden, "
                                            "int num_experts) -> Tensor",
+    "low_latency_update_mask_buffer": "low_latency_update_mask_buffer(int handle, int rank_to_mask, bool mask=False) -> ()",
+    "low_latency_query_mask_buffer": "low_latency_query_mask_buffer(int handle, Tensor(a!) mask_status) -> ()",
+    "low_latency_clean_mask_buffer": "low_latency_clean_mask_buffer(int handle) -> ()",
+    "low_latency_set_shrink": "low_latency_set_shrink(int handle, bool enable) -> ()",
+    "wait_stats": "wait_stats(int handle, bool reset=False) -> Tensor",
 }
 
 # Ops on the data path (tensors in and/or out, may sit inside a compiled graph): each needs a fake kernel.
@@ -55,12 +60,13 @@ EXPECTED = {
 # the remaining ops take and return no tensors.
 FAKE_OPS = ["get_dispatch_layout", "dispatch", "cached_dispatch", "combine", "low_latency_dispatch", "low_latency_dispatch_send",
             "low_latency_dispatch_recv", "low_latency_combine", "low_latency_combine_send", "low_latency_combine_recv",
-            "get_next_low_latency_combine_buffer"]
+            "get_next_low_latency_combine_buffer", "low_latency_query_mask_buffer", "wait_stats"]
 
 # Collective ops must never be dropped by graph passes (deep_ep_rs._fake marks them side-effecting).
 SIDE_EFFECT_OPS = ["dispatch", "cached_dispatch", "combine", "low_latency_dispatch", "low_latency_dispatch_send",
                    "low_latency_dispatch_recv", "low_latency_combine", "low_latency_combine_send", "low_latency_combine_recv",
-                   "clean_low_latency_buffer"]
+                   "clean_low_latency_buffer", "low_latency_update_mask_buffer", "low_latency_query_mask_buffer",
+                   "low_latency_clean_mask_buffer", "low_latency_set_shrink"]
 
 
 def test_registered_op_set_is_exactly_the_documented_one(deep_ep):
@@ -99,5 +105,7 @@ def test_ops_have_real_cpu_kernels(deep_ep):
                  "low_latency_dispatch_recv", "low_latency_combine", "low_latency_combine_send", "low_latency_combine_recv"]:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"deep_ep::{name}", "CPU"), name
     for name in ["get_unique_id", "create_buffer", "destroy_buffer", "buffer_info", "nvl_buffer_size_hint", "rdma_buffer_size_hint",
-                 "low_latency_rdma_size_hint", "clean_low_latency_buffer", "get_next_low_latency_combine_buffer", "build_info"]:
+                 "low_latency_rdma_size_hint", "clean_low_latency_buffer", "get_next_low_latency_combine_buffer", "build_info",
+                 "low_latency_update_mask_buffer", "low_latency_query_mask_buffer", "low_latency_clean_mask_buffer",
+                 "low_latency_set_shrink", "wait_stats"]:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"deep_ep::{name}", "CompositeExplicitAutograd"), name

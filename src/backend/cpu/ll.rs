@@ -179,10 +179,10 @@ impl CpuBackend {
             }
             Some(_) => {}
         }
-        self.barrier(op, "every rank finished the calls of the previous low-latency geometry")?;
+        self.barrier_among(op, "every rank finished the calls of the previous low-latency geometry", true)?;
         self.ll_zero_signals(geo);
         self.ll.geometry = Some(key);
-        self.barrier(op, "every rank zeroed its signals for the new low-latency geometry")
+        self.barrier_among(op, "every rank zeroed its signals for the new low-latency geometry", true)
     }
 
     /// Takes the half for a new send: flips `next_half`, bumps its sequence number.
@@ -213,15 +213,19 @@ impl CpuBackend {
         Ok((half, seq, v[2]))
     }
 
-    /// Waits until `ready()`; on expiry names `peers()` (the ranks that have not arrived).
-    fn ll_wait(&self, op: &'static str, what: impl Fn() -> String, mut ready: impl FnMut() -> bool, peers: impl Fn() -> Vec<usize>) -> Result<Duration> {
-        shm::wait_until(self.timeout, &mut ready).map_err(|_| Error::Timeout {
-            op,
-            rank: self.info.rank,
-            peers: peers(),
-            timeout_ms: self.timeout.as_millis() as u64,
-            what: what(),
-        })
+    /// Waits until `ready()` and returns the time waited; on expiry names `peers()` (the ranks
+    /// that have not arrived), or in shrink mode masks them and returns `None`.
+    fn ll_wait(&mut self, op: &'static str, what: impl Fn() -> String, mut ready: impl FnMut() -> bool, peers: impl Fn() -> Vec<usize>) -> Result<Option<Duration>> {
+        if let Ok(d) = shm::wait_until(self.timeout, &mut ready) {
+            return Ok(Some(d));
+        }
+        let missing = peers();
+        if self.shrink {
+            crate::log_warn!(Some(self.info.rank), "{op}: ranks {missing:?} did not arrive within {} ms ({}); shrink mode masks them", self.timeout.as_millis(), what());
+            missing.iter().for_each(|&p| self.mask[p] = true);
+            return Ok(None);
+        }
+        Err(Error::Timeout { op, rank: self.info.rank, peers: missing, timeout_ms: self.timeout.as_millis() as u64, what: what() })
     }
 
     pub(super) fn ll_dispatch_send_impl(&mut self, g: &LlGeometry, o: &LlDispatchOptions, a: &LlDispatchSendArgs, out: &LlDispatchOutputs) -> Result<()> {
@@ -257,7 +261,8 @@ impl CpuBackend {
             if o.use_fp8 {
                 fp8::ll_cast_token(row, o.round_scale, &mut q, &mut si);
             }
-            for &e in sel.iter().filter(|&&e| e >= 0) {
+            // Experts of masked ranks are dropped: nothing is sent to a dead rank.
+            for &e in sel.iter().filter(|&&e| e >= 0 && !self.mask[e as usize / geo.el]) {
                 let e = e as usize;
                 let (dst, l) = (e / geo.el, e % geo.el);
                 let off = geo.msg(half, l, me, slot[e]);
@@ -273,7 +278,7 @@ impl CpuBackend {
             }
         }
         // Every (rank, local expert) gets a count, zero included, so receivers need no CPU.
-        for (e, &c) in count.iter().enumerate() {
+        for (e, &c) in count.iter().enumerate().filter(|(e, _)| !self.mask[e / geo.el]) {
             sig_store(&regions[e / geo.el], geo.sig(half), (e % geo.el) * geo.r + me, tag(seq, c));
         }
         write_state(&out.recv_state, half, seq, dispatch_flags(o), KIND_DISPATCH);
@@ -305,13 +310,25 @@ impl CpuBackend {
             let mut begin = 0usize;
             for src in 0..r {
                 let w = l * r + src;
-                let d = self.ll_wait(
-                    OP_DISPATCH,
-                    || format!("dispatch count of local expert {l} from rank {src} (half {half}, call {seq}); word holds {:#x}", sig_load(&mine, sig, w)),
-                    || arrived(sig_load(&mine, sig, w), seq).is_some(),
-                    || vec![src],
-                )?;
+                // A masked source sends nothing: its block is empty (also when shrink mode
+                // masks it here after a timeout).
+                let d = if self.mask[src] {
+                    None
+                } else {
+                    self.ll_wait(
+                        OP_DISPATCH,
+                        || format!("dispatch count of local expert {l} from rank {src} (half {half}, call {seq}); word holds {:#x}", sig_load(&mine, sig, w)),
+                        || arrived(sig_load(&mine, sig, w), seq).is_some(),
+                        || vec![src],
+                    )?
+                };
+                let Some(d) = d else {
+                    layout_range[l * r + src] = (begin as i64) << 32;
+                    continue;
+                };
                 waited[src] += d.as_nanos() as u64;
+                self.waits[src][0] += 1;
+                self.waits[src][1] += d.as_nanos() as i64;
                 let count = arrived(sig_load(&mine, sig, w), seq).unwrap_or(0);
                 crate::ensure!(count <= t, OP_DISPATCH, "rank {src} announced {count} tokens for local expert {l}, more than {t}");
                 layout_range[l * r + src] = ((begin as i64) << 32) | count as i64;
@@ -391,7 +408,7 @@ impl CpuBackend {
         let mine = self.ll_region(me);
         let mut row_buf = vec![0u16; h];
         let mut slot_buf = vec![0u8; if a.use_logfmt { logfmt::slot_bytes(h) } else { 0 }];
-        for s in 0..r {
+        for s in (0..r).filter(|&s| !self.mask[s]) {
             let dst = self.ll_region(s);
             for l in 0..el {
                 let (b, c) = range(l, s);
@@ -437,14 +454,22 @@ impl CpuBackend {
         let sig = geo.sig(half);
         let missing = |s: usize| (s * el..(s + 1) * el).any(|w| arrived(sig_load(&mine, sig, w), seq).is_none());
         let mut waited = vec![0u64; r];
-        for (s, ws) in waited.iter_mut().enumerate() {
+        for s in 0..r {
+            if self.mask[s] {
+                continue; // a masked rank returns nothing; its experts contribute zero below
+            }
+            let mask = self.mask.clone();
             let d = self.ll_wait(
                 OP_COMBINE,
                 || format!("combine flags of rank {s}'s local experts (half {half}, call {seq})"),
                 || !missing(s),
-                || (0..r).filter(|&p| missing(p)).collect(),
+                || (0..r).filter(|&p| !mask[p] && missing(p)).collect(),
             )?;
-            *ws = d.as_nanos() as u64;
+            if let Some(d) = d {
+                waited[s] = d.as_nanos() as u64;
+                self.waits[s][0] += 1;
+                self.waits[s][1] += d.as_nanos() as i64;
+            }
         }
         let out = a.out.cpu_slice_mut::<u16>();
         let mut acc = vec![0f32; h];
@@ -454,8 +479,8 @@ impl CpuBackend {
             acc.fill(0.0);
             for kk in 0..k {
                 let e = idx[tok * k + kk];
-                if e < 0 {
-                    continue;
+                if e < 0 || self.mask[e as usize / el] {
+                    continue; // no expert, or an expert of a masked rank: dropped
                 }
                 let (off, wt) = (geo.slot(half, e as usize, tok), w[tok * k + kk]);
                 if logfmt {
@@ -483,10 +508,10 @@ impl CpuBackend {
     pub(super) fn ll_clean_impl(&mut self, g: &LlGeometry) -> Result<()> {
         let geo = self.ll_geo(OP_CLEAN, g)?;
         // Nobody may still be sending into the signals we zero, nor start before we finish.
-        self.barrier(OP_CLEAN, "before zeroing the low-latency signals")?;
+        self.barrier_among(OP_CLEAN, "before zeroing the low-latency signals", true)?;
         self.ll_zero_signals(&geo);
         self.ll = LlState { geometry: Some((geo.t, geo.h, geo.e)), ..LlState::default() };
-        self.barrier(OP_CLEAN, "after zeroing the low-latency signals")
+        self.barrier_among(OP_CLEAN, "after zeroing the low-latency signals", true)
     }
 
     pub(super) fn ll_next_combine_buffer_impl(&mut self, g: &LlGeometry) -> Result<TensorRef> {

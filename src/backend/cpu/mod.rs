@@ -47,6 +47,12 @@ pub struct CpuBackend {
     epoch: u64,
     pub(crate) timeout: Duration,
     pub(crate) ll: ll::LlState,
+    /// LL rank mask (`true` = masked); local to this rank, survives `clean_low_latency_buffer`.
+    pub(crate) mask: Vec<bool>,
+    /// Shrink mode: an LL wait that times out masks the missing ranks instead of raising.
+    pub(crate) shrink: bool,
+    /// Per peer: `[waits, ns]` spent in host waits until that peer arrived (`wait_stats`).
+    pub(crate) waits: Vec<[i64; 2]>,
 }
 
 impl CpuBackend {
@@ -102,6 +108,9 @@ impl CpuBackend {
             epoch: 0,
             timeout: crate::settings::timeout(),
             ll: ll::LlState::default(),
+            mask: vec![false; a.num_ranks],
+            shrink: false,
+            waits: vec![[0, 0]; a.num_ranks],
         };
         let record = [1u64, a.num_ranks as u64, a.num_nvl_bytes as u64, a.num_rdma_bytes as u64, a.low_latency_mode as u64];
         b.control().write(RECORD_OFF + a.rank * SLOT, &record);
@@ -146,19 +155,44 @@ impl CpuBackend {
 
     /// All ranks meet. On timeout the error names the ranks that never arrived.
     pub(crate) fn barrier(&mut self, op: &'static str, what: &str) -> Result<()> {
+        self.barrier_among(op, what, false)
+    }
+
+    /// A barrier of the ranks not in `self.mask` when `masked_skip` (LL mode), else of all
+    /// ranks. In shrink mode a masked barrier that times out masks the missing ranks and
+    /// returns `Ok`. Each peer's arrival time is added to `wait_stats`.
+    pub(crate) fn barrier_among(&mut self, op: &'static str, what: &str, masked_skip: bool) -> Result<()> {
         self.epoch += 1;
         let target = self.epoch;
         let ctrl = self.control();
         ctrl.atomic_u64(BARRIER_OFF + self.info.rank * SLOT).store(target, Ordering::Release);
         let n = self.info.num_ranks;
-        let arrived = |p: usize| ctrl.atomic_u64(BARRIER_OFF + p * SLOT).load(Ordering::Acquire) >= target;
-        shm::wait_until(self.timeout, || (0..n).all(arrived)).map(|_| ()).map_err(|_| Error::Timeout {
-            op,
-            rank: self.info.rank,
-            peers: (0..n).filter(|&p| !arrived(p)).collect(),
-            timeout_ms: self.timeout.as_millis() as u64,
-            what: format!("barrier: {what}"),
-        })
+        let skip: Vec<bool> = (0..n).map(|p| masked_skip && self.mask[p]).collect();
+        let me = self.info.rank;
+        let arrived = |p: usize| skip[p] || ctrl.atomic_u64(BARRIER_OFF + p * SLOT).load(Ordering::Acquire) >= target;
+        let start = std::time::Instant::now();
+        let mut seen = vec![false; n];
+        let waits = &mut self.waits;
+        let res = shm::wait_until(self.timeout, || {
+            for p in 0..n {
+                if !seen[p] && !skip[p] && p != me && arrived(p) {
+                    seen[p] = true;
+                    waits[p][0] += 1;
+                    waits[p][1] += start.elapsed().as_nanos() as i64;
+                }
+            }
+            (0..n).all(arrived)
+        });
+        if res.is_ok() {
+            return Ok(());
+        }
+        let peers: Vec<usize> = (0..n).filter(|&p| !arrived(p)).collect();
+        if masked_skip && self.shrink {
+            crate::log_warn!(Some(self.info.rank), "{op}: ranks {peers:?} missed the barrier ({what}) within {} ms; shrink mode masks them", self.timeout.as_millis());
+            peers.iter().for_each(|&p| self.mask[p] = true);
+            return Ok(());
+        }
+        Err(Error::Timeout { op, rank: self.info.rank, peers, timeout_ms: self.timeout.as_millis() as u64, what: format!("barrier: {what}") })
     }
 }
 
@@ -212,6 +246,33 @@ impl Backend for CpuBackend {
         // so no barrier is needed (and a destructor can never hang waiting for a peer).
         Ok(())
     }
+
+    fn ll_update_mask(&mut self, rank: usize, masked: bool) -> Result<()> {
+        self.mask[rank] = masked;
+        Ok(())
+    }
+
+    fn ll_mask(&self) -> Vec<bool> {
+        self.mask.clone()
+    }
+
+    fn ll_clean_mask(&mut self) -> Result<()> {
+        self.mask.fill(false);
+        Ok(())
+    }
+
+    fn ll_set_shrink(&mut self, enable: bool) -> Result<()> {
+        self.shrink = enable;
+        Ok(())
+    }
+
+    fn wait_stats(&mut self, reset: bool) -> Result<Vec<[i64; 2]>> {
+        let out = self.waits.clone();
+        if reset {
+            self.waits.fill([0, 0]);
+        }
+        Ok(out)
+    }
 }
 
 #[cfg(test)]
@@ -239,6 +300,44 @@ mod tests {
             })
             .collect();
         hs.into_iter().for_each(|h| h.join().unwrap());
+    }
+
+    #[test]
+    fn masked_barriers_skip_a_dead_rank_and_shrink_mode_masks_it() {
+        let id = CpuBackend::unique_id();
+        std::env::set_var("DEEP_EP_TIMEOUT_MS", "300");
+        let mut all: Vec<CpuBackend> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..3).map(|r| { let id = id.clone(); s.spawn(move || CpuBackend::create(&args(&id, r, 3, 4096)).unwrap()) }).collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let _dead = all.pop().unwrap(); // rank 2 never takes part again
+        let res: Vec<(Result<()>, Result<()>, Result<()>, Vec<bool>, Vec<[i64; 2]>)> = std::thread::scope(|s| {
+            let hs: Vec<_> = all
+                .iter_mut()
+                .map(|b| {
+                    s.spawn(move || {
+                        b.wait_stats(true).unwrap(); // forget the rendezvous
+                        b.ll_update_mask(2, true).unwrap();
+                        let masked = b.barrier_among("test", "masked", true);
+                        let ht = b.barrier_among("test", "normal mode ignores the mask", false);
+                        b.ll_clean_mask().unwrap();
+                        b.ll_set_shrink(true).unwrap();
+                        let shrink = b.barrier_among("test", "shrink", true);
+                        (masked, ht, shrink, b.ll_mask(), b.wait_stats(true).unwrap())
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, (masked, ht, shrink, mask, waits)) in res.into_iter().enumerate() {
+            assert!(masked.is_ok(), "{masked:?}");
+            let e = ht.unwrap_err().to_string();
+            assert!(e.contains("waiting for rank(s) [2]"), "{e}");
+            assert!(shrink.is_ok(), "{shrink:?}");
+            assert_eq!(mask, vec![false, false, true], "shrink mode masks the rank that did not arrive");
+            let peer = 1 - rank;
+            assert!(waits[peer][0] == 3 && waits[rank] == [0, 0] && waits[2][0] == 0, "{waits:?}");
+        }
     }
 
     #[test]

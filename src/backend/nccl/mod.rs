@@ -11,12 +11,18 @@
 //!
 //! Ordering rule: all ops of one buffer must be ordered on the GPU (one stream, or streams joined
 //! by events), as with DeepEP's comm stream: barrier epochs live on the device.
+//!
+//! Rank masking (LL): the mask and the shrink flag live in a host-mapped `int32_t[16]` block
+//! ([`HostMask`], layout in `ffi::host_mask`): words 0..8 = rank masked, word 8 = shrink mode.
+//! [`NcclBackend::ll_mask_device_ptr`] is the pointer LL kernels take; they read it at every
+//! launch (graph replays included), so mask updates need no re-capture.
 
 mod low_latency;
 mod normal;
 
 use super::{Backend, BackendKind, BufferInfo, CachedDispatchArgs, CombineArgs, CombineOutputs, CreateArgs, DispatchArgs, DispatchOutputs, DispatchPlan, LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlStats, Stream, UNIQUE_ID_BYTES};
 use crate::error::{Error, Result};
+use crate::ffi::host_mask::{HostMask, SHRINK_WORD};
 use crate::ffi::intranode::MAX_RANKS;
 use crate::ffi::nccl::{self, NcclLib};
 use crate::ffi::nccl_window::{Window, WindowArgs};
@@ -36,6 +42,8 @@ pub struct NcclBackend {
     timeout: Duration,
     /// Low-latency host state (half of the next send, geometry of the signals).
     ll: low_latency::LlState,
+    /// LL rank mask + shrink flag, host-mapped so LL kernels read it (see the module doc).
+    mask: HostMask,
 }
 
 fn ni(op: &'static str, feature: &'static str) -> Error {
@@ -78,13 +86,31 @@ impl NcclBackend {
             timeout_ns: timeout.as_nanos().min(u64::MAX as u128) as u64,
         })?;
         let info = BufferInfo::from_args(a, BackendKind::Nccl);
-        Ok(NcclBackend { info, lib, nccl_version, window, timeout, ll: low_latency::LlState::default() })
+        let mask = HostMask::new(OP)?;
+        Ok(NcclBackend { info, lib, nccl_version, window, timeout, ll: low_latency::LlState::default(), mask })
     }
 
     /// A fresh `ncclUniqueId` ([`UNIQUE_ID_BYTES`] bytes) from one rank; host only, no GPU needed.
     pub fn unique_id() -> Result<Vec<u8>> {
         let (lib, _) = checked_library()?;
         Ok(nccl::unique_id(lib)?.to_vec())
+    }
+
+    /// Device pointer of the LL rank-mask block (`int32_t[16]`: words 0..8 = 1 if the rank is
+    /// masked, word 8 = shrink mode), for the LL kernels' arguments.
+    #[allow(dead_code)] // taken by the LL kernels once they apply the mask
+    pub fn ll_mask_device_ptr(&self) -> *mut std::ffi::c_void {
+        self.mask.device_ptr()
+    }
+
+    /// The GPU LL kernels do not apply the rank mask yet: refuse an LL call while any rank is
+    /// masked or shrink mode is on, instead of silently ignoring the mask.
+    fn ll_mask_unsupported(&self, op: &'static str) -> Result<()> {
+        let masked = (0..self.info.num_ranks).any(|r| self.mask.get(r) != 0);
+        if masked || self.mask.get(SHRINK_WORD) != 0 {
+            return Err(ni(op, "rank masking / shrink mode in the GPU low-latency kernels"));
+        }
+        Ok(())
     }
 
     fn timeout_ms(&self) -> u64 {
@@ -98,15 +124,35 @@ impl Backend for NcclBackend {
     fn dispatch_finish(&mut self, a: &DispatchArgs, p: &DispatchPlan, o: &DispatchOutputs) -> Result<()> { self.ht_dispatch_finish(a, p, o) }
     fn cached_dispatch(&mut self, a: &CachedDispatchArgs, x: &TensorRef, s: Option<&TensorRef>) -> Result<()> { self.ht_cached_dispatch(a, x, s) }
     fn combine(&mut self, a: &CombineArgs, o: &CombineOutputs) -> Result<()> { self.ht_combine(a, o) }
-    fn ll_dispatch_send(&mut self, g: &LlGeometry, o: &LlDispatchOptions, a: &LlDispatchSendArgs, out: &LlDispatchOutputs, s: Stream) -> Result<()> { self.ll_dispatch_send_impl(g, o, a, out, s) }
-    fn ll_dispatch_recv(&mut self, g: &LlGeometry, o: &LlDispatchOptions, out: &LlDispatchOutputs, st: &LlStats, s: Stream) -> Result<()> { self.ll_dispatch_recv_impl(g, o, out, st, s) }
-    fn ll_combine_send(&mut self, g: &LlGeometry, a: &LlCombineSendArgs, s: Stream) -> Result<()> { self.ll_combine_send_impl(g, a, s) }
-    fn ll_combine_recv(&mut self, g: &LlGeometry, a: &LlCombineRecvArgs, st: &LlStats, s: Stream) -> Result<()> { self.ll_combine_recv_impl(g, a, st, s) }
+    fn ll_dispatch_send(&mut self, g: &LlGeometry, o: &LlDispatchOptions, a: &LlDispatchSendArgs, out: &LlDispatchOutputs, s: Stream) -> Result<()> { self.ll_mask_unsupported("deep_ep::low_latency_dispatch")?; self.ll_dispatch_send_impl(g, o, a, out, s) }
+    fn ll_dispatch_recv(&mut self, g: &LlGeometry, o: &LlDispatchOptions, out: &LlDispatchOutputs, st: &LlStats, s: Stream) -> Result<()> { self.ll_mask_unsupported("deep_ep::low_latency_dispatch")?; self.ll_dispatch_recv_impl(g, o, out, st, s) }
+    fn ll_combine_send(&mut self, g: &LlGeometry, a: &LlCombineSendArgs, s: Stream) -> Result<()> { self.ll_mask_unsupported("deep_ep::low_latency_combine")?; self.ll_combine_send_impl(g, a, s) }
+    fn ll_combine_recv(&mut self, g: &LlGeometry, a: &LlCombineRecvArgs, st: &LlStats, s: Stream) -> Result<()> { self.ll_mask_unsupported("deep_ep::low_latency_combine")?; self.ll_combine_recv_impl(g, a, st, s) }
     fn clean_low_latency_buffer(&mut self, g: &LlGeometry, s: Stream) -> Result<()> { self.ll_clean_impl(g, s) }
     fn next_low_latency_combine_buffer(&mut self, g: &LlGeometry) -> Result<TensorRef> { self.ll_next_combine_buffer_impl(g) }
     fn destroy(&mut self) -> Result<()> {
         let timeout_ms = self.timeout_ms();
         self.window.close(timeout_ms)
+    }
+    fn ll_update_mask(&mut self, rank: usize, masked: bool) -> Result<()> {
+        self.mask.set(rank, masked as i32);
+        Ok(())
+    }
+    fn ll_mask(&self) -> Vec<bool> {
+        (0..self.info.num_ranks).map(|r| self.mask.get(r) != 0).collect()
+    }
+    fn ll_clean_mask(&mut self) -> Result<()> {
+        (0..MAX_RANKS).for_each(|r| self.mask.set(r, 0));
+        Ok(())
+    }
+    fn ll_set_shrink(&mut self, enable: bool) -> Result<()> {
+        self.mask.set(SHRINK_WORD, enable as i32);
+        Ok(())
+    }
+    fn wait_stats(&mut self, _reset: bool) -> Result<Vec<[i64; 2]>> {
+        // Peer waits run in kernels (flag barriers); LL kernels report per-source wait time in
+        // the dispatch/combine_wait_recv_cost_stats tensors instead.
+        Err(ni("deep_ep::wait_stats", "per-peer host wait statistics (waits run on the GPU; use the LL *_wait_recv_cost_stats tensors)"))
     }
 }
 

@@ -1,0 +1,108 @@
+"""Spawns one process per GPU for the GPU tests of this directory (torch.multiprocessing spawn,
+gloo for torch.distributed) and collects one JSON result per rank.
+
+`run(fn, world, *args, env=...)` runs `fn(rank, world, *args)` on ranks 0..world-1 (each on
+cuda:rank) and returns a list with, per rank, `{"ok": value}`, `{"skip": reason}`,
+`{"error": traceback}`, or None for a rank that exited without reporting (a rank may end itself
+on purpose, e.g. with os._exit). `fn` must be a module-level function of an importable module.
+`ht_check(...)` is a closed-form check of one normal-mode dispatch/combine round trip.
+"""
+import json
+import os
+import socket
+import tempfile
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+class Skip(Exception):
+    """Raised by a rank to skip the test with a reason."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, out_dir, fn, args, env):
+    os.environ.update(env)
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        res = {"ok": fn(rank, world, *args)}
+    except Skip as e:
+        res = {"skip": str(e)}
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        res = {"error": traceback.format_exc()}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def run(fn, world, *args, env=None):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
+    for k, v in GPU_ENV.items():
+        os.environ.setdefault(k, v)
+    out_dir = tempfile.mkdtemp(prefix="deep_ep_gpu_")
+    mp.spawn(_entry, args=(world, _free_port(), out_dir, fn, args, dict(env or {})), nprocs=world, join=True)
+    out = []
+    for r in range(world):
+        p = os.path.join(out_dir, f"rank{r}.json")
+        out.append(json.load(open(p)) if os.path.exists(p) else None)
+    errors = {r: o["error"] for r, o in enumerate(out) if o and "error" in o}
+    assert not errors, "\n".join(f"--- rank {r} ---\n{e}" for r, e in errors.items())
+    skips = [o["skip"] for o in out if o and "skip" in o]
+    if skips:
+        pytest.skip(skips[0])
+    return out
+
+
+def pattern_x(rank, n, hidden, salt, device):
+    """x[n, j] = ((7*rank + 3*n + 5*j + salt) % 64 - 32) / 8: exact in bf16, recomputable by any
+    receiver from (source rank, token index)."""
+    tok = torch.arange(n, device=device).view(-1, 1)
+    col = torch.arange(hidden, device=device).view(1, -1)
+    return (((7 * rank + 3 * tok + 5 * col + salt) % 64 - 32).float() / 8).to(torch.bfloat16)
+
+
+def ht_check(buf, rank, world, n, hidden, experts, topk, gen, salt):
+    """One dispatch -> identity expert -> combine with random routing from `gen` on buf's device;
+    checks every received row against pattern_x of its source and the combine against the closed
+    form x * (ranks the token went to). Returns the number of received rows."""
+    dev = buf.device
+    scores = torch.rand((n, experts), generator=gen, device=dev)
+    idx = scores.topk(topk, dim=1).indices
+    idx[torch.rand((n, topk), generator=gen, device=dev) < 0.1] = -1
+    w = torch.rand((n, topk), generator=gen, device=dev)
+    x = pattern_x(rank, n, hidden, salt, dev)
+    ntpr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+    recv_x, _, _, per_expert, handle, _ = buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank,
+                                                       num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=w)
+    rpm, src_idx = handle[0].cpu(), handle[3].cpu().long()
+    rows = recv_x.shape[0]
+    assert rows == int(rpm[world - 1, rank]), f"received {rows} rows, rank_prefix_matrix says {int(rpm[world - 1, rank])}"
+    begin = 0
+    got = recv_x.cpu()
+    for s in range(world):
+        end = int(rpm[s, rank])
+        if end > begin:
+            want = pattern_x(s, int(src_idx[begin:end].max()) + 1, hidden, salt, "cpu")[src_idx[begin:end]]
+            assert torch.equal(got[begin:end], want), f"rows from rank {s} differ"
+        begin = end
+    combined, _, _ = buf.combine(recv_x, handle)
+    k = in_rank.sum(dim=1, keepdim=True).float()
+    want = (x.float() * k).to(torch.bfloat16)
+    assert torch.equal(combined, want), f"combine differs by {(combined.float() - want.float()).abs().max()}"
+    return rows

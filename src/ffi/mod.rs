@@ -8,6 +8,8 @@ pub mod tensor;
 pub mod kernels;
 #[cfg(feature = "cuda")]
 pub mod intranode;
+#[cfg(feature = "cuda")]
+pub mod transport;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 #[cfg(feature = "nccl")]

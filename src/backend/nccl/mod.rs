@@ -11,6 +11,7 @@
 //! Ordering rule: all ops of one buffer must be ordered on the GPU (one stream, or streams joined
 //! by events), as with DeepEP's comm stream: barrier epochs live on the device.
 
+pub mod gin;
 mod normal;
 
 use super::{Backend, BackendKind, BufferInfo, CachedDispatchArgs, CombineArgs, CombineOutputs, CreateArgs, DispatchArgs, DispatchOutputs, DispatchPlan, LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlStats, Stream, UNIQUE_ID_BYTES};

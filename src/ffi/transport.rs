@@ -207,8 +207,8 @@ mod tests {
         assert!(e.contains("cudaErrorInvalidValue"), "{e}");
     }
 
-    /// What the fake `ncclDevCommCreate` below was handed: the requirement fields at their
-    /// NCCL 2.28.9 offsets (`nccl_device/core.h`; the runtime version is pinned to the headers).
+    // What the fake `ncclDevCommCreate` below was handed: the requirement fields at their
+    // NCCL 2.28.9 offsets (`nccl_device/core.h`; the runtime version is pinned to the headers).
     // Per thread: the stand-in is called on the test's own thread, and tests run in parallel.
     thread_local! {
         static SEEN: std::cell::RefCell<Vec<i32>> = const { std::cell::RefCell::new(Vec::new()) };

@@ -110,6 +110,12 @@ extern "C" {
     fn deep_ep_tp_gin_devcomm_create(create_fn: *mut c_void, comm: *mut c_void, reqs: *const GinReqs, devcomm: *mut c_void, devcomm_bytes: usize, info: *mut GinInfo) -> c_int;
     fn deep_ep_tp_struct_size(which: c_int) -> usize;
     fn deep_ep_nccl_devcomm_bytes() -> usize;
+    fn deep_ep_cuda_malloc(ptr: *mut *mut c_void, bytes: usize) -> c_int;
+    fn deep_ep_cuda_free(ptr: *mut c_void) -> c_int;
+    fn deep_ep_cuda_memset_async(ptr: *mut c_void, value: c_int, bytes: usize, stream: *mut c_void) -> c_int;
+    fn deep_ep_cuda_host_alloc_mapped(host: *mut *mut c_void, device_ptr: *mut *mut c_void, bytes: usize) -> c_int;
+    fn deep_ep_cuda_free_host(host: *mut c_void) -> c_int;
+    fn deep_ep_cuda_stream_synchronize(stream: *mut c_void) -> c_int;
 }
 
 /// Fails when a Rust mirror's size differs from the C struct's (header and this file out of step).
@@ -171,6 +177,106 @@ pub unsafe fn gin_devcomm_create(create_fn: *mut c_void, comm: *mut c_void, reqs
 /// Wraps an NCCL result of [`gin_devcomm_create`] that is not a device error of ours.
 pub fn devcomm_error(op: &'static str, code: i32, detail: String) -> Error {
     Error::Device { op, what: "ncclDevCommCreate (GIN)".into(), detail: format!("ncclResult_t {code}: {detail}") }
+}
+
+// ---- LSA self-test on a live intranode window ------------------------------------------------
+// Layout, right after the control area (the data area is unused while a buffer is created):
+// signal table (one context, one signal per sender), the own staging block, then one receive
+// block per rail-team member.
+const ST_SIGNALS_OFF: u64 = super::intranode::CONTROL_BYTES as u64;
+const ST_BYTES: u64 = 16 << 10;
+const ST_SRC_OFF: u64 = ST_SIGNALS_OFF + 4096;
+const ST_DST_OFF: u64 = ST_SRC_OFF + ST_BYTES;
+
+/// Window bytes the LSA self-test needs for `num_ranks` ranks.
+pub fn lsa_self_test_bytes(num_ranks: usize) -> u64 {
+    ST_DST_OFF + ST_BYTES * num_ranks as u64
+}
+
+/// First half of the LSA self-test: zeroes this rank's signal table on `stream`. Every rank must
+/// have done this (and synchronised) before any rank calls [`lsa_self_test_run`]: a host
+/// rendezvous between the two (buffer creation has one).
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
+pub fn lsa_self_test_prepare(op: &'static str, ctx: &super::intranode::Ctx, stream: *mut c_void) -> Result<()> {
+    crate::ensure!(ctx.window_bytes >= lsa_self_test_bytes(ctx.num_ranks as usize), op, "internal: window of {} bytes too small for the transport self-test", ctx.window_bytes);
+    let own = ctx.peer_base[ctx.rank as usize];
+    // SAFETY: 4096 bytes inside this rank's own live window (size checked above).
+    let st = unsafe { deep_ep_cuda_memset_async(own.cast::<u8>().add(ST_SIGNALS_OFF as usize).cast(), 0, 4096, stream) };
+    super::kernels::check(st, op, "zeroing the transport self-test signals")
+}
+
+/// Second half: one round of the ping over the LSA transport between the ranks of each rail
+/// (`rail_stride` = ranks per emulated node; 1 = all ranks), synchronous on `stream`. Collective.
+/// A silent peer raises [`Error::Timeout`] naming it; corrupted data an [`Error::Device`].
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
+pub fn lsa_self_test_run(op: &'static str, ctx: &super::intranode::Ctx, rail_stride: usize, timeout_ns: u64, stream: *mut c_void) -> Result<()> {
+    let n = ctx.num_ranks as usize;
+    crate::ensure!(rail_stride >= 1 && n % rail_stride == 0 && n <= MAX_LSA_PEERS, op, "internal: self-test rail stride {rail_stride} for {n} ranks");
+    let mut lsa = LsaDesc { peer_base: [std::ptr::null_mut(); MAX_LSA_PEERS], rank: ctx.rank, num_ranks: ctx.num_ranks, num_contexts: 1, num_signals: MAX_LSA_PEERS as i32, signal_off: ST_SIGNALS_OFF, window_bytes: ctx.window_bytes };
+    lsa.peer_base[..n].copy_from_slice(&ctx.peer_base[..n]);
+    let mapped = MappedStatus::new(op)?;
+    let mut claim: *mut c_void = std::ptr::null_mut();
+    // SAFETY: writes one device pointer; freed below on every path.
+    super::kernels::check(unsafe { deep_ep_cuda_malloc(&mut claim, 4) }, op, "cudaMalloc (self-test claim word)")?;
+    let result = (|| {
+        // SAFETY: 4 bytes of the allocation above.
+        super::kernels::check(unsafe { deep_ep_cuda_memset_async(claim, 0, 4, stream) }, op, "cudaMemsetAsync")?;
+        let args = PingArgs { rank: ctx.rank, num_ranks: ctx.num_ranks, rail_stride: rail_stride as i32, context: 0, signal: 0, seq: 1, bytes: ST_BYTES, src_off: ST_SRC_OFF, dst_off: ST_DST_OFF, expect: 1, timeout_ns, status: mapped.device.cast(), claim: claim.cast() };
+        // SAFETY: the windows, the mapped status and the claim word outlive the kernel (the stream
+        // is synchronised before they are released).
+        unsafe { ping_lsa(op, &lsa, &args, stream) }?;
+        // SAFETY: a valid stream (or null) from the caller.
+        super::kernels::check(unsafe { deep_ep_cuda_stream_synchronize(stream) }, op, "synchronising the transport self-test")
+    })();
+    // SAFETY: allocated above; the stream is synchronised or the launch failed.
+    unsafe { deep_ep_cuda_free(claim) };
+    result?;
+    let s = mapped.read();
+    match s.error {
+        0 => Ok(()),
+        err::TIMEOUT => Err(Error::Timeout {
+            op,
+            rank: ctx.rank as usize,
+            peers: vec![s.peer.max(0) as usize],
+            timeout_ms: timeout_ns / 1_000_000,
+            what: format!("transport self-test over the LSA emulation (signal {} at {} of {})", s.signal, s.seen, s.expected),
+        }),
+        code => Err(Error::Device {
+            op,
+            what: "transport self-test over the LSA emulation".into(),
+            detail: format!("error {code}: data from rank {} reads {:#x} where {:#x} was sent", s.peer, s.seen, s.expected),
+        }),
+    }
+}
+
+/// A host-mapped [`Status`], zeroed, freed on drop.
+struct MappedStatus {
+    host: *mut Status,
+    device: *mut c_void,
+}
+
+impl MappedStatus {
+    fn new(op: &'static str) -> Result<MappedStatus> {
+        let (mut host, mut device) = (std::ptr::null_mut(), std::ptr::null_mut());
+        // SAFETY: writes two pointers to a pinned mapped allocation of the given size.
+        super::kernels::check(unsafe { deep_ep_cuda_host_alloc_mapped(&mut host, &mut device, std::mem::size_of::<Status>()) }, op, "cudaHostAlloc(mapped)")?;
+        let m = MappedStatus { host: host.cast(), device };
+        // SAFETY: the allocation is ours, aligned and large enough.
+        unsafe { m.host.write_volatile(Status::default()) };
+        Ok(m)
+    }
+
+    fn read(&self) -> Status {
+        // SAFETY: live, aligned; the kernel that wrote it has finished (stream synchronised).
+        unsafe { self.host.read_volatile() }
+    }
+}
+
+impl Drop for MappedStatus {
+    fn drop(&mut self) {
+        // SAFETY: allocated by cudaHostAlloc in `new`, freed once.
+        unsafe { deep_ep_cuda_free_host(self.host.cast()) };
+    }
 }
 
 #[cfg(test)]

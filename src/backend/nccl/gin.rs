@@ -268,6 +268,27 @@ pub fn unavailable(plan: &GinPlan, k: &GinKnobs, why: &str) -> Error {
     }
 }
 
+/// `DEEP_EP_TRANSPORT_SELFTEST=1`: every NCCL buffer runs one round of the transport self-test
+/// over the LSA emulation while it is created, between the ranks of each emulated node's rail
+/// (`DEEP_EP_NVL_DOMAIN_SIZE`), or between all ranks when they form one domain. Returns the rail
+/// stride to test with, or None when the knob is off. Pure: the values come from the caller.
+pub fn self_test_stride(enabled: Option<&str>, nvl_domain: Option<&str>, rank: usize, num_ranks: usize) -> Result<Option<usize>> {
+    match enabled.map(str::trim) {
+        None | Some("") | Some("0") => return Ok(None),
+        Some("1") => {}
+        Some(v) => return Err(Error::invalid(OP, format!("DEEP_EP_TRANSPORT_SELFTEST must be 0 or 1, got {v:?}"))),
+    }
+    let d = crate::topology::parse_nvl_domain_size(nvl_domain)?;
+    let t = crate::topology::Topology::new(OP, rank, num_ranks, d)?;
+    Ok(Some(if t.num_rdma_ranks() > 1 { t.num_nvl_ranks() } else { 1 }))
+}
+
+/// [`self_test_stride`] from the environment.
+pub fn self_test_stride_from_env(rank: usize, num_ranks: usize) -> Result<Option<usize>> {
+    let var = |k: &str| std::env::var(k).ok();
+    self_test_stride(var("DEEP_EP_TRANSPORT_SELFTEST").as_deref(), var(crate::topology::NVL_DOMAIN_ENV).as_deref(), rank, num_ranks)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -361,5 +382,17 @@ mod tests {
         assert!(e.contains("NCCL_GIN_TYPE=3 (Gdaki) was set but NCCL granted Proxy (2)"), "{e}");
         let e = granted(&p, &GinKnobs::default(), Ok((vec![], info(4, 2, 39))), text).unwrap_err().to_string();
         assert!(e.contains("granted 39 GIN signals, the buffer needs 40; raise NCCL_GIN_SIGNAL_POOL_SIZE"), "{e}");
+    }
+
+    #[test]
+    fn self_test_knob_picks_the_rails_of_the_emulated_nodes() {
+        assert_eq!(self_test_stride(None, Some("2"), 0, 4).unwrap(), None);
+        assert_eq!(self_test_stride(Some("0"), None, 0, 4).unwrap(), None);
+        // 2 nodes x 2 GPUs: rails {0, 2} and {1, 3}.
+        assert_eq!(self_test_stride(Some("1"), Some("2"), 3, 4).unwrap(), Some(2));
+        // One domain: everyone pings everyone.
+        assert_eq!(self_test_stride(Some("1"), None, 0, 4).unwrap(), Some(1));
+        assert!(self_test_stride(Some("yes"), None, 0, 4).unwrap_err().to_string().contains("DEEP_EP_TRANSPORT_SELFTEST must be 0 or 1"));
+        assert!(self_test_stride(Some("1"), Some("3"), 0, 4).unwrap_err().to_string().contains("4 ranks do not fill NVLink domains of 3"));
     }
 }

@@ -72,6 +72,7 @@ impl NcclBackend {
             device,
             data_bytes: a.num_nvl_bytes,
             timeout_ns: timeout.as_nanos().min(u64::MAX as u128) as u64,
+            transport_self_test: gin::self_test_stride_from_env(a.rank, a.num_ranks)?,
         })?;
         let info = BufferInfo::from_args(a, BackendKind::Nccl);
         Ok(NcclBackend { info, lib, nccl_version, window, timeout })

@@ -6,7 +6,7 @@
 //!
 //! Layers (see `docs/DESIGN.md`):
 //! - `kernels/*.cu`: device code behind a plain C launch API ([`ffi::kernels`]).
-//! - [`tensor`], [`config`], [`layout`], [`numerics`]: torch-free types and math.
+//! - [`tensor`], [`config`], [`layout`], [`numerics`], [`topology`]: torch-free types and math.
 //! - [`ops`]: validation of every op's arguments, then a call into the buffer's backend.
 //! - [`backend`]: the [`backend::Backend`] trait; `cpu` (shared memory) and `nccl` (device API).
 //! - [`buffer`]: the registry that maps the integer handles seen by torch to backends.
@@ -33,5 +33,6 @@ pub mod ops;
 pub mod reference;
 pub mod settings;
 pub mod tensor;
+pub mod topology;
 
 pub use error::{Error, Result};

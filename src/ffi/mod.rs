@@ -12,6 +12,8 @@ pub mod intranode;
 pub mod low_latency;
 #[cfg(feature = "cuda")]
 pub mod host_mask;
+#[cfg(feature = "cuda")]
+pub mod transport;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 #[cfg(feature = "nccl")]

@@ -37,6 +37,9 @@ pub struct WindowArgs<'a> {
     /// Bytes for staged data; the window adds the control area and rounds up to 2 MiB.
     pub data_bytes: usize,
     pub timeout_ns: u64,
+    /// Run the LSA transport self-test during creation with this rail stride
+    /// (`DEEP_EP_TRANSPORT_SELFTEST`, `backend::nccl::gin::self_test_stride`).
+    pub transport_self_test: Option<usize>,
 }
 
 /// A communicator, its device comm and one symmetric window with its control area.
@@ -131,6 +134,9 @@ impl Window {
 
         let stream = Stream::new(OP)?;
         intranode::reset(OP, &w.ctx, stream.raw())?;
+        if a.transport_self_test.is_some() {
+            super::transport::lsa_self_test_prepare(OP, &w.ctx, stream.raw())?;
+        }
         stream.synchronize(OP)?;
         let all_reduce = nccl_fn!(lib, ncclAllReduce);
         let word = intranode::rendezvous_word(&w.ctx);
@@ -138,6 +144,10 @@ impl Window {
         let res = unsafe { all_reduce(word, word, 1, ncclDataType_t::ncclInt32, ncclRedOp_t::ncclSum, w.comm, stream.raw()) };
         nccl_check(lib, res, "ncclAllReduce (create rendezvous)")?;
         stream.synchronize(OP)?;
+        if let Some(stride) = a.transport_self_test {
+            // After the rendezvous: every rank's signals are zero.
+            super::transport::lsa_self_test_run(OP, &w.ctx, stride, a.timeout_ns, stream.raw())?;
+        }
         Ok(w)
     }
 

@@ -17,6 +17,7 @@
 //! [`NcclBackend::ll_mask_device_ptr`] is the pointer LL kernels take; they read it at every
 //! launch (graph replays included), so mask updates need no re-capture.
 
+pub mod gin;
 mod low_latency;
 mod normal;
 
@@ -84,6 +85,7 @@ impl NcclBackend {
             device,
             data_bytes: a.num_nvl_bytes + low_latency::extra_window_bytes(a.num_nvl_bytes, a.num_rdma_bytes, a.low_latency_mode),
             timeout_ns: timeout.as_nanos().min(u64::MAX as u128) as u64,
+            transport_self_test: gin::self_test_stride_from_env(a.rank, a.num_ranks)?,
         })?;
         let info = BufferInfo::from_args(a, BackendKind::Nccl);
         let mask = HostMask::new(OP)?;

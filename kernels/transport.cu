@@ -1,0 +1,166 @@
+// transport.cu: host glue of the remote-peer transport (kernels/transport.cuh): GIN device-comm
+// creation and the transport self-test ("ping"), instantiated for both the LSA emulation and NCCL
+// GIN so that the GIN path is compiled (and type-checked against nccl_device/gin.h) in every build.
+// C API: kernels/transport_api.h.
+#include <cstring>
+
+#include "common.cuh"
+#include "transport.cuh"
+
+namespace deep_ep {
+namespace tp {
+namespace {
+
+using DevCommCreateFn = ncclResult_t (*)(ncclComm_t, const ncclDevCommRequirements_t*, ncclDevComm_t*);
+
+// Pattern word `i` of `rank`'s block in round `seq` (never constant across ranks or rounds).
+__device__ __forceinline__ uint32_t pattern(int rank, uint32_t seq, uint64_t i) {
+  return (static_cast<uint32_t>(rank) + 1u) * 0x9E3779B1u ^ seq * 0x85EBCA77u ^ static_cast<uint32_t>(i) * 0xC2B2AE3Du;
+}
+
+// The self-test of deep_ep_tp_ping_t, for any transport. One warp.
+template <typename T>
+__device__ void ping(const T& t, const deep_ep_tp_ping_t& a) {
+  const int lane = threadIdx.x;
+  const int stride = a.rail_stride;
+  const int team = a.num_ranks / stride;
+  const int me = a.rank / stride;  // own index in the rail team
+  const int rail = a.rank % stride;
+  const uint64_t words = a.bytes / 4;
+
+  uint32_t* src = reinterpret_cast<uint32_t*>(t.local(a.src_off));
+  for (uint64_t i = lane; i < words; i += 32) src[i] = pattern(a.rank, a.seq, i);
+  __syncwarp();
+
+  for (int m = 0; m < team; ++m) {
+    if (m == me) continue;
+    t.put(m * stride + rail, a.dst_off + static_cast<uint64_t>(me) * a.bytes, a.src_off, a.bytes, a.signal + me, 1,
+          lane);
+  }
+
+  // Lane 0 waits for every sender in turn (one deadline for the whole round); the warp then
+  // reads what the acquire made visible.
+  __shared__ int s_ok;
+  if (lane == 0) {
+    s_ok = 1;
+    const Deadline dl(a.timeout_ns);
+    for (int m = 0; m < team && s_ok; ++m) {
+      if (m == me) continue;
+      uint64_t seen = 0;
+      if (!t.wait_signal(a.signal + m, a.expect, dl, &seen)) {
+        report_first(a.status, a.claim, DEEP_EP_TP_ERR_TIMEOUT, m * stride + rail, a.signal + m, t.context(), seen,
+                     a.expect);
+        s_ok = 0;
+      }
+    }
+  }
+  __syncwarp();
+  if (s_ok) {
+    for (int m = 0; m < team; ++m) {
+      if (m == me) continue;
+      const uint32_t* got = reinterpret_cast<const uint32_t*>(t.local(a.dst_off + static_cast<uint64_t>(m) * a.bytes));
+      for (uint64_t i = lane; i < words; i += 32) {
+        const uint32_t want = pattern(m * stride + rail, a.seq, i);
+        const uint32_t v = __ldcg(got + i);
+        if (v != want) {
+          report_first(a.status, a.claim, DEEP_EP_TP_ERR_DATA, m * stride + rail, a.signal + m, t.context(), v, want);
+          break;
+        }
+      }
+    }
+  }
+  t.flush(lane);
+}
+
+__global__ void ping_lsa_kernel(const __grid_constant__ deep_ep_tp_lsa_t d, const deep_ep_tp_ping_t a) {
+  const LsaTransport t(d, a.context);
+  ping(t, a);
+}
+
+__global__ void ping_gin_kernel(const __grid_constant__ ncclDevComm comm, ncclWindow_t win, const deep_ep_tp_ping_t a) {
+  const GinTransport t(comm, win, a.context);
+  ping(t, a);
+}
+
+bool ping_args_ok(const deep_ep_tp_ping_t* a) {
+  return a != nullptr && a->num_ranks >= 1 && a->rank >= 0 && a->rank < a->num_ranks && a->rail_stride >= 1 &&
+         a->num_ranks % a->rail_stride == 0 && a->signal >= 0 && a->context >= 0 && a->bytes % 16 == 0 &&
+         a->src_off % 16 == 0 && a->dst_off % 16 == 0 && a->status != nullptr && a->claim != nullptr;
+}
+
+}  // namespace
+}  // namespace tp
+}  // namespace deep_ep
+
+extern "C" int deep_ep_tp_ping_lsa(const deep_ep_tp_lsa_t* lsa, const deep_ep_tp_ping_t* args, void* stream) {
+  using namespace deep_ep::tp;
+  if (lsa == nullptr || !ping_args_ok(args) || lsa->num_ranks != args->num_ranks || lsa->rank != args->rank ||
+      lsa->num_ranks > DEEP_EP_TP_MAX_LSA_PEERS || lsa->num_contexts < 1 ||
+      lsa->num_contexts > DEEP_EP_TP_MAX_GIN_CONTEXTS || lsa->signal_off % 8 != 0 ||
+      args->signal + args->num_ranks / args->rail_stride > lsa->num_signals ||
+      lsa->signal_off + 8ull * lsa->num_contexts * lsa->num_signals > lsa->window_bytes ||
+      args->src_off + args->bytes > lsa->window_bytes ||
+      args->dst_off + args->bytes * (args->num_ranks / args->rail_stride) > lsa->window_bytes)
+    return cudaErrorInvalidValue;
+  for (int p = 0; p < lsa->num_ranks; ++p) {
+    if (lsa->peer_base[p] == nullptr) return cudaErrorInvalidValue;
+  }
+  ping_lsa_kernel<<<1, 32, 0, deep_ep::as_stream(stream)>>>(*lsa, *args);
+  return static_cast<int>(cudaGetLastError());
+}
+
+extern "C" int deep_ep_tp_ping_gin(const void* devcomm, size_t devcomm_bytes, void* window,
+                                   const deep_ep_tp_ping_t* args, void* stream) {
+  using namespace deep_ep::tp;
+  if (devcomm == nullptr || devcomm_bytes < sizeof(ncclDevComm) || window == nullptr || !ping_args_ok(args))
+    return cudaErrorInvalidValue;
+  ncclDevComm comm;
+  std::memcpy(&comm, devcomm, sizeof(comm));
+  if (comm.ginContextCount < 1 || comm.nRanks != args->num_ranks || comm.rank != args->rank ||
+      args->signal + args->num_ranks / args->rail_stride > comm.ginSignalCount)
+    return cudaErrorInvalidValue;
+  ping_gin_kernel<<<1, 32, 0, deep_ep::as_stream(stream)>>>(comm, static_cast<ncclWindow_t>(window), *args);
+  return static_cast<int>(cudaGetLastError());
+}
+
+extern "C" int deep_ep_tp_gin_devcomm_create(void* create_fn, void* comm, const deep_ep_tp_gin_reqs_t* reqs,
+                                             void* devcomm, size_t devcomm_bytes, deep_ep_tp_gin_info_t* info) {
+  if (create_fn == nullptr || comm == nullptr || reqs == nullptr || devcomm == nullptr ||
+      devcomm_bytes < sizeof(ncclDevComm) || info == nullptr || reqs->gin_context_count < 0 ||
+      reqs->gin_context_count > DEEP_EP_TP_MAX_GIN_CONTEXTS || reqs->gin_signal_count < 0 ||
+      reqs->gin_counter_count < 0 || reqs->lsa_barrier_count < 0)
+    return -1;
+  ncclDevCommRequirements_t r;
+  std::memset(&r, 0, sizeof(r));  // 2.28.9 has no initializer macro; lsaMultimem stays false
+  r.lsaBarrierCount = reqs->lsa_barrier_count;
+  r.ginForceEnable = reqs->gin_force_enable != 0;
+  r.ginContextCount = reqs->gin_context_count;
+  r.ginSignalCount = reqs->gin_signal_count;
+  r.ginCounterCount = reqs->gin_counter_count;
+  ncclDevComm* out = static_cast<ncclDevComm*>(devcomm);
+  std::memset(out, 0, sizeof(ncclDevComm));
+  const ncclResult_t res = reinterpret_cast<deep_ep::tp::DevCommCreateFn>(create_fn)(static_cast<ncclComm_t>(comm), &r, out);
+  std::memset(info, 0, sizeof(*info));
+  if (res == ncclSuccess) {
+    info->rank = out->rank;
+    info->num_ranks = out->nRanks;
+    info->lsa_rank = out->lsaRank;
+    info->lsa_size = out->lsaSize;
+    info->gin_context_count = out->ginContextCount;
+    info->gin_type = out->ginContextCount > 0 ? static_cast<int32_t>(out->ginTypes[0]) : 0;
+    info->gin_signal_count = out->ginSignalCount;
+    info->gin_counter_count = out->ginCounterCount;
+  }
+  return static_cast<int>(res);
+}
+
+extern "C" size_t deep_ep_tp_struct_size(int which) {
+  switch (which) {
+    case 0: return sizeof(deep_ep_tp_status_t);
+    case 1: return sizeof(deep_ep_tp_lsa_t);
+    case 2: return sizeof(deep_ep_tp_gin_reqs_t);
+    case 3: return sizeof(deep_ep_tp_gin_info_t);
+    case 4: return sizeof(deep_ep_tp_ping_t);
+    default: return 0;
+  }
+}

@@ -1,0 +1,210 @@
+// transport.cuh: the device-side seam through which kernels talk to remote (RDMA-leg) peers.
+//
+// One interface, two implementations chosen by template parameter:
+//   - LsaTransport: an emulation over NVLink (stores through peer window pointers, signals are
+//     uint64 words in the receiver's window raised with red.release.sys). It lets one NVLink node
+//     play several "nodes" (e.g. 2 x 2 GPUs on a 4-GPU machine) with the same kernel code.
+//   - GinTransport: NCCL GPU-initiated networking (ncclGin of nccl_device/gin.h, NCCL >= 2.28.7):
+//     one-sided puts on a registered window with a remote signal add, per-context signal tables.
+//
+// The contract kernels may rely on (the intersection of both):
+//   - Peers are world ranks. Offsets are byte offsets into the one symmetric window: the source of
+//     a put lies in the caller's own window (GIN can only send registered memory).
+//   - put(...) is warp-collective (all 32 lanes, same arguments). When `signal_add` > 0 the
+//     peer's signal (in the same context) grows by that amount once the payload of this put, and
+//     of every earlier put *of the calling warp* on this context to that peer, is visible to the
+//     peer. (GIN orders all puts of a context; the emulation only the warp's own, so signal from
+//     the warp that wrote the data.)
+//   - Signals are per context: a sender on context c raises signal s of the receiver's context c;
+//     the receiver must read/wait with a transport on the same context. Values only grow (adds)
+//     until reset; comparisons are rolling (wrap-safe), as NCCL's.
+//   - wait_signal(...) is called by one thread, polls with acquire semantics, and gives up at the
+//     globaltimer deadline, returning false with the last value seen; the caller reports which
+//     rank it waited for (report_first below).
+//   - reset_signal must not race with adds to that signal (both implementations).
+//   - flush(...) (warp-collective): the sources of this warp's earlier puts may be reused.
+//   - local(off): a plain pointer into the caller's own window.
+#pragma once
+
+#include <cstdint>
+
+// NCCL's device headers trip -Wunused-parameter in the host pass; they are not ours to fix.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-parameter"
+#include <nccl.h>
+#include <nccl_device.h>
+#pragma GCC diagnostic pop
+
+#include "transport_api.h"
+
+namespace deep_ep {
+namespace tp {
+namespace {
+
+static_assert(DEEP_EP_TP_MAX_GIN_CONTEXTS == NCCL_GIN_MAX_CONTEXTS, "GIN context limit changed in nccl_device");
+
+__device__ __forceinline__ uint64_t now_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Rolling "least <= got" on 64 bits, as nccl::utility::rollingLessEq.
+__device__ __forceinline__ bool reached(uint64_t least, uint64_t got) { return static_cast<int64_t>(got - least) >= 0; }
+
+// A deadline on the global timer; `timeout_ns == 0` means "already expired after one poll".
+struct Deadline {
+  uint64_t at;
+  __device__ explicit Deadline(uint64_t timeout_ns) : at(now_ns() + timeout_ns) {}
+  __device__ bool passed() const { return now_ns() >= at; }
+};
+
+// Records the first error of a launch into the host-mapped status. `claim` is a device word the
+// host zeroed (host-mapped memory has no atomics over PCIe, so the race is decided on the GPU).
+__device__ void report_first(deep_ep_tp_status_t* st, int* claim, int code, int peer, int signal, int context,
+                             uint64_t seen, uint64_t expected) {
+  if (st == nullptr || claim == nullptr || atomicCAS(claim, 0, code) != 0) return;
+  volatile deep_ep_tp_status_t* h = st;
+  h->peer = peer;
+  h->signal = signal;
+  h->context = context;
+  h->seen = seen;
+  h->expected = expected;
+  __threadfence_system();
+  h->error = code;
+  __threadfence_system();
+}
+
+// One warp copies `bytes` (multiple of 16, 16-aligned ends) from src to dst with 16-byte accesses;
+// L2-only loads because the source may be written by peers between ops.
+__device__ __forceinline__ void warp_copy16(char* dst, const char* src, uint64_t bytes, int lane) {
+  const int4* s = reinterpret_cast<const int4*>(src);
+  int4* d = reinterpret_cast<int4*>(dst);
+  const uint64_t n = bytes / 16;
+  constexpr int kUnroll = 4;
+  for (uint64_t base = 0; base < n; base += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t i = base + u * 32 + lane;
+      if (i < n) v[u] = __ldcg(s + i);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t i = base + u * 32 + lane;
+      if (i < n) d[i] = v[u];
+    }
+  }
+}
+
+// ---- LSA emulation --------------------------------------------------------------------------
+class LsaTransport {
+ public:
+  __device__ LsaTransport(const deep_ep_tp_lsa_t& d, int context)
+      : d_(d), context_(context % (d.num_contexts > 0 ? d.num_contexts : 1)) {}
+
+  __device__ int context() const { return context_; }
+
+  // A plain pointer into the caller's own window (staging sources, reading received data).
+  __device__ char* local(uint64_t off) const { return base(d_.rank) + off; }
+
+  __device__ void put(int peer, uint64_t dst_off, uint64_t src_off, uint64_t bytes, int signal, uint64_t signal_add,
+                      int lane) const {
+    warp_copy16(base(peer) + dst_off, base(d_.rank) + src_off, bytes, lane);
+    if (signal_add == 0) return;
+    __syncwarp();  // every lane's stores happen-before lane 0's fence below
+    if (lane == 0) raise(peer, signal, signal_add);
+    __syncwarp();
+  }
+
+  // One thread: add to a peer's signal without payload (ordered after this thread's own stores).
+  __device__ void signal(int peer, int signal, uint64_t add) const { raise(peer, signal, add); }
+
+  __device__ uint64_t read_signal(int signal) const {
+    uint64_t v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(word(d_.rank, signal)) : "memory");
+    return v;
+  }
+
+  __device__ bool wait_signal(int signal, uint64_t least, const Deadline& dl, uint64_t* seen) const {
+    for (uint32_t spin = 0;; ++spin) {
+      const uint64_t v = read_signal(signal);
+      *seen = v;
+      if (reached(least, v)) return true;
+      if ((spin & 63) == 63 && dl.passed()) return false;
+    }
+  }
+
+  __device__ void reset_signal(int signal) const {
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(word(d_.rank, signal)), "l"(uint64_t{0}) : "memory");
+  }
+
+  // Stores are complete when issued; the source is reusable at once.
+  __device__ void flush(int /*lane*/) const { __syncwarp(); }
+
+ private:
+  __device__ char* base(int rank) const { return static_cast<char*>(d_.peer_base[rank]); }
+  __device__ uint64_t* word(int rank, int signal) const {
+    return reinterpret_cast<uint64_t*>(base(rank) + d_.signal_off +
+                                       (static_cast<uint64_t>(context_) * d_.num_signals + signal) * 8);
+  }
+  __device__ void raise(int peer, int signal, uint64_t add) const {
+    asm volatile("fence.acq_rel.sys;" ::: "memory");
+    asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(word(peer, signal)), "l"(add) : "memory");
+  }
+
+  const deep_ep_tp_lsa_t& d_;
+  int context_;
+};
+
+// ---- NCCL GIN -------------------------------------------------------------------------------
+class GinTransport {
+ public:
+  // `comm` must outlive the transport (a __grid_constant__ kernel parameter or global memory).
+  __device__ GinTransport(const ncclDevComm& comm, ncclWindow_t window, int context)
+      : comm_(comm), win_(window), gin_(comm, context) {}
+
+  __device__ int context() const { return gin_.contextId; }
+
+  __device__ char* local(uint64_t off) const { return static_cast<char*>(ncclGetLocalPointer(win_, off)); }
+
+  __device__ void put(int peer, uint64_t dst_off, uint64_t src_off, uint64_t bytes, int signal, uint64_t signal_add,
+                      int /*lane*/) const {
+    if (signal_add == 0) {
+      gin_.put(ncclTeamWorld(comm_), peer, win_, dst_off, win_, src_off, bytes, ncclGin_None{}, ncclGin_None{},
+               ncclCoopWarp());
+    } else {
+      gin_.put(ncclTeamWorld(comm_), peer, win_, dst_off, win_, src_off, bytes,
+               ncclGin_SignalAdd{static_cast<ncclGinSignal_t>(signal), signal_add}, ncclGin_None{}, ncclCoopWarp());
+    }
+  }
+
+  __device__ void signal(int peer, int signal, uint64_t add) const {
+    gin_.signal(ncclTeamWorld(comm_), peer, ncclGin_SignalAdd{static_cast<ncclGinSignal_t>(signal), add});
+  }
+
+  __device__ uint64_t read_signal(int signal) const { return gin_.readSignal(static_cast<ncclGinSignal_t>(signal)); }
+
+  // ncclGin::waitSignal has no deadline; poll readSignal instead.
+  __device__ bool wait_signal(int signal, uint64_t least, const Deadline& dl, uint64_t* seen) const {
+    for (uint32_t spin = 0;; ++spin) {
+      const uint64_t v = read_signal(signal);
+      *seen = v;
+      if (reached(least, v)) return true;
+      if ((spin & 63) == 63 && dl.passed()) return false;
+    }
+  }
+
+  __device__ void reset_signal(int signal) const { gin_.resetSignal(static_cast<ncclGinSignal_t>(signal)); }
+
+  __device__ void flush(int /*lane*/) const { gin_.flush(ncclCoopWarp()); }
+
+ private:
+  const ncclDevComm& comm_;
+  ncclWindow_t win_;
+  ncclGin gin_;
+};
+
+}  // namespace
+}  // namespace tp
+}  // namespace deep_ep

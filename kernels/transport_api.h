@@ -1,0 +1,128 @@
+/*
+ * transport_api.h: the plain C side of the remote-peer transport (kernels/transport.cuh): the
+ * descriptors a kernel gets, the host-mapped status it reports into, the GIN device-comm setup
+ * and the transport self-test ("ping"). Same rules as deep_ep_kernels.h: device pointers unless
+ * "host", `stream` is a cudaStream_t as void*, cudaError_t as int (0 = success), nothing throws.
+ * Rust declarations: src/ffi/transport.rs (keep both in step; struct sizes are checked at run
+ * time through deep_ep_tp_struct_size).
+ */
+#ifndef DEEP_EP_TRANSPORT_API_H
+#define DEEP_EP_TRANSPORT_API_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Ranks the LSA emulation can address: one NVLink domain (crate::config::MAX_NVL_PEERS). */
+#define DEEP_EP_TP_MAX_LSA_PEERS 8
+/* GIN contexts per communicator in NCCL 2.28 (NCCL_GIN_MAX_CONTEXTS). */
+#define DEEP_EP_TP_MAX_GIN_CONTEXTS 4
+
+/* Error codes a transport wait writes into deep_ep_tp_status_t.error. */
+#define DEEP_EP_TP_OK 0
+#define DEEP_EP_TP_ERR_TIMEOUT 1      /* a signal did not reach its target before the deadline */
+#define DEEP_EP_TP_ERR_DATA 2         /* self-test: received bytes differ from the sender's pattern */
+
+/*
+ * Host-mapped (cudaHostAllocMapped) error record. The first error of a launch wins: fields are
+ * written first, `error` last (after a system fence), so a host that sees error != 0 sees the
+ * fields of that error. The host zeroes it before reuse.
+ */
+typedef struct {
+  int32_t error;       /* DEEP_EP_TP_ERR_* */
+  int32_t peer;        /* world rank that was waited for (timeout) or sent bad data */
+  int32_t signal;      /* signal id of the wait */
+  int32_t context;     /* transport context (GIN context / emulated QP group) */
+  uint64_t seen;       /* last signal value seen (timeout) or first bad word (data) */
+  uint64_t expected;   /* value waited for, or the expected word */
+} deep_ep_tp_status_t;
+
+/*
+ * LSA emulation of the RDMA leg: every rank of the emulated world is a peer on one NVLink domain,
+ * addressed through its window base. Signals are uint64 words in each rank's own window at
+ * signal_off + (context * num_signals + signal) * 8, so per-context signal tables behave as GIN's.
+ */
+typedef struct {
+  void* peer_base[DEEP_EP_TP_MAX_LSA_PEERS]; /* window base of every rank (own included) */
+  int32_t rank;
+  int32_t num_ranks;          /* <= DEEP_EP_TP_MAX_LSA_PEERS */
+  int32_t num_contexts;       /* 1..DEEP_EP_TP_MAX_GIN_CONTEXTS, as GIN would give */
+  int32_t num_signals;        /* signals per context */
+  uint64_t signal_off;        /* byte offset of the signal table in every window (8-aligned) */
+  uint64_t window_bytes;      /* bytes of every window */
+} deep_ep_tp_lsa_t;
+
+/* What ncclDevCommCreate is asked for (crate::backend::nccl::gin::GinRequirements). */
+typedef struct {
+  int32_t gin_context_count;  /* a hint: NCCL may give fewer (reported in deep_ep_tp_gin_info_t) */
+  int32_t gin_signal_count;
+  int32_t gin_counter_count;
+  int32_t lsa_barrier_count;
+  int32_t gin_force_enable;   /* 1: fail instead of silently creating a comm without GIN */
+} deep_ep_tp_gin_reqs_t;
+
+/* What the created device comm offers (read back from ncclDevComm). */
+typedef struct {
+  int32_t rank, num_ranks;
+  int32_t lsa_rank, lsa_size;
+  int32_t gin_context_count;  /* 0: no GIN (no GIN-capable NIC, or GIN disabled) */
+  int32_t gin_type;           /* ncclNetDeviceType of context 0: 2 = proxy, 3 = GDAKI, else 0 */
+  int32_t gin_signal_count;
+  int32_t gin_counter_count;
+} deep_ep_tp_gin_info_t;
+
+/*
+ * Transport self-test: every rank of the rail team (ranks r with r % rail_stride == rank %
+ * rail_stride, the ranks one RDMA hop away in DeepEP's topology) writes `bytes` of a pattern
+ * derived from (rank, seq) to every other team member's window at dst_off + sender_team_index *
+ * bytes, raising the receiver's signal `signal + sender_team_index` by 1; then it waits until each
+ * of those signals reached `expect` (the caller's running count of rounds, so no reset is needed;
+ * a timeout names the silent sender), checks every received block, and flushes. The team size is
+ * num_ranks / rail_stride (rail_stride must divide num_ranks); signal ids used: signal ..
+ * signal + team size - 1. One block of one warp per launch.
+ */
+typedef struct {
+  int32_t rank, num_ranks;
+  int32_t rail_stride;        /* 1: everyone; the NVLink domain size: one peer per node */
+  int32_t context;            /* transport context used for puts and the wait */
+  int32_t signal;             /* signal id raised on receivers and waited on */
+  uint32_t seq;               /* varies the pattern between calls */
+  uint64_t bytes;             /* per sender, multiple of 16 */
+  uint64_t src_off;           /* staging area in the own window (>= bytes) */
+  uint64_t dst_off;           /* receive area in every window (>= team size * bytes) */
+  uint64_t expect;            /* signal value that means "all of this round arrived" */
+  uint64_t timeout_ns;
+  deep_ep_tp_status_t* status; /* host-mapped */
+  int32_t* claim;             /* device word zeroed by the host: decides the first error */
+} deep_ep_tp_ping_t;
+
+/* Self-test over the LSA emulation. */
+int deep_ep_tp_ping_lsa(const deep_ep_tp_lsa_t* lsa, const deep_ep_tp_ping_t* args, void* stream);
+
+/*
+ * Self-test over NCCL GIN: `devcomm` is a host copy of an ncclDevComm made by
+ * deep_ep_tp_gin_devcomm_create, `window` the ncclWindow_t holding src and dst areas.
+ */
+int deep_ep_tp_ping_gin(const void* devcomm, size_t devcomm_bytes, void* window, const deep_ep_tp_ping_t* args,
+                        void* stream);
+
+/*
+ * ncclDevCommCreate with GIN requirements. `create_fn` is ncclDevCommCreate resolved from the
+ * loaded NCCL (nothing here links libnccl); `devcomm` receives the struct (devcomm_bytes >=
+ * deep_ep_nccl_devcomm_bytes()). Returns the ncclResult_t as int (-1: bad arguments); on success
+ * `info` describes what NCCL granted.
+ */
+int deep_ep_tp_gin_devcomm_create(void* create_fn, void* comm, const deep_ep_tp_gin_reqs_t* reqs, void* devcomm,
+                                  size_t devcomm_bytes, deep_ep_tp_gin_info_t* info);
+
+/* sizeof of the structs above by index (0 status, 1 lsa, 2 gin_reqs, 3 gin_info, 4 ping); 0 if unknown. */
+size_t deep_ep_tp_struct_size(int which);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DEEP_EP_TRANSPORT_API_H */

@@ -1,0 +1,398 @@
+//! Host-side setup of the RDMA leg for internode buffers: which transport carries it (NCCL GIN on
+//! a real cluster, the LSA emulation on one NVLink node), how many GIN contexts and communicators
+//! (QPs per peer) and signals a buffer asks NCCL for, how `NCCL_GIN_TYPE` is honoured, and the
+//! error raised when NCCL grants no GIN (no GPUDirect-RDMA NIC).
+//!
+//! Device side: `kernels/transport.cuh`. Pure logic here (no device, no NCCL call); the
+//! `ncclDevCommCreate` call is `ffi::transport::gin_devcomm_create`, whose result [`granted`]
+//! turns into a [`GinDevComm`] or a clear error.
+//!
+//! Environment (README "Environment"; docs/INTERNODE.md):
+//! - `DEEP_EP_RDMA_TRANSPORT` = `gin` (default) | `lsa` (emulation over NVLink; all ranks must
+//!   share one NVLink domain, with `DEEP_EP_NVL_DOMAIN_SIZE` smaller than the group).
+//! - `DEEP_EP_GIN_CONTEXTS` = GIN contexts per communicator, 1..=4 (default: as many as the
+//!   buffer has independent senders, at most 4).
+//! - `DEEP_EP_GIN_COMMS` = communicators per buffer, 1..=8 (default 1); QPs per peer =
+//!   contexts x communicators (DeepEP's `num_qps_per_rank`).
+//! - `NCCL_GIN_TYPE` is read by NCCL itself; deep_ep validates it (2 = proxy, 3 = GDAKI, NCCL's
+//!   `ncclNetDeviceType`) and checks that the granted type matches.
+
+use crate::error::{Error, Result};
+use crate::ffi::transport::{GinInfo, GinReqs, MAX_GIN_CONTEXTS};
+
+const OP: &str = "deep_ep::create_buffer";
+
+/// Most communicators one buffer opens for more QPs.
+pub const MAX_GIN_COMMS: usize = 8;
+
+/// What carries the RDMA leg.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RdmaTransport {
+    /// NCCL GIN puts and signals over the NIC.
+    Gin,
+    /// The same puts and signals as NVLink stores (one node emulating several).
+    Lsa,
+}
+
+/// NCCL's GIN implementation (`ncclNetDeviceType`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GinType {
+    /// A CPU proxy thread posts the RDMA work requests (`NCCL_NET_DEVICE_GIN_PROXY` = 2).
+    Proxy,
+    /// The GPU rings the NIC's doorbell itself (DOCA GPUNetIO, `NCCL_NET_DEVICE_GIN_GDAKI` = 3).
+    Gdaki,
+}
+
+impl GinType {
+    /// From the `ncclNetDeviceType` value NCCL reports.
+    pub fn from_code(code: i32) -> Option<GinType> {
+        match code {
+            2 => Some(GinType::Proxy),
+            3 => Some(GinType::Gdaki),
+            _ => None,
+        }
+    }
+
+    /// The `ncclNetDeviceType` value.
+    pub fn code(self) -> i32 {
+        match self {
+            GinType::Proxy => 2,
+            GinType::Gdaki => 3,
+        }
+    }
+}
+
+/// The environment knobs of the RDMA leg, parsed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GinKnobs {
+    /// `DEEP_EP_RDMA_TRANSPORT` (None = default, GIN).
+    pub transport: Option<RdmaTransport>,
+    /// `DEEP_EP_GIN_CONTEXTS`.
+    pub contexts: Option<usize>,
+    /// `DEEP_EP_GIN_COMMS`.
+    pub comms: Option<usize>,
+    /// `NCCL_GIN_TYPE`.
+    pub gin_type: Option<GinType>,
+}
+
+fn parse_count(name: &str, v: &str, max: usize) -> Result<usize> {
+    match v.trim().parse::<usize>() {
+        Ok(n) if (1..=max).contains(&n) => Ok(n),
+        _ => Err(Error::invalid(OP, format!("{name} must be an integer in 1..={max}, got {v:?}"))),
+    }
+}
+
+impl GinKnobs {
+    /// Parses the knobs through `get` (the environment in production, a map in tests); blank
+    /// values count as unset.
+    pub fn parse(get: impl Fn(&str) -> Option<String>) -> Result<GinKnobs> {
+        let get = |k: &str| get(k).filter(|v| !v.trim().is_empty());
+        let transport = match get("DEEP_EP_RDMA_TRANSPORT").map(|v| v.trim().to_ascii_lowercase()) {
+            None => None,
+            Some(v) if v == "gin" => Some(RdmaTransport::Gin),
+            Some(v) if v == "lsa" => Some(RdmaTransport::Lsa),
+            Some(v) => return Err(Error::invalid(OP, format!("DEEP_EP_RDMA_TRANSPORT must be gin or lsa, got {v:?}"))),
+        };
+        let contexts = get("DEEP_EP_GIN_CONTEXTS").map(|v| parse_count("DEEP_EP_GIN_CONTEXTS", &v, MAX_GIN_CONTEXTS)).transpose()?;
+        let comms = get("DEEP_EP_GIN_COMMS").map(|v| parse_count("DEEP_EP_GIN_COMMS", &v, MAX_GIN_COMMS)).transpose()?;
+        let gin_type = match get("NCCL_GIN_TYPE") {
+            None => None,
+            Some(v) => match v.trim().parse::<i32>().ok().and_then(GinType::from_code) {
+                Some(t) => Some(t),
+                None => {
+                    return Err(Error::invalid(OP, format!("NCCL_GIN_TYPE must be 2 (proxy) or 3 (GDAKI), got {v:?}; unset it to let NCCL choose")))
+                }
+            },
+        };
+        Ok(GinKnobs { transport, contexts, comms, gin_type })
+    }
+
+    /// The knobs of this process's environment.
+    pub fn from_env() -> Result<GinKnobs> {
+        GinKnobs::parse(|k| std::env::var(k).ok())
+    }
+}
+
+/// What a buffer moves over the RDMA leg, which fixes its signal table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Workload {
+    /// Normal (HT) mode: `num_channels` channels, each with a ring per remote node.
+    Normal { num_channels: usize, num_rdma_ranks: usize },
+    /// Low-latency mode: a count signal per (local expert, source rank), for dispatch and combine,
+    /// in each of the two buffer halves.
+    LowLatency { num_local_experts: usize, num_ranks: usize },
+}
+
+/// Kinds of the two signals of a normal-mode ring.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RingSignal {
+    /// Raised on the receiver by the sender's put: tokens written (the ring's tail).
+    Tail = 0,
+    /// Raised on the sender by the receiver: slots consumed (the ring's head).
+    Head = 1,
+}
+
+/// Resources one buffer asks NCCL for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GinPlan {
+    pub workload: Workload,
+    /// Communicators (each with its own QPs).
+    pub num_comms: usize,
+    /// Contexts asked for per communicator (a hint: NCCL may grant fewer).
+    pub contexts_per_comm: usize,
+    /// Signals per context. Signal ids do not depend on the granted context count, so a grant
+    /// of fewer contexts (more senders per context) never makes two senders share a signal.
+    pub signals: usize,
+}
+
+impl GinPlan {
+    /// QPs per peer (DeepEP's `num_qps_per_rank`).
+    pub fn qps_per_peer(&self) -> usize {
+        self.num_comms * self.contexts_per_comm
+    }
+
+    /// Requirements for `ncclDevCommCreate` of each communicator (`gin_force_enable` so that a
+    /// missing NIC is an error instead of a device comm without GIN).
+    pub fn requirements(&self) -> GinReqs {
+        GinReqs {
+            gin_context_count: self.contexts_per_comm as i32,
+            gin_signal_count: self.signals as i32,
+            gin_counter_count: 0,
+            lsa_barrier_count: 1,
+            gin_force_enable: 1,
+        }
+    }
+
+    /// (communicator, context index) that sender `unit` (channel or local expert) uses; the device
+    /// reduces the index modulo the granted contexts (`ncclGin` constructor).
+    pub fn route(&self, unit: usize) -> (usize, usize) {
+        let g = unit % self.qps_per_peer();
+        (g / self.contexts_per_comm, g % self.contexts_per_comm)
+    }
+
+    /// Signal id of a normal-mode ring: channel `channel`, kind, remote node `node`.
+    pub fn ring_signal(&self, channel: usize, kind: RingSignal, node: usize) -> usize {
+        let Workload::Normal { num_rdma_ranks, .. } = self.workload else { unreachable!("ring_signal on an LL plan") };
+        (channel * 2 + kind as usize) * num_rdma_ranks + node
+    }
+
+    /// Signal id of a low-latency count: `combine` phase or dispatch, buffer half, local expert,
+    /// source rank.
+    pub fn ll_signal(&self, combine: bool, half: usize, local_expert: usize, src_rank: usize) -> usize {
+        let Workload::LowLatency { num_local_experts, num_ranks } = self.workload else { unreachable!("ll_signal on an HT plan") };
+        ((usize::from(combine) * 2 + half) * num_local_experts + local_expert) * num_ranks + src_rank
+    }
+}
+
+/// Sizes the GIN resources of a buffer: contexts = independent senders (channels or local
+/// experts) capped at 4 unless `DEEP_EP_GIN_CONTEXTS` says otherwise, `DEEP_EP_GIN_COMMS`
+/// communicators, one signal per ring end (normal) or per count (LL).
+pub fn plan(w: Workload, k: &GinKnobs) -> Result<GinPlan> {
+    let (units, signals) = match w {
+        Workload::Normal { num_channels, num_rdma_ranks } => {
+            crate::ensure!(num_channels >= 1 && num_rdma_ranks >= 2, OP, "internal: GIN plan for {num_channels} channels, {num_rdma_ranks} nodes");
+            (num_channels, 2 * num_channels * num_rdma_ranks)
+        }
+        Workload::LowLatency { num_local_experts, num_ranks } => {
+            crate::ensure!(num_local_experts >= 1 && num_ranks >= 2, OP, "internal: GIN plan for {num_local_experts} local experts, {num_ranks} ranks");
+            (num_local_experts, 4 * num_local_experts * num_ranks)
+        }
+    };
+    // NCCL counts signals in an int.
+    crate::ensure!(signals <= i32::MAX as usize, OP, "the buffer would need {signals} GIN signals per context");
+    let contexts_per_comm = k.contexts.unwrap_or_else(|| units.min(MAX_GIN_CONTEXTS));
+    Ok(GinPlan { workload: w, num_comms: k.comms.unwrap_or(1), contexts_per_comm, signals })
+}
+
+/// A device comm with GIN, as granted.
+#[derive(Clone, Debug)]
+pub struct GinDevComm {
+    /// Byte copy of `ncclDevComm` (passed to kernels by value).
+    pub devcomm: Vec<u64>,
+    pub info: GinInfo,
+    /// What NCCL granted, checked against the plan.
+    pub gin_type: GinType,
+}
+
+/// Turns the result of `ncclDevCommCreate` with [`GinPlan::requirements`] into a usable device
+/// comm, or the error that tells the user what is missing. `nccl_text` renders an NCCL result
+/// code (`ncclGetErrorString` in production).
+pub fn granted(plan: &GinPlan, k: &GinKnobs, result: std::result::Result<(Vec<u64>, GinInfo), i32>, nccl_text: impl Fn(i32) -> String) -> Result<GinDevComm> {
+    let (devcomm, info) = match result {
+        Ok(r) => r,
+        Err(code) => return Err(unavailable(plan, k, &format!("ncclDevCommCreate failed: ncclResult_t {code} {}", nccl_text(code)))),
+    };
+    if info.gin_context_count < 1 {
+        return Err(unavailable(plan, k, &format!("ncclDevCommCreate granted 0 GIN contexts ({} asked)", plan.contexts_per_comm)));
+    }
+    let Some(gin_type) = GinType::from_code(info.gin_type) else {
+        return Err(unavailable(plan, k, &format!("NCCL reported an unknown GIN type {}", info.gin_type)));
+    };
+    if let Some(want) = k.gin_type.filter(|&t| t != gin_type) {
+        return Err(Error::Device {
+            op: OP,
+            what: "GIN setup".into(),
+            detail: format!("NCCL_GIN_TYPE={} ({want:?}) was set but NCCL granted {gin_type:?} ({}); check that the NIC and driver support it (NCCL_DEBUG=INFO)", want.code(), gin_type.code()),
+        });
+    }
+    if (info.gin_signal_count as usize) < plan.signals {
+        return Err(Error::Device {
+            op: OP,
+            what: "GIN setup".into(),
+            detail: format!("NCCL granted {} GIN signals, the buffer needs {}; raise NCCL_GIN_SIGNAL_POOL_SIZE", info.gin_signal_count, plan.signals),
+        });
+    }
+    Ok(GinDevComm { devcomm, info, gin_type })
+}
+
+/// The error for "no GIN here", with what to check and the emulation alternative.
+pub fn unavailable(plan: &GinPlan, k: &GinKnobs, why: &str) -> Error {
+    let asked = match k.gin_type {
+        Some(t) => format!(" (NCCL_GIN_TYPE={} asked for {t:?})", t.code()),
+        None => String::new(),
+    };
+    Error::Device {
+        op: OP,
+        what: "GIN setup".into(),
+        detail: format!(
+            "NCCL GPU-initiated networking is unavailable{asked}: {why}. Internode buffers need a GPUDirect-RDMA capable NIC \
+             (InfiniBand or RoCE with nvidia-peermem or DMA-BUF, rdma-core >= 44) and NCCL >= 2.28.7; NCCL_DEBUG=INFO \
+             NCCL_DEBUG_SUBSYS=INIT,NET shows why NCCL disabled GIN. The buffer asked for {} QPs per peer ({} communicator(s) x {} \
+             contexts) and {} signals. To emulate several nodes on one NVLink machine set DEEP_EP_RDMA_TRANSPORT=lsa and \
+             DEEP_EP_NVL_DOMAIN_SIZE",
+            plan.qps_per_peer(),
+            plan.num_comms,
+            plan.contexts_per_comm,
+            plan.signals
+        ),
+    }
+}
+
+/// `DEEP_EP_TRANSPORT_SELFTEST=1`: every NCCL buffer runs one round of the transport self-test
+/// over the LSA emulation while it is created, between the ranks of each emulated node's rail
+/// (`DEEP_EP_NVL_DOMAIN_SIZE`), or between all ranks when they form one domain. Returns the rail
+/// stride to test with, or None when the knob is off. Pure: the values come from the caller.
+pub fn self_test_stride(enabled: Option<&str>, nvl_domain: Option<&str>, rank: usize, num_ranks: usize) -> Result<Option<usize>> {
+    match enabled.map(str::trim) {
+        None | Some("") | Some("0") => return Ok(None),
+        Some("1") => {}
+        Some(v) => return Err(Error::invalid(OP, format!("DEEP_EP_TRANSPORT_SELFTEST must be 0 or 1, got {v:?}"))),
+    }
+    let d = crate::topology::parse_nvl_domain_size(nvl_domain)?;
+    let t = crate::topology::Topology::new(OP, rank, num_ranks, d)?;
+    Ok(Some(if t.num_rdma_ranks() > 1 { t.num_nvl_ranks() } else { 1 }))
+}
+
+/// [`self_test_stride`] from the environment.
+pub fn self_test_stride_from_env(rank: usize, num_ranks: usize) -> Result<Option<usize>> {
+    let var = |k: &str| std::env::var(k).ok();
+    self_test_stride(var("DEEP_EP_TRANSPORT_SELFTEST").as_deref(), var(crate::topology::NVL_DOMAIN_ENV).as_deref(), rank, num_ranks)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::{HashMap, HashSet};
+
+    fn knobs(pairs: &[(&str, &str)]) -> Result<GinKnobs> {
+        let m: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        GinKnobs::parse(|k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn knobs_parse_and_reject_with_the_variable_named() {
+        assert_eq!(knobs(&[]).unwrap(), GinKnobs::default());
+        let k = knobs(&[("DEEP_EP_RDMA_TRANSPORT", "LSA"), ("DEEP_EP_GIN_CONTEXTS", "2"), ("DEEP_EP_GIN_COMMS", "3"), ("NCCL_GIN_TYPE", "3")]).unwrap();
+        assert_eq!(k, GinKnobs { transport: Some(RdmaTransport::Lsa), contexts: Some(2), comms: Some(3), gin_type: Some(GinType::Gdaki) });
+        assert_eq!(knobs(&[("NCCL_GIN_TYPE", " ")]).unwrap().gin_type, None);
+        let err = |p: &[(&str, &str)]| knobs(p).unwrap_err().to_string();
+        assert!(err(&[("DEEP_EP_RDMA_TRANSPORT", "ib")]).contains("DEEP_EP_RDMA_TRANSPORT must be gin or lsa, got \"ib\""));
+        assert!(err(&[("DEEP_EP_GIN_CONTEXTS", "5")]).contains("DEEP_EP_GIN_CONTEXTS must be an integer in 1..=4, got \"5\""));
+        assert!(err(&[("DEEP_EP_GIN_COMMS", "0")]).contains("DEEP_EP_GIN_COMMS must be an integer in 1..=8"));
+        assert!(err(&[("NCCL_GIN_TYPE", "gdaki")]).contains("NCCL_GIN_TYPE must be 2 (proxy) or 3 (GDAKI), got \"gdaki\""));
+    }
+
+    #[test]
+    fn normal_plan_sizes_and_signal_ids_are_disjoint() {
+        // 20 SMs = 10 channels, 4 nodes.
+        let p = plan(Workload::Normal { num_channels: 10, num_rdma_ranks: 4 }, &GinKnobs::default()).unwrap();
+        assert_eq!((p.num_comms, p.contexts_per_comm, p.qps_per_peer(), p.signals), (1, 4, 4, 80));
+        let r = p.requirements();
+        assert_eq!((r.gin_context_count, r.gin_signal_count, r.gin_force_enable, r.lsa_barrier_count), (4, 80, 1, 1));
+        let mut ids = HashSet::new();
+        for c in 0..10 {
+            for kind in [RingSignal::Tail, RingSignal::Head] {
+                for n in 0..4 {
+                    let s = p.ring_signal(c, kind, n);
+                    assert!(s < p.signals && ids.insert(s), "channel {c} {kind:?} node {n} -> {s}");
+                }
+            }
+        }
+        assert_eq!(ids.len(), p.signals);
+        // Channels spread over the contexts round-robin.
+        assert_eq!((0..6).map(|c| p.route(c)).collect::<Vec<_>>(), vec![(0, 0), (0, 1), (0, 2), (0, 3), (0, 0), (0, 1)]);
+    }
+
+    #[test]
+    fn ll_plan_follows_the_local_experts_and_comms_multiply_qps() {
+        // EP32, 256 experts: 8 local experts, two communicators for 8 QPs per peer.
+        let k = knobs(&[("DEEP_EP_GIN_COMMS", "2")]).unwrap();
+        let p = plan(Workload::LowLatency { num_local_experts: 8, num_ranks: 32 }, &k).unwrap();
+        assert_eq!((p.num_comms, p.contexts_per_comm, p.qps_per_peer(), p.signals), (2, 4, 8, 4 * 8 * 32));
+        assert_eq!((0..9).map(|e| p.route(e)).collect::<Vec<_>>(), vec![(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3), (0, 0)]);
+        let mut ids = HashSet::new();
+        for combine in [false, true] {
+            for half in 0..2 {
+                for e in 0..8 {
+                    for s in 0..32 {
+                        assert!(ids.insert(p.ll_signal(combine, half, e, s)));
+                    }
+                }
+            }
+        }
+        assert_eq!(ids.len(), p.signals);
+        assert!(ids.iter().all(|&s| s < p.signals));
+        // One local expert (EP256 with 256 experts): one context unless asked.
+        let p = plan(Workload::LowLatency { num_local_experts: 1, num_ranks: 256 }, &GinKnobs::default()).unwrap();
+        assert_eq!((p.contexts_per_comm, p.signals), (1, 1024));
+        let p = plan(Workload::LowLatency { num_local_experts: 1, num_ranks: 256 }, &knobs(&[("DEEP_EP_GIN_CONTEXTS", "4")]).unwrap()).unwrap();
+        assert_eq!(p.qps_per_peer(), 4);
+        assert!(plan(Workload::Normal { num_channels: 10, num_rdma_ranks: 1 }, &GinKnobs::default()).is_err());
+    }
+
+    fn info(contexts: i32, ty: i32, signals: i32) -> GinInfo {
+        GinInfo { rank: 0, num_ranks: 16, lsa_rank: 0, lsa_size: 8, gin_context_count: contexts, gin_type: ty, gin_signal_count: signals, gin_counter_count: 0 }
+    }
+
+    #[test]
+    fn grants_are_checked_against_the_plan_and_the_gin_type() {
+        let p = plan(Workload::Normal { num_channels: 10, num_rdma_ranks: 2 }, &GinKnobs::default()).unwrap();
+        let text = |_| "internal error".to_string();
+        let g = granted(&p, &GinKnobs::default(), Ok((vec![0; 4], info(2, 3, 40))), text).unwrap();
+        assert_eq!((g.gin_type, g.info.gin_context_count), (GinType::Gdaki, 2));
+
+        let e = granted(&p, &GinKnobs::default(), Ok((vec![], info(0, 0, 0))), text).unwrap_err().to_string();
+        assert!(e.starts_with("deep_ep::create_buffer: GIN setup failed: NCCL GPU-initiated networking is unavailable: ncclDevCommCreate granted 0 GIN contexts (4 asked)"), "{e}");
+        assert!(e.contains("GPUDirect-RDMA capable NIC") && e.contains("DEEP_EP_RDMA_TRANSPORT=lsa") && e.contains("4 QPs per peer"), "{e}");
+
+        let k = knobs(&[("NCCL_GIN_TYPE", "3")]).unwrap();
+        let e = granted(&p, &k, Err(5), |c| format!("(code {c}: invalid usage)")).unwrap_err().to_string();
+        assert!(e.contains("unavailable (NCCL_GIN_TYPE=3 asked for Gdaki): ncclDevCommCreate failed: ncclResult_t 5 (code 5: invalid usage)"), "{e}");
+        let e = granted(&p, &k, Ok((vec![], info(4, 2, 40))), text).unwrap_err().to_string();
+        assert!(e.contains("NCCL_GIN_TYPE=3 (Gdaki) was set but NCCL granted Proxy (2)"), "{e}");
+        let e = granted(&p, &GinKnobs::default(), Ok((vec![], info(4, 2, 39))), text).unwrap_err().to_string();
+        assert!(e.contains("granted 39 GIN signals, the buffer needs 40; raise NCCL_GIN_SIGNAL_POOL_SIZE"), "{e}");
+    }
+
+    #[test]
+    fn self_test_knob_picks_the_rails_of_the_emulated_nodes() {
+        assert_eq!(self_test_stride(None, Some("2"), 0, 4).unwrap(), None);
+        assert_eq!(self_test_stride(Some("0"), None, 0, 4).unwrap(), None);
+        // 2 nodes x 2 GPUs: rails {0, 2} and {1, 3}.
+        assert_eq!(self_test_stride(Some("1"), Some("2"), 3, 4).unwrap(), Some(2));
+        // One domain: everyone pings everyone.
+        assert_eq!(self_test_stride(Some("1"), None, 0, 4).unwrap(), Some(1));
+        assert!(self_test_stride(Some("yes"), None, 0, 4).unwrap_err().to_string().contains("DEEP_EP_TRANSPORT_SELFTEST must be 0 or 1"));
+        assert!(self_test_stride(Some("1"), Some("3"), 0, 4).unwrap_err().to_string().contains("4 ranks do not fill NVLink domains of 3"));
+    }
+}

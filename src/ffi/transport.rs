@@ -1,0 +1,363 @@
+//! Bindings of the remote-peer transport's C API (`kernels/transport_api.h`, device code in
+//! `kernels/transport.cuh`): descriptor structs, GIN device-comm creation, and the transport
+//! self-test launches. Keep the structs in step with the header; [`check_struct_sizes`] compares
+//! them with the compiler's `sizeof` at run time.
+
+use crate::error::{Error, Result};
+use std::ffi::{c_int, c_void};
+
+/// Ranks the LSA emulation can address (`DEEP_EP_TP_MAX_LSA_PEERS`).
+pub const MAX_LSA_PEERS: usize = 8;
+/// GIN contexts per communicator (`DEEP_EP_TP_MAX_GIN_CONTEXTS` = NCCL's `NCCL_GIN_MAX_CONTEXTS`).
+pub const MAX_GIN_CONTEXTS: usize = 4;
+
+/// Codes of [`Status::error`].
+pub mod err {
+    /// A signal did not reach its target before the deadline.
+    pub const TIMEOUT: i32 = 1;
+    /// Self-test: received bytes differ from the sender's pattern.
+    pub const DATA: i32 = 2;
+}
+
+/// `deep_ep_tp_status_t`: host-mapped error record of a transport kernel (first error wins;
+/// `error` is written last).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Status {
+    /// [`err`] code, 0 = none.
+    pub error: i32,
+    /// World rank waited for (timeout) or that sent bad data.
+    pub peer: i32,
+    /// Signal id of the wait.
+    pub signal: i32,
+    /// Transport context.
+    pub context: i32,
+    /// Last value seen, or the first bad word.
+    pub seen: u64,
+    /// Value waited for, or the expected word.
+    pub expected: u64,
+}
+
+/// `deep_ep_tp_lsa_t`: the LSA emulation's view of the emulated world (one NVLink domain).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct LsaDesc {
+    /// Window base of every rank (device pointers valid in this process).
+    pub peer_base: [*mut c_void; MAX_LSA_PEERS],
+    pub rank: i32,
+    pub num_ranks: i32,
+    /// 1..=4, as GIN would grant.
+    pub num_contexts: i32,
+    /// Signals per context.
+    pub num_signals: i32,
+    /// Byte offset of the signal table (8-aligned) in every window.
+    pub signal_off: u64,
+    pub window_bytes: u64,
+}
+
+/// `deep_ep_tp_gin_reqs_t`: what `ncclDevCommCreate` is asked for.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GinReqs {
+    pub gin_context_count: i32,
+    pub gin_signal_count: i32,
+    pub gin_counter_count: i32,
+    pub lsa_barrier_count: i32,
+    /// 1: fail instead of creating a device comm without GIN.
+    pub gin_force_enable: i32,
+}
+
+/// `deep_ep_tp_gin_info_t`: what the created device comm offers.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GinInfo {
+    pub rank: i32,
+    pub num_ranks: i32,
+    pub lsa_rank: i32,
+    pub lsa_size: i32,
+    /// 0 = no GIN.
+    pub gin_context_count: i32,
+    /// `ncclNetDeviceType` of context 0: 2 proxy, 3 GDAKI.
+    pub gin_type: i32,
+    pub gin_signal_count: i32,
+    pub gin_counter_count: i32,
+}
+
+/// `deep_ep_tp_ping_t`: arguments of the transport self-test (see the header).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct PingArgs {
+    pub rank: i32,
+    pub num_ranks: i32,
+    pub rail_stride: i32,
+    pub context: i32,
+    pub signal: i32,
+    pub seq: u32,
+    pub bytes: u64,
+    pub src_off: u64,
+    pub dst_off: u64,
+    pub expect: u64,
+    pub timeout_ns: u64,
+    /// Host-mapped.
+    pub status: *mut Status,
+    /// Device word zeroed by the host.
+    pub claim: *mut i32,
+}
+
+extern "C" {
+    fn deep_ep_tp_ping_lsa(lsa: *const LsaDesc, args: *const PingArgs, stream: *mut c_void) -> c_int;
+    fn deep_ep_tp_ping_gin(devcomm: *const c_void, devcomm_bytes: usize, window: *mut c_void, args: *const PingArgs, stream: *mut c_void) -> c_int;
+    fn deep_ep_tp_gin_devcomm_create(create_fn: *mut c_void, comm: *mut c_void, reqs: *const GinReqs, devcomm: *mut c_void, devcomm_bytes: usize, info: *mut GinInfo) -> c_int;
+    fn deep_ep_tp_struct_size(which: c_int) -> usize;
+    fn deep_ep_nccl_devcomm_bytes() -> usize;
+    fn deep_ep_cuda_malloc(ptr: *mut *mut c_void, bytes: usize) -> c_int;
+    fn deep_ep_cuda_free(ptr: *mut c_void) -> c_int;
+    fn deep_ep_cuda_memset_async(ptr: *mut c_void, value: c_int, bytes: usize, stream: *mut c_void) -> c_int;
+    fn deep_ep_cuda_host_alloc_mapped(host: *mut *mut c_void, device_ptr: *mut *mut c_void, bytes: usize) -> c_int;
+    fn deep_ep_cuda_free_host(host: *mut c_void) -> c_int;
+    fn deep_ep_cuda_stream_synchronize(stream: *mut c_void) -> c_int;
+}
+
+/// Fails when a Rust mirror's size differs from the C struct's (header and this file out of step).
+pub fn check_struct_sizes(op: &'static str) -> Result<()> {
+    let ours = [
+        ("deep_ep_tp_status_t", std::mem::size_of::<Status>()),
+        ("deep_ep_tp_lsa_t", std::mem::size_of::<LsaDesc>()),
+        ("deep_ep_tp_gin_reqs_t", std::mem::size_of::<GinReqs>()),
+        ("deep_ep_tp_gin_info_t", std::mem::size_of::<GinInfo>()),
+        ("deep_ep_tp_ping_t", std::mem::size_of::<PingArgs>()),
+    ];
+    for (i, (name, size)) in ours.iter().enumerate() {
+        // SAFETY: pure query of a compile-time constant.
+        let c = unsafe { deep_ep_tp_struct_size(i as c_int) };
+        crate::ensure!(c == *size, op, "internal: {name} is {c} bytes in C but {size} in Rust");
+    }
+    Ok(())
+}
+
+/// Launches the self-test over the LSA emulation (one warp) on `stream`. Asynchronous; the
+/// result lands in `args.status`. Every rank of the rail team must launch it with the same
+/// `seq`, `bytes`, offsets and signal.
+///
+/// # Safety
+/// `lsa.peer_base` must hold live windows of `window_bytes`, `args.status` host-mapped memory and
+/// `args.claim` a device word, all alive until the kernel finished; `stream` a valid stream or null.
+pub unsafe fn ping_lsa(op: &'static str, lsa: &LsaDesc, args: &PingArgs, stream: *mut c_void) -> Result<()> {
+    super::kernels::check(deep_ep_tp_ping_lsa(lsa, args, stream), op, "launching the LSA transport self-test")
+}
+
+/// Launches the self-test over NCCL GIN (one warp) on `stream`.
+///
+/// # Safety
+/// `devcomm` must be a device comm from [`gin_devcomm_create`] whose communicator is alive,
+/// `window` a window registered on it holding the offsets of `args`; as [`ping_lsa`] otherwise.
+pub unsafe fn ping_gin(op: &'static str, devcomm: &[u64], window: *mut c_void, args: &PingArgs, stream: *mut c_void) -> Result<()> {
+    let st = deep_ep_tp_ping_gin(devcomm.as_ptr().cast(), devcomm.len() * 8, window, args, stream);
+    super::kernels::check(st, op, "launching the GIN transport self-test")
+}
+
+/// `ncclDevCommCreate` with GIN requirements: returns the device comm (an 8-aligned byte copy of
+/// `ncclDevComm`, to pass to kernels) and what NCCL granted. A failed call returns the NCCL result
+/// code as `Err(code)` so the caller can word the error (see `backend::nccl::gin`).
+///
+/// # Safety
+/// `create_fn` must be `ncclDevCommCreate` of the loaded NCCL and `comm` a live communicator of it.
+pub unsafe fn gin_devcomm_create(create_fn: *mut c_void, comm: *mut c_void, reqs: &GinReqs) -> std::result::Result<(Vec<u64>, GinInfo), i32> {
+    let bytes = deep_ep_nccl_devcomm_bytes();
+    let mut devcomm = vec![0u64; bytes.div_ceil(8)];
+    let mut info = GinInfo::default();
+    let res = deep_ep_tp_gin_devcomm_create(create_fn, comm, reqs, devcomm.as_mut_ptr().cast(), devcomm.len() * 8, &mut info);
+    if res == 0 {
+        Ok((devcomm, info))
+    } else {
+        Err(res)
+    }
+}
+
+/// Wraps an NCCL result of [`gin_devcomm_create`] that is not a device error of ours.
+pub fn devcomm_error(op: &'static str, code: i32, detail: String) -> Error {
+    Error::Device { op, what: "ncclDevCommCreate (GIN)".into(), detail: format!("ncclResult_t {code}: {detail}") }
+}
+
+// ---- LSA self-test on a live intranode window ------------------------------------------------
+// Layout, right after the control area (the data area is unused while a buffer is created):
+// signal table (one context, one signal per sender), the own staging block, then one receive
+// block per rail-team member.
+const ST_SIGNALS_OFF: u64 = super::intranode::CONTROL_BYTES as u64;
+const ST_BYTES: u64 = 16 << 10;
+const ST_SRC_OFF: u64 = ST_SIGNALS_OFF + 4096;
+const ST_DST_OFF: u64 = ST_SRC_OFF + ST_BYTES;
+
+/// Window bytes the LSA self-test needs for `num_ranks` ranks.
+pub fn lsa_self_test_bytes(num_ranks: usize) -> u64 {
+    ST_DST_OFF + ST_BYTES * num_ranks as u64
+}
+
+/// First half of the LSA self-test: zeroes this rank's signal table on `stream`. Every rank must
+/// have done this (and synchronised) before any rank calls [`lsa_self_test_run`]: a host
+/// rendezvous between the two (buffer creation has one).
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
+pub fn lsa_self_test_prepare(op: &'static str, ctx: &super::intranode::Ctx, stream: *mut c_void) -> Result<()> {
+    crate::ensure!(ctx.window_bytes >= lsa_self_test_bytes(ctx.num_ranks as usize), op, "internal: window of {} bytes too small for the transport self-test", ctx.window_bytes);
+    let own = ctx.peer_base[ctx.rank as usize];
+    // SAFETY: 4096 bytes inside this rank's own live window (size checked above).
+    let st = unsafe { deep_ep_cuda_memset_async(own.cast::<u8>().add(ST_SIGNALS_OFF as usize).cast(), 0, 4096, stream) };
+    super::kernels::check(st, op, "zeroing the transport self-test signals")
+}
+
+/// Second half: one round of the ping over the LSA transport between the ranks of each rail
+/// (`rail_stride` = ranks per emulated node; 1 = all ranks), synchronous on `stream`. Collective.
+/// A silent peer raises [`Error::Timeout`] naming it; corrupted data an [`Error::Device`].
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
+pub fn lsa_self_test_run(op: &'static str, ctx: &super::intranode::Ctx, rail_stride: usize, timeout_ns: u64, stream: *mut c_void) -> Result<()> {
+    let n = ctx.num_ranks as usize;
+    crate::ensure!(rail_stride >= 1 && n % rail_stride == 0 && n <= MAX_LSA_PEERS, op, "internal: self-test rail stride {rail_stride} for {n} ranks");
+    let mut lsa = LsaDesc { peer_base: [std::ptr::null_mut(); MAX_LSA_PEERS], rank: ctx.rank, num_ranks: ctx.num_ranks, num_contexts: 1, num_signals: MAX_LSA_PEERS as i32, signal_off: ST_SIGNALS_OFF, window_bytes: ctx.window_bytes };
+    lsa.peer_base[..n].copy_from_slice(&ctx.peer_base[..n]);
+    let mapped = MappedStatus::new(op)?;
+    let mut claim: *mut c_void = std::ptr::null_mut();
+    // SAFETY: writes one device pointer; freed below on every path.
+    super::kernels::check(unsafe { deep_ep_cuda_malloc(&mut claim, 4) }, op, "cudaMalloc (self-test claim word)")?;
+    let result = (|| {
+        // SAFETY: 4 bytes of the allocation above.
+        super::kernels::check(unsafe { deep_ep_cuda_memset_async(claim, 0, 4, stream) }, op, "cudaMemsetAsync")?;
+        let args = PingArgs { rank: ctx.rank, num_ranks: ctx.num_ranks, rail_stride: rail_stride as i32, context: 0, signal: 0, seq: 1, bytes: ST_BYTES, src_off: ST_SRC_OFF, dst_off: ST_DST_OFF, expect: 1, timeout_ns, status: mapped.device.cast(), claim: claim.cast() };
+        // SAFETY: the windows, the mapped status and the claim word outlive the kernel (the stream
+        // is synchronised before they are released).
+        unsafe { ping_lsa(op, &lsa, &args, stream) }?;
+        // SAFETY: a valid stream (or null) from the caller.
+        super::kernels::check(unsafe { deep_ep_cuda_stream_synchronize(stream) }, op, "synchronising the transport self-test")
+    })();
+    // SAFETY: allocated above; the stream is synchronised or the launch failed.
+    unsafe { deep_ep_cuda_free(claim) };
+    result?;
+    let s = mapped.read();
+    match s.error {
+        0 => Ok(()),
+        err::TIMEOUT => Err(Error::Timeout {
+            op,
+            rank: ctx.rank as usize,
+            peers: vec![s.peer.max(0) as usize],
+            timeout_ms: timeout_ns / 1_000_000,
+            what: format!("transport self-test over the LSA emulation (signal {} at {} of {})", s.signal, s.seen, s.expected),
+        }),
+        code => Err(Error::Device {
+            op,
+            what: "transport self-test over the LSA emulation".into(),
+            detail: format!("error {code}: data from rank {} reads {:#x} where {:#x} was sent", s.peer, s.seen, s.expected),
+        }),
+    }
+}
+
+/// A host-mapped [`Status`], zeroed, freed on drop.
+struct MappedStatus {
+    host: *mut Status,
+    device: *mut c_void,
+}
+
+impl MappedStatus {
+    fn new(op: &'static str) -> Result<MappedStatus> {
+        let (mut host, mut device) = (std::ptr::null_mut(), std::ptr::null_mut());
+        // SAFETY: writes two pointers to a pinned mapped allocation of the given size.
+        super::kernels::check(unsafe { deep_ep_cuda_host_alloc_mapped(&mut host, &mut device, std::mem::size_of::<Status>()) }, op, "cudaHostAlloc(mapped)")?;
+        let m = MappedStatus { host: host.cast(), device };
+        // SAFETY: the allocation is ours, aligned and large enough.
+        unsafe { m.host.write_volatile(Status::default()) };
+        Ok(m)
+    }
+
+    fn read(&self) -> Status {
+        // SAFETY: live, aligned; the kernel that wrote it has finished (stream synchronised).
+        unsafe { self.host.read_volatile() }
+    }
+}
+
+impl Drop for MappedStatus {
+    fn drop(&mut self) {
+        // SAFETY: allocated by cudaHostAlloc in `new`, freed once.
+        unsafe { deep_ep_cuda_free_host(self.host.cast()) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(status: *mut Status, claim: *mut i32) -> PingArgs {
+        PingArgs { rank: 0, num_ranks: 4, rail_stride: 2, context: 0, signal: 0, seq: 1, bytes: 4096, src_off: 0, dst_off: 8192, expect: 1, timeout_ns: 1_000_000, status, claim }
+    }
+
+    #[test]
+    fn struct_sizes_match_the_header() {
+        check_struct_sizes("test").unwrap();
+        assert_eq!(std::mem::size_of::<Status>(), 32);
+        assert_eq!(std::mem::size_of::<GinReqs>(), 20);
+    }
+
+    /// The launchers validate before touching a device, so bad arguments are refused on any
+    /// machine (no GPU needed).
+    #[test]
+    fn self_test_launchers_refuse_bad_arguments() {
+        let mut status = Status::default();
+        let mut claim = 0i32;
+        let lsa = LsaDesc { peer_base: [std::ptr::null_mut(); MAX_LSA_PEERS], rank: 0, num_ranks: 4, num_contexts: 1, num_signals: 8, signal_off: 0, window_bytes: 1 << 20 };
+        let e = unsafe { ping_lsa("test", &lsa, &args(&mut status, &mut claim), std::ptr::null_mut()) }.unwrap_err().to_string();
+        assert!(e.contains("LSA transport self-test") && e.contains("cudaErrorInvalidValue"), "{e}");
+        // rail_stride must divide num_ranks
+        let mut a = args(&mut status, &mut claim);
+        a.rail_stride = 3;
+        let e = unsafe { ping_gin("test", &[0u64; 64], 8 as *mut c_void, &a, std::ptr::null_mut()) }.unwrap_err().to_string();
+        assert!(e.contains("GIN transport self-test"), "{e}");
+        // A zeroed device comm has no GIN contexts.
+        let e = unsafe { ping_gin("test", &[0u64; 128], 8 as *mut c_void, &args(&mut status, &mut claim), std::ptr::null_mut()) }.unwrap_err().to_string();
+        assert!(e.contains("cudaErrorInvalidValue"), "{e}");
+    }
+
+    // What the fake `ncclDevCommCreate` below was handed: the requirement fields at their
+    // NCCL 2.28.9 offsets (`nccl_device/core.h`; the runtime version is pinned to the headers).
+    // Per thread: the stand-in is called on the test's own thread, and tests run in parallel.
+    thread_local! {
+        static SEEN: std::cell::RefCell<Vec<i32>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+
+    fn seen() -> Vec<i32> {
+        SEEN.with(|s| s.borrow().clone())
+    }
+
+    extern "C" fn fake_create(_comm: *mut c_void, reqs: *const u8, _out: *mut c_void) -> c_int {
+        let int_at = |off: usize| unsafe { (reqs.add(off) as *const i32).read_unaligned() };
+        let force = unsafe { *reqs.add(40) } as i32;
+        SEEN.with(|s| *s.borrow_mut() = vec![int_at(24), force, int_at(44), int_at(48), int_at(52)]);
+        0
+    }
+
+    #[test]
+    fn devcomm_create_passes_the_requirements_and_reports_no_gin() {
+        let bad = GinReqs { gin_context_count: 5, ..Default::default() };
+        let fake = fake_create as *mut c_void;
+        // Refused before NCCL is called.
+        assert_eq!(unsafe { gin_devcomm_create(fake, 8 as *mut c_void, &bad) }.unwrap_err(), -1);
+        assert!(seen().is_empty());
+        let r = GinReqs { gin_context_count: 4, gin_signal_count: 96, gin_counter_count: 2, lsa_barrier_count: 1, gin_force_enable: 1 };
+        let (devcomm, info) = unsafe { gin_devcomm_create(fake, 8 as *mut c_void, &r) }.unwrap();
+        assert_eq!(seen(), vec![1, 1, 4, 96, 2]);
+        assert!(devcomm.len() * 8 >= unsafe { deep_ep_nccl_devcomm_bytes() });
+        // The fake granted nothing: the info says "no GIN", which the backend turns into its error.
+        assert_eq!(info, GinInfo::default());
+    }
+
+    /// The whole host-side GIN setup without a NIC: the glue hands the plan's requirements to
+    /// (a stand-in for) ncclDevCommCreate, which grants no GIN as NCCL does on a machine without a
+    /// GPUDirect-RDMA NIC, and the backend turns that into its error.
+    #[cfg(feature = "nccl")]
+    #[test]
+    fn no_nic_gives_the_gin_unavailable_error() {
+        use crate::backend::nccl::gin::{granted, plan, GinKnobs, Workload};
+        let k = GinKnobs::parse(|name| (name == "NCCL_GIN_TYPE").then(|| "3".to_string())).unwrap();
+        let p = plan(Workload::LowLatency { num_local_experts: 2, num_ranks: 16 }, &k).unwrap();
+        let r = unsafe { gin_devcomm_create(fake_create as *mut c_void, 8 as *mut c_void, &p.requirements()) };
+        assert_eq!(seen(), vec![1, 1, 2, 128, 0]);
+        let e = granted(&p, &k, r, |c| format!("code {c}")).unwrap_err().to_string();
+        assert!(e.contains("unavailable (NCCL_GIN_TYPE=3 asked for Gdaki): ncclDevCommCreate granted 0 GIN contexts (2 asked)"), "{e}");
+    }
+}

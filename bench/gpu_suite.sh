@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One pass of every GPU test and the two benchmarks on a 4-GPU machine, most important first, each
+# step under its own time limit so one stuck step cannot take the rest with it.
+#   bench/gpu_suite.sh OUT_DIR [LIBRARY]
+# Writes OUT_DIR/suite.log (every step's output and exit status) and the benchmarks' JSON.
+# Sizes are scaled down from the tests' defaults so that the whole pass fits in ~9 minutes; the
+# variables below restore the full sizes.
+set -u
+out=${1:?usage: bench/gpu_suite.sh OUT_DIR [LIBRARY]}
+lib=${2:-$PWD/target/release/libdeep_ep.so}
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD/python DEEP_EP_LIBRARY=$lib DEEP_EP_TEST_LOG=$out/tests
+log=$out/suite.log
+: >"$log"
+
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS
+  echo "=== $name (limit ${limit}s): $*" | tee -a "$log"
+  timeout -k 10 "$limit" "$@" >>"$log" 2>&1
+  local rc=$?
+  echo "=== $name: rc=$rc in $((SECONDS - t0))s" | tee -a "$log"
+}
+
+python3 -c 'import torch; print("torch", torch.__version__, "gpus", torch.cuda.device_count())' >>"$log" 2>&1
+step smoke 60 python3 -m pytest -q tests/gpu/test_smoke.py
+step intranode 120 env DEEP_EP_INTRANODE_CONFIGS=${INTRANODE_CONFIGS:-25} python3 -m pytest -q tests/gpu/test_intranode.py
+step low_latency 150 env DEEP_EP_LL_SECONDS=${LL_SECONDS:-25} DEEP_EP_LL_REPLAYS=${LL_REPLAYS:-1000} python3 -m pytest -q tests/gpu/test_low_latency.py
+step compile_cuda 120 python3 -m pytest -q -rs tests/gpu/test_compile_cuda.py
+step bench_intranode_pull 75 env DEEP_EP_INTRANODE_DISPATCH=pull torchrun --nproc-per-node 4 bench/intranode.py --sms 20 24 --iters 15 --out "$out/intranode-pull.json"
+step bench_intranode_push 75 env DEEP_EP_INTRANODE_DISPATCH=push torchrun --nproc-per-node 4 bench/intranode.py --sms 20 24 --iters 15 --out "$out/intranode-push.json"
+step reliability 120 env DEEP_EP_SOAK_SCALE=${SOAK_SCALE:-0.2} python3 -m pytest -q -rs tests/gpu/test_recovery.py tests/gpu/test_bad_input_gpu.py tests/gpu/test_soak.py tests/gpu/test_rank_mask_gpu.py
+echo "=== done" | tee -a "$log"

@@ -10,12 +10,12 @@ NCCL_PIN := nvidia-nccl-cu13==2.28.9
 LIB := target/release/libdeep_ep.so
 PYTEST_ENV := PYTHONPATH=python DEEP_EP_LIBRARY=$(abspath $(LIB))
 
-.PHONY: demo test deps build install rust-test py-test cpp-test gpu-test compat compat-newest clean
+.PHONY: demo test deps build install rust-test rust-example py-test cpp-test gpu-test compat compat-newest clean
 
 demo: build
 	$(PYTEST_ENV) $(PY) examples/moe_demo.py --ranks 4
 
-test: build rust-test py-test cpp-test gpu-test
+test: build rust-test rust-example py-test cpp-test gpu-test
 
 # Python venv with torch (the CUDA 13 wheel is PyPI's default), nvcc and NCCL from pip, and
 # libclang for bindgen. Re-runs only when this Makefile changes.
@@ -38,6 +38,10 @@ install: deps
 
 rust-test: deps
 	cargo test --release
+
+# The crate's Rust API directly (examples/rank_threads.rs): 2 rank threads on the CPU backend.
+rust-example: deps
+	cargo run --release --example rank_threads
 
 py-test: build
 	$(PYTEST_ENV) $(PY) -m pytest tests/python -q

@@ -76,14 +76,17 @@ impl HostTensor {
             .collect()
     }
 
+    /// Element type.
     pub fn dtype(&self) -> DType {
         self.dtype
     }
 
+    /// Size of each dimension.
     pub fn sizes(&self) -> &[i64] {
         &self.sizes
     }
 
+    /// Number of elements.
     pub fn numel(&self) -> usize {
         self.sizes.iter().product::<i64>() as usize
     }

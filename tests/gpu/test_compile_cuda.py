@@ -194,8 +194,13 @@ def test_cpp_server_two_gpus():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     lib = os.environ.get("DEEP_EP_LIBRARY", deep_ep_rs.library_path())
+    # The binary may have been built on another machine: resolve libtorch and cudart from this
+    # python's torch wheel rather than from the build-time rpath.
+    site = Path(torch.__file__).resolve().parents[1]
+    env = dict(os.environ, LD_LIBRARY_PATH=os.pathsep.join(
+        [str(site / "torch" / "lib"), str(site / "nvidia" / "cu13" / "lib"), os.environ.get("LD_LIBRARY_PATH", "")]))
     r = subprocess.run([str(exe), "--ranks", "2", "--lib", lib, "--tokens", "128", "--hidden", "1024", "--iters", "20"],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=300, env=env)
     print(r.stdout, r.stderr)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("all checks passed") == 2 and "HT dispatch+combine: ok" in r.stdout

@@ -80,7 +80,7 @@ inline c10::TypedOperatorHandle<Sig> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow((std::string("deep_ep::") + name).c_str(), "").typed<Sig>();
 }
 
-/// DeepEP's default dispatch/combine config for `num_ranks` (intranode table of DeepEP V1).
+/// DeepEP V1's default intranode dispatch/combine config for `num_ranks` <= 8 (python/deep_ep_rs/buffer.py).
 inline std::vector<int64_t> default_config(int64_t num_ranks, bool combine, int64_t num_sms = 20) {
   // {nvl_send, nvl_recv, rdma_send, rdma_recv} for 2 / 4 / 8 ranks.
   if (combine) {

@@ -11,6 +11,8 @@
 //! - NCCL is never linked: `src/ffi/nccl.rs` dlopens `libnccl.so.2` (the one torch loaded).
 //! - libtorch is linked only into the cdylib (`rustc-cdylib-link-arg`), never into test binaries,
 //!   and the shim's static archive goes in whole (else its static registrars are dropped).
+//! - The shim uses libtorch's stable ABI only (target 2.10) and links libtorch_cpu alone, so one
+//!   build loads into every torch >= 2.10, CUDA or CPU-only (`make compat` checks it).
 
 use std::env;
 use std::path::{Path, PathBuf};
@@ -421,6 +423,8 @@ fn build_shim(manifest: &Path, sources: &[PathBuf], torch: &Torch, cuda: Option<
         .cargo_metadata(false) // no rustc-link-lib: the archive must reach the cdylib only, whole
         .flag("-std=c++17")
         .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={}", u8::from(torch.cxx11_abi)))
+        // libtorch's stable ABI, 2.10 surface: the shim then loads into any torch >= 2.10.
+        .define("TORCH_TARGET_VERSION", "0x020a000000000000")
         .include(&ops_dir)
         .include(&csrc);
     // -isystem keeps libtorch's own warnings out of the build log.
@@ -436,11 +440,9 @@ fn build_shim(manifest: &Path, sources: &[PathBuf], torch: &Torch, cuda: Option<
     let lib = torch.lib_dir.display();
     let mut args = vec!["-Wl,--whole-archive".to_string(), archive.display().to_string(), "-Wl,--no-whole-archive".into()];
     args.push(format!("-L{lib}"));
-    let mut libs = vec!["c10", "torch_cpu", "torch"];
-    if cuda.is_some() && torch.lib_dir.join("libtorch_cuda.so").exists() {
-        libs.extend(["c10_cuda", "torch_cuda"]);
-    }
-    args.extend(libs.iter().map(|l| format!("-l{l}")));
+    // The stable C shim lives in libtorch_cpu; its CUDA half (current stream) is looked up at run
+    // time (torch_ops/common.h), so a CPU-only torch can load the same file.
+    args.push("-ltorch_cpu".into());
     // Resolves libtorch when the .so sits in site-packages/<pkg>/ next to torch/ (harmless otherwise).
     args.extend(["-lstdc++".into(), "-Wl,-rpath,$ORIGIN/../torch/lib".into()]);
     for a in args {

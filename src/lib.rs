@@ -12,6 +12,7 @@
 //! - [`buffer`]: the registry that maps the integer handles seen by torch to backends.
 //! - [`ffi::capi`]: the `extern "C"` surface that `torch_ops/` (the only torch-aware code) calls.
 //! - [`reference`]: a single-process reference of every op, for tests.
+//! - [`host`]: owned CPU tensors and safe normal-mode op wrappers for Rust programs without torch.
 //!
 //! | cargo feature | what it adds | default |
 //! |---|---|---|
@@ -26,6 +27,7 @@ pub mod build_info;
 pub mod config;
 pub mod error;
 pub mod ffi;
+pub mod host;
 pub mod layout;
 pub mod log;
 pub mod numerics;

@@ -1,43 +1,92 @@
 // Helpers shared by the op implementations: tensor → deep_ep_tensor_t, status → RuntimeError,
 // the stream to launch on. The only torch-aware code besides the Python package.
+//
+// Everything here uses libtorch's stable ABI only (torch/csrc/stable, the C shim; target 2.10 via
+// TORCH_TARGET_VERSION set by build.rs), so one build of the library loads into any torch >= 2.10
+// (docs/DESIGN.md, "One binary across torch versions").
 #pragma once
-#include <ATen/ATen.h>
-#include <torch/library.h>
+#include <dlfcn.h>
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
 #include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
 #include "deep_ep_capi.h"
-#ifdef USE_CUDA
-#include <c10/cuda/CUDAStream.h>
-#endif
 
 namespace deep_ep_ops {
 
-inline int32_t dtype_code(at::ScalarType t) {
+using Tensor = torch::stable::Tensor;
+using Device = torch::stable::Device;
+using ScalarType = torch::headeronly::ScalarType;
+using DeviceType = torch::headeronly::DeviceType;
+/// int[] arguments arrive as a vector (the stable boxing owns them).
+using IntList = std::vector<int64_t>;
+
+// Streams every argument into one message and raises it (RuntimeError in Python).
+template <typename... Args>
+[[noreturn]] void fail(const Args&... args) {
+  std::ostringstream s;
+  (s << ... << args);
+  throw std::runtime_error(s.str());
+}
+
+#define DEEP_EP_CHECK(cond, ...) \
+  if (!(cond)) ::deep_ep_ops::fail(__VA_ARGS__)
+
+inline std::string to_string(const Device& d) {
+  switch (d.type()) {
+    case DeviceType::CPU: return "cpu";
+    case DeviceType::CUDA: return d.index() >= 0 ? "cuda:" + std::to_string(d.index()) : "cuda";
+    default: return "device type " + std::to_string(static_cast<int>(d.type()));
+  }
+}
+
+inline std::string to_string(const std::vector<int64_t>& v) {
+  std::ostringstream s;
+  s << "[";
+  for (size_t i = 0; i < v.size(); ++i) s << (i ? ", " : "") << v[i];
+  s << "]";
+  return s.str();
+}
+
+inline std::string shape_of(const Tensor& t) {
+  auto s = t.sizes();
+  return to_string(std::vector<int64_t>(s.begin(), s.end()));
+}
+
+inline int32_t dtype_code(ScalarType t) {
   switch (t) {
-    case at::kBFloat16: return DEEP_EP_BF16;
-    case at::kFloat: return DEEP_EP_F32;
-    case at::kFloat8_e4m3fn: return DEEP_EP_FP8_E4M3;
-    case at::kInt: return DEEP_EP_I32;
-    case at::kLong: return DEEP_EP_I64;
-    case at::kBool: return DEEP_EP_BOOL;
-    case at::kByte: return DEEP_EP_U8;
-    case at::kHalf: return DEEP_EP_F16;
-    case at::kDouble: return DEEP_EP_F64;
-    case at::kChar: return DEEP_EP_I8;
-    case at::kShort: return DEEP_EP_I16;
+    case ScalarType::BFloat16: return DEEP_EP_BF16;
+    case ScalarType::Float: return DEEP_EP_F32;
+    case ScalarType::Float8_e4m3fn: return DEEP_EP_FP8_E4M3;
+    case ScalarType::Int: return DEEP_EP_I32;
+    case ScalarType::Long: return DEEP_EP_I64;
+    case ScalarType::Bool: return DEEP_EP_BOOL;
+    case ScalarType::Byte: return DEEP_EP_U8;
+    case ScalarType::Half: return DEEP_EP_F16;
+    case ScalarType::Double: return DEEP_EP_F64;
+    case ScalarType::Char: return DEEP_EP_I8;
+    case ScalarType::Short: return DEEP_EP_I16;
     default: return DEEP_EP_OTHER;
   }
 }
 
 // Descriptor of a live tensor (the tensor must outlive the C call).
-inline deep_ep_tensor_t raw(const at::Tensor& t) {
+inline deep_ep_tensor_t raw(const Tensor& t) {
   deep_ep_tensor_t r{};
   r.data = t.data_ptr();
   r.dtype = dtype_code(t.scalar_type());
-  r.device = t.is_cuda() ? t.get_device() : -1;
+  r.device = t.is_cuda() ? t.get_device_index() : -1;
   r.ndim = static_cast<int32_t>(t.dim());
-  for (int64_t d = 0; d < t.dim() && d < DEEP_EP_MAX_DIMS; ++d) {
-    r.sizes[d] = t.size(d);
-    r.strides[d] = t.stride(d);
+  auto sizes = t.sizes();
+  auto strides = t.strides();
+  for (int64_t d = 0; d < r.ndim && d < DEEP_EP_MAX_DIMS; ++d) {
+    r.sizes[d] = sizes[d];
+    r.strides[d] = strides[d];
   }
   return r;
 }
@@ -48,24 +97,56 @@ inline deep_ep_tensor_t absent() {
   return r;
 }
 
-inline deep_ep_tensor_t raw(const std::optional<at::Tensor>& t) { return t.has_value() ? raw(*t) : absent(); }
+inline deep_ep_tensor_t raw(const std::optional<Tensor>& t) { return t.has_value() ? raw(*t) : absent(); }
 
 // Raises the library's message as a RuntimeError.
-inline void check(int status) { TORCH_CHECK(status == 0, deep_ep_last_error()); }
+inline void check(int status) {
+  if (status != 0) throw std::runtime_error(deep_ep_last_error());
+}
+
+// The CUDA half of the shim lives in libtorch_cuda.so, which a CPU-only torch does not ship.
+// Linking it would make the library unloadable there, so the stable C function
+// aoti_torch_get_current_cuda_stream is looked up in the already-loaded libtorch_cuda.so the
+// first time a CUDA tensor reaches an op (it is loaded whenever CUDA tensors exist).
+using CurrentCudaStreamFn = int32_t (*)(int32_t, void**);
+inline CurrentCudaStreamFn current_cuda_stream_fn() {
+  static CurrentCudaStreamFn fn = [] {
+    void* lib = dlopen("libtorch_cuda.so", RTLD_NOW | RTLD_NOLOAD);
+    void* sym = lib ? dlsym(lib, "aoti_torch_get_current_cuda_stream") : dlsym(RTLD_DEFAULT, "aoti_torch_get_current_cuda_stream");
+    return reinterpret_cast<CurrentCudaStreamFn>(sym);
+  }();
+  return fn;
+}
 
 // The stream kernels on `device` launch on: torch's current stream (NULL on CPU).
-inline void* stream_for(const at::Device& device) {
-#ifdef USE_CUDA
-  if (device.is_cuda()) return c10::cuda::getCurrentCUDAStream(device.index()).stream();
-#endif
-  return nullptr;
+inline void* stream_for(const Device& device) {
+  if (device.type() != DeviceType::CUDA) return nullptr;
+  auto fn = current_cuda_stream_fn();
+  DEEP_EP_CHECK(fn != nullptr, "deep_ep: a CUDA tensor reached the library but torch's aoti_torch_get_current_cuda_stream "
+                               "(libtorch_cuda.so) is not loaded in this process");
+  void* stream = nullptr;
+  DEEP_EP_CHECK(fn(device.index() < 0 ? 0 : device.index(), &stream) == 0, "deep_ep: torch could not report the current CUDA stream of ",
+                to_string(device));
+  return stream;
 }
+
+// Makes `device` current for the scope when it is a CUDA device (c10::OptionalDeviceGuard).
+class __attribute__((visibility("hidden"))) DeviceScope {
+ public:
+  explicit DeviceScope(const Device& d) {
+    if (d.type() == DeviceType::CUDA) guard_.emplace(d.index() < 0 ? 0 : d.index());
+  }
+
+ private:
+  std::optional<torch::stable::accelerator::DeviceGuard> guard_;
+};
 
 // Buffer facts: rank, num_ranks, device, nvl bytes, rdma bytes, ll mode, backend.
 struct BufferInfo {
   int64_t v[7];
   int64_t rank() const { return v[0]; }
   int64_t num_ranks() const { return v[1]; }
+  Device device() const { return v[2] >= 0 ? Device(DeviceType::CUDA, static_cast<int8_t>(v[2])) : Device(DeviceType::CPU); }
 };
 
 // `op` ("deep_ep::dispatch") names the calling op in errors about the handle.
@@ -76,14 +157,27 @@ inline BufferInfo buffer_info(int64_t handle, const char* op) {
 }
 
 // config must be [num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv].
-inline void fill_config(int64_t* dst, at::IntArrayRef config, const char* op) {
-  TORCH_CHECK(config.size() == 5, op, ": config must have 5 ints [num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv], got ", config);
+inline void fill_config(int64_t* dst, const IntList& config, const char* op) {
+  DEEP_EP_CHECK(config.size() == 5, op, ": config must have 5 ints [num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv], got ",
+                to_string(config));
   for (int i = 0; i < 5; ++i) dst[i] = config[i];
 }
 
-// Empty tensor standing for an absent optional output.
-inline at::Tensor none_like(const at::TensorOptions& o) { return at::empty({0}, o); }
+// Uninitialised / zeroed tensor on `like`'s device.
+inline Tensor empty_like_dev(const Tensor& like, const IntList& shape, ScalarType dtype) {
+  return torch::stable::new_empty(like, shape, dtype);
+}
+inline Tensor zeros_like_dev(const Tensor& like, const IntList& shape, ScalarType dtype) {
+  return torch::stable::new_zeros(like, shape, dtype);
+}
+// Uninitialised tensor on `device`.
+inline Tensor empty_on(const IntList& shape, ScalarType dtype, const Device& device) {
+  return torch::stable::empty(shape, dtype, std::nullopt, device);
+}
 
-inline bool present(const at::Tensor& t) { return t.defined() && t.dim() > 0 && !(t.dim() == 1 && t.size(0) == 0); }
+// Empty tensor standing for an absent optional output.
+inline Tensor none_like(const Tensor& like, ScalarType dtype) { return empty_like_dev(like, {0}, dtype); }
+
+inline bool present(const Tensor& t) { return t.defined() && t.dim() > 0 && !(t.dim() == 1 && t.size(0) == 0); }
 
 }  // namespace deep_ep_ops

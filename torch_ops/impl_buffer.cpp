@@ -5,26 +5,29 @@
 namespace deep_ep_ops {
 namespace {
 
-at::Tensor get_unique_id(c10::string_view backend, std::optional<at::Device> device) {
-  auto id = at::empty({DEEP_EP_UNIQUE_ID_BYTES}, at::TensorOptions().dtype(at::kByte));
-  int32_t dev = (device.has_value() && device->is_cuda()) ? device->index() : -1;
-  if (device.has_value() && device->is_cuda() && dev < 0) dev = 0;
+Tensor get_unique_id(std::string_view backend, std::optional<Device> device) {
+  auto id = empty_on({DEEP_EP_UNIQUE_ID_BYTES}, ScalarType::Byte, Device(DeviceType::CPU));
+  const bool cuda = device.has_value() && device->type() == DeviceType::CUDA;
+  int32_t dev = cuda ? device->index() : -1;
+  if (cuda && dev < 0) dev = 0;
   std::string b(backend);
-  check(deep_ep_get_unique_id(b.c_str(), dev, id.data_ptr<uint8_t>()));
+  check(deep_ep_get_unique_id(b.c_str(), dev, static_cast<uint8_t*>(id.data_ptr())));
   return id;
 }
 
-int64_t create_buffer(const at::Tensor& unique_id, int64_t rank, int64_t num_ranks, at::Device device, int64_t num_nvl_bytes,
-                      int64_t num_rdma_bytes, bool low_latency_mode, c10::string_view backend) {
-  TORCH_CHECK(unique_id.device().is_cpu() && unique_id.scalar_type() == at::kByte && unique_id.dim() == 1,
-              "deep_ep::create_buffer: unique_id must be a 1-D uint8 CPU tensor from get_unique_id, got ", unique_id.scalar_type(),
-              " of shape ", unique_id.sizes(), " on ", unique_id.device());
-  TORCH_CHECK(device.is_cpu() || device.is_cuda(), "deep_ep::create_buffer: device must be cpu or cuda, got ", device);
-  auto id = unique_id.contiguous();
-  int32_t dev = device.is_cuda() ? (device.has_index() ? device.index() : 0) : -1;
+int64_t create_buffer(const Tensor& unique_id, int64_t rank, int64_t num_ranks, Device device, int64_t num_nvl_bytes,
+                      int64_t num_rdma_bytes, bool low_latency_mode, std::string_view backend) {
+  DEEP_EP_CHECK(unique_id.is_cpu() && unique_id.scalar_type() == ScalarType::Byte && unique_id.dim() == 1,
+                "deep_ep::create_buffer: unique_id must be a 1-D uint8 CPU tensor from get_unique_id, got ",
+                torch::headeronly::toString(unique_id.scalar_type()), " of shape ", shape_of(unique_id), " on ",
+                to_string(unique_id.device()));
+  DEEP_EP_CHECK(device.type() == DeviceType::CPU || device.type() == DeviceType::CUDA,
+                "deep_ep::create_buffer: device must be cpu or cuda, got ", to_string(device));
+  auto id = torch::stable::contiguous(unique_id);
+  int32_t dev = device.type() == DeviceType::CUDA ? (device.index() >= 0 ? device.index() : 0) : -1;
   std::string b(backend);
   int64_t handle = 0;
-  check(deep_ep_create_buffer(id.data_ptr<uint8_t>(), id.numel(), rank, num_ranks, dev, num_nvl_bytes, num_rdma_bytes,
+  check(deep_ep_create_buffer(static_cast<const uint8_t*>(id.data_ptr()), id.numel(), rank, num_ranks, dev, num_nvl_bytes, num_rdma_bytes,
                               low_latency_mode ? 1 : 0, b.c_str(), &handle));
   return handle;
 }
@@ -36,13 +39,13 @@ std::vector<int64_t> buffer_info_op(int64_t handle) {
   return std::vector<int64_t>(b.v, b.v + 7);
 }
 
-int64_t nvl_hint(at::IntArrayRef config, int64_t hidden_bytes, int64_t num_ranks) {
+int64_t nvl_hint(const IntList& config, int64_t hidden_bytes, int64_t num_ranks) {
   int64_t out = 0;
   check(deep_ep_buffer_size_hint(config.data(), config.size(), hidden_bytes, num_ranks, 0, &out));
   return out;
 }
 
-int64_t rdma_hint(at::IntArrayRef config, int64_t hidden_bytes, int64_t num_ranks) {
+int64_t rdma_hint(const IntList& config, int64_t hidden_bytes, int64_t num_ranks) {
   int64_t out = 0;
   check(deep_ep_buffer_size_hint(config.data(), config.size(), hidden_bytes, num_ranks, 1, &out));
   return out;
@@ -58,43 +61,44 @@ std::string build_info() { return std::string(deep_ep_build_info()); }
 
 void ll_update_mask(int64_t handle, int64_t rank, bool mask) { check(deep_ep_ll_mask(handle, 0, rank, mask ? 1 : 0, nullptr, 0)); }
 
-void ll_query_mask(int64_t handle, const at::Tensor& mask_status) {
+void ll_query_mask(int64_t handle, Tensor mask_status) {
   const char* op = "deep_ep::low_latency_query_mask_buffer";
   const int64_t r = buffer_info(handle, op).num_ranks();
-  TORCH_CHECK(mask_status.scalar_type() == at::kInt && mask_status.dim() == 1 && mask_status.size(0) == r, op,
-              ": mask_status must be a 1-D int32 tensor of num_ranks = ", r, " elements, got ", mask_status.scalar_type(), " of shape ",
-              mask_status.sizes());
-  auto host = at::empty({r}, at::TensorOptions().dtype(at::kInt));
-  check(deep_ep_ll_mask(handle, 1, 0, 0, host.data_ptr<int32_t>(), r));
-  mask_status.copy_(host);
+  DEEP_EP_CHECK(mask_status.scalar_type() == ScalarType::Int && mask_status.dim() == 1 && mask_status.size(0) == r, op,
+                ": mask_status must be a 1-D int32 tensor of num_ranks = ", r, " elements, got ",
+                torch::headeronly::toString(mask_status.scalar_type()), " of shape ", shape_of(mask_status));
+  auto host = empty_on({r}, ScalarType::Int, Device(DeviceType::CPU));
+  check(deep_ep_ll_mask(handle, 1, 0, 0, static_cast<int32_t*>(host.data_ptr()), r));
+  torch::stable::copy_(mask_status, host);
 }
 
 void ll_clean_mask(int64_t handle) { check(deep_ep_ll_mask(handle, 2, 0, 0, nullptr, 0)); }
 
 void ll_set_shrink(int64_t handle, bool enable) { check(deep_ep_ll_mask(handle, 3, 0, enable ? 1 : 0, nullptr, 0)); }
 
-at::Tensor wait_stats(int64_t handle, bool reset) {
+Tensor wait_stats(int64_t handle, bool reset) {
   const int64_t r = buffer_info(handle, "deep_ep::wait_stats").num_ranks();
-  auto out = at::zeros({r, 2}, at::TensorOptions().dtype(at::kLong));
-  check(deep_ep_wait_stats(handle, reset ? 1 : 0, out.data_ptr<int64_t>(), 2 * r));
+  auto out = empty_on({r, 2}, ScalarType::Long, Device(DeviceType::CPU));
+  torch::stable::zero_(out);
+  check(deep_ep_wait_stats(handle, reset ? 1 : 0, static_cast<int64_t*>(out.data_ptr()), 2 * r));
   return out;
 }
 
 }  // namespace
 }  // namespace deep_ep_ops
 
-TORCH_LIBRARY_IMPL(deep_ep, CompositeExplicitAutograd, m) {
-  m.impl("get_unique_id", &deep_ep_ops::get_unique_id);
-  m.impl("create_buffer", &deep_ep_ops::create_buffer);
-  m.impl("destroy_buffer", &deep_ep_ops::destroy_buffer);
-  m.impl("buffer_info", &deep_ep_ops::buffer_info_op);
-  m.impl("nvl_buffer_size_hint", &deep_ep_ops::nvl_hint);
-  m.impl("rdma_buffer_size_hint", &deep_ep_ops::rdma_hint);
-  m.impl("low_latency_rdma_size_hint", &deep_ep_ops::ll_hint);
-  m.impl("build_info", &deep_ep_ops::build_info);
-  m.impl("low_latency_update_mask_buffer", &deep_ep_ops::ll_update_mask);
-  m.impl("low_latency_query_mask_buffer", &deep_ep_ops::ll_query_mask);
-  m.impl("low_latency_clean_mask_buffer", &deep_ep_ops::ll_clean_mask);
-  m.impl("low_latency_set_shrink", &deep_ep_ops::ll_set_shrink);
-  m.impl("wait_stats", &deep_ep_ops::wait_stats);
+STABLE_TORCH_LIBRARY_IMPL(deep_ep, CompositeExplicitAutograd, m) {
+  m.impl("get_unique_id", TORCH_BOX(&deep_ep_ops::get_unique_id));
+  m.impl("create_buffer", TORCH_BOX(&deep_ep_ops::create_buffer));
+  m.impl("destroy_buffer", TORCH_BOX(&deep_ep_ops::destroy_buffer));
+  m.impl("buffer_info", TORCH_BOX(&deep_ep_ops::buffer_info_op));
+  m.impl("nvl_buffer_size_hint", TORCH_BOX(&deep_ep_ops::nvl_hint));
+  m.impl("rdma_buffer_size_hint", TORCH_BOX(&deep_ep_ops::rdma_hint));
+  m.impl("low_latency_rdma_size_hint", TORCH_BOX(&deep_ep_ops::ll_hint));
+  m.impl("build_info", TORCH_BOX(&deep_ep_ops::build_info));
+  m.impl("low_latency_update_mask_buffer", TORCH_BOX(&deep_ep_ops::ll_update_mask));
+  m.impl("low_latency_query_mask_buffer", TORCH_BOX(&deep_ep_ops::ll_query_mask));
+  m.impl("low_latency_clean_mask_buffer", TORCH_BOX(&deep_ep_ops::ll_clean_mask));
+  m.impl("low_latency_set_shrink", TORCH_BOX(&deep_ep_ops::ll_set_shrink));
+  m.impl("wait_stats", TORCH_BOX(&deep_ep_ops::wait_stats));
 }

@@ -1,15 +1,13 @@
 // Low-latency ops. Output shapes are static (E_l, R*T, H), so they are allocated here once the
 // library has validated the inputs; the split send/recv ops let Python build DeepEP's hook.
-#include <c10/core/DeviceGuard.h>
 #include "common.h"
 
 namespace deep_ep_ops {
 namespace {
 
-using at::Tensor;
 using std::optional;
 
-deep_ep_ll_params_t params(int64_t t, int64_t hidden, int64_t e, const at::Device& dev) {
+deep_ep_ll_params_t params(int64_t t, int64_t hidden, int64_t e, const Device& dev) {
   deep_ep_ll_params_t p{};
   p.size = sizeof(p);
   p.num_max_dispatch_tokens_per_rank = t;
@@ -46,22 +44,23 @@ LlOutputs dispatch_send(int64_t handle, const Tensor& x, const Tensor& topk_idx,
   check(deep_ep_ll_dispatch_send(handle, &p, &rx, &ri, &rw, &rc, &rs, nullptr));
 
   const int64_t r = buffer_info(handle, "deep_ep::low_latency_dispatch").num_ranks(), el = e / r, rows = r * t, h = x.size(1);
-  auto o = x.options();
   // Rows past recv_count are unspecified (DeepEP); on the CPU reference they are zero so that
   // results are a pure function of the inputs. GPUs skip the extra memset.
-  auto alloc = [&](at::IntArrayRef shape, at::ScalarType t) { return x.is_cpu() ? at::zeros(shape, o.dtype(t)) : at::empty(shape, o.dtype(t)); };
+  auto alloc = [&](const IntList& shape, ScalarType t) { return x.is_cpu() ? zeros_like_dev(x, shape, t) : empty_like_dev(x, shape, t); };
+  using torch::stable::transpose;
   LlOutputs out;
-  out.recv_x = alloc({el, rows, h}, use_fp8 ? at::kFloat8_e4m3fn : at::kBFloat16);
+  out.recv_x = alloc({el, rows, h}, use_fp8 ? ScalarType::Float8_e4m3fn : ScalarType::BFloat16);
   if (use_fp8) {
     // Column-major in the last two dims, as DeepEP: allocated [E_l, S, R*T] and transposed.
-    out.recv_x_scales = use_ue8m0 ? alloc({el, h / 512, rows}, at::kInt).transpose(1, 2) : alloc({el, h / 128, rows}, at::kFloat).transpose(1, 2);
+    out.recv_x_scales = use_ue8m0 ? transpose(alloc({el, h / 512, rows}, ScalarType::Int), 1, 2)
+                                  : transpose(alloc({el, h / 128, rows}, ScalarType::Float), 1, 2);
   } else {
-    out.recv_x_scales = none_like(o.dtype(at::kFloat));
+    out.recv_x_scales = none_like(x, ScalarType::Float);
   }
-  out.recv_count = at::empty({el}, o.dtype(at::kInt));
-  out.src_info = alloc({el, rows}, at::kInt);
-  out.layout_range = at::empty({el, r}, o.dtype(at::kLong));
-  out.recv_state = at::zeros({DEEP_EP_LL_STATE_LEN}, o.dtype(at::kLong));
+  out.recv_count = empty_like_dev(x, {el}, ScalarType::Int);
+  out.src_info = alloc({el, rows}, ScalarType::Int);
+  out.layout_range = empty_like_dev(x, {el, r}, ScalarType::Long);
+  out.recv_state = zeros_like_dev(x, {DEEP_EP_LL_STATE_LEN}, ScalarType::Long);
   auto ro = out.raw_outputs();
   check(deep_ep_ll_dispatch_send(handle, &p, &rx, &ri, &rw, &rc, &rs, &ro));
   return out;
@@ -83,7 +82,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> low_latency_dispatch(int64_t 
                                                                        const optional<Tensor>& topk_weights, const optional<Tensor>& cumulative,
                                                                        const optional<Tensor>& wait, int64_t t, int64_t e, bool use_fp8,
                                                                        bool round_scale, bool use_ue8m0) {
-  c10::OptionalDeviceGuard guard(x.device());
+  DeviceScope guard(x.device());
   auto out = dispatch_send(handle, x, topk_idx, topk_weights, cumulative, wait, t, e, use_fp8, round_scale, use_ue8m0);
   dispatch_recv(handle, out, cumulative, wait, t, e, use_fp8, round_scale, use_ue8m0);
   return {out.recv_x, out.recv_x_scales, out.recv_count, out.src_info, out.layout_range};
@@ -92,7 +91,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> low_latency_dispatch(int64_t 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> low_latency_dispatch_send(int64_t handle, const Tensor& x, const Tensor& topk_idx,
                                                                                      const optional<Tensor>& topk_weights, int64_t t, int64_t e,
                                                                                      bool use_fp8, bool round_scale, bool use_ue8m0) {
-  c10::OptionalDeviceGuard guard(x.device());
+  DeviceScope guard(x.device());
   auto o = dispatch_send(handle, x, topk_idx, topk_weights, std::nullopt, std::nullopt, t, e, use_fp8, round_scale, use_ue8m0);
   return {o.recv_x, o.recv_x_scales, o.recv_count, o.src_info, o.layout_range, o.recv_state};
 }
@@ -101,7 +100,7 @@ void low_latency_dispatch_recv(int64_t handle, const Tensor& recv_state, const T
                                const Tensor& recv_count, const Tensor& src_info, const Tensor& layout_range,
                                const optional<Tensor>& cumulative, const optional<Tensor>& wait, int64_t t, int64_t e, bool use_fp8,
                                bool round_scale, bool use_ue8m0) {
-  c10::OptionalDeviceGuard guard(recv_x.device());
+  DeviceScope guard(recv_x.device());
   LlOutputs out{recv_x, recv_x_scales, recv_count, src_info, layout_range, recv_state};
   dispatch_recv(handle, out, cumulative, wait, t, e, use_fp8, round_scale, use_ue8m0);
 }
@@ -111,7 +110,7 @@ Tensor combine_send(int64_t handle, const Tensor& x, const Tensor& src_info, con
   auto p = params(t, x.dim() == 3 ? x.size(2) : 128, e, x.device());
   p.use_logfmt = use_logfmt;
   p.zero_copy = zero_copy;
-  auto state = at::zeros({DEEP_EP_LL_STATE_LEN}, x.options().dtype(at::kLong));
+  auto state = zeros_like_dev(x, {DEEP_EP_LL_STATE_LEN}, ScalarType::Long);
   auto rx = raw(x), rsi = raw(src_info), rlr = raw(layout_range), rst = raw(state);
   check(deep_ep_ll_combine_send(handle, &p, &rx, &rsi, &rlr, &rst));
   return state;
@@ -127,59 +126,59 @@ void combine_recv(int64_t handle, const Tensor& state, const Tensor& topk_idx, c
 void low_latency_combine(int64_t handle, const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights, const Tensor& src_info,
                          const Tensor& layout_range, const Tensor& out, const optional<Tensor>& wait, int64_t t, int64_t e, bool use_logfmt,
                          bool zero_copy) {
-  c10::OptionalDeviceGuard guard(x.device());
+  DeviceScope guard(x.device());
   auto state = combine_send(handle, x, src_info, layout_range, t, e, use_logfmt, zero_copy);
   combine_recv(handle, state, topk_idx, topk_weights, out, wait, t, x.size(2), e);
 }
 
 Tensor low_latency_combine_send(int64_t handle, const Tensor& x, const Tensor& src_info, const Tensor& layout_range, int64_t t, int64_t e,
                                 bool use_logfmt, bool zero_copy) {
-  c10::OptionalDeviceGuard guard(x.device());
+  DeviceScope guard(x.device());
   return combine_send(handle, x, src_info, layout_range, t, e, use_logfmt, zero_copy);
 }
 
 void low_latency_combine_recv(int64_t handle, const Tensor& state, const Tensor& topk_idx, const Tensor& topk_weights, const Tensor& out,
                               const optional<Tensor>& wait, int64_t t, int64_t hidden, int64_t e) {
-  c10::OptionalDeviceGuard guard(out.device());
+  DeviceScope guard(out.device());
   combine_recv(handle, state, topk_idx, topk_weights, out, wait, t, hidden, e);
 }
 
 void clean_low_latency_buffer(int64_t handle, int64_t t, int64_t hidden, int64_t e) {
   auto info = buffer_info(handle, "deep_ep::clean_low_latency_buffer");
-  at::Device dev = info.v[2] >= 0 ? at::Device(at::kCUDA, info.v[2]) : at::Device(at::kCPU);
-  c10::OptionalDeviceGuard guard(dev);
+  Device dev = info.device();
+  DeviceScope guard(dev);
   auto p = params(t, hidden, e, dev);
   check(deep_ep_ll_clean(handle, &p));
 }
 
 Tensor get_next_low_latency_combine_buffer(int64_t handle, int64_t t, int64_t hidden, int64_t e) {
   auto info = buffer_info(handle, "deep_ep::get_next_low_latency_combine_buffer");
-  at::Device dev = info.v[2] >= 0 ? at::Device(at::kCUDA, info.v[2]) : at::Device(at::kCPU);
+  Device dev = info.device();
   auto p = params(t, hidden, e, dev);
   deep_ep_tensor_t v{};
   check(deep_ep_ll_next_combine_buffer(handle, &p, &v));
   std::vector<int64_t> sizes(v.sizes, v.sizes + v.ndim), strides(v.strides, v.strides + v.ndim);
-  return at::from_blob(v.data, sizes, strides, at::TensorOptions().dtype(at::kBFloat16).device(dev));
+  return torch::stable::from_blob(v.data, sizes, strides, dev, ScalarType::BFloat16);
 }
 
 }  // namespace
 }  // namespace deep_ep_ops
 
-#define DEEP_EP_LL_IMPLS(m)                                                                         \
-  m.impl("low_latency_dispatch", &deep_ep_ops::low_latency_dispatch);                               \
-  m.impl("low_latency_dispatch_send", &deep_ep_ops::low_latency_dispatch_send);                     \
-  m.impl("low_latency_dispatch_recv", &deep_ep_ops::low_latency_dispatch_recv);                     \
-  m.impl("low_latency_combine", &deep_ep_ops::low_latency_combine);                                 \
-  m.impl("low_latency_combine_send", &deep_ep_ops::low_latency_combine_send);                       \
-  m.impl("low_latency_combine_recv", &deep_ep_ops::low_latency_combine_recv);
+#define DEEP_EP_LL_IMPLS(m)                                                                          \
+  m.impl("low_latency_dispatch", TORCH_BOX(&deep_ep_ops::low_latency_dispatch));                     \
+  m.impl("low_latency_dispatch_send", TORCH_BOX(&deep_ep_ops::low_latency_dispatch_send));           \
+  m.impl("low_latency_dispatch_recv", TORCH_BOX(&deep_ep_ops::low_latency_dispatch_recv));           \
+  m.impl("low_latency_combine", TORCH_BOX(&deep_ep_ops::low_latency_combine));                       \
+  m.impl("low_latency_combine_send", TORCH_BOX(&deep_ep_ops::low_latency_combine_send));             \
+  m.impl("low_latency_combine_recv", TORCH_BOX(&deep_ep_ops::low_latency_combine_recv));
 
-TORCH_LIBRARY_IMPL(deep_ep, CPU, m) { DEEP_EP_LL_IMPLS(m) }
+STABLE_TORCH_LIBRARY_IMPL(deep_ep, CPU, m) { DEEP_EP_LL_IMPLS(m) }
 #ifdef USE_CUDA
-TORCH_LIBRARY_IMPL(deep_ep, CUDA, m) { DEEP_EP_LL_IMPLS(m) }
+STABLE_TORCH_LIBRARY_IMPL(deep_ep, CUDA, m) { DEEP_EP_LL_IMPLS(m) }
 #endif
 
 // These take no tensors: they follow the buffer's device.
-TORCH_LIBRARY_IMPL(deep_ep, CompositeExplicitAutograd, m) {
-  m.impl("clean_low_latency_buffer", &deep_ep_ops::clean_low_latency_buffer);
-  m.impl("get_next_low_latency_combine_buffer", &deep_ep_ops::get_next_low_latency_combine_buffer);
+STABLE_TORCH_LIBRARY_IMPL(deep_ep, CompositeExplicitAutograd, m) {
+  m.impl("clean_low_latency_buffer", TORCH_BOX(&deep_ep_ops::clean_low_latency_buffer));
+  m.impl("get_next_low_latency_combine_buffer", TORCH_BOX(&deep_ep_ops::get_next_low_latency_combine_buffer));
 }

@@ -1,25 +1,23 @@
 // get_dispatch_layout and the normal-mode ops. One implementation serves CPU and CUDA tensors:
 // the Rust side routes on the buffer's backend and the tensors' device. Outputs are allocated
 // here after the library has validated the inputs.
-#include <c10/core/DeviceGuard.h>
 #include "common.h"
 
 namespace deep_ep_ops {
 namespace {
 
-using at::Tensor;
 using std::optional;
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> get_dispatch_layout(const Tensor& topk_idx, int64_t num_experts, int64_t num_ranks) {
   auto ti = raw(topk_idx);
   check(deep_ep_check_dispatch_layout(&ti, num_experts, num_ranks));
-  c10::OptionalDeviceGuard guard(topk_idx.device());
-  auto i32 = topk_idx.options().dtype(at::kInt);
+  DeviceScope guard(topk_idx.device());
+  const auto i32 = ScalarType::Int;
   int64_t n = topk_idx.size(0);
-  auto per_rank = at::empty({num_ranks}, i32);
-  auto per_rdma = at::empty({num_ranks > 8 ? num_ranks / 8 : 0}, i32);
-  auto per_expert = at::empty({num_experts}, i32);
-  auto in_rank = at::empty({n, num_ranks}, topk_idx.options().dtype(at::kBool));
+  auto per_rank = empty_like_dev(topk_idx, {num_ranks}, i32);
+  auto per_rdma = empty_like_dev(topk_idx, {num_ranks > 8 ? num_ranks / 8 : 0}, i32);
+  auto per_expert = empty_like_dev(topk_idx, {num_experts}, i32);
+  auto in_rank = empty_like_dev(topk_idx, {n, num_ranks}, ScalarType::Bool);
   auto a = raw(per_rank), b = num_ranks > 8 ? raw(per_rdma) : absent(), c = raw(per_expert), d = raw(in_rank);
   check(deep_ep_get_dispatch_layout(&ti, num_experts, num_ranks, &a, &b, &c, &d, stream_for(topk_idx.device())));
   return {per_rank, per_rdma, per_expert, in_rank};
@@ -33,8 +31,8 @@ deep_ep_handle_t raw_handle(const Tensor& rpm, const Tensor& cpm, const Tensor& 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dispatch(
     int64_t handle, const Tensor& x, const optional<Tensor>& x_scales, const optional<Tensor>& topk_idx,
     const optional<Tensor>& topk_weights, const Tensor& num_tokens_per_rank, const Tensor& is_token_in_rank,
-    const Tensor& num_tokens_per_expert, int64_t expert_alignment, int64_t num_worst_tokens, at::IntArrayRef config) {
-  c10::OptionalDeviceGuard guard(x.device());
+    const Tensor& num_tokens_per_expert, int64_t expert_alignment, int64_t num_worst_tokens, const IntList& config) {
+  DeviceScope guard(x.device());
   deep_ep_dispatch_args_t args{};
   args.size = sizeof(args);
   args.x = raw(x);
@@ -52,21 +50,21 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
   auto info = buffer_info(handle, "deep_ep::dispatch");
   int64_t num_experts = num_tokens_per_expert.dim() == 1 ? num_tokens_per_expert.size(0) : 0;
   int64_t num_local = info.num_ranks() > 0 ? num_experts / info.num_ranks() : 0;
-  auto per_expert = at::empty({num_local}, at::TensorOptions().dtype(at::kInt));
+  auto per_expert = empty_on({num_local}, ScalarType::Int, Device(DeviceType::CPU));
   deep_ep_dispatch_plan_t plan{};
   plan.size = sizeof(plan);
-  check(deep_ep_dispatch_prepare(handle, &args, &plan, per_expert.data_ptr<int32_t>(), num_local));
+  check(deep_ep_dispatch_prepare(handle, &args, &plan, static_cast<int32_t*>(per_expert.data_ptr()), num_local));
 
   // Inputs are validated from here on.
   const int64_t rows = plan.num_rows, n = x.size(0), r = info.num_ranks(), c = config[0] / 2;
-  auto dev = x.options();
-  auto i32 = dev.dtype(at::kInt);
-  Tensor recv_x = at::empty({rows, x.size(1)}, dev);
-  Tensor recv_scales = x_scales ? at::empty({rows, x_scales->size(1)}, x_scales->options()) : none_like(dev.dtype(at::kFloat));
-  Tensor recv_idx = topk_idx ? at::empty({rows, topk_idx->size(1)}, topk_idx->options()) : none_like(dev.dtype(at::kLong));
-  Tensor recv_w = topk_weights ? at::empty({rows, topk_weights->size(1)}, topk_weights->options()) : none_like(dev.dtype(at::kFloat));
-  Tensor rpm = at::empty({r, r}, i32), cpm = at::empty({r, c}, i32), rcpm = at::empty({r, c}, i32);
-  Tensor src_idx = at::empty({rows}, i32), send_head = at::empty({n, r}, i32);
+  const auto i32 = ScalarType::Int;
+  Tensor recv_x = empty_like_dev(x, {rows, x.size(1)}, x.scalar_type());
+  Tensor recv_scales = x_scales ? empty_like_dev(*x_scales, {rows, x_scales->size(1)}, x_scales->scalar_type()) : none_like(x, ScalarType::Float);
+  Tensor recv_idx = topk_idx ? empty_like_dev(*topk_idx, {rows, topk_idx->size(1)}, topk_idx->scalar_type()) : none_like(x, ScalarType::Long);
+  Tensor recv_w = topk_weights ? empty_like_dev(*topk_weights, {rows, topk_weights->size(1)}, topk_weights->scalar_type())
+                               : none_like(x, ScalarType::Float);
+  Tensor rpm = empty_like_dev(x, {r, r}, i32), cpm = empty_like_dev(x, {r, c}, i32), rcpm = empty_like_dev(x, {r, c}, i32);
+  Tensor src_idx = empty_like_dev(x, {rows}, i32), send_head = empty_like_dev(x, {n, r}, i32);
 
   deep_ep_dispatch_outputs_t out{};
   out.size = sizeof(out);
@@ -80,14 +78,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
   out.recv_src_idx = raw(src_idx);
   out.send_head = raw(send_head);
   check(deep_ep_dispatch_finish(handle, &args, &plan, &out));
-  if (num_worst_tokens > 0) per_expert = at::empty({0}, at::TensorOptions().dtype(at::kInt));
+  if (num_worst_tokens > 0) per_expert = empty_on({0}, ScalarType::Int, Device(DeviceType::CPU));
   return {recv_x, recv_scales, recv_idx, recv_w, per_expert, rpm, cpm, rcpm, src_idx, send_head};
 }
 
 std::tuple<Tensor, Tensor> cached_dispatch(int64_t handle, const Tensor& x, const optional<Tensor>& x_scales, const Tensor& rpm,
                                            const Tensor& cpm, const Tensor& rcpm, const Tensor& src_idx, const Tensor& in_rank,
-                                           const Tensor& send_head, at::IntArrayRef config) {
-  c10::OptionalDeviceGuard guard(x.device());
+                                           const Tensor& send_head, const IntList& config) {
+  DeviceScope guard(x.device());
   deep_ep_cached_dispatch_args_t args{};
   args.size = sizeof(args);
   args.x = raw(x);
@@ -97,8 +95,8 @@ std::tuple<Tensor, Tensor> cached_dispatch(int64_t handle, const Tensor& x, cons
   args.stream = stream_for(x.device());
   check(deep_ep_cached_dispatch(handle, &args, nullptr, nullptr));
   const int64_t rows = src_idx.size(0);
-  Tensor recv_x = at::empty({rows, x.size(1)}, x.options());
-  Tensor recv_scales = x_scales ? at::empty({rows, x_scales->size(1)}, x_scales->options()) : none_like(x.options().dtype(at::kFloat));
+  Tensor recv_x = empty_like_dev(x, {rows, x.size(1)}, x.scalar_type());
+  Tensor recv_scales = x_scales ? empty_like_dev(*x_scales, {rows, x_scales->size(1)}, x_scales->scalar_type()) : none_like(x, ScalarType::Float);
   auto rx = raw(recv_x);
   auto rs = x_scales ? raw(recv_scales) : absent();
   check(deep_ep_cached_dispatch(handle, &args, &rx, &rs));
@@ -107,8 +105,8 @@ std::tuple<Tensor, Tensor> cached_dispatch(int64_t handle, const Tensor& x, cons
 
 std::tuple<Tensor, Tensor> combine(int64_t handle, const Tensor& x, const optional<Tensor>& topk_weights, const optional<Tensor>& bias_0,
                                    const optional<Tensor>& bias_1, const Tensor& rpm, const Tensor& cpm, const Tensor& rcpm,
-                                   const Tensor& src_idx, const Tensor& in_rank, const Tensor& send_head, at::IntArrayRef config) {
-  c10::OptionalDeviceGuard guard(x.device());
+                                   const Tensor& src_idx, const Tensor& in_rank, const Tensor& send_head, const IntList& config) {
+  DeviceScope guard(x.device());
   deep_ep_combine_args_t args{};
   args.size = sizeof(args);
   args.x = raw(x);
@@ -120,8 +118,9 @@ std::tuple<Tensor, Tensor> combine(int64_t handle, const Tensor& x, const option
   args.stream = stream_for(x.device());
   check(deep_ep_combine(handle, &args, nullptr, nullptr));
   const int64_t n = send_head.size(0);
-  Tensor out = at::empty({n, x.size(1)}, x.options());
-  Tensor out_w = topk_weights ? at::empty({n, topk_weights->size(1)}, topk_weights->options()) : none_like(x.options().dtype(at::kFloat));
+  Tensor out = empty_like_dev(x, {n, x.size(1)}, x.scalar_type());
+  Tensor out_w = topk_weights ? empty_like_dev(*topk_weights, {n, topk_weights->size(1)}, topk_weights->scalar_type())
+                              : none_like(x, ScalarType::Float);
   auto ro = raw(out);
   auto rw = topk_weights ? raw(out_w) : absent();
   check(deep_ep_combine(handle, &args, &ro, &rw));
@@ -131,18 +130,18 @@ std::tuple<Tensor, Tensor> combine(int64_t handle, const Tensor& x, const option
 }  // namespace
 }  // namespace deep_ep_ops
 
-TORCH_LIBRARY_IMPL(deep_ep, CPU, m) {
-  m.impl("get_dispatch_layout", &deep_ep_ops::get_dispatch_layout);
-  m.impl("dispatch", &deep_ep_ops::dispatch);
-  m.impl("cached_dispatch", &deep_ep_ops::cached_dispatch);
-  m.impl("combine", &deep_ep_ops::combine);
+STABLE_TORCH_LIBRARY_IMPL(deep_ep, CPU, m) {
+  m.impl("get_dispatch_layout", TORCH_BOX(&deep_ep_ops::get_dispatch_layout));
+  m.impl("dispatch", TORCH_BOX(&deep_ep_ops::dispatch));
+  m.impl("cached_dispatch", TORCH_BOX(&deep_ep_ops::cached_dispatch));
+  m.impl("combine", TORCH_BOX(&deep_ep_ops::combine));
 }
 
 #ifdef USE_CUDA
-TORCH_LIBRARY_IMPL(deep_ep, CUDA, m) {
-  m.impl("get_dispatch_layout", &deep_ep_ops::get_dispatch_layout);
-  m.impl("dispatch", &deep_ep_ops::dispatch);
-  m.impl("cached_dispatch", &deep_ep_ops::cached_dispatch);
-  m.impl("combine", &deep_ep_ops::combine);
+STABLE_TORCH_LIBRARY_IMPL(deep_ep, CUDA, m) {
+  m.impl("get_dispatch_layout", TORCH_BOX(&deep_ep_ops::get_dispatch_layout));
+  m.impl("dispatch", TORCH_BOX(&deep_ep_ops::dispatch));
+  m.impl("cached_dispatch", TORCH_BOX(&deep_ep_ops::cached_dispatch));
+  m.impl("combine", TORCH_BOX(&deep_ep_ops::combine));
 }
 #endif

@@ -1,16 +1,15 @@
 // Every deep_ep op schema, one comment each. Implementations: impl_buffer.cpp (buffers, hints),
 // impl_normal.cpp (layout, normal mode), impl_low_latency.cpp (low-latency mode). Fake kernels
-// live in python/deep_ep_rs/_fake.py (loaded on demand through set_python_module).
+// live in python/deep_ep_rs/_fake.py (imported with the package; the stable ABI has no
+// set_python_module, and torch does not require one for fake kernels registered from Python).
 //
 // Shapes: N tokens on this rank, H hidden, S = H/128 scales, K top-k, R ranks, E experts,
 // E_l = E/R local experts, T = num_max_dispatch_tokens_per_rank, C = config[0]/2 channels,
 // rows = received tokens. `config` is [num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv].
 // Ops marked "collective" must be called by every rank of the buffer in the same order.
-#include <torch/library.h>
+#include "common.h"
 
-TORCH_LIBRARY(deep_ep, m) {
-  m.set_python_module("deep_ep_rs._fake");
-
+STABLE_TORCH_LIBRARY(deep_ep, m) {
   // uint8[128] CPU rendezvous id for `backend` ("" = DEEP_EP_BACKEND or the device default).
   m.def("get_unique_id(str backend='', Device? device=None) -> Tensor");
   // Collective. Creates a buffer on `device`; returns its handle.

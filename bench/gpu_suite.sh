@@ -2,7 +2,8 @@
 # One pass of every GPU test and the two benchmarks on a 4-GPU machine, most important first, each
 # step under its own time limit so one stuck step cannot take the rest with it.
 #   bench/gpu_suite.sh OUT_DIR [LIBRARY]
-# Writes OUT_DIR/suite.log (every step's output and exit status) and the benchmarks' JSON.
+# Writes OUT_DIR/suite.log (every step's output and exit status), the benchmarks' JSON and
+# OUT_DIR/test-logs.tgz (the tests' per-rank results).
 # Sizes are scaled down from the tests' defaults so that the whole pass fits in ~9 minutes; the
 # variables below restore the full sizes.
 set -u
@@ -10,7 +11,8 @@ out=${1:?usage: bench/gpu_suite.sh OUT_DIR [LIBRARY]}
 lib=${2:-$PWD/target/release/libdeep_ep.so}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PYTHONPATH=$PWD/python DEEP_EP_LIBRARY=$lib DEEP_EP_TEST_LOG=$out/tests
+tests_log=$(mktemp -d /tmp/deep_ep_tests.XXXXXX)  # per-rank JSON of the tests, packed at the end
+export PYTHONPATH=$PWD/python DEEP_EP_LIBRARY=$lib DEEP_EP_TEST_LOG=$tests_log
 log=$out/suite.log
 : >"$log"
 
@@ -32,4 +34,5 @@ step compile_cuda 120 python3 -m pytest -q -rs tests/gpu/test_compile_cuda.py
 step bench_intranode_pull 75 env DEEP_EP_INTRANODE_DISPATCH=pull torchrun --nproc-per-node 4 bench/intranode.py --sms 20 24 --iters 15 --out "$out/intranode-pull.json"
 step bench_intranode_push 75 env DEEP_EP_INTRANODE_DISPATCH=push torchrun --nproc-per-node 4 bench/intranode.py --sms 20 24 --iters 15 --out "$out/intranode-push.json"
 step reliability 120 env DEEP_EP_SOAK_SCALE=${SOAK_SCALE:-0.2} python3 -m pytest -q -rs tests/gpu/test_recovery.py tests/gpu/test_bad_input_gpu.py tests/gpu/test_soak.py tests/gpu/test_rank_mask_gpu.py
+tar czf "$out/test-logs.tgz" -C "$tests_log" . 2>/dev/null
 echo "=== done" | tee -a "$log"

@@ -29,7 +29,7 @@ step() {  # step NAME SECONDS COMMAND...
 python3 -c 'import torch; print("torch", torch.__version__, "gpus", torch.cuda.device_count())' >>"$log" 2>&1
 step smoke 60 python3 -m pytest -q tests/gpu/test_smoke.py
 step intranode 120 env DEEP_EP_INTRANODE_CONFIGS=${INTRANODE_CONFIGS:-25} python3 -m pytest -q tests/gpu/test_intranode.py
-step low_latency 150 env DEEP_EP_LL_SECONDS=${LL_SECONDS:-25} DEEP_EP_LL_REPLAYS=${LL_REPLAYS:-1000} python3 -m pytest -q tests/gpu/test_low_latency.py
+step low_latency 240 env DEEP_EP_LL_SECONDS=${LL_SECONDS:-25} DEEP_EP_LL_REPLAYS=${LL_REPLAYS:-1000} DEEP_EP_LL_CHECK_EVERY=${LL_CHECK_EVERY:-50} python3 -m pytest -q tests/gpu/test_low_latency.py
 step compile_cuda 120 python3 -m pytest -q -rs tests/gpu/test_compile_cuda.py
 step bench_intranode_pull 75 env DEEP_EP_INTRANODE_DISPATCH=pull torchrun --nproc-per-node 4 bench/intranode.py --sms 20 24 --iters 15 --out "$out/intranode-pull.json"
 step bench_intranode_push 75 env DEEP_EP_INTRANODE_DISPATCH=push torchrun --nproc-per-node 4 bench/intranode.py --sms 20 24 --iters 15 --out "$out/intranode-push.json"

@@ -22,11 +22,11 @@ N, H, K, E = 6, 64, 2, 8
 
 def good_inputs(seed=0, n=N, h=H, k=K, e=E, num_ranks=1, dtype=torch.int64):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn((n, h), generator=g).to(torch.bfloat16)
-    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)]) if n else torch.zeros((0, k), dtype=torch.int64)
+    x = torch.randn((n, h), generator=g, device="cpu").to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(e, generator=g, device="cpu")[:k] for _ in range(n)]) if n else torch.zeros((0, k), dtype=torch.int64)
     if n > 1:
         idx[1, :] = -1  # one token goes nowhere
-    w = torch.rand((n, k), generator=g)
+    w = torch.rand((n, k), generator=g, device="cpu")
     return x, idx.to(dtype).contiguous(), w
 
 
@@ -368,8 +368,8 @@ def ll_buffer(ops):
 def ll_dispatch(h, n=3, hidden=H_LL, t=T_LL, e=E_LL, use_fp8=False, round_scale=False, ue8m0=False, x=None, idx=None, stats=None,
                 idx_rows=None):
     g = torch.Generator().manual_seed(3)
-    x = torch.randn((n, hidden), generator=g).to(torch.bfloat16) if x is None else x
-    idx = torch.topk(torch.rand((idx_rows or n, e), generator=g), 2, dim=1).indices if idx is None else idx
+    x = torch.randn((n, hidden), generator=g, device="cpu").to(torch.bfloat16) if x is None else x
+    idx = torch.topk(torch.rand((idx_rows or n, e), generator=g, device="cpu"), 2, dim=1).indices if idx is None else idx
     return torch.ops.deep_ep.low_latency_dispatch(h, x, idx, None, stats, None, t, e, use_fp8, round_scale, ue8m0)
 
 
@@ -379,9 +379,9 @@ def ll_still_works(h):
     info = torch.ops.deep_ep.buffer_info(h)
     assert info[5] == 1
     g = torch.Generator().manual_seed(8)
-    x = torch.randn((3, H_LL), generator=g).to(torch.bfloat16)
-    idx = torch.topk(torch.rand((3, E_LL), generator=g), 2, dim=1).indices
-    w = torch.rand((3, 2), generator=g)
+    x = torch.randn((3, H_LL), generator=g, device="cpu").to(torch.bfloat16)
+    idx = torch.topk(torch.rand((3, E_LL), generator=g, device="cpu"), 2, dim=1).indices
+    w = torch.rand((3, 2), generator=g, device="cpu")
     try:
         recv_x, _, count, src_info, layout_range = torch.ops.deep_ep.low_latency_dispatch(h, x, idx, w, None, None, T_LL, E_LL,
                                                                                           False, False, False)
@@ -581,7 +581,7 @@ class LLCtx:
     def __init__(self, ops, ll_h, normal_h, dead):
         self.ops, self.h, self.dead, self.n = ops, ll_h, dead, Ctx(normal_h)
         g = torch.Generator().manual_seed(5)
-        self.x = torch.randn((3, H_LL), generator=g).to(torch.bfloat16)
+        self.x = torch.randn((3, H_LL), generator=g, device="cpu").to(torch.bfloat16)
         self.idx = torch.tensor([[0, 1], [2, 3], [4, -1]])
         self.w = torch.ones((3, 2))
         self.rx, self.sc, self.cnt, self.src, self.lr, self.st = self.send()

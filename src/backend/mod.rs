@@ -10,7 +10,7 @@ pub mod cpu;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 
-use crate::config::Config;
+use crate::config::{low_latency_rdma_size_hint, Config, LowLatencyLayout};
 use crate::error::{Error, Result};
 use crate::tensor::{Device, TensorRef};
 use std::ffi::c_void;
@@ -217,12 +217,47 @@ pub struct LlGeometry {
 /// recv op (buffer half, sequence number, two reserved words).
 pub const LL_STATE_LEN: usize = 4;
 
+/// Most tokens per rank in one low-latency call, on every backend: receive counts travel as
+/// `count + 1` in 16 bits.
+pub const LL_MAX_TOKENS: usize = 0xfffe;
+
+impl LlGeometry {
+    /// The checks every backend makes before it touches its low-latency area: LL mode, experts a
+    /// multiple of the rank count, hidden a multiple of 128, T within [`LL_MAX_TOKENS`], and the
+    /// area (both halves) within `num_rdma_bytes`. Returns the area's layout.
+    pub fn check_buffer(&self, op: &'static str, info: &BufferInfo) -> Result<LowLatencyLayout> {
+        let (r, e, t, h) = (info.num_ranks, self.num_experts, self.num_max_dispatch_tokens_per_rank, self.hidden);
+        crate::ensure!(info.low_latency_mode, op, "the buffer was not created with low_latency_mode=True");
+        crate::ensure!(e > 0 && e % r == 0, op, "num_experts ({e}) must be a positive multiple of num_ranks ({r})");
+        crate::ensure!(h > 0 && h % 128 == 0, op, "hidden ({h}) must be a positive multiple of 128");
+        crate::ensure!((1..=LL_MAX_TOKENS).contains(&t), op, "num_max_dispatch_tokens_per_rank ({t}) must be in 1..={LL_MAX_TOKENS}");
+        let lay = LowLatencyLayout::new(t, h, e);
+        let need = lay.total_bytes();
+        crate::ensure!(
+            info.num_rdma_bytes >= need,
+            op,
+            "num_rdma_bytes = {} is too small for num_max_dispatch_tokens_per_rank={t}, hidden={h}, num_experts={e}: the low-latency buffer needs {need} bytes (get_low_latency_rdma_size_hint gives {})",
+            info.num_rdma_bytes,
+            low_latency_rdma_size_hint(t, h, r, e)
+        );
+        Ok(lay)
+    }
+}
+
 /// Low-latency dispatch options.
 #[derive(Copy, Clone, Debug)]
 pub struct LlDispatchOptions {
     pub use_fp8: bool,
     pub round_scale: bool,
     pub use_ue8m0: bool,
+}
+
+impl LlDispatchOptions {
+    /// The options as the flag bits a send records in `recv_state` and its receive checks
+    /// (fp8 = 1, round_scale = 2, use_ue8m0 = 4).
+    pub fn flags(&self) -> i64 {
+        self.use_fp8 as i64 | (self.round_scale as i64) << 1 | (self.use_ue8m0 as i64) << 2
+    }
 }
 
 /// Low-latency dispatch send-phase inputs.

@@ -9,10 +9,11 @@ use crate::buffer;
 use crate::error::Result;
 use crate::tensor::{DType, TensorRef};
 
-const DISPATCH: &str = "deep_ep::low_latency_dispatch";
-const COMBINE: &str = "deep_ep::low_latency_combine";
-const CLEAN: &str = "deep_ep::clean_low_latency_buffer";
-const NEXT: &str = "deep_ep::get_next_low_latency_combine_buffer";
+/// Op names, shared with the backends' error messages.
+pub(crate) const DISPATCH: &str = "deep_ep::low_latency_dispatch";
+pub(crate) const COMBINE: &str = "deep_ep::low_latency_combine";
+pub(crate) const CLEAN: &str = "deep_ep::clean_low_latency_buffer";
+pub(crate) const NEXT: &str = "deep_ep::get_next_low_latency_combine_buffer";
 
 /// Most top-k entries per token in low-latency mode.
 pub const MAX_LL_TOPK: usize = 32;

@@ -1,7 +1,7 @@
 //! Op entry points below the C seam: validate every argument against the op's contract and the
 //! buffer, then call the buffer's backend. Backends may assume what is checked here.
 
-mod low_latency;
+pub(crate) mod low_latency;
 mod normal;
 
 pub use low_latency::*;

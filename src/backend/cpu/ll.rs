@@ -38,25 +38,18 @@
 use super::shm::{self, Region};
 use super::CpuBackend;
 use crate::backend::{LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlStats, LL_STATE_LEN};
-use crate::config::{low_latency_rdma_size_hint, LowLatencyLayout};
+use crate::config::LowLatencyLayout;
 use crate::error::{Error, Result};
 use crate::numerics::{bf16, fp8, logfmt};
 use crate::tensor::{DType, Device, TensorRef};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-const OP_DISPATCH: &str = "deep_ep::low_latency_dispatch";
-const OP_COMBINE: &str = "deep_ep::low_latency_combine";
-const OP_CLEAN: &str = "deep_ep::clean_low_latency_buffer";
-const OP_NEXT: &str = "deep_ep::get_next_low_latency_combine_buffer";
+use crate::ops::low_latency::{CLEAN as OP_CLEAN, COMBINE as OP_COMBINE, DISPATCH as OP_DISPATCH, NEXT as OP_NEXT};
 const KIND_DISPATCH: i64 = 1;
 const KIND_COMBINE: i64 = 2;
-const FLAG_FP8: i64 = 1;
-const FLAG_ROUND_SCALE: i64 = 2;
-const FLAG_UE8M0: i64 = 4;
+/// Combine's `recv_state` flag (dispatch's are `LlDispatchOptions::flags`).
 const FLAG_LOGFMT: i64 = 8;
-/// Counts travel in 16 bits (`count + 1`).
-const MAX_T: usize = 0xfffe;
 const HEADER: usize = 16;
 
 /// Host-side low-latency state of one buffer.
@@ -133,27 +126,11 @@ fn write_state(t: &TensorRef, half: usize, seq: u32, flags: i64, kind: i64) {
     t.cpu_slice_mut::<i64>()[..LL_STATE_LEN].copy_from_slice(&[half as i64, seq as i64, flags, kind]);
 }
 
-fn dispatch_flags(o: &LlDispatchOptions) -> i64 {
-    (o.use_fp8 as i64 * FLAG_FP8) | (o.round_scale as i64 * FLAG_ROUND_SCALE) | (o.use_ue8m0 as i64 * FLAG_UE8M0)
-}
-
 impl CpuBackend {
     /// Geometry of an LL call, checking what depends on this buffer: LL mode and capacity.
     fn ll_geo(&self, op: &'static str, g: &LlGeometry) -> Result<Geo> {
         let (r, e, t, h) = (self.info.num_ranks, g.num_experts, g.num_max_dispatch_tokens_per_rank, g.hidden);
-        crate::ensure!(self.info.low_latency_mode, op, "the buffer was not created with low_latency_mode=True");
-        crate::ensure!(e > 0 && e % r == 0, op, "num_experts ({e}) must be a positive multiple of num_ranks ({r})");
-        crate::ensure!(h > 0 && h % fp8::GROUP == 0, op, "hidden ({h}) must be a positive multiple of 128");
-        crate::ensure!((1..=MAX_T).contains(&t), op, "num_max_dispatch_tokens_per_rank ({t}) must be in 1..={MAX_T} on the cpu backend");
-        let lay = LowLatencyLayout::new(t, h, e);
-        let need = lay.total_bytes();
-        crate::ensure!(
-            self.info.num_rdma_bytes >= need,
-            op,
-            "num_rdma_bytes = {} is too small for num_max_dispatch_tokens_per_rank={t}, hidden={h}, num_experts={e}: the low-latency buffer needs {need} bytes (get_low_latency_rdma_size_hint gives {})",
-            self.info.num_rdma_bytes,
-            low_latency_rdma_size_hint(t, h, r, e)
-        );
+        let lay = g.check_buffer(op, &self.info)?;
         Ok(Geo { r, el: e / r, e, t, h, s: h / fp8::GROUP, m: h + h / fp8::GROUP * 2, lay })
     }
 
@@ -281,14 +258,14 @@ impl CpuBackend {
         for (e, &c) in count.iter().enumerate().filter(|(e, _)| !self.mask[e / geo.el]) {
             sig_store(&regions[e / geo.el], geo.sig(half), (e % geo.el) * geo.r + me, tag(seq, c));
         }
-        write_state(&out.recv_state, half, seq, dispatch_flags(o), KIND_DISPATCH);
+        write_state(&out.recv_state, half, seq, o.flags(), KIND_DISPATCH);
         Ok(())
     }
 
     pub(super) fn ll_dispatch_recv_impl(&mut self, g: &LlGeometry, o: &LlDispatchOptions, out: &LlDispatchOutputs, stats: &LlStats) -> Result<()> {
         let geo = self.ll_geo(OP_DISPATCH, g)?;
         let (half, seq, flags) = self.ll_read_state(OP_DISPATCH, &out.recv_state, KIND_DISPATCH)?;
-        crate::ensure!(flags == dispatch_flags(o), OP_DISPATCH, "the options of the receive ({o:?}) differ from those of the send (flags {flags})");
+        crate::ensure!(flags == o.flags(), OP_DISPATCH, "the options of the receive ({o:?}) differ from those of the send (flags {flags})");
         let (r, el, t, h, s) = (geo.r, geo.el, geo.t, geo.h, geo.s);
         let rt = r * t;
         crate::ensure!(!o.use_ue8m0 || s % 4 == 0, OP_DISPATCH, "use_ue8m0 needs hidden % 512 == 0, got {h}");

@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::backend::{Backend, CreateArgs};
+use crate::config::low_latency_rdma_size_hint;
 use crate::reference::ll::{calc_diff, ll_combine, ll_dispatch, LlDispatchRef, LlSpec};
 
 fn tr<T>(v: &mut [T], dtype: DType, sizes: &[usize]) -> TensorRef {

@@ -24,25 +24,16 @@
 
 use super::NcclBackend;
 use crate::backend::{LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlStats, Stream};
-use crate::config::{low_latency_rdma_size_hint, LowLatencyLayout, BUFFER_ALIGNMENT};
+use crate::config::BUFFER_ALIGNMENT;
 use crate::error::{Error, Result};
 use crate::ffi::intranode::{self, err, site, SyncArgs, CONTROL_BYTES};
 use crate::ffi::low_latency::{self as k, LlArgs};
 use crate::tensor::{DType, TensorRef};
-
-const OP_DISPATCH: &str = "deep_ep::low_latency_dispatch";
-const OP_COMBINE: &str = "deep_ep::low_latency_combine";
-const OP_CLEAN: &str = "deep_ep::clean_low_latency_buffer";
-const OP_NEXT: &str = "deep_ep::get_next_low_latency_combine_buffer";
-/// Tags carry `count + 1` in 16 bits.
-const MAX_T: usize = 0xfffe;
+use crate::ops::low_latency::{CLEAN as OP_CLEAN, COMBINE as OP_COMBINE, DISPATCH as OP_DISPATCH, NEXT as OP_NEXT};
 /// Blocks of the dispatch receive (128 threads each, ~4 per SM of an H100/H200, all resident).
 const RECV_BLOCKS: i32 = 528;
 /// Blocks of the combine receive (512 threads each, one per SM).
 const REDUCE_BLOCKS: i32 = 132;
-const FLAG_FP8: i32 = 1;
-const FLAG_ROUND_SCALE: i32 = 2;
-const FLAG_UE8M0: i32 = 4;
 
 /// Host-side LL state of one buffer.
 #[derive(Default, Debug)]
@@ -68,9 +59,6 @@ fn ptr<T>(t: &TensorRef) -> *mut T {
 fn opt_ptr<T>(t: Option<&TensorRef>) -> *mut T {
     t.map_or(std::ptr::null_mut(), ptr)
 }
-fn dispatch_flags(o: &LlDispatchOptions) -> i32 {
-    (o.use_fp8 as i32 * FLAG_FP8) | (o.round_scale as i32 * FLAG_ROUND_SCALE) | (o.use_ue8m0 as i32 * FLAG_UE8M0)
-}
 fn aligned(op: &'static str, name: &str, t: &TensorRef) -> Result<()> {
     crate::ensure!(t.data_ptr() as usize % 16 == 0, op, "{name} must start at a 16-byte aligned address on the nccl backend (got a view at {:p})", t.data_ptr());
     Ok(())
@@ -80,23 +68,12 @@ impl NcclBackend {
     /// The LL geometry as kernel arguments (area offsets and sizes), after the checks that
     /// depend on this buffer.
     fn ll_args(&self, op: &'static str, g: &LlGeometry) -> Result<LlArgs> {
-        let (r, e, t, h) = (self.info.num_ranks, g.num_experts, g.num_max_dispatch_tokens_per_rank, g.hidden);
-        crate::ensure!(self.info.low_latency_mode, op, "the buffer was not created with low_latency_mode=True");
-        crate::ensure!(e > 0 && e % r == 0, op, "num_experts ({e}) must be a positive multiple of num_ranks ({r})");
-        crate::ensure!(h > 0 && h % 128 == 0, op, "hidden ({h}) must be a positive multiple of 128");
-        crate::ensure!((1..=MAX_T).contains(&t), op, "num_max_dispatch_tokens_per_rank ({t}) must be in 1..={MAX_T}");
+        let (e, t, h) = (g.num_experts, g.num_max_dispatch_tokens_per_rank, g.hidden);
+        let lay = g.check_buffer(op, &self.info)?;
         // Regions start 16-byte aligned (vector loads and stores) unless E·T·(H/128) is not a
         // multiple of 4 (a combine slot is 4·H/128 + 2·H bytes).
         crate::ensure!((e * t * (h / 128)) % 4 == 0, op, "the nccl backend needs num_experts * num_max_dispatch_tokens_per_rank * hidden / 128 to be a multiple of 4, got {e} * {t} * {}", h / 128);
-        let lay = LowLatencyLayout::new(t, h, e);
         let need = lay.total_bytes();
-        crate::ensure!(
-            self.info.num_rdma_bytes >= need,
-            op,
-            "num_rdma_bytes = {} is too small for num_max_dispatch_tokens_per_rank={t}, hidden={h}, num_experts={e}: the low-latency buffer needs {need} bytes (get_low_latency_rdma_size_hint gives {})",
-            self.info.num_rdma_bytes,
-            low_latency_rdma_size_hint(t, h, r, e)
-        );
         let ll_off = CONTROL_BYTES + self.info.num_nvl_bytes.div_ceil(BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT;
         crate::ensure!(ll_off + need <= self.window.bytes(), op, "internal: LL area [{ll_off}, +{need}) outside the window of {} bytes", self.window.bytes());
         Ok(LlArgs {
@@ -174,7 +151,7 @@ impl NcclBackend {
         a.use_fp8 = o.use_fp8 as i32;
         a.round_scale = o.round_scale as i32;
         a.use_ue8m0 = o.use_ue8m0 as i32;
-        a.flags = dispatch_flags(o);
+        a.flags = o.flags() as i32;
         a.num_tokens = n as i32;
         a.num_topk = k as i32;
         a.topk_is_int64 = (s.topk_idx.dtype == DType::Int64) as i32;
@@ -191,7 +168,7 @@ impl NcclBackend {
         a.use_fp8 = o.use_fp8 as i32;
         a.round_scale = o.round_scale as i32;
         a.use_ue8m0 = o.use_ue8m0 as i32;
-        a.flags = dispatch_flags(o);
+        a.flags = o.flags() as i32;
         aligned(OP_DISPATCH, "recv_x", &out.recv_x)?;
         a.recv_x = ptr(&out.recv_x);
         if let Some(sc) = out.recv_x_scales.as_ref().filter(|_| o.use_fp8) {

@@ -13,6 +13,7 @@ import datetime
 import json
 import os
 import subprocess
+import sys
 
 import torch
 import torch.distributed as dist
@@ -136,16 +137,21 @@ def main():
             print(f"{r['op']:>14} {r['impl']:>17} {r['dtype']:>5} {r['tokens']:>6} {str(r['sms']):>4} {r['us_median']:>9.1f} "
                   f"{r['logical_gbps']:>7.1f}  {ratio}")
         if args.out:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-            env = {"date": datetime.date.today().isoformat(), "git_commit": commit or "unknown",
-                   "command": "torchrun --nproc-per-node %d bench/intranode.py %s" % (world, " ".join(os.sys.argv[1:])),
-                   "device": torch.cuda.get_device_name(), "num_gpus": world, "torch": torch.__version__,
-                   "nccl": ".".join(map(str, torch.cuda.nccl.version())), "rows": rows}
-            with open(args.out, "w") as f:
-                json.dump(env, f, indent=1)
+            write_record(args.out, "bench/intranode.py", world, rows)
         if args.plot:
             plot(rows, args.plot)
     dist.destroy_process_group()
+
+
+def write_record(path, script, world, rows):
+    """Writes the JSON record of a bench run (date, commit, command, device, versions, rows); rank 0 only."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    env = {"date": datetime.date.today().isoformat(), "git_commit": commit or "unknown",
+           "command": "torchrun --nproc-per-node %d %s %s" % (world, script, " ".join(sys.argv[1:])),
+           "device": torch.cuda.get_device_name(), "num_gpus": world, "torch": torch.__version__,
+           "nccl": ".".join(map(str, torch.cuda.nccl.version())), "rows": rows}
+    with open(path, "w") as f:
+        json.dump(env, f, indent=1)
 
 
 def plot(rows, path):

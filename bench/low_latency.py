@@ -17,10 +17,7 @@ Times are the slowest rank's. Logical GB/s counts every received (token, expert)
 (FP8: H + H/128*4, BF16: 2H), DeepEP's LL convention.
 """
 import argparse
-import datetime
-import json
 import os
-import subprocess
 import sys
 
 import torch
@@ -28,7 +25,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import deep_ep_rs  # noqa: E402
-from intranode import baseline, timed  # noqa: E402
+from intranode import baseline, timed, write_record  # noqa: E402
 
 
 def slowest(v):
@@ -162,13 +159,7 @@ def main():
             print(f"{r['op']:>17} {r['impl']:>17} {r['dtype']:>8} {r['tokens']:>6} {str(r['graph']):>5} {r['us_median']:>8.1f} "
                   f"{r.get('send_us', 0):>6.1f} {r.get('recv_us', 0):>6.1f} {r['logical_gbps']:>7.1f}  {ratio}")
         if args.out:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-            env = {"date": datetime.date.today().isoformat(), "git_commit": commit or "unknown",
-                   "command": "torchrun --nproc-per-node %d bench/low_latency.py %s" % (world, " ".join(sys.argv[1:])),
-                   "device": torch.cuda.get_device_name(), "num_gpus": world, "torch": torch.__version__,
-                   "nccl": ".".join(map(str, torch.cuda.nccl.version())), "rows": rows}
-            with open(args.out, "w") as f:
-                json.dump(env, f, indent=1)
+            write_record(args.out, "bench/low_latency.py", world, rows)
         if args.plot:
             plot(rows, args.plot)
     dist.destroy_process_group()

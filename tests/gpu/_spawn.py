@@ -30,6 +30,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def set_gpu_env():
+    """The environment every multi-GPU test runs under (NVLink multicast off), unless already set."""
+    for k, v in GPU_ENV.items():
+        os.environ.setdefault(k, v)
+
+
+def finish_rank(out_dir, rank, result):
+    """Last step of a rank: writes its JSON result for the parent, then leaves the process group."""
+    import torch.distributed as dist
+
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+
+
 def _entry(rank, world, port, out_dir, fn, args, env):
     os.environ.update(env)
     import torch.distributed as dist
@@ -42,19 +60,13 @@ def _entry(rank, world, port, out_dir, fn, args, env):
         res = {"skip": str(e)}
     except BaseException:  # noqa: BLE001 - reported to the parent
         res = {"error": traceback.format_exc()}
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(res, f)
-    try:
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001
-        pass
+    finish_rank(out_dir, rank, res)
 
 
 def run(fn, world, *args, env=None):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
-    for k, v in GPU_ENV.items():
-        os.environ.setdefault(k, v)
+    set_gpu_env()
     out_dir = tempfile.mkdtemp(prefix="deep_ep_gpu_")
     mp.spawn(_entry, args=(world, _free_port(), out_dir, fn, args, dict(env or {})), nprocs=world, join=True)
     out = []

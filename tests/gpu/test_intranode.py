@@ -19,7 +19,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import tempfile
 import time
 import traceback
@@ -28,17 +27,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _spawn import _free_port, finish_rank, set_gpu_env
 
 NVL_BYTES_CPU = 256 << 20
 NVL_BYTES_GPU = 320 << 20
 EXPERTS = [8, 16, 32, 64, 128, 256, 288]
 NUM_SMS = [2, 8, 20, 24, 48, 132]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tokens(rng: random.Random, hidden: int) -> int:
@@ -381,12 +375,7 @@ def worker(rank, num_ranks, port, out_dir, count, seed, do_timing):
             cpu_buf.destroy()
     except Exception:  # noqa: BLE001
         result["error"] = traceback.format_exc()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    try:
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001
-        pass
+    finish_rank(out_dir, rank, result)
 
 
 @pytest.mark.parametrize("num_ranks", [2, 4])
@@ -396,8 +385,7 @@ def test_intranode_matches_cpu_backend(num_ranks, dispatch_path, monkeypatch):
     monkeypatch.setenv("DEEP_EP_INTRANODE_DISPATCH", dispatch_path)
     if not DRY and torch.cuda.device_count() < num_ranks:
         pytest.skip(f"needs {num_ranks} GPUs")
-    for v in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
-        os.environ.setdefault(v, "0" if v == "NCCL_NVLS_ENABLE" else "1")
+    set_gpu_env()
     if "DEEP_EP_SHM_DIR" not in os.environ and (not os.path.isdir("/dev/shm") or shutil.disk_usage("/dev/shm").total < (8 << 30)):
         os.environ["DEEP_EP_SHM_DIR"] = tempfile.gettempdir()
     count = int(os.environ.get("DEEP_EP_INTRANODE_CONFIGS", "200"))

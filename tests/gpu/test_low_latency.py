@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from test_intranode import DRY, _free_port, bits, diff, sync, to_gpu
+from _spawn import _free_port, finish_rank, set_gpu_env
+from test_intranode import DRY, bits, diff, sync, to_gpu
 
 HIDDENS = [2048, 4096, 5120, 7168, 8192, 2176]
 TS = [1, 4, 16, 64, 128, 256, 512, 1024, 1500]
@@ -279,20 +280,14 @@ def worker(rank, num_ranks, port, out_dir, count, seed, replays):
             cpu_buf.destroy()
     except Exception:  # noqa: BLE001
         result["error"] = traceback.format_exc()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    try:
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001
-        pass
+    finish_rank(out_dir, rank, result)
 
 
 @pytest.mark.parametrize("num_ranks", [2, 4])
 def test_low_latency_matches_cpu_backend(num_ranks):
     if not DRY and torch.cuda.device_count() < num_ranks:
         pytest.skip(f"needs {num_ranks} GPUs")
-    for v in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
-        os.environ.setdefault(v, "0" if v == "NCCL_NVLS_ENABLE" else "1")
+    set_gpu_env()
     if "DEEP_EP_SHM_DIR" not in os.environ and (not os.path.isdir("/dev/shm") or shutil.disk_usage("/dev/shm").free < 3 * num_ranks * LL_BYTES):
         os.environ["DEEP_EP_SHM_DIR"] = tempfile.gettempdir()
     count = int(os.environ.get("DEEP_EP_LL_CONFIGS", "200"))

@@ -11,6 +11,7 @@ configurations inside one call.
 `fn` must be a module-level function of an importable module (test modules are importable in
 the workers: spawn hands them the parent's sys.path).
 """
+import contextlib
 import os
 import queue as queue_mod
 import socket
@@ -38,6 +39,21 @@ class RankFailure(RuntimeError):
         first = next(iter(self.errors))
         parts = [f"--- rank {r} ---\n{tb}" for r, tb in self.errors.items()]
         super().__init__(f"rank {first} failed (of ranks {list(self.errors)}):\n" + "\n".join(parts))
+
+
+@contextlib.contextmanager
+def env_var(name: str, value):
+    """Sets environment variable `name` to `value` for the block, then restores it (for settings
+    the library reads when a buffer is created; usable inside worker processes)."""
+    old = os.environ.get(name)
+    os.environ[name] = str(value)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name)
+        else:
+            os.environ[name] = old
 
 
 def free_port() -> int:

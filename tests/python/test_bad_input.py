@@ -6,14 +6,13 @@ correct dispatch/cached dispatch/combine runs and is checked against the referen
 2-rank run where both ranks pass the same bad inputs (and one-sided content errors, which the CPU
 backend raises on all ranks) and then continue correctly.
 """
-import contextlib
-import os
 import re
 
 import pytest
 import torch
 
 import _reference as ref
+from _harness import env_var
 from conftest import is_not_implemented, make_buffer1
 
 CFG = [4, 6, 256, 6, 128]
@@ -45,18 +44,9 @@ def handle_of(out, in_rank):
     return [rpm, cpm, rcpm, src_idx, in_rank, send_head]
 
 
-@contextlib.contextmanager
 def timeout_ms(ms):
     """Sets DEEP_EP_TIMEOUT_MS (read at buffer creation) for the block, then restores it."""
-    old = os.environ.get("DEEP_EP_TIMEOUT_MS")
-    os.environ["DEEP_EP_TIMEOUT_MS"] = str(ms)
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("DEEP_EP_TIMEOUT_MS")
-        else:
-            os.environ["DEEP_EP_TIMEOUT_MS"] = old
+    return env_var("DEEP_EP_TIMEOUT_MS", ms)
 
 
 def assert_works(h, rank=0, num_ranks=1, seed=123):

@@ -5,12 +5,12 @@ deep_ep_ files (/proc/self/maps), and every destroyed handle raises in buffer_in
 1 rank in-process (raw ops), 2 ranks as threads of this process (raw ops), and 2 ranks as
 processes through deep_ep_rs.Buffer (normal and low-latency buffers, some used for a dispatch).
 """
-import contextlib
 import os
 import threading
 
 import pytest
 import torch
+from _harness import env_var
 
 CYCLES = 100
 CPU = torch.device("cpu")
@@ -25,18 +25,9 @@ def deep_ep_maps() -> list:
         return [line.strip() for line in f if "deep_ep_" in line]
 
 
-@contextlib.contextmanager
 def shm_dir(path):
     """Points DEEP_EP_SHM_DIR (read at every create_buffer) at `path` for the duration."""
-    old = os.environ.get("DEEP_EP_SHM_DIR")
-    os.environ["DEEP_EP_SHM_DIR"] = str(path)
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("DEEP_EP_SHM_DIR")
-        else:
-            os.environ["DEEP_EP_SHM_DIR"] = old
+    return env_var("DEEP_EP_SHM_DIR", path)
 
 
 def assert_destroyed(ops, handles):

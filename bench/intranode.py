@@ -5,6 +5,10 @@ torch.distributed.all_to_all_single baseline, measured in the same run.
 
 Times are per call (µs), median over iterations after warm-up, slowest rank's median. Logical
 GB/s counts every received token (local ones included) × its bytes, DeepEP's convention.
+Two timings per case (row field `timing`): `pipelined` is DeepEP's own benchmark method (events
+recorded around each call, calls issued back to back with no host sync in between, so host launch
+work overlaps the previous call's kernels, as in a training step); `synced` waits for each call
+before issuing the next, so it also counts the host-side launch work of every call.
 `dispatch` is timed with a cached handle (DeepEP's tuning convention: no host sync);
 `dispatch_sync` is the full non-cached call including the host wait for the receive count.
 """
@@ -21,19 +25,23 @@ import torch.distributed as dist
 import deep_ep_rs
 
 
-def timed(fn, iters, warmup=5):
+def timed(fn, iters, warmup=5, pipelined=False):
+    """[median, min, max] µs per call of the slowest rank; `pipelined`: no host sync between calls."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
+    dist.barrier()
+    events = []
     for _ in range(iters):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         fn()
         e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) * 1e3)
-    times.sort()
+        events.append((s, e))
+        if not pipelined:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) * 1e3 for s, e in events)
     t = torch.tensor([times[len(times) // 2], times[0], times[-1]], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # slowest rank
     return t.tolist()
@@ -87,19 +95,24 @@ def run_case(buf, args, tokens, num_sms, rank, world):
     recv_tokens = recv_x.shape[0]
     rows = []
 
-    def row(op, dtype, times, nbytes, impl="deep_ep", sms=num_sms):
+    def row(op, dtype, times, nbytes, impl="deep_ep", sms=num_sms, timing="synced"):
         rows.append({"op": op, "mode": "intranode", "impl": impl, "dtype": dtype, "ranks": world, "tokens": tokens, "hidden": h,
-                     "topk": k, "experts": e, "sms": sms, "graph": False, "us_median": times[0], "us_min": times[1],
-                     "us_max": times[2], "logical_gbps": nbytes / (times[0] * 1e-6) / 1e9})
+                     "topk": k, "experts": e, "sms": sms, "graph": False, "timing": timing, "us_median": times[0],
+                     "us_min": times[1], "us_max": times[2], "logical_gbps": nbytes / (times[0] * 1e-6) / 1e9})
+
+    def both(op, dtype, fn, nbytes):
+        for timing in ("pipelined", "synced"):
+            row(op, dtype, timed(fn, args.iters, pipelined=timing == "pipelined"), nbytes, timing=timing)
 
     bf16_bytes = recv_tokens * h * 2
-    row("dispatch", "bf16", timed(lambda: buf.dispatch(x, handle=handle, config=cfg), args.iters), bf16_bytes)
+    both("dispatch", "bf16", lambda: buf.dispatch(x, handle=handle, config=cfg), bf16_bytes)
     row("dispatch_sync", "bf16", timed(lambda: buf.dispatch(x, topk_idx=topk_idx, topk_weights=topk_w, **kw), args.iters), bf16_bytes)
     x8 = per_token_cast_to_fp8(x)
     x8 = (x8[0], x8[1].T.contiguous().T)
-    row("dispatch", "fp8", timed(lambda: buf.dispatch(x8, handle=handle, config=cfg), args.iters), bf16_bytes * (1 + 4 / 128) / 2)
-    row("combine", "bf16", timed(lambda: buf.combine(recv_x, handle, config=ccfg), args.iters), bf16_bytes)
+    both("dispatch", "fp8", lambda: buf.dispatch(x8, handle=handle, config=cfg), bf16_bytes * (1 + 4 / 128) / 2)
+    both("combine", "bf16", lambda: buf.combine(recv_x, handle, config=ccfg), bf16_bytes)
     bd, bc, brecv = baseline(x, in_rank, world, args.iters)
+    # The baseline waits on the host for its counts inside every call: pipelined == synced.
     row("dispatch", "bf16", bd, brecv * h * 2, impl="torch_all_to_all", sms=None)
     row("combine", "bf16", bc, brecv * h * 2, impl="torch_all_to_all", sms=None)
     return rows
@@ -129,12 +142,12 @@ def main():
             rows += run_case(buf, args, tokens, sms, rank, world)
     buf.destroy()
     if rank == 0:
-        print(f"{'op':>14} {'impl':>17} {'dtype':>5} {'tokens':>6} {'sms':>4} {'us':>9} {'GB/s':>7}  ratio vs naive")
+        print(f"{'op':>14} {'impl':>17} {'dtype':>5} {'tokens':>6} {'sms':>4} {'timing':>9} {'us':>9} {'GB/s':>7}  ratio vs naive")
         base = {(r["op"], r["tokens"]): r["us_median"] for r in rows if r["impl"] == "torch_all_to_all"}
         for r in rows:
             ref = base.get((r["op"].replace("_sync", ""), r["tokens"]))
             ratio = f"{ref / r['us_median']:.2f}x" if ref and r["impl"] == "deep_ep" else ""
-            print(f"{r['op']:>14} {r['impl']:>17} {r['dtype']:>5} {r['tokens']:>6} {str(r['sms']):>4} {r['us_median']:>9.1f} "
+            print(f"{r['op']:>14} {r['impl']:>17} {r['dtype']:>5} {r['tokens']:>6} {str(r['sms']):>4} {r['timing']:>9} {r['us_median']:>9.1f} "
                   f"{r['logical_gbps']:>7.1f}  {ratio}")
         if args.out:
             write_record(args.out, "bench/intranode.py", world, rows)
@@ -159,8 +172,9 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
-    for key in sorted({(r["op"], r["impl"], r["dtype"], r["sms"]) for r in rows}):
-        pts = sorted((r["tokens"], r["logical_gbps"]) for r in rows if (r["op"], r["impl"], r["dtype"], r["sms"]) == key)
+    rows = [r for r in rows if r.get("timing", "synced") == "pipelined" or r["impl"] != "deep_ep"]  # one line per op
+    for key in sorted({(r["op"], r["impl"], r["dtype"], str(r["sms"])) for r in rows}):
+        pts = sorted((r["tokens"], r["logical_gbps"]) for r in rows if (r["op"], r["impl"], r["dtype"], str(r["sms"])) == key)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]} {key[1]} {key[2]} sms={key[3]}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens per rank")

@@ -14,7 +14,7 @@ pub mod shm;
 
 use super::{
     Backend, BackendKind, BufferInfo, CachedDispatchArgs, CombineArgs, CombineOutputs, CreateArgs, DispatchArgs,
-    DispatchOutputs, DispatchPlan, LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs,
+    DispatchOutputs, DispatchPlan, LlCombineRecvArgs, LlCombineSendArgs, LlRowsArgs, LlDispatchOptions, LlDispatchOutputs,
     LlDispatchSendArgs, LlGeometry, LlStats, Stream, UNIQUE_ID_BYTES,
 };
 use crate::error::{Error, Result};
@@ -231,6 +231,16 @@ impl Backend for CpuBackend {
 
     fn ll_combine_recv(&mut self, g: &LlGeometry, args: &LlCombineRecvArgs, stats: &LlStats, _s: Stream) -> Result<()> {
         self.ll_combine_recv_impl(g, args, stats)
+    }
+
+    fn ll_mask_rows(&mut self, op: &'static str, a: &LlRowsArgs, _s: Stream) -> Result<()> {
+        let (n, k) = (a.topk_idx.size(0), a.topk_idx.size(1));
+        let v = a.num_tokens.cpu_slice::<i32>()[0];
+        crate::ensure!(v >= 0 && v as usize <= n, op, "num_tokens must be in 0..={n} (the rows of x / topk_idx), got {v}");
+        let mut idx = a.topk_idx.cpu_indices_i64();
+        idx[v as usize * k..].fill(-1);
+        a.out.cpu_store_indices(&idx);
+        Ok(())
     }
 
     fn clean_low_latency_buffer(&mut self, g: &LlGeometry, _s: Stream) -> Result<()> {

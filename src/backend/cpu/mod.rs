@@ -295,6 +295,30 @@ mod tests {
     }
 
     #[test]
+    fn mask_rows_keeps_rows_below_num_tokens_and_checks_the_range() {
+        let id = CpuBackend::unique_id();
+        let mut b = CpuBackend::create(&args(&id, 0, 1, 4096)).unwrap();
+        let t = |v: &mut Vec<i32>, sizes: &[i64]| {
+            let strides: Vec<i64> = if sizes.len() == 2 { vec![sizes[1], 1] } else { vec![1; sizes.len()] };
+            TensorRef::new(v.as_mut_ptr() as *mut u8, crate::tensor::DType::Int32, Device::Cpu, sizes, &strides)
+        };
+        let (mut idx, mut out) = ((0..12).collect::<Vec<i32>>(), vec![7; 12]);
+        for (n, want) in [(0, vec![-1; 12]), (2, vec![0, 1, 2, 3, 4, 5, -1, -1, -1, -1, -1, -1]), (4, (0..12).collect())] {
+            let mut nt = vec![n];
+            let a = LlRowsArgs { topk_idx: t(&mut idx, &[4, 3]), num_tokens: t(&mut nt, &[1]), out: t(&mut out, &[4, 3]) };
+            b.ll_mask_rows("op", &a, std::ptr::null_mut()).unwrap();
+            assert_eq!(out, want, "num_tokens = {n}");
+        }
+        for n in [-1, 5] {
+            let mut nt = vec![n];
+            let a = LlRowsArgs { topk_idx: t(&mut idx, &[4, 3]), num_tokens: t(&mut nt, &[]), out: t(&mut out, &[4, 3]) };
+            let e = b.ll_mask_rows("op", &a, std::ptr::null_mut()).unwrap_err().to_string();
+            assert!(e.contains(&format!("num_tokens must be in 0..=4 (the rows of x / topk_idx), got {n}")), "{e}");
+        }
+        b.destroy().unwrap();
+    }
+
+    #[test]
     fn ranks_as_threads_rendezvous_and_barrier() {
         let id = CpuBackend::unique_id();
         let hs: Vec<_> = (0..3)

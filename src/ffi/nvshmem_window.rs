@@ -16,8 +16,9 @@
 //! process, since nothing can be freed or finalized without the peers.
 //!
 //! Environment: `DEEP_EP_NVSHMEM_FINALIZE` = `1` (default: finalize on close, initialise again at
-//! the next create) or `0` (keep NVSHMEM initialised between buffers; the heap size of the first
-//! initialisation stays). NVSHMEM's own variables: see [`env_defaults`].
+//! the next create) or `0` (keep NVSHMEM initialised between buffers; the next create of the same
+//! geometry allocates from it without initialising again). NVSHMEM's own variables: see
+//! [`env_defaults`].
 
 use super::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream, CONTROL_BYTES, MAX_RANKS};
 use super::nvshmem::{self, NvshmemLib};
@@ -28,8 +29,8 @@ const OP: &str = "deep_ep::create_buffer";
 const DESTROY: &str = "deep_ep::destroy_buffer";
 /// Window sizes are rounded up to this (as the NCCL window's).
 const ALLOC_ALIGN: usize = 2 << 20;
-/// Heap room beyond the window for NVSHMEM's own symmetric objects (team sync arrays etc.).
-pub const HEAP_MARGIN: usize = 256 << 20;
+/// Heap room beyond the window suggested for NVSHMEM's own symmetric objects (team sync arrays).
+pub const HEAP_MARGIN: usize = 64 << 20;
 
 /// What [`Window::create`] needs (as `nccl_window::WindowArgs`).
 pub struct WindowArgs<'a> {
@@ -107,28 +108,36 @@ fn session() -> std::sync::MutexGuard<'static, Session> {
     SESSION.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// NVSHMEM variables set before initialisation when the user has not set them, as
-/// `(name, value)`; `get` reads the current environment:
+/// NVSHMEM variables set when the user has not set them, as `(name, value)`; `get` reads the
+/// current environment:
 /// - `NVSHMEM_DISABLE_NVLS=1`: no NVLink multicast objects (not used; unavailable on some systems).
 /// - `NVSHMEM_REMOTE_TRANSPORT=none`: no network transport (the backend is intranode only, every
 ///   peer is reached through `nvshmem_ptr`).
-/// - `NVSHMEM_SYMMETRIC_SIZE`: the window plus [`HEAP_MARGIN`] (NVSHMEM's default is 1 GiB, too
-///   small for large buffers). When the user sets it, it is left alone; a heap too small for the
-///   window then fails at `nvshmem_malloc` with a message naming it.
 ///
-/// `owned_size` says whether `NVSHMEM_SYMMETRIC_SIZE` is ours to set (it was unset before the first
-/// create of the process), so a later, larger buffer updates the value an earlier one set.
-pub fn env_defaults(window_bytes: usize, owned_size: bool, get: impl Fn(&str) -> Option<String>) -> Vec<(&'static str, String)> {
-    let mut out = vec![];
-    for (k, v) in [("NVSHMEM_DISABLE_NVLS", "1"), ("NVSHMEM_REMOTE_TRANSPORT", "none")] {
-        if get(k).map_or(true, |s| s.trim().is_empty()) {
-            out.push((k, v.to_string()));
-        }
+/// NVSHMEM reads its options once per process, at the first `nvshmemx_get_uniqueid` (rank 0,
+/// before the buffer size is known) or initialisation, so these are applied before both
+/// ([`unique_id`], [`Window::create`]) and `NVSHMEM_SYMMETRIC_SIZE` is not derived from the buffer
+/// (rank 0 would keep another heap size than its peers): it is the user's value on every rank,
+/// else NVSHMEM's default (1 GiB).
+pub fn env_defaults(get: impl Fn(&str) -> Option<String>) -> Vec<(&'static str, String)> {
+    [("NVSHMEM_DISABLE_NVLS", "1"), ("NVSHMEM_REMOTE_TRANSPORT", "none")]
+        .into_iter()
+        .filter(|(k, _)| get(k).map_or(true, |s| s.trim().is_empty()))
+        .map(|(k, v)| (k, v.to_string()))
+        .collect()
+}
+
+fn apply_env_defaults() {
+    for (k, v) in env_defaults(|k| std::env::var(k).ok()) {
+        std::env::set_var(k, v);
     }
-    if owned_size {
-        out.push(("NVSHMEM_SYMMETRIC_SIZE", (window_bytes + HEAP_MARGIN).div_ceil(ALLOC_ALIGN).saturating_mul(ALLOC_ALIGN).to_string()));
-    }
-    out
+}
+
+/// A fresh NVSHMEM unique id (rank 0 of a buffer; host only), after [`env_defaults`].
+pub fn unique_id() -> Result<[u8; 128]> {
+    let lib = nvshmem::library()?;
+    apply_env_defaults();
+    lib.unique_id()
 }
 
 /// Whether `DEEP_EP_NVSHMEM_FINALIZE` asks for finalize on close (default yes).
@@ -138,12 +147,6 @@ pub fn finalize_on_close(value: Option<&str>) -> Result<bool> {
         Some("0") => Ok(false),
         Some(other) => Err(Error::invalid(OP, format!("DEEP_EP_NVSHMEM_FINALIZE must be 0 or 1, got {other:?}"))),
     }
-}
-
-/// Whether `NVSHMEM_SYMMETRIC_SIZE` was unset when the process first created an nvshmem buffer.
-fn size_is_ours() -> bool {
-    static OURS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *OURS.get_or_init(|| std::env::var("NVSHMEM_SYMMETRIC_SIZE").map_or(true, |s| s.trim().is_empty()))
 }
 
 /// A symmetric NVSHMEM allocation with its control area and status block.
@@ -180,9 +183,7 @@ impl Window {
         // collective teardown could hang on peers that went on or failed elsewhere).
         *state = Session::Stuck { geometry };
         if must_init {
-            for (k, v) in env_defaults(bytes, size_is_ours(), |k| std::env::var(k).ok()) {
-                std::env::set_var(k, v);
-            }
+            apply_env_defaults();
             lib.init(a.unique_id, a.rank, a.num_ranks)?;
         }
         let mut w = Window {
@@ -217,8 +218,10 @@ impl Window {
                 op: OP,
                 what: format!("nvshmem_malloc of {bytes} bytes"),
                 detail: format!(
-                    "the symmetric heap is too small (NVSHMEM_SYMMETRIC_SIZE={}; it is fixed when NVSHMEM is initialised)",
-                    std::env::var("NVSHMEM_SYMMETRIC_SIZE").unwrap_or_else(|_| "<unset, 1 GiB>".into())
+                    "the symmetric heap is too small (NVSHMEM_SYMMETRIC_SIZE={}); set NVSHMEM_SYMMETRIC_SIZE to at least {} \
+                     on every rank before the process's first nvshmem buffer (NVSHMEM reads it once per process)",
+                    std::env::var("NVSHMEM_SYMMETRIC_SIZE").unwrap_or_else(|_| "<unset: 1 GiB>".into()),
+                    bytes + HEAP_MARGIN
                 ),
             });
         }
@@ -334,15 +337,12 @@ mod tests {
 
     #[test]
     fn env_defaults_fill_only_what_is_unset() {
-        let none = |_: &str| None;
-        let d = env_defaults(320 << 20, true, none);
-        assert_eq!(d[0], ("NVSHMEM_DISABLE_NVLS", "1".to_string()));
-        assert_eq!(d[1], ("NVSHMEM_REMOTE_TRANSPORT", "none".to_string()));
-        assert_eq!(d[2], ("NVSHMEM_SYMMETRIC_SIZE", (576usize << 20).to_string()));
+        let d = env_defaults(|_| None);
+        assert_eq!(d, vec![("NVSHMEM_DISABLE_NVLS", "1".to_string()), ("NVSHMEM_REMOTE_TRANSPORT", "none".to_string())]);
         let set = |k: &str| (k != "NVSHMEM_REMOTE_TRANSPORT").then(|| "0".to_string());
-        assert_eq!(env_defaults(1, false, set), vec![("NVSHMEM_REMOTE_TRANSPORT", "none".to_string())]);
-        // Odd sizes round up to 2 MiB.
-        assert_eq!(env_defaults(1, true, set), vec![("NVSHMEM_REMOTE_TRANSPORT", "none".to_string()), ("NVSHMEM_SYMMETRIC_SIZE", (258usize << 20).to_string())]);
+        assert_eq!(env_defaults(set), vec![("NVSHMEM_REMOTE_TRANSPORT", "none".to_string())]);
+        // An empty value counts as unset.
+        assert_eq!(env_defaults(|_| Some(" ".to_string())).len(), 2);
     }
 
     #[test]

@@ -104,7 +104,7 @@ impl NcclBackend {
         match kind {
             BackendKind::Nccl => Ok(nccl::unique_id(checked_library()?)?.to_vec()),
             #[cfg(feature = "nvshmem")]
-            BackendKind::Nvshmem => Ok(crate::ffi::nvshmem::library()?.unique_id()?.to_vec()),
+            BackendKind::Nvshmem => Ok(crate::ffi::nvshmem_window::unique_id()?.to_vec()),
             other => Err(Error::invalid("deep_ep::get_unique_id", format!("internal: backend {} has no peer window", other.name()))),
         }
     }

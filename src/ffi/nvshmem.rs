@@ -225,14 +225,18 @@ impl NvshmemLib {
         unsafe { (self.malloc)(bytes) }
     }
 
-    /// `nvshmem_free` (collective) of a pointer from [`Self::malloc`], freed once.
-    pub fn free(&self, p: *mut c_void) {
-        // SAFETY: `p` came from nvshmem_malloc and every rank frees its copy once.
+    /// `nvshmem_free` (collective).
+    ///
+    /// # Safety
+    /// `p` came from [`Self::malloc`] of this library, is freed once, and no kernel uses it.
+    pub unsafe fn free(&self, p: *mut c_void) {
+        // SAFETY: the caller's contract.
         unsafe { (self.free)(p) }
     }
 
     /// `nvshmem_ptr(p, pe)`: `pe`'s copy of the symmetric address `p` as a pointer this GPU can
     /// load and store through (peer mapping), or null when `pe` is not reachable that way.
+    #[allow(clippy::not_unsafe_ptr_arg_deref)] // `p` is only translated by NVSHMEM, never dereferenced
     pub fn peer_ptr(&self, p: *const c_void, pe: usize) -> *mut c_void {
         // SAFETY: address translation only; `p` is a symmetric address of the live heap.
         unsafe { (self.ptr)(p, pe as c_int) }

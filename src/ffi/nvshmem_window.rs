@@ -291,7 +291,9 @@ impl Window {
             });
         }
         let mut state = session();
-        self.lib.free(self.mem);
+        // SAFETY: allocated by nvshmem_malloc in `create`, freed once (the pointer is cleared
+        // below); the device is idle and every peer passed the barrier above.
+        unsafe { self.lib.free(self.mem) };
         self.mem = std::ptr::null_mut();
         if self.finalize {
             self.lib.finalize();

@@ -46,8 +46,8 @@ pub struct NcclBackend {
     mask: HostMask,
 }
 
-fn ni(op: &'static str, feature: &'static str) -> Error {
-    Error::NotImplemented { op, backend: "nccl", feature }
+fn ni(kind: BackendKind, op: &'static str, feature: &'static str) -> Error {
+    Error::NotImplemented { op, backend: kind.name(), feature }
 }
 
 /// Loads NCCL and refuses a runtime whose version differs from the build's headers.
@@ -121,7 +121,7 @@ impl NcclBackend {
     fn ll_mask_unsupported(&self, op: &'static str) -> Result<()> {
         let masked = (0..self.info.num_ranks).any(|r| self.mask.get(r) != 0);
         if masked || self.mask.get(SHRINK_WORD) != 0 {
-            return Err(ni(op, "rank masking / shrink mode in the GPU low-latency kernels"));
+            return Err(ni(self.info.backend, op, "rank masking / shrink mode in the GPU low-latency kernels"));
         }
         Ok(())
     }
@@ -165,7 +165,7 @@ impl Backend for NcclBackend {
     fn wait_stats(&mut self, _reset: bool) -> Result<Vec<[i64; 2]>> {
         // Peer waits run in kernels (flag barriers); LL kernels report per-source wait time in
         // the dispatch/combine_wait_recv_cost_stats tensors instead.
-        Err(ni("deep_ep::wait_stats", "per-peer host wait statistics (waits run on the GPU; use the LL *_wait_recv_cost_stats tensors)"))
+        Err(ni(self.info.backend, "deep_ep::wait_stats", "per-peer host wait statistics (waits run on the GPU; use the LL *_wait_recv_cost_stats tensors)"))
     }
 }
 

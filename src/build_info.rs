@@ -50,6 +50,7 @@ pub fn json() -> String {
     }
     if cfg!(feature = "nvshmem") {
         features.push("nvshmem");
+        backends.push("nvshmem");
     }
     let archs: Vec<&str> = env!("DEEP_EP_BUILD_CUDA_ARCHS").split(',').filter(|s| !s.is_empty()).collect();
     let (code, version) = match nccl_header() {

@@ -46,7 +46,8 @@ class Buffer:
     `explicitly_destroy`, `enable_shrink` (an LL wait that times out masks the missing rank
     instead of raising; the mask methods work with or without it). `num_qps_per_rank`, `allow_nvlink_for_low_latency_mode`, `allow_mnnvl`,
     `use_fabric` are accepted for compatibility. Extension: `device` (default: the current CUDA
-    device, or the CPU when CUDA is absent or DEEP_EP_BACKEND=cpu) and `backend`.
+    device, or the CPU when CUDA is absent or DEEP_EP_BACKEND=cpu) and `backend` ("cpu", "nccl" or
+    "nvshmem"; "" = DEEP_EP_BACKEND, else the device's default).
     """
 
     num_sms: int = 20

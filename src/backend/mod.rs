@@ -22,7 +22,8 @@ pub enum BackendKind {
     Cpu,
     /// NCCL device API (LSA over NVLink, GIN over RDMA). Default on CUDA devices.
     Nccl,
-    /// NVSHMEM (reserved).
+    /// NVSHMEM symmetric memory (intranode: peer pointers from `nvshmem_ptr`), running the
+    /// same kernels as `Nccl` (cargo feature `nvshmem`).
     Nvshmem,
 }
 
@@ -40,9 +41,13 @@ impl BackendKind {
     /// `DEEP_EP_BACKEND` environment variable, then the device's default (CPU tensors: `cpu`,
     /// CUDA tensors: `nccl`). A CPU device always uses the CPU backend.
     pub fn select(op: &'static str, requested: &str, device: Device) -> Result<BackendKind> {
-        let env = std::env::var("DEEP_EP_BACKEND").unwrap_or_default();
-        let name = if !requested.is_empty() { requested.to_string() } else { env };
-        let kind = match name.as_str() {
+        Self::select_from(op, requested, &std::env::var("DEEP_EP_BACKEND").unwrap_or_default(), device)
+    }
+
+    /// [`Self::select`] with the value of `DEEP_EP_BACKEND` given (`""` = unset).
+    pub fn select_from(op: &'static str, requested: &str, env: &str, device: Device) -> Result<BackendKind> {
+        let name = if !requested.is_empty() { requested } else { env };
+        let kind = match name {
             "" => match device {
                 Device::Cpu => BackendKind::Cpu,
                 Device::Cuda(_) => BackendKind::Nccl,
@@ -405,13 +410,17 @@ pub trait Backend: Send {
 
 /// Creates the backend `kind` for `args`.
 pub fn create(kind: BackendKind, args: &CreateArgs) -> Result<Box<dyn Backend>> {
+    #[allow(dead_code)] // used by the arms of backends that are not compiled in
     const OP: &str = "deep_ep::create_buffer";
     match kind {
         BackendKind::Cpu => Ok(Box::new(cpu::CpuBackend::create(args)?)),
         #[cfg(feature = "nccl")]
-        BackendKind::Nccl => Ok(Box::new(nccl::NcclBackend::create(args)?)),
+        BackendKind::Nccl => Ok(Box::new(nccl::NcclBackend::create(args, kind)?)),
         #[cfg(not(feature = "nccl"))]
         BackendKind::Nccl => Err(Error::NotCompiled { op: OP, backend: "nccl".into(), feature: "nccl" }),
+        #[cfg(feature = "nvshmem")]
+        BackendKind::Nvshmem => Ok(Box::new(nccl::NcclBackend::create(args, kind)?)),
+        #[cfg(not(feature = "nvshmem"))]
         BackendKind::Nvshmem => Err(Error::NotCompiled { op: OP, backend: "nvshmem".into(), feature: "nvshmem" }),
     }
 }
@@ -421,12 +430,51 @@ pub fn unique_id(kind: BackendKind) -> Result<Vec<u8>> {
     match kind {
         BackendKind::Cpu => Ok(cpu::CpuBackend::unique_id()),
         #[cfg(feature = "nccl")]
-        BackendKind::Nccl => nccl::NcclBackend::unique_id(),
+        BackendKind::Nccl => nccl::NcclBackend::unique_id(kind),
         #[cfg(not(feature = "nccl"))]
         BackendKind::Nccl => Err(Error::NotCompiled { op: "deep_ep::get_unique_id", backend: "nccl".into(), feature: "nccl" }),
+        #[cfg(feature = "nvshmem")]
+        BackendKind::Nvshmem => nccl::NcclBackend::unique_id(kind),
+        #[cfg(not(feature = "nvshmem"))]
         BackendKind::Nvshmem => Err(Error::NotCompiled { op: "deep_ep::get_unique_id", backend: "nvshmem".into(), feature: "nvshmem" }),
     }
 }
 
 /// Length of every unique id (NCCL's `ncclUniqueId` is 128 bytes; the CPU id is padded to it).
 pub const UNIQUE_ID_BYTES: usize = 128;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sel(requested: &str, env: &str, device: Device) -> std::result::Result<&'static str, String> {
+        BackendKind::select_from("op", requested, env, device).map(BackendKind::name).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn selection_by_argument_then_environment_then_device() {
+        let gpu = Device::Cuda(0);
+        assert_eq!(sel("", "", gpu), Ok("nccl"));
+        assert_eq!(sel("", "", Device::Cpu), Ok("cpu"));
+        assert_eq!(sel("", "nvshmem", gpu), Ok("nvshmem"));
+        assert_eq!(sel("nccl", "nvshmem", gpu), Ok("nccl"));
+        assert_eq!(sel("nvshmem", "", gpu), Ok("nvshmem"));
+        // The variable is only a preference for GPU buffers; an explicit request must be honoured.
+        assert_eq!(sel("", "nvshmem", Device::Cpu), Ok("cpu"));
+        let e = sel("nvshmem", "", Device::Cpu).unwrap_err();
+        assert_eq!(e, "op: backend 'nvshmem' needs a CUDA device; CPU buffers use the cpu backend");
+        let e = sel("", "shmem", gpu).unwrap_err();
+        assert!(e.contains("unknown backend 'shmem' (expected cpu, nccl or nvshmem)"), "{e}");
+    }
+
+    #[test]
+    fn nvshmem_backend_is_compiled_or_says_which_feature() {
+        let args = CreateArgs { unique_id: &[0u8; 128], rank: 0, num_ranks: 2, device: Device::Cpu, num_nvl_bytes: 0, num_rdma_bytes: 0, low_latency_mode: false };
+        let e = create(BackendKind::Nvshmem, &args).err().map(|e| e.to_string()).unwrap_or_default();
+        if cfg!(feature = "nvshmem") {
+            assert!(e.contains("the nvshmem backend needs a CUDA device, got cpu"), "{e}");
+        } else {
+            assert!(e.contains("backend 'nvshmem' is not compiled into this library (cargo feature 'nvshmem')"), "{e}");
+        }
+    }
+}

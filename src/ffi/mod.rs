@@ -20,3 +20,7 @@ pub mod transport;
 pub mod nccl;
 #[cfg(feature = "nccl")]
 pub mod nccl_window;
+#[cfg(feature = "nvshmem")]
+pub mod nvshmem;
+#[cfg(feature = "nvshmem")]
+pub mod nvshmem_window;

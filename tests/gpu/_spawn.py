@@ -6,6 +6,8 @@ cuda:rank) and returns a list with, per rank, `{"ok": value}`, `{"skip": reason}
 `{"error": traceback}`, or None for a rank that exited without reporting (a rank may end itself
 on purpose, e.g. with os._exit). `fn` must be a module-level function of an importable module.
 `ht_check(...)` is a closed-form check of one normal-mode dispatch/combine round trip.
+`gpu_backend()` is the backend the GPU buffers of the tests use: DEEP_EP_TEST_BACKEND, else
+DEEP_EP_BACKEND when it names a GPU backend (nccl, nvshmem), else nccl.
 """
 import json
 import os
@@ -28,6 +30,20 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+GPU_BACKENDS = ("nccl", "nvshmem")
+
+
+def gpu_backend() -> str:
+    """The GPU backend under test (see the module docstring)."""
+    for var in ("DEEP_EP_TEST_BACKEND", "DEEP_EP_BACKEND"):
+        name = os.environ.get(var, "")
+        if name in GPU_BACKENDS:
+            return name
+        if name and var == "DEEP_EP_TEST_BACKEND":
+            raise ValueError(f"DEEP_EP_TEST_BACKEND must be one of {GPU_BACKENDS}, got {name!r}")
+    return "nccl"
 
 
 def set_gpu_env():

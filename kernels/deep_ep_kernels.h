@@ -350,7 +350,11 @@ void* deep_ep_ic_rendezvous_word(const deep_ep_ic_ctx_t* ctx);
 #define DEEP_EP_LL_MSG_META 160   /* bytes of a dispatch message before its payload */
 #define DEEP_EP_LL_MAX_EXPERTS 2048
 #define DEEP_EP_LL_MAX_TOPK 16
-#define DEEP_EP_LL_FLAG_PARTIAL 32 /* combine recv_state flag: partial sums were sent */
+#define DEEP_EP_LL_FLAG_PARTIAL 32
+/* Device copy of the rank mask (int32 [DEEP_EP_IC_MAX_RANKS], 1 = masked) in the control area's
+ * LL scratch; the host rewrites it at every mask update (host-mapped reads from every block
+ * would cross PCIe: measured 10-50x slower LL ops). */
+#define DEEP_EP_LL_MASK_OFF (DEEP_EP_IC_CONTROL_BYTES - 1024 + 64) /* combine recv_state flag: partial sums were sent */
 #define DEEP_EP_LL_KIND_COMBINE 2
 typedef struct {
   uint64_t ll_off;                          /* byte offset of the LL area in every window */
@@ -372,7 +376,7 @@ typedef struct {
   int32_t* cumulative;       /* [E_l] += received tokens, or NULL */
   int64_t* wait_stats;       /* [R] += cycles waited per source, or NULL */
   uint16_t* out;             /* combine: [N, H] bf16 */
-  const int32_t* mask;       /* host-mapped rank mask (int32 words, 1 = masked) or NULL */
+  const int32_t* mask;       /* rank mask (device copy at DEEP_EP_LL_MASK_OFF of this rank's window) or NULL */
   int32_t num_blocks;
   int32_t partial;           /* combine send: one partial sum per (token, expert rank) */
   int32_t dispatch_half;     /* combine send with partial: the half holding the dispatch's messages */

@@ -36,6 +36,7 @@ constexpr size_t kLlCalls = DEEP_EP_IC_CONTROL_BYTES - 1024;  // after the push-
 constexpr size_t kLlDone = kLlCalls + 4;
 static_assert(kScrEnd <= kLlCalls, "LL scratch overlaps the normal-mode scratch");
 static_assert(kLlDone + 4 <= DEEP_EP_IC_CONTROL_BYTES, "LL scratch outside the control area");
+static_assert(DEEP_EP_LL_MASK_OFF >= kLlDone + 4 && DEEP_EP_LL_MASK_OFF + 4 * kMaxRanks <= DEEP_EP_IC_CONTROL_BYTES, "LL mask copy");
 
 using Args = deep_ep_ll_args_t;
 
@@ -121,7 +122,7 @@ constexpr int kMaxLlTopk = DEEP_EP_LL_MAX_TOPK;
 constexpr int kMsgMeta = 32 + 8 * kMaxLlTopk;
 static_assert(kMsgMeta == DEEP_EP_LL_MSG_META, "message meta size");
 
-// The rank mask (host-mapped int32 words, 1 = masked); NULL = nobody masked.
+// The rank mask (device copy of the host's mask, int32 words, 1 = masked); NULL = nobody masked.
 __device__ __forceinline__ bool rank_masked(const Args& a, int r) {
   return a.mask != nullptr && *reinterpret_cast<const volatile int32_t*>(a.mask + r) != 0;
 }

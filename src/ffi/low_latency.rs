@@ -7,6 +7,10 @@ use super::kernels::check;
 use crate::error::Result;
 use std::ffi::c_void;
 
+/// Offset of the device copy of the LL rank mask in every window (`DEEP_EP_LL_MASK_OFF`):
+/// `int32 [MAX_RANKS]` in the control area.
+pub const LL_MASK_OFF: usize = super::intranode::CONTROL_BYTES - 1024 + 64;
+
 /// Kind words of `recv_state` (`DEEP_EP_LL_KIND_*`).
 pub const KIND_DISPATCH: i32 = 1;
 pub const KIND_COMBINE: i32 = 2;

@@ -14,8 +14,10 @@
 //!
 //! Rank masking (LL): the mask and the shrink flag live in a host-mapped `int32_t[16]` block
 //! ([`HostMask`], layout in `ffi::host_mask`): words 0..8 = rank masked, word 8 = shrink mode.
-//! [`NcclBackend::ll_mask_device_ptr`] is the pointer LL kernels take; they read it at every
-//! launch (graph replays included), so mask updates need no re-capture. The kernels apply the
+//! LL kernels read a device copy of the mask words ([`NcclBackend::ll_mask_device_ptr`], in the
+//! window's control area) that every mask update rewrites (reading host-mapped memory from every
+//! block crossed PCIe: 10-50x slower LL ops, measured); graph replays read it too, so mask updates
+//! need no re-capture. The kernels apply the
 //! mask as the CPU backend (no sends to a masked rank, no waits for it, its experts dropped). In
 //! shrink mode a GPU wait that times out still raises the timeout (naming the rank) instead of
 //! masking the peer as the CPU backend does: the peer can be masked by hand afterwards.
@@ -101,10 +103,16 @@ impl NcclBackend {
         Ok(nccl::unique_id(lib)?.to_vec())
     }
 
-    /// Device pointer of the LL rank-mask block (`int32_t[16]`: words 0..8 = 1 if the rank is
-    /// masked, word 8 = shrink mode), for the LL kernels' arguments.
+    /// Device pointer of the LL kernels' copy of the rank mask (`int32_t[MAX_RANKS]`, 1 = masked,
+    /// at `LL_MASK_OFF` of this rank's window, zero at creation), for the LL kernels' arguments.
     pub fn ll_mask_device_ptr(&self) -> *mut std::ffi::c_void {
-        self.mask.device_ptr()
+        let base = self.window.ctx().peer_base[self.info.rank] as *mut u8;
+        base.wrapping_add(crate::ffi::low_latency::LL_MASK_OFF).cast()
+    }
+
+    /// Rewrites the kernels' device copy of the mask from the host-mapped block (synchronous).
+    fn ll_sync_mask(&self, op: &'static str) -> Result<()> {
+        self.mask.copy_to_device(op, self.ll_mask_device_ptr(), MAX_RANKS)
     }
 
     fn timeout_ms(&self) -> u64 {
@@ -130,14 +138,14 @@ impl Backend for NcclBackend {
     }
     fn ll_update_mask(&mut self, rank: usize, masked: bool) -> Result<()> {
         self.mask.set(rank, masked as i32);
-        Ok(())
+        self.ll_sync_mask("deep_ep::low_latency_update_mask_buffer")
     }
     fn ll_mask(&self) -> Vec<bool> {
         (0..self.info.num_ranks).map(|r| self.mask.get(r) != 0).collect()
     }
     fn ll_clean_mask(&mut self) -> Result<()> {
         (0..MAX_RANKS).for_each(|r| self.mask.set(r, 0));
-        Ok(())
+        self.ll_sync_mask("deep_ep::low_latency_clean_mask_buffer")
     }
     fn ll_set_shrink(&mut self, enable: bool) -> Result<()> {
         self.mask.set(SHRINK_WORD, enable as i32);

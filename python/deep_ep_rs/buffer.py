@@ -279,7 +279,14 @@ class Buffer:
                              round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
                              return_recv_hook: bool = False, topk_weights: Optional[torch.Tensor] = None):
         """Returns (recv_x [or (recv_x, scales)], recv_count, handle, event, hook); handle =
-        (src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)."""
+        (src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts).
+
+        `topk_weights` (optional float32 [N, K], not a DeepEP argument): the weights travel with
+        the tokens and the combine of this handle sends one partial sum per (token, expert rank)
+        — bf16 of the fp32 sum over that rank's experts in top-k order — which the source sums
+        over ranks ascending in fp32 (less traffic; one more BF16 rounding per rank than the
+        per-expert sum, within DeepEP's combine tolerance). That combine then uses THESE weights:
+        pass the same `topk_weights` to low_latency_combine. Both backends agree bit for bit."""
         assert not (async_finish and return_recv_hook), "async_finish and return_recv_hook are mutually exclusive"
         t, e = num_max_dispatch_tokens_per_rank, num_experts
         if return_recv_hook:

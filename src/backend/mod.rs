@@ -290,7 +290,7 @@ const LL_WIRE_COUNTS_BYTES: usize = 128;
 
 impl LlGeometry {
     /// The deduplicated wire layout for `num_ranks` ranks, or `None` when it does not fit in
-    /// DeepEP's receive half (`num_experts < 2 * num_ranks` for usual sizes).
+    /// DeepEP's receive half (few experts per rank with a small hidden, e.g. one per rank at 128).
     pub fn wire(&self, num_ranks: usize) -> Option<LlWire> {
         let (r, e, t, h) = (num_ranks, self.num_experts, self.num_max_dispatch_tokens_per_rank, self.hidden);
         let lay = LowLatencyLayout::new(t, h, e);
@@ -478,3 +478,38 @@ pub fn unique_id(kind: BackendKind) -> Result<Vec<u8>> {
 
 /// Length of every unique id (NCCL's `ncclUniqueId` is 128 bytes; the CPU id is padded to it).
 pub const UNIQUE_ID_BYTES: usize = 128;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_latest_dispatch_with_an_address_decides_partial_combines() {
+        let rec: [LlDispatchRecord; 2] = [Some((0x1000, true, 1)), Some((0x2000, false, 2))];
+        assert_eq!(ll_weighted_dispatch_half(&rec, 0x1000), Some(0));
+        assert_eq!(ll_weighted_dispatch_half(&rec, 0x2000), None);
+        assert_eq!(ll_weighted_dispatch_half(&rec, 0x3000), None);
+        // A freed src_info address reused by a later unweighted dispatch: no partial sums.
+        let reused: [LlDispatchRecord; 2] = [Some((0x1000, true, 1)), Some((0x1000, false, 2))];
+        assert_eq!(ll_weighted_dispatch_half(&reused, 0x1000), None);
+        let both: [LlDispatchRecord; 2] = [Some((0x1000, true, 3)), Some((0x1000, false, 2))];
+        assert_eq!(ll_weighted_dispatch_half(&both, 0x1000), Some(0));
+    }
+
+    #[test]
+    fn wire_layout_fits_deepeps_receive_half() {
+        let g = |t, h, e| LlGeometry { num_max_dispatch_tokens_per_rank: t, hidden: h, num_experts: e };
+        // DeepEP's shape: message stride 160 + 2 * 7168 (an FP8 message writes 160 + 7168 + 224
+        // of it), partial rows after them.
+        let w = g(128, 7168, 288).wire(4).unwrap();
+        assert_eq!((w.idx_off, w.msg_bytes), (128, 14_496));
+        assert_eq!(w.msgs_off, 128 + 4 * 288 * 128);
+        assert!(w.partial_fits && w.partial_off >= w.msgs_off + 4 * 128 * w.msg_bytes && w.partial_off % 128 == 0);
+        // Small hidden: one expert per rank leaves no room for the messages, two no room for
+        // the partial rows (the combine then sends per-expert rows); at 7168 one expert fits.
+        assert!(g(128, 128, 8).wire(8).is_none());
+        assert!(!g(128, 128, 16).wire(8).unwrap().partial_fits);
+        assert!(!g(128, 7168, 8).wire(8).unwrap().partial_fits);
+        assert!(g(128, 7168, 24).wire(8).unwrap().partial_fits);
+    }
+}

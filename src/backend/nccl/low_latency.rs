@@ -15,8 +15,8 @@
 //! experts the token selected (and its top-k weights when `topk_weights` was given); the sender
 //! also writes the index entry `[l][s][slot]` of every selection and the receiver copies each
 //! expert row from the message it names. The receive region of a half holds the index table and
-//! `R·T` messages (`deep_ep_kernels.h`), which needs `num_experts >= 2 * num_ranks` within
-//! DeepEP's buffer size. The outputs are the CPU backend's, bit for bit. Combine moves one
+//! `R·T` messages (`deep_ep_kernels.h`), which must fit DeepEP's buffer size (it does except
+//! for very few experts per rank with a small hidden; such a call is refused). The outputs are the CPU backend's, bit for bit. Combine moves one
 //! row per (token, expert), unless the
 //! handle's dispatch carried `topk_weights`: then each expert rank sends ONE row per (token, source
 //! rank), `bf16(Σ fma(y_k, w_k, acc))` over its experts in top-k order with the dispatch's
@@ -107,7 +107,7 @@ impl NcclBackend {
         // The deduplicated wire format (see the module doc) must fit in the receive half.
         let Some(wire) = g.wire(self.info.num_ranks) else {
             return Err(Error::invalid(op, format!(
-                "the nccl backend's deduplicated low-latency messages do not fit in DeepEP's receive region for num_experts={e}, num_ranks={}, hidden={h}: use num_experts >= 2 * num_ranks",
+                "the nccl backend's deduplicated low-latency messages ({} ranks x {t} tokens of 160 + 2 * hidden bytes, plus a 4 * num_experts * {t}-byte index) do not fit in DeepEP's receive region for num_experts={e}, hidden={h}: use more experts per rank",
                 self.info.num_ranks
             )));
         };

@@ -318,33 +318,59 @@ void* deep_ep_ic_rendezvous_word(const deep_ep_ic_ctx_t* ctx);
 
 
 /* ---------------------------------------------------------------------------------------------
- * Low-latency mode (kernels/low_latency.cu): DeepEP's LL protocol over the same window. Senders
- * push messages into the receiver's LL area with NVLink stores and then release-store 32-bit
- * signal words; receivers acquire the words of their call and copy or reduce locally. No barrier
- * between ranks in a call. Area of every rank at ll_off (crate::config::LowLatencyLayout sizes,
- * the CPU backend's byte order): [signal 0][signal 1][send 0][send 1][recv 0][recv 1]; per half:
+ * Low-latency mode (kernels/ll_dispatch.cu, kernels/low_latency.cu): DeepEP's LL protocol over
+ * the same window. Senders push messages into the receiver's LL area with NVLink stores and then
+ * release-store 32-bit signal words; receivers acquire the words of their call and copy or reduce
+ * locally. No barrier between ranks in a call. Area of every rank at ll_off
+ * (crate::config::LowLatencyLayout sizes): [signal 0][signal 1][send 0][send 1][recv 0][recv 1];
+ * per half:
  *   signal: E u32 words. Dispatch: word l*R + s = tag(seq, count from source s for local expert
  *           l). Combine: word s*E_l + l = tag(seq, 0): source s wrote every row of its expert l.
  *           tag(seq, c) = (seq & 0xffff) << 16 | (c + 1); a word only ever holds a tag.
  *   send:   the zero-copy combine buffer [E_l][R*T] rows of M = H + H/128*2 bf16.
- *   recv:   dispatch messages [E_l][R][T] of msg_bytes (16-byte header {src token, H, T, E} i32,
- *           then H bf16, or H E4M3 bytes + H/128 f32 scale_inv), or combine rows [E][T] of H bf16
- *           keyed by (global expert, source token).
+ *   recv:   dispatch (deduplicated, crate::backend::LlWire): message counts [R] u32 (count of source
+ *           s at 4*s, 128 bytes), an index table [E_l][R][T] u32 at idx_off, messages [R][T] of
+ *           msg_bytes at msgs_off: ONE per (source token, destination rank), whatever the
+ *           number of that rank's experts the token selected. A message is 16 bytes {src token,
+ *           H, T, E} i32, 16 bytes {entries n, has weights, 0, 0}, DEEP_EP_LL_MAX_TOPK u32
+ *           entries (local expert << 16 | expert slot, in top-k order) and as many f32 top-k
+ *           weights (0 without topk_weights), then the payload (DEEP_EP_LL_MSG_META bytes in):
+ *           H bf16, or H E4M3 bytes (cast once per token) + H/128 f32 scale_inv. Index entry
+ *           [l][s][slot] = the message of source s that row slot of (l, s) comes from; the receiver
+ *           fans a message out to every row that names it. Combine: rows [E][T] of H bf16 keyed
+ *           by (global expert, source token) from offset 0 (they reuse the half's bytes), or,
+ *           when the dispatch of the handle carried top-k weights (partial), rows [R][T] of H
+ *           bf16 at partial_off keyed by (expert rank, source token): bf16(sum over the
+ *           message's entries in top-k order of fma(y, w_k, acc)) in fp32; partial_off lies after
+ *           the messages, which the partial combine send reads (dispatch_half).
+ *           Partial combine signals: word d*E_l on source s = tag(seq, 0) from expert rank d.
  * The call number seq lives on the device (scratch of the control area): every send kernel takes
  * the next one and writes {half, seq, flags, kind} into recv_state, which the receive kernel reads,
  * so a captured CUDA graph gets fresh tags on every replay. The half is chosen by the host.
- * Receive order: per (local expert, source) in increasing token index (a block-wide scan, no
- * atomics), sources ascending: identical to the CPU backend. Waits are bounded by timeout_ns and
- * report DEEP_EP_IC_ERR_TIMEOUT with the rank waited for; DEEP_EP_IC_ERR_OVERFLOW (an expert
- * selected more than T times: error_value = selections, error_limit = T) and
- * DEEP_EP_IC_ERR_MISMATCH (a message with another geometry, or a receive whose recv_state does not
- * come from a matching send) are reported the same way.
+ * Receive order: per (local expert, source) in increasing token index (expert slots follow
+ * (token, k) order, counted without atomics' ordering), sources ascending: identical to the CPU
+ * backend. Rank mask (`mask`, host-mapped, read at every launch): nothing is sent to a masked
+ * rank, no wait is made for it (its dispatch counts are 0) and top-k entries of its experts are
+ * dropped (as the CPU backend). Waits are bounded by timeout_ns and report DEEP_EP_IC_ERR_TIMEOUT
+ * with the rank waited for; DEEP_EP_IC_ERR_OVERFLOW (an expert selected more than T times:
+ * error_value = selections, error_limit = T) and DEEP_EP_IC_ERR_MISMATCH (a message with another
+ * geometry, or a receive whose recv_state does not come from a matching send) are reported the
+ * same way.
  * ------------------------------------------------------------------------------------------- */
 #define DEEP_EP_LL_KIND_DISPATCH 1
+#define DEEP_EP_LL_MSG_META 160   /* bytes of a dispatch message before its payload */
+#define DEEP_EP_LL_MAX_EXPERTS 2048
+#define DEEP_EP_LL_MAX_TOPK 16
+#define DEEP_EP_LL_FLAG_PARTIAL 32
+/* Device copy of the rank mask (int32 [DEEP_EP_IC_MAX_RANKS], 1 = masked) in the control area's
+ * LL scratch; the host rewrites it at every mask update (host-mapped reads from every block
+ * would cross PCIe: measured 10-50x slower LL ops). */
+#define DEEP_EP_LL_MASK_OFF (DEEP_EP_IC_CONTROL_BYTES - 1024 + 64) /* combine recv_state flag: partial sums were sent */
 #define DEEP_EP_LL_KIND_COMBINE 2
 typedef struct {
   uint64_t ll_off;                          /* byte offset of the LL area in every window */
   uint64_t signal_bytes, send_bytes, recv_bytes, msg_bytes; /* per half; msg = dispatch message */
+  uint64_t idx_off, msgs_off, partial_off;  /* in a receive half: index table, messages, partial rows */
   int32_t num_max_tokens, hidden, num_experts, half; /* T, H, E; half used by a send */
   int32_t use_fp8, round_scale, use_ue8m0, flags;    /* flags: recorded / checked in recv_state */
   int32_t zero_copy, num_tokens, num_topk, topk_is_int64; /* N: tokens of x / out */
@@ -361,18 +387,30 @@ typedef struct {
   int32_t* cumulative;       /* [E_l] += received tokens, or NULL */
   int64_t* wait_stats;       /* [R] += cycles waited per source, or NULL */
   uint16_t* out;             /* combine: [N, H] bf16 */
-  int32_t num_blocks, reserved;
+  const int32_t* mask;       /* rank mask (device copy at DEEP_EP_LL_MASK_OFF of this rank's window) or NULL */
+  int32_t num_blocks;
+  int32_t partial;           /* combine send: one partial sum per (token, expert rank) */
+  int32_t dispatch_half;     /* combine send with partial: the half holding the dispatch's messages */
+  int32_t reserved;
 } deep_ep_ll_args_t;
-/* Send phase of a dispatch: one block per global expert scans topk_idx and pushes each selecting
- * token (cast to FP8 when use_fp8) into the expert's rank, then signals the count. */
+/* Send phase of a dispatch: blocks of one or a few tokens (at most num_blocks) count expert slots
+ * and message slots in shared memory, push one message per (token, destination rank) (cast to
+ * FP8 once when use_fp8) with its index entries; the last block signals every count. topk_weights
+ * ([N, K] f32 or NULL) travel in the messages. */
 int deep_ep_llk_dispatch_send(const deep_ep_ic_ctx_t* ctx, const deep_ep_ll_args_t* args, void* stream);
-/* Receive phase: waits for every source's count of each local expert, copies the messages into
- * recv_x / scales / src_info, writes recv_count and layout_range, adds the stats. */
+/* Receive phase: waits for every unmasked source's count of each local expert, copies the rows
+ * (through the index table) into recv_x / scales / src_info, writes recv_count and layout_range,
+ * adds the stats. */
 int deep_ep_llk_dispatch_recv(const deep_ep_ic_ctx_t* ctx, const deep_ep_ll_args_t* args, void* stream);
 /* Send phase of a combine: one block per (local expert, source rank) pushes the rows of
- * layout_range back to the source rank at (global expert, src token), then signals. */
+ * layout_range back to the source rank at (global expert, src token), then signals. With
+ * `partial`: blocks (source rank, y) sum each message of the dispatch (dispatch_half) over its
+ * entries with the weights it carried, push one bf16 row per (token, source rank); the last block
+ * signals. */
 int deep_ep_llk_combine_send(const deep_ep_ic_ctx_t* ctx, const deep_ep_ll_args_t* args, void* stream);
-/* Receive phase: waits for all E words, out[n] = bf16(sum over k in order of fma(y, w_k, acc)). */
+/* Receive phase: waits for all E words (partial: the R words d*E_l), out[n] = bf16(sum over k in
+ * order of fma(y, w_k, acc)) (partial: bf16(sum over expert ranks d ascending of the fp32 of d's
+ * partial row), d unmasked with an expert in the token's top-k). */
 int deep_ep_llk_combine_recv(const deep_ep_ic_ctx_t* ctx, const deep_ep_ll_args_t* args, void* stream);
 /* Zeroes this rank's signal words of both halves (between two barriers on the host side). */
 int deep_ep_llk_zero_signals(const deep_ep_ic_ctx_t* ctx, const deep_ep_ll_args_t* args, void* stream);

@@ -287,7 +287,14 @@ class Buffer:
         or [1] on x's device holding the real batch n; rows of x / topk_idx at or past n are not
         routed (as if topk_idx were -1 there). It is read on the device, so one captured CUDA
         graph with a static x [N, H] serves any n <= N; pass the same tensor to
-        low_latency_combine. n outside 0..=N raises on CPU buffers and is clamped on CUDA ones."""
+        low_latency_combine. n outside 0..=N raises on CPU buffers and is clamped on CUDA ones.
+
+        `topk_weights` (optional float32 [N, K], not a DeepEP argument): the weights travel with
+        the tokens and the combine of this handle sends one partial sum per (token, expert rank)
+        — bf16 of the fp32 sum over that rank's experts in top-k order — which the source sums
+        over ranks ascending in fp32 (less traffic; one more BF16 rounding per rank than the
+        per-expert sum, within DeepEP's combine tolerance). That combine then uses THESE weights:
+        pass the same `topk_weights` to low_latency_combine. Both backends agree bit for bit."""
         assert not (async_finish and return_recv_hook), "async_finish and return_recv_hook are mutually exclusive"
         t, e = num_max_dispatch_tokens_per_rank, num_experts
         if return_recv_hook:

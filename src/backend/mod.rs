@@ -249,6 +249,71 @@ impl LlGeometry {
     }
 }
 
+/// Bytes of a deduplicated dispatch message before its payload (`DEEP_EP_LL_MSG_META`): header
+/// `[src token, H, T, E]` i32, `[entries, has weights, 0, 0]` i32, [`LL_WIRE_MAX_TOPK`] u32
+/// entries `local expert << 16 | expert slot` (top-k order) and as many f32 weights.
+pub const LL_MSG_META: usize = 160;
+/// Most top-k entries of a deduplicated message (`DEEP_EP_LL_MAX_TOPK`).
+pub const LL_WIRE_MAX_TOPK: usize = 16;
+
+/// Byte layout of the deduplicated low-latency wire format inside one receive half, the same on
+/// both backends: `[message counts: R u32, 128 B][index table [E_l][R][T] u32][messages [R][T]]
+/// [partial combine rows [R][T] of H bf16]`. A message goes once per (token, destination rank);
+/// index entry `[l][s][slot]` names the message of source `s` that row `slot` of `(l, s)` comes
+/// from. The per-expert combine rows (`[E][T]` slots) overlay it all from offset 0, while the
+/// partial rows lie after the messages so that a combine can read its dispatch's messages.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct LlWire {
+    pub idx_off: usize,
+    pub msgs_off: usize,
+    pub msg_bytes: usize,
+    pub partial_off: usize,
+    /// Whether the partial combine rows fit in the half as well.
+    pub partial_fits: bool,
+}
+
+impl LlWire {
+    /// Offset of the message count of source `s`.
+    pub fn count_off(s: usize) -> usize {
+        4 * s
+    }
+}
+
+/// A backend's record of the last dispatch of each LL half: (address of its `src_info` output,
+/// whether it carried top-k weights in the deduplicated format, its number).
+pub type LlDispatchRecord = Option<(usize, bool, u64)>;
+
+/// The half whose dispatch a combine given `src_info` at `ptr` belongs to, when that dispatch
+/// carried top-k weights (the combine then sends partial sums): the latest recorded dispatch with
+/// this `src_info` address decides, so a freed and reused address of an older one never matches.
+pub fn ll_weighted_dispatch_half(records: &[LlDispatchRecord; 2], ptr: usize) -> Option<usize> {
+    (0..2).filter_map(|h| records[h].filter(|r| r.0 == ptr).map(|r| (r.2, r.1, h))).max().filter(|r| r.1).map(|r| r.2)
+}
+
+/// Offset of the message counts (`LlWire::count_off`) and of the index table.
+const LL_WIRE_COUNTS_BYTES: usize = 128;
+
+impl LlGeometry {
+    /// The deduplicated wire layout for `num_ranks` ranks, or `None` when it does not fit in
+    /// DeepEP's receive half (few experts per rank with a small hidden, e.g. one per rank at 128).
+    pub fn wire(&self, num_ranks: usize) -> Option<LlWire> {
+        let (r, e, t, h) = (num_ranks, self.num_experts, self.num_max_dispatch_tokens_per_rank, self.hidden);
+        let lay = LowLatencyLayout::new(t, h, e);
+        let align = |v: usize| v.div_ceil(crate::config::BUFFER_ALIGNMENT) * crate::config::BUFFER_ALIGNMENT;
+        let msg_bytes = (LL_MSG_META + (2 * h).max(h + h / 128 * 4)).div_ceil(16) * 16;
+        let idx_off = LL_WIRE_COUNTS_BYTES;
+        let msgs_off = idx_off + align(4 * e * t);
+        let partial_off = align(msgs_off + r * t * msg_bytes);
+        (msgs_off + r * t * msg_bytes <= lay.recv_bytes).then_some(LlWire {
+            idx_off,
+            msgs_off,
+            msg_bytes,
+            partial_off,
+            partial_fits: partial_off + r * t * 2 * h <= lay.recv_bytes,
+        })
+    }
+}
+
 /// Low-latency dispatch options.
 #[derive(Copy, Clone, Debug)]
 pub struct LlDispatchOptions {
@@ -476,5 +541,35 @@ mod tests {
         } else {
             assert!(e.contains("backend 'nvshmem' is not compiled into this library (cargo feature 'nvshmem')"), "{e}");
         }
+    }
+
+    #[test]
+    fn the_latest_dispatch_with_an_address_decides_partial_combines() {
+        let rec: [LlDispatchRecord; 2] = [Some((0x1000, true, 1)), Some((0x2000, false, 2))];
+        assert_eq!(ll_weighted_dispatch_half(&rec, 0x1000), Some(0));
+        assert_eq!(ll_weighted_dispatch_half(&rec, 0x2000), None);
+        assert_eq!(ll_weighted_dispatch_half(&rec, 0x3000), None);
+        // A freed src_info address reused by a later unweighted dispatch: no partial sums.
+        let reused: [LlDispatchRecord; 2] = [Some((0x1000, true, 1)), Some((0x1000, false, 2))];
+        assert_eq!(ll_weighted_dispatch_half(&reused, 0x1000), None);
+        let both: [LlDispatchRecord; 2] = [Some((0x1000, true, 3)), Some((0x1000, false, 2))];
+        assert_eq!(ll_weighted_dispatch_half(&both, 0x1000), Some(0));
+    }
+
+    #[test]
+    fn wire_layout_fits_deepeps_receive_half() {
+        let g = |t, h, e| LlGeometry { num_max_dispatch_tokens_per_rank: t, hidden: h, num_experts: e };
+        // DeepEP's shape: message stride 160 + 2 * 7168 (an FP8 message writes 160 + 7168 + 224
+        // of it), partial rows after them.
+        let w = g(128, 7168, 288).wire(4).unwrap();
+        assert_eq!((w.idx_off, w.msg_bytes), (128, 14_496));
+        assert_eq!(w.msgs_off, 128 + 4 * 288 * 128);
+        assert!(w.partial_fits && w.partial_off >= w.msgs_off + 4 * 128 * w.msg_bytes && w.partial_off % 128 == 0);
+        // Small hidden: one expert per rank leaves no room for the messages, two no room for
+        // the partial rows (the combine then sends per-expert rows); at 7168 one expert fits.
+        assert!(g(128, 128, 8).wire(8).is_none());
+        assert!(!g(128, 128, 16).wire(8).unwrap().partial_fits);
+        assert!(!g(128, 7168, 8).wire(8).unwrap().partial_fits);
+        assert!(g(128, 7168, 24).wire(8).unwrap().partial_fits);
     }
 }

@@ -18,8 +18,13 @@
 //!
 //! Rank masking (LL): the mask and the shrink flag live in a host-mapped `int32_t[16]` block
 //! ([`HostMask`], layout in `ffi::host_mask`): words 0..8 = rank masked, word 8 = shrink mode.
-//! [`NcclBackend::ll_mask_device_ptr`] is the pointer LL kernels take; they read it at every
-//! launch (graph replays included), so mask updates need no re-capture.
+//! LL kernels read a device copy of the mask words ([`NcclBackend::ll_mask_device_ptr`], in the
+//! window's control area) that every mask update rewrites (reading host-mapped memory from every
+//! block crossed PCIe: 10-50x slower LL ops, measured); graph replays read it too, so mask updates
+//! need no re-capture. The kernels apply the
+//! mask as the CPU backend (no sends to a masked rank, no waits for it, its experts dropped). In
+//! shrink mode a GPU wait that times out still raises the timeout (naming the rank) instead of
+//! masking the peer as the CPU backend does: the peer can be masked by hand afterwards.
 
 pub mod gin;
 mod low_latency;
@@ -109,21 +114,16 @@ impl NcclBackend {
         }
     }
 
-    /// Device pointer of the LL rank-mask block (`int32_t[16]`: words 0..8 = 1 if the rank is
-    /// masked, word 8 = shrink mode), for the LL kernels' arguments.
-    #[allow(dead_code)] // taken by the LL kernels once they apply the mask
+    /// Device pointer of the LL kernels' copy of the rank mask (`int32_t[MAX_RANKS]`, 1 = masked,
+    /// at `LL_MASK_OFF` of this rank's window, zero at creation), for the LL kernels' arguments.
     pub fn ll_mask_device_ptr(&self) -> *mut std::ffi::c_void {
-        self.mask.device_ptr()
+        let base = self.window.ctx().peer_base[self.info.rank] as *mut u8;
+        base.wrapping_add(crate::ffi::low_latency::LL_MASK_OFF).cast()
     }
 
-    /// The GPU LL kernels do not apply the rank mask yet: refuse an LL call while any rank is
-    /// masked or shrink mode is on, instead of silently ignoring the mask.
-    fn ll_mask_unsupported(&self, op: &'static str) -> Result<()> {
-        let masked = (0..self.info.num_ranks).any(|r| self.mask.get(r) != 0);
-        if masked || self.mask.get(SHRINK_WORD) != 0 {
-            return Err(ni(self.info.backend, op, "rank masking / shrink mode in the GPU low-latency kernels"));
-        }
-        Ok(())
+    /// Rewrites the kernels' device copy of the mask from the host-mapped block (synchronous).
+    fn ll_sync_mask(&self, op: &'static str) -> Result<()> {
+        self.mask.copy_to_device(op, self.ll_mask_device_ptr(), MAX_RANKS)
     }
 
     fn timeout_ms(&self) -> u64 {
@@ -137,10 +137,10 @@ impl Backend for NcclBackend {
     fn dispatch_finish(&mut self, a: &DispatchArgs, p: &DispatchPlan, o: &DispatchOutputs) -> Result<()> { self.ht_dispatch_finish(a, p, o) }
     fn cached_dispatch(&mut self, a: &CachedDispatchArgs, x: &TensorRef, s: Option<&TensorRef>) -> Result<()> { self.ht_cached_dispatch(a, x, s) }
     fn combine(&mut self, a: &CombineArgs, o: &CombineOutputs) -> Result<()> { self.ht_combine(a, o) }
-    fn ll_dispatch_send(&mut self, g: &LlGeometry, o: &LlDispatchOptions, a: &LlDispatchSendArgs, out: &LlDispatchOutputs, s: Stream) -> Result<()> { self.ll_mask_unsupported("deep_ep::low_latency_dispatch")?; self.ll_dispatch_send_impl(g, o, a, out, s) }
-    fn ll_dispatch_recv(&mut self, g: &LlGeometry, o: &LlDispatchOptions, out: &LlDispatchOutputs, st: &LlStats, s: Stream) -> Result<()> { self.ll_mask_unsupported("deep_ep::low_latency_dispatch")?; self.ll_dispatch_recv_impl(g, o, out, st, s) }
-    fn ll_combine_send(&mut self, g: &LlGeometry, a: &LlCombineSendArgs, s: Stream) -> Result<()> { self.ll_mask_unsupported("deep_ep::low_latency_combine")?; self.ll_combine_send_impl(g, a, s) }
-    fn ll_combine_recv(&mut self, g: &LlGeometry, a: &LlCombineRecvArgs, st: &LlStats, s: Stream) -> Result<()> { self.ll_mask_unsupported("deep_ep::low_latency_combine")?; self.ll_combine_recv_impl(g, a, st, s) }
+    fn ll_dispatch_send(&mut self, g: &LlGeometry, o: &LlDispatchOptions, a: &LlDispatchSendArgs, out: &LlDispatchOutputs, s: Stream) -> Result<()> { self.ll_dispatch_send_impl(g, o, a, out, s) }
+    fn ll_dispatch_recv(&mut self, g: &LlGeometry, o: &LlDispatchOptions, out: &LlDispatchOutputs, st: &LlStats, s: Stream) -> Result<()> { self.ll_dispatch_recv_impl(g, o, out, st, s) }
+    fn ll_combine_send(&mut self, g: &LlGeometry, a: &LlCombineSendArgs, s: Stream) -> Result<()> { self.ll_combine_send_impl(g, a, s) }
+    fn ll_combine_recv(&mut self, g: &LlGeometry, a: &LlCombineRecvArgs, st: &LlStats, s: Stream) -> Result<()> { self.ll_combine_recv_impl(g, a, st, s) }
     fn ll_mask_rows(&mut self, op: &'static str, a: &LlRowsArgs, s: Stream) -> Result<()> { crate::ffi::ll_rows::mask_rows(op, a, s) }
     fn clean_low_latency_buffer(&mut self, g: &LlGeometry, s: Stream) -> Result<()> { self.ll_clean_impl(g, s) }
     fn next_low_latency_combine_buffer(&mut self, g: &LlGeometry) -> Result<TensorRef> { self.ll_next_combine_buffer_impl(g) }
@@ -150,14 +150,14 @@ impl Backend for NcclBackend {
     }
     fn ll_update_mask(&mut self, rank: usize, masked: bool) -> Result<()> {
         self.mask.set(rank, masked as i32);
-        Ok(())
+        self.ll_sync_mask("deep_ep::low_latency_update_mask_buffer")
     }
     fn ll_mask(&self) -> Vec<bool> {
         (0..self.info.num_ranks).map(|r| self.mask.get(r) != 0).collect()
     }
     fn ll_clean_mask(&mut self) -> Result<()> {
         (0..MAX_RANKS).for_each(|r| self.mask.set(r, 0));
-        Ok(())
+        self.ll_sync_mask("deep_ep::low_latency_clean_mask_buffer")
     }
     fn ll_set_shrink(&mut self, enable: bool) -> Result<()> {
         self.mask.set(SHRINK_WORD, enable as i32);

@@ -32,10 +32,14 @@ constexpr size_t kScrRpm = kScrHeaders + kMaxRanks * DEEP_EP_IC_LAYOUT_BYTES;  /
 constexpr size_t kScrRcpm = kScrRpm + kMaxRanks * kMaxRanks * 4;              // [R, C] int
 constexpr size_t kScrChanDone = kScrRcpm + kMaxRanks * kMaxChannels * 4;      // [C] int, push dispatch
 constexpr size_t kScrChanFlags = kScrChanDone + kMaxChannels * 4;            // [R, C] u64, push dispatch
-constexpr size_t kScrEnd = kScrChanFlags + kMaxRanks * kMaxChannels * 8;
+constexpr size_t kScrCheck = kScrChanFlags + kMaxRanks * kMaxChannels * 8;  // input checks (intranode_check.cu)
+constexpr size_t kScrEnd = kScrCheck + 128;
 static_assert(kBarrierOff + kMaxRanks * kSlotBytes <= kHeaderOff, "barrier slots overlap the header");
 static_assert(sizeof(deep_ep_ic_layout_t) <= DEEP_EP_IC_LAYOUT_BYTES, "layout larger than its slot");
 static_assert(kHeaderOff + DEEP_EP_IC_LAYOUT_BYTES <= kScratchOff, "header overlaps the scratch");
+static_assert(DEEP_EP_IC_CHECK_OFF >= kHeaderOff + sizeof(deep_ep_ic_layout_t) &&
+                  DEEP_EP_IC_CHECK_OFF + 16 <= kHeaderOff + DEEP_EP_IC_LAYOUT_BYTES,
+              "the check result must sit in the header slot after the layout");
 static_assert(kScrEnd <= DEEP_EP_IC_CONTROL_BYTES, "scratch larger than the control area");
 
 using Ctx = deep_ep_ic_ctx_t;
@@ -73,7 +77,7 @@ __device__ __forceinline__ uint64_t globaltimer() {
 // Records an error in the device word and, for the first one since the host last cleared it,
 // in the host-mapped block (fields first, code last). A timeout also replaces an earlier
 // non-timeout error (it is what the host must see) and sets the sticky timeout flag.
-__device__ void report(const Ctx& c, int code, int about_rank, int site, int value, int limit) {
+__device__ void report(const Ctx& c, int code, int about_rank, int site, int value, int limit, int extra = 0) {
   int* err = at<int>(local(c), kScrError);
   bool first;
   if (code == DEEP_EP_IC_ERR_TIMEOUT) {
@@ -88,6 +92,7 @@ __device__ void report(const Ctx& c, int code, int about_rank, int site, int val
   h->error_site = site;
   h->error_value = value;
   h->error_limit = limit;
+  h->error_extra = extra;
   __threadfence_system();
   h->error = code;
   __threadfence_system();

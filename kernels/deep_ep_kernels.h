@@ -133,6 +133,8 @@ typedef struct {
   uint64_t window_bytes;
   deep_ep_ic_host_status_t* host_status; /* device pointer of the mapped block */
   uint64_t timeout_ns;                   /* barrier deadline (globaltimer ns) */
+  int32_t num_sms;                       /* SMs of this GPU, queried once at creation (0 = unknown) */
+  int32_t reserved;
 } deep_ep_ic_ctx_t;
 
 /* Sections of a staged op (byte offsets into the rank's own window; 0 = absent). */
@@ -424,6 +426,7 @@ int deep_ep_nccl_window_peer_bases(void* window, int num_ranks, void** base);
 
 /* More runtime helpers (host plumbing). */
 int deep_ep_cuda_get_device(int* device);
+int deep_ep_cuda_sm_count(int device, int* sms); /* multiprocessors of `device` */
 int deep_ep_cuda_host_alloc_mapped(void** host, void** device_ptr, size_t bytes);
 int deep_ep_cuda_free_host(void* host);
 int deep_ep_cuda_stream_create(void** stream);

@@ -54,24 +54,7 @@ __device__ __forceinline__ const Layout& scratch_layout(const Ctx& c, int rank) 
   return *at<const Layout>(local(c), kScrHeaders + static_cast<size_t>(rank) * DEEP_EP_IC_LAYOUT_BYTES);
 }
 
-// ---- memory model -------------------------------------------------------------------------
-__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ int ld_volatile(const int* p) { return *reinterpret_cast<const volatile int*>(p); }
-__device__ __forceinline__ uint64_t ld_volatile(const uint64_t* p) {
-  return *reinterpret_cast<const volatile uint64_t*>(p);
-}
-__device__ __forceinline__ uint64_t globaltimer() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
+// Memory model (st_release_sys, ld_acquire_sys, ld_volatile, globaltimer): common.cuh.
 
 // ---- errors ----------------------------------------------------------------------------------
 // Records an error in the device word and, for the first one since the host last cleared it,
@@ -110,28 +93,12 @@ __device__ __forceinline__ bool op_cancelled(const Ctx& c) {
 }
 
 // ---- copies ----------------------------------------------------------------------------------
-// One warp copies `bytes` from `src` to `dst`: 16-byte L2-only loads (peer memory changes between
-// ops, so no non-coherent cache path), kUnroll loads in flight per lane; bytes one by one when
-// either side is not 16-byte aligned.
+// One warp copies `bytes` from `src` to `dst`: common.cuh's warp_copy16 with kUnroll loads in
+// flight per lane; bytes one by one when either side is not 16-byte aligned.
 constexpr int kUnroll = 8;
 __device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t bytes, int lane) {
   if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes)) & 15) == 0) {
-    const int4* s = static_cast<const int4*>(src);
-    int4* d = static_cast<int4*>(dst);
-    const int64_t n = bytes / 16;
-    for (int64_t base = 0; base < n; base += 32 * kUnroll) {
-      int4 v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t i = base + u * 32 + lane;
-        if (i < n) v[u] = __ldcg(s + i);
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t i = base + u * 32 + lane;
-        if (i < n) d[i] = v[u];
-      }
-    }
+    warp_copy16<kUnroll>(static_cast<int4*>(dst), static_cast<const int4*>(src), bytes / 16, lane);
   } else {
     const unsigned char* s = static_cast<const unsigned char*>(src);
     unsigned char* d = static_cast<unsigned char*>(dst);

@@ -106,6 +106,9 @@ pub struct Ctx {
     pub window_bytes: u64,
     pub host_status: *mut c_void,
     pub timeout_ns: u64,
+    /// SMs of this GPU, queried once at creation (0 = unknown: the launcher asks CUDA).
+    pub num_sms: i32,
+    pub reserved: i32,
 }
 
 /// `deep_ep_ic_layout_t`: what one rank stages, read by its peers.
@@ -305,6 +308,7 @@ extern "C" {
     fn deep_ep_ic_rendezvous_word(ctx: *const Ctx) -> *mut c_void;
 
     fn deep_ep_cuda_get_device(device: *mut c_int) -> c_int;
+    fn deep_ep_cuda_sm_count(device: c_int, sms: *mut c_int) -> c_int;
     fn deep_ep_cuda_set_device(device: c_int) -> c_int;
     fn deep_ep_cuda_host_alloc_mapped(host: *mut *mut c_void, device_ptr: *mut *mut c_void, bytes: usize) -> c_int;
     fn deep_ep_cuda_free_host(host: *mut c_void) -> c_int;
@@ -404,6 +408,14 @@ pub fn reset(op: &'static str, ctx: &Ctx, stream: *mut c_void) -> Result<()> {
 pub fn clear_error(op: &'static str, ctx: &Ctx, stream: *mut c_void) -> Result<()> {
     // SAFETY: writes one int of this rank's scratch.
     check(unsafe { deep_ep_ic_clear_error(ctx, stream) }, op, "intranode clear-error kernel launch")
+}
+
+/// Multiprocessors of CUDA device `device`.
+pub fn sm_count(op: &'static str, device: i32) -> Result<i32> {
+    let mut sms: c_int = 0;
+    // SAFETY: writes one int.
+    check(unsafe { deep_ep_cuda_sm_count(device, &mut sms) }, op, "cudaDeviceGetAttribute(MultiProcessorCount)")?;
+    Ok(sms)
 }
 
 /// Device pointer of the scratch int that create's host rendezvous all-reduces.

@@ -427,6 +427,9 @@ int deep_ep_nccl_window_peer_bases(void* window, int num_ranks, void** base);
 /* More runtime helpers (host plumbing). */
 int deep_ep_cuda_get_device(int* device);
 int deep_ep_cuda_sm_count(int device, int* sms); /* multiprocessors of `device` */
+/* CUDA runtime version linked into the library and the CUDA version the driver supports (1000 *
+ * major + 10 * minor; 0 where unknown, e.g. no driver). Needs no GPU. */
+int deep_ep_cuda_versions(int* runtime, int* driver);
 int deep_ep_cuda_host_alloc_mapped(void** host, void** device_ptr, size_t bytes);
 int deep_ep_cuda_free_host(void* host);
 int deep_ep_cuda_stream_create(void** stream);

@@ -52,6 +52,15 @@ extern "C" int deep_ep_cuda_sm_count(int device, int* sms) {
   return cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
 }
 
+extern "C" int deep_ep_cuda_versions(int* runtime, int* driver) {
+  if (runtime == nullptr || driver == nullptr) return cudaErrorInvalidValue;
+  *runtime = 0;
+  *driver = 0;
+  const cudaError_t st = cudaRuntimeGetVersion(runtime);
+  if (cudaDriverGetVersion(driver) != cudaSuccess) *driver = 0;
+  return st;
+}
+
 extern "C" int deep_ep_cuda_host_alloc_mapped(void** host, void** device_ptr, size_t bytes) {
   if (host == nullptr || device_ptr == nullptr) return cudaErrorInvalidValue;
   *host = nullptr;

@@ -309,6 +309,7 @@ extern "C" {
 
     fn deep_ep_cuda_get_device(device: *mut c_int) -> c_int;
     fn deep_ep_cuda_sm_count(device: c_int, sms: *mut c_int) -> c_int;
+    fn deep_ep_cuda_versions(runtime: *mut c_int, driver: *mut c_int) -> c_int;
     fn deep_ep_cuda_set_device(device: c_int) -> c_int;
     fn deep_ep_cuda_host_alloc_mapped(host: *mut *mut c_void, device_ptr: *mut *mut c_void, bytes: usize) -> c_int;
     fn deep_ep_cuda_free_host(host: *mut c_void) -> c_int;
@@ -416,6 +417,15 @@ pub fn sm_count(op: &'static str, device: i32) -> Result<i32> {
     // SAFETY: writes one int.
     check(unsafe { deep_ep_cuda_sm_count(device, &mut sms) }, op, "cudaDeviceGetAttribute(MultiProcessorCount)")?;
     Ok(sms)
+}
+
+/// `(runtime, driver)`: the CUDA runtime version linked into the library and the CUDA version the
+/// driver supports, as `1000 * major + 10 * minor` (0 = unknown, e.g. no driver). Needs no GPU.
+pub fn cuda_versions() -> (i32, i32) {
+    let (mut rt, mut drv): (c_int, c_int) = (0, 0);
+    // SAFETY: writes two ints (zeros on failure).
+    unsafe { deep_ep_cuda_versions(&mut rt, &mut drv) };
+    (rt, drv)
 }
 
 /// Device pointer of the scratch int that create's host rendezvous all-reduces.

@@ -7,8 +7,9 @@
 # Sizes are scaled down from the tests' defaults so that the whole pass fits in ~9 minutes; the
 # variables below restore the full sizes.
 #   SOAK_SCALE=1   full-size soak (tests/gpu/test_soak.py: 1000 HT iterations, 100 create/destroy
-#                  cycles, 10,000 LL graph replays; ~3 min) as its own step `soak_full` (limit 300 s,
-#                  summary lines in OUT_DIR/soak-summary.txt) instead of the scaled soak in `reliability`.
+#                  cycles, 10,000 LL graph replays; ~3 min) as its own step `soak_full` (limit
+#                  SOAK_LIMIT s, default 300; summary lines in OUT_DIR/soak-summary.txt) instead of
+#                  the scaled soak in `reliability`.
 #   STEPS="a b"    run only the named steps (e.g. STEPS=soak_full, or STEPS="bad_input reliability").
 set -u
 out=${1:?usage: bench/gpu_suite.sh OUT_DIR [LIBRARY]}
@@ -41,7 +42,7 @@ step bench_intranode_push 75 env DEEP_EP_INTRANODE_DISPATCH=push torchrun --npro
 if [ "${SOAK_SCALE:-0.2}" = "1" ]; then
   step bad_input 90 python3 -m pytest -q -rs tests/gpu/test_bad_input_gpu.py
   step reliability 120 python3 -m pytest -q -rs tests/gpu/test_recovery.py tests/gpu/test_rank_mask_gpu.py
-  step soak_full 300 env DEEP_EP_SOAK_SCALE=1 python3 -m pytest -q -rs -s tests/gpu/test_soak.py
+  step soak_full ${SOAK_LIMIT:-300} env DEEP_EP_SOAK_SCALE=1 python3 -m pytest -q -rs -s tests/gpu/test_soak.py
   cp "$tests_log/soak-summary.txt" "$out/" 2>/dev/null
 else
   step reliability 120 env DEEP_EP_SOAK_SCALE=${SOAK_SCALE:-0.2} python3 -m pytest -q -rs tests/gpu/test_recovery.py tests/gpu/test_bad_input_gpu.py tests/gpu/test_soak.py tests/gpu/test_rank_mask_gpu.py

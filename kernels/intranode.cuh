@@ -93,12 +93,13 @@ __device__ __forceinline__ bool op_cancelled(const Ctx& c) {
 }
 
 // ---- copies ----------------------------------------------------------------------------------
-// One warp copies `bytes` from `src` to `dst`: common.cuh's warp_copy16 with kUnroll loads in
-// flight per lane; bytes one by one when either side is not 16-byte aligned.
+// One warp copies `bytes` from `src` to `dst`: common.cuh's warp_copy16 with kU loads in flight
+// per lane (pull_kernel uses more); bytes one by one when either side is not 16-byte aligned.
 constexpr int kUnroll = 8;
+template <int kU = kUnroll>
 __device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t bytes, int lane) {
   if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes)) & 15) == 0) {
-    warp_copy16<kUnroll>(static_cast<int4*>(dst), static_cast<const int4*>(src), bytes / 16, lane);
+    warp_copy16<kU>(static_cast<int4*>(dst), static_cast<const int4*>(src), bytes / 16, lane);
   } else {
     const unsigned char* s = static_cast<const unsigned char*>(src);
     unsigned char* d = static_cast<unsigned char*>(dst);

@@ -44,6 +44,17 @@ int deep_ep_launch_dispatch_layout(const void* topk_idx, int topk_idx_is_int64, 
                                    int* num_tokens_per_expert, bool* is_token_in_rank,
                                    void* stream);
 
+/*
+ * The real token count of a low-latency call as a device scalar (kernels/ll_rows.cu):
+ * out[i][k] = topk_idx[i][k] for rows i < n and -1 for rows i >= n, where
+ * n = clamp(*num_tokens, 0, num_rows) is read on the device (int32). topk_idx and out are
+ * [num_rows, num_topk] row-major, int64 if topk_idx_is_int64 else int32, and must not overlap.
+ * One launch (none when num_rows * num_topk == 0), no host sync, CUDA-graph capturable: a
+ * replay reads the current *num_tokens.
+ */
+int deep_ep_launch_ll_mask_rows(const void* topk_idx, int topk_idx_is_int64, int64_t num_rows, int num_topk,
+                                const int32_t* num_tokens, void* out, void* stream);
+
 /* Static name of a cudaError_t ("cudaErrorInvalidValue"); never NULL. Needs no device. */
 const char* deep_ep_cuda_error_name(int status);
 

@@ -309,6 +309,16 @@ pub struct LlCombineSendArgs {
     pub recv_state: TensorRef,
 }
 
+/// Inputs of [`Backend::ll_mask_rows`]: the real token count of an LL call as a device scalar.
+pub struct LlRowsArgs {
+    /// `[N, K]` int32 or int64 global expert ids (the caller's, read only).
+    pub topk_idx: TensorRef,
+    /// int32 `[]` or `[1]` on the buffer's device: the number `n` of real rows, `0 ≤ n ≤ N`.
+    pub num_tokens: TensorRef,
+    /// `[N, K]`, dtype of `topk_idx`, written: rows `< n` copied, rows `≥ n` all −1.
+    pub out: TensorRef,
+}
+
 /// Low-latency combine recv-phase inputs; `out [N, H]` bf16 is written.
 pub struct LlCombineRecvArgs {
     /// `[N, K]` int32 or int64: this rank's original global expert ids.
@@ -350,6 +360,13 @@ pub trait Backend: Send {
 
     /// LL combine, recv phase: wait and reduce Σ_k w_k·y_k in fp32 into `out`.
     fn ll_combine_recv(&mut self, g: &LlGeometry, args: &LlCombineRecvArgs, stats: &LlStats, stream: Stream) -> Result<()>;
+
+    /// Local, not collective: writes `args.out` = `args.topk_idx` with the rows at or past the
+    /// device scalar `args.num_tokens` set to −1 (not routed), so that one static-shape LL call
+    /// (one captured CUDA graph) serves any real batch `n ≤ N`. CUDA backends launch on `stream`
+    /// without host sync and clamp `n` to `0..=N` on the device (an out-of-range value cannot be
+    /// reported without a sync); the CPU backend reads `n` and raises when it is out of range.
+    fn ll_mask_rows(&mut self, op: &'static str, args: &LlRowsArgs, stream: Stream) -> Result<()>;
 
     /// Zeroes both halves' LL signal areas (barriers before and after).
     fn clean_low_latency_buffer(&mut self, g: &LlGeometry, stream: Stream) -> Result<()>;

@@ -9,6 +9,8 @@ pub mod kernels;
 #[cfg(feature = "cuda")]
 pub mod intranode;
 #[cfg(feature = "cuda")]
+pub mod ll_rows;
+#[cfg(feature = "cuda")]
 pub mod low_latency;
 #[cfg(feature = "cuda")]
 pub mod host_mask;

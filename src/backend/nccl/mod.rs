@@ -21,7 +21,7 @@ pub mod gin;
 mod low_latency;
 mod normal;
 
-use super::{Backend, BackendKind, BufferInfo, CachedDispatchArgs, CombineArgs, CombineOutputs, CreateArgs, DispatchArgs, DispatchOutputs, DispatchPlan, LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlStats, Stream, UNIQUE_ID_BYTES};
+use super::{Backend, BackendKind, BufferInfo, CachedDispatchArgs, CombineArgs, CombineOutputs, CreateArgs, DispatchArgs, DispatchOutputs, DispatchPlan, LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlRowsArgs, LlStats, Stream, UNIQUE_ID_BYTES};
 use crate::error::{Error, Result};
 use crate::ffi::host_mask::{HostMask, SHRINK_WORD};
 use crate::ffi::intranode::MAX_RANKS;
@@ -130,6 +130,7 @@ impl Backend for NcclBackend {
     fn ll_dispatch_recv(&mut self, g: &LlGeometry, o: &LlDispatchOptions, out: &LlDispatchOutputs, st: &LlStats, s: Stream) -> Result<()> { self.ll_mask_unsupported("deep_ep::low_latency_dispatch")?; self.ll_dispatch_recv_impl(g, o, out, st, s) }
     fn ll_combine_send(&mut self, g: &LlGeometry, a: &LlCombineSendArgs, s: Stream) -> Result<()> { self.ll_mask_unsupported("deep_ep::low_latency_combine")?; self.ll_combine_send_impl(g, a, s) }
     fn ll_combine_recv(&mut self, g: &LlGeometry, a: &LlCombineRecvArgs, st: &LlStats, s: Stream) -> Result<()> { self.ll_mask_unsupported("deep_ep::low_latency_combine")?; self.ll_combine_recv_impl(g, a, st, s) }
+    fn ll_mask_rows(&mut self, op: &'static str, a: &LlRowsArgs, s: Stream) -> Result<()> { crate::ffi::ll_rows::mask_rows(op, a, s) }
     fn clean_low_latency_buffer(&mut self, g: &LlGeometry, s: Stream) -> Result<()> { self.ll_clean_impl(g, s) }
     fn next_low_latency_combine_buffer(&mut self, g: &LlGeometry) -> Result<TensorRef> { self.ll_next_combine_buffer_impl(g) }
     fn destroy(&mut self) -> Result<()> {

@@ -6,6 +6,11 @@
 # OUT_DIR/test-logs.tgz (the tests' per-rank results).
 # Sizes are scaled down from the tests' defaults so that the whole pass fits in ~9 minutes; the
 # variables below restore the full sizes.
+#   SOAK_SCALE=1   full-size soak (tests/gpu/test_soak.py: 1000 HT iterations, 100 create/destroy
+#                  cycles, 10,000 LL graph replays; ~3 min) as its own step `soak_full` (limit
+#                  SOAK_LIMIT s, default 300; summary lines in OUT_DIR/soak-summary.txt) instead of
+#                  the scaled soak in `reliability`.
+#   STEPS="a b"    run only the named steps (e.g. STEPS=soak_full, or STEPS="bad_input reliability").
 set -u
 out=${1:?usage: bench/gpu_suite.sh OUT_DIR [LIBRARY]}
 lib=${2:-$PWD/target/release/libdeep_ep.so}
@@ -19,6 +24,7 @@ log=$out/suite.log
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2
   shift 2
+  if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]]; then return 0; fi
   local t0=$SECONDS
   echo "=== $name (limit ${limit}s): $*" | tee -a "$log"
   timeout -k 10 "$limit" "$@" >>"$log" 2>&1
@@ -33,6 +39,13 @@ step low_latency 240 env DEEP_EP_LL_SECONDS=${LL_SECONDS:-25} DEEP_EP_LL_REPLAYS
 step compile_cuda 120 python3 -m pytest -q -rs tests/gpu/test_compile_cuda.py
 step bench_intranode_pull 75 env DEEP_EP_INTRANODE_DISPATCH=pull torchrun --nproc-per-node 4 bench/intranode.py --sms 20 24 --iters 15 --out "$out/intranode-pull.json"
 step bench_intranode_push 75 env DEEP_EP_INTRANODE_DISPATCH=push torchrun --nproc-per-node 4 bench/intranode.py --sms 20 24 --iters 15 --out "$out/intranode-push.json"
-step reliability 120 env DEEP_EP_SOAK_SCALE=${SOAK_SCALE:-0.2} python3 -m pytest -q -rs tests/gpu/test_recovery.py tests/gpu/test_bad_input_gpu.py tests/gpu/test_soak.py tests/gpu/test_rank_mask_gpu.py
+if [ "${SOAK_SCALE:-0.2}" = "1" ]; then
+  step bad_input 90 python3 -m pytest -q -rs tests/gpu/test_bad_input_gpu.py
+  step reliability 120 python3 -m pytest -q -rs tests/gpu/test_recovery.py tests/gpu/test_rank_mask_gpu.py
+  step soak_full ${SOAK_LIMIT:-300} env DEEP_EP_SOAK_SCALE=1 python3 -m pytest -q -rs -s tests/gpu/test_soak.py
+  cp "$tests_log/soak-summary.txt" "$out/" 2>/dev/null
+else
+  step reliability 120 env DEEP_EP_SOAK_SCALE=${SOAK_SCALE:-0.2} python3 -m pytest -q -rs tests/gpu/test_recovery.py tests/gpu/test_bad_input_gpu.py tests/gpu/test_soak.py tests/gpu/test_rank_mask_gpu.py
+fi
 tar czf "$out/test-logs.tgz" -C "$tests_log" . 2>/dev/null
 echo "=== done" | tee -a "$log"

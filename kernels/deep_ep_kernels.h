@@ -99,6 +99,15 @@ int deep_ep_cuda_stream_synchronize(void* stream);
 #define DEEP_EP_IC_ERR_MISMATCH 2 /* error_rank staged another kind/size of op than this rank */
 #define DEEP_EP_IC_ERR_OVERFLOW 3 /* error_rank receives error_value tokens > num_worst error_limit */
 #define DEEP_EP_IC_ERR_CAPACITY 4 /* combine: error_rank's window needs error_value KiB > error_limit KiB */
+/* Input checks (deep_ep_ic_check), each about error_rank's own inputs: */
+#define DEEP_EP_IC_ERR_NTPR 5          /* num_tokens_per_rank[extra] = value, is_token_in_rank selects limit */
+#define DEEP_EP_IC_ERR_EXPERT_ID 6     /* topk_idx holds expert id value (clamped to int32), outside [-1, limit) */
+#define DEEP_EP_IC_ERR_NTPE 7          /* num_tokens_per_expert differs from the counts of topk_idx */
+#define DEEP_EP_IC_ERR_IN_RANK 8       /* is_token_in_rank[value, extra] differs from topk_idx */
+#define DEEP_EP_IC_ERR_STALE_COUNTS 9  /* handle: is_token_in_rank sends value tokens to rank extra, rank_prefix_matrix says limit */
+#define DEEP_EP_IC_ERR_STALE_ROWS 10   /* handle: receives value tokens, recv_src_idx / x has limit rows */
+#define DEEP_EP_IC_ERR_STALE_SEND_HEAD 11 /* handle: send_head[value, extra] differs from is_token_in_rank */
+#define DEEP_EP_IC_ERR_STALE_CPM 12    /* handle: channel_prefix_matrix[extra, value] differs from is_token_in_rank */
 
 /* Host-mapped status block (cudaHostAllocMapped), written by kernels, read and cleared by the host. */
 typedef struct {
@@ -108,7 +117,8 @@ typedef struct {
   int32_t error_value;
   int32_t error_limit;
   int32_t recv_count;  /* notify with write_host_counts: tokens this rank receives; -1 before */
-  int32_t reserved[2];
+  int32_t error_extra; /* a third number of some errors (see the codes) */
+  int32_t reserved;
   int32_t per_expert[DEEP_EP_IC_MAX_LOCAL_EXPERTS]; /* written before recv_count */
 } deep_ep_ic_host_status_t;
 
@@ -134,6 +144,8 @@ typedef struct {
   uint64_t window_bytes;
   deep_ep_ic_host_status_t* host_status; /* device pointer of the mapped block */
   uint64_t timeout_ns;                   /* barrier deadline (globaltimer ns) */
+  int32_t num_sms;                       /* SMs of this GPU, queried once at creation (0 = unknown) */
+  int32_t reserved;
 } deep_ep_ic_ctx_t;
 
 /* Sections of a staged op (byte offsets into the rank's own window; 0 = absent). */
@@ -189,6 +201,35 @@ typedef struct {
   int32_t expert_alignment, num_local_experts;
 } deep_ep_ic_sync_args_t;
 int deep_ep_ic_sync(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_sync_args_t* args, void* stream);
+
+/* Input checks, launched after K1 (combine: after its push) and before the data barrier K2: this
+ * rank's routing inputs are compared with each other on the device (no host sync), and the first
+ * failure goes into this rank's header at DEEP_EP_IC_CHECK_OFF (int32 code, value, limit, extra;
+ * zeros = fine); K2's gather reports a failure of any rank as that DEEP_EP_IC_ERR_* about that rank
+ * (so every rank raises it) and cancels the op's data kernels. The same checks as the cpu backend:
+ *  - dispatch: num_tokens_per_rank == column counts of is_token_in_rank; with topk_idx, ids in
+ *    [-1, E), num_tokens_per_expert == counts of topk_idx (compared through a sum of 64-bit hashes
+ *    of the ids), is_token_in_rank == the ranks of the valid ids;
+ *  - handle (rank_prefix_matrix given: cached dispatch, combine): is_token_in_rank sends the
+ *    rank_prefix_matrix's counts, this rank receives at most num_rows, send_head and
+ *    channel_prefix_matrix are those of is_token_in_rank (crate::layout::send_side).
+ * The kernel accumulates in the control area's check scratch; its last block compares, writes the
+ * header word and zeroes the scratch for the next op. */
+#define DEEP_EP_IC_CHECK_OFF (1024 + 240)
+typedef struct {
+  const void* topk_idx;                 /* [N, K] int32 or int64, or null */
+  int32_t topk_is_int64;
+  int32_t num_blocks;                   /* grid size */
+  const int32_t* num_tokens_per_rank;   /* [R] dispatch, or null */
+  const int32_t* num_tokens_per_expert; /* [E] dispatch, or null */
+  const bool* is_token_in_rank;         /* [N, R] */
+  const int32_t* send_head;             /* [N, R] handle, or null */
+  const int32_t* channel_prefix_matrix; /* [R, C] handle, or null */
+  const int32_t* rank_prefix_matrix;    /* [R, R] handle, or null */
+  int64_t num_tokens, num_topk, num_experts, num_channels;
+  int64_t num_rows;                     /* handle: rows of recv_src_idx (cached) / x (combine) */
+} deep_ep_ic_check_args_t;
+int deep_ep_ic_check(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_check_args_t* args, void* stream);
 
 /* K1: stage this rank's inputs into its own window at layout.off and write the layout header.
  * Present inputs are copied (scales from any strides to row-major, top-k ids widened to int64);
@@ -310,9 +351,10 @@ int deep_ep_ic_combine(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_combine_arg
 int deep_ep_ic_reset(const deep_ep_ic_ctx_t* ctx, void* stream);
 /* Clears the device copy of a reported error (the host clears the mapped block itself). */
 int deep_ep_ic_clear_error(const deep_ep_ic_ctx_t* ctx, void* stream);
-/* [OUT host] sizes[0..8] = sizeof of ctx, layout, sync, stage, pull, combine, push args, host status,
- * dispatch push args (the Rust mirrors check theirs against these). */
+/* [OUT host] sizes[0..9] = sizeof of ctx, layout, sync, stage, pull, combine, push args, host status,
+ * dispatch push args, check args (the Rust mirrors check theirs against these). */
 void deep_ep_ic_struct_sizes(size_t* sizes);
+/* sizes[0..10]: sizeof ctx, layout, sync, stage, pull, combine, push args, host status, dispatch push, check args. */
 /* [OUT host] the scratch int create's host rendezvous all-reduces (device pointer). */
 void* deep_ep_ic_rendezvous_word(const deep_ep_ic_ctx_t* ctx);
 
@@ -433,6 +475,10 @@ int deep_ep_nccl_window_peer_bases(void* window, int num_ranks, void** base);
 
 /* More runtime helpers (host plumbing). */
 int deep_ep_cuda_get_device(int* device);
+int deep_ep_cuda_sm_count(int device, int* sms); /* multiprocessors of `device` */
+/* CUDA runtime version linked into the library and the CUDA version the driver supports (1000 *
+ * major + 10 * minor; 0 where unknown, e.g. no driver). Needs no GPU. */
+int deep_ep_cuda_versions(int* runtime, int* driver);
 int deep_ep_cuda_host_alloc_mapped(void** host, void** device_ptr, size_t bytes);
 int deep_ep_cuda_free_host(void* host);
 int deep_ep_cuda_stream_create(void** stream);

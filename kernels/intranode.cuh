@@ -32,10 +32,14 @@ constexpr size_t kScrRpm = kScrHeaders + kMaxRanks * DEEP_EP_IC_LAYOUT_BYTES;  /
 constexpr size_t kScrRcpm = kScrRpm + kMaxRanks * kMaxRanks * 4;              // [R, C] int
 constexpr size_t kScrChanDone = kScrRcpm + kMaxRanks * kMaxChannels * 4;      // [C] int, push dispatch
 constexpr size_t kScrChanFlags = kScrChanDone + kMaxChannels * 4;            // [R, C] u64, push dispatch
-constexpr size_t kScrEnd = kScrChanFlags + kMaxRanks * kMaxChannels * 8;
+constexpr size_t kScrCheck = kScrChanFlags + kMaxRanks * kMaxChannels * 8;  // input checks (intranode_check.cu)
+constexpr size_t kScrEnd = kScrCheck + 128;
 static_assert(kBarrierOff + kMaxRanks * kSlotBytes <= kHeaderOff, "barrier slots overlap the header");
 static_assert(sizeof(deep_ep_ic_layout_t) <= DEEP_EP_IC_LAYOUT_BYTES, "layout larger than its slot");
 static_assert(kHeaderOff + DEEP_EP_IC_LAYOUT_BYTES <= kScratchOff, "header overlaps the scratch");
+static_assert(DEEP_EP_IC_CHECK_OFF >= kHeaderOff + sizeof(deep_ep_ic_layout_t) &&
+                  DEEP_EP_IC_CHECK_OFF + 16 <= kHeaderOff + DEEP_EP_IC_LAYOUT_BYTES,
+              "the check result must sit in the header slot after the layout");
 static_assert(kScrEnd <= DEEP_EP_IC_CONTROL_BYTES, "scratch larger than the control area");
 
 using Ctx = deep_ep_ic_ctx_t;
@@ -50,30 +54,13 @@ __device__ __forceinline__ const Layout& scratch_layout(const Ctx& c, int rank) 
   return *at<const Layout>(local(c), kScrHeaders + static_cast<size_t>(rank) * DEEP_EP_IC_LAYOUT_BYTES);
 }
 
-// ---- memory model -------------------------------------------------------------------------
-__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ int ld_volatile(const int* p) { return *reinterpret_cast<const volatile int*>(p); }
-__device__ __forceinline__ uint64_t ld_volatile(const uint64_t* p) {
-  return *reinterpret_cast<const volatile uint64_t*>(p);
-}
-__device__ __forceinline__ uint64_t globaltimer() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
+// Memory model (st_release_sys, ld_acquire_sys, ld_volatile, globaltimer): common.cuh.
 
 // ---- errors ----------------------------------------------------------------------------------
 // Records an error in the device word and, for the first one since the host last cleared it,
 // in the host-mapped block (fields first, code last). A timeout also replaces an earlier
 // non-timeout error (it is what the host must see) and sets the sticky timeout flag.
-__device__ void report(const Ctx& c, int code, int about_rank, int site, int value, int limit) {
+__device__ void report(const Ctx& c, int code, int about_rank, int site, int value, int limit, int extra = 0) {
   int* err = at<int>(local(c), kScrError);
   bool first;
   if (code == DEEP_EP_IC_ERR_TIMEOUT) {
@@ -88,6 +75,7 @@ __device__ void report(const Ctx& c, int code, int about_rank, int site, int val
   h->error_site = site;
   h->error_value = value;
   h->error_limit = limit;
+  h->error_extra = extra;
   __threadfence_system();
   h->error = code;
   __threadfence_system();
@@ -105,29 +93,13 @@ __device__ __forceinline__ bool op_cancelled(const Ctx& c) {
 }
 
 // ---- copies ----------------------------------------------------------------------------------
-// One warp copies `bytes` from `src` to `dst`: 16-byte L2-only loads (peer memory changes between
-// ops, so no non-coherent cache path), kUnroll loads in flight per lane; bytes one by one when
-// either side is not 16-byte aligned. kU = loads in flight per lane (pull_kernel uses more).
+// One warp copies `bytes` from `src` to `dst`: common.cuh's warp_copy16 with kU loads in flight
+// per lane (pull_kernel uses more); bytes one by one when either side is not 16-byte aligned.
 constexpr int kUnroll = 8;
 template <int kU = kUnroll>
 __device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t bytes, int lane) {
   if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes)) & 15) == 0) {
-    const int4* s = static_cast<const int4*>(src);
-    int4* d = static_cast<int4*>(dst);
-    const int64_t n = bytes / 16;
-    for (int64_t base = 0; base < n; base += 32 * kU) {
-      int4 v[kU];
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const int64_t i = base + u * 32 + lane;
-        if (i < n) v[u] = __ldcg(s + i);
-      }
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const int64_t i = base + u * 32 + lane;
-        if (i < n) d[i] = v[u];
-      }
-    }
+    warp_copy16<kU>(static_cast<int4*>(dst), static_cast<const int4*>(src), bytes / 16, lane);
   } else {
     const unsigned char* s = static_cast<const unsigned char*>(src);
     unsigned char* d = static_cast<unsigned char*>(dst);

@@ -69,6 +69,12 @@ __global__ void __launch_bounds__(kSyncThreads) sync_kernel(const __grid_constan
   if (tid < R && !same_op(scratch_layout(c, tid), mine)) {
     report(c, DEEP_EP_IC_ERR_MISMATCH, tid, a.site, 0, 0);
     atomicExch(&s_bad, 1);
+  } else if (tid < R) {  // rank tid's input checks (deep_ep_ic_check; zeros when not run)
+    const int* chk = at<const int>(me, kScrHeaders + static_cast<size_t>(tid) * DEEP_EP_IC_LAYOUT_BYTES + (DEEP_EP_IC_CHECK_OFF - kHeaderOff));
+    if (chk[0] != 0) {
+      report(c, chk[0], tid, a.site, chk[1], chk[2], chk[3]);
+      atomicExch(&s_bad, 1);
+    }
   }
   __syncthreads();
   if (s_bad) {
@@ -282,4 +288,5 @@ extern "C" void deep_ep_ic_struct_sizes(size_t* sizes) {
   sizes[6] = sizeof(deep_ep_ic_push_args_t);
   sizes[7] = sizeof(deep_ep_ic_host_status_t);
   sizes[8] = sizeof(deep_ep_ic_dispatch_push_args_t);
+  sizes[9] = sizeof(deep_ep_ic_check_args_t);
 }

@@ -77,3 +77,23 @@ pub fn intranode_copy_warps() -> i32 {
         }
     })
 }
+
+/// `DEEP_EP_CHECK_INPUTS`: `1` (default) or `0`. On the nccl backend, normal-mode ops run one
+/// extra small kernel that checks the routing inputs' content on the device (expert ids in range,
+/// layout tensors consistent with `topk_idx`, handles consistent with themselves), as the cpu
+/// backend does on the host; `0` skips it (a few microseconds per op) and trusts the inputs. Read
+/// once per process; all ranks should use the same.
+pub fn check_inputs() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| match std::env::var("DEEP_EP_CHECK_INPUTS") {
+        Err(_) => true,
+        Ok(v) => match v.trim() {
+            "" | "1" => true,
+            "0" => false,
+            other => {
+                eprintln!("[deep_ep] warn: DEEP_EP_CHECK_INPUTS={other:?} is not 0 or 1; using 1");
+                true
+            }
+        },
+    })
+}

@@ -199,6 +199,8 @@ impl Window {
                 window_bytes: bytes as u64,
                 host_status: std::ptr::null_mut(),
                 timeout_ns: a.timeout_ns,
+                num_sms: intranode::sm_count(OP, a.device)?,
+                reserved: 0,
             },
             status: None,
             finalize,

@@ -57,7 +57,10 @@ def _torch_verdict(built: str, running: str) -> str:
     want = built.split()[1]
     if want == running:
         return ", library built against it (match)"
-    return f" (MISMATCH: the library was built against torch {want}; rebuild it for this torch)"
+    w, r = _major_minor(want.split("+")[0]), _major_minor(running.split("+")[0])
+    if w and r and r >= w:  # the ops use libtorch's stable ABI, which later releases keep
+        return f", library built against torch {want} (compatible: stable ABI, this torch is newer)"
+    return f" (MISMATCH: the library was built against torch {want}, newer than this one; rebuild it for this torch)"
 
 
 def _cuda_verdict(runtime, torch_cuda, driver) -> str:

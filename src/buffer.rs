@@ -49,7 +49,10 @@ pub fn create(kind: BackendKind, args: &CreateArgs) -> Result<i64> {
     Ok(h)
 }
 
-fn lookup(op: &'static str, handle: i64) -> Result<(Arc<Mutex<Box<dyn Backend>>>, Arc<Mutex<Option<String>>>)> {
+/// A live buffer's backend and its poison note (set when a failure left it unusable).
+type LiveBuffer = (Arc<Mutex<Box<dyn Backend>>>, Arc<Mutex<Option<String>>>);
+
+fn lookup(op: &'static str, handle: i64) -> Result<LiveBuffer> {
     let r = lock(registry());
     match r.live.get(&handle) {
         Some(e) => Ok((e.backend.clone(), e.poisoned.clone())),

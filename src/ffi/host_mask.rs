@@ -72,6 +72,7 @@ impl HostMask {
 impl HostMask {
     /// Copies words `0..words` (<= MASK_WORDS) to device memory at `dst` (synchronous), so that
     /// kernels read the mask from device memory instead of across PCIe.
+    #[allow(clippy::not_unsafe_ptr_arg_deref)] // `dst` is device memory: the host never dereferences it, the copy engine does (a bad pointer is a CUDA error)
     pub fn copy_to_device(&self, op: &'static str, dst: *mut c_void, words: usize) -> Result<()> {
         assert!(words <= MASK_WORDS);
         // SAFETY: `dst` is device memory of at least `words` int32 (the caller's window scratch);

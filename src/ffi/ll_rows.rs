@@ -22,6 +22,7 @@ extern "C" {
 /// Launches the row mask of [`crate::backend::Backend::ll_mask_rows`] on `stream` (no host sync,
 /// capturable). `a` was validated by `crate::ops`: `[N, K]` contiguous CUDA tensors of one dtype
 /// (int32 or int64) and an int32 scalar, all on the current device.
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
 pub fn mask_rows(op: &'static str, a: &LlRowsArgs, stream: Stream) -> Result<()> {
     let (n, k) = (a.topk_idx.size(0), a.topk_idx.size(1));
     // SAFETY: the pointers are live device allocations of the validated shapes (the caller keeps

@@ -61,7 +61,7 @@ impl TensorRef {
         }
         assert!(!self.data.is_null(), "host view of a tensor without data");
         // SAFETY: as cpu_slice_mut.
-        unsafe { std::slice::from_raw_parts_mut(self.data as *mut u8, n) }
+        unsafe { std::slice::from_raw_parts_mut(self.data, n) }
     }
 
     /// Whether the strides are a permutation of a contiguous layout (e.g. a transposed view):

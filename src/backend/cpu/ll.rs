@@ -558,7 +558,7 @@ impl CpuBackend {
         let sig = geo.sig(half);
         let missing = |s: usize| (s * el..s * el + words).any(|w| arrived(sig_load(&mine, sig, w), seq).is_none());
         let mut waited = vec![0u64; r];
-        for s in 0..r {
+        for (s, waited_s) in waited.iter_mut().enumerate() {
             if self.mask[s] {
                 continue; // a masked rank returns nothing; its experts contribute zero below
             }
@@ -570,7 +570,7 @@ impl CpuBackend {
                 || (0..r).filter(|&p| !mask[p] && missing(p)).collect(),
             )?;
             if let Some(d) = d {
-                waited[s] = d.as_nanos() as u64;
+                *waited_s = d.as_nanos() as u64;
                 self.waits[s][0] += 1;
                 self.waits[s][1] += d.as_nanos() as i64;
             }

@@ -295,6 +295,7 @@ macro_rules! zeroed_default {
 zeroed_default!(StageArgs, PushArgs, PullArgs, CombineArgs, DispatchPushArgs, CheckArgs);
 
 extern "C" {
+    fn deep_ep_cuda_memset_async(ptr: *mut c_void, value: c_int, bytes: usize, stream: *mut c_void) -> c_int;
     fn deep_ep_ic_sync(ctx: *const Ctx, args: *const SyncArgs, stream: *mut c_void) -> c_int;
     fn deep_ep_ic_stage(ctx: *const Ctx, args: *const StageArgs, stream: *mut c_void) -> c_int;
     fn deep_ep_ic_pull(ctx: *const Ctx, args: *const PullArgs, stream: *mut c_void) -> c_int;
@@ -395,6 +396,18 @@ pub fn check_inputs(op: &'static str, ctx: &Ctx, args: &CheckArgs, stream: *mut 
     // SAFETY: see the comment above; the kernel only reads the inputs and writes this rank's
     // control area.
     check(unsafe { deep_ep_ic_check(ctx, args, stream) }, op, "intranode input-check kernel launch")
+}
+
+/// Zeroes this rank's whole window (`ctx.window_bytes` at its own peer pointer), so the
+/// low-latency signal words start at zero and the first LL call needs no barrier (a re-created
+/// buffer may get the memory of a destroyed one, with its old tags). Every window provider calls
+/// it at creation, before [`reset`].
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
+pub fn zero_window(op: &'static str, ctx: &Ctx, stream: *mut c_void) -> Result<()> {
+    let local = ctx.peer_base[ctx.rank as usize];
+    crate::ensure!(!local.is_null(), op, "internal: the window's own pointer is not set");
+    // SAFETY: this rank's own window: `window_bytes` bytes of device memory; async on `stream`.
+    check(unsafe { deep_ep_cuda_memset_async(local, 0, ctx.window_bytes as usize, stream) }, op, "zeroing the window")
 }
 
 /// Zeroes this rank's control area.

@@ -238,6 +238,9 @@ impl Window {
         w.ctx.host_status = status.device_ptr();
         w.status = Some(status);
         let stream = Stream::new(OP)?;
+        // The whole window starts zeroed (nvshmem_malloc may hand back a destroyed buffer's
+        // memory, old low-latency tags included), then the control area's reset.
+        intranode::zero_window(OP, &w.ctx, stream.raw())?;
         intranode::reset(OP, &w.ctx, stream.raw())?;
         if a.transport_self_test.is_some() {
             super::transport::lsa_self_test_prepare(OP, &w.ctx, stream.raw())?;

@@ -619,13 +619,9 @@ CFG20 = [20, 6, 256, 6, 128]
 INTERNODE_ONE_DOMAIN = r"internode ops need ranks spanning several NVLink domains"
 
 
-def _internode_like_handle(c):
-    """The 9 tensors after is_token_in_rank of an internode handle for a 1-rank, 1-domain buffer."""
-    i32, ch = torch.int32, CFG[0] // 2
-    n = c.x.shape[0]
-    return (torch.zeros((1, ch), dtype=i32), torch.zeros((1, ch), dtype=i32), torch.zeros((1, ch), dtype=i32), torch.zeros(1, dtype=i32),
-            torch.zeros((1, ch), dtype=i32), torch.zeros(1, dtype=i32), torch.zeros((c.rows, 8), dtype=torch.uint8),
-            torch.zeros((n, 1), dtype=i32), torch.zeros((0, 8), dtype=i32))
+def _internode_like_handle(c):  # the 9 handle tensors after is_token_in_rank, shaped for 1 rank in 1 domain
+    z, ch = (lambda *shape: torch.zeros(shape, dtype=torch.int32)), CFG[0] // 2
+    return z(1, ch), z(1, ch), z(1, ch), z(1), z(1, ch), z(1), torch.zeros((c.rows, 8), dtype=torch.uint8), z(c.x.shape[0], 1), z(0, 8)
 
 
 EXTRA_CASES = [

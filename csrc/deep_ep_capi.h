@@ -131,6 +131,39 @@ typedef struct {
 int deep_ep_combine(int64_t handle, const deep_ep_combine_args_t* args, const deep_ep_tensor_t* combined_x,
                     const deep_ep_tensor_t* combined_topk_weights);
 
+// ---- internode normal mode (collective; ranks span several NVLink domains) -------------------
+// Handle: DeepEP's 10 tensors in order: is_token_in_rank [N,R] bool, rdma_channel_prefix_matrix
+// [Rr,C], gbl_channel_prefix_matrix [R,C], recv_rdma_channel_prefix_matrix [Rr,C],
+// recv_rdma_rank_prefix_sum [Rr], recv_gbl_channel_prefix_matrix [R,C], recv_gbl_rank_prefix_sum [R],
+// recv_src_meta [rows,8] uint8, send_rdma_head [N,Rr], send_nvl_head [rdma_rows,8] (int32 otherwise).
+typedef struct {
+  deep_ep_tensor_t t[10];
+} deep_ep_internode_handle_t;
+
+typedef struct {
+  uint32_t size;
+  int64_t num_recv_tokens, num_rows;            // as deep_ep_dispatch_plan_t
+  int64_t num_rdma_recv_tokens, num_rdma_rows;  // RDMA-leg tokens; rows of send_nvl_head
+} deep_ep_internode_plan_t;
+
+// As deep_ep_dispatch_prepare, plus num_tokens_per_rdma_rank [Rr] int32.
+int deep_ep_internode_dispatch_prepare(int64_t handle, const deep_ep_dispatch_args_t* args, const deep_ep_tensor_t* num_tokens_per_rdma_rank,
+                                       deep_ep_internode_plan_t* plan, int32_t* per_expert, int64_t per_expert_len);
+// data[4] = recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights; h = the handle outputs
+// (h->t[0] is the input is_token_in_rank).
+int deep_ep_internode_dispatch_finish(int64_t handle, const deep_ep_dispatch_args_t* args, const deep_ep_tensor_t* num_tokens_per_rdma_rank,
+                                      const deep_ep_internode_plan_t* plan, const deep_ep_tensor_t* data, const deep_ep_internode_handle_t* h);
+// recv_x == NULL: validate only. config has 5 entries.
+int deep_ep_internode_cached_dispatch(int64_t handle, const deep_ep_tensor_t* x, const deep_ep_tensor_t* x_scales,
+                                      const deep_ep_internode_handle_t* h, const int64_t* config, void* stream,
+                                      const deep_ep_tensor_t* recv_x, const deep_ep_tensor_t* recv_x_scales);
+// inputs[4] = x, topk_weights, bias_0, bias_1. combined_x == NULL: validate only.
+int deep_ep_internode_combine(int64_t handle, const deep_ep_tensor_t* inputs, const deep_ep_internode_handle_t* h, const int64_t* config,
+                              void* stream, const deep_ep_tensor_t* combined_x, const deep_ep_tensor_t* combined_topk_weights);
+// Local. Entries of num_tokens_per_rdma_rank for num_ranks: num_ranks / D when num_ranks > D
+// (D = DEEP_EP_NVL_DOMAIN_SIZE, default 8), else 0.
+int deep_ep_num_rdma_ranks(int64_t num_ranks, int64_t* out);
+
 // ---- low-latency mode -------------------------------------------------------------------------
 typedef struct {
   uint32_t size;

@@ -32,6 +32,17 @@
 //   combine(int handle, Tensor x [rows,H], Tensor? topk_weights, Tensor? bias_0, Tensor? bias_1,
 //           <handle: 6 tensors>, int[] config) -> (combined_x [N,H], combined_topk_weights)
 //           collective; unweighted fp32 sum in ascending rank order
+//   internode_dispatch(int handle, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank,
+//            Tensor num_tokens_per_rdma_rank [R/D], is_token_in_rank, num_tokens_per_expert,
+//            int expert_alignment, int num_worst_tokens, int[] config)
+//       -> (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert,
+//           then DeepEP's internode handle without its first entry is_token_in_rank: 9 tensors)
+//           collective; ranks span several NVLink domains of D = DEEP_EP_NVL_DOMAIN_SIZE ranks
+//   internode_cached_dispatch(int handle, x, x_scales, <internode handle: 10 tensors>, int[] config)
+//       -> (recv_x, recv_x_scales)                                                      collective
+//   internode_combine(int handle, x, topk_weights, bias_0, bias_1, <internode handle: 10 tensors>,
+//           int[] config) -> (combined_x, combined_topk_weights)
+//           collective; fp32, one bf16 partial per NVLink domain, domains ascending
 //   low_latency_dispatch(int handle, Tensor x [N,H] bf16, Tensor topk_idx [N,K], Tensor? topk_weights,
 //            Tensor(a!)? cumulative_local_expert_recv_stats, Tensor(b!)? dispatch_wait_recv_cost_stats,
 //            int T, int num_experts, bool use_fp8, bool round_scale, bool use_ue8m0, Tensor? num_tokens=None)

@@ -7,7 +7,8 @@
 pub struct Layout {
     /// `[R]`: tokens with ≥ 1 expert on rank r (deduplicated per token).
     pub num_tokens_per_rank: Vec<i32>,
-    /// `[R / 8]` (internode only; empty when R ≤ 8): tokens with ≥ 1 expert on node g.
+    /// `[R / D]` (internode only; empty when R ≤ D, D = ranks per NVLink domain): tokens with
+    /// ≥ 1 expert on node g.
     pub num_tokens_per_rdma_rank: Vec<i32>,
     /// `[E]`: (token, k) selections of expert e.
     pub num_tokens_per_expert: Vec<i32>,
@@ -18,9 +19,15 @@ pub struct Layout {
 /// DeepEP's `get_dispatch_layout`. `topk_idx` is `[num_tokens, topk]` of global expert ids;
 /// entries outside `[0, num_experts)` (−1) are ignored. `num_experts % num_ranks == 0`.
 pub fn dispatch_layout(topk_idx: &[i64], num_tokens: usize, topk: usize, num_experts: usize, num_ranks: usize) -> Layout {
+    dispatch_layout_in_domains(topk_idx, num_tokens, topk, num_experts, num_ranks, crate::config::MAX_NVL_PEERS)
+}
+
+/// [`dispatch_layout`] with NVLink domains of `domain` ranks: `num_tokens_per_rdma_rank` has
+/// `num_ranks / domain` entries when `num_ranks > domain`, none otherwise.
+pub fn dispatch_layout_in_domains(topk_idx: &[i64], num_tokens: usize, topk: usize, num_experts: usize, num_ranks: usize, domain: usize) -> Layout {
     assert_eq!(topk_idx.len(), num_tokens * topk);
     let per_rank = num_experts / num_ranks;
-    let num_nodes = if num_ranks > crate::config::MAX_NVL_PEERS { num_ranks / crate::config::MAX_NVL_PEERS } else { 0 };
+    let num_nodes = if num_ranks > domain { num_ranks / domain } else { 0 };
     let mut l = Layout {
         num_tokens_per_rank: vec![0; num_ranks],
         num_tokens_per_rdma_rank: vec![0; num_nodes],
@@ -43,7 +50,7 @@ pub fn dispatch_layout(topk_idx: &[i64], num_tokens: usize, topk: usize, num_exp
                 l.num_tokens_per_rank[r] += 1;
             }
             if num_nodes > 0 {
-                let g = r / crate::config::MAX_NVL_PEERS;
+                let g = r / domain;
                 if !in_node[g] {
                     in_node[g] = true;
                     l.num_tokens_per_rdma_rank[g] += 1;

@@ -15,10 +15,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> get_dispatch_layout(const Tensor& top
   const auto i32 = ScalarType::Int;
   int64_t n = topk_idx.size(0);
   auto per_rank = empty_like_dev(topk_idx, {num_ranks}, i32);
-  auto per_rdma = empty_like_dev(topk_idx, {num_ranks > 8 ? num_ranks / 8 : 0}, i32);
+  int64_t num_rdma = 0;
+  check(deep_ep_num_rdma_ranks(num_ranks, &num_rdma));
+  auto per_rdma = empty_like_dev(topk_idx, {num_rdma}, i32);
   auto per_expert = empty_like_dev(topk_idx, {num_experts}, i32);
   auto in_rank = empty_like_dev(topk_idx, {n, num_ranks}, ScalarType::Bool);
-  auto a = raw(per_rank), b = num_ranks > 8 ? raw(per_rdma) : absent(), c = raw(per_expert), d = raw(in_rank);
+  auto a = raw(per_rank), b = num_rdma > 0 ? raw(per_rdma) : absent(), c = raw(per_expert), d = raw(in_rank);
   check(deep_ep_get_dispatch_layout(&ti, num_experts, num_ranks, &a, &b, &c, &d, stream_for(topk_idx.device())));
   return {per_rank, per_rdma, per_expert, in_rank};
 }

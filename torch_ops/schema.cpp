@@ -27,8 +27,8 @@ STABLE_TORCH_LIBRARY(deep_ep, m) {
   // JSON object describing this build of the library (python -m deep_ep_rs.diagnose prints it).
   m.def("build_info() -> str");
 
-  // Local. topk_idx [N,K] int32/int64 (-1 = none) -> tokens per rank [R] i32, per node [R/8] i32
-  // (empty when R <= 8), per expert [E] i32, is_token_in_rank [N,R] bool.
+  // Local. topk_idx [N,K] int32/int64 (-1 = none) -> tokens per rank [R] i32, per node [R/D] i32
+  // (empty when R <= D, D = DEEP_EP_NVL_DOMAIN_SIZE, default 8), per expert [E] i32, is_token_in_rank [N,R] bool.
   m.def(
       "get_dispatch_layout(Tensor topk_idx, int num_experts, int num_ranks) -> "
       "(Tensor num_tokens_per_rank, Tensor num_tokens_per_rdma_rank, Tensor num_tokens_per_expert, Tensor is_token_in_rank)");
@@ -55,6 +55,35 @@ STABLE_TORCH_LIBRARY(deep_ep, m) {
       "combine(int handle, Tensor x, Tensor? topk_weights, Tensor? bias_0, Tensor? bias_1, Tensor rank_prefix_matrix, "
       "Tensor channel_prefix_matrix, Tensor recv_channel_prefix_matrix, Tensor recv_src_idx, Tensor is_token_in_rank, "
       "Tensor send_head, int[] config) -> (Tensor combined_x, Tensor combined_topk_weights)");
+
+  // Collective, internode normal mode (ranks span several NVLink domains of D =
+  // DEEP_EP_NVL_DOMAIN_SIZE ranks; Rr = R/D). Inputs as dispatch plus num_tokens_per_rdma_rank [Rr] i32.
+  // Returns the data outputs and num_recv_tokens_per_expert as dispatch, then DeepEP's internode handle
+  // (without its first entry, the input is_token_in_rank): rdma_channel_prefix_matrix [Rr,C],
+  // gbl_channel_prefix_matrix [R,C], recv_rdma_channel_prefix_matrix [Rr,C], recv_rdma_rank_prefix_sum [Rr],
+  // recv_gbl_channel_prefix_matrix [R,C], recv_gbl_rank_prefix_sum [R], recv_src_meta [rows,8] u8,
+  // send_rdma_head [N,Rr], send_nvl_head [rdma_rows,8] (i32 unless noted). Rows in order of source rank, then token.
+  m.def(
+      "internode_dispatch(int handle, Tensor x, Tensor? x_scales, Tensor? topk_idx, Tensor? topk_weights, Tensor num_tokens_per_rank, "
+      "Tensor num_tokens_per_rdma_rank, Tensor is_token_in_rank, Tensor num_tokens_per_expert, int expert_alignment, int num_worst_tokens, "
+      "int[] config) -> (Tensor recv_x, Tensor recv_x_scales, Tensor recv_topk_idx, Tensor recv_topk_weights, Tensor num_recv_tokens_per_expert, "
+      "Tensor rdma_channel_prefix_matrix, Tensor gbl_channel_prefix_matrix, Tensor recv_rdma_channel_prefix_matrix, "
+      "Tensor recv_rdma_rank_prefix_sum, Tensor recv_gbl_channel_prefix_matrix, Tensor recv_gbl_rank_prefix_sum, Tensor recv_src_meta, "
+      "Tensor send_rdma_head, Tensor send_nvl_head)");
+  // Collective, internode, reusing the 10-tensor handle (rows = recv_src_meta.size(0), no host sync).
+  m.def(
+      "internode_cached_dispatch(int handle, Tensor x, Tensor? x_scales, Tensor is_token_in_rank, Tensor rdma_channel_prefix_matrix, "
+      "Tensor gbl_channel_prefix_matrix, Tensor recv_rdma_channel_prefix_matrix, Tensor recv_rdma_rank_prefix_sum, "
+      "Tensor recv_gbl_channel_prefix_matrix, Tensor recv_gbl_rank_prefix_sum, Tensor recv_src_meta, Tensor send_rdma_head, "
+      "Tensor send_nvl_head, int[] config) -> (Tensor recv_x, Tensor recv_x_scales)");
+  // Collective, internode. x [rows,H] bf16 in dispatch order -> combined_x [N,H] bf16 = bf16 of the fp32 sum of bias_0,
+  // bias_1, then per NVLink domain j ascending the bf16-rounded fp32 sum of that domain's rows (local ranks ascending);
+  // topk_weights [rows,K] f32 summed the same way (no rounding) into combined_topk_weights [N,K]. Not weighted.
+  m.def(
+      "internode_combine(int handle, Tensor x, Tensor? topk_weights, Tensor? bias_0, Tensor? bias_1, Tensor is_token_in_rank, "
+      "Tensor rdma_channel_prefix_matrix, Tensor gbl_channel_prefix_matrix, Tensor recv_rdma_channel_prefix_matrix, "
+      "Tensor recv_rdma_rank_prefix_sum, Tensor recv_gbl_channel_prefix_matrix, Tensor recv_gbl_rank_prefix_sum, Tensor recv_src_meta, "
+      "Tensor send_rdma_head, Tensor send_nvl_head, int[] config) -> (Tensor combined_x, Tensor combined_topk_weights)");
 
   // Collective, low-latency. x [N,H] bf16 (N <= T), topk_idx [N,K] -> recv_x [E_l,R*T,H] (fp8 or bf16),
   // recv_x_scales (f32 [E_l,R*T,S] or UE8M0 i32 [E_l,R*T,H/512], column-major; empty for bf16),

@@ -4,6 +4,8 @@ Shapes follow torch_ops/schema.cpp. The receive count of a non-cached normal dis
 the data, so it is a dynamic size; everything else is static. Ops whose shapes depend on the
 buffer (its rank count) read it through buffer_info outside fake mode: it is a host-side lookup.
 """
+import os
+
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -25,13 +27,19 @@ def _device(handle: int) -> torch.device:
     return torch.device("cpu") if d < 0 else torch.device("cuda", d)
 
 
+def _domain() -> int:
+    """Ranks per NVLink domain (DEEP_EP_NVL_DOMAIN_SIZE, default 8; the library validates it)."""
+    v = os.environ.get("DEEP_EP_NVL_DOMAIN_SIZE", "").strip()
+    return int(v) if v.isdigit() and 1 <= int(v) <= 8 else 8
+
+
 @torch.library.register_fake("deep_ep::get_dispatch_layout")
 def _layout(topk_idx, num_experts, num_ranks):
     n = topk_idx.shape[0]
     i32 = torch.int32
     return (
         topk_idx.new_empty((num_ranks,), dtype=i32),
-        topk_idx.new_empty((num_ranks // 8 if num_ranks > 8 else 0,), dtype=i32),
+        topk_idx.new_empty((num_ranks // _domain() if num_ranks > _domain() else 0,), dtype=i32),
         topk_idx.new_empty((num_experts,), dtype=i32),
         topk_idx.new_empty((n, num_ranks), dtype=torch.bool),
     )
@@ -67,6 +75,45 @@ def _cached(handle, x, x_scales, rpm, cpm, rcpm, recv_src_idx, is_token_in_rank,
 @torch.library.register_fake("deep_ep::combine")
 def _combine(handle, x, topk_weights, bias_0, bias_1, rpm, cpm, rcpm, recv_src_idx, is_token_in_rank, send_head, config):
     n = send_head.shape[0]
+    w = topk_weights.new_empty((n, topk_weights.shape[1])) if topk_weights is not None else x.new_empty((0,), dtype=torch.float32)
+    return x.new_empty((n, x.shape[1])), w
+
+
+@torch.library.register_fake("deep_ep::internode_dispatch")
+def _internode_dispatch(handle, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                        is_token_in_rank, num_tokens_per_expert, expert_alignment, num_worst_tokens, config):
+    r, rr = num_tokens_per_rank.shape[0], num_tokens_per_rdma_rank.shape[0]
+    e = num_tokens_per_expert.shape[0]
+    c = config[0] // 2
+    n = x.shape[0]
+    ctx = torch.library.get_ctx() if num_worst_tokens == 0 else None
+    rows = num_worst_tokens if num_worst_tokens > 0 else ctx.new_dynamic_size()
+    rdma_rows = num_worst_tokens if num_worst_tokens > 0 else ctx.new_dynamic_size()
+    i32 = torch.int32
+    scales = x_scales.new_empty((rows, x_scales.shape[1])) if x_scales is not None else x.new_empty((0,), dtype=torch.float32)
+    idx = topk_idx.new_empty((rows, topk_idx.shape[1])) if topk_idx is not None else x.new_empty((0,), dtype=torch.int64)
+    w = topk_weights.new_empty((rows, topk_weights.shape[1])) if topk_weights is not None else x.new_empty((0,), dtype=torch.float32)
+    per_expert = torch.empty((e // r if num_worst_tokens == 0 else 0,), dtype=i32, device="cpu")
+    return (
+        x.new_empty((rows, x.shape[1])), scales, idx, w, per_expert,
+        x.new_empty((rr, c), dtype=i32), x.new_empty((r, c), dtype=i32), x.new_empty((rr, c), dtype=i32),
+        x.new_empty((rr,), dtype=i32), x.new_empty((r, c), dtype=i32), x.new_empty((r,), dtype=i32),
+        x.new_empty((rows, 8), dtype=torch.uint8), x.new_empty((n, rr), dtype=i32), x.new_empty((rdma_rows, 8), dtype=i32),
+    )
+
+
+@torch.library.register_fake("deep_ep::internode_cached_dispatch")
+def _internode_cached(handle, x, x_scales, is_token_in_rank, rdma_cpm, gbl_cpm, recv_rdma_cpm, recv_rdma_rps, recv_gbl_cpm,
+                      recv_gbl_rps, recv_src_meta, send_rdma_head, send_nvl_head, config):
+    rows = recv_src_meta.shape[0]
+    scales = x_scales.new_empty((rows, x_scales.shape[1])) if x_scales is not None else x.new_empty((0,), dtype=torch.float32)
+    return x.new_empty((rows, x.shape[1])), scales
+
+
+@torch.library.register_fake("deep_ep::internode_combine")
+def _internode_combine(handle, x, topk_weights, bias_0, bias_1, is_token_in_rank, rdma_cpm, gbl_cpm, recv_rdma_cpm,
+                       recv_rdma_rps, recv_gbl_cpm, recv_gbl_rps, recv_src_meta, send_rdma_head, send_nvl_head, config):
+    n = is_token_in_rank.shape[0]
     w = topk_weights.new_empty((n, topk_weights.shape[1])) if topk_weights is not None else x.new_empty((0,), dtype=torch.float32)
     return x.new_empty((n, x.shape[1])), w
 
@@ -133,7 +180,8 @@ def _wait_stats(handle, reset=False):
 
 # Collective ops must never be dropped or reordered by graph passes, even when an output is unused;
 # neither may the local ops that change the rank mask.
-for _name in ("dispatch", "cached_dispatch", "combine", "low_latency_dispatch", "low_latency_dispatch_send",
+for _name in ("dispatch", "cached_dispatch", "combine", "internode_dispatch", "internode_cached_dispatch", "internode_combine",
+              "low_latency_dispatch", "low_latency_dispatch_send",
               "low_latency_dispatch_recv", "low_latency_combine", "low_latency_combine_send", "low_latency_combine_recv",
               "clean_low_latency_buffer", "low_latency_update_mask_buffer", "low_latency_query_mask_buffer",
               "low_latency_clean_mask_buffer", "low_latency_set_shrink"):

@@ -33,6 +33,13 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def _nvl_domain_size() -> int:
+    """Ranks per NVLink domain: DEEP_EP_NVL_DOMAIN_SIZE (validated by the library at buffer
+    creation), default 8."""
+    v = os.environ.get("DEEP_EP_NVL_DOMAIN_SIZE", "").strip()
+    return int(v) if v else 8
+
+
 def _opt(t: torch.Tensor) -> Optional[torch.Tensor]:
     """Ops return empty tensors for absent optional outputs."""
     return None if t.dim() == 1 and t.numel() == 0 else t
@@ -76,6 +83,8 @@ class Buffer:
         self._handle = int(ops.create_buffer(torch.tensor(ids[0], dtype=torch.uint8), self.rank, self.group_size, self.device,
                                              self.num_nvl_bytes, self.num_rdma_bytes, self.low_latency_mode, backend))
         self.runtime = self._handle
+        d = _nvl_domain_size()
+        self._num_rdma_ranks = max(1, self.group_size // d) if self.group_size > d else 1
         if self.enable_shrink:
             ops.low_latency_set_shrink(self._handle, True)
         self._comm_stream = torch.cuda.Stream(device=self.device, priority=-1) if self.device.type == "cuda" else None
@@ -208,7 +217,8 @@ class Buffer:
     # ---- normal mode ----------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: Optional[EventOverlap] = None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):
-        """Returns (num_tokens_per_rank [R] i32, num_tokens_per_rdma_rank [R/8] or None,
+        """Returns (num_tokens_per_rank [R] i32, num_tokens_per_rdma_rank [R/D] i32 when the ranks span
+        several NVLink domains of D ranks (DEEP_EP_NVL_DOMAIN_SIZE, default 8) else None,
         num_tokens_per_expert [E] i32, is_token_in_rank [N, R] bool, event)."""
         ev: list = []
         with self._on_comm_stream(previous_event, async_finish, allocate_on_comm_stream, ev):
@@ -225,6 +235,10 @@ class Buffer:
         recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event); the
         cached form (`handle` given) returns (recv_x, None, None, None, None, event)."""
         config = self.get_dispatch_config(self.group_size) if config is None else config
+        if self._num_rdma_ranks > 1:
+            return self.internode_dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                           num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                                           config, previous_event, async_finish, allocate_on_comm_stream)
         x, x_scales = x if isinstance(x, tuple) else (x, None)
         ev: list = []
         if handle is not None:
@@ -255,6 +269,9 @@ class Buffer:
         """Sends expert outputs back and sums them (unweighted, fp32, ascending rank order, bias
         first). Returns (combined_x [N, H], combined_topk_weights [N, K] or None, event)."""
         config = self.get_combine_config(self.group_size) if config is None else config
+        if self._num_rdma_ranks > 1:
+            return self.internode_combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                                          allocate_on_comm_stream)
         bias_0, bias_1 = (bias if isinstance(bias, tuple) else (bias, None))
         rpm, cpm, rcpm, src_idx, in_rank, send_head = handle
         ev: list = []
@@ -264,13 +281,63 @@ class Buffer:
         event = self._keep_alive(ev[0], (x, topk_weights, bias_0, bias_1, out, out_w) + tuple(handle))
         return out, (out_w if topk_weights is not None else None), event
 
-    def internode_dispatch(self, *args, **kwargs):
-        raise NotImplementedError("deep_ep_rs: internode (RDMA) dispatch is not implemented yet")
+    def get_num_rdma_ranks(self) -> int:
+        """NVLink domains the buffer's ranks span: `max(1, num_ranks / D)` with D ranks per domain
+        (DEEP_EP_NVL_DOMAIN_SIZE, default 8, as DeepEP's NUM_MAX_NVL_PEERS)."""
+        return self._num_rdma_ranks
 
-    def internode_combine(self, *args, **kwargs):
-        raise NotImplementedError("deep_ep_rs: internode (RDMA) combine is not implemented yet")
+    def internode_dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], handle: Optional[Tuple] = None,
+                           num_tokens_per_rank: Optional[torch.Tensor] = None,
+                           num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                           is_token_in_rank: Optional[torch.Tensor] = None, num_tokens_per_expert: Optional[torch.Tensor] = None,
+                           topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                           expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
+                           previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                           allocate_on_comm_stream: bool = False):
+        """Internode dispatch (ranks span several NVLink domains); `dispatch` calls it when
+        `get_num_rdma_ranks() > 1`. Same results as `dispatch`, with DeepEP's 10-tensor internode
+        handle: (is_token_in_rank, rdma_channel_prefix_matrix, gbl_channel_prefix_matrix,
+        recv_rdma_channel_prefix_matrix, recv_rdma_rank_prefix_sum, recv_gbl_channel_prefix_matrix,
+        recv_gbl_rank_prefix_sum, recv_src_meta, send_rdma_head, send_nvl_head)."""
+        config = self.get_dispatch_config(self.group_size) if config is None else config
+        x, x_scales = x if isinstance(x, tuple) else (x, None)
+        ev: list = []
+        if handle is not None:
+            assert topk_idx is None and topk_weights is None, "cached dispatch takes no topk_idx/topk_weights"
+            assert len(handle) == 10, "internode_dispatch needs the 10-tensor internode handle"
+            with self._on_comm_stream(previous_event, async_finish, allocate_on_comm_stream, ev):
+                recv_x, recv_s = ops.internode_cached_dispatch(self.handle, x, x_scales, *handle, config.to_list())
+            out_x = (recv_x, recv_s) if x_scales is not None else recv_x
+            return out_x, None, None, None, None, self._keep_alive(ev[0], (x, x_scales, recv_x, recv_s) + tuple(handle))
+        assert num_tokens_per_rank is not None and num_tokens_per_rdma_rank is not None and is_token_in_rank is not None \
+            and num_tokens_per_expert is not None, "internode_dispatch needs the layout tensors (get_dispatch_layout) or a handle"
+        with self._on_comm_stream(previous_event, async_finish, allocate_on_comm_stream, ev):
+            (recv_x, recv_s, recv_idx, recv_w, per_expert, *rest) = ops.internode_dispatch(
+                self.handle, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                is_token_in_rank, num_tokens_per_expert, expert_alignment, num_worst_tokens, config.to_list())
+        new_handle = (is_token_in_rank, *rest)
+        out_x = (recv_x, recv_s) if x_scales is not None else recv_x
+        per_expert_list = per_expert.tolist() if num_worst_tokens == 0 else []
+        event = self._keep_alive(ev[0], (x, x_scales, topk_idx, topk_weights, recv_x, recv_s, recv_idx, recv_w) + new_handle)
+        return (out_x, recv_idx if topk_idx is not None else None, recv_w if topk_weights is not None else None,
+                per_expert_list, new_handle, event)
 
-    # ---- low-latency mode -------------------------------------------------------------------
+    def internode_combine(self, x: torch.Tensor, handle: Tuple, topk_weights: Optional[torch.Tensor] = None,
+                          bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None] = None,
+                          config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+                          async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """Internode combine: per token, the bf16 of the fp32 sum of the bias, then of one
+        bf16-rounded fp32 partial per NVLink domain (domains ascending, local ranks ascending
+        inside each). Returns (combined_x [N, H], combined_topk_weights [N, K] or None, event)."""
+        config = self.get_combine_config(self.group_size) if config is None else config
+        bias_0, bias_1 = (bias if isinstance(bias, tuple) else (bias, None))
+        assert len(handle) == 10, "internode_combine needs the 10-tensor internode handle"
+        ev: list = []
+        with self._on_comm_stream(previous_event, async_finish, allocate_on_comm_stream, ev):
+            out, out_w = ops.internode_combine(self.handle, x, topk_weights, bias_0, bias_1, *handle, config.to_list())
+        event = self._keep_alive(ev[0], (x, topk_weights, bias_0, bias_1, out, out_w) + tuple(handle))
+        return out, (out_w if topk_weights is not None else None), event
+
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         ops.clean_low_latency_buffer(self.handle, num_max_dispatch_tokens_per_rank, hidden, num_experts)
 

@@ -7,6 +7,7 @@
 //! (capacity, handle/buffer agreement).
 
 pub mod cpu;
+pub mod internode;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 
@@ -79,6 +80,8 @@ pub struct BufferInfo {
     pub num_rdma_bytes: usize,
     pub low_latency_mode: bool,
     pub backend: BackendKind,
+    /// Ranks per NVLink domain (`DEEP_EP_NVL_DOMAIN_SIZE` at creation, default 8).
+    pub nvl_domain_size: usize,
 }
 
 impl BufferInfo {
@@ -92,6 +95,7 @@ impl BufferInfo {
             num_rdma_bytes: a.num_rdma_bytes,
             low_latency_mode: a.low_latency_mode,
             backend,
+            nvl_domain_size: crate::topology::nvl_domain_size().unwrap_or(crate::topology::DEFAULT_NVL_DOMAIN_SIZE),
         }
     }
 }
@@ -418,6 +422,32 @@ pub trait Backend: Send {
 
     /// Normal-mode combine (unweighted fp32 sum, ascending rank order, bias first).
     fn combine(&mut self, args: &CombineArgs, out: &CombineOutputs) -> Result<()>;
+
+    /// First half of an internode dispatch (ranks span several NVLink domains): output sizes.
+    /// Backends without internode normal mode answer `NotImplemented`.
+    fn internode_dispatch_prepare(&mut self, _args: &internode::InternodeDispatchArgs) -> Result<internode::InternodePlan> {
+        Err(self.no_internode("deep_ep::internode_dispatch"))
+    }
+
+    /// Second half of an internode dispatch: tokens and the 10-tensor handle.
+    fn internode_dispatch_finish(&mut self, _args: &internode::InternodeDispatchArgs, _plan: &internode::InternodePlan, _out: &internode::InternodeDispatchOutputs) -> Result<()> {
+        Err(self.no_internode("deep_ep::internode_dispatch"))
+    }
+
+    /// Internode dispatch reusing a handle: `recv_x [rows, H]`, scales `[rows, S]`.
+    fn internode_cached_dispatch(&mut self, _args: &internode::InternodeCachedDispatchArgs, _recv_x: &TensorRef, _recv_x_scales: Option<&TensorRef>) -> Result<()> {
+        Err(self.no_internode("deep_ep::internode_cached_dispatch"))
+    }
+
+    /// Internode combine (two-level reduction, see [`internode::InternodeCombineArgs`]).
+    fn internode_combine(&mut self, _args: &internode::InternodeCombineArgs, _out: &CombineOutputs) -> Result<()> {
+        Err(self.no_internode("deep_ep::internode_combine"))
+    }
+
+    /// The error of a backend that lacks internode normal mode.
+    fn no_internode(&self, op: &'static str) -> Error {
+        Error::NotImplemented { op, backend: self.info().backend.name(), feature: "internode normal mode (dispatch/combine across NVLink domains)" }
+    }
 
     /// LL dispatch, send phase: cast and push tokens; writes `out.recv_state`.
     fn ll_dispatch_send(&mut self, g: &LlGeometry, o: &LlDispatchOptions, args: &LlDispatchSendArgs, out: &LlDispatchOutputs, stream: Stream) -> Result<()>;

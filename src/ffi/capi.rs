@@ -185,6 +185,7 @@ fn op_name(name: &str) -> &'static str {
         "deep_ep::low_latency_dispatch_send", "deep_ep::low_latency_dispatch_recv", "deep_ep::low_latency_combine",
         "deep_ep::low_latency_combine_send", "deep_ep::low_latency_combine_recv", "deep_ep::clean_low_latency_buffer",
         "deep_ep::get_next_low_latency_combine_buffer", "deep_ep::low_latency_query_mask_buffer", "deep_ep::wait_stats",
+        "deep_ep::internode_dispatch", "deep_ep::internode_cached_dispatch", "deep_ep::internode_combine",
     ];
     KNOWN.iter().find(|k| **k == name).copied().unwrap_or("deep_ep::buffer_info")
 }

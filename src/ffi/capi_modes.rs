@@ -125,7 +125,13 @@ unsafe fn handle_of(op: &'static str, h: &RawHandle) -> Result<Handle> {
 }
 
 unsafe fn dispatch_args(a: *const RawDispatchArgs) -> Result<DispatchArgs> {
-    const OP: &str = "deep_ep::dispatch";
+    dispatch_args_as("deep_ep::dispatch", a)
+}
+
+/// Converts `deep_ep_dispatch_args_t` for op `op`.
+pub(crate) unsafe fn dispatch_args_as(op: &'static str, a: *const RawDispatchArgs) -> Result<DispatchArgs> {
+    #[allow(non_snake_case)]
+    let OP = op;
     let a = &*a;
     check_size(OP, a.size, std::mem::size_of::<RawDispatchArgs>())?;
     crate::ensure!(a.expert_alignment >= 1 && a.expert_alignment <= ops::MAX_EXPERT_ALIGNMENT as i64, OP,

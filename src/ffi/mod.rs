@@ -2,6 +2,7 @@
 //! that `torch_ops/` calls, host views of CPU tensors, and the kernel and NCCL bindings.
 
 pub mod capi;
+pub mod capi_internode;
 pub mod capi_modes;
 pub mod tensor;
 #[cfg(feature = "cuda")]

@@ -2,9 +2,11 @@
 //! buffer, then call the buffer's backend. Backends may assume what is checked here.
 
 pub(crate) mod low_latency;
+mod internode;
 mod normal;
 
 pub use low_latency::*;
+pub use internode::*;
 pub use normal::*;
 
 use crate::backend::{self, BackendKind, CreateArgs, UNIQUE_ID_BYTES};
@@ -27,6 +29,12 @@ pub fn create_buffer(args: &CreateArgs, backend_name: &str) -> Result<i64> {
     crate::ensure!(args.rank < args.num_ranks, OP, "rank {} out of range for num_ranks {}", args.rank, args.num_ranks);
     crate::ensure!(args.num_nvl_bytes % 128 == 0 && args.num_rdma_bytes % 128 == 0, OP,
         "num_nvl_bytes ({}) and num_rdma_bytes ({}) must be multiples of 128", args.num_nvl_bytes, args.num_rdma_bytes);
+    // DeepEP's topology rules (DEEP_EP_NVL_DOMAIN_SIZE): every domain full; an internode
+    // buffer's RDMA area sized for its mode.
+    let t = crate::topology::Topology::new(OP, args.rank, args.num_ranks, crate::topology::nvl_domain_size()?)?;
+    if t.path() == crate::topology::Path::Internode {
+        crate::topology::check_buffer_sizes(&t, args.num_nvl_bytes, args.num_rdma_bytes, args.low_latency_mode)?;
+    }
     let kind = BackendKind::select(OP, backend_name, args.device)?;
     buffer::create(kind, args)
 }
@@ -68,7 +76,8 @@ pub fn check_dispatch_layout(topk_idx: &TensorRef, num_experts: i64, num_ranks: 
     const OP: &str = "deep_ep::get_dispatch_layout";
     crate::ensure!(num_ranks >= 1, OP, "num_ranks must be >= 1, got {num_ranks}");
     crate::ensure!(num_experts >= 1 && num_experts % num_ranks == 0, OP, "num_experts ({num_experts}) must be a positive multiple of num_ranks ({num_ranks})");
-    crate::ensure!(num_ranks <= 8 || num_ranks % 8 == 0, OP, "num_ranks ({num_ranks}) above 8 must be a multiple of 8 (nodes of 8 GPUs)");
+    let d = crate::topology::nvl_domain_size()? as i64;
+    crate::ensure!(num_ranks <= d || num_ranks % d == 0, OP, "num_ranks ({num_ranks}) above {d} must be a multiple of {d} (NVLink domains of DEEP_EP_NVL_DOMAIN_SIZE={d} ranks)");
     topk_idx.check(OP, "topk_idx").on(&[DType::Int32, DType::Int64], topk_idx.device)?.shape(&[("num_tokens", None), ("num_topk", None)])?.contiguous()?.done()
 }
 
@@ -78,7 +87,8 @@ pub fn get_dispatch_layout(topk_idx: &TensorRef, num_experts: usize, num_ranks: 
     match topk_idx.device {
         Device::Cpu => {
             let (n, k) = (topk_idx.size(0), topk_idx.size(1));
-            let l = layout::dispatch_layout(&topk_idx.cpu_indices_i64(), n, k, num_experts, num_ranks);
+            let d = crate::topology::nvl_domain_size()?;
+            let l = layout::dispatch_layout_in_domains(&topk_idx.cpu_indices_i64(), n, k, num_experts, num_ranks, d);
             out.num_tokens_per_rank.cpu_slice_mut::<i32>().copy_from_slice(&l.num_tokens_per_rank);
             if let Some(t) = &out.num_tokens_per_rdma_rank {
                 t.cpu_slice_mut::<i32>().copy_from_slice(&l.num_tokens_per_rdma_rank);
@@ -89,7 +99,13 @@ pub fn get_dispatch_layout(topk_idx: &TensorRef, num_experts: usize, num_ranks: 
             }
             Ok(())
         }
-        Device::Cuda(_) => cuda_dispatch_layout(topk_idx, num_experts, num_ranks, out, stream),
+        Device::Cuda(_) => {
+            let d = crate::topology::nvl_domain_size()?;
+            if num_ranks > d && d != crate::config::MAX_NVL_PEERS {
+                return Err(crate::error::Error::NotImplemented { op: "deep_ep::get_dispatch_layout", backend: "cuda", feature: "num_tokens_per_rdma_rank with DEEP_EP_NVL_DOMAIN_SIZE other than 8 on CUDA tensors" });
+            }
+            cuda_dispatch_layout(topk_idx, num_experts, num_ranks, out, stream)
+        }
     }
 }
 
@@ -121,4 +137,11 @@ pub(crate) fn on_device(op: &'static str, name: &'static str, t: &TensorRef, dty
 /// (see `Backend::wait_stats`); `reset` zeroes them after reading.
 pub fn wait_stats(handle: i64, reset: bool) -> Result<Vec<[i64; 2]>> {
     buffer::with("deep_ep::wait_stats", handle, |b| b.wait_stats(reset))
+}
+
+/// Entries of `num_tokens_per_rdma_rank` for `num_ranks` ranks: `num_ranks / D` when the ranks
+/// span several NVLink domains of `D` (`DEEP_EP_NVL_DOMAIN_SIZE`), else 0.
+pub fn num_rdma_entries(num_ranks: usize) -> Result<usize> {
+    let d = crate::topology::nvl_domain_size()?;
+    Ok(if num_ranks > d { num_ranks / d } else { 0 })
 }

@@ -18,7 +18,7 @@ pub const MAX_EXPERT_ALIGNMENT: usize = 1 << 20;
 pub const MAX_LOCAL_EXPERTS: usize = 1024;
 
 /// Checks `x` (and its FP8 scales) for a normal-mode dispatch on `info`'s device.
-fn check_x(op: &'static str, x: &TensorRef, scales: &Option<TensorRef>, info: &BufferInfo) -> Result<()> {
+pub(super) fn check_x(op: &'static str, x: &TensorRef, scales: &Option<TensorRef>, info: &BufferInfo) -> Result<()> {
     let dev = info.device;
     x.check(op, "x").on(&[DType::BFloat16, DType::Float8E4m3], dev)?.shape(&[("num_tokens", None), ("hidden", None)])?.contiguous()?;
     crate::ensure!((x.size(1) * x.dtype.size()) % 16 == 0, op, "x rows must be a multiple of 16 bytes, got hidden={} of {}", x.size(1), x.dtype);
@@ -52,30 +52,38 @@ fn check_handle(op: &'static str, h: &Handle, info: &BufferInfo, num_channels: u
 pub fn dispatch_prepare(handle: i64, a: &DispatchArgs) -> Result<DispatchPlan> {
     buffer::with(DISPATCH, handle, |b| {
         let info = b.info().clone();
-        let (dev, r) = (info.device, info.num_ranks);
-        check_x(DISPATCH, &a.x, &a.x_scales, &info)?;
-        let n = a.x.size(0);
-        a.num_tokens_per_rank.check(DISPATCH, "num_tokens_per_rank").on(&[DType::Int32], dev)?.shape(&[("num_ranks", Some(r))])?.contiguous()?;
-        a.is_token_in_rank.check(DISPATCH, "is_token_in_rank").on(&[DType::Bool], dev)?.shape(&[("num_tokens", Some(n)), ("num_ranks", Some(r))])?.contiguous()?;
-        a.num_tokens_per_expert.check(DISPATCH, "num_tokens_per_expert").on(&[DType::Int32], dev)?.shape(&[("num_experts", None)])?.contiguous()?;
-        let e = a.num_tokens_per_expert.size(0);
-        crate::ensure!(e == a.num_experts, DISPATCH, "internal: num_experts {} != num_tokens_per_expert size {e}", a.num_experts);
-        crate::ensure!(e > 0 && e % r == 0, DISPATCH, "num_tokens_per_expert has {e} experts, which is not a positive multiple of num_ranks ({r})");
-        crate::ensure!(e / r <= MAX_LOCAL_EXPERTS, DISPATCH, "{} experts per rank exceeds the limit of {MAX_LOCAL_EXPERTS}", e / r);
-        match (&a.topk_idx, &a.topk_weights) {
-            (Some(i), Some(w)) => {
-                i.check(DISPATCH, "topk_idx").on(&[DType::Int32, DType::Int64], dev)?.shape(&[("num_tokens", Some(n)), ("num_topk", None)])?.contiguous()?;
-                let k = i.size(1);
-                crate::ensure!((1..=MAX_TOPK).contains(&k), DISPATCH, "num_topk must be in 1..={MAX_TOPK}, got {k}");
-                w.check(DISPATCH, "topk_weights").on(&[DType::Float32], dev)?.shape(&[("num_tokens", Some(n)), ("num_topk", Some(k))])?.contiguous()?;
-            }
-            (None, None) => crate::ensure!(a.num_worst_tokens == 0, DISPATCH, "num_worst_tokens > 0 requires topk_idx and topk_weights"),
-            _ => crate::ensure!(false, DISPATCH, "topk_idx and topk_weights must be given together"),
-        }
-        crate::ensure!((1..=MAX_EXPERT_ALIGNMENT).contains(&a.expert_alignment), DISPATCH,
-            "expert_alignment must be in 1..={MAX_EXPERT_ALIGNMENT} (aligned counts are int32), got {}", a.expert_alignment);
+        check_dispatch_args(DISPATCH, a, &info)?;
         b.dispatch_prepare(a)
     })
+}
+
+/// The input checks of a non-cached dispatch (intranode or internode, named by `op`).
+pub(super) fn check_dispatch_args(op: &'static str, a: &DispatchArgs, info: &BufferInfo) -> Result<()> {
+    {
+        let (dev, r) = (info.device, info.num_ranks);
+        check_x(op, &a.x, &a.x_scales, info)?;
+        let n = a.x.size(0);
+        a.num_tokens_per_rank.check(op, "num_tokens_per_rank").on(&[DType::Int32], dev)?.shape(&[("num_ranks", Some(r))])?.contiguous()?;
+        a.is_token_in_rank.check(op, "is_token_in_rank").on(&[DType::Bool], dev)?.shape(&[("num_tokens", Some(n)), ("num_ranks", Some(r))])?.contiguous()?;
+        a.num_tokens_per_expert.check(op, "num_tokens_per_expert").on(&[DType::Int32], dev)?.shape(&[("num_experts", None)])?.contiguous()?;
+        let e = a.num_tokens_per_expert.size(0);
+        crate::ensure!(e == a.num_experts, op, "internal: num_experts {} != num_tokens_per_expert size {e}", a.num_experts);
+        crate::ensure!(e > 0 && e % r == 0, op, "num_tokens_per_expert has {e} experts, which is not a positive multiple of num_ranks ({r})");
+        crate::ensure!(e / r <= MAX_LOCAL_EXPERTS, op, "{} experts per rank exceeds the limit of {MAX_LOCAL_EXPERTS}", e / r);
+        match (&a.topk_idx, &a.topk_weights) {
+            (Some(i), Some(w)) => {
+                i.check(op, "topk_idx").on(&[DType::Int32, DType::Int64], dev)?.shape(&[("num_tokens", Some(n)), ("num_topk", None)])?.contiguous()?;
+                let k = i.size(1);
+                crate::ensure!((1..=MAX_TOPK).contains(&k), op, "num_topk must be in 1..={MAX_TOPK}, got {k}");
+                w.check(op, "topk_weights").on(&[DType::Float32], dev)?.shape(&[("num_tokens", Some(n)), ("num_topk", Some(k))])?.contiguous()?;
+            }
+            (None, None) => crate::ensure!(a.num_worst_tokens == 0, op, "num_worst_tokens > 0 requires topk_idx and topk_weights"),
+            _ => crate::ensure!(false, op, "topk_idx and topk_weights must be given together"),
+        }
+        crate::ensure!((1..=MAX_EXPERT_ALIGNMENT).contains(&a.expert_alignment), op,
+            "expert_alignment must be in 1..={MAX_EXPERT_ALIGNMENT} (aligned counts are int32), got {}", a.expert_alignment);
+        Ok(())
+    }
 }
 
 /// Second half of a dispatch into outputs allocated from `plan` (collective).

@@ -616,6 +616,14 @@ def _stale_recv(c):
 
 DESTROYED = r"buffer handle \d+ was destroyed"
 CFG20 = [20, 6, 256, 6, 128]
+INTERNODE_ONE_DOMAIN = r"internode ops need ranks spanning several NVLink domains"
+
+
+def _internode_like_handle(c):  # the 9 handle tensors after is_token_in_rank, shaped for 1 rank in 1 domain
+    z, ch = (lambda *shape: torch.zeros(shape, dtype=torch.int32)), CFG[0] // 2
+    return z(1, ch), z(1, ch), z(1, ch), z(1), z(1, ch), z(1), torch.zeros((c.rows, 8), dtype=torch.uint8), z(c.x.shape[0], 1), z(0, 8)
+
+
 EXTRA_CASES = [
     # calls after destroy, one per op taking a handle (dispatch/cached/combine/destroy/buffer_info: test_use_after_destroy)
     ("destroyed-ll-dispatch", "low_latency_dispatch", DESTROYED, lambda c: c.fused(h=c.dead)),
@@ -691,6 +699,14 @@ EXTRA_CASES = [
      lambda c: c.ops.get_next_low_latency_combine_buffer(c.h, T_LL, 100, E_LL)),
     ("ll-clean-zero-tokens", "clean_low_latency_buffer", r"num_max_dispatch_tokens_per_rank \(0\)",
      lambda c: c.ops.clean_low_latency_buffer(c.h, 0, H_LL, E_LL)),
+    # internode ops on a buffer inside one NVLink domain (more internode errors: test_internode.py)
+    ("internode-dispatch-one-domain", "internode_dispatch", INTERNODE_ONE_DOMAIN,
+     lambda c: c.ops.internode_dispatch(c.n.h, c.n.x, None, c.n.idx, c.n.w, c.n.ntpr, torch.zeros(1, dtype=torch.int32), c.n.in_rank,
+                                        c.n.ntpe, 1, 0, CFG)),
+    ("internode-cached-one-domain", "internode_cached_dispatch", INTERNODE_ONE_DOMAIN,
+     lambda c: c.ops.internode_cached_dispatch(c.n.h, c.n.x, None, c.n.in_rank, *_internode_like_handle(c.n), CFG)),
+    ("internode-combine-one-domain", "internode_combine", INTERNODE_ONE_DOMAIN,
+     lambda c: c.ops.internode_combine(c.n.h, c.n.y, None, None, None, c.n.in_rank, *_internode_like_handle(c.n), CFG)),
 ]
 
 

@@ -26,6 +26,23 @@ EXPECTED = {
     "combine": "combine(int handle, Tensor x, Tensor? topk_weights, Tensor? bias_0, Tensor? bias_1, Tensor rank_prefix_matrix, "
                "Tensor channel_prefix_matrix, Tensor recv_channel_prefix_matrix, Tensor recv_src_idx, Tensor is_token_in_rank, "
                "Tensor send_head, int[] config) -> (Tensor combined_x, Tensor combined_topk_weights)",
+    "internode_dispatch": "internode_dispatch(int handle, Tensor x, Tensor? x_scales, Tensor? topk_idx, Tensor? topk_weights, "
+                          "Tensor num_tokens_per_rank, Tensor num_tokens_per_rdma_rank, Tensor is_token_in_rank, Tensor num_tokens_per_expert, "
+                          "int expert_alignment, int num_worst_tokens, int[] config) -> (Tensor recv_x, Tensor recv_x_scales, "
+                          "Tensor recv_topk_idx, Tensor recv_topk_weights, Tensor num_recv_tokens_per_expert, Tensor rdma_channel_prefix_matrix, "
+                          "Tensor gbl_channel_prefix_matrix, Tensor recv_rdma_channel_prefix_matrix, Tensor recv_rdma_rank_prefix_sum, "
+                          "Tensor recv_gbl_channel_prefix_matrix, Tensor recv_gbl_rank_prefix_sum, Tensor recv_src_meta, Tensor send_rdma_head, "
+                          "Tensor send_nvl_head)",
+    "internode_cached_dispatch": "internode_cached_dispatch(int handle, Tensor x, Tensor? x_scales, Tensor is_token_in_rank, "
+                                 "Tensor rdma_channel_prefix_matrix, Tensor gbl_channel_prefix_matrix, Tensor recv_rdma_channel_prefix_matrix, "
+                                 "Tensor recv_rdma_rank_prefix_sum, Tensor recv_gbl_channel_prefix_matrix, Tensor recv_gbl_rank_prefix_sum, "
+                                 "Tensor recv_src_meta, Tensor send_rdma_head, Tensor send_nvl_head, int[] config) -> "
+                                 "(Tensor recv_x, Tensor recv_x_scales)",
+    "internode_combine": "internode_combine(int handle, Tensor x, Tensor? topk_weights, Tensor? bias_0, Tensor? bias_1, Tensor is_token_in_rank, "
+                         "Tensor rdma_channel_prefix_matrix, Tensor gbl_channel_prefix_matrix, Tensor recv_rdma_channel_prefix_matrix, "
+                         "Tensor recv_rdma_rank_prefix_sum, Tensor recv_gbl_channel_prefix_matrix, Tensor recv_gbl_rank_prefix_sum, "
+                         "Tensor recv_src_meta, Tensor send_rdma_head, Tensor send_nvl_head, int[] config) -> "
+                         "(Tensor combined_x, Tensor combined_topk_weights)",
     "low_latency_dispatch": "low_latency_dispatch(int handle, Tensor x, Tensor topk_idx, Tensor? topk_weights, "
                             "Tensor(a!)? cumulative_local_expert_recv_stats, Tensor(b!)? dispatch_wait_recv_cost_stats, "
                             "int num_max_dispatch_tokens_per_rank, int num_experts, bool use_fp8, bool round_scale, bool use_ue8m0, "
@@ -59,12 +76,14 @@ EXPECTED = {
 # Not listed: the setup ops get_unique_id (returns a CPU tensor) and create_buffer (takes one) have no
 # fake kernel, so they cannot run under FakeTensorMode (buffers are created outside compiled code);
 # the remaining ops take and return no tensors.
-FAKE_OPS = ["get_dispatch_layout", "dispatch", "cached_dispatch", "combine", "low_latency_dispatch", "low_latency_dispatch_send",
+FAKE_OPS = ["get_dispatch_layout", "dispatch", "cached_dispatch", "combine", "internode_dispatch", "internode_cached_dispatch",
+            "internode_combine", "low_latency_dispatch", "low_latency_dispatch_send",
             "low_latency_dispatch_recv", "low_latency_combine", "low_latency_combine_send", "low_latency_combine_recv",
             "get_next_low_latency_combine_buffer", "low_latency_query_mask_buffer", "wait_stats"]
 
 # Collective ops must never be dropped by graph passes (deep_ep_rs._fake marks them side-effecting).
-SIDE_EFFECT_OPS = ["dispatch", "cached_dispatch", "combine", "low_latency_dispatch", "low_latency_dispatch_send",
+SIDE_EFFECT_OPS = ["dispatch", "cached_dispatch", "combine", "internode_dispatch", "internode_cached_dispatch", "internode_combine",
+                   "low_latency_dispatch", "low_latency_dispatch_send",
                    "low_latency_dispatch_recv", "low_latency_combine", "low_latency_combine_send", "low_latency_combine_recv",
                    "clean_low_latency_buffer", "low_latency_update_mask_buffer", "low_latency_query_mask_buffer",
                    "low_latency_clean_mask_buffer", "low_latency_set_shrink"]

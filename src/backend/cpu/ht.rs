@@ -14,7 +14,7 @@ use crate::layout;
 use crate::numerics::bf16;
 use crate::tensor::TensorRef;
 
-const HEADER_BYTES: usize = 4096;
+pub(super) const HEADER_BYTES: usize = 4096;
 const MSG_OFF: usize = 256;
 const MAX_MSG: usize = HEADER_BYTES - MSG_OFF;
 
@@ -22,37 +22,46 @@ const MAX_MSG: usize = HEADER_BYTES - MSG_OFF;
 const W_STATUS: usize = 0;
 const W_KIND: usize = 1;
 const W_MSG_LEN: usize = 2;
-const W_ROWS: usize = 3;
-const W_ROW_BYTES: usize = 4;
-const W_SCALE_BYTES: usize = 5;
-const W_TOPK: usize = 6;
-const W_EXPERTS: usize = 7;
-const W_WORST: usize = 8;
-const W_FLAGS: usize = 9;
-const NUM_WORDS: usize = 10;
+pub(super) const W_ROWS: usize = 3;
+pub(super) const W_ROW_BYTES: usize = 4;
+pub(super) const W_SCALE_BYTES: usize = 5;
+pub(super) const W_TOPK: usize = 6;
+pub(super) const W_EXPERTS: usize = 7;
+pub(super) const W_WORST: usize = 8;
+pub(super) const W_FLAGS: usize = 9;
+pub(super) const NUM_WORDS: usize = 10;
 
 const FLAG_SCALES: u64 = 1;
 const FLAG_TOPK: u64 = 2;
 
+/// The op a rank is in; peers in another op raise an error instead of reading garbage.
 #[derive(Copy, Clone, PartialEq, Eq, Debug)]
-enum Kind {
+pub(super) enum Kind {
     Dispatch = 1,
     CachedDispatch = 2,
     Combine = 3,
+    InternodeDispatch = 4,
+    InternodeCachedDispatch = 5,
+    InternodeCombine = 6,
 }
 
 impl Kind {
-    fn op(self) -> &'static str {
+    const ALL: [Kind; 6] = [Kind::Dispatch, Kind::CachedDispatch, Kind::Combine, Kind::InternodeDispatch, Kind::InternodeCachedDispatch, Kind::InternodeCombine];
+
+    pub(super) fn op(self) -> &'static str {
         match self {
             Kind::Dispatch => "deep_ep::dispatch",
             Kind::CachedDispatch => "deep_ep::cached_dispatch",
             Kind::Combine => "deep_ep::combine",
+            Kind::InternodeDispatch => "deep_ep::internode_dispatch",
+            Kind::InternodeCachedDispatch => "deep_ep::internode_cached_dispatch",
+            Kind::InternodeCombine => "deep_ep::internode_combine",
         }
     }
 }
 
 /// Byte offsets of consecutive sections after the header, each 64-byte aligned.
-fn sections(sizes: &[usize]) -> (Vec<usize>, usize) {
+pub(super) fn sections(sizes: &[usize]) -> (Vec<usize>, usize) {
     let mut offs = Vec::with_capacity(sizes.len());
     let mut at = HEADER_BYTES;
     for s in sizes {
@@ -64,20 +73,28 @@ fn sections(sizes: &[usize]) -> (Vec<usize>, usize) {
 
 /// Sizes of the dispatch sections: counts per rank, counts per expert, is_token_in_rank,
 /// x, scales, topk_idx (i64), topk_weights (f32).
-fn dispatch_sections(r: usize, e: usize, n: usize, row_bytes: usize, scale_bytes: usize, k: usize) -> (Vec<usize>, usize) {
+pub(super) fn dispatch_sections(r: usize, e: usize, n: usize, row_bytes: usize, scale_bytes: usize, k: usize) -> (Vec<usize>, usize) {
     sections(&[r * 4, e * 4, n * r, n * row_bytes, n * scale_bytes, n * k * 8, n * k * 4])
 }
 
+/// Data outputs of a dispatch (shared by the intranode and internode finish halves).
+pub(super) struct RecvData<'a> {
+    pub recv_x: &'a TensorRef,
+    pub recv_x_scales: Option<&'a TensorRef>,
+    pub recv_topk_idx: Option<&'a TensorRef>,
+    pub recv_topk_weights: Option<&'a TensorRef>,
+}
+
 /// A peer's published header.
-struct Header([u64; NUM_WORDS]);
+pub(super) struct Header(pub(super) [u64; NUM_WORDS]);
 
 impl Header {
-    fn read(region: &Region) -> Header {
+    pub(super) fn read(region: &Region) -> Header {
         let mut w = [0u64; NUM_WORDS];
         region.read(0, &mut w);
         Header(w)
     }
-    fn rows(&self) -> usize {
+    pub(super) fn rows(&self) -> usize {
         self.0[W_ROWS] as usize
     }
 }
@@ -108,7 +125,7 @@ impl CpuBackend {
         }
         for (p, h) in headers.iter().enumerate() {
             if h.0[W_KIND] != kind as u64 {
-                let theirs = [Kind::Dispatch, Kind::CachedDispatch, Kind::Combine].into_iter().find(|k| *k as u64 == h.0[W_KIND]);
+                let theirs = Kind::ALL.into_iter().find(|k| *k as u64 == h.0[W_KIND]);
                 return Err(Error::invalid(op, format!("rank {p} is in {} while this rank is in {op}: all ranks must call the same ops in the same order", theirs.map_or("an unknown op", |k| k.op()))));
             }
             if h.0[W_STATUS] != 0 {
@@ -121,7 +138,7 @@ impl CpuBackend {
     }
 
     /// Publish header + barrier + peer check: the common first step of every op.
-    fn rendezvous(&mut self, kind: Kind, words: [u64; NUM_WORDS], own: Option<Error>) -> Result<Vec<Header>> {
+    pub(super) fn rendezvous(&mut self, kind: Kind, words: [u64; NUM_WORDS], own: Option<Error>) -> Result<Vec<Header>> {
         self.publish_header(kind, words, own.as_ref());
         self.barrier(kind.op(), "all ranks published their inputs")?;
         let checked = self.check_peers(kind, own);
@@ -131,21 +148,27 @@ impl CpuBackend {
     /// Every rank reaches the same verdict after a rendezvous. On failure all ranks meet once
     /// more before raising: a rank that raised at once would start its next call and overwrite
     /// its area while a peer was still reading the failed call's header.
-    fn together<T>(&mut self, kind: Kind, r: Result<T>) -> Result<T> {
+    pub(super) fn together<T>(&mut self, kind: Kind, r: Result<T>) -> Result<T> {
         if r.is_err() {
             self.barrier(kind.op(), "all ranks saw the error")?;
         }
         r
     }
 
-    fn capacity_error(&self, op: &'static str, need: usize) -> Option<Error> {
+    pub(super) fn capacity_error(&self, op: &'static str, need: usize) -> Option<Error> {
         (need > self.info.num_nvl_bytes).then(|| {
             Error::invalid(op, format!("tokens over capacity: this call needs {need} bytes of the buffer's NVLink area, num_nvl_bytes is {}", self.info.num_nvl_bytes))
         })
     }
 
     pub(super) fn ht_dispatch_prepare(&mut self, a: &DispatchArgs) -> Result<DispatchPlan> {
-        const OP: &str = "deep_ep::dispatch";
+        self.dispatch_prepare_as(Kind::Dispatch, a, None)
+    }
+
+    /// The notify half of a dispatch as op `kind`; `extra` is a further own error to publish.
+    /// Leaves every rank's inputs published in its HT area (read by the finish half).
+    pub(super) fn dispatch_prepare_as(&mut self, kind: Kind, a: &DispatchArgs, extra: Option<Error>) -> Result<DispatchPlan> {
+        let op = kind.op();
         let (r, nr, e) = (self.info.rank, self.info.num_ranks, a.num_experts);
         let n = a.x.size(0);
         let row_bytes = a.x.size(1) * a.x.dtype.size();
@@ -157,7 +180,7 @@ impl CpuBackend {
         let ntpr = a.num_tokens_per_rank.cpu_slice::<i32>();
         let ntpe = a.num_tokens_per_expert.cpu_slice::<i32>();
         let topk = a.topk_idx.as_ref().map(|t| t.cpu_indices_i64());
-        let own = self.capacity_error(OP, end).or_else(|| check_layout_inputs(OP, in_rank, ntpr, ntpe, topk.as_deref(), n, k, nr, e));
+        let own = self.capacity_error(op, end).or_else(|| check_layout_inputs(op, in_rank, ntpr, ntpe, topk.as_deref(), n, k, nr, e)).or(extra);
 
         if own.is_none() {
             let me = self.ht_region(r);
@@ -182,19 +205,18 @@ impl CpuBackend {
         words[W_EXPERTS] = e as u64;
         words[W_WORST] = a.num_worst_tokens as u64;
         words[W_FLAGS] = flags;
-        let headers = self.rendezvous(Kind::Dispatch, words, own)?;
-        let plan = self.plan_dispatch(a, &headers, &words, &offs);
-        self.together(Kind::Dispatch, plan)
+        let headers = self.rendezvous(kind, words, own)?;
+        let plan = self.plan_dispatch(op, a, &headers, &words, &offs);
+        self.together(kind, plan)
     }
 
     /// Global checks and output sizes of a dispatch, from every rank's published header.
-    fn plan_dispatch(&self, a: &DispatchArgs, headers: &[Header], words: &[u64; NUM_WORDS], offs: &[usize]) -> Result<DispatchPlan> {
-        const OP: &str = "deep_ep::dispatch";
+    fn plan_dispatch(&self, op: &'static str, a: &DispatchArgs, headers: &[Header], words: &[u64; NUM_WORDS], offs: &[usize]) -> Result<DispatchPlan> {
         let (r, nr, e) = (self.info.rank, self.info.num_ranks, a.num_experts);
         for (p, h) in headers.iter().enumerate() {
             for w in [W_ROW_BYTES, W_SCALE_BYTES, W_TOPK, W_EXPERTS, W_FLAGS] {
                 if h.0[w] != words[w] {
-                    return Err(Error::invalid(OP, format!(
+                    return Err(Error::invalid(op, format!(
                         "rank {p} dispatches (row bytes, scale bytes, topk, experts, flags) = {:?}, this rank {:?}: every rank must use the same hidden size, dtype, top-k and expert count",
                         [h.0[W_ROW_BYTES], h.0[W_SCALE_BYTES], h.0[W_TOPK], h.0[W_EXPERTS], h.0[W_FLAGS]],
                         [words[W_ROW_BYTES], words[W_SCALE_BYTES], words[W_TOPK], words[W_EXPERTS], words[W_FLAGS]]
@@ -208,7 +230,7 @@ impl CpuBackend {
             let recv: i64 = counts.iter().map(|c| c[d] as i64).sum();
             let worst = headers[d].0[W_WORST] as i64;
             if worst > 0 && recv > worst {
-                return Err(Error::invalid(OP, format!("tokens over capacity: rank {d} receives {recv} tokens but its num_worst_tokens is {worst}")));
+                return Err(Error::invalid(op, format!("tokens over capacity: rank {d} receives {recv} tokens but its num_worst_tokens is {worst}")));
             }
         }
         let num_recv = counts.iter().map(|c| c[r] as usize).sum::<usize>();
@@ -226,21 +248,56 @@ impl CpuBackend {
 
     pub(super) fn ht_dispatch_finish(&mut self, a: &DispatchArgs, plan: &DispatchPlan, o: &DispatchOutputs) -> Result<()> {
         const OP: &str = "deep_ep::dispatch";
+        let (nr, c) = (self.info.num_ranks, a.config.num_channels());
+        let data = RecvData { recv_x: &o.recv_x, recv_x_scales: o.recv_x_scales.as_ref(), recv_topk_idx: o.recv_topk_idx.as_ref(), recv_topk_weights: o.recv_topk_weights.as_ref() };
+        let rows = self.pull_dispatch(a, plan, &data);
+        let src_idx = o.recv_src_idx.cpu_slice_mut::<i32>();
+        src_idx.fill(-1);
+        for (row, &(_, t)) in rows.iter().enumerate() {
+            src_idx[row] = t as i32;
+        }
+        let recv_cpm = o.recv_channel_prefix_matrix.cpu_slice_mut::<i32>();
+        let mut counts = Vec::with_capacity(nr);
+        for s in 0..nr {
+            let (n_s, in_rank) = self.published_in_rank(a, s);
+            counts.push(self.ht_region(s).slice::<i32>(HEADER_BYTES, nr).to_vec());
+            let starts = layout::recv_channel_starts(|t| in_rank[t * nr + self.info.rank] != 0, n_s, c);
+            recv_cpm[s * c..(s + 1) * c].copy_from_slice(&starts);
+        }
+        o.rank_prefix_matrix.cpu_slice_mut::<i32>().copy_from_slice(&layout::rank_prefix_matrix(&counts));
+        let own_in_rank: Vec<bool> = a.is_token_in_rank.cpu_slice::<u8>().iter().map(|&b| b != 0).collect();
+        let (cpm, send_head) = layout::send_side(&own_in_rank, a.x.size(0), nr, c);
+        o.channel_prefix_matrix.cpu_slice_mut::<i32>().copy_from_slice(&cpm);
+        o.send_head.cpu_slice_mut::<i32>().copy_from_slice(&send_head);
+        self.barrier(OP, "all ranks received their tokens")
+    }
+
+    /// Rank `s`'s published token count and `is_token_in_rank [n_s, R]` (u8) of the dispatch
+    /// whose notify half ran last.
+    pub(super) fn published_in_rank(&self, a: &DispatchArgs, s: usize) -> (usize, Vec<u8>) {
+        let nr = self.info.num_ranks;
+        let src = self.ht_region(s);
+        let n_s = Header::read(&src).rows();
+        let (offs, _) = dispatch_sections(nr, a.num_experts, n_s, 0, 0, 0);
+        (n_s, src.slice::<u8>(offs[2], n_s * nr).to_vec())
+    }
+
+    /// Copies every received token (rows, scales, local top-k ids and weights) into `o` in
+    /// receive order (source rank, then token) and returns (source rank, token) per row.
+    /// Padding rows (worst-case mode) are zero, with top-k ids −1. No barrier.
+    pub(super) fn pull_dispatch(&self, a: &DispatchArgs, plan: &DispatchPlan, o: &RecvData) -> Vec<(usize, usize)> {
         let (r, nr, e) = (self.info.rank, self.info.num_ranks, a.num_experts);
         let row_bytes = a.x.size(1) * a.x.dtype.size();
         let scale_bytes = a.x_scales.as_ref().map_or(0, |s| s.size(1) * 4);
         let k = a.topk_idx.as_ref().map_or(0, |t| t.size(1));
         let el = e / nr;
-        let c = a.config.num_channels();
 
         let recv_x = o.recv_x.cpu_bytes_mut();
-        let mut recv_scales = o.recv_x_scales.as_ref().map(|t| t.cpu_bytes_mut());
+        let mut recv_scales = o.recv_x_scales.map(|t| t.cpu_bytes_mut());
         let mut recv_idx = vec![-1i64; plan.num_rows * k];
-        let mut recv_w = o.recv_topk_weights.as_ref().map(|t| t.cpu_slice_mut::<f32>());
-        let src_idx = o.recv_src_idx.cpu_slice_mut::<i32>();
-        let recv_cpm = o.recv_channel_prefix_matrix.cpu_slice_mut::<i32>();
+        let mut recv_w = o.recv_topk_weights.map(|t| t.cpu_slice_mut::<f32>());
+        let mut rows = Vec::with_capacity(plan.num_recv_tokens);
         recv_x.fill(0);
-        src_idx.fill(-1);
         if let Some(w) = recv_w.as_deref_mut() {
             w.fill(0.0);
         }
@@ -248,20 +305,16 @@ impl CpuBackend {
             s.fill(0);
         }
 
-        let mut counts = Vec::with_capacity(nr);
         let mut row = 0usize;
         for s in 0..nr {
             let src = self.ht_region(s);
             let n_s = Header::read(&src).rows();
             let (offs, _) = dispatch_sections(nr, e, n_s, row_bytes, scale_bytes, k);
-            counts.push(src.slice::<i32>(offs[0], nr).to_vec());
             let in_rank = src.slice::<u8>(offs[2], n_s * nr);
             let x = src.slice::<u8>(offs[3], n_s * row_bytes);
-            let starts = layout::recv_channel_starts(|t| in_rank[t * nr + r] != 0, n_s, c);
-            recv_cpm[s * c..(s + 1) * c].copy_from_slice(&starts);
             for t in (0..n_s).filter(|&t| in_rank[t * nr + r] != 0) {
                 recv_x[row * row_bytes..(row + 1) * row_bytes].copy_from_slice(&x[t * row_bytes..(t + 1) * row_bytes]);
-                src_idx[row] = t as i32;
+                rows.push((s, t));
                 if let Some(dst) = recv_scales.as_deref_mut() {
                     let sc = src.slice::<u8>(offs[4], n_s * scale_bytes);
                     dst[row * scale_bytes..(row + 1) * scale_bytes].copy_from_slice(&sc[t * scale_bytes..(t + 1) * scale_bytes]);
@@ -281,15 +334,10 @@ impl CpuBackend {
             }
         }
         debug_assert_eq!(row, plan.num_recv_tokens);
-        if let Some(t) = &o.recv_topk_idx {
+        if let Some(t) = o.recv_topk_idx {
             t.cpu_store_indices(&recv_idx);
         }
-        o.rank_prefix_matrix.cpu_slice_mut::<i32>().copy_from_slice(&layout::rank_prefix_matrix(&counts));
-        let own_in_rank: Vec<bool> = a.is_token_in_rank.cpu_slice::<u8>().iter().map(|&b| b != 0).collect();
-        let (cpm, send_head) = layout::send_side(&own_in_rank, a.x.size(0), nr, c);
-        o.channel_prefix_matrix.cpu_slice_mut::<i32>().copy_from_slice(&cpm);
-        o.send_head.cpu_slice_mut::<i32>().copy_from_slice(&send_head);
-        self.barrier(OP, "all ranks received their tokens")
+        rows
     }
 
     /// Checks a handle against this rank's own view; returns the error to publish.
@@ -457,7 +505,7 @@ impl CpuBackend {
 /// Content checks of the layout inputs that only the CPU can afford: counts must agree with
 /// `is_token_in_rank` and `topk_idx`, and expert ids must be in range.
 #[allow(clippy::too_many_arguments)]
-fn check_layout_inputs(op: &'static str, in_rank: &[u8], ntpr: &[i32], ntpe: &[i32], topk: Option<&[i64]>, n: usize, k: usize, nr: usize, e: usize) -> Option<Error> {
+pub(super) fn check_layout_inputs(op: &'static str, in_rank: &[u8], ntpr: &[i32], ntpe: &[i32], topk: Option<&[i64]>, n: usize, k: usize, nr: usize, e: usize) -> Option<Error> {
     for d in 0..nr {
         let c = (0..n).filter(|&t| in_rank[t * nr + d] != 0).count() as i32;
         if c != ntpr[d] {

@@ -9,6 +9,7 @@
 //! flags (`ll.rs`).
 
 pub(crate) mod ht;
+pub(crate) mod internode;
 pub(crate) mod ll;
 pub mod shm;
 
@@ -17,6 +18,7 @@ use super::{
     DispatchOutputs, DispatchPlan, LlCombineRecvArgs, LlCombineSendArgs, LlRowsArgs, LlDispatchOptions, LlDispatchOutputs,
     LlDispatchSendArgs, LlGeometry, LlStats, Stream, UNIQUE_ID_BYTES,
 };
+use super::internode::{InternodeCachedDispatchArgs, InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutputs, InternodePlan};
 use crate::error::{Error, Result};
 use crate::tensor::TensorRef;
 use shm::{Region, Segment};
@@ -215,6 +217,22 @@ impl Backend for CpuBackend {
 
     fn combine(&mut self, args: &CombineArgs, out: &CombineOutputs) -> Result<()> {
         self.ht_combine(args, out)
+    }
+
+    fn internode_dispatch_prepare(&mut self, args: &InternodeDispatchArgs) -> Result<InternodePlan> {
+        self.ht_internode_dispatch_prepare(args)
+    }
+
+    fn internode_dispatch_finish(&mut self, args: &InternodeDispatchArgs, plan: &InternodePlan, out: &InternodeDispatchOutputs) -> Result<()> {
+        self.ht_internode_dispatch_finish(args, plan, out)
+    }
+
+    fn internode_cached_dispatch(&mut self, args: &InternodeCachedDispatchArgs, recv_x: &TensorRef, recv_x_scales: Option<&TensorRef>) -> Result<()> {
+        self.ht_internode_cached_dispatch(args, recv_x, recv_x_scales)
+    }
+
+    fn internode_combine(&mut self, args: &InternodeCombineArgs, out: &CombineOutputs) -> Result<()> {
+        self.ht_internode_combine(args, out)
     }
 
     fn ll_dispatch_send(&mut self, g: &LlGeometry, o: &LlDispatchOptions, args: &LlDispatchSendArgs, out: &LlDispatchOutputs, _s: Stream) -> Result<()> {

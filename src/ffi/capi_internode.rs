@@ -1,0 +1,213 @@
+//! C API of the internode normal-mode ops (see `csrc/deep_ep_capi.h`, "internode").
+
+use super::capi::{check_size, guard, opt_tensor, tensor, RawTensor};
+use super::capi_modes::{dispatch_args_as, RawDispatchArgs};
+use crate::backend::internode::{InternodeCachedDispatchArgs, InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutputs, InternodeHandle, InternodePlan};
+use crate::backend::{CombineOutputs, DispatchPlan};
+use crate::config::Config;
+use crate::error::Result;
+use crate::ops;
+use std::ffi::{c_int, c_void};
+
+const DISPATCH: &str = "deep_ep::internode_dispatch";
+const CACHED: &str = "deep_ep::internode_cached_dispatch";
+const COMBINE: &str = "deep_ep::internode_combine";
+
+/// `deep_ep_internode_handle_t`: the 10 tensors in DeepEP's order.
+#[repr(C)]
+pub struct RawInternodeHandle {
+    t: [RawTensor; 10],
+}
+
+/// `deep_ep_internode_plan_t`.
+#[repr(C)]
+pub struct RawInternodePlan {
+    size: u32,
+    num_recv_tokens: i64,
+    num_rows: i64,
+    num_rdma_recv_tokens: i64,
+    num_rdma_rows: i64,
+}
+
+const NAMES: [&str; 10] = [
+    "is_token_in_rank",
+    "rdma_channel_prefix_matrix",
+    "gbl_channel_prefix_matrix",
+    "recv_rdma_channel_prefix_matrix",
+    "recv_rdma_rank_prefix_sum",
+    "recv_gbl_channel_prefix_matrix",
+    "recv_gbl_rank_prefix_sum",
+    "recv_src_meta",
+    "send_rdma_head",
+    "send_nvl_head",
+];
+
+unsafe fn handle_of(op: &'static str, h: &RawInternodeHandle) -> Result<InternodeHandle> {
+    let t = |i: usize| tensor(op, NAMES[i], &h.t[i]);
+    Ok(InternodeHandle {
+        is_token_in_rank: t(0)?,
+        rdma_channel_prefix_matrix: t(1)?,
+        gbl_channel_prefix_matrix: t(2)?,
+        recv_rdma_channel_prefix_matrix: t(3)?,
+        recv_rdma_rank_prefix_sum: t(4)?,
+        recv_gbl_channel_prefix_matrix: t(5)?,
+        recv_gbl_rank_prefix_sum: t(6)?,
+        recv_src_meta: t(7)?,
+        send_rdma_head: t(8)?,
+        send_nvl_head: t(9)?,
+    })
+}
+
+unsafe fn args_of(args: *const RawDispatchArgs, per_rdma: *const RawTensor) -> Result<InternodeDispatchArgs> {
+    Ok(InternodeDispatchArgs { base: dispatch_args_as(DISPATCH, args)?, num_tokens_per_rdma_rank: tensor(DISPATCH, "num_tokens_per_rdma_rank", per_rdma)? })
+}
+
+/// See `deep_ep_internode_dispatch_prepare` in the header.
+///
+/// # Safety
+/// Pointers from the shim: args/plan valid, `per_expert` has `per_expert_len` writable int32.
+#[no_mangle]
+pub unsafe extern "C" fn deep_ep_internode_dispatch_prepare(
+    handle: i64,
+    args: *const RawDispatchArgs,
+    num_tokens_per_rdma_rank: *const RawTensor,
+    plan: *mut RawInternodePlan,
+    per_expert: *mut i32,
+    per_expert_len: i64,
+) -> c_int {
+    guard(|| {
+        let a = args_of(args, num_tokens_per_rdma_rank)?;
+        let p = ops::internode_dispatch_prepare(handle, &a)?;
+        let pe = std::slice::from_raw_parts_mut(per_expert, per_expert_len.max(0) as usize);
+        crate::ensure!(pe.len() == p.plan.num_recv_tokens_per_expert.len(), DISPATCH, "internal: per-expert buffer of {} for {} local experts", pe.len(), p.plan.num_recv_tokens_per_expert.len());
+        pe.copy_from_slice(&p.plan.num_recv_tokens_per_expert);
+        *plan = RawInternodePlan {
+            size: std::mem::size_of::<RawInternodePlan>() as u32,
+            num_recv_tokens: p.plan.num_recv_tokens as i64,
+            num_rows: p.plan.num_rows as i64,
+            num_rdma_recv_tokens: p.num_rdma_recv_tokens as i64,
+            num_rdma_rows: p.num_rdma_rows as i64,
+        };
+        Ok(())
+    })
+}
+
+/// See `deep_ep_internode_dispatch_finish` in the header.
+///
+/// # Safety
+/// Pointers from the shim; `out` holds recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights
+/// then the handle.
+#[no_mangle]
+pub unsafe extern "C" fn deep_ep_internode_dispatch_finish(
+    handle: i64,
+    args: *const RawDispatchArgs,
+    num_tokens_per_rdma_rank: *const RawTensor,
+    plan: *const RawInternodePlan,
+    data: *const RawTensor,
+    h: *const RawInternodeHandle,
+) -> c_int {
+    const OP: &str = DISPATCH;
+    guard(|| {
+        let a = args_of(args, num_tokens_per_rdma_rank)?;
+        let p = &*plan;
+        check_size(OP, p.size, std::mem::size_of::<RawInternodePlan>())?;
+        let plan = InternodePlan {
+            plan: DispatchPlan { num_recv_tokens: p.num_recv_tokens as usize, num_rows: p.num_rows as usize, num_recv_tokens_per_expert: vec![] },
+            num_rdma_recv_tokens: p.num_rdma_recv_tokens as usize,
+            num_rdma_rows: p.num_rdma_rows as usize,
+        };
+        let hh = handle_of(OP, &*h)?;
+        let d = std::slice::from_raw_parts(data, 4);
+        let o = InternodeDispatchOutputs {
+            recv_x: tensor(OP, "recv_x", &d[0])?,
+            recv_x_scales: opt_tensor(OP, "recv_x_scales", &d[1])?,
+            recv_topk_idx: opt_tensor(OP, "recv_topk_idx", &d[2])?,
+            recv_topk_weights: opt_tensor(OP, "recv_topk_weights", &d[3])?,
+            rdma_channel_prefix_matrix: hh.rdma_channel_prefix_matrix,
+            gbl_channel_prefix_matrix: hh.gbl_channel_prefix_matrix,
+            recv_rdma_channel_prefix_matrix: hh.recv_rdma_channel_prefix_matrix,
+            recv_rdma_rank_prefix_sum: hh.recv_rdma_rank_prefix_sum,
+            recv_gbl_channel_prefix_matrix: hh.recv_gbl_channel_prefix_matrix,
+            recv_gbl_rank_prefix_sum: hh.recv_gbl_rank_prefix_sum,
+            recv_src_meta: hh.recv_src_meta,
+            send_rdma_head: hh.send_rdma_head,
+            send_nvl_head: hh.send_nvl_head,
+        };
+        ops::internode_dispatch_finish(handle, &a, &plan, &o)
+    })
+}
+
+/// See `deep_ep_internode_cached_dispatch` in the header.
+///
+/// # Safety
+/// Pointers from the shim; `recv_x` NULL means validate only; `config` has 5 int64.
+#[no_mangle]
+pub unsafe extern "C" fn deep_ep_internode_cached_dispatch(
+    handle: i64,
+    x: *const RawTensor,
+    x_scales: *const RawTensor,
+    h: *const RawInternodeHandle,
+    config: *const i64,
+    stream: *mut c_void,
+    recv_x: *const RawTensor,
+    recv_x_scales: *const RawTensor,
+) -> c_int {
+    guard(|| {
+        let a = InternodeCachedDispatchArgs {
+            x: tensor(CACHED, "x", x)?,
+            x_scales: opt_tensor(CACHED, "x_scales", x_scales)?,
+            handle: handle_of(CACHED, &*h)?,
+            config: Config::from_slice(CACHED, std::slice::from_raw_parts(config, 5))?,
+            stream,
+        };
+        match opt_tensor(CACHED, "recv_x", recv_x)? {
+            None => ops::check_internode_cached_dispatch(handle, &a),
+            Some(rx) => ops::internode_cached_dispatch(handle, &a, &rx, opt_tensor(CACHED, "recv_x_scales", recv_x_scales)?.as_ref()),
+        }
+    })
+}
+
+/// See `deep_ep_internode_combine` in the header.
+///
+/// # Safety
+/// Pointers from the shim; `combined_x` NULL means validate only; `config` has 5 int64;
+/// `inputs` holds x, topk_weights, bias_0, bias_1.
+#[no_mangle]
+pub unsafe extern "C" fn deep_ep_internode_combine(
+    handle: i64,
+    inputs: *const RawTensor,
+    h: *const RawInternodeHandle,
+    config: *const i64,
+    stream: *mut c_void,
+    combined_x: *const RawTensor,
+    combined_w: *const RawTensor,
+) -> c_int {
+    guard(|| {
+        let i = std::slice::from_raw_parts(inputs, 4);
+        let a = InternodeCombineArgs {
+            x: tensor(COMBINE, "x", &i[0])?,
+            topk_weights: opt_tensor(COMBINE, "topk_weights", &i[1])?,
+            bias_0: opt_tensor(COMBINE, "bias_0", &i[2])?,
+            bias_1: opt_tensor(COMBINE, "bias_1", &i[3])?,
+            handle: handle_of(COMBINE, &*h)?,
+            config: Config::from_slice(COMBINE, std::slice::from_raw_parts(config, 5))?,
+            stream,
+        };
+        match opt_tensor(COMBINE, "combined_x", combined_x)? {
+            None => ops::check_internode_combine(handle, &a),
+            Some(cx) => ops::internode_combine(handle, &a, &CombineOutputs { combined_x: cx, combined_topk_weights: opt_tensor(COMBINE, "combined_topk_weights", combined_w)? }),
+        }
+    })
+}
+
+/// See `deep_ep_num_rdma_ranks` in the header.
+///
+/// # Safety
+/// `out` is writable.
+#[no_mangle]
+pub unsafe extern "C" fn deep_ep_num_rdma_ranks(num_ranks: i64, out: *mut i64) -> c_int {
+    guard(|| {
+        *out = ops::num_rdma_entries(num_ranks.max(0) as usize)? as i64;
+        Ok(())
+    })
+}

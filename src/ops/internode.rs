@@ -1,0 +1,117 @@
+//! Internode normal-mode ops (DeepEP's `internode_dispatch` / `internode_combine`): validation
+//! and backend calls. Shapes and the handle: [`crate::backend::internode`].
+
+use super::normal::{check_dispatch_args, check_x, MAX_TOPK};
+use crate::backend::internode::{InternodeCachedDispatchArgs, InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutputs, InternodeHandle, InternodePlan, NVL_HEAD_COLUMNS, SOURCE_META_BYTES};
+use crate::backend::{BufferInfo, CombineOutputs};
+use crate::buffer;
+use crate::error::Result;
+use crate::tensor::{DType, TensorRef};
+
+const DISPATCH: &str = "deep_ep::internode_dispatch";
+const CACHED: &str = "deep_ep::internode_cached_dispatch";
+const COMBINE: &str = "deep_ep::internode_combine";
+
+/// Number of NVLink domains of `info`'s buffer; errors unless its ranks span more than one.
+pub fn num_rdma_ranks(op: &'static str, info: &BufferInfo) -> Result<usize> {
+    let (r, d) = (info.num_ranks, info.nvl_domain_size);
+    crate::ensure!(
+        r > d && r % d == 0,
+        op,
+        "internode ops need ranks spanning several NVLink domains: num_ranks={r} with DEEP_EP_NVL_DOMAIN_SIZE={d} is one domain (use dispatch/combine, which choose the intranode path)"
+    );
+    Ok(r / d)
+}
+
+/// Checks the 10 handle tensors; returns (N tokens, rows, rdma rows).
+fn check_handle(op: &'static str, h: &InternodeHandle, info: &BufferInfo, c: usize) -> Result<(usize, usize, usize)> {
+    let (r, dev) = (info.num_ranks, info.device);
+    let rr = num_rdma_ranks(op, info)?;
+    let i32s = &[DType::Int32];
+    h.is_token_in_rank.check(op, "is_token_in_rank").on(&[DType::Bool], dev)?.shape(&[("num_tokens", None), ("num_ranks", Some(r))])?.contiguous()?;
+    let n = h.is_token_in_rank.size(0);
+    let chan = "(config.num_sms / 2 must equal the dispatch's)";
+    for (t, name, rows) in [
+        (&h.rdma_channel_prefix_matrix, "rdma_channel_prefix_matrix", rr),
+        (&h.gbl_channel_prefix_matrix, "gbl_channel_prefix_matrix", r),
+        (&h.recv_rdma_channel_prefix_matrix, "recv_rdma_channel_prefix_matrix", rr),
+        (&h.recv_gbl_channel_prefix_matrix, "recv_gbl_channel_prefix_matrix", r),
+    ] {
+        super::on_device(op, name, t, i32s, dev)?;
+        crate::ensure!(t.sizes() == [rows as i64, c as i64], op, "{name} must have shape [{rows}, {c}] {chan}, got {:?}", t.sizes());
+        t.check(op, name).contiguous()?;
+    }
+    h.recv_rdma_rank_prefix_sum.check(op, "recv_rdma_rank_prefix_sum").on(i32s, dev)?.shape(&[("num_rdma_ranks", Some(rr))])?.contiguous()?;
+    h.recv_gbl_rank_prefix_sum.check(op, "recv_gbl_rank_prefix_sum").on(i32s, dev)?.shape(&[("num_ranks", Some(r))])?.contiguous()?;
+    h.recv_src_meta.check(op, "recv_src_meta").on(&[DType::UInt8], dev)?.shape(&[("num_recv_tokens", None), ("source_meta_bytes", Some(SOURCE_META_BYTES))])?.contiguous()?;
+    h.send_rdma_head.check(op, "send_rdma_head").on(i32s, dev)?.shape(&[("num_tokens", Some(n)), ("num_rdma_ranks", Some(rr))])?.contiguous()?;
+    h.send_nvl_head.check(op, "send_nvl_head").on(i32s, dev)?.shape(&[("num_rdma_recv_tokens", None), ("nvl_peers", Some(NVL_HEAD_COLUMNS))])?.contiguous()?;
+    Ok((n, h.recv_src_meta.size(0), h.send_nvl_head.size(0)))
+}
+
+/// Validates an internode dispatch and runs its first half (collective; host sync unless
+/// `num_worst_tokens > 0`).
+pub fn internode_dispatch_prepare(handle: i64, a: &InternodeDispatchArgs) -> Result<InternodePlan> {
+    buffer::with(DISPATCH, handle, |b| {
+        let info = b.info().clone();
+        let rr = num_rdma_ranks(DISPATCH, &info)?;
+        check_dispatch_args(DISPATCH, &a.base, &info)?;
+        a.num_tokens_per_rdma_rank.check(DISPATCH, "num_tokens_per_rdma_rank").on(&[DType::Int32], info.device)?.shape(&[("num_rdma_ranks", Some(rr))])?.contiguous()?;
+        b.internode_dispatch_prepare(a)
+    })
+}
+
+/// Second half of an internode dispatch into outputs allocated from `plan` (collective).
+pub fn internode_dispatch_finish(handle: i64, a: &InternodeDispatchArgs, plan: &InternodePlan, o: &InternodeDispatchOutputs) -> Result<()> {
+    buffer::with(DISPATCH, handle, |b| b.internode_dispatch_finish(a, plan, o))
+}
+
+/// Validates an internode cached dispatch (call before allocating `[rows, H]` outputs).
+pub fn check_internode_cached_dispatch(handle: i64, a: &InternodeCachedDispatchArgs) -> Result<()> {
+    buffer::with(CACHED, handle, |b| {
+        let info = b.info().clone();
+        check_x(CACHED, &a.x, &a.x_scales, &info)?;
+        let (n, _, _) = check_handle(CACHED, &a.handle, &info, a.config.num_channels())?;
+        crate::ensure!(a.x.size(0) == n, CACHED, "x has {} tokens but the handle was made for {n}", a.x.size(0));
+        Ok(())
+    })
+}
+
+/// Internode dispatch reusing a handle (collective, no host sync on GPUs).
+pub fn internode_cached_dispatch(handle: i64, a: &InternodeCachedDispatchArgs, recv_x: &TensorRef, recv_x_scales: Option<&TensorRef>) -> Result<()> {
+    check_internode_cached_dispatch(handle, a)?;
+    buffer::with(CACHED, handle, |b| b.internode_cached_dispatch(a, recv_x, recv_x_scales))
+}
+
+/// Validates an internode combine (call before allocating `[N, H]` outputs). DeepEP's extra
+/// asserts: `nvl_recv % num_rdma_ranks == 0` and `nvl_send <= nvl_recv / num_rdma_ranks`.
+pub fn check_internode_combine(handle: i64, a: &InternodeCombineArgs) -> Result<()> {
+    buffer::with(COMBINE, handle, |b| {
+        let info = b.info().clone();
+        let dev = info.device;
+        let (n, rows, _) = check_handle(COMBINE, &a.handle, &info, a.config.num_channels())?;
+        let rr = info.num_ranks / info.nvl_domain_size;
+        let (send, recv) = (a.config.num_max_nvl_chunked_send_tokens, a.config.num_max_nvl_chunked_recv_tokens);
+        crate::ensure!(recv % rr == 0 && send <= recv / rr, COMBINE,
+            "config: num_max_nvl_chunked_recv_tokens ({recv}) must be a multiple of the {rr} NVLink domains and num_max_nvl_chunked_send_tokens ({send}) at most {}", recv / rr);
+        a.x.check(COMBINE, "x").on(&[DType::BFloat16], dev)?.shape(&[("num_recv_tokens", Some(rows)), ("hidden", None)])?.contiguous()?;
+        let h = a.x.size(1);
+        crate::ensure!((h * 2) % 16 == 0, COMBINE, "x rows must be a multiple of 16 bytes, got hidden={h}");
+        if let Some(w) = &a.topk_weights {
+            w.check(COMBINE, "topk_weights").on(&[DType::Float32], dev)?.shape(&[("num_recv_tokens", Some(rows)), ("num_topk", None)])?.contiguous()?;
+            crate::ensure!((1..=MAX_TOPK).contains(&w.size(1)), COMBINE, "num_topk must be in 1..={MAX_TOPK}, got {}", w.size(1));
+        }
+        for (bias, name) in [(&a.bias_0, "bias_0"), (&a.bias_1, "bias_1")] {
+            if let Some(t) = bias {
+                t.check(COMBINE, name).on(&[DType::BFloat16], dev)?.shape(&[("num_tokens", Some(n)), ("hidden", Some(h))])?.contiguous()?;
+            }
+        }
+        Ok(())
+    })
+}
+
+/// Internode combine (collective).
+pub fn internode_combine(handle: i64, a: &InternodeCombineArgs, o: &CombineOutputs) -> Result<()> {
+    check_internode_combine(handle, a)?;
+    buffer::with(COMBINE, handle, |b| b.internode_combine(a, o))
+}

@@ -268,17 +268,22 @@ pub fn unavailable(plan: &GinPlan, k: &GinKnobs, why: &str) -> Error {
     }
 }
 
-/// `DEEP_EP_TRANSPORT_SELFTEST=1`: every NCCL buffer runs one round of the transport self-test
+/// `DEEP_EP_TRANSPORT_SELFTEST`: `1` = every NCCL buffer runs one round of the transport self-test
 /// over the LSA emulation while it is created, between the ranks of each emulated node's rail
-/// (`DEEP_EP_NVL_DOMAIN_SIZE`), or between all ranks when they form one domain. Returns the rail
-/// stride to test with, or None when the knob is off. Pure: the values come from the caller.
+/// (`DEEP_EP_NVL_DOMAIN_SIZE`), or between all ranks when they form one domain; `N >= 2` = the
+/// same with emulated nodes of N ranks for the self-test only (the buffer itself stays intranode:
+/// an internode buffer needs internode kernels, which the NCCL backend does not have yet).
+/// Returns the rail stride to test with, or None when the knob is off. Pure: the values come
+/// from the caller.
 pub fn self_test_stride(enabled: Option<&str>, nvl_domain: Option<&str>, rank: usize, num_ranks: usize) -> Result<Option<usize>> {
-    match enabled.map(str::trim) {
+    let d = match enabled.map(str::trim) {
         None | Some("") | Some("0") => return Ok(None),
-        Some("1") => {}
-        Some(v) => return Err(Error::invalid(OP, format!("DEEP_EP_TRANSPORT_SELFTEST must be 0 or 1, got {v:?}"))),
-    }
-    let d = crate::topology::parse_nvl_domain_size(nvl_domain)?;
+        Some("1") => crate::topology::parse_nvl_domain_size(nvl_domain)?,
+        Some(v) => match v.parse::<usize>() {
+            Ok(n) if n >= 2 => n,
+            _ => return Err(Error::invalid(OP, format!("DEEP_EP_TRANSPORT_SELFTEST must be 0, 1 or a node size >= 2, got {v:?}"))),
+        },
+    };
     let t = crate::topology::Topology::new(OP, rank, num_ranks, d)?;
     Ok(Some(if t.num_rdma_ranks() > 1 { t.num_nvl_ranks() } else { 1 }))
 }
@@ -392,7 +397,11 @@ mod tests {
         assert_eq!(self_test_stride(Some("1"), Some("2"), 3, 4).unwrap(), Some(2));
         // One domain: everyone pings everyone.
         assert_eq!(self_test_stride(Some("1"), None, 0, 4).unwrap(), Some(1));
-        assert!(self_test_stride(Some("yes"), None, 0, 4).unwrap_err().to_string().contains("DEEP_EP_TRANSPORT_SELFTEST must be 0 or 1"));
+        assert!(self_test_stride(Some("yes"), None, 0, 4).unwrap_err().to_string().contains("DEEP_EP_TRANSPORT_SELFTEST must be 0, 1 or a node size >= 2"));
+        // A node size for the self-test alone: 2 x 2 rails; 4 = one node.
+        assert_eq!(self_test_stride(Some("2"), None, 1, 4).unwrap(), Some(2));
+        assert_eq!(self_test_stride(Some("4"), Some("2"), 1, 4).unwrap(), Some(1));
+        assert!(self_test_stride(Some("3"), None, 0, 4).unwrap_err().to_string().contains("4 ranks do not fill NVLink domains of 3"));
         assert!(self_test_stride(Some("1"), Some("3"), 0, 4).unwrap_err().to_string().contains("4 ranks do not fill NVLink domains of 3"));
     }
 }

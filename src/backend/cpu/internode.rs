@@ -223,9 +223,9 @@ impl CpuBackend {
     fn check_published_handles(&self, op: &'static str, headers: &[Header], offs_of: impl Fn(usize) -> Vec<usize>) -> Result<Vec<(usize, Vec<u8>)>> {
         let nr = self.info.num_ranks;
         let ins: Vec<(usize, Vec<u8>)> = (0..nr).map(|s| (headers[s].rows(), self.ht_region(s).slice::<u8>(offs_of(headers[s].rows())[1], headers[s].rows() * nr).to_vec())).collect();
-        for d in 0..nr {
+        for (d, header) in headers.iter().enumerate().take(nr) {
             let counts = recv_counts(&ins, d, nr);
-            let theirs = self.ht_region(d).slice::<i32>(offs_of(headers[d].rows())[0], nr).to_vec();
+            let theirs = self.ht_region(d).slice::<i32>(offs_of(header.rows())[0], nr).to_vec();
             let mut acc = 0;
             for s in 0..nr {
                 acc += counts[s];

@@ -1,7 +1,7 @@
 //! Internode normal-mode ops (DeepEP's `internode_dispatch` / `internode_combine`): validation
 //! and backend calls. Shapes and the handle: [`crate::backend::internode`].
 
-use super::normal::{check_dispatch_args, check_x, MAX_TOPK};
+use super::normal::{check_combine_payload, check_dispatch_args, check_x};
 use crate::backend::internode::{InternodeCachedDispatchArgs, InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutputs, InternodeHandle, InternodePlan, NVL_HEAD_COLUMNS, SOURCE_META_BYTES};
 use crate::backend::{BufferInfo, CombineOutputs};
 use crate::buffer;
@@ -94,19 +94,7 @@ pub fn check_internode_combine(handle: i64, a: &InternodeCombineArgs) -> Result<
         let (send, recv) = (a.config.num_max_nvl_chunked_send_tokens, a.config.num_max_nvl_chunked_recv_tokens);
         crate::ensure!(recv % rr == 0 && send <= recv / rr, COMBINE,
             "config: num_max_nvl_chunked_recv_tokens ({recv}) must be a multiple of the {rr} NVLink domains and num_max_nvl_chunked_send_tokens ({send}) at most {}", recv / rr);
-        a.x.check(COMBINE, "x").on(&[DType::BFloat16], dev)?.shape(&[("num_recv_tokens", Some(rows)), ("hidden", None)])?.contiguous()?;
-        let h = a.x.size(1);
-        crate::ensure!((h * 2) % 16 == 0, COMBINE, "x rows must be a multiple of 16 bytes, got hidden={h}");
-        if let Some(w) = &a.topk_weights {
-            w.check(COMBINE, "topk_weights").on(&[DType::Float32], dev)?.shape(&[("num_recv_tokens", Some(rows)), ("num_topk", None)])?.contiguous()?;
-            crate::ensure!((1..=MAX_TOPK).contains(&w.size(1)), COMBINE, "num_topk must be in 1..={MAX_TOPK}, got {}", w.size(1));
-        }
-        for (bias, name) in [(&a.bias_0, "bias_0"), (&a.bias_1, "bias_1")] {
-            if let Some(t) = bias {
-                t.check(COMBINE, name).on(&[DType::BFloat16], dev)?.shape(&[("num_tokens", Some(n)), ("hidden", Some(h))])?.contiguous()?;
-            }
-        }
-        Ok(())
+        check_combine_payload(COMBINE, dev, rows, n, &a.x, a.topk_weights.as_ref(), [a.bias_0.as_ref(), a.bias_1.as_ref()])
     })
 }
 

@@ -117,20 +117,28 @@ pub fn check_combine(handle: i64, a: &CombineArgs) -> Result<()> {
         check_handle(COMBINE, &a.handle, &info, a.config.num_channels())?;
         let rows = a.handle.recv_src_idx.size(0);
         let n = a.handle.send_head.size(0);
-        a.x.check(COMBINE, "x").on(&[DType::BFloat16], dev)?.shape(&[("num_recv_tokens", Some(rows)), ("hidden", None)])?.contiguous()?;
-        let h = a.x.size(1);
-        crate::ensure!((h * 2) % 16 == 0, COMBINE, "x rows must be a multiple of 16 bytes, got hidden={h}");
-        if let Some(w) = &a.topk_weights {
-            w.check(COMBINE, "topk_weights").on(&[DType::Float32], dev)?.shape(&[("num_recv_tokens", Some(rows)), ("num_topk", None)])?.contiguous()?;
-            crate::ensure!((1..=MAX_TOPK).contains(&w.size(1)), COMBINE, "num_topk must be in 1..={MAX_TOPK}, got {}", w.size(1));
-        }
-        for (bias, name) in [(&a.bias_0, "bias_0"), (&a.bias_1, "bias_1")] {
-            if let Some(t) = bias {
-                t.check(COMBINE, name).on(&[DType::BFloat16], dev)?.shape(&[("num_tokens", Some(n)), ("hidden", Some(h))])?.contiguous()?;
-            }
-        }
-        Ok(())
+        check_combine_payload(COMBINE, dev, rows, n, &a.x, a.topk_weights.as_ref(), [a.bias_0.as_ref(), a.bias_1.as_ref()])
     })
+}
+
+/// The data of a combine (normal or internode): `x` [rows, hidden] BF16 in 16-byte rows,
+/// optional `topk_weights` [rows, K] f32 with K in 1..=MAX_TOPK, optional biases [n, hidden]
+/// BF16; all contiguous on `dev`.
+pub(crate) fn check_combine_payload(op: &'static str, dev: crate::tensor::Device, rows: usize, n: usize, x: &TensorRef,
+                                    topk_weights: Option<&TensorRef>, biases: [Option<&TensorRef>; 2]) -> Result<()> {
+    x.check(op, "x").on(&[DType::BFloat16], dev)?.shape(&[("num_recv_tokens", Some(rows)), ("hidden", None)])?.contiguous()?;
+    let h = x.size(1);
+    crate::ensure!((h * 2) % 16 == 0, op, "x rows must be a multiple of 16 bytes, got hidden={h}");
+    if let Some(w) = topk_weights {
+        w.check(op, "topk_weights").on(&[DType::Float32], dev)?.shape(&[("num_recv_tokens", Some(rows)), ("num_topk", None)])?.contiguous()?;
+        crate::ensure!((1..=MAX_TOPK).contains(&w.size(1)), op, "num_topk must be in 1..={MAX_TOPK}, got {}", w.size(1));
+    }
+    for (bias, name) in biases.into_iter().zip(["bias_0", "bias_1"]) {
+        if let Some(t) = bias {
+            t.check(op, name).on(&[DType::BFloat16], dev)?.shape(&[("num_tokens", Some(n)), ("hidden", Some(h))])?.contiguous()?;
+        }
+    }
+    Ok(())
 }
 
 /// Normal-mode combine (collective).

@@ -398,6 +398,22 @@ pub fn check_inputs(op: &'static str, ctx: &Ctx, args: &CheckArgs, stream: *mut 
     check(unsafe { deep_ep_ic_check(ctx, args, stream) }, op, "intranode input-check kernel launch")
 }
 
+/// The first step of a collective buffer release, for every window provider: waits for the
+/// device, then meets every peer at the kernel barrier (bounded by the timeout), so no peer still
+/// reads or writes this rank's window. A peer that never arrives is an [`Error::Timeout`] naming
+/// it, and the caller must then skip its collective teardown.
+pub fn destroy_barrier(op: &'static str, ctx: &Ctx, status: &HostStatus, timeout_ms: u64) -> Result<()> {
+    device_synchronize(op)?;
+    let stream = Stream::new(op)?;
+    let args = SyncArgs { site: site::DESTROY, ..Default::default() };
+    sync(op, ctx, &args, stream.raw())?;
+    stream.synchronize(op)?;
+    if let Some(e) = status.error().filter(|e| e.code == err::TIMEOUT) {
+        return Err(crate::error::Error::Timeout { op, rank: ctx.rank as usize, peers: vec![e.rank.max(0) as usize], timeout_ms, what: site::name(e.site).to_string() });
+    }
+    Ok(())
+}
+
 /// Zeroes this rank's whole window (`ctx.window_bytes` at its own peer pointer), so the
 /// low-latency signal words start at zero and the first LL call needs no barrier (a re-created
 /// buffer may get the memory of a destroyed one, with its old tags). Every window provider calls

@@ -178,20 +178,7 @@ impl Window {
             return Ok(());
         }
         let _guard = DeviceGuard::new(DESTROY, self.device)?;
-        intranode::device_synchronize(DESTROY)?;
-        let stream = Stream::new(DESTROY)?;
-        let args = intranode::SyncArgs { site: intranode::site::DESTROY, ..Default::default() };
-        intranode::sync(DESTROY, &self.ctx, &args, stream.raw())?;
-        stream.synchronize(DESTROY)?;
-        if let Some(e) = self.status().error().filter(|e| e.code == intranode::err::TIMEOUT) {
-            return Err(Error::Timeout {
-                op: DESTROY,
-                rank: self.ctx.rank as usize,
-                peers: vec![e.rank.max(0) as usize],
-                timeout_ms,
-                what: intranode::site::name(e.site).to_string(),
-            });
-        }
+        intranode::destroy_barrier(DESTROY, &self.ctx, self.status(), timeout_ms)?;
         let mut first: Result<()> = Ok(());
         let mut note = |r: Result<()>| {
             if first.is_ok() {

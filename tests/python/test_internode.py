@@ -6,7 +6,7 @@ against the pure-Python reference below (written from the spec, not from the lib
   rows at recv_gbl_rank_prefix_sum[src-1] + channel offset, channels being contiguous token
   ranges); the RDMA leg (send_nvl_head rows): by source domain, then token;
 - the 10-tensor handle, shapes, dtypes and values;
-- combine: bf16(f32 bias_0 + f32 bias_1 + Σ_{domain j asc} f32(bf16(Σ_{local rank asc} f32 row)));
+- combine: bf16((f32 bias_0 + f32 bias_1) + Σ_{domain j reached, asc} f32(bf16(Σ_{local rank asc} f32 row)));
   plus the closed form (identity expert on integer rows: x times the ranks the token reached).
 
 DEEP_EP_INTERNODE_CASES sets the number of random configurations per layout (default 40; three
@@ -129,9 +129,10 @@ def y_of(ins, rows, d_rank: int):
 def ref_combine(ys, ws, outs, in_rank_me, bias, me: int, world: int, d: int, n: int, h: int, k: int):
     """Two-level combine of rank `me`'s tokens from every rank's rows `ys[q]` (spec §1.9 + DeepEP's
     forwarder: one bf16 partial per NVLink domain)."""
-    acc = torch.zeros((n, h), dtype=torch.float32)
-    for b in bias:
-        acc = acc + b.float()
+    # DeepEP's RDMA receiver: values = f32(bias_0) + f32(bias_1), an absent bias being +0 (one
+    # addition: two -0 biases stay -0), then += each reached domain's bf16 partial.
+    zero = torch.zeros((n, h), dtype=torch.float32)
+    acc = (bias[0].float() if bias else zero) + (bias[1].float() if len(bias) > 1 else zero)
     acc_w = torch.zeros((n, k), dtype=torch.float32)
     for j in range(world // d):
         part = torch.zeros((n, h), dtype=torch.float32)
@@ -146,7 +147,7 @@ def ref_combine(ys, ws, outs, in_rank_me, bias, me: int, world: int, d: int, n: 
             if k:
                 part_w[toks] = part_w[toks] + ws[q][rows]
             reached |= mask
-        acc = acc + torch.where(reached.unsqueeze(1), part.to(BF16).float(), torch.zeros(()))
+        acc = torch.where(reached.unsqueeze(1), acc + part.to(BF16).float(), acc)  # unreached: no addition
         acc_w = acc_w + part_w
     return acc.to(BF16), acc_w
 
@@ -240,6 +241,7 @@ def closed_form(buf, deep_ep, rank: int, world: int, d: int):
     n, h, e = 40, 256, 4 * world
     idx = torch.randint(0, e, (n, 6), generator=g)
     idx[torch.rand(idx.shape, generator=g) < 0.3] = -1
+    idx[::5] = -1  # tokens that reach no rank
     x = torch.randint(-8, 9, (n, h), generator=g).to(BF16)
     bias = torch.randint(-4, 5, (n, h), generator=g).to(BF16)
     ntpr, ntprr, ntpe, ir, _ = buf.get_dispatch_layout(idx, e)
@@ -247,6 +249,12 @@ def closed_form(buf, deep_ep, rank: int, world: int, d: int):
                                               num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=torch.ones(idx.shape))
     cx, _, _ = buf.combine(recv_x, handle, bias=bias)
     same("closed form", cx, (x.float() * ir.sum(dim=1, keepdim=True).float() + bias.float()).to(BF16))
+    # Two -0 biases: DeepEP's RDMA receiver starts from -0 + -0 = -0 and adds only the partials of
+    # the domains a token reached, so a token that reached no rank combines to -0 (bits 0x8000).
+    nz = torch.full((n, h), -0.0, dtype=BF16)
+    cz, _, _ = buf.combine(recv_x, handle, bias=(nz, nz))
+    reached = ir.any(dim=1, keepdim=True)
+    same("-0 biases", cz, torch.where(reached, x.float() * ir.sum(dim=1, keepdim=True).float(), torch.full((), -0.0)).to(BF16))
     return int(ir.any(dim=1).sum())
 
 

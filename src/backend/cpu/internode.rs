@@ -348,14 +348,14 @@ impl CpuBackend {
         let mut next = vec![0usize; nr];
         let (mut acc, mut part) = (vec![0f32; hidden], vec![0f32; hidden]);
         let (mut acc_w, mut part_w) = (vec![0f32; k], vec![0f32; k]);
+        // DeepEP's RDMA receiver starts from `f32(bias_0) + f32(bias_1)` (an absent bias reads as
+        // +0) in one addition, so two −0 biases give −0 (not `0 + b0 + b1` = +0).
+        let bias_at = |i: usize, t: usize| bias.get(i).map_or(0.0, |b| bf16::to_f32(b[t]));
         for t in 0..n {
-            acc.fill(0.0);
-            acc_w.fill(0.0);
-            for b in &bias {
-                for (v, &x) in acc.iter_mut().zip(&b[t * hidden..(t + 1) * hidden]) {
-                    *v += bf16::to_f32(x);
-                }
+            for (e, v) in acc.iter_mut().enumerate() {
+                *v = bias_at(0, t * hidden + e) + bias_at(1, t * hidden + e);
             }
+            acc_w.fill(0.0);
             for j in 0..g.rr {
                 let dsts: Vec<usize> = (j * g.d..(j + 1) * g.d).filter(|&d| in_rank[t * nr + d] != 0).collect();
                 if dsts.is_empty() {

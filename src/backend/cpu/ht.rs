@@ -61,6 +61,14 @@ impl Kind {
 }
 
 /// Byte offsets of consecutive sections after the header, each 64-byte aligned.
+/// A cached dispatch's rows must have the same size and scale size on every rank.
+pub(super) fn check_row_format(op: &'static str, headers: &[Header], words: &[u64; NUM_WORDS]) -> Result<()> {
+    match headers.iter().position(|h| h.0[W_ROW_BYTES] != words[W_ROW_BYTES] || h.0[W_SCALE_BYTES] != words[W_SCALE_BYTES]) {
+        Some(p) => Err(Error::invalid(op, format!("rank {p} dispatches rows of another size or dtype than this rank"))),
+        None => Ok(()),
+    }
+}
+
 pub(super) fn sections(sizes: &[usize]) -> (Vec<usize>, usize) {
     let mut offs = Vec::with_capacity(sizes.len());
     let mut at = HEADER_BYTES;
@@ -393,13 +401,19 @@ impl CpuBackend {
         words[W_ROW_BYTES] = row_bytes as u64;
         words[W_SCALE_BYTES] = scale_bytes as u64;
         let headers = self.rendezvous(Kind::CachedDispatch, words, own)?;
-        let same = self.check_same_handles(OP, offs[0], m).and_then(|_| {
-            match headers.iter().position(|h| h.0[W_ROW_BYTES] != words[W_ROW_BYTES] || h.0[W_SCALE_BYTES] != words[W_SCALE_BYTES]) {
-                Some(p) => Err(Error::invalid(OP, format!("rank {p} dispatches rows of another size or dtype than this rank"))),
-                None => Ok(()),
-            }
-        });
+        let same = self.check_same_handles(OP, offs[0], m).and_then(|_| check_row_format(OP, &headers, &words));
         self.together(Kind::CachedDispatch, same)?;
+        self.gather_cached_rows(OP, &headers, |m_tok| sections(&[nr * nr * 4, m_tok * nr, m_tok * row_bytes, m_tok * scale_bytes]).0, recv_x, recv_scales)
+    }
+
+    /// The copy of a cached dispatch, intranode or internode (the same rows in the same order):
+    /// zeroes the outputs, then, source by source, appends in token order the staged rows (and
+    /// scales) whose `is_token_in_rank` entry for this rank is set — sections 1, 2 and 3 of
+    /// `offs_of(source's rows)` in the source's region — and meets the other ranks at the end.
+    pub(super) fn gather_cached_rows(&mut self, op: &'static str, headers: &[Header], offs_of: impl Fn(usize) -> Vec<usize>, recv_x: &TensorRef,
+                                     recv_scales: Option<&TensorRef>) -> Result<()> {
+        let (r, nr) = (self.info.rank, self.info.num_ranks);
+        let (row_bytes, scale_bytes) = (headers[r].0[W_ROW_BYTES] as usize, headers[r].0[W_SCALE_BYTES] as usize);
         let out = recv_x.cpu_bytes_mut();
         let mut out_s = recv_scales.map(|t| t.cpu_bytes_mut());
         out.fill(0);
@@ -410,7 +424,7 @@ impl CpuBackend {
         for (s, h) in headers.iter().enumerate() {
             let src = self.ht_region(s);
             let n_s = h.rows();
-            let (o, _) = sections(&[nr * nr * 4, n_s * nr, n_s * row_bytes, n_s * scale_bytes]);
+            let o = offs_of(n_s);
             let in_rank = src.slice::<u8>(o[1], n_s * nr);
             let x = src.slice::<u8>(o[2], n_s * row_bytes);
             let sc = src.slice::<u8>(o[3], n_s * scale_bytes);
@@ -422,7 +436,7 @@ impl CpuBackend {
                 row += 1;
             }
         }
-        self.barrier(OP, "all ranks received their tokens")
+        self.barrier(op, "all ranks received their tokens")
     }
 
     pub(super) fn ht_combine(&mut self, a: &CombineArgs, o: &CombineOutputs) -> Result<()> {

@@ -7,7 +7,7 @@
 //! here as DeepEP's notify and forwarding kernels would fill it, see
 //! [`crate::backend::internode::InternodeHandle`]) and the two-level rounding of the combine.
 
-use super::ht::{sections, Header, Kind, RecvData, NUM_WORDS, W_ROWS, W_ROW_BYTES, W_SCALE_BYTES, W_TOPK};
+use super::ht::{check_row_format, sections, Header, Kind, RecvData, NUM_WORDS, W_ROWS, W_ROW_BYTES, W_SCALE_BYTES, W_TOPK};
 use super::CpuBackend;
 use crate::backend::internode::{InternodeCachedDispatchArgs, InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutputs, InternodeHandle, InternodePlan, NVL_HEAD_COLUMNS};
 use crate::backend::{CombineOutputs, DispatchArgs};
@@ -262,34 +262,9 @@ impl CpuBackend {
         words[W_ROW_BYTES] = row_bytes as u64;
         words[W_SCALE_BYTES] = scale_bytes as u64;
         let headers = self.rendezvous(kind, words, own)?;
-        let checked = self.check_published_handles(op, &headers, secs).and_then(|ins| {
-            match headers.iter().position(|h| h.0[W_ROW_BYTES] != words[W_ROW_BYTES] || h.0[W_SCALE_BYTES] != words[W_SCALE_BYTES]) {
-                Some(p) => Err(Error::invalid(op, format!("rank {p} dispatches rows of another size or dtype than this rank"))),
-                None => Ok(ins),
-            }
-        });
-        let ins = self.together(kind, checked)?;
-        let out = recv_x.cpu_bytes_mut();
-        let mut out_s = recv_scales.map(|t| t.cpu_bytes_mut());
-        out.fill(0);
-        if let Some(s) = out_s.as_deref_mut() {
-            s.fill(0);
-        }
-        let mut row = 0;
-        for (s, (n_s, in_rank)) in ins.iter().enumerate() {
-            let src = self.ht_region(s);
-            let o = secs(*n_s);
-            let x = src.slice::<u8>(o[2], n_s * row_bytes);
-            let sc = src.slice::<u8>(o[3], n_s * scale_bytes);
-            for t in (0..*n_s).filter(|&t| in_rank[t * nr + r] != 0) {
-                out[row * row_bytes..(row + 1) * row_bytes].copy_from_slice(&x[t * row_bytes..(t + 1) * row_bytes]);
-                if let Some(d) = out_s.as_deref_mut() {
-                    d[row * scale_bytes..(row + 1) * scale_bytes].copy_from_slice(&sc[t * scale_bytes..(t + 1) * scale_bytes]);
-                }
-                row += 1;
-            }
-        }
-        self.barrier(op, "all ranks received their tokens")
+        let checked = self.check_published_handles(op, &headers, secs).and_then(|_| check_row_format(op, &headers, &words));
+        self.together(kind, checked)?;
+        self.gather_cached_rows(op, &headers, secs, recv_x, recv_scales)
     }
 
     pub(super) fn ht_internode_combine(&mut self, a: &InternodeCombineArgs, o: &CombineOutputs) -> Result<()> {

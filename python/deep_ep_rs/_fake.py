@@ -33,6 +33,17 @@ def _domain() -> int:
     return int(v) if v.isdigit() and 1 <= int(v) <= 8 else 8
 
 
+def _rows_of(t, rows, x, absent_dtype):
+    """[rows, t.shape[1]] like t, or the empty placeholder an absent optional output is."""
+    return t.new_empty((rows, t.shape[1])) if t is not None else x.new_empty((0,), dtype=absent_dtype)
+
+
+def _received(x, x_scales, topk_idx, topk_weights, rows):
+    """recv_x, scales, topk_idx and topk_weights of a (normal or internode) dispatch of `rows` rows."""
+    return (x.new_empty((rows, x.shape[1])), _rows_of(x_scales, rows, x, torch.float32), _rows_of(topk_idx, rows, x, torch.int64),
+            _rows_of(topk_weights, rows, x, torch.float32))
+
+
 @torch.library.register_fake("deep_ep::get_dispatch_layout")
 def _layout(topk_idx, num_experts, num_ranks):
     n = topk_idx.shape[0]
@@ -54,12 +65,9 @@ def _dispatch(handle, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, 
     n = x.shape[0]
     rows = num_worst_tokens if num_worst_tokens > 0 else torch.library.get_ctx().new_dynamic_size()
     i32 = torch.int32
-    scales = x_scales.new_empty((rows, x_scales.shape[1])) if x_scales is not None else x.new_empty((0,), dtype=torch.float32)
-    idx = topk_idx.new_empty((rows, topk_idx.shape[1])) if topk_idx is not None else x.new_empty((0,), dtype=torch.int64)
-    w = topk_weights.new_empty((rows, topk_weights.shape[1])) if topk_weights is not None else x.new_empty((0,), dtype=torch.float32)
     per_expert = torch.empty((e // r if num_worst_tokens == 0 else 0,), dtype=i32, device="cpu")
     return (
-        x.new_empty((rows, x.shape[1])), scales, idx, w, per_expert,
+        *_received(x, x_scales, topk_idx, topk_weights, rows), per_expert,
         x.new_empty((r, r), dtype=i32), x.new_empty((r, c), dtype=i32), x.new_empty((r, c), dtype=i32),
         x.new_empty((rows,), dtype=i32), x.new_empty((n, r), dtype=i32),
     )
@@ -68,15 +76,13 @@ def _dispatch(handle, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, 
 @torch.library.register_fake("deep_ep::cached_dispatch")
 def _cached(handle, x, x_scales, rpm, cpm, rcpm, recv_src_idx, is_token_in_rank, send_head, config):
     rows = recv_src_idx.shape[0]
-    scales = x_scales.new_empty((rows, x_scales.shape[1])) if x_scales is not None else x.new_empty((0,), dtype=torch.float32)
-    return x.new_empty((rows, x.shape[1])), scales
+    return x.new_empty((rows, x.shape[1])), _rows_of(x_scales, rows, x, torch.float32)
 
 
 @torch.library.register_fake("deep_ep::combine")
 def _combine(handle, x, topk_weights, bias_0, bias_1, rpm, cpm, rcpm, recv_src_idx, is_token_in_rank, send_head, config):
     n = send_head.shape[0]
-    w = topk_weights.new_empty((n, topk_weights.shape[1])) if topk_weights is not None else x.new_empty((0,), dtype=torch.float32)
-    return x.new_empty((n, x.shape[1])), w
+    return x.new_empty((n, x.shape[1])), _rows_of(topk_weights, n, x, torch.float32)
 
 
 @torch.library.register_fake("deep_ep::internode_dispatch")
@@ -90,12 +96,9 @@ def _internode_dispatch(handle, x, x_scales, topk_idx, topk_weights, num_tokens_
     rows = num_worst_tokens if num_worst_tokens > 0 else ctx.new_dynamic_size()
     rdma_rows = num_worst_tokens if num_worst_tokens > 0 else ctx.new_dynamic_size()
     i32 = torch.int32
-    scales = x_scales.new_empty((rows, x_scales.shape[1])) if x_scales is not None else x.new_empty((0,), dtype=torch.float32)
-    idx = topk_idx.new_empty((rows, topk_idx.shape[1])) if topk_idx is not None else x.new_empty((0,), dtype=torch.int64)
-    w = topk_weights.new_empty((rows, topk_weights.shape[1])) if topk_weights is not None else x.new_empty((0,), dtype=torch.float32)
     per_expert = torch.empty((e // r if num_worst_tokens == 0 else 0,), dtype=i32, device="cpu")
     return (
-        x.new_empty((rows, x.shape[1])), scales, idx, w, per_expert,
+        *_received(x, x_scales, topk_idx, topk_weights, rows), per_expert,
         x.new_empty((rr, c), dtype=i32), x.new_empty((r, c), dtype=i32), x.new_empty((rr, c), dtype=i32),
         x.new_empty((rr,), dtype=i32), x.new_empty((r, c), dtype=i32), x.new_empty((r,), dtype=i32),
         x.new_empty((rows, 8), dtype=torch.uint8), x.new_empty((n, rr), dtype=i32), x.new_empty((rdma_rows, 8), dtype=i32),
@@ -106,16 +109,14 @@ def _internode_dispatch(handle, x, x_scales, topk_idx, topk_weights, num_tokens_
 def _internode_cached(handle, x, x_scales, is_token_in_rank, rdma_cpm, gbl_cpm, recv_rdma_cpm, recv_rdma_rps, recv_gbl_cpm,
                       recv_gbl_rps, recv_src_meta, send_rdma_head, send_nvl_head, config):
     rows = recv_src_meta.shape[0]
-    scales = x_scales.new_empty((rows, x_scales.shape[1])) if x_scales is not None else x.new_empty((0,), dtype=torch.float32)
-    return x.new_empty((rows, x.shape[1])), scales
+    return x.new_empty((rows, x.shape[1])), _rows_of(x_scales, rows, x, torch.float32)
 
 
 @torch.library.register_fake("deep_ep::internode_combine")
 def _internode_combine(handle, x, topk_weights, bias_0, bias_1, is_token_in_rank, rdma_cpm, gbl_cpm, recv_rdma_cpm,
                        recv_rdma_rps, recv_gbl_cpm, recv_gbl_rps, recv_src_meta, send_rdma_head, send_nvl_head, config):
     n = is_token_in_rank.shape[0]
-    w = topk_weights.new_empty((n, topk_weights.shape[1])) if topk_weights is not None else x.new_empty((0,), dtype=torch.float32)
-    return x.new_empty((n, x.shape[1])), w
+    return x.new_empty((n, x.shape[1])), _rows_of(topk_weights, n, x, torch.float32)
 
 
 def _ll_outputs(handle, x, t, e, use_fp8, use_ue8m0):

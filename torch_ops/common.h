@@ -178,6 +178,15 @@ inline Tensor empty_on(const IntList& shape, ScalarType dtype, const Device& dev
 // Empty tensor standing for an absent optional output.
 inline Tensor none_like(const Tensor& like, ScalarType dtype) { return empty_like_dev(like, {0}, dtype); }
 
+// An optional output with one row per output row: [rows, t.size(1)] in t's dtype when its
+// optional input t is given, else the empty placeholder of an absent output (`absent_dtype`).
+inline Tensor rows_like(const std::optional<Tensor>& t, int64_t rows, const Tensor& x, ScalarType absent_dtype) {
+  return t ? empty_like_dev(*t, {rows, t->size(1)}, t->scalar_type()) : none_like(x, absent_dtype);
+}
+
+// The raw view of such an output: absent when its input was not given.
+inline deep_ep_tensor_t raw_if(const std::optional<Tensor>& given, const Tensor& out) { return given ? raw(out) : absent(); }
+
 inline bool present(const Tensor& t) { return t.defined() && t.dim() > 0 && !(t.dim() == 1 && t.size(0) == 0); }
 
 }  // namespace deep_ep_ops

@@ -50,18 +50,17 @@ DispatchResult internode_dispatch(int64_t handle, const Tensor& x, const optiona
   const int64_t rows = plan.num_rows, n = x.size(0), r = info.num_ranks(), rr = num_tokens_per_rdma_rank.size(0), c = config[0] / 2;
   const auto i32 = ScalarType::Int;
   Tensor recv_x = empty_like_dev(x, {rows, x.size(1)}, x.scalar_type());
-  Tensor recv_scales = x_scales ? empty_like_dev(*x_scales, {rows, x_scales->size(1)}, x_scales->scalar_type()) : none_like(x, ScalarType::Float);
-  Tensor recv_idx = topk_idx ? empty_like_dev(*topk_idx, {rows, topk_idx->size(1)}, topk_idx->scalar_type()) : none_like(x, ScalarType::Long);
-  Tensor recv_w = topk_weights ? empty_like_dev(*topk_weights, {rows, topk_weights->size(1)}, topk_weights->scalar_type())
-                               : none_like(x, ScalarType::Float);
+  Tensor recv_scales = rows_like(x_scales, rows, x, ScalarType::Float);
+  Tensor recv_idx = rows_like(topk_idx, rows, x, ScalarType::Long);
+  Tensor recv_w = rows_like(topk_weights, rows, x, ScalarType::Float);
   Tensor rdma_cpm = empty_like_dev(x, {rr, c}, i32), gbl_cpm = empty_like_dev(x, {r, c}, i32);
   Tensor recv_rdma_cpm = empty_like_dev(x, {rr, c}, i32), recv_rdma_rps = empty_like_dev(x, {rr}, i32);
   Tensor recv_gbl_cpm = empty_like_dev(x, {r, c}, i32), recv_gbl_rps = empty_like_dev(x, {r}, i32);
   Tensor src_meta = empty_like_dev(x, {rows, 8}, ScalarType::Byte);
   Tensor send_rdma_head = empty_like_dev(x, {n, rr}, i32), send_nvl_head = empty_like_dev(x, {plan.num_rdma_rows, 8}, i32);
 
-  deep_ep_tensor_t data[4] = {raw(recv_x), x_scales ? raw(recv_scales) : absent(), topk_idx ? raw(recv_idx) : absent(),
-                              topk_weights ? raw(recv_w) : absent()};
+  deep_ep_tensor_t data[4] = {raw(recv_x), raw_if(x_scales, recv_scales), raw_if(topk_idx, recv_idx),
+                              raw_if(topk_weights, recv_w)};
   auto h = raw_internode_handle(is_token_in_rank, rdma_cpm, gbl_cpm, recv_rdma_cpm, recv_rdma_rps, recv_gbl_cpm, recv_gbl_rps, src_meta,
                                 send_rdma_head, send_nvl_head);
   check(deep_ep_internode_dispatch_finish(handle, &args, &per_rdma, &plan, data, &h));
@@ -87,9 +86,9 @@ std::tuple<Tensor, Tensor> internode_cached_dispatch(int64_t handle, const Tenso
   check(deep_ep_internode_cached_dispatch(handle, &rx_in, &rs_in, &h, cfg, stream, nullptr, nullptr));
   const int64_t rows = recv_src_meta.size(0);
   Tensor recv_x = empty_like_dev(x, {rows, x.size(1)}, x.scalar_type());
-  Tensor recv_scales = x_scales ? empty_like_dev(*x_scales, {rows, x_scales->size(1)}, x_scales->scalar_type()) : none_like(x, ScalarType::Float);
+  Tensor recv_scales = rows_like(x_scales, rows, x, ScalarType::Float);
   auto rx = raw(recv_x);
-  auto rs = x_scales ? raw(recv_scales) : absent();
+  auto rs = raw_if(x_scales, recv_scales);
   check(deep_ep_internode_cached_dispatch(handle, &rx_in, &rs_in, &h, cfg, stream, &rx, &rs));
   return {recv_x, recv_scales};
 }
@@ -110,10 +109,9 @@ std::tuple<Tensor, Tensor> internode_combine(int64_t handle, const Tensor& x, co
   check(deep_ep_internode_combine(handle, inputs, &h, cfg, stream, nullptr, nullptr));
   const int64_t n = in_rank.size(0);
   Tensor out = empty_like_dev(x, {n, x.size(1)}, x.scalar_type());
-  Tensor out_w = topk_weights ? empty_like_dev(*topk_weights, {n, topk_weights->size(1)}, topk_weights->scalar_type())
-                              : none_like(x, ScalarType::Float);
+  Tensor out_w = rows_like(topk_weights, n, x, ScalarType::Float);
   auto ro = raw(out);
-  auto rw = topk_weights ? raw(out_w) : absent();
+  auto rw = raw_if(topk_weights, out_w);
   check(deep_ep_internode_combine(handle, inputs, &h, cfg, stream, &ro, &rw));
   return {out, out_w};
 }

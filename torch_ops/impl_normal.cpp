@@ -61,19 +61,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
   const int64_t rows = plan.num_rows, n = x.size(0), r = info.num_ranks(), c = config[0] / 2;
   const auto i32 = ScalarType::Int;
   Tensor recv_x = empty_like_dev(x, {rows, x.size(1)}, x.scalar_type());
-  Tensor recv_scales = x_scales ? empty_like_dev(*x_scales, {rows, x_scales->size(1)}, x_scales->scalar_type()) : none_like(x, ScalarType::Float);
-  Tensor recv_idx = topk_idx ? empty_like_dev(*topk_idx, {rows, topk_idx->size(1)}, topk_idx->scalar_type()) : none_like(x, ScalarType::Long);
-  Tensor recv_w = topk_weights ? empty_like_dev(*topk_weights, {rows, topk_weights->size(1)}, topk_weights->scalar_type())
-                               : none_like(x, ScalarType::Float);
+  Tensor recv_scales = rows_like(x_scales, rows, x, ScalarType::Float);
+  Tensor recv_idx = rows_like(topk_idx, rows, x, ScalarType::Long);
+  Tensor recv_w = rows_like(topk_weights, rows, x, ScalarType::Float);
   Tensor rpm = empty_like_dev(x, {r, r}, i32), cpm = empty_like_dev(x, {r, c}, i32), rcpm = empty_like_dev(x, {r, c}, i32);
   Tensor src_idx = empty_like_dev(x, {rows}, i32), send_head = empty_like_dev(x, {n, r}, i32);
 
   deep_ep_dispatch_outputs_t out{};
   out.size = sizeof(out);
   out.recv_x = raw(recv_x);
-  out.recv_x_scales = x_scales ? raw(recv_scales) : absent();
-  out.recv_topk_idx = topk_idx ? raw(recv_idx) : absent();
-  out.recv_topk_weights = topk_weights ? raw(recv_w) : absent();
+  out.recv_x_scales = raw_if(x_scales, recv_scales);
+  out.recv_topk_idx = raw_if(topk_idx, recv_idx);
+  out.recv_topk_weights = raw_if(topk_weights, recv_w);
   out.rank_prefix_matrix = raw(rpm);
   out.channel_prefix_matrix = raw(cpm);
   out.recv_channel_prefix_matrix = raw(rcpm);
@@ -98,9 +97,9 @@ std::tuple<Tensor, Tensor> cached_dispatch(int64_t handle, const Tensor& x, cons
   check(deep_ep_cached_dispatch(handle, &args, nullptr, nullptr));
   const int64_t rows = src_idx.size(0);
   Tensor recv_x = empty_like_dev(x, {rows, x.size(1)}, x.scalar_type());
-  Tensor recv_scales = x_scales ? empty_like_dev(*x_scales, {rows, x_scales->size(1)}, x_scales->scalar_type()) : none_like(x, ScalarType::Float);
+  Tensor recv_scales = rows_like(x_scales, rows, x, ScalarType::Float);
   auto rx = raw(recv_x);
-  auto rs = x_scales ? raw(recv_scales) : absent();
+  auto rs = raw_if(x_scales, recv_scales);
   check(deep_ep_cached_dispatch(handle, &args, &rx, &rs));
   return {recv_x, recv_scales};
 }
@@ -121,10 +120,9 @@ std::tuple<Tensor, Tensor> combine(int64_t handle, const Tensor& x, const option
   check(deep_ep_combine(handle, &args, nullptr, nullptr));
   const int64_t n = send_head.size(0);
   Tensor out = empty_like_dev(x, {n, x.size(1)}, x.scalar_type());
-  Tensor out_w = topk_weights ? empty_like_dev(*topk_weights, {n, topk_weights->size(1)}, topk_weights->scalar_type())
-                              : none_like(x, ScalarType::Float);
+  Tensor out_w = rows_like(topk_weights, n, x, ScalarType::Float);
   auto ro = raw(out);
-  auto rw = topk_weights ? raw(out_w) : absent();
+  auto rw = raw_if(topk_weights, out_w);
   check(deep_ep_combine(handle, &args, &ro, &rw));
   return {out, out_w};
 }

@@ -105,19 +105,9 @@ __global__ void __launch_bounds__(kLlThreads) ll_combine_partial_kernel(const __
 #pragma unroll
             for (int u = 0; u < 4; ++u) wv[u] = __ldcg(reinterpret_cast<const unsigned int*>(y) + 4 * j + u);
           }
-          const float wt = s_w[q];
-#pragma unroll
-          for (int u = 0; u < 4; ++u) {
-            acc[2 * u] = __fmaf_rn(bf16_to_f32(wv[u] & 0xffffu), wt, acc[2 * u]);
-            acc[2 * u + 1] = __fmaf_rn(bf16_to_f32(wv[u] >> 16), wt, acc[2 * u + 1]);
-          }
+          fma_bf16x8(acc, wv, s_w[q]);
         }
-        int4 o;
-        o.x = static_cast<int>(bf16_bits(acc[0]) | (static_cast<uint32_t>(bf16_bits(acc[1])) << 16));
-        o.y = static_cast<int>(bf16_bits(acc[2]) | (static_cast<uint32_t>(bf16_bits(acc[3])) << 16));
-        o.z = static_cast<int>(bf16_bits(acc[4]) | (static_cast<uint32_t>(bf16_bits(acc[5])) << 16));
-        o.w = static_cast<int>(bf16_bits(acc[6]) | (static_cast<uint32_t>(bf16_bits(acc[7])) << 16));
-        reinterpret_cast<int4*>(dst + static_cast<uint64_t>(s_tok) * 2 * H)[j] = o;
+        reinterpret_cast<int4*>(dst + static_cast<uint64_t>(s_tok) * 2 * H)[j] = pack_bf16x8(acc);
       }
     }
     __syncthreads();  // s_tok, s_n, s_row, s_w are rewritten for the next message
@@ -209,12 +199,7 @@ __global__ void __launch_bounds__(kReduceThreads) ll_combine_recv_kernel(const _
             acc[2 * u + 1] = __fadd_rn(acc[2 * u + 1], bf16_to_f32(wv[u] >> 16));
           }
         }
-        int4 o;
-        o.x = static_cast<int>(bf16_bits(acc[0]) | (static_cast<uint32_t>(bf16_bits(acc[1])) << 16));
-        o.y = static_cast<int>(bf16_bits(acc[2]) | (static_cast<uint32_t>(bf16_bits(acc[3])) << 16));
-        o.z = static_cast<int>(bf16_bits(acc[4]) | (static_cast<uint32_t>(bf16_bits(acc[5])) << 16));
-        o.w = static_cast<int>(bf16_bits(acc[6]) | (static_cast<uint32_t>(bf16_bits(acc[7])) << 16));
-        reinterpret_cast<int4*>(a.out + static_cast<int64_t>(tok) * H)[j] = o;
+        reinterpret_cast<int4*>(a.out + static_cast<int64_t>(tok) * H)[j] = pack_bf16x8(acc);
       }
       __syncthreads();  // s_e, s_w, s_dm are rewritten for the next token
       continue;
@@ -228,19 +213,9 @@ __global__ void __launch_bounds__(kReduceThreads) ll_combine_recv_kernel(const _
         if (e < 0 || e >= E) continue;
         const int4 v = __ldcg(reinterpret_cast<const int4*>(recv + (static_cast<uint64_t>(e) * T + tok) * row_bytes) + j);
         const uint32_t wv[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z), static_cast<uint32_t>(v.w)};
-        const float wt = s_w[k];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          acc[2 * u] = __fmaf_rn(bf16_to_f32(wv[u] & 0xffffu), wt, acc[2 * u]);
-          acc[2 * u + 1] = __fmaf_rn(bf16_to_f32(wv[u] >> 16), wt, acc[2 * u + 1]);
-        }
+        fma_bf16x8(acc, wv, s_w[k]);
       }
-      int4 o;
-      o.x = static_cast<int>(bf16_bits(acc[0]) | (static_cast<uint32_t>(bf16_bits(acc[1])) << 16));
-      o.y = static_cast<int>(bf16_bits(acc[2]) | (static_cast<uint32_t>(bf16_bits(acc[3])) << 16));
-      o.z = static_cast<int>(bf16_bits(acc[4]) | (static_cast<uint32_t>(bf16_bits(acc[5])) << 16));
-      o.w = static_cast<int>(bf16_bits(acc[6]) | (static_cast<uint32_t>(bf16_bits(acc[7])) << 16));
-      reinterpret_cast<int4*>(a.out + static_cast<int64_t>(tok) * H)[j] = o;
+      reinterpret_cast<int4*>(a.out + static_cast<int64_t>(tok) * H)[j] = pack_bf16x8(acc);
     }
     __syncthreads();  // s_e / s_w are rewritten for the next token
   }

@@ -46,13 +46,24 @@ __device__ __forceinline__ uint64_t recv_off(const Args& a, int h) {
   return a.ll_off + 2 * (a.signal_bytes + a.send_bytes) + h * a.recv_bytes;
 }
 
-__device__ __forceinline__ void st_release_sys_u32(uint32_t* p, uint32_t v) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+// acc[2u], acc[2u + 1] = fma(the low / high bf16 of wv[u], wt, acc): one weighted row piece of a
+// combine, in the fixed order of the calls.
+__device__ __forceinline__ void fma_bf16x8(float (&acc)[8], const uint32_t (&wv)[4], float wt) {
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    acc[2 * u] = __fmaf_rn(bf16_to_f32(wv[u] & 0xffffu), wt, acc[2 * u]);
+    acc[2 * u + 1] = __fmaf_rn(bf16_to_f32(wv[u] >> 16), wt, acc[2 * u + 1]);
+  }
 }
-__device__ __forceinline__ uint32_t ld_acquire_sys_u32(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
+
+// Eight sums rounded to bf16 (bf16_bits) and packed two per word, lower column first.
+__device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
+  int4 o;
+  o.x = static_cast<int>(bf16_bits(acc[0]) | (static_cast<uint32_t>(bf16_bits(acc[1])) << 16));
+  o.y = static_cast<int>(bf16_bits(acc[2]) | (static_cast<uint32_t>(bf16_bits(acc[3])) << 16));
+  o.z = static_cast<int>(bf16_bits(acc[4]) | (static_cast<uint32_t>(bf16_bits(acc[5])) << 16));
+  o.w = static_cast<int>(bf16_bits(acc[6]) | (static_cast<uint32_t>(bf16_bits(acc[7])) << 16));
+  return o;
 }
 
 // The call after `calls` (16 bits travel in a tag; 0 is skipped so a zeroed word never matches).

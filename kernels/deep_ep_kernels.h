@@ -69,7 +69,8 @@ int deep_ep_cuda_stream_synchronize(void* stream);
  *
  * Window layout (offsets identical on every rank):
  *   [0, 1024)          barrier slots: slot p (128 B apart, u64) is written by rank p
- *   [1024, 1280)       this rank's staged layout (deep_ep_ic_layout_t), read by peers
+ *   [1024, 1536)       this rank's layout (deep_ep_ic_layout_t), read by peers: two 256-byte
+ *                      slots, slot e % 2 for the barrier of epoch e that gathers it
  *   [4096, CONTROL)    local scratch: sticky timeout flag, first error, per-op "bad" flag, barrier
  *                      epoch, gathered peer layouts, rank_prefix_matrix, receiver channel starts
  *   [CONTROL, ...)     staged sections at the offsets of this rank's layout
@@ -115,6 +116,7 @@ typedef struct {
 #define DEEP_EP_IC_SITE_LL_GEOMETRY 11 /* low-latency: barriers around a signal reset */
 #define DEEP_EP_IC_SITE_LL_DISPATCH 12 /* low-latency dispatch receive */
 #define DEEP_EP_IC_SITE_LL_COMBINE 13 /* low-latency combine receive */
+#define DEEP_EP_IC_SITE_COMBINE_RECV 14 /* fused combine: a reduce warp waiting for a peer's channel */
 
 /* The buffer as kernels see it. */
 typedef struct {
@@ -170,12 +172,16 @@ typedef struct {
  * rank_prefix_matrix, this rank's receiver channel starts and (write_host_counts) the receive
  * count and per-local-expert counts rounded up to expert_alignment into the host block, and
  * flags any rank whose receive count exceeds its num_worst_tokens. op_start resets the per-op
- * error flag. A barrier whose peers do not arrive within timeout_ns records
- * DEEP_EP_IC_ERR_TIMEOUT and returns; after that every barrier and data kernel of the buffer
- * returns at once. */
+ * error flag. With publish, `layout` is written into this rank's header before the signal (so the
+ * same barrier gathers it: combine's start barrier, which has no stage kernel before it);
+ * zero_counters zeroes the fused combine's local counters. A barrier whose peers do not arrive
+ * within timeout_ns records DEEP_EP_IC_ERR_TIMEOUT and returns; after that every barrier and data
+ * kernel of the buffer returns at once. */
 typedef struct {
   int32_t site, op_start, gather, notify, write_host_counts;
   int32_t expert_alignment, num_local_experts;
+  int32_t publish, zero_counters, reserved;
+  deep_ep_ic_layout_t layout; /* with publish */
 } deep_ep_ic_sync_args_t;
 int deep_ep_ic_sync(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_sync_args_t* args, void* stream);
 
@@ -273,8 +279,10 @@ typedef struct {
   const void* x;                        /* [num_rows, row_bytes] */
   const float* topk_weights;            /* [num_rows, K] or NULL */
   const int32_t* rank_prefix_matrix;    /* [R, R] of the handle */
+  const int32_t* recv_channel_prefix_matrix; /* [R, C] of the handle (fused combine only) */
   int64_t num_rows;
-  int32_t num_blocks, reserved;
+  int32_t num_blocks;
+  int32_t reduce_warps;                 /* fused combine: warps per block that start reducing, 1..15 */
 } deep_ep_ic_push_args_t;
 int deep_ep_ic_combine_push(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_push_args_t* args, void* stream);
 
@@ -294,6 +302,18 @@ typedef struct {
   int32_t hidden, num_topk, num_channels, num_blocks;
 } deep_ep_ic_combine_args_t;
 int deep_ep_ic_combine(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_combine_args_t* args, void* stream);
+
+/* Fused combine: K1 and K3 in one kernel, after a start barrier with publish, gather and
+ * zero_counters (no data barrier). Same window layout, same results as the two kernels above.
+ * Push warps store this rank's rows for peer s, channel by channel (the rows of (s, ch) are
+ * [rpm[s-1][rank] + rcpm[s][ch], ... + rcpm[s][ch+1]) of x), and when all of (s, ch) is in s's
+ * window raise flag (rank, ch) there (the start barrier's epoch). Reduce warps take chunks of
+ * tokens in channel order, wait for flag (d, ch) of every peer d (bounded by timeout_ns,
+ * DEEP_EP_IC_ERR_TIMEOUT at DEEP_EP_IC_SITE_COMBINE_RECV names d) and reduce as deep_ep_ic_combine,
+ * reading this rank's own rows straight from x; push warps join them when their rows are out.
+ * Blocks are capped at the SM count (all resident: reduce warps wait for other GPUs' push warps). */
+int deep_ep_ic_combine_fused(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_push_args_t* push,
+                             const deep_ep_ic_combine_args_t* args, void* stream);
 
 /* Zeroes the control area of this rank's window (create, before the first barrier). */
 int deep_ep_ic_reset(const deep_ep_ic_ctx_t* ctx, void* stream);

@@ -41,6 +41,17 @@ __global__ void __launch_bounds__(kSyncThreads) sync_kernel(const __grid_constan
   }
   __syncthreads();
   if (s_skip) return;
+  if (a.publish) {  // this op's layout, gathered by this very barrier (header_slot: no race)
+    const uint64_t* words = reinterpret_cast<const uint64_t*>(&a.layout);
+    uint64_t* dst = at<uint64_t>(me, header_slot(s_epoch));
+    for (int i = tid; i < DEEP_EP_IC_LAYOUT_BYTES / 8; i += blockDim.x) dst[i] = i < static_cast<int>(sizeof(Layout) / 8) ? words[i] : 0;
+  }
+  if (a.zero_counters) {  // the fused combine's counters (local; read only by this rank's next kernel)
+    int* done = at<int>(me, kScrPushDone);
+    for (int i = tid; i < R * kMaxChannels; i += blockDim.x) done[i] = 0;
+    if (tid == 0) *at<int>(me, kScrCombineNext) = 0;
+  }
+  __syncthreads();  // the header before the signal (the signalling threads fence first)
 
   if (tid < R) {
     const int p = tid;
@@ -57,7 +68,7 @@ __global__ void __launch_bounds__(kSyncThreads) sync_kernel(const __grid_constan
     }
     if (a.gather && !s_failed) {
       // The peer's layout, read by the thread that acquired its signal.
-      const uint64_t* src = at<const uint64_t>(window(c, p), kHeaderOff);
+      const uint64_t* src = at<const uint64_t>(window(c, p), header_slot(s_epoch));
       uint64_t* dst = at<uint64_t>(me, kScrHeaders + static_cast<size_t>(p) * DEEP_EP_IC_LAYOUT_BYTES);
       for (int i = 0; i < DEEP_EP_IC_LAYOUT_BYTES / 8; ++i) dst[i] = ld_volatile(src + i);
     }
@@ -172,7 +183,7 @@ __global__ void __launch_bounds__(kThreads) stage_kernel(const __grid_constant__
   const int R = c.num_ranks;
   if (blockIdx.x == 0 && threadIdx.x < DEEP_EP_IC_LAYOUT_BYTES / 8) {
     const uint64_t* words = reinterpret_cast<const uint64_t*>(&L);
-    uint64_t* dst = at<uint64_t>(me, kHeaderOff);
+    uint64_t* dst = at<uint64_t>(me, next_header_slot(c));  // gathered by the op's data barrier
     dst[threadIdx.x] = threadIdx.x < sizeof(Layout) / 8 ? words[threadIdx.x] : 0;
   }
   if (L.kind == DEEP_EP_IC_KIND_DISPATCH) {  // also with no tokens: the prefix matrix must be zeros

@@ -77,3 +77,42 @@ pub fn intranode_copy_warps() -> i32 {
         }
     })
 }
+
+/// `DEEP_EP_INTRANODE_COMBINE`: `fused` (default: push and reduce overlapped in one kernel, per
+/// channel flags instead of a data barrier) or `split` (push kernel, data barrier, reduce
+/// kernel), the data path of the nccl backend's intranode combine; read once per process. Same
+/// results; all ranks must use the same. An unknown value keeps the default and says so.
+pub fn intranode_combine_fused() -> bool {
+    static FUSED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FUSED.get_or_init(|| match std::env::var("DEEP_EP_INTRANODE_COMBINE") {
+        Err(_) => true,
+        Ok(v) => match v.trim() {
+            "" | "fused" => true,
+            "split" => false,
+            other => {
+                eprintln!("[deep_ep] warn: DEEP_EP_INTRANODE_COMBINE={other:?} is not fused or split; using fused");
+                true
+            }
+        },
+    })
+}
+
+/// `DEEP_EP_INTRANODE_REDUCE_WARPS`: warps of each 16-warp block of the fused combine kernel that
+/// start reducing while the others push (1..15, default 4; push warps join the reduce when their
+/// rows are out); read once.
+pub fn intranode_reduce_warps() -> i32 {
+    static W: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
+    *W.get_or_init(|| {
+        let d = 4;
+        match std::env::var("DEEP_EP_INTRANODE_REDUCE_WARPS") {
+            Err(_) => d,
+            Ok(v) => match v.trim().parse::<i32>() {
+                Ok(w) if (1..=15).contains(&w) => w,
+                _ => {
+                    eprintln!("[deep_ep] warn: DEEP_EP_INTRANODE_REDUCE_WARPS={v:?} is not 1..15; using {d}");
+                    d
+                }
+            },
+        }
+    })
+}

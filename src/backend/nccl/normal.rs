@@ -139,7 +139,7 @@ impl NcclBackend {
                 e.rank, e.value, e.limit
             )),
             err::CAPACITY => {
-                let what = if matches!(e.site, site::COMBINE_START | site::COMBINE_DATA) { "combine" } else { "dispatch" };
+                let what = if matches!(e.site, site::COMBINE_START | site::COMBINE_DATA | site::COMBINE_RECV) { "combine" } else { "dispatch" };
                 Error::invalid(op, format!(
                     "tokens over capacity: a {what} needed {} KiB of rank {}'s NVLink window, which holds {} KiB (found at {where_}); every rank skipped that {what} (its outputs are invalid)",
                     e.value, e.rank, e.limit
@@ -263,6 +263,7 @@ impl NcclBackend {
             write_host_counts: host_counts as i32,
             expert_alignment: i32_of(a.expert_alignment),
             num_local_experts: i32_of(el),
+            ..Default::default()
         };
         self.barrier(DISPATCH, notify, a.stream)?;
         if !host_counts {
@@ -440,18 +441,29 @@ impl NcclBackend {
             off,
             ..Default::default()
         };
-        self.barrier(COMBINE, SyncArgs { site: site::COMBINE_START, op_start: 1, ..Default::default() }, a.stream)?;
+        let fused = crate::settings::intranode_combine_fused();
+        // Fused: the start barrier also publishes and gathers the layouts (op check) and zeroes
+        // the kernel's counters; split: the push kernel writes the header for the data barrier.
+        let start = if fused {
+            SyncArgs { site: site::COMBINE_START, op_start: 1, gather: 1, publish: 1, zero_counters: 1, layout, ..Default::default() }
+        } else {
+            SyncArgs { site: site::COMBINE_START, op_start: 1, ..Default::default() }
+        };
+        self.barrier(COMBINE, start, a.stream)?;
         let push = PushArgs {
             layout,
             x: ptr(&a.x),
             topk_weights: opt_ptr(a.topk_weights.as_ref()),
             rank_prefix_matrix: ptr(&a.handle.rank_prefix_matrix),
+            recv_channel_prefix_matrix: ptr(&a.handle.recv_channel_prefix_matrix),
             num_rows: rows as i64,
             num_blocks: i32_of(a.config.num_sms),
-            reserved: 0,
+            reduce_warps: crate::settings::intranode_reduce_warps(),
         };
-        intranode::combine_push(COMBINE, self.window.ctx(), &push, a.stream)?;
-        self.barrier(COMBINE, SyncArgs { site: site::COMBINE_DATA, gather: 1, ..Default::default() }, a.stream)?;
+        if !fused {
+            intranode::combine_push(COMBINE, self.window.ctx(), &push, a.stream)?;
+            self.barrier(COMBINE, SyncArgs { site: site::COMBINE_DATA, gather: 1, ..Default::default() }, a.stream)?;
+        }
         let args = KCombine {
             rank_prefix_matrix: ptr(&a.handle.rank_prefix_matrix),
             channel_prefix_matrix: ptr(&a.handle.channel_prefix_matrix),
@@ -467,6 +479,9 @@ impl NcclBackend {
             num_channels: i32_of(c),
             num_blocks: i32_of(a.config.num_sms),
         };
+        if fused {
+            return intranode::combine_fused(COMBINE, self.window.ctx(), &push, &args, a.stream);
+        }
         intranode::combine(COMBINE, self.window.ctx(), &args, a.stream)
     }
 }

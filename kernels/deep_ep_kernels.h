@@ -223,7 +223,8 @@ typedef struct {
   const int32_t* rpm_in;        /* [R, R] or NULL */
   const int32_t* rcpm_in;       /* [R, C] or NULL */
   int64_t num_rows;
-  int32_t topk_is_int64, num_local_experts, num_blocks, reserved;
+  int32_t topk_is_int64, num_local_experts, num_blocks;
+  int32_t unroll; /* pull: 16-byte loads in flight per lane of a row copy, 8 (or 0) or 16 */
 } deep_ep_ic_pull_args_t;
 int deep_ep_ic_pull(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_pull_args_t* args, void* stream);
 
@@ -283,6 +284,8 @@ typedef struct {
   int64_t num_rows;
   int32_t num_blocks;
   int32_t reduce_warps;                 /* fused combine: warps per block that start reducing, 1..15 */
+  int32_t push_unroll;                  /* fused combine: 16-byte loads in flight per lane, 8 or 16 */
+  int32_t reserved;
 } deep_ep_ic_push_args_t;
 int deep_ep_ic_combine_push(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_push_args_t* args, void* stream);
 

@@ -142,23 +142,24 @@ __device__ bool wait_flag(const Ctx& c, int s, int ch, uint64_t epoch, int site)
 
 // ---- copies ----------------------------------------------------------------------------------
 // One warp copies `bytes` from `src` to `dst`: 16-byte L2-only loads (peer memory changes between
-// ops, so no non-coherent cache path), kUnroll loads in flight per lane; bytes one by one when
-// either side is not 16-byte aligned.
+// ops, so no non-coherent cache path), kU loads in flight per lane (kUnroll by default); bytes one
+// by one when either side is not 16-byte aligned.
 constexpr int kUnroll = 8;
+template <int kU = kUnroll>
 __device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t bytes, int lane) {
   if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes)) & 15) == 0) {
     const int4* s = static_cast<const int4*>(src);
     int4* d = static_cast<int4*>(dst);
     const int64_t n = bytes / 16;
-    for (int64_t base = 0; base < n; base += 32 * kUnroll) {
-      int4 v[kUnroll];
+    for (int64_t base = 0; base < n; base += 32 * kU) {
+      int4 v[kU];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
+      for (int u = 0; u < kU; ++u) {
         const int64_t i = base + u * 32 + lane;
         if (i < n) v[u] = __ldcg(s + i);
       }
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
+      for (int u = 0; u < kU; ++u) {
         const int64_t i = base + u * 32 + lane;
         if (i < n) d[i] = v[u];
       }

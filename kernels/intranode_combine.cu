@@ -303,7 +303,10 @@ __device__ __forceinline__ void push_range(const int* rpm, const int* rcpm, int 
 
 // Push warps: units (channel, peer s = me + v, chunk of kPushRows rows) in that order; this warp
 // takes units gwarp, gwarp + warps, ... A warp fences once per channel it worked on, then counts
-// its rows per peer; the count that completes (s, ch) raises flag (me, ch) in s's window.
+// its rows per peer; the count that completes (s, ch) raises flag (me, ch) in s's window. kU:
+// 16-byte loads in flight per lane (a template argument of the kernel, so the registers of the
+// deeper copy do not change the other instantiation's reduce loop).
+template <int kU>
 __device__ void push_rows(const Ctx& c, const deep_ep_ic_push_args_t& p, int C, const int* rpm, const int64_t* s_base,
                           const uint64_t* s_woff, uint64_t epoch, int64_t gwarp, int64_t warps, int lane) {
   const int R = c.num_ranks, me = c.rank;
@@ -361,7 +364,7 @@ __device__ void push_rows(const Ctx& c, const deep_ep_ic_push_args_t& p, int C, 
     const int64_t a0 = lo + (u - first) * kPushRows, a1 = min(a0 + kPushRows, hi);
     char* dst = window(c, s);
     const int64_t row = s_base[s] + (a0 - xb);  // rows follow each other in both windows
-    warp_copy(dst + DEEP_EP_IC_CONTROL_BYTES + row * rb, x + a0 * rb, (a1 - a0) * rb, lane);
+    warp_copy<kU>(dst + DEEP_EP_IC_CONTROL_BYTES + row * rb, x + a0 * rb, (a1 - a0) * rb, lane);
     if (p.topk_weights != nullptr) {
       float* w = reinterpret_cast<float*>(dst + s_woff[s]) + row * K;
       for (int64_t i = lane; i < (a1 - a0) * K; i += 32) w[i] = p.topk_weights[a0 * K + i];
@@ -440,7 +443,7 @@ __device__ void reduce_rows(const Ctx& c, const deep_ep_ic_push_args_t& p, const
   }
 }
 
-template <int kR>
+template <int kR, int kU>
 __global__ void __launch_bounds__(kThreads) combine_fused_kernel(const __grid_constant__ Ctx c, const __grid_constant__ deep_ep_ic_push_args_t p,
                                                                  const __grid_constant__ deep_ep_ic_combine_args_t a) {
   __shared__ int s_rpm[kMaxRanks * kMaxRanks];
@@ -467,7 +470,7 @@ __global__ void __launch_bounds__(kThreads) combine_fused_kernel(const __grid_co
   const uint64_t epoch = ld_volatile(at<const uint64_t>(local(c), kScrEpoch));  // the start barrier's: equal on all ranks
   const int push_warps = kWarps - p.reduce_warps;
   if (warp < push_warps) {
-    push_rows(c, p, a.num_channels, s_rpm, s_base, s_woff, epoch, static_cast<int64_t>(blockIdx.x) * push_warps + warp,
+    push_rows<kU>(c, p, a.num_channels, s_rpm, s_base, s_woff, epoch, static_cast<int64_t>(blockIdx.x) * push_warps + warp,
               static_cast<int64_t>(gridDim.x) * push_warps, lane);
   }
   reduce_rows<kR>(c, p, a, s_rpm, s_rbase, s_count, epoch, lane);
@@ -505,9 +508,17 @@ extern "C" int deep_ep_ic_combine_fused(const deep_ep_ic_ctx_t* ctx, const deep_
   DEEP_EP_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const int blocks = sms > 0 ? min(args->num_blocks, sms) : args->num_blocks;
   const cudaStream_t s = as_stream(stream);
-  if (ctx->num_ranks <= 2) combine_fused_kernel<2><<<blocks, kThreads, 0, s>>>(*ctx, *push, *args);
-  else if (ctx->num_ranks <= 4) combine_fused_kernel<4><<<blocks, kThreads, 0, s>>>(*ctx, *push, *args);
-  else combine_fused_kernel<8><<<blocks, kThreads, 0, s>>>(*ctx, *push, *args);
+  const bool deep = push->push_unroll >= 16;
+  if (ctx->num_ranks <= 2) {
+    if (deep) combine_fused_kernel<2, 16><<<blocks, kThreads, 0, s>>>(*ctx, *push, *args);
+    else combine_fused_kernel<2, 8><<<blocks, kThreads, 0, s>>>(*ctx, *push, *args);
+  } else if (ctx->num_ranks <= 4) {
+    if (deep) combine_fused_kernel<4, 16><<<blocks, kThreads, 0, s>>>(*ctx, *push, *args);
+    else combine_fused_kernel<4, 8><<<blocks, kThreads, 0, s>>>(*ctx, *push, *args);
+  } else {
+    if (deep) combine_fused_kernel<8, 16><<<blocks, kThreads, 0, s>>>(*ctx, *push, *args);
+    else combine_fused_kernel<8, 8><<<blocks, kThreads, 0, s>>>(*ctx, *push, *args);
+  }
   return cudaGetLastError();
 }
 

@@ -30,6 +30,9 @@ __device__ __forceinline__ void load_layouts(const Ctx& c, Layout* s_layout) {
 // one warp's NVLink loads; the task's send_head reads cost one round trip).
 constexpr int kTaskTokens = 8;
 
+// kU: 16-byte loads in flight per lane of a row copy (8, or 16: half the NVLink round trips per
+// row, more registers; DEEP_EP_INTRANODE_PULL_UNROLL).
+template <int kU>
 __global__ void __launch_bounds__(kThreads) pull_kernel(const __grid_constant__ Ctx c, const __grid_constant__ deep_ep_ic_pull_args_t a) {
   __shared__ Layout s_layout[kMaxRanks];
   __shared__ int64_t s_task_start[kMaxRanks + 1];
@@ -119,7 +122,7 @@ __global__ void __launch_bounds__(kThreads) pull_kernel(const __grid_constant__ 
       mask &= mask - 1;
       const int64_t r = __shfl_sync(0xffffffffu, row, b);
       const int64_t tok = first + b;
-      warp_copy(recv_x + r * rb, src + L.off[DEEP_EP_IC_SEC_X] + tok * rb, rb, lane);
+      warp_copy<kU>(recv_x + r * rb, src + L.off[DEEP_EP_IC_SEC_X] + tok * rb, rb, lane);
       if (recv_scales != nullptr) {
         const uint32_t* sc = reinterpret_cast<const uint32_t*>(src + L.off[DEEP_EP_IC_SEC_SCALES]) + tok * S;
         for (int64_t j = lane; j < S; j += 32) recv_scales[r * S + j] = __ldcg(sc + j);
@@ -152,6 +155,7 @@ extern "C" int deep_ep_ic_pull(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_pul
   if (!ctx_ok(ctx) || args == nullptr || args->num_blocks < 1 || args->num_rows < 0 ||
       (args->num_rows > 0 && args->recv_x == nullptr) || args->num_local_experts < 0)
     return cudaErrorInvalidValue;
-  pull_kernel<<<args->num_blocks, kThreads, 0, as_stream(stream)>>>(*ctx, *args);
+  if (args->unroll >= 16) pull_kernel<16><<<args->num_blocks, kThreads, 0, as_stream(stream)>>>(*ctx, *args);
+  else pull_kernel<8><<<args->num_blocks, kThreads, 0, as_stream(stream)>>>(*ctx, *args);
   return cudaGetLastError();
 }

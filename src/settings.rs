@@ -116,3 +116,31 @@ pub fn intranode_reduce_warps() -> i32 {
         }
     })
 }
+
+/// 8 or 16 from `var` (default 8); anything else keeps the default and says so.
+fn unroll_knob(var: &str) -> i32 {
+    match std::env::var(var) {
+        Err(_) => 8,
+        Ok(v) => match v.trim().parse::<i32>() {
+            Ok(u) if u == 8 || u == 16 => u,
+            _ => {
+                eprintln!("[deep_ep] warn: {var}={v:?} is not 8 or 16; using 8");
+                8
+            }
+        },
+    }
+}
+
+/// `DEEP_EP_INTRANODE_PUSH_UNROLL`: 16-byte loads in flight per lane of a push warp of the fused
+/// combine, 8 (default) or 16 (twice the bytes in flight per warp); read once.
+pub fn intranode_push_unroll() -> i32 {
+    static U: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
+    *U.get_or_init(|| unroll_knob("DEEP_EP_INTRANODE_PUSH_UNROLL"))
+}
+
+/// `DEEP_EP_INTRANODE_PULL_UNROLL`: 16-byte loads in flight per lane of a row copy of the pull
+/// dispatch, 8 (default) or 16 (half the NVLink round trips per row); read once.
+pub fn intranode_pull_unroll() -> i32 {
+    static U: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
+    *U.get_or_init(|| unroll_knob("DEEP_EP_INTRANODE_PULL_UNROLL"))
+}

@@ -174,6 +174,9 @@ pub struct PushArgs {
     pub num_blocks: i32,
     /// Fused combine: warps per block that start reducing (1..15); the others push first.
     pub reduce_warps: i32,
+    /// Fused combine: 16-byte loads in flight per lane of a push warp (8 or 16).
+    pub push_unroll: i32,
+    pub reserved: i32,
 }
 
 /// `deep_ep_ic_pull_args_t` (null pointer = absent output / use notify's input).
@@ -195,7 +198,8 @@ pub struct PullArgs {
     pub topk_is_int64: i32,
     pub num_local_experts: i32,
     pub num_blocks: i32,
-    pub reserved: i32,
+    /// Pull: 16-byte loads in flight per lane of a row copy (8 or 16; 0 = 8).
+    pub unroll: i32,
 }
 
 /// `deep_ep_ic_dispatch_push_args_t` (null pointer = absent input or output; null send_head /

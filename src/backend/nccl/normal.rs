@@ -304,6 +304,7 @@ impl NcclBackend {
             topk_is_int64: is_int64(o.recv_topk_idx.as_ref()),
             num_local_experts: i32_of(a.num_experts / nr),
             num_blocks: i32_of(a.config.num_sms),
+            unroll: crate::settings::intranode_pull_unroll(),
             ..Default::default()
         };
         if crate::settings::intranode_dispatch_pull() {
@@ -392,6 +393,7 @@ impl NcclBackend {
             rcpm_in: ptr(&a.handle.recv_channel_prefix_matrix),
             num_rows: rows as i64,
             num_blocks: i32_of(a.config.num_sms),
+            unroll: crate::settings::intranode_pull_unroll(),
             ..Default::default()
         };
         if crate::settings::intranode_dispatch_pull() {
@@ -459,6 +461,8 @@ impl NcclBackend {
             num_rows: rows as i64,
             num_blocks: i32_of(a.config.num_sms),
             reduce_warps: crate::settings::intranode_reduce_warps(),
+            push_unroll: crate::settings::intranode_push_unroll(),
+            reserved: 0,
         };
         if !fused {
             intranode::combine_push(COMBINE, self.window.ctx(), &push, a.stream)?;

@@ -1,15 +1,15 @@
 //! Normal-mode (high-throughput) ops of the NCCL backend, intranode. Same results as
 //! `backend/cpu/ht.rs`, bit for bit.
 //!
-//! Every op is four launches on the caller's stream (the pull model; with
-//! `DEEP_EP_INTRANODE_DISPATCH=push`, dispatch uses the push model below):
+//! Every (cached) dispatch is four launches on the caller's stream (the pull model; with
+//! `DEEP_EP_INTRANODE_DISPATCH=push`, dispatch uses the push model below; combine: see below):
 //! - K0 `sync` (start barrier): every peer finished reading this rank's previously staged data;
 //! - K1 `stage`: this rank's inputs into its own window (plus, for dispatch, its send side:
 //!   `send_head` and `channel_prefix_matrix`), with a layout header peers read;
 //! - K2 `sync` (data barrier): gathers every peer's layout and checks that all ranks run the same
 //!   op; for dispatch it also notifies (rank_prefix_matrix, receiver channel starts, receive
 //!   counts into host-mapped memory);
-//! - K3 `pull` / `combine`: this rank reads what it receives from the peers' windows.
+//! - K3 `pull`: this rank reads what it receives from the peers' windows.
 //!
 //! Push model of (cached) dispatch: K1 stages only the small send side (no copy of x), and K3 is
 //! `dispatch_push`: every rank reads its rows of x once and stores them (with scales, top-k ids
@@ -20,9 +20,18 @@
 //! as soon as its flag is up (local copies overlapping the NVLink stores), and write the padding
 //! and handle outputs. Same rows, same bits.
 //!
-//! Combine differs in K1: instead of staging, every rank pushes the rows it holds straight into
-//! the windows of the ranks they came from (remote stores; offsets from the handle's
-//! rank_prefix_matrix, which every rank has in full), and K3 reduces from its own window only.
+//! Combine (fused, the default; `kernels/intranode_combine.cu`) is two launches: K0 `sync` that
+//! also publishes this rank's layout and gathers every peer's (the op check the data barrier did;
+//! headers sit in two slots picked by the barrier epoch's parity, so publishing before the barrier
+//! that reads them cannot race a slow peer's previous read) and zeroes the kernel's counters, then
+//! `combine_fused`: push warps store the rows this rank holds straight into the windows of the
+//! ranks they came from (remote stores; offsets from the handle's rank_prefix_matrix, which every
+//! rank has in full), channel by channel, and raise flag (rank, channel) in the destination's
+//! window when all its rows of that channel are there; reduce warps of every rank reduce a channel
+//! from their own window as soon as every peer's flag for it is up. So the SM-bound reduce runs
+//! under the NVLink-bound push instead of after a data barrier. With
+//! `DEEP_EP_INTRANODE_COMBINE=split`, combine keeps the four launches: K1 push, K2 data barrier
+//! (gather, op check), K3 reduce from the own window only. Same rows, same order, same bits.
 //!
 //! Only a dispatch without `num_worst_tokens` waits on the host (for the receive counts between
 //! K2 and K3, `dispatch_prepare` → `dispatch_finish`); everything else is CUDA-graph capturable.
@@ -33,8 +42,8 @@
 //! rank whose staged data does not fit: its peers then time out at the next barrier (known
 //! limitation: unlike the CPU backend, such an error is not raised on every rank at once). For
 //! combine the host checks its own rows; the exact need of every window depends on the routing
-//! (device data), so the push kernel checks it on every rank (all find the same), skips the op
-//! everywhere and records the error for the next call.
+//! (device data), so the (fused) push kernel checks it on every rank (all find the same), skips
+//! the op everywhere and records the error for the next call.
 
 use super::NcclBackend;
 use crate::backend::{CachedDispatchArgs, CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, DispatchPlan};

@@ -224,7 +224,9 @@ typedef struct {
   const int32_t* rcpm_in;       /* [R, C] or NULL */
   int64_t num_rows;
   int32_t topk_is_int64, num_local_experts, num_blocks;
-  int32_t unroll; /* pull: 16-byte loads in flight per lane of a row copy, 8 (or 0) or 16 */
+  int32_t unroll;  /* pull: 16-byte loads in flight per lane of a row copy: 8 (or 0), 16, or 4 with 1024 threads */
+  int32_t threads; /* pull: threads per block, 512 (or 0) or 1024 */
+  int32_t reserved;
 } deep_ep_ic_pull_args_t;
 int deep_ep_ic_pull(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_pull_args_t* args, void* stream);
 
@@ -285,7 +287,7 @@ typedef struct {
   int32_t num_blocks;
   int32_t reduce_warps;                 /* fused combine: warps per block that start reducing, 1..15 */
   int32_t push_unroll;                  /* fused combine: 16-byte loads in flight per lane, 8 or 16 */
-  int32_t reserved;
+  int32_t threads;                      /* split combine: threads per block of the push kernel, 512 (or 0) or 1024 */
 } deep_ep_ic_push_args_t;
 int deep_ep_ic_combine_push(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_push_args_t* args, void* stream);
 

@@ -187,7 +187,10 @@ __device__ __forceinline__ int64_t row_pos(int in, int cp, int sh, const int64_t
 
 // ---- split path -------------------------------------------------------------------------------
 // K1 of combine: this rank's received rows go back into the windows of the ranks they came from.
-__global__ void __launch_bounds__(kThreads) push_kernel(const __grid_constant__ Ctx c, const __grid_constant__ deep_ep_ic_push_args_t a) {
+// kT: threads per block, kThreads or 1024 (DEEP_EP_INTRANODE_COMBINE_THREADS: twice the warps
+// storing over NVLink per SM, to measure whether the push rate follows the number of warps).
+template <int kT>
+__global__ void __launch_bounds__(kT) push_kernel(const __grid_constant__ Ctx c, const __grid_constant__ deep_ep_ic_push_args_t a) {
   __shared__ int s_rpm[kMaxRanks * kMaxRanks];
   __shared__ int64_t s_base[kMaxRanks];    // s_base[s]: where this rank's rows start in s's window
   __shared__ uint64_t s_woff[kMaxRanks];   // weights offset in s's window
@@ -526,7 +529,8 @@ extern "C" int deep_ep_ic_combine_push(const deep_ep_ic_ctx_t* ctx, const deep_e
   if (!ctx_ok(ctx) || args == nullptr || args->num_blocks < 1 || args->num_rows < 0 || args->layout.row_bytes < 0 ||
       args->layout.num_topk < 0 || (args->num_rows > 0 && args->x == nullptr) || args->rank_prefix_matrix == nullptr)
     return cudaErrorInvalidValue;
-  push_kernel<<<args->num_blocks, kThreads, 0, as_stream(stream)>>>(*ctx, *args);
+  if (args->threads >= 1024) push_kernel<1024><<<args->num_blocks, 1024, 0, as_stream(stream)>>>(*ctx, *args);
+  else push_kernel<kThreads><<<args->num_blocks, kThreads, 0, as_stream(stream)>>>(*ctx, *args);
   return cudaGetLastError();
 }
 

@@ -31,9 +31,12 @@ __device__ __forceinline__ void load_layouts(const Ctx& c, Layout* s_layout) {
 constexpr int kTaskTokens = 8;
 
 // kU: 16-byte loads in flight per lane of a row copy (8, or 16: half the NVLink round trips per
-// row, more registers; DEEP_EP_INTRANODE_PULL_UNROLL).
-template <int kU>
-__global__ void __launch_bounds__(kThreads) pull_kernel(const __grid_constant__ Ctx c, const __grid_constant__ deep_ep_ic_pull_args_t a) {
+// row, more registers; 4 or 8 with 1024 threads; DEEP_EP_INTRANODE_PULL_UNROLL). kT: threads per
+// block, kThreads or 1024 (DEEP_EP_INTRANODE_PULL_THREADS: twice the warps per SM at a
+// 64-register cap; measured so far: the NVLink rate follows the number of warps with copies in
+// flight rather than their depth, bench/NOTES.md).
+template <int kU, int kT>
+__global__ void __launch_bounds__(kT) pull_kernel(const __grid_constant__ Ctx c, const __grid_constant__ deep_ep_ic_pull_args_t a) {
   __shared__ Layout s_layout[kMaxRanks];
   __shared__ int64_t s_task_start[kMaxRanks + 1];
   if (op_cancelled(c)) return;
@@ -155,7 +158,14 @@ extern "C" int deep_ep_ic_pull(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_pul
   if (!ctx_ok(ctx) || args == nullptr || args->num_blocks < 1 || args->num_rows < 0 ||
       (args->num_rows > 0 && args->recv_x == nullptr) || args->num_local_experts < 0)
     return cudaErrorInvalidValue;
-  if (args->unroll >= 16) pull_kernel<16><<<args->num_blocks, kThreads, 0, as_stream(stream)>>>(*ctx, *args);
-  else pull_kernel<8><<<args->num_blocks, kThreads, 0, as_stream(stream)>>>(*ctx, *args);
+  const cudaStream_t s = as_stream(stream);
+  if (args->threads >= 1024) {
+    // No unroll 16 here: at 64 registers it spills ~750 bytes.
+    if (args->unroll > 0 && args->unroll <= 4) pull_kernel<4, 1024><<<args->num_blocks, 1024, 0, s>>>(*ctx, *args);
+    else pull_kernel<8, 1024><<<args->num_blocks, 1024, 0, s>>>(*ctx, *args);
+  } else {
+    if (args->unroll >= 16) pull_kernel<16, kThreads><<<args->num_blocks, kThreads, 0, s>>>(*ctx, *args);
+    else pull_kernel<8, kThreads><<<args->num_blocks, kThreads, 0, s>>>(*ctx, *args);
+  }
   return cudaGetLastError();
 }

@@ -117,15 +117,16 @@ pub fn intranode_reduce_warps() -> i32 {
     })
 }
 
-/// 8 or 16 from `var` (default 8); anything else keeps the default and says so.
-fn unroll_knob(var: &str) -> i32 {
+/// One of `allowed` from `var` (default `allowed[0]`); anything else keeps the default and says so.
+fn choice_knob(var: &str, allowed: &[i32]) -> i32 {
+    let d = allowed[0];
     match std::env::var(var) {
-        Err(_) => 8,
+        Err(_) => d,
         Ok(v) => match v.trim().parse::<i32>() {
-            Ok(u) if u == 8 || u == 16 => u,
+            Ok(u) if allowed.contains(&u) => u,
             _ => {
-                eprintln!("[deep_ep] warn: {var}={v:?} is not 8 or 16; using 8");
-                8
+                eprintln!("[deep_ep] warn: {var}={v:?} is not one of {allowed:?}; using {d}");
+                d
             }
         },
     }
@@ -135,12 +136,28 @@ fn unroll_knob(var: &str) -> i32 {
 /// combine, 8 (default) or 16 (twice the bytes in flight per warp); read once.
 pub fn intranode_push_unroll() -> i32 {
     static U: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
-    *U.get_or_init(|| unroll_knob("DEEP_EP_INTRANODE_PUSH_UNROLL"))
+    *U.get_or_init(|| choice_knob("DEEP_EP_INTRANODE_PUSH_UNROLL", &[8, 16]))
 }
 
 /// `DEEP_EP_INTRANODE_PULL_UNROLL`: 16-byte loads in flight per lane of a row copy of the pull
-/// dispatch, 8 (default) or 16 (half the NVLink round trips per row); read once.
+/// dispatch, 8 (default), 16 (half the NVLink round trips per row; 512-thread blocks only) or 4
+/// (with 1024-thread blocks: the bytes in flight per SM of 512 x 8); read once.
 pub fn intranode_pull_unroll() -> i32 {
     static U: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
-    *U.get_or_init(|| unroll_knob("DEEP_EP_INTRANODE_PULL_UNROLL"))
+    *U.get_or_init(|| choice_knob("DEEP_EP_INTRANODE_PULL_UNROLL", &[8, 16, 4]))
+}
+
+/// `DEEP_EP_INTRANODE_PULL_THREADS`: threads per block of the pull dispatch kernel, 512 (default)
+/// or 1024 (twice the warps per SM, 64 registers each); read once.
+pub fn intranode_pull_threads() -> i32 {
+    static T: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
+    *T.get_or_init(|| choice_knob("DEEP_EP_INTRANODE_PULL_THREADS", &[512, 1024]))
+}
+
+/// `DEEP_EP_INTRANODE_COMBINE_THREADS`: threads per block of the split combine's push kernel
+/// (`DEEP_EP_INTRANODE_COMBINE=split`), 512 (default) or 1024 (twice the warps storing over NVLink
+/// per SM: measures whether the push rate follows the number of warps); read once.
+pub fn intranode_combine_threads() -> i32 {
+    static T: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
+    *T.get_or_init(|| choice_knob("DEEP_EP_INTRANODE_COMBINE_THREADS", &[512, 1024]))
 }

@@ -176,7 +176,8 @@ pub struct PushArgs {
     pub reduce_warps: i32,
     /// Fused combine: 16-byte loads in flight per lane of a push warp (8 or 16).
     pub push_unroll: i32,
-    pub reserved: i32,
+    /// Fused combine: threads per block (512 or 1024; 0 = 512).
+    pub threads: i32,
 }
 
 /// `deep_ep_ic_pull_args_t` (null pointer = absent output / use notify's input).
@@ -198,8 +199,12 @@ pub struct PullArgs {
     pub topk_is_int64: i32,
     pub num_local_experts: i32,
     pub num_blocks: i32,
-    /// Pull: 16-byte loads in flight per lane of a row copy (8 or 16; 0 = 8).
+    /// Pull: 16-byte loads in flight per lane of a row copy (8 or 16, or 4 with 1024 threads;
+    /// 0 = 8).
     pub unroll: i32,
+    /// Pull: threads per block (512 or 1024; 0 = 512).
+    pub threads: i32,
+    pub reserved: i32,
 }
 
 /// `deep_ep_ic_dispatch_push_args_t` (null pointer = absent input or output; null send_head /

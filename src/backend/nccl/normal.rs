@@ -314,6 +314,7 @@ impl NcclBackend {
             num_local_experts: i32_of(a.num_experts / nr),
             num_blocks: i32_of(a.config.num_sms),
             unroll: crate::settings::intranode_pull_unroll(),
+            threads: crate::settings::intranode_pull_threads(),
             ..Default::default()
         };
         if crate::settings::intranode_dispatch_pull() {
@@ -403,6 +404,7 @@ impl NcclBackend {
             num_rows: rows as i64,
             num_blocks: i32_of(a.config.num_sms),
             unroll: crate::settings::intranode_pull_unroll(),
+            threads: crate::settings::intranode_pull_threads(),
             ..Default::default()
         };
         if crate::settings::intranode_dispatch_pull() {
@@ -471,7 +473,7 @@ impl NcclBackend {
             num_blocks: i32_of(a.config.num_sms),
             reduce_warps: crate::settings::intranode_reduce_warps(),
             push_unroll: crate::settings::intranode_push_unroll(),
-            reserved: 0,
+            threads: crate::settings::intranode_combine_threads(),
         };
         if !fused {
             intranode::combine_push(COMBINE, self.window.ctx(), &push, a.stream)?;

@@ -318,6 +318,13 @@ fn main() {
             fail(&[e], &py);
         }
     }
+    if feature("nvshmem") {
+        // Tests only: the wheel's libnvshmem_host.so.3, when the build's python has one. The
+        // feature itself needs nothing at build time (src/ffi/nvshmem.rs declares the symbols).
+        if let Ok(p) = py.find_in_site("nvidia/nvshmem/lib/libnvshmem_host.so.3") {
+            println!("cargo:rustc-env=DEEP_EP_BUILD_NVSHMEM_HOME={}", ancestor(&p, 2).display());
+        }
+    }
     // Reported by `deep_ep::build_info` (src/build_info.rs).
     println!("cargo:rustc-env=DEEP_EP_BUILD_CUDA_ARCHS={}", if want_cuda { archs.join(",") } else { String::new() });
     println!("cargo:rustc-env=DEEP_EP_BUILD_CUDART={}", if want_cuda { cudart.as_str() } else { "" });

@@ -5,7 +5,14 @@
 # Writes OUT_DIR/suite.log (every step's output and exit status), the benchmarks' JSON and
 # OUT_DIR/test-logs.tgz (the tests' per-rank results).
 # Sizes are scaled down from the tests' defaults so that the whole pass fits in ~9 minutes; the
-# variables below restore the full sizes.
+# variables below restore the full sizes. STEPS="a b ..." runs only the named steps (the OPTIONAL ones below run
+# only when named there);
+# LIMIT_<step>=seconds changes one step's time limit.
+#   SOAK_SCALE=1   full-size soak (tests/gpu/test_soak.py: 1000 HT iterations, 100 create/destroy
+#                  cycles, 10,000 LL graph replays; ~3 min) as its own step `soak_full` (limit
+#                  SOAK_LIMIT s, default 300; summary lines in OUT_DIR/soak-summary.txt) instead of
+#                  the scaled soak in `reliability`.
+#   STEPS="a b"    run only the named steps (e.g. STEPS=soak_full, or STEPS="bad_input reliability").
 set -u
 out=${1:?usage: bench/gpu_suite.sh OUT_DIR [LIBRARY]}
 lib=${2:-$PWD/target/release/libdeep_ep.so}
@@ -16,9 +23,13 @@ export PYTHONPATH=$PWD/python DEEP_EP_LIBRARY=$lib DEEP_EP_TEST_LOG=$tests_log
 log=$out/suite.log
 : >"$log"
 
+OPTIONAL="low_latency_4 rank_mask ll_count transport bench_ll bench_intranode"  # only when named in STEPS
 step() {  # step NAME SECONDS COMMAND...
-  local name=$1 limit=$2
+  local name=$1 limit=$2 over="LIMIT_$1"
+  limit=${!over:-$limit}  # LIMIT_<step>=seconds overrides a step's limit
   shift 2
+  if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]]; then return 0; fi
+  if [ -z "${STEPS:-}" ] && [[ " $OPTIONAL " == *" $name "* ]]; then return 0; fi
   local t0=$SECONDS
   echo "=== $name (limit ${limit}s): $*" | tee -a "$log"
   timeout -k 10 "$limit" "$@" >>"$log" 2>&1
@@ -30,9 +41,22 @@ python3 -c 'import torch; print("torch", torch.__version__, "gpus", torch.cuda.d
 step smoke 60 python3 -m pytest -q tests/gpu/test_smoke.py
 step intranode 120 env DEEP_EP_INTRANODE_CONFIGS=${INTRANODE_CONFIGS:-25} python3 -m pytest -q tests/gpu/test_intranode.py
 step low_latency 240 env DEEP_EP_LL_SECONDS=${LL_SECONDS:-25} DEEP_EP_LL_REPLAYS=${LL_REPLAYS:-1000} DEEP_EP_LL_CHECK_EVERY=${LL_CHECK_EVERY:-50} python3 -m pytest -q tests/gpu/test_low_latency.py
+step low_latency_4 120 env DEEP_EP_LL_SECONDS=${LL_SECONDS:-25} DEEP_EP_LL_REPLAYS=${LL_REPLAYS:-1000} DEEP_EP_LL_CHECK_EVERY=${LL_CHECK_EVERY:-50} python3 -m pytest -q tests/gpu/test_low_latency.py -k 4
+step rank_mask 60 python3 -m pytest -q -rs tests/gpu/test_rank_mask_gpu.py
+step ll_count 150 env DEEP_EP_LL_COUNT_REPLAYS=${LL_COUNT_REPLAYS:-50} python3 -m pytest -q -rs tests/gpu/test_ll_device_count.py
+step transport 60 python3 -m pytest -q -rs tests/gpu/test_transport_selftest.py
 step compile_cuda 120 python3 -m pytest -q -rs tests/gpu/test_compile_cuda.py
+step bench_ll 60 torchrun --nproc-per-node 4 bench/low_latency.py --tokens 128 --out "$out/low-latency.json"
+step bench_intranode 75 torchrun --nproc-per-node 4 bench/intranode.py --sms ${BENCH_SMS:-20 24} --iters 15 --out "$out/intranode.json"
 step bench_intranode_pull 75 env DEEP_EP_INTRANODE_DISPATCH=pull torchrun --nproc-per-node 4 bench/intranode.py --sms 20 24 --iters 15 --out "$out/intranode-pull.json"
 step bench_intranode_push 75 env DEEP_EP_INTRANODE_DISPATCH=push torchrun --nproc-per-node 4 bench/intranode.py --sms 20 24 --iters 15 --out "$out/intranode-push.json"
-step reliability 120 env DEEP_EP_SOAK_SCALE=${SOAK_SCALE:-0.2} python3 -m pytest -q -rs tests/gpu/test_recovery.py tests/gpu/test_bad_input_gpu.py tests/gpu/test_soak.py tests/gpu/test_rank_mask_gpu.py
+if [ "${SOAK_SCALE:-0.2}" = "1" ]; then
+  step bad_input 90 python3 -m pytest -q -rs tests/gpu/test_bad_input_gpu.py
+  step reliability 120 python3 -m pytest -q -rs tests/gpu/test_recovery.py tests/gpu/test_rank_mask_gpu.py
+  step soak_full ${SOAK_LIMIT:-300} env DEEP_EP_SOAK_SCALE=1 python3 -m pytest -q -rs -s tests/gpu/test_soak.py
+  cp "$tests_log/soak-summary.txt" "$out/" 2>/dev/null
+else
+  step reliability 120 env DEEP_EP_SOAK_SCALE=${SOAK_SCALE:-0.2} python3 -m pytest -q -rs tests/gpu/test_recovery.py tests/gpu/test_bad_input_gpu.py tests/gpu/test_soak.py tests/gpu/test_rank_mask_gpu.py
+fi
 tar czf "$out/test-logs.tgz" -C "$tests_log" . 2>/dev/null
 echo "=== done" | tee -a "$log"

@@ -156,6 +156,12 @@ int deep_ep_ll_combine_send(int64_t handle, const deep_ep_ll_params_t* p, const 
 int deep_ep_ll_combine_recv(int64_t handle, const deep_ep_ll_params_t* p, const deep_ep_tensor_t* topk_idx,
                             const deep_ep_tensor_t* topk_weights, const deep_ep_tensor_t* recv_state, const deep_ep_tensor_t* out,
                             const deep_ep_tensor_t* wait_recv_cost_stats);
+// Local. The optional num_tokens (int32 [] or [1] on the buffer's device) of an LL dispatch
+// (which = 0) or combine (which = 1): out [N,K] (dtype of topk_idx, not aliasing it) = topk_idx
+// with rows >= num_tokens set to -1. The op then passes out as its topk_idx. On CUDA: one kernel
+// on `stream`, no host sync, num_tokens clamped to 0..=N on the device; on CPU: out of range fails.
+int deep_ep_ll_mask_rows(int64_t handle, int32_t which, const deep_ep_tensor_t* topk_idx, const deep_ep_tensor_t* num_tokens,
+                         const deep_ep_tensor_t* out, void* stream);
 int deep_ep_ll_clean(int64_t handle, const deep_ep_ll_params_t* p);
 // Fills *view with a bf16 view [E_l, R*T, H] into the buffer (valid while the buffer lives).
 int deep_ep_ll_next_combine_buffer(int64_t handle, const deep_ep_ll_params_t* p, deep_ep_tensor_t* view);

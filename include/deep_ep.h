@@ -34,13 +34,17 @@
 //           collective; unweighted fp32 sum in ascending rank order
 //   low_latency_dispatch(int handle, Tensor x [N,H] bf16, Tensor topk_idx [N,K], Tensor? topk_weights,
 //            Tensor(a!)? cumulative_local_expert_recv_stats, Tensor(b!)? dispatch_wait_recv_cost_stats,
-//            int T, int num_experts, bool use_fp8, bool round_scale, bool use_ue8m0)
+//            int T, int num_experts, bool use_fp8, bool round_scale, bool use_ue8m0, Tensor? num_tokens=None)
 //       -> (recv_x [E_l,R*T,H], recv_x_scales, recv_count [E_l] i32, src_info [E_l,R*T] i32,
 //           layout_range [E_l,R] i64)                                                   collective
+//            num_tokens: int32 [] or [1] on x's device, the real rows n <= N; rows >= n are not
+//            routed (as if topk_idx were -1), read on the device: one captured graph serves any
+//            batch. Out of 0..=N: raises on CPU buffers, clamped on CUDA buffers.
 //   low_latency_combine(int handle, Tensor x [E_l,R*T,H] bf16, Tensor topk_idx, Tensor topk_weights,
 //            Tensor src_info, Tensor layout_range, Tensor(a!) out [N,H] bf16,
 //            Tensor(b!)? combine_wait_recv_cost_stats, int T, int num_experts, bool use_logfmt,
-//            bool zero_copy) -> ()          collective; out = Σ_k w_k·y_k (fp32, ascending k)
+//            bool zero_copy, Tensor? num_tokens=None) -> ()
+//            collective; out = Σ_k w_k·y_k (fp32, ascending k); out rows >= num_tokens are zero
 //   low_latency_dispatch_send / _recv, low_latency_combine_send / _recv: the two phases of the
 //            above (hook style); clean_low_latency_buffer(int handle, int T, int hidden, int E);
 //   get_next_low_latency_combine_buffer(int handle, int T, int hidden, int E) -> Tensor
@@ -169,21 +173,25 @@ struct LowLatencyDispatchResult {
 };
 
 /// Collective, low-latency (bf16 unless use_fp8). Static output shapes: capturable.
+/// num_tokens: optional int32 [1] device tensor, the real rows of x (see the schema above).
 inline LowLatencyDispatchResult low_latency_dispatch(int64_t buffer, const Tensor& x, const Tensor& topk_idx, int64_t t,
-                                                     int64_t num_experts, bool use_fp8 = false, const OptTensor& topk_weights = std::nullopt) {
+                                                     int64_t num_experts, bool use_fp8 = false, const OptTensor& topk_weights = std::nullopt,
+                                                     const OptTensor& num_tokens = std::nullopt) {
   using R = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
   auto r = op<R(int64_t, const Tensor&, const Tensor&, const OptTensor&, const OptTensor&, const OptTensor&, int64_t, int64_t, bool, bool,
-                bool)>("low_latency_dispatch")
-               .call(buffer, x, topk_idx, topk_weights, std::nullopt, std::nullopt, t, num_experts, use_fp8, false, false);
+                bool, const OptTensor&)>("low_latency_dispatch")
+               .call(buffer, x, topk_idx, topk_weights, std::nullopt, std::nullopt, t, num_experts, use_fp8, false, false, num_tokens);
   return {std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r), std::get<4>(r)};
 }
 
-/// Collective, low-latency: writes out [N,H] bf16 = Σ_k w_k·y_k in place.
+/// Collective, low-latency: writes out [N,H] bf16 = Σ_k w_k·y_k in place (rows >= num_tokens: zero;
+/// pass the dispatch's num_tokens).
 inline void low_latency_combine(int64_t buffer, const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
-                                const LowLatencyDispatchResult& d, const Tensor& out, int64_t t, int64_t num_experts) {
+                                const LowLatencyDispatchResult& d, const Tensor& out, int64_t t, int64_t num_experts,
+                                const OptTensor& num_tokens = std::nullopt) {
   op<void(int64_t, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptTensor&, int64_t, int64_t,
-          bool, bool)>("low_latency_combine")
-      .call(buffer, x, topk_idx, topk_weights, d.src_info, d.layout_range, out, std::nullopt, t, num_experts, false, false);
+          bool, bool, const OptTensor&)>("low_latency_combine")
+      .call(buffer, x, topk_idx, topk_weights, d.src_info, d.layout_range, out, std::nullopt, t, num_experts, false, false, num_tokens);
 }
 
 }  // namespace deep_ep

@@ -1,5 +1,8 @@
-// common.cuh: helpers shared by kernels/*.cu (host side of the launch API).
+// common.cuh: helpers shared by kernels/*.cu: the host side of the launch API, and the device
+// primitives every protocol uses (global timer, acquire/release words, 16-byte warp copies).
 #pragma once
+
+#include <cstdint>
 
 #include <cuda_runtime.h>
 
@@ -21,5 +24,50 @@ constexpr int kMaxNvlPeers = 8;
 
 // The C API passes streams as void* so its header needs no CUDA include.
 inline cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream); }
+
+// Device primitives. Internal linkage: the .cu files are compiled with -rdc and each gets its own.
+namespace {
+
+// Nanoseconds of the GPU's global timer (deadlines of every wait).
+__device__ __forceinline__ uint64_t globaltimer() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// System-scope release store / acquire load of a 64-bit flag (peers' GPUs read and write it).
+__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ int ld_volatile(const int* p) { return *reinterpret_cast<const volatile int*>(p); }
+__device__ __forceinline__ uint64_t ld_volatile(const uint64_t* p) {
+  return *reinterpret_cast<const volatile uint64_t*>(p);
+}
+
+// One warp copies `n16` 16-byte words from `src` to `dst` (both 16-aligned): L2-only loads (peer
+// memory changes between ops, so no non-coherent cache path), kUnroll loads in flight per lane.
+template <int kUnroll>
+__device__ __forceinline__ void warp_copy16(int4* dst, const int4* src, int64_t n16, int lane) {
+  for (int64_t base = 0; base < n16; base += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * 32 + lane;
+      if (i < n16) v[u] = __ldcg(src + i);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * 32 + lane;
+      if (i < n16) dst[i] = v[u];
+    }
+  }
+}
+
+}  // namespace
 
 }  // namespace deep_ep

@@ -44,6 +44,17 @@ int deep_ep_launch_dispatch_layout(const void* topk_idx, int topk_idx_is_int64, 
                                    int* num_tokens_per_expert, bool* is_token_in_rank,
                                    void* stream);
 
+/*
+ * The real token count of a low-latency call as a device scalar (kernels/ll_rows.cu):
+ * out[i][k] = topk_idx[i][k] for rows i < n and -1 for rows i >= n, where
+ * n = clamp(*num_tokens, 0, num_rows) is read on the device (int32). topk_idx and out are
+ * [num_rows, num_topk] row-major, int64 if topk_idx_is_int64 else int32, and must not overlap.
+ * One launch (none when num_rows * num_topk == 0), no host sync, CUDA-graph capturable: a
+ * replay reads the current *num_tokens.
+ */
+int deep_ep_launch_ll_mask_rows(const void* topk_idx, int topk_idx_is_int64, int64_t num_rows, int num_topk,
+                                const int32_t* num_tokens, void* out, void* stream);
+
 /* Static name of a cudaError_t ("cudaErrorInvalidValue"); never NULL. Needs no device. */
 const char* deep_ep_cuda_error_name(int status);
 
@@ -69,8 +80,9 @@ int deep_ep_cuda_stream_synchronize(void* stream);
  *
  * Window layout (offsets identical on every rank):
  *   [0, 1024)          barrier slots: slot p (128 B apart, u64) is written by rank p
- *   [1024, 1536)       this rank's layout (deep_ep_ic_layout_t), read by peers: two 256-byte
- *                      slots, slot e % 2 for the barrier of epoch e that gathers it
+ *   [1024, 1536)       this rank's header, read by peers: two 256-byte slots, slot e % 2 for the
+ *                      barrier of epoch e that gathers it; a slot holds the layout
+ *                      (deep_ep_ic_layout_t) and, at DEEP_EP_IC_CHECK_OFF, the input-check result
  *   [4096, CONTROL)    local scratch: sticky timeout flag, first error, per-op "bad" flag, barrier
  *                      epoch, gathered peer layouts, rank_prefix_matrix, receiver channel starts
  *   [CONTROL, ...)     staged sections at the offsets of this rank's layout
@@ -89,6 +101,15 @@ int deep_ep_cuda_stream_synchronize(void* stream);
 #define DEEP_EP_IC_ERR_MISMATCH 2 /* error_rank staged another kind/size of op than this rank */
 #define DEEP_EP_IC_ERR_OVERFLOW 3 /* error_rank receives error_value tokens > num_worst error_limit */
 #define DEEP_EP_IC_ERR_CAPACITY 4 /* combine: error_rank's window needs error_value KiB > error_limit KiB */
+/* Input checks (deep_ep_ic_check), each about error_rank's own inputs: */
+#define DEEP_EP_IC_ERR_NTPR 5          /* num_tokens_per_rank[extra] = value, is_token_in_rank selects limit */
+#define DEEP_EP_IC_ERR_EXPERT_ID 6     /* topk_idx holds expert id value (clamped to int32), outside [-1, limit) */
+#define DEEP_EP_IC_ERR_NTPE 7          /* num_tokens_per_expert differs from the counts of topk_idx */
+#define DEEP_EP_IC_ERR_IN_RANK 8       /* is_token_in_rank[value, extra] differs from topk_idx */
+#define DEEP_EP_IC_ERR_STALE_COUNTS 9  /* handle: is_token_in_rank sends value tokens to rank extra, rank_prefix_matrix says limit */
+#define DEEP_EP_IC_ERR_STALE_ROWS 10   /* handle: receives value tokens, recv_src_idx / x has limit rows */
+#define DEEP_EP_IC_ERR_STALE_SEND_HEAD 11 /* handle: send_head[value, extra] differs from is_token_in_rank */
+#define DEEP_EP_IC_ERR_STALE_CPM 12    /* handle: channel_prefix_matrix[extra, value] differs from is_token_in_rank */
 
 /* Host-mapped status block (cudaHostAllocMapped), written by kernels, read and cleared by the host. */
 typedef struct {
@@ -98,7 +119,8 @@ typedef struct {
   int32_t error_value;
   int32_t error_limit;
   int32_t recv_count;  /* notify with write_host_counts: tokens this rank receives; -1 before */
-  int32_t reserved[2];
+  int32_t error_extra; /* a third number of some errors (see the codes) */
+  int32_t reserved;
   int32_t per_expert[DEEP_EP_IC_MAX_LOCAL_EXPERTS]; /* written before recv_count */
 } deep_ep_ic_host_status_t;
 
@@ -125,6 +147,8 @@ typedef struct {
   uint64_t window_bytes;
   deep_ep_ic_host_status_t* host_status; /* device pointer of the mapped block */
   uint64_t timeout_ns;                   /* barrier deadline (globaltimer ns) */
+  int32_t num_sms;                       /* SMs of this GPU, queried once at creation (0 = unknown) */
+  int32_t reserved;
 } deep_ep_ic_ctx_t;
 
 /* Sections of a staged op (byte offsets into the rank's own window; 0 = absent). */
@@ -172,18 +196,53 @@ typedef struct {
  * rank_prefix_matrix, this rank's receiver channel starts and (write_host_counts) the receive
  * count and per-local-expert counts rounded up to expert_alignment into the host block, and
  * flags any rank whose receive count exceeds its num_worst_tokens. op_start resets the per-op
- * error flag. With publish, `layout` is written into this rank's header before the signal (so the
- * same barrier gathers it: combine's start barrier, which has no stage kernel before it);
- * zero_counters zeroes the fused combine's local counters. A barrier whose peers do not arrive
+ * error flag. With gather, a peer's nonzero input-check result (deep_ep_ic_check) is raised the
+ * same way, about that peer. With publish, `layout` is written into this rank's header before the
+ * signal (so the same barrier gathers it: the fused combine's start barrier, which has no stage
+ * kernel before it); the header's check result is kept when keep_check (the check kernel wrote it
+ * before this barrier) and zeroed otherwise. zero_counters zeroes the fused combine's local
+ * counters. A barrier whose peers do not arrive
  * within timeout_ns records DEEP_EP_IC_ERR_TIMEOUT and returns; after that every barrier and data
  * kernel of the buffer returns at once. */
 typedef struct {
   int32_t site, op_start, gather, notify, write_host_counts;
   int32_t expert_alignment, num_local_experts;
-  int32_t publish, zero_counters, reserved;
+  int32_t publish, zero_counters, keep_check;
   deep_ep_ic_layout_t layout; /* with publish */
 } deep_ep_ic_sync_args_t;
 int deep_ep_ic_sync(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_sync_args_t* args, void* stream);
+
+/* Input checks, launched before the barrier that gathers this op's header: after K1 and before the
+ * data barrier K2 for dispatch, cached dispatch and the split combine (after its push); before the
+ * start barrier (K0, with publish and keep_check) for the fused combine, which has no data barrier.
+ * This rank's routing inputs are compared with each other on the device (no host sync), and the
+ * first failure goes into the header slot of the next barrier at DEEP_EP_IC_CHECK_OFF (int32 code,
+ * value, limit, extra; zeros = fine); that barrier's gather reports a failure of any rank as that
+ * DEEP_EP_IC_ERR_* about that rank (so every rank raises it) and cancels the op's data kernels.
+ * The same checks as the cpu backend:
+ *  - dispatch: num_tokens_per_rank == column counts of is_token_in_rank; with topk_idx, ids in
+ *    [-1, E), num_tokens_per_expert == counts of topk_idx (compared through a sum of 64-bit hashes
+ *    of the ids), is_token_in_rank == the ranks of the valid ids;
+ *  - handle (rank_prefix_matrix given: cached dispatch, combine): is_token_in_rank sends the
+ *    rank_prefix_matrix's counts, this rank receives at most num_rows, send_head and
+ *    channel_prefix_matrix are those of is_token_in_rank (crate::layout::send_side).
+ * The kernel accumulates in the control area's check scratch; its last block compares, writes the
+ * header word and zeroes the scratch for the next op. */
+#define DEEP_EP_IC_CHECK_OFF 240 /* byte offset inside a header slot */
+typedef struct {
+  const void* topk_idx;                 /* [N, K] int32 or int64, or null */
+  int32_t topk_is_int64;
+  int32_t num_blocks;                   /* grid size */
+  const int32_t* num_tokens_per_rank;   /* [R] dispatch, or null */
+  const int32_t* num_tokens_per_expert; /* [E] dispatch, or null */
+  const bool* is_token_in_rank;         /* [N, R] */
+  const int32_t* send_head;             /* [N, R] handle, or null */
+  const int32_t* channel_prefix_matrix; /* [R, C] handle, or null */
+  const int32_t* rank_prefix_matrix;    /* [R, R] handle, or null */
+  int64_t num_tokens, num_topk, num_experts, num_channels;
+  int64_t num_rows;                     /* handle: rows of recv_src_idx (cached) / x (combine) */
+} deep_ep_ic_check_args_t;
+int deep_ep_ic_check(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_check_args_t* args, void* stream);
 
 /* K1: stage this rank's inputs into its own window at layout.off and write the layout header.
  * Present inputs are copied (scales from any strides to row-major, top-k ids widened to int64);
@@ -224,7 +283,7 @@ typedef struct {
   const int32_t* rcpm_in;       /* [R, C] or NULL */
   int64_t num_rows;
   int32_t topk_is_int64, num_local_experts, num_blocks;
-  int32_t unroll;  /* pull: 16-byte loads in flight per lane of a row copy: 8 (or 0), 16, or 4 with 1024 threads */
+  int32_t unroll;  /* pull: 16-byte loads in flight per lane of a row copy: 16 (or 0), 8; with 1024 threads 8 (0, 16) or 4 */
   int32_t threads; /* pull: threads per block, 512 (or 0) or 1024 */
   int32_t reserved;
 } deep_ep_ic_pull_args_t;
@@ -324,41 +383,68 @@ int deep_ep_ic_combine_fused(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_push_
 int deep_ep_ic_reset(const deep_ep_ic_ctx_t* ctx, void* stream);
 /* Clears the device copy of a reported error (the host clears the mapped block itself). */
 int deep_ep_ic_clear_error(const deep_ep_ic_ctx_t* ctx, void* stream);
-/* [OUT host] sizes[0..8] = sizeof of ctx, layout, sync, stage, pull, combine, push args, host status,
- * dispatch push args (the Rust mirrors check theirs against these). */
+/* [OUT host] sizes[0..9] = sizeof of ctx, layout, sync, stage, pull, combine, push args, host status,
+ * dispatch push args, check args (the Rust mirrors check theirs against these). */
 void deep_ep_ic_struct_sizes(size_t* sizes);
+/* sizes[0..10]: sizeof ctx, layout, sync, stage, pull, combine, push args, host status, dispatch push, check args. */
 /* [OUT host] the scratch int create's host rendezvous all-reduces (device pointer). */
 void* deep_ep_ic_rendezvous_word(const deep_ep_ic_ctx_t* ctx);
 
 
 /* ---------------------------------------------------------------------------------------------
- * Low-latency mode (kernels/low_latency.cu): DeepEP's LL protocol over the same window. Senders
- * push messages into the receiver's LL area with NVLink stores and then release-store 32-bit
- * signal words; receivers acquire the words of their call and copy or reduce locally. No barrier
- * between ranks in a call. Area of every rank at ll_off (crate::config::LowLatencyLayout sizes,
- * the CPU backend's byte order): [signal 0][signal 1][send 0][send 1][recv 0][recv 1]; per half:
+ * Low-latency mode (kernels/ll_dispatch.cu, kernels/low_latency.cu): DeepEP's LL protocol over
+ * the same window. Senders push messages into the receiver's LL area with NVLink stores and then
+ * release-store 32-bit signal words; receivers acquire the words of their call and copy or reduce
+ * locally. No barrier between ranks in a call. Area of every rank at ll_off
+ * (crate::config::LowLatencyLayout sizes): [signal 0][signal 1][send 0][send 1][recv 0][recv 1];
+ * per half:
  *   signal: E u32 words. Dispatch: word l*R + s = tag(seq, count from source s for local expert
  *           l). Combine: word s*E_l + l = tag(seq, 0): source s wrote every row of its expert l.
  *           tag(seq, c) = (seq & 0xffff) << 16 | (c + 1); a word only ever holds a tag.
  *   send:   the zero-copy combine buffer [E_l][R*T] rows of M = H + H/128*2 bf16.
- *   recv:   dispatch messages [E_l][R][T] of msg_bytes (16-byte header {src token, H, T, E} i32,
- *           then H bf16, or H E4M3 bytes + H/128 f32 scale_inv), or combine rows [E][T] of H bf16
- *           keyed by (global expert, source token).
+ *   recv:   dispatch (deduplicated, crate::backend::LlWire): message counts [R] u32 (count of source
+ *           s at 4*s, 128 bytes), an index table [E_l][R][T] u32 at idx_off, messages [R][T] of
+ *           msg_bytes at msgs_off: ONE per (source token, destination rank), whatever the
+ *           number of that rank's experts the token selected. A message is 16 bytes {src token,
+ *           H, T, E} i32, 16 bytes {entries n, has weights, 0, 0}, DEEP_EP_LL_MAX_TOPK u32
+ *           entries (local expert << 16 | expert slot, in top-k order) and as many f32 top-k
+ *           weights (0 without topk_weights), then the payload (DEEP_EP_LL_MSG_META bytes in):
+ *           H bf16, or H E4M3 bytes (cast once per token) + H/128 f32 scale_inv. Index entry
+ *           [l][s][slot] = the message of source s that row slot of (l, s) comes from; the receiver
+ *           fans a message out to every row that names it. Combine: rows [E][T] of H bf16 keyed
+ *           by (global expert, source token) from offset 0 (they reuse the half's bytes), or,
+ *           when the dispatch of the handle carried top-k weights (partial), rows [R][T] of H
+ *           bf16 at partial_off keyed by (expert rank, source token): bf16(sum over the
+ *           message's entries in top-k order of fma(y, w_k, acc)) in fp32; partial_off lies after
+ *           the messages, which the partial combine send reads (dispatch_half).
+ *           Partial combine signals: word d*E_l on source s = tag(seq, 0) from expert rank d.
  * The call number seq lives on the device (scratch of the control area): every send kernel takes
  * the next one and writes {half, seq, flags, kind} into recv_state, which the receive kernel reads,
  * so a captured CUDA graph gets fresh tags on every replay. The half is chosen by the host.
- * Receive order: per (local expert, source) in increasing token index (a block-wide scan, no
- * atomics), sources ascending: identical to the CPU backend. Waits are bounded by timeout_ns and
- * report DEEP_EP_IC_ERR_TIMEOUT with the rank waited for; DEEP_EP_IC_ERR_OVERFLOW (an expert
- * selected more than T times: error_value = selections, error_limit = T) and
- * DEEP_EP_IC_ERR_MISMATCH (a message with another geometry, or a receive whose recv_state does not
- * come from a matching send) are reported the same way.
+ * Receive order: per (local expert, source) in increasing token index (expert slots follow
+ * (token, k) order, counted without atomics' ordering), sources ascending: identical to the CPU
+ * backend. Rank mask (`mask`, host-mapped, read at every launch): nothing is sent to a masked
+ * rank, no wait is made for it (its dispatch counts are 0) and top-k entries of its experts are
+ * dropped (as the CPU backend). Waits are bounded by timeout_ns and report DEEP_EP_IC_ERR_TIMEOUT
+ * with the rank waited for; DEEP_EP_IC_ERR_OVERFLOW (an expert selected more than T times:
+ * error_value = selections, error_limit = T) and DEEP_EP_IC_ERR_MISMATCH (a message with another
+ * geometry, or a receive whose recv_state does not come from a matching send) are reported the
+ * same way.
  * ------------------------------------------------------------------------------------------- */
 #define DEEP_EP_LL_KIND_DISPATCH 1
+#define DEEP_EP_LL_MSG_META 160   /* bytes of a dispatch message before its payload */
+#define DEEP_EP_LL_MAX_EXPERTS 2048
+#define DEEP_EP_LL_MAX_TOPK 16
+#define DEEP_EP_LL_FLAG_PARTIAL 32
+/* Device copy of the rank mask (int32 [DEEP_EP_IC_MAX_RANKS], 1 = masked) in the control area's
+ * LL scratch; the host rewrites it at every mask update (host-mapped reads from every block
+ * would cross PCIe: measured 10-50x slower LL ops). */
+#define DEEP_EP_LL_MASK_OFF (DEEP_EP_IC_CONTROL_BYTES - 1024 + 64) /* combine recv_state flag: partial sums were sent */
 #define DEEP_EP_LL_KIND_COMBINE 2
 typedef struct {
   uint64_t ll_off;                          /* byte offset of the LL area in every window */
   uint64_t signal_bytes, send_bytes, recv_bytes, msg_bytes; /* per half; msg = dispatch message */
+  uint64_t idx_off, msgs_off, partial_off;  /* in a receive half: index table, messages, partial rows */
   int32_t num_max_tokens, hidden, num_experts, half; /* T, H, E; half used by a send */
   int32_t use_fp8, round_scale, use_ue8m0, flags;    /* flags: recorded / checked in recv_state */
   int32_t zero_copy, num_tokens, num_topk, topk_is_int64; /* N: tokens of x / out */
@@ -375,18 +461,30 @@ typedef struct {
   int32_t* cumulative;       /* [E_l] += received tokens, or NULL */
   int64_t* wait_stats;       /* [R] += cycles waited per source, or NULL */
   uint16_t* out;             /* combine: [N, H] bf16 */
-  int32_t num_blocks, reserved;
+  const int32_t* mask;       /* rank mask (device copy at DEEP_EP_LL_MASK_OFF of this rank's window) or NULL */
+  int32_t num_blocks;
+  int32_t partial;           /* combine send: one partial sum per (token, expert rank) */
+  int32_t dispatch_half;     /* combine send with partial: the half holding the dispatch's messages */
+  int32_t reserved;
 } deep_ep_ll_args_t;
-/* Send phase of a dispatch: one block per global expert scans topk_idx and pushes each selecting
- * token (cast to FP8 when use_fp8) into the expert's rank, then signals the count. */
+/* Send phase of a dispatch: blocks of one or a few tokens (at most num_blocks) count expert slots
+ * and message slots in shared memory, push one message per (token, destination rank) (cast to
+ * FP8 once when use_fp8) with its index entries; the last block signals every count. topk_weights
+ * ([N, K] f32 or NULL) travel in the messages. */
 int deep_ep_llk_dispatch_send(const deep_ep_ic_ctx_t* ctx, const deep_ep_ll_args_t* args, void* stream);
-/* Receive phase: waits for every source's count of each local expert, copies the messages into
- * recv_x / scales / src_info, writes recv_count and layout_range, adds the stats. */
+/* Receive phase: waits for every unmasked source's count of each local expert, copies the rows
+ * (through the index table) into recv_x / scales / src_info, writes recv_count and layout_range,
+ * adds the stats. */
 int deep_ep_llk_dispatch_recv(const deep_ep_ic_ctx_t* ctx, const deep_ep_ll_args_t* args, void* stream);
 /* Send phase of a combine: one block per (local expert, source rank) pushes the rows of
- * layout_range back to the source rank at (global expert, src token), then signals. */
+ * layout_range back to the source rank at (global expert, src token), then signals. With
+ * `partial`: blocks (source rank, y) sum each message of the dispatch (dispatch_half) over its
+ * entries with the weights it carried, push one bf16 row per (token, source rank); the last block
+ * signals. */
 int deep_ep_llk_combine_send(const deep_ep_ic_ctx_t* ctx, const deep_ep_ll_args_t* args, void* stream);
-/* Receive phase: waits for all E words, out[n] = bf16(sum over k in order of fma(y, w_k, acc)). */
+/* Receive phase: waits for all E words (partial: the R words d*E_l), out[n] = bf16(sum over k in
+ * order of fma(y, w_k, acc)) (partial: bf16(sum over expert ranks d ascending of the fp32 of d's
+ * partial row), d unmasked with an expert in the token's top-k). */
 int deep_ep_llk_combine_recv(const deep_ep_ic_ctx_t* ctx, const deep_ep_ll_args_t* args, void* stream);
 /* Zeroes this rank's signal words of both halves (between two barriers on the host side). */
 int deep_ep_llk_zero_signals(const deep_ep_ic_ctx_t* ctx, const deep_ep_ll_args_t* args, void* stream);
@@ -409,6 +507,10 @@ int deep_ep_nccl_window_peer_bases(void* window, int num_ranks, void** base);
 
 /* More runtime helpers (host plumbing). */
 int deep_ep_cuda_get_device(int* device);
+int deep_ep_cuda_sm_count(int device, int* sms); /* multiprocessors of `device` */
+/* CUDA runtime version linked into the library and the CUDA version the driver supports (1000 *
+ * major + 10 * minor; 0 where unknown, e.g. no driver). Needs no GPU. */
+int deep_ep_cuda_versions(int* runtime, int* driver);
 int deep_ep_cuda_host_alloc_mapped(void** host, void** device_ptr, size_t bytes);
 int deep_ep_cuda_free_host(void* host);
 int deep_ep_cuda_stream_create(void** stream);

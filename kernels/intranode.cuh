@@ -33,7 +33,8 @@ constexpr size_t kScrRpm = kScrHeaders + kMaxRanks * DEEP_EP_IC_LAYOUT_BYTES;  /
 constexpr size_t kScrRcpm = kScrRpm + kMaxRanks * kMaxRanks * 4;              // [R, C] int
 constexpr size_t kScrChanDone = kScrRcpm + kMaxRanks * kMaxChannels * 4;      // [C] int, push dispatch
 constexpr size_t kScrChanFlags = kScrChanDone + kMaxChannels * 4;            // [R, C] u64, push dispatch
-constexpr size_t kScrCombineNext = kScrChanFlags + kMaxRanks * kMaxChannels * 8;  // int, fused combine
+constexpr size_t kScrCheck = kScrChanFlags + kMaxRanks * kMaxChannels * 8;  // input checks (intranode_check.cu)
+constexpr size_t kScrCombineNext = kScrCheck + 128;                          // int, fused combine
 constexpr size_t kScrEnd = kScrCombineNext + 128;
 // Fused combine: rows pushed per (destination, channel), [R, kMaxChannels] int. Aliases the notify's
 // rcpm: a combine has no notify, and this rank's readers of the previous op's rcpm finished before
@@ -42,7 +43,10 @@ constexpr size_t kScrPushDone = kScrRcpm;
 static_assert(kBarrierOff + kMaxRanks * kSlotBytes <= kHeaderOff, "barrier slots overlap the header");
 static_assert(sizeof(deep_ep_ic_layout_t) <= DEEP_EP_IC_LAYOUT_BYTES, "layout larger than its slot");
 static_assert(kHeaderOff + 2 * DEEP_EP_IC_LAYOUT_BYTES <= kScratchOff, "header overlaps the scratch");
-static_assert(kScrEnd <= DEEP_EP_IC_CONTROL_BYTES, "scratch larger than the control area");
+static_assert(DEEP_EP_IC_CHECK_OFF >= sizeof(deep_ep_ic_layout_t) && DEEP_EP_IC_CHECK_OFF % 8 == 0 &&
+                  DEEP_EP_IC_CHECK_OFF + 16 <= DEEP_EP_IC_LAYOUT_BYTES,
+              "the check result must sit in each header slot after the layout");
+static_assert(kScrEnd <= DEEP_EP_IC_CONTROL_BYTES - 1024, "scratch reaches the low-latency scratch (low_latency.cuh)");
 
 using Ctx = deep_ep_ic_ctx_t;
 using Layout = deep_ep_ic_layout_t;
@@ -62,34 +66,18 @@ __device__ __forceinline__ const Layout& scratch_layout(const Ctx& c, int rank) 
   return *at<const Layout>(local(c), kScrHeaders + static_cast<size_t>(rank) * DEEP_EP_IC_LAYOUT_BYTES);
 }
 
-// ---- memory model -------------------------------------------------------------------------
-__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ int ld_volatile(const int* p) { return *reinterpret_cast<const volatile int*>(p); }
-__device__ __forceinline__ uint64_t ld_volatile(const uint64_t* p) {
-  return *reinterpret_cast<const volatile uint64_t*>(p);
-}
+// Memory model (st_release_sys, ld_acquire_sys, ld_volatile, globaltimer): common.cuh.
+
 // Header slot of the next barrier, for a kernel between barriers (kScrEpoch = barriers passed).
 __device__ __forceinline__ size_t next_header_slot(const Ctx& c) {
   return header_slot(ld_volatile(at<const uint64_t>(local(c), kScrEpoch)) + 1);
-}
-__device__ __forceinline__ uint64_t globaltimer() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
 }
 
 // ---- errors ----------------------------------------------------------------------------------
 // Records an error in the device word and, for the first one since the host last cleared it,
 // in the host-mapped block (fields first, code last). A timeout also replaces an earlier
 // non-timeout error (it is what the host must see) and sets the sticky timeout flag.
-__device__ void report(const Ctx& c, int code, int about_rank, int site, int value, int limit) {
+__device__ void report(const Ctx& c, int code, int about_rank, int site, int value, int limit, int extra = 0) {
   int* err = at<int>(local(c), kScrError);
   bool first;
   if (code == DEEP_EP_IC_ERR_TIMEOUT) {
@@ -104,6 +92,7 @@ __device__ void report(const Ctx& c, int code, int about_rank, int site, int val
   h->error_site = site;
   h->error_value = value;
   h->error_limit = limit;
+  h->error_extra = extra;
   __threadfence_system();
   h->error = code;
   __threadfence_system();
@@ -141,29 +130,13 @@ __device__ bool wait_flag(const Ctx& c, int s, int ch, uint64_t epoch, int site)
 }
 
 // ---- copies ----------------------------------------------------------------------------------
-// One warp copies `bytes` from `src` to `dst`: 16-byte L2-only loads (peer memory changes between
-// ops, so no non-coherent cache path), kU loads in flight per lane (kUnroll by default); bytes one
-// by one when either side is not 16-byte aligned.
+// One warp copies `bytes` from `src` to `dst`: common.cuh's warp_copy16 with kU loads in flight
+// per lane (pull_kernel uses more); bytes one by one when either side is not 16-byte aligned.
 constexpr int kUnroll = 8;
 template <int kU = kUnroll>
 __device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t bytes, int lane) {
   if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes)) & 15) == 0) {
-    const int4* s = static_cast<const int4*>(src);
-    int4* d = static_cast<int4*>(dst);
-    const int64_t n = bytes / 16;
-    for (int64_t base = 0; base < n; base += 32 * kU) {
-      int4 v[kU];
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const int64_t i = base + u * 32 + lane;
-        if (i < n) v[u] = __ldcg(s + i);
-      }
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const int64_t i = base + u * 32 + lane;
-        if (i < n) d[i] = v[u];
-      }
-    }
+    warp_copy16<kU>(static_cast<int4*>(dst), static_cast<const int4*>(src), bytes / 16, lane);
   } else {
     const unsigned char* s = static_cast<const unsigned char*>(src);
     unsigned char* d = static_cast<unsigned char*>(dst);

@@ -6,8 +6,8 @@
 //
 // pull_kernel (dispatch, cached dispatch): one warp per task of kTaskTokens consecutive tokens of
 // one source; lanes read the tokens' send_head entries for this rank, compute their destination
-// rows, and the warp copies the selected rows one after the other (16-byte loads, 8 in flight per
-// lane).
+// rows, and the warp copies the selected rows one after the other (16-byte loads, kPullUnroll = 16
+// in flight per lane by default, the row's scales / top-k words loaded before its data).
 #include <cstdint>
 
 #include "intranode.cuh"
@@ -29,9 +29,13 @@ __device__ __forceinline__ void load_layouts(const Ctx& c, Layout* s_layout) {
 // Tokens per pull task: small tasks balance the warps' work (a 7168-wide BF16 row is ~5 us of
 // one warp's NVLink loads; the task's send_head reads cost one round trip).
 constexpr int kTaskTokens = 8;
+// 16-byte loads in flight per lane in the row copy (the default; DEEP_EP_INTRANODE_PULL_UNROLL):
+// 8 KiB per warp, so a 7168-wide BF16 row takes two round trips and an FP8 row one (at 20 SMs the
+// pull is bound by bytes in flight, not by the link: bench/NOTES.md, session 4).
+constexpr int kPullUnroll = 16;
 
-// kU: 16-byte loads in flight per lane of a row copy (8, or 16: half the NVLink round trips per
-// row, more registers; 4 or 8 with 1024 threads; DEEP_EP_INTRANODE_PULL_UNROLL). kT: threads per
+// kU: 16-byte loads in flight per lane of a row copy (kPullUnroll = 16, or 8; 8 or 4 with 1024
+// threads, where 16 spills; DEEP_EP_INTRANODE_PULL_UNROLL). kT: threads per
 // block, kThreads or 1024 (DEEP_EP_INTRANODE_PULL_THREADS: twice the warps per SM at a
 // 64-register cap; measured so far: the NVLink rate follows the number of warps with copies in
 // flight rather than their depth, bench/NOTES.md).
@@ -125,21 +129,36 @@ __global__ void __launch_bounds__(kT) pull_kernel(const __grid_constant__ Ctx c,
       mask &= mask - 1;
       const int64_t r = __shfl_sync(0xffffffffu, row, b);
       const int64_t tok = first + b;
+      // The row's small arrays first: their remote loads are then in flight together with the
+      // row's instead of costing two or three more round trips after it.
+      const uint32_t* sc = recv_scales != nullptr ? reinterpret_cast<const uint32_t*>(src + L.off[DEEP_EP_IC_SEC_SCALES]) + tok * S : nullptr;
+      const long long* ids = reinterpret_cast<const long long*>(src + L.off[DEEP_EP_IC_SEC_TOPK]) + tok * K;
+      const float* w = reinterpret_cast<const float*>(src + L.off[DEEP_EP_IC_SEC_WEIGHTS]) + tok * K;
+      uint32_t sc_pre[2] = {0, 0};
+      if (sc != nullptr) {
+        if (lane < S) sc_pre[0] = __ldcg(sc + lane);
+        if (lane + 32 < S) sc_pre[1] = __ldcg(sc + lane + 32);
+      }
+      long long id_pre = -1;
+      float w_pre = 0.0f;
+      if (a.recv_topk_idx != nullptr && lane < K) {
+        id_pre = __ldcg(ids + lane);
+        if (a.recv_topk_weights != nullptr) w_pre = __ldcg(w + lane);
+      }
       warp_copy<kU>(recv_x + r * rb, src + L.off[DEEP_EP_IC_SEC_X] + tok * rb, rb, lane);
-      if (recv_scales != nullptr) {
-        const uint32_t* sc = reinterpret_cast<const uint32_t*>(src + L.off[DEEP_EP_IC_SEC_SCALES]) + tok * S;
-        for (int64_t j = lane; j < S; j += 32) recv_scales[r * S + j] = __ldcg(sc + j);
+      if (sc != nullptr) {
+        if (lane < S) recv_scales[r * S + lane] = sc_pre[0];
+        if (lane + 32 < S) recv_scales[r * S + lane + 32] = sc_pre[1];
+        for (int64_t j = lane + 64; j < S; j += 32) recv_scales[r * S + j] = __ldcg(sc + j);
       }
       if (a.recv_topk_idx != nullptr) {
-        const long long* ids = reinterpret_cast<const long long*>(src + L.off[DEEP_EP_IC_SEC_TOPK]) + tok * K;
-        const float* w = reinterpret_cast<const float*>(src + L.off[DEEP_EP_IC_SEC_WEIGHTS]) + tok * K;
         for (int64_t j = lane; j < K; j += 32) {
-          const int64_t id = __ldcg(ids + j);
+          const int64_t id = j == lane ? id_pre : __ldcg(ids + j);
           const int64_t lo = rank * el;
           const int64_t local_id = (id >= lo && id < lo + el) ? id - lo : -1;
           if (a.topk_is_int64) static_cast<int64_t*>(a.recv_topk_idx)[r * K + j] = local_id;
           else static_cast<int32_t*>(a.recv_topk_idx)[r * K + j] = static_cast<int32_t>(local_id);
-          if (a.recv_topk_weights != nullptr) a.recv_topk_weights[r * K + j] = local_id >= 0 ? __ldcg(w + j) : 0.0f;
+          if (a.recv_topk_weights != nullptr) a.recv_topk_weights[r * K + j] = local_id >= 0 ? (j == lane ? w_pre : __ldcg(w + j)) : 0.0f;
         }
       }
       if (a.recv_src_idx != nullptr && lane == 0) a.recv_src_idx[r] = static_cast<int32_t>(tok);
@@ -160,11 +179,12 @@ extern "C" int deep_ep_ic_pull(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_pul
     return cudaErrorInvalidValue;
   const cudaStream_t s = as_stream(stream);
   if (args->threads >= 1024) {
-    // No unroll 16 here: at 64 registers it spills ~750 bytes.
+    // No unroll 16 here: at 64 registers it spills ~750 bytes (unroll 0 or 16 -> 8).
     if (args->unroll > 0 && args->unroll <= 4) pull_kernel<4, 1024><<<args->num_blocks, 1024, 0, s>>>(*ctx, *args);
     else pull_kernel<8, 1024><<<args->num_blocks, 1024, 0, s>>>(*ctx, *args);
   } else {
-    if (args->unroll >= 16) pull_kernel<16, kThreads><<<args->num_blocks, kThreads, 0, s>>>(*ctx, *args);
+    // 0 = the default, kPullUnroll; 4 is only offered with 1024 threads (-> 8 here).
+    if (args->unroll == 0 || args->unroll >= 16) pull_kernel<kPullUnroll, kThreads><<<args->num_blocks, kThreads, 0, s>>>(*ctx, *args);
     else pull_kernel<8, kThreads><<<args->num_blocks, kThreads, 0, s>>>(*ctx, *args);
   }
   return cudaGetLastError();

@@ -44,7 +44,11 @@ __global__ void __launch_bounds__(kSyncThreads) sync_kernel(const __grid_constan
   if (a.publish) {  // this op's layout, gathered by this very barrier (header_slot: no race)
     const uint64_t* words = reinterpret_cast<const uint64_t*>(&a.layout);
     uint64_t* dst = at<uint64_t>(me, header_slot(s_epoch));
-    for (int i = tid; i < DEEP_EP_IC_LAYOUT_BYTES / 8; i += blockDim.x) dst[i] = i < static_cast<int>(sizeof(Layout) / 8) ? words[i] : 0;
+    constexpr int kCheckWord = DEEP_EP_IC_CHECK_OFF / 8;  // 2 words: code, value | limit, extra
+    for (int i = tid; i < DEEP_EP_IC_LAYOUT_BYTES / 8; i += blockDim.x) {
+      if (i < static_cast<int>(sizeof(Layout) / 8)) dst[i] = words[i];
+      else if (!a.keep_check || i < kCheckWord || i >= kCheckWord + 2) dst[i] = 0;  // keep_check: the check kernel's result stays
+    }
   }
   if (a.zero_counters) {  // the fused combine's counters (local; read only by this rank's next kernel)
     int* done = at<int>(me, kScrPushDone);
@@ -80,6 +84,12 @@ __global__ void __launch_bounds__(kSyncThreads) sync_kernel(const __grid_constan
   if (tid < R && !same_op(scratch_layout(c, tid), mine)) {
     report(c, DEEP_EP_IC_ERR_MISMATCH, tid, a.site, 0, 0);
     atomicExch(&s_bad, 1);
+  } else if (tid < R) {  // rank tid's input checks (deep_ep_ic_check; zeros when not run)
+    const int* chk = at<const int>(me, kScrHeaders + static_cast<size_t>(tid) * DEEP_EP_IC_LAYOUT_BYTES + DEEP_EP_IC_CHECK_OFF);
+    if (chk[0] != 0) {
+      report(c, chk[0], tid, a.site, chk[1], chk[2], chk[3]);
+      atomicExch(&s_bad, 1);
+    }
   }
   __syncthreads();
   if (s_bad) {
@@ -293,4 +303,5 @@ extern "C" void deep_ep_ic_struct_sizes(size_t* sizes) {
   sizes[6] = sizeof(deep_ep_ic_push_args_t);
   sizes[7] = sizeof(deep_ep_ic_host_status_t);
   sizes[8] = sizeof(deep_ep_ic_dispatch_push_args_t);
+  sizes[9] = sizeof(deep_ep_ic_check_args_t);
 }

@@ -47,6 +47,20 @@ extern "C" int deep_ep_cuda_get_device(int* device) {
   return cudaGetDevice(device);
 }
 
+extern "C" int deep_ep_cuda_sm_count(int device, int* sms) {
+  if (sms == nullptr) return cudaErrorInvalidValue;
+  return cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
+}
+
+extern "C" int deep_ep_cuda_versions(int* runtime, int* driver) {
+  if (runtime == nullptr || driver == nullptr) return cudaErrorInvalidValue;
+  *runtime = 0;
+  *driver = 0;
+  const cudaError_t st = cudaRuntimeGetVersion(runtime);
+  if (cudaDriverGetVersion(driver) != cudaSuccess) *driver = 0;
+  return st;
+}
+
 extern "C" int deep_ep_cuda_host_alloc_mapped(void** host, void** device_ptr, size_t bytes) {
   if (host == nullptr || device_ptr == nullptr) return cudaErrorInvalidValue;
   *host = nullptr;

@@ -35,6 +35,7 @@
 #include <nccl_device.h>
 #pragma GCC diagnostic pop
 
+#include "common.cuh"
 #include "transport_api.h"
 
 namespace deep_ep {
@@ -43,20 +44,14 @@ namespace {
 
 static_assert(DEEP_EP_TP_MAX_GIN_CONTEXTS == NCCL_GIN_MAX_CONTEXTS, "GIN context limit changed in nccl_device");
 
-__device__ __forceinline__ uint64_t now_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
 // Rolling "least <= got" on 64 bits, as nccl::utility::rollingLessEq.
 __device__ __forceinline__ bool reached(uint64_t least, uint64_t got) { return static_cast<int64_t>(got - least) >= 0; }
 
 // A deadline on the global timer; `timeout_ns == 0` means "already expired after one poll".
 struct Deadline {
   uint64_t at;
-  __device__ explicit Deadline(uint64_t timeout_ns) : at(now_ns() + timeout_ns) {}
-  __device__ bool passed() const { return now_ns() >= at; }
+  __device__ explicit Deadline(uint64_t timeout_ns) : at(globaltimer() + timeout_ns) {}
+  __device__ bool passed() const { return globaltimer() >= at; }
 };
 
 // Records the first error of a launch into the host-mapped status. `claim` is a device word the
@@ -75,26 +70,10 @@ __device__ void report_first(deep_ep_tp_status_t* st, int* claim, int code, int 
   __threadfence_system();
 }
 
-// One warp copies `bytes` (multiple of 16, 16-aligned ends) from src to dst with 16-byte accesses;
-// L2-only loads because the source may be written by peers between ops.
-__device__ __forceinline__ void warp_copy16(char* dst, const char* src, uint64_t bytes, int lane) {
-  const int4* s = reinterpret_cast<const int4*>(src);
-  int4* d = reinterpret_cast<int4*>(dst);
-  const uint64_t n = bytes / 16;
-  constexpr int kUnroll = 4;
-  for (uint64_t base = 0; base < n; base += 32 * kUnroll) {
-    int4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const uint64_t i = base + u * 32 + lane;
-      if (i < n) v[u] = __ldcg(s + i);
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const uint64_t i = base + u * 32 + lane;
-      if (i < n) d[i] = v[u];
-    }
-  }
+// One warp copies `bytes` (multiple of 16, 16-aligned ends) from src to dst: common.cuh's
+// warp_copy16 (L2-only loads: the source may be written by peers between ops), 4 loads in flight.
+__device__ __forceinline__ void put_copy(char* dst, const char* src, uint64_t bytes, int lane) {
+  warp_copy16<4>(reinterpret_cast<int4*>(dst), reinterpret_cast<const int4*>(src), static_cast<int64_t>(bytes / 16), lane);
 }
 
 // ---- LSA emulation --------------------------------------------------------------------------
@@ -110,7 +89,7 @@ class LsaTransport {
 
   __device__ void put(int peer, uint64_t dst_off, uint64_t src_off, uint64_t bytes, int signal, uint64_t signal_add,
                       int lane) const {
-    warp_copy16(base(peer) + dst_off, base(d_.rank) + src_off, bytes, lane);
+    put_copy(base(peer) + dst_off, base(d_.rank) + src_off, bytes, lane);
     if (signal_add == 0) return;
     __syncwarp();  // every lane's stores happen-before lane 0's fence below
     if (lane == 0) raise(peer, signal, signal_add);
@@ -120,11 +99,7 @@ class LsaTransport {
   // One thread: add to a peer's signal without payload (ordered after this thread's own stores).
   __device__ void signal(int peer, int signal, uint64_t add) const { raise(peer, signal, add); }
 
-  __device__ uint64_t read_signal(int signal) const {
-    uint64_t v;
-    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(word(d_.rank, signal)) : "memory");
-    return v;
-  }
+  __device__ uint64_t read_signal(int signal) const { return ld_acquire_sys(word(d_.rank, signal)); }
 
   __device__ bool wait_signal(int signal, uint64_t least, const Deadline& dl, uint64_t* seen) const {
     for (uint32_t spin = 0;; ++spin) {

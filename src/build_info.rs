@@ -33,8 +33,31 @@ fn nccl_header() -> Option<(i32, String)> {
     None
 }
 
+/// `"major.minor"` of a CUDA version code (`1000 * major + 10 * minor`), JSON null when unknown.
+fn cuda_version(code: i32) -> String {
+    if code <= 0 {
+        "null".into()
+    } else {
+        quote(&format!("{}.{}", code / 1000, code % 1000 / 10))
+    }
+}
+
+/// `(cuda_runtime, cuda_driver)` as JSON values: the CUDA runtime linked in and the CUDA version
+/// the installed driver supports (null without the cuda feature or without a driver).
+fn cuda_versions() -> (String, String) {
+    #[cfg(feature = "cuda")]
+    {
+        let (rt, drv) = crate::ffi::intranode::cuda_versions();
+        (cuda_version(rt), cuda_version(drv))
+    }
+    #[cfg(not(feature = "cuda"))]
+    ("null".into(), "null".into())
+}
+
 /// The build facts as a JSON object with the keys `crate_version`, `features`, `backends`,
-/// `cuda_archs`, `cudart`, `nccl_header_version`, `nccl_header_version_code`, `torch`, `profile`.
+/// `cuda_archs`, `cudart`, `cuda_runtime`, `cuda_driver`, `nccl_header_version`,
+/// `nccl_header_version_code`, `torch`, `profile` (`cuda_driver` is the one fact of the machine:
+/// the CUDA version its driver supports).
 pub fn json() -> String {
     let mut features = vec![];
     let mut backends = vec!["cpu"];
@@ -50,18 +73,22 @@ pub fn json() -> String {
     }
     if cfg!(feature = "nvshmem") {
         features.push("nvshmem");
+        backends.push("nvshmem");
     }
     let archs: Vec<&str> = env!("DEEP_EP_BUILD_CUDA_ARCHS").split(',').filter(|s| !s.is_empty()).collect();
     let (code, version) = match nccl_header() {
         Some((c, v)) => (c.to_string(), quote(&v)),
         None => ("null".into(), "null".into()),
     };
+    let (cuda_runtime, cuda_driver) = cuda_versions();
     let fields = [
         ("crate_version", quote(env!("CARGO_PKG_VERSION"))),
         ("features", list(&features)),
         ("backends", list(&backends)),
         ("cuda_archs", list(&archs)),
         ("cudart", quote(env!("DEEP_EP_BUILD_CUDART"))),
+        ("cuda_runtime", cuda_runtime),
+        ("cuda_driver", cuda_driver),
         ("nccl_header_version", version),
         ("nccl_header_version_code", code),
         ("torch", quote(env!("DEEP_EP_BUILD_TORCH"))),
@@ -77,11 +104,14 @@ mod tests {
     #[test]
     fn json_has_every_key_and_escapes_strings() {
         let j = json();
-        for k in ["crate_version", "features", "backends", "cuda_archs", "cudart", "nccl_header_version", "torch", "profile"] {
+        for k in ["crate_version", "features", "backends", "cuda_archs", "cudart", "cuda_runtime", "cuda_driver", "nccl_header_version", "torch", "profile"] {
             assert!(j.contains(&format!("\"{k}\": ")), "{k} missing from {j}");
         }
         assert!(j.starts_with('{') && j.ends_with('}'));
         assert!(j.contains("\"backends\": [\"cpu\""));
         assert_eq!(quote("a\"b\\c\n"), "\"a\\\"b\\\\c\\u000a\"");
+        assert_eq!(cuda_version(13000), "\"13.0\"");
+        assert_eq!(cuda_version(12080), "\"12.8\"");
+        assert_eq!(cuda_version(0), "null");
     }
 }

@@ -8,7 +8,8 @@
 //! - `kernels/*.cu`: device code behind a plain C launch API ([`ffi::kernels`]).
 //! - [`tensor`], [`config`], [`layout`], [`numerics`], [`topology`]: torch-free types and math.
 //! - [`ops`]: validation of every op's arguments, then a call into the buffer's backend.
-//! - [`backend`]: the [`backend::Backend`] trait; `cpu` (shared memory) and `nccl` (device API).
+//! - [`backend`]: the [`backend::Backend`] trait; `cpu` (shared memory) and `nccl` (device API; its
+//!   window can also come from NVSHMEM: backend `nvshmem`).
 //! - [`buffer`]: the registry that maps the integer handles seen by torch to backends.
 //! - [`ffi::capi`]: the `extern "C"` surface that `torch_ops/` (the only torch-aware code) calls.
 //! - [`reference`]: a single-process reference of every op, for tests.
@@ -19,7 +20,7 @@
 //! | `cuda` | nvcc-built kernels, static cudart | yes |
 //! | `nccl` | NCCL bindings (bindgen, dlopen'ed at run time) and the NCCL backend | yes |
 //! | `torch` | the libtorch operator shim linked into the cdylib | yes |
-//! | `nvshmem` | reserved | no |
+//! | `nvshmem` | NVSHMEM window provider of the NVLink backend (`DEEP_EP_BACKEND=nvshmem`; NVSHMEM dlopen'ed at run time, nothing needed at build time) | yes |
 
 pub mod backend;
 pub mod buffer;

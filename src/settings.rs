@@ -78,6 +78,26 @@ pub fn intranode_copy_warps() -> i32 {
     })
 }
 
+/// `DEEP_EP_CHECK_INPUTS`: `1` (default) or `0`. On the nccl backend, normal-mode ops run one
+/// extra small kernel that checks the routing inputs' content on the device (expert ids in range,
+/// layout tensors consistent with `topk_idx`, handles consistent with themselves), as the cpu
+/// backend does on the host; `0` skips it (a few microseconds per op) and trusts the inputs. Read
+/// once per process; all ranks should use the same.
+pub fn check_inputs() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| match std::env::var("DEEP_EP_CHECK_INPUTS") {
+        Err(_) => true,
+        Ok(v) => match v.trim() {
+            "" | "1" => true,
+            "0" => false,
+            other => {
+                eprintln!("[deep_ep] warn: DEEP_EP_CHECK_INPUTS={other:?} is not 0 or 1; using 1");
+                true
+            }
+        },
+    })
+}
+
 /// `DEEP_EP_INTRANODE_COMBINE`: `fused` (default: push and reduce overlapped in one kernel, per
 /// channel flags instead of a data barrier) or `split` (push kernel, data barrier, reduce
 /// kernel), the data path of the nccl backend's intranode combine; read once per process. Same
@@ -119,14 +139,18 @@ pub fn intranode_reduce_warps() -> i32 {
 
 /// One of `allowed` from `var` (default `allowed[0]`); anything else keeps the default and says so.
 fn choice_knob(var: &str, allowed: &[i32]) -> i32 {
-    let d = allowed[0];
+    choice_knob_or(var, allowed, allowed[0])
+}
+
+/// One of `allowed` from `var`, `default` when unset; anything else keeps the default and says so.
+fn choice_knob_or(var: &str, allowed: &[i32], default: i32) -> i32 {
     match std::env::var(var) {
-        Err(_) => d,
+        Err(_) => default,
         Ok(v) => match v.trim().parse::<i32>() {
             Ok(u) if allowed.contains(&u) => u,
             _ => {
-                eprintln!("[deep_ep] warn: {var}={v:?} is not one of {allowed:?}; using {d}");
-                d
+                eprintln!("[deep_ep] warn: {var}={v:?} is not one of {allowed:?}; using the default");
+                default
             }
         },
     }
@@ -140,11 +164,13 @@ pub fn intranode_push_unroll() -> i32 {
 }
 
 /// `DEEP_EP_INTRANODE_PULL_UNROLL`: 16-byte loads in flight per lane of a row copy of the pull
-/// dispatch, 8 (default), 16 (half the NVLink round trips per row; 512-thread blocks only) or 4
-/// (with 1024-thread blocks: the bytes in flight per SM of 512 x 8); read once.
+/// dispatch: 16 (the default with 512-thread blocks; measured: FP8 dispatch 513 -> 449 us against
+/// 8, bench/NOTES.md), 8, or 4 (with 1024-thread blocks: the bytes in flight per SM of 512 x 8).
+/// 1024-thread blocks do not offer 16 (64 registers: it spills) and take 8 instead, their default.
+/// Unset = 0, the kernel's default for the block size; read once.
 pub fn intranode_pull_unroll() -> i32 {
     static U: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
-    *U.get_or_init(|| choice_knob("DEEP_EP_INTRANODE_PULL_UNROLL", &[8, 16, 4]))
+    *U.get_or_init(|| choice_knob_or("DEEP_EP_INTRANODE_PULL_UNROLL", &[16, 8, 4], 0))
 }
 
 /// `DEEP_EP_INTRANODE_PULL_THREADS`: threads per block of the pull dispatch kernel, 512 (default)

@@ -32,16 +32,32 @@ struct LlOutputs {
   }
 };
 
+// The optional real token count (int32 [] or [1] device scalar): a copy of topk_idx whose rows at
+// or past it are -1, which the op passes on instead of topk_idx (one captured graph then serves
+// any batch). Without num_tokens: topk_idx itself. which: 0 dispatch, 1 combine (error messages).
+Tensor effective_topk_idx(int64_t handle, int32_t which, const Tensor& topk_idx, const optional<Tensor>& num_tokens) {
+  if (!num_tokens.has_value()) return topk_idx;
+  auto ri = raw(topk_idx), rn = raw(*num_tokens);
+  // A non-2-D topk_idx is refused by the library before it looks at `eff`.
+  Tensor eff = topk_idx.dim() == 2 ? empty_like_dev(topk_idx, {topk_idx.size(0), topk_idx.size(1)}, topk_idx.scalar_type()) : topk_idx;
+  auto ro = raw(eff);
+  check(deep_ep_ll_mask_rows(handle, which, &ri, &rn, &ro, stream_for(topk_idx.device())));
+  return eff;
+}
+
 // Validates, allocates the static outputs, runs the send phase.
 LlOutputs dispatch_send(int64_t handle, const Tensor& x, const Tensor& topk_idx, const optional<Tensor>& topk_weights,
                         const optional<Tensor>& cumulative, const optional<Tensor>& wait, int64_t t, int64_t e, bool use_fp8,
-                        bool round_scale, bool use_ue8m0) {
+                        bool round_scale, bool use_ue8m0, const optional<Tensor>& num_tokens) {
   auto p = params(t, x.dim() == 2 ? x.size(1) : 128, e, x.device());
   p.use_fp8 = use_fp8;
   p.round_scale = round_scale;
   p.use_ue8m0 = use_ue8m0;
   auto rx = raw(x), ri = raw(topk_idx), rw = raw(topk_weights), rc = raw(cumulative), rs = raw(wait);
   check(deep_ep_ll_dispatch_send(handle, &p, &rx, &ri, &rw, &rc, &rs, nullptr));
+  // x and topk_idx are valid here; the masked copy replaces topk_idx for the send.
+  Tensor eff = effective_topk_idx(handle, 0, topk_idx, num_tokens);
+  ri = raw(eff);
 
   const int64_t r = buffer_info(handle, "deep_ep::low_latency_dispatch").num_ranks(), el = e / r, rows = r * t, h = x.size(1);
   // Rows past recv_count are unspecified (DeepEP); on the CPU reference they are zero so that
@@ -81,18 +97,19 @@ void dispatch_recv(int64_t handle, const LlOutputs& out, const optional<Tensor>&
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> low_latency_dispatch(int64_t handle, const Tensor& x, const Tensor& topk_idx,
                                                                        const optional<Tensor>& topk_weights, const optional<Tensor>& cumulative,
                                                                        const optional<Tensor>& wait, int64_t t, int64_t e, bool use_fp8,
-                                                                       bool round_scale, bool use_ue8m0) {
+                                                                       bool round_scale, bool use_ue8m0, const optional<Tensor>& num_tokens) {
   DeviceScope guard(x.device());
-  auto out = dispatch_send(handle, x, topk_idx, topk_weights, cumulative, wait, t, e, use_fp8, round_scale, use_ue8m0);
+  auto out = dispatch_send(handle, x, topk_idx, topk_weights, cumulative, wait, t, e, use_fp8, round_scale, use_ue8m0, num_tokens);
   dispatch_recv(handle, out, cumulative, wait, t, e, use_fp8, round_scale, use_ue8m0);
   return {out.recv_x, out.recv_x_scales, out.recv_count, out.src_info, out.layout_range};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> low_latency_dispatch_send(int64_t handle, const Tensor& x, const Tensor& topk_idx,
                                                                                      const optional<Tensor>& topk_weights, int64_t t, int64_t e,
-                                                                                     bool use_fp8, bool round_scale, bool use_ue8m0) {
+                                                                                     bool use_fp8, bool round_scale, bool use_ue8m0,
+                                                                                     const optional<Tensor>& num_tokens) {
   DeviceScope guard(x.device());
-  auto o = dispatch_send(handle, x, topk_idx, topk_weights, std::nullopt, std::nullopt, t, e, use_fp8, round_scale, use_ue8m0);
+  auto o = dispatch_send(handle, x, topk_idx, topk_weights, std::nullopt, std::nullopt, t, e, use_fp8, round_scale, use_ue8m0, num_tokens);
   return {o.recv_x, o.recv_x_scales, o.recv_count, o.src_info, o.layout_range, o.recv_state};
 }
 
@@ -125,10 +142,12 @@ void combine_recv(int64_t handle, const Tensor& state, const Tensor& topk_idx, c
 
 void low_latency_combine(int64_t handle, const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights, const Tensor& src_info,
                          const Tensor& layout_range, const Tensor& out, const optional<Tensor>& wait, int64_t t, int64_t e, bool use_logfmt,
-                         bool zero_copy) {
+                         bool zero_copy, const optional<Tensor>& num_tokens) {
   DeviceScope guard(x.device());
+  // Rows past num_tokens are not routed: their output rows become zero. Checked before the send.
+  Tensor eff = effective_topk_idx(handle, 1, topk_idx, num_tokens);
   auto state = combine_send(handle, x, src_info, layout_range, t, e, use_logfmt, zero_copy);
-  combine_recv(handle, state, topk_idx, topk_weights, out, wait, t, x.size(2), e);
+  combine_recv(handle, state, eff, topk_weights, out, wait, t, x.size(2), e);
 }
 
 Tensor low_latency_combine_send(int64_t handle, const Tensor& x, const Tensor& src_info, const Tensor& layout_range, int64_t t, int64_t e,
@@ -138,9 +157,9 @@ Tensor low_latency_combine_send(int64_t handle, const Tensor& x, const Tensor& s
 }
 
 void low_latency_combine_recv(int64_t handle, const Tensor& state, const Tensor& topk_idx, const Tensor& topk_weights, const Tensor& out,
-                              const optional<Tensor>& wait, int64_t t, int64_t hidden, int64_t e) {
+                              const optional<Tensor>& wait, int64_t t, int64_t hidden, int64_t e, const optional<Tensor>& num_tokens) {
   DeviceScope guard(out.device());
-  combine_recv(handle, state, topk_idx, topk_weights, out, wait, t, hidden, e);
+  combine_recv(handle, state, effective_topk_idx(handle, 1, topk_idx, num_tokens), topk_weights, out, wait, t, hidden, e);
 }
 
 void clean_low_latency_buffer(int64_t handle, int64_t t, int64_t hidden, int64_t e) {

@@ -85,12 +85,12 @@ def _ll_outputs(handle, x, t, e, use_fp8, use_ue8m0):
 
 
 @torch.library.register_fake("deep_ep::low_latency_dispatch")
-def _ll_dispatch(handle, x, topk_idx, topk_weights, cumulative, wait, t, e, use_fp8, round_scale, use_ue8m0):
+def _ll_dispatch(handle, x, topk_idx, topk_weights, cumulative, wait, t, e, use_fp8, round_scale, use_ue8m0, num_tokens=None):
     return _ll_outputs(handle, x, t, e, use_fp8, use_ue8m0)
 
 
 @torch.library.register_fake("deep_ep::low_latency_dispatch_send")
-def _ll_dispatch_send(handle, x, topk_idx, topk_weights, t, e, use_fp8, round_scale, use_ue8m0):
+def _ll_dispatch_send(handle, x, topk_idx, topk_weights, t, e, use_fp8, round_scale, use_ue8m0, num_tokens=None):
     return _ll_outputs(handle, x, t, e, use_fp8, use_ue8m0) + (x.new_empty((LL_STATE_LEN,), dtype=torch.int64),)
 
 
@@ -100,7 +100,7 @@ def _ll_dispatch_recv(handle, state, recv_x, scales, count, src_info, layout_ran
 
 
 @torch.library.register_fake("deep_ep::low_latency_combine")
-def _ll_combine(handle, x, topk_idx, topk_weights, src_info, layout_range, out, wait, t, e, use_logfmt, zero_copy):
+def _ll_combine(handle, x, topk_idx, topk_weights, src_info, layout_range, out, wait, t, e, use_logfmt, zero_copy, num_tokens=None):
     return None
 
 
@@ -110,7 +110,7 @@ def _ll_combine_send(handle, x, src_info, layout_range, t, e, use_logfmt, zero_c
 
 
 @torch.library.register_fake("deep_ep::low_latency_combine_recv")
-def _ll_combine_recv(handle, state, topk_idx, topk_weights, out, wait, t, hidden, e):
+def _ll_combine_recv(handle, state, topk_idx, topk_weights, out, wait, t, hidden, e, num_tokens=None):
     return None
 
 

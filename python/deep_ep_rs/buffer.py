@@ -46,7 +46,8 @@ class Buffer:
     `explicitly_destroy`, `enable_shrink` (an LL wait that times out masks the missing rank
     instead of raising; the mask methods work with or without it). `num_qps_per_rank`, `allow_nvlink_for_low_latency_mode`, `allow_mnnvl`,
     `use_fabric` are accepted for compatibility. Extension: `device` (default: the current CUDA
-    device, or the CPU when CUDA is absent or DEEP_EP_BACKEND=cpu) and `backend`.
+    device, or the CPU when CUDA is absent or DEEP_EP_BACKEND=cpu) and `backend` ("cpu", "nccl" or
+    "nvshmem"; "" = DEEP_EP_BACKEND, else the device's default).
     """
 
     num_sms: int = 20
@@ -277,14 +278,28 @@ class Buffer:
                              cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
                              round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
-                             return_recv_hook: bool = False, topk_weights: Optional[torch.Tensor] = None):
+                             return_recv_hook: bool = False, topk_weights: Optional[torch.Tensor] = None,
+                             num_tokens: Optional[torch.Tensor] = None):
         """Returns (recv_x [or (recv_x, scales)], recv_count, handle, event, hook); handle =
-        (src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)."""
+        (src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts).
+
+        `num_tokens` (extension, default None = every row of x is real): int32 tensor of shape []
+        or [1] on x's device holding the real batch n; rows of x / topk_idx at or past n are not
+        routed (as if topk_idx were -1 there). It is read on the device, so one captured CUDA
+        graph with a static x [N, H] serves any n <= N; pass the same tensor to
+        low_latency_combine. n outside 0..=N raises on CPU buffers and is clamped on CUDA ones.
+
+        `topk_weights` (optional float32 [N, K], not a DeepEP argument): the weights travel with
+        the tokens and the combine of this handle sends one partial sum per (token, expert rank)
+        — bf16 of the fp32 sum over that rank's experts in top-k order — which the source sums
+        over ranks ascending in fp32 (less traffic; one more BF16 rounding per rank than the
+        per-expert sum, within DeepEP's combine tolerance). That combine then uses THESE weights:
+        pass the same `topk_weights` to low_latency_combine. Both backends agree bit for bit."""
         assert not (async_finish and return_recv_hook), "async_finish and return_recv_hook are mutually exclusive"
         t, e = num_max_dispatch_tokens_per_rank, num_experts
         if return_recv_hook:
             recv_x, scales, count, src_info, layout_range, state = ops.low_latency_dispatch_send(
-                self.handle, x, topk_idx, topk_weights, t, e, use_fp8, round_scale, use_ue8m0)
+                self.handle, x, topk_idx, topk_weights, t, e, use_fp8, round_scale, use_ue8m0, num_tokens)
 
             def hook():
                 ops.low_latency_dispatch_recv(self.handle, state, recv_x, scales, count, src_info, layout_range,
@@ -294,7 +309,7 @@ class Buffer:
             hook = None
             recv_x, scales, count, src_info, layout_range = ops.low_latency_dispatch(
                 self.handle, x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, t, e,
-                use_fp8, round_scale, use_ue8m0)
+                use_fp8, round_scale, use_ue8m0, num_tokens)
         handle = (src_info, layout_range, t, x.size(1), e)
         event = EventOverlap(EventHandle(), (x, topk_idx, recv_x, scales, count, src_info, layout_range)) \
             if async_finish and x.is_cuda else EventOverlap(None)
@@ -303,8 +318,10 @@ class Buffer:
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: Tuple,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
                             return_recv_hook: bool = False, out: Optional[torch.Tensor] = None,
-                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
-        """Returns (combined_x [N, H] bf16 = Σ_k w_k·y_k, event, hook)."""
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None,
+                            num_tokens: Optional[torch.Tensor] = None):
+        """Returns (combined_x [N, H] bf16 = Σ_k w_k·y_k, event, hook). `num_tokens`: as in
+        low_latency_dispatch (the same tensor); output rows at or past it are zero."""
         assert not (async_finish and return_recv_hook), "async_finish and return_recv_hook are mutually exclusive"
         src_info, layout_range, t, hidden, e = handle
         if out is None:
@@ -314,11 +331,11 @@ class Buffer:
 
             def hook():
                 ops.low_latency_combine_recv(self.handle, state, topk_idx, topk_weights, out, combine_wait_recv_cost_stats, t,
-                                             hidden, e)
+                                             hidden, e, num_tokens)
         else:
             hook = None
             ops.low_latency_combine(self.handle, x, topk_idx, topk_weights, src_info, layout_range, out,
-                                    combine_wait_recv_cost_stats, t, e, use_logfmt, zero_copy)
+                                    combine_wait_recv_cost_stats, t, e, use_logfmt, zero_copy, num_tokens)
         event = EventOverlap(EventHandle(), (x, topk_idx, topk_weights, src_info, layout_range, out)) \
             if async_finish and x.is_cuda else EventOverlap(None)
         return out, event, hook

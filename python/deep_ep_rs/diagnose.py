@@ -2,7 +2,9 @@
 whether a tiny dispatch/combine works.
 
 Prints the library path and build (crate version, features, backends, CUDA archs, the NCCL and
-torch it was built against), torch and CUDA versions, the driver and NVLink topology
+torch it was built against), torch and CUDA versions and whether they match the build (torch
+version, CUDA major version, a driver new enough for the library's CUDA runtime), the driver and
+NVLink topology
 (nvidia-smi, if present), peer access between GPUs, the NCCL torch loaded against the one the
 library was built for, the environment variables that change behaviour, then runs a self-test
 (normal and low-latency dispatch/combine, checked exactly) on 2 CPU ranks and, when GPUs are
@@ -37,6 +39,38 @@ def _run(cmd, timeout=20.0):
 def _version(code: int) -> str:
     """NCCL_VERSION_CODE (22809) -> '2.28.9'."""
     return f"{code // 10000}.{code // 100 % 100}.{code % 100}"
+
+
+def _major_minor(v):
+    """(major, minor) of a version string such as "13.0" or "2.11.0+cu130", or None."""
+    try:
+        parts = str(v).split("+")[0].split(".")
+        return int(parts[0]), int(parts[1])
+    except (ValueError, IndexError):
+        return None
+
+
+def _torch_verdict(built: str, running: str) -> str:
+    """build_info's torch ("torch X of `python`") against the running torch: " (match)", or why not."""
+    if not built.startswith("torch "):
+        return ", library built without a torch shim"
+    want = built.split()[1]
+    if want == running:
+        return ", library built against it (match)"
+    return f" (MISMATCH: the library was built against torch {want}; rebuild it for this torch)"
+
+
+def _cuda_verdict(runtime, torch_cuda, driver) -> str:
+    """The library's CUDA runtime against torch's CUDA and the driver's supported CUDA version."""
+    rt, tc, dv = _major_minor(runtime), _major_minor(torch_cuda), _major_minor(driver)
+    notes = []
+    if rt and tc and rt[0] != tc[0]:
+        notes.append(f"MISMATCH: library CUDA {runtime} and torch CUDA {torch_cuda} have different major versions")
+    if rt and dv and dv < rt:
+        notes.append(f"DRIVER TOO OLD: it supports CUDA {driver}, the library needs {runtime}")
+    if notes:
+        return " (" + "; ".join(notes) + ")"
+    return " (match)" if rt and tc else ""
 
 
 def _free_port() -> int:
@@ -183,11 +217,14 @@ def main(argv=None) -> int:
     print(f"CUDA archs compiled: {', '.join(build['cuda_archs']) or 'none'} (cudart {build['cudart'] or 'none'})")
     print(f"built against: {build['torch'] or 'no torch shim'}")
     print(f"python: {sys.version.split()[0]}")
-    print(f"torch: {torch.__version__} (CUDA build {torch.version.cuda or 'none'})")
+    print(f"torch: {torch.__version__} (CUDA build {torch.version.cuda or 'none'})" + _torch_verdict(build.get("torch") or "", torch.__version__))
+    rt, drv = build.get("cuda_runtime"), build.get("cuda_driver")
+    print(f"CUDA: library runtime {rt or 'none'}, torch built for {torch.version.cuda or 'none'}, driver supports {drv or 'unknown (no driver)'}"
+          + _cuda_verdict(rt, torch.version.cuda, drv))
     cuda = torch.cuda.is_available()
     print(f"CUDA available: {cuda}" + (f", {torch.cuda.device_count()} visible GPU(s)" if cuda else ""))
     smi = _run(["nvidia-smi", "--query-gpu=index,name,driver_version,memory.total", "--format=csv,noheader"])
-    print("driver: " + ("nvidia-smi not found or failed" if smi is None else ""))
+    print("driver: " + ("nvidia-smi not found or failed" + (f" (supports CUDA {drv})" if drv else "") if smi is None else ""))
     for line in (smi or "").splitlines():
         print(f"  gpu {line}")
     try:

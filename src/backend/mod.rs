@@ -22,7 +22,8 @@ pub enum BackendKind {
     Cpu,
     /// NCCL device API (LSA over NVLink, GIN over RDMA). Default on CUDA devices.
     Nccl,
-    /// NVSHMEM (reserved).
+    /// NVSHMEM symmetric memory (intranode: peer pointers from `nvshmem_ptr`), running the
+    /// same kernels as `Nccl` (cargo feature `nvshmem`).
     Nvshmem,
 }
 
@@ -40,9 +41,13 @@ impl BackendKind {
     /// `DEEP_EP_BACKEND` environment variable, then the device's default (CPU tensors: `cpu`,
     /// CUDA tensors: `nccl`). A CPU device always uses the CPU backend.
     pub fn select(op: &'static str, requested: &str, device: Device) -> Result<BackendKind> {
-        let env = std::env::var("DEEP_EP_BACKEND").unwrap_or_default();
-        let name = if !requested.is_empty() { requested.to_string() } else { env };
-        let kind = match name.as_str() {
+        Self::select_from(op, requested, &std::env::var("DEEP_EP_BACKEND").unwrap_or_default(), device)
+    }
+
+    /// [`Self::select`] with the value of `DEEP_EP_BACKEND` given (`""` = unset).
+    pub fn select_from(op: &'static str, requested: &str, env: &str, device: Device) -> Result<BackendKind> {
+        let name = if !requested.is_empty() { requested } else { env };
+        let kind = match name {
             "" => match device {
                 Device::Cpu => BackendKind::Cpu,
                 Device::Cuda(_) => BackendKind::Nccl,
@@ -244,6 +249,71 @@ impl LlGeometry {
     }
 }
 
+/// Bytes of a deduplicated dispatch message before its payload (`DEEP_EP_LL_MSG_META`): header
+/// `[src token, H, T, E]` i32, `[entries, has weights, 0, 0]` i32, [`LL_WIRE_MAX_TOPK`] u32
+/// entries `local expert << 16 | expert slot` (top-k order) and as many f32 weights.
+pub const LL_MSG_META: usize = 160;
+/// Most top-k entries of a deduplicated message (`DEEP_EP_LL_MAX_TOPK`).
+pub const LL_WIRE_MAX_TOPK: usize = 16;
+
+/// Byte layout of the deduplicated low-latency wire format inside one receive half, the same on
+/// both backends: `[message counts: R u32, 128 B][index table [E_l][R][T] u32][messages [R][T]]
+/// [partial combine rows [R][T] of H bf16]`. A message goes once per (token, destination rank);
+/// index entry `[l][s][slot]` names the message of source `s` that row `slot` of `(l, s)` comes
+/// from. The per-expert combine rows (`[E][T]` slots) overlay it all from offset 0, while the
+/// partial rows lie after the messages so that a combine can read its dispatch's messages.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct LlWire {
+    pub idx_off: usize,
+    pub msgs_off: usize,
+    pub msg_bytes: usize,
+    pub partial_off: usize,
+    /// Whether the partial combine rows fit in the half as well.
+    pub partial_fits: bool,
+}
+
+impl LlWire {
+    /// Offset of the message count of source `s`.
+    pub fn count_off(s: usize) -> usize {
+        4 * s
+    }
+}
+
+/// A backend's record of the last dispatch of each LL half: (address of its `src_info` output,
+/// whether it carried top-k weights in the deduplicated format, its number).
+pub type LlDispatchRecord = Option<(usize, bool, u64)>;
+
+/// The half whose dispatch a combine given `src_info` at `ptr` belongs to, when that dispatch
+/// carried top-k weights (the combine then sends partial sums): the latest recorded dispatch with
+/// this `src_info` address decides, so a freed and reused address of an older one never matches.
+pub fn ll_weighted_dispatch_half(records: &[LlDispatchRecord; 2], ptr: usize) -> Option<usize> {
+    (0..2).filter_map(|h| records[h].filter(|r| r.0 == ptr).map(|r| (r.2, r.1, h))).max().filter(|r| r.1).map(|r| r.2)
+}
+
+/// Offset of the message counts (`LlWire::count_off`) and of the index table.
+const LL_WIRE_COUNTS_BYTES: usize = 128;
+
+impl LlGeometry {
+    /// The deduplicated wire layout for `num_ranks` ranks, or `None` when it does not fit in
+    /// DeepEP's receive half (few experts per rank with a small hidden, e.g. one per rank at 128).
+    pub fn wire(&self, num_ranks: usize) -> Option<LlWire> {
+        let (r, e, t, h) = (num_ranks, self.num_experts, self.num_max_dispatch_tokens_per_rank, self.hidden);
+        let lay = LowLatencyLayout::new(t, h, e);
+        let align = |v: usize| v.div_ceil(crate::config::BUFFER_ALIGNMENT) * crate::config::BUFFER_ALIGNMENT;
+        let msg_bytes = (LL_MSG_META + (2 * h).max(h + h / 128 * 4)).div_ceil(16) * 16;
+        let idx_off = LL_WIRE_COUNTS_BYTES;
+        let msgs_off = idx_off + align(4 * e * t);
+        let partial_off = align(msgs_off + r * t * msg_bytes);
+        (msgs_off + r * t * msg_bytes <= lay.recv_bytes).then_some(LlWire {
+            idx_off,
+            msgs_off,
+            msg_bytes,
+            partial_off,
+            partial_fits: partial_off + r * t * 2 * h <= lay.recv_bytes,
+        })
+    }
+}
+
 /// Low-latency dispatch options.
 #[derive(Copy, Clone, Debug)]
 pub struct LlDispatchOptions {
@@ -309,6 +379,16 @@ pub struct LlCombineSendArgs {
     pub recv_state: TensorRef,
 }
 
+/// Inputs of [`Backend::ll_mask_rows`]: the real token count of an LL call as a device scalar.
+pub struct LlRowsArgs {
+    /// `[N, K]` int32 or int64 global expert ids (the caller's, read only).
+    pub topk_idx: TensorRef,
+    /// int32 `[]` or `[1]` on the buffer's device: the number `n` of real rows, `0 ≤ n ≤ N`.
+    pub num_tokens: TensorRef,
+    /// `[N, K]`, dtype of `topk_idx`, written: rows `< n` copied, rows `≥ n` all −1.
+    pub out: TensorRef,
+}
+
 /// Low-latency combine recv-phase inputs; `out [N, H]` bf16 is written.
 pub struct LlCombineRecvArgs {
     /// `[N, K]` int32 or int64: this rank's original global expert ids.
@@ -351,6 +431,13 @@ pub trait Backend: Send {
     /// LL combine, recv phase: wait and reduce Σ_k w_k·y_k in fp32 into `out`.
     fn ll_combine_recv(&mut self, g: &LlGeometry, args: &LlCombineRecvArgs, stats: &LlStats, stream: Stream) -> Result<()>;
 
+    /// Local, not collective: writes `args.out` = `args.topk_idx` with the rows at or past the
+    /// device scalar `args.num_tokens` set to −1 (not routed), so that one static-shape LL call
+    /// (one captured CUDA graph) serves any real batch `n ≤ N`. CUDA backends launch on `stream`
+    /// without host sync and clamp `n` to `0..=N` on the device (an out-of-range value cannot be
+    /// reported without a sync); the CPU backend reads `n` and raises when it is out of range.
+    fn ll_mask_rows(&mut self, op: &'static str, args: &LlRowsArgs, stream: Stream) -> Result<()>;
+
     /// Zeroes both halves' LL signal areas (barriers before and after).
     fn clean_low_latency_buffer(&mut self, g: &LlGeometry, stream: Stream) -> Result<()>;
 
@@ -388,13 +475,17 @@ pub trait Backend: Send {
 
 /// Creates the backend `kind` for `args`.
 pub fn create(kind: BackendKind, args: &CreateArgs) -> Result<Box<dyn Backend>> {
+    #[allow(dead_code)] // used by the arms of backends that are not compiled in
     const OP: &str = "deep_ep::create_buffer";
     match kind {
         BackendKind::Cpu => Ok(Box::new(cpu::CpuBackend::create(args)?)),
         #[cfg(feature = "nccl")]
-        BackendKind::Nccl => Ok(Box::new(nccl::NcclBackend::create(args)?)),
+        BackendKind::Nccl => Ok(Box::new(nccl::NcclBackend::create(args, kind)?)),
         #[cfg(not(feature = "nccl"))]
         BackendKind::Nccl => Err(Error::NotCompiled { op: OP, backend: "nccl".into(), feature: "nccl" }),
+        #[cfg(feature = "nvshmem")]
+        BackendKind::Nvshmem => Ok(Box::new(nccl::NcclBackend::create(args, kind)?)),
+        #[cfg(not(feature = "nvshmem"))]
         BackendKind::Nvshmem => Err(Error::NotCompiled { op: OP, backend: "nvshmem".into(), feature: "nvshmem" }),
     }
 }
@@ -404,12 +495,81 @@ pub fn unique_id(kind: BackendKind) -> Result<Vec<u8>> {
     match kind {
         BackendKind::Cpu => Ok(cpu::CpuBackend::unique_id()),
         #[cfg(feature = "nccl")]
-        BackendKind::Nccl => nccl::NcclBackend::unique_id(),
+        BackendKind::Nccl => nccl::NcclBackend::unique_id(kind),
         #[cfg(not(feature = "nccl"))]
         BackendKind::Nccl => Err(Error::NotCompiled { op: "deep_ep::get_unique_id", backend: "nccl".into(), feature: "nccl" }),
+        #[cfg(feature = "nvshmem")]
+        BackendKind::Nvshmem => nccl::NcclBackend::unique_id(kind),
+        #[cfg(not(feature = "nvshmem"))]
         BackendKind::Nvshmem => Err(Error::NotCompiled { op: "deep_ep::get_unique_id", backend: "nvshmem".into(), feature: "nvshmem" }),
     }
 }
 
 /// Length of every unique id (NCCL's `ncclUniqueId` is 128 bytes; the CPU id is padded to it).
 pub const UNIQUE_ID_BYTES: usize = 128;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sel(requested: &str, env: &str, device: Device) -> std::result::Result<&'static str, String> {
+        BackendKind::select_from("op", requested, env, device).map(BackendKind::name).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn selection_by_argument_then_environment_then_device() {
+        let gpu = Device::Cuda(0);
+        assert_eq!(sel("", "", gpu), Ok("nccl"));
+        assert_eq!(sel("", "", Device::Cpu), Ok("cpu"));
+        assert_eq!(sel("", "nvshmem", gpu), Ok("nvshmem"));
+        assert_eq!(sel("nccl", "nvshmem", gpu), Ok("nccl"));
+        assert_eq!(sel("nvshmem", "", gpu), Ok("nvshmem"));
+        // The variable is only a preference for GPU buffers; an explicit request must be honoured.
+        assert_eq!(sel("", "nvshmem", Device::Cpu), Ok("cpu"));
+        let e = sel("nvshmem", "", Device::Cpu).unwrap_err();
+        assert_eq!(e, "op: backend 'nvshmem' needs a CUDA device; CPU buffers use the cpu backend");
+        let e = sel("", "shmem", gpu).unwrap_err();
+        assert!(e.contains("unknown backend 'shmem' (expected cpu, nccl or nvshmem)"), "{e}");
+    }
+
+    #[test]
+    fn nvshmem_backend_is_compiled_or_says_which_feature() {
+        let args = CreateArgs { unique_id: &[0u8; 128], rank: 0, num_ranks: 2, device: Device::Cpu, num_nvl_bytes: 0, num_rdma_bytes: 0, low_latency_mode: false };
+        let e = create(BackendKind::Nvshmem, &args).err().map(|e| e.to_string()).unwrap_or_default();
+        if cfg!(feature = "nvshmem") {
+            assert!(e.contains("the nvshmem backend needs a CUDA device, got cpu"), "{e}");
+        } else {
+            assert!(e.contains("backend 'nvshmem' is not compiled into this library (cargo feature 'nvshmem')"), "{e}");
+        }
+    }
+
+    #[test]
+    fn the_latest_dispatch_with_an_address_decides_partial_combines() {
+        let rec: [LlDispatchRecord; 2] = [Some((0x1000, true, 1)), Some((0x2000, false, 2))];
+        assert_eq!(ll_weighted_dispatch_half(&rec, 0x1000), Some(0));
+        assert_eq!(ll_weighted_dispatch_half(&rec, 0x2000), None);
+        assert_eq!(ll_weighted_dispatch_half(&rec, 0x3000), None);
+        // A freed src_info address reused by a later unweighted dispatch: no partial sums.
+        let reused: [LlDispatchRecord; 2] = [Some((0x1000, true, 1)), Some((0x1000, false, 2))];
+        assert_eq!(ll_weighted_dispatch_half(&reused, 0x1000), None);
+        let both: [LlDispatchRecord; 2] = [Some((0x1000, true, 3)), Some((0x1000, false, 2))];
+        assert_eq!(ll_weighted_dispatch_half(&both, 0x1000), Some(0));
+    }
+
+    #[test]
+    fn wire_layout_fits_deepeps_receive_half() {
+        let g = |t, h, e| LlGeometry { num_max_dispatch_tokens_per_rank: t, hidden: h, num_experts: e };
+        // DeepEP's shape: message stride 160 + 2 * 7168 (an FP8 message writes 160 + 7168 + 224
+        // of it), partial rows after them.
+        let w = g(128, 7168, 288).wire(4).unwrap();
+        assert_eq!((w.idx_off, w.msg_bytes), (128, 14_496));
+        assert_eq!(w.msgs_off, 128 + 4 * 288 * 128);
+        assert!(w.partial_fits && w.partial_off >= w.msgs_off + 4 * 128 * w.msg_bytes && w.partial_off % 128 == 0);
+        // Small hidden: one expert per rank leaves no room for the messages, two no room for
+        // the partial rows (the combine then sends per-expert rows); at 7168 one expert fits.
+        assert!(g(128, 128, 8).wire(8).is_none());
+        assert!(!g(128, 128, 16).wire(8).unwrap().partial_fits);
+        assert!(!g(128, 7168, 8).wire(8).unwrap().partial_fits);
+        assert!(g(128, 7168, 24).wire(8).unwrap().partial_fits);
+    }
+}

@@ -2,7 +2,7 @@
 
 use super::capi::{check_size, guard, opt_tensor, tensor, RawTensor};
 use crate::backend::{
-    CachedDispatchArgs, CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, DispatchPlan, Handle, LlCombineRecvArgs, LlCombineSendArgs,
+    CachedDispatchArgs, CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, DispatchPlan, Handle, LlCombineRecvArgs, LlCombineSendArgs, LlRowsArgs,
     LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlStats,
 };
 use crate::config::Config;
@@ -360,6 +360,19 @@ pub unsafe extern "C" fn deep_ep_ll_combine_recv(
             out: tensor(OP, "out", out)?,
         };
         ops::low_latency_combine_recv(handle, &g, &a, &ll_stats(OP, std::ptr::null(), wait)?, raw.stream)
+    })
+}
+
+/// See `deep_ep_ll_mask_rows` in the header.
+///
+/// # Safety
+/// Pointers from the shim.
+#[no_mangle]
+pub unsafe extern "C" fn deep_ep_ll_mask_rows(handle: i64, which: i32, topk_idx: *const RawTensor, num_tokens: *const RawTensor, out: *const RawTensor, stream: *mut c_void) -> c_int {
+    let op = if which == 0 { "deep_ep::low_latency_dispatch" } else { "deep_ep::low_latency_combine" };
+    guard(|| {
+        let a = LlRowsArgs { topk_idx: tensor(op, "topk_idx", topk_idx)?, num_tokens: tensor(op, "num_tokens", num_tokens)?, out: tensor(op, "out", out)? };
+        ops::low_latency_mask_rows(handle, op, &a, stream)
     })
 }
 

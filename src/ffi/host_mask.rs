@@ -21,6 +21,7 @@ pub const MASK_WORDS: usize = 16;
 pub const SHRINK_WORD: usize = MAX_RANKS;
 
 extern "C" {
+    fn deep_ep_cuda_memcpy_htod(dst: *mut c_void, src: *const c_void, bytes: usize) -> c_int;
     fn deep_ep_cuda_host_alloc_mapped(host: *mut *mut c_void, device_ptr: *mut *mut c_void, bytes: usize) -> c_int;
     fn deep_ep_cuda_free_host(host: *mut c_void) -> c_int;
 }
@@ -65,6 +66,17 @@ impl HostMask {
         // SAFETY: in bounds of the live block.
         unsafe { self.host.add(i).write_volatile(v) };
         std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl HostMask {
+    /// Copies words `0..words` (<= MASK_WORDS) to device memory at `dst` (synchronous), so that
+    /// kernels read the mask from device memory instead of across PCIe.
+    pub fn copy_to_device(&self, op: &'static str, dst: *mut c_void, words: usize) -> Result<()> {
+        assert!(words <= MASK_WORDS);
+        // SAFETY: `dst` is device memory of at least `words` int32 (the caller's window scratch);
+        // the source is our live pinned block.
+        super::kernels::check(unsafe { deep_ep_cuda_memcpy_htod(dst, self.host.cast(), words * 4) }, op, "copying the rank mask to the device")
     }
 }
 

@@ -87,6 +87,15 @@ pub mod err {
     pub const MISMATCH: i32 = 2;
     pub const OVERFLOW: i32 = 3;
     pub const CAPACITY: i32 = 4;
+    /// Input checks (`deep_ep_ic_check`), each about the reporting rank's own inputs.
+    pub const NTPR: i32 = 5;
+    pub const EXPERT_ID: i32 = 6;
+    pub const NTPE: i32 = 7;
+    pub const IN_RANK: i32 = 8;
+    pub const STALE_COUNTS: i32 = 9;
+    pub const STALE_ROWS: i32 = 10;
+    pub const STALE_SEND_HEAD: i32 = 11;
+    pub const STALE_CPM: i32 = 12;
 }
 
 /// `deep_ep_ic_ctx_t`: the buffer as kernels see it.
@@ -99,6 +108,9 @@ pub struct Ctx {
     pub window_bytes: u64,
     pub host_status: *mut c_void,
     pub timeout_ns: u64,
+    /// SMs of this GPU, queried once at creation (0 = unknown: the launcher asks CUDA).
+    pub num_sms: i32,
+    pub reserved: i32,
 }
 
 /// `deep_ep_ic_layout_t`: what one rank stages, read by its peers.
@@ -137,7 +149,9 @@ pub struct SyncArgs {
     pub publish: i32,
     /// Zero the fused combine's local counters.
     pub zero_counters: i32,
-    pub reserved: i32,
+    /// With `publish`: keep the input-check result the check kernel wrote into the header before
+    /// this barrier (else it is zeroed).
+    pub keep_check: i32,
     pub layout: Layout,
 }
 
@@ -235,6 +249,27 @@ pub struct DispatchPushArgs {
     pub copy_warps: i32,
 }
 
+/// `deep_ep_ic_check_args_t`: the routing inputs the check kernel compares (null = absent).
+#[repr(C)]
+#[derive(Copy, Clone, Debug)]
+pub struct CheckArgs {
+    pub topk_idx: *const c_void,
+    pub topk_is_int64: i32,
+    pub num_blocks: i32,
+    pub num_tokens_per_rank: *const i32,
+    pub num_tokens_per_expert: *const i32,
+    pub is_token_in_rank: *const bool,
+    pub send_head: *const i32,
+    pub channel_prefix_matrix: *const i32,
+    pub rank_prefix_matrix: *const i32,
+    pub num_tokens: i64,
+    pub num_topk: i64,
+    pub num_experts: i64,
+    pub num_channels: i64,
+    /// Handle: rows of recv_src_idx (cached dispatch) or of x (combine).
+    pub num_rows: i64,
+}
+
 /// `deep_ep_ic_combine_args_t`.
 #[repr(C)]
 #[derive(Copy, Clone, Debug)]
@@ -263,7 +298,8 @@ struct HostStatusRaw {
     error_value: i32,
     error_limit: i32,
     recv_count: i32,
-    reserved: [i32; 2],
+    error_extra: i32,
+    reserved: i32,
     per_expert: [i32; MAX_LOCAL_EXPERTS],
 }
 
@@ -278,7 +314,7 @@ macro_rules! zeroed_default {
         }
     )*};
 }
-zeroed_default!(StageArgs, PushArgs, PullArgs, CombineArgs, DispatchPushArgs);
+zeroed_default!(StageArgs, PushArgs, PullArgs, CombineArgs, DispatchPushArgs, CheckArgs);
 
 extern "C" {
     fn deep_ep_ic_sync(ctx: *const Ctx, args: *const SyncArgs, stream: *mut c_void) -> c_int;
@@ -288,12 +324,15 @@ extern "C" {
     fn deep_ep_ic_combine_push(ctx: *const Ctx, args: *const PushArgs, stream: *mut c_void) -> c_int;
     fn deep_ep_ic_combine(ctx: *const Ctx, args: *const CombineArgs, stream: *mut c_void) -> c_int;
     fn deep_ep_ic_combine_fused(ctx: *const Ctx, push: *const PushArgs, args: *const CombineArgs, stream: *mut c_void) -> c_int;
+    fn deep_ep_ic_check(ctx: *const Ctx, args: *const CheckArgs, stream: *mut c_void) -> c_int;
     fn deep_ep_ic_reset(ctx: *const Ctx, stream: *mut c_void) -> c_int;
     fn deep_ep_ic_clear_error(ctx: *const Ctx, stream: *mut c_void) -> c_int;
     fn deep_ep_ic_struct_sizes(sizes: *mut usize);
     fn deep_ep_ic_rendezvous_word(ctx: *const Ctx) -> *mut c_void;
 
     fn deep_ep_cuda_get_device(device: *mut c_int) -> c_int;
+    fn deep_ep_cuda_sm_count(device: c_int, sms: *mut c_int) -> c_int;
+    fn deep_ep_cuda_versions(runtime: *mut c_int, driver: *mut c_int) -> c_int;
     fn deep_ep_cuda_set_device(device: c_int) -> c_int;
     fn deep_ep_cuda_host_alloc_mapped(host: *mut *mut c_void, device_ptr: *mut *mut c_void, bytes: usize) -> c_int;
     fn deep_ep_cuda_free_host(host: *mut c_void) -> c_int;
@@ -306,8 +345,8 @@ extern "C" {
 /// Compares the Rust mirrors with the C structs (a mismatch means the header and this file
 /// diverged; kernels would read garbage).
 pub fn check_struct_sizes(op: &'static str) -> Result<()> {
-    let mut c = [0usize; 9];
-    // SAFETY: writes exactly 9 sizes.
+    let mut c = [0usize; 10];
+    // SAFETY: writes exactly 10 sizes.
     unsafe { deep_ep_ic_struct_sizes(c.as_mut_ptr()) };
     let rust = [
         std::mem::size_of::<Ctx>(),
@@ -319,6 +358,7 @@ pub fn check_struct_sizes(op: &'static str) -> Result<()> {
         std::mem::size_of::<PushArgs>(),
         std::mem::size_of::<HostStatusRaw>(),
         std::mem::size_of::<DispatchPushArgs>(),
+        std::mem::size_of::<CheckArgs>(),
     ];
     crate::ensure!(c == rust, op, "internal: intranode struct sizes differ between C {c:?} and Rust {rust:?}");
     Ok(())
@@ -380,6 +420,15 @@ pub fn combine_fused(op: &'static str, ctx: &Ctx, push: &PushArgs, args: &Combin
     check(unsafe { deep_ep_ic_combine_fused(ctx, push, args, stream) }, op, "intranode fused combine kernel launch")
 }
 
+/// Input checks before the barrier that gathers the op's header (the data barrier; the fused
+/// combine's start barrier), which raises what they find on every rank.
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
+pub fn check_inputs(op: &'static str, ctx: &Ctx, args: &CheckArgs, stream: *mut c_void) -> Result<()> {
+    // SAFETY: see the comment above; the kernel only reads the inputs and writes this rank's
+    // control area.
+    check(unsafe { deep_ep_ic_check(ctx, args, stream) }, op, "intranode input-check kernel launch")
+}
+
 /// Zeroes this rank's control area.
 #[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
 pub fn reset(op: &'static str, ctx: &Ctx, stream: *mut c_void) -> Result<()> {
@@ -392,6 +441,23 @@ pub fn reset(op: &'static str, ctx: &Ctx, stream: *mut c_void) -> Result<()> {
 pub fn clear_error(op: &'static str, ctx: &Ctx, stream: *mut c_void) -> Result<()> {
     // SAFETY: writes one int of this rank's scratch.
     check(unsafe { deep_ep_ic_clear_error(ctx, stream) }, op, "intranode clear-error kernel launch")
+}
+
+/// Multiprocessors of CUDA device `device`.
+pub fn sm_count(op: &'static str, device: i32) -> Result<i32> {
+    let mut sms: c_int = 0;
+    // SAFETY: writes one int.
+    check(unsafe { deep_ep_cuda_sm_count(device, &mut sms) }, op, "cudaDeviceGetAttribute(MultiProcessorCount)")?;
+    Ok(sms)
+}
+
+/// `(runtime, driver)`: the CUDA runtime version linked into the library and the CUDA version the
+/// driver supports, as `1000 * major + 10 * minor` (0 = unknown, e.g. no driver). Needs no GPU.
+pub fn cuda_versions() -> (i32, i32) {
+    let (mut rt, mut drv): (c_int, c_int) = (0, 0);
+    // SAFETY: writes two ints (zeros on failure).
+    unsafe { deep_ep_cuda_versions(&mut rt, &mut drv) };
+    (rt, drv)
 }
 
 /// Device pointer of the scratch int that create's host rendezvous all-reduces.
@@ -408,6 +474,8 @@ pub struct KernelError {
     pub site: i32,
     pub value: i32,
     pub limit: i32,
+    /// A third number of some errors (`error_extra`).
+    pub extra: i32,
 }
 
 /// The host-mapped status block of one buffer (`cudaHostAllocMapped`): kernels write it, the
@@ -461,6 +529,7 @@ impl HostStatus {
                 site: field!(self.error_site).read_volatile(),
                 value: field!(self.error_value).read_volatile(),
                 limit: field!(self.error_limit).read_volatile(),
+                extra: field!(self.error_extra).read_volatile(),
             })
         }
     }

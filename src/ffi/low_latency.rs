@@ -1,4 +1,4 @@
-//! Bindings to the low-latency kernels (`kernels/low_latency.cu`); protocol and struct in
+//! Bindings to the low-latency kernels (`kernels/ll_dispatch.cu`, `kernels/low_latency.cu`); protocol and struct in
 //! `kernels/deep_ep_kernels.h` ("Low-latency mode"). Every launch is asynchronous on the given
 //! stream and CUDA-graph capturable (no host sync, the call number lives on the device).
 
@@ -6,6 +6,10 @@ use super::intranode::Ctx;
 use super::kernels::check;
 use crate::error::Result;
 use std::ffi::c_void;
+
+/// Offset of the device copy of the LL rank mask in every window (`DEEP_EP_LL_MASK_OFF`):
+/// `int32 [MAX_RANKS]` in the control area.
+pub const LL_MASK_OFF: usize = super::intranode::CONTROL_BYTES - 1024 + 64;
 
 /// Kind words of `recv_state` (`DEEP_EP_LL_KIND_*`).
 pub const KIND_DISPATCH: i32 = 1;
@@ -20,6 +24,9 @@ pub struct LlArgs {
     pub send_bytes: u64,
     pub recv_bytes: u64,
     pub msg_bytes: u64,
+    pub idx_off: u64,
+    pub msgs_off: u64,
+    pub partial_off: u64,
     pub num_max_tokens: i32,
     pub hidden: i32,
     pub num_experts: i32,
@@ -45,7 +52,10 @@ pub struct LlArgs {
     pub cumulative: *mut i32,
     pub wait_stats: *mut i64,
     pub out: *mut u16,
+    pub mask: *const i32,
     pub num_blocks: i32,
+    pub partial: i32,
+    pub dispatch_half: i32,
     pub reserved: i32,
 }
 
@@ -57,6 +67,9 @@ impl Default for LlArgs {
             send_bytes: 0,
             recv_bytes: 0,
             msg_bytes: 0,
+            idx_off: 0,
+            msgs_off: 0,
+            partial_off: 0,
             num_max_tokens: 0,
             hidden: 0,
             num_experts: 0,
@@ -82,7 +95,10 @@ impl Default for LlArgs {
             cumulative: std::ptr::null_mut(),
             wait_stats: std::ptr::null_mut(),
             out: std::ptr::null_mut(),
+            mask: std::ptr::null(),
             num_blocks: 0,
+            partial: 0,
+            dispatch_half: 0,
             reserved: 0,
         }
     }

@@ -9,6 +9,8 @@ pub mod kernels;
 #[cfg(feature = "cuda")]
 pub mod intranode;
 #[cfg(feature = "cuda")]
+pub mod ll_rows;
+#[cfg(feature = "cuda")]
 pub mod low_latency;
 #[cfg(feature = "cuda")]
 pub mod host_mask;
@@ -18,3 +20,7 @@ pub mod transport;
 pub mod nccl;
 #[cfg(feature = "nccl")]
 pub mod nccl_window;
+#[cfg(feature = "nvshmem")]
+pub mod nvshmem;
+#[cfg(feature = "nvshmem")]
+pub mod nvshmem_window;

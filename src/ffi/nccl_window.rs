@@ -22,6 +22,7 @@ const DESTROY: &str = "deep_ep::destroy_buffer";
 const ALLOC_ALIGN: usize = 2 << 20;
 
 extern "C" {
+    fn deep_ep_cuda_memset_async(ptr: *mut c_void, value: c_int, bytes: usize, stream: *mut c_void) -> c_int;
     fn deep_ep_nccl_devcomm_bytes() -> usize;
     fn deep_ep_nccl_devcomm_create(create_fn: *mut c_void, comm: *mut c_void, lsa_barrier_count: c_int, devcomm: *mut c_void, devcomm_bytes: usize, lsa_size: *mut c_int, lsa_rank: *mut c_int) -> c_int;
     fn deep_ep_nccl_devcomm_destroy(destroy_fn: *mut c_void, comm: *mut c_void, devcomm: *const c_void) -> c_int;
@@ -89,6 +90,8 @@ impl Window {
                 window_bytes: bytes as u64,
                 host_status: std::ptr::null_mut(),
                 timeout_ns: a.timeout_ns,
+                num_sms: intranode::sm_count(OP, a.device)?,
+                reserved: 0,
             },
             status: None,
         };
@@ -133,6 +136,10 @@ impl Window {
         w.status = Some(status);
 
         let stream = Stream::new(OP)?;
+        // The whole window starts zeroed (the low-latency area's signal words included, so the
+        // first LL call needs no barrier), then the control area's reset.
+        // SAFETY: `mem` holds `bytes` bytes of this rank's device memory; async on our stream.
+        cuda_check(unsafe { deep_ep_cuda_memset_async(w.mem, 0, bytes, stream.raw()) }, OP, "zeroing the window")?;
         intranode::reset(OP, &w.ctx, stream.raw())?;
         if a.transport_self_test.is_some() {
             super::transport::lsa_self_test_prepare(OP, &w.ctx, stream.raw())?;

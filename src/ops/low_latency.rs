@@ -2,8 +2,8 @@
 //! E experts, R ranks, E_l = E / R local experts, H hidden.
 
 use crate::backend::{
-    BufferInfo, LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlStats,
-    Stream, LL_STATE_LEN,
+    BufferInfo, LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlRowsArgs,
+    LlStats, Stream, LL_STATE_LEN,
 };
 use crate::buffer;
 use crate::error::Result;
@@ -143,6 +143,29 @@ pub fn low_latency_combine_recv(handle: i64, g: &LlGeometry, a: &LlCombineRecvAr
         crate::ensure!(stats.cumulative_local_expert_recv_stats.is_none(), COMBINE, "internal: combine takes no cumulative stats");
         check_stats(COMBINE, stats, &info, g.num_experts / info.num_ranks)?;
         b.ll_combine_recv(g, a, stats, stream)
+    })
+}
+
+/// The optional `num_tokens` argument of `low_latency_dispatch` / `low_latency_combine` (`op`,
+/// either op name): writes `a.out` = `a.topk_idx` with the rows at or past the int32 device scalar
+/// `a.num_tokens` set to −1, which the op then passes to the backend instead of `topk_idx`, so
+/// that one captured CUDA graph serves any real batch. Local (no peer involved), on `stream`,
+/// no host sync on CUDA backends (see [`crate::backend::Backend::ll_mask_rows`] for the range
+/// check). Call after the op's own validation of `topk_idx`.
+pub fn low_latency_mask_rows(handle: i64, op: &'static str, a: &LlRowsArgs, stream: Stream) -> Result<()> {
+    crate::ensure!(op == DISPATCH || op == COMBINE, op, "internal: num_tokens belongs to low_latency_dispatch or low_latency_combine");
+    buffer::with(op, handle, |b| {
+        let info = b.info().clone();
+        crate::ensure!(info.low_latency_mode, op, "the buffer was created with low_latency_mode=False");
+        let dev = info.device;
+        a.topk_idx.check(op, "topk_idx").on(&[DType::Int32, DType::Int64], dev)?.shape(&[("num_tokens", None), ("num_topk", None)])?.contiguous()?;
+        let (n, k) = (a.topk_idx.size(0), a.topk_idx.size(1));
+        let nt = &a.num_tokens;
+        crate::ensure!(nt.dtype == DType::Int32 && nt.device == dev && nt.numel() == 1 && nt.ndim() <= 1, op,
+            "num_tokens must be an int32 tensor of shape [] or [1] on {dev} (the real number of rows of x), got {} {:?} on {}", nt.dtype, nt.sizes(), nt.device);
+        a.out.check(op, "internal: effective topk_idx").on(&[a.topk_idx.dtype], dev)?.shape(&[("num_tokens", Some(n)), ("num_topk", Some(k))])?.contiguous()?;
+        crate::ensure!(a.out.data_ptr() != a.topk_idx.data_ptr() || n * k == 0, op, "internal: the effective topk_idx must not alias topk_idx");
+        b.ll_mask_rows(op, a, stream)
     })
 }
 

@@ -6,6 +6,11 @@ cuda:rank) and returns a list with, per rank, `{"ok": value}`, `{"skip": reason}
 `{"error": traceback}`, or None for a rank that exited without reporting (a rank may end itself
 on purpose, e.g. with os._exit). `fn` must be a module-level function of an importable module.
 `ht_check(...)` is a closed-form check of one normal-mode dispatch/combine round trip.
+`gpu_backend()` is the backend the GPU buffers of the tests use: DEEP_EP_TEST_BACKEND, else
+DEEP_EP_BACKEND when it names a GPU backend (nccl, nvshmem), else nccl.
+
+`run(..., dry=True)` runs the ranks on the CPU (no GPU needed, `fn` must then use CPU devices and
+the cpu backend): the dry-run modes of the tests check their harness with it.
 """
 import json
 import os
@@ -30,6 +35,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+GPU_BACKENDS = ("nccl", "nvshmem")
+
+
+def gpu_backend() -> str:
+    """The GPU backend under test (see the module docstring)."""
+    for var in ("DEEP_EP_TEST_BACKEND", "DEEP_EP_BACKEND"):
+        name = os.environ.get(var, "")
+        if name in GPU_BACKENDS:
+            return name
+        if name and var == "DEEP_EP_TEST_BACKEND":
+            raise ValueError(f"DEEP_EP_TEST_BACKEND must be one of {GPU_BACKENDS}, got {name!r}")
+    return "nccl"
+
+
 def set_gpu_env():
     """The environment every multi-GPU test runs under (NVLink multicast off), unless already set."""
     for k, v in GPU_ENV.items():
@@ -48,11 +67,12 @@ def finish_rank(out_dir, rank, result):
         pass
 
 
-def _entry(rank, world, port, out_dir, fn, args, env):
+def _entry(rank, world, port, out_dir, fn, args, env, dry=False):
     os.environ.update(env)
     import torch.distributed as dist
 
-    torch.cuda.set_device(rank)
+    if not dry:
+        torch.cuda.set_device(rank)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         res = {"ok": fn(rank, world, *args)}
@@ -63,12 +83,12 @@ def _entry(rank, world, port, out_dir, fn, args, env):
     finish_rank(out_dir, rank, res)
 
 
-def run(fn, world, *args, env=None):
-    if torch.cuda.device_count() < world:
+def run(fn, world, *args, env=None, dry=False):
+    if not dry and torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
     set_gpu_env()
     out_dir = tempfile.mkdtemp(prefix="deep_ep_gpu_")
-    mp.spawn(_entry, args=(world, _free_port(), out_dir, fn, args, dict(env or {})), nprocs=world, join=True)
+    mp.spawn(_entry, args=(world, _free_port(), out_dir, fn, args, dict(env or {}), dry), nprocs=world, join=True)
     out = []
     for r in range(world):
         p = os.path.join(out_dir, f"rank{r}.json")

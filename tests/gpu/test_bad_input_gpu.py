@@ -5,11 +5,15 @@ the op and names the argument; after each one a correct dispatch -> combine on t
 checked in closed form, so the library stays usable.
 
 The cases are shared: this module imports them and swaps in CUDA inputs (the cases' own tensors are
-created under `with torch.device("cuda:0")`). Content checks that need the data on the host
-(routing tensors that disagree with topk_idx, ids out of range, handles of another dispatch) are
-made by the cpu backend; on the nccl backend they would need a device sync, so the GPU path does
-not raise for them (HOST_CONTENT_CHECKS): those calls must leave the library usable. A worst-case
-overflow is found by a kernel and raised by the call or by the buffer's next call (KERNEL_CHECKS).
+created under `with torch.device("cuda:0")`). Content checks of the routing inputs (routing tensors
+that disagree with topk_idx, ids out of range, handles of another dispatch) are made on the GPU by
+a small kernel before the barrier that gathers the op's header (the data barrier; the fused
+combine's start barrier) (kernels/intranode_check.cu, DEVICE_CHECKS):
+a dispatch raises them in the call (its host wait sees the error); a cached dispatch or a combine
+does not wait on the host, so the buffer's next call raises them. A worst-case overflow is found by
+a kernel and raised by the call or by the buffer's next call (KERNEL_CHECKS). A 4-GPU case checks
+that one rank's bad input is raised on every rank, naming that rank, and that all keep working
+(with the fused and with the split combine).
 
 DEEP_EP_GPU_DRY=1 runs the module without a GPU (cpu device and backend; the GPU-only cases skip),
 to check the harness itself.
@@ -47,6 +51,7 @@ def _import_cases():
 
 
 tb = _import_cases()
+import _spawn  # noqa: E402
 import deep_ep_rs  # noqa: E402,F401  (loads the library: registers torch.ops.deep_ep)
 
 SUPPORTS_DRY = True
@@ -55,10 +60,11 @@ DEV = torch.device("cpu") if DRY else torch.device("cuda", 0)
 BACKEND = "cpu" if DRY else "nccl"
 _cpu_good_inputs = tb.good_inputs
 
-# Data-content checks the cpu backend makes on the host and the nccl backend does not.
-HOST_CONTENT_CHECKS = {"dispatch-expert-id-too-large", "dispatch-expert-id-below-minus-one", "dispatch-ntpr-inconsistent",
-                       "dispatch-ntpe-inconsistent", "dispatch-in-rank-inconsistent", "cached-stale-handle-other-dispatch",
-                       "combine-stale-handle"}
+# Content checks the nccl backend makes on the device: raised by the call ("call") or, without a host
+# wait in the op, by the buffer's next call ("next"); the cpu backend (dry run) raises all in the call.
+DEVICE_CHECKS = {"dispatch-expert-id-too-large": "call", "dispatch-expert-id-below-minus-one": "call", "dispatch-ntpr-inconsistent": "call",
+                 "dispatch-ntpe-inconsistent": "call", "dispatch-in-rank-inconsistent": "call",
+                 "cached-stale-handle-other-dispatch": "next", "combine-stale-handle": "next"}
 # Found by a kernel (no host sync in worst-case mode): raised by the call or by the buffer's next call.
 KERNEL_CHECKS = {"dispatch-worst-too-small"}
 # Same error, other words on CUDA inputs.
@@ -126,13 +132,18 @@ def test_shared_bad_call_on_gpu_then_still_usable(gpu_buffer, case):
             sync()
             gpu_works(gpu_buffer)
         assert str(ei.value).startswith("deep_ep::dispatch: ") and re.search(regex, str(ei.value)), str(ei.value)
-    elif name in HOST_CONTENT_CHECKS:
-        try:
+    elif name in DEVICE_CHECKS:
+        with pytest.raises(RuntimeError) as ei:
             with torch.device(DEV):
                 fn(ctx)
+            assert DEVICE_CHECKS[name] == "next", "the call should have raised"
             sync()
-        except RuntimeError as e:
-            assert str(e).startswith("deep_ep::"), str(e)
+            gpu_works(gpu_buffer)  # its dispatch raises the error the earlier call's kernel found
+        msg = str(ei.value)
+        first = op if DRY or DEVICE_CHECKS[name] == "call" else "dispatch"
+        assert msg.startswith(f"deep_ep::{first}: ") and re.search(regex, msg), msg
+        if not DRY:
+            assert "rank 0's inputs, checked on the GPU" in msg, msg
     else:
         with torch.device(DEV):
             tb.expect_error(op, GPU_REGEX.get(name, regex), fn, ctx)
@@ -195,3 +206,63 @@ def test_nan_inf_payloads_travel_unchanged_on_gpu(gpu_buffer):
 
 def test_at_least_forty_malformed_calls_on_gpu():
     assert len(tb.CASES) + len(GPU_CASES) + 5 >= 40
+
+
+def one_rank_bad_worker(rank, world):
+    """Rank 1 dispatches with an expert id out of range, then rank 2 combines with a handle mixed
+    from two dispatches: every rank raises the error naming that rank (the dispatch in the call,
+    the combine at the next call), and all keep working (closed-form round trips)."""
+    import torch.distributed as dist
+
+    import deep_ep_rs
+
+    dev = torch.device("cuda", rank)
+    buf = deep_ep_rs.Buffer(dist.group.WORLD, 64 << 20, device=dev, explicitly_destroy=True)
+    gen = torch.Generator(device=dev).manual_seed(rank)
+    shape = dict(n=96, hidden=1024, experts=16, topk=2)
+    rows = _spawn.ht_check(buf, rank, world, gen=gen, salt=0, **shape)
+    n, e = 64, 16
+    x = _spawn.pattern_x(rank, n, 1024, 1, dev)
+    w = torch.ones((n, 2), device=dev)
+
+    def routed(seed):
+        g = torch.Generator(device=dev).manual_seed(seed)
+        idx = torch.rand((n, e), generator=g, device=dev).topk(2, dim=1).indices
+        return (idx,) + tuple(buf.get_dispatch_layout(idx, e)[i] for i in (0, 2, 3))
+
+    idx, ntpr, ntpe, in_rank = routed(10 + rank)
+    if rank == 1:
+        idx[5, 1] = e
+    with pytest.raises(RuntimeError, match=r"^deep_ep::dispatch: topk_idx holds expert id 16, outside \[-1, 16\) \(rank 1's inputs"):
+        buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=w)
+    rows += _spawn.ht_check(buf, rank, world, gen=gen, salt=2, **shape)
+
+    handles = []
+    for seed in (20 + rank, 30 + rank):
+        idx, ntpr, ntpe, in_rank = routed(seed)
+        recv_x, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe,
+                                                  topk_idx=idx, topk_weights=w)
+        handles.append((recv_x, handle))
+    recv_x, h1 = handles[0]
+    h2 = handles[1][1]
+    stale = tuple(h1[:4]) + (h2[4], h2[5]) + tuple(h1[6:]) if rank == 2 else h1
+    buf.combine(recv_x, stale)  # no host wait: rank 2's stale handle is raised by the next call
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match=r"^deep_ep::dispatch: stale handle: .*\(rank 2's inputs, checked on the GPU"):
+        _spawn.ht_check(buf, rank, world, gen=gen, salt=3, **shape)
+    rows += _spawn.ht_check(buf, rank, world, gen=gen, salt=4, **shape)
+    torch.cuda.synchronize()
+    dist.barrier()
+    buf.destroy()
+    return rows
+
+
+@pytest.mark.parametrize("combine_path", ["fused", "split"])
+def test_one_rank_bad_input_raises_on_every_rank(combine_path, monkeypatch):
+    """Both combine paths (DEEP_EP_INTRANODE_COMBINE, inherited by the workers): the fused one
+    raises the check at its start barrier, the split one at its data barrier."""
+    monkeypatch.setenv("DEEP_EP_INTRANODE_COMBINE", combine_path)
+    if DRY:
+        pytest.skip("needs 4 GPUs (the cpu backend's multi-rank cases: tests/python/test_bad_input_ranks.py)")
+    res = _spawn.run(one_rank_bad_worker, 4)
+    assert all(o["ok"] > 0 for o in res), res

@@ -1,4 +1,6 @@
-"""Intranode normal mode on the nccl backend against the CPU backend, bit for bit.
+"""Intranode normal mode on a GPU backend against the CPU backend, bit for bit.
+The GPU backend is nccl, or nvshmem with DEEP_EP_TEST_BACKEND=nvshmem or DEEP_EP_BACKEND=nvshmem
+(`_spawn.gpu_backend`).
 
 One process per GPU (torch.multiprocessing spawn, gloo for torch.distributed). Every process
 holds a CPU buffer and a GPU buffer over the same group, builds the same random inputs for both,
@@ -28,7 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _spawn import _free_port, finish_rank, set_gpu_env
+from _spawn import gpu_backend, _free_port, finish_rank, set_gpu_env
 
 NVL_BYTES_CPU = 256 << 20
 NVL_BYTES_GPU = 320 << 20
@@ -347,7 +349,7 @@ def worker(rank, num_ranks, port, out_dir, count, seed, do_timing):
         if DRY:
             gpu_buf = deep_ep_rs.Buffer(group, NVL_BYTES_CPU, device="cpu", backend="cpu", explicitly_destroy=True)
         else:
-            gpu_buf = deep_ep_rs.Buffer(group, NVL_BYTES_GPU, device=torch.device("cuda", rank), backend="nccl", explicitly_destroy=True)
+            gpu_buf = deep_ep_rs.Buffer(group, NVL_BYTES_GPU, device=torch.device("cuda", rank), backend=gpu_backend(), explicitly_destroy=True)
         stopped = False
         for cfg in make_configs(num_ranks, count, seed):
             exc = None
@@ -402,7 +404,7 @@ def test_intranode_matches_cpu_backend(num_ranks, dispatch_path, combine_path, m
     for r in range(num_ranks):
         with open(os.path.join(out_dir, f"rank{r}.json")) as f:
             results.append(json.load(f))
-    print(f"\n[{num_ranks} ranks, {dispatch_path} dispatch] {time.time() - t0:.1f} s")
+    print(f"\n[{gpu_backend()} backend, {num_ranks} ranks, {dispatch_path} dispatch] {time.time() - t0:.1f} s")
     for res in results:
         print(f"  rank {res['rank']}: {res['passed']}/{res['configs']} configs passed, {len(res['failures'])} failed, "
               f"graph errors: {None if res['graph'] is None else len(res['graph'])}")

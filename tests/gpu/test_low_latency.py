@@ -1,4 +1,6 @@
-"""Low-latency mode on the nccl backend against the CPU backend, bit for bit.
+"""Low-latency mode on a GPU backend against the CPU backend, bit for bit.
+The GPU backend is nccl, or nvshmem with DEEP_EP_TEST_BACKEND=nvshmem or DEEP_EP_BACKEND=nvshmem
+(`_spawn.gpu_backend`).
 
 One process per GPU (torch.multiprocessing spawn, gloo for torch.distributed). Every process holds
 a CPU buffer and a GPU buffer (both low_latency_mode) over the same group, builds the same random
@@ -33,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from _spawn import _free_port, finish_rank, set_gpu_env
+from _spawn import gpu_backend, _free_port, finish_rank, set_gpu_env
 from test_intranode import DRY, bits, diff, sync, to_gpu
 
 HIDDENS = [2048, 4096, 5120, 7168, 8192, 2176]
@@ -241,7 +243,7 @@ def worker(rank, num_ranks, port, out_dir, count, seed, replays):
         if DRY:
             gpu_buf = deep_ep_rs.Buffer(group, 0, LL_BYTES, low_latency_mode=True, device="cpu", backend="cpu", explicitly_destroy=True)
         else:
-            gpu_buf = deep_ep_rs.Buffer(group, 0, LL_BYTES, low_latency_mode=True, device=torch.device("cuda", rank), backend="nccl",
+            gpu_buf = deep_ep_rs.Buffer(group, 0, LL_BYTES, low_latency_mode=True, device=torch.device("cuda", rank), backend=gpu_backend(),
                                         explicitly_destroy=True)
         stopped = False
         seconds = float(os.environ.get("DEEP_EP_LL_SECONDS", "0"))
@@ -300,7 +302,7 @@ def test_low_latency_matches_cpu_backend(num_ranks):
     results = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(num_ranks)]
     lines = []
     for r in results:
-        lines.append(f"rank {r['rank']}: {r['passed']}/{r['configs']} configs passed in {r['seconds']:.1f} s, graph ({r.get('graph_seconds', 0):.1f} s) errors {r['graph']}, hook graph errors {r['graph_hooks']}")
+        lines.append(f"{gpu_backend()} rank {r['rank']}: {r['passed']}/{r['configs']} configs passed in {r['seconds']:.1f} s, graph ({r.get('graph_seconds', 0):.1f} s) errors {r['graph']}, hook graph errors {r['graph_hooks']}")
         if r["error"]:
             lines.append(r["error"])
         for f in r["failures"][:5]:

@@ -2,8 +2,8 @@
 host-mapped mask block (query into a CUDA tensor, update, clean, shrink flag); then rank 2 is dead
 (never calls an LL op) and the survivors, having masked it, run LL dispatch -> expert -> combine
 and must match the reference with rank 2's experts dropped (tests/python/_mask_check.py, shared
-with the CPU test). The LL part skips with the reason while the GPU LL kernels do not apply the
-mask yet (an LL call with a masked rank raises "not implemented").
+with the CPU test, which checks the same scenario on the CPU backend): recv_count, layout_range,
+the received rows and the combined output bitwise.
 """
 import sys
 from pathlib import Path
@@ -40,12 +40,7 @@ def mask_worker(rank, world):
         assert st.cpu().tolist() == [0] * world
         if rank == DEAD:
             return -1
-        try:
-            return mc.run_masked_ll(buf, rank, world, DEAD, seed=9)
-        except RuntimeError as err:
-            if "not implemented" in str(err):
-                raise _spawn.Skip(f"rank masking is not applied by the GPU LL kernels yet (mask ops checked): {err}")
-            raise
+        return mc.run_masked_ll(buf, rank, world, DEAD, seed=9)
     finally:
         buf.destroy()
 

@@ -269,3 +269,37 @@ def ll_combine(x_deq: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
             if g >= 0:
                 acc[t] = acc[t] + topk_weights[t, k] * expert_fn(g, x_deq[t:t + 1])[0].float()
     return acc.to(torch.bfloat16)
+
+
+def ll_combine_partial(x_deq: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, expert_fn, experts_per_rank: int,
+                       num_ranks: int) -> torch.Tensor:
+    """The combine when the dispatch carried topk_weights: every expert rank d sends
+    p_d[n] = bf16(sum over k ascending with topk_idx[n,k] on d of fma(w[n,k], fp32(y_k), acc)),
+    and out[n] = bf16(sum over d ascending of fp32(p_d[n])) (one more BF16 rounding than
+    ll_combine). fma is emulated in float64 (f32 x bf16 products are exact there)."""
+    n, h = x_deq.shape
+    out = torch.zeros((n, h), dtype=torch.float32)
+    for t in range(n):
+        for d in range(num_ranks):
+            acc, any_k = torch.zeros(h, dtype=torch.float32), False
+            for k in range(topk_idx.shape[1]):
+                g = int(topk_idx[t, k])
+                if g >= 0 and g // experts_per_rank == d:
+                    y = expert_fn(g, x_deq[t:t + 1])[0].float()
+                    acc = (y.double() * float(topk_weights[t, k]) + acc.double()).float()
+                    any_k = True
+            if any_k:
+                out[t] = out[t] + acc.to(torch.bfloat16).float()
+    return out.to(torch.bfloat16)
+
+
+def ll_combine_f64(x_deq: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, expert_fn) -> torch.Tensor:
+    """The float reference DeepEP's test compares a combine with: sum over valid k of w * y_k in
+    float64, not rounded."""
+    out = torch.zeros(x_deq.shape, dtype=torch.float64)
+    for k in range(topk_idx.shape[1]):
+        for t in range(x_deq.shape[0]):
+            g = int(topk_idx[t, k])
+            if g >= 0:
+                out[t] += float(topk_weights[t, k]) * expert_fn(g, x_deq[t:t + 1])[0].double()
+    return out

@@ -151,6 +151,15 @@ def test_buffer_attributes_and_lifecycle(deep_ep, ops, group):
         ops.buffer_info(h2)
 
 
+def test_nvshmem_backend_on_cpu_is_a_clear_error(deep_ep, group):
+    """backend="nvshmem" needs a CUDA device; a CPU buffer (or a machine without GPU) says so."""
+    with pytest.raises(RuntimeError, match=r"^deep_ep::get_unique_id: backend 'nvshmem' needs a CUDA device; CPU buffers use the cpu backend"):
+        deep_ep.Buffer(group, 1 << 22, 0, device="cpu", backend="nvshmem")
+    import json
+
+    assert "nvshmem" in json.loads(torch.ops.deep_ep.build_info())["backends"]
+
+
 def test_buffer_requires_a_group(deep_ep):
     with pytest.raises(ValueError, match="group"):
         deep_ep.Buffer(None, 1 << 20)

@@ -176,3 +176,27 @@ def test_deep_ep_log_levels(level):
     # one line per event: exactly one timeout line and one refusal line
     if level != "off":
         assert sum("is now unusable" in line for line in lines) == 1 and sum("unusable after" in line for line in lines) == 1
+
+
+def test_diagnose_version_verdicts():
+    """The torch and CUDA lines say whether the running versions match the build."""
+    from deep_ep_rs import diagnose
+
+    assert diagnose._torch_verdict(f"torch {torch.__version__} of `python`", torch.__version__).endswith("(match)")
+    assert "MISMATCH" in diagnose._torch_verdict("torch 2.9.0+cu128 of `python`", "2.11.0+cu130")
+    assert "without a torch shim" in diagnose._torch_verdict("", torch.__version__)
+    assert diagnose._cuda_verdict("13.0", "13.0", "13.0") == " (match)"
+    assert "MISMATCH" in diagnose._cuda_verdict("13.0", "12.8", "13.0")
+    assert "DRIVER TOO OLD" in diagnose._cuda_verdict("13.0", "13.0", "12.4")
+    assert diagnose._cuda_verdict(None, None, None) == ""
+    build = json.loads(torch.ops.deep_ep.build_info())
+    assert "cuda_runtime" in build and "cuda_driver" in build
+    if "cuda" in build["features"]:
+        assert diagnose._major_minor(build["cuda_runtime"]) is not None, build
+    p = subprocess.run([sys.executable, "-m", "deep_ep_rs.diagnose", "--no-self-test"], capture_output=True, text=True, timeout=120,
+                       env=_env(CUDA_VISIBLE_DEVICES=""))
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    torch_line = next(line for line in lines if line.startswith("torch: "))
+    assert torch_line.endswith("(match)"), torch_line
+    assert any(line.startswith("CUDA: library runtime ") for line in lines), p.stdout

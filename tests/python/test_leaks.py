@@ -2,8 +2,10 @@
 a fresh directory), no growth in open file descriptors (/proc/self/fd) or in mappings of
 deep_ep_ files (/proc/self/maps), and every destroyed handle raises in buffer_info.
 
-1 rank in-process (raw ops), 2 ranks as threads of this process (raw ops), and 2 ranks as
-processes through deep_ep_rs.Buffer (normal and low-latency buffers, some used for a dispatch).
+1 rank in-process (raw ops), 2 ranks as threads of this process (raw ops), 2 ranks as processes
+through deep_ep_rs.Buffer (normal and low-latency buffers, some used for a dispatch), and the error
+paths: creates that time out waiting for a missing rank, and ops that raise on bad input before
+their buffer is destroyed.
 """
 import os
 import threading
@@ -86,6 +88,24 @@ def test_two_ranks_as_threads(ops, tmp_path):
         return hs
 
     assert len(check_cycles(ops, tmp_path, cycle)) == 2 * CYCLES
+
+
+def test_failed_creates_and_failing_ops_leak_nothing(ops, tmp_path):
+    def cycle():
+        with env_var("DEEP_EP_TIMEOUT_MS", "100"):
+            for rank in (0, 1):  # the creator of the file, then a joiner whose creator never comes
+                with pytest.raises(RuntimeError, match=r"^deep_ep::create_buffer: timed out .* waiting for rank\(s\) \[\d\]"):
+                    ops.create_buffer(ops.get_unique_id("cpu", CPU), rank, 2, CPU, 1 << 20, 0, False, "cpu")
+        h = int(ops.create_buffer(ops.get_unique_id("cpu", CPU), 0, 1, CPU, 1 << 20, 0, False, "cpu"))
+        idx = torch.tensor([[0, 9], [1, -1]])
+        ntpr, _, ntpe, in_rank = ops.get_dispatch_layout(torch.tensor([[0, 3], [1, -1]]), 4, 1)
+        with pytest.raises(RuntimeError, match=r"^deep_ep::dispatch: topk_idx holds expert id 9"):
+            ops.dispatch(h, torch.ones((2, 64), dtype=torch.bfloat16), None, idx, torch.ones((2, 2)), ntpr, in_rank, ntpe, 1, 0,
+                         [4, 6, 256, 6, 128])
+        ops.destroy_buffer(h)
+        return [h]
+
+    assert len(check_cycles(ops, tmp_path, cycle, n=20)) == 20
 
 
 def leak_worker(rank, world, path):

@@ -22,7 +22,7 @@ MODES = {"bf16": (False, False, False), "fp8": (True, False, False), "fp8-round"
 
 def _case(**kw):
     c = dict(seed=0, tokens=None, topk=4, experts_per_rank=4, mode="bf16", x_kind="rank", dispatch_hook=False, repeat=1,
-             combine="fused", idx_dtype="int64", stats=True, masked=3, after_normal=False)
+             combine="fused", idx_dtype="int64", stats=True, masked=3, after_normal=False, dispatch_weights=False)
     c.update(kw)
     return c
 
@@ -45,6 +45,12 @@ def ll_cases(world):
         _case(name="topk9-many-experts", tokens=[T] * R, topk=9, experts_per_rank=10, masked=5),
         _case(name="after-normal-mode", tokens=[T] * R, after_normal=True),
         _case(name="no-stats", tokens=[T] * R, stats=False, combine="zero_copy"),
+        # topk_weights given to the dispatch: the combine sends one partial sum per (token, rank)
+        _case(name="partial-bf16-random", tokens=[T, 6, 0, 3][:R], x_kind="random", dispatch_weights=True),
+        _case(name="partial-fp8-zero-copy-hook", tokens=[T] * R, mode="fp8-round", x_kind="random", dispatch_weights=True,
+              combine="zero_copy", dispatch_hook=True, repeat=2),
+        _case(name="partial-rank-valued-out", tokens=[5] * R, topk=9, experts_per_rank=10, dispatch_weights=True, combine="out"),
+        _case(name="partial-logfmt-falls-back", tokens=[T] * R, x_kind="random", dispatch_weights=True, combine="logfmt"),
     ]
     for i, c in enumerate(cs):
         c["seed"] = 3 * world + 101 * i
@@ -105,7 +111,8 @@ def check_ll_case(buf, case, rank, world, normal_fn=None):
     for _ in range(case["repeat"]):
         recv, count, handle, event, hook = buf.low_latency_dispatch(
             me.x, me.topk_idx, T, E, cumulative_local_expert_recv_stats=stats, dispatch_wait_recv_cost_stats=wait, use_fp8=use_fp8,
-            round_scale=round_scale, use_ue8m0=ue8m0, return_recv_hook=case["dispatch_hook"])
+            round_scale=round_scale, use_ue8m0=ue8m0, return_recv_hook=case["dispatch_hook"],
+            topk_weights=me.topk_weights if case["dispatch_weights"] else None)
         assert (hook is not None) == case["dispatch_hook"]
         if hook is not None:
             hook()
@@ -189,7 +196,15 @@ def check_ll_case(buf, case, rank, world, normal_fn=None):
         assert out.data_ptr() == out_arg.data_ptr(), f"{tag} combine must write into out="
     assert out.shape == (me.x.shape[0], H) and out.dtype == torch.bfloat16
     assert not bool(out.isnan().any())
-    if kind == "logfmt" and case["x_kind"] == "random":
+    if case["dispatch_weights"] and kind != "logfmt":
+        # Partial sums: exact against their reference, and within DeepEP's combine tolerance
+        # (calc_diff < 1e-5) of the float reference despite the extra BF16 rounding of each
+        # rank's partial sum (measured here up to ~5e-6, per-expert sums ~3e-6).
+        partial = ref.ll_combine_partial(x_deq, me.topk_idx, me.topk_weights, expert_fn, E_l, R)
+        assert torch.equal(out, partial), f"{tag} partial combine differs by {(out.float() - partial.float()).abs().max()}"
+        f64 = ref.ll_combine_f64(x_deq, me.topk_idx, me.topk_weights, expert_fn)
+        assert me.x.shape[0] == 0 or ref.calc_diff(out, f64) < 1e-5, f"{tag} partial combine vs the float reference: diff {ref.calc_diff(out, f64)}"
+    elif kind == "logfmt" and case["x_kind"] == "random":
         assert ref.calc_diff(out, want) < 1e-3, f"{tag} LogFMT combine diff {ref.calc_diff(out, want)}"
     elif exact:
         assert torch.equal(out, want), f"{tag} combined_x differs from the reference (fp32 sum over k ascending)"
@@ -259,7 +274,9 @@ class ReferenceLLBuffer:
         pass
 
     def low_latency_dispatch(self, x, topk_idx, t, e, cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
-                             use_fp8=True, round_scale=False, use_ue8m0=False, async_finish=False, return_recv_hook=False):
+                             use_fp8=True, round_scale=False, use_ue8m0=False, async_finish=False, return_recv_hook=False,
+                             topk_weights=None):
+        self._fma = topk_weights is not None  # one rank: the partial sum is the fma chain over k
         inp = ref.RankInput(x=x, topk_idx=topk_idx, topk_weights=torch.zeros(topk_idx.shape))
         rf = ref.ll_dispatch([inp], 0, e, use_fp8, round_scale)
         el, rows, h = e, t, x.shape[1]
@@ -305,7 +322,10 @@ class ReferenceLLBuffer:
                 g = int(topk_idx[n, k])
                 if g >= 0:
                     row = int((src_info[g] == n).nonzero()[0])
-                    res[n] = res[n] + topk_weights[n, k] * y[g, row].float()
+                    if self._fma:
+                        res[n] = (y[g, row].double() * float(topk_weights[n, k]) + res[n].double()).float()
+                    else:
+                        res[n] = res[n] + topk_weights[n, k] * y[g, row].float()
         res = res.to(torch.bfloat16)
         if out is not None:
             out.copy_(res)

@@ -37,7 +37,10 @@
 
 use super::shm::{self, Region};
 use super::CpuBackend;
-use crate::backend::{LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlStats, LL_STATE_LEN};
+use crate::backend::{
+    LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlStats, LlWire, LL_MSG_META, LL_STATE_LEN,
+    LL_WIRE_MAX_TOPK,
+};
 use crate::config::LowLatencyLayout;
 use crate::error::{Error, Result};
 use crate::numerics::{bf16, fp8, logfmt};
@@ -50,6 +53,10 @@ const KIND_DISPATCH: i64 = 1;
 const KIND_COMBINE: i64 = 2;
 /// Combine's `recv_state` flag (dispatch's are `LlDispatchOptions::flags`).
 const FLAG_LOGFMT: i64 = 8;
+/// `recv_state` flag: the dispatch used the deduplicated wire format / the combine sent one
+/// partial sum per (token, expert rank).
+const FLAG_DEDUP: i64 = 16;
+const FLAG_PARTIAL: i64 = 32;
 const HEADER: usize = 16;
 
 /// Host-side low-latency state of one buffer.
@@ -66,6 +73,14 @@ pub struct LlState {
     calls: u32,
     /// `(T, H, E)` of the last send or clean; `None` while the signal area is untouched.
     geometry: Option<(usize, usize, usize)>,
+    /// Per half: the dispatch that used it last, as (address of its `src_info` output, whether
+    /// it sent top-k weights in the deduplicated format, its number); a combine given that
+    /// `src_info` finds the latest dispatch with it and sends partial sums if that one carried
+    /// weights (see `LlGeometry::wire`; an older dispatch whose freed `src_info` address was
+    /// reused never matches first).
+    dispatch: [crate::backend::LlDispatchRecord; 2],
+    /// Dispatches recorded so far (orders `dispatch`: the latest match wins).
+    dispatches: u64,
 }
 
 /// Byte geometry of one LL call.
@@ -99,6 +114,31 @@ impl Geo {
     fn slot(&self, half: usize, e: usize, tok: usize) -> usize {
         self.recv(half) + (e * self.t + tok) * self.lay.combine_slot_bytes
     }
+    /// Deduplicated message `m` of source rank `src`.
+    fn dmsg(&self, w: &LlWire, half: usize, src: usize, m: usize) -> usize {
+        self.recv(half) + w.msgs_off + (src * self.t + m) * w.msg_bytes
+    }
+    /// Index entry `[l][src][slot]`.
+    fn idx(&self, w: &LlWire, half: usize, l: usize, src: usize, slot: usize) -> usize {
+        self.recv(half) + w.idx_off + 4 * ((l * self.r + src) * self.t + slot)
+    }
+    /// Partial combine row of (expert rank, source token).
+    fn partial(&self, w: &LlWire, half: usize, d: usize, tok: usize) -> usize {
+        self.recv(half) + w.partial_off + (d * self.t + tok) * 2 * self.h
+    }
+}
+
+/// The meta of a deduplicated message: source token and its `(local expert, slot, weight)`
+/// entries in top-k order.
+fn read_meta(reg: &Region, off: usize) -> (i32, [i32; 4], Vec<(usize, usize, f32)>) {
+    let mut hdr = [0i32; 8];
+    reg.read::<i32>(off, &mut hdr);
+    let n = (hdr[4].max(0) as usize).min(LL_WIRE_MAX_TOPK);
+    let (mut ent, mut w) = (vec![0u32; n], vec![0f32; n]);
+    reg.read::<u32>(off + 32, &mut ent);
+    reg.read::<f32>(off + 32 + 4 * LL_WIRE_MAX_TOPK, &mut w);
+    let entries = ent.iter().zip(&w).map(|(&v, &wt)| ((v >> 16) as usize, (v & 0xffff) as usize, wt)).collect();
+    (hdr[0], [hdr[0], hdr[1], hdr[2], hdr[3]], entries)
 }
 
 fn tag(seq: u32, count: usize) -> u32 {
@@ -227,7 +267,12 @@ impl CpuBackend {
         self.ll_enter_geometry(OP_DISPATCH, &geo)?;
         let (half, seq) = self.ll_begin_send();
         let regions: Vec<Region> = (0..geo.r).map(|d| self.ll_region(d)).collect();
+        // The deduplicated format where it fits (the nccl backend's; outputs are the same).
+        let wire = g.wire(geo.r).filter(|_| k <= LL_WIRE_MAX_TOPK);
+        let weights = a.topk_weights.as_ref().map(|w| w.cpu_slice::<f32>());
         let mut slot = vec![0usize; geo.e];
+        let mut nmsg = vec![0usize; geo.r];
+        let mut per: Vec<Vec<(usize, usize, f32)>> = vec![Vec::new(); geo.r];
         let (mut q, mut si) = (vec![0u8; h], vec![0f32; geo.s]);
         for tok in 0..n {
             let sel = &idx[tok * k..(tok + 1) * k];
@@ -238,6 +283,37 @@ impl CpuBackend {
             if o.use_fp8 {
                 fp8::ll_cast_token(row, o.round_scale, &mut q, &mut si);
             }
+            let write_payload = |reg: &Region, off: usize| {
+                if o.use_fp8 {
+                    reg.write::<u8>(off, &q);
+                    reg.write::<f32>(off + h, &si);
+                } else {
+                    reg.write::<u16>(off, row);
+                }
+            };
+            if let Some(w) = &wire {
+                // One message per destination rank, its entries in top-k order.
+                per.iter_mut().for_each(Vec::clear);
+                for (kk, &e) in sel.iter().enumerate().filter(|&(_, &e)| e >= 0 && !self.mask[e as usize / geo.el]) {
+                    let e = e as usize;
+                    per[e / geo.el].push((e % geo.el, slot[e], weights.map_or(0.0, |wt| wt[tok * k + kk])));
+                    slot[e] += 1;
+                }
+                for (dst, ent) in per.iter().enumerate().filter(|(_, v)| !v.is_empty()) {
+                    let (m, reg) = (nmsg[dst], &regions[dst]);
+                    nmsg[dst] += 1;
+                    let off = geo.dmsg(w, half, me, m);
+                    reg.write::<i32>(off, &[tok as i32, h as i32, t as i32, geo.e as i32, ent.len() as i32, weights.is_some() as i32, 0, 0]);
+                    let packed: Vec<u32> = ent.iter().map(|&(l, sl, _)| (l as u32) << 16 | sl as u32).collect();
+                    reg.write::<u32>(off + 32, &packed);
+                    reg.write::<f32>(off + 32 + 4 * LL_WIRE_MAX_TOPK, &ent.iter().map(|e| e.2).collect::<Vec<f32>>());
+                    write_payload(reg, off + LL_MSG_META);
+                    for &(l, sl, _) in ent {
+                        reg.write::<u32>(geo.idx(w, half, l, me, sl), &[m as u32]);
+                    }
+                }
+                continue;
+            }
             // Experts of masked ranks are dropped: nothing is sent to a dead rank.
             for &e in sel.iter().filter(|&&e| e >= 0 && !self.mask[e as usize / geo.el]) {
                 let e = e as usize;
@@ -246,26 +322,29 @@ impl CpuBackend {
                 slot[e] += 1;
                 let reg = &regions[dst];
                 reg.write::<i32>(off, &[tok as i32, h as i32, t as i32, geo.e as i32]);
-                if o.use_fp8 {
-                    reg.write::<u8>(off + HEADER, &q);
-                    reg.write::<f32>(off + HEADER + h, &si);
-                } else {
-                    reg.write::<u16>(off + HEADER, row);
-                }
+                write_payload(reg, off + HEADER);
+            }
+        }
+        if wire.is_some() {
+            for dst in (0..geo.r).filter(|&d| !self.mask[d]) {
+                regions[dst].write::<u32>(geo.recv(half) + LlWire::count_off(me), &[nmsg[dst] as u32]);
             }
         }
         // Every (rank, local expert) gets a count, zero included, so receivers need no CPU.
         for (e, &c) in count.iter().enumerate().filter(|(e, _)| !self.mask[e / geo.el]) {
             sig_store(&regions[e / geo.el], geo.sig(half), (e % geo.el) * geo.r + me, tag(seq, c));
         }
-        write_state(&out.recv_state, half, seq, o.flags(), KIND_DISPATCH);
+        self.ll.dispatches += 1;
+        self.ll.dispatch[half] = Some((out.src_info.data_ptr() as usize, wire.is_some() && weights.is_some(), self.ll.dispatches));
+        write_state(&out.recv_state, half, seq, o.flags() | if wire.is_some() { FLAG_DEDUP } else { 0 }, KIND_DISPATCH);
         Ok(())
     }
 
     pub(super) fn ll_dispatch_recv_impl(&mut self, g: &LlGeometry, o: &LlDispatchOptions, out: &LlDispatchOutputs, stats: &LlStats) -> Result<()> {
         let geo = self.ll_geo(OP_DISPATCH, g)?;
         let (half, seq, flags) = self.ll_read_state(OP_DISPATCH, &out.recv_state, KIND_DISPATCH)?;
-        crate::ensure!(flags == o.flags(), OP_DISPATCH, "the options of the receive ({o:?}) differ from those of the send (flags {flags})");
+        crate::ensure!(flags & !FLAG_DEDUP == o.flags(), OP_DISPATCH, "the options of the receive ({o:?}) differ from those of the send (flags {flags})");
+        let wire = if flags & FLAG_DEDUP != 0 { g.wire(self.info.num_ranks) } else { None };
         let (r, el, t, h, s) = (geo.r, geo.el, geo.t, geo.h, geo.s);
         let rt = r * t;
         crate::ensure!(!o.use_ue8m0 || s % 4 == 0, OP_DISPATCH, "use_ue8m0 needs hidden % 512 == 0, got {h}");
@@ -311,6 +390,17 @@ impl CpuBackend {
                 layout_range[l * r + src] = ((begin as i64) << 32) | count as i64;
                 for i in 0..count {
                     let (off, row) = (geo.msg(half, l, src, i), l * rt + begin + i);
+                    // Deduplicated: the index entry names the message, its payload follows the meta.
+                    let (off, payload) = match &wire {
+                        Some(w) => {
+                            let mut m = [0u32];
+                            mine.read::<u32>(geo.idx(w, half, l, src, i), &mut m);
+                            crate::ensure!((m[0] as usize) < t, OP_DISPATCH, "rank {src} wrote index entry {} for local expert {l}, row {i}: not a message", m[0]);
+                            let off = geo.dmsg(w, half, src, m[0] as usize);
+                            (off, off + LL_MSG_META)
+                        }
+                        None => (off, off + HEADER),
+                    };
                     let mut hdr = [0i32; 4];
                     mine.read::<i32>(off, &mut hdr);
                     if hdr[1..] != [h as i32, t as i32, geo.e as i32] {
@@ -322,11 +412,11 @@ impl CpuBackend {
                     }
                     src_info[row] = hdr[0];
                     if !o.use_fp8 {
-                        mine.read::<u16>(off + HEADER, &mut x16[row * h..(row + 1) * h]);
+                        mine.read::<u16>(payload, &mut x16[row * h..(row + 1) * h]);
                         continue;
                     }
-                    mine.read::<u8>(off + HEADER, &mut x8[row * h..(row + 1) * h]);
-                    mine.read::<f32>(off + HEADER + h, &mut si);
+                    mine.read::<u8>(payload, &mut x8[row * h..(row + 1) * h]);
+                    mine.read::<f32>(payload + h, &mut si);
                     let base = l as i64 * st[0] + (begin + i) as i64 * st[1];
                     for (gi, &v) in si.iter().enumerate() {
                         if o.use_ue8m0 && !su.is_empty() {
@@ -380,28 +470,62 @@ impl CpuBackend {
             }
         }
         let x = if a.zero_copy { &[][..] } else { a.x.cpu_slice::<u16>() };
+        // Partial sums when this handle's dispatch sent weights in the deduplicated format.
+        let src_ptr = a.src_info.data_ptr() as usize;
+        let partial = crate::backend::ll_weighted_dispatch_half(&self.ll.dispatch, src_ptr).and_then(|hd| g.wire(r).filter(|w| w.partial_fits && !a.use_logfmt).map(|w| (hd, w)));
         self.ll_enter_geometry(OP_COMBINE, &geo)?;
         let (half, seq) = self.ll_begin_send();
         let mine = self.ll_region(me);
         let mut row_buf = vec![0u16; h];
+        let read_row = |l: usize, row: usize, buf: &mut Vec<u16>| -> Vec<u16> {
+            if a.zero_copy {
+                mine.read::<u16>(geo.send(half) + (l * rt + row) * geo.m * 2, buf);
+                buf.clone()
+            } else {
+                x[(l * rt + row) * h..(l * rt + row + 1) * h].to_vec()
+            }
+        };
+        if let Some((hd, w)) = partial {
+            // One row per (source rank, token): bf16(sum over its entries in top-k order of
+            // fma(y, w_k, acc)) in fp32, the weights the dispatch carried.
+            let mut acc = vec![0f32; h];
+            for s in (0..r).filter(|&s| !self.mask[s]) {
+                let dst = self.ll_region(s);
+                let mut nm = [0u32];
+                mine.read::<u32>(geo.recv(hd) + LlWire::count_off(s), &mut nm);
+                crate::ensure!(nm[0] as usize <= t, OP_COMBINE, "the dispatch of this handle left {} messages from rank {s}, more than {t}", nm[0]);
+                for m in 0..nm[0] as usize {
+                    let (tok, _, entries) = read_meta(&mine, geo.dmsg(&w, hd, s, m));
+                    crate::ensure!((0..t as i32).contains(&tok), OP_COMBINE, "a dispatch message from rank {s} names token {tok}");
+                    acc.fill(0.0);
+                    for &(l, sl, wt) in &entries {
+                        let (b, c) = range(l, s);
+                        crate::ensure!(l < el && sl < c && b + sl < rt, OP_COMBINE, "a dispatch message from rank {s} names row {sl} of local expert {l}, outside layout_range");
+                        for (a, &y) in acc.iter_mut().zip(&read_row(l, b + sl, &mut row_buf)) {
+                            *a = bf16::to_f32(y).mul_add(wt, *a);
+                        }
+                    }
+                    let p: Vec<u16> = acc.iter().map(|&v| bf16::from_f32(v)).collect();
+                    dst.write::<u16>(geo.partial(&w, half, me, tok as usize), &p);
+                }
+                sig_store(&dst, geo.sig(half), me * el, tag(seq, 0));
+            }
+            write_state(&a.recv_state, half, seq, FLAG_PARTIAL, KIND_COMBINE);
+            return Ok(());
+        }
         let mut slot_buf = vec![0u8; if a.use_logfmt { logfmt::slot_bytes(h) } else { 0 }];
         for s in (0..r).filter(|&s| !self.mask[s]) {
             let dst = self.ll_region(s);
             for l in 0..el {
                 let (b, c) = range(l, s);
                 for row in b..b + c {
-                    let y: &[u16] = if a.zero_copy {
-                        mine.read::<u16>(geo.send(half) + (l * rt + row) * geo.m * 2, &mut row_buf);
-                        &row_buf
-                    } else {
-                        &x[(l * rt + row) * h..(l * rt + row + 1) * h]
-                    };
+                    let y = read_row(l, row, &mut row_buf);
                     let off = geo.slot(half, me * el + l, src_info[l * rt + row] as usize);
                     if a.use_logfmt {
-                        logfmt::encode(y, &mut slot_buf);
+                        logfmt::encode(&y, &mut slot_buf);
                         dst.write::<u8>(off, &slot_buf);
                     } else {
-                        dst.write::<u16>(off, y);
+                        dst.write::<u16>(off, &y);
                     }
                 }
             }
@@ -418,6 +542,9 @@ impl CpuBackend {
         let (half, seq, flags) = self.ll_read_state(OP_COMBINE, &a.recv_state, KIND_COMBINE)?;
         let logfmt = flags & FLAG_LOGFMT != 0;
         let (r, el, t, h) = (geo.r, geo.el, geo.t, geo.h);
+        // Partial sums: one word (and one row per token) per expert rank.
+        let wire = if flags & FLAG_PARTIAL != 0 { g.wire(r) } else { None };
+        let words = if wire.is_some() { 1 } else { el };
         let n = a.out.size(0);
         crate::ensure!(n <= t, OP_COMBINE, "out has {n} tokens, more than num_max_dispatch_tokens_per_rank ({t})");
         let idx = a.topk_idx.cpu_indices_i64();
@@ -429,7 +556,7 @@ impl CpuBackend {
         }
         let mine = self.ll_region(self.info.rank);
         let sig = geo.sig(half);
-        let missing = |s: usize| (s * el..(s + 1) * el).any(|w| arrived(sig_load(&mine, sig, w), seq).is_none());
+        let missing = |s: usize| (s * el..s * el + words).any(|w| arrived(sig_load(&mine, sig, w), seq).is_none());
         let mut waited = vec![0u64; r];
         for s in 0..r {
             if self.mask[s] {
@@ -454,7 +581,18 @@ impl CpuBackend {
         let mut slot = vec![0u8; if logfmt { logfmt::slot_bytes(h) } else { 0 }];
         for tok in 0..n {
             acc.fill(0.0);
-            for kk in 0..k {
+            if let Some(wr) = &wire {
+                // The expert ranks' partial sums, ranks ascending, in fp32 (unmasked ranks the
+                // token selected an expert of).
+                let sel = &idx[tok * k..(tok + 1) * k];
+                for d in (0..r).filter(|&d| !self.mask[d] && sel.iter().any(|&e| e >= 0 && e as usize / el == d)) {
+                    mine.read::<u16>(geo.partial(wr, half, d, tok), &mut row);
+                    for (a, &y) in acc.iter_mut().zip(&row) {
+                        *a += bf16::to_f32(y);
+                    }
+                }
+            }
+            for kk in (0..k).filter(|_| wire.is_none()) {
                 let e = idx[tok * k + kk];
                 if e < 0 || self.mask[e as usize / el] {
                     continue; // no expert, or an expert of a masked rank: dropped

@@ -14,7 +14,7 @@ pub mod shm;
 
 use super::{
     Backend, BackendKind, BufferInfo, CachedDispatchArgs, CombineArgs, CombineOutputs, CreateArgs, DispatchArgs,
-    DispatchOutputs, DispatchPlan, LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs,
+    DispatchOutputs, DispatchPlan, LlCombineRecvArgs, LlCombineSendArgs, LlRowsArgs, LlDispatchOptions, LlDispatchOutputs,
     LlDispatchSendArgs, LlGeometry, LlStats, Stream, UNIQUE_ID_BYTES,
 };
 use crate::error::{Error, Result};
@@ -233,6 +233,16 @@ impl Backend for CpuBackend {
         self.ll_combine_recv_impl(g, args, stats)
     }
 
+    fn ll_mask_rows(&mut self, op: &'static str, a: &LlRowsArgs, _s: Stream) -> Result<()> {
+        let (n, k) = (a.topk_idx.size(0), a.topk_idx.size(1));
+        let v = a.num_tokens.cpu_slice::<i32>()[0];
+        crate::ensure!(v >= 0 && v as usize <= n, op, "num_tokens must be in 0..={n} (the rows of x / topk_idx), got {v}");
+        let mut idx = a.topk_idx.cpu_indices_i64();
+        idx[v as usize * k..].fill(-1);
+        a.out.cpu_store_indices(&idx);
+        Ok(())
+    }
+
     fn clean_low_latency_buffer(&mut self, g: &LlGeometry, _s: Stream) -> Result<()> {
         self.ll_clean_impl(g)
     }
@@ -282,6 +292,30 @@ mod tests {
 
     fn args(id: &[u8], rank: usize, n: usize, nvl: usize) -> CreateArgs<'_> {
         CreateArgs { unique_id: id, rank, num_ranks: n, device: Device::Cpu, num_nvl_bytes: nvl, num_rdma_bytes: 0, low_latency_mode: false }
+    }
+
+    #[test]
+    fn mask_rows_keeps_rows_below_num_tokens_and_checks_the_range() {
+        let id = CpuBackend::unique_id();
+        let mut b = CpuBackend::create(&args(&id, 0, 1, 4096)).unwrap();
+        let t = |v: &mut Vec<i32>, sizes: &[i64]| {
+            let strides: Vec<i64> = if sizes.len() == 2 { vec![sizes[1], 1] } else { vec![1; sizes.len()] };
+            TensorRef::new(v.as_mut_ptr() as *mut u8, crate::tensor::DType::Int32, Device::Cpu, sizes, &strides)
+        };
+        let (mut idx, mut out) = ((0..12).collect::<Vec<i32>>(), vec![7; 12]);
+        for (n, want) in [(0, vec![-1; 12]), (2, vec![0, 1, 2, 3, 4, 5, -1, -1, -1, -1, -1, -1]), (4, (0..12).collect())] {
+            let mut nt = vec![n];
+            let a = LlRowsArgs { topk_idx: t(&mut idx, &[4, 3]), num_tokens: t(&mut nt, &[1]), out: t(&mut out, &[4, 3]) };
+            b.ll_mask_rows("op", &a, std::ptr::null_mut()).unwrap();
+            assert_eq!(out, want, "num_tokens = {n}");
+        }
+        for n in [-1, 5] {
+            let mut nt = vec![n];
+            let a = LlRowsArgs { topk_idx: t(&mut idx, &[4, 3]), num_tokens: t(&mut nt, &[]), out: t(&mut out, &[4, 3]) };
+            let e = b.ll_mask_rows("op", &a, std::ptr::null_mut()).unwrap_err().to_string();
+            assert!(e.contains(&format!("num_tokens must be in 0..=4 (the rows of x / topk_idx), got {n}")), "{e}");
+        }
+        b.destroy().unwrap();
     }
 
     #[test]

@@ -9,13 +9,29 @@
 //! sizes from [`LowLatencyLayout`]). Normal-mode ops that overflow `num_nvl_bytes` may write
 //! into it: switching modes needs `clean_low_latency_buffer`, as in DeepEP.
 //!
+//! # Dispatch wire format (deduplicated)
+//! One message per (token, destination rank) instead of one per (token, expert): the payload (BF16,
+//! or FP8 cast once per token) travels once to each rank, with the list of that rank's local
+//! experts the token selected (and its top-k weights when `topk_weights` was given); the sender
+//! also writes the index entry `[l][s][slot]` of every selection and the receiver copies each
+//! expert row from the message it names. The receive region of a half holds the index table and
+//! `R·T` messages (`deep_ep_kernels.h`), which must fit DeepEP's buffer size (it does except
+//! for very few experts per rank with a small hidden; such a call is refused). The outputs are the CPU backend's, bit for bit. Combine moves one
+//! row per (token, expert), unless the
+//! handle's dispatch carried `topk_weights`: then each expert rank sends ONE row per (token, source
+//! rank), `bf16(Σ fma(y_k, w_k, acc))` over its experts in top-k order with the dispatch's
+//! weights, and the source sums those rows over ranks ascending in fp32 (one more BF16 rounding
+//! than the per-expert sum; the CPU backend does the same, bit for bit). A combine finds its
+//! dispatch by the address of `src_info` among the last dispatch of each half.
+//!
 //! # Calls, halves, tags
 //! Each send takes the half `next_half` (host, DeepEP's buffer index) and the next call number
 //! (device: the send kernel reads and advances it, so a replayed CUDA graph gets fresh tags); the
 //! send kernel writes `[half, seq, flags, kind]` into `recv_state` and the receive kernel works
 //! from that alone. Signal words always hold some call's tag (or zero), so consecutive calls need
-//! no cleaning. The first LL call of a buffer, and a call with another `(T, H, E)` than the
-//! previous one, meet at a barrier, zero their signal words and meet again (as the CPU backend).
+//! no cleaning. The window is zeroed at creation, so the first LL call needs no reset; a call with
+//! another `(T, H, E)` than the previous one meets at a barrier, zeroes its signal words and meets
+//! again (as the CPU backend; the barrier waits for masked ranks too).
 //!
 //! # Errors
 //! Kernels record timeouts (with the rank waited for), overflows and mismatches in the host-mapped
@@ -32,6 +48,14 @@ use crate::tensor::{DType, TensorRef};
 use crate::ops::low_latency::{CLEAN as OP_CLEAN, COMBINE as OP_COMBINE, DISPATCH as OP_DISPATCH, NEXT as OP_NEXT};
 /// Blocks of the dispatch receive (128 threads each, ~4 per SM of an H100/H200, all resident).
 const RECV_BLOCKS: i32 = 528;
+/// Blocks of a partial combine send (128 threads each), over the source ranks.
+const PARTIAL_BLOCKS: i32 = 264;
+/// Combine `recv_state` flag: partial sums were sent (`DEEP_EP_LL_FLAG_PARTIAL`).
+const FLAG_PARTIAL: i32 = 32;
+/// Most blocks of the dispatch send (256 threads each, 2 per SM: one or a few tokens per block).
+const SEND_BLOCKS: i32 = 264;
+/// Most experts of a dispatch send on this backend (`DEEP_EP_LL_MAX_EXPERTS`).
+const MAX_EXPERTS: usize = 2048;
 /// Blocks of the combine receive (512 threads each, one per SM).
 const REDUCE_BLOCKS: i32 = 132;
 
@@ -42,6 +66,12 @@ pub struct LlState {
     next_half: usize,
     /// `(T, H, E)` of the last send or clean; `None` before the first LL call.
     geometry: Option<(usize, usize, usize)>,
+    /// Per half: the dispatch that used it last, as (address of its `src_info` output, whether
+    /// it carried top-k weights, its number); a combine given that `src_info` finds the latest
+    /// dispatch with it and sends partial sums if that one carried weights.
+    dispatch: [crate::backend::LlDispatchRecord; 2],
+    /// Dispatches recorded so far (orders `dispatch`: the latest match wins).
+    dispatches: u64,
 }
 
 /// Bytes the window needs beyond `num_nvl_bytes` for LL mode (`num_rdma_bytes`, plus alignment).
@@ -73,6 +103,14 @@ impl NcclBackend {
         // Regions start 16-byte aligned (vector loads and stores) unless E·T·(H/128) is not a
         // multiple of 4 (a combine slot is 4·H/128 + 2·H bytes).
         crate::ensure!((e * t * (h / 128)) % 4 == 0, op, "the nccl backend needs num_experts * num_max_dispatch_tokens_per_rank * hidden / 128 to be a multiple of 4, got {e} * {t} * {}", h / 128);
+        crate::ensure!(e <= MAX_EXPERTS, op, "num_experts must be <= {MAX_EXPERTS} on the nccl backend, got {e}");
+        // The deduplicated wire format (see the module doc) must fit in the receive half.
+        let Some(wire) = g.wire(self.info.num_ranks) else {
+            return Err(Error::invalid(op, format!(
+                "the nccl backend's deduplicated low-latency messages ({} ranks x {t} tokens of 160 + 2 * hidden bytes, plus a 4 * num_experts * {t}-byte index) do not fit in DeepEP's receive region for num_experts={e}, hidden={h}: use more experts per rank",
+                self.info.num_ranks
+            )));
+        };
         let need = lay.total_bytes();
         let ll_off = CONTROL_BYTES + self.info.num_nvl_bytes.div_ceil(BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT;
         crate::ensure!(ll_off + need <= self.window.bytes(), op, "internal: LL area [{ll_off}, +{need}) outside the window of {} bytes", self.window.bytes());
@@ -81,7 +119,11 @@ impl NcclBackend {
             signal_bytes: lay.signal_bytes as u64,
             send_bytes: lay.send_bytes as u64,
             recv_bytes: lay.recv_bytes as u64,
-            msg_bytes: lay.dispatch_msg_bytes as u64,
+            msg_bytes: wire.msg_bytes as u64,
+            idx_off: wire.idx_off as u64,
+            msgs_off: wire.msgs_off as u64,
+            partial_off: wire.partial_off as u64,
+            mask: self.ll_mask_device_ptr() as *const i32,
             num_max_tokens: t as i32,
             hidden: h as i32,
             num_experts: e as i32,
@@ -127,13 +169,18 @@ impl NcclBackend {
         intranode::sync(op, self.window.ctx(), &barrier, stream)
     }
 
-    /// Before a send: the first LL call, or one with a new geometry, resets the signals; then
-    /// takes the half.
+    /// Before a send: a call with another geometry than the previous LL call resets the signals;
+    /// then takes the half. The first LL call needs no reset (the window is zeroed at creation),
+    /// so ranks that mask a dead peer never wait for it at a barrier.
     fn ll_begin_send(&mut self, op: &'static str, a: &mut LlArgs, stream: Stream) -> Result<()> {
         let key = (a.num_max_tokens as usize, a.hidden as usize, a.num_experts as usize);
-        if self.ll.geometry != Some(key) {
-            self.ll_reset_signals(op, a, stream)?;
-            self.ll.geometry = Some(key);
+        match self.ll.geometry {
+            Some(k) if k == key => {}
+            None => self.ll.geometry = Some(key),
+            Some(_) => {
+                self.ll_reset_signals(op, a, stream)?;
+                self.ll.geometry = Some(key);
+            }
         }
         a.half = self.ll.next_half as i32;
         self.ll.next_half ^= 1;
@@ -157,9 +204,14 @@ impl NcclBackend {
         a.topk_is_int64 = (s.topk_idx.dtype == DType::Int64) as i32;
         a.x = ptr(&s.x);
         a.topk_idx = ptr(&s.topk_idx);
+        a.topk_weights = opt_ptr(s.topk_weights.as_ref());
         a.recv_state = ptr(&out.recv_state);
+        a.num_blocks = SEND_BLOCKS;
         self.ll_begin_send(OP_DISPATCH, &mut a, stream)?;
-        k::dispatch_send(OP_DISPATCH, self.window.ctx(), &a, stream)
+        k::dispatch_send(OP_DISPATCH, self.window.ctx(), &a, stream)?;
+        self.ll.dispatches += 1;
+        self.ll.dispatch[a.half as usize] = Some((out.src_info.data_ptr() as usize, s.topk_weights.is_some(), self.ll.dispatches));
+        Ok(())
     }
 
     pub(super) fn ll_dispatch_recv_impl(&mut self, g: &LlGeometry, o: &LlDispatchOptions, out: &LlDispatchOutputs, st: &LlStats, stream: Stream) -> Result<()> {
@@ -198,6 +250,15 @@ impl NcclBackend {
         a.src_info = ptr(&s.src_info);
         a.layout_range = ptr(&s.layout_range);
         a.recv_state = ptr(&s.recv_state);
+        // Partial sums when this handle's dispatch carried top-k weights (as the CPU backend).
+        let src_ptr = s.src_info.data_ptr() as usize;
+        let fits = g.wire(self.info.num_ranks).is_some_and(|w| w.partial_fits);
+        if let Some(hd) = crate::backend::ll_weighted_dispatch_half(&self.ll.dispatch, src_ptr).filter(|_| fits) {
+            a.partial = 1;
+            a.dispatch_half = hd as i32;
+            a.flags = FLAG_PARTIAL;
+            a.num_blocks = PARTIAL_BLOCKS;
+        }
         self.ll_begin_send(OP_COMBINE, &mut a, stream)?;
         k::combine_send(OP_COMBINE, self.window.ctx(), &a, stream)
     }
@@ -226,7 +287,7 @@ impl NcclBackend {
         self.check_ll_pending(OP_CLEAN, stream)?;
         let a = self.ll_args(OP_CLEAN, g)?;
         self.ll_reset_signals(OP_CLEAN, &a, stream)?;
-        self.ll = LlState { next_half: 0, geometry: Some((a.num_max_tokens as usize, a.hidden as usize, a.num_experts as usize)) };
+        self.ll = LlState { next_half: 0, geometry: Some((a.num_max_tokens as usize, a.hidden as usize, a.num_experts as usize)), ..LlState::default() };
         Ok(())
     }
 

@@ -1,8 +1,12 @@
-//! The NCCL device-API backend. Intranode normal mode (dispatch, cached dispatch, combine) runs
+//! The NVLink peer-pointer backend (`nccl`, and `nvshmem` with that cargo feature). Intranode normal mode (dispatch, cached dispatch, combine) runs
 //! on one NCCL symmetric window per buffer with a pull model (`normal.rs`, kernels in
 //! `kernels/intranode_*.cu`); low-latency mode pushes over the same window's peer pointers
 //! (`low_latency.rs`, `kernels/low_latency.cu`); internode buffers answer
 //! [`Error::NotImplemented`].
+//!
+//! The window comes from a provider ([`window::PeerWindow`]): an NCCL symmetric window (backend
+//! `nccl`) or an NVSHMEM symmetric allocation (backend `nvshmem`); kernels and host code only see
+//! its peer base pointers, control area and status block, so both run the same code.
 //!
 //! Every rank stages its inputs into its own window, the ranks meet at a flag barrier in the
 //! window's control area, and each rank pulls what it receives from its peers' windows over
@@ -14,32 +18,32 @@
 //!
 //! Rank masking (LL): the mask and the shrink flag live in a host-mapped `int32_t[16]` block
 //! ([`HostMask`], layout in `ffi::host_mask`): words 0..8 = rank masked, word 8 = shrink mode.
-//! [`NcclBackend::ll_mask_device_ptr`] is the pointer LL kernels take; they read it at every
-//! launch (graph replays included), so mask updates need no re-capture.
+//! LL kernels read a device copy of the mask words ([`NcclBackend::ll_mask_device_ptr`], in the
+//! window's control area) that every mask update rewrites (reading host-mapped memory from every
+//! block crossed PCIe: 10-50x slower LL ops, measured); graph replays read it too, so mask updates
+//! need no re-capture. The kernels apply the
+//! mask as the CPU backend (no sends to a masked rank, no waits for it, its experts dropped). In
+//! shrink mode a GPU wait that times out still raises the timeout (naming the rank) instead of
+//! masking the peer as the CPU backend does: the peer can be masked by hand afterwards.
 
 pub mod gin;
 mod low_latency;
 mod normal;
+pub mod window;
 
-use super::{Backend, BackendKind, BufferInfo, CachedDispatchArgs, CombineArgs, CombineOutputs, CreateArgs, DispatchArgs, DispatchOutputs, DispatchPlan, LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlStats, Stream, UNIQUE_ID_BYTES};
+use super::{Backend, BackendKind, BufferInfo, CachedDispatchArgs, CombineArgs, CombineOutputs, CreateArgs, DispatchArgs, DispatchOutputs, DispatchPlan, LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlRowsArgs, LlStats, Stream, UNIQUE_ID_BYTES};
 use crate::error::{Error, Result};
 use crate::ffi::host_mask::{HostMask, SHRINK_WORD};
 use crate::ffi::intranode::MAX_RANKS;
-use crate::ffi::nccl::{self, NcclLib};
+use crate::ffi::nccl;
 use crate::ffi::nccl_window::{Window, WindowArgs};
 use crate::tensor::{Device, TensorRef};
 use std::time::Duration;
 
-/// A buffer on NVLink through the NCCL device API.
+/// A buffer on NVLink: NCCL device-API window or NVSHMEM symmetric allocation (`info.backend`).
 pub struct NcclBackend {
     info: BufferInfo,
-    /// The NCCL the buffer uses (version already checked against the build's headers).
-    #[allow(dead_code)]
-    lib: &'static NcclLib,
-    /// NCCL's version code, for messages.
-    #[allow(dead_code)]
-    nccl_version: i32,
-    window: Window,
+    window: Box<dyn window::PeerWindow>,
     timeout: Duration,
     /// Low-latency host state (half of the next send, geometry of the signals).
     ll: low_latency::LlState,
@@ -47,72 +51,79 @@ pub struct NcclBackend {
     mask: HostMask,
 }
 
-fn ni(op: &'static str, feature: &'static str) -> Error {
-    Error::NotImplemented { op, backend: "nccl", feature }
+fn ni(kind: BackendKind, op: &'static str, feature: &'static str) -> Error {
+    Error::NotImplemented { op, backend: kind.name(), feature }
 }
 
 /// Loads NCCL and refuses a runtime whose version differs from the build's headers.
-fn checked_library() -> Result<(&'static NcclLib, i32)> {
+fn checked_library() -> Result<&'static nccl::NcclLib> {
     let lib = nccl::library()?;
-    let version = nccl::check_version(lib)?;
-    Ok((lib, version))
+    nccl::check_version(lib)?;
+    Ok(lib)
 }
 
 impl NcclBackend {
     /// Creates the buffer (collective over `num_ranks` processes, one per GPU of one NVLink
-    /// domain): communicator, device comm, symmetric window of `num_nvl_bytes` plus a 64 KiB
-    /// control area (rounded up to 2 MiB), host-mapped status block.
-    pub fn create(a: &CreateArgs) -> Result<Self> {
+    /// domain) on the window provider of `kind` (`Nccl`: communicator, device comm, symmetric
+    /// window; `Nvshmem`: NVSHMEM initialisation and one symmetric allocation) of
+    /// `num_nvl_bytes` (plus the LL area) and a 64 KiB control area, rounded up to 2 MiB, and a
+    /// host-mapped status block.
+    pub fn create(a: &CreateArgs, kind: BackendKind) -> Result<Self> {
         const OP: &str = "deep_ep::create_buffer";
         let unique_id: [u8; UNIQUE_ID_BYTES] = a
             .unique_id
             .try_into()
             .map_err(|_| Error::invalid(OP, format!("unique_id must have {UNIQUE_ID_BYTES} bytes, got {}", a.unique_id.len())))?;
         let Device::Cuda(device) = a.device else {
-            return Err(Error::invalid(OP, format!("the nccl backend needs a CUDA device, got {}", a.device)));
+            return Err(Error::invalid(OP, format!("the {} backend needs a CUDA device, got {}", kind.name(), a.device)));
         };
         crate::ensure!(a.num_ranks > 0 && a.rank < a.num_ranks, OP, "rank {} out of range for {} ranks", a.rank, a.num_ranks);
-        let (lib, nccl_version) = checked_library()?;
         if a.num_ranks > MAX_RANKS {
-            return Err(ni(OP, "buffers of more than 8 ranks (internode)"));
+            return Err(Error::NotImplemented { op: OP, backend: kind.name(), feature: "buffers of more than 8 ranks (internode)" });
         }
         crate::ffi::low_latency::check_struct_size(OP)?;
         let timeout = crate::settings::timeout();
-        let window = Window::create(&WindowArgs {
-            unique_id: &unique_id,
-            rank: a.rank,
-            num_ranks: a.num_ranks,
-            device,
-            data_bytes: a.num_nvl_bytes + low_latency::extra_window_bytes(a.num_nvl_bytes, a.num_rdma_bytes, a.low_latency_mode),
-            timeout_ns: timeout.as_nanos().min(u64::MAX as u128) as u64,
-            transport_self_test: gin::self_test_stride_from_env(a.rank, a.num_ranks)?,
-        })?;
-        let info = BufferInfo::from_args(a, BackendKind::Nccl);
+        let data_bytes = a.num_nvl_bytes + low_latency::extra_window_bytes(a.num_nvl_bytes, a.num_rdma_bytes, a.low_latency_mode);
+        let timeout_ns = timeout.as_nanos().min(u64::MAX as u128) as u64;
+        let transport_self_test = gin::self_test_stride_from_env(a.rank, a.num_ranks)?;
+        let window: Box<dyn window::PeerWindow> = match kind {
+            BackendKind::Nccl => {
+                checked_library()?;
+                Box::new(Window::create(&WindowArgs { unique_id: &unique_id, rank: a.rank, num_ranks: a.num_ranks, device, data_bytes, timeout_ns, transport_self_test })?)
+            }
+            #[cfg(feature = "nvshmem")]
+            BackendKind::Nvshmem => {
+                use crate::ffi::nvshmem_window as nw;
+                Box::new(nw::Window::create(&nw::WindowArgs { unique_id: &unique_id, rank: a.rank, num_ranks: a.num_ranks, device, data_bytes, timeout_ns, transport_self_test })?)
+            }
+            other => return Err(Error::invalid(OP, format!("internal: backend {} has no peer window", other.name()))),
+        };
+        let info = BufferInfo::from_args(a, kind);
         let mask = HostMask::new(OP)?;
-        Ok(NcclBackend { info, lib, nccl_version, window, timeout, ll: low_latency::LlState::default(), mask })
+        Ok(NcclBackend { info, window, timeout, ll: low_latency::LlState::default(), mask })
     }
 
-    /// A fresh `ncclUniqueId` ([`UNIQUE_ID_BYTES`] bytes) from one rank; host only, no GPU needed.
-    pub fn unique_id() -> Result<Vec<u8>> {
-        let (lib, _) = checked_library()?;
-        Ok(nccl::unique_id(lib)?.to_vec())
-    }
-
-    /// Device pointer of the LL rank-mask block (`int32_t[16]`: words 0..8 = 1 if the rank is
-    /// masked, word 8 = shrink mode), for the LL kernels' arguments.
-    #[allow(dead_code)] // taken by the LL kernels once they apply the mask
-    pub fn ll_mask_device_ptr(&self) -> *mut std::ffi::c_void {
-        self.mask.device_ptr()
-    }
-
-    /// The GPU LL kernels do not apply the rank mask yet: refuse an LL call while any rank is
-    /// masked or shrink mode is on, instead of silently ignoring the mask.
-    fn ll_mask_unsupported(&self, op: &'static str) -> Result<()> {
-        let masked = (0..self.info.num_ranks).any(|r| self.mask.get(r) != 0);
-        if masked || self.mask.get(SHRINK_WORD) != 0 {
-            return Err(ni(op, "rank masking / shrink mode in the GPU low-latency kernels"));
+    /// A fresh unique id ([`UNIQUE_ID_BYTES`] bytes) of `kind`'s provider from one rank
+    /// (`ncclGetUniqueId` or `nvshmemx_get_uniqueid`); host only, no GPU needed.
+    pub fn unique_id(kind: BackendKind) -> Result<Vec<u8>> {
+        match kind {
+            BackendKind::Nccl => Ok(nccl::unique_id(checked_library()?)?.to_vec()),
+            #[cfg(feature = "nvshmem")]
+            BackendKind::Nvshmem => Ok(crate::ffi::nvshmem_window::unique_id()?.to_vec()),
+            other => Err(Error::invalid("deep_ep::get_unique_id", format!("internal: backend {} has no peer window", other.name()))),
         }
-        Ok(())
+    }
+
+    /// Device pointer of the LL kernels' copy of the rank mask (`int32_t[MAX_RANKS]`, 1 = masked,
+    /// at `LL_MASK_OFF` of this rank's window, zero at creation), for the LL kernels' arguments.
+    pub fn ll_mask_device_ptr(&self) -> *mut std::ffi::c_void {
+        let base = self.window.ctx().peer_base[self.info.rank] as *mut u8;
+        base.wrapping_add(crate::ffi::low_latency::LL_MASK_OFF).cast()
+    }
+
+    /// Rewrites the kernels' device copy of the mask from the host-mapped block (synchronous).
+    fn ll_sync_mask(&self, op: &'static str) -> Result<()> {
+        self.mask.copy_to_device(op, self.ll_mask_device_ptr(), MAX_RANKS)
     }
 
     fn timeout_ms(&self) -> u64 {
@@ -126,10 +137,11 @@ impl Backend for NcclBackend {
     fn dispatch_finish(&mut self, a: &DispatchArgs, p: &DispatchPlan, o: &DispatchOutputs) -> Result<()> { self.ht_dispatch_finish(a, p, o) }
     fn cached_dispatch(&mut self, a: &CachedDispatchArgs, x: &TensorRef, s: Option<&TensorRef>) -> Result<()> { self.ht_cached_dispatch(a, x, s) }
     fn combine(&mut self, a: &CombineArgs, o: &CombineOutputs) -> Result<()> { self.ht_combine(a, o) }
-    fn ll_dispatch_send(&mut self, g: &LlGeometry, o: &LlDispatchOptions, a: &LlDispatchSendArgs, out: &LlDispatchOutputs, s: Stream) -> Result<()> { self.ll_mask_unsupported("deep_ep::low_latency_dispatch")?; self.ll_dispatch_send_impl(g, o, a, out, s) }
-    fn ll_dispatch_recv(&mut self, g: &LlGeometry, o: &LlDispatchOptions, out: &LlDispatchOutputs, st: &LlStats, s: Stream) -> Result<()> { self.ll_mask_unsupported("deep_ep::low_latency_dispatch")?; self.ll_dispatch_recv_impl(g, o, out, st, s) }
-    fn ll_combine_send(&mut self, g: &LlGeometry, a: &LlCombineSendArgs, s: Stream) -> Result<()> { self.ll_mask_unsupported("deep_ep::low_latency_combine")?; self.ll_combine_send_impl(g, a, s) }
-    fn ll_combine_recv(&mut self, g: &LlGeometry, a: &LlCombineRecvArgs, st: &LlStats, s: Stream) -> Result<()> { self.ll_mask_unsupported("deep_ep::low_latency_combine")?; self.ll_combine_recv_impl(g, a, st, s) }
+    fn ll_dispatch_send(&mut self, g: &LlGeometry, o: &LlDispatchOptions, a: &LlDispatchSendArgs, out: &LlDispatchOutputs, s: Stream) -> Result<()> { self.ll_dispatch_send_impl(g, o, a, out, s) }
+    fn ll_dispatch_recv(&mut self, g: &LlGeometry, o: &LlDispatchOptions, out: &LlDispatchOutputs, st: &LlStats, s: Stream) -> Result<()> { self.ll_dispatch_recv_impl(g, o, out, st, s) }
+    fn ll_combine_send(&mut self, g: &LlGeometry, a: &LlCombineSendArgs, s: Stream) -> Result<()> { self.ll_combine_send_impl(g, a, s) }
+    fn ll_combine_recv(&mut self, g: &LlGeometry, a: &LlCombineRecvArgs, st: &LlStats, s: Stream) -> Result<()> { self.ll_combine_recv_impl(g, a, st, s) }
+    fn ll_mask_rows(&mut self, op: &'static str, a: &LlRowsArgs, s: Stream) -> Result<()> { crate::ffi::ll_rows::mask_rows(op, a, s) }
     fn clean_low_latency_buffer(&mut self, g: &LlGeometry, s: Stream) -> Result<()> { self.ll_clean_impl(g, s) }
     fn next_low_latency_combine_buffer(&mut self, g: &LlGeometry) -> Result<TensorRef> { self.ll_next_combine_buffer_impl(g) }
     fn destroy(&mut self) -> Result<()> {
@@ -138,14 +150,14 @@ impl Backend for NcclBackend {
     }
     fn ll_update_mask(&mut self, rank: usize, masked: bool) -> Result<()> {
         self.mask.set(rank, masked as i32);
-        Ok(())
+        self.ll_sync_mask("deep_ep::low_latency_update_mask_buffer")
     }
     fn ll_mask(&self) -> Vec<bool> {
         (0..self.info.num_ranks).map(|r| self.mask.get(r) != 0).collect()
     }
     fn ll_clean_mask(&mut self) -> Result<()> {
         (0..MAX_RANKS).for_each(|r| self.mask.set(r, 0));
-        Ok(())
+        self.ll_sync_mask("deep_ep::low_latency_clean_mask_buffer")
     }
     fn ll_set_shrink(&mut self, enable: bool) -> Result<()> {
         self.mask.set(SHRINK_WORD, enable as i32);
@@ -154,7 +166,7 @@ impl Backend for NcclBackend {
     fn wait_stats(&mut self, _reset: bool) -> Result<Vec<[i64; 2]>> {
         // Peer waits run in kernels (flag barriers); LL kernels report per-source wait time in
         // the dispatch/combine_wait_recv_cost_stats tensors instead.
-        Err(ni("deep_ep::wait_stats", "per-peer host wait statistics (waits run on the GPU; use the LL *_wait_recv_cost_stats tensors)"))
+        Err(ni(self.info.backend, "deep_ep::wait_stats", "per-peer host wait statistics (waits run on the GPU; use the LL *_wait_recv_cost_stats tensors)"))
     }
 }
 
@@ -165,9 +177,11 @@ mod tests {
     #[test]
     fn create_validates_before_loading_nccl() {
         let args = |id: &'static [u8], device| CreateArgs { unique_id: id, rank: 0, num_ranks: 2, device, num_nvl_bytes: 0, num_rdma_bytes: 0, low_latency_mode: false };
-        let e = NcclBackend::create(&args(&[0u8; 5], Device::Cuda(0))).err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(e.contains("unique_id must have 128 bytes, got 5"), "{e}");
-        let e = NcclBackend::create(&args(&[0u8; 128], Device::Cpu)).err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(e.contains("needs a CUDA device"), "{e}");
+        for kind in [BackendKind::Nccl, BackendKind::Nvshmem] {
+            let e = NcclBackend::create(&args(&[0u8; 5], Device::Cuda(0)), kind).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(e.contains("unique_id must have 128 bytes, got 5"), "{e}");
+            let e = NcclBackend::create(&args(&[0u8; 128], Device::Cpu), kind).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(e.contains(&format!("the {} backend needs a CUDA device", kind.name())), "{e}");
+        }
     }
 }

@@ -36,9 +36,18 @@
 //! Only a dispatch without `num_worst_tokens` waits on the host (for the receive counts between
 //! K2 and K3, `dispatch_prepare` → `dispatch_finish`); everything else is CUDA-graph capturable.
 //!
-//! Errors found by kernels (a peer missing at a barrier, mismatching ops, worst-case overflow) are
-//! recorded in the host-mapped status block and raised by the next host-side call of the buffer
-//! (or by the dispatch wait). A capacity error is raised before anything is launched, by the
+//! Input checks (`DEEP_EP_CHECK_INPUTS`, on by default): a small kernel
+//! (`kernels/intranode_check.cu`) compares the routing inputs with each other on the device, the
+//! content checks the cpu backend makes on the host (expert ids in range, layout tensors that
+//! agree with `topk_idx`, handles that agree with themselves and with this rank's row count), and
+//! writes its result into this rank's header slot of the barrier that gathers the op's layouts:
+//! between K1 and K2 for (cached) dispatch and the split combine, before K0 for the fused combine
+//! (which has no data barrier; K0 publishes the layout beside the result). That barrier raises a
+//! failure of any rank on every rank and cancels the op's data kernels.
+//!
+//! Errors found by kernels (a peer missing at a barrier, mismatching ops, worst-case overflow,
+//! input checks) are recorded in the host-mapped status block and raised by the next host-side
+//! call of the buffer (or by the dispatch wait). A capacity error is raised before anything is launched, by the
 //! rank whose staged data does not fit: its peers then time out at the next barrier (known
 //! limitation: unlike the CPU backend, such an error is not raised on every rank at once). For
 //! combine the host checks its own rows; the exact need of every window depends on the routing
@@ -49,7 +58,7 @@ use super::NcclBackend;
 use crate::backend::{CachedDispatchArgs, CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, DispatchPlan};
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::ffi::intranode::{self, err, kind, sec, site, CombineArgs as KCombine, DispatchPushArgs, KernelError, Layout, PullArgs, PushArgs, StageArgs, SyncArgs, CONTROL_BYTES, MAX_CHANNELS, NUM_SECTIONS};
+use crate::ffi::intranode::{self, err, kind, sec, site, CheckArgs, CombineArgs as KCombine, DispatchPushArgs, KernelError, Layout, PullArgs, PushArgs, StageArgs, SyncArgs, CONTROL_BYTES, MAX_CHANNELS, NUM_SECTIONS};
 use crate::tensor::{DType, TensorRef};
 use std::ffi::c_void;
 use std::time::{Duration, Instant};
@@ -100,7 +109,54 @@ fn scales_of(t: Option<&TensorRef>) -> (*const c_void, i64, i64) {
     t.map_or((std::ptr::null(), 0, 0), |s| (ptr(s), s.strides()[0], s.strides()[1]))
 }
 
+/// The first part of the message of an input-check error (the cpu backend's words).
+fn input_error_text(e: &KernelError) -> String {
+    let (v, l, x) = (e.value, e.limit, e.extra);
+    const LAYOUT: &str = "pass the tensors get_dispatch_layout returned";
+    match e.code {
+        err::NTPR => format!("num_tokens_per_rank[{x}] = {v} but is_token_in_rank selects {l} tokens for rank {x}"),
+        err::EXPERT_ID => format!("topk_idx holds expert id {v}, outside [-1, {l})"),
+        err::NTPE => format!("num_tokens_per_expert does not match topk_idx ({LAYOUT})"),
+        err::IN_RANK => format!("is_token_in_rank does not match topk_idx at token {v}, rank {x} ({LAYOUT})"),
+        err::STALE_COUNTS => format!("stale handle: is_token_in_rank sends {v} tokens to rank {x}, rank_prefix_matrix says {l}"),
+        err::STALE_ROWS => format!("stale handle: recv_src_idx has {l} rows but the rank_prefix_matrix gives this rank {v} tokens"),
+        err::STALE_SEND_HEAD => format!("stale handle: send_head[{v}, {x}] is not the one is_token_in_rank gives (pass the handle of one dispatch)"),
+        _ => format!("stale handle: channel_prefix_matrix[{x}, {v}] is not the one is_token_in_rank gives (pass the handle of one dispatch)"),
+    }
+}
+
+/// Grid of the input-check kernel: one thread per token and one warp per (rank, channel), at
+/// most config.num_sms blocks of 8 warps.
+fn check_blocks(config: &Config, tokens: usize, pairs: usize) -> i32 {
+    i32_of(tokens.div_ceil(256).max(pairs.div_ceil(8)).clamp(1, config.num_sms.max(1)))
+}
+
 impl NcclBackend {
+    /// Launches the input checks (before the barrier that gathers the op's header: the data
+    /// barrier, or the fused combine's start barrier; it raises what they find).
+    fn check_inputs(&self, op: &'static str, args: CheckArgs, stream: *mut c_void) -> Result<()> {
+        if !crate::settings::check_inputs() {
+            return Ok(());
+        }
+        intranode::check_inputs(op, self.window.ctx(), &args, stream)
+    }
+
+    /// [`CheckArgs`] of a handle (cached dispatch, combine).
+    fn handle_checks(&self, h: &crate::backend::Handle, config: &Config, c: usize) -> CheckArgs {
+        let n = h.is_token_in_rank.size(0);
+        CheckArgs {
+            num_blocks: check_blocks(config, n, self.info.num_ranks * c),
+            is_token_in_rank: ptr(&h.is_token_in_rank),
+            send_head: ptr(&h.send_head),
+            channel_prefix_matrix: ptr(&h.channel_prefix_matrix),
+            rank_prefix_matrix: ptr(&h.rank_prefix_matrix),
+            num_tokens: n as i64,
+            num_channels: c as i64,
+            num_rows: h.recv_src_idx.numel() as i64,
+            ..Default::default()
+        }
+    }
+
     /// Push model: the receive area after the staged sections (which end at `end`, 128-aligned):
     /// `(recv_off, recv_cap)`, the capacity in rows of `row_bytes` plus their side outputs
     /// (`deep_ep_ic_layout_t` in kernels/deep_ep_kernels.h: 5 sub-arrays, each 128-aligned).
@@ -154,6 +210,11 @@ impl NcclBackend {
                     e.value, e.rank, e.limit
                 ))
             }
+            c if (err::NTPR..=err::STALE_CPM).contains(&c) => Error::invalid(op, format!(
+                "{} (rank {}'s inputs, checked on the GPU; found at {where_}: every rank skipped that op, its outputs are invalid)",
+                input_error_text(&e),
+                e.rank
+            )),
             c => Error::Device { op, what: "intranode kernel".into(), detail: format!("unknown error code {c} at {where_}") },
         }
     }
@@ -264,6 +325,20 @@ impl NcclBackend {
             ..Default::default()
         };
         intranode::stage(DISPATCH, self.window.ctx(), &stage, a.stream)?;
+        let checks = CheckArgs {
+            topk_idx: opt_ptr(a.topk_idx.as_ref()),
+            topk_is_int64: is_int64(a.topk_idx.as_ref()),
+            num_blocks: check_blocks(&a.config, n, nr * c),
+            num_tokens_per_rank: ptr(&a.num_tokens_per_rank),
+            num_tokens_per_expert: ptr(&a.num_tokens_per_expert),
+            is_token_in_rank: ptr(&a.is_token_in_rank),
+            num_tokens: n as i64,
+            num_topk: k as i64,
+            num_experts: e as i64,
+            num_channels: c as i64,
+            ..Default::default()
+        };
+        self.check_inputs(DISPATCH, checks, a.stream)?;
         let notify = SyncArgs {
             site: site::DISPATCH_NOTIFY,
             op_start: 0,
@@ -395,6 +470,7 @@ impl NcclBackend {
             StageArgs { layout, num_blocks: i32_of(a.config.num_sms), ..Default::default() }
         };
         intranode::stage(CACHED, self.window.ctx(), &stage, a.stream)?;
+        self.check_inputs(CACHED, self.handle_checks(&a.handle, &a.config, c), a.stream)?;
         self.barrier(CACHED, SyncArgs { site: site::CACHED_DATA, gather: 1, ..Default::default() }, a.stream)?;
         let pull = PullArgs {
             recv_x: recv_x.data_ptr().cast(),
@@ -455,10 +531,15 @@ impl NcclBackend {
             ..Default::default()
         };
         let fused = crate::settings::intranode_combine_fused();
-        // Fused: the start barrier also publishes and gathers the layouts (op check) and zeroes
-        // the kernel's counters; split: the push kernel writes the header for the data barrier.
+        // Fused: the input checks run first and write their result into the header slot of the
+        // start barrier, which also publishes and gathers the layouts (op check; keep_check leaves
+        // the check result in place), raises any rank's failed check on every rank (the fused
+        // kernel then returns at once everywhere) and zeroes the kernel's counters. Split: the push
+        // kernel writes the header, the checks follow it, the data barrier raises them.
         let start = if fused {
-            SyncArgs { site: site::COMBINE_START, op_start: 1, gather: 1, publish: 1, zero_counters: 1, layout, ..Default::default() }
+            self.check_inputs(COMBINE, self.handle_checks(&a.handle, &a.config, c), a.stream)?;
+            let keep_check = crate::settings::check_inputs() as i32;
+            SyncArgs { site: site::COMBINE_START, op_start: 1, gather: 1, publish: 1, zero_counters: 1, keep_check, layout, ..Default::default() }
         } else {
             SyncArgs { site: site::COMBINE_START, op_start: 1, ..Default::default() }
         };
@@ -477,6 +558,7 @@ impl NcclBackend {
         };
         if !fused {
             intranode::combine_push(COMBINE, self.window.ctx(), &push, a.stream)?;
+            self.check_inputs(COMBINE, self.handle_checks(&a.handle, &a.config, c), a.stream)?;
             self.barrier(COMBINE, SyncArgs { site: site::COMBINE_DATA, gather: 1, ..Default::default() }, a.stream)?;
         }
         let args = KCombine {

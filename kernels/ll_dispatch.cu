@@ -1,0 +1,300 @@
+// ll_dispatch.cu: low-latency dispatch, send and receive kernels (deduplicated wire format: one
+// message per (token, destination rank), fanned out to the expert rows by the receiver).
+// Protocol: deep_ep_kernels.h ("Low-latency mode"); shared helpers: low_latency.cuh.
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+#include "low_latency.cuh"
+
+namespace deep_ep {
+namespace ic {
+namespace {
+
+// ---- FP8 (crate::numerics::fp8, DeepEP's calculate_fp8_scales) -------------------------------
+__device__ __forceinline__ float pow2_bits(int e) { return __uint_as_float(static_cast<uint32_t>(e + 127) << 23); }
+__device__ __forceinline__ uint32_t e4m3(float v) {
+  return static_cast<uint32_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+}
+
+// One lane's part of the FP8 cast of one 128-channel group: `v` holds channels 4*lane..4*lane+3
+// (bf16 bits); returns their E4M3 bytes, `inv` the group's scale_inv (same in every lane).
+__device__ __forceinline__ uint32_t cast_group_fp8(uint2 v, bool round_scale, float* inv) {
+  const float f[4] = {bf16_to_f32(v.x & 0xffffu), bf16_to_f32(v.x >> 16), bf16_to_f32(v.y & 0xffffu), bf16_to_f32(v.y >> 16)};
+  float amax = fmaxf(fmaxf(fabsf(f[0]), fabsf(f[1])), fmaxf(fabsf(f[2]), fabsf(f[3])));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  amax = fmaxf(amax, 1e-4f);
+  float scale;
+  if (round_scale) {
+    const uint32_t b = __float_as_uint(amax * (1.0f / 448.0f));
+    const int e = static_cast<int>((b >> 23) & 0xffu) - 127 + ((b & 0x7fffffu) != 0);
+    scale = pow2_bits(-e);
+    *inv = pow2_bits(e);
+  } else {
+    scale = __fdiv_rn(448.0f, amax);
+    *inv = amax * (1.0f / 448.0f);
+  }
+  return e4m3(f[0] * scale) | (e4m3(f[1] * scale) << 8) | (e4m3(f[2] * scale) << 16) | (e4m3(f[3] * scale) << 24);
+}
+
+// ---- dispatch send ------------------------------------------------------------------------------
+// Block b owns tokens [b*per, (b+1)*per). Every block first counts, in shared memory, the
+// selections of each expert over all tokens (s_total, for the signals) and over the tokens before
+// its own (s_before: the expert slots), and the messages each rank gets from those earlier tokens
+// (s_rc: message slots). Then per token (in order) thread 0 routes its top-k entries (slot order =
+// (token, k) order, as the CPU backend's), and the warps split the token's 128-channel groups:
+// each group is loaded (and cast to FP8) once and stored into every destination's message. The
+// last block to finish release-stores every (rank, local expert) count.
+__global__ void __launch_bounds__(kSendThreads) ll_dispatch_send_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
+  __shared__ uint32_t s_seq;
+  __shared__ int s_skip, s_dmask, s_last;
+  __shared__ int s_before[kMaxLlExperts], s_total[kMaxLlExperts];
+  __shared__ int s_rc[kMaxRanks], s_rct[kMaxRanks], s_mask[kMaxRanks], s_n[kMaxRanks], s_msg[kMaxRanks];
+  __shared__ uint32_t s_ent[kMaxRanks][kMaxLlTopk];
+  __shared__ float s_w[kMaxRanks][kMaxLlTopk];
+  if (!begin_send(c, a, DEEP_EP_LL_KIND_DISPATCH, &s_seq, &s_skip)) return;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int R = c.num_ranks, E = a.num_experts, El = E / R, T = a.num_max_tokens, H = a.hidden, S = H / 128;
+  const int N = a.num_tokens, K = a.num_topk;
+  const int per = (N + gridDim.x - 1) / gridDim.x;
+  const int t_begin = min(N, static_cast<int>(blockIdx.x) * per), t_end = min(N, t_begin + per);
+  for (int e = tid; e < E; e += kSendThreads) s_before[e] = s_total[e] = 0;
+  if (tid < R) {
+    s_rc[tid] = s_rct[tid] = 0;
+    s_mask[tid] = rank_masked(a, tid);
+  }
+  __syncthreads();
+  for (int tok = tid; tok < N; tok += kSendThreads) {
+    unsigned dm = 0;
+    for (int k = 0; k < K; ++k) {
+      const int64_t e = topk_at(a, static_cast<int64_t>(tok) * K + k);
+      if (e < 0 || e >= E || s_mask[e / El]) continue;  // no expert, or one of a masked rank: dropped
+      atomicAdd(&s_total[e], 1);
+      if (tok < t_begin) atomicAdd(&s_before[e], 1);
+      dm |= 1u << (e / El);
+    }
+    for (int d = 0; d < R; ++d) {
+      if (!(dm >> d & 1)) continue;
+      atomicAdd(&s_rct[d], 1);
+      if (tok < t_begin) atomicAdd(&s_rc[d], 1);
+    }
+  }
+  __syncthreads();
+  const uint64_t recv = recv_off(a, a.half), msgs = recv + a.msgs_off;
+  const int gpw = (S + kSendWarps - 1) / kSendWarps, g_lo = min(S, warp * gpw), g_hi = min(S, g_lo + gpw);
+  constexpr int kBatch = 8;
+  for (int tok = t_begin; tok < t_end; ++tok) {
+    if (tid == 0) {
+      unsigned dm = 0;
+      for (int d = 0; d < R; ++d) s_n[d] = 0;
+      for (int k = 0; k < K; ++k) {
+        const int64_t e = topk_at(a, static_cast<int64_t>(tok) * K + k);
+        if (e < 0 || e >= E || s_mask[e / El]) continue;
+        const int d = static_cast<int>(e / El), l = static_cast<int>(e % El), slot = s_before[e]++;
+        dm |= 1u << d;  // as counted in s_rc: a message even if every selection overflows
+        if (slot >= T) continue;  // overflow: reported by the last block, the selection is dropped
+        s_ent[d][s_n[d]] = (static_cast<uint32_t>(l) << 16) | static_cast<uint32_t>(slot);
+        s_w[d][s_n[d]] = a.topk_weights != nullptr ? a.topk_weights[static_cast<int64_t>(tok) * K + k] : 0.0f;
+        ++s_n[d];
+      }
+      for (int d = 0; d < R; ++d) {
+        if (dm >> d & 1) s_msg[d] = s_rc[d]++;
+      }
+      s_dmask = static_cast<int>(dm);
+    }
+    __syncthreads();
+    const unsigned dm = static_cast<unsigned>(s_dmask);
+    if (warp < R && (dm >> warp & 1)) {  // warp d: the meta of d's message and d's index entries
+      const int d = warp, n = s_n[d];
+      char* base = window(c, d);
+      char* msg = base + msgs + static_cast<uint64_t>(c.rank * T + s_msg[d]) * a.msg_bytes;
+      if (lane == 0) {
+        *reinterpret_cast<int4*>(msg) = make_int4(tok, H, T, E);
+        *reinterpret_cast<int4*>(msg + 16) = make_int4(n, a.topk_weights != nullptr, 0, 0);
+      }
+      if (lane < n) {
+        const uint32_t en = s_ent[d][lane];
+        reinterpret_cast<uint32_t*>(msg + 32)[lane] = en;
+        reinterpret_cast<float*>(msg + 32 + 4 * kMaxLlTopk)[lane] = s_w[d][lane];
+        const uint64_t w = (static_cast<uint64_t>((en >> 16) * R + c.rank) * T + (en & 0xffffu)) * 4;
+        *reinterpret_cast<uint32_t*>(base + recv + a.idx_off + w) = static_cast<uint32_t>(s_msg[d]);
+      }
+    }
+    const uint16_t* row = static_cast<const uint16_t*>(a.x) + static_cast<int64_t>(tok) * H;
+    for (int g0 = g_lo; g0 < g_hi; g0 += kBatch) {
+      uint2 v[kBatch];
+      uint32_t q[kBatch];
+      float inv[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        if (g0 + u < g_hi) v[u] = __ldg(reinterpret_cast<const uint2*>(row + (g0 + u) * 128 + lane * 4));
+      }
+      if (a.use_fp8) {
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          if (g0 + u < g_hi) q[u] = cast_group_fp8(v[u], a.round_scale != 0, &inv[u]);
+        }
+      }
+      for (int d = 0; d < R; ++d) {
+        if (!(dm >> d & 1)) continue;
+        char* pay = window(c, d) + msgs + static_cast<uint64_t>(c.rank * T + s_msg[d]) * a.msg_bytes + kMsgMeta;
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          const int g = g0 + u;
+          if (g >= g_hi) break;
+          if (a.use_fp8) {
+            *reinterpret_cast<uint32_t*>(pay + g * 128 + lane * 4) = q[u];
+            if (lane == 0) *reinterpret_cast<float*>(pay + H + g * 4) = inv[u];
+          } else {
+            *reinterpret_cast<uint2*>(pay + g * 256 + lane * 8) = v[u];
+          }
+        }
+      }
+    }
+    __syncthreads();  // s_n, s_ent, s_msg are rewritten for the next token
+  }
+  // Every block fences its stores and counts itself done; the last one signals every count.
+  __threadfence_system();
+  __syncthreads();
+  if (tid == 0) {
+    __threadfence();
+    s_last = atomicAdd(at<unsigned int>(local(c), kLlDone), 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence_system();
+  // Message counts (read by a partial combine) before the signals.
+  if (tid < R && !s_mask[tid]) *at<uint32_t>(window(c, tid), recv + 4 * c.rank) = static_cast<uint32_t>(s_rct[tid]);
+  __threadfence_system();
+  __syncthreads();
+  for (int e = tid; e < E; e += kSendThreads) {
+    const int d = e / El;
+    if (s_mask[d]) continue;  // nothing goes to a masked rank
+    const int cnt = s_total[e];
+    if (cnt > T) report(c, DEEP_EP_IC_ERR_OVERFLOW, d, DEEP_EP_IC_SITE_LL_DISPATCH, cnt, T);
+    uint32_t* word = at<uint32_t>(window(c, d), sig_off(a, a.half) + static_cast<uint64_t>((e % El) * R + c.rank) * 4);
+    st_release_sys_u32(word, tag(s_seq, static_cast<uint32_t>(min(cnt, T))));
+  }
+  __syncthreads();
+  if (tid == 0) {
+    *at<volatile int>(local(c), kLlCalls) = static_cast<int>(s_seq);
+    *at<volatile unsigned int>(local(c), kLlDone) = 0;
+    __threadfence();
+  }
+}
+
+// ---- dispatch receive ---------------------------------------------------------------------------
+// Block (l, y): waits for the R counts of local expert l (not for masked sources: count 0), then
+// warps y*4+w, stepping by gridDim.y*4, copy the rows (sources ascending, then slot order): row
+// (l, s, slot) is message idx[l][s][slot] of source s.
+__global__ void __launch_bounds__(kLlThreads) ll_dispatch_recv_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
+  __shared__ int s_ok, s_half;
+  __shared__ uint32_t s_seq;
+  __shared__ int s_cnt[kMaxRanks], s_begin[kMaxRanks + 1];
+  const int l = blockIdx.x, y = blockIdx.y, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int R = c.num_ranks, T = a.num_max_tokens, H = a.hidden, S = H / 128;
+  const int64_t RT = static_cast<int64_t>(R) * T;
+  if (tid == 0) {
+    int h = 0;
+    uint32_t q = 0;
+    int fl = 0;
+    s_ok = read_state(c, a, DEEP_EP_LL_KIND_DISPATCH, true, DEEP_EP_IC_SITE_LL_DISPATCH, &h, &q, &fl);
+    s_half = h;
+    s_seq = q;
+  }
+  __syncthreads();
+  if (!s_ok) return;
+  char* me = local(c);
+  if (tid < R) {
+    const long long t0 = clock64();
+    uint32_t v = 0;
+    const uint32_t* word = at<const uint32_t>(me, sig_off(a, s_half) + static_cast<uint64_t>(l * R + tid) * 4);
+    if (rank_masked(a, tid)) {
+      s_cnt[tid] = 0;  // a masked source sends nothing and is not waited for
+    } else if (wait_tag(c, word, s_seq, tid, DEEP_EP_IC_SITE_LL_DISPATCH, &v)) {
+      s_cnt[tid] = min(static_cast<int>(v & 0xffffu) - 1, T);
+      if (y == 0 && a.wait_stats != nullptr) {
+        atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + tid), static_cast<unsigned long long>(clock64() - t0));
+      }
+    } else {
+      s_ok = 0;
+    }
+  }
+  __syncthreads();
+  if (!s_ok) return;
+  if (tid == 0) {
+    s_begin[0] = 0;
+    for (int s = 0; s < R; ++s) s_begin[s + 1] = s_begin[s] + s_cnt[s];
+  }
+  __syncthreads();
+  const int total = s_begin[R];
+  if (y == 0) {
+    if (tid < R) a.layout_range[l * R + tid] = (static_cast<int64_t>(s_begin[tid]) << 32) | s_cnt[tid];
+    if (tid == 0) {
+      a.recv_count[l] = total;
+      if (a.cumulative != nullptr) a.cumulative[l] += total;
+    }
+  }
+  const uint64_t recv = recv_off(a, s_half);
+  const int64_t xrow_bytes = a.use_fp8 ? H : 2 * static_cast<int64_t>(H);
+  for (int i = y * kLlWarps + warp; i < total; i += gridDim.y * kLlWarps) {
+    int s = 0;
+    while (s + 1 < R && i >= s_begin[s + 1]) ++s;
+    const int slot = i - s_begin[s];
+    const uint32_t m = __ldcg(reinterpret_cast<const unsigned int*>(me + recv + a.idx_off) + (static_cast<uint64_t>(l * R + s) * T + slot));
+    if (m >= static_cast<uint32_t>(T)) {
+      if (lane == 0) report(c, DEEP_EP_IC_ERR_MISMATCH, s, DEEP_EP_IC_SITE_LL_DISPATCH, static_cast<int>(m), T);
+      continue;
+    }
+    const char* msg = me + recv + a.msgs_off + (static_cast<uint64_t>(s) * T + m) * a.msg_bytes;
+    const int4 hdr = __ldcg(reinterpret_cast<const int4*>(msg));
+    if (hdr.y != H || hdr.z != T || hdr.w != a.num_experts) {
+      if (lane == 0) report(c, DEEP_EP_IC_ERR_MISMATCH, s, DEEP_EP_IC_SITE_LL_DISPATCH, hdr.y, H);
+      continue;
+    }
+    const int64_t row = l * RT + i;
+    if (lane == 0) a.src_info[row] = hdr.x;
+    warp_copy(static_cast<char*>(a.recv_x) + row * xrow_bytes, msg + kMsgMeta, xrow_bytes, lane);
+    if (!a.use_fp8) continue;
+    const float* si = reinterpret_cast<const float*>(msg + kMsgMeta + H);
+    const int64_t sbase = l * a.scale_stride[0] + i * a.scale_stride[1];
+    if (a.use_ue8m0) {
+      for (int p = lane; p < S / 4; p += 32) {
+        uint32_t pack = 0;
+#pragma unroll
+        for (int b = 0; b < 4; ++b) pack |= ((__float_as_uint(__ldcg(si + 4 * p + b)) >> 23) & 0xffu) << (8 * b);
+        static_cast<int32_t*>(a.recv_scales)[sbase + p * a.scale_stride[2]] = static_cast<int32_t>(pack);
+      }
+    } else {
+      for (int g = lane; g < S; g += 32) static_cast<float*>(a.recv_scales)[sbase + g * a.scale_stride[2]] = __ldcg(si + g);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace ic
+}  // namespace deep_ep
+
+using namespace deep_ep::ic;
+
+extern "C" int deep_ep_llk_dispatch_send(const deep_ep_ic_ctx_t* ctx, const deep_ep_ll_args_t* args, void* stream) {
+  if (!ll_ok(ctx, args) || args->recv_state == nullptr || (args->num_tokens > 0 && (args->x == nullptr || args->topk_idx == nullptr)))
+    return static_cast<int>(cudaErrorInvalidValue);
+  if (args->num_experts > kMaxLlExperts || args->num_topk > kMaxLlTopk) return static_cast<int>(cudaErrorInvalidValue);
+  // Blocks of one or a few tokens, all resident (8 per SM by threads); at least one signals.
+  const int blocks = args->num_tokens < 1 ? 1 : (args->num_tokens < args->num_blocks ? args->num_tokens : args->num_blocks);
+  ll_dispatch_send_kernel<<<blocks, kSendThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args);
+  return static_cast<int>(cudaGetLastError());
+}
+
+extern "C" int deep_ep_llk_dispatch_recv(const deep_ep_ic_ctx_t* ctx, const deep_ep_ll_args_t* args, void* stream) {
+  if (!ll_ok(ctx, args) || args->recv_state == nullptr || args->recv_x == nullptr || args->recv_count == nullptr ||
+      args->src_info == nullptr || args->layout_range == nullptr || (args->use_fp8 && args->recv_scales == nullptr))
+    return static_cast<int>(cudaErrorInvalidValue);
+  const int el = args->num_experts / ctx->num_ranks;
+  const int y = args->num_blocks > el ? (args->num_blocks + el - 1) / el : 1;
+  ll_dispatch_recv_kernel<<<dim3(el, y), kLlThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args);
+  return static_cast<int>(cudaGetLastError());
+}
+

@@ -1,0 +1,168 @@
+// low_latency.cuh: what the low-latency kernels (ll_dispatch.cu, low_latency.cu) share: area
+// offsets, call numbers and tags, the send prologue / epilogue, waits, the rank mask.
+// Protocol, area layout and tags: deep_ep_kernels.h ("Low-latency mode"); the CPU backend
+// (src/backend/cpu/ll.rs) defines the same results, bit for bit.
+//
+// Memory model: payload goes out with plain NVLink stores; every thread that stored fences at
+// system scope, the block meets at __syncthreads, and one thread release-stores the signal word
+// (st.release.sys). Receivers poll with ld.acquire.sys, meet at __syncthreads and read payload
+// through L2 (__ldcg): the lines were never in this SM's L1 during the kernel.
+//
+// The only transport-specific lines are the peer addresses (`window(c, rank)`); an RDMA transport
+// would replace the stores of the send kernels with puts and the signal store with a signalled put.
+#pragma once
+
+#include <cstdint>
+
+#include "intranode.cuh"
+
+namespace deep_ep {
+namespace ic {
+namespace {
+
+// Combine-send and dispatch-receive kernels: small blocks so that every block of a call is
+// resident at once; the combine receive reduces with large blocks. The dispatch send uses
+// kSendThreads per block, one block per few tokens (the warps split a token's channels).
+constexpr int kLlThreads = 128;
+constexpr int kLlWarps = kLlThreads / 32;
+constexpr int kReduceThreads = 512;
+constexpr int kSendThreads = 256;
+constexpr int kSendWarps = kSendThreads / 32;
+// Most experts of a dispatch send (two int histograms of E in shared memory).
+constexpr int kMaxLlExperts = DEEP_EP_LL_MAX_EXPERTS;
+// LL words of the control area's scratch (local only): the call counter and the "blocks done"
+// counter of the send kernels (the last block advances the call counter and resets this one).
+constexpr size_t kLlCalls = DEEP_EP_IC_CONTROL_BYTES - 1024;  // after the push-dispatch flags
+constexpr size_t kLlDone = kLlCalls + 4;
+static_assert(kScrEnd <= kLlCalls, "LL scratch overlaps the normal-mode scratch");
+static_assert(kLlDone + 4 <= DEEP_EP_IC_CONTROL_BYTES, "LL scratch outside the control area");
+static_assert(DEEP_EP_LL_MASK_OFF >= kLlDone + 4 && DEEP_EP_LL_MASK_OFF + 4 * kMaxRanks <= DEEP_EP_IC_CONTROL_BYTES, "LL mask copy");
+
+using Args = deep_ep_ll_args_t;
+
+__device__ __forceinline__ uint64_t sig_off(const Args& a, int h) { return a.ll_off + h * a.signal_bytes; }
+__device__ __forceinline__ uint64_t send_off(const Args& a, int h) { return a.ll_off + 2 * a.signal_bytes + h * a.send_bytes; }
+__device__ __forceinline__ uint64_t recv_off(const Args& a, int h) {
+  return a.ll_off + 2 * (a.signal_bytes + a.send_bytes) + h * a.recv_bytes;
+}
+
+__device__ __forceinline__ void st_release_sys_u32(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t ld_acquire_sys_u32(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// The call after `calls` (16 bits travel in a tag; 0 is skipped so a zeroed word never matches).
+__device__ __forceinline__ uint32_t next_seq(uint32_t calls) {
+  uint32_t s = calls + 1;
+  if ((s & 0xffffu) == 0) s += 1;
+  return s;
+}
+__device__ __forceinline__ uint32_t tag(uint32_t seq, uint32_t count) { return ((seq & 0xffffu) << 16) | (count + 1); }
+__device__ __forceinline__ bool timed_out(const Ctx& c) { return ld_volatile(at<int>(local(c), kScrTimedOut)) != 0; }
+
+__device__ __forceinline__ int64_t topk_at(const Args& a, int64_t j) {
+  return a.topk_is_int64 ? static_cast<const int64_t*>(a.topk_idx)[j] : static_cast<const int32_t*>(a.topk_idx)[j];
+}
+
+// Start of a send kernel: the call number and the recv_state (block 0). Returns false when the
+// buffer already timed out (nothing is sent; receivers then return at once too).
+__device__ bool begin_send(const Ctx& c, const Args& a, int kind, uint32_t* s_seq, int* s_skip) {
+  if (threadIdx.x == 0) {
+    *s_skip = timed_out(c);
+    *s_seq = next_seq(static_cast<uint32_t>(ld_volatile(at<int>(local(c), kLlCalls))));
+    if (!*s_skip && blockIdx.x == 0 && blockIdx.y == 0) {
+      a.recv_state[0] = a.half;
+      a.recv_state[1] = *s_seq;
+      a.recv_state[2] = a.flags;
+      a.recv_state[3] = kind;
+    }
+  }
+  __syncthreads();
+  return !*s_skip;
+}
+
+// End of a send kernel: the last block to finish advances the call counter (every block read the
+// old value before counting itself done).
+__device__ void finish_send(const Ctx& c, uint32_t seq) {
+  if (threadIdx.x == 0) {
+    unsigned int* done = at<unsigned int>(local(c), kLlDone);
+    __threadfence();
+    if (atomicAdd(done, 1u) == gridDim.x * gridDim.y - 1) {
+      *at<volatile int>(local(c), kLlCalls) = static_cast<int>(seq);
+      *at<volatile unsigned int>(local(c), kLlDone) = 0;
+      __threadfence();
+    }
+  }
+}
+
+// Waits until `word` holds a tag of call `seq`; false (and a report) on timeout.
+__device__ bool wait_tag(const Ctx& c, const uint32_t* word, uint32_t seq, int about_rank, int site, uint32_t* value) {
+  const uint64_t start = globaltimer();
+  while (true) {
+    const uint32_t v = ld_acquire_sys_u32(word);
+    if ((v >> 16) == (seq & 0xffffu) && (v & 0xffffu) != 0) {
+      *value = v;
+      return true;
+    }
+    if (globaltimer() - start > c.timeout_ns) {
+      report(c, DEEP_EP_IC_ERR_TIMEOUT, about_rank, site, static_cast<int>(v), 0);
+      return false;
+    }
+  }
+}
+
+// Dispatch message (deep_ep_kernels.h): 16-byte header {src token, H, T, E}, 16 bytes {entries,
+// has weights, 0, 0}, kMaxLlTopk u32 entries (local expert << 16 | expert slot, top-k order),
+// kMaxLlTopk f32 weights, then the payload.
+constexpr int kMaxLlTopk = DEEP_EP_LL_MAX_TOPK;
+constexpr int kMsgMeta = 32 + 8 * kMaxLlTopk;
+static_assert(kMsgMeta == DEEP_EP_LL_MSG_META, "message meta size");
+
+// The rank mask (device copy of the host's mask, int32 words, 1 = masked); NULL = nobody masked.
+__device__ __forceinline__ bool rank_masked(const Args& a, int r) {
+  return a.mask != nullptr && *reinterpret_cast<const volatile int32_t*>(a.mask + r) != 0;
+}
+
+// Reads recv_state: false (after reporting) when it does not come from a send of `kind` with
+// `flags`, or the buffer timed out.
+__device__ bool read_state(const Ctx& c, const Args& a, int kind, bool check_flags, int site, int* half, uint32_t* seq, int* flags) {
+  if (timed_out(c)) return false;
+  const int64_t* st = a.recv_state;
+  if (st[3] != kind || (check_flags && st[2] != a.flags) || st[0] < 0 || st[0] > 1) {
+    report(c, DEEP_EP_IC_ERR_MISMATCH, c.rank, site, static_cast<int>(st[3]), kind);
+    return false;
+  }
+  *half = static_cast<int>(st[0]);
+  *seq = static_cast<uint32_t>(st[1]);
+  *flags = static_cast<int>(st[2]);
+  return true;
+}
+
+// Host side of the launch functions: the arguments describe an LL area inside the window.
+bool ll_ok(const Ctx* c, const Args* a) {
+  if (!ctx_ok(c) || a == nullptr) return false;
+  if (a->num_max_tokens < 1 || a->num_max_tokens > 0xfffe || a->hidden < 128 || a->hidden % 128 != 0) return false;
+  if (a->num_experts < c->num_ranks || a->num_experts % c->num_ranks != 0 || a->half < 0 || a->half > 1) return false;
+  if (a->num_topk < 0 || a->num_topk > kMaxLlTopk || a->num_tokens < 0 || a->num_tokens > a->num_max_tokens) return false;
+  const uint64_t end = a->ll_off + 2 * (a->signal_bytes + a->send_bytes + a->recv_bytes);
+  const uint64_t payload = a->hidden * 2 > a->hidden + a->hidden / 32 ? a->hidden * 2 : a->hidden + a->hidden / 32;
+  const uint64_t rt = static_cast<uint64_t>(c->num_ranks) * a->num_max_tokens;
+  const uint64_t msgs = a->msgs_off + rt * a->msg_bytes;
+  // Partial rows must fit when a combine sends them (and lie after the messages).
+  const bool partial_ok = !a->partial || (a->partial_off >= msgs && a->partial_off % 16 == 0 &&
+                                           a->partial_off + rt * 2 * a->hidden <= a->recv_bytes &&
+                                           a->dispatch_half >= 0 && a->dispatch_half <= 1);
+  return a->ll_off % 128 == 0 && a->msg_bytes % 16 == 0 && a->signal_bytes % 16 == 0 && a->send_bytes % 16 == 0 &&
+         a->recv_bytes % 16 == 0 && end <= c->window_bytes && a->signal_bytes * 8 >= 4ull * 8 * a->num_experts &&
+         a->msg_bytes >= kMsgMeta + payload && a->idx_off >= 4ull * c->num_ranks && a->idx_off % 16 == 0 &&
+         a->msgs_off >= a->idx_off + 4ull * a->num_experts * a->num_max_tokens && a->msgs_off % 16 == 0 &&
+         msgs <= a->recv_bytes && partial_ok;
+}
+
+}  // namespace
+}  // namespace ic
+}  // namespace deep_ep

@@ -1,0 +1,40 @@
+//! Window providers: what gives a buffer of this backend its symmetric memory and the peers'
+//! addresses of it. The kernels (`kernels/intranode_*.cu`, `kernels/low_latency.cu`) and every
+//! host-side op only use [`Ctx`] (peer base pointers, control area, status block), so one
+//! backend runs on any provider:
+//! - `nccl`: an NCCL communicator with one symmetric window (`ffi::nccl_window`), peer pointers
+//!   from `ncclGetPeerPointer` (LSA).
+//! - `nvshmem` (cargo feature `nvshmem`): one `nvshmem_malloc` allocation (`ffi::nvshmem_window`),
+//!   peer pointers from `nvshmem_ptr`.
+
+use crate::error::Result;
+use crate::ffi::intranode::{Ctx, HostStatus};
+
+/// The symmetric memory of one buffer, as kernels and host code address it. Created
+/// collectively by the provider; [`PeerWindow::close`] is collective; dropping an unclosed window
+/// releases what can be released without the peers.
+pub trait PeerWindow: Send {
+    /// Peer base pointers, rank, sizes and status pointer, passed to every kernel.
+    fn ctx(&self) -> &Ctx;
+    /// The host-mapped status block kernels report errors and receive counts in.
+    fn status(&self) -> &HostStatus;
+    /// Bytes of the window, control area included.
+    fn bytes(&self) -> usize;
+    /// Collective release (barrier with timeout, then the provider's teardown).
+    fn close(&mut self, timeout_ms: u64) -> Result<()>;
+}
+
+impl PeerWindow for crate::ffi::nccl_window::Window {
+    fn ctx(&self) -> &Ctx { self.ctx() }
+    fn status(&self) -> &HostStatus { self.status() }
+    fn bytes(&self) -> usize { self.bytes() }
+    fn close(&mut self, timeout_ms: u64) -> Result<()> { self.close(timeout_ms) }
+}
+
+#[cfg(feature = "nvshmem")]
+impl PeerWindow for crate::ffi::nvshmem_window::Window {
+    fn ctx(&self) -> &Ctx { self.ctx() }
+    fn status(&self) -> &HostStatus { self.status() }
+    fn bytes(&self) -> usize { self.bytes() }
+    fn close(&mut self, timeout_ms: u64) -> Result<()> { self.close(timeout_ms) }
+}

@@ -80,7 +80,9 @@ int deep_ep_cuda_stream_synchronize(void* stream);
  *
  * Window layout (offsets identical on every rank):
  *   [0, 1024)          barrier slots: slot p (128 B apart, u64) is written by rank p
- *   [1024, 1280)       this rank's staged layout (deep_ep_ic_layout_t), read by peers
+ *   [1024, 1536)       this rank's header, read by peers: two 256-byte slots, slot e % 2 for the
+ *                      barrier of epoch e that gathers it; a slot holds the layout
+ *                      (deep_ep_ic_layout_t) and, at DEEP_EP_IC_CHECK_OFF, the input-check result
  *   [4096, CONTROL)    local scratch: sticky timeout flag, first error, per-op "bad" flag, barrier
  *                      epoch, gathered peer layouts, rank_prefix_matrix, receiver channel starts
  *   [CONTROL, ...)     staged sections at the offsets of this rank's layout
@@ -136,6 +138,7 @@ typedef struct {
 #define DEEP_EP_IC_SITE_LL_GEOMETRY 11 /* low-latency: barriers around a signal reset */
 #define DEEP_EP_IC_SITE_LL_DISPATCH 12 /* low-latency dispatch receive */
 #define DEEP_EP_IC_SITE_LL_COMBINE 13 /* low-latency combine receive */
+#define DEEP_EP_IC_SITE_COMBINE_RECV 14 /* fused combine: a reduce warp waiting for a peer's channel */
 
 /* The buffer as kernels see it. */
 typedef struct {
@@ -193,20 +196,30 @@ typedef struct {
  * rank_prefix_matrix, this rank's receiver channel starts and (write_host_counts) the receive
  * count and per-local-expert counts rounded up to expert_alignment into the host block, and
  * flags any rank whose receive count exceeds its num_worst_tokens. op_start resets the per-op
- * error flag. A barrier whose peers do not arrive within timeout_ns records
- * DEEP_EP_IC_ERR_TIMEOUT and returns; after that every barrier and data kernel of the buffer
- * returns at once. */
+ * error flag. With gather, a peer's nonzero input-check result (deep_ep_ic_check) is raised the
+ * same way, about that peer. With publish, `layout` is written into this rank's header before the
+ * signal (so the same barrier gathers it: the fused combine's start barrier, which has no stage
+ * kernel before it); the header's check result is kept when keep_check (the check kernel wrote it
+ * before this barrier) and zeroed otherwise. zero_counters zeroes the fused combine's local
+ * counters. A barrier whose peers do not arrive
+ * within timeout_ns records DEEP_EP_IC_ERR_TIMEOUT and returns; after that every barrier and data
+ * kernel of the buffer returns at once. */
 typedef struct {
   int32_t site, op_start, gather, notify, write_host_counts;
   int32_t expert_alignment, num_local_experts;
+  int32_t publish, zero_counters, keep_check;
+  deep_ep_ic_layout_t layout; /* with publish */
 } deep_ep_ic_sync_args_t;
 int deep_ep_ic_sync(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_sync_args_t* args, void* stream);
 
-/* Input checks, launched after K1 (combine: after its push) and before the data barrier K2: this
- * rank's routing inputs are compared with each other on the device (no host sync), and the first
- * failure goes into this rank's header at DEEP_EP_IC_CHECK_OFF (int32 code, value, limit, extra;
- * zeros = fine); K2's gather reports a failure of any rank as that DEEP_EP_IC_ERR_* about that rank
- * (so every rank raises it) and cancels the op's data kernels. The same checks as the cpu backend:
+/* Input checks, launched before the barrier that gathers this op's header: after K1 and before the
+ * data barrier K2 for dispatch, cached dispatch and the split combine (after its push); before the
+ * start barrier (K0, with publish and keep_check) for the fused combine, which has no data barrier.
+ * This rank's routing inputs are compared with each other on the device (no host sync), and the
+ * first failure goes into the header slot of the next barrier at DEEP_EP_IC_CHECK_OFF (int32 code,
+ * value, limit, extra; zeros = fine); that barrier's gather reports a failure of any rank as that
+ * DEEP_EP_IC_ERR_* about that rank (so every rank raises it) and cancels the op's data kernels.
+ * The same checks as the cpu backend:
  *  - dispatch: num_tokens_per_rank == column counts of is_token_in_rank; with topk_idx, ids in
  *    [-1, E), num_tokens_per_expert == counts of topk_idx (compared through a sum of 64-bit hashes
  *    of the ids), is_token_in_rank == the ranks of the valid ids;
@@ -215,7 +228,7 @@ int deep_ep_ic_sync(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_sync_args_t* a
  *    channel_prefix_matrix are those of is_token_in_rank (crate::layout::send_side).
  * The kernel accumulates in the control area's check scratch; its last block compares, writes the
  * header word and zeroes the scratch for the next op. */
-#define DEEP_EP_IC_CHECK_OFF (1024 + 240)
+#define DEEP_EP_IC_CHECK_OFF 240 /* byte offset inside a header slot */
 typedef struct {
   const void* topk_idx;                 /* [N, K] int32 or int64, or null */
   int32_t topk_is_int64;
@@ -269,7 +282,10 @@ typedef struct {
   const int32_t* rpm_in;        /* [R, R] or NULL */
   const int32_t* rcpm_in;       /* [R, C] or NULL */
   int64_t num_rows;
-  int32_t topk_is_int64, num_local_experts, num_blocks, reserved;
+  int32_t topk_is_int64, num_local_experts, num_blocks;
+  int32_t unroll;  /* pull: 16-byte loads in flight per lane of a row copy: 16 (or 0), 8; with 1024 threads 8 (0, 16) or 4 */
+  int32_t threads; /* pull: threads per block, 512 (or 0) or 1024 */
+  int32_t reserved;
 } deep_ep_ic_pull_args_t;
 int deep_ep_ic_pull(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_pull_args_t* args, void* stream);
 
@@ -325,8 +341,12 @@ typedef struct {
   const void* x;                        /* [num_rows, row_bytes] */
   const float* topk_weights;            /* [num_rows, K] or NULL */
   const int32_t* rank_prefix_matrix;    /* [R, R] of the handle */
+  const int32_t* recv_channel_prefix_matrix; /* [R, C] of the handle (fused combine only) */
   int64_t num_rows;
-  int32_t num_blocks, reserved;
+  int32_t num_blocks;
+  int32_t reduce_warps;                 /* fused combine: warps per block that start reducing, 1..15 */
+  int32_t push_unroll;                  /* fused combine: 16-byte loads in flight per lane, 8 or 16 */
+  int32_t threads;                      /* split combine: threads per block of the push kernel, 512 (or 0) or 1024 */
 } deep_ep_ic_push_args_t;
 int deep_ep_ic_combine_push(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_push_args_t* args, void* stream);
 
@@ -346,6 +366,18 @@ typedef struct {
   int32_t hidden, num_topk, num_channels, num_blocks;
 } deep_ep_ic_combine_args_t;
 int deep_ep_ic_combine(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_combine_args_t* args, void* stream);
+
+/* Fused combine: K1 and K3 in one kernel, after a start barrier with publish, gather and
+ * zero_counters (no data barrier). Same window layout, same results as the two kernels above.
+ * Push warps store this rank's rows for peer s, channel by channel (the rows of (s, ch) are
+ * [rpm[s-1][rank] + rcpm[s][ch], ... + rcpm[s][ch+1]) of x), and when all of (s, ch) is in s's
+ * window raise flag (rank, ch) there (the start barrier's epoch). Reduce warps take chunks of
+ * tokens in channel order, wait for flag (d, ch) of every peer d (bounded by timeout_ns,
+ * DEEP_EP_IC_ERR_TIMEOUT at DEEP_EP_IC_SITE_COMBINE_RECV names d) and reduce as deep_ep_ic_combine,
+ * reading this rank's own rows straight from x; push warps join them when their rows are out.
+ * Blocks are capped at the SM count (all resident: reduce warps wait for other GPUs' push warps). */
+int deep_ep_ic_combine_fused(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_push_args_t* push,
+                             const deep_ep_ic_combine_args_t* args, void* stream);
 
 /* Zeroes the control area of this rank's window (create, before the first barrier). */
 int deep_ep_ic_reset(const deep_ep_ic_ctx_t* ctx, void* stream);

@@ -1,5 +1,6 @@
 // intranode.cuh: window layout, memory-model helpers and error reporting shared by the intranode
-// normal-mode kernels (intranode_sync.cu, intranode_pull.cu). Everything here has internal
+// normal-mode kernels (intranode_sync.cu, intranode_pull.cu, intranode_push.cu,
+// intranode_combine.cu). Everything here has internal
 // linkage (anonymous namespace): the .cu files are compiled with -rdc and each gets its own copy.
 #pragma once
 
@@ -20,7 +21,7 @@ constexpr int kSyncThreads = 256;
 // Control area of every window (DEEP_EP_IC_CONTROL_BYTES); see deep_ep_kernels.h.
 constexpr size_t kSlotBytes = 128;
 constexpr size_t kBarrierOff = 0;
-constexpr size_t kHeaderOff = 1024;
+constexpr size_t kHeaderOff = 1024;  // two layout slots, picked by the parity of the gathering barrier
 constexpr size_t kScratchOff = 4096;
 constexpr size_t kScrTimedOut = kScratchOff + 0;  // int: a barrier timed out (sticky)
 constexpr size_t kScrError = kScratchOff + 4;     // int: first unreported error code
@@ -33,14 +34,19 @@ constexpr size_t kScrRcpm = kScrRpm + kMaxRanks * kMaxRanks * 4;              //
 constexpr size_t kScrChanDone = kScrRcpm + kMaxRanks * kMaxChannels * 4;      // [C] int, push dispatch
 constexpr size_t kScrChanFlags = kScrChanDone + kMaxChannels * 4;            // [R, C] u64, push dispatch
 constexpr size_t kScrCheck = kScrChanFlags + kMaxRanks * kMaxChannels * 8;  // input checks (intranode_check.cu)
-constexpr size_t kScrEnd = kScrCheck + 128;
+constexpr size_t kScrCombineNext = kScrCheck + 128;                          // int, fused combine
+constexpr size_t kScrEnd = kScrCombineNext + 128;
+// Fused combine: rows pushed per (destination, channel), [R, kMaxChannels] int. Aliases the notify's
+// rcpm: a combine has no notify, and this rank's readers of the previous op's rcpm finished before
+// the combine's start barrier (stream order), which zeroes these counters.
+constexpr size_t kScrPushDone = kScrRcpm;
 static_assert(kBarrierOff + kMaxRanks * kSlotBytes <= kHeaderOff, "barrier slots overlap the header");
 static_assert(sizeof(deep_ep_ic_layout_t) <= DEEP_EP_IC_LAYOUT_BYTES, "layout larger than its slot");
-static_assert(kHeaderOff + DEEP_EP_IC_LAYOUT_BYTES <= kScratchOff, "header overlaps the scratch");
-static_assert(DEEP_EP_IC_CHECK_OFF >= kHeaderOff + sizeof(deep_ep_ic_layout_t) &&
-                  DEEP_EP_IC_CHECK_OFF + 16 <= kHeaderOff + DEEP_EP_IC_LAYOUT_BYTES,
-              "the check result must sit in the header slot after the layout");
-static_assert(kScrEnd <= DEEP_EP_IC_CONTROL_BYTES, "scratch larger than the control area");
+static_assert(kHeaderOff + 2 * DEEP_EP_IC_LAYOUT_BYTES <= kScratchOff, "header overlaps the scratch");
+static_assert(DEEP_EP_IC_CHECK_OFF >= sizeof(deep_ep_ic_layout_t) && DEEP_EP_IC_CHECK_OFF % 8 == 0 &&
+                  DEEP_EP_IC_CHECK_OFF + 16 <= DEEP_EP_IC_LAYOUT_BYTES,
+              "the check result must sit in each header slot after the layout");
+static_assert(kScrEnd <= DEEP_EP_IC_CONTROL_BYTES - 1024, "scratch reaches the low-latency scratch (low_latency.cuh)");
 
 using Ctx = deep_ep_ic_ctx_t;
 using Layout = deep_ep_ic_layout_t;
@@ -50,11 +56,22 @@ __device__ __forceinline__ char* local(const Ctx& c) { return window(c, c.rank);
 template <typename T>
 __device__ __forceinline__ T* at(char* base, size_t off) { return reinterpret_cast<T*>(base + off); }
 
+// The header slot a barrier of epoch `epoch` gathers. A rank writes the slot of the next barrier
+// only after passing the previous one, and every peer read the same slot two barriers earlier (its
+// read finished before it signalled the barrier in between): so a layout can be published before
+// the barrier that gathers it (combine's start barrier does) without racing a slow peer's read.
+__device__ __forceinline__ size_t header_slot(uint64_t epoch) { return kHeaderOff + (epoch & 1) * DEEP_EP_IC_LAYOUT_BYTES; }
+
 __device__ __forceinline__ const Layout& scratch_layout(const Ctx& c, int rank) {
   return *at<const Layout>(local(c), kScrHeaders + static_cast<size_t>(rank) * DEEP_EP_IC_LAYOUT_BYTES);
 }
 
 // Memory model (st_release_sys, ld_acquire_sys, ld_volatile, globaltimer): common.cuh.
+
+// Header slot of the next barrier, for a kernel between barriers (kScrEpoch = barriers passed).
+__device__ __forceinline__ size_t next_header_slot(const Ctx& c) {
+  return header_slot(ld_volatile(at<const uint64_t>(local(c), kScrEpoch)) + 1);
+}
 
 // ---- errors ----------------------------------------------------------------------------------
 // Records an error in the device word and, for the first one since the host last cleared it,
@@ -90,6 +107,26 @@ __device__ __forceinline__ bool op_cancelled(const Ctx& c) {
   }
   __syncthreads();
   return s_cancel != 0;
+}
+
+// ---- per-(sender, channel) flags (push dispatch, fused combine) -------------------------------
+// Flag (s, ch) in the window of `owner`: rank s has stored all its rows of channel ch there.
+__device__ __forceinline__ uint64_t* chan_flag(const Ctx& c, int owner, int s, int ch) {
+  return at<uint64_t>(window(c, owner), kScrChanFlags + (static_cast<size_t>(s) * kMaxChannels + ch) * 8);
+}
+// Waits (every lane) until flag (s, ch) of this rank's window reaches `epoch`; false after the
+// deadline (reported at `site`, naming s).
+__device__ bool wait_flag(const Ctx& c, int s, int ch, uint64_t epoch, int site) {
+  const uint64_t* flag = chan_flag(c, c.rank, s, ch);
+  const uint64_t start = globaltimer();
+  while (ld_acquire_sys(flag) < epoch) {
+    __nanosleep(128);  // leave issue slots to the warps of this SM that do the work
+    if (globaltimer() - start > c.timeout_ns) {
+      report(c, DEEP_EP_IC_ERR_TIMEOUT, s, site, ch, 0);
+      return false;
+    }
+  }
+  return true;
 }
 
 // ---- copies ----------------------------------------------------------------------------------

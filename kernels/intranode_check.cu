@@ -1,7 +1,8 @@
 // intranode_check.cu: device-side checks of the routing inputs of the intranode normal-mode ops
 // (deep_ep_ic_check in deep_ep_kernels.h): the content checks the cpu backend makes on the host,
-// here without a host sync. The result travels in this rank's header to the data barrier, which
-// raises it on every rank and cancels the op (intranode_sync.cu).
+// here without a host sync. The result travels in this rank's header (the slot of the next barrier)
+// to the barrier that gathers it (the data barrier; for the fused combine, the start barrier),
+// which raises it on every rank and cancels the op (intranode_sync.cu).
 //
 // One launch, three phases, then the last block to finish decides:
 //  A  one thread per token: expert ids in range, is_token_in_rank row == the ranks of the valid ids,
@@ -164,7 +165,9 @@ __global__ void __launch_bounds__(kCheckThreads) check_kernel(const __grid_const
     const int i = v->bad_cpm - 1;
     code = DEEP_EP_IC_ERR_STALE_CPM, value = static_cast<int>(i % C), extra = static_cast<int>(i / C);
   }
-  int* out = at<int>(local(c), DEEP_EP_IC_CHECK_OFF);
+  // Into the header slot of the next barrier: the one that gathers this op's header (the data
+  // barrier, or the fused combine's start barrier, whose publish keeps these words).
+  int* out = at<int>(local(c), next_header_slot(c) + DEEP_EP_IC_CHECK_OFF);
   out[0] = code, out[1] = value, out[2] = limit, out[3] = extra;
   // Ready for the next op (stream-ordered after this kernel).
   unsigned long long* words = reinterpret_cast<unsigned long long*>(scr);

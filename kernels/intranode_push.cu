@@ -2,15 +2,16 @@
 //
 // dispatch_push_kernel (K3, after the notify / data barrier; the op's last kernel). Each block's
 // warps are split: the first 16 - copy_warps push, the others copy out.
-// Push warps: one warp per token of this rank, in token order (so channels complete in order).
-// Lane d < R finds the token's output row on rank d (index words loaded one token ahead), then the
-// warp reads the row of x once from local memory (8 16-byte loads per lane in flight) and stores
-// each piece to every destination: remote ranks first, in the order rank + 1, rank + 2, ... (at
-// any time the ranks mostly write to different peers), this rank's own outputs last. Row numbering
-// and every side output are those of the pull model (intranode_pull.cu), so results are
-// bit-identical. After each token the warp counts it in its channel's counter (local atomic, after
-// a system fence); the warp that completes a channel fences again and raises flag (me, channel) =
-// this op's barrier epoch in every peer's window (st.release.sys).
+// Push warps: units of kPushTokens consecutive tokens of one channel, channels ascending (so
+// channels complete in order), one warp per unit. Per token, lane d < R finds the token's output
+// row on rank d (index words loaded one token ahead), then the warp reads the row of x once from
+// local memory (8 16-byte loads per lane in flight) and stores each piece to every destination:
+// remote ranks first, in the order rank + 1, rank + 2, ... (at any time the ranks mostly write to
+// different peers), this rank's own outputs last. Row numbering and every side output are those of
+// the pull model (intranode_pull.cu), so results are bit-identical. After each unit the warp counts
+// its tokens in their channel's counter (local atomic, after ONE system fence per unit); the warp
+// that completes a channel fences again and raises flag (me, channel) = this op's barrier epoch in
+// every peer's window (st.release.sys).
 // Copy warps: the rows rank s pushed for its channel ch are one contiguous range of this rank's
 // receive area (output-row order); channel by channel, source by source, every copy warp waits for
 // flag (s, ch) (ld.acquire.sys, globaltimer deadline that reports s) and copies its share of the
@@ -25,6 +26,9 @@ namespace ic {
 namespace {
 
 constexpr int kPushUnroll = 8;  // 16-byte loads in flight per lane (one row piece = 4 KiB)
+// Tokens per push unit: one system fence per unit. A fence per token (the first version) stalled
+// every push warp on its NVLink stores' completion once per 14 KB row.
+constexpr int kPushTokens = 4;
 
 __device__ __forceinline__ int4 ld_nc(const int4* p) { return __ldg(p); }
 
@@ -116,7 +120,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_push_kernel(const __grid_co
   // Raises flag (me, ch) in every peer's window: all of this rank's rows of channel ch are there.
   auto signal = [&](int ch) {
     for (int d = 0; d < R; ++d) {
-      if (d != me) st_release_sys(at<uint64_t>(window(c, d), kScrChanFlags + (static_cast<size_t>(me) * kMaxChannels + ch) * 8), epoch);
+      if (d != me) st_release_sys(chan_flag(c, d, me, ch), epoch);
     }
   };
   if (gwarp == 0 && lane == 0) {  // channels without tokens are complete now
@@ -135,87 +139,80 @@ __global__ void __launch_bounds__(kThreads) dispatch_push_kernel(const __grid_co
       if (ch > 0) cp = cpm[lane * C + ch - 1];
     }
   };
-  int nx_s, nx_cp;
-  load_idx(gwarp, nx_s, nx_cp);
-  for (int64_t t = gwarp; t < N; t += warps) {
-    const int cur_s = nx_s, cur_cp = nx_cp;
-    load_idx(t + warps, nx_s, nx_cp);
-    int64_t row = -1;
-    if (lane < R && cur_s >= 0) {
-      row = s_base[lane] + cur_cp + cur_s;
-      if (row >= s_limit[lane]) row = -1;  // worst-case overflow (notify reported it)
-    }
-    // Destination j is rank (me + 1 + j) % R: peers first, this rank last.
-    int64_t rows[kR];
-    char* dst[kR];
+  // Units of up to kPushTokens consecutive tokens of one channel, channels ascending; this warp
+  // takes units gwarp, gwarp + warps, ... and fences once per unit (was once per token).
+  const int64_t upc = per > 0 ? (per + kPushTokens - 1) / kPushTokens : 0, units = upc * C;
+  for (int64_t unit = gwarp; unit < units; unit += warps) {
+    const int ch = static_cast<int>(unit / upc);
+    const int64_t t0 = ch * per + (unit % upc) * kPushTokens, t1 = min(min(t0 + kPushTokens, per * (ch + 1)), N);
+    if (t0 >= t1) continue;
+    int nx_s, nx_cp;
+    load_idx(t0, nx_s, nx_cp);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int cur_s = nx_s, cur_cp = nx_cp;
+      if (t + 1 < t1) load_idx(t + 1, nx_s, nx_cp);
+      int64_t row = -1;
+      if (lane < R && cur_s >= 0) {
+        row = s_base[lane] + cur_cp + cur_s;
+        if (row >= s_limit[lane]) row = -1;  // worst-case overflow (notify reported it)
+      }
+      // Destination j is rank (me + 1 + j) % R: peers first, this rank last.
+      int64_t rows[kR];
+      char* dst[kR];
 #pragma unroll
-    for (int j = 0; j < kR; ++j) {
-      int d = me + 1 + j;
-      d = d >= R ? d - R : d;
-      d = d >= R ? d - R : d;  // j >= R: any lane, discarded below
-      rows[j] = __shfl_sync(0xffffffffu, row, d);
-      dst[j] = nullptr;
-      if (j < R && rows[j] >= 0) dst[j] = (d == me ? recv_x : s_area[d].x) + rows[j] * rb;
-    }
-    const char* src = x + t * rb;
-    if (vec) {
-      // Pointers advance with `base`; the pieces are at constant offsets (immediate operands,
-      // not one 64-bit address per piece and destination in registers).
-      for (int base = lane; base < n16; base += 32 * kPushUnroll) {
-        const int4* sp = reinterpret_cast<const int4*>(src) + base;
-        const int rem = n16 - base;
-        int4 v[kPushUnroll];
-#pragma unroll
-        for (int u = 0; u < kPushUnroll; ++u) {
-          if (32 * u < rem) v[u] = ld_nc(sp + 32 * u);
-        }
-#pragma unroll
-        for (int j = 0; j < kR; ++j) {
-          if (dst[j] == nullptr) continue;
-          int4* dp = reinterpret_cast<int4*>(dst[j]) + base;
+      for (int j = 0; j < kR; ++j) {
+        int d = me + 1 + j;
+        d = d >= R ? d - R : d;
+        d = d >= R ? d - R : d;  // j >= R: any lane, discarded below
+        rows[j] = __shfl_sync(0xffffffffu, row, d);
+        dst[j] = nullptr;
+        if (j < R && rows[j] >= 0) dst[j] = (d == me ? recv_x : s_area[d].x) + rows[j] * rb;
+      }
+      const char* src = x + t * rb;
+      if (vec) {
+        // Pointers advance with `base`; the pieces are at constant offsets (immediate operands,
+        // not one 64-bit address per piece and destination in registers).
+        for (int base = lane; base < n16; base += 32 * kPushUnroll) {
+          const int4* sp = reinterpret_cast<const int4*>(src) + base;
+          const int rem = n16 - base;
+          int4 v[kPushUnroll];
 #pragma unroll
           for (int u = 0; u < kPushUnroll; ++u) {
-            if (32 * u < rem) dp[32 * u] = v[u];
+            if (32 * u < rem) v[u] = ld_nc(sp + 32 * u);
+          }
+#pragma unroll
+          for (int j = 0; j < kR; ++j) {
+            if (dst[j] == nullptr) continue;
+            int4* dp = reinterpret_cast<int4*>(dst[j]) + base;
+#pragma unroll
+            for (int u = 0; u < kPushUnroll; ++u) {
+              if (32 * u < rem) dp[32 * u] = v[u];
+            }
           }
         }
       }
-    }
-    // Rows that are not 16-byte aligned, and the side outputs (a few words per row): a rolled
-    // loop over destinations, out of line (registers of the copy loop above).
+      // Rows that are not 16-byte aligned, and the side outputs (a few words per row): a rolled
+      // loop over destinations, out of line (registers of the copy loop above).
 #pragma unroll 1
-    for (int d = 0; d < R; ++d) {
-      const int64_t r = __shfl_sync(0xffffffffu, row, d);
-      if (r >= 0) push_side(a, s_area[d], d, d == me, r, t, rb, S, K, vec, lane);
+      for (int d = 0; d < R; ++d) {
+        const int64_t r = __shfl_sync(0xffffffffu, row, d);
+        if (r >= 0) push_side(a, s_area[d], d, d == me, r, t, rb, S, K, vec, lane);
+      }
     }
-    // Count the token in its channel; the warp that completes the channel publishes it. The
-    // warp's stores are ordered before lane 0's fence by __syncwarp (fences are cumulative).
+    // Count the unit's tokens in their channel; the warp that completes the channel publishes it.
+    // The warp's stores are ordered before lane 0's fence by __syncwarp (fences are cumulative).
     __syncwarp();
     if (lane == 0) {
-      const int ch = static_cast<int>(t / per);
       __threadfence_system();
       const int64_t in_channel = min(per * (ch + 1), N) - per * ch;
-      if (atomicAdd(done + ch, 1) + 1 == in_channel) {
+      const int n = static_cast<int>(t1 - t0);
+      if (atomicAdd(done + ch, n) + n == in_channel) {
         __threadfence_system();  // every counted warp's rows before the flag
         signal(ch);
       }
     }
     __syncwarp();
   }
-}
-
-// Waits (every lane) until flag (s, ch) of this rank's window reaches `epoch`; false after the
-// deadline (reported, naming s).
-__device__ bool wait_channel(const Ctx& c, int s, int ch, uint64_t epoch) {
-  const uint64_t* flag = at<const uint64_t>(local(c), kScrChanFlags + (static_cast<size_t>(s) * kMaxChannels + ch) * 8);
-  const uint64_t start = globaltimer();
-  while (ld_acquire_sys(flag) < epoch) {
-    __nanosleep(128);  // leave issue slots to the push warps of this SM
-    if (globaltimer() - start > c.timeout_ns) {
-      report(c, DEEP_EP_IC_ERR_TIMEOUT, s, DEEP_EP_IC_SITE_DISPATCH_RECV, ch, 0);
-      return false;
-    }
-  }
-  return true;
 }
 
 // Copy warp cw of num_cw: receive area -> outputs, channel by channel as the senders complete them;
@@ -275,7 +272,7 @@ __device__ void copy_out(const Ctx& c, const deep_ep_ic_pull_args_t& a, int cw, 
       const int64_t lo = max(base + rcpm[s * C + ch], int64_t{0});
       const int64_t hi = min(ch + 1 < C ? base + rcpm[s * C + ch + 1] : static_cast<int64_t>(rpm[s * R + rank]), real_rows);
       if (lo >= hi) continue;  // nothing from s in this channel (or past the kept rows)
-      if (!__all_sync(0xffffffffu, wait_channel(c, s, ch, epoch))) return;
+      if (!__all_sync(0xffffffffu, wait_flag(c, s, ch, epoch, DEEP_EP_IC_SITE_DISPATCH_RECV))) return;
       if (vec) {
         const int4* s4 = reinterpret_cast<const int4*>(A.x) + lo * n16;
         int4* d4 = reinterpret_cast<int4*>(recv_x) + lo * n16;

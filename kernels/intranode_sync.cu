@@ -41,6 +41,21 @@ __global__ void __launch_bounds__(kSyncThreads) sync_kernel(const __grid_constan
   }
   __syncthreads();
   if (s_skip) return;
+  if (a.publish) {  // this op's layout, gathered by this very barrier (header_slot: no race)
+    const uint64_t* words = reinterpret_cast<const uint64_t*>(&a.layout);
+    uint64_t* dst = at<uint64_t>(me, header_slot(s_epoch));
+    constexpr int kCheckWord = DEEP_EP_IC_CHECK_OFF / 8;  // 2 words: code, value | limit, extra
+    for (int i = tid; i < DEEP_EP_IC_LAYOUT_BYTES / 8; i += blockDim.x) {
+      if (i < static_cast<int>(sizeof(Layout) / 8)) dst[i] = words[i];
+      else if (!a.keep_check || i < kCheckWord || i >= kCheckWord + 2) dst[i] = 0;  // keep_check: the check kernel's result stays
+    }
+  }
+  if (a.zero_counters) {  // the fused combine's counters (local; read only by this rank's next kernel)
+    int* done = at<int>(me, kScrPushDone);
+    for (int i = tid; i < R * kMaxChannels; i += blockDim.x) done[i] = 0;
+    if (tid == 0) *at<int>(me, kScrCombineNext) = 0;
+  }
+  __syncthreads();  // the header before the signal (the signalling threads fence first)
 
   if (tid < R) {
     const int p = tid;
@@ -57,7 +72,7 @@ __global__ void __launch_bounds__(kSyncThreads) sync_kernel(const __grid_constan
     }
     if (a.gather && !s_failed) {
       // The peer's layout, read by the thread that acquired its signal.
-      const uint64_t* src = at<const uint64_t>(window(c, p), kHeaderOff);
+      const uint64_t* src = at<const uint64_t>(window(c, p), header_slot(s_epoch));
       uint64_t* dst = at<uint64_t>(me, kScrHeaders + static_cast<size_t>(p) * DEEP_EP_IC_LAYOUT_BYTES);
       for (int i = 0; i < DEEP_EP_IC_LAYOUT_BYTES / 8; ++i) dst[i] = ld_volatile(src + i);
     }
@@ -70,7 +85,7 @@ __global__ void __launch_bounds__(kSyncThreads) sync_kernel(const __grid_constan
     report(c, DEEP_EP_IC_ERR_MISMATCH, tid, a.site, 0, 0);
     atomicExch(&s_bad, 1);
   } else if (tid < R) {  // rank tid's input checks (deep_ep_ic_check; zeros when not run)
-    const int* chk = at<const int>(me, kScrHeaders + static_cast<size_t>(tid) * DEEP_EP_IC_LAYOUT_BYTES + (DEEP_EP_IC_CHECK_OFF - kHeaderOff));
+    const int* chk = at<const int>(me, kScrHeaders + static_cast<size_t>(tid) * DEEP_EP_IC_LAYOUT_BYTES + DEEP_EP_IC_CHECK_OFF);
     if (chk[0] != 0) {
       report(c, chk[0], tid, a.site, chk[1], chk[2], chk[3]);
       atomicExch(&s_bad, 1);
@@ -178,7 +193,7 @@ __global__ void __launch_bounds__(kThreads) stage_kernel(const __grid_constant__
   const int R = c.num_ranks;
   if (blockIdx.x == 0 && threadIdx.x < DEEP_EP_IC_LAYOUT_BYTES / 8) {
     const uint64_t* words = reinterpret_cast<const uint64_t*>(&L);
-    uint64_t* dst = at<uint64_t>(me, kHeaderOff);
+    uint64_t* dst = at<uint64_t>(me, next_header_slot(c));  // gathered by the op's data barrier
     dst[threadIdx.x] = threadIdx.x < sizeof(Layout) / 8 ? words[threadIdx.x] : 0;
   }
   if (L.kind == DEEP_EP_IC_KIND_DISPATCH) {  // also with no tokens: the prefix matrix must be zeros

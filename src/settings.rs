@@ -97,3 +97,93 @@ pub fn check_inputs() -> bool {
         },
     })
 }
+
+/// `DEEP_EP_INTRANODE_COMBINE`: `fused` (default: push and reduce overlapped in one kernel, per
+/// channel flags instead of a data barrier) or `split` (push kernel, data barrier, reduce
+/// kernel), the data path of the nccl backend's intranode combine; read once per process. Same
+/// results; all ranks must use the same. An unknown value keeps the default and says so.
+pub fn intranode_combine_fused() -> bool {
+    static FUSED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FUSED.get_or_init(|| match std::env::var("DEEP_EP_INTRANODE_COMBINE") {
+        Err(_) => true,
+        Ok(v) => match v.trim() {
+            "" | "fused" => true,
+            "split" => false,
+            other => {
+                eprintln!("[deep_ep] warn: DEEP_EP_INTRANODE_COMBINE={other:?} is not fused or split; using fused");
+                true
+            }
+        },
+    })
+}
+
+/// `DEEP_EP_INTRANODE_REDUCE_WARPS`: warps of each 16-warp block of the fused combine kernel that
+/// start reducing while the others push (1..15, default 4; push warps join the reduce when their
+/// rows are out); read once.
+pub fn intranode_reduce_warps() -> i32 {
+    static W: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
+    *W.get_or_init(|| {
+        let d = 4;
+        match std::env::var("DEEP_EP_INTRANODE_REDUCE_WARPS") {
+            Err(_) => d,
+            Ok(v) => match v.trim().parse::<i32>() {
+                Ok(w) if (1..=15).contains(&w) => w,
+                _ => {
+                    eprintln!("[deep_ep] warn: DEEP_EP_INTRANODE_REDUCE_WARPS={v:?} is not 1..15; using {d}");
+                    d
+                }
+            },
+        }
+    })
+}
+
+/// One of `allowed` from `var` (default `allowed[0]`); anything else keeps the default and says so.
+fn choice_knob(var: &str, allowed: &[i32]) -> i32 {
+    choice_knob_or(var, allowed, allowed[0])
+}
+
+/// One of `allowed` from `var`, `default` when unset; anything else keeps the default and says so.
+fn choice_knob_or(var: &str, allowed: &[i32], default: i32) -> i32 {
+    match std::env::var(var) {
+        Err(_) => default,
+        Ok(v) => match v.trim().parse::<i32>() {
+            Ok(u) if allowed.contains(&u) => u,
+            _ => {
+                eprintln!("[deep_ep] warn: {var}={v:?} is not one of {allowed:?}; using the default");
+                default
+            }
+        },
+    }
+}
+
+/// `DEEP_EP_INTRANODE_PUSH_UNROLL`: 16-byte loads in flight per lane of a push warp of the fused
+/// combine, 8 (default) or 16 (twice the bytes in flight per warp); read once.
+pub fn intranode_push_unroll() -> i32 {
+    static U: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
+    *U.get_or_init(|| choice_knob("DEEP_EP_INTRANODE_PUSH_UNROLL", &[8, 16]))
+}
+
+/// `DEEP_EP_INTRANODE_PULL_UNROLL`: 16-byte loads in flight per lane of a row copy of the pull
+/// dispatch: 16 (the default with 512-thread blocks; measured: FP8 dispatch 513 -> 449 us against
+/// 8, bench/NOTES.md), 8, or 4 (with 1024-thread blocks: the bytes in flight per SM of 512 x 8).
+/// 1024-thread blocks do not offer 16 (64 registers: it spills) and take 8 instead, their default.
+/// Unset = 0, the kernel's default for the block size; read once.
+pub fn intranode_pull_unroll() -> i32 {
+    static U: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
+    *U.get_or_init(|| choice_knob_or("DEEP_EP_INTRANODE_PULL_UNROLL", &[16, 8, 4], 0))
+}
+
+/// `DEEP_EP_INTRANODE_PULL_THREADS`: threads per block of the pull dispatch kernel, 512 (default)
+/// or 1024 (twice the warps per SM, 64 registers each); read once.
+pub fn intranode_pull_threads() -> i32 {
+    static T: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
+    *T.get_or_init(|| choice_knob("DEEP_EP_INTRANODE_PULL_THREADS", &[512, 1024]))
+}
+
+/// `DEEP_EP_INTRANODE_COMBINE_THREADS`: threads per block of the split combine's push kernel
+/// (`DEEP_EP_INTRANODE_COMBINE=split`), 512 (default) or 1024 (twice the warps storing over NVLink
+/// per SM: measures whether the push rate follows the number of warps); read once.
+pub fn intranode_combine_threads() -> i32 {
+    static T: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
+    *T.get_or_init(|| choice_knob("DEEP_EP_INTRANODE_COMBINE_THREADS", &[512, 1024]))
+}

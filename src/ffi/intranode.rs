@@ -57,6 +57,7 @@ pub mod site {
     pub const LL_GEOMETRY: i32 = 11;
     pub const LL_DISPATCH: i32 = 12;
     pub const LL_COMBINE: i32 = 13;
+    pub const COMBINE_RECV: i32 = 14;
 
     /// Human name of a site.
     pub fn name(site: i32) -> &'static str {
@@ -74,6 +75,7 @@ pub mod site {
             LL_GEOMETRY => "the barrier around a low-latency signal reset",
             LL_DISPATCH => "the receive of low_latency_dispatch",
             LL_COMBINE => "the receive of low_latency_combine",
+            COMBINE_RECV => "the receive wait of combine (a peer's channel never arrived)",
             _ => "an unknown barrier",
         }
     }
@@ -143,6 +145,14 @@ pub struct SyncArgs {
     pub write_host_counts: i32,
     pub expert_alignment: i32,
     pub num_local_experts: i32,
+    /// Write `layout` into this rank's header before signalling (gathered by this barrier).
+    pub publish: i32,
+    /// Zero the fused combine's local counters.
+    pub zero_counters: i32,
+    /// With `publish`: keep the input-check result the check kernel wrote into the header before
+    /// this barrier (else it is zeroed).
+    pub keep_check: i32,
+    pub layout: Layout,
 }
 
 /// `deep_ep_ic_stage_args_t` (null pointer = absent input).
@@ -172,9 +182,16 @@ pub struct PushArgs {
     pub x: *const c_void,
     pub topk_weights: *const f32,
     pub rank_prefix_matrix: *const i32,
+    /// `[R, C]` of the handle (fused combine only).
+    pub recv_channel_prefix_matrix: *const i32,
     pub num_rows: i64,
     pub num_blocks: i32,
-    pub reserved: i32,
+    /// Fused combine: warps per block that start reducing (1..15); the others push first.
+    pub reduce_warps: i32,
+    /// Fused combine: 16-byte loads in flight per lane of a push warp (8 or 16).
+    pub push_unroll: i32,
+    /// Fused combine: threads per block (512 or 1024; 0 = 512).
+    pub threads: i32,
 }
 
 /// `deep_ep_ic_pull_args_t` (null pointer = absent output / use notify's input).
@@ -196,6 +213,11 @@ pub struct PullArgs {
     pub topk_is_int64: i32,
     pub num_local_experts: i32,
     pub num_blocks: i32,
+    /// Pull: 16-byte loads in flight per lane of a row copy (8 or 16, or 4 with 1024 threads;
+    /// 0 = 8).
+    pub unroll: i32,
+    /// Pull: threads per block (512 or 1024; 0 = 512).
+    pub threads: i32,
     pub reserved: i32,
 }
 
@@ -302,6 +324,7 @@ extern "C" {
     fn deep_ep_ic_dispatch_push(ctx: *const Ctx, args: *const DispatchPushArgs, out: *const PullArgs, stream: *mut c_void) -> c_int;
     fn deep_ep_ic_combine_push(ctx: *const Ctx, args: *const PushArgs, stream: *mut c_void) -> c_int;
     fn deep_ep_ic_combine(ctx: *const Ctx, args: *const CombineArgs, stream: *mut c_void) -> c_int;
+    fn deep_ep_ic_combine_fused(ctx: *const Ctx, push: *const PushArgs, args: *const CombineArgs, stream: *mut c_void) -> c_int;
     fn deep_ep_ic_check(ctx: *const Ctx, args: *const CheckArgs, stream: *mut c_void) -> c_int;
     fn deep_ep_ic_reset(ctx: *const Ctx, stream: *mut c_void) -> c_int;
     fn deep_ep_ic_clear_error(ctx: *const Ctx, stream: *mut c_void) -> c_int;
@@ -390,7 +413,16 @@ pub fn combine(op: &'static str, ctx: &Ctx, args: &CombineArgs, stream: *mut c_v
     check(unsafe { deep_ep_ic_combine(ctx, args, stream) }, op, "intranode combine kernel launch")
 }
 
-/// Input checks between K1 and the data barrier (the data barrier raises what they find).
+/// Fused combine (push and reduce in one kernel, after a start barrier with `publish` and
+/// `zero_counters`; no data barrier).
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
+pub fn combine_fused(op: &'static str, ctx: &Ctx, push: &PushArgs, args: &CombineArgs, stream: *mut c_void) -> Result<()> {
+    // SAFETY: see the comment above.
+    check(unsafe { deep_ep_ic_combine_fused(ctx, push, args, stream) }, op, "intranode fused combine kernel launch")
+}
+
+/// Input checks before the barrier that gathers the op's header (the data barrier; the fused
+/// combine's start barrier), which raises what they find on every rank.
 #[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
 pub fn check_inputs(op: &'static str, ctx: &Ctx, args: &CheckArgs, stream: *mut c_void) -> Result<()> {
     // SAFETY: see the comment above; the kernel only reads the inputs and writes this rank's

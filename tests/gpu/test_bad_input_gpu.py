@@ -7,11 +7,13 @@ checked in closed form, so the library stays usable.
 The cases are shared: this module imports them and swaps in CUDA inputs (the cases' own tensors are
 created under `with torch.device("cuda:0")`). Content checks of the routing inputs (routing tensors
 that disagree with topk_idx, ids out of range, handles of another dispatch) are made on the GPU by
-a small kernel between staging and the data barrier (kernels/intranode_check.cu, DEVICE_CHECKS):
+a small kernel before the barrier that gathers the op's header (the data barrier; the fused
+combine's start barrier) (kernels/intranode_check.cu, DEVICE_CHECKS):
 a dispatch raises them in the call (its host wait sees the error); a cached dispatch or a combine
 does not wait on the host, so the buffer's next call raises them. A worst-case overflow is found by
 a kernel and raised by the call or by the buffer's next call (KERNEL_CHECKS). A 4-GPU case checks
-that one rank's bad input is raised on every rank, naming that rank, and that all keep working.
+that one rank's bad input is raised on every rank, naming that rank, and that all keep working
+(with the fused and with the split combine).
 
 DEEP_EP_GPU_DRY=1 runs the module without a GPU (cpu device and backend; the GPU-only cases skip),
 to check the harness itself.
@@ -255,7 +257,11 @@ def one_rank_bad_worker(rank, world):
     return rows
 
 
-def test_one_rank_bad_input_raises_on_every_rank():
+@pytest.mark.parametrize("combine_path", ["fused", "split"])
+def test_one_rank_bad_input_raises_on_every_rank(combine_path, monkeypatch):
+    """Both combine paths (DEEP_EP_INTRANODE_COMBINE, inherited by the workers): the fused one
+    raises the check at its start barrier, the split one at its data barrier."""
+    monkeypatch.setenv("DEEP_EP_INTRANODE_COMBINE", combine_path)
     if DRY:
         pytest.skip("needs 4 GPUs (the cpu backend's multi-rank cases: tests/python/test_bad_input_ranks.py)")
     res = _spawn.run(one_rank_bad_worker, 4)

@@ -12,7 +12,8 @@ top-k, worst-case mode, expert alignment, several num_sms), then a CUDA graph of
 dispatch + combine is captured once and replayed with fresh inputs. With DEEP_EP_TIMING=1 the
 4-rank run ends with a timing of DeepEP's benchmark shape.
 
-Runs once per dispatch data path (DEEP_EP_INTRANODE_DISPATCH=pull and push).
+Runs twice, covering every data path once: pull dispatch with the fused combine (the defaults),
+and push dispatch with the split combine (DEEP_EP_INTRANODE_DISPATCH, DEEP_EP_INTRANODE_COMBINE).
 Environment: DEEP_EP_INTRANODE_CONFIGS (default 200), DEEP_EP_INTRANODE_SEED, DEEP_EP_TEST_LOG
 (directory for per-rank JSON results), DEEP_EP_TIMING. DEEP_EP_INTRANODE_DRY=1 runs the harness
 without a GPU (a second CPU buffer stands in for the GPU one; no graph, no timing).
@@ -381,10 +382,11 @@ def worker(rank, num_ranks, port, out_dir, count, seed, do_timing):
 
 
 @pytest.mark.parametrize("num_ranks", [2, 4])
-@pytest.mark.parametrize("dispatch_path", ["pull", "push"])
-def test_intranode_matches_cpu_backend(num_ranks, dispatch_path, monkeypatch):
-    """Both data paths of the GPU dispatch (DEEP_EP_INTRANODE_DISPATCH), inherited by the workers."""
+@pytest.mark.parametrize("dispatch_path,combine_path", [("pull", "fused"), ("push", "split")])
+def test_intranode_matches_cpu_backend(num_ranks, dispatch_path, combine_path, monkeypatch):
+    """Both data paths of the GPU dispatch and of the combine, inherited by the workers."""
     monkeypatch.setenv("DEEP_EP_INTRANODE_DISPATCH", dispatch_path)
+    monkeypatch.setenv("DEEP_EP_INTRANODE_COMBINE", combine_path)
     if not DRY and torch.cuda.device_count() < num_ranks:
         pytest.skip(f"needs {num_ranks} GPUs")
     set_gpu_env()
@@ -394,7 +396,7 @@ def test_intranode_matches_cpu_backend(num_ranks, dispatch_path, monkeypatch):
     seed = int(os.environ.get("DEEP_EP_INTRANODE_SEED", "1"))
     do_timing = os.environ.get("DEEP_EP_TIMING", "") == "1" and num_ranks == 4
     out_dir = os.environ.get("DEEP_EP_TEST_LOG") or tempfile.mkdtemp(prefix="deep_ep_intranode_")
-    out_dir = os.path.join(out_dir, f"r{num_ranks}-{dispatch_path}")
+    out_dir = os.path.join(out_dir, f"r{num_ranks}-{dispatch_path}-{combine_path}")
     os.makedirs(out_dir, exist_ok=True)
     t0 = time.time()
     mp.spawn(worker, args=(num_ranks, _free_port(), out_dir, count, seed, do_timing), nprocs=num_ranks, join=True)

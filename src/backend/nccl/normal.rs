@@ -1,15 +1,15 @@
 //! Normal-mode (high-throughput) ops of the NCCL backend, intranode. Same results as
 //! `backend/cpu/ht.rs`, bit for bit.
 //!
-//! Every op is four launches on the caller's stream (the pull model; with
-//! `DEEP_EP_INTRANODE_DISPATCH=push`, dispatch uses the push model below):
+//! Every (cached) dispatch is four launches on the caller's stream (the pull model; with
+//! `DEEP_EP_INTRANODE_DISPATCH=push`, dispatch uses the push model below; combine: see below):
 //! - K0 `sync` (start barrier): every peer finished reading this rank's previously staged data;
 //! - K1 `stage`: this rank's inputs into its own window (plus, for dispatch, its send side:
 //!   `send_head` and `channel_prefix_matrix`), with a layout header peers read;
 //! - K2 `sync` (data barrier): gathers every peer's layout and checks that all ranks run the same
 //!   op; for dispatch it also notifies (rank_prefix_matrix, receiver channel starts, receive
 //!   counts into host-mapped memory);
-//! - K3 `pull` / `combine`: this rank reads what it receives from the peers' windows.
+//! - K3 `pull`: this rank reads what it receives from the peers' windows.
 //!
 //! Push model of (cached) dispatch: K1 stages only the small send side (no copy of x), and K3 is
 //! `dispatch_push`: every rank reads its rows of x once and stores them (with scales, top-k ids
@@ -20,18 +20,30 @@
 //! as soon as its flag is up (local copies overlapping the NVLink stores), and write the padding
 //! and handle outputs. Same rows, same bits.
 //!
-//! Combine differs in K1: instead of staging, every rank pushes the rows it holds straight into
-//! the windows of the ranks they came from (remote stores; offsets from the handle's
-//! rank_prefix_matrix, which every rank has in full), and K3 reduces from its own window only.
+//! Combine (fused, the default; `kernels/intranode_combine.cu`) is two launches: K0 `sync` that
+//! also publishes this rank's layout and gathers every peer's (the op check the data barrier did;
+//! headers sit in two slots picked by the barrier epoch's parity, so publishing before the barrier
+//! that reads them cannot race a slow peer's previous read) and zeroes the kernel's counters, then
+//! `combine_fused`: push warps store the rows this rank holds straight into the windows of the
+//! ranks they came from (remote stores; offsets from the handle's rank_prefix_matrix, which every
+//! rank has in full), channel by channel, and raise flag (rank, channel) in the destination's
+//! window when all its rows of that channel are there; reduce warps of every rank reduce a channel
+//! from their own window as soon as every peer's flag for it is up. So the SM-bound reduce runs
+//! under the NVLink-bound push instead of after a data barrier. With
+//! `DEEP_EP_INTRANODE_COMBINE=split`, combine keeps the four launches: K1 push, K2 data barrier
+//! (gather, op check), K3 reduce from the own window only. Same rows, same order, same bits.
 //!
 //! Only a dispatch without `num_worst_tokens` waits on the host (for the receive counts between
 //! K2 and K3, `dispatch_prepare` → `dispatch_finish`); everything else is CUDA-graph capturable.
 //!
-//! Input checks (`DEEP_EP_CHECK_INPUTS`, on by default): between K1 and K2 a small kernel
+//! Input checks (`DEEP_EP_CHECK_INPUTS`, on by default): a small kernel
 //! (`kernels/intranode_check.cu`) compares the routing inputs with each other on the device, the
 //! content checks the cpu backend makes on the host (expert ids in range, layout tensors that
-//! agree with `topk_idx`, handles that agree with themselves and with this rank's row count); K2
-//! raises a failure of any rank on every rank and cancels the op.
+//! agree with `topk_idx`, handles that agree with themselves and with this rank's row count), and
+//! writes its result into this rank's header slot of the barrier that gathers the op's layouts:
+//! between K1 and K2 for (cached) dispatch and the split combine, before K0 for the fused combine
+//! (which has no data barrier; K0 publishes the layout beside the result). That barrier raises a
+//! failure of any rank on every rank and cancels the op's data kernels.
 //!
 //! Errors found by kernels (a peer missing at a barrier, mismatching ops, worst-case overflow,
 //! input checks) are recorded in the host-mapped status block and raised by the next host-side
@@ -39,8 +51,8 @@
 //! rank whose staged data does not fit: its peers then time out at the next barrier (known
 //! limitation: unlike the CPU backend, such an error is not raised on every rank at once). For
 //! combine the host checks its own rows; the exact need of every window depends on the routing
-//! (device data), so the push kernel checks it on every rank (all find the same), skips the op
-//! everywhere and records the error for the next call.
+//! (device data), so the (fused) push kernel checks it on every rank (all find the same), skips
+//! the op everywhere and records the error for the next call.
 
 use super::NcclBackend;
 use crate::backend::{CachedDispatchArgs, CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, DispatchPlan};
@@ -120,7 +132,8 @@ fn check_blocks(config: &Config, tokens: usize, pairs: usize) -> i32 {
 }
 
 impl NcclBackend {
-    /// Launches the input checks (between K1 and the data barrier, which raises what they find).
+    /// Launches the input checks (before the barrier that gathers the op's header: the data
+    /// barrier, or the fused combine's start barrier; it raises what they find).
     fn check_inputs(&self, op: &'static str, args: CheckArgs, stream: *mut c_void) -> Result<()> {
         if !crate::settings::check_inputs() {
             return Ok(());
@@ -191,7 +204,7 @@ impl NcclBackend {
                 e.rank, e.value, e.limit
             )),
             err::CAPACITY => {
-                let what = if matches!(e.site, site::COMBINE_START | site::COMBINE_DATA) { "combine" } else { "dispatch" };
+                let what = if matches!(e.site, site::COMBINE_START | site::COMBINE_DATA | site::COMBINE_RECV) { "combine" } else { "dispatch" };
                 Error::invalid(op, format!(
                     "tokens over capacity: a {what} needed {} KiB of rank {}'s NVLink window, which holds {} KiB (found at {where_}); every rank skipped that {what} (its outputs are invalid)",
                     e.value, e.rank, e.limit
@@ -334,6 +347,7 @@ impl NcclBackend {
             write_host_counts: host_counts as i32,
             expert_alignment: i32_of(a.expert_alignment),
             num_local_experts: i32_of(el),
+            ..Default::default()
         };
         self.barrier(DISPATCH, notify, a.stream)?;
         if !host_counts {
@@ -374,6 +388,8 @@ impl NcclBackend {
             topk_is_int64: is_int64(o.recv_topk_idx.as_ref()),
             num_local_experts: i32_of(a.num_experts / nr),
             num_blocks: i32_of(a.config.num_sms),
+            unroll: crate::settings::intranode_pull_unroll(),
+            threads: crate::settings::intranode_pull_threads(),
             ..Default::default()
         };
         if crate::settings::intranode_dispatch_pull() {
@@ -463,6 +479,8 @@ impl NcclBackend {
             rcpm_in: ptr(&a.handle.recv_channel_prefix_matrix),
             num_rows: rows as i64,
             num_blocks: i32_of(a.config.num_sms),
+            unroll: crate::settings::intranode_pull_unroll(),
+            threads: crate::settings::intranode_pull_threads(),
             ..Default::default()
         };
         if crate::settings::intranode_dispatch_pull() {
@@ -512,19 +530,37 @@ impl NcclBackend {
             off,
             ..Default::default()
         };
-        self.barrier(COMBINE, SyncArgs { site: site::COMBINE_START, op_start: 1, ..Default::default() }, a.stream)?;
+        let fused = crate::settings::intranode_combine_fused();
+        // Fused: the input checks run first and write their result into the header slot of the
+        // start barrier, which also publishes and gathers the layouts (op check; keep_check leaves
+        // the check result in place), raises any rank's failed check on every rank (the fused
+        // kernel then returns at once everywhere) and zeroes the kernel's counters. Split: the push
+        // kernel writes the header, the checks follow it, the data barrier raises them.
+        let start = if fused {
+            self.check_inputs(COMBINE, self.handle_checks(&a.handle, &a.config, c), a.stream)?;
+            let keep_check = crate::settings::check_inputs() as i32;
+            SyncArgs { site: site::COMBINE_START, op_start: 1, gather: 1, publish: 1, zero_counters: 1, keep_check, layout, ..Default::default() }
+        } else {
+            SyncArgs { site: site::COMBINE_START, op_start: 1, ..Default::default() }
+        };
+        self.barrier(COMBINE, start, a.stream)?;
         let push = PushArgs {
             layout,
             x: ptr(&a.x),
             topk_weights: opt_ptr(a.topk_weights.as_ref()),
             rank_prefix_matrix: ptr(&a.handle.rank_prefix_matrix),
+            recv_channel_prefix_matrix: ptr(&a.handle.recv_channel_prefix_matrix),
             num_rows: rows as i64,
             num_blocks: i32_of(a.config.num_sms),
-            reserved: 0,
+            reduce_warps: crate::settings::intranode_reduce_warps(),
+            push_unroll: crate::settings::intranode_push_unroll(),
+            threads: crate::settings::intranode_combine_threads(),
         };
-        intranode::combine_push(COMBINE, self.window.ctx(), &push, a.stream)?;
-        self.check_inputs(COMBINE, self.handle_checks(&a.handle, &a.config, c), a.stream)?;
-        self.barrier(COMBINE, SyncArgs { site: site::COMBINE_DATA, gather: 1, ..Default::default() }, a.stream)?;
+        if !fused {
+            intranode::combine_push(COMBINE, self.window.ctx(), &push, a.stream)?;
+            self.check_inputs(COMBINE, self.handle_checks(&a.handle, &a.config, c), a.stream)?;
+            self.barrier(COMBINE, SyncArgs { site: site::COMBINE_DATA, gather: 1, ..Default::default() }, a.stream)?;
+        }
         let args = KCombine {
             rank_prefix_matrix: ptr(&a.handle.rank_prefix_matrix),
             channel_prefix_matrix: ptr(&a.handle.channel_prefix_matrix),
@@ -540,6 +576,9 @@ impl NcclBackend {
             num_channels: i32_of(c),
             num_blocks: i32_of(a.config.num_sms),
         };
+        if fused {
+            return intranode::combine_fused(COMBINE, self.window.ctx(), &push, &args, a.stream);
+        }
         intranode::combine(COMBINE, self.window.ctx(), &args, a.stream)
     }
 }

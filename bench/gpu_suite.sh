@@ -23,7 +23,7 @@ export PYTHONPATH=$PWD/python DEEP_EP_LIBRARY=$lib DEEP_EP_TEST_LOG=$tests_log
 log=$out/suite.log
 : >"$log"
 
-OPTIONAL="low_latency_4 rank_mask ll_count transport bench_ll bench_intranode"  # only when named in STEPS
+OPTIONAL="low_latency_4 rank_mask ll_count transport bench_ll bench_intranode intranode_push recovery create_destroy bench_ab profile"  # only when named in STEPS
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2 over="LIMIT_$1"
   limit=${!over:-$limit}  # LIMIT_<step>=seconds overrides a step's limit
@@ -39,7 +39,9 @@ step() {  # step NAME SECONDS COMMAND...
 
 python3 -c 'import torch; print("torch", torch.__version__, "gpus", torch.cuda.device_count())' >>"$log" 2>&1
 step smoke 60 python3 -m pytest -q tests/gpu/test_smoke.py
-step intranode 120 env DEEP_EP_INTRANODE_CONFIGS=${INTRANODE_CONFIGS:-25} python3 -m pytest -q tests/gpu/test_intranode.py
+step intranode 120 env DEEP_EP_INTRANODE_CONFIGS=${INTRANODE_CONFIGS:-25} python3 -m pytest -q tests/gpu/test_intranode.py -k "${INTRANODE_K:-pull or push}"
+# the push dispatch + split combine alone, at its own size (run `intranode` with INTRANODE_K=pull beside it)
+step intranode_push 90 env DEEP_EP_INTRANODE_CONFIGS=${INTRANODE_PUSH_CONFIGS:-40} python3 -m pytest -q tests/gpu/test_intranode.py -k push
 step low_latency 240 env DEEP_EP_LL_SECONDS=${LL_SECONDS:-25} DEEP_EP_LL_REPLAYS=${LL_REPLAYS:-1000} DEEP_EP_LL_CHECK_EVERY=${LL_CHECK_EVERY:-50} python3 -m pytest -q tests/gpu/test_low_latency.py
 step low_latency_4 120 env DEEP_EP_LL_SECONDS=${LL_SECONDS:-25} DEEP_EP_LL_REPLAYS=${LL_REPLAYS:-1000} DEEP_EP_LL_CHECK_EVERY=${LL_CHECK_EVERY:-50} python3 -m pytest -q tests/gpu/test_low_latency.py -k 4
 step rank_mask 60 python3 -m pytest -q -rs tests/gpu/test_rank_mask_gpu.py
@@ -48,6 +50,11 @@ step transport 60 python3 -m pytest -q -rs tests/gpu/test_transport_selftest.py
 step compile_cuda 120 python3 -m pytest -q -rs tests/gpu/test_compile_cuda.py
 step bench_ll 60 torchrun --nproc-per-node 4 bench/low_latency.py --tokens 128 --out "$out/low-latency.json"
 step bench_intranode 75 torchrun --nproc-per-node 4 bench/intranode.py --sms ${BENCH_SMS:-20 24} --iters 15 --out "$out/intranode.json"
+# the price of the device-side input checks and of the fused combine: the same bench three times
+step bench_ab 120 bash -c 'for v in "" DEEP_EP_CHECK_INPUTS=0 DEEP_EP_INTRANODE_COMBINE=split; do echo "--- variant: ${v:-default}"; env $v torchrun --nproc-per-node 4 bench/intranode.py --sms ${BENCH_SMS:-20} --iters 20 --out "'"$out"'/intranode-ab${v:+-${v##*=}}.json"; done'
+step profile 90 torchrun --nproc-per-node 4 bench/profile.py --out "$out/profile.json"
+step recovery 90 python3 -m pytest -q -rs tests/gpu/test_recovery.py
+step create_destroy 150 env DEEP_EP_SOAK_SCALE=1 python3 -m pytest -q -rs -s tests/gpu/test_soak.py -k create_destroy
 step bench_intranode_pull 75 env DEEP_EP_INTRANODE_DISPATCH=pull torchrun --nproc-per-node 4 bench/intranode.py --sms 20 24 --iters 15 --out "$out/intranode-pull.json"
 step bench_intranode_push 75 env DEEP_EP_INTRANODE_DISPATCH=push torchrun --nproc-per-node 4 bench/intranode.py --sms 20 24 --iters 15 --out "$out/intranode-push.json"
 if [ "${SOAK_SCALE:-0.2}" = "1" ]; then

@@ -102,14 +102,18 @@ def main():
     lx = torch.randn(m, h, dtype=torch.bfloat16, device="cuda")
     lidx = (torch.randn(m, e, device="cuda").abs() + 1).topk(8, dim=-1).indices
     lw = torch.rand(m, 8, device="cuda")
-    recv, _, lhandle, _, _ = buf.low_latency_dispatch(lx, lidx, m, e, use_fp8=False)
+    # With topk_weights (as bench/low_latency.py) combine sends one partial sum per (token, rank);
+    # without them one row per (token, expert): both combine formats are profiled.
+    recv, _, lhandle, _, _ = buf.low_latency_dispatch(lx, lidx, m, e, use_fp8=False, topk_weights=lw)
+    _, _, rows_handle, _, _ = buf.low_latency_dispatch(lx, lidx, m, e, use_fp8=False)
     y = recv.clone()
     out = torch.empty(m, h, dtype=torch.bfloat16, device="cuda")
     for graph in (False, True):
         tag = "_graph" if graph else ""
-        results["ll_dispatch_fp8" + tag] = kernel_table(lambda: buf.low_latency_dispatch(lx, lidx, m, e, use_fp8=True), args.iters, graph)
-        results["ll_dispatch_bf16" + tag] = kernel_table(lambda: buf.low_latency_dispatch(lx, lidx, m, e, use_fp8=False), args.iters, graph)
+        results["ll_dispatch_fp8" + tag] = kernel_table(lambda: buf.low_latency_dispatch(lx, lidx, m, e, use_fp8=True, topk_weights=lw), args.iters, graph)
+        results["ll_dispatch_bf16" + tag] = kernel_table(lambda: buf.low_latency_dispatch(lx, lidx, m, e, use_fp8=False, topk_weights=lw), args.iters, graph)
         results["ll_combine_bf16" + tag] = kernel_table(lambda: buf.low_latency_combine(y, lidx, lw, lhandle, out=out), args.iters, graph)
+        results["ll_combine_rows" + tag] = kernel_table(lambda: buf.low_latency_combine(y, lidx, lw, rows_handle, out=out), args.iters, graph)
     buf.destroy()
 
     gathered = [None] * world

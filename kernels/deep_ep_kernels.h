@@ -462,6 +462,9 @@ typedef struct {
   int64_t* wait_stats;       /* [R] += cycles waited per source, or NULL */
   uint16_t* out;             /* combine: [N, H] bf16 */
   const int32_t* mask;       /* rank mask (device copy at DEEP_EP_LL_MASK_OFF of this rank's window) or NULL */
+  int32_t* shrink_mask;      /* shrink mode: the host-mapped mask block; a receive wait that times out
+                              * sets the peer's word here and in `mask` and goes on without it
+                              * (instead of failing). NULL: shrink mode off */
   int32_t num_blocks;
   int32_t partial;           /* combine send: one partial sum per (token, expert rank) */
   int32_t dispatch_half;     /* combine send with partial: the half holding the dispatch's messages */

@@ -210,9 +210,10 @@ __global__ void __launch_bounds__(kLlThreads) ll_dispatch_recv_kernel(const __gr
     const long long t0 = clock64();
     uint32_t v = 0;
     const uint32_t* word = at<const uint32_t>(me, sig_off(a, s_half) + static_cast<uint64_t>(l * R + tid) * 4);
-    if (rank_masked(a, tid)) {
-      s_cnt[tid] = 0;  // a masked source sends nothing and is not waited for
-    } else if (wait_tag(c, word, s_seq, tid, DEEP_EP_IC_SITE_LL_DISPATCH, &v)) {
+    const int got = rank_masked(a, tid) ? 0 : wait_tag(c, a, word, s_seq, tid, DEEP_EP_IC_SITE_LL_DISPATCH, &v);
+    if (got == 0) {
+      s_cnt[tid] = 0;  // a masked source (or, in shrink mode, one that timed out) counts as sending nothing
+    } else if (got > 0) {
       s_cnt[tid] = min(static_cast<int>(v & 0xffffu) - 1, T);
       if (y == 0 && a.wait_stats != nullptr) {
         atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + tid), static_cast<unsigned long long>(clock64() - t0));

@@ -160,11 +160,13 @@ __global__ void __launch_bounds__(kReduceThreads) ll_combine_recv_kernel(const _
     if (s_partial && w % El != 0) continue;  // partial: one word per expert rank
     const long long t0 = clock64();
     uint32_t v = 0;
-    if (!wait_tag(c, at<const uint32_t>(me, sig_off(a, s_half) + static_cast<uint64_t>(w) * 4), s_seq, w / El,
-                  DEEP_EP_IC_SITE_LL_COMBINE, &v)) {
+    const int got = wait_tag(c, a, at<const uint32_t>(me, sig_off(a, s_half) + static_cast<uint64_t>(w) * 4), s_seq, w / El,
+                             DEEP_EP_IC_SITE_LL_COMBINE, &v);
+    if (got < 0) {
       s_ok = 0;
       break;
     }
+    if (got == 0) continue;  // shrink mode masked the rank: its experts are dropped below
     atomicMax(&s_wait[w / El], static_cast<unsigned long long>(clock64() - t0));
   }
   __syncthreads();

@@ -110,18 +110,38 @@ __device__ void finish_send(const Ctx& c, uint32_t seq) {
   }
 }
 
-// Waits until `word` holds a tag of call `seq`; false (and a report) on timeout.
-__device__ bool wait_tag(const Ctx& c, const uint32_t* word, uint32_t seq, int about_rank, int site, uint32_t* value) {
+// The rank mask (device copy of the host's mask, int32 words, 1 = masked); NULL = nobody masked.
+__device__ __forceinline__ bool rank_masked(const Args& a, int r) {
+  return a.mask != nullptr && *reinterpret_cast<const volatile int32_t*>(a.mask + r) != 0;
+}
+
+// Shrink mode: marks rank r dead in the kernels' device copy and in the host-mapped block (which
+// the mask query reads), so this and every later LL call skips it.
+__device__ void mask_rank(const Args& a, int r) {
+  if (a.mask != nullptr) *reinterpret_cast<volatile int32_t*>(const_cast<int32_t*>(a.mask) + r) = 1;
+  *reinterpret_cast<volatile int32_t*>(a.shrink_mask + r) = 1;
+  __threadfence_system();
+}
+
+// Waits until `word` holds a tag of call `seq` sent by `about_rank`: 1 = arrived (*value set);
+// 0 = the rank is masked (shrink mode: by this wait at its deadline, or meanwhile by another
+// block's); -1 = timed out (reported, the buffer is unusable; shrink mode off).
+__device__ int wait_tag(const Ctx& c, const Args& a, const uint32_t* word, uint32_t seq, int about_rank, int site, uint32_t* value) {
   const uint64_t start = globaltimer();
-  while (true) {
+  for (uint32_t polls = 1;; ++polls) {
     const uint32_t v = ld_acquire_sys_u32(word);
     if ((v >> 16) == (seq & 0xffffu) && (v & 0xffffu) != 0) {
       *value = v;
-      return true;
+      return 1;
     }
+    if (a.shrink_mask != nullptr && polls % 64 == 0 && rank_masked(a, about_rank)) return 0;
     if (globaltimer() - start > c.timeout_ns) {
+      if (a.shrink_mask != nullptr) {
+        mask_rank(a, about_rank);
+        return 0;
+      }
       report(c, DEEP_EP_IC_ERR_TIMEOUT, about_rank, site, static_cast<int>(v), 0);
-      return false;
+      return -1;
     }
   }
 }
@@ -132,11 +152,6 @@ __device__ bool wait_tag(const Ctx& c, const uint32_t* word, uint32_t seq, int a
 constexpr int kMaxLlTopk = DEEP_EP_LL_MAX_TOPK;
 constexpr int kMsgMeta = 32 + 8 * kMaxLlTopk;
 static_assert(kMsgMeta == DEEP_EP_LL_MSG_META, "message meta size");
-
-// The rank mask (device copy of the host's mask, int32 words, 1 = masked); NULL = nobody masked.
-__device__ __forceinline__ bool rank_masked(const Args& a, int r) {
-  return a.mask != nullptr && *reinterpret_cast<const volatile int32_t*>(a.mask + r) != 0;
-}
 
 // Reads recv_state: false (after reporting) when it does not come from a send of `kind` with
 // `flags`, or the buffer timed out.

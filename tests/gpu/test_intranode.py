@@ -8,7 +8,8 @@ runs dispatch / cached dispatch / combine on each and compares every output and 
 bitwise. For each rank count, a few hundred random configurations run in one launch (tokens
 0..8192, hidden 2048/4096/7168 and 2056, top-k 1..9 with -1 entries, 8..288 experts, int32 and
 int64 ids, BF16 and FP8 with float32 or int32 scales in column-major strides, with and without
-top-k, worst-case mode, expert alignment, several num_sms), then a CUDA graph of worst-case
+top-k, worst-case mode, expert alignment, several num_sms, about a third of them asynchronous:
+previous_event + async_finish + allocate_on_comm_stream, waited for through the returned event), then a CUDA graph of worst-case
 dispatch + combine is captured once and replayed with fresh inputs. With DEEP_EP_TIMING=1 the
 4-rank run ends with a timing of DeepEP's benchmark shape.
 
@@ -83,6 +84,10 @@ def make_configs(num_ranks: int, count: int, seed: int) -> list:
             combine=rng.random() < 0.75,
             combine_topk=rng.choice([0, 0, 1, 3, 9]),
             bias=rng.choice([0, 1, 2]),
+            # GPU calls on the comm stream after an event of the compute stream, results waited
+            # for through the returned event (DeepEP's async_finish / previous_event /
+            # allocate_on_comm_stream)
+            asynchronous=rng.random() < 0.35,
         )
         if i == 0:  # one config where every rank sends nothing
             cfg["tokens"] = [0] * num_ranks
@@ -150,6 +155,12 @@ def sync():
         torch.cuda.synchronize()
 
 
+def async_args(deep_ep_rs) -> dict:
+    """Arguments of an asynchronous call: after an event of the current stream, on the comm
+    stream, outputs allocated there; the caller waits on the returned event."""
+    return dict(previous_event=deep_ep_rs.Buffer.capture(), async_finish=True, allocate_on_comm_stream=True)
+
+
 def run_config(cfg, rank, num_ranks, cpu_buf, gpu_buf, deep_ep_rs) -> list:
     """Runs one configuration on both buffers (collective); returns the differences."""
     g = torch.Generator().manual_seed(cfg["index"] * 7919 + rank * 104729 + 1)
@@ -163,9 +174,12 @@ def run_config(cfg, rank, num_ranks, cpu_buf, gpu_buf, deep_ep_rs) -> list:
     out = {}
     for name, buf, dev in (("cpu", cpu_buf, lambda t: t), ("gpu", gpu_buf, to_gpu)):
         xin = (dev(x), dev(scales)) if scales is not None else dev(x)
+        kw = async_args(deep_ep_rs) if name == "gpu" and cfg["asynchronous"] else {}
         res = buf.dispatch(xin, num_tokens_per_rank=dev(ntpr), is_token_in_rank=dev(in_rank), num_tokens_per_expert=dev(ntpe),
                            **{k: dev(v) for k, v in topk_args.items()}, expert_alignment=cfg["alignment"], num_worst_tokens=worst,
-                           config=config)
+                           config=config, **kw)
+        if kw:
+            res[5].current_stream_wait()
         out[name] = res
     sync()
     errs = []
@@ -182,7 +196,11 @@ def run_config(cfg, rank, num_ranks, cpu_buf, gpu_buf, deep_ep_rs) -> list:
     if cfg["cached"]:
         x2, s2 = make_x(g, n, hidden, cfg["cached_fp8"], cfg["int_scales"], cfg["colmajor_scales"])
         cres = cpu_buf.dispatch((x2, s2) if s2 is not None else x2, handle=chandle, config=config)[0]
-        gres = gpu_buf.dispatch((to_gpu(x2), to_gpu(s2)) if s2 is not None else to_gpu(x2), handle=ghandle, config=config)[0]
+        kw = async_args(deep_ep_rs) if cfg["asynchronous"] else {}
+        gout = gpu_buf.dispatch((to_gpu(x2), to_gpu(s2)) if s2 is not None else to_gpu(x2), handle=ghandle, config=config, **kw)
+        if kw:
+            gout[5].current_stream_wait()
+        gres = gout[0]
         sync()
         if s2 is not None:
             errs += diff("cached recv_x", gres[0], cres[0]) + diff("cached recv_x_scales", gres[1], cres[1])
@@ -198,7 +216,10 @@ def run_config(cfg, rank, num_ranks, cpu_buf, gpu_buf, deep_ep_rs) -> list:
         cbias = None if not bias else (bias[0] if len(bias) == 1 else tuple(bias))
         gbias = None if not bias else (to_gpu(bias[0]) if len(bias) == 1 else tuple(to_gpu(b) for b in bias))
         ccomb, cwc, _ = cpu_buf.combine(y, chandle, topk_weights=yw, bias=cbias, config=config)
-        gcomb, gwc, _ = gpu_buf.combine(to_gpu(y), ghandle, topk_weights=to_gpu(yw), bias=gbias, config=config)
+        kw = async_args(deep_ep_rs) if cfg["asynchronous"] else {}
+        gcomb, gwc, gev = gpu_buf.combine(to_gpu(y), ghandle, topk_weights=to_gpu(yw), bias=gbias, config=config, **kw)
+        if kw:
+            gev.current_stream_wait()
         sync()
         errs += diff("combined_x", gcomb, ccomb) + diff("combined_topk_weights", gwc, cwc)
     return errs

@@ -7,6 +7,11 @@
   _spawn.ht_check).
 - exit: rank 3 ends its process after a first round trip. The survivors raise as above, destroy,
   create a buffer over a 3-rank group and keep working.
+- ll_skip: the same as skip for a low-latency buffer (without shrink mode): rank 3 skips one LL
+  round trip. The other ranks' receive kernels give up at the deadline and their next LL call
+  raises a RuntimeError naming rank 3 (GPU waits report through the status block, so the error
+  surfaces at the next host-side call); rank 3's late call raises too. All destroy, re-create an
+  LL buffer and pass checked LL round trips.
 """
 import os
 import re
@@ -84,6 +89,85 @@ def recovery_worker(rank, world, variant):
     dist.barrier(group=group)
     buf.destroy()
     return out
+
+
+LL = dict(T=128, H=2048, E=24, K=4)
+
+
+def _ll_buffer(rank, world):
+    import deep_ep_rs
+
+    hint = deep_ep_rs.Buffer.get_low_latency_rdma_size_hint(LL["T"], LL["H"], world, LL["E"])
+    return deep_ep_rs.Buffer(dist.group.WORLD, 0, -(-hint // 128) * 128, low_latency_mode=True,
+                             device=torch.device("cuda", rank), backend="nccl", explicitly_destroy=True)
+
+
+def _ll_roundtrip(buf, rank, seed, check=True):
+    """LL dispatch (BF16) -> identity expert -> combine; checks the combine against the closed form
+    x * (sum of the token's valid weights) with DeepEP's calc_diff (< 1e-5 for BF16). Returns the
+    number of received rows."""
+    dev, (t, h, e, k) = buf.device, (LL["T"], LL["H"], LL["E"], LL["K"])
+    gen = torch.Generator(device=dev).manual_seed(1000 * seed + rank)
+    x = _spawn.pattern_x(rank, t, h, seed, dev)
+    idx = torch.rand((t, e), generator=gen, device=dev).topk(k, dim=1).indices
+    idx[torch.rand((t, k), generator=gen, device=dev) < 0.1] = -1
+    w = torch.rand((t, k), generator=gen, device=dev)
+    recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, t, e, use_fp8=False)
+    out, _, _ = buf.low_latency_combine(recv_x, idx, w, handle)
+    if check:
+        want = x.float() * (w * (idx >= 0)).sum(dim=1, keepdim=True)
+        got = out.float()
+        diff = float(1 - 2 * (got * want).sum() / (got * got + want * want).sum().clamp(min=1e-12))
+        assert diff < 1e-5, f"LL round trip: calc_diff {diff}"
+    return int(count.sum())
+
+
+def ll_recovery_worker(rank, world):
+    buf = _ll_buffer(rank, world)
+    out = {"before": sum(_ll_roundtrip(buf, rank, s) for s in (1, 2))}
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == FAIL:
+        time.sleep(TIMEOUT_MS / 1000 + 1.5)
+    t0 = time.monotonic()
+    msg = None
+    try:
+        _ll_roundtrip(buf, rank, 3, check=False)
+        torch.cuda.synchronize()  # the receive kernels give up at the deadline
+        _ll_roundtrip(buf, rank, 4, check=False)  # the next host-side call raises what they recorded
+    except RuntimeError as e:
+        msg = str(e)
+    out["raise_s"] = time.monotonic() - t0
+    out["error"] = msg
+    assert msg is not None, "an LL call after a missing rank must raise"
+    assert msg.startswith("deep_ep::low_latency_"), msg
+    if rank != FAIL:
+        assert re.search(rf"waiting for rank\(s\) \[{FAIL}\]", msg), msg
+        assert out["raise_s"] < TIMEOUT_MS / 1000 + 8, out["raise_s"]
+    else:
+        assert re.search(r"waiting for rank\(s\) \[[0-2]\]", msg), msg
+    with pytest.raises(RuntimeError, match=r"unusable"):
+        _ll_roundtrip(buf, rank, 5, check=False)
+    t0 = time.monotonic()
+    buf.destroy()
+    out["destroy_s"] = time.monotonic() - t0
+    torch.cuda.synchronize()
+    buf = _ll_buffer(rank, world)
+    out["after"] = sum(_ll_roundtrip(buf, rank, s) for s in (6, 7, 8))
+    torch.cuda.synchronize()
+    dist.barrier()
+    buf.destroy()
+    return out
+
+
+def test_ll_survivors_raise_then_recover():
+    t0 = time.time()
+    res = _spawn.run(ll_recovery_worker, WORLD, env={"DEEP_EP_TIMEOUT_MS": str(TIMEOUT_MS)})
+    print(f"\n[ll_skip] {time.time() - t0:.1f} s: " + "; ".join(f"rank {r}: {o['ok']}" for r, o in enumerate(res)))
+    for o in res:
+        v = o["ok"]
+        assert v["before"] > 0 and v["after"] > 0
+        assert v["destroy_s"] < TIMEOUT_MS / 1000 + 8
 
 
 @pytest.mark.parametrize("variant", ["skip", "exit"])

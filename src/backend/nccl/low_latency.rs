@@ -43,6 +43,7 @@ use crate::backend::{LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, Ll
 use crate::config::BUFFER_ALIGNMENT;
 use crate::error::{Error, Result};
 use crate::ffi::intranode::{self, err, site, SyncArgs, CONTROL_BYTES};
+use crate::ffi::host_mask::SHRINK_WORD;
 use crate::ffi::low_latency::{self as k, LlArgs};
 use crate::tensor::{DType, TensorRef};
 use crate::ops::low_latency::{CLEAN as OP_CLEAN, COMBINE as OP_COMBINE, DISPATCH as OP_DISPATCH, NEXT as OP_NEXT};
@@ -124,6 +125,7 @@ impl NcclBackend {
             msgs_off: wire.msgs_off as u64,
             partial_off: wire.partial_off as u64,
             mask: self.ll_mask_device_ptr() as *const i32,
+            shrink_mask: if self.mask.get(SHRINK_WORD) != 0 { self.mask.device_ptr().cast() } else { std::ptr::null_mut() },
             num_max_tokens: t as i32,
             hidden: h as i32,
             num_experts: e as i32,
@@ -135,6 +137,9 @@ impl NcclBackend {
     /// Raises an error a kernel recorded earlier; non-timeout errors are cleared so the buffer
     /// stays usable.
     fn check_ll_pending(&self, op: &'static str, stream: Stream) -> Result<()> {
+        if self.mask.get(SHRINK_WORD) != 0 {
+            self.report_shrink(op);
+        }
         let Some(e) = self.window.status().error() else { return Ok(()) };
         let where_ = site::name(e.site);
         if e.code != err::TIMEOUT {

@@ -23,8 +23,10 @@
 //! block crossed PCIe: 10-50x slower LL ops, measured); graph replays read it too, so mask updates
 //! need no re-capture. The kernels apply the
 //! mask as the CPU backend (no sends to a masked rank, no waits for it, its experts dropped). In
-//! shrink mode a GPU wait that times out still raises the timeout (naming the rank) instead of
-//! masking the peer as the CPU backend does: the peer can be masked by hand afterwards.
+//! shrink mode (word 8, passed to the kernels as `shrink_mask`) an LL receive wait that reaches
+//! its deadline masks the peer in both copies and goes on without it, as DeepEP and the CPU
+//! backend do; the next LL call logs the newly masked ranks. Without shrink mode the wait
+//! raises the timeout (naming the rank) and the buffer becomes unusable.
 
 pub mod gin;
 mod low_latency;
@@ -49,6 +51,9 @@ pub struct NcclBackend {
     ll: low_latency::LlState,
     /// LL rank mask + shrink flag, host-mapped so LL kernels read it (see the module doc).
     mask: HostMask,
+    /// Mask bits the host knows of (set by the mask ops or already reported): a bit beyond them
+    /// is a rank that shrink mode masked in a kernel, logged once at the next LL call.
+    mask_seen: std::cell::Cell<u32>,
 }
 
 fn ni(kind: BackendKind, op: &'static str, feature: &'static str) -> Error {
@@ -100,7 +105,7 @@ impl NcclBackend {
         };
         let info = BufferInfo::from_args(a, kind);
         let mask = HostMask::new(OP)?;
-        Ok(NcclBackend { info, window, timeout, ll: low_latency::LlState::default(), mask })
+        Ok(NcclBackend { info, window, timeout, ll: low_latency::LlState::default(), mask, mask_seen: std::cell::Cell::new(0) })
     }
 
     /// A fresh unique id ([`UNIQUE_ID_BYTES`] bytes) of `kind`'s provider from one rank
@@ -124,6 +129,21 @@ impl NcclBackend {
     /// Rewrites the kernels' device copy of the mask from the host-mapped block (synchronous).
     fn ll_sync_mask(&self, op: &'static str) -> Result<()> {
         self.mask.copy_to_device(op, self.ll_mask_device_ptr(), MAX_RANKS)
+    }
+
+    /// The mask words as bits (bit r = rank r masked).
+    fn mask_bits(&self) -> u32 {
+        (0..self.info.num_ranks).filter(|&r| self.mask.get(r) != 0).fold(0, |b, r| b | 1 << r)
+    }
+
+    /// Logs the ranks a kernel masked in shrink mode since the last look (once each).
+    fn report_shrink(&self, op: &'static str) {
+        let (now, seen) = (self.mask_bits(), self.mask_seen.get());
+        if now & !seen != 0 {
+            let ranks: Vec<usize> = (0..self.info.num_ranks).filter(|&r| (now & !seen) >> r & 1 != 0).collect();
+            crate::log_warn!(Some(self.info.rank), "{op}: rank(s) {ranks:?} did not arrive within {} ms; shrink mode masked them", self.timeout_ms());
+        }
+        self.mask_seen.set(now);
     }
 
     fn timeout_ms(&self) -> u64 {
@@ -150,6 +170,7 @@ impl Backend for NcclBackend {
     }
     fn ll_update_mask(&mut self, rank: usize, masked: bool) -> Result<()> {
         self.mask.set(rank, masked as i32);
+        self.mask_seen.set(self.mask_bits());
         self.ll_sync_mask("deep_ep::low_latency_update_mask_buffer")
     }
     fn ll_mask(&self) -> Vec<bool> {
@@ -157,6 +178,7 @@ impl Backend for NcclBackend {
     }
     fn ll_clean_mask(&mut self) -> Result<()> {
         (0..MAX_RANKS).for_each(|r| self.mask.set(r, 0));
+        self.mask_seen.set(0);
         self.ll_sync_mask("deep_ep::low_latency_clean_mask_buffer")
     }
     fn ll_set_shrink(&mut self, enable: bool) -> Result<()> {

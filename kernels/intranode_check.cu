@@ -22,6 +22,7 @@ namespace ic {
 namespace {
 
 constexpr int kCheckThreads = 256;
+constexpr int kCheckUnroll = 4;  // phase B: 32-token rows loaded ahead per step
 
 // Check scratch (kScrCheck, 128 bytes, zero between launches).
 struct CheckScratch {
@@ -71,18 +72,32 @@ __global__ void __launch_bounds__(kCheckThreads) check_kernel(const __grid_const
     unsigned long long h = 0;
     for (int64_t t = tid; t < n; t += threads) {
       unsigned mask = 0;
-      for (int64_t j = 0; j < k; ++j) {
-        const long long e = a.topk_is_int64 ? static_cast<const int64_t*>(a.topk_idx)[t * k + j] : static_cast<const int32_t*>(a.topk_idx)[t * k + j];
-        if (e < -1 || e >= E) {
-          atomicOr(&scr->flags, kBadId);
-          atomicCAS(reinterpret_cast<unsigned long long*>(&scr->bad_id), 0ull, static_cast<unsigned long long>(e));
-        } else if (e >= 0) {
-          h += id_hash(e);
-          mask |= 1u << (e / el);
+      // The token's is_token_in_rank row and its ids in groups of kCheckUnroll, loaded before use
+      // (the atomics below would otherwise keep the loads in order, one latency each).
+      unsigned char row[kMaxRanks];
+#pragma unroll
+      for (int d = 0; d < kMaxRanks; ++d) row[d] = d < R ? in_rank[t * R + d] : 0;
+      for (int64_t j0 = 0; j0 < k; j0 += kCheckUnroll) {
+        long long ids[kCheckUnroll];
+#pragma unroll
+        for (int u = 0; u < kCheckUnroll; ++u) {
+          const int64_t j = j0 + u;
+          ids[u] = j >= k ? -1 : a.topk_is_int64 ? static_cast<const int64_t*>(a.topk_idx)[t * k + j] : static_cast<const int32_t*>(a.topk_idx)[t * k + j];
+        }
+#pragma unroll
+        for (int u = 0; u < kCheckUnroll; ++u) {
+          const long long e = ids[u];
+          if (e < -1 || e >= E) {
+            atomicOr(&scr->flags, kBadId);
+            atomicCAS(reinterpret_cast<unsigned long long*>(&scr->bad_id), 0ull, static_cast<unsigned long long>(e));
+          } else if (e >= 0) {
+            h += id_hash(e);
+            mask |= 1u << (e / el);
+          }
         }
       }
       for (int d = 0; d < R; ++d) {
-        if ((in_rank[t * R + d] != 0) != (((mask >> d) & 1u) != 0)) {
+        if ((row[d] != 0) != (((mask >> d) & 1u) != 0)) {
           atomicOr(&scr->flags, kBadInRank);
           if (atomicCAS(&scr->bad_in_rank, 0, static_cast<int>(t) + 1) == 0) scr->bad_in_rank_d = d;
           break;
@@ -103,18 +118,30 @@ __global__ void __launch_bounds__(kCheckThreads) check_kernel(const __grid_const
     const int64_t ch = pair % C;
     const int64_t start = min(per * ch, n), end = min(start + per, n);
     int running = 0;
-    for (int64_t base = start; base < end; base += 32) {
-      const int64_t t = base + lane;
-      const bool in = t < end && in_rank[t * R + d] != 0;
-      const unsigned m = __ballot_sync(0xffffffffu, in);
-      if (a.send_head != nullptr && t < end) {
-        const int want = in ? running + __popc(m & ((1u << lane) - 1u)) : -1;
-        if (a.send_head[t * R + d] != want) {
-          atomicOr(&scr->flags, kBadSendHead);
-          if (atomicCAS(&scr->bad_send_head, 0, static_cast<int>(t) + 1) == 0) scr->bad_send_head_d = d;
-        }
+    // kCheckUnroll rows of 32 tokens per step, their loads issued before any is used: the walk over
+    // a channel is a chain of load latencies, so fewer, wider steps shorten it.
+    for (int64_t base = start; base < end; base += 32 * kCheckUnroll) {
+      bool in[kCheckUnroll];
+      int head[kCheckUnroll];
+#pragma unroll
+      for (int u = 0; u < kCheckUnroll; ++u) {
+        const int64_t t = base + u * 32 + lane;
+        in[u] = t < end && in_rank[t * R + d] != 0;
+        head[u] = a.send_head != nullptr && t < end ? a.send_head[t * R + d] : 0;
       }
-      running += __popc(m);
+#pragma unroll
+      for (int u = 0; u < kCheckUnroll; ++u) {
+        const int64_t t = base + u * 32 + lane;
+        const unsigned m = __ballot_sync(0xffffffffu, in[u]);
+        if (a.send_head != nullptr && t < end) {
+          const int want = in[u] ? running + __popc(m & ((1u << lane) - 1u)) : -1;
+          if (head[u] != want) {
+            atomicOr(&scr->flags, kBadSendHead);
+            if (atomicCAS(&scr->bad_send_head, 0, static_cast<int>(t) + 1) == 0) scr->bad_send_head_d = d;
+          }
+        }
+        running += __popc(m);
+      }
     }
     if (lane == 0) {
       atomicAdd(&s_cnt[d], running);

@@ -104,7 +104,7 @@ def main():
     lw = torch.rand(m, 8, device="cuda")
     # With topk_weights (as bench/low_latency.py) combine sends one partial sum per (token, rank);
     # without them one row per (token, expert): both combine formats are profiled.
-    recv, _, lhandle, _, _ = buf.low_latency_dispatch(lx, lidx, m, e, use_fp8=False, topk_weights=lw)
+    recv, _, _, _, _ = buf.low_latency_dispatch(lx, lidx, m, e, use_fp8=False, topk_weights=lw)
     _, _, rows_handle, _, _ = buf.low_latency_dispatch(lx, lidx, m, e, use_fp8=False)
     y = recv.clone()
     out = torch.empty(m, h, dtype=torch.bfloat16, device="cuda")
@@ -112,7 +112,13 @@ def main():
         tag = "_graph" if graph else ""
         results["ll_dispatch_fp8" + tag] = kernel_table(lambda: buf.low_latency_dispatch(lx, lidx, m, e, use_fp8=True, topk_weights=lw), args.iters, graph)
         results["ll_dispatch_bf16" + tag] = kernel_table(lambda: buf.low_latency_dispatch(lx, lidx, m, e, use_fp8=False, topk_weights=lw), args.iters, graph)
-        results["ll_combine_bf16" + tag] = kernel_table(lambda: buf.low_latency_combine(y, lidx, lw, lhandle, out=out), args.iters, graph)
+        # Partial sums need the messages of the dispatch that made the handle (the latest one of
+        # its buffer half), so this entry times a BF16 dispatch + combine pair; its table lists
+        # both ops' kernels (ll_combine_partial_kernel is the combine's send).
+        def pair():
+            _, _, h2, _, _ = buf.low_latency_dispatch(lx, lidx, m, e, use_fp8=False, topk_weights=lw)
+            buf.low_latency_combine(y, lidx, lw, h2, out=out)
+        results["ll_dispatch_combine_partial" + tag] = kernel_table(pair, args.iters, graph)
         results["ll_combine_rows" + tag] = kernel_table(lambda: buf.low_latency_combine(y, lidx, lw, rows_handle, out=out), args.iters, graph)
     buf.destroy()
 

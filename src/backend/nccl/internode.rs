@@ -385,7 +385,7 @@ mod tests {
         assert_eq!(block_bytes(2, 2, 3, 4, true), 96);
         assert_eq!(block_bytes(2, 2, 3, 0, false), 32);
         let g = Geo { d: 2, rr: 2, c: 3, data_off: 1000, data_end: 1 << 20 };
-        assert_eq!(g.ex_end(96), 1280);
+        assert_eq!(g.ex_end(96), 1408); // 1000 + 2 * 2 * 96, rounded up to 128
     }
 
     #[test]

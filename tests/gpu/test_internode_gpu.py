@@ -11,8 +11,12 @@ num_recv_tokens_per_expert_list bitwise. Configurations come from tests/python/t
 without weights), widened here: every fourth one has 100..600 tokens per rank and hidden 2048 or
 7168 (FP8: 2048), and some run in worst-case mode (num_worst_tokens).
 
-Environment: DEEP_EP_INTERNODE_GPU_CONFIGS (default 120), DEEP_EP_TEST_LOG (directory for per-rank
-JSON results). DEEP_EP_INTERNODE_DRY=1 (or DEEP_EP_GPU_DRY=1) runs the harness without a GPU (a second CPU buffer stands in
+After the configurations, a worst-case dispatch + combine is captured in one CUDA graph and
+replayed with fresh inputs (compared with the CPU backend); with DEEP_EP_TIMING=1 rank 0 prints wall
+times per call of DeepEP's benchmark shape at 2048 tokens (not RDMA timings: the inter-node leg is NVLink here).
+
+Environment: DEEP_EP_INTERNODE_GPU_CONFIGS (default 120), DEEP_EP_INTERNODE_GPU_SEED (first seed,
+default 50000), DEEP_EP_TIMING, DEEP_EP_TEST_LOG (directory for per-rank JSON results). DEEP_EP_INTERNODE_DRY=1 (or DEEP_EP_GPU_DRY=1) runs the harness without a GPU (a second CPU buffer stands in
 for the GPU one).
 """
 import json
@@ -149,7 +153,90 @@ def run_config(case, rank, cpu_buf, gpu_buf, deep_ep_rs) -> tuple:
     return errs, real
 
 
-def worker(rank, port, out_dir, count):
+def graph_test(rank, cpu_buf, gpu_buf) -> list:
+    """Worst-case dispatch + combine captured in one CUDA graph (layout tensors are static inputs),
+    replayed with fresh inputs and compared with the CPU backend."""
+    ops = torch.ops.deep_ep
+    n, hidden, k, experts = 200, 2048, 8, 32
+    worst = n * WORLD
+    cfg = [24, 6, 256, 6, 128]
+    g_in = dict(x=torch.zeros(n, hidden, dtype=torch.bfloat16, device="cuda"), idx=torch.zeros(n, k, dtype=torch.int64, device="cuda"),
+                w=torch.zeros(n, k, device="cuda"), ntpr=torch.zeros(WORLD, dtype=torch.int32, device="cuda"),
+                ntprr=torch.zeros(WORLD // NVL_DOMAIN, dtype=torch.int32, device="cuda"),
+                ntpe=torch.zeros(experts, dtype=torch.int32, device="cuda"), ir=torch.zeros(n, WORLD, dtype=torch.bool, device="cuda"))
+
+    def fill(step):
+        gen = torch.Generator().manual_seed(7919 * (step + 1) + rank)
+        x = torch.randn(n, hidden, generator=gen).bfloat16()
+        idx = torch.rand(n, experts, generator=gen).topk(k, dim=1).indices
+        idx[torch.rand(n, k, generator=gen) < 0.1] = -1
+        w = torch.randn(n, k, generator=gen)
+        ntpr, ntprr, ntpe, ir, _ = cpu_buf.get_dispatch_layout(idx, experts)
+        for key, v in dict(x=x, idx=idx, w=w, ntpr=ntpr, ntprr=ntprr, ntpe=ntpe, ir=ir).items():
+            g_in[key].copy_(v)
+        return x, idx, w, ntpr, ntprr, ntpe, ir
+
+    def body(h, x, idx, w, ntpr, ntprr, ntpe, ir):
+        d = ops.internode_dispatch(h, x, None, idx, w, ntpr, ntprr, ir, ntpe, 1, worst, cfg)
+        comb = ops.internode_combine(h, d[0], d[3], None, None, ir, *d[5:14], cfg)
+        return d, comb
+
+    fill(0)
+    body(gpu_buf.handle, *[g_in[key] for key in ("x", "idx", "w", "ntpr", "ntprr", "ntpe", "ir")])  # eager warm-up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        d, comb = body(gpu_buf.handle, *[g_in[key] for key in ("x", "idx", "w", "ntpr", "ntprr", "ntpe", "ir")])
+    errs = []
+    names = ["recv_x", "x_scales", "recv_topk_idx", "recv_topk_weights", "per_expert"] + HANDLE[1:]
+    for step in range(1, 4):
+        cin = fill(step)
+        graph.replay()
+        torch.cuda.synchronize()
+        cd, ccomb = body(cpu_buf.handle, *cin)
+        for i, name in enumerate(names):
+            if name not in ("x_scales", "per_expert"):
+                errs += [f"graph replay {step}: {e}" for e in diff(name, d[i], cd[i])]
+        errs += [f"graph replay {step}: {e}" for e in diff("combined_x", comb[0], ccomb[0]) + diff("combined_w", comb[1], ccomb[1])]
+    del graph
+    return errs
+
+
+def timing(rank, gpu_buf, deep_ep_rs) -> dict:
+    """DeepEP's benchmark shape with half its tokens (2048, hidden 7168, top-8 of 256 experts): the
+    combine of 4096 tokens needs more than the third of this test's window it may use."""
+    n, hidden, k, experts = 2048, 7168, 8, 256
+    gen = torch.Generator().manual_seed(1234 + rank)
+    x = torch.randn(n, hidden, generator=gen).bfloat16()
+    idx = (torch.randn(n, experts, generator=gen).abs() + 1).topk(k, dim=1).indices
+    w = torch.randn(n, k, generator=gen)
+    ntpr, ntprr, ntpe, ir = (t.cuda() for t in torch.ops.deep_ep.get_dispatch_layout(idx, experts, WORLD))
+    x, idx, w = x.cuda(), idx.cuda(), w.cuda()
+    res = {}
+    for sms in (24, 48):
+        config = deep_ep_rs.Config(sms, 6, 256, 6, 128)
+        kw = dict(num_tokens_per_rank=ntpr, num_tokens_per_rdma_rank=ntprr, is_token_in_rank=ir, num_tokens_per_expert=ntpe,
+                  topk_idx=idx, topk_weights=w, config=config)
+        recv_x, _, recv_w, _, handle, _ = gpu_buf.dispatch(x, **kw)
+
+        def t_us(fn, iters=10):
+            fn()
+            torch.cuda.synchronize()
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            torch.cuda.synchronize()
+            return (time.perf_counter() - t0) * 1e6 / iters
+
+        res[sms] = dict(recv_tokens=recv_x.shape[0], dispatch_us=t_us(lambda: gpu_buf.dispatch(x, **kw)),
+                        dispatch_worst_us=t_us(lambda: gpu_buf.dispatch(x, num_worst_tokens=n * WORLD, **kw)),
+                        cached_dispatch_us=t_us(lambda: gpu_buf.dispatch(x, handle=handle, config=config)),
+                        combine_us=t_us(lambda: gpu_buf.combine(recv_x, handle, topk_weights=recv_w, config=config)))
+    return res
+
+
+def worker(rank, port, out_dir, count, first, do_timing):
     os.environ.setdefault("DEEP_EP_TIMEOUT_MS", "30000")
     os.environ["DEEP_EP_NVL_DOMAIN_SIZE"] = str(NVL_DOMAIN)
     os.environ["DEEP_EP_RDMA_TRANSPORT"] = "lsa"
@@ -158,7 +245,7 @@ def worker(rank, port, out_dir, count):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     import deep_ep_rs
     group = dist.group.WORLD
-    result = dict(rank=rank, configs=0, passed=0, rows=0, failures=[], error=None)
+    result = dict(rank=rank, configs=0, passed=0, rows=0, failures=[], graph=None, timing=None, error=None)
     try:
         cpu_buf = deep_ep_rs.Buffer(group, NVL_BYTES_CPU, RDMA_BYTES, device="cpu", backend="cpu", explicitly_destroy=True)
         if DRY:
@@ -169,7 +256,7 @@ def worker(rank, port, out_dir, count):
         assert gpu_buf.get_num_rdma_ranks() == WORLD // NVL_DOMAIN
         stopped = False
         for i in range(count):
-            case = widen(make_case(50000 + i, WORLD), i)
+            case = widen(make_case(first + i, WORLD), i)
             exc = None
             try:
                 errs, rows = run_config(case, rank, cpu_buf, gpu_buf, deep_ep_rs)
@@ -190,6 +277,13 @@ def worker(rank, port, out_dir, count):
                 stopped = True
                 break
         if not stopped:
+            if not DRY:
+                try:
+                    result["graph"] = graph_test(rank, cpu_buf, gpu_buf)
+                except Exception as e:  # noqa: BLE001 - reported, the configs above stand
+                    result["graph"] = [f"exception: {type(e).__name__}: {e}"]
+            if do_timing and not DRY:
+                result["timing"] = timing(rank, gpu_buf, deep_ep_rs)
             gpu_buf.destroy()
             cpu_buf.destroy()
     except Exception:  # noqa: BLE001
@@ -204,11 +298,13 @@ def test_internode_matches_cpu_backend():
     if "DEEP_EP_SHM_DIR" not in os.environ and (not os.path.isdir("/dev/shm") or shutil.disk_usage("/dev/shm").total < (8 << 30)):
         os.environ["DEEP_EP_SHM_DIR"] = tempfile.gettempdir()
     count = int(os.environ.get("DEEP_EP_INTERNODE_GPU_CONFIGS", "120"))
+    first = int(os.environ.get("DEEP_EP_INTERNODE_GPU_SEED", "50000"))
+    do_timing = os.environ.get("DEEP_EP_TIMING", "") == "1"
     out_dir = os.environ.get("DEEP_EP_TEST_LOG") or tempfile.mkdtemp(prefix="deep_ep_internode_gpu_")
     out_dir = os.path.join(out_dir, "internode-2x2")
     os.makedirs(out_dir, exist_ok=True)
     t0 = time.time()
-    mp.spawn(worker, args=(_free_port(), out_dir, count), nprocs=WORLD, join=True)
+    mp.spawn(worker, args=(_free_port(), out_dir, count, first, do_timing), nprocs=WORLD, join=True)
     results = []
     for r in range(WORLD):
         with open(os.path.join(out_dir, f"rank{r}.json")) as f:
@@ -218,8 +314,14 @@ def test_internode_matches_cpu_backend():
         print(f"  rank {res['rank']}: {res['passed']}/{res['configs']} configs passed, {len(res['failures'])} failed, {res['rows']} rows received")
         for fail in res["failures"][:8]:
             print(f"    config {fail['index']} {fail['cfg']}: {fail['errors']}")
+        for e in (res["graph"] or [])[:8]:
+            print(f"    {e}")
         if res["error"]:
             print(f"    error: {res['error']}")
+    if results[0]["timing"]:
+        for sms, t in results[0]["timing"].items():
+            print(f"  timing rank 0, {sms} SMs (us, wall per call): {t}")
     assert all(r["error"] is None for r in results)
+    assert all(not r["graph"] for r in results), "CUDA graph replays differ (see above)"
     assert all(r["configs"] == count and r["passed"] == count for r in results), "configurations failed (see above)"
     assert count < 100 or sum(r["rows"] for r in results) > 10 * count, "tokens must really move"

@@ -17,6 +17,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "transport_api.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -110,6 +112,8 @@ int deep_ep_cuda_stream_synchronize(void* stream);
 #define DEEP_EP_IC_ERR_STALE_ROWS 10   /* handle: receives value tokens, recv_src_idx / x has limit rows */
 #define DEEP_EP_IC_ERR_STALE_SEND_HEAD 11 /* handle: send_head[value, extra] differs from is_token_in_rank */
 #define DEEP_EP_IC_ERR_STALE_CPM 12    /* handle: channel_prefix_matrix[extra, value] differs from is_token_in_rank */
+#define DEEP_EP_IC_ERR_NTPRR 13        /* internode: num_tokens_per_rdma_rank[extra] = value, is_token_in_rank selects limit */
+#define DEEP_EP_IC_ERR_STALE_INTERNODE 14 /* internode handle: value (computed) != limit (handle) at entry extra (see deep_ep_in_args_t) */
 
 /* Host-mapped status block (cudaHostAllocMapped), written by kernels, read and cleared by the host. */
 typedef struct {
@@ -120,7 +124,7 @@ typedef struct {
   int32_t error_limit;
   int32_t recv_count;  /* notify with write_host_counts: tokens this rank receives; -1 before */
   int32_t error_extra; /* a third number of some errors (see the codes) */
-  int32_t reserved;
+  int32_t recv_rdma_count; /* internode notify with write_host_counts: RDMA-leg tokens this rank forwards */
   int32_t per_expert[DEEP_EP_IC_MAX_LOCAL_EXPERTS]; /* written before recv_count */
 } deep_ep_ic_host_status_t;
 
@@ -139,6 +143,10 @@ typedef struct {
 #define DEEP_EP_IC_SITE_LL_DISPATCH 12 /* low-latency dispatch receive */
 #define DEEP_EP_IC_SITE_LL_COMBINE 13 /* low-latency combine receive */
 #define DEEP_EP_IC_SITE_COMBINE_RECV 14 /* fused combine: a reduce warp waiting for a peer's channel */
+#define DEEP_EP_IC_SITE_IN_DISPATCH 15 /* internode (cached) dispatch: start barrier, notify exchange, checks */
+#define DEEP_EP_IC_SITE_IN_DISPATCH_DATA 16 /* internode (cached) dispatch: the RDMA-leg data wait */
+#define DEEP_EP_IC_SITE_IN_COMBINE 17 /* internode combine: start barrier and count exchange */
+#define DEEP_EP_IC_SITE_IN_COMBINE_DATA 18 /* internode combine: node barrier before the forwarders, partials wait */
 
 /* The buffer as kernels see it. */
 typedef struct {
@@ -390,6 +398,116 @@ void deep_ep_ic_struct_sizes(size_t* sizes);
 /* [OUT host] the scratch int create's host rendezvous all-reduces (device pointer). */
 void* deep_ep_ic_rendezvous_word(const deep_ep_ic_ctx_t* ctx);
 
+
+/* ---------------------------------------------------------------------------------------------
+ * Internode normal mode (kernels/internode_*.cu, kernels/internode.cuh): DeepEP's two-level
+ * forwarding over the same window. R ranks in Rr = R / D NVLink domains ("nodes") of D ranks; rank
+ * r = node * D + local. The inter-node leg goes only through the transport seam
+ * (kernels/transport.cuh; this build launches the LSA emulation, deep_ep_tp_lsa_t below): a token
+ * travels once per destination node to the rank of the same local index there (its forwarder),
+ * which the node's ranks read over NVLink (LSA peer pointers). Combine reverses it: each rank
+ * stages its rows, the forwarder sums one bf16 partial per token over its node's ranks (ascending)
+ * and puts the partials back over the seam; the source adds the nodes' partials in ascending node
+ * order in fp32 on top of bias_0 + bias_1. Results and the 10-tensor handle are bit-exact with the
+ * CPU backend (docs/INTERNODE.md).
+ *
+ * Window (offsets identical on every rank): the intranode control area [0, DEEP_EP_IC_CONTROL_BYTES)
+ * (its error words and sticky timeout flag are shared), the internode control area at
+ * DEEP_EP_IN_CTRL_OFF (seam signals, barrier slots, epochs, the notify results), and the data area
+ * [data_off, data_end): per op two exchange regions of Rr blocks of block_bytes (staging, then the
+ * blocks received from the rail peers), then the op's areas (see internode.cuh).
+ *
+ * Steps (deep_ep_in_launch `step`), all asynchronous on `stream`, CUDA-graph capturable:
+ *  DEEP_EP_IN_SEND_SIDE  1 block: sender side of is_token_in_rank (per-node and per-rank channel
+ *                        prefixes, send_rdma_head) into the own window, the notify blocks
+ *  DEEP_EP_IN_NOTIFY     1 block: global barrier (errors, op signature), notify blocks to the
+ *                        rail peers over the seam, node barrier, receive side, checks (worst case,
+ *                        capacity, stale handle) agreed by a second global barrier, host counts
+ *  DEEP_EP_IN_RDMA_SEND  grid: packs each token once into the own window and puts it to the
+ *                        forwarder of every destination node
+ *  DEEP_EP_IN_STEP       1 block: signals the rail peers, waits for theirs, then a node barrier
+ *  DEEP_EP_IN_NVL_RECV   grid: reads the tokens for this rank from the node's forwarders
+ *                        (receive order: source rank, then token), writes outputs and the handle
+ *  DEEP_EP_IN_C_BEGIN    1 block: combine's global barrier and count exchange over the seam
+ *  DEEP_EP_IN_C_STAGE    grid: this rank's rows, weights and recv_gbl_channel_prefix_matrix into
+ *                        its window
+ *  DEEP_EP_IN_C_NODEBAR  1 block: node barrier
+ *  DEEP_EP_IN_C_FORWARD  grid: forwarder partials, put back to the sources over the seam
+ *  DEEP_EP_IN_C_FINAL    grid: the sources' fp32 sums (+ biases) into combined_x / weights
+ * Combine's seam wait is DEEP_EP_IN_STEP without the node barrier (node_barrier = 0).
+ * Waits are bounded by timeout_ns and report DEEP_EP_IC_ERR_TIMEOUT naming the rank waited for.
+ * ------------------------------------------------------------------------------------------- */
+#define DEEP_EP_IN_CTRL_OFF (DEEP_EP_IC_CONTROL_BYTES + (256 << 10)) /* after the transport self-test's area */
+#define DEEP_EP_IN_CTRL_BYTES (128 << 10)
+#define DEEP_EP_IN_SEND_SIDE 0
+#define DEEP_EP_IN_NOTIFY 1
+#define DEEP_EP_IN_RDMA_SEND 2
+#define DEEP_EP_IN_STEP 3
+#define DEEP_EP_IN_NVL_RECV 4
+#define DEEP_EP_IN_C_BEGIN 5
+#define DEEP_EP_IN_C_STAGE 6
+#define DEEP_EP_IN_C_NODEBAR 7
+#define DEEP_EP_IN_C_FORWARD 8
+#define DEEP_EP_IN_C_FINAL 9
+#define DEEP_EP_IN_KIND_DISPATCH 1
+#define DEEP_EP_IN_KIND_CACHED 2
+#define DEEP_EP_IN_KIND_COMBINE 3
+
+typedef struct {
+  deep_ep_tp_lsa_t lsa;          /* the inter-node leg (LSA emulation of the seam) */
+  int32_t kind;                  /* DEEP_EP_IN_KIND_* */
+  int32_t nvl_size, num_rdma_ranks, num_channels; /* D, Rr, C */
+  int32_t num_local_experts;     /* dispatch: E / R (0 otherwise) */
+  int32_t num_topk, num_scales;  /* K (0 without top-k), S (0 without scales) */
+  int32_t topk_is_int64;         /* topk_idx and recv_topk_idx */
+  int32_t expert_alignment, write_host_counts, input_checked, node_barrier;
+  int32_t num_blocks, signature; /* grid of the grid steps; hash of the op's shape (all ranks equal) */
+  int64_t num_tokens;            /* N: tokens of x (combine: of the outputs) */
+  int64_t row_bytes;             /* bytes of one x row (combine: hidden * 2) */
+  int64_t num_worst;             /* dispatch: num_worst_tokens (0 = host counts) */
+  int64_t num_rows;              /* output rows (dispatch: from the plan; cached / combine: the handle's) */
+  int64_t num_rdma_rows;         /* rows of send_nvl_head */
+  int64_t scale_stride0, scale_stride1; /* elements */
+  uint64_t data_off, data_end;   /* the internode data area of every window */
+  uint64_t block_bytes;          /* one exchange block */
+  uint64_t record_bytes;         /* one RDMA-leg record (dispatch) / partial (combine) */
+  const void* x;
+  const void* x_scales;          /* [N, S] 4-byte, strides above */
+  const void* topk_idx;          /* [N, K] */
+  const float* topk_weights;     /* dispatch: [N, K]; combine: [rows, K] */
+  const int32_t* num_tokens_per_rdma_rank; /* [Rr] */
+  const int32_t* num_tokens_per_expert;    /* [E] */
+  const bool* is_token_in_rank;  /* [N, R] */
+  const uint16_t* bias_0;        /* combine: [N, H] bf16 or NULL */
+  const uint16_t* bias_1;
+  /* handle inputs (cached dispatch, combine) */
+  const int32_t* h_rdma_cpm;     /* [Rr, C] */
+  const int32_t* h_recv_rdma_cpm; /* [Rr, C] */
+  const int32_t* h_recv_rdma_rps; /* [Rr] */
+  const int32_t* h_recv_gbl_cpm; /* [R, C] */
+  const int32_t* h_recv_gbl_rps; /* [R] */
+  const int32_t* h_send_rdma_head; /* [N, Rr] */
+  const int32_t* h_send_nvl_head; /* [num_rdma_rows, 8] */
+  /* outputs (NULL = absent) */
+  void* recv_x;
+  void* recv_scales;             /* [rows, S] contiguous */
+  void* recv_topk_idx;
+  float* recv_topk_weights;
+  uint8_t* recv_src_meta;        /* [rows, 8] */
+  int32_t* rdma_cpm;
+  int32_t* gbl_cpm;
+  int32_t* recv_rdma_cpm;
+  int32_t* recv_rdma_rps;
+  int32_t* recv_gbl_cpm;
+  int32_t* recv_gbl_rps;
+  int32_t* send_rdma_head;
+  int32_t* send_nvl_head;
+  uint16_t* combined_x;          /* [N, H] */
+  float* combined_w;             /* [N, K] or NULL */
+} deep_ep_in_args_t;
+int deep_ep_in_launch(const deep_ep_ic_ctx_t* ctx, const deep_ep_in_args_t* args, int step, void* stream);
+/* sizeof(deep_ep_in_args_t) (checked by the Rust mirror). */
+size_t deep_ep_in_args_bytes(void);
 
 /* ---------------------------------------------------------------------------------------------
  * Low-latency mode (kernels/ll_dispatch.cu, kernels/low_latency.cu): DeepEP's LL protocol over

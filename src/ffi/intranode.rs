@@ -58,6 +58,10 @@ pub mod site {
     pub const LL_DISPATCH: i32 = 12;
     pub const LL_COMBINE: i32 = 13;
     pub const COMBINE_RECV: i32 = 14;
+    pub const IN_DISPATCH: i32 = 15;
+    pub const IN_DISPATCH_DATA: i32 = 16;
+    pub const IN_COMBINE: i32 = 17;
+    pub const IN_COMBINE_DATA: i32 = 18;
 
     /// Human name of a site.
     pub fn name(site: i32) -> &'static str {
@@ -76,6 +80,10 @@ pub mod site {
             LL_DISPATCH => "the receive of low_latency_dispatch",
             LL_COMBINE => "the receive of low_latency_combine",
             COMBINE_RECV => "the receive wait of combine (a peer's channel never arrived)",
+            IN_DISPATCH => "the start or notify barrier of internode (cached) dispatch",
+            IN_DISPATCH_DATA => "the RDMA-leg wait of internode (cached) dispatch",
+            IN_COMBINE => "the start barrier of internode combine",
+            IN_COMBINE_DATA => "the node barrier or partials wait of internode combine",
             _ => "an unknown barrier",
         }
     }
@@ -96,6 +104,10 @@ pub mod err {
     pub const STALE_ROWS: i32 = 10;
     pub const STALE_SEND_HEAD: i32 = 11;
     pub const STALE_CPM: i32 = 12;
+    /// Internode: num_tokens_per_rdma_rank[extra] = value, is_token_in_rank selects limit.
+    pub const NTPRR: i32 = 13;
+    /// Internode handle: value (from the routing) != limit (the handle's) at entry extra.
+    pub const STALE_INTERNODE: i32 = 14;
 }
 
 /// `deep_ep_ic_ctx_t`: the buffer as kernels see it.
@@ -299,7 +311,7 @@ struct HostStatusRaw {
     error_limit: i32,
     recv_count: i32,
     error_extra: i32,
-    reserved: i32,
+    recv_rdma_count: i32,
     per_expert: [i32; MAX_LOCAL_EXPERTS],
 }
 
@@ -574,6 +586,12 @@ impl HostStatus {
         // SAFETY: volatile write into the live block.
         unsafe { field!(self.recv_count).write_volatile(v) }
         std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// RDMA-leg tokens the internode notify kernel wrote (valid once the receive count is).
+    pub fn recv_rdma_count(&self) -> i32 {
+        // SAFETY: volatile read of the live block.
+        unsafe { field!(self.recv_rdma_count).read_volatile() }
     }
 
     /// The receive count the notify kernel wrote (−1 until then).

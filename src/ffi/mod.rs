@@ -8,6 +8,8 @@ pub mod tensor;
 #[cfg(feature = "cuda")]
 pub mod kernels;
 #[cfg(feature = "cuda")]
+pub mod internode;
+#[cfg(feature = "cuda")]
 pub mod intranode;
 #[cfg(feature = "cuda")]
 pub mod ll_rows;

@@ -1,8 +1,9 @@
 //! The NVLink peer-pointer backend (`nccl`, and `nvshmem` with that cargo feature). Intranode normal mode (dispatch, cached dispatch, combine) runs
 //! on one NCCL symmetric window per buffer with a pull model (`normal.rs`, kernels in
 //! `kernels/intranode_*.cu`); low-latency mode pushes over the same window's peer pointers
-//! (`low_latency.rs`, `kernels/low_latency.cu`); internode buffers answer
-//! [`Error::NotImplemented`].
+//! (`low_latency.rs`, `kernels/low_latency.cu`); internode normal mode (ranks spanning several
+//! NVLink domains of `DEEP_EP_NVL_DOMAIN_SIZE`) forwards over the transport seam (`internode.rs`,
+//! `kernels/internode_*.cu`; the LSA emulation of the seam for now).
 //!
 //! The window comes from a provider ([`window::PeerWindow`]): an NCCL symmetric window (backend
 //! `nccl`) or an NVSHMEM symmetric allocation (backend `nvshmem`); kernels and host code only see
@@ -29,10 +30,12 @@
 //! raises the timeout (naming the rank) and the buffer becomes unusable.
 
 pub mod gin;
+mod internode;
 mod low_latency;
 mod normal;
 pub mod window;
 
+use super::internode::{InternodeCachedDispatchArgs, InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutputs, InternodePlan};
 use super::{Backend, BackendKind, BufferInfo, CachedDispatchArgs, CombineArgs, CombineOutputs, CreateArgs, DispatchArgs, DispatchOutputs, DispatchPlan, LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlRowsArgs, LlStats, Stream, UNIQUE_ID_BYTES};
 use crate::error::{Error, Result};
 use crate::ffi::host_mask::{HostMask, SHRINK_WORD};
@@ -88,7 +91,14 @@ impl NcclBackend {
         }
         crate::ffi::low_latency::check_struct_size(OP)?;
         let timeout = crate::settings::timeout();
-        let data_bytes = a.num_nvl_bytes + low_latency::extra_window_bytes(a.num_nvl_bytes, a.num_rdma_bytes, a.low_latency_mode);
+        let mut data_bytes = a.num_nvl_bytes + low_latency::extra_window_bytes(a.num_nvl_bytes, a.num_rdma_bytes, a.low_latency_mode);
+        let d = crate::topology::nvl_domain_size()?;
+        if a.num_ranks > d && !a.low_latency_mode {
+            // Internode normal mode: its control area (after the transport self-test's) and the
+            // RDMA area next to the NVLink one (internode.rs lays out the whole data area).
+            data_bytes += crate::ffi::internode::CTRL_OFF + crate::ffi::internode::CTRL_BYTES - crate::ffi::intranode::CONTROL_BYTES + a.num_rdma_bytes;
+        }
+        crate::ffi::internode::check_struct_size(OP)?;
         let timeout_ns = timeout.as_nanos().min(u64::MAX as u128) as u64;
         let transport_self_test = gin::self_test_stride_from_env(a.rank, a.num_ranks)?;
         let window: Box<dyn window::PeerWindow> = match kind {
@@ -157,6 +167,10 @@ impl Backend for NcclBackend {
     fn dispatch_finish(&mut self, a: &DispatchArgs, p: &DispatchPlan, o: &DispatchOutputs) -> Result<()> { self.ht_dispatch_finish(a, p, o) }
     fn cached_dispatch(&mut self, a: &CachedDispatchArgs, x: &TensorRef, s: Option<&TensorRef>) -> Result<()> { self.ht_cached_dispatch(a, x, s) }
     fn combine(&mut self, a: &CombineArgs, o: &CombineOutputs) -> Result<()> { self.ht_combine(a, o) }
+    fn internode_dispatch_prepare(&mut self, a: &InternodeDispatchArgs) -> Result<InternodePlan> { self.in_dispatch_prepare(a) }
+    fn internode_dispatch_finish(&mut self, a: &InternodeDispatchArgs, p: &InternodePlan, o: &InternodeDispatchOutputs) -> Result<()> { self.in_dispatch_finish(a, p, o) }
+    fn internode_cached_dispatch(&mut self, a: &InternodeCachedDispatchArgs, x: &TensorRef, s: Option<&TensorRef>) -> Result<()> { self.in_cached_dispatch(a, x, s) }
+    fn internode_combine(&mut self, a: &InternodeCombineArgs, o: &CombineOutputs) -> Result<()> { self.in_combine(a, o) }
     fn ll_dispatch_send(&mut self, g: &LlGeometry, o: &LlDispatchOptions, a: &LlDispatchSendArgs, out: &LlDispatchOutputs, s: Stream) -> Result<()> { self.ll_dispatch_send_impl(g, o, a, out, s) }
     fn ll_dispatch_recv(&mut self, g: &LlGeometry, o: &LlDispatchOptions, out: &LlDispatchOutputs, st: &LlStats, s: Stream) -> Result<()> { self.ll_dispatch_recv_impl(g, o, out, st, s) }
     fn ll_combine_send(&mut self, g: &LlGeometry, a: &LlCombineSendArgs, s: Stream) -> Result<()> { self.ll_combine_send_impl(g, a, s) }

@@ -80,32 +80,32 @@ fn place(sizes: [usize; NUM_SECTIONS]) -> ([u64; NUM_SECTIONS], usize) {
     (off, at)
 }
 
-fn channels(op: &'static str, config: &Config) -> Result<usize> {
+pub(super) fn channels(op: &'static str, config: &Config) -> Result<usize> {
     let c = config.num_channels();
     crate::ensure!(c <= MAX_CHANNELS, op, "config.num_sms = {} is above the nccl backend's limit of {}", config.num_sms, 2 * MAX_CHANNELS);
     Ok(c)
 }
 
-fn ptr<T>(t: &TensorRef) -> *const T {
+pub(super) fn ptr<T>(t: &TensorRef) -> *const T {
     t.data_ptr() as *const T
 }
-fn ptr_mut<T>(t: &TensorRef) -> *mut T {
+pub(super) fn ptr_mut<T>(t: &TensorRef) -> *mut T {
     t.data_ptr() as *mut T
 }
-fn opt_ptr<T>(t: Option<&TensorRef>) -> *const T {
+pub(super) fn opt_ptr<T>(t: Option<&TensorRef>) -> *const T {
     t.map_or(std::ptr::null(), ptr)
 }
-fn opt_ptr_mut<T>(t: Option<&TensorRef>) -> *mut T {
+pub(super) fn opt_ptr_mut<T>(t: Option<&TensorRef>) -> *mut T {
     t.map_or(std::ptr::null_mut(), ptr_mut)
 }
-fn is_int64(t: Option<&TensorRef>) -> i32 {
+pub(super) fn is_int64(t: Option<&TensorRef>) -> i32 {
     t.is_some_and(|t| t.dtype == DType::Int64) as i32
 }
-fn i32_of(v: usize) -> i32 {
+pub(super) fn i32_of(v: usize) -> i32 {
     v.min(i32::MAX as usize) as i32
 }
 /// `(pointer, stride0, stride1)` of optional `[N, S]` scales (strides in elements).
-fn scales_of(t: Option<&TensorRef>) -> (*const c_void, i64, i64) {
+pub(super) fn scales_of(t: Option<&TensorRef>) -> (*const c_void, i64, i64) {
     t.map_or((std::ptr::null(), 0, 0), |s| (ptr(s), s.strides()[0], s.strides()[1]))
 }
 
@@ -121,20 +121,26 @@ fn input_error_text(e: &KernelError) -> String {
         err::STALE_COUNTS => format!("stale handle: is_token_in_rank sends {v} tokens to rank {x}, rank_prefix_matrix says {l}"),
         err::STALE_ROWS => format!("stale handle: recv_src_idx has {l} rows but the rank_prefix_matrix gives this rank {v} tokens"),
         err::STALE_SEND_HEAD => format!("stale handle: send_head[{v}, {x}] is not the one is_token_in_rank gives (pass the handle of one dispatch)"),
+        err::NTPRR => format!("num_tokens_per_rdma_rank[{x}] = {v} but is_token_in_rank selects {l} tokens for NVLink domain {x}"),
+        err::STALE_INTERNODE => match x {
+            -1 => format!("stale handle: the routing gives {v} received tokens but the handle has {l} rows"),
+            -2 => format!("stale handle: the routing gives {v} RDMA-leg tokens but send_nvl_head has {l} rows"),
+            _ => format!("stale handle: recv_gbl_rank_prefix_sum[{x}] is {l} but the ranks' is_token_in_rank route {v} tokens there; all ranks must pass handles of the same dispatch"),
+        },
         _ => format!("stale handle: channel_prefix_matrix[{x}, {v}] is not the one is_token_in_rank gives (pass the handle of one dispatch)"),
     }
 }
 
 /// Grid of the input-check kernel: one thread per token and one warp per (rank, channel), at
 /// most config.num_sms blocks of 8 warps.
-fn check_blocks(config: &Config, tokens: usize, pairs: usize) -> i32 {
+pub(super) fn check_blocks(config: &Config, tokens: usize, pairs: usize) -> i32 {
     i32_of(tokens.div_ceil(256).max(pairs.div_ceil(8)).clamp(1, config.num_sms.max(1)))
 }
 
 impl NcclBackend {
     /// Launches the input checks (before the barrier that gathers the op's header: the data
     /// barrier, or the fused combine's start barrier; it raises what they find).
-    fn check_inputs(&self, op: &'static str, args: CheckArgs, stream: *mut c_void) -> Result<()> {
+    pub(super) fn check_inputs(&self, op: &'static str, args: CheckArgs, stream: *mut c_void) -> Result<()> {
         if !crate::settings::check_inputs() {
             return Ok(());
         }
@@ -179,7 +185,7 @@ impl NcclBackend {
 
     /// Turns a recorded kernel error into the error raised by `op`; non-fatal ones are cleared
     /// (host block now, device copy on `stream`) so the buffer stays usable.
-    fn kernel_error(&self, op: &'static str, e: KernelError, stream: *mut c_void) -> Error {
+    pub(super) fn kernel_error(&self, op: &'static str, e: KernelError, stream: *mut c_void) -> Error {
         let where_ = site::name(e.site);
         if e.code != err::TIMEOUT {
             self.window.status().clear_error();
@@ -210,7 +216,7 @@ impl NcclBackend {
                     e.value, e.rank, e.limit
                 ))
             }
-            c if (err::NTPR..=err::STALE_CPM).contains(&c) => Error::invalid(op, format!(
+            c if (err::NTPR..=err::STALE_INTERNODE).contains(&c) => Error::invalid(op, format!(
                 "{} (rank {}'s inputs, checked on the GPU; found at {where_}: every rank skipped that op, its outputs are invalid)",
                 input_error_text(&e),
                 e.rank
@@ -220,7 +226,7 @@ impl NcclBackend {
     }
 
     /// Raises an error a kernel of an earlier op recorded.
-    fn check_pending(&self, op: &'static str, stream: *mut c_void) -> Result<()> {
+    pub(super) fn check_pending(&self, op: &'static str, stream: *mut c_void) -> Result<()> {
         match self.window.status().error() {
             Some(e) => Err(self.kernel_error(op, e, stream)),
             None => Ok(()),
@@ -228,7 +234,7 @@ impl NcclBackend {
     }
 
     /// Host wait of a non-worst-case dispatch: the notify kernel's receive count.
-    fn wait_recv_count(&self, op: &'static str, stream: *mut c_void) -> Result<usize> {
+    pub(super) fn wait_recv_count(&self, op: &'static str, stream: *mut c_void) -> Result<usize> {
         let status = self.window.status();
         // The GPU's own barrier deadline comes first, so its diagnosis (which rank) is seen.
         let deadline = Instant::now() + self.timeout + Duration::from_secs(1);

@@ -351,6 +351,10 @@ fn build_kernels(dir: &Path, cuda: &Cuda, nccl_home: &Path, archs: &[String], cu
         .flag("-lineinfo")
         .flag("-Xcompiler")
         .flag("-fPIC")
+        // Host code of kernels/logfmt.cuh must round every f32 operation on its own, as the
+        // device intrinsics do (no fused multiply-adds the source did not write).
+        .flag("-Xcompiler")
+        .flag("-ffp-contract=off")
         .include(dir)
         .include(nccl_home.join("include"));
     for a in archs {

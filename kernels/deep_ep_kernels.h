@@ -536,6 +536,8 @@ size_t deep_ep_in_args_bytes(void);
  *           message's entries in top-k order of fma(y, w_k, acc)) in fp32; partial_off lies after
  *           the messages, which the partial combine send reads (dispatch_half).
  *           Partial combine signals: word d*E_l on source s = tag(seq, 0) from expert rank d.
+ *           LogFMT combine (flags DEEP_EP_LL_FLAG_LOGFMT, never partial): meta words [E][T][H/128]
+ *           u32 from offset 0, then rows [E][T] of 2H bytes at E*T*H/128*4 (kernels/logfmt.cuh).
  * The call number seq lives on the device (scratch of the control area): every send kernel takes
  * the next one and writes {half, seq, flags, kind} into recv_state, which the receive kernel reads,
  * so a captured CUDA graph gets fresh tags on every replay. The half is chosen by the host.
@@ -554,6 +556,7 @@ size_t deep_ep_in_args_bytes(void);
 #define DEEP_EP_LL_MAX_EXPERTS 2048
 #define DEEP_EP_LL_MAX_TOPK 16
 #define DEEP_EP_LL_FLAG_PARTIAL 32
+#define DEEP_EP_LL_FLAG_LOGFMT 8  /* combine: rows travel as LogFMT-10 (recv_state flag) */
 /* Device copy of the rank mask (int32 [DEEP_EP_IC_MAX_RANKS], 1 = masked) in the control area's
  * LL scratch; the host rewrites it at every mask update (host-mapped reads from every block
  * would cross PCIe: measured 10-50x slower LL ops). */
@@ -601,12 +604,23 @@ int deep_ep_llk_dispatch_recv(const deep_ep_ic_ctx_t* ctx, const deep_ep_ll_args
  * layout_range back to the source rank at (global expert, src token), then signals. With
  * `partial`: blocks (source rank, y) sum each message of the dispatch (dispatch_half) over its
  * entries with the weights it carried, push one bf16 row per (token, source rank); the last block
- * signals. */
+ * signals. With flags & DEEP_EP_LL_FLAG_LOGFMT (not with partial or zero_copy): each warp encodes one
+ * chunk (1024 channels, 512 when H % 1024 != 0) of a row as LogFMT-10 into the LogFMT layout. */
 int deep_ep_llk_combine_send(const deep_ep_ic_ctx_t* ctx, const deep_ep_ll_args_t* args, void* stream);
 /* Receive phase: waits for all E words (partial: the R words d*E_l), out[n] = bf16(sum over k in
  * order of fma(y, w_k, acc)) (partial: bf16(sum over expert ranks d ascending of the fp32 of d's
- * partial row), d unmasked with an expert in the token's top-k). */
+ * partial row), d unmasked with an expert in the token's top-k; LogFMT: the decoded values in
+ * place of y). */
 int deep_ep_llk_combine_recv(const deep_ep_ic_ctx_t* ctx, const deep_ep_ll_args_t* args, void* stream);
+/* LogFMT-10 on the host with the functions the combine kernels run on the device
+ * (kernels/logfmt.cu; values: src/numerics/logfmt.rs). A row x [hidden] bf16 (hidden % 128 == 0,
+ * at most 131072) is encoded into slot [hidden/128*4 + 2*hidden] bytes (meta then payload, the
+ * crate's slot layout; unused bytes zero); decode_accumulate does acc[i] = fma(value_i, weight,
+ * acc[i]) over a slot; math: out[i] = log2_det(in[i]) (fn 0) or exp2_det(in[i]) (fn 1). Return 0,
+ * or -1 on bad arguments. No GPU needed. */
+int deep_ep_logfmt_encode_row_host(const uint16_t* x, int hidden, uint8_t* slot);
+int deep_ep_logfmt_decode_accumulate_host(const uint8_t* slot, int hidden, float weight, float* acc);
+int deep_ep_logfmt_math_host(int fn, const float* in, float* out, int64_t n);
 /* Zeroes this rank's signal words of both halves (between two barriers on the host side). */
 int deep_ep_llk_zero_signals(const deep_ep_ic_ctx_t* ctx, const deep_ep_ll_args_t* args, void* stream);
 /* sizeof(deep_ep_ll_args_t) (the Rust mirror checks its size against it). */

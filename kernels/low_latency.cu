@@ -2,6 +2,7 @@
 // Protocol: deep_ep_kernels.h ("Low-latency mode"); helpers: low_latency.cuh.
 #include <cstdint>
 
+#include "logfmt.cuh"
 #include "low_latency.cuh"
 
 namespace deep_ep {
@@ -12,6 +13,28 @@ namespace {
 constexpr int kChunk = 1024;
 
 // ---- combine ----------------------------------------------------------------------------------
+// LogFMT rows [b, b + cnt) of local expert l to rank s (combine send, flags DEEP_EP_LL_FLAG_LOGFMT):
+// one warp per (row, chunk) encodes into the LogFMT layout of logfmt.cuh at global expert
+// rank*E_l + l, source token.
+__device__ void ll_combine_send_logfmt(const Ctx& c, const Args& a, char* peer, int l, int64_t b, int64_t cnt, int warp, int lane) {
+  __shared__ __align__(16) uint8_t s_pack[kLlWarps][logfmt::kCastGroupBytes];
+  const int R = c.num_ranks, El = a.num_experts / R, T = a.num_max_tokens, H = a.hidden, S = H / 128;
+  const int64_t RT = static_cast<int64_t>(R) * T;
+  const int chunk = logfmt::chunk_channels(H), nch = (H + chunk - 1) / chunk;
+  const uint64_t ge = static_cast<uint64_t>(c.rank) * El + l;
+  const uint64_t meta = recv_off(a, a.half) + ge * T * S * 4;
+  const uint64_t pay = recv_off(a, a.half) + static_cast<uint64_t>(a.num_experts) * T * S * 4 + ge * T * 2 * H;
+  for (int64_t it = warp; it < cnt * nch; it += kLlWarps) {
+    const int64_t row = b + it / nch;
+    const int c0 = static_cast<int>(it % nch) * chunk, c1 = min(H, c0 + chunk);
+    const int tok = a.src_info[l * RT + row];
+    if (tok < 0 || tok >= T) continue;
+    const uint16_t* src = static_cast<const uint16_t*>(a.x) + (l * RT + row) * H + c0;
+    logfmt::encode_chunk_warp(src, (c1 - c0) / 128, at<uint32_t>(peer, meta + (static_cast<uint64_t>(tok) * S + c0 / 128) * 4),
+                              peer + pay + (static_cast<uint64_t>(tok) * H + c0) * 2, s_pack[warp], lane);
+  }
+}
+
 // Block (l, s): pushes rows layout_range[l][s] of local expert l back to source rank s, keyed by
 // (global expert, source token), then signals word s_global = rank*E_l + l on rank s.
 __global__ void __launch_bounds__(kLlThreads) ll_combine_send_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
@@ -29,6 +52,10 @@ __global__ void __launch_bounds__(kLlThreads) ll_combine_send_kernel(const __gri
   if (dead) cnt = 0;
   char* peer = window(c, s);
   const uint64_t dst_base = recv_off(a, a.half) + static_cast<uint64_t>(c.rank * El + l) * T * (2 * static_cast<uint64_t>(H));
+  if (a.flags & DEEP_EP_LL_FLAG_LOGFMT) {
+    ll_combine_send_logfmt(c, a, peer, l, b, cnt, warp, lane);
+    cnt = 0;  // every row went out as LogFMT: nothing left for the BF16 loop
+  }
   const int nchunks = (H + kChunk - 1) / kChunk;
   for (int64_t it = warp; it < cnt * nchunks; it += kLlWarps) {
     const int64_t row = b + it / nchunks;
@@ -130,12 +157,69 @@ __global__ void __launch_bounds__(kLlThreads) ll_combine_partial_kernel(const __
   }
 }
 
+// LogFMT reduction of token `tok` (combine receive, blockDim = kReduceThreads): per pass of 32
+// groups (4096 channels), thread (k, g) = (tid / 32, tid % 32) derives selection k's parameters of
+// group g from the meta and then its chunk's cast decision; then thread j reduces channels
+// 8j..8j+7 of the pass: acc = fma(decoded value, w_k, acc) over k in order (crate:
+// logfmt::decode_accumulate), one bf16 rounding. s_e / s_w: the token's experts and weights.
+static_assert(kReduceThreads == kMaxLlTopk * 32, "one thread per (selection, group) of a LogFMT pass");
+__device__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok, const int64_t* s_e, const float* s_w) {
+  __shared__ float s_lamin[kMaxLlTopk][32], s_step[kMaxLlTopk][32];
+  __shared__ int s_castable[kMaxLlTopk][32], s_cast[kMaxLlTopk][32];
+  const int tid = threadIdx.x, K = a.num_topk, E = a.num_experts, T = a.num_max_tokens, H = a.hidden, S = H / 128;
+  const int per_chunk = logfmt::chunk_channels(H) / 128;  // divides 32: passes start at chunk starts
+  const uint64_t pay = static_cast<uint64_t>(E) * T * S * 4;
+  const int k = tid / 32, gi = tid % 32;
+  const int64_t ek = k < K ? s_e[k] : -1;
+  for (int base = 0; base < S; base += 32) {
+    const int g = base + gi;
+    const bool mine = ek >= 0 && ek < E && g < S;
+    if (mine) {
+      const uint32_t m = __ldcg(reinterpret_cast<const unsigned int*>(recv + ((static_cast<uint64_t>(ek) * T + tok) * S + g) * 4));
+      const logfmt::Group p = logfmt::group_of_meta(m);
+      s_lamin[k][gi] = p.log_amin;
+      s_step[k][gi] = logfmt::group_step(p);
+      s_castable[k][gi] = p.castable;
+    }
+    __syncthreads();
+    if (mine) {
+      const int q0 = gi / per_chunk * per_chunk, q1 = min(q0 + per_chunk, S - base);
+      int all = 1;
+      for (int q = q0; q < q1; ++q) all &= s_castable[k][q];
+      s_cast[k][gi] = all;
+    }
+    __syncthreads();
+    const int j = base * 16 + tid, gl = tid / 16, mm = tid % 16;  // 8-channel unit j lies in group base + gl
+    if (j * 8 < H) {
+      float acc[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) acc[u] = 0.0f;
+      for (int q = 0; q < K; ++q) {
+        const int64_t e = s_e[q];
+        if (e < 0 || e >= E) continue;
+        const char* row = recv + pay + (static_cast<uint64_t>(e) * T + tok) * 2 * H;
+        if (s_cast[q][gl]) {
+          const unsigned int* w = reinterpret_cast<const unsigned int*>(row + (base + gl) * 256 + (10 * mm & ~3));
+          const uint32_t wv[3] = {__ldcg(w), __ldcg(w + 1), __ldcg(w + 2)};
+          logfmt::accumulate_cast8(acc, wv, 10 * mm & 3, s_step[q][gl], s_lamin[q][gl], s_w[q]);
+        } else {
+          const int4 v = __ldcg(reinterpret_cast<const int4*>(row) + j);
+          const uint32_t wv[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z), static_cast<uint32_t>(v.w)};
+          logfmt::accumulate_raw8(acc, wv, s_w[q]);
+        }
+      }
+      reinterpret_cast<int4*>(a.out + static_cast<int64_t>(tok) * H)[j] = pack_bf16x8(acc);
+    }
+    __syncthreads();  // the parameters are rewritten by the next pass (and s_e / s_w by the next token)
+  }
+}
+
 // Every block waits for all E words (partial: the R words d*E_l), then reduces tokens blockIdx.x,
 // +gridDim.x, ...: thread j owns channels 8j..8j+7: acc = fma(y_k, w_k, acc) over k in order
 // (crate: f32::mul_add); partial: acc += the partial row of each expert rank d ascending that
 // holds one of the token's (unmasked) experts.
 __global__ void __launch_bounds__(kReduceThreads) ll_combine_recv_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
-  __shared__ int s_ok, s_half, s_partial, s_dm;
+  __shared__ int s_ok, s_half, s_partial, s_dm, s_logfmt;
   __shared__ uint32_t s_seq;
   __shared__ unsigned long long s_wait[kMaxRanks];
   __shared__ int64_t s_e[16];
@@ -150,6 +234,7 @@ __global__ void __launch_bounds__(kReduceThreads) ll_combine_recv_kernel(const _
     s_half = h;
     s_seq = q;
     s_partial = (fl & DEEP_EP_LL_FLAG_PARTIAL) != 0;
+    s_logfmt = (fl & DEEP_EP_LL_FLAG_LOGFMT) != 0;
   }
   if (tid < kMaxRanks) s_wait[tid] = 0;
   __syncthreads();
@@ -206,6 +291,10 @@ __global__ void __launch_bounds__(kReduceThreads) ll_combine_recv_kernel(const _
       __syncthreads();  // s_e, s_w, s_dm are rewritten for the next token
       continue;
     }
+    if (s_logfmt) {
+      ll_combine_recv_logfmt(a, recv, tok, s_e, s_w);
+      continue;
+    }
     for (int j = tid; j < H / 8; j += blockDim.x) {
       float acc[8];
 #pragma unroll
@@ -239,6 +328,12 @@ extern "C" int deep_ep_llk_combine_send(const deep_ep_ic_ctx_t* ctx, const deep_
       (!args->zero_copy && args->x == nullptr))
     return static_cast<int>(cudaErrorInvalidValue);
   const int el = args->num_experts / ctx->num_ranks;
+  if (args->flags & DEEP_EP_LL_FLAG_LOGFMT) {
+    // The LogFMT layout must fit the receive half, its payload 16-byte aligned (logfmt.cuh).
+    const uint64_t et = static_cast<uint64_t>(args->num_experts) * args->num_max_tokens, s = args->hidden / 128;
+    if (args->partial || args->zero_copy || et * (4 * s + 2 * static_cast<uint64_t>(args->hidden)) > args->recv_bytes || et * s % 4 != 0)
+      return static_cast<int>(cudaErrorInvalidValue);
+  }
   if (args->partial) {
     // Blocks (source rank, y): ~2 per SM in all; each takes every gridDim.y-th message.
     const int y = args->num_blocks > ctx->num_ranks ? args->num_blocks / ctx->num_ranks : 1;

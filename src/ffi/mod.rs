@@ -14,6 +14,8 @@ pub mod intranode;
 #[cfg(feature = "cuda")]
 pub mod ll_rows;
 #[cfg(feature = "cuda")]
+pub mod logfmt;
+#[cfg(feature = "cuda")]
 pub mod low_latency;
 #[cfg(feature = "cuda")]
 pub mod host_mask;

@@ -10,7 +10,9 @@ valid rows bitwise (both backends receive per (expert, source) in increasing tok
 combined output bitwise. Random configurations (default 200 per rank count): tokens 0..T with 0
 and 1, T up to 1500, hidden 2048/4096/5120/7168/8192 and 2176, top-k 1..9 with -1 entries, 8..288
 experts, int32/int64 ids, BF16 / FP8 / FP8 round_scale / FP8 UE8M0, combine fused, with hooks,
-zero-copy or into a caller-supplied out, dispatch with hooks, and two dispatches in flight.
+zero-copy or into a caller-supplied out, with or without LogFMT (not with zero-copy; its expert
+outputs are scaled per 128-channel group, with zeros, subnormals and tiny values, so that most
+chunks are cast and some travel raw), dispatch with hooks, and two dispatches in flight.
 Then CUDA graphs of a whole decode step (dispatch -> expert -> combine), without and with hooks,
 are captured once and replayed DEEP_EP_LL_REPLAYS times (default 1000) with fresh inputs; every
 DEEP_EP_LL_CHECK_EVERY-th replay (default 10; 1 = all) and the last are checked against the CPU
@@ -53,6 +55,8 @@ def hint(t, h, r, e):
 def make_configs(num_ranks: int, count: int, seed: int) -> list:
     """The same list on every rank."""
     rng = random.Random(seed * 1000 + num_ranks + 17)
+    # LogFMT draws from a generator of its own, so the other fields stay those of earlier runs.
+    lf_rng = random.Random(seed * 1000 + num_ranks + 4242)
     cfgs = []
     while len(cfgs) < count:
         i = len(cfgs)
@@ -69,6 +73,7 @@ def make_configs(num_ranks: int, count: int, seed: int) -> list:
                    topk=rng.randint(1, min(9, experts)), minus_one=rng.choice([0.0, 0.05, 0.3]), idx64=rng.random() < 0.5,
                    combine=rng.choice(COMBINES), dispatch_hook=rng.random() < 0.3, two_in_flight=rng.random() < 0.15,
                    stats=rng.random() < 0.7)
+        cfg["logfmt"] = cfg["combine"] != "zero_copy" and lf_rng.random() < 0.35
         if i == 0:
             cfg["tokens"] = [0] * num_ranks
         if i == 1:
@@ -87,6 +92,25 @@ def make_inputs(g, n, hidden, k, experts, minus_one, idx64):
         idx[torch.rand(n, k, generator=g) < minus_one] = -1
     w = torch.randn(n, k, generator=g)
     return x, idx.to(torch.int64 if idx64 else torch.int32), w
+
+
+def logfmt_bank(g, bank):
+    """Expert output rows for LogFMT: per 128-channel group a scale 2^-24..2^-2 (the group may be
+    cast) or, for a few groups, 4 (the whole chunk travels raw); zeros, values below the 2^-32 clip,
+    bf16 subnormals and all-equal groups (raw)."""
+    rows, hidden = bank.shape
+    s = hidden // 128
+    b = bank.float()
+    e = torch.randint(-24, -1, (rows, s), generator=g).float()
+    e[torch.rand(rows, s, generator=g) < 0.03] = 2.0
+    b = b * torch.exp2(e).repeat_interleave(128, dim=1)
+    u = torch.rand(rows, hidden, generator=g)
+    b[u < 0.02] = 0.0
+    b[(u >= 0.02) & (u < 0.03)] *= 2.0 ** -40
+    b[(u >= 0.03) & (u < 0.035)] = 3e-39
+    eq = torch.rand(rows, s, generator=g) < 0.02
+    b.view(rows, s, 128)[eq] = -0.125
+    return b.bfloat16()
 
 
 def valid_rows(count: torch.Tensor, rows: int) -> torch.Tensor:
@@ -127,7 +151,10 @@ def run_config(cfg, rank, num_ranks, cpu_buf, gpu_buf) -> list:
     x2, idx2, w2 = make_inputs(g, n, hidden, k, e, cfg["minus_one"], cfg["idx64"])
     # Expert outputs: rows drawn from a random bank (cheap at T * hidden = millions of values).
     bank = torch.randn(97, hidden, generator=g).bfloat16()
-    y = bank[torch.randint(0, 97, (el * num_ranks * t,), generator=g)].view(el, num_ranks * t, hidden)
+    picks = torch.randint(0, 97, (el * num_ranks * t,), generator=g)
+    if cfg["logfmt"]:
+        bank = logfmt_bank(g, bank)
+    y = bank[picks].view(el, num_ranks * t, hidden)
     res = {}
     for name, buf, dev in (("cpu", cpu_buf, lambda v: v), ("gpu", gpu_buf, to_gpu)):
         stats = (dev(torch.zeros(el, dtype=torch.int32)), dev(torch.zeros(num_ranks, dtype=torch.int64))) if cfg["stats"] else (None, None)
@@ -152,7 +179,7 @@ def run_config(cfg, rank, num_ranks, cpu_buf, gpu_buf) -> list:
         yin = dev(y)
         if mode == "zero_copy":
             buf.get_next_low_latency_combine_buffer(handle).copy_(yin)
-        kw = dict(zero_copy=mode == "zero_copy", return_recv_hook=mode == "hook")
+        kw = dict(zero_copy=mode == "zero_copy", return_recv_hook=mode == "hook", use_logfmt=cfg["logfmt"])
         if mode == "out":
             kw["out"] = dev(torch.full((n, hidden), 7.0).bfloat16())
         comb, _, hook = buf.low_latency_combine(yin, dev(idx), dev(w), handle, **kw)

@@ -22,7 +22,9 @@
 //! rank), `bf16(Σ fma(y_k, w_k, acc))` over its experts in top-k order with the dispatch's
 //! weights, and the source sums those rows over ranks ascending in fp32 (one more BF16 rounding
 //! than the per-expert sum; the CPU backend does the same, bit for bit). A combine finds its
-//! dispatch by the address of `src_info` among the last dispatch of each half.
+//! dispatch by the address of `src_info` among the last dispatch of each half. With `use_logfmt`
+//! the per-expert rows travel as LogFMT-10 (`numerics::logfmt` values, `kernels/logfmt.cuh`
+//! layout) and no partial sums are sent, as on the CPU backend.
 //!
 //! # Calls, halves, tags
 //! Each send takes the half `next_half` (host, DeepEP's buffer index) and the next call number
@@ -53,6 +55,9 @@ const RECV_BLOCKS: i32 = 528;
 const PARTIAL_BLOCKS: i32 = 264;
 /// Combine `recv_state` flag: partial sums were sent (`DEEP_EP_LL_FLAG_PARTIAL`).
 const FLAG_PARTIAL: i32 = 32;
+/// Combine `recv_state` flag: rows travel as LogFMT-10 (`DEEP_EP_LL_FLAG_LOGFMT`; the CPU
+/// backend's `FLAG_LOGFMT`).
+const FLAG_LOGFMT: i32 = 8;
 /// Most blocks of the dispatch send (256 threads each, 2 per SM: one or a few tokens per block).
 const SEND_BLOCKS: i32 = 264;
 /// Most experts of a dispatch send on this backend (`DEEP_EP_LL_MAX_EXPERTS`).
@@ -243,9 +248,6 @@ impl NcclBackend {
 
     pub(super) fn ll_combine_send_impl(&mut self, g: &LlGeometry, s: &LlCombineSendArgs, stream: Stream) -> Result<()> {
         self.check_ll_pending(OP_COMBINE, stream)?;
-        if s.use_logfmt {
-            return Err(Error::NotImplemented { op: OP_COMBINE, backend: "nccl", feature: "use_logfmt in low-latency combine" });
-        }
         let mut a = self.ll_args(OP_COMBINE, g)?;
         a.zero_copy = s.zero_copy as i32;
         if !s.zero_copy {
@@ -255,9 +257,13 @@ impl NcclBackend {
         a.src_info = ptr(&s.src_info);
         a.layout_range = ptr(&s.layout_range);
         a.recv_state = ptr(&s.recv_state);
+        // LogFMT rows per expert (`kernels/logfmt.cuh`), never partial sums (as the CPU backend).
+        if s.use_logfmt {
+            a.flags = FLAG_LOGFMT;
+        }
         // Partial sums when this handle's dispatch carried top-k weights (as the CPU backend).
         let src_ptr = s.src_info.data_ptr() as usize;
-        let fits = g.wire(self.info.num_ranks).is_some_and(|w| w.partial_fits);
+        let fits = !s.use_logfmt && g.wire(self.info.num_ranks).is_some_and(|w| w.partial_fits);
         if let Some(hd) = crate::backend::ll_weighted_dispatch_half(&self.ll.dispatch, src_ptr).filter(|_| fits) {
             a.partial = 1;
             a.dispatch_half = hd as i32;

@@ -1,0 +1,275 @@
+// logfmt.cuh: LogFMT-10, the optional 10-bit logarithmic transport of the low-latency combine
+// (DeepEP's `use_logfmt`). The values are specified by src/numerics/logfmt.rs (module doc); every
+// function here is its port, bit for bit, and is compiled for host and device alike: on the device
+// each f32 operation is an explicit round-to-nearest intrinsic (__fmaf_rn, __fdiv_rn, __fmul_rn,
+// ...), which nvcc never contracts or approximates whatever -fmad / -prec-div say; on the host
+// they are plain IEEE operations and std::fma (the library is built with -ffp-contract=off). The
+// host entry points of kernels/logfmt.cu run these same functions, and a cargo test compares them
+// with the Rust reference (src/ffi/logfmt.rs), which is the evidence that the kernels compute the
+// crate's bits.
+//
+// Window layout of a LogFMT combine (receive half, replaces the BF16 rows [E][T][H]): meta words
+// [E][T][S] u32 (S = H/128; word = amax bf16 bits | amin bf16 bits << 16) from offset 0, then the
+// payload [E][T] of 2H bytes at E*T*S*4 (16-byte aligned: the nccl backend requires E*T*S % 4 ==
+// 0). Payload group g (bytes 256g..): raw = its 128 bf16, cast = 128 ten-bit values sign << 9 |
+// code packed LSB-first into the first 160 bytes (the rest is not written). Together E*T*(4S + 2H)
+// bytes, the size DeepEP's combine slots reserve (crate::config::LowLatencyLayout).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include <cuda_runtime.h>
+
+namespace deep_ep {
+namespace logfmt {
+namespace {
+
+// `#pragma unroll` for the device pass only (the host compiler does not know it).
+#ifdef __CUDA_ARCH__
+#define DEEP_EP_LF_UNROLL _Pragma("unroll")
+#else
+#define DEEP_EP_LF_UNROLL
+#endif
+
+constexpr int kGroup = 128;           // channels per meta pair
+constexpr int kCastGroupBytes = 160;  // 128 x 10 bits
+constexpr uint32_t kMaxCode = 511;    // 9-bit magnitude codes
+
+// ---- exact f32 operations, identical on host and device -----------------------------------------
+__host__ __device__ __forceinline__ float f_fma(float a, float b, float c) {
+#ifdef __CUDA_ARCH__
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+__host__ __device__ __forceinline__ float f_add(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+__host__ __device__ __forceinline__ float f_sub(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+__host__ __device__ __forceinline__ float f_mul(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+__host__ __device__ __forceinline__ float f_div(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+__host__ __device__ __forceinline__ float f_bits(uint32_t u) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+__host__ __device__ __forceinline__ uint32_t bits_of(float f) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+// Exact operations (no rounding involved): max / floor / round half away from zero.
+__host__ __device__ __forceinline__ float f_max(float a, float b) { return fmaxf(a, b); }
+__host__ __device__ __forceinline__ float f_floor(float a) { return floorf(a); }
+__host__ __device__ __forceinline__ float f_round(float a) { return roundf(a); }
+__host__ __device__ __forceinline__ float bf16_f32(uint32_t b) { return f_bits((b & 0xffffu) << 16); }
+
+constexpr uint32_t kNan = 0x7fc00000u, kInf = 0x7f800000u, kNegInf = 0xff800000u;
+// log2(m) = t*(A1 + s*(A3 + ...)), t = (m-1)/(m+1), s = t*t (crate: logfmt::A1..A11, SQRT2).
+constexpr uint32_t kA1 = 0x4038aa3bu, kA3 = 0x3f76384fu, kA5 = 0x3f13bb63u, kA7 = 0x3ed30bb1u, kA9 = 0x3ea4258au,
+                   kA11 = 0x3e864d42u, kSqrt2 = 0x3fb504f3u;
+// 2^f = sum_k B_k f^k, k = 0..7 (crate: logfmt::B).
+constexpr uint32_t kB0 = 0x3f800000u, kB1 = 0x3f317218u, kB2 = 0x3e75fdf0u, kB3 = 0x3d635847u, kB4 = 0x3c1d955bu,
+                   kB5 = 0x3aaec3ffu, kB6 = 0x39218489u, kB7 = 0x377fe5feu;
+
+// crate: logfmt::log2_det.
+__host__ __device__ __forceinline__ float log2_det(float x) {
+  if (x != x || x < 0.0f) return f_bits(kNan);
+  if (x == 0.0f) return f_bits(kNegInf);
+  if (x == f_bits(kInf)) return x;
+  uint32_t b = bits_of(x);
+  int e = 0;
+  if (b < 0x00800000u) {  // subnormal: scale by 2^23 (exact)
+    b = bits_of(f_mul(x, 8388608.0f));
+    e = -23;
+  }
+  e += static_cast<int>(b >> 23) - 127;
+  float m = f_bits((b & 0x7fffffu) | 0x3f800000u);
+  if (m > f_bits(kSqrt2)) {
+    m = f_mul(m, 0.5f);
+    e += 1;
+  }
+  const float t = f_div(f_sub(m, 1.0f), f_add(m, 1.0f));
+  const float s = f_mul(t, t);
+  float q = f_bits(kA11);
+  q = f_fma(q, s, f_bits(kA9));
+  q = f_fma(q, s, f_bits(kA7));
+  q = f_fma(q, s, f_bits(kA5));
+  q = f_fma(q, s, f_bits(kA3));
+  q = f_fma(q, s, f_bits(kA1));
+  return f_fma(t, q, static_cast<float>(e));
+}
+
+__host__ __device__ __forceinline__ float pow2i(int e) { return f_bits(static_cast<uint32_t>(e + 127) << 23); }
+
+// crate: logfmt::exp2_det.
+__host__ __device__ __forceinline__ float exp2_det(float y) {
+  if (y != y) return y;
+  if (y >= 128.0f) return f_bits(kInf);
+  if (y < -152.0f) return 0.0f;
+  const float n = f_round(y);
+  const float f = f_sub(y, n);
+  float p = f_bits(kB7);
+  p = f_fma(p, f, f_bits(kB6));
+  p = f_fma(p, f, f_bits(kB5));
+  p = f_fma(p, f, f_bits(kB4));
+  p = f_fma(p, f, f_bits(kB3));
+  p = f_fma(p, f, f_bits(kB2));
+  p = f_fma(p, f, f_bits(kB1));
+  p = f_fma(p, f, f_bits(kB0));
+  const int ni = static_cast<int>(n);
+  if (ni > 127) return f_mul(f_mul(p, pow2i(127)), pow2i(ni - 127));
+  if (ni >= -126) return f_mul(p, pow2i(ni));
+  return f_mul(f_mul(p, pow2i(ni + 64)), pow2i(-64));
+}
+
+// Channels decided together (cast or raw): crate logfmt::chunk_channels.
+__host__ __device__ __forceinline__ int chunk_channels(int hidden) { return hidden % 1024 == 0 ? 1024 : 512; }
+
+// One group's parameters from its meta (crate: logfmt::GroupParams).
+struct Group {
+  float log_amax, log_amin;
+  bool castable;
+};
+__host__ __device__ __forceinline__ Group group_params(uint32_t amax, uint32_t amin) {
+  Group g;
+  g.log_amax = log2_det(bf16_f32(amax));
+  const float lo = bf16_f32(amin);
+  const float clip = f_sub(g.log_amax, 32.0f);
+  g.log_amin = lo == 0.0f ? clip : f_max(log2_det(lo), clip);
+  g.castable = g.log_amax < 0.0f && g.log_amin < g.log_amax;
+  return g;
+}
+__host__ __device__ __forceinline__ Group group_of_meta(uint32_t meta) { return group_params(meta & 0xffffu, meta >> 16); }
+__host__ __device__ __forceinline__ float group_step(const Group& g) { return f_div(f_sub(g.log_amax, g.log_amin), 510.0f); }
+
+// Encoder constants of a cast group: code(a) = min(511, floor(max(fma(log2(a), step_inv, fused), 0))).
+struct Encoder {
+  float step_inv, fused;
+};
+__host__ __device__ __forceinline__ Encoder encoder(const Group& g) {
+  const float step = group_step(g);
+  Encoder e;
+  e.step_inv = f_div(1.0f, step);
+  const float rounding = f_fma(-log2_det(f_mul(f_add(1.0f, exp2_det(step)), 0.5f)), e.step_inv, 2.0f);
+  e.fused = f_fma(-g.log_amin, e.step_inv, rounding);
+  return e;
+}
+// 10-bit value (sign << 9 | code) of one bf16 (bits).
+__host__ __device__ __forceinline__ uint32_t encode_value(const Encoder& e, uint32_t b) {
+  const float v = f_floor(f_max(f_fma(log2_det(bf16_f32(b & 0x7fffu)), e.step_inv, e.fused), 0.0f));
+  const uint32_t code = v >= static_cast<float>(kMaxCode) ? kMaxCode : static_cast<uint32_t>(v);
+  return ((b >> 15) & 1u) << 9 | code;
+}
+// Four consecutive channels (bf16 pairs lo, hi of two words) as 40 bits, the first lowest.
+__host__ __device__ __forceinline__ uint64_t encode4(const Encoder& e, uint32_t w0, uint32_t w1) {
+  return static_cast<uint64_t>(encode_value(e, w0 & 0xffffu)) | static_cast<uint64_t>(encode_value(e, w0 >> 16)) << 10 |
+         static_cast<uint64_t>(encode_value(e, w1 & 0xffffu)) << 20 | static_cast<uint64_t>(encode_value(e, w1 >> 16)) << 30;
+}
+
+// Decoded value of a 10-bit value (crate: GroupParams::decode, negated by the sign bit).
+__host__ __device__ __forceinline__ float decode_value(uint32_t v, float step, float log_amin) {
+  const uint32_t code = v & kMaxCode;
+  const float mag = code == 0 ? 0.0f : exp2_det(f_fma(static_cast<float>(code - 1), step, log_amin));
+  return (v >> 9) & 1u ? -mag : mag;
+}
+
+// Channels 8m..8m+7 of a cast group: acc[i] = fma(value_i, wt, acc[i]). `w` are the three u32 words
+// of the group's payload from byte (10m & ~3), `shift` = 10m & 3 (0 or 2) bytes before the codes.
+__host__ __device__ __forceinline__ void accumulate_cast8(float (&acc)[8], const uint32_t (&w)[3], int shift, float step,
+                                                         float log_amin, float wt) {
+  const uint64_t lo = static_cast<uint64_t>(w[0]) | static_cast<uint64_t>(w[1]) << 32;
+  const uint64_t hi = w[2];
+  // 80 bits from bit 8*shift (0 or 16): codes 0..5 lie in the low word, 6 and 7 straddle.
+  const uint64_t a = shift == 0 ? lo : (lo >> 16 | hi << 48);
+  const uint64_t b = shift == 0 ? (lo >> 60 | hi << 4) : (hi >> 12);  // bits 60.. of the 80
+DEEP_EP_LF_UNROLL
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t v = static_cast<uint32_t>(i < 6 ? a >> (10 * i) : b >> (10 * i - 60)) & 0x3ffu;
+    acc[i] = f_fma(decode_value(v, step, log_amin), wt, acc[i]);
+  }
+}
+// The same for a raw group: the eight bf16 of `w` (two per word, lower channel first).
+__host__ __device__ __forceinline__ void accumulate_raw8(float (&acc)[8], const uint32_t (&w)[4], float wt) {
+DEEP_EP_LF_UNROLL
+  for (int u = 0; u < 4; ++u) {
+    acc[2 * u] = f_fma(bf16_f32(w[u] & 0xffffu), wt, acc[2 * u]);
+    acc[2 * u + 1] = f_fma(bf16_f32(w[u] >> 16), wt, acc[2 * u + 1]);
+  }
+}
+
+#ifdef __CUDACC__
+// One warp encodes one chunk of a row: groups 0..ng-1 (ng <= 8, see chunk_channels) of the bf16
+// channels at `src` (8-byte aligned) into `meta` (ng u32) and `pay` (ng x 256 bytes, 16-byte
+// aligned); `pack` is 160 bytes of the warp's shared memory. Lane l owns channels 4l..4l+3 of each
+// group; the group's amax / amin are warp reductions of the bf16 bits (exact, in any order). The
+// host twin is deep_ep_logfmt_encode_row_host (kernels/logfmt.cu).
+__device__ __forceinline__ void encode_chunk_warp(const uint16_t* src, int ng, uint32_t* meta, char* pay, uint8_t* pack, int lane) {
+  uint2 v[8];
+  Group gp[8];
+  bool cast = true;
+#pragma unroll
+  for (int g = 0; g < 8; ++g) {
+    if (g < ng) {
+      v[g] = __ldcg(reinterpret_cast<const uint2*>(src + g * kGroup) + lane);
+      const uint32_t a0 = v[g].x & 0x7fffu, a1 = (v[g].x >> 16) & 0x7fffu, a2 = v[g].y & 0x7fffu, a3 = (v[g].y >> 16) & 0x7fffu;
+      const uint32_t mx = __reduce_max_sync(0xffffffffu, max(max(a0, a1), max(a2, a3)));
+      const uint32_t mn = __reduce_min_sync(0xffffffffu, min(min(a0, a1), min(a2, a3)));
+      gp[g] = group_params(mx, mn);
+      cast = cast && gp[g].castable;
+      if (lane == 0) meta[g] = mx | mn << 16;
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < 8; ++g) {
+    if (g >= ng) continue;
+    if (!cast) {
+      reinterpret_cast<uint2*>(pay + g * 2 * kGroup)[lane] = v[g];
+      continue;
+    }
+    const uint64_t p = encode4(encoder(gp[g]), v[g].x, v[g].y);
+#pragma unroll
+    for (int b = 0; b < 5; ++b) pack[5 * lane + b] = static_cast<uint8_t>(p >> (8 * b));
+    __syncwarp();
+    if (lane < kCastGroupBytes / 16) reinterpret_cast<int4*>(pay + g * 2 * kGroup)[lane] = reinterpret_cast<const int4*>(pack)[lane];
+    __syncwarp();  // pack is rewritten for the next group
+  }
+}
+#endif
+
+}  // namespace
+}  // namespace logfmt
+}  // namespace deep_ep

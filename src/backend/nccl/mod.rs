@@ -1,8 +1,9 @@
 //! The NVLink peer-pointer backend (`nccl`, and `nvshmem` with that cargo feature). Intranode normal mode (dispatch, cached dispatch, combine) runs
 //! on one NCCL symmetric window per buffer with a pull model (`normal.rs`, kernels in
 //! `kernels/intranode_*.cu`); low-latency mode pushes over the same window's peer pointers
-//! (`low_latency.rs`, `kernels/low_latency.cu`); internode buffers answer
-//! [`Error::NotImplemented`].
+//! (`low_latency.rs`, `kernels/low_latency.cu`), and reaches peers outside the caller's NVLink
+//! domain through the transport seam when the ranks span several domains (`ll_seam.rs`, LSA
+//! emulation); internode normal-mode ops answer [`Error::NotImplemented`].
 //!
 //! The window comes from a provider ([`window::PeerWindow`]): an NCCL symmetric window (backend
 //! `nccl`) or an NVSHMEM symmetric allocation (backend `nvshmem`); kernels and host code only see
@@ -27,6 +28,7 @@
 //! masking the peer as the CPU backend does: the peer can be masked by hand afterwards.
 
 pub mod gin;
+pub mod ll_seam;
 mod low_latency;
 mod normal;
 pub mod window;
@@ -49,6 +51,8 @@ pub struct NcclBackend {
     ll: low_latency::LlState,
     /// LL rank mask + shrink flag, host-mapped so LL kernels read it (see the module doc).
     mask: HostMask,
+    /// Internode LL: how the kernels reach peers outside this rank's NVLink domain.
+    seam: Option<ll_seam::Seam>,
 }
 
 fn ni(kind: BackendKind, op: &'static str, feature: &'static str) -> Error {
@@ -83,7 +87,11 @@ impl NcclBackend {
         }
         crate::ffi::low_latency::check_struct_size(OP)?;
         let timeout = crate::settings::timeout();
-        let data_bytes = a.num_nvl_bytes + low_latency::extra_window_bytes(a.num_nvl_bytes, a.num_rdma_bytes, a.low_latency_mode);
+        // Internode LL (ranks over several NVLink domains): the seam's area after the LL area.
+        let topo = crate::topology::Topology::new(OP, a.rank, a.num_ranks, crate::topology::nvl_domain_size()?)?;
+        let net_kind = ll_seam::select(OP, gin::GinKnobs::from_env()?.transport, &topo, a.low_latency_mode)?;
+        let seam_bytes = net_kind.map_or(0, |_| ll_seam::SeamLayout::extra_bytes(a.num_rdma_bytes));
+        let data_bytes = a.num_nvl_bytes + low_latency::extra_window_bytes(a.num_nvl_bytes, a.num_rdma_bytes, a.low_latency_mode) + seam_bytes;
         let timeout_ns = timeout.as_nanos().min(u64::MAX as u128) as u64;
         let transport_self_test = gin::self_test_stride_from_env(a.rank, a.num_ranks)?;
         let window: Box<dyn window::PeerWindow> = match kind {
@@ -98,9 +106,17 @@ impl NcclBackend {
             }
             other => return Err(Error::invalid(OP, format!("internal: backend {} has no peer window", other.name()))),
         };
+        let seam = match net_kind {
+            Some(kind) => {
+                let layout = ll_seam::SeamLayout::new(crate::ffi::intranode::CONTROL_BYTES, a.num_nvl_bytes, a.num_rdma_bytes);
+                crate::ffi::transport::write_lsa_desc(OP, window.ctx(), layout.desc_off, layout.signal_off, ll_seam::LSA_CONTEXTS, ll_seam::SIGNALS)?;
+                Some(ll_seam::Seam { layout, nvl_domain: topo.num_nvl_ranks(), kind })
+            }
+            None => None,
+        };
         let info = BufferInfo::from_args(a, kind);
         let mask = HostMask::new(OP)?;
-        Ok(NcclBackend { info, window, timeout, ll: low_latency::LlState::default(), mask })
+        Ok(NcclBackend { info, window, timeout, ll: low_latency::LlState::default(), mask, seam })
     }
 
     /// A fresh unique id ([`UNIQUE_ID_BYTES`] bytes) of `kind`'s provider from one rank

@@ -110,6 +110,7 @@ impl NcclBackend {
             Some(kind) => {
                 let layout = ll_seam::SeamLayout::new(crate::ffi::intranode::CONTROL_BYTES, a.num_nvl_bytes, a.num_rdma_bytes);
                 crate::ffi::transport::write_lsa_desc(OP, window.ctx(), layout.desc_off, layout.signal_off, ll_seam::LSA_CONTEXTS, ll_seam::SIGNALS)?;
+                crate::log_info!(Some(a.rank), "{OP}: low-latency kernels reach ranks {:?} (outside this NVLink domain of {}) through the transport seam (LSA emulation)", ll_seam::remote_peers(&topo), topo.num_nvl_ranks());
                 Some(ll_seam::Seam { layout, nvl_domain: topo.num_nvl_ranks(), kind })
             }
             None => None,

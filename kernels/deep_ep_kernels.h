@@ -590,7 +590,25 @@ typedef struct {
   int32_t partial;           /* combine send: one partial sum per (token, expert rank) */
   int32_t dispatch_half;     /* combine send with partial: the half holding the dispatch's messages */
   int32_t reserved;
+  /* Internode (docs/INTERNODE.md "Internode LL"): peers outside this rank's NVLink domain are
+   * reached through the transport seam (kernels/transport.cuh). net == NULL: every peer by NVLink
+   * stores (intranode). Remote messages are staged in this rank's own window first (GIN sends only
+   * registered memory): dispatch in the send half of its call (payloads [T] of msg_bytes - META at
+   * 0, metas [R][T] of META bytes at stage_meta_off, index rows [E][T] u32 at stage_idx_off, counts
+   * [R] u32 at stage_cnt_off), combine rows at their zero-copy slot of the send half, partial rows
+   * in the payload of the dispatch message they answer. Signals to remote peers are seam signals
+   * ((kind * 2 + half) * E_l + l) * R + src (kind 0 dispatch, 1 combine; GinPlan::ll_signal) on
+   * context src, raised by an add that makes their value the same tag an NVLink word would hold. */
+  const void* net;           /* seam descriptor in this rank's window (LsaNet / GinNet, low_latency.cuh) or NULL */
+  uint64_t shadow_off;       /* u64 [4 * E] in this rank's window: the value it last gave each remote signal */
+  uint64_t stage_meta_off, stage_idx_off, stage_cnt_off; /* dispatch staging, in a send half */
+  int32_t nvl_domain;        /* ranks per NVLink domain: peer d is remote when d / nvl_domain != rank / nvl_domain */
+  int32_t net_kind;          /* DEEP_EP_LL_NET_LSA or DEEP_EP_LL_NET_GIN */
 } deep_ep_ll_args_t;
+#define DEEP_EP_LL_NET_LSA 1 /* the LSA emulation of the RDMA leg (one NVLink machine as several nodes) */
+#define DEEP_EP_LL_NET_GIN 2 /* NCCL GIN */
+/* Seam signals per rank the LL kernels use at most: 4 * DEEP_EP_LL_MAX_EXPERTS. */
+#define DEEP_EP_LL_SEAM_SIGNALS (4 * DEEP_EP_LL_MAX_EXPERTS)
 /* Send phase of a dispatch: blocks of one or a few tokens (at most num_blocks) count expert slots
  * and message slots in shared memory, push one message per (token, destination rank) (cast to
  * FP8 once when use_fp8) with its index entries; the last block signals every count. topk_weights
@@ -621,7 +639,8 @@ int deep_ep_llk_combine_recv(const deep_ep_ic_ctx_t* ctx, const deep_ep_ll_args_
 int deep_ep_logfmt_encode_row_host(const uint16_t* x, int hidden, uint8_t* slot);
 int deep_ep_logfmt_decode_accumulate_host(const uint8_t* slot, int hidden, float weight, float* acc);
 int deep_ep_logfmt_math_host(int fn, const float* in, float* out, int64_t n);
-/* Zeroes this rank's signal words of both halves (between two barriers on the host side). */
+/* Zeroes this rank's signal words of both halves (between two barriers on the host side), and
+ * with a seam its seam signals [0, 4E) of every context and their shadows. */
 int deep_ep_llk_zero_signals(const deep_ep_ic_ctx_t* ctx, const deep_ep_ll_args_t* args, void* stream);
 /* sizeof(deep_ep_ll_args_t) (the Rust mirror checks its size against it). */
 size_t deep_ep_llk_args_bytes(void);

@@ -45,10 +45,14 @@ __device__ __forceinline__ uint32_t cast_group_fp8(uint2 v, bool round_scale, fl
 // (s_rc: message slots). Then per token (in order) thread 0 routes its top-k entries (slot order =
 // (token, k) order, as the CPU backend's), and the warps split the token's 128-channel groups:
 // each group is loaded (and cast to FP8) once and stored into every destination's message. The
-// last block to finish release-stores every (rank, local expert) count.
+// last block to finish release-stores every (rank, local expert) count. A destination outside the
+// NVLink domain (internode) gets the same bytes by seam puts from the staging area of the send half
+// (deep_ep_kernels.h): per token its meta and the payload (staged once for all remote
+// destinations), at the end its count, index rows and signals.
+template <class Net>
 __global__ void __launch_bounds__(kSendThreads) ll_dispatch_send_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
   __shared__ uint32_t s_seq;
-  __shared__ int s_skip, s_dmask, s_last;
+  __shared__ int s_skip, s_dmask, s_last, s_far;
   __shared__ int s_before[kMaxLlExperts], s_total[kMaxLlExperts];
   __shared__ int s_rc[kMaxRanks], s_rct[kMaxRanks], s_mask[kMaxRanks], s_n[kMaxRanks], s_msg[kMaxRanks];
   __shared__ uint32_t s_ent[kMaxRanks][kMaxLlTopk];
@@ -64,7 +68,13 @@ __global__ void __launch_bounds__(kSendThreads) ll_dispatch_send_kernel(const __
     s_rc[tid] = s_rct[tid] = 0;
     s_mask[tid] = rank_masked(a, tid);
   }
+  if (tid == 0) {
+    unsigned far = 0;
+    for (int d = 0; d < R; ++d) far |= static_cast<unsigned>(remote(c, a, d)) << d;
+    s_far = static_cast<int>(far);
+  }
   __syncthreads();
+  const unsigned far = static_cast<unsigned>(s_far);
   for (int tok = tid; tok < N; tok += kSendThreads) {
     unsigned dm = 0;
     for (int k = 0; k < K; ++k) {
@@ -82,6 +92,8 @@ __global__ void __launch_bounds__(kSendThreads) ll_dispatch_send_kernel(const __
   }
   __syncthreads();
   const uint64_t recv = recv_off(a, a.half), msgs = recv + a.msgs_off;
+  // Staging of remote messages (send half of this call): payload of token tok at tok * pay_stride.
+  const uint64_t stage = send_off(a, a.half), pay_stride = a.msg_bytes - kMsgMeta;
   const int gpw = (S + kSendWarps - 1) / kSendWarps, g_lo = min(S, warp * gpw), g_hi = min(S, g_lo + gpw);
   constexpr int kBatch = 8;
   for (int tok = t_begin; tok < t_end; ++tok) {
@@ -107,8 +119,10 @@ __global__ void __launch_bounds__(kSendThreads) ll_dispatch_send_kernel(const __
     const unsigned dm = static_cast<unsigned>(s_dmask);
     if (warp < R && (dm >> warp & 1)) {  // warp d: the meta of d's message and d's index entries
       const int d = warp, n = s_n[d];
+      const bool seam = far >> d & 1;  // staged: meta [d][slot], index rows [expert][slot]
       char* base = window(c, d);
-      char* msg = base + msgs + static_cast<uint64_t>(c.rank * T + s_msg[d]) * a.msg_bytes;
+      char* msg = seam ? local(c) + stage + a.stage_meta_off + static_cast<uint64_t>(d * T + s_msg[d]) * kMsgMeta
+                       : base + msgs + static_cast<uint64_t>(c.rank * T + s_msg[d]) * a.msg_bytes;
       if (lane == 0) {
         *reinterpret_cast<int4*>(msg) = make_int4(tok, H, T, E);
         *reinterpret_cast<int4*>(msg + 16) = make_int4(n, a.topk_weights != nullptr, 0, 0);
@@ -118,7 +132,9 @@ __global__ void __launch_bounds__(kSendThreads) ll_dispatch_send_kernel(const __
         reinterpret_cast<uint32_t*>(msg + 32)[lane] = en;
         reinterpret_cast<float*>(msg + 32 + 4 * kMaxLlTopk)[lane] = s_w[d][lane];
         const uint64_t w = (static_cast<uint64_t>((en >> 16) * R + c.rank) * T + (en & 0xffffu)) * 4;
-        *reinterpret_cast<uint32_t*>(base + recv + a.idx_off + w) = static_cast<uint32_t>(s_msg[d]);
+        uint32_t* entry = seam ? at<uint32_t>(local(c), stage + a.stage_idx_off + (static_cast<uint64_t>(d * El + (en >> 16)) * T + (en & 0xffffu)) * 4)
+                               : at<uint32_t>(base, recv + a.idx_off + w);
+        *entry = static_cast<uint32_t>(s_msg[d]);
       }
     }
     const uint16_t* row = static_cast<const uint16_t*>(a.x) + static_cast<int64_t>(tok) * H;
@@ -136,9 +152,15 @@ __global__ void __launch_bounds__(kSendThreads) ll_dispatch_send_kernel(const __
           if (g0 + u < g_hi) q[u] = cast_group_fp8(v[u], a.round_scale != 0, &inv[u]);
         }
       }
-      for (int d = 0; d < R; ++d) {
-        if (!(dm >> d & 1)) continue;
-        char* pay = window(c, d) + msgs + static_cast<uint64_t>(c.rank * T + s_msg[d]) * a.msg_bytes + kMsgMeta;
+      for (int d = -1; d < R; ++d) {  // d = -1: the staged payload of the remote destinations
+        char* pay;
+        if (d < 0) {
+          if (!(dm & far)) continue;
+          pay = local(c) + stage + static_cast<uint64_t>(tok) * pay_stride;
+        } else {
+          if (!(dm >> d & 1) || (far >> d & 1)) continue;
+          pay = window(c, d) + msgs + static_cast<uint64_t>(c.rank * T + s_msg[d]) * a.msg_bytes + kMsgMeta;
+        }
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
           const int g = g0 + u;
@@ -152,8 +174,18 @@ __global__ void __launch_bounds__(kSendThreads) ll_dispatch_send_kernel(const __
         }
       }
     }
+    if (dm & far) {  // warp d puts the staged meta and payload of d's message
+      __syncthreads();
+      if (warp < R && ((dm & far) >> warp & 1)) {
+        const uint64_t dst = msgs + static_cast<uint64_t>(c.rank * T + s_msg[warp]) * a.msg_bytes;
+        put_to<Net>(c, a, warp, dst, stage + a.stage_meta_off + static_cast<uint64_t>(warp * T + s_msg[warp]) * kMsgMeta, kMsgMeta, lane);
+        const uint64_t pay = a.use_fp8 ? (static_cast<uint64_t>(H) + H / 32 + 15) / 16 * 16 : 2 * static_cast<uint64_t>(H);
+        put_to<Net>(c, a, warp, dst + kMsgMeta, stage + static_cast<uint64_t>(tok) * pay_stride, pay, lane);
+      }
+    }
     __syncthreads();  // s_n, s_ent, s_msg are rewritten for the next token
   }
+  if (warp < R && (far >> warp & 1)) flush_net<Net>(c, a, lane);
   // Every block fences its stores and counts itself done; the last one signals every count.
   __threadfence_system();
   __syncthreads();
@@ -164,17 +196,37 @@ __global__ void __launch_bounds__(kSendThreads) ll_dispatch_send_kernel(const __
   __syncthreads();
   if (!s_last) return;
   __threadfence_system();
-  // Message counts (read by a partial combine) before the signals.
-  if (tid < R && !s_mask[tid]) *at<uint32_t>(window(c, tid), recv + 4 * c.rank) = static_cast<uint32_t>(s_rct[tid]);
+  // Message counts (read by a partial combine) before the signals (remote: staged).
+  if (tid < R && !s_mask[tid]) {
+    char* cnt = far >> tid & 1 ? local(c) + stage + a.stage_cnt_off + 4 * tid : window(c, tid) + recv + 4 * c.rank;
+    *reinterpret_cast<uint32_t*>(cnt) = static_cast<uint32_t>(s_rct[tid]);
+  }
   __threadfence_system();
   __syncthreads();
+  if (warp < R && (far >> warp & 1) && !s_mask[warp]) {  // warp d: d's count and index rows, then its signals
+    const int d = warp;
+    put_to<Net>(c, a, d, recv + 4 * c.rank, stage + a.stage_cnt_off + 4 * d, 4, lane);
+    for (int l = 0; l < El; ++l) {
+      const int n = min(s_total[d * El + l], T);
+      if (n > 0) {
+        put_to<Net>(c, a, d, recv + a.idx_off + static_cast<uint64_t>(l * R + c.rank) * T * 4,
+                    stage + a.stage_idx_off + static_cast<uint64_t>(d * El + l) * T * 4, 4 * static_cast<uint64_t>(n), lane);
+      }
+    }
+    __syncwarp();
+    for (int l = lane; l < El; l += 32) {
+      raise_to<Net>(c, a, d, nullptr, kSeamDispatch, a.half, l, tag(s_seq, static_cast<uint32_t>(min(s_total[d * El + l], T))));
+    }
+    flush_net<Net>(c, a, lane);
+  }
   for (int e = tid; e < E; e += kSendThreads) {
     const int d = e / El;
     if (s_mask[d]) continue;  // nothing goes to a masked rank
     const int cnt = s_total[e];
     if (cnt > T) report(c, DEEP_EP_IC_ERR_OVERFLOW, d, DEEP_EP_IC_SITE_LL_DISPATCH, cnt, T);
+    if (far >> d & 1) continue;  // signalled above
     uint32_t* word = at<uint32_t>(window(c, d), sig_off(a, a.half) + static_cast<uint64_t>((e % El) * R + c.rank) * 4);
-    st_release_sys_u32(word, tag(s_seq, static_cast<uint32_t>(min(cnt, T))));
+    raise_to<Net>(c, a, d, word, kSeamDispatch, a.half, e % El, tag(s_seq, static_cast<uint32_t>(min(cnt, T))));
   }
   __syncthreads();
   if (tid == 0) {
@@ -188,6 +240,7 @@ __global__ void __launch_bounds__(kSendThreads) ll_dispatch_send_kernel(const __
 // Block (l, y): waits for the R counts of local expert l (not for masked sources: count 0), then
 // warps y*4+w, stepping by gridDim.y*4, copy the rows (sources ascending, then slot order): row
 // (l, s, slot) is message idx[l][s][slot] of source s.
+template <class Net>
 __global__ void __launch_bounds__(kLlThreads) ll_dispatch_recv_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
   __shared__ int s_ok, s_half;
   __shared__ uint32_t s_seq;
@@ -210,7 +263,7 @@ __global__ void __launch_bounds__(kLlThreads) ll_dispatch_recv_kernel(const __gr
     const long long t0 = clock64();
     uint32_t v = 0;
     const uint32_t* word = at<const uint32_t>(me, sig_off(a, s_half) + static_cast<uint64_t>(l * R + tid) * 4);
-    const int got = rank_masked(a, tid) ? 0 : wait_tag(c, a, word, s_seq, tid, DEEP_EP_IC_SITE_LL_DISPATCH, &v);
+    const int got = rank_masked(a, tid) ? 0 : wait_from<Net>(c, a, tid, word, kSeamDispatch, s_half, l, s_seq, DEEP_EP_IC_SITE_LL_DISPATCH, &v);
     if (got == 0) {
       s_cnt[tid] = 0;  // a masked source (or, in shrink mode, one that timed out) counts as sending nothing
     } else if (got > 0) {
@@ -285,7 +338,11 @@ extern "C" int deep_ep_llk_dispatch_send(const deep_ep_ic_ctx_t* ctx, const deep
   if (args->num_experts > kMaxLlExperts || args->num_topk > kMaxLlTopk) return static_cast<int>(cudaErrorInvalidValue);
   // Blocks of one or a few tokens, all resident (8 per SM by threads); at least one signals.
   const int blocks = args->num_tokens < 1 ? 1 : (args->num_tokens < args->num_blocks ? args->num_tokens : args->num_blocks);
-  ll_dispatch_send_kernel<<<blocks, kSendThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args);
+  if (args->net != nullptr && args->net_kind == DEEP_EP_LL_NET_GIN) {
+    ll_dispatch_send_kernel<GinNet><<<blocks, kSendThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args);
+  } else {
+    ll_dispatch_send_kernel<LsaNet><<<blocks, kSendThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args);
+  }
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -295,7 +352,11 @@ extern "C" int deep_ep_llk_dispatch_recv(const deep_ep_ic_ctx_t* ctx, const deep
     return static_cast<int>(cudaErrorInvalidValue);
   const int el = args->num_experts / ctx->num_ranks;
   const int y = args->num_blocks > el ? (args->num_blocks + el - 1) / el : 1;
-  ll_dispatch_recv_kernel<<<dim3(el, y), kLlThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args);
+  if (args->net != nullptr && args->net_kind == DEEP_EP_LL_NET_GIN) {
+    ll_dispatch_recv_kernel<GinNet><<<dim3(el, y), kLlThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args);
+  } else {
+    ll_dispatch_recv_kernel<LsaNet><<<dim3(el, y), kLlThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args);
+  }
   return static_cast<int>(cudaGetLastError());
 }
 

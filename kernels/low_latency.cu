@@ -36,7 +36,9 @@ __device__ void ll_combine_send_logfmt(const Ctx& c, const Args& a, char* peer, 
 }
 
 // Block (l, s): pushes rows layout_range[l][s] of local expert l back to source rank s, keyed by
-// (global expert, source token), then signals word s_global = rank*E_l + l on rank s.
+// (global expert, source token), then signals word s_global = rank*E_l + l on rank s. A source
+// outside the NVLink domain gets each row by a seam put from its zero-copy slot (send_to).
+template <class Net>
 __global__ void __launch_bounds__(kLlThreads) ll_combine_send_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
   __shared__ uint32_t s_seq;
   __shared__ int s_skip;
@@ -62,15 +64,17 @@ __global__ void __launch_bounds__(kLlThreads) ll_combine_send_kernel(const __gri
     const int c0 = static_cast<int>(it % nchunks) * kChunk, c1 = min(H, c0 + kChunk);
     const int tok = a.src_info[l * RT + row];
     if (tok < 0 || tok >= T) continue;
-    const uint16_t* src = a.zero_copy ? reinterpret_cast<const uint16_t*>(local(c) + send_off(a, a.half) + (l * RT + row) * M * 2)
-                                      : static_cast<const uint16_t*>(a.x) + (l * RT + row) * H;
-    warp_copy(peer + dst_base + (static_cast<uint64_t>(tok) * H + c0) * 2, src + c0, 2 * static_cast<int64_t>(c1 - c0), lane);
+    const uint64_t slot = send_off(a, a.half) + (l * RT + row) * M * 2;  // zero-copy slot: staging for the seam
+    const uint16_t* src = a.zero_copy ? reinterpret_cast<const uint16_t*>(local(c) + slot) : static_cast<const uint16_t*>(a.x) + (l * RT + row) * H;
+    send_to<Net>(c, a, s, dst_base + (static_cast<uint64_t>(tok) * H + c0) * 2, src + c0, slot + 2 * static_cast<uint64_t>(c0),
+                 2 * static_cast<int64_t>(c1 - c0), lane);
   }
+  flush_net<Net>(c, a, lane);
   __threadfence_system();
   __syncthreads();
   if (tid == 0 && !dead) {
     uint32_t* word = at<uint32_t>(peer, sig_off(a, a.half) + static_cast<uint64_t>(c.rank * El + l) * 4);
-    st_release_sys_u32(word, tag(s_seq, 0));
+    raise_to<Net>(c, a, s, word, kSeamCombine, a.half, l, tag(s_seq, 0));
   }
   finish_send(c, s_seq);
 }
@@ -78,7 +82,10 @@ __global__ void __launch_bounds__(kLlThreads) ll_combine_send_kernel(const __gri
 // Partial combine: block (s, y) takes messages y, y+gridDim.y, ... that source rank s sent in the
 // dispatch (dispatch_half): thread j owns channels 8j..8j+7 of the row bf16(sum over the message's
 // entries in order of fma(y, w, acc)) (crate: f32::mul_add) and stores it to s at (rank, token).
-// The last block to finish signals word rank*E_l on every unmasked source rank.
+// The last block to finish signals word rank*E_l on every unmasked source rank. For a source s
+// outside the NVLink domain the row is staged in the payload of the message it answers (no longer
+// read: the dispatch receive copied it) and put by warp 0.
+template <class Net>
 __global__ void __launch_bounds__(kLlThreads) ll_combine_partial_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
   __shared__ uint32_t s_seq;
   __shared__ int s_skip, s_last, s_n, s_tok;
@@ -91,7 +98,9 @@ __global__ void __launch_bounds__(kLlThreads) ll_combine_partial_kernel(const __
   const char* me = local(c);
   const uint64_t drecv = recv_off(a, a.dispatch_half);
   const uint32_t nm = rank_masked(a, s) ? 0u : min(__ldcg(reinterpret_cast<const unsigned int*>(me + drecv) + s), static_cast<uint32_t>(T));
-  char* dst = window(c, s) + recv_off(a, a.half) + a.partial_off + static_cast<uint64_t>(c.rank) * T * 2 * H;
+  const uint64_t dst_off = recv_off(a, a.half) + a.partial_off + static_cast<uint64_t>(c.rank) * T * 2 * H;
+  const bool seam = remote(c, a, s);
+  char* dst = window(c, s) + dst_off;
   // Rows of zero-copy buffers are M bf16 long: 16-byte loads only when M*2 is a multiple of 16.
   const bool vec = !a.zero_copy || (M * 2) % 16 == 0;
   for (uint32_t m = blockIdx.y; m < nm; m += gridDim.y) {
@@ -134,11 +143,19 @@ __global__ void __launch_bounds__(kLlThreads) ll_combine_partial_kernel(const __
           }
           fma_bf16x8(acc, wv, s_w[q]);
         }
-        reinterpret_cast<int4*>(dst + static_cast<uint64_t>(s_tok) * 2 * H)[j] = pack_bf16x8(acc);
+        char* row = seam ? const_cast<char*>(msg) + kMsgMeta : dst + static_cast<uint64_t>(s_tok) * 2 * H;
+        reinterpret_cast<int4*>(row)[j] = pack_bf16x8(acc);
+      }
+    }
+    if (seam) {
+      __syncthreads();
+      if (tid < 32 && s_tok >= 0) {
+        put_to<Net>(c, a, s, dst_off + static_cast<uint64_t>(s_tok) * 2 * H, static_cast<uint64_t>(msg + kMsgMeta - me), 2 * static_cast<uint64_t>(H), tid);
       }
     }
     __syncthreads();  // s_tok, s_n, s_row, s_w are rewritten for the next message
   }
+  if (seam && tid < 32) flush_net<Net>(c, a, tid);
   __threadfence_system();
   __syncthreads();
   if (tid == 0) {
@@ -148,7 +165,9 @@ __global__ void __launch_bounds__(kLlThreads) ll_combine_partial_kernel(const __
   __syncthreads();
   if (!s_last) return;
   __threadfence_system();
-  if (tid < R && !rank_masked(a, tid)) st_release_sys_u32(at<uint32_t>(window(c, tid), sig_off(a, a.half) + static_cast<uint64_t>(c.rank * El) * 4), tag(s_seq, 0));
+  if (tid < R && !rank_masked(a, tid)) {
+    raise_to<Net>(c, a, tid, at<uint32_t>(window(c, tid), sig_off(a, a.half) + static_cast<uint64_t>(c.rank * El) * 4), kSeamCombine, a.half, 0, tag(s_seq, 0));
+  }
   __syncthreads();
   if (tid == 0) {
     *at<volatile int>(local(c), kLlCalls) = static_cast<int>(s_seq);
@@ -218,6 +237,7 @@ __device__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok,
 // +gridDim.x, ...: thread j owns channels 8j..8j+7: acc = fma(y_k, w_k, acc) over k in order
 // (crate: f32::mul_add); partial: acc += the partial row of each expert rank d ascending that
 // holds one of the token's (unmasked) experts.
+template <class Net>
 __global__ void __launch_bounds__(kReduceThreads) ll_combine_recv_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
   __shared__ int s_ok, s_half, s_partial, s_dm, s_logfmt;
   __shared__ uint32_t s_seq;
@@ -245,8 +265,8 @@ __global__ void __launch_bounds__(kReduceThreads) ll_combine_recv_kernel(const _
     if (s_partial && w % El != 0) continue;  // partial: one word per expert rank
     const long long t0 = clock64();
     uint32_t v = 0;
-    const int got = wait_tag(c, a, at<const uint32_t>(me, sig_off(a, s_half) + static_cast<uint64_t>(w) * 4), s_seq, w / El,
-                             DEEP_EP_IC_SITE_LL_COMBINE, &v);
+    const int got = wait_from<Net>(c, a, w / El, at<const uint32_t>(me, sig_off(a, s_half) + static_cast<uint64_t>(w) * 4), kSeamCombine, s_half,
+                                   w % El, s_seq, DEEP_EP_IC_SITE_LL_COMBINE, &v);
     if (got < 0) {
       s_ok = 0;
       break;
@@ -312,10 +332,32 @@ __global__ void __launch_bounds__(kReduceThreads) ll_combine_recv_kernel(const _
   }
 }
 
+template <class Net>
 __global__ void ll_zero_signals_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
   uint32_t* w = at<uint32_t>(local(c), a.ll_off);
-  for (uint64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < a.signal_bytes / 2; i += gridDim.x * blockDim.x) w[i] = 0;
+  const uint64_t i0 = blockIdx.x * blockDim.x + threadIdx.x, step = gridDim.x * blockDim.x;
+  for (uint64_t i = i0; i < a.signal_bytes / 2; i += step) w[i] = 0;
+  if (a.net == nullptr) return;
+  // Seam signals this geometry uses (every context) and their shadows (the peers do the same).
+  const uint64_t n = 4ull * a.num_experts;
+  uint64_t* shadow = at<uint64_t>(local(c), a.shadow_off);
+  for (uint64_t i = i0; i < n; i += step) shadow[i] = 0;
+  const Net& net = net_of<Net>(a);
+  for (int k = 0; k < net.contexts(); ++k) {
+    const auto t = net.at(k);
+    for (uint64_t i = i0; i < n; i += step) t.reset_signal(static_cast<int>(i));
+  }
 }
+
+// The launch of an LL kernel on the seam of `a` (the LSA instance also serves intranode buffers).
+#define DEEP_EP_LL_LAUNCH(kernel, grid, block, a, ...)                                     \
+  do {                                                                                     \
+    if ((a)->net != nullptr && (a)->net_kind == DEEP_EP_LL_NET_GIN) {                      \
+      kernel<GinNet><<<grid, block, 0, deep_ep::as_stream(stream)>>>(__VA_ARGS__);         \
+    } else {                                                                               \
+      kernel<LsaNet><<<grid, block, 0, deep_ep::as_stream(stream)>>>(__VA_ARGS__);         \
+    }                                                                                      \
+  } while (0)
 
 }  // namespace
 }  // namespace ic
@@ -337,10 +379,10 @@ extern "C" int deep_ep_llk_combine_send(const deep_ep_ic_ctx_t* ctx, const deep_
   if (args->partial) {
     // Blocks (source rank, y): ~2 per SM in all; each takes every gridDim.y-th message.
     const int y = args->num_blocks > ctx->num_ranks ? args->num_blocks / ctx->num_ranks : 1;
-    ll_combine_partial_kernel<<<dim3(ctx->num_ranks, y), kLlThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args);
+    DEEP_EP_LL_LAUNCH(ll_combine_partial_kernel, dim3(ctx->num_ranks, y), kLlThreads, args, *ctx, *args);
     return static_cast<int>(cudaGetLastError());
   }
-  ll_combine_send_kernel<<<dim3(el, ctx->num_ranks), kLlThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args);
+  DEEP_EP_LL_LAUNCH(ll_combine_send_kernel, dim3(el, ctx->num_ranks), kLlThreads, args, *ctx, *args);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -350,13 +392,13 @@ extern "C" int deep_ep_llk_combine_recv(const deep_ep_ic_ctx_t* ctx, const deep_
     return static_cast<int>(cudaErrorInvalidValue);
   // With no token the receive still waits for every word (the call completes for every rank).
   const int blocks = args->num_tokens < 1 ? 1 : (args->num_tokens < args->num_blocks ? args->num_tokens : args->num_blocks);
-  ll_combine_recv_kernel<<<blocks, kReduceThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args);
+  DEEP_EP_LL_LAUNCH(ll_combine_recv_kernel, blocks, kReduceThreads, args, *ctx, *args);
   return static_cast<int>(cudaGetLastError());
 }
 
 extern "C" int deep_ep_llk_zero_signals(const deep_ep_ic_ctx_t* ctx, const deep_ep_ll_args_t* args, void* stream) {
   if (!ll_ok(ctx, args)) return static_cast<int>(cudaErrorInvalidValue);
-  ll_zero_signals_kernel<<<16, 256, 0, deep_ep::as_stream(stream)>>>(*ctx, *args);
+  DEEP_EP_LL_LAUNCH(ll_zero_signals_kernel, 16, 256, args, *ctx, *args);
   return static_cast<int>(cudaGetLastError());
 }
 

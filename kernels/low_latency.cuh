@@ -8,13 +8,16 @@
 // (st.release.sys). Receivers poll with ld.acquire.sys, meet at __syncthreads and read payload
 // through L2 (__ldcg): the lines were never in this SM's L1 during the kernel.
 //
-// The only transport-specific lines are the peer addresses (`window(c, rank)`); an RDMA transport
-// would replace the stores of the send kernels with puts and the signal store with a signalled put.
+// Internode (Args::net set): peers outside the caller's NVLink domain are reached through the
+// transport seam (transport.cuh) by the helpers at the end of this file: send_to (a row), put_to,
+// raise_to (a signal), wait_from (a wait); peers inside keep the NVLink stores. Kernels are
+// templates over the seam (LsaNet: the NVLink emulation; GinNet: NCCL GIN), chosen at launch.
 #pragma once
 
 #include <cstdint>
 
 #include "intranode.cuh"
+#include "transport.cuh"
 
 namespace deep_ep {
 namespace ic {
@@ -168,6 +171,8 @@ __device__ bool read_state(const Ctx& c, const Args& a, int kind, bool check_fla
   return true;
 }
 
+bool ll_net_ok(const Ctx* c, const Args* a);
+
 // Host side of the launch functions: the arguments describe an LL area inside the window.
 bool ll_ok(const Ctx* c, const Args* a) {
   if (!ctx_ok(c) || a == nullptr) return false;
@@ -186,7 +191,123 @@ bool ll_ok(const Ctx* c, const Args* a) {
          a->recv_bytes % 16 == 0 && end <= c->window_bytes && a->signal_bytes * 8 >= 4ull * 8 * a->num_experts &&
          a->msg_bytes >= kMsgMeta + payload && a->idx_off >= 4ull * c->num_ranks && a->idx_off % 16 == 0 &&
          a->msgs_off >= a->idx_off + 4ull * a->num_experts * a->num_max_tokens && a->msgs_off % 16 == 0 &&
-         msgs <= a->recv_bytes && partial_ok;
+         msgs <= a->recv_bytes && partial_ok && ll_net_ok(c, a);
+}
+
+// ---- internode: peers outside the NVLink domain through the transport seam ------------------------
+// The seam descriptor (device memory at Args::net, in this rank's window, written at creation).
+struct LsaNet {
+  deep_ep_tp_lsa_t d;
+  __device__ tp::LsaTransport at(int context) const { return tp::LsaTransport(d, context); }
+  __device__ int contexts() const { return d.num_contexts; }
+};
+struct GinNet {
+  ncclDevComm comm;
+  ncclWindow_t win;
+  __device__ tp::GinTransport at(int context) const { return tp::GinTransport(comm, win, context); }
+  __device__ int contexts() const { return comm.ginContextCount; }
+};
+constexpr int kSeamDispatch = 0, kSeamCombine = 1;
+
+template <class Net>
+__device__ __forceinline__ const Net& net_of(const Args& a) { return *static_cast<const Net*>(a.net); }
+
+// Whether peer d lies outside this rank's NVLink domain.
+__device__ __forceinline__ bool remote(const Ctx& c, const Args& a, int d) {
+  return a.net != nullptr && d / a.nvl_domain != c.rank / a.nvl_domain;
+}
+
+// Seam signal of (kind, half, local expert l, rank r): on a receiver r is the sender; in a sender's
+// shadow table r is the receiver (crate::backend::nccl::ll_seam::signal_id).
+__device__ __forceinline__ int seam_signal(const Args& a, int R, int kind, int half, int l, int r) {
+  return ((kind * 2 + half) * (a.num_experts / R) + l) * R + r;
+}
+
+// One warp puts `bytes` from this rank's window at src_off to peer d's at dst_off. Everything a
+// rank sends to one peer goes on the context of the sender's rank, so a signal covers all of it.
+template <class Net>
+__device__ __forceinline__ void put_to(const Ctx& c, const Args& a, int d, uint64_t dst_off, uint64_t src_off, uint64_t bytes, int lane) {
+  net_of<Net>(a).at(c.rank).put(d, dst_off, src_off, bytes, 0, 0, lane);
+}
+
+// One warp sends `bytes` from `src` to peer d's window at dst_off: NVLink stores inside the domain;
+// outside, a seam put from this rank's window at stage_off (src is copied there first unless it
+// already lies there). The staged source must stay untouched until the warp's flush.
+template <class Net>
+__device__ void send_to(const Ctx& c, const Args& a, int d, uint64_t dst_off, const void* src, uint64_t stage_off, int64_t bytes, int lane) {
+  if (!remote(c, a, d)) {
+    warp_copy(window(c, d) + dst_off, src, bytes, lane);
+    return;
+  }
+  char* st = local(c) + stage_off;
+  if (st != src) {
+    warp_copy(st, src, bytes, lane);
+    __syncwarp();
+  }
+  put_to<Net>(c, a, d, dst_off, stage_off, static_cast<uint64_t>(bytes), lane);
+}
+
+// Sources of this warp's earlier puts may be reused (GIN); a no-op sync in the emulation.
+template <class Net>
+__device__ __forceinline__ void flush_net(const Ctx& c, const Args& a, int lane) {
+  if (a.net != nullptr) net_of<Net>(a).at(c.rank).flush(lane);
+}
+
+// One thread sets LL signal (kind, half, l) of peer d to tag v after every earlier store/put of
+// this call to d it is ordered after: a release store of `word` (in d's window) inside the domain;
+// outside, a seam signal add of v minus what this rank gave that signal last (its shadow), so the
+// receiver finds exactly the tag, as in an NVLink word, and no signal is ever reset between calls.
+template <class Net>
+__device__ void raise_to(const Ctx& c, const Args& a, int d, uint32_t* word, int kind, int half, int l, uint32_t v) {
+  if (!remote(c, a, d)) {
+    st_release_sys_u32(word, v);
+    return;
+  }
+  uint64_t* shadow = at<uint64_t>(local(c), a.shadow_off) + seam_signal(a, c.num_ranks, kind, half, l, d);
+  const uint64_t add = static_cast<uint64_t>(v) - *shadow;
+  *shadow = v;
+  net_of<Net>(a).at(c.rank).signal(d, seam_signal(a, c.num_ranks, kind, half, l, c.rank), add);
+}
+
+// Waits until LL signal (kind, half, l) from `src` holds a tag of call `seq` (wait_tag for an
+// NVLink word `word` in this rank's window; the seam signal of src outside the domain). Returns
+// as wait_tag: 1 arrived, 0 src masked (shrink mode), -1 timed out (reported, naming src).
+template <class Net>
+__device__ int wait_from(const Ctx& c, const Args& a, int src, const uint32_t* word, int kind, int half, int l, uint32_t seq, int site,
+                         uint32_t* value) {
+  if (!remote(c, a, src)) return wait_tag(c, a, word, seq, src, site, value);
+  const auto t = net_of<Net>(a).at(src);
+  const int sig = seam_signal(a, c.num_ranks, kind, half, l, src);
+  const uint64_t start = globaltimer();
+  for (uint32_t polls = 1;; ++polls) {
+    const uint64_t v = t.read_signal(sig);
+    if ((v >> 32) == 0 && ((v >> 16) & 0xffffu) == (seq & 0xffffu) && (v & 0xffffu) != 0) {
+      *value = static_cast<uint32_t>(v);
+      return 1;
+    }
+    if (a.shrink_mask != nullptr && polls % 64 == 0 && rank_masked(a, src)) return 0;
+    if (globaltimer() - start > c.timeout_ns) {
+      if (a.shrink_mask != nullptr) {
+        mask_rank(a, src);
+        return 0;
+      }
+      report(c, DEEP_EP_IC_ERR_TIMEOUT, src, site, static_cast<int>(v), static_cast<int>(seq & 0xffffu));
+      return -1;
+    }
+  }
+}
+
+// Host side: the seam fields of an LL call (none when net is NULL).
+bool ll_net_ok(const Ctx* c, const Args* a) {
+  if (a->net == nullptr) return true;
+  const uint64_t R = c->num_ranks, E = a->num_experts, T = a->num_max_tokens;
+  const uint64_t pay = a->msg_bytes - kMsgMeta;
+  return (a->net_kind == DEEP_EP_LL_NET_LSA || a->net_kind == DEEP_EP_LL_NET_GIN) && a->nvl_domain >= 1 &&
+         a->nvl_domain < c->num_ranks && c->num_ranks % a->nvl_domain == 0 && E <= kMaxLlExperts &&
+         a->shadow_off % 8 == 0 && a->shadow_off + 8 * 4 * E <= c->window_bytes &&
+         reinterpret_cast<uintptr_t>(a->net) % 16 == 0 && a->stage_meta_off % 16 == 0 && a->stage_idx_off % 16 == 0 &&
+         a->stage_cnt_off % 16 == 0 && a->stage_meta_off >= T * pay && a->stage_idx_off >= a->stage_meta_off + R * T * kMsgMeta &&
+         a->stage_cnt_off >= a->stage_idx_off + 4 * E * T && a->stage_cnt_off + 4 * R <= a->send_bytes;
 }
 
 }  // namespace

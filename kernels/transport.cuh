@@ -9,12 +9,15 @@
 //
 // The contract kernels may rely on (the intersection of both):
 //   - Peers are world ranks. Offsets are byte offsets into the one symmetric window: the source of
-//     a put lies in the caller's own window (GIN can only send registered memory).
+//     a put lies in the caller's own window (GIN can only send registered memory). Offsets and
+//     sizes are multiples of 4 (of 16 for the emulation's full-speed copy).
 //   - put(...) is warp-collective (all 32 lanes, same arguments). When `signal_add` > 0 the
 //     peer's signal (in the same context) grows by that amount once the payload of this put, and
 //     of every earlier put *of the calling warp* on this context to that peer, is visible to the
 //     peer. (GIN orders all puts of a context; the emulation only the warp's own, so signal from
 //     the warp that wrote the data.)
+//   - signal(peer, s, add) (one thread) is a put's signal without payload: it covers the same
+//     earlier puts (and, in the emulation, the stores the thread is ordered after).
 //   - Signals are per context: a sender on context c raises signal s of the receiver's context c;
 //     the receiver must read/wait with a transport on the same context. Values only grow (adds)
 //     until reset; comparisons are rolling (wrap-safe), as NCCL's.
@@ -70,10 +73,18 @@ __device__ void report_first(deep_ep_tp_status_t* st, int* claim, int code, int 
   __threadfence_system();
 }
 
-// One warp copies `bytes` (multiple of 16, 16-aligned ends) from src to dst: common.cuh's
-// warp_copy16 (L2-only loads: the source may be written by peers between ops), 4 loads in flight.
+// One warp copies `bytes` (a multiple of 4, 4-aligned ends) from src to dst: common.cuh's
+// warp_copy16 (L2-only loads: the source may be written by peers between ops), 4 loads in flight,
+// when both ends and the size are 16-byte multiples; 4-byte words otherwise (LL index rows and
+// counts, rows of zero-copy combine buffers).
 __device__ __forceinline__ void put_copy(char* dst, const char* src, uint64_t bytes, int lane) {
-  warp_copy16<4>(reinterpret_cast<int4*>(dst), reinterpret_cast<const int4*>(src), static_cast<int64_t>(bytes / 16), lane);
+  if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes) & 15) == 0) {
+    warp_copy16<4>(reinterpret_cast<int4*>(dst), reinterpret_cast<const int4*>(src), static_cast<int64_t>(bytes / 16), lane);
+    return;
+  }
+  for (uint64_t i = lane; i < bytes / 4; i += 32) {
+    reinterpret_cast<uint32_t*>(dst)[i] = __ldcg(reinterpret_cast<const unsigned int*>(src) + i);
+  }
 }
 
 // ---- LSA emulation --------------------------------------------------------------------------

@@ -11,6 +11,11 @@ use std::ffi::c_void;
 /// `int32 [MAX_RANKS]` in the control area.
 pub const LL_MASK_OFF: usize = super::intranode::CONTROL_BYTES - 1024 + 64;
 
+/// `net_kind` of [`LlArgs`]: the LSA emulation of the RDMA leg (`DEEP_EP_LL_NET_LSA`).
+pub const NET_LSA: i32 = 1;
+/// `net_kind` of [`LlArgs`]: NCCL GIN (`DEEP_EP_LL_NET_GIN`).
+pub const NET_GIN: i32 = 2;
+
 /// Kind words of `recv_state` (`DEEP_EP_LL_KIND_*`).
 pub const KIND_DISPATCH: i32 = 1;
 pub const KIND_COMBINE: i32 = 2;
@@ -58,6 +63,18 @@ pub struct LlArgs {
     pub partial: i32,
     pub dispatch_half: i32,
     pub reserved: i32,
+    /// Seam descriptor in this rank's window, or null (every peer over NVLink pointers).
+    pub net: *const c_void,
+    /// Window offset of the sender's shadows of the remote seam signals (`u64 [4 E]`).
+    pub shadow_off: u64,
+    /// Dispatch staging in a send half (`backend::nccl::ll_seam::Staging`).
+    pub stage_meta_off: u64,
+    pub stage_idx_off: u64,
+    pub stage_cnt_off: u64,
+    /// Ranks per NVLink domain (peers outside the caller's are remote).
+    pub nvl_domain: i32,
+    /// [`NET_LSA`] or [`NET_GIN`].
+    pub net_kind: i32,
 }
 
 impl Default for LlArgs {
@@ -102,6 +119,13 @@ impl Default for LlArgs {
             partial: 0,
             dispatch_half: 0,
             reserved: 0,
+            net: std::ptr::null(),
+            shadow_off: 0,
+            stage_meta_off: 0,
+            stage_idx_off: 0,
+            stage_cnt_off: 0,
+            nvl_domain: 0,
+            net_kind: 0,
         }
     }
 }

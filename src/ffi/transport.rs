@@ -113,6 +113,7 @@ extern "C" {
     fn deep_ep_cuda_malloc(ptr: *mut *mut c_void, bytes: usize) -> c_int;
     fn deep_ep_cuda_free(ptr: *mut c_void) -> c_int;
     fn deep_ep_cuda_memset_async(ptr: *mut c_void, value: c_int, bytes: usize, stream: *mut c_void) -> c_int;
+    fn deep_ep_cuda_memcpy_htod(dst: *mut c_void, host_src: *const c_void, bytes: usize) -> c_int;
     fn deep_ep_cuda_host_alloc_mapped(host: *mut *mut c_void, device_ptr: *mut *mut c_void, bytes: usize) -> c_int;
     fn deep_ep_cuda_free_host(host: *mut c_void) -> c_int;
     fn deep_ep_cuda_stream_synchronize(stream: *mut c_void) -> c_int;
@@ -177,6 +178,24 @@ pub unsafe fn gin_devcomm_create(create_fn: *mut c_void, comm: *mut c_void, reqs
 /// Wraps an NCCL result of [`gin_devcomm_create`] that is not a device error of ours.
 pub fn devcomm_error(op: &'static str, code: i32, detail: String) -> Error {
     Error::Device { op, what: "ncclDevCommCreate (GIN)".into(), detail: format!("ncclResult_t {code}: {detail}") }
+}
+
+/// Writes this rank's LSA emulation descriptor (`deep_ep_tp_lsa_t`: every rank's window base,
+/// `num_contexts` signal tables of `num_signals` at `signal_off`) into its own window at
+/// `desc_off`, synchronously. The LL kernels of an internode buffer read it there (`LsaNet` of
+/// `kernels/low_latency.cuh`). Local (no peer involved).
+pub fn write_lsa_desc(op: &'static str, ctx: &super::intranode::Ctx, desc_off: usize, signal_off: usize, num_contexts: usize, num_signals: usize) -> Result<()> {
+    let n = ctx.num_ranks as usize;
+    let end = (signal_off + 8 * num_contexts * num_signals) as u64;
+    crate::ensure!(n <= MAX_LSA_PEERS && (1..=MAX_GIN_CONTEXTS).contains(&num_contexts) && signal_off % 8 == 0 && desc_off % 16 == 0, op, "internal: LSA descriptor for {n} ranks, {num_contexts} contexts");
+    crate::ensure!(((desc_off + std::mem::size_of::<LsaDesc>()) as u64) <= ctx.window_bytes && end <= ctx.window_bytes, op, "internal: seam area outside the window of {} bytes", ctx.window_bytes);
+    let mut lsa = LsaDesc { peer_base: [std::ptr::null_mut(); MAX_LSA_PEERS], rank: ctx.rank, num_ranks: ctx.num_ranks, num_contexts: num_contexts as i32, num_signals: num_signals as i32, signal_off: signal_off as u64, window_bytes: ctx.window_bytes };
+    lsa.peer_base[..n].copy_from_slice(&ctx.peer_base[..n]);
+    let own = ctx.peer_base[ctx.rank as usize];
+    // SAFETY: size_of::<LsaDesc>() bytes inside this rank's own live window (checked above), from
+    // a host struct that lives through the synchronous copy.
+    let st = unsafe { deep_ep_cuda_memcpy_htod(own.cast::<u8>().add(desc_off).cast(), (&lsa as *const LsaDesc).cast(), std::mem::size_of::<LsaDesc>()) };
+    super::kernels::check(st, op, "writing the transport descriptor of the low-latency kernels")
 }
 
 // ---- LSA self-test on a live intranode window ------------------------------------------------

@@ -19,6 +19,11 @@ DEEP_EP_LL_CHECK_EVERY-th replay (default 10; 1 = all) and the last are checked 
 backend (its LL ops cost ~0.1 s per step, which made checking all 2 x 1000 replays too slow for
 one device command).
 
+Layouts: 2 and 4 ranks in one NVLink domain, and 4 ranks as 2 emulated nodes x 2 GPUs ("2x2":
+DEEP_EP_NVL_DOMAIN_SIZE=2, DEEP_EP_RDMA_TRANSPORT=lsa), where the kernels reach the ranks of the other
+"node" through the transport seam (docs/INTERNODE.md, "Internode LL") and must still equal the CPU
+backend bit for bit (LL results do not depend on the topology). `-k 2x2` runs that layout alone.
+
 Environment: DEEP_EP_LL_CONFIGS, DEEP_EP_LL_SEED, DEEP_EP_LL_REPLAYS, DEEP_EP_LL_BYTES (LL bytes
 per buffer, default 512 MiB; it bounds T * hidden * experts), DEEP_EP_TEST_LOG (directory for per-rank JSON results),
 DEEP_EP_LL_SECONDS (stop the random configurations after this many seconds; all that ran must pass),
@@ -39,6 +44,10 @@ import torch.multiprocessing as mp
 
 from _spawn import gpu_backend, _free_port, finish_rank, set_gpu_env
 from test_intranode import DRY, bits, diff, sync, to_gpu
+
+# DEEP_EP_INTRANODE_DRY=1 (with DEEP_EP_GPU_DRY=1 where no CUDA device is visible) runs the harness on
+# the CPU backend alone.
+SUPPORTS_DRY = DRY
 
 HIDDENS = [2048, 4096, 5120, 7168, 8192, 2176]
 TS = [1, 4, 16, 64, 128, 256, 512, 1024, 1500]
@@ -257,14 +266,17 @@ def graph_test(rank, num_ranks, cpu_buf, gpu_buf, replays: int, hooks: bool) -> 
     return errs
 
 
-def worker(rank, num_ranks, port, out_dir, count, seed, replays):
+def worker(rank, num_ranks, port, out_dir, count, seed, replays, domain=0):
     os.environ.setdefault("DEEP_EP_TIMEOUT_MS", "30000")
+    if domain:  # emulated nodes of `domain` GPUs: the other nodes' ranks go through the seam
+        os.environ["DEEP_EP_NVL_DOMAIN_SIZE"] = str(domain)
+        os.environ.setdefault("DEEP_EP_RDMA_TRANSPORT", "lsa")
     if not DRY:
         torch.cuda.set_device(rank)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
     import deep_ep_rs
     group = dist.group.WORLD
-    result = dict(rank=rank, num_ranks=num_ranks, configs=0, passed=0, failures=[], seconds=0.0, graph=None, graph_hooks=None, error=None)
+    result = dict(rank=rank, num_ranks=num_ranks, domain=domain, configs=0, passed=0, failures=[], seconds=0.0, graph=None, graph_hooks=None, error=None)
     try:
         cpu_buf = deep_ep_rs.Buffer(group, 0, LL_BYTES, low_latency_mode=True, device="cpu", backend="cpu", explicitly_destroy=True)
         if DRY:
@@ -312,8 +324,8 @@ def worker(rank, num_ranks, port, out_dir, count, seed, replays):
     finish_rank(out_dir, rank, result)
 
 
-@pytest.mark.parametrize("num_ranks", [2, 4])
-def test_low_latency_matches_cpu_backend(num_ranks):
+@pytest.mark.parametrize("num_ranks,domain", [(2, 0), (4, 0), (4, 2)], ids=["2", "4", "2x2"])
+def test_low_latency_matches_cpu_backend(num_ranks, domain):
     if not DRY and torch.cuda.device_count() < num_ranks:
         pytest.skip(f"needs {num_ranks} GPUs")
     set_gpu_env()
@@ -323,13 +335,14 @@ def test_low_latency_matches_cpu_backend(num_ranks):
     seed = int(os.environ.get("DEEP_EP_LL_SEED", "1"))
     replays = int(os.environ.get("DEEP_EP_LL_REPLAYS", "1000"))
     out_dir = os.environ.get("DEEP_EP_TEST_LOG") or tempfile.mkdtemp(prefix="deep_ep_ll_")
-    out_dir = os.path.join(out_dir, f"ll_ranks{num_ranks}")
+    out_dir = os.path.join(out_dir, f"ll_ranks{num_ranks}" + (f"_domain{domain}" if domain else ""))
     os.makedirs(out_dir, exist_ok=True)
-    mp.start_processes(worker, args=(num_ranks, _free_port(), out_dir, count, seed, replays), nprocs=num_ranks, start_method="spawn")
+    mp.start_processes(worker, args=(num_ranks, _free_port(), out_dir, count, seed, replays, domain), nprocs=num_ranks, start_method="spawn")
     results = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(num_ranks)]
     lines = []
     for r in results:
-        lines.append(f"{gpu_backend()} rank {r['rank']}: {r['passed']}/{r['configs']} configs passed in {r['seconds']:.1f} s, graph ({r.get('graph_seconds', 0):.1f} s) errors {r['graph']}, hook graph errors {r['graph_hooks']}")
+        layout = f"{num_ranks // domain}x{domain}" if domain else f"1x{num_ranks}"
+        lines.append(f"{gpu_backend()} {layout} rank {r['rank']}: {r['passed']}/{r['configs']} configs passed in {r['seconds']:.1f} s, graph ({r.get('graph_seconds', 0):.1f} s) errors {r['graph']}, hook graph errors {r['graph_hooks']}")
         if r["error"]:
             lines.append(r["error"])
         for f in r["failures"][:5]:

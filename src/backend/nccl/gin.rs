@@ -8,8 +8,10 @@
 //! turns into a [`GinDevComm`] or a clear error.
 //!
 //! Environment (README "Environment"; docs/INTERNODE.md):
-//! - `DEEP_EP_RDMA_TRANSPORT` = `gin` (default) | `lsa` (emulation over NVLink; all ranks must
-//!   share one NVLink domain, with `DEEP_EP_NVL_DOMAIN_SIZE` smaller than the group).
+//! - `DEEP_EP_RDMA_TRANSPORT` = `gin` | `lsa` (emulation over NVLink; all ranks must share one
+//!   NVLink domain, with `DEEP_EP_NVL_DOMAIN_SIZE` smaller than the group). Unset: the LSA
+//!   emulation for internode buffers, normal and LL (`ll_seam::select`, `internode.rs`), whose GIN
+//!   windows are not built yet.
 //! - `DEEP_EP_GIN_CONTEXTS` = GIN contexts per communicator, 1..=4 (default: as many as the
 //!   buffer has independent senders, at most 4).
 //! - `DEEP_EP_GIN_COMMS` = communicators per buffer, 1..=8 (default 1); QPs per peer =

@@ -90,11 +90,12 @@ impl NcclBackend {
         let rr = crate::ops::num_rdma_ranks(op, &self.info)?;
         let c = channels(op, config)?;
         let knobs = GinKnobs::from_env()?;
-        if knobs.transport != Some(RdmaTransport::Lsa) {
+        // Unset means the NVLink emulation, as for internode LL buffers (ll_seam::select).
+        if knobs.transport == Some(RdmaTransport::Gin) {
             return Err(Error::NotImplemented {
                 op,
                 backend: self.info.backend.name(),
-                feature: "internode normal mode over NCCL GIN (set DEEP_EP_RDMA_TRANSPORT=lsa to run it over NVLink with emulated nodes)",
+                feature: "internode normal mode over NCCL GIN (DEEP_EP_RDMA_TRANSPORT unset or lsa runs it over NVLink with emulated nodes)",
             });
         }
         crate::ensure!(nr <= MAX_LSA_PEERS, op, "internal: {nr} ranks for the LSA emulation");

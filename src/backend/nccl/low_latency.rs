@@ -40,7 +40,7 @@
 //! status block; the next host-side call of the buffer raises them (`check_ll_pending`). A timeout
 //! leaves the buffer unusable (every later kernel returns at once).
 
-use super::NcclBackend;
+use super::{ll_seam, NcclBackend};
 use crate::backend::{LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlStats, Stream};
 use crate::config::BUFFER_ALIGNMENT;
 use crate::error::{Error, Result};
@@ -61,7 +61,7 @@ const FLAG_LOGFMT: i32 = 8;
 /// Most blocks of the dispatch send (256 threads each, 2 per SM: one or a few tokens per block).
 const SEND_BLOCKS: i32 = 264;
 /// Most experts of a dispatch send on this backend (`DEEP_EP_LL_MAX_EXPERTS`).
-const MAX_EXPERTS: usize = 2048;
+const MAX_EXPERTS: usize = ll_seam::MAX_EXPERTS;
 /// Blocks of the combine receive (512 threads each, one per SM).
 const REDUCE_BLOCKS: i32 = 132;
 
@@ -120,7 +120,25 @@ impl NcclBackend {
         let need = lay.total_bytes();
         let ll_off = CONTROL_BYTES + self.info.num_nvl_bytes.div_ceil(BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT;
         crate::ensure!(ll_off + need <= self.window.bytes(), op, "internal: LL area [{ll_off}, +{need}) outside the window of {} bytes", self.window.bytes());
+        // Internode: peers outside the NVLink domain through the seam (ll_seam.rs).
+        let (mut net, mut shadow_off, mut stage, mut nvl_domain, mut net_kind) = (std::ptr::null(), 0, ll_seam::Staging { meta_off: 0, idx_off: 0, cnt_off: 0, end: 0 }, 0, 0);
+        if let Some(seam) = &self.seam {
+            stage = ll_seam::Staging::new(self.info.num_ranks, e, t, wire.msg_bytes);
+            stage.check(op, lay.send_bytes)?;
+            crate::ensure!(seam.layout.end <= self.window.bytes(), op, "internal: seam area outside the window of {} bytes", self.window.bytes());
+            net = (self.window.ctx().peer_base[self.info.rank] as *const u8).wrapping_add(seam.layout.desc_off).cast();
+            shadow_off = seam.layout.shadow_off as u64;
+            nvl_domain = seam.nvl_domain as i32;
+            net_kind = seam.kind;
+        }
         Ok(LlArgs {
+            net,
+            shadow_off,
+            stage_meta_off: stage.meta_off as u64,
+            stage_idx_off: stage.idx_off as u64,
+            stage_cnt_off: stage.cnt_off as u64,
+            nvl_domain,
+            net_kind,
             ll_off: ll_off as u64,
             signal_bytes: lay.signal_bytes as u64,
             send_bytes: lay.send_bytes as u64,

@@ -1,8 +1,10 @@
 //! The NVLink peer-pointer backend (`nccl`, and `nvshmem` with that cargo feature). Intranode normal mode (dispatch, cached dispatch, combine) runs
 //! on one NCCL symmetric window per buffer with a pull model (`normal.rs`, kernels in
 //! `kernels/intranode_*.cu`); low-latency mode pushes over the same window's peer pointers
-//! (`low_latency.rs`, `kernels/low_latency.cu`); internode normal mode (ranks spanning several
-//! NVLink domains of `DEEP_EP_NVL_DOMAIN_SIZE`) forwards over the transport seam (`internode.rs`,
+//! (`low_latency.rs`, `kernels/low_latency.cu`), and reaches peers outside the caller's NVLink
+//! domain through the transport seam when the ranks span several domains (`ll_seam.rs`, LSA
+//! emulation); internode normal mode (ranks spanning several NVLink domains of
+//! `DEEP_EP_NVL_DOMAIN_SIZE`) forwards over the transport seam (`internode.rs`,
 //! `kernels/internode_*.cu`; the LSA emulation of the seam for now).
 //!
 //! The window comes from a provider ([`window::PeerWindow`]): an NCCL symmetric window (backend
@@ -31,6 +33,7 @@
 
 pub mod gin;
 mod internode;
+pub mod ll_seam;
 mod low_latency;
 mod normal;
 pub mod window;
@@ -57,6 +60,8 @@ pub struct NcclBackend {
     /// Mask bits the host knows of (set by the mask ops or already reported): a bit beyond them
     /// is a rank that shrink mode masked in a kernel, logged once at the next LL call.
     mask_seen: std::cell::Cell<u32>,
+    /// Internode LL: how the kernels reach peers outside this rank's NVLink domain.
+    seam: Option<ll_seam::Seam>,
 }
 
 fn ni(kind: BackendKind, op: &'static str, feature: &'static str) -> Error {
@@ -91,7 +96,11 @@ impl NcclBackend {
         }
         crate::ffi::low_latency::check_struct_size(OP)?;
         let timeout = crate::settings::timeout();
-        let mut data_bytes = a.num_nvl_bytes + low_latency::extra_window_bytes(a.num_nvl_bytes, a.num_rdma_bytes, a.low_latency_mode);
+        // Internode LL (ranks over several NVLink domains): the seam's area after the LL area.
+        let topo = crate::topology::Topology::new(OP, a.rank, a.num_ranks, crate::topology::nvl_domain_size()?)?;
+        let net_kind = ll_seam::select(OP, gin::GinKnobs::from_env()?.transport, &topo, a.low_latency_mode)?;
+        let seam_bytes = net_kind.map_or(0, |_| ll_seam::SeamLayout::extra_bytes(a.num_rdma_bytes));
+        let mut data_bytes = a.num_nvl_bytes + low_latency::extra_window_bytes(a.num_nvl_bytes, a.num_rdma_bytes, a.low_latency_mode) + seam_bytes;
         let d = crate::topology::nvl_domain_size()?;
         if a.num_ranks > d && !a.low_latency_mode {
             // Internode normal mode: its control area (after the transport self-test's) and the
@@ -113,9 +122,18 @@ impl NcclBackend {
             }
             other => return Err(Error::invalid(OP, format!("internal: backend {} has no peer window", other.name()))),
         };
+        let seam = match net_kind {
+            Some(kind) => {
+                let layout = ll_seam::SeamLayout::new(crate::ffi::intranode::CONTROL_BYTES, a.num_nvl_bytes, a.num_rdma_bytes);
+                crate::ffi::transport::write_lsa_desc(OP, window.ctx(), layout.desc_off, layout.signal_off, ll_seam::LSA_CONTEXTS, ll_seam::SIGNALS)?;
+                crate::log_info!(Some(a.rank), "{OP}: low-latency kernels reach ranks {:?} (outside this NVLink domain of {}) through the transport seam (LSA emulation)", ll_seam::remote_peers(&topo), topo.num_nvl_ranks());
+                Some(ll_seam::Seam { layout, nvl_domain: topo.num_nvl_ranks(), kind })
+            }
+            None => None,
+        };
         let info = BufferInfo::from_args(a, kind);
         let mask = HostMask::new(OP)?;
-        Ok(NcclBackend { info, window, timeout, ll: low_latency::LlState::default(), mask, mask_seen: std::cell::Cell::new(0) })
+        Ok(NcclBackend { info, window, timeout, ll: low_latency::LlState::default(), mask, mask_seen: std::cell::Cell::new(0), seam })
     }
 
     /// A fresh unique id ([`UNIQUE_ID_BYTES`] bytes) of `kind`'s provider from one rank

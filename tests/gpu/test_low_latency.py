@@ -307,8 +307,12 @@ def worker(rank, num_ranks, port, out_dir, count, seed, replays, domain=0):
             if int(flag) == 2:  # ranks may be out of step: stop here
                 stopped = True
                 break
-            if rank == 0 and result["configs"] % 10 == 0:
-                print(f"{num_ranks} ranks: {result['configs']} configs, {result['passed']} passed, {time.perf_counter() - start:.0f} s", flush=True)
+            if result["configs"] % 10 == 0:
+                if rank == 0:
+                    print(f"{num_ranks} ranks: {result['configs']} configs, {result['passed']} passed, {time.perf_counter() - start:.0f} s", flush=True)
+                # Progress on disk, so a run cut by a time limit still shows how far it got.
+                with open(os.path.join(out_dir, f"rank{rank}.progress.json"), "w") as f:
+                    json.dump(dict(result, failures=result["failures"][:3]), f)
             if int(flag) == 1:  # time budget spent (DEEP_EP_LL_SECONDS): the configs run so far count
                 break
         if not stopped and not DRY:

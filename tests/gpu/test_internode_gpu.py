@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from _spawn import _free_port, finish_rank, gpu_backend, set_gpu_env
+from test_intranode import diff  # the bitwise comparison shared by the GPU tests
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 from test_internode import make_case, rank_inputs  # noqa: E402
@@ -54,29 +55,6 @@ def widen(case, i: int):
     case["worst_extra"] = rng.randint(0, 8)
     case["cached_x_seed"] = rng.randint(0, 1 << 30)
     return case
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().cpu().contiguous()
-    if t.dtype in (torch.bool, torch.int32, torch.int64, torch.uint8):
-        return t
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def diff(name: str, got, want) -> list:
-    if got is None and want is None:
-        return []
-    if got is None or want is None:
-        return [f"{name}: one side is None"]
-    if isinstance(got, list):
-        return [] if got == want else [f"{name}: {got} != {want}"]
-    if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype:
-        return [f"{name}: shape/dtype {tuple(got.shape)} {got.dtype} != {tuple(want.shape)} {want.dtype}"]
-    a, b = bits(got), bits(want)
-    if torch.equal(a, b):
-        return []
-    bad = (a != b).nonzero()
-    return [f"{name}: {bad.shape[0]} elements differ, first at {bad[0].tolist()}: {a[tuple(bad[0])].item()} vs {b[tuple(bad[0])].item()}"]
 
 
 def to_dev(t):

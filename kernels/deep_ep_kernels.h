@@ -387,8 +387,6 @@ int deep_ep_ic_combine(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_combine_arg
 int deep_ep_ic_combine_fused(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_push_args_t* push,
                              const deep_ep_ic_combine_args_t* args, void* stream);
 
-/* Zeroes the control area of this rank's window (create, before the first barrier). */
-int deep_ep_ic_reset(const deep_ep_ic_ctx_t* ctx, void* stream);
 /* Clears the device copy of a reported error (the host clears the mapped block itself). */
 int deep_ep_ic_clear_error(const deep_ep_ic_ctx_t* ctx, void* stream);
 /* [OUT host] sizes[0..9] = sizeof of ctx, layout, sync, stage, pull, combine, push args, host status,

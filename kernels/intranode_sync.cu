@@ -244,13 +244,6 @@ __global__ void __launch_bounds__(kThreads) stage_kernel(const __grid_constant__
   for (int64_t t = tid >> 5; t < rows; t += warps) warp_copy(x_dst + t * L.row_bytes, x_src + t * L.row_bytes, L.row_bytes, lane);
 }
 
-__global__ void reset_kernel(const __grid_constant__ Ctx c) {
-  int4* p = reinterpret_cast<int4*>(local(c));
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < DEEP_EP_IC_CONTROL_BYTES / 16; i += gridDim.x * blockDim.x) {
-    p[i] = make_int4(0, 0, 0, 0);
-  }
-}
-
 __global__ void clear_error_kernel(const __grid_constant__ Ctx c) { *at<int>(local(c), kScrError) = 0; }
 
 }  // namespace
@@ -273,12 +266,6 @@ extern "C" int deep_ep_ic_stage(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_st
       (args->layout.num_tokens > 0 && args->layout.off[DEEP_EP_IC_SEC_X] != 0 && args->x == nullptr))
     return cudaErrorInvalidValue;
   stage_kernel<<<args->num_blocks, kThreads, 0, as_stream(stream)>>>(*ctx, *args);
-  return cudaGetLastError();
-}
-
-extern "C" int deep_ep_ic_reset(const deep_ep_ic_ctx_t* ctx, void* stream) {
-  if (!ctx_ok(ctx)) return cudaErrorInvalidValue;
-  reset_kernel<<<16, 256, 0, as_stream(stream)>>>(*ctx);
   return cudaGetLastError();
 }
 

@@ -338,7 +338,6 @@ extern "C" {
     fn deep_ep_ic_combine(ctx: *const Ctx, args: *const CombineArgs, stream: *mut c_void) -> c_int;
     fn deep_ep_ic_combine_fused(ctx: *const Ctx, push: *const PushArgs, args: *const CombineArgs, stream: *mut c_void) -> c_int;
     fn deep_ep_ic_check(ctx: *const Ctx, args: *const CheckArgs, stream: *mut c_void) -> c_int;
-    fn deep_ep_ic_reset(ctx: *const Ctx, stream: *mut c_void) -> c_int;
     fn deep_ep_ic_clear_error(ctx: *const Ctx, stream: *mut c_void) -> c_int;
     fn deep_ep_ic_struct_sizes(sizes: *mut usize);
     fn deep_ep_ic_rendezvous_word(ctx: *const Ctx) -> *mut c_void;
@@ -458,23 +457,17 @@ pub fn destroy_barrier(op: &'static str, ctx: &Ctx, status: &HostStatus, timeout
     Ok(())
 }
 
-/// Zeroes this rank's whole window (`ctx.window_bytes` at its own peer pointer), so the
-/// low-latency signal words start at zero and the first LL call needs no barrier (a re-created
+/// Zeroes this rank's whole window (`ctx.window_bytes` at its own peer pointer): the control
+/// area and the transport self-test signals start at zero, and so do the
+/// low-latency signal words, so the first LL call needs no barrier (a re-created
 /// buffer may get the memory of a destroyed one, with its old tags). Every window provider calls
-/// it at creation, before [`reset`].
+/// it at creation, before the first barrier.
 #[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
 pub fn zero_window(op: &'static str, ctx: &Ctx, stream: *mut c_void) -> Result<()> {
     let local = ctx.peer_base[ctx.rank as usize];
     crate::ensure!(!local.is_null(), op, "internal: the window's own pointer is not set");
     // SAFETY: this rank's own window: `window_bytes` bytes of device memory; async on `stream`.
     check(unsafe { deep_ep_cuda_memset_async(local, 0, ctx.window_bytes as usize, stream) }, op, "zeroing the window")
-}
-
-/// Zeroes this rank's control area.
-#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
-pub fn reset(op: &'static str, ctx: &Ctx, stream: *mut c_void) -> Result<()> {
-    // SAFETY: writes the first CONTROL_BYTES of this rank's own window.
-    check(unsafe { deep_ep_ic_reset(ctx, stream) }, op, "intranode reset kernel launch")
 }
 
 /// Clears the device copy of a reported error.

@@ -135,12 +135,8 @@ impl Window {
         w.status = Some(status);
 
         let stream = Stream::new(OP)?;
-        // The whole window starts zeroed, then the control area's reset.
+        // The whole window starts zeroed: control area, transport self-test signals and LL tags.
         intranode::zero_window(OP, &w.ctx, stream.raw())?;
-        intranode::reset(OP, &w.ctx, stream.raw())?;
-        if a.transport_self_test.is_some() {
-            super::transport::lsa_self_test_prepare(OP, &w.ctx, stream.raw())?;
-        }
         stream.synchronize(OP)?;
         let all_reduce = nccl_fn!(lib, ncclAllReduce);
         let word = intranode::rendezvous_word(&w.ctx);

@@ -238,13 +238,9 @@ impl Window {
         w.ctx.host_status = status.device_ptr();
         w.status = Some(status);
         let stream = Stream::new(OP)?;
-        // The whole window starts zeroed (nvshmem_malloc may hand back a destroyed buffer's
-        // memory, old low-latency tags included), then the control area's reset.
+        // The whole window starts zeroed: control area, transport self-test signals and LL tags
+        // (nvshmem_malloc may hand back a destroyed buffer's memory).
         intranode::zero_window(OP, &w.ctx, stream.raw())?;
-        intranode::reset(OP, &w.ctx, stream.raw())?;
-        if a.transport_self_test.is_some() {
-            super::transport::lsa_self_test_prepare(OP, &w.ctx, stream.raw())?;
-        }
         stream.synchronize(OP)?;
         // Host rendezvous: no peer signals into a control area that is not zeroed yet.
         lib.barrier_all();

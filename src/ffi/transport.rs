@@ -212,23 +212,14 @@ pub fn lsa_self_test_bytes(num_ranks: usize) -> u64 {
     ST_DST_OFF + ST_BYTES * num_ranks as u64
 }
 
-/// First half of the LSA self-test: zeroes this rank's signal table on `stream`. Every rank must
-/// have done this (and synchronised) before any rank calls [`lsa_self_test_run`]: a host
-/// rendezvous between the two (buffer creation has one).
-#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
-pub fn lsa_self_test_prepare(op: &'static str, ctx: &super::intranode::Ctx, stream: *mut c_void) -> Result<()> {
-    crate::ensure!(ctx.window_bytes >= lsa_self_test_bytes(ctx.num_ranks as usize), op, "internal: window of {} bytes too small for the transport self-test", ctx.window_bytes);
-    let own = ctx.peer_base[ctx.rank as usize];
-    // SAFETY: 4096 bytes inside this rank's own live window (size checked above).
-    let st = unsafe { deep_ep_cuda_memset_async(own.cast::<u8>().add(ST_SIGNALS_OFF as usize).cast(), 0, 4096, stream) };
-    super::kernels::check(st, op, "zeroing the transport self-test signals")
-}
-
-/// Second half: one round of the ping over the LSA transport between the ranks of each rail
+/// The LSA self-test: one round of the ping over the LSA transport between the ranks of each rail
 /// (`rail_stride` = ranks per emulated node; 1 = all ranks), synchronous on `stream`. Collective.
+/// Every rank's signal table must be zero before any rank starts: buffer creation zeroes the
+/// whole window and meets at a host rendezvous before calling this.
 /// A silent peer raises [`Error::Timeout`] naming it; corrupted data an [`Error::Device`].
 #[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
 pub fn lsa_self_test_run(op: &'static str, ctx: &super::intranode::Ctx, rail_stride: usize, timeout_ns: u64, stream: *mut c_void) -> Result<()> {
+    crate::ensure!(ctx.window_bytes >= lsa_self_test_bytes(ctx.num_ranks as usize), op, "internal: window of {} bytes too small for the transport self-test", ctx.window_bytes);
     let n = ctx.num_ranks as usize;
     crate::ensure!(rail_stride >= 1 && n % rail_stride == 0 && n <= MAX_LSA_PEERS, op, "internal: self-test rail stride {rail_stride} for {n} ranks");
     let mut lsa = LsaDesc { peer_base: [std::ptr::null_mut(); MAX_LSA_PEERS], rank: ctx.rank, num_ranks: ctx.num_ranks, num_contexts: 1, num_signals: MAX_LSA_PEERS as i32, signal_off: ST_SIGNALS_OFF, window_bytes: ctx.window_bytes };

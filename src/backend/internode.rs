@@ -64,8 +64,7 @@ pub struct InternodePlan {
     pub num_rdma_rows: usize,
 }
 
-/// Outputs of a non-cached internode dispatch (allocated from the [`InternodePlan`]); the
-/// handle's `is_token_in_rank` is the input and is not written.
+/// Outputs of a non-cached internode dispatch (allocated from the [`InternodePlan`]).
 pub struct InternodeDispatchOutputs {
     /// `[rows, H]`, dtype of `x`.
     pub recv_x: TensorRef,
@@ -75,15 +74,9 @@ pub struct InternodeDispatchOutputs {
     pub recv_topk_idx: Option<TensorRef>,
     /// `[rows, K]` float32 (0 where the id is −1).
     pub recv_topk_weights: Option<TensorRef>,
-    pub rdma_channel_prefix_matrix: TensorRef,
-    pub gbl_channel_prefix_matrix: TensorRef,
-    pub recv_rdma_channel_prefix_matrix: TensorRef,
-    pub recv_rdma_rank_prefix_sum: TensorRef,
-    pub recv_gbl_channel_prefix_matrix: TensorRef,
-    pub recv_gbl_rank_prefix_sum: TensorRef,
-    pub recv_src_meta: TensorRef,
-    pub send_rdma_head: TensorRef,
-    pub send_nvl_head: TensorRef,
+    /// The handle being made: every tensor but `is_token_in_rank` (the dispatch's input, not
+    /// written) is an output.
+    pub handle: InternodeHandle,
 }
 
 /// An internode dispatch reusing a handle: rows = `recv_src_meta.size(0)`, no host sync.

@@ -116,22 +116,13 @@ pub unsafe extern "C" fn deep_ep_internode_dispatch_finish(
             num_rdma_recv_tokens: p.num_rdma_recv_tokens as usize,
             num_rdma_rows: p.num_rdma_rows as usize,
         };
-        let hh = handle_of(OP, &*h)?;
         let d = std::slice::from_raw_parts(data, 4);
         let o = InternodeDispatchOutputs {
             recv_x: tensor(OP, "recv_x", &d[0])?,
             recv_x_scales: opt_tensor(OP, "recv_x_scales", &d[1])?,
             recv_topk_idx: opt_tensor(OP, "recv_topk_idx", &d[2])?,
             recv_topk_weights: opt_tensor(OP, "recv_topk_weights", &d[3])?,
-            rdma_channel_prefix_matrix: hh.rdma_channel_prefix_matrix,
-            gbl_channel_prefix_matrix: hh.gbl_channel_prefix_matrix,
-            recv_rdma_channel_prefix_matrix: hh.recv_rdma_channel_prefix_matrix,
-            recv_rdma_rank_prefix_sum: hh.recv_rdma_rank_prefix_sum,
-            recv_gbl_channel_prefix_matrix: hh.recv_gbl_channel_prefix_matrix,
-            recv_gbl_rank_prefix_sum: hh.recv_gbl_rank_prefix_sum,
-            recv_src_meta: hh.recv_src_meta,
-            send_rdma_head: hh.send_rdma_head,
-            send_nvl_head: hh.send_nvl_head,
+            handle: handle_of(OP, &*h)?,
         };
         ops::internode_dispatch_finish(handle, &a, &plan, &o)
     })

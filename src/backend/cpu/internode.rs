@@ -173,23 +173,23 @@ impl CpuBackend {
         // Sender side.
         let own_bool: Vec<bool> = own.iter().map(|&b| b != 0).collect();
         let (gbl_cpm, _) = layout::send_side(&own_bool, n, nr, c);
-        o.gbl_channel_prefix_matrix.cpu_slice_mut::<i32>().copy_from_slice(&gbl_cpm);
+        o.handle.gbl_channel_prefix_matrix.cpu_slice_mut::<i32>().copy_from_slice(&gbl_cpm);
         let (rdma_cpm, rdma_head) = rdma_send_side(own, n, nr, g, c);
-        o.rdma_channel_prefix_matrix.cpu_slice_mut::<i32>().copy_from_slice(&rdma_cpm);
-        o.send_rdma_head.cpu_slice_mut::<i32>().copy_from_slice(&rdma_head);
+        o.handle.rdma_channel_prefix_matrix.cpu_slice_mut::<i32>().copy_from_slice(&rdma_cpm);
+        o.handle.send_rdma_head.cpu_slice_mut::<i32>().copy_from_slice(&rdma_head);
 
         // RDMA-leg receive side.
         let (rcpm, rprefix, nvl_head) = rdma_recv_side(&ins, r, nr, g, c);
-        o.recv_rdma_channel_prefix_matrix.cpu_slice_mut::<i32>().copy_from_slice(&rcpm);
-        o.recv_rdma_rank_prefix_sum.cpu_slice_mut::<i32>().copy_from_slice(&rprefix);
-        let out_head = o.send_nvl_head.cpu_slice_mut::<i32>();
+        o.handle.recv_rdma_channel_prefix_matrix.cpu_slice_mut::<i32>().copy_from_slice(&rcpm);
+        o.handle.recv_rdma_rank_prefix_sum.cpu_slice_mut::<i32>().copy_from_slice(&rprefix);
+        let out_head = o.handle.send_nvl_head.cpu_slice_mut::<i32>();
         out_head.fill(-1);
         out_head[..nvl_head.len()].copy_from_slice(&nvl_head);
 
         // NVLink receive side: absolute row starts per (source, channel).
         let counts = recv_counts(&ins, r, nr);
         let gprefix: Vec<i32> = counts.iter().scan(0, |acc, &v| { *acc += v; Some(*acc) }).collect();
-        let gcpm = o.recv_gbl_channel_prefix_matrix.cpu_slice_mut::<i32>();
+        let gcpm = o.handle.recv_gbl_channel_prefix_matrix.cpu_slice_mut::<i32>();
         for (s, (n_s, in_rank)) in ins.iter().enumerate() {
             let base = if s > 0 { gprefix[s - 1] } else { 0 };
             let starts = layout::recv_channel_starts(|t| in_rank[t * nr + r] != 0, *n_s, c);
@@ -197,8 +197,8 @@ impl CpuBackend {
                 gcpm[s * c + ch] = base + starts[ch];
             }
         }
-        o.recv_gbl_rank_prefix_sum.cpu_slice_mut::<i32>().copy_from_slice(&gprefix);
-        let meta = o.recv_src_meta.cpu_slice_mut::<u8>();
+        o.handle.recv_gbl_rank_prefix_sum.cpu_slice_mut::<i32>().copy_from_slice(&gprefix);
+        let meta = o.handle.recv_src_meta.cpu_slice_mut::<u8>();
         meta.fill(0);
         for (row, &(s, t)) in rows.iter().enumerate() {
             meta[row * 8..(row + 1) * 8].copy_from_slice(&source_meta(&ins[s].1, t, s, nr, g, r / g.d));

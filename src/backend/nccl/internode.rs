@@ -237,15 +237,15 @@ impl NcclBackend {
         let sized = |t: &TensorRef, len: usize| t.numel() == len && t.is_contiguous();
         let ok = o.recv_x.size(0) == rows
             && o.recv_x.is_contiguous()
-            && sized(&o.recv_src_meta, rows * 8)
-            && sized(&o.send_nvl_head, rdma * 8)
-            && sized(&o.send_rdma_head, n * rr)
-            && sized(&o.rdma_channel_prefix_matrix, rr * c)
-            && sized(&o.recv_rdma_channel_prefix_matrix, rr * c)
-            && sized(&o.gbl_channel_prefix_matrix, nr * c)
-            && sized(&o.recv_gbl_channel_prefix_matrix, nr * c)
-            && sized(&o.recv_rdma_rank_prefix_sum, rr)
-            && sized(&o.recv_gbl_rank_prefix_sum, nr)
+            && sized(&o.handle.recv_src_meta, rows * 8)
+            && sized(&o.handle.send_nvl_head, rdma * 8)
+            && sized(&o.handle.send_rdma_head, n * rr)
+            && sized(&o.handle.rdma_channel_prefix_matrix, rr * c)
+            && sized(&o.handle.recv_rdma_channel_prefix_matrix, rr * c)
+            && sized(&o.handle.gbl_channel_prefix_matrix, nr * c)
+            && sized(&o.handle.recv_gbl_channel_prefix_matrix, nr * c)
+            && sized(&o.handle.recv_rdma_rank_prefix_sum, rr)
+            && sized(&o.handle.recv_gbl_rank_prefix_sum, nr)
             && o.recv_topk_idx.as_ref().map_or(true, |t| t.size(0) == rows && t.is_contiguous() && is_int64(Some(t)) == args.topk_is_int64)
             && o.recv_x_scales.as_ref().map_or(true, |t| t.size(0) == rows && t.is_contiguous());
         crate::ensure!(ok, DISPATCH, "internal: internode dispatch outputs do not match the plan ({rows} rows, {rdma} RDMA rows)");
@@ -256,15 +256,15 @@ impl NcclBackend {
         args.recv_scales = opt_ptr_mut(o.recv_x_scales.as_ref());
         args.recv_topk_idx = opt_ptr_mut(o.recv_topk_idx.as_ref());
         args.recv_topk_weights = opt_ptr_mut(o.recv_topk_weights.as_ref());
-        args.recv_src_meta = ptr_mut(&o.recv_src_meta);
-        args.rdma_cpm = ptr_mut(&o.rdma_channel_prefix_matrix);
-        args.gbl_cpm = ptr_mut(&o.gbl_channel_prefix_matrix);
-        args.recv_rdma_cpm = ptr_mut(&o.recv_rdma_channel_prefix_matrix);
-        args.recv_rdma_rps = ptr_mut(&o.recv_rdma_rank_prefix_sum);
-        args.recv_gbl_cpm = ptr_mut(&o.recv_gbl_channel_prefix_matrix);
-        args.recv_gbl_rps = ptr_mut(&o.recv_gbl_rank_prefix_sum);
-        args.send_rdma_head = ptr_mut(&o.send_rdma_head);
-        args.send_nvl_head = ptr_mut(&o.send_nvl_head);
+        args.recv_src_meta = ptr_mut(&o.handle.recv_src_meta);
+        args.rdma_cpm = ptr_mut(&o.handle.rdma_channel_prefix_matrix);
+        args.gbl_cpm = ptr_mut(&o.handle.gbl_channel_prefix_matrix);
+        args.recv_rdma_cpm = ptr_mut(&o.handle.recv_rdma_channel_prefix_matrix);
+        args.recv_rdma_rps = ptr_mut(&o.handle.recv_rdma_rank_prefix_sum);
+        args.recv_gbl_cpm = ptr_mut(&o.handle.recv_gbl_channel_prefix_matrix);
+        args.recv_gbl_rps = ptr_mut(&o.handle.recv_gbl_rank_prefix_sum);
+        args.send_rdma_head = ptr_mut(&o.handle.send_rdma_head);
+        args.send_nvl_head = ptr_mut(&o.handle.send_nvl_head);
         let stream = a.base.stream;
         for s in [step::RDMA_SEND, step::STEP, step::NVL_RECV] {
             self.launch(DISPATCH, &args, s, stream)?;

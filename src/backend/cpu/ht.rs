@@ -60,7 +60,16 @@ impl Kind {
     }
 }
 
-/// Byte offsets of consecutive sections after the header, each 64-byte aligned.
+/// The header words of a cached dispatch (its rows and their row and scale bytes), which
+/// [`check_row_format`] compares across ranks.
+pub(super) fn cached_rows_words(rows: usize, row_bytes: usize, scale_bytes: usize) -> [u64; NUM_WORDS] {
+    let mut words = [0u64; NUM_WORDS];
+    words[W_ROWS] = rows as u64;
+    words[W_ROW_BYTES] = row_bytes as u64;
+    words[W_SCALE_BYTES] = scale_bytes as u64;
+    words
+}
+
 /// A cached dispatch's rows must have the same size and scale size on every rank.
 pub(super) fn check_row_format(op: &'static str, headers: &[Header], words: &[u64; NUM_WORDS]) -> Result<()> {
     match headers.iter().position(|h| h.0[W_ROW_BYTES] != words[W_ROW_BYTES] || h.0[W_SCALE_BYTES] != words[W_SCALE_BYTES]) {
@@ -69,6 +78,7 @@ pub(super) fn check_row_format(op: &'static str, headers: &[Header], words: &[u6
     }
 }
 
+/// Byte offsets of consecutive sections after the header, each 64-byte aligned.
 pub(super) fn sections(sizes: &[usize]) -> (Vec<usize>, usize) {
     let mut offs = Vec::with_capacity(sizes.len());
     let mut at = HEADER_BYTES;
@@ -380,7 +390,7 @@ impl CpuBackend {
 
     pub(super) fn ht_cached_dispatch(&mut self, a: &CachedDispatchArgs, recv_x: &TensorRef, recv_scales: Option<&TensorRef>) -> Result<()> {
         const OP: &str = "deep_ep::cached_dispatch";
-        let (r, nr) = (self.info.rank, self.info.num_ranks);
+        let nr = self.info.num_ranks;
         let n = a.x.size(0);
         let row_bytes = a.x.size(1) * a.x.dtype.size();
         let scale_bytes = a.x_scales.as_ref().map_or(0, |s| s.size(1) * 4);
@@ -388,22 +398,26 @@ impl CpuBackend {
         let (offs, end) = sections(&[nr * nr * 4, n * nr, n * row_bytes, n * scale_bytes]);
         let own = self.capacity_error(OP, end).or_else(|| self.check_handle(OP, &a.handle, n));
         if own.is_none() {
-            let me = self.ht_region(r);
-            me.write(offs[0], m);
-            me.write(offs[1], a.handle.is_token_in_rank.cpu_slice::<u8>());
-            me.write(offs[2], a.x.cpu_bytes());
-            if let Some(s) = &a.x_scales {
-                me.write(offs[3], &s.cpu_copy_2d_contiguous());
-            }
+            self.stage_cached_rows(&offs, m, &a.handle.is_token_in_rank, &a.x, a.x_scales.as_ref());
         }
-        let mut words = [0u64; NUM_WORDS];
-        words[W_ROWS] = n as u64;
-        words[W_ROW_BYTES] = row_bytes as u64;
-        words[W_SCALE_BYTES] = scale_bytes as u64;
+        let words = cached_rows_words(n, row_bytes, scale_bytes);
         let headers = self.rendezvous(Kind::CachedDispatch, words, own)?;
         let same = self.check_same_handles(OP, offs[0], m).and_then(|_| check_row_format(OP, &headers, &words));
         self.together(Kind::CachedDispatch, same)?;
         self.gather_cached_rows(OP, &headers, |m_tok| sections(&[nr * nr * 4, m_tok * nr, m_tok * row_bytes, m_tok * scale_bytes]).0, recv_x, recv_scales)
+    }
+
+    /// Stages a cached dispatch's inputs in this rank's region, intranode or internode, at the
+    /// four sections `offs`: the handle's prefix (`prefix`, what the peers check the handles
+    /// against), `is_token_in_rank`, the rows of `x` and the scales (2-D contiguous).
+    pub(super) fn stage_cached_rows(&self, offs: &[usize], prefix: &[i32], in_rank: &TensorRef, x: &TensorRef, x_scales: Option<&TensorRef>) {
+        let me = self.ht_region(self.info.rank);
+        me.write(offs[0], prefix);
+        me.write(offs[1], in_rank.cpu_slice::<u8>());
+        me.write(offs[2], x.cpu_bytes());
+        if let Some(s) = x_scales {
+            me.write(offs[3], &s.cpu_copy_2d_contiguous());
+        }
     }
 
     /// The copy of a cached dispatch, intranode or internode (the same rows in the same order):

@@ -7,7 +7,7 @@
 //! here as DeepEP's notify and forwarding kernels would fill it, see
 //! [`crate::backend::internode::InternodeHandle`]) and the two-level rounding of the combine.
 
-use super::ht::{check_row_format, sections, Header, Kind, RecvData, NUM_WORDS, W_ROWS, W_ROW_BYTES, W_SCALE_BYTES, W_TOPK};
+use super::ht::{cached_rows_words, check_row_format, sections, Header, Kind, RecvData, NUM_WORDS, W_ROWS, W_ROW_BYTES, W_TOPK};
 use super::CpuBackend;
 use crate::backend::internode::{InternodeCachedDispatchArgs, InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutputs, InternodeHandle, InternodePlan, NVL_HEAD_COLUMNS};
 use crate::backend::{CombineOutputs, DispatchArgs};
@@ -240,7 +240,7 @@ impl CpuBackend {
     pub(super) fn ht_internode_cached_dispatch(&mut self, a: &InternodeCachedDispatchArgs, recv_x: &TensorRef, recv_scales: Option<&TensorRef>) -> Result<()> {
         let kind = Kind::InternodeCachedDispatch;
         let op = kind.op();
-        let (r, nr) = (self.info.rank, self.info.num_ranks);
+        let nr = self.info.num_ranks;
         let n = a.x.size(0);
         let row_bytes = a.x.size(1) * a.x.dtype.size();
         let scale_bytes = a.x_scales.as_ref().map_or(0, |s| s.size(1) * 4);
@@ -249,18 +249,9 @@ impl CpuBackend {
         let rows = recv_x.size(0);
         let own = self.capacity_error(op, end).or_else(|| self.check_internode_handle(op, &a.handle, n, rows));
         if own.is_none() {
-            let me = self.ht_region(r);
-            me.write(offs[0], a.handle.recv_gbl_rank_prefix_sum.cpu_slice::<i32>());
-            me.write(offs[1], a.handle.is_token_in_rank.cpu_slice::<u8>());
-            me.write(offs[2], a.x.cpu_bytes());
-            if let Some(s) = &a.x_scales {
-                me.write(offs[3], &s.cpu_copy_2d_contiguous());
-            }
+            self.stage_cached_rows(&offs, a.handle.recv_gbl_rank_prefix_sum.cpu_slice::<i32>(), &a.handle.is_token_in_rank, &a.x, a.x_scales.as_ref());
         }
-        let mut words = [0u64; NUM_WORDS];
-        words[W_ROWS] = n as u64;
-        words[W_ROW_BYTES] = row_bytes as u64;
-        words[W_SCALE_BYTES] = scale_bytes as u64;
+        let words = cached_rows_words(n, row_bytes, scale_bytes);
         let headers = self.rendezvous(kind, words, own)?;
         let checked = self.check_published_handles(op, &headers, secs).and_then(|_| check_row_format(op, &headers, &words));
         self.together(kind, checked)?;

@@ -73,8 +73,14 @@ __global__ void __launch_bounds__(32) c_nodebar_kernel(const __grid_constant__ C
 
 __device__ __forceinline__ float lo_f(uint32_t w) { return ic::bf16_to_f32(w & 0xffffu); }
 __device__ __forceinline__ float hi_f(uint32_t w) { return ic::bf16_to_f32(w >> 16); }
-__device__ __forceinline__ uint32_t pack(float lo, float hi) {
-  return static_cast<uint32_t>(ic::bf16_bits(lo)) | (static_cast<uint32_t>(ic::bf16_bits(hi)) << 16);
+// acc[i] += the i-th of the eight bf16 in v (lower column first), in fp32.
+__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4 v) {
+  const uint32_t w4[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z), static_cast<uint32_t>(v.w)};
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    acc[2 * u] = acc[2 * u] + lo_f(w4[u]);
+    acc[2 * u + 1] = acc[2 * u + 1] + hi_f(w4[u]);
+  }
 }
 
 __global__ void __launch_bounds__(kThreads) c_forward_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
@@ -115,18 +121,9 @@ __global__ void __launch_bounds__(kThreads) c_forward_kernel(const __grid_consta
           float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
           for (int m = 0; m < g.D; ++m) {
             if (row[m] < 0) continue;
-            const int4 v = __ldcg(reinterpret_cast<const int4*>(s_rows[m] + row[m] * a.row_bytes) + q);
-            const uint32_t w4[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z), static_cast<uint32_t>(v.w)};
-#pragma unroll
-            for (int u = 0; u < 4; ++u) {
-              acc[2 * u] = acc[2 * u] + lo_f(w4[u]);
-              acc[2 * u + 1] = acc[2 * u + 1] + hi_f(w4[u]);
-            }
+            add_bf16x8(acc, __ldcg(reinterpret_cast<const int4*>(s_rows[m] + row[m] * a.row_bytes) + q));
           }
-          int4 o;
-          o.x = static_cast<int>(pack(acc[0], acc[1])), o.y = static_cast<int>(pack(acc[2], acc[3]));
-          o.z = static_cast<int>(pack(acc[4], acc[5])), o.w = static_cast<int>(pack(acc[6], acc[7]));
-          reinterpret_cast<int4*>(out)[q] = o;
+          reinterpret_cast<int4*>(out)[q] = ic::pack_bf16x8(acc);
         }
       } else {
         for (int64_t e = lane; e < H; e += 32) {
@@ -203,18 +200,9 @@ __global__ void __launch_bounds__(kThreads) c_final_kernel(const __grid_constant
         }
         for (int j = 0; j < g.Rr; ++j) {
           if (part[j] == nullptr) continue;
-          const int4 v = __ldcg(reinterpret_cast<const int4*>(part[j]) + q);
-          const uint32_t w4[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z), static_cast<uint32_t>(v.w)};
-#pragma unroll
-          for (int u = 0; u < 4; ++u) {
-            acc[2 * u] = acc[2 * u] + lo_f(w4[u]);
-            acc[2 * u + 1] = acc[2 * u + 1] + hi_f(w4[u]);
-          }
+          add_bf16x8(acc, __ldcg(reinterpret_cast<const int4*>(part[j]) + q));
         }
-        int4 o;
-        o.x = static_cast<int>(pack(acc[0], acc[1])), o.y = static_cast<int>(pack(acc[2], acc[3]));
-        o.z = static_cast<int>(pack(acc[4], acc[5])), o.w = static_cast<int>(pack(acc[6], acc[7]));
-        reinterpret_cast<int4*>(a.combined_x + tok * H)[q] = o;
+        reinterpret_cast<int4*>(a.combined_x + tok * H)[q] = ic::pack_bf16x8(acc);
       }
     } else {
       for (int64_t e = lane; e < H; e += 32) {

@@ -212,6 +212,15 @@ __device__ __forceinline__ uint16_t bf16_bits(float f) {
   return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 __device__ __forceinline__ float bf16_to_f32(uint32_t b) { return __uint_as_float(b << 16); }
+// Eight sums rounded to bf16 (bf16_bits) and packed two per word, lower column first.
+__device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
+  int4 o;
+  o.x = static_cast<int>(bf16_bits(acc[0]) | (static_cast<uint32_t>(bf16_bits(acc[1])) << 16));
+  o.y = static_cast<int>(bf16_bits(acc[2]) | (static_cast<uint32_t>(bf16_bits(acc[3])) << 16));
+  o.z = static_cast<int>(bf16_bits(acc[4]) | (static_cast<uint32_t>(bf16_bits(acc[5])) << 16));
+  o.w = static_cast<int>(bf16_bits(acc[6]) | (static_cast<uint32_t>(bf16_bits(acc[7])) << 16));
+  return o;
+}
 
 // Host side of the launch functions: a ctx the kernels can use.
 bool ctx_ok(const Ctx* c) {

@@ -59,16 +59,6 @@ __device__ __forceinline__ void fma_bf16x8(float (&acc)[8], const uint32_t (&wv)
   }
 }
 
-// Eight sums rounded to bf16 (bf16_bits) and packed two per word, lower column first.
-__device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
-  int4 o;
-  o.x = static_cast<int>(bf16_bits(acc[0]) | (static_cast<uint32_t>(bf16_bits(acc[1])) << 16));
-  o.y = static_cast<int>(bf16_bits(acc[2]) | (static_cast<uint32_t>(bf16_bits(acc[3])) << 16));
-  o.z = static_cast<int>(bf16_bits(acc[4]) | (static_cast<uint32_t>(bf16_bits(acc[5])) << 16));
-  o.w = static_cast<int>(bf16_bits(acc[6]) | (static_cast<uint32_t>(bf16_bits(acc[7])) << 16));
-  return o;
-}
-
 // The call after `calls` (16 bits travel in a tag; 0 is skipped so a zeroed word never matches).
 __device__ __forceinline__ uint32_t next_seq(uint32_t calls) {
   uint32_t s = calls + 1;

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from _spawn import _free_port, finish_rank, gpu_backend, set_gpu_env
-from test_intranode import diff  # the bitwise comparison shared by the GPU tests
+from test_intranode import diff, wall_us  # shared by the GPU tests
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 from test_internode import make_case, rank_inputs  # noqa: E402
@@ -197,20 +197,10 @@ def timing(rank, gpu_buf, deep_ep_rs) -> dict:
                   topk_idx=idx, topk_weights=w, config=config)
         recv_x, _, recv_w, _, handle, _ = gpu_buf.dispatch(x, **kw)
 
-        def t_us(fn, iters=10):
-            fn()
-            torch.cuda.synchronize()
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            torch.cuda.synchronize()
-            return (time.perf_counter() - t0) * 1e6 / iters
-
-        res[sms] = dict(recv_tokens=recv_x.shape[0], dispatch_us=t_us(lambda: gpu_buf.dispatch(x, **kw)),
-                        dispatch_worst_us=t_us(lambda: gpu_buf.dispatch(x, num_worst_tokens=n * WORLD, **kw)),
-                        cached_dispatch_us=t_us(lambda: gpu_buf.dispatch(x, handle=handle, config=config)),
-                        combine_us=t_us(lambda: gpu_buf.combine(recv_x, handle, topk_weights=recv_w, config=config)))
+        res[sms] = dict(recv_tokens=recv_x.shape[0], dispatch_us=wall_us(lambda: gpu_buf.dispatch(x, **kw)),
+                        dispatch_worst_us=wall_us(lambda: gpu_buf.dispatch(x, num_worst_tokens=n * WORLD, **kw)),
+                        cached_dispatch_us=wall_us(lambda: gpu_buf.dispatch(x, handle=handle, config=config)),
+                        combine_us=wall_us(lambda: gpu_buf.combine(recv_x, handle, topk_weights=recv_w, config=config)))
     return res
 
 

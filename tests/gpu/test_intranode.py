@@ -301,17 +301,7 @@ def timing(rank, num_ranks, gpu_buf, deep_ep_rs) -> dict:
             torch.cuda.synchronize()
             return start.elapsed_time(end) * 1000 / iters
 
-        def t_wall(fn, iters=10):
-            fn()
-            torch.cuda.synchronize()
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            torch.cuda.synchronize()
-            return (time.perf_counter() - t0) * 1e6 / iters
-
-        disp = t_wall(lambda: gpu_buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe,
+        disp = wall_us(lambda: gpu_buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe,
                                                topk_idx=idx, topk_weights=w, config=config))
         disp_worst = t_events(lambda: gpu_buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank,
                                                        num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=w,
@@ -332,6 +322,19 @@ def timing(rank, num_ranks, gpu_buf, deep_ep_rs) -> dict:
 
 
 KERNELS = ["sync_kernel", "stage_kernel", "pull_kernel", "dispatch_push_kernel", "copy_out_kernel", "push_kernel", "combine_kernel", "dispatch_layout_kernel"]
+
+
+def wall_us(fn, iters=10) -> float:
+    """Host wall time per call of `fn` in µs, over `iters` calls after a warm-up call and a barrier
+    (collective: every rank times the same calls)."""
+    fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e6 / iters
 
 
 def kernel_times(fns: dict) -> dict:

@@ -39,6 +39,24 @@ def _roundtrips(buf, rank, world, seed, count=3):
     return sum(_spawn.ht_check(buf, rank, world, gen=gen, salt=seed + i, **SHAPE) for i in range(count))
 
 
+def _raised(fn):
+    """(the message of the RuntimeError `fn` raises, or None; seconds until it returned)."""
+    t0 = time.monotonic()
+    try:
+        fn()
+        msg = None
+    except RuntimeError as e:
+        msg = str(e)
+    return msg, time.monotonic() - t0
+
+
+def _destroy_s(buf) -> float:
+    """Seconds `buf.destroy()` took."""
+    t0 = time.monotonic()
+    buf.destroy()
+    return time.monotonic() - t0
+
+
 def recovery_worker(rank, world, variant):
     survivors = [r for r in range(world) if r != FAIL]
     sub = dist.new_group(survivors)  # every rank takes part in creating it, before anyone fails
@@ -56,17 +74,9 @@ def recovery_worker(rank, world, variant):
         with pytest.raises(RuntimeError, match=r"^deep_ep::dispatch: .*waiting for rank\(s\) \[") as ei:
             _roundtrips(buf, rank, world, 2, count=1)
         out["error"] = str(ei.value)
-        t0 = time.monotonic()
-        buf.destroy()
-        out["destroy_s"] = time.monotonic() - t0
+        out["destroy_s"] = _destroy_s(buf)
     else:
-        t0 = time.monotonic()
-        try:
-            _roundtrips(buf, rank, world, 2, count=1)
-            msg = None
-        except RuntimeError as e:
-            msg = str(e)
-        out["raise_s"] = time.monotonic() - t0
+        msg, out["raise_s"] = _raised(lambda: _roundtrips(buf, rank, world, 2, count=1))
         out["error"] = msg
         assert msg is not None, "dispatch with a missing rank must raise"
         assert msg.startswith("deep_ep::dispatch"), msg
@@ -75,9 +85,7 @@ def recovery_worker(rank, world, variant):
         # The poisoned buffer refuses further collectives with a clear message.
         with pytest.raises(RuntimeError, match=r"unusable after an earlier failure"):
             _roundtrips(buf, rank, world, 3, count=1)
-        t0 = time.monotonic()
-        buf.destroy()
-        out["destroy_s"] = time.monotonic() - t0
+        out["destroy_s"] = _destroy_s(buf)
     torch.cuda.synchronize()
     if variant == "exit":
         group, world2, rank2 = sub, len(survivors), survivors.index(rank)
@@ -129,15 +137,13 @@ def ll_recovery_worker(rank, world):
     dist.barrier()
     if rank == FAIL:
         time.sleep(TIMEOUT_MS / 1000 + 1.5)
-    t0 = time.monotonic()
-    msg = None
-    try:
+
+    def missed_call():
         _ll_roundtrip(buf, rank, 3, check=False)
         torch.cuda.synchronize()  # the receive kernels give up at the deadline
         _ll_roundtrip(buf, rank, 4, check=False)  # the next host-side call raises what they recorded
-    except RuntimeError as e:
-        msg = str(e)
-    out["raise_s"] = time.monotonic() - t0
+
+    msg, out["raise_s"] = _raised(missed_call)
     out["error"] = msg
     assert msg is not None, "an LL call after a missing rank must raise"
     assert msg.startswith("deep_ep::low_latency_"), msg
@@ -148,9 +154,7 @@ def ll_recovery_worker(rank, world):
         assert re.search(r"waiting for rank\(s\) \[[0-2]\]", msg), msg
     with pytest.raises(RuntimeError, match=r"unusable"):
         _ll_roundtrip(buf, rank, 5, check=False)
-    t0 = time.monotonic()
-    buf.destroy()
-    out["destroy_s"] = time.monotonic() - t0
+    out["destroy_s"] = _destroy_s(buf)
     torch.cuda.synchronize()
     buf = _ll_buffer(rank, world)
     out["after"] = sum(_ll_roundtrip(buf, rank, s) for s in (6, 7, 8))

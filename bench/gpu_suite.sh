@@ -23,7 +23,7 @@ export PYTHONPATH=$PWD/python DEEP_EP_LIBRARY=$lib DEEP_EP_TEST_LOG=$tests_log
 log=$out/suite.log
 : >"$log"
 
-OPTIONAL="low_latency_4 ll_24 ll_2x2 internode rank_mask ll_count transport bench_ll bench_intranode intranode_push recovery create_destroy bench_ab profile"  # only when named in STEPS
+OPTIONAL="low_latency_4 ll_4 ll_24 ll_2x2 internode rank_mask ll_count transport bench_ll bench_intranode intranode_push recovery create_destroy bench_ab profile"  # only when named in STEPS
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2 over="LIMIT_$1"
   limit=${!over:-$limit}  # LIMIT_<step>=seconds overrides a step's limit
@@ -46,6 +46,8 @@ step low_latency 240 env DEEP_EP_LL_SECONDS=${LL_SECONDS:-25} DEEP_EP_LL_REPLAYS
 step low_latency_4 120 env DEEP_EP_LL_SECONDS=${LL_SECONDS:-25} DEEP_EP_LL_REPLAYS=${LL_REPLAYS:-1000} DEEP_EP_LL_CHECK_EVERY=${LL_CHECK_EVERY:-50} python3 -m pytest -q tests/gpu/test_low_latency.py -k 4
 # 2 and 4 ranks at LL_CONFIGS configs each (no time budget: all must run), then the 2 x 2 emulated nodes
 step ll_24 240 env DEEP_EP_LL_CONFIGS=${LL_CONFIGS:-200} DEEP_EP_LL_REPLAYS=${LL_REPLAYS:-200} DEEP_EP_LL_CHECK_EVERY=${LL_CHECK_EVERY:-50} python3 -m pytest -q "tests/gpu/test_low_latency.py::test_low_latency_matches_cpu_backend[2]" "tests/gpu/test_low_latency.py::test_low_latency_matches_cpu_backend[4]"
+# 4 ranks alone at LL_CONFIGS configs (~0.9 s per config there, plus the two graphs)
+step ll_4 330 env DEEP_EP_LL_CONFIGS=${LL_CONFIGS:-200} DEEP_EP_LL_REPLAYS=${LL_REPLAYS:-1000} DEEP_EP_LL_CHECK_EVERY=${LL_CHECK_EVERY:-50} python3 -m pytest -q "tests/gpu/test_low_latency.py::test_low_latency_matches_cpu_backend[4]"
 step ll_2x2 120 env DEEP_EP_LL_CONFIGS=${LL_2X2_CONFIGS:-100} DEEP_EP_LL_REPLAYS=${LL_REPLAYS:-200} DEEP_EP_LL_CHECK_EVERY=${LL_CHECK_EVERY:-50} python3 -m pytest -q "tests/gpu/test_low_latency.py::test_low_latency_matches_cpu_backend[2x2]"
 step internode 120 env DEEP_EP_TIMEOUT_MS=10000 DEEP_EP_INTERNODE_GPU_CONFIGS=${INTERNODE_CONFIGS:-100} python3 -m pytest -q -rs tests/gpu/test_internode_gpu.py
 step rank_mask 60 python3 -m pytest -q -rs tests/gpu/test_rank_mask_gpu.py

@@ -57,6 +57,8 @@ __global__ void __launch_bounds__(kSendThreads) ll_dispatch_send_kernel(const __
   __shared__ int s_rc[kMaxRanks], s_rct[kMaxRanks], s_mask[kMaxRanks], s_n[kMaxRanks], s_msg[kMaxRanks];
   __shared__ uint32_t s_ent[kMaxRanks][kMaxLlTopk];
   __shared__ float s_w[kMaxRanks][kMaxLlTopk];
+  __shared__ int64_t s_tok_e[kMaxLlTopk];
+  __shared__ float s_tok_w[kMaxLlTopk];
   if (!begin_send(c, a, DEEP_EP_LL_KIND_DISPATCH, &s_seq, &s_skip)) return;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int R = c.num_ranks, E = a.num_experts, El = E / R, T = a.num_max_tokens, H = a.hidden, S = H / 128;
@@ -76,9 +78,14 @@ __global__ void __launch_bounds__(kSendThreads) ll_dispatch_send_kernel(const __
   __syncthreads();
   const unsigned far = static_cast<unsigned>(s_far);
   for (int tok = tid; tok < N; tok += kSendThreads) {
+    // The token's ids are loaded before any is used: one load latency instead of K in a chain.
+    int64_t ids[kMaxLlTopk];
+#pragma unroll
+    for (int k = 0; k < kMaxLlTopk; ++k) ids[k] = k < K ? topk_at(a, static_cast<int64_t>(tok) * K + k) : -1;
     unsigned dm = 0;
-    for (int k = 0; k < K; ++k) {
-      const int64_t e = topk_at(a, static_cast<int64_t>(tok) * K + k);
+#pragma unroll
+    for (int k = 0; k < kMaxLlTopk; ++k) {
+      const int64_t e = ids[k];
       if (e < 0 || e >= E || s_mask[e / El]) continue;  // no expert, or one of a masked rank: dropped
       atomicAdd(&s_total[e], 1);
       if (tok < t_begin) atomicAdd(&s_before[e], 1);
@@ -97,17 +104,24 @@ __global__ void __launch_bounds__(kSendThreads) ll_dispatch_send_kernel(const __
   const int gpw = (S + kSendWarps - 1) / kSendWarps, g_lo = min(S, warp * gpw), g_hi = min(S, g_lo + gpw);
   constexpr int kBatch = 8;
   for (int tok = t_begin; tok < t_end; ++tok) {
+    // The token's ids and weights land in shared memory in one load latency (thread 0's routing
+    // below is sequential: loading them there cost two latencies per selection).
+    if (tid < K) {
+      s_tok_e[tid] = topk_at(a, static_cast<int64_t>(tok) * K + tid);
+      s_tok_w[tid] = a.topk_weights != nullptr ? a.topk_weights[static_cast<int64_t>(tok) * K + tid] : 0.0f;
+    }
+    __syncthreads();
     if (tid == 0) {
       unsigned dm = 0;
       for (int d = 0; d < R; ++d) s_n[d] = 0;
       for (int k = 0; k < K; ++k) {
-        const int64_t e = topk_at(a, static_cast<int64_t>(tok) * K + k);
+        const int64_t e = s_tok_e[k];
         if (e < 0 || e >= E || s_mask[e / El]) continue;
         const int d = static_cast<int>(e / El), l = static_cast<int>(e % El), slot = s_before[e]++;
         dm |= 1u << d;  // as counted in s_rc: a message even if every selection overflows
         if (slot >= T) continue;  // overflow: reported by the last block, the selection is dropped
         s_ent[d][s_n[d]] = (static_cast<uint32_t>(l) << 16) | static_cast<uint32_t>(slot);
-        s_w[d][s_n[d]] = a.topk_weights != nullptr ? a.topk_weights[static_cast<int64_t>(tok) * K + k] : 0.0f;
+        s_w[d][s_n[d]] = s_tok_w[k];
         ++s_n[d];
       }
       for (int d = 0; d < R; ++d) {

@@ -124,27 +124,63 @@ __global__ void __launch_bounds__(kLlThreads) ll_combine_partial_kernel(const __
     }
     __syncthreads();
     if (s_tok >= 0) {
-      for (int j = tid; j < H / 8; j += kLlThreads) {
-        float acc[8];
+      char* out_row = seam ? const_cast<char*>(msg) + kMsgMeta : dst + static_cast<uint64_t>(s_tok) * 2 * H;
+      if (vec) {
+        // kJ channel units x kQ rows loaded before any is summed: the kernel is bound by loads in
+        // flight, not by bytes (one 16-byte load per thread in flight took ~3x the wire time).
+        constexpr int kJ = 2, kQ = 4;
+        for (int j0 = tid; j0 < H / 8; j0 += kJ * kLlThreads) {
+          float acc[kJ][8];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) acc[u] = 0.0f;
-        for (int q = 0; q < s_n; ++q) {
-          const int64_t row = s_row[q];
-          if (row < 0) continue;
-          const uint16_t* y = a.zero_copy ? reinterpret_cast<const uint16_t*>(me + send_off(a, a.half) + row * M * 2)
-                                          : static_cast<const uint16_t*>(a.x) + row * H;
-          uint32_t wv[4];
-          if (vec) {
-            const int4 v = __ldcg(reinterpret_cast<const int4*>(y) + j);
-            wv[0] = static_cast<uint32_t>(v.x), wv[1] = static_cast<uint32_t>(v.y), wv[2] = static_cast<uint32_t>(v.z), wv[3] = static_cast<uint32_t>(v.w);
-          } else {
+          for (int i = 0; i < kJ; ++i) {
 #pragma unroll
-            for (int u = 0; u < 4; ++u) wv[u] = __ldcg(reinterpret_cast<const unsigned int*>(y) + 4 * j + u);
+            for (int u = 0; u < 8; ++u) acc[i][u] = 0.0f;
           }
-          fma_bf16x8(acc, wv, s_w[q]);
+          for (int q0 = 0; q0 < s_n; q0 += kQ) {
+            uint32_t wv[kQ][kJ][4];
+#pragma unroll
+            for (int q = 0; q < kQ; ++q) {
+              const int64_t row = q0 + q < s_n ? s_row[q0 + q] : -1;
+              const int4* y = reinterpret_cast<const int4*>(a.zero_copy ? me + send_off(a, a.half) + row * M * 2
+                                                                        : reinterpret_cast<const char*>(static_cast<const uint16_t*>(a.x) + row * H));
+#pragma unroll
+              for (int i = 0; i < kJ; ++i) {
+                const int j = j0 + i * kLlThreads;
+                int4 v = make_int4(0, 0, 0, 0);
+                if (row >= 0 && j < H / 8) v = __ldcg(y + j);
+                wv[q][i][0] = static_cast<uint32_t>(v.x), wv[q][i][1] = static_cast<uint32_t>(v.y);
+                wv[q][i][2] = static_cast<uint32_t>(v.z), wv[q][i][3] = static_cast<uint32_t>(v.w);
+              }
+            }
+#pragma unroll
+            for (int q = 0; q < kQ; ++q) {
+              if (q0 + q >= s_n || s_row[q0 + q] < 0) continue;
+#pragma unroll
+              for (int i = 0; i < kJ; ++i) fma_bf16x8(acc[i], wv[q][i], s_w[q0 + q]);
+            }
+          }
+#pragma unroll
+          for (int i = 0; i < kJ; ++i) {
+            const int j = j0 + i * kLlThreads;
+            if (j < H / 8) reinterpret_cast<int4*>(out_row)[j] = pack_bf16x8(acc[i]);
+          }
         }
-        char* row = seam ? const_cast<char*>(msg) + kMsgMeta : dst + static_cast<uint64_t>(s_tok) * 2 * H;
-        reinterpret_cast<int4*>(row)[j] = pack_bf16x8(acc);
+      } else {
+        for (int j = tid; j < H / 8; j += kLlThreads) {
+          float acc[8];
+#pragma unroll
+          for (int u = 0; u < 8; ++u) acc[u] = 0.0f;
+          for (int q = 0; q < s_n; ++q) {
+            const int64_t row = s_row[q];
+            if (row < 0) continue;
+            const unsigned int* y = reinterpret_cast<const unsigned int*>(me + send_off(a, a.half) + row * M * 2);  // zero-copy rows
+            uint32_t wv[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) wv[u] = __ldcg(y + 4 * j + u);
+            fma_bf16x8(acc, wv, s_w[q]);
+          }
+          reinterpret_cast<int4*>(out_row)[j] = pack_bf16x8(acc);
+        }
       }
     }
     if (seam) {

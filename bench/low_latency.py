@@ -13,7 +13,11 @@ top-8 of 288 experts, FP8 dispatch, BF16 combine):
   split (send op timed, all ranks synchronised, then the receive hook timed: data already there).
 - `torch_all_to_all`: the naive baseline (counts exchange + all_to_all_single of deduplicated
   tokens, host sync), BF16 payload both ways, median per call.
-Times are the slowest rank's. Logical GB/s counts every received (token, expert) pair × its bytes
+`combine: partial` rows answer a dispatch that carried `topk_weights` (one partial sum per
+(token, expert rank) on the wire); `rows` answer one without (DeepEP's one row per (token,
+expert)). Every combine uses the handle of the latest dispatch (a combine whose dispatch half was
+overwritten by later dispatches falls back to rows, which is what the combine rows of this bench
+measured before 2026-11-21, session 6). Times are the slowest rank's. Logical GB/s counts every received (token, expert) pair × its bytes
 (FP8: H + H/128*4, BF16: 2H), DeepEP's LL convention.
 """
 import argparse
@@ -98,8 +102,8 @@ def run_case(buf, args, n, rank, world):
         r.update(extra)
         rows.append(r)
 
-    def disp(fp8, hook=False):
-        return buf.low_latency_dispatch(x, idx, t, e, use_fp8=fp8, return_recv_hook=hook, topk_weights=w)
+    def disp(fp8, hook=False, weights=True):
+        return buf.low_latency_dispatch(x, idx, t, e, use_fp8=fp8, return_recv_hook=hook, topk_weights=w if weights else None)
 
     recv, count, handle, _, _ = disp(False)
     torch.cuda.synchronize()
@@ -108,20 +112,33 @@ def run_case(buf, args, n, rank, world):
     y = recv.clone()
     out = torch.empty(n, h, dtype=torch.bfloat16, device="cuda")
 
-    def comb(hook=False):
-        return buf.low_latency_combine(y, idx, w, handle, out=out, return_recv_hook=hook)
+    def comb(hd, hook=False):
+        return buf.low_latency_combine(y, idx, w, hd, out=out, return_recv_hook=hook)
 
     def two(f):
         return lambda: (f(), f())
 
+    def fresh(weights=True):
+        """The handle of a dispatch issued now: a combine answers the latest dispatch of its
+        handle (one partial sum per (token, expert rank) when that dispatch carried the weights;
+        one row per (token, expert) without them, DeepEP's format)."""
+        hd = disp(False, weights=weights)[2]
+        torch.cuda.synchronize()
+        return hd
+
     row("dispatch", "fp8", graph_time(two(lambda: disp(True)), 2, args.replays), fp8_bytes, graph=True)
     row("dispatch", "bf16", graph_time(two(lambda: disp(False)), 2, args.replays), bf16_bytes, graph=True)
-    row("combine", "bf16", graph_time(two(comb), 2, args.replays), bf16_bytes, graph=True)
-    row("dispatch+combine", "fp8/bf16", graph_time(lambda: (disp(True), comb()), 1, args.replays), fp8_bytes + bf16_bytes, graph=True)
+    hp = fresh()
+    row("combine", "bf16", graph_time(two(lambda: comb(hp)), 2, args.replays), bf16_bytes, graph=True, combine="partial")
+    hr = fresh(weights=False)
+    row("combine", "bf16", graph_time(two(lambda: comb(hr)), 2, args.replays), bf16_bytes, graph=True, combine="rows")
+    row("dispatch+combine", "fp8/bf16", graph_time(lambda: comb(disp(True)[2]), 1, args.replays), fp8_bytes + bf16_bytes, graph=True,
+        combine="partial")
     d_send, d_recv = split_time(lambda: disp(True, True)[4], args.iters)
     row("dispatch", "fp8", timed(lambda: disp(True), args.iters)[0], fp8_bytes, send_us=d_send, recv_us=d_recv)
-    c_send, c_recv = split_time(lambda: comb(True)[2], args.iters)
-    row("combine", "bf16", timed(comb, args.iters)[0], bf16_bytes, send_us=c_send, recv_us=c_recv)
+    hp = fresh()
+    c_send, c_recv = split_time(lambda: comb(hp, True)[2], args.iters)
+    row("combine", "bf16", timed(lambda: comb(hp), args.iters)[0], bf16_bytes, send_us=c_send, recv_us=c_recv, combine="partial")
     in_rank = torch.zeros(n, world, dtype=torch.bool, device="cuda")
     in_rank.scatter_(1, idx // (e // world), True)
     bd, bc, _ = baseline(x, in_rank, world, args.iters)
@@ -151,12 +168,12 @@ def main():
         rows += run_case(buf, args, n, rank, world)
     buf.destroy()
     if rank == 0:
-        print(f"{'op':>17} {'impl':>17} {'dtype':>8} {'tokens':>6} {'graph':>5} {'us':>8} {'send':>6} {'recv':>6} {'GB/s':>7}  vs naive")
+        print(f"{'op':>17} {'impl':>17} {'dtype':>8} {'combine':>8} {'tokens':>6} {'graph':>5} {'us':>8} {'send':>6} {'recv':>6} {'GB/s':>7}  vs naive")
         base = {(r["op"], r["tokens"]): r["us_median"] for r in rows if r["impl"] == "torch_all_to_all"}
         for r in rows:
             ref = base.get((r["op"], r["tokens"]))
             ratio = f"{ref / r['us_median']:.1f}x" if ref and r["impl"] == "deep_ep" else ""
-            print(f"{r['op']:>17} {r['impl']:>17} {r['dtype']:>8} {r['tokens']:>6} {str(r['graph']):>5} {r['us_median']:>8.1f} "
+            print(f"{r['op']:>17} {r['impl']:>17} {r['dtype']:>8} {r.get('combine', ''):>8} {r['tokens']:>6} {str(r['graph']):>5} {r['us_median']:>8.1f} "
                   f"{r.get('send_us', 0):>6.1f} {r.get('recv_us', 0):>6.1f} {r['logical_gbps']:>7.1f}  {ratio}")
         if args.out:
             write_record(args.out, "bench/low_latency.py", world, rows)
@@ -170,11 +187,13 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
-    keys = sorted({(r["op"], r["impl"], r["dtype"], r["graph"]) for r in rows})
-    for key in keys:
-        pts = sorted((r["tokens"], r["us_median"]) for r in rows if (r["op"], r["impl"], r["dtype"], r["graph"]) == key)
+    def key_of(r):
+        return (r["op"], r["impl"], r["dtype"], r.get("combine", ""), r["graph"])
+
+    for key in sorted({key_of(r) for r in rows}):
+        pts = sorted((r["tokens"], r["us_median"]) for r in rows if key_of(r) == key)
         if len(pts) > 1:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]} {key[1]} {key[2]}{' graph' if key[3] else ''}")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]} {key[1]} {key[2]} {key[3]}{' graph' if key[4] else ''}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("tokens per rank")

@@ -200,11 +200,12 @@ __global__ void __launch_bounds__(kSendThreads) ll_dispatch_send_kernel(const __
     __syncthreads();  // s_n, s_ent, s_msg are rewritten for the next token
   }
   if (warp < R && (far >> warp & 1)) flush_net<Net>(c, a, lane);
-  // Every block fences its stores and counts itself done; the last one signals every count.
-  __threadfence_system();
+  // Every block fences its stores and counts itself done; the last one signals every count. One
+  // fence per block, after the barrier: a fence is cumulative, so thread 0's orders every store
+  // the barrier made it see (the grid-sync pattern) without 256 fences waiting on NVLink each.
   __syncthreads();
   if (tid == 0) {
-    __threadfence();
+    __threadfence_system();
     s_last = atomicAdd(at<unsigned int>(local(c), kLlDone), 1u) == gridDim.x - 1;
   }
   __syncthreads();

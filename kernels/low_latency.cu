@@ -70,9 +70,9 @@ __global__ void __launch_bounds__(kLlThreads) ll_combine_send_kernel(const __gri
                  2 * static_cast<int64_t>(c1 - c0), lane);
   }
   flush_net<Net>(c, a, lane);
-  __threadfence_system();
   __syncthreads();
   if (tid == 0 && !dead) {
+    __threadfence_system();  // one cumulative fence per block (see ll_dispatch_send_kernel)
     uint32_t* word = at<uint32_t>(peer, sig_off(a, a.half) + static_cast<uint64_t>(c.rank * El + l) * 4);
     raise_to<Net>(c, a, s, word, kSeamCombine, a.half, l, tag(s_seq, 0));
   }
@@ -192,10 +192,9 @@ __global__ void __launch_bounds__(kLlThreads) ll_combine_partial_kernel(const __
     __syncthreads();  // s_tok, s_n, s_row, s_w are rewritten for the next message
   }
   if (seam && tid < 32) flush_net<Net>(c, a, tid);
-  __threadfence_system();
   __syncthreads();
   if (tid == 0) {
-    __threadfence();
+    __threadfence_system();  // one cumulative fence per block (see ll_dispatch_send_kernel)
     s_last = atomicAdd(at<unsigned int>(local(c), kLlDone), 1u) == gridDim.x * gridDim.y - 1;
   }
   __syncthreads();

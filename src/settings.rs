@@ -187,11 +187,3 @@ pub fn intranode_combine_threads() -> i32 {
     static T: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
     *T.get_or_init(|| choice_knob("DEEP_EP_INTRANODE_COMBINE_THREADS", &[512, 1024]))
 }
-
-/// `DEEP_EP_LL_PARTIAL_BLOCKS`: blocks of the LL partial-sum combine send (128 threads each),
-/// 264 (default: ~2 per SM, each takes ~2 messages at 128 tokens) or 528 (all resident, about one
-/// message per block); read once.
-pub fn ll_partial_blocks() -> i32 {
-    static B: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
-    *B.get_or_init(|| choice_knob("DEEP_EP_LL_PARTIAL_BLOCKS", &[264, 528]))
-}

@@ -51,6 +51,9 @@ use crate::tensor::{DType, TensorRef};
 use crate::ops::low_latency::{CLEAN as OP_CLEAN, COMBINE as OP_COMBINE, DISPATCH as OP_DISPATCH, NEXT as OP_NEXT};
 /// Blocks of the dispatch receive (128 threads each, ~4 per SM of an H100/H200, all resident).
 const RECV_BLOCKS: i32 = 528;
+/// Blocks of a partial combine send (128 threads each), over the source ranks. 528 (all resident,
+/// one message per block at 128 tokens) measured the same as 264 (bench/NOTES.md, session 6).
+const PARTIAL_BLOCKS: i32 = 264;
 /// Combine `recv_state` flag: partial sums were sent (`DEEP_EP_LL_FLAG_PARTIAL`).
 const FLAG_PARTIAL: i32 = 32;
 /// Combine `recv_state` flag: rows travel as LogFMT-10 (`DEEP_EP_LL_FLAG_LOGFMT`; the CPU
@@ -284,7 +287,7 @@ impl NcclBackend {
             a.partial = 1;
             a.dispatch_half = hd as i32;
             a.flags = FLAG_PARTIAL;
-            a.num_blocks = crate::settings::ll_partial_blocks();
+            a.num_blocks = PARTIAL_BLOCKS;
         }
         self.ll_begin_send(OP_COMBINE, &mut a, stream)?;
         k::combine_send(OP_COMBINE, self.window.ctx(), &a, stream)

@@ -4,7 +4,9 @@
 //! fell out of step.
 //!
 //! Creation (the order verified on the GPU machine, docs/DEVICE.md): `ncclCommInitRank` →
-//! `ncclMemAlloc` + `ncclCommWindowRegister(..., NCCL_WIN_COLL_SYMMETRIC)` → `ncclDevCommCreate`
+//! (internode buffers over NCCL GIN only: `ncclDevCommCreate` with GIN requirements, before any
+//! memory is registered, since NCCL registers memory with its GIN transport when the memory is
+//! registered and GIN is already enabled on the communicator) → `ncclMemAlloc` + `ncclCommWindowRegister(..., NCCL_WIN_COLL_SYMMETRIC)` → `ncclDevCommCreate`
 //! (zeroed requirements, one LSA barrier, no multimem; it proves the device-comm path and tells
 //! the LSA team size, which must be the whole communicator: intranode only) → peer base pointers (a kernel calls `ncclGetPeerPointer`) →
 //! host-mapped status block → control area zeroed → an all-reduce of one int as the host
@@ -12,6 +14,7 @@
 
 use super::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream, CONTROL_BYTES, MAX_RANKS};
 use super::kernels::check as cuda_check;
+use super::transport::{gin_devcomm_create, GinInfo, GinReqs};
 use super::nccl::{self, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId, ncclWindow_t, nccl_fn, DeviceApi, NcclLib};
 use crate::error::{Error, Result};
 use std::ffi::{c_int, c_void};
@@ -40,6 +43,53 @@ pub struct WindowArgs<'a> {
     /// Run the LSA transport self-test during creation with this rail stride
     /// (`DEEP_EP_TRANSPORT_SELFTEST`, `backend::nccl::gin::self_test_stride`).
     pub transport_self_test: Option<usize>,
+    /// Create a GIN device comm on the communicator (internode buffers over NCCL GIN).
+    pub gin: Option<GinSetup<'a>>,
+}
+
+/// What a window asks `ncclDevCommCreate` for GIN, and who judges the answer.
+pub struct GinSetup<'a> {
+    /// Requirements (`backend::nccl::gin::GinPlan::requirements`).
+    pub reqs: GinReqs,
+    /// Turns NCCL's answer (the device comm and what it granted, or the NCCL result code) into
+    /// `Ok` or the error that explains it (`backend::nccl::gin::granted`).
+    pub judge: &'a dyn Fn(std::result::Result<(Vec<u64>, GinInfo), i32>) -> Result<()>,
+}
+
+/// Creates the GIN device comm of `g` on `comm` through `create_fn` and has `g.judge` accept it.
+/// A device comm the judge refuses is left to the communicator's teardown (abort frees it).
+///
+/// # Safety
+/// `create_fn` must have the prototype of `ncclDevCommCreate` (the loaded NCCL's, or a stand-in in
+/// tests) and `comm` be a communicator it accepts.
+pub unsafe fn gin_setup(create_fn: *mut c_void, comm: *mut c_void, g: &GinSetup) -> Result<Vec<u64>> {
+    let r = gin_devcomm_create(create_fn, comm, &g.reqs);
+    let devcomm = r.as_ref().ok().map(|(d, _)| d.clone());
+    (g.judge)(r)?;
+    devcomm.ok_or_else(|| Error::invalid(OP, "internal: a failed GIN device comm creation was accepted"))
+}
+
+/// One step of [`Window::close`]'s teardown, in order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Teardown {
+    /// `ncclDevCommDestroy` of the GIN device comm.
+    GinDevComm,
+    /// `ncclDevCommDestroy` of the window's own device comm.
+    DevComm,
+    /// `ncclCommWindowDeregister`.
+    Deregister,
+    /// `ncclMemFree`.
+    MemFree,
+    /// `ncclCommFinalize` then `ncclCommDestroy`.
+    Comm,
+}
+
+/// The teardown of a window holding what the flags say: device comms first (they reference the
+/// communicator's GIN and LSA resources), then the window registration, its memory, the
+/// communicator last.
+pub fn teardown_steps(gin: bool, devcomm: bool, win: bool, mem: bool) -> Vec<Teardown> {
+    let have = [(gin, Teardown::GinDevComm), (devcomm, Teardown::DevComm), (win, Teardown::Deregister), (mem, Teardown::MemFree), (true, Teardown::Comm)];
+    have.iter().filter(|(h, _)| *h).map(|(_, s)| *s).collect()
 }
 
 /// A communicator, its device comm and one symmetric window with its control area.
@@ -48,6 +98,8 @@ pub struct Window {
     api: &'static DeviceApi,
     device: i32,
     comm: ncclComm_t,
+    /// The GIN device comm (internode buffers over GIN), created before the window registration.
+    gin_devcomm: Option<Vec<u64>>,
     devcomm: Option<Vec<u64>>,
     mem: *mut c_void,
     win: ncclWindow_t,
@@ -78,6 +130,7 @@ impl Window {
             api,
             device: a.device,
             comm: std::ptr::null_mut(),
+            gin_devcomm: None,
             devcomm: None,
             mem: std::ptr::null_mut(),
             win: std::ptr::null_mut(),
@@ -102,6 +155,10 @@ impl Window {
         let init = nccl_fn!(lib, ncclCommInitRank);
         // SAFETY: writes one communicator handle; the id is 128 bytes by value.
         nccl_check(lib, unsafe { init(&mut w.comm, a.num_ranks as c_int, id, a.rank as c_int) }, "ncclCommInitRank")?;
+        if let Some(g) = &a.gin {
+            // SAFETY: ncclDevCommCreate of the loaded NCCL on the live communicator.
+            w.gin_devcomm = Some(unsafe { gin_setup(api.dev_comm_create, w.comm.cast(), g) }?);
+        }
 
         let mem_alloc = nccl_fn!(lib, ncclMemAlloc);
         // SAFETY: writes one device pointer; the size is a multiple of 2 MiB.
@@ -166,6 +223,12 @@ impl Window {
         self.bytes
     }
 
+    /// The GIN device comm (byte copy of `ncclDevComm`) and the `ncclWindow_t` it reaches the
+    /// window through, when the window was created with [`WindowArgs::gin`].
+    pub fn gin(&self) -> Option<(&[u64], *mut c_void)> {
+        self.gin_devcomm.as_deref().map(|d| (d, self.win.cast()))
+    }
+
     /// Collective release: waits for the device, meets every peer at a barrier (so none still
     /// reads this window), then tears NCCL down in order. On a barrier timeout the window is
     /// released locally instead (communicator aborted) and the timeout is returned.
@@ -181,39 +244,48 @@ impl Window {
                 first = r;
             }
         };
-        if let Some(dc) = self.devcomm.take() {
-            // SAFETY: the devcomm was created on this communicator and is destroyed once.
-            let res = unsafe { deep_ep_nccl_devcomm_destroy(self.api.dev_comm_destroy, self.comm.cast(), dc.as_ptr().cast()) };
-            note(nccl_check(self.lib, nccl::ncclResult_t(res as _), "ncclDevCommDestroy"));
+        for step in teardown_steps(self.gin_devcomm.is_some(), self.devcomm.is_some(), !self.win.is_null(), !self.mem.is_null()) {
+            note(self.teardown(step));
         }
-        if !self.win.is_null() {
-            note((|| {
-                let f = nccl_fn!(self.lib, ncclCommWindowDeregister);
-                // SAFETY: the window was registered on this communicator; deregistered once.
-                nccl_check(self.lib, unsafe { f(self.comm, self.win) }, "ncclCommWindowDeregister")
-            })());
-            self.win = std::ptr::null_mut();
-        }
-        if !self.mem.is_null() {
-            note((|| {
-                let f = nccl_fn!(self.lib, ncclMemFree);
-                // SAFETY: allocated by ncclMemAlloc, no longer registered; freed once.
-                nccl_check(self.lib, unsafe { f(self.mem) }, "ncclMemFree")
-            })());
-            self.mem = std::ptr::null_mut();
-        }
-        note((|| {
-            let f = nccl_fn!(self.lib, ncclCommFinalize);
-            // SAFETY: live communicator.
-            nccl_check(self.lib, unsafe { f(self.comm) }, "ncclCommFinalize")
-        })());
-        note((|| {
-            let f = nccl_fn!(self.lib, ncclCommDestroy);
-            // SAFETY: live communicator, destroyed once.
-            nccl_check(self.lib, unsafe { f(self.comm) }, "ncclCommDestroy")
-        })());
         self.comm = std::ptr::null_mut();
         first
+    }
+}
+
+impl Window {
+    /// One step of the collective teardown ([`teardown_steps`]).
+    fn teardown(&mut self, step: Teardown) -> Result<()> {
+        match step {
+            Teardown::GinDevComm | Teardown::DevComm => {
+                let dc = if step == Teardown::GinDevComm { self.gin_devcomm.take() } else { self.devcomm.take() };
+                let Some(dc) = dc else { return Ok(()) };
+                // SAFETY: the devcomm was created on this communicator and is destroyed once.
+                let res = unsafe { deep_ep_nccl_devcomm_destroy(self.api.dev_comm_destroy, self.comm.cast(), dc.as_ptr().cast()) };
+                nccl_check(self.lib, nccl::ncclResult_t(res as _), "ncclDevCommDestroy")
+            }
+            Teardown::Deregister => {
+                let win = std::mem::replace(&mut self.win, std::ptr::null_mut());
+                let f = nccl_fn!(self.lib, ncclCommWindowDeregister);
+                // SAFETY: the window was registered on this communicator; deregistered once.
+                nccl_check(self.lib, unsafe { f(self.comm, win) }, "ncclCommWindowDeregister")
+            }
+            Teardown::MemFree => {
+                let mem = std::mem::replace(&mut self.mem, std::ptr::null_mut());
+                let f = nccl_fn!(self.lib, ncclMemFree);
+                // SAFETY: allocated by ncclMemAlloc, no longer registered; freed once.
+                nccl_check(self.lib, unsafe { f(mem) }, "ncclMemFree")
+            }
+            Teardown::Comm => {
+                let comm = std::mem::replace(&mut self.comm, std::ptr::null_mut());
+                let fin = nccl_fn!(self.lib, ncclCommFinalize);
+                // SAFETY: live communicator.
+                let r = nccl_check(self.lib, unsafe { fin(comm) }, "ncclCommFinalize");
+                let destroy = nccl_fn!(self.lib, ncclCommDestroy);
+                // SAFETY: live communicator, destroyed once.
+                let d = nccl_check(self.lib, unsafe { destroy(comm) }, "ncclCommDestroy");
+                r.and(d)
+            }
+        }
     }
 }
 

@@ -322,3 +322,77 @@ impl Drop for Window {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::nccl::gin::{buffer_plan, granted, GinKnobs};
+    use crate::backend::nccl::ll_seam::DESC_BYTES;
+    use crate::ffi::transport::{build_gin_net, devcomm_bytes, devcomm_fill, gin_net_layout};
+
+    // Stand-ins for ncclDevCommCreate (the glue zeroes the device comm before calling them).
+    extern "C" fn fake_grant(_comm: *mut c_void, _reqs: *const u8, out: *mut c_void) -> c_int {
+        let info = GinInfo { rank: 1, num_ranks: 4, lsa_rank: 1, lsa_size: 4, gin_context_count: 2, gin_type: 3, gin_signal_count: 8192, gin_counter_count: 0 };
+        // SAFETY: the glue hands a zeroed ncclDevComm of devcomm_bytes().
+        unsafe { devcomm_fill(out, &info) }
+    }
+    /// What NCCL does without a GPUDirect-RDMA NIC when GIN is not forced: a device comm with no
+    /// GIN context.
+    extern "C" fn fake_no_gin(_comm: *mut c_void, _reqs: *const u8, _out: *mut c_void) -> c_int {
+        0
+    }
+    /// ... and when it is forced (`ginForceEnable`): an error (ncclSystemError).
+    extern "C" fn fake_fail(_comm: *mut c_void, _reqs: *const u8, _out: *mut c_void) -> c_int {
+        2
+    }
+
+    /// The GIN step of an LL buffer's creation on rank 1 of 2 x 2, as `NcclBackend::create` wires it.
+    fn setup(create: extern "C" fn(*mut c_void, *const u8, *mut c_void) -> c_int) -> Result<Vec<u64>> {
+        let k = GinKnobs::parse(|n| (n == "DEEP_EP_RDMA_TRANSPORT").then(|| "gin".to_string())).unwrap();
+        let p = buffer_plan(&k, 4, 2, true, MAX_RANKS).unwrap().expect("a GIN plan");
+        let judge = |r| granted(&p, &k, 1, r, |c| format!("(text of {c})")).map(|_| ());
+        // SAFETY: the stand-ins have the prototype of ncclDevCommCreate and ignore the communicator.
+        unsafe { gin_setup(create as *mut c_void, 8 as *mut c_void, &GinSetup { reqs: p.requirements(), judge: &judge }) }
+    }
+
+    #[test]
+    fn gin_setup_keeps_a_granted_device_comm_and_explains_a_refusal() {
+        let dc = setup(fake_grant).unwrap();
+        assert!(dc.len() * 8 >= devcomm_bytes());
+        let e = setup(fake_no_gin).unwrap_err().to_string();
+        assert!(e.starts_with("deep_ep::create_buffer: GIN setup on rank 1 failed: NCCL GPU-initiated networking is unavailable: ncclDevCommCreate granted 0 GIN contexts (4 asked)"), "{e}");
+        assert!(e.contains("GPUDirect-RDMA capable NIC") && e.contains("set DEEP_EP_RDMA_TRANSPORT=lsa"), "{e}");
+        let e = setup(fake_fail).unwrap_err().to_string();
+        assert!(e.contains("GIN setup on rank 1 failed: NCCL GPU-initiated networking is unavailable: ncclDevCommCreate failed: ncclResult_t 2 (text of 2)"), "{e}");
+    }
+
+    #[test]
+    fn gin_descriptor_holds_the_device_comm_then_the_window_handle() {
+        let dc = setup(fake_grant).unwrap();
+        let l = gin_net_layout();
+        assert!(l.bytes <= DESC_BYTES && l.align <= 8 && l.win_off >= devcomm_bytes() && l.win_off + 8 <= l.bytes, "{l:?}");
+        let win = 0xdead_bee0usize as *mut c_void;
+        let desc = build_gin_net("test", &dc, win, DESC_BYTES).unwrap();
+        assert_eq!(desc.len() * 8, l.bytes.div_ceil(8) * 8);
+        let bytes: Vec<u8> = desc.iter().flat_map(|w| w.to_ne_bytes()).collect();
+        let dc_bytes: Vec<u8> = dc.iter().flat_map(|w| w.to_ne_bytes()).collect();
+        let n = devcomm_bytes();
+        assert_eq!(&bytes[..n], &dc_bytes[..n]);
+        assert_eq!(u64::from_ne_bytes(bytes[l.win_off..l.win_off + 8].try_into().unwrap()), 0xdead_bee0);
+        // The grant is visible in the copied device comm: rank 1 of 4, 2 GIN contexts.
+        assert_eq!(i32::from_ne_bytes(bytes[0..4].try_into().unwrap()), 1);
+        assert_eq!(i32::from_ne_bytes(bytes[4..8].try_into().unwrap()), 4);
+        let e = build_gin_net("test", &dc, win, l.bytes - 1).unwrap_err().to_string();
+        assert!(e.contains("reserved"), "{e}");
+        assert!(build_gin_net("test", &dc, std::ptr::null_mut(), DESC_BYTES).is_err());
+        assert!(build_gin_net("test", &dc[..4], win, DESC_BYTES).unwrap_err().to_string().contains("failed"));
+    }
+
+    #[test]
+    fn teardown_destroys_device_comms_before_the_window_and_the_communicator() {
+        use Teardown::*;
+        assert_eq!(teardown_steps(true, true, true, true), vec![GinDevComm, DevComm, Deregister, MemFree, Comm]);
+        assert_eq!(teardown_steps(false, true, true, true), vec![DevComm, Deregister, MemFree, Comm]);
+        assert_eq!(teardown_steps(true, false, false, false), vec![GinDevComm, Comm]);
+    }
+}

@@ -396,6 +396,32 @@ mod tests {
         assert!(plan(Workload::Normal { num_channels: 10, num_rdma_ranks: 1 }, &GinKnobs::default()).is_err());
     }
 
+    #[test]
+    fn buffer_plan_covers_every_call_of_an_internode_gin_buffer() {
+        let gin = knobs(&[("DEEP_EP_RDMA_TRANSPORT", "gin")]).unwrap();
+        // No GIN: another transport, or one NVLink domain.
+        assert_eq!(buffer_plan(&GinKnobs::default(), 4, 2, true, 512).unwrap(), None);
+        assert_eq!(buffer_plan(&knobs(&[("DEEP_EP_RDMA_TRANSPORT", "lsa")]).unwrap(), 4, 2, true, 512).unwrap(), None);
+        assert_eq!(buffer_plan(&gin, 4, 1, true, 512).unwrap(), None);
+        // LL: every seam signal id, a context per sending rank (at most 4).
+        let p = buffer_plan(&gin, 4, 2, true, 512).unwrap().unwrap();
+        assert_eq!((p.num_comms, p.contexts_per_comm, p.signals), (1, 4, crate::backend::nccl::ll_seam::SIGNALS));
+        let r = p.requirements();
+        assert_eq!((r.gin_context_count, r.gin_signal_count, r.gin_force_enable), (4, 8192, 1));
+        let p = buffer_plan(&gin, 2, 2, true, 512).unwrap().unwrap();
+        assert_eq!(p.contexts_per_comm, 2);
+        let k = knobs(&[("DEEP_EP_RDMA_TRANSPORT", "gin"), ("DEEP_EP_GIN_CONTEXTS", "1")]).unwrap();
+        assert_eq!(buffer_plan(&k, 8, 4, true, 512).unwrap().unwrap().contexts_per_comm, 1);
+        // Normal mode: the rings of the most channels.
+        let p = buffer_plan(&gin, 4, 2, false, 512).unwrap().unwrap();
+        assert_eq!((p.contexts_per_comm, p.signals), (4, 2 * 512 * 2));
+        // Several communicators are refused by name.
+        let k = knobs(&[("DEEP_EP_RDMA_TRANSPORT", "gin"), ("DEEP_EP_GIN_COMMS", "2")]).unwrap();
+        let e = buffer_plan(&k, 4, 2, true, 512).unwrap_err().to_string();
+        assert!(e.contains("DEEP_EP_GIN_COMMS > 1") && e.contains("not implemented"), "{e}");
+        assert_eq!(buffer_plan(&knobs(&[("DEEP_EP_RDMA_TRANSPORT", "gin"), ("DEEP_EP_GIN_COMMS", "1")]).unwrap(), 4, 2, true, 512).unwrap().unwrap().num_comms, 1);
+    }
+
     fn info(contexts: i32, ty: i32, signals: i32) -> GinInfo {
         GinInfo { rank: 0, num_ranks: 16, lsa_rank: 0, lsa_size: 8, gin_context_count: contexts, gin_type: ty, gin_signal_count: signals, gin_counter_count: 0 }
     }

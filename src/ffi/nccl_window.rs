@@ -14,7 +14,7 @@
 
 use super::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream, CONTROL_BYTES, MAX_RANKS};
 use super::kernels::check as cuda_check;
-use super::transport::{gin_devcomm_create, GinInfo, GinReqs};
+use super::transport::{gin_devcomm_create, GinGrant, GinReqs};
 use super::nccl::{self, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId, ncclWindow_t, nccl_fn, DeviceApi, NcclLib};
 use crate::error::{Error, Result};
 use std::ffi::{c_int, c_void};
@@ -53,7 +53,7 @@ pub struct GinSetup<'a> {
     pub reqs: GinReqs,
     /// Turns NCCL's answer (the device comm and what it granted, or the NCCL result code) into
     /// `Ok` or the error that explains it (`backend::nccl::gin::granted`).
-    pub judge: &'a dyn Fn(std::result::Result<(Vec<u64>, GinInfo), i32>) -> Result<()>,
+    pub judge: &'a dyn Fn(GinGrant) -> Result<()>,
 }
 
 /// Creates the GIN device comm of `g` on `comm` through `create_fn` and has `g.judge` accept it.
@@ -326,6 +326,7 @@ impl Drop for Window {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ffi::transport::GinInfo;
     use crate::backend::nccl::gin::{buffer_plan, granted, GinKnobs};
     use crate::backend::nccl::ll_seam::DESC_BYTES;
     use crate::ffi::transport::{build_gin_net, devcomm_bytes, devcomm_fill, gin_net_layout};

@@ -167,7 +167,7 @@ pub unsafe fn ping_gin(op: &'static str, devcomm: &[u64], window: *mut c_void, a
 ///
 /// # Safety
 /// `create_fn` must be `ncclDevCommCreate` of the loaded NCCL and `comm` a live communicator of it.
-pub unsafe fn gin_devcomm_create(create_fn: *mut c_void, comm: *mut c_void, reqs: &GinReqs) -> std::result::Result<(Vec<u64>, GinInfo), i32> {
+pub unsafe fn gin_devcomm_create(create_fn: *mut c_void, comm: *mut c_void, reqs: &GinReqs) -> GinGrant {
     let bytes = deep_ep_nccl_devcomm_bytes();
     let mut devcomm = vec![0u64; bytes.div_ceil(8)];
     let mut info = GinInfo::default();
@@ -178,6 +178,9 @@ pub unsafe fn gin_devcomm_create(create_fn: *mut c_void, comm: *mut c_void, reqs
         Err(res)
     }
 }
+
+/// What [`gin_devcomm_create`] returns: the device comm and the grant, or the NCCL result code.
+pub type GinGrant = std::result::Result<(Vec<u64>, GinInfo), i32>;
 
 /// Wraps an NCCL result of [`gin_devcomm_create`] that is not a device error of ours.
 pub fn devcomm_error(op: &'static str, code: i32, detail: String) -> Error {
@@ -224,6 +227,7 @@ pub fn gin_net_layout() -> GinNetLayout {
 /// [`gin_devcomm_create`] that NCCL granted GIN) and the handle of the window registered on its
 /// communicator. Fails when the descriptor would not fit the `desc_bytes` reserved for it or
 /// needs more than 8-byte alignment (the host copy is a `u64` buffer; the window slot is 128-aligned).
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // `window` is an opaque NCCL handle, only copied
 pub fn build_gin_net(op: &'static str, devcomm: &[u64], window: *mut c_void, desc_bytes: usize) -> Result<Vec<u64>> {
     let l = gin_net_layout();
     crate::ensure!(l.bytes > 0 && l.bytes <= desc_bytes && l.align <= 8, op, "internal: the GIN seam descriptor is {} bytes (align {}), {desc_bytes} reserved", l.bytes, l.align);
@@ -239,6 +243,7 @@ pub fn build_gin_net(op: &'static str, devcomm: &[u64], window: *mut c_void, des
 /// Writes this rank's GIN seam descriptor ([`build_gin_net`]) into its own window at `desc_off`,
 /// synchronously; the LL kernels of an internode buffer over GIN read it there (`Args::net` with
 /// `net_kind` = [`super::low_latency::NET_GIN`]). Local (no peer involved).
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // `window` is an opaque NCCL handle, only copied
 pub fn write_gin_desc(op: &'static str, ctx: &super::intranode::Ctx, desc_off: usize, desc_bytes: usize, devcomm: &[u64], window: *mut c_void) -> Result<()> {
     let desc = build_gin_net(op, devcomm, window, desc_bytes)?;
     let bytes = gin_net_layout().bytes;

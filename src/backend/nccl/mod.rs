@@ -114,7 +114,7 @@ impl NcclBackend {
         crate::ffi::internode::check_struct_size(OP)?;
         let timeout_ns = timeout.as_nanos().min(u64::MAX as u128) as u64;
         let transport_self_test = gin::self_test_stride_from_env(a.rank, a.num_ranks)?;
-        let judge = |r: std::result::Result<(Vec<u64>, crate::ffi::transport::GinInfo), i32>| -> Result<()> {
+        let judge = |r: crate::ffi::transport::GinGrant| -> Result<()> {
             let Some(p) = &gin_plan else { return Ok(()) };
             let text = |c: i32| nccl::library().map(|l| nccl::error_text(l, c)).unwrap_or_default();
             let g = gin::granted(p, &knobs, a.rank, r, text)?;

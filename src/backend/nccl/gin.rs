@@ -10,12 +10,14 @@
 //! Environment (README "Environment"; docs/INTERNODE.md):
 //! - `DEEP_EP_RDMA_TRANSPORT` = `gin` | `lsa` (emulation over NVLink; all ranks must share one
 //!   NVLink domain, with `DEEP_EP_NVL_DOMAIN_SIZE` smaller than the group). Unset: the LSA
-//!   emulation for internode buffers, normal and LL (`ll_seam::select`, `internode.rs`), whose GIN
-//!   windows are not built yet.
+//!   emulation for internode buffers, normal and LL (`ll_seam::select`, `internode.rs`). `gin`:
+//!   the buffer creates a GIN device comm ([`buffer_plan`], [`granted`]); LL kernels run over it,
+//!   normal-mode kernels are not wired to GIN (`NotImplemented`).
 //! - `DEEP_EP_GIN_CONTEXTS` = GIN contexts per communicator, 1..=4 (default: as many as the
 //!   buffer has independent senders, at most 4).
 //! - `DEEP_EP_GIN_COMMS` = communicators per buffer, 1..=8 (default 1); QPs per peer =
-//!   contexts x communicators (DeepEP's `num_qps_per_rank`).
+//!   contexts x communicators (DeepEP's `num_qps_per_rank`). Buffers open one communicator:
+//!   values > 1 are refused by [`buffer_plan`].
 //! - `NCCL_GIN_TYPE` is read by NCCL itself; deep_ep validates it (2 = proxy, 3 = GDAKI, NCCL's
 //!   `ncclNetDeviceType`) and checks that the granted type matches.
 

@@ -2,8 +2,8 @@
 //! on one NCCL symmetric window per buffer with a pull model (`normal.rs`, kernels in
 //! `kernels/intranode_*.cu`); low-latency mode pushes over the same window's peer pointers
 //! (`low_latency.rs`, `kernels/low_latency.cu`), and reaches peers outside the caller's NVLink
-//! domain through the transport seam when the ranks span several domains (`ll_seam.rs`, LSA
-//! emulation); internode normal mode (ranks spanning several NVLink domains of
+//! domain through the transport seam when the ranks span several domains (`ll_seam.rs`: LSA
+//! emulation, or NCCL GIN with `DEEP_EP_RDMA_TRANSPORT=gin`); internode normal mode (ranks spanning several NVLink domains of
 //! `DEEP_EP_NVL_DOMAIN_SIZE`) forwards over the transport seam (`internode.rs`,
 //! `kernels/internode_*.cu`; the LSA emulation of the seam for now).
 //!

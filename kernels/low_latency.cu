@@ -1,6 +1,7 @@
 // low_latency.cu: low-latency combine kernels and the signal reset.
 // Protocol: deep_ep_kernels.h ("Low-latency mode"); helpers: low_latency.cuh.
 #include <cstdint>
+#include <cstring>
 
 #include "logfmt.cuh"
 #include "low_latency.cuh"
@@ -438,3 +439,33 @@ extern "C" int deep_ep_llk_zero_signals(const deep_ep_ic_ctx_t* ctx, const deep_
 }
 
 extern "C" size_t deep_ep_llk_args_bytes(void) { return sizeof(deep_ep_ll_args_t); }
+
+// The GIN seam descriptor (GinNet) built on the host from a device comm (a byte copy of the
+// ncclDevComm that ncclDevCommCreate returned with GIN) and the window's ncclWindow_t, into
+// `out` (host memory of out_bytes); the caller copies it to Args::net in its own window.
+// Returns the bytes written, 0 on bad arguments.
+extern "C" size_t deep_ep_llk_gin_net_build(const void* devcomm, size_t devcomm_bytes, void* window, void* out,
+                                            size_t out_bytes) {
+  if (devcomm == nullptr || devcomm_bytes < sizeof(ncclDevComm) || window == nullptr || out == nullptr ||
+      out_bytes < sizeof(GinNet) || reinterpret_cast<uintptr_t>(out) % alignof(GinNet) != 0)
+    return 0;
+  std::memset(out, 0, sizeof(GinNet));
+  GinNet* n = static_cast<GinNet*>(out);
+  std::memcpy(&n->comm, devcomm, sizeof(ncclDevComm));
+  n->win = static_cast<ncclWindow_t>(window);
+  return sizeof(GinNet);
+}
+
+// sizeof(GinNet), alignof(GinNet) and the byte offset of GinNet::win (which = 0, 1, 2).
+extern "C" size_t deep_ep_llk_gin_net_layout(int which) {
+  switch (which) {
+    case 0: return sizeof(GinNet);
+    case 1: return alignof(GinNet);
+    case 2: {
+      alignas(GinNet) static unsigned char probe[sizeof(GinNet)];
+      const GinNet* n = reinterpret_cast<const GinNet*>(probe);
+      return static_cast<size_t>(reinterpret_cast<const unsigned char*>(&n->win) - probe);
+    }
+    default: return 0;
+  }
+}

@@ -164,3 +164,23 @@ extern "C" size_t deep_ep_tp_struct_size(int which) {
     default: return 0;
   }
 }
+
+// The inverse of what deep_ep_tp_gin_devcomm_create reads back: writes `info`'s fields into a
+// zeroed ncclDevComm at `devcomm`. Only for stand-ins of ncclDevCommCreate (unit tests without a
+// NIC), so that they can grant GIN as NCCL would. Returns -1 on bad arguments.
+extern "C" int deep_ep_tp_devcomm_fill(void* devcomm, size_t devcomm_bytes, const deep_ep_tp_gin_info_t* info) {
+  if (devcomm == nullptr || devcomm_bytes < sizeof(ncclDevComm) || info == nullptr || info->gin_context_count < 0 ||
+      info->gin_context_count > DEEP_EP_TP_MAX_GIN_CONTEXTS)
+    return -1;
+  ncclDevComm* out = static_cast<ncclDevComm*>(devcomm);
+  std::memset(out, 0, sizeof(ncclDevComm));
+  out->rank = info->rank;
+  out->nRanks = info->num_ranks;
+  out->lsaRank = info->lsa_rank;
+  out->lsaSize = info->lsa_size;
+  out->ginContextCount = static_cast<uint8_t>(info->gin_context_count);
+  for (int c = 0; c < info->gin_context_count; ++c) out->ginTypes[c] = static_cast<uint8_t>(info->gin_type);
+  out->ginSignalCount = info->gin_signal_count;
+  out->ginCounterCount = info->gin_counter_count;
+  return 0;
+}

@@ -118,6 +118,10 @@ int deep_ep_tp_ping_gin(const void* devcomm, size_t devcomm_bytes, void* window,
 int deep_ep_tp_gin_devcomm_create(void* create_fn, void* comm, const deep_ep_tp_gin_reqs_t* reqs, void* devcomm,
                                   size_t devcomm_bytes, deep_ep_tp_gin_info_t* info);
 
+/* Writes `info` into a zeroed ncclDevComm (the fields deep_ep_tp_gin_devcomm_create reads back):
+ * for stand-ins of ncclDevCommCreate in tests without a NIC. -1 on bad arguments. */
+int deep_ep_tp_devcomm_fill(void* devcomm, size_t devcomm_bytes, const deep_ep_tp_gin_info_t* info);
+
 /* sizeof of the structs above by index (0 status, 1 lsa, 2 gin_reqs, 3 gin_info, 4 ping); 0 if unknown. */
 size_t deep_ep_tp_struct_size(int which);
 

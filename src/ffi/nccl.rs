@@ -129,10 +129,15 @@ pub fn check(lib: &NcclLib, res: ncclResult_t, what: &str) -> Result<()> {
     if res == ncclResult_t::ncclSuccess {
         return Ok(());
     }
-    let text = match lib.ncclGetErrorString.as_ref() {
+    Err(Error::Device { op: OP, what: what.to_string(), detail: format!("ncclResult_t {} {}", res.0, error_text(lib, res.0 as i32)) })
+}
+
+/// NCCL's text for a result code (`ncclGetErrorString`; empty when the symbol is missing).
+pub fn error_text(lib: &NcclLib, code: i32) -> String {
+    match lib.ncclGetErrorString.as_ref() {
         // SAFETY: ncclGetErrorString returns a static string for any value.
         Ok(f) => {
-            let p = unsafe { f(res) };
+            let p = unsafe { f(ncclResult_t(code as _)) };
             if p.is_null() {
                 String::new()
             } else {
@@ -141,8 +146,7 @@ pub fn check(lib: &NcclLib, res: ncclResult_t, what: &str) -> Result<()> {
             }
         }
         Err(_) => String::new(),
-    };
-    Err(Error::Device { op: OP, what: what.to_string(), detail: format!("ncclResult_t {} {text}", res.0) })
+    }
 }
 
 /// `"2.28.9"` for a version code (`major*10000 + minor*100 + patch` since NCCL 2.9).

@@ -4,7 +4,9 @@
 //! fell out of step.
 //!
 //! Creation (the order verified on the GPU machine, docs/DEVICE.md): `ncclCommInitRank` →
-//! `ncclMemAlloc` + `ncclCommWindowRegister(..., NCCL_WIN_COLL_SYMMETRIC)` → `ncclDevCommCreate`
+//! (internode buffers over NCCL GIN only: `ncclDevCommCreate` with GIN requirements, before any
+//! memory is registered, since NCCL registers memory with its GIN transport when the memory is
+//! registered and GIN is already enabled on the communicator) → `ncclMemAlloc` + `ncclCommWindowRegister(..., NCCL_WIN_COLL_SYMMETRIC)` → `ncclDevCommCreate`
 //! (zeroed requirements, one LSA barrier, no multimem; it proves the device-comm path and tells
 //! the LSA team size, which must be the whole communicator: intranode only) → peer base pointers (a kernel calls `ncclGetPeerPointer`) →
 //! host-mapped status block → control area zeroed → an all-reduce of one int as the host
@@ -12,6 +14,7 @@
 
 use super::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream, CONTROL_BYTES, MAX_RANKS};
 use super::kernels::check as cuda_check;
+use super::transport::{gin_devcomm_create, GinGrant, GinReqs};
 use super::nccl::{self, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId, ncclWindow_t, nccl_fn, DeviceApi, NcclLib};
 use crate::error::{Error, Result};
 use std::ffi::{c_int, c_void};
@@ -40,6 +43,53 @@ pub struct WindowArgs<'a> {
     /// Run the LSA transport self-test during creation with this rail stride
     /// (`DEEP_EP_TRANSPORT_SELFTEST`, `backend::nccl::gin::self_test_stride`).
     pub transport_self_test: Option<usize>,
+    /// Create a GIN device comm on the communicator (internode buffers over NCCL GIN).
+    pub gin: Option<GinSetup<'a>>,
+}
+
+/// What a window asks `ncclDevCommCreate` for GIN, and who judges the answer.
+pub struct GinSetup<'a> {
+    /// Requirements (`backend::nccl::gin::GinPlan::requirements`).
+    pub reqs: GinReqs,
+    /// Turns NCCL's answer (the device comm and what it granted, or the NCCL result code) into
+    /// `Ok` or the error that explains it (`backend::nccl::gin::granted`).
+    pub judge: &'a dyn Fn(GinGrant) -> Result<()>,
+}
+
+/// Creates the GIN device comm of `g` on `comm` through `create_fn` and has `g.judge` accept it.
+/// A device comm the judge refuses is left to the communicator's teardown (abort frees it).
+///
+/// # Safety
+/// `create_fn` must have the prototype of `ncclDevCommCreate` (the loaded NCCL's, or a stand-in in
+/// tests) and `comm` be a communicator it accepts.
+pub unsafe fn gin_setup(create_fn: *mut c_void, comm: *mut c_void, g: &GinSetup) -> Result<Vec<u64>> {
+    let r = gin_devcomm_create(create_fn, comm, &g.reqs);
+    let devcomm = r.as_ref().ok().map(|(d, _)| d.clone());
+    (g.judge)(r)?;
+    devcomm.ok_or_else(|| Error::invalid(OP, "internal: a failed GIN device comm creation was accepted"))
+}
+
+/// One step of [`Window::close`]'s teardown, in order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Teardown {
+    /// `ncclDevCommDestroy` of the GIN device comm.
+    GinDevComm,
+    /// `ncclDevCommDestroy` of the window's own device comm.
+    DevComm,
+    /// `ncclCommWindowDeregister`.
+    Deregister,
+    /// `ncclMemFree`.
+    MemFree,
+    /// `ncclCommFinalize` then `ncclCommDestroy`.
+    Comm,
+}
+
+/// The teardown of a window holding what the flags say: device comms first (they reference the
+/// communicator's GIN and LSA resources), then the window registration, its memory, the
+/// communicator last.
+pub fn teardown_steps(gin: bool, devcomm: bool, win: bool, mem: bool) -> Vec<Teardown> {
+    let have = [(gin, Teardown::GinDevComm), (devcomm, Teardown::DevComm), (win, Teardown::Deregister), (mem, Teardown::MemFree), (true, Teardown::Comm)];
+    have.iter().filter(|(h, _)| *h).map(|(_, s)| *s).collect()
 }
 
 /// A communicator, its device comm and one symmetric window with its control area.
@@ -48,6 +98,8 @@ pub struct Window {
     api: &'static DeviceApi,
     device: i32,
     comm: ncclComm_t,
+    /// The GIN device comm (internode buffers over GIN), created before the window registration.
+    gin_devcomm: Option<Vec<u64>>,
     devcomm: Option<Vec<u64>>,
     mem: *mut c_void,
     win: ncclWindow_t,
@@ -78,6 +130,7 @@ impl Window {
             api,
             device: a.device,
             comm: std::ptr::null_mut(),
+            gin_devcomm: None,
             devcomm: None,
             mem: std::ptr::null_mut(),
             win: std::ptr::null_mut(),
@@ -102,6 +155,10 @@ impl Window {
         let init = nccl_fn!(lib, ncclCommInitRank);
         // SAFETY: writes one communicator handle; the id is 128 bytes by value.
         nccl_check(lib, unsafe { init(&mut w.comm, a.num_ranks as c_int, id, a.rank as c_int) }, "ncclCommInitRank")?;
+        if let Some(g) = &a.gin {
+            // SAFETY: ncclDevCommCreate of the loaded NCCL on the live communicator.
+            w.gin_devcomm = Some(unsafe { gin_setup(api.dev_comm_create, w.comm.cast(), g) }?);
+        }
 
         let mem_alloc = nccl_fn!(lib, ncclMemAlloc);
         // SAFETY: writes one device pointer; the size is a multiple of 2 MiB.
@@ -166,6 +223,12 @@ impl Window {
         self.bytes
     }
 
+    /// The GIN device comm (byte copy of `ncclDevComm`) and the `ncclWindow_t` it reaches the
+    /// window through, when the window was created with [`WindowArgs::gin`].
+    pub fn gin(&self) -> Option<(&[u64], *mut c_void)> {
+        self.gin_devcomm.as_deref().map(|d| (d, self.win.cast()))
+    }
+
     /// Collective release: waits for the device, meets every peer at a barrier (so none still
     /// reads this window), then tears NCCL down in order. On a barrier timeout the window is
     /// released locally instead (communicator aborted) and the timeout is returned.
@@ -181,39 +244,48 @@ impl Window {
                 first = r;
             }
         };
-        if let Some(dc) = self.devcomm.take() {
-            // SAFETY: the devcomm was created on this communicator and is destroyed once.
-            let res = unsafe { deep_ep_nccl_devcomm_destroy(self.api.dev_comm_destroy, self.comm.cast(), dc.as_ptr().cast()) };
-            note(nccl_check(self.lib, nccl::ncclResult_t(res as _), "ncclDevCommDestroy"));
+        for step in teardown_steps(self.gin_devcomm.is_some(), self.devcomm.is_some(), !self.win.is_null(), !self.mem.is_null()) {
+            note(self.teardown(step));
         }
-        if !self.win.is_null() {
-            note((|| {
-                let f = nccl_fn!(self.lib, ncclCommWindowDeregister);
-                // SAFETY: the window was registered on this communicator; deregistered once.
-                nccl_check(self.lib, unsafe { f(self.comm, self.win) }, "ncclCommWindowDeregister")
-            })());
-            self.win = std::ptr::null_mut();
-        }
-        if !self.mem.is_null() {
-            note((|| {
-                let f = nccl_fn!(self.lib, ncclMemFree);
-                // SAFETY: allocated by ncclMemAlloc, no longer registered; freed once.
-                nccl_check(self.lib, unsafe { f(self.mem) }, "ncclMemFree")
-            })());
-            self.mem = std::ptr::null_mut();
-        }
-        note((|| {
-            let f = nccl_fn!(self.lib, ncclCommFinalize);
-            // SAFETY: live communicator.
-            nccl_check(self.lib, unsafe { f(self.comm) }, "ncclCommFinalize")
-        })());
-        note((|| {
-            let f = nccl_fn!(self.lib, ncclCommDestroy);
-            // SAFETY: live communicator, destroyed once.
-            nccl_check(self.lib, unsafe { f(self.comm) }, "ncclCommDestroy")
-        })());
         self.comm = std::ptr::null_mut();
         first
+    }
+}
+
+impl Window {
+    /// One step of the collective teardown ([`teardown_steps`]).
+    fn teardown(&mut self, step: Teardown) -> Result<()> {
+        match step {
+            Teardown::GinDevComm | Teardown::DevComm => {
+                let dc = if step == Teardown::GinDevComm { self.gin_devcomm.take() } else { self.devcomm.take() };
+                let Some(dc) = dc else { return Ok(()) };
+                // SAFETY: the devcomm was created on this communicator and is destroyed once.
+                let res = unsafe { deep_ep_nccl_devcomm_destroy(self.api.dev_comm_destroy, self.comm.cast(), dc.as_ptr().cast()) };
+                nccl_check(self.lib, nccl::ncclResult_t(res as _), "ncclDevCommDestroy")
+            }
+            Teardown::Deregister => {
+                let win = std::mem::replace(&mut self.win, std::ptr::null_mut());
+                let f = nccl_fn!(self.lib, ncclCommWindowDeregister);
+                // SAFETY: the window was registered on this communicator; deregistered once.
+                nccl_check(self.lib, unsafe { f(self.comm, win) }, "ncclCommWindowDeregister")
+            }
+            Teardown::MemFree => {
+                let mem = std::mem::replace(&mut self.mem, std::ptr::null_mut());
+                let f = nccl_fn!(self.lib, ncclMemFree);
+                // SAFETY: allocated by ncclMemAlloc, no longer registered; freed once.
+                nccl_check(self.lib, unsafe { f(mem) }, "ncclMemFree")
+            }
+            Teardown::Comm => {
+                let comm = std::mem::replace(&mut self.comm, std::ptr::null_mut());
+                let fin = nccl_fn!(self.lib, ncclCommFinalize);
+                // SAFETY: live communicator.
+                let r = nccl_check(self.lib, unsafe { fin(comm) }, "ncclCommFinalize");
+                let destroy = nccl_fn!(self.lib, ncclCommDestroy);
+                // SAFETY: live communicator, destroyed once.
+                let d = nccl_check(self.lib, unsafe { destroy(comm) }, "ncclCommDestroy");
+                r.and(d)
+            }
+        }
     }
 }
 
@@ -248,5 +320,80 @@ impl Drop for Window {
             }
             self.mem = std::ptr::null_mut();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ffi::transport::GinInfo;
+    use crate::backend::nccl::gin::{buffer_plan, granted, GinKnobs};
+    use crate::backend::nccl::ll_seam::DESC_BYTES;
+    use crate::ffi::transport::{build_gin_net, devcomm_bytes, devcomm_fill, gin_net_layout};
+
+    // Stand-ins for ncclDevCommCreate (the glue zeroes the device comm before calling them).
+    extern "C" fn fake_grant(_comm: *mut c_void, _reqs: *const u8, out: *mut c_void) -> c_int {
+        let info = GinInfo { rank: 1, num_ranks: 4, lsa_rank: 1, lsa_size: 4, gin_context_count: 2, gin_type: 3, gin_signal_count: 8192, gin_counter_count: 0 };
+        // SAFETY: the glue hands a zeroed ncclDevComm of devcomm_bytes().
+        unsafe { devcomm_fill(out, &info) }
+    }
+    /// What NCCL does without a GPUDirect-RDMA NIC when GIN is not forced: a device comm with no
+    /// GIN context.
+    extern "C" fn fake_no_gin(_comm: *mut c_void, _reqs: *const u8, _out: *mut c_void) -> c_int {
+        0
+    }
+    /// ... and when it is forced (`ginForceEnable`): an error (ncclSystemError).
+    extern "C" fn fake_fail(_comm: *mut c_void, _reqs: *const u8, _out: *mut c_void) -> c_int {
+        2
+    }
+
+    /// The GIN step of an LL buffer's creation on rank 1 of 2 x 2, as `NcclBackend::create` wires it.
+    fn setup(create: extern "C" fn(*mut c_void, *const u8, *mut c_void) -> c_int) -> Result<Vec<u64>> {
+        let k = GinKnobs::parse(|n| (n == "DEEP_EP_RDMA_TRANSPORT").then(|| "gin".to_string())).unwrap();
+        let p = buffer_plan(&k, 4, 2, true, MAX_RANKS).unwrap().expect("a GIN plan");
+        let judge = |r| granted(&p, &k, 1, r, |c| format!("(text of {c})")).map(|_| ());
+        // SAFETY: the stand-ins have the prototype of ncclDevCommCreate and ignore the communicator.
+        unsafe { gin_setup(create as *mut c_void, 8 as *mut c_void, &GinSetup { reqs: p.requirements(), judge: &judge }) }
+    }
+
+    #[test]
+    fn gin_setup_keeps_a_granted_device_comm_and_explains_a_refusal() {
+        let dc = setup(fake_grant).unwrap();
+        assert!(dc.len() * 8 >= devcomm_bytes());
+        let e = setup(fake_no_gin).unwrap_err().to_string();
+        assert!(e.starts_with("deep_ep::create_buffer: GIN setup on rank 1 failed: NCCL GPU-initiated networking is unavailable: ncclDevCommCreate granted 0 GIN contexts (4 asked)"), "{e}");
+        assert!(e.contains("GPUDirect-RDMA capable NIC") && e.contains("set DEEP_EP_RDMA_TRANSPORT=lsa"), "{e}");
+        let e = setup(fake_fail).unwrap_err().to_string();
+        assert!(e.contains("GIN setup on rank 1 failed: NCCL GPU-initiated networking is unavailable: ncclDevCommCreate failed: ncclResult_t 2 (text of 2)"), "{e}");
+    }
+
+    #[test]
+    fn gin_descriptor_holds_the_device_comm_then_the_window_handle() {
+        let dc = setup(fake_grant).unwrap();
+        let l = gin_net_layout();
+        assert!(l.bytes <= DESC_BYTES && l.align <= 8 && l.win_off >= devcomm_bytes() && l.win_off + 8 <= l.bytes, "{l:?}");
+        let win = 0xdead_bee0usize as *mut c_void;
+        let desc = build_gin_net("test", &dc, win, DESC_BYTES).unwrap();
+        assert_eq!(desc.len() * 8, l.bytes.div_ceil(8) * 8);
+        let bytes: Vec<u8> = desc.iter().flat_map(|w| w.to_ne_bytes()).collect();
+        let dc_bytes: Vec<u8> = dc.iter().flat_map(|w| w.to_ne_bytes()).collect();
+        let n = devcomm_bytes();
+        assert_eq!(&bytes[..n], &dc_bytes[..n]);
+        assert_eq!(u64::from_ne_bytes(bytes[l.win_off..l.win_off + 8].try_into().unwrap()), 0xdead_bee0);
+        // The grant is visible in the copied device comm: rank 1 of 4, 2 GIN contexts.
+        assert_eq!(i32::from_ne_bytes(bytes[0..4].try_into().unwrap()), 1);
+        assert_eq!(i32::from_ne_bytes(bytes[4..8].try_into().unwrap()), 4);
+        let e = build_gin_net("test", &dc, win, l.bytes - 1).unwrap_err().to_string();
+        assert!(e.contains("reserved"), "{e}");
+        assert!(build_gin_net("test", &dc, std::ptr::null_mut(), DESC_BYTES).is_err());
+        assert!(build_gin_net("test", &dc[..4], win, DESC_BYTES).unwrap_err().to_string().contains("failed"));
+    }
+
+    #[test]
+    fn teardown_destroys_device_comms_before_the_window_and_the_communicator() {
+        use Teardown::*;
+        assert_eq!(teardown_steps(true, true, true, true), vec![GinDevComm, DevComm, Deregister, MemFree, Comm]);
+        assert_eq!(teardown_steps(false, true, true, true), vec![DevComm, Deregister, MemFree, Comm]);
+        assert_eq!(teardown_steps(true, false, false, false), vec![GinDevComm, Comm]);
     }
 }

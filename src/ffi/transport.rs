@@ -109,6 +109,10 @@ extern "C" {
     fn deep_ep_tp_ping_gin(devcomm: *const c_void, devcomm_bytes: usize, window: *mut c_void, args: *const PingArgs, stream: *mut c_void) -> c_int;
     fn deep_ep_tp_gin_devcomm_create(create_fn: *mut c_void, comm: *mut c_void, reqs: *const GinReqs, devcomm: *mut c_void, devcomm_bytes: usize, info: *mut GinInfo) -> c_int;
     fn deep_ep_tp_struct_size(which: c_int) -> usize;
+    #[cfg(test)]
+    fn deep_ep_tp_devcomm_fill(devcomm: *mut c_void, devcomm_bytes: usize, info: *const GinInfo) -> c_int;
+    fn deep_ep_llk_gin_net_build(devcomm: *const c_void, devcomm_bytes: usize, window: *mut c_void, out: *mut c_void, out_bytes: usize) -> usize;
+    fn deep_ep_llk_gin_net_layout(which: c_int) -> usize;
     fn deep_ep_nccl_devcomm_bytes() -> usize;
     fn deep_ep_cuda_malloc(ptr: *mut *mut c_void, bytes: usize) -> c_int;
     fn deep_ep_cuda_free(ptr: *mut c_void) -> c_int;
@@ -163,7 +167,7 @@ pub unsafe fn ping_gin(op: &'static str, devcomm: &[u64], window: *mut c_void, a
 ///
 /// # Safety
 /// `create_fn` must be `ncclDevCommCreate` of the loaded NCCL and `comm` a live communicator of it.
-pub unsafe fn gin_devcomm_create(create_fn: *mut c_void, comm: *mut c_void, reqs: &GinReqs) -> std::result::Result<(Vec<u64>, GinInfo), i32> {
+pub unsafe fn gin_devcomm_create(create_fn: *mut c_void, comm: *mut c_void, reqs: &GinReqs) -> GinGrant {
     let bytes = deep_ep_nccl_devcomm_bytes();
     let mut devcomm = vec![0u64; bytes.div_ceil(8)];
     let mut info = GinInfo::default();
@@ -174,6 +178,9 @@ pub unsafe fn gin_devcomm_create(create_fn: *mut c_void, comm: *mut c_void, reqs
         Err(res)
     }
 }
+
+/// What [`gin_devcomm_create`] returns: the device comm and the grant, or the NCCL result code.
+pub type GinGrant = std::result::Result<(Vec<u64>, GinInfo), i32>;
 
 /// Wraps an NCCL result of [`gin_devcomm_create`] that is not a device error of ours.
 pub fn devcomm_error(op: &'static str, code: i32, detail: String) -> Error {
@@ -196,6 +203,72 @@ pub fn write_lsa_desc(op: &'static str, ctx: &super::intranode::Ctx, desc_off: u
     // a host struct that lives through the synchronous copy.
     let st = unsafe { deep_ep_cuda_memcpy_htod(own.cast::<u8>().add(desc_off).cast(), (&lsa as *const LsaDesc).cast(), std::mem::size_of::<LsaDesc>()) };
     super::kernels::check(st, op, "writing the transport descriptor of the low-latency kernels")
+}
+
+/// Layout of the GIN seam descriptor (`GinNet` of `kernels/low_latency.cuh`: the `ncclDevComm`
+/// by value, then the window's `ncclWindow_t`), as the compiler lays it out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GinNetLayout {
+    /// `sizeof(GinNet)`.
+    pub bytes: usize,
+    /// `alignof(GinNet)`.
+    pub align: usize,
+    /// Byte offset of the window handle.
+    pub win_off: usize,
+}
+
+/// The layout of `GinNet` (pure queries of compile-time constants).
+pub fn gin_net_layout() -> GinNetLayout {
+    // SAFETY: pure queries.
+    unsafe { GinNetLayout { bytes: deep_ep_llk_gin_net_layout(0), align: deep_ep_llk_gin_net_layout(1), win_off: deep_ep_llk_gin_net_layout(2) } }
+}
+
+/// Builds the GIN seam descriptor on the host: `devcomm` (a device comm from
+/// [`gin_devcomm_create`] that NCCL granted GIN) and the handle of the window registered on its
+/// communicator. Fails when the descriptor would not fit the `desc_bytes` reserved for it or
+/// needs more than 8-byte alignment (the host copy is a `u64` buffer; the window slot is 128-aligned).
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // `window` is an opaque NCCL handle, only copied
+pub fn build_gin_net(op: &'static str, devcomm: &[u64], window: *mut c_void, desc_bytes: usize) -> Result<Vec<u64>> {
+    let l = gin_net_layout();
+    crate::ensure!(l.bytes > 0 && l.bytes <= desc_bytes && l.align <= 8, op, "internal: the GIN seam descriptor is {} bytes (align {}), {desc_bytes} reserved", l.bytes, l.align);
+    crate::ensure!(!window.is_null(), op, "internal: GIN seam descriptor without a window");
+    let mut out = vec![0u64; l.bytes.div_ceil(8)];
+    // SAFETY: reads devcomm.len() * 8 bytes of the slice, writes at most out.len() * 8 bytes of our
+    // 8-aligned buffer (the glue checks both sizes and the alignment).
+    let n = unsafe { deep_ep_llk_gin_net_build(devcomm.as_ptr().cast(), devcomm.len() * 8, window, out.as_mut_ptr().cast(), out.len() * 8) };
+    crate::ensure!(n == l.bytes, op, "internal: building the GIN seam descriptor from a device comm of {} bytes failed", devcomm.len() * 8);
+    Ok(out)
+}
+
+/// Writes this rank's GIN seam descriptor ([`build_gin_net`]) into its own window at `desc_off`,
+/// synchronously; the LL kernels of an internode buffer over GIN read it there (`Args::net` with
+/// `net_kind` = [`super::low_latency::NET_GIN`]). Local (no peer involved).
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // `window` is an opaque NCCL handle, only copied
+pub fn write_gin_desc(op: &'static str, ctx: &super::intranode::Ctx, desc_off: usize, desc_bytes: usize, devcomm: &[u64], window: *mut c_void) -> Result<()> {
+    let desc = build_gin_net(op, devcomm, window, desc_bytes)?;
+    let bytes = gin_net_layout().bytes;
+    crate::ensure!(desc_off % 16 == 0 && ((desc_off + desc_bytes) as u64) <= ctx.window_bytes, op, "internal: GIN seam descriptor at {desc_off} outside the window of {} bytes", ctx.window_bytes);
+    let own = ctx.peer_base[ctx.rank as usize];
+    // SAFETY: `bytes` <= desc_bytes inside this rank's own live window (checked above), from a host
+    // buffer that lives through the synchronous copy.
+    let st = unsafe { deep_ep_cuda_memcpy_htod(own.cast::<u8>().add(desc_off).cast(), desc.as_ptr().cast(), bytes) };
+    super::kernels::check(st, op, "writing the GIN descriptor of the low-latency kernels")
+}
+
+/// Writes `info` into a zeroed `ncclDevComm` at `out`, as NCCL fills a grant: for stand-ins of
+/// `ncclDevCommCreate` in tests without a NIC. Returns -1 on bad arguments.
+///
+/// # Safety
+/// `out` must be writable for [`devcomm_bytes`] bytes.
+#[cfg(test)]
+pub unsafe fn devcomm_fill(out: *mut c_void, info: &GinInfo) -> i32 {
+    deep_ep_tp_devcomm_fill(out, devcomm_bytes(), info)
+}
+
+/// `sizeof(ncclDevComm)` of the build's NCCL headers.
+pub fn devcomm_bytes() -> usize {
+    // SAFETY: pure query.
+    unsafe { deep_ep_nccl_devcomm_bytes() }
 }
 
 // ---- LSA self-test on a live intranode window ------------------------------------------------
@@ -367,7 +440,7 @@ mod tests {
         let p = plan(Workload::LowLatency { num_local_experts: 2, num_ranks: 16 }, &k).unwrap();
         let r = unsafe { gin_devcomm_create(fake_create as *mut c_void, 8 as *mut c_void, &p.requirements()) };
         assert_eq!(seen(), vec![1, 1, 2, 128, 0]);
-        let e = granted(&p, &k, r, |c| format!("code {c}")).unwrap_err().to_string();
-        assert!(e.contains("unavailable (NCCL_GIN_TYPE=3 asked for Gdaki): ncclDevCommCreate granted 0 GIN contexts (2 asked)"), "{e}");
+        let e = granted(&p, &k, 5, r, |c| format!("code {c}")).unwrap_err().to_string();
+        assert!(e.contains("GIN setup on rank 5 failed: NCCL GPU-initiated networking is unavailable (NCCL_GIN_TYPE=3 asked for Gdaki): ncclDevCommCreate granted 0 GIN contexts (2 asked)"), "{e}");
     }
 }

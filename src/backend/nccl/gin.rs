@@ -10,12 +10,14 @@
 //! Environment (README "Environment"; docs/INTERNODE.md):
 //! - `DEEP_EP_RDMA_TRANSPORT` = `gin` | `lsa` (emulation over NVLink; all ranks must share one
 //!   NVLink domain, with `DEEP_EP_NVL_DOMAIN_SIZE` smaller than the group). Unset: the LSA
-//!   emulation for internode buffers, normal and LL (`ll_seam::select`, `internode.rs`), whose GIN
-//!   windows are not built yet.
+//!   emulation for internode buffers, normal and LL (`ll_seam::select`, `internode.rs`). `gin`:
+//!   the buffer creates a GIN device comm ([`buffer_plan`], [`granted`]); LL kernels run over it,
+//!   normal-mode kernels are not wired to GIN (`NotImplemented`).
 //! - `DEEP_EP_GIN_CONTEXTS` = GIN contexts per communicator, 1..=4 (default: as many as the
 //!   buffer has independent senders, at most 4).
 //! - `DEEP_EP_GIN_COMMS` = communicators per buffer, 1..=8 (default 1); QPs per peer =
-//!   contexts x communicators (DeepEP's `num_qps_per_rank`).
+//!   contexts x communicators (DeepEP's `num_qps_per_rank`). Buffers open one communicator:
+//!   values > 1 are refused by [`buffer_plan`].
 //! - `NCCL_GIN_TYPE` is read by NCCL itself; deep_ep validates it (2 = proxy, 3 = GDAKI, NCCL's
 //!   `ncclNetDeviceType`) and checks that the granted type matches.
 
@@ -206,6 +208,34 @@ pub fn plan(w: Workload, k: &GinKnobs) -> Result<GinPlan> {
     Ok(GinPlan { workload: w, num_comms: k.comms.unwrap_or(1), contexts_per_comm, signals })
 }
 
+/// The GIN plan of a buffer at creation, or None when it needs no GIN device comm: only buffers
+/// whose ranks span several NVLink domains (`num_rdma_ranks` >= 2) with
+/// `DEEP_EP_RDMA_TRANSPORT=gin`. The per-call geometry is unknown at creation, so the plan covers
+/// every call the buffer accepts: LL buffers get one signal per seam id
+/// (`ll_seam::SIGNALS` = 4 x the most experts) and a context per sending rank (the LL kernels put
+/// on the context of the sender's rank), normal-mode buffers the rings of the most channels
+/// (`max_channels`). Several communicators (`DEEP_EP_GIN_COMMS` > 1) are not wired.
+pub fn buffer_plan(k: &GinKnobs, num_ranks: usize, num_rdma_ranks: usize, low_latency_mode: bool, max_channels: usize) -> Result<Option<GinPlan>> {
+    if k.transport != Some(RdmaTransport::Gin) || num_rdma_ranks < 2 {
+        return Ok(None);
+    }
+    if k.comms.is_some_and(|c| c > 1) {
+        return Err(Error::NotImplemented {
+            op: OP,
+            backend: "nccl",
+            feature: "several GIN communicators per buffer (DEEP_EP_GIN_COMMS > 1): a buffer opens one; unset DEEP_EP_GIN_COMMS or set it to 1 (up to 4 QPs per peer through DEEP_EP_GIN_CONTEXTS)",
+        });
+    }
+    let p = if low_latency_mode {
+        let signals = super::ll_seam::SIGNALS;
+        let contexts_per_comm = k.contexts.unwrap_or_else(|| num_ranks.min(MAX_GIN_CONTEXTS));
+        GinPlan { workload: Workload::LowLatency { num_local_experts: (super::ll_seam::MAX_EXPERTS / num_ranks).max(1), num_ranks }, num_comms: 1, contexts_per_comm, signals }
+    } else {
+        plan(Workload::Normal { num_channels: max_channels, num_rdma_ranks }, k)?
+    };
+    Ok(Some(p))
+}
+
 /// A device comm with GIN, as granted.
 #[derive(Clone, Debug)]
 pub struct GinDevComm {
@@ -216,46 +246,47 @@ pub struct GinDevComm {
     pub gin_type: GinType,
 }
 
-/// Turns the result of `ncclDevCommCreate` with [`GinPlan::requirements`] into a usable device
-/// comm, or the error that tells the user what is missing. `nccl_text` renders an NCCL result
-/// code (`ncclGetErrorString` in production).
-pub fn granted(plan: &GinPlan, k: &GinKnobs, result: std::result::Result<(Vec<u64>, GinInfo), i32>, nccl_text: impl Fn(i32) -> String) -> Result<GinDevComm> {
+/// Turns the result of `ncclDevCommCreate` with [`GinPlan::requirements`] on `rank` into a
+/// usable device comm, or the error that tells the user what is missing (naming the rank).
+/// `nccl_text` renders an NCCL result code (`ncclGetErrorString` in production).
+pub fn granted(plan: &GinPlan, k: &GinKnobs, rank: usize, result: std::result::Result<(Vec<u64>, GinInfo), i32>, nccl_text: impl Fn(i32) -> String) -> Result<GinDevComm> {
     let (devcomm, info) = match result {
         Ok(r) => r,
-        Err(code) => return Err(unavailable(plan, k, &format!("ncclDevCommCreate failed: ncclResult_t {code} {}", nccl_text(code)))),
+        Err(code) => return Err(unavailable(plan, k, rank, &format!("ncclDevCommCreate failed: ncclResult_t {code} {}", nccl_text(code)))),
     };
     if info.gin_context_count < 1 {
-        return Err(unavailable(plan, k, &format!("ncclDevCommCreate granted 0 GIN contexts ({} asked)", plan.contexts_per_comm)));
+        return Err(unavailable(plan, k, rank, &format!("ncclDevCommCreate granted 0 GIN contexts ({} asked)", plan.contexts_per_comm)));
     }
     let Some(gin_type) = GinType::from_code(info.gin_type) else {
-        return Err(unavailable(plan, k, &format!("NCCL reported an unknown GIN type {}", info.gin_type)));
+        return Err(unavailable(plan, k, rank, &format!("NCCL reported an unknown GIN type {}", info.gin_type)));
     };
+    let what = format!("GIN setup on rank {rank}");
     if let Some(want) = k.gin_type.filter(|&t| t != gin_type) {
         return Err(Error::Device {
             op: OP,
-            what: "GIN setup".into(),
+            what,
             detail: format!("NCCL_GIN_TYPE={} ({want:?}) was set but NCCL granted {gin_type:?} ({}); check that the NIC and driver support it (NCCL_DEBUG=INFO)", want.code(), gin_type.code()),
         });
     }
     if (info.gin_signal_count as usize) < plan.signals {
         return Err(Error::Device {
             op: OP,
-            what: "GIN setup".into(),
+            what,
             detail: format!("NCCL granted {} GIN signals, the buffer needs {}; raise NCCL_GIN_SIGNAL_POOL_SIZE", info.gin_signal_count, plan.signals),
         });
     }
     Ok(GinDevComm { devcomm, info, gin_type })
 }
 
-/// The error for "no GIN here", with what to check and the emulation alternative.
-pub fn unavailable(plan: &GinPlan, k: &GinKnobs, why: &str) -> Error {
+/// The error for "no GIN here" on `rank`, with what to check and the emulation alternative.
+pub fn unavailable(plan: &GinPlan, k: &GinKnobs, rank: usize, why: &str) -> Error {
     let asked = match k.gin_type {
         Some(t) => format!(" (NCCL_GIN_TYPE={} asked for {t:?})", t.code()),
         None => String::new(),
     };
     Error::Device {
         op: OP,
-        what: "GIN setup".into(),
+        what: format!("GIN setup on rank {rank}"),
         detail: format!(
             "NCCL GPU-initiated networking is unavailable{asked}: {why}. Internode buffers need a GPUDirect-RDMA capable NIC \
              (InfiniBand or RoCE with nvidia-peermem or DMA-BUF, rdma-core >= 44) and NCCL >= 2.28.7; NCCL_DEBUG=INFO \
@@ -367,6 +398,32 @@ mod tests {
         assert!(plan(Workload::Normal { num_channels: 10, num_rdma_ranks: 1 }, &GinKnobs::default()).is_err());
     }
 
+    #[test]
+    fn buffer_plan_covers_every_call_of_an_internode_gin_buffer() {
+        let gin = knobs(&[("DEEP_EP_RDMA_TRANSPORT", "gin")]).unwrap();
+        // No GIN: another transport, or one NVLink domain.
+        assert_eq!(buffer_plan(&GinKnobs::default(), 4, 2, true, 512).unwrap(), None);
+        assert_eq!(buffer_plan(&knobs(&[("DEEP_EP_RDMA_TRANSPORT", "lsa")]).unwrap(), 4, 2, true, 512).unwrap(), None);
+        assert_eq!(buffer_plan(&gin, 4, 1, true, 512).unwrap(), None);
+        // LL: every seam signal id, a context per sending rank (at most 4).
+        let p = buffer_plan(&gin, 4, 2, true, 512).unwrap().unwrap();
+        assert_eq!((p.num_comms, p.contexts_per_comm, p.signals), (1, 4, crate::backend::nccl::ll_seam::SIGNALS));
+        let r = p.requirements();
+        assert_eq!((r.gin_context_count, r.gin_signal_count, r.gin_force_enable), (4, 8192, 1));
+        let p = buffer_plan(&gin, 2, 2, true, 512).unwrap().unwrap();
+        assert_eq!(p.contexts_per_comm, 2);
+        let k = knobs(&[("DEEP_EP_RDMA_TRANSPORT", "gin"), ("DEEP_EP_GIN_CONTEXTS", "1")]).unwrap();
+        assert_eq!(buffer_plan(&k, 8, 4, true, 512).unwrap().unwrap().contexts_per_comm, 1);
+        // Normal mode: the rings of the most channels.
+        let p = buffer_plan(&gin, 4, 2, false, 512).unwrap().unwrap();
+        assert_eq!((p.contexts_per_comm, p.signals), (4, 2 * 512 * 2));
+        // Several communicators are refused by name.
+        let k = knobs(&[("DEEP_EP_RDMA_TRANSPORT", "gin"), ("DEEP_EP_GIN_COMMS", "2")]).unwrap();
+        let e = buffer_plan(&k, 4, 2, true, 512).unwrap_err().to_string();
+        assert!(e.contains("DEEP_EP_GIN_COMMS > 1") && e.contains("not implemented"), "{e}");
+        assert_eq!(buffer_plan(&knobs(&[("DEEP_EP_RDMA_TRANSPORT", "gin"), ("DEEP_EP_GIN_COMMS", "1")]).unwrap(), 4, 2, true, 512).unwrap().unwrap().num_comms, 1);
+    }
+
     fn info(contexts: i32, ty: i32, signals: i32) -> GinInfo {
         GinInfo { rank: 0, num_ranks: 16, lsa_rank: 0, lsa_size: 8, gin_context_count: contexts, gin_type: ty, gin_signal_count: signals, gin_counter_count: 0 }
     }
@@ -375,19 +432,19 @@ mod tests {
     fn grants_are_checked_against_the_plan_and_the_gin_type() {
         let p = plan(Workload::Normal { num_channels: 10, num_rdma_ranks: 2 }, &GinKnobs::default()).unwrap();
         let text = |_| "internal error".to_string();
-        let g = granted(&p, &GinKnobs::default(), Ok((vec![0; 4], info(2, 3, 40))), text).unwrap();
+        let g = granted(&p, &GinKnobs::default(), 0, Ok((vec![0; 4], info(2, 3, 40))), text).unwrap();
         assert_eq!((g.gin_type, g.info.gin_context_count), (GinType::Gdaki, 2));
 
-        let e = granted(&p, &GinKnobs::default(), Ok((vec![], info(0, 0, 0))), text).unwrap_err().to_string();
-        assert!(e.starts_with("deep_ep::create_buffer: GIN setup failed: NCCL GPU-initiated networking is unavailable: ncclDevCommCreate granted 0 GIN contexts (4 asked)"), "{e}");
+        let e = granted(&p, &GinKnobs::default(), 0, Ok((vec![], info(0, 0, 0))), text).unwrap_err().to_string();
+        assert!(e.starts_with("deep_ep::create_buffer: GIN setup on rank 0 failed: NCCL GPU-initiated networking is unavailable: ncclDevCommCreate granted 0 GIN contexts (4 asked)"), "{e}");
         assert!(e.contains("GPUDirect-RDMA capable NIC") && e.contains("DEEP_EP_RDMA_TRANSPORT=lsa") && e.contains("4 QPs per peer"), "{e}");
 
         let k = knobs(&[("NCCL_GIN_TYPE", "3")]).unwrap();
-        let e = granted(&p, &k, Err(5), |c| format!("(code {c}: invalid usage)")).unwrap_err().to_string();
+        let e = granted(&p, &k, 0, Err(5), |c| format!("(code {c}: invalid usage)")).unwrap_err().to_string();
         assert!(e.contains("unavailable (NCCL_GIN_TYPE=3 asked for Gdaki): ncclDevCommCreate failed: ncclResult_t 5 (code 5: invalid usage)"), "{e}");
-        let e = granted(&p, &k, Ok((vec![], info(4, 2, 40))), text).unwrap_err().to_string();
+        let e = granted(&p, &k, 0, Ok((vec![], info(4, 2, 40))), text).unwrap_err().to_string();
         assert!(e.contains("NCCL_GIN_TYPE=3 (Gdaki) was set but NCCL granted Proxy (2)"), "{e}");
-        let e = granted(&p, &GinKnobs::default(), Ok((vec![], info(4, 2, 39))), text).unwrap_err().to_string();
+        let e = granted(&p, &GinKnobs::default(), 0, Ok((vec![], info(4, 2, 39))), text).unwrap_err().to_string();
         assert!(e.contains("granted 39 GIN signals, the buffer needs 40; raise NCCL_GIN_SIGNAL_POOL_SIZE"), "{e}");
     }
 

@@ -12,9 +12,11 @@
 //! NVLink peers only), so the kernels need nothing across nodes but the seam.
 //!
 //! The seam implementation launched here is the LSA emulation (`DEEP_EP_RDMA_TRANSPORT=lsa`: all
-//! ranks in one NVLink domain emulate several nodes of `DEEP_EP_NVL_DOMAIN_SIZE`); the GIN leg
-//! (a device comm with GIN contexts per buffer) is not wired to these kernels yet and answers
-//! `NotImplemented`.
+//! ranks in one NVLink domain emulate several nodes of `DEEP_EP_NVL_DOMAIN_SIZE`). With
+//! `DEEP_EP_RDMA_TRANSPORT=gin` buffer creation sets up the GIN device comm (so a machine without
+//! GIN fails there, with the reason), but these kernels take their transport from the LSA
+//! descriptor inside their arguments (`InArgs::lsa`) and have no GIN instantiation yet: the ops
+//! answer `NotImplemented`.
 //!
 //! Host syncs: only a dispatch without `num_worst_tokens` waits for the notify's counts (between
 //! prepare and finish); cached dispatch and combine never wait. Errors the kernels find (input
@@ -95,7 +97,7 @@ impl NcclBackend {
             return Err(Error::NotImplemented {
                 op,
                 backend: self.info.backend.name(),
-                feature: "internode normal mode over NCCL GIN (DEEP_EP_RDMA_TRANSPORT unset or lsa runs it over NVLink with emulated nodes)",
+                feature: "internode normal-mode kernels over NCCL GIN: the buffer holds its GIN device comm, but the normal-mode kernels are launched with the LSA emulation only (DEEP_EP_RDMA_TRANSPORT unset or lsa runs them over NVLink with emulated nodes; low-latency buffers run over GIN)",
             });
         }
         crate::ensure!(nr <= MAX_LSA_PEERS, op, "internal: {nr} ranks for the LSA emulation");

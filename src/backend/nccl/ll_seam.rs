@@ -11,7 +11,7 @@
 
 use super::gin::RdmaTransport;
 use crate::config::BUFFER_ALIGNMENT;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::topology::Topology;
 
 /// Most experts of an LL call on the nccl backend (`DEEP_EP_LL_MAX_EXPERTS`).
@@ -28,6 +28,8 @@ pub const DESC_BYTES: usize = 4096;
 pub const MSG_META: usize = 160;
 /// `net_kind` of the LSA emulation (`DEEP_EP_LL_NET_LSA`).
 pub const NET_LSA: i32 = crate::ffi::low_latency::NET_LSA;
+/// `net_kind` of NCCL GIN (`DEEP_EP_LL_NET_GIN`).
+pub const NET_GIN: i32 = crate::ffi::low_latency::NET_GIN;
 
 fn align(v: usize) -> usize {
     v.div_ceil(BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT
@@ -132,19 +134,14 @@ pub struct Seam {
 /// buffers whose ranks span several domains use the seam (LL works with any number of domains;
 /// internode normal mode has its own ops). `transport` is `DEEP_EP_RDMA_TRANSPORT`: unset or
 /// `lsa` → the LSA emulation (every rank must be NVLink-reachable, which window creation checks);
-/// `gin` → not available yet (the GIN instantiation of the kernels is built, the GIN window
-/// registration is not).
-pub fn select(op: &'static str, transport: Option<RdmaTransport>, topo: &Topology, low_latency_mode: bool) -> Result<Option<i32>> {
+/// `gin` → NCCL GIN (the buffer creates a GIN device comm and writes its descriptor, `GinNet`).
+pub fn select(transport: Option<RdmaTransport>, topo: &Topology, low_latency_mode: bool) -> Option<i32> {
     if !low_latency_mode || topo.num_rdma_ranks() < 2 {
-        return Ok(None);
+        return None;
     }
     match transport {
-        None | Some(RdmaTransport::Lsa) => Ok(Some(NET_LSA)),
-        Some(RdmaTransport::Gin) => Err(Error::NotImplemented {
-            op,
-            backend: "nccl",
-            feature: "internode low-latency buffers over NCCL GIN (DEEP_EP_RDMA_TRANSPORT=gin); DEEP_EP_RDMA_TRANSPORT=lsa runs them over the NVLink emulation",
-        }),
+        None | Some(RdmaTransport::Lsa) => Some(NET_LSA),
+        Some(RdmaTransport::Gin) => Some(NET_GIN),
     }
 }
 
@@ -241,12 +238,11 @@ mod tests {
 
     #[test]
     fn only_internode_ll_buffers_use_the_seam() {
-        let op = "deep_ep::create_buffer";
-        assert_eq!(select(op, None, &topo(0, 4, 2), true).unwrap(), Some(NET_LSA));
-        assert_eq!(select(op, Some(RdmaTransport::Lsa), &topo(0, 4, 1), true).unwrap(), Some(NET_LSA));
-        assert_eq!(select(op, None, &topo(0, 4, 8), true).unwrap(), None);
-        assert_eq!(select(op, Some(RdmaTransport::Gin), &topo(0, 4, 2), false).unwrap(), None);
-        let e = select(op, Some(RdmaTransport::Gin), &topo(0, 4, 2), true).unwrap_err().to_string();
-        assert!(e.contains("DEEP_EP_RDMA_TRANSPORT=lsa"), "{e}");
+        assert_eq!(select(None, &topo(0, 4, 2), true), Some(NET_LSA));
+        assert_eq!(select(Some(RdmaTransport::Lsa), &topo(0, 4, 1), true), Some(NET_LSA));
+        assert_eq!(select(None, &topo(0, 4, 8), true), None);
+        assert_eq!(select(Some(RdmaTransport::Gin), &topo(0, 4, 2), false), None);
+        assert_eq!(select(Some(RdmaTransport::Gin), &topo(0, 4, 2), true), Some(NET_GIN));
+        assert_eq!(select(Some(RdmaTransport::Gin), &topo(0, 4, 4), true), None);
     }
 }

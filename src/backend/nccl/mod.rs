@@ -2,8 +2,8 @@
 //! on one NCCL symmetric window per buffer with a pull model (`normal.rs`, kernels in
 //! `kernels/intranode_*.cu`); low-latency mode pushes over the same window's peer pointers
 //! (`low_latency.rs`, `kernels/low_latency.cu`), and reaches peers outside the caller's NVLink
-//! domain through the transport seam when the ranks span several domains (`ll_seam.rs`, LSA
-//! emulation); internode normal mode (ranks spanning several NVLink domains of
+//! domain through the transport seam when the ranks span several domains (`ll_seam.rs`: LSA
+//! emulation, or NCCL GIN with `DEEP_EP_RDMA_TRANSPORT=gin`); internode normal mode (ranks spanning several NVLink domains of
 //! `DEEP_EP_NVL_DOMAIN_SIZE`) forwards over the transport seam (`internode.rs`,
 //! `kernels/internode_*.cu`; the LSA emulation of the seam for now).
 //!
@@ -44,7 +44,7 @@ use crate::error::{Error, Result};
 use crate::ffi::host_mask::{HostMask, SHRINK_WORD};
 use crate::ffi::intranode::MAX_RANKS;
 use crate::ffi::nccl;
-use crate::ffi::nccl_window::{Window, WindowArgs};
+use crate::ffi::nccl_window::{GinSetup, Window, WindowArgs};
 use crate::tensor::{Device, TensorRef};
 use std::time::Duration;
 
@@ -98,7 +98,11 @@ impl NcclBackend {
         let timeout = crate::settings::timeout();
         // Internode LL (ranks over several NVLink domains): the seam's area after the LL area.
         let topo = crate::topology::Topology::new(OP, a.rank, a.num_ranks, crate::topology::nvl_domain_size()?)?;
-        let net_kind = ll_seam::select(OP, gin::GinKnobs::from_env()?.transport, &topo, a.low_latency_mode)?;
+        let knobs = gin::GinKnobs::from_env()?;
+        let net_kind = ll_seam::select(knobs.transport, &topo, a.low_latency_mode);
+        // Internode over NCCL GIN (LL and normal mode): a GIN device comm on the buffer's
+        // communicator, created before its window is registered (nccl_window.rs).
+        let gin_plan = gin::buffer_plan(&knobs, a.num_ranks, topo.num_rdma_ranks(), a.low_latency_mode, crate::ffi::intranode::MAX_CHANNELS)?;
         let seam_bytes = net_kind.map_or(0, |_| ll_seam::SeamLayout::extra_bytes(a.num_rdma_bytes));
         let mut data_bytes = a.num_nvl_bytes + low_latency::extra_window_bytes(a.num_nvl_bytes, a.num_rdma_bytes, a.low_latency_mode) + seam_bytes;
         let d = crate::topology::nvl_domain_size()?;
@@ -110,10 +114,22 @@ impl NcclBackend {
         crate::ffi::internode::check_struct_size(OP)?;
         let timeout_ns = timeout.as_nanos().min(u64::MAX as u128) as u64;
         let transport_self_test = gin::self_test_stride_from_env(a.rank, a.num_ranks)?;
+        let judge = |r: crate::ffi::transport::GinGrant| -> Result<()> {
+            let Some(p) = &gin_plan else { return Ok(()) };
+            let text = |c: i32| nccl::library().map(|l| nccl::error_text(l, c)).unwrap_or_default();
+            let g = gin::granted(p, &knobs, a.rank, r, text)?;
+            crate::log_info!(Some(a.rank), "{OP}: NCCL granted GIN ({:?}, {} of {} contexts, {} signals)", g.gin_type, g.info.gin_context_count, p.contexts_per_comm, g.info.gin_signal_count);
+            Ok(())
+        };
         let window: Box<dyn window::PeerWindow> = match kind {
             BackendKind::Nccl => {
                 checked_library()?;
-                Box::new(Window::create(&WindowArgs { unique_id: &unique_id, rank: a.rank, num_ranks: a.num_ranks, device, data_bytes, timeout_ns, transport_self_test })?)
+                let gin = gin_plan.as_ref().map(|p| GinSetup { reqs: p.requirements(), judge: &judge });
+                Box::new(Window::create(&WindowArgs { unique_id: &unique_id, rank: a.rank, num_ranks: a.num_ranks, device, data_bytes, timeout_ns, transport_self_test, gin })?)
+            }
+            #[cfg(feature = "nvshmem")]
+            BackendKind::Nvshmem if gin_plan.is_some() => {
+                return Err(ni(kind, OP, "internode buffers over NCCL GIN (DEEP_EP_RDMA_TRANSPORT=gin) on NVSHMEM windows; use backend nccl"));
             }
             #[cfg(feature = "nvshmem")]
             BackendKind::Nvshmem => {
@@ -125,8 +141,15 @@ impl NcclBackend {
         let seam = match net_kind {
             Some(kind) => {
                 let layout = ll_seam::SeamLayout::new(crate::ffi::intranode::CONTROL_BYTES, a.num_nvl_bytes, a.num_rdma_bytes);
-                crate::ffi::transport::write_lsa_desc(OP, window.ctx(), layout.desc_off, layout.signal_off, ll_seam::LSA_CONTEXTS, ll_seam::SIGNALS)?;
-                crate::log_info!(Some(a.rank), "{OP}: low-latency kernels reach ranks {:?} (outside this NVLink domain of {}) through the transport seam (LSA emulation)", ll_seam::remote_peers(&topo), topo.num_nvl_ranks());
+                let name = if kind == ll_seam::NET_GIN {
+                    let (devcomm, win) = window.gin().ok_or_else(|| Error::invalid(OP, "internal: a GIN seam without a GIN device comm"))?;
+                    crate::ffi::transport::write_gin_desc(OP, window.ctx(), layout.desc_off, ll_seam::DESC_BYTES, devcomm, win)?;
+                    "NCCL GIN"
+                } else {
+                    crate::ffi::transport::write_lsa_desc(OP, window.ctx(), layout.desc_off, layout.signal_off, ll_seam::LSA_CONTEXTS, ll_seam::SIGNALS)?;
+                    "LSA emulation"
+                };
+                crate::log_info!(Some(a.rank), "{OP}: low-latency kernels reach ranks {:?} (outside this NVLink domain of {}) through the transport seam ({name})", ll_seam::remote_peers(&topo), topo.num_nvl_ranks());
                 Some(ll_seam::Seam { layout, nvl_domain: topo.num_nvl_ranks(), kind })
             }
             None => None,

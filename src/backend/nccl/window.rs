@@ -22,6 +22,11 @@ pub trait PeerWindow: Send {
     fn bytes(&self) -> usize;
     /// Collective release (barrier with timeout, then the provider's teardown).
     fn close(&mut self, timeout_ms: u64) -> Result<()>;
+    /// The GIN device comm (byte copy of `ncclDevComm`) and the `ncclWindow_t` of this window on
+    /// its communicator, when the provider created one (NCCL windows of internode buffers over GIN).
+    fn gin(&self) -> Option<(&[u64], *mut std::ffi::c_void)> {
+        None
+    }
 }
 
 impl PeerWindow for crate::ffi::nccl_window::Window {
@@ -29,6 +34,7 @@ impl PeerWindow for crate::ffi::nccl_window::Window {
     fn status(&self) -> &HostStatus { self.status() }
     fn bytes(&self) -> usize { self.bytes() }
     fn close(&mut self, timeout_ms: u64) -> Result<()> { self.close(timeout_ms) }
+    fn gin(&self) -> Option<(&[u64], *mut std::ffi::c_void)> { self.gin() }
 }
 
 #[cfg(feature = "nvshmem")]

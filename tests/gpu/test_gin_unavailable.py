@@ -84,6 +84,8 @@ def gin_worker(rank, world, low_latency):
         assert _gin_unavailable(e), f"expected the 'GIN unavailable' error, got: {e}"
         assert f"rank {rank}" in str(e) and "DEEP_EP_RDMA_TRANSPORT=lsa" in str(e), str(e)
         faulthandler.cancel_dump_traceback_later()
+        if rank == 0:
+            print(f"rank 0, {'LL' if low_latency else 'normal-mode'} buffer: {e}", flush=True)
         return "unavailable"
     try:
         if low_latency:
@@ -113,3 +115,4 @@ def test_gin_buffer_is_clear_about_gin(low_latency):
     outcomes = {o["ok"] if isinstance(o["ok"], str) else "granted" for o in res}
     # Every rank sees the same machine: all refuse, or all run.
     assert len(outcomes) == 1, res
+    print(f"GIN {'LL' if low_latency else 'normal-mode'} buffer on this machine: {outcomes.pop()} (rank 0: {str(res[0])[:300]})")

@@ -46,36 +46,14 @@ pub fn log_level() -> crate::log::Level {
 /// is reported as ranks running different ops). An unknown value keeps the default and says so.
 pub fn intranode_dispatch_pull() -> bool {
     static PULL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *PULL.get_or_init(|| match std::env::var("DEEP_EP_INTRANODE_DISPATCH") {
-        Err(_) => true,
-        Ok(v) => match v.trim() {
-            "" | "pull" => true,
-            "push" => false,
-            other => {
-                eprintln!("[deep_ep] warn: DEEP_EP_INTRANODE_DISPATCH={other:?} is not pull or push; using pull");
-                true
-            }
-        },
-    })
+    *PULL.get_or_init(|| two_way_knob("DEEP_EP_INTRANODE_DISPATCH", "pull", "push"))
 }
 
 /// `DEEP_EP_INTRANODE_COPY_WARPS`: warps of each 16-warp block of the push dispatch kernel that
 /// copy received rows into the outputs while the others push (1..15, default 4); read once.
 pub fn intranode_copy_warps() -> i32 {
     static W: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
-    *W.get_or_init(|| {
-        let d = 4;
-        match std::env::var("DEEP_EP_INTRANODE_COPY_WARPS") {
-            Err(_) => d,
-            Ok(v) => match v.trim().parse::<i32>() {
-                Ok(w) if (1..=15).contains(&w) => w,
-                _ => {
-                    eprintln!("[deep_ep] warn: DEEP_EP_INTRANODE_COPY_WARPS={v:?} is not 1..15; using {d}");
-                    d
-                }
-            },
-        }
-    })
+    *W.get_or_init(|| range_knob("DEEP_EP_INTRANODE_COPY_WARPS", 1..=15, 4))
 }
 
 /// `DEEP_EP_CHECK_INPUTS`: `1` (default) or `0`. On the nccl backend, normal-mode ops run one
@@ -85,17 +63,7 @@ pub fn intranode_copy_warps() -> i32 {
 /// once per process; all ranks should use the same.
 pub fn check_inputs() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| match std::env::var("DEEP_EP_CHECK_INPUTS") {
-        Err(_) => true,
-        Ok(v) => match v.trim() {
-            "" | "1" => true,
-            "0" => false,
-            other => {
-                eprintln!("[deep_ep] warn: DEEP_EP_CHECK_INPUTS={other:?} is not 0 or 1; using 1");
-                true
-            }
-        },
-    })
+    *ON.get_or_init(|| two_way_knob("DEEP_EP_CHECK_INPUTS", "1", "0"))
 }
 
 /// `DEEP_EP_INTRANODE_COMBINE`: `fused` (default: push and reduce overlapped in one kernel, per
@@ -104,17 +72,7 @@ pub fn check_inputs() -> bool {
 /// results; all ranks must use the same. An unknown value keeps the default and says so.
 pub fn intranode_combine_fused() -> bool {
     static FUSED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *FUSED.get_or_init(|| match std::env::var("DEEP_EP_INTRANODE_COMBINE") {
-        Err(_) => true,
-        Ok(v) => match v.trim() {
-            "" | "fused" => true,
-            "split" => false,
-            other => {
-                eprintln!("[deep_ep] warn: DEEP_EP_INTRANODE_COMBINE={other:?} is not fused or split; using fused");
-                true
-            }
-        },
-    })
+    *FUSED.get_or_init(|| two_way_knob("DEEP_EP_INTRANODE_COMBINE", "fused", "split"))
 }
 
 /// `DEEP_EP_INTRANODE_REDUCE_WARPS`: warps of each 16-warp block of the fused combine kernel that
@@ -122,19 +80,39 @@ pub fn intranode_combine_fused() -> bool {
 /// rows are out); read once.
 pub fn intranode_reduce_warps() -> i32 {
     static W: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
-    *W.get_or_init(|| {
-        let d = 4;
-        match std::env::var("DEEP_EP_INTRANODE_REDUCE_WARPS") {
-            Err(_) => d,
-            Ok(v) => match v.trim().parse::<i32>() {
-                Ok(w) if (1..=15).contains(&w) => w,
-                _ => {
-                    eprintln!("[deep_ep] warn: DEEP_EP_INTRANODE_REDUCE_WARPS={v:?} is not 1..15; using {d}");
-                    d
-                }
-            },
-        }
-    })
+    *W.get_or_init(|| range_knob("DEEP_EP_INTRANODE_REDUCE_WARPS", 1..=15, 4))
+}
+
+/// `var` as a two-way switch: `on` (also when unset or empty) → true, `off` → false; anything
+/// else keeps `on` and says so.
+fn two_way_knob(var: &str, on: &str, off: &str) -> bool {
+    match std::env::var(var) {
+        Err(_) => true,
+        Ok(v) => match v.trim() {
+            "" => true,
+            x if x == on => true,
+            x if x == off => false,
+            other => {
+                eprintln!("[deep_ep] warn: {var}={other:?} is not {on} or {off}; using {on}");
+                true
+            }
+        },
+    }
+}
+
+/// `var` as an integer in `range` (`default` when unset); anything else keeps the default and
+/// says so.
+fn range_knob(var: &str, range: std::ops::RangeInclusive<i32>, default: i32) -> i32 {
+    match std::env::var(var) {
+        Err(_) => default,
+        Ok(v) => match v.trim().parse::<i32>() {
+            Ok(w) if range.contains(&w) => w,
+            _ => {
+                eprintln!("[deep_ep] warn: {var}={v:?} is not {}..{}; using {default}", range.start(), range.end());
+                default
+            }
+        },
+    }
 }
 
 /// One of `allowed` from `var` (default `allowed[0]`); anything else keeps the default and says so.

@@ -233,6 +233,21 @@ bool ctx_ok(const Ctx* c) {
   return true;
 }
 
+// Host side: the grid of a kernel whose blocks wait for each other, so all must be resident at
+// once (one per SM at 512 threads): `want` capped at the SM count (ctx->num_sms, queried once per
+// buffer; asked of the device when it is unknown). The work split does not depend on it.
+cudaError_t resident_grid(const Ctx* c, int want, int* blocks) {
+  int sms = c->num_sms;
+  if (sms <= 0) {
+    int device = 0;
+    cudaError_t e = cudaGetDevice(&device);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (e != cudaSuccess) return e;
+  }
+  *blocks = sms > 0 ? min(want, sms) : want;
+  return cudaSuccess;
+}
+
 }  // namespace
 }  // namespace ic
 }  // namespace deep_ep

@@ -504,16 +504,9 @@ extern "C" int deep_ep_ic_combine_fused(const deep_ep_ic_ctx_t* ctx, const deep_
       push->recv_channel_prefix_matrix == nullptr || args->num_channels > kMaxChannels || push->reduce_warps < 1 ||
       push->reduce_warps >= kWarps)
     return cudaErrorInvalidValue;
-  // Reduce warps wait for other GPUs' push warps: all blocks must be resident at once (one per SM
-  // at 512 threads), so the grid never exceeds the SM count (the work split does not depend on it;
-  // the count is queried once per buffer, ctx->num_sms).
-  int sms = ctx->num_sms;
-  if (sms <= 0) {
-    int device = 0;
-    DEEP_EP_TRY(cudaGetDevice(&device));
-    DEEP_EP_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  }
-  const int blocks = sms > 0 ? min(args->num_blocks, sms) : args->num_blocks;
+  // Reduce warps wait for other GPUs' push warps: every block resident at once.
+  int blocks = 0;
+  DEEP_EP_TRY(resident_grid(ctx, args->num_blocks, &blocks));
   const cudaStream_t s = as_stream(stream);
   const bool deep = push->push_unroll >= 16;
   if (ctx->num_ranks <= 2) {

@@ -326,16 +326,9 @@ extern "C" int deep_ep_ic_dispatch_push(const deep_ep_ic_ctx_t* ctx, const deep_
       (args->num_tokens > 0 && args->x == nullptr) || (args->num_rows > 0 && args->recv_x == nullptr) ||
       out->num_rows != args->num_rows || out->recv_x != args->recv_x)
     return cudaErrorInvalidValue;
-  // Copy warps wait for peers' push warps: all blocks must be resident at once (one per SM at 512
-  // threads), so the grid never exceeds the SM count (the work split does not depend on it; the
-  // count is queried once per buffer, ctx->num_sms).
-  int sms = ctx->num_sms;
-  if (sms <= 0) {
-    int device = 0;
-    DEEP_EP_TRY(cudaGetDevice(&device));
-    DEEP_EP_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  }
-  const int blocks = sms > 0 ? min(args->num_blocks, sms) : args->num_blocks;
+  // Copy warps wait for peers' push warps: every block resident at once.
+  int blocks = 0;
+  DEEP_EP_TRY(resident_grid(ctx, args->num_blocks, &blocks));
   const cudaStream_t s = as_stream(stream);
   if (ctx->num_ranks <= 2) dispatch_push_kernel<2><<<blocks, kThreads, 0, s>>>(*ctx, *args, *out);
   else if (ctx->num_ranks <= 4) dispatch_push_kernel<4><<<blocks, kThreads, 0, s>>>(*ctx, *args, *out);

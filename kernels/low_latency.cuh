@@ -185,18 +185,10 @@ bool ll_ok(const Ctx* c, const Args* a) {
 }
 
 // ---- internode: peers outside the NVLink domain through the transport seam ------------------------
-// The seam descriptor (device memory at Args::net, in this rank's window, written at creation).
-struct LsaNet {
-  deep_ep_tp_lsa_t d;
-  __device__ tp::LsaTransport at(int context) const { return tp::LsaTransport(d, context); }
-  __device__ int contexts() const { return d.num_contexts; }
-};
-struct GinNet {
-  ncclDevComm comm;
-  ncclWindow_t win;
-  __device__ tp::GinTransport at(int context) const { return tp::GinTransport(comm, win, context); }
-  __device__ int contexts() const { return comm.ginContextCount; }
-};
+// The seam descriptor (tp::LsaNet / tp::GinNet, device memory at Args::net, in this rank's
+// window, written at creation).
+using tp::GinNet;
+using tp::LsaNet;
 constexpr int kSeamDispatch = 0, kSeamCombine = 1;
 
 template <class Net>

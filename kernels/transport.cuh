@@ -191,6 +191,20 @@ class GinTransport {
   ncclGin gin_;
 };
 
+// ---- seam descriptors: what a kernel finds at a `net` pointer (device memory, written by the host
+// at buffer creation) and turns into a transport of a given context -------------------------------
+struct LsaNet {
+  deep_ep_tp_lsa_t d;
+  __device__ LsaTransport at(int context) const { return LsaTransport(d, context); }
+  __device__ int contexts() const { return d.num_contexts; }
+};
+struct GinNet {
+  ncclDevComm comm;
+  ncclWindow_t win;
+  __device__ GinTransport at(int context) const { return GinTransport(comm, win, context); }
+  __device__ int contexts() const { return comm.ginContextCount; }
+};
+
 }  // namespace
 }  // namespace tp
 }  // namespace deep_ep

@@ -401,7 +401,7 @@ void* deep_ep_ic_rendezvous_word(const deep_ep_ic_ctx_t* ctx);
  * Internode normal mode (kernels/internode_*.cu, kernels/internode.cuh): DeepEP's two-level
  * forwarding over the same window. R ranks in Rr = R / D NVLink domains ("nodes") of D ranks; rank
  * r = node * D + local. The inter-node leg goes only through the transport seam
- * (kernels/transport.cuh; this build launches the LSA emulation, deep_ep_tp_lsa_t below): a token
+ * (kernels/transport.cuh; net_kind below: the LSA emulation over `lsa`, or NCCL GIN): a token
  * travels once per destination node to the rank of the same local index there (its forwarder),
  * which the node's ranks read over NVLink (LSA peer pointers). Combine reverses it: each rank
  * stages its rows, the forwarder sums one bf16 partial per token over its node's ranks (ascending)
@@ -437,6 +437,15 @@ void* deep_ep_ic_rendezvous_word(const deep_ep_ic_ctx_t* ctx);
  * ------------------------------------------------------------------------------------------- */
 #define DEEP_EP_IN_CTRL_OFF (DEEP_EP_IC_CONTROL_BYTES + (256 << 10)) /* after the transport self-test's area */
 #define DEEP_EP_IN_CTRL_BYTES (128 << 10)
+/* Where a normal-mode buffer over GIN keeps its GinNet descriptor (in the internode control area;
+ * written at buffer creation; an LL-mode buffer passes the LL seam's descriptor instead). */
+#define DEEP_EP_IN_NET_OFF (DEEP_EP_IN_CTRL_OFF + (80 << 10))
+#define DEEP_EP_IN_NET_BYTES (16 << 10)
+/* Seam signals the kernels use, from sig_base: global barriers at 0 + source node, seam steps at
+ * 8 + source node (context 0). */
+#define DEEP_EP_IN_SEAM_SIGNALS 16
+#define DEEP_EP_IN_NET_LSA 1 /* the LSA emulation (`lsa`) */
+#define DEEP_EP_IN_NET_GIN 2 /* NCCL GIN (`net` points at a GinNet) */
 #define DEEP_EP_IN_SEND_SIDE 0
 #define DEEP_EP_IN_NOTIFY 1
 #define DEEP_EP_IN_RDMA_SEND 2
@@ -452,7 +461,7 @@ void* deep_ep_ic_rendezvous_word(const deep_ep_ic_ctx_t* ctx);
 #define DEEP_EP_IN_KIND_COMBINE 3
 
 typedef struct {
-  deep_ep_tp_lsa_t lsa;          /* the inter-node leg (LSA emulation of the seam) */
+  deep_ep_tp_lsa_t lsa;          /* the inter-node leg over the LSA emulation (net_kind LSA) */
   int32_t kind;                  /* DEEP_EP_IN_KIND_* */
   int32_t nvl_size, num_rdma_ranks, num_channels; /* D, Rr, C */
   int32_t num_local_experts;     /* dispatch: E / R (0 otherwise) */
@@ -502,6 +511,14 @@ typedef struct {
   int32_t* send_nvl_head;
   uint16_t* combined_x;          /* [N, H] */
   float* combined_w;             /* [N, K] or NULL */
+  /* The seam: DEEP_EP_IN_NET_LSA (over `lsa`, sig_base 0) or DEEP_EP_IN_NET_GIN (the GinNet of
+   * transport.cuh at `net`, device memory in this rank's window; `lsa` unused). Every seam put and
+   * signal is on context 0 with ids sig_base + [0, DEEP_EP_IN_SEAM_SIGNALS); the ids are never
+   * reset: device epoch counters (zeroed with the window) give the values to wait for, so the
+   * signals must be 0 when the buffer is created (fresh GIN signals and the zeroed LSA table are). */
+  const void* net;
+  int32_t net_kind;
+  int32_t sig_base;
 } deep_ep_in_args_t;
 int deep_ep_in_launch(const deep_ep_ic_ctx_t* ctx, const deep_ep_in_args_t* args, int step, void* stream);
 /* sizeof(deep_ep_in_args_t) (checked by the Rust mirror). */

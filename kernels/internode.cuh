@@ -6,6 +6,13 @@
 // goes only through the transport seam `T` (transport.cuh): puts whose source lies in the own
 // window, signal adds, waits with a deadline. Only ranks of one NVLink domain touch each other's
 // windows directly (node barriers, the NVLink leg).
+//
+// The kernels that use the seam are templates over its descriptor (tp::LsaNet: the emulation over
+// Args::lsa; tp::GinNet: NCCL GIN through Args::net), launched by DEEP_EP_IN_LAUNCH
+// (internode_dispatch.cu) on Args::net_kind. All seam traffic is on context 0: a signal add covers
+// only the earlier puts of its own context, and every wait here counts on the puts before it (the
+// exchange blocks, the token records, the partials of earlier kernels and other warps), so one
+// context is what makes a signal mean "everything before it arrived".
 #pragma once
 
 #include <cstdint>
@@ -22,7 +29,8 @@ using ic::at;
 using ic::Ctx;
 using ic::local;
 using ic::window;
-using tp::LsaTransport;
+using tp::GinNet;
+using tp::LsaNet;
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
@@ -32,8 +40,8 @@ constexpr int kMaxNodes = 8;
 constexpr uint64_t kCtrl = DEEP_EP_IN_CTRL_OFF;
 constexpr uint64_t kSigOff = kCtrl;  // seam signal table of the LSA emulation: kNumSignals u64
 constexpr int kNumSignals = 32;
-constexpr int kSigBar = 0;   // + source node: global barriers (one add per barrier)
-constexpr int kSigStep = 8;  // + source node: seam steps (one add per step)
+constexpr int kSigBar = 0;   // sig_base + source node: global barriers (one add per barrier)
+constexpr int kSigStep = 8;  // sig_base + source node: seam steps (one add per step)
 constexpr uint64_t kSlotA = kCtrl + 1024;  // [8] x 32 B node slots: global barrier, first phase
 constexpr uint64_t kSlotB = kCtrl + 1280;  // second phase
 constexpr uint64_t kSlotN = kCtrl + 1536;  // node barriers
@@ -52,6 +60,36 @@ constexpr uint64_t kCtrlEnd = kCtrl + 77824;
 static_assert(kCtrlEnd <= kCtrl + DEEP_EP_IN_CTRL_BYTES, "internode control area overflows");
 static_assert(ic::kMaxRanks * ic::kMaxChannels * 4 <= 16384, "[R, C] tables larger than their slots");
 static_assert(kSigOff + kNumSignals * 8 <= kSlotA, "signal table overlaps the slots");
+static_assert(kSigBar + kMaxNodes <= kSigStep && kSigStep + kMaxNodes <= DEEP_EP_IN_SEAM_SIGNALS &&
+                  DEEP_EP_IN_SEAM_SIGNALS <= kNumSignals, "seam signal ids");
+static_assert(kCtrlEnd <= DEEP_EP_IN_NET_OFF && DEEP_EP_IN_NET_OFF + DEEP_EP_IN_NET_BYTES <= kCtrl + DEEP_EP_IN_CTRL_BYTES,
+              "GIN descriptor slot outside the free end of the control area");
+
+// The transport of a seam step, on context 0 (file comment). LsaNet: over the descriptor inside
+// the arguments (a __grid_constant__ parameter); GinNet: over the one at Args::net.
+template <class Net>
+struct Seam;
+template <>
+struct Seam<LsaNet> {
+  __device__ static tp::LsaTransport at(const Args& a) { return tp::LsaTransport(a.lsa, 0); }
+};
+template <>
+struct Seam<GinNet> {
+  __device__ static tp::GinTransport at(const Args& a) { return static_cast<const GinNet*>(a.net)->at(0); }
+};
+// Launches seam kernel template `kernel` with the descriptor type of a.net_kind (checked by
+// args_ok: LSA or GIN).
+#define DEEP_EP_IN_LAUNCH(kernel, grid, block, stream, c, a)   \
+  do {                                                         \
+    if ((a).net_kind == DEEP_EP_IN_NET_GIN) {                  \
+      kernel<GinNet><<<(grid), (block), 0, (stream)>>>(c, a);  \
+    } else {                                                   \
+      kernel<LsaNet><<<(grid), (block), 0, (stream)>>>(c, a);  \
+    }                                                          \
+  } while (0)
+
+// Seam signal of kind `kind` (kSigBar / kSigStep) from node `node`.
+__device__ __forceinline__ int sig(const Args& a, int kind, int node) { return a.sig_base + kind + node; }
 
 struct Slot {
   uint64_t epoch;
@@ -198,8 +236,8 @@ __device__ bool node_barrier(const Ctx& c, const Geo& g, int site) {
   return node_phase(c, g, kSlotN, e, v, site);
 }
 
-// Waits (lanes j < Rr, j != own node) until seam signal `base + j` reaches `least`; reports the
-// rail peer of node j on timeout. Warp-collective.
+// Waits (lanes j < Rr, j != own node) until seam signal `base + j` (an absolute id, sig()) reaches
+// `least`; reports the rail peer of node j on timeout. Warp-collective.
 template <typename T>
 __device__ bool wait_rail(const Ctx& c, const T& t, const Geo& g, int base, uint64_t least, int site) {
   const int lane = threadIdx.x & 31;
@@ -218,7 +256,7 @@ __device__ bool wait_rail(const Ctx& c, const T& t, const Geo& g, int base, uint
 // Warp-collective global barrier: node phase, seam phase between the rail peers (payload put +
 // signal per peer), node phase. Every rank ends with the same reduction of the ranks' `v`.
 template <typename T>
-__device__ bool global_barrier(const Ctx& c, const T& t, const Geo& g, Val& v, int site) {
+__device__ bool global_barrier(const Ctx& c, const T& t, const Geo& g, const Args& a, Val& v, int site) {
   const int lane = threadIdx.x & 31;
   const uint64_t e = warp_epoch(c, 0);
   if (!node_phase(c, g, kSlotA, e, v, site)) return false;
@@ -230,9 +268,9 @@ __device__ bool global_barrier(const Ctx& c, const T& t, const Geo& g, Val& v, i
     __syncwarp();
     const uint64_t dst = kRail + 32ull * ((e & 1) * kMaxNodes + g.node);
     for (int j = 0; j < g.Rr; ++j) {
-      if (j != g.node) t.put(j * g.D + g.local, dst, kRailStage, 32, kSigBar + g.node, 1, lane);
+      if (j != g.node) t.put(j * g.D + g.local, dst, kRailStage, 32, sig(a, kSigBar, g.node), 1, lane);
     }
-    const bool ok = wait_rail(c, t, g, kSigBar, e, site);
+    const bool ok = wait_rail(c, t, g, sig(a, kSigBar, 0), e, site);
     t.flush(lane);
     if (!ok) return false;
     Val mine = v;
@@ -250,13 +288,13 @@ __device__ bool global_barrier(const Ctx& c, const T& t, const Geo& g, Val& v, i
 // Warp-collective seam step: every rail peer sends one signal add, then waits for every peer's.
 // Covers the puts the caller's earlier kernels and warps made on this context.
 template <typename T>
-__device__ bool seam_step(const Ctx& c, const T& t, const Geo& g, int site) {
+__device__ bool seam_step(const Ctx& c, const T& t, const Geo& g, const Args& a, int site) {
   const int lane = threadIdx.x & 31;
   const uint64_t s = warp_epoch(c, 2);
   __threadfence_system();
   __syncwarp();
-  if (lane < g.Rr && lane != g.node) t.signal(lane * g.D + g.local, kSigStep + g.node, 1);
-  return wait_rail(c, t, g, kSigStep, s, site);
+  if (lane < g.Rr && lane != g.node) t.signal(lane * g.D + g.local, sig(a, kSigStep, g.node), 1);
+  return wait_rail(c, t, g, sig(a, kSigStep, 0), s, site);
 }
 
 // Warp-collective exchange: block j of the own staging goes to the rail peer of node j (own
@@ -269,10 +307,10 @@ __device__ bool exchange(const Ctx& c, const T& t, const Geo& g, const Args& a, 
     if (j == g.node) {
       ic::warp_copy(local(c) + ex_recv(a, g.node), local(c) + ex_stage(a, j), static_cast<int64_t>(a.block_bytes), lane);
     } else {
-      t.put(j * g.D + g.local, ex_recv(a, g.node), ex_stage(a, j), a.block_bytes, kSigStep + g.node, 1, lane);
+      t.put(j * g.D + g.local, ex_recv(a, g.node), ex_stage(a, j), a.block_bytes, sig(a, kSigStep, g.node), 1, lane);
     }
   }
-  const bool ok = wait_rail(c, t, g, kSigStep, s, site);
+  const bool ok = wait_rail(c, t, g, sig(a, kSigStep, 0), s, site);
   t.flush(lane);
   return ok;
 }

@@ -14,10 +14,11 @@ namespace {
 // One combine partial: bf16 row, then (16-aligned) the fp32 weights.
 __device__ __forceinline__ uint64_t c_weights_in_rec(const Args& a) { return align16(a.row_bytes); }
 
+template <class Net>
 __global__ void __launch_bounds__(256) c_begin_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
   if (timed_out(c)) return;
   const Geo g = geo(c, a);
-  const LsaTransport t(a.lsa, 0);
+  const auto t = Seam<Net>::at(a);
   const int site = DEEP_EP_IC_SITE_IN_COMBINE;
   __shared__ Val s_v;
   char* me = local(c);
@@ -42,7 +43,7 @@ __global__ void __launch_bounds__(256) c_begin_kernel(const __grid_constant__ Ct
   __syncthreads();
   if (threadIdx.x >= 32) return;
   Val v = s_v;
-  const bool ok = global_barrier(c, t, g, v, site);
+  const bool ok = global_barrier(c, t, g, a, v, site);
   int good = 0;
   if (threadIdx.x == 0) good = ok && verdict(c, v, site);
   good = __shfl_sync(0xffffffffu, good, 0);
@@ -83,10 +84,11 @@ __device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4 v) {
   }
 }
 
+template <class Net>
 __global__ void __launch_bounds__(kThreads) c_forward_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
   if (ic::op_cancelled(c)) return;
   const Geo g = geo(c, a);
-  const LsaTransport t(a.lsa, 0);
+  const auto t = Seam<Net>::at(a);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   char* me = local(c);
   const int64_t H = a.row_bytes / 2;
@@ -229,10 +231,10 @@ __global__ void __launch_bounds__(kThreads) c_final_kernel(const __grid_constant
 
 int launch_combine(const Ctx& c, const Args& a, int step, cudaStream_t s) {
   switch (step) {
-    case DEEP_EP_IN_C_BEGIN: c_begin_kernel<<<1, 256, 0, s>>>(c, a); break;
+    case DEEP_EP_IN_C_BEGIN: DEEP_EP_IN_LAUNCH(c_begin_kernel, 1, 256, s, c, a); break;
     case DEEP_EP_IN_C_STAGE: c_stage_kernel<<<a.num_blocks, kThreads, 0, s>>>(c, a); break;
     case DEEP_EP_IN_C_NODEBAR: c_nodebar_kernel<<<1, 32, 0, s>>>(c, a); break;
-    case DEEP_EP_IN_C_FORWARD: c_forward_kernel<<<a.num_blocks, kThreads, 0, s>>>(c, a); break;
+    case DEEP_EP_IN_C_FORWARD: DEEP_EP_IN_LAUNCH(c_forward_kernel, a.num_blocks, kThreads, s, c, a); break;
     case DEEP_EP_IN_C_FINAL: c_final_kernel<<<a.num_blocks, kThreads, 0, s>>>(c, a); break;
     default: return cudaErrorInvalidValue;
   }

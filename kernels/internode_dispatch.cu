@@ -93,10 +93,11 @@ __global__ void __launch_bounds__(kThreads) send_side_kernel(const __grid_consta
   }
 }
 
+template <class Net>
 __global__ void __launch_bounds__(256) notify_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
   if (timed_out(c)) return;
   const Geo g = geo(c, a);
-  const LsaTransport t(a.lsa, 0);
+  const auto t = Seam<Net>::at(a);
   const int site = DEEP_EP_IC_SITE_IN_DISPATCH;
   __shared__ Val s_v;
   __shared__ int s_ok;
@@ -113,7 +114,7 @@ __global__ void __launch_bounds__(256) notify_kernel(const __grid_constant__ Ctx
   __syncthreads();
   if (threadIdx.x < 32) {
     Val v = s_v;
-    const bool ok = global_barrier(c, t, g, v, site);
+    const bool ok = global_barrier(c, t, g, a, v, site);
     int good = 0;
     if (threadIdx.x == 0) good = ok && verdict(c, v, site);
     good = __shfl_sync(0xffffffffu, good, 0);
@@ -185,7 +186,7 @@ __global__ void __launch_bounds__(256) notify_kernel(const __grid_constant__ Ctx
   __syncthreads();
   if (threadIdx.x < 32) {
     Val v = s_v;
-    const bool ok = global_barrier(c, t, g, v, site);
+    const bool ok = global_barrier(c, t, g, a, v, site);
     if (threadIdx.x == 0) s_ok = ok && verdict(c, v, site);
   }
   __syncthreads();
@@ -198,10 +199,11 @@ __global__ void __launch_bounds__(256) notify_kernel(const __grid_constant__ Ctx
   __threadfence_system();
 }
 
+template <class Net>
 __global__ void __launch_bounds__(kThreads) rdma_send_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
   if (ic::op_cancelled(c)) return;
   const Geo g = geo(c, a);
-  const LsaTransport t(a.lsa, 0);
+  const auto t = Seam<Net>::at(a);
   const int lane = threadIdx.x & 31;
   char* me = local(c);
   __shared__ int64_t s_base[kMaxNodes];  // first slot of this rank's tokens at node j's forwarder
@@ -258,12 +260,13 @@ __global__ void __launch_bounds__(kThreads) rdma_send_kernel(const __grid_consta
 }
 
 // Seam step of dispatch (node barrier after) and combine (none).
+template <class Net>
 __global__ void __launch_bounds__(32) step_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
   if (timed_out(c) || op_bad(c)) return;
   const Geo g = geo(c, a);
-  const LsaTransport t(a.lsa, 0);
+  const auto t = Seam<Net>::at(a);
   const int site = a.kind == DEEP_EP_IN_KIND_COMBINE ? DEEP_EP_IC_SITE_IN_COMBINE_DATA : DEEP_EP_IC_SITE_IN_DISPATCH_DATA;
-  if (!seam_step(c, t, g, site)) return;
+  if (!seam_step(c, t, g, a, site)) return;
   if (a.node_barrier) node_barrier(c, g, site);
 }
 
@@ -386,6 +389,10 @@ bool args_ok(const Ctx* c, const Args* a) {
       a->num_local_experts < 0 || a->num_local_experts > DEEP_EP_IC_MAX_LOCAL_EXPERTS || a->block_bytes % 16 != 0 ||
       a->data_off < kCtrl + DEEP_EP_IN_CTRL_BYTES || a->data_end > c->window_bytes || a->data_off >= a->data_end)
     return false;
+  // GIN: the descriptor lives in device memory (written at buffer creation); its signals are the
+  // host's business (GinPlan covers sig_base + DEEP_EP_IN_SEAM_SIGNALS). `lsa` is not read.
+  if (a->net_kind == DEEP_EP_IN_NET_GIN) return a->net != nullptr && a->sig_base >= 0;
+  if (a->net_kind != DEEP_EP_IN_NET_LSA || a->sig_base != 0) return false;
   if (a->lsa.num_ranks != R || a->lsa.rank != c->rank || a->lsa.num_contexts < 1 || a->lsa.signal_off != kSigOff ||
       a->lsa.num_signals < kNumSignals)
     return false;
@@ -405,9 +412,9 @@ extern "C" int deep_ep_in_launch(const deep_ep_ic_ctx_t* ctx, const deep_ep_in_a
   const cudaStream_t s = deep_ep::as_stream(stream);
   switch (step) {
     case DEEP_EP_IN_SEND_SIDE: send_side_kernel<<<1, kThreads, 0, s>>>(*ctx, *args); break;
-    case DEEP_EP_IN_NOTIFY: notify_kernel<<<1, 256, 0, s>>>(*ctx, *args); break;
-    case DEEP_EP_IN_RDMA_SEND: rdma_send_kernel<<<args->num_blocks, kThreads, 0, s>>>(*ctx, *args); break;
-    case DEEP_EP_IN_STEP: step_kernel<<<1, 32, 0, s>>>(*ctx, *args); break;
+    case DEEP_EP_IN_NOTIFY: DEEP_EP_IN_LAUNCH(notify_kernel, 1, 256, s, *ctx, *args); break;
+    case DEEP_EP_IN_RDMA_SEND: DEEP_EP_IN_LAUNCH(rdma_send_kernel, args->num_blocks, kThreads, s, *ctx, *args); break;
+    case DEEP_EP_IN_STEP: DEEP_EP_IN_LAUNCH(step_kernel, 1, 32, s, *ctx, *args); break;
     case DEEP_EP_IN_NVL_RECV: nvl_recv_kernel<<<args->num_blocks, kThreads, 0, s>>>(*ctx, *args); break;
     default: return launch_combine(*ctx, *args, step, s);
   }

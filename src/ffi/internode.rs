@@ -16,6 +16,22 @@ pub const CTRL_BYTES: usize = 128 << 10;
 /// Offset and size of the seam signal table of the LSA emulation (`internode.cuh`).
 pub const SIGNAL_OFF: u64 = CTRL_OFF as u64;
 pub const NUM_SIGNALS: i32 = 32;
+/// Where a normal-mode buffer over GIN keeps its `GinNet` descriptor, and the bytes reserved for
+/// it (`DEEP_EP_IN_NET_OFF`, `DEEP_EP_IN_NET_BYTES`: the free end of the internode control area).
+pub const NET_OFF: usize = CTRL_OFF + (80 << 10);
+pub const NET_BYTES: usize = 16 << 10;
+/// Seam signals the kernels use from [`InArgs::sig_base`] (`DEEP_EP_IN_SEAM_SIGNALS`): global
+/// barriers at [`SIG_BAR`] + source node, seam steps at [`SIG_STEP`] + source node (`kSigBar`,
+/// `kSigStep` of `internode.cuh`; at most 8 nodes), all on context 0.
+pub const SEAM_SIGNALS: usize = 16;
+pub const SIG_BAR: usize = 0;
+pub const SIG_STEP: usize = 8;
+/// Most nodes (NVLink domains) of an internode normal-mode buffer (`kMaxNodes`).
+pub const MAX_NODES: usize = 8;
+/// [`InArgs::net_kind`]: the LSA emulation over [`InArgs::lsa`] (`DEEP_EP_IN_NET_LSA`).
+pub const NET_LSA: i32 = 1;
+/// [`InArgs::net_kind`]: NCCL GIN over the `GinNet` at [`InArgs::net`] (`DEEP_EP_IN_NET_GIN`).
+pub const NET_GIN: i32 = 2;
 
 /// Steps of [`launch`] (`DEEP_EP_IN_*`).
 pub mod step {
@@ -99,6 +115,11 @@ pub struct InArgs {
     pub send_nvl_head: *mut i32,
     pub combined_x: *mut u16,
     pub combined_w: *mut f32,
+    /// The `GinNet` in this rank's window ([`NET_GIN`]); null for [`NET_LSA`].
+    pub net: *const c_void,
+    pub net_kind: i32,
+    /// First seam signal id ([`SEAM_SIGNALS`] from here; 0 with [`NET_LSA`]).
+    pub sig_base: i32,
 }
 
 impl Default for InArgs {
@@ -123,7 +144,8 @@ pub fn check_struct_size(op: &'static str) -> Result<()> {
 }
 
 /// Launches internode step `step` on `stream` (asynchronous). The launcher checks the geometry
-/// and the LSA descriptor against `ctx` (cudaErrorInvalidValue otherwise).
+/// and, with [`NET_LSA`], the LSA descriptor against `ctx`; with [`NET_GIN`] that `net` is set
+/// (cudaErrorInvalidValue otherwise).
 #[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
 pub fn launch(op: &'static str, ctx: &Ctx, args: &InArgs, step: i32, stream: *mut c_void) -> Result<()> {
     // SAFETY: `ctx` describes the buffer's live window; every pointer of `args` is null or points

@@ -333,7 +333,7 @@ mod tests {
 
     // Stand-ins for ncclDevCommCreate (the glue zeroes the device comm before calling them).
     extern "C" fn fake_grant(_comm: *mut c_void, _reqs: *const u8, out: *mut c_void) -> c_int {
-        let info = GinInfo { rank: 1, num_ranks: 4, lsa_rank: 1, lsa_size: 4, gin_context_count: 2, gin_type: 3, gin_signal_count: 8192, gin_counter_count: 0 };
+        let info = GinInfo { rank: 1, num_ranks: 4, lsa_rank: 1, lsa_size: 4, gin_context_count: 2, gin_type: 3, gin_signal_count: 8192 + 16, gin_counter_count: 0 };
         // SAFETY: the glue hands a zeroed ncclDevComm of devcomm_bytes().
         unsafe { devcomm_fill(out, &info) }
     }
@@ -350,7 +350,7 @@ mod tests {
     /// The GIN step of an LL buffer's creation on rank 1 of 2 x 2, as `NcclBackend::create` wires it.
     fn setup(create: extern "C" fn(*mut c_void, *const u8, *mut c_void) -> c_int) -> Result<Vec<u64>> {
         let k = GinKnobs::parse(|n| (n == "DEEP_EP_RDMA_TRANSPORT").then(|| "gin".to_string())).unwrap();
-        let p = buffer_plan(&k, 4, 2, true, MAX_RANKS).unwrap().expect("a GIN plan");
+        let p = buffer_plan(&k, 4, 2, true).unwrap().expect("a GIN plan");
         let judge = |r| granted(&p, &k, 1, r, |c| format!("(text of {c})")).map(|_| ());
         // SAFETY: the stand-ins have the prototype of ncclDevCommCreate and ignore the communicator.
         unsafe { gin_setup(create as *mut c_void, 8 as *mut c_void, &GinSetup { reqs: p.requirements(), judge: &judge }) }

@@ -11,8 +11,8 @@
 //! - `DEEP_EP_RDMA_TRANSPORT` = `gin` | `lsa` (emulation over NVLink; all ranks must share one
 //!   NVLink domain, with `DEEP_EP_NVL_DOMAIN_SIZE` smaller than the group). Unset: the LSA
 //!   emulation for internode buffers, normal and LL (`ll_seam::select`, `internode.rs`). `gin`:
-//!   the buffer creates a GIN device comm ([`buffer_plan`], [`granted`]); LL kernels run over it,
-//!   normal-mode kernels are not wired to GIN (`NotImplemented`).
+//!   the buffer creates a GIN device comm ([`buffer_plan`], [`granted`]); LL and normal-mode
+//!   kernels run over it (`ll_seam.rs`, `internode.rs`).
 //! - `DEEP_EP_GIN_CONTEXTS` = GIN contexts per communicator, 1..=4 (default: as many as the
 //!   buffer has independent senders, at most 4).
 //! - `DEEP_EP_GIN_COMMS` = communicators per buffer, 1..=8 (default 1); QPs per peer =
@@ -120,20 +120,43 @@ impl GinKnobs {
 /// What a buffer moves over the RDMA leg, which fixes its signal table.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Workload {
-    /// Normal (HT) mode: `num_channels` channels, each with a ring per remote node.
-    Normal { num_channels: usize, num_rdma_ranks: usize },
+    /// Normal (HT) mode over `num_rdma_ranks` nodes: the kernels of `kernels/internode_*.cu` put
+    /// everything on context 0 and count with two signals per source node ([`ht_signal`]).
+    Normal { num_rdma_ranks: usize },
     /// Low-latency mode: a count signal per (local expert, source rank), for dispatch and combine,
     /// in each of the two buffer halves.
     LowLatency { num_local_experts: usize, num_ranks: usize },
 }
 
-/// Kinds of the two signals of a normal-mode ring.
+/// Kinds of the seam signals of the normal-mode kernels (`internode.cuh`). Each is raised on a
+/// rank by its rail peer of the source node, by one per event, and never reset: the receiver
+/// waits for the count of its own device epoch counter (zeroed with the window), so the signal
+/// must start at 0 (a fresh GIN device comm's signals do; the LL kernels count on the same).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RingSignal {
-    /// Raised on the receiver by the sender's put: tokens written (the ring's tail).
-    Tail = 0,
-    /// Raised on the sender by the receiver: slots consumed (the ring's head).
-    Head = 1,
+pub enum HtSignal {
+    /// Global barriers: a put of the barrier payload with the add (`kSigBar`).
+    Barrier,
+    /// Seam steps: the exchange blocks' puts, or a bare add after the token records / partials
+    /// (`kSigStep`).
+    Step,
+}
+
+/// First seam signal of the normal-mode kernels in a buffer (`InArgs::sig_base`): after the LL
+/// seam's ids in a low-latency buffer (which may run normal-mode ops too, and whose LL kernels
+/// reset `[0, ll_seam::SIGNALS)` at a geometry change), 0 otherwise.
+pub fn ht_signal_base(low_latency_mode: bool) -> usize {
+    if low_latency_mode {
+        super::ll_seam::SIGNALS
+    } else {
+        0
+    }
+}
+
+/// Signal id the normal-mode kernels use for `kind` from source node `node` (< 8), with the
+/// buffer's `base` ([`ht_signal_base`]); on context 0.
+pub fn ht_signal(base: usize, kind: HtSignal, node: usize) -> usize {
+    use crate::ffi::internode::{SIG_BAR, SIG_STEP};
+    base + node + if kind == HtSignal::Barrier { SIG_BAR } else { SIG_STEP }
 }
 
 /// Resources one buffer asks NCCL for.
@@ -174,12 +197,6 @@ impl GinPlan {
         (g / self.contexts_per_comm, g % self.contexts_per_comm)
     }
 
-    /// Signal id of a normal-mode ring: channel `channel`, kind, remote node `node`.
-    pub fn ring_signal(&self, channel: usize, kind: RingSignal, node: usize) -> usize {
-        let Workload::Normal { num_rdma_ranks, .. } = self.workload else { unreachable!("ring_signal on an LL plan") };
-        (channel * 2 + kind as usize) * num_rdma_ranks + node
-    }
-
     /// Signal id of a low-latency count: `combine` phase or dispatch, buffer half, local expert,
     /// source rank.
     pub fn ll_signal(&self, combine: bool, half: usize, local_expert: usize, src_rank: usize) -> usize {
@@ -188,14 +205,16 @@ impl GinPlan {
     }
 }
 
-/// Sizes the GIN resources of a buffer: contexts = independent senders (channels or local
-/// experts) capped at 4 unless `DEEP_EP_GIN_CONTEXTS` says otherwise, `DEEP_EP_GIN_COMMS`
-/// communicators, one signal per ring end (normal) or per count (LL).
+/// Sizes the GIN resources of a buffer: contexts = independent senders (local experts for LL; one
+/// for normal mode, whose kernels put everything on context 0) capped at 4 unless
+/// `DEEP_EP_GIN_CONTEXTS` says otherwise, `DEEP_EP_GIN_COMMS` communicators, the
+/// `SEAM_SIGNALS` (16) of the normal-mode kernels or one signal per count (LL).
 pub fn plan(w: Workload, k: &GinKnobs) -> Result<GinPlan> {
     let (units, signals) = match w {
-        Workload::Normal { num_channels, num_rdma_ranks } => {
-            crate::ensure!(num_channels >= 1 && num_rdma_ranks >= 2, OP, "internal: GIN plan for {num_channels} channels, {num_rdma_ranks} nodes");
-            (num_channels, 2 * num_channels * num_rdma_ranks)
+        Workload::Normal { num_rdma_ranks } => {
+            let max = crate::ffi::internode::MAX_NODES;
+            crate::ensure!((2..=max).contains(&num_rdma_ranks), OP, "internal: GIN plan for {num_rdma_ranks} nodes (2..={max})");
+            (1, crate::ffi::internode::SEAM_SIGNALS)
         }
         Workload::LowLatency { num_local_experts, num_ranks } => {
             crate::ensure!(num_local_experts >= 1 && num_ranks >= 2, OP, "internal: GIN plan for {num_local_experts} local experts, {num_ranks} ranks");
@@ -212,10 +231,12 @@ pub fn plan(w: Workload, k: &GinKnobs) -> Result<GinPlan> {
 /// whose ranks span several NVLink domains (`num_rdma_ranks` >= 2) with
 /// `DEEP_EP_RDMA_TRANSPORT=gin`. The per-call geometry is unknown at creation, so the plan covers
 /// every call the buffer accepts: LL buffers get one signal per seam id
-/// (`ll_seam::SIGNALS` = 4 x the most experts) and a context per sending rank (the LL kernels put
-/// on the context of the sender's rank), normal-mode buffers the rings of the most channels
-/// (`max_channels`). Several communicators (`DEEP_EP_GIN_COMMS` > 1) are not wired.
-pub fn buffer_plan(k: &GinKnobs, num_ranks: usize, num_rdma_ranks: usize, low_latency_mode: bool, max_channels: usize) -> Result<Option<GinPlan>> {
+/// (`ll_seam::SIGNALS` = 4 x the most experts), then the normal-mode kernels' signals (an LL
+/// buffer may run normal-mode ops; [`ht_signal_base`]), and a context per sending rank (the LL
+/// kernels put on the context of the sender's rank); normal-mode buffers the signals of
+/// [`Workload::Normal`] on one context. Several communicators (`DEEP_EP_GIN_COMMS` > 1) are not
+/// wired.
+pub fn buffer_plan(k: &GinKnobs, num_ranks: usize, num_rdma_ranks: usize, low_latency_mode: bool) -> Result<Option<GinPlan>> {
     if k.transport != Some(RdmaTransport::Gin) || num_rdma_ranks < 2 {
         return Ok(None);
     }
@@ -227,11 +248,11 @@ pub fn buffer_plan(k: &GinKnobs, num_ranks: usize, num_rdma_ranks: usize, low_la
         });
     }
     let p = if low_latency_mode {
-        let signals = super::ll_seam::SIGNALS;
+        let signals = ht_signal_base(true) + crate::ffi::internode::SEAM_SIGNALS;
         let contexts_per_comm = k.contexts.unwrap_or_else(|| num_ranks.min(MAX_GIN_CONTEXTS));
         GinPlan { workload: Workload::LowLatency { num_local_experts: (super::ll_seam::MAX_EXPERTS / num_ranks).max(1), num_ranks }, num_comms: 1, contexts_per_comm, signals }
     } else {
-        plan(Workload::Normal { num_channels: max_channels, num_rdma_ranks }, k)?
+        plan(Workload::Normal { num_rdma_ranks }, k)?
     };
     Ok(Some(p))
 }
@@ -351,24 +372,31 @@ mod tests {
     }
 
     #[test]
-    fn normal_plan_sizes_and_signal_ids_are_disjoint() {
-        // 20 SMs = 10 channels, 4 nodes.
-        let p = plan(Workload::Normal { num_channels: 10, num_rdma_ranks: 4 }, &GinKnobs::default()).unwrap();
-        assert_eq!((p.num_comms, p.contexts_per_comm, p.qps_per_peer(), p.signals), (1, 4, 4, 80));
+    fn normal_plan_covers_the_kernels_signal_ids_on_one_context() {
+        use crate::ffi::internode::{MAX_NODES, SEAM_SIGNALS};
+        // The kernels (internode.cuh) put and signal on context 0 only: one context, 16 signals.
+        let p = plan(Workload::Normal { num_rdma_ranks: 4 }, &GinKnobs::default()).unwrap();
+        assert_eq!((p.num_comms, p.contexts_per_comm, p.qps_per_peer(), p.signals), (1, 1, 1, 16));
         let r = p.requirements();
-        assert_eq!((r.gin_context_count, r.gin_signal_count, r.gin_force_enable, r.lsa_barrier_count), (4, 80, 1, 1));
+        assert_eq!((r.gin_context_count, r.gin_signal_count, r.gin_force_enable, r.lsa_barrier_count), (1, 16, 1, 1));
+        // The ids of internode.cuh: kSigBar (0) + source node, kSigStep (8) + source node, for
+        // every node count up to kMaxNodes, all distinct and inside the plan.
         let mut ids = HashSet::new();
-        for c in 0..10 {
-            for kind in [RingSignal::Tail, RingSignal::Head] {
-                for n in 0..4 {
-                    let s = p.ring_signal(c, kind, n);
-                    assert!(s < p.signals && ids.insert(s), "channel {c} {kind:?} node {n} -> {s}");
-                }
+        for node in 0..MAX_NODES {
+            assert_eq!(ht_signal(0, HtSignal::Barrier, node), node);
+            assert_eq!(ht_signal(0, HtSignal::Step, node), 8 + node);
+            for kind in [HtSignal::Barrier, HtSignal::Step] {
+                let s = ht_signal(0, kind, node);
+                assert!(s < p.signals && ids.insert(s), "{kind:?} node {node} -> {s}");
             }
         }
-        assert_eq!(ids.len(), p.signals);
-        // Channels spread over the contexts round-robin.
-        assert_eq!((0..6).map(|c| p.route(c)).collect::<Vec<_>>(), vec![(0, 0), (0, 1), (0, 2), (0, 3), (0, 0), (0, 1)]);
+        assert_eq!(ids.len(), SEAM_SIGNALS);
+        // The same for every node count the kernels take; a context count can still be asked for.
+        for rr in 2..=MAX_NODES {
+            assert_eq!(plan(Workload::Normal { num_rdma_ranks: rr }, &GinKnobs::default()).unwrap().signals, SEAM_SIGNALS);
+        }
+        assert_eq!(plan(Workload::Normal { num_rdma_ranks: 2 }, &knobs(&[("DEEP_EP_GIN_CONTEXTS", "2")]).unwrap()).unwrap().contexts_per_comm, 2);
+        assert!(plan(Workload::Normal { num_rdma_ranks: 9 }, &GinKnobs::default()).is_err());
     }
 
     #[test]
@@ -395,33 +423,46 @@ mod tests {
         assert_eq!((p.contexts_per_comm, p.signals), (1, 1024));
         let p = plan(Workload::LowLatency { num_local_experts: 1, num_ranks: 256 }, &knobs(&[("DEEP_EP_GIN_CONTEXTS", "4")]).unwrap()).unwrap();
         assert_eq!(p.qps_per_peer(), 4);
-        assert!(plan(Workload::Normal { num_channels: 10, num_rdma_ranks: 1 }, &GinKnobs::default()).is_err());
+        assert!(plan(Workload::Normal { num_rdma_ranks: 1 }, &GinKnobs::default()).is_err());
     }
 
     #[test]
     fn buffer_plan_covers_every_call_of_an_internode_gin_buffer() {
         let gin = knobs(&[("DEEP_EP_RDMA_TRANSPORT", "gin")]).unwrap();
         // No GIN: another transport, or one NVLink domain.
-        assert_eq!(buffer_plan(&GinKnobs::default(), 4, 2, true, 512).unwrap(), None);
-        assert_eq!(buffer_plan(&knobs(&[("DEEP_EP_RDMA_TRANSPORT", "lsa")]).unwrap(), 4, 2, true, 512).unwrap(), None);
-        assert_eq!(buffer_plan(&gin, 4, 1, true, 512).unwrap(), None);
-        // LL: every seam signal id, a context per sending rank (at most 4).
-        let p = buffer_plan(&gin, 4, 2, true, 512).unwrap().unwrap();
-        assert_eq!((p.num_comms, p.contexts_per_comm, p.signals), (1, 4, crate::backend::nccl::ll_seam::SIGNALS));
+        assert_eq!(buffer_plan(&GinKnobs::default(), 4, 2, true).unwrap(), None);
+        assert_eq!(buffer_plan(&knobs(&[("DEEP_EP_RDMA_TRANSPORT", "lsa")]).unwrap(), 4, 2, true).unwrap(), None);
+        assert_eq!(buffer_plan(&gin, 4, 1, true).unwrap(), None);
+        // LL: every seam signal id, then the normal-mode kernels' ids; a context per sending rank
+        // (at most 4).
+        use crate::backend::nccl::ll_seam::SIGNALS;
+        use crate::ffi::internode::{MAX_NODES, SEAM_SIGNALS};
+        let p = buffer_plan(&gin, 4, 2, true).unwrap().unwrap();
+        assert_eq!((p.num_comms, p.contexts_per_comm, p.signals), (1, 4, SIGNALS + SEAM_SIGNALS));
         let r = p.requirements();
-        assert_eq!((r.gin_context_count, r.gin_signal_count, r.gin_force_enable), (4, 8192, 1));
-        let p = buffer_plan(&gin, 2, 2, true, 512).unwrap().unwrap();
+        assert_eq!((r.gin_context_count, r.gin_signal_count, r.gin_force_enable), (4, 8192 + 16, 1));
+        // Normal-mode ops of an LL buffer: past every LL id (which the LL kernels reset), inside the plan.
+        for node in 0..MAX_NODES {
+            for kind in [HtSignal::Barrier, HtSignal::Step] {
+                let s = ht_signal(ht_signal_base(true), kind, node);
+                assert!((SIGNALS..p.signals).contains(&s), "{kind:?} node {node} -> {s}");
+            }
+        }
+        assert_eq!(crate::backend::nccl::ll_seam::signal_id(true, 1, 511, 3, 512, 4), SIGNALS - 1);
+        let p = buffer_plan(&gin, 2, 2, true).unwrap().unwrap();
         assert_eq!(p.contexts_per_comm, 2);
         let k = knobs(&[("DEEP_EP_RDMA_TRANSPORT", "gin"), ("DEEP_EP_GIN_CONTEXTS", "1")]).unwrap();
-        assert_eq!(buffer_plan(&k, 8, 4, true, 512).unwrap().unwrap().contexts_per_comm, 1);
-        // Normal mode: the rings of the most channels.
-        let p = buffer_plan(&gin, 4, 2, false, 512).unwrap().unwrap();
-        assert_eq!((p.contexts_per_comm, p.signals), (4, 2 * 512 * 2));
+        assert_eq!(buffer_plan(&k, 8, 4, true).unwrap().unwrap().contexts_per_comm, 1);
+        // Normal mode: the kernels' signals from 0, on one context.
+        let p = buffer_plan(&gin, 4, 2, false).unwrap().unwrap();
+        assert_eq!((p.contexts_per_comm, p.signals, ht_signal_base(false)), (1, SEAM_SIGNALS, 0));
+        assert!(ht_signal(0, HtSignal::Step, MAX_NODES - 1) < p.signals);
+        assert_eq!(buffer_plan(&gin, 16, 8, false).unwrap().unwrap().signals, SEAM_SIGNALS);
         // Several communicators are refused by name.
         let k = knobs(&[("DEEP_EP_RDMA_TRANSPORT", "gin"), ("DEEP_EP_GIN_COMMS", "2")]).unwrap();
-        let e = buffer_plan(&k, 4, 2, true, 512).unwrap_err().to_string();
+        let e = buffer_plan(&k, 4, 2, true).unwrap_err().to_string();
         assert!(e.contains("DEEP_EP_GIN_COMMS > 1") && e.contains("not implemented"), "{e}");
-        assert_eq!(buffer_plan(&knobs(&[("DEEP_EP_RDMA_TRANSPORT", "gin"), ("DEEP_EP_GIN_COMMS", "1")]).unwrap(), 4, 2, true, 512).unwrap().unwrap().num_comms, 1);
+        assert_eq!(buffer_plan(&knobs(&[("DEEP_EP_RDMA_TRANSPORT", "gin"), ("DEEP_EP_GIN_COMMS", "1")]).unwrap(), 4, 2, true).unwrap().unwrap().num_comms, 1);
     }
 
     fn info(contexts: i32, ty: i32, signals: i32) -> GinInfo {
@@ -430,7 +471,8 @@ mod tests {
 
     #[test]
     fn grants_are_checked_against_the_plan_and_the_gin_type() {
-        let p = plan(Workload::Normal { num_channels: 10, num_rdma_ranks: 2 }, &GinKnobs::default()).unwrap();
+        // 5 local experts x 2 ranks: 4 contexts, 40 signals.
+        let p = plan(Workload::LowLatency { num_local_experts: 5, num_ranks: 2 }, &GinKnobs::default()).unwrap();
         let text = |_| "internal error".to_string();
         let g = granted(&p, &GinKnobs::default(), 0, Ok((vec![0; 4], info(2, 3, 40))), text).unwrap();
         assert_eq!((g.gin_type, g.info.gin_context_count), (GinType::Gdaki, 2));

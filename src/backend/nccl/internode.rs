@@ -11,12 +11,16 @@
 //! Barriers and count exchanges between nodes use seam puts and signals too (node phases use the
 //! NVLink peers only), so the kernels need nothing across nodes but the seam.
 //!
-//! The seam implementation launched here is the LSA emulation (`DEEP_EP_RDMA_TRANSPORT=lsa`: all
-//! ranks in one NVLink domain emulate several nodes of `DEEP_EP_NVL_DOMAIN_SIZE`). With
-//! `DEEP_EP_RDMA_TRANSPORT=gin` buffer creation sets up the GIN device comm (so a machine without
-//! GIN fails there, with the reason), but these kernels take their transport from the LSA
-//! descriptor inside their arguments (`InArgs::lsa`) and have no GIN instantiation yet: the ops
-//! answer `NotImplemented`.
+//! The seam the kernels run on is fixed at buffer creation ([`ht_net`]): the LSA emulation
+//! (`DEEP_EP_RDMA_TRANSPORT` unset or `lsa`: all ranks in one NVLink domain emulate several nodes
+//! of `DEEP_EP_NVL_DOMAIN_SIZE`; the descriptor travels by value in `InArgs::lsa`), or NCCL GIN
+//! when the buffer holds a GIN device comm (`DEEP_EP_RDMA_TRANSPORT=gin`; a machine without GIN
+//! fails at creation, with the reason): then `InArgs::net` points at a `GinNet` in the own window
+//! ([`write_gin_net`] at creation; an LL-mode buffer passes its LL seam's) and the kernels' GIN
+//! instantiation runs, every put and signal on context 0 with the signal ids of
+//! [`super::gin::ht_signal`] (never reset: they must start at 0, as a fresh GIN device comm's do).
+//! Only the ranks of the own NVLink domain are touched by pointer (node barriers, the NVLink
+//! leg); other nodes only through the seam, as a real cluster requires.
 //!
 //! Host syncs: only a dispatch without `num_worst_tokens` waits for the notify's counts (between
 //! prepare and finish); cached dispatch and combine never wait. Errors the kernels find (input
@@ -25,7 +29,7 @@
 //! A capacity error the host finds before launching is raised on that rank alone (its peers then
 //! time out), as with intranode.
 
-use super::gin::{GinKnobs, RdmaTransport};
+use super::gin::ht_signal_base;
 use super::normal::{channels, check_blocks, i32_of, is_int64, opt_ptr, opt_ptr_mut, ptr, ptr_mut, scales_of};
 use super::NcclBackend;
 use crate::backend::internode::{InternodeCachedDispatchArgs, InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutputs, InternodeHandle, InternodePlan};
@@ -35,6 +39,7 @@ use crate::error::{Error, Result};
 use crate::ffi::internode::{self as k, kind, step, InArgs};
 use crate::ffi::intranode::{CheckArgs, CONTROL_BYTES, MAX_LOCAL_EXPERTS};
 use crate::ffi::transport::{LsaDesc, MAX_LSA_PEERS};
+use crate::ffi::internode::{NET_BYTES, NET_GIN, NET_LSA, NET_OFF};
 use crate::tensor::TensorRef;
 use std::ffi::c_void;
 
@@ -70,6 +75,44 @@ fn signature(words: &[u64]) -> i32 {
     h as i32
 }
 
+/// How a buffer's normal-mode kernels reach other nodes (`InArgs::net_kind`, `net`, `sig_base`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct HtNet {
+    /// `NET_LSA` or `NET_GIN`.
+    pub kind: i32,
+    /// GIN: offset of the `GinNet` in this rank's window.
+    pub desc_off: usize,
+    /// First seam signal id ([`super::gin::ht_signal`]).
+    pub sig_base: usize,
+}
+
+/// The seam of a buffer's normal-mode ops: the LSA emulation unless the buffer holds a GIN device
+/// comm (`gin`); with one, the `GinNet` at `NET_OFF` (normal-mode buffers, [`write_gin_net`]) or
+/// the LL seam's at `ll_gin_desc` (low-latency buffers, which may run normal-mode ops too) and the
+/// signals from [`ht_signal_base`]. Pure.
+pub(super) fn ht_net(op: &'static str, gin: bool, low_latency_mode: bool, ll_gin_desc: Option<usize>) -> Result<HtNet> {
+    if !gin {
+        return Ok(HtNet { kind: NET_LSA, desc_off: 0, sig_base: 0 });
+    }
+    let desc_off = if low_latency_mode {
+        ll_gin_desc.ok_or_else(|| Error::invalid(op, "internal: a low-latency GIN buffer without its GIN seam descriptor"))?
+    } else {
+        NET_OFF
+    };
+    Ok(HtNet { kind: NET_GIN, desc_off, sig_base: ht_signal_base(low_latency_mode) })
+}
+
+/// At the creation of a normal-mode buffer whose ranks span several NVLink domains: when its
+/// window holds a GIN device comm, writes the `GinNet` of the normal-mode kernels (the device comm
+/// by value and the window's `ncclWindow_t`, `ffi::transport::write_gin_desc` as for LL buffers)
+/// into the free end of its internode control area (`NET_OFF`). Local, synchronous; returns
+/// whether it wrote one.
+pub(super) fn write_gin_net(op: &'static str, window: &dyn super::window::PeerWindow) -> Result<bool> {
+    let Some((devcomm, win)) = window.gin() else { return Ok(false) };
+    crate::ffi::transport::write_gin_desc(op, window.ctx(), NET_OFF, NET_BYTES, devcomm, win)?;
+    Ok(true)
+}
+
 /// Geometry and window areas of one op.
 struct Geo {
     d: usize,
@@ -91,15 +134,6 @@ impl NcclBackend {
         let (nr, d) = (self.info.num_ranks, self.info.nvl_domain_size);
         let rr = crate::ops::num_rdma_ranks(op, &self.info)?;
         let c = channels(op, config)?;
-        let knobs = GinKnobs::from_env()?;
-        // Unset means the NVLink emulation, as for internode LL buffers (ll_seam::select).
-        if knobs.transport == Some(RdmaTransport::Gin) {
-            return Err(Error::NotImplemented {
-                op,
-                backend: self.info.backend.name(),
-                feature: "internode normal-mode kernels over NCCL GIN: the buffer holds its GIN device comm, but the normal-mode kernels are launched with the LSA emulation only (DEEP_EP_RDMA_TRANSPORT unset or lsa runs them over NVLink with emulated nodes; low-latency buffers run over GIN)",
-            });
-        }
         crate::ensure!(nr <= MAX_LSA_PEERS, op, "internal: {nr} ranks for the LSA emulation");
         let data_off = k::CTRL_OFF + k::CTRL_BYTES;
         let data_end = if self.info.low_latency_mode { CONTROL_BYTES + self.info.num_nvl_bytes } else { self.window.bytes() };
@@ -107,10 +141,23 @@ impl NcclBackend {
         Ok(Geo { d, rr, c, data_off, data_end })
     }
 
+    /// The seam of this buffer's normal-mode ops ([`ht_net`]).
+    fn ht_net(&self, op: &'static str) -> Result<HtNet> {
+        let ll_gin = self.seam.filter(|s| s.kind == super::ll_seam::NET_GIN).map(|s| s.layout.desc_off);
+        ht_net(op, self.window.gin().is_some(), self.info.low_latency_mode, ll_gin)
+    }
+
     /// The arguments every step shares.
-    fn in_args(&self, g: &Geo, kind: i32, config: &Config) -> InArgs {
+    fn in_args(&self, op: &'static str, g: &Geo, kind: i32, config: &Config) -> Result<InArgs> {
         let ctx = self.window.ctx();
         let nr = self.info.num_ranks;
+        let net = self.ht_net(op)?;
+        // GIN: the descriptor in this rank's own window (written, and checked to fit, at creation).
+        let net_ptr = if net.kind == NET_GIN {
+            (ctx.peer_base[ctx.rank as usize] as *const u8).wrapping_add(net.desc_off).cast()
+        } else {
+            std::ptr::null()
+        };
         let mut lsa = LsaDesc {
             peer_base: [std::ptr::null_mut(); MAX_LSA_PEERS],
             rank: ctx.rank,
@@ -121,7 +168,7 @@ impl NcclBackend {
             window_bytes: ctx.window_bytes,
         };
         lsa.peer_base[..nr].copy_from_slice(&ctx.peer_base[..nr]);
-        InArgs {
+        Ok(InArgs {
             lsa,
             kind,
             nvl_size: g.d as i32,
@@ -130,8 +177,11 @@ impl NcclBackend {
             num_blocks: i32_of(config.num_sms.max(1)),
             data_off: g.data_off as u64,
             data_end: g.data_end as u64,
+            net: net_ptr,
+            net_kind: net.kind,
+            sig_base: net.sig_base as i32,
             ..Default::default()
-        }
+        })
     }
 
     fn capacity(&self, op: &'static str, what: &str, need: usize, have: usize) -> Result<()> {
@@ -164,7 +214,7 @@ impl NcclBackend {
         let ex_end = g.ex_end(blk);
         let mid = ex_end + (g.data_end.saturating_sub(ex_end) / 2) / 128 * 128;
         self.capacity(DISPATCH, "staging this rank's tokens", align(ex_end + 4 * n * g.rr, 128) + n * rec, mid)?;
-        let mut args = self.in_args(&g, kind::DISPATCH, &b.config);
+        let mut args = self.in_args(DISPATCH, &g, kind::DISPATCH, &b.config)?;
         let (scales, st0, st1) = scales_of(b.x_scales.as_ref());
         args.num_local_experts = el as i32;
         args.num_topk = kk as i32;
@@ -305,7 +355,7 @@ impl NcclBackend {
         let ex_end = g.ex_end(blk);
         let mid = ex_end + (g.data_end.saturating_sub(ex_end) / 2) / 128 * 128;
         self.capacity(CACHED, "staging this rank's tokens", align(ex_end + 4 * n * g.rr, 128) + n * rec, mid)?;
-        let mut args = self.in_args(&g, kind::CACHED, &a.config);
+        let mut args = self.in_args(CACHED, &g, kind::CACHED, &a.config)?;
         Self::handle_ptrs(&mut args, &a.handle);
         let (scales, st0, st1) = scales_of(a.x_scales.as_ref());
         args.num_scales = s as i32;
@@ -351,7 +401,7 @@ impl NcclBackend {
         self.capacity(COMBINE, "staging this rank's rows", align(4 * nr * g.c, 128) + align(rows * hidden * 2, 128) + rows * kk * 4, q)?;
         self.capacity(COMBINE, "the forwarded partials", rdma_rows * crec, q)?;
         self.capacity(COMBINE, "the partials this rank receives", n * g.rr * crec, q)?;
-        let mut args = self.in_args(&g, kind::COMBINE, &a.config);
+        let mut args = self.in_args(COMBINE, &g, kind::COMBINE, &a.config)?;
         Self::handle_ptrs(&mut args, &a.handle);
         args.num_rows = rows as i64; // rows of x (>= the handle's received rows, checked on the device)
         args.num_topk = kk as i32;
@@ -389,6 +439,49 @@ mod tests {
         assert_eq!(block_bytes(2, 2, 3, 0, false), 32);
         let g = Geo { d: 2, rr: 2, c: 3, data_off: 1000, data_end: 1 << 20 };
         assert_eq!(g.ex_end(96), 1408); // 1000 + 2 * 2 * 96, rounded up to 128
+    }
+
+    #[test]
+    fn args_mirror_the_header_and_the_gin_slot_is_free() {
+        // InArgs (with net, net_kind, sig_base at the end) has the size of deep_ep_in_args_t.
+        k::check_struct_size("test").expect("deep_ep_in_args_t and InArgs differ");
+        assert_eq!(std::mem::size_of::<InArgs>() % 8, 0);
+        // The GinNet slot is in the internode control area, after what the kernels use (kCtrlEnd
+        // = 77824), and the descriptor fits it (as it fits the LL seam's DESC_BYTES).
+        assert!(NET_OFF >= k::CTRL_OFF + 77824 && NET_OFF + NET_BYTES <= k::CTRL_OFF + k::CTRL_BYTES && NET_OFF % 128 == 0);
+        let l = crate::ffi::transport::gin_net_layout();
+        assert!(l.bytes > 0 && l.bytes <= NET_BYTES.min(super::super::ll_seam::DESC_BYTES) && l.align <= 8, "{l:?}");
+    }
+
+    #[test]
+    fn the_seam_follows_the_buffer_and_gin_signals_fit_its_plan() {
+        use crate::backend::nccl::gin::{buffer_plan, ht_signal, GinKnobs, HtSignal};
+        use crate::ffi::internode::MAX_NODES;
+        // No GIN device comm: the LSA emulation, ids from 0 in the emulation's table of 32.
+        let lsa = ht_net("op", false, false, None).unwrap();
+        assert_eq!(lsa, HtNet { kind: NET_LSA, desc_off: 0, sig_base: 0 });
+        assert_eq!(ht_net("op", false, true, Some(4096)).unwrap(), lsa);
+        assert!(ht_signal(lsa.sig_base, HtSignal::Step, MAX_NODES - 1) < k::NUM_SIGNALS as usize);
+        let gin = GinKnobs::parse(|n| (n == "DEEP_EP_RDMA_TRANSPORT").then(|| "gin".to_string())).unwrap();
+        for (ll, desc) in [(false, None), (true, Some(1 << 30))] {
+            let n = ht_net("op", true, ll, desc).unwrap();
+            assert_eq!(n.kind, NET_GIN);
+            // Normal-mode buffers: the slot written at creation; LL buffers: their LL seam's.
+            assert_eq!(n.desc_off, desc.unwrap_or(NET_OFF));
+            // Every id the kernels use (sig_base + kSigBar/kSigStep + node, node < 8) lies inside
+            // the signals the buffer asks NCCL for; in LL buffers after every LL seam id.
+            for rr in 2..=MAX_NODES {
+                let plan = buffer_plan(&gin, rr * 2, rr, ll).unwrap().expect("a GIN plan");
+                for node in 0..rr {
+                    for kind in [HtSignal::Barrier, HtSignal::Step] {
+                        let s = ht_signal(n.sig_base, kind, node);
+                        assert!(s < plan.signals && (!ll || s >= crate::backend::nccl::ll_seam::SIGNALS), "ll {ll} {kind:?} {node} -> {s}");
+                    }
+                }
+            }
+        }
+        let e = ht_net("deep_ep::internode_dispatch", true, true, None).unwrap_err().to_string();
+        assert!(e.contains("deep_ep::internode_dispatch") && e.contains("without its GIN seam descriptor"), "{e}");
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! domain through the transport seam when the ranks span several domains (`ll_seam.rs`: LSA
 //! emulation, or NCCL GIN with `DEEP_EP_RDMA_TRANSPORT=gin`); internode normal mode (ranks spanning several NVLink domains of
 //! `DEEP_EP_NVL_DOMAIN_SIZE`) forwards over the transport seam (`internode.rs`,
-//! `kernels/internode_*.cu`; the LSA emulation of the seam for now).
+//! `kernels/internode_*.cu`; LSA emulation, or NCCL GIN with `DEEP_EP_RDMA_TRANSPORT=gin`).
 //!
 //! The window comes from a provider ([`window::PeerWindow`]): an NCCL symmetric window (backend
 //! `nccl`) or an NVSHMEM symmetric allocation (backend `nvshmem`); kernels and host code only see
@@ -102,7 +102,7 @@ impl NcclBackend {
         let net_kind = ll_seam::select(knobs.transport, &topo, a.low_latency_mode);
         // Internode over NCCL GIN (LL and normal mode): a GIN device comm on the buffer's
         // communicator, created before its window is registered (nccl_window.rs).
-        let gin_plan = gin::buffer_plan(&knobs, a.num_ranks, topo.num_rdma_ranks(), a.low_latency_mode, crate::ffi::intranode::MAX_CHANNELS)?;
+        let gin_plan = gin::buffer_plan(&knobs, a.num_ranks, topo.num_rdma_ranks(), a.low_latency_mode)?;
         let seam_bytes = net_kind.map_or(0, |_| ll_seam::SeamLayout::extra_bytes(a.num_rdma_bytes));
         let mut data_bytes = a.num_nvl_bytes + low_latency::extra_window_bytes(a.num_nvl_bytes, a.num_rdma_bytes, a.low_latency_mode) + seam_bytes;
         let d = crate::topology::nvl_domain_size()?;
@@ -154,6 +154,10 @@ impl NcclBackend {
             }
             None => None,
         };
+        // Internode normal mode over GIN: the kernels' GinNet in the internode control area.
+        if !a.low_latency_mode && topo.num_rdma_ranks() > 1 && internode::write_gin_net(OP, window.as_ref())? {
+            crate::log_info!(Some(a.rank), "{OP}: normal-mode kernels reach ranks {:?} (outside this NVLink domain of {}) through the transport seam (NCCL GIN)", ll_seam::remote_peers(&topo), topo.num_nvl_ranks());
+        }
         let info = BufferInfo::from_args(a, kind);
         let mask = HostMask::new(OP)?;
         Ok(NcclBackend { info, window, timeout, ll: low_latency::LlState::default(), mask, mask_seen: std::cell::Cell::new(0), seam })

@@ -4,10 +4,11 @@ DEEP_EP_RDMA_TRANSPORT=gin), nccl backend.
 Buffer creation asks ncclDevCommCreate for GIN (ginForceEnable) on every rank. On a machine
 without a GPUDirect-RDMA NIC NCCL grants none, and creating an LL buffer or a normal-mode
 internode buffer must raise a RuntimeError that says GIN is unavailable (not "not implemented",
-no crash, no hang). Where NCCL does grant GIN, the LL buffer instead runs one dispatch -> identity
-expert -> combine round trip over GIN, checked in closed form, and the normal-mode buffer is
-created but its ops answer the documented "not implemented" (the normal-mode kernels run over the
-LSA emulation only).
+no crash, no hang). Where NCCL does grant GIN, the buffers instead run over GIN: the LL buffer one
+dispatch -> identity expert -> combine round trip, the normal-mode buffer three internode
+dispatch -> identity expert -> combine round trips (_spawn.ht_check: every received row against
+its source, the combine against x * ranks reached; three, so that the seam signals, which are
+never reset, count across ops), all checked in closed form.
 
 Every rank arms a watchdog (faulthandler) that ends it after WATCHDOG_S seconds: a hang in NCCL
 then shows as a rank that exited without reporting, which fails the test.
@@ -90,15 +91,10 @@ def gin_worker(rank, world, low_latency):
     try:
         if low_latency:
             return ll_round_trip(buf, rank, world)
-        # GIN granted: the normal-mode ops are not wired to GIN and must say so.
-        x = _spawn.pattern_x(rank, 8, 1024, 0, dev)
-        idx = torch.zeros((8, 2), dtype=torch.int64, device=dev)
-        idx[:, 1] = 1
-        ntpr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(idx, 8)
-        with pytest.raises(RuntimeError, match="normal-mode kernels over NCCL GIN"):
-            buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe,
-                         topk_idx=idx, topk_weights=torch.ones((8, 2), device=dev))
-        return "granted"
+        # GIN granted: the normal-mode kernels' inter-node leg runs over GIN.
+        gen = torch.Generator(device=dev).manual_seed(300 + rank)
+        return sum(_spawn.ht_check(buf, rank, world, n=64, hidden=1024, experts=EL * world, topk=TOPK, gen=gen, salt=i)
+                   for i in range(3))
     finally:
         dist.barrier()
         buf.destroy()

@@ -190,8 +190,9 @@ impl GinPlan {
         }
     }
 
-    /// (communicator, context index) that sender `unit` (channel or local expert) uses; the device
-    /// reduces the index modulo the granted contexts (`ncclGin` constructor).
+    /// (communicator, context index) that sender `unit` (an LL local expert; normal mode has one
+    /// sender) uses; the device reduces the index modulo the granted contexts (`ncclGin`
+    /// constructor).
     pub fn route(&self, unit: usize) -> (usize, usize) {
         let g = unit % self.qps_per_peer();
         (g / self.contexts_per_comm, g % self.contexts_per_comm)

@@ -1,5 +1,5 @@
-//! One NCCL communicator with one symmetric window: what an intranode buffer of the `nccl`
-//! backend owns. Creation and [`Window::close`] are collective; dropping a window that was not
+//! One NCCL communicator with one symmetric window: what a buffer of the `nccl` backend owns
+//! (intranode, or internode with the kernels' peer pointers limited to the own NVLink domain). Creation and [`Window::close`] are collective; dropping a window that was not
 //! closed releases it locally (communicator aborted), which is the path for buffers whose ranks
 //! fell out of step.
 //!

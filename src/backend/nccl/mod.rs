@@ -5,7 +5,10 @@
 //! domain through the transport seam when the ranks span several domains (`ll_seam.rs`: LSA
 //! emulation, or NCCL GIN with `DEEP_EP_RDMA_TRANSPORT=gin`); internode normal mode (ranks spanning several NVLink domains of
 //! `DEEP_EP_NVL_DOMAIN_SIZE`) forwards over the transport seam (`internode.rs`,
-//! `kernels/internode_*.cu`; the LSA emulation of the seam for now).
+//! `kernels/internode_*.cu`; the LSA emulation of the seam for now). The kernels of an internode
+//! buffer get the windows of their own NVLink domain only (`Ctx::nvl_ranks`, the others NULL,
+//! as on a cluster where NCCL's LSA team is the node), and its barriers of all ranks (destroy,
+//! the LL signal reset) are the global barrier of `ffi::global_barrier`, set up at creation.
 //!
 //! The window comes from a provider ([`window::PeerWindow`]): an NCCL symmetric window (backend
 //! `nccl`) or an NVSHMEM symmetric allocation (backend `nvshmem`); kernels and host code only see

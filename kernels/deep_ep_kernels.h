@@ -86,7 +86,8 @@ int deep_ep_cuda_stream_synchronize(void* stream);
  *                      barrier of epoch e that gathers it; a slot holds the layout
  *                      (deep_ep_ic_layout_t) and, at DEEP_EP_IC_CHECK_OFF, the input-check result
  *   [4096, CONTROL)    local scratch: sticky timeout flag, first error, per-op "bad" flag, barrier
- *                      epoch, gathered peer layouts, rank_prefix_matrix, receiver channel starts
+ *                      epoch, gathered peer layouts, rank_prefix_matrix, receiver channel starts;
+ *                      near its end the global barrier's area (DEEP_EP_GB_OFF) and the LL scratch
  *   [CONTROL, ...)     staged sections at the offsets of this rank's layout
  * Every function below is asynchronous on `stream`, launches only kernels (CUDA-graph
  * capturable) and returns a cudaError_t as int.
@@ -148,7 +149,8 @@ typedef struct {
 #define DEEP_EP_IC_SITE_IN_COMBINE 17 /* internode combine: start barrier and count exchange */
 #define DEEP_EP_IC_SITE_IN_COMBINE_DATA 18 /* internode combine: node barrier before the forwarders, partials wait */
 
-/* The buffer as kernels see it. */
+/* The buffer as kernels see it. peer_base is indexed by world rank, so a buffer has at most
+ * DEEP_EP_IC_MAX_RANKS ranks in all, internode included. */
 typedef struct {
   void* peer_base[DEEP_EP_IC_MAX_RANKS]; /* window base of rank p, valid on this GPU (NVLink) */
   int32_t rank, num_ranks;               /* 1 <= num_ranks <= DEEP_EP_IC_MAX_RANKS */
@@ -156,7 +158,10 @@ typedef struct {
   deep_ep_ic_host_status_t* host_status; /* device pointer of the mapped block */
   uint64_t timeout_ns;                   /* barrier deadline (globaltimer ns) */
   int32_t num_sms;                       /* SMs of this GPU, queried once at creation (0 = unknown) */
-  int32_t reserved;
+  /* 0: peer_base holds every rank. D (1 <= D < num_ranks, dividing it): an internode buffer over
+   * NVLink domains of D consecutive ranks; peer_base holds the ranks of this rank's domain only
+   * and is NULL for every other rank (reached through the transport seam alone). */
+  int32_t nvl_ranks;
 } deep_ep_ic_ctx_t;
 
 /* Sections of a staged op (byte offsets into the rank's own window; 0 = absent). */
@@ -395,6 +400,35 @@ void deep_ep_ic_struct_sizes(size_t* sizes);
 /* sizes[0..10]: sizeof ctx, layout, sync, stage, pull, combine, push args, host status, dispatch push, check args. */
 /* [OUT host] the scratch int create's host rendezvous all-reduces (device pointer). */
 void* deep_ep_ic_rendezvous_word(const deep_ep_ic_ctx_t* ctx);
+
+/* ---- Global barrier of an internode buffer (kernels/global_barrier.cu) ------------------------
+ * A barrier of every rank of a buffer whose ctx->nvl_ranks = D > 0 (no window of another NVLink
+ * domain is addressable): node phase (an epoch into a slot of every rank of the own domain, over
+ * NVLink), then seam phase (one signal add to the rank of the same local index in every other
+ * domain, its rail peer, and a wait for theirs) through the transport seam described in the
+ * barrier's area of this rank's window. A rank leaves once every rank of the buffer has entered.
+ * Area at DEEP_EP_GB_OFF of the control area (zeroed with the window at creation):
+ *   +0    deep_ep_gb_header_t, written by the host at creation (deep_ep_gb_setup in Rust)
+ *   +64   u64 epoch: barriers passed (local)
+ *   +128  u64 [8] LSA emulation's signal table (one signal per source domain)
+ *   +256  u64 [DEEP_EP_IC_MAX_RANKS] node slots (slot i written by local rank i of the domain)
+ *   DEEP_EP_GB_DESC_OFF: the seam descriptor (tp::LsaNet or tp::GinNet), DEEP_EP_GB_DESC_BYTES
+ * Signals go on the context of the sending rank (the LL kernels' context for everything a rank
+ * sends), ids signal_base + source domain: GIN signals are never reset, the waits are rolling. */
+#define DEEP_EP_GB_OFF (DEEP_EP_IC_CONTROL_BYTES - 6144)
+#define DEEP_EP_GB_SIG_OFF (DEEP_EP_GB_OFF + 128)
+#define DEEP_EP_GB_DESC_OFF (DEEP_EP_GB_OFF + 1024)
+#define DEEP_EP_GB_DESC_BYTES 4096
+#define DEEP_EP_GB_MAX_DOMAINS 8
+typedef struct {
+  int32_t net_kind;    /* DEEP_EP_LL_NET_LSA or DEEP_EP_LL_NET_GIN; 0 = not set up */
+  int32_t signal_base; /* first of DEEP_EP_GB_MAX_DOMAINS signal ids (GIN: above the ops' ids) */
+} deep_ep_gb_header_t;
+/* One global barrier (1 block of 32 threads) on `stream`; `site` names it in a timeout report
+ * (DEEP_EP_IC_ERR_TIMEOUT naming the rank waited for). Refuses a ctx with nvl_ranks == 0. */
+int deep_ep_gb_barrier(const deep_ep_ic_ctx_t* ctx, int site, void* stream);
+/* Layout constants, for the Rust mirror's check (see global_barrier.cu). */
+size_t deep_ep_gb_layout(int which);
 
 
 /* ---------------------------------------------------------------------------------------------
@@ -677,8 +711,9 @@ int deep_ep_nccl_devcomm_create(void* create_fn, void* comm, int lsa_barrier_cou
                                 size_t devcomm_bytes, int* lsa_size, int* lsa_rank);
 /* ncclDevCommDestroy; returns the ncclResult_t. */
 int deep_ep_nccl_devcomm_destroy(void* destroy_fn, void* comm, const void* devcomm);
-/* [OUT host] base[p] = ncclGetPeerPointer(window, 0, p) for p < num_ranks (synchronous). */
-int deep_ep_nccl_window_peer_bases(void* window, int num_ranks, void** base);
+/* [OUT host] base[i] = ncclGetLsaPointer(window, 0, i) for the LSA team ranks i < lsa_size
+ * (synchronous): the windows this GPU can address, LSA rank order. */
+int deep_ep_nccl_window_lsa_bases(void* window, int lsa_size, void** base);
 
 /* More runtime helpers (host plumbing). */
 int deep_ep_cuda_get_device(int* device);

@@ -382,7 +382,7 @@ __global__ void __launch_bounds__(kThreads) nvl_recv_kernel(const __grid_constan
 }
 
 bool args_ok(const Ctx* c, const Args* a) {
-  if (!ic::ctx_ok(c) || a == nullptr) return false;
+  if (!ic::ctx_domain_ok(c) || a == nullptr || (c->nvl_ranks != 0 && c->nvl_ranks != a->nvl_size)) return false;
   const int R = c->num_ranks;
   if (a->nvl_size < 1 || a->num_rdma_ranks < 2 || a->nvl_size * a->num_rdma_ranks != R || a->num_rdma_ranks > kMaxNodes ||
       a->num_channels < 1 || a->num_channels > ic::kMaxChannels || a->num_blocks < 1 || a->num_topk < 0 || a->num_scales < 0 ||
@@ -397,7 +397,7 @@ bool args_ok(const Ctx* c, const Args* a) {
       a->lsa.num_signals < kNumSignals)
     return false;
   for (int p = 0; p < R; ++p) {
-    if (a->lsa.peer_base[p] != c->peer_base[p]) return false;
+    if (c->peer_base[p] != nullptr && a->lsa.peer_base[p] != c->peer_base[p]) return false;  // NULL: another domain
   }
   return true;
 }

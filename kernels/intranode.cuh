@@ -222,16 +222,23 @@ __device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
   return o;
 }
 
-// Host side of the launch functions: a ctx the kernels can use.
-bool ctx_ok(const Ctx* c) {
+// Host side of the launch functions: a ctx the kernels can use. ctx_domain_ok accepts the ctx of
+// an internode buffer too (nvl_ranks = D > 0): a window base exactly for the ranks of this rank's
+// NVLink domain, NULL for every other rank (a kernel that still addresses one faults, loudly).
+// ctx_ok, for the kernels that address every rank's window (intranode ops), wants all of them.
+bool ctx_domain_ok(const Ctx* c) {
   if (c == nullptr || c->num_ranks < 1 || c->num_ranks > kMaxRanks || c->rank < 0 || c->rank >= c->num_ranks ||
       c->host_status == nullptr || c->window_bytes < DEEP_EP_IC_CONTROL_BYTES)
     return false;
+  const int d = c->nvl_ranks;
+  if (d < 0 || (d > 0 && (d >= c->num_ranks || c->num_ranks % d != 0))) return false;
   for (int p = 0; p < c->num_ranks; ++p) {
-    if (c->peer_base[p] == nullptr) return false;
+    const bool own = d == 0 || p / d == c->rank / d;
+    if ((c->peer_base[p] != nullptr) != own) return false;
   }
   return true;
 }
+bool ctx_ok(const Ctx* c) { return ctx_domain_ok(c) && c->nvl_ranks == 0; }
 
 // Host side: the grid of a kernel whose blocks wait for each other, so all must be resident at
 // once (one per SM at 512 threads): `want` capped at the SM count (ctx->num_sms, queried once per

@@ -270,13 +270,13 @@ extern "C" int deep_ep_ic_stage(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_st
 }
 
 extern "C" int deep_ep_ic_clear_error(const deep_ep_ic_ctx_t* ctx, void* stream) {
-  if (!ctx_ok(ctx)) return cudaErrorInvalidValue;
+  if (!ctx_domain_ok(ctx)) return cudaErrorInvalidValue;  // local: internode buffers too
   clear_error_kernel<<<1, 1, 0, as_stream(stream)>>>(*ctx);
   return cudaGetLastError();
 }
 
 extern "C" void* deep_ep_ic_rendezvous_word(const deep_ep_ic_ctx_t* ctx) {
-  if (!ctx_ok(ctx)) return nullptr;
+  if (!ctx_domain_ok(ctx)) return nullptr;
   return static_cast<char*>(ctx->peer_base[ctx->rank]) + kScrRendezvous;
 }
 

@@ -165,7 +165,9 @@ bool ll_net_ok(const Ctx* c, const Args* a);
 
 // Host side of the launch functions: the arguments describe an LL area inside the window.
 bool ll_ok(const Ctx* c, const Args* a) {
-  if (!ctx_ok(c) || a == nullptr) return false;
+  if (!ctx_domain_ok(c) || a == nullptr) return false;
+  // A ctx without the other domains' windows needs the seam for them (same domain size).
+  if (c->nvl_ranks != 0 && (a->net == nullptr || a->nvl_domain != c->nvl_ranks)) return false;
   if (a->num_max_tokens < 1 || a->num_max_tokens > 0xfffe || a->hidden < 128 || a->hidden % 128 != 0) return false;
   if (a->num_experts < c->num_ranks || a->num_experts % c->num_ranks != 0 || a->half < 0 || a->half > 1) return false;
   if (a->num_topk < 0 || a->num_topk > kMaxLlTopk || a->num_tokens < 0 || a->num_tokens > a->num_max_tokens) return false;

@@ -18,9 +18,12 @@ namespace {
 using DevCommCreateFn = ncclResult_t (*)(ncclComm_t, const ncclDevCommRequirements_t*, ncclDevComm_t*);
 using DevCommDestroyFn = ncclResult_t (*)(ncclComm_t, const ncclDevComm_t*);
 
-__global__ void peer_bases_kernel(ncclWindow_t window, int num_ranks, void** out) {
-  const int p = threadIdx.x;
-  if (p < num_ranks) out[p] = ncclGetPeerPointer(window, 0, p);
+// LSA pointers by LSA rank: ncclGetPeerPointer would take world ranks but is only defined inside
+// the LSA team (it assumes the team is the world ranks around this one), which on a cluster is
+// the node, not the buffer.
+__global__ void lsa_bases_kernel(ncclWindow_t window, int lsa_size, void** out) {
+  const int i = threadIdx.x;
+  if (i < lsa_size) out[i] = ncclGetLsaPointer(window, 0, i);
 }
 
 }  // namespace
@@ -51,13 +54,13 @@ extern "C" int deep_ep_nccl_devcomm_destroy(void* destroy_fn, void* comm, const 
                                                                         static_cast<const ncclDevComm*>(devcomm)));
 }
 
-extern "C" int deep_ep_nccl_window_peer_bases(void* window, int num_ranks, void** base) {
-  if (window == nullptr || base == nullptr || num_ranks < 1 || num_ranks > 1024) return cudaErrorInvalidValue;
+extern "C" int deep_ep_nccl_window_lsa_bases(void* window, int lsa_size, void** base) {
+  if (window == nullptr || base == nullptr || lsa_size < 1 || lsa_size > 1024) return cudaErrorInvalidValue;
   void** dev = nullptr;
-  DEEP_EP_TRY(cudaMalloc(&dev, sizeof(void*) * num_ranks));
-  peer_bases_kernel<<<1, num_ranks>>>(static_cast<ncclWindow_t>(window), num_ranks, dev);
+  DEEP_EP_TRY(cudaMalloc(&dev, sizeof(void*) * lsa_size));
+  lsa_bases_kernel<<<1, lsa_size>>>(static_cast<ncclWindow_t>(window), lsa_size, dev);
   cudaError_t st = cudaGetLastError();
-  if (st == cudaSuccess) st = cudaMemcpy(base, dev, sizeof(void*) * num_ranks, cudaMemcpyDeviceToHost);
+  if (st == cudaSuccess) st = cudaMemcpy(base, dev, sizeof(void*) * lsa_size, cudaMemcpyDeviceToHost);
   const cudaError_t freed = cudaFree(dev);
   return static_cast<int>(st != cudaSuccess ? st : freed);
 }

@@ -110,10 +110,13 @@ pub mod err {
     pub const STALE_INTERNODE: i32 = 14;
 }
 
-/// `deep_ep_ic_ctx_t`: the buffer as kernels see it.
+/// `deep_ep_ic_ctx_t`: the buffer as kernels see it. `peer_base` is indexed by world rank, so a
+/// buffer has at most [`MAX_RANKS`] ranks in all, internode included.
 #[repr(C)]
 #[derive(Copy, Clone, Debug)]
 pub struct Ctx {
+    /// Window base of every rank this GPU addresses over NVLink; NULL for the ranks outside this
+    /// rank's NVLink domain when `nvl_ranks` > 0.
     pub peer_base: [*mut c_void; MAX_RANKS],
     pub rank: i32,
     pub num_ranks: i32,
@@ -122,7 +125,18 @@ pub struct Ctx {
     pub timeout_ns: u64,
     /// SMs of this GPU, queried once at creation (0 = unknown: the launcher asks CUDA).
     pub num_sms: i32,
-    pub reserved: i32,
+    /// 0: `peer_base` holds every rank. `D` (1 <= D < num_ranks, dividing it): an internode
+    /// buffer over NVLink domains of `D` consecutive ranks, `peer_base` set exactly for the ranks
+    /// of this rank's domain (the others are reached through the transport seam only).
+    pub nvl_ranks: i32,
+}
+
+impl Ctx {
+    /// Whether this is the ctx of a buffer whose other NVLink domains have no window pointer
+    /// (`nvl_ranks` > 0): barriers of all ranks go through [`super::global_barrier`].
+    pub fn split(&self) -> bool {
+        self.nvl_ranks > 0 && self.nvl_ranks < self.num_ranks
+    }
 }
 
 /// `deep_ep_ic_layout_t`: what one rank stages, read by its peers.
@@ -443,13 +457,14 @@ pub fn check_inputs(op: &'static str, ctx: &Ctx, args: &CheckArgs, stream: *mut 
 
 /// The first step of a collective buffer release, for every window provider: waits for the
 /// device, then meets every peer at the kernel barrier (bounded by the timeout), so no peer still
-/// reads or writes this rank's window. A peer that never arrives is an [`Error::Timeout`] naming
-/// it, and the caller must then skip its collective teardown.
+/// reads or writes this rank's window: the flag barrier, or the global barrier (node phase over
+/// NVLink, seam phase between rail peers) for a ctx split over NVLink domains
+/// ([`super::global_barrier::all_ranks`]). A peer that never arrives is an [`Error::Timeout`]
+/// naming it, and the caller must then skip its collective teardown.
 pub fn destroy_barrier(op: &'static str, ctx: &Ctx, status: &HostStatus, timeout_ms: u64) -> Result<()> {
     device_synchronize(op)?;
     let stream = Stream::new(op)?;
-    let args = SyncArgs { site: site::DESTROY, ..Default::default() };
-    sync(op, ctx, &args, stream.raw())?;
+    super::global_barrier::all_ranks(op, ctx, site::DESTROY, stream.raw())?;
     stream.synchronize(op)?;
     if let Some(e) = status.error().filter(|e| e.code == err::TIMEOUT) {
         return Err(crate::error::Error::Timeout { op, rank: ctx.rank as usize, peers: vec![e.rank.max(0) as usize], timeout_ms, what: site::name(e.site).to_string() });

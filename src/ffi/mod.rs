@@ -25,6 +25,10 @@ pub mod transport;
 pub mod nccl;
 #[cfg(feature = "nccl")]
 pub mod nccl_window;
+#[cfg(feature = "nccl")]
+pub mod lsa_team;
+#[cfg(feature = "cuda")]
+pub mod global_barrier;
 #[cfg(feature = "nvshmem")]
 pub mod nvshmem;
 #[cfg(feature = "nvshmem")]

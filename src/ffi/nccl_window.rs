@@ -1,5 +1,5 @@
-//! One NCCL communicator with one symmetric window: what an intranode buffer of the `nccl`
-//! backend owns. Creation and [`Window::close`] are collective; dropping a window that was not
+//! One NCCL communicator with one symmetric window: what a buffer of the `nccl` backend owns
+//! (intranode, or internode with the kernels' peer pointers limited to the own NVLink domain). Creation and [`Window::close`] are collective; dropping a window that was not
 //! closed releases it locally (communicator aborted), which is the path for buffers whose ranks
 //! fell out of step.
 //!
@@ -8,11 +8,14 @@
 //! memory is registered, since NCCL registers memory with its GIN transport when the memory is
 //! registered and GIN is already enabled on the communicator) → `ncclMemAlloc` + `ncclCommWindowRegister(..., NCCL_WIN_COLL_SYMMETRIC)` → `ncclDevCommCreate`
 //! (zeroed requirements, one LSA barrier, no multimem; it proves the device-comm path and tells
-//! the LSA team size, which must be the whole communicator: intranode only) → peer base pointers (a kernel calls `ncclGetPeerPointer`) →
-//! host-mapped status block → control area zeroed → an all-reduce of one int as the host
-//! rendezvous, so no peer signals into a control area that is not zeroed yet.
+//! the LSA team, checked against the buffer's NVLink domains by [`PeerMap`]) → the LSA team's
+//! window pointers (a kernel calls `ncclGetLsaPointer`), of which `Ctx::peer_base` keeps the
+//! own NVLink domain only for an internode buffer → host-mapped status block → control area
+//! zeroed → an all-reduce of one int as the host rendezvous, so no peer signals into a control
+//! area that is not zeroed yet.
 
 use super::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream, CONTROL_BYTES, MAX_RANKS};
+use super::lsa_team::PeerMap;
 use super::kernels::check as cuda_check;
 use super::transport::{gin_devcomm_create, GinGrant, GinReqs};
 use super::nccl::{self, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId, ncclWindow_t, nccl_fn, DeviceApi, NcclLib};
@@ -28,7 +31,7 @@ extern "C" {
     fn deep_ep_nccl_devcomm_bytes() -> usize;
     fn deep_ep_nccl_devcomm_create(create_fn: *mut c_void, comm: *mut c_void, lsa_barrier_count: c_int, devcomm: *mut c_void, devcomm_bytes: usize, lsa_size: *mut c_int, lsa_rank: *mut c_int) -> c_int;
     fn deep_ep_nccl_devcomm_destroy(destroy_fn: *mut c_void, comm: *mut c_void, devcomm: *const c_void) -> c_int;
-    fn deep_ep_nccl_window_peer_bases(window: *mut c_void, num_ranks: c_int, base: *mut *mut c_void) -> c_int;
+    fn deep_ep_nccl_window_lsa_bases(window: *mut c_void, lsa_size: c_int, base: *mut *mut c_void) -> c_int;
 }
 
 /// What [`Window::create`] needs.
@@ -36,6 +39,10 @@ pub struct WindowArgs<'a> {
     pub unique_id: &'a [u8; 128],
     pub rank: usize,
     pub num_ranks: usize,
+    /// Ranks per NVLink domain (`DEEP_EP_NVL_DOMAIN_SIZE`), or `num_ranks` for an intranode
+    /// buffer. Below `num_ranks` (an internode buffer) the kernels get the windows of the own
+    /// domain only ([`PeerMap`]).
+    pub nvl_domain: usize,
     pub device: i32,
     /// Bytes for staged data; the window adds the control area and rounds up to 2 MiB.
     pub data_bytes: usize,
@@ -105,6 +112,9 @@ pub struct Window {
     win: ncclWindow_t,
     bytes: usize,
     ctx: Ctx,
+    /// Window base of every rank in NCCL's LSA team, by world rank (NULL outside it): more than
+    /// `ctx.peer_base` for an internode buffer on one NVLink machine (the LSA emulation's reach).
+    lsa_base: [*mut c_void; MAX_RANKS],
     status: Option<HostStatus>,
 }
 
@@ -117,7 +127,9 @@ fn nccl_check(lib: &NcclLib, res: nccl::ncclResult_t, what: &str) -> Result<()> 
 }
 
 impl Window {
-    /// Collective over `num_ranks` processes (one per GPU, all on one NVLink domain).
+    /// Collective over `num_ranks` processes (one per GPU): one NVLink domain, or several of
+    /// `a.nvl_domain` ranks (NCCL's LSA team the whole buffer on one machine, or exactly the own
+    /// domain over GIN).
     pub fn create(a: &WindowArgs) -> Result<Window> {
         intranode::check_struct_sizes(OP)?;
         let lib = nccl::library()?;
@@ -143,8 +155,9 @@ impl Window {
                 host_status: std::ptr::null_mut(),
                 timeout_ns: a.timeout_ns,
                 num_sms: intranode::sm_count(OP, a.device)?,
-                reserved: 0,
+                nvl_ranks: 0,
             },
+            lsa_base: [std::ptr::null_mut(); MAX_RANKS],
             status: None,
         };
         // From here on a failure returns early and Drop releases what exists.
@@ -178,14 +191,16 @@ impl Window {
         };
         nccl_check(lib, nccl::ncclResult_t(res as _), "ncclDevCommCreate")?;
         w.devcomm = Some(devcomm);
-        if lsa_size as usize != a.num_ranks {
-            return Err(Error::NotImplemented { op: OP, backend: "nccl", feature: "internode buffers (ranks outside one NVLink domain)" });
-        }
-        crate::ensure!(lsa_rank as usize == a.rank, OP, "NCCL placed rank {} at LSA rank {lsa_rank}", a.rank);
-
-        // SAFETY: the window is live; writes num_ranks pointers into peer_base.
-        let st = unsafe { deep_ep_nccl_window_peer_bases(w.win.cast(), a.num_ranks as c_int, w.ctx.peer_base.as_mut_ptr()) };
+        crate::ensure!(lsa_size >= 1 && lsa_rank >= 0, OP, "NCCL reported LSA rank {lsa_rank} of {lsa_size}");
+        let map = PeerMap::new(OP, a.rank, a.num_ranks, a.nvl_domain, lsa_size as usize, lsa_rank as usize, a.gin.is_some())?;
+        let mut lsa = [std::ptr::null_mut(); MAX_RANKS];
+        // SAFETY: the window is live; writes lsa_size (<= num_ranks <= MAX_RANKS, checked by
+        // PeerMap) pointers into `lsa`.
+        let st = unsafe { deep_ep_nccl_window_lsa_bases(w.win.cast(), map.lsa_size as c_int, lsa.as_mut_ptr()) };
         cuda_check(st, OP, "reading the window's peer pointers")?;
+        (w.ctx.peer_base, w.lsa_base) = map.spread(&lsa);
+        w.ctx.nvl_ranks = map.ctx_nvl_ranks as i32;
+        crate::ensure!((0..a.num_ranks).all(|p| w.ctx.peer_base[p].is_null() != map.in_ctx(p)), OP, "NCCL gave no window pointer for a rank of this NVLink domain");
 
         let status = HostStatus::new(OP)?;
         w.ctx.host_status = status.device_ptr();
@@ -202,8 +217,11 @@ impl Window {
         nccl_check(lib, res, "ncclAllReduce (create rendezvous)")?;
         stream.synchronize(OP)?;
         if let Some(stride) = a.transport_self_test {
-            // After the rendezvous: every rank's signals are zero.
-            super::transport::lsa_self_test_run(OP, &w.ctx, stride, a.timeout_ns, stream.raw())?;
+            // After the rendezvous: every rank's signals are zero. The self-test runs over the
+            // LSA emulation, on every rank's window (not only the kernels' own domain).
+            crate::ensure!(map.whole_buffer(), OP, "DEEP_EP_TRANSPORT_SELFTEST runs over the LSA emulation and needs every rank in NCCL's LSA team ({} of {} here): unset it across machines", map.lsa_size, a.num_ranks);
+            let full = Ctx { peer_base: w.lsa_base, nvl_ranks: 0, ..w.ctx };
+            super::transport::lsa_self_test_run(OP, &full, stride, a.timeout_ns, stream.raw())?;
         }
         Ok(w)
     }
@@ -211,6 +229,13 @@ impl Window {
     /// What kernels need to address the buffer.
     pub fn ctx(&self) -> &Ctx {
         &self.ctx
+    }
+
+    /// Window base of every rank in NCCL's LSA team by world rank (NULL outside it), for the LSA
+    /// emulation's descriptors: on one NVLink machine every rank, where `ctx().peer_base` of an
+    /// internode buffer holds the own NVLink domain only.
+    pub fn lsa_bases(&self) -> [*mut c_void; MAX_RANKS] {
+        self.lsa_base
     }
 
     /// The host-mapped status block.
@@ -230,7 +255,8 @@ impl Window {
     }
 
     /// Collective release: waits for the device, meets every peer at a barrier (so none still
-    /// reads this window), then tears NCCL down in order. On a barrier timeout the window is
+    /// reads this window; the global barrier for an internode buffer, which the backend set up at
+    /// creation), then tears NCCL down in order. On a barrier timeout the window is
     /// released locally instead (communicator aborted) and the timeout is returned.
     pub fn close(&mut self, timeout_ms: u64) -> Result<()> {
         if self.comm.is_null() {
@@ -333,7 +359,7 @@ mod tests {
 
     // Stand-ins for ncclDevCommCreate (the glue zeroes the device comm before calling them).
     extern "C" fn fake_grant(_comm: *mut c_void, _reqs: *const u8, out: *mut c_void) -> c_int {
-        let info = GinInfo { rank: 1, num_ranks: 4, lsa_rank: 1, lsa_size: 4, gin_context_count: 2, gin_type: 3, gin_signal_count: 8192 + 16, gin_counter_count: 0 };
+        let info = GinInfo { rank: 1, num_ranks: 4, lsa_rank: 1, lsa_size: 4, gin_context_count: 2, gin_type: 3, gin_signal_count: 8192 + 16 + 8, gin_counter_count: 0 };
         // SAFETY: the glue hands a zeroed ncclDevComm of devcomm_bytes().
         unsafe { devcomm_fill(out, &info) }
     }

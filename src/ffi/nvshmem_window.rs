@@ -200,7 +200,7 @@ impl Window {
                 host_status: std::ptr::null_mut(),
                 timeout_ns: a.timeout_ns,
                 num_sms: intranode::sm_count(OP, a.device)?,
-                reserved: 0,
+                nvl_ranks: 0,
             },
             status: None,
             finalize,

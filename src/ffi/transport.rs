@@ -187,17 +187,26 @@ pub fn devcomm_error(op: &'static str, code: i32, detail: String) -> Error {
     Error::Device { op, what: "ncclDevCommCreate (GIN)".into(), detail: format!("ncclResult_t {code}: {detail}") }
 }
 
-/// Writes this rank's LSA emulation descriptor (`deep_ep_tp_lsa_t`: every rank's window base,
-/// `num_contexts` signal tables of `num_signals` at `signal_off`) into its own window at
-/// `desc_off`, synchronously. The LL kernels of an internode buffer read it there (`LsaNet` of
-/// `kernels/low_latency.cuh`). Local (no peer involved).
-pub fn write_lsa_desc(op: &'static str, ctx: &super::intranode::Ctx, desc_off: usize, signal_off: usize, num_contexts: usize, num_signals: usize) -> Result<()> {
+/// Writes this rank's LSA emulation descriptor (`deep_ep_tp_lsa_t`: every rank's window base
+/// from `bases`, the window's LSA pointers, not `ctx.peer_base`, which holds the own NVLink domain
+/// only; `num_contexts` signal tables of `num_signals` at `signal_off`) into its own window at
+/// `desc_off`, synchronously. The LL kernels of an internode buffer and the global barrier read it
+/// there (`LsaNet` of `kernels/transport.cuh`). Fails, naming the transport switch, when a rank's
+/// window is not addressable (a real cluster). Local (no peer involved).
+pub fn write_lsa_desc(op: &'static str, ctx: &super::intranode::Ctx, bases: &[*mut c_void], desc_off: usize, signal_off: usize, num_contexts: usize, num_signals: usize) -> Result<()> {
     let n = ctx.num_ranks as usize;
+    crate::ensure!(bases.len() >= n, op, "internal: {} window bases for {n} ranks", bases.len());
+    if let Some(p) = (0..n).find(|&p| bases[p].is_null()) {
+        return Err(crate::error::Error::invalid(op, format!(
+            "the LSA emulation of the RDMA leg (DEEP_EP_RDMA_TRANSPORT unset or lsa) needs every rank's window over NVLink, but rank {} cannot address rank {p}'s: on several machines set DEEP_EP_RDMA_TRANSPORT=gin",
+            ctx.rank
+        )));
+    }
     let end = (signal_off + 8 * num_contexts * num_signals) as u64;
     crate::ensure!(n <= MAX_LSA_PEERS && (1..=MAX_GIN_CONTEXTS).contains(&num_contexts) && signal_off % 8 == 0 && desc_off % 16 == 0, op, "internal: LSA descriptor for {n} ranks, {num_contexts} contexts");
     crate::ensure!(((desc_off + std::mem::size_of::<LsaDesc>()) as u64) <= ctx.window_bytes && end <= ctx.window_bytes, op, "internal: seam area outside the window of {} bytes", ctx.window_bytes);
     let mut lsa = LsaDesc { peer_base: [std::ptr::null_mut(); MAX_LSA_PEERS], rank: ctx.rank, num_ranks: ctx.num_ranks, num_contexts: num_contexts as i32, num_signals: num_signals as i32, signal_off: signal_off as u64, window_bytes: ctx.window_bytes };
-    lsa.peer_base[..n].copy_from_slice(&ctx.peer_base[..n]);
+    lsa.peer_base[..n].copy_from_slice(&bases[..n]);
     let own = ctx.peer_base[ctx.rank as usize];
     // SAFETY: size_of::<LsaDesc>() bytes inside this rank's own live window (checked above), from
     // a host struct that lives through the synchronous copy.

@@ -248,14 +248,28 @@ pub fn buffer_plan(k: &GinKnobs, num_ranks: usize, num_rdma_ranks: usize, low_la
             feature: "several GIN communicators per buffer (DEEP_EP_GIN_COMMS > 1): a buffer opens one; unset DEEP_EP_GIN_COMMS or set it to 1 (up to 4 QPs per peer through DEEP_EP_GIN_CONTEXTS)",
         });
     }
-    let p = if low_latency_mode {
+    let mut p = if low_latency_mode {
         let signals = ht_signal_base(true) + crate::ffi::internode::SEAM_SIGNALS;
         let contexts_per_comm = k.contexts.unwrap_or_else(|| num_ranks.min(MAX_GIN_CONTEXTS));
         GinPlan { workload: Workload::LowLatency { num_local_experts: (super::ll_seam::MAX_EXPERTS / num_ranks).max(1), num_ranks }, num_comms: 1, contexts_per_comm, signals }
     } else {
         plan(Workload::Normal { num_rdma_ranks }, k)?
     };
+    // The global barrier's signals after every id of the workload (barrier_signal_base).
+    p.signals += BARRIER_SIGNALS;
     Ok(Some(p))
+}
+
+/// Signals a [`buffer_plan`] adds at the end of its table for the buffer's global barrier
+/// (`ffi::global_barrier`: destroy and the LL signal reset; one id per source NVLink domain).
+pub const BARRIER_SIGNALS: usize = crate::ffi::global_barrier::SIGNALS;
+
+/// First signal id of the global barrier in a plan from [`buffer_plan`]: its last
+/// [`BARRIER_SIGNALS`] ids, above every id its ops use (`ll_signal`, `ring_signal`, the normal-mode
+/// kernels' ids), so the barrier never adds to an op's signal and an LL reset never resets one of
+/// the barrier's.
+pub fn barrier_signal_base(p: &GinPlan) -> usize {
+    p.signals - BARRIER_SIGNALS
 }
 
 /// A device comm with GIN, as granted.
@@ -439,9 +453,9 @@ mod tests {
         use crate::backend::nccl::ll_seam::SIGNALS;
         use crate::ffi::internode::{MAX_NODES, SEAM_SIGNALS};
         let p = buffer_plan(&gin, 4, 2, true).unwrap().unwrap();
-        assert_eq!((p.num_comms, p.contexts_per_comm, p.signals), (1, 4, SIGNALS + SEAM_SIGNALS));
+        assert_eq!((p.num_comms, p.contexts_per_comm, p.signals), (1, 4, SIGNALS + SEAM_SIGNALS + BARRIER_SIGNALS));
         let r = p.requirements();
-        assert_eq!((r.gin_context_count, r.gin_signal_count, r.gin_force_enable), (4, 8192 + 16, 1));
+        assert_eq!((r.gin_context_count, r.gin_signal_count, r.gin_force_enable), (4, 8192 + 16 + 8, 1));
         // Normal-mode ops of an LL buffer: past every LL id (which the LL kernels reset), inside the plan.
         for node in 0..MAX_NODES {
             for kind in [HtSignal::Barrier, HtSignal::Step] {
@@ -456,14 +470,35 @@ mod tests {
         assert_eq!(buffer_plan(&k, 8, 4, true).unwrap().unwrap().contexts_per_comm, 1);
         // Normal mode: the kernels' signals from 0, on one context.
         let p = buffer_plan(&gin, 4, 2, false).unwrap().unwrap();
-        assert_eq!((p.contexts_per_comm, p.signals, ht_signal_base(false)), (1, SEAM_SIGNALS, 0));
+        assert_eq!((p.contexts_per_comm, p.signals, ht_signal_base(false)), (1, SEAM_SIGNALS + BARRIER_SIGNALS, 0));
         assert!(ht_signal(0, HtSignal::Step, MAX_NODES - 1) < p.signals);
-        assert_eq!(buffer_plan(&gin, 16, 8, false).unwrap().unwrap().signals, SEAM_SIGNALS);
+        assert_eq!(buffer_plan(&gin, 16, 8, false).unwrap().unwrap().signals, SEAM_SIGNALS + BARRIER_SIGNALS);
         // Several communicators are refused by name.
         let k = knobs(&[("DEEP_EP_RDMA_TRANSPORT", "gin"), ("DEEP_EP_GIN_COMMS", "2")]).unwrap();
         let e = buffer_plan(&k, 4, 2, true).unwrap_err().to_string();
         assert!(e.contains("DEEP_EP_GIN_COMMS > 1") && e.contains("not implemented"), "{e}");
         assert_eq!(buffer_plan(&knobs(&[("DEEP_EP_RDMA_TRANSPORT", "gin"), ("DEEP_EP_GIN_COMMS", "1")]).unwrap(), 4, 2, true).unwrap().unwrap().num_comms, 1);
+    }
+
+    #[test]
+    fn the_barrier_signals_follow_every_op_signal_of_the_plan() {
+        let gin = knobs(&[("DEEP_EP_RDMA_TRANSPORT", "gin")]).unwrap();
+        use crate::ffi::internode::{MAX_NODES, SEAM_SIGNALS};
+        // LL: above every seam id (ll_seam::signal_id < SIGNALS) and the normal-mode ids after
+        // them, inside the table NCCL grants.
+        let p = buffer_plan(&gin, 4, 2, true).unwrap().unwrap();
+        let base = barrier_signal_base(&p);
+        assert_eq!(base, crate::backend::nccl::ll_seam::SIGNALS + SEAM_SIGNALS);
+        assert_eq!(ht_signal(ht_signal_base(true), HtSignal::Step, MAX_NODES - 1) + 1, base);
+        assert_eq!(base + BARRIER_SIGNALS, p.requirements().gin_signal_count as usize);
+        // A domain id per source node: the most nodes of a buffer (8 ranks of 1 GPU) fit.
+        assert!(BARRIER_SIGNALS >= crate::ffi::intranode::MAX_RANKS);
+        // Normal mode: above every id of the kernels.
+        for rr in [2, 4, 8] {
+            let p = buffer_plan(&gin, 8, rr, false).unwrap().unwrap();
+            assert_eq!(barrier_signal_base(&p), SEAM_SIGNALS);
+            assert!(ht_signal(0, HtSignal::Step, rr - 1) < barrier_signal_base(&p));
+        }
     }
 
     fn info(contexts: i32, ty: i32, signals: i32) -> GinInfo {

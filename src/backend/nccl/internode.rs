@@ -167,7 +167,8 @@ impl NcclBackend {
             signal_off: k::SIGNAL_OFF,
             window_bytes: ctx.window_bytes,
         };
-        lsa.peer_base[..nr].copy_from_slice(&ctx.peer_base[..nr]);
+        // Every rank's window (the emulation's reach), not the ctx's own NVLink domain only.
+        lsa.peer_base[..nr].copy_from_slice(&self.window.lsa_bases()[..nr]);
         Ok(InArgs {
             lsa,
             kind,

@@ -133,7 +133,9 @@ pub struct Seam {
 /// How a buffer of `topo` reaches peers outside its NVLink domain, as DeepEP decides: only LL
 /// buffers whose ranks span several domains use the seam (LL works with any number of domains;
 /// internode normal mode has its own ops). `transport` is `DEEP_EP_RDMA_TRANSPORT`: unset or
-/// `lsa` → the LSA emulation (every rank must be NVLink-reachable, which window creation checks);
+/// `lsa` → the LSA emulation (every rank must be NVLink-reachable, which window creation and the
+/// descriptor's writer check: the descriptor takes the window's LSA pointers, not the kernels'
+/// `Ctx`, which holds the own NVLink domain only);
 /// `gin` → NCCL GIN (the buffer creates a GIN device comm and writes its descriptor, `GinNet`).
 pub fn select(transport: Option<RdmaTransport>, topo: &Topology, low_latency_mode: bool) -> Option<i32> {
     if !low_latency_mode || topo.num_rdma_ranks() < 2 {

@@ -44,7 +44,7 @@ use super::{ll_seam, NcclBackend};
 use crate::backend::{LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlStats, Stream};
 use crate::config::BUFFER_ALIGNMENT;
 use crate::error::{Error, Result};
-use crate::ffi::intranode::{self, err, site, SyncArgs, CONTROL_BYTES};
+use crate::ffi::intranode::{self, err, site, CONTROL_BYTES};
 use crate::ffi::host_mask::SHRINK_WORD;
 use crate::ffi::low_latency::{self as k, LlArgs};
 use crate::tensor::{DType, TensorRef};
@@ -190,12 +190,14 @@ impl NcclBackend {
         })
     }
 
-    /// Zeroes the signal words of `a`'s geometry on every rank, between two barriers.
+    /// Zeroes the signal words of `a`'s geometry on every rank, between two barriers of all ranks
+    /// (the global barrier for an internode buffer, whose kernels reach other NVLink domains only
+    /// through the seam: `ffi::global_barrier`).
     fn ll_reset_signals(&self, op: &'static str, a: &LlArgs, stream: Stream) -> Result<()> {
-        let barrier = SyncArgs { site: site::LL_GEOMETRY, ..Default::default() };
-        intranode::sync(op, self.window.ctx(), &barrier, stream)?;
+        use crate::ffi::global_barrier::all_ranks;
+        all_ranks(op, self.window.ctx(), site::LL_GEOMETRY, stream)?;
         k::zero_signals(op, self.window.ctx(), a, stream)?;
-        intranode::sync(op, self.window.ctx(), &barrier, stream)
+        all_ranks(op, self.window.ctx(), site::LL_GEOMETRY, stream)
     }
 
     /// Before a send: a call with another geometry than the previous LL call resets the signals;

@@ -5,7 +5,10 @@
 //! domain through the transport seam when the ranks span several domains (`ll_seam.rs`: LSA
 //! emulation, or NCCL GIN with `DEEP_EP_RDMA_TRANSPORT=gin`); internode normal mode (ranks spanning several NVLink domains of
 //! `DEEP_EP_NVL_DOMAIN_SIZE`) forwards over the transport seam (`internode.rs`,
-//! `kernels/internode_*.cu`; LSA emulation, or NCCL GIN with `DEEP_EP_RDMA_TRANSPORT=gin`).
+//! `kernels/internode_*.cu`; LSA emulation, or NCCL GIN with `DEEP_EP_RDMA_TRANSPORT=gin`). The kernels of an internode
+//! buffer get the windows of their own NVLink domain only (`Ctx::nvl_ranks`, the others NULL,
+//! as on a cluster where NCCL's LSA team is the node), and its barriers of all ranks (destroy,
+//! the LL signal reset) are the global barrier of `ffi::global_barrier`, set up at creation.
 //!
 //! The window comes from a provider ([`window::PeerWindow`]): an NCCL symmetric window (backend
 //! `nccl`) or an NVSHMEM symmetric allocation (backend `nvshmem`); kernels and host code only see
@@ -68,6 +71,32 @@ fn ni(kind: BackendKind, op: &'static str, feature: &'static str) -> Error {
     Error::NotImplemented { op, backend: kind.name(), feature }
 }
 
+/// An internode buffer whose kernels address the windows of their own NVLink domain only: checks
+/// that (every other rank's pointer NULL, so a kernel that still addresses one faults) and sets up
+/// the global barrier (destroy, LL signal reset) over the buffer's seam: GIN with signal ids after
+/// the plan's, or the LSA emulation through the window's LSA pointers. Local.
+fn split_setup(op: &'static str, window: &dyn window::PeerWindow, topo: &crate::topology::Topology, gin_plan: Option<&gin::GinPlan>) -> Result<()> {
+    use crate::ffi::global_barrier;
+    let ctx = window.ctx();
+    let n = ctx.num_ranks as usize;
+    let own: Vec<usize> = (0..n).filter(|&p| !ctx.peer_base[p].is_null()).collect();
+    let domain: Vec<usize> = topo.nvl_peers().collect();
+    crate::ensure!(own == domain && ctx.nvl_ranks as usize == topo.num_nvl_ranks(), op, "internal: the kernels address the windows of ranks {own:?}, not exactly this NVLink domain {domain:?}");
+    let how = match (gin_plan, window.gin()) {
+        (Some(p), Some((devcomm, win))) => {
+            global_barrier::setup_gin(op, ctx, devcomm, win, gin::barrier_signal_base(p))?;
+            "NCCL GIN"
+        }
+        (None, None) => {
+            global_barrier::setup_lsa(op, ctx, &window.lsa_bases())?;
+            "the LSA emulation"
+        }
+        _ => return Err(Error::invalid(op, "internal: a GIN plan without a GIN device comm, or the reverse")),
+    };
+    crate::log_info!(Some(topo.rank), "{op}: kernels address the windows of ranks {own:?} only (NVLink domain {} of {}); ranks {:?} are reached through the transport seam, and barriers of all ranks go over {how}", topo.rdma_rank(), topo.num_rdma_ranks(), ll_seam::remote_peers(topo));
+    Ok(())
+}
+
 /// Loads NCCL and refuses a runtime whose version differs from the build's headers.
 fn checked_library() -> Result<&'static nccl::NcclLib> {
     let lib = nccl::library()?;
@@ -125,7 +154,9 @@ impl NcclBackend {
             BackendKind::Nccl => {
                 checked_library()?;
                 let gin = gin_plan.as_ref().map(|p| GinSetup { reqs: p.requirements(), judge: &judge });
-                Box::new(Window::create(&WindowArgs { unique_id: &unique_id, rank: a.rank, num_ranks: a.num_ranks, device, data_bytes, timeout_ns, transport_self_test, gin })?)
+                // Internode: the kernels get the windows of their own NVLink domain only.
+                let nvl_domain = if topo.num_rdma_ranks() >= 2 { topo.num_nvl_ranks() } else { a.num_ranks };
+                Box::new(Window::create(&WindowArgs { unique_id: &unique_id, rank: a.rank, num_ranks: a.num_ranks, nvl_domain, device, data_bytes, timeout_ns, transport_self_test, gin })?)
             }
             #[cfg(feature = "nvshmem")]
             BackendKind::Nvshmem if gin_plan.is_some() => {
@@ -146,7 +177,7 @@ impl NcclBackend {
                     crate::ffi::transport::write_gin_desc(OP, window.ctx(), layout.desc_off, ll_seam::DESC_BYTES, devcomm, win)?;
                     "NCCL GIN"
                 } else {
-                    crate::ffi::transport::write_lsa_desc(OP, window.ctx(), layout.desc_off, layout.signal_off, ll_seam::LSA_CONTEXTS, ll_seam::SIGNALS)?;
+                    crate::ffi::transport::write_lsa_desc(OP, window.ctx(), &window.lsa_bases(), layout.desc_off, layout.signal_off, ll_seam::LSA_CONTEXTS, ll_seam::SIGNALS)?;
                     "LSA emulation"
                 };
                 crate::log_info!(Some(a.rank), "{OP}: low-latency kernels reach ranks {:?} (outside this NVLink domain of {}) through the transport seam ({name})", ll_seam::remote_peers(&topo), topo.num_nvl_ranks());
@@ -157,6 +188,9 @@ impl NcclBackend {
         // Internode normal mode over GIN: the kernels' GinNet in the internode control area.
         if !a.low_latency_mode && topo.num_rdma_ranks() > 1 && internode::write_gin_net(OP, window.as_ref())? {
             crate::log_info!(Some(a.rank), "{OP}: normal-mode kernels reach ranks {:?} (outside this NVLink domain of {}) through the transport seam (NCCL GIN)", ll_seam::remote_peers(&topo), topo.num_nvl_ranks());
+        }
+        if window.ctx().split() {
+            split_setup(OP, window.as_ref(), &topo, gin_plan.as_ref())?;
         }
         let info = BufferInfo::from_args(a, kind);
         let mask = HostMask::new(OP)?;

@@ -8,14 +8,20 @@
 //!   peer pointers from `nvshmem_ptr`.
 
 use crate::error::Result;
-use crate::ffi::intranode::{Ctx, HostStatus};
+use crate::ffi::intranode::{Ctx, HostStatus, MAX_RANKS};
 
 /// The symmetric memory of one buffer, as kernels and host code address it. Created
 /// collectively by the provider; [`PeerWindow::close`] is collective; dropping an unclosed window
 /// releases what can be released without the peers.
 pub trait PeerWindow: Send {
-    /// Peer base pointers, rank, sizes and status pointer, passed to every kernel.
+    /// Peer base pointers, rank, sizes and status pointer, passed to every kernel. For an
+    /// internode buffer of the `nccl` provider, `peer_base` holds the own NVLink domain only.
     fn ctx(&self) -> &Ctx;
+    /// Window base of every rank this GPU can address, by world rank (NULL elsewhere): what the
+    /// LSA emulation of the RDMA leg puts through. Defaults to the ctx's pointers.
+    fn lsa_bases(&self) -> [*mut std::ffi::c_void; MAX_RANKS] {
+        self.ctx().peer_base
+    }
     /// The host-mapped status block kernels report errors and receive counts in.
     fn status(&self) -> &HostStatus;
     /// Bytes of the window, control area included.
@@ -31,6 +37,7 @@ pub trait PeerWindow: Send {
 
 impl PeerWindow for crate::ffi::nccl_window::Window {
     fn ctx(&self) -> &Ctx { self.ctx() }
+    fn lsa_bases(&self) -> [*mut std::ffi::c_void; MAX_RANKS] { self.lsa_bases() }
     fn status(&self) -> &HostStatus { self.status() }
     fn bytes(&self) -> usize { self.bytes() }
     fn close(&mut self, timeout_ms: u64) -> Result<()> { self.close(timeout_ms) }

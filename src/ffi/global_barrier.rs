@@ -1,0 +1,151 @@
+//! The barrier of every rank of an internode buffer whose kernels address only the windows of
+//! their own NVLink domain ([`Ctx::nvl_ranks`] > 0): `kernels/global_barrier.cu`, protocol and
+//! window area in `kernels/deep_ep_kernels.h` ("Global barrier of an internode buffer"). A node
+//! phase over NVLink, then a seam phase between rail peers through the transport seam (the LSA
+//! emulation or NCCL GIN) whose descriptor lies in the barrier's area of each rank's window,
+//! written at creation by [`setup_lsa`] / [`setup_gin`]. [`all_ranks`] is the barrier of every
+//! rank for any buffer (`destroy_buffer`, the low-latency signal reset): this one for a split
+//! ctx, the intranode flag barrier otherwise.
+
+use super::intranode::{self, Ctx, SyncArgs, CONTROL_BYTES};
+use super::kernels::check;
+use super::low_latency::{NET_GIN, NET_LSA};
+use crate::error::Result;
+use std::ffi::{c_int, c_void};
+
+/// The barrier's area in the control area of every window (`DEEP_EP_GB_OFF`).
+pub const AREA_OFF: usize = CONTROL_BYTES - 6144;
+/// The LSA emulation's signal table of the barrier (`DEEP_EP_GB_SIG_OFF`).
+pub const SIGNAL_OFF: usize = AREA_OFF + 128;
+/// The seam descriptor (`DEEP_EP_GB_DESC_OFF`, `DEEP_EP_GB_DESC_BYTES`).
+pub const DESC_OFF: usize = AREA_OFF + 1024;
+pub const DESC_BYTES: usize = 4096;
+/// Signal ids the barrier uses from its base: one per source NVLink domain
+/// (`DEEP_EP_GB_MAX_DOMAINS`); on GIN they come after the ops' ids
+/// (`backend::nccl::gin::barrier_signal_base`).
+pub const SIGNALS: usize = 8;
+
+/// `deep_ep_gb_header_t`.
+#[repr(C)]
+struct Header {
+    net_kind: i32,
+    signal_base: i32,
+}
+
+extern "C" {
+    fn deep_ep_gb_barrier(ctx: *const Ctx, site: c_int, stream: *mut c_void) -> c_int;
+    fn deep_ep_gb_layout(which: c_int) -> usize;
+    fn deep_ep_cuda_memcpy_htod(dst: *mut c_void, host_src: *const c_void, bytes: usize) -> c_int;
+}
+
+/// Fails when the mirrored constants differ from the kernels' (a build out of step).
+pub fn check_layout(op: &'static str) -> Result<()> {
+    // SAFETY: pure queries of compile-time constants.
+    let got: Vec<usize> = (0..4).chain([6]).map(|w| unsafe { deep_ep_gb_layout(w) }).collect();
+    let want = vec![AREA_OFF, SIGNAL_OFF, DESC_OFF, DESC_BYTES, SIGNALS];
+    crate::ensure!(got == want, op, "internal: global barrier layout of the kernels {got:?} differs from the host's {want:?} (rebuild)");
+    Ok(())
+}
+
+fn write_header(op: &'static str, ctx: &Ctx, h: Header) -> Result<()> {
+    let own = ctx.peer_base[ctx.rank as usize];
+    crate::ensure!(!own.is_null() && ctx.window_bytes >= CONTROL_BYTES as u64, op, "internal: no own window for the global barrier");
+    // SAFETY: 8 bytes inside the control area of this rank's own live window, from a host struct
+    // that lives through the synchronous copy.
+    let st = unsafe { deep_ep_cuda_memcpy_htod(own.cast::<u8>().add(AREA_OFF).cast(), (&h as *const Header).cast(), std::mem::size_of::<Header>()) };
+    check(st, op, "writing the global barrier's header")
+}
+
+/// Sets up the global barrier of a split ctx over the LSA emulation: descriptor with every rank's
+/// window base (`bases`, by world rank: the window's LSA pointers, not `ctx.peer_base`), one
+/// context, the barrier's own signal table. Local, synchronous; after the window was zeroed.
+pub fn setup_lsa(op: &'static str, ctx: &Ctx, bases: &[*mut c_void]) -> Result<()> {
+    check_layout(op)?;
+    super::transport::write_lsa_desc(op, ctx, bases, DESC_OFF, SIGNAL_OFF, 1, SIGNALS)?;
+    write_header(op, ctx, Header { net_kind: NET_LSA, signal_base: 0 })
+}
+
+/// Sets up the global barrier of a split ctx over NCCL GIN: descriptor from the GIN device comm
+/// and the window handle, signal ids `signal_base..signal_base + SIGNALS` (planned above every
+/// id the buffer's ops use). Local, synchronous.
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // `window` is an opaque NCCL handle, only copied
+pub fn setup_gin(op: &'static str, ctx: &Ctx, devcomm: &[u64], window: *mut c_void, signal_base: usize) -> Result<()> {
+    check_layout(op)?;
+    crate::ensure!(signal_base + SIGNALS <= i32::MAX as usize, op, "internal: GIN barrier signal base {signal_base}");
+    super::transport::write_gin_desc(op, ctx, DESC_OFF, DESC_BYTES, devcomm, window)?;
+    write_header(op, ctx, Header { net_kind: NET_GIN, signal_base: signal_base as i32 })
+}
+
+/// A barrier of every rank of the buffer, asynchronous on `stream` (collective; the kernel
+/// records a timeout naming the rank waited for at `site` in the status block): the global
+/// barrier for a ctx split over NVLink domains ([`Ctx::split`]), else the intranode flag barrier.
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
+pub fn all_ranks(op: &'static str, ctx: &Ctx, site: i32, stream: *mut c_void) -> Result<()> {
+    if !ctx.split() {
+        return intranode::sync(op, ctx, &SyncArgs { site, ..Default::default() }, stream);
+    }
+    // SAFETY: the ctx describes live windows (own domain) and the barrier area set up at
+    // creation; the launcher validates it; asynchronous on `stream`.
+    check(unsafe { deep_ep_gb_barrier(ctx, site, stream) }, op, "global barrier kernel launch")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_matches_the_kernels_and_fits_the_control_area() {
+        check_layout("test").unwrap();
+        // SAFETY: pure queries.
+        let (lsa, gin) = unsafe { (deep_ep_gb_layout(4), deep_ep_gb_layout(5)) };
+        assert!(lsa == std::mem::size_of::<super::super::transport::LsaDesc>() && gin <= DESC_BYTES, "{lsa} {gin}");
+        assert_eq!(gin, super::super::transport::gin_net_layout().bytes);
+        // Between the intranode scratch and the LL scratch (kLlCalls = CONTROL_BYTES - 1024).
+        assert!(DESC_OFF + DESC_BYTES <= CONTROL_BYTES - 1024 && SIGNAL_OFF + 8 * SIGNALS <= DESC_OFF);
+        assert!(super::super::low_latency::LL_MASK_OFF >= DESC_OFF + DESC_BYTES);
+    }
+
+    #[test]
+    fn the_launcher_refuses_a_ctx_that_is_not_split() {
+        let ctx = Ctx { peer_base: [8usize as *mut c_void; 8], rank: 0, num_ranks: 4, window_bytes: 1 << 20, host_status: 8usize as *mut c_void, timeout_ns: 1, num_sms: 0, nvl_ranks: 0 };
+        let mut bad = ctx;
+        bad.num_ranks = 4;
+        bad.nvl_ranks = 2;  // rank 0's domain is {0, 1}: ranks 2, 3 must be NULL
+        for c in [ctx, bad] {
+            // SAFETY: the launcher rejects these before touching anything.
+            assert_ne!(unsafe { deep_ep_gb_barrier(&c, 8, std::ptr::null_mut()) }, 0);
+        }
+    }
+
+    #[test]
+    fn launchers_accept_a_split_ctx_exactly_with_null_outside_the_domain() {
+        // Rank 3 of 2 x 2: windows of ranks 2, 3 only.
+        let mut c = Ctx { peer_base: [std::ptr::null_mut(); 8], rank: 3, num_ranks: 4, window_bytes: 1 << 20, host_status: 8usize as *mut c_void, timeout_ns: 1, num_sms: 0, nvl_ranks: 2 };
+        c.peer_base[2] = 0x10000usize as *mut c_void;
+        c.peer_base[3] = 0x20000usize as *mut c_void;
+        // The rendezvous word is pure address arithmetic behind the launchers' ctx check.
+        assert_eq!(intranode::rendezvous_word(&c) as usize, 0x20000 + 4096 + 12);
+        let mut other = c;
+        other.peer_base[0] = 0x30000usize as *mut c_void; // another domain's window: refused
+        assert!(intranode::rendezvous_word(&other).is_null());
+        let mut missing = c;
+        missing.peer_base[2] = std::ptr::null_mut(); // a rank of the own domain without a window
+        assert!(intranode::rendezvous_word(&missing).is_null());
+        let mut odd = c;
+        odd.nvl_ranks = 3; // does not divide the ranks
+        assert!(intranode::rendezvous_word(&odd).is_null());
+        // Intranode launchers still want every window.
+        let args = SyncArgs::default();
+        assert!(intranode::sync("test", &c, &args, std::ptr::null_mut()).is_err());
+    }
+
+    #[test]
+    fn split_means_some_rank_has_no_window_pointer() {
+        let mut c = Ctx { peer_base: [std::ptr::null_mut(); 8], rank: 1, num_ranks: 4, window_bytes: 0, host_status: std::ptr::null_mut(), timeout_ns: 0, num_sms: 0, nvl_ranks: 0 };
+        assert!(!c.split());
+        c.nvl_ranks = 2;
+        assert!(c.split());
+        c.nvl_ranks = 4;
+        assert!(!c.split());
+    }
+}

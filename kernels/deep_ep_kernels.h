@@ -644,8 +644,9 @@ typedef struct {
    * stores (intranode). Remote messages are staged in this rank's own window first (GIN sends only
    * registered memory): dispatch in the send half of its call (payloads [T] of msg_bytes - META at
    * 0, metas [R][T] of META bytes at stage_meta_off, index rows [E][T] u32 at stage_idx_off, counts
-   * [R] u32 at stage_cnt_off), combine rows at their zero-copy slot of the send half, partial rows
-   * in the payload of the dispatch message they answer. Signals to remote peers are seam signals
+   * [R] u32 at stage_cnt_off), combine rows at their zero-copy slot of the send half (LogFMT: encoded
+   * payloads [E_l][R*T] of 2H bytes from the half's start, then meta words [E_l][R*T][H/128]),
+   * partial rows in the payload of the dispatch message they answer. Signals to remote peers are seam signals
    * ((kind * 2 + half) * E_l + l) * R + src (kind 0 dispatch, 1 combine; GinPlan::ll_signal) on
    * context src, raised by an add that makes their value the same tag an NVLink word would hold. */
   const void* net;           /* seam descriptor in this rank's window (LsaNet / GinNet, low_latency.cuh) or NULL */

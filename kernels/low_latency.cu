@@ -16,8 +16,13 @@ constexpr int kChunk = 1024;
 // ---- combine ----------------------------------------------------------------------------------
 // LogFMT rows [b, b + cnt) of local expert l to rank s (combine send, flags DEEP_EP_LL_FLAG_LOGFMT):
 // one warp per (row, chunk) encodes into the LogFMT layout of logfmt.cuh at global expert
-// rank*E_l + l, source token.
-__device__ void ll_combine_send_logfmt(const Ctx& c, const Args& a, char* peer, int l, int64_t b, int64_t cnt, int warp, int lane) {
+// rank*E_l + l, source token. A rank s outside the NVLink domain is not written through a pointer:
+// the warp encodes into this rank's send half (the zero-copy buffer's bytes, unused by a LogFMT
+// combine: payloads [E_l][R*T] of 2H bytes from its start, then meta words [E_l][R*T][S]) and puts
+// the chunk's payload and meta words to the offsets of s that the NVLink stores would reach. The
+// payload put covers whole 256-byte groups: bytes 160.. of a cast group are not part of the layout.
+template <class Net>
+__device__ void ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l, int64_t b, int64_t cnt, int warp, int lane) {
   __shared__ __align__(16) uint8_t s_pack[kLlWarps][logfmt::kCastGroupBytes];
   const int R = c.num_ranks, El = a.num_experts / R, T = a.num_max_tokens, H = a.hidden, S = H / 128;
   const int64_t RT = static_cast<int64_t>(R) * T;
@@ -25,20 +30,34 @@ __device__ void ll_combine_send_logfmt(const Ctx& c, const Args& a, char* peer, 
   const uint64_t ge = static_cast<uint64_t>(c.rank) * El + l;
   const uint64_t meta = recv_off(a, a.half) + ge * T * S * 4;
   const uint64_t pay = recv_off(a, a.half) + static_cast<uint64_t>(a.num_experts) * T * S * 4 + ge * T * 2 * H;
+  const bool far = remote(c, a, s);
+  char* const dst = window(c, far ? c.rank : s);
   for (int64_t it = warp; it < cnt * nch; it += kLlWarps) {
     const int64_t row = b + it / nch;
-    const int c0 = static_cast<int>(it % nch) * chunk, c1 = min(H, c0 + chunk);
+    const int c0 = static_cast<int>(it % nch) * chunk, c1 = min(H, c0 + chunk), ng = (c1 - c0) / 128;
     const int tok = a.src_info[l * RT + row];
     if (tok < 0 || tok >= T) continue;
     const uint16_t* src = static_cast<const uint16_t*>(a.x) + (l * RT + row) * H + c0;
-    logfmt::encode_chunk_warp(src, (c1 - c0) / 128, at<uint32_t>(peer, meta + (static_cast<uint64_t>(tok) * S + c0 / 128) * 4),
-                              peer + pay + (static_cast<uint64_t>(tok) * H + c0) * 2, s_pack[warp], lane);
+    const uint64_t m_off = meta + (static_cast<uint64_t>(tok) * S + c0 / 128) * 4, p_off = pay + (static_cast<uint64_t>(tok) * H + c0) * 2;
+    uint64_t m_at = m_off, p_at = p_off;
+    if (far) {
+      const uint64_t r = static_cast<uint64_t>(l * RT + row), st = send_off(a, a.half);
+      p_at = st + (r * H + c0) * 2;
+      m_at = st + static_cast<uint64_t>(El) * RT * 2 * H + (r * S + c0 / 128) * 4;
+    }
+    logfmt::encode_chunk_warp(src, ng, at<uint32_t>(dst, m_at), dst + p_at, s_pack[warp], lane);
+    if (far) {
+      __syncwarp();  // every lane's staged bytes (and lane 0's meta words) before the puts read them
+      put_to<Net>(c, a, s, p_off, p_at, 256 * static_cast<uint64_t>(ng), lane);
+      put_to<Net>(c, a, s, m_off, m_at, 4 * static_cast<uint64_t>(ng), lane);
+    }
   }
 }
 
 // Block (l, s): pushes rows layout_range[l][s] of local expert l back to source rank s, keyed by
 // (global expert, source token), then signals word s_global = rank*E_l + l on rank s. A source
-// outside the NVLink domain gets each row by a seam put from its zero-copy slot (send_to).
+// outside the NVLink domain gets each row by a seam put from its zero-copy slot (send_to), or with
+// LogFMT each encoded chunk by puts from the send half (ll_combine_send_logfmt).
 template <class Net>
 __global__ void __launch_bounds__(kLlThreads) ll_combine_send_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
   __shared__ uint32_t s_seq;
@@ -56,7 +75,7 @@ __global__ void __launch_bounds__(kLlThreads) ll_combine_send_kernel(const __gri
   char* peer = window(c, s);
   const uint64_t dst_base = recv_off(a, a.half) + static_cast<uint64_t>(c.rank * El + l) * T * (2 * static_cast<uint64_t>(H));
   if (a.flags & DEEP_EP_LL_FLAG_LOGFMT) {
-    ll_combine_send_logfmt(c, a, peer, l, b, cnt, warp, lane);
+    ll_combine_send_logfmt<Net>(c, a, s, l, b, cnt, warp, lane);
     cnt = 0;  // every row went out as LogFMT: nothing left for the BF16 loop
   }
   const int nchunks = (H + kChunk - 1) / kChunk;
@@ -406,6 +425,10 @@ extern "C" int deep_ep_llk_combine_send(const deep_ep_ic_ctx_t* ctx, const deep_
       (!args->zero_copy && args->x == nullptr))
     return static_cast<int>(cudaErrorInvalidValue);
   const int el = args->num_experts / ctx->num_ranks;
+  // Over the seam a per-expert combine stages remote rows in the send half: BF16 rows at their
+  // zero-copy slot, LogFMT payloads + meta words; both E_l*R*T*(2H + 4*H/128) bytes.
+  const uint64_t rows = static_cast<uint64_t>(args->num_experts) * args->num_max_tokens, h = args->hidden;
+  if (args->net != nullptr && !args->partial && rows * (2 * h + 4 * (h / 128)) > args->send_bytes) return static_cast<int>(cudaErrorInvalidValue);
   if (args->flags & DEEP_EP_LL_FLAG_LOGFMT) {
     // The LogFMT layout must fit the receive half, its payload 16-byte aligned (logfmt.cuh).
     const uint64_t et = static_cast<uint64_t>(args->num_experts) * args->num_max_tokens, s = args->hidden / 128;

@@ -27,7 +27,14 @@ backend bit for bit (LL results do not depend on the topology). `-k 2x2` runs th
 Environment: DEEP_EP_LL_CONFIGS, DEEP_EP_LL_SEED, DEEP_EP_LL_REPLAYS, DEEP_EP_LL_BYTES (LL bytes
 per buffer, default 512 MiB; it bounds T * hidden * experts), DEEP_EP_TEST_LOG (directory for per-rank JSON results),
 DEEP_EP_LL_SECONDS (stop the random configurations after this many seconds; all that ran must pass),
+DEEP_EP_LL_LOGFMT (share of the configurations without zero-copy that combine with LogFMT, default 0.35),
 DEEP_EP_INTRANODE_DRY=1 (a second CPU buffer stands in for the GPU one; no graph).
+
+LogFMT over the seam: in the 2x2 layout every rank counts its passed LogFMT configurations and the
+(token, expert) rows of them that came back from the other "node" (encoded there, staged in its
+send half and put through the seam); the summary prints "LogFMT: N configs, M rows through the
+seam" per rank, and the test fails when the LogFMT configurations carried at least 64 tokens but no
+row went through the seam.
 """
 import json
 import os
@@ -54,6 +61,7 @@ TS = [1, 4, 16, 64, 128, 256, 512, 1024, 1500]
 MODES = {"bf16": (False, False, False), "fp8": (True, False, False), "fp8-round": (True, True, False), "fp8-ue8m0": (True, True, True)}
 COMBINES = ["fused", "hook", "zero_copy", "out"]
 LL_BYTES = int(os.environ.get("DEEP_EP_LL_BYTES", str(1 << 29)))
+LOGFMT_SHARE = float(os.environ.get("DEEP_EP_LL_LOGFMT", "0.35"))
 
 
 def hint(t, h, r, e):
@@ -82,7 +90,7 @@ def make_configs(num_ranks: int, count: int, seed: int) -> list:
                    topk=rng.randint(1, min(9, experts)), minus_one=rng.choice([0.0, 0.05, 0.3]), idx64=rng.random() < 0.5,
                    combine=rng.choice(COMBINES), dispatch_hook=rng.random() < 0.3, two_in_flight=rng.random() < 0.15,
                    stats=rng.random() < 0.7)
-        cfg["logfmt"] = cfg["combine"] != "zero_copy" and lf_rng.random() < 0.35
+        cfg["logfmt"] = cfg["combine"] != "zero_copy" and lf_rng.random() < LOGFMT_SHARE
         if i == 0:
             cfg["tokens"] = [0] * num_ranks
         if i == 1:
@@ -150,7 +158,16 @@ def one_dispatch(buf, dev, x, idx, w, t, e, mode, hook, stats):
     return rx, count, handle, h
 
 
-def run_config(cfg, rank, num_ranks, cpu_buf, gpu_buf) -> list:
+def seam_rows(idx, el, rank, domain) -> int:
+    """Rows (token, expert) of this rank's combine that come from ranks outside its domain."""
+    if not domain:
+        return 0
+    ranks = idx[idx >= 0].long() // el
+    return int((ranks // domain != rank // domain).sum())
+
+
+def run_config(cfg, rank, num_ranks, cpu_buf, gpu_buf, domain=0, info=None) -> list:
+    """Returns the differences; `info["seam_rows"]` = seam_rows of the combine's top-k ids."""
     g = torch.Generator().manual_seed(cfg["index"] * 7919 + rank * 104729 + 3)
     t, hidden, e, k = cfg["t"], cfg["hidden"], cfg["experts"], cfg["topk"]
     el = e // num_ranks
@@ -158,6 +175,8 @@ def run_config(cfg, rank, num_ranks, cpu_buf, gpu_buf) -> list:
     fp8 = MODES[cfg["mode"]][0]
     x, idx, w = make_inputs(g, n, hidden, k, e, cfg["minus_one"], cfg["idx64"])
     x2, idx2, w2 = make_inputs(g, n, hidden, k, e, cfg["minus_one"], cfg["idx64"])
+    if info is not None:
+        info["seam_rows"] = seam_rows(idx, el, rank, domain)  # the combine answers the dispatch of (x, idx)
     # Expert outputs: rows drawn from a random bank (cheap at T * hidden = millions of values).
     bank = torch.randn(97, hidden, generator=g).bfloat16()
     picks = torch.randint(0, 97, (el * num_ranks * t,), generator=g)
@@ -276,7 +295,8 @@ def worker(rank, num_ranks, port, out_dir, count, seed, replays, domain=0):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
     import deep_ep_rs
     group = dist.group.WORLD
-    result = dict(rank=rank, num_ranks=num_ranks, domain=domain, configs=0, passed=0, failures=[], seconds=0.0, graph=None, graph_hooks=None, error=None)
+    result = dict(rank=rank, num_ranks=num_ranks, domain=domain, configs=0, passed=0, failures=[], seconds=0.0, graph=None, graph_hooks=None, error=None,
+                  logfmt=0, logfmt_tokens=0, logfmt_seam_rows=0)
     try:
         cpu_buf = deep_ep_rs.Buffer(group, 0, LL_BYTES, low_latency_mode=True, device="cpu", backend="cpu", explicitly_destroy=True)
         if DRY:
@@ -290,8 +310,9 @@ def worker(rank, num_ranks, port, out_dir, count, seed, replays, domain=0):
         for cfg in make_configs(num_ranks, count, seed):
             exc = None
             t0 = time.perf_counter()
+            info = {}
             try:
-                errs = run_config(cfg, rank, num_ranks, cpu_buf, gpu_buf)
+                errs = run_config(cfg, rank, num_ranks, cpu_buf, gpu_buf, domain, info)
             except Exception as e:  # noqa: BLE001 - recorded and reported
                 exc = f"{type(e).__name__}: {e}"
                 errs = [f"exception: {exc}"]
@@ -301,6 +322,10 @@ def worker(rank, num_ranks, port, out_dir, count, seed, replays, domain=0):
                 result["failures"].append(dict(cfg=cfg, errors=errs[:6]))
             else:
                 result["passed"] += 1
+                if cfg["logfmt"]:
+                    result["logfmt"] += 1
+                    result["logfmt_tokens"] += cfg["tokens"][rank]
+                    result["logfmt_seam_rows"] += info.get("seam_rows", 0)
             over_time = seconds > 0 and time.perf_counter() - start > seconds
             flag = torch.tensor([2 if exc else 1 if over_time else 0])
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -346,7 +371,8 @@ def test_low_latency_matches_cpu_backend(num_ranks, domain):
     lines = []
     for r in results:
         layout = f"{num_ranks // domain}x{domain}" if domain else f"1x{num_ranks}"
-        lines.append(f"{gpu_backend()} {layout} rank {r['rank']}: {r['passed']}/{r['configs']} configs passed in {r['seconds']:.1f} s, graph ({r.get('graph_seconds', 0):.1f} s) errors {r['graph']}, hook graph errors {r['graph_hooks']}")
+        lines.append(f"{gpu_backend()} {layout} rank {r['rank']}: {r['passed']}/{r['configs']} configs passed in {r['seconds']:.1f} s, graph ({r.get('graph_seconds', 0):.1f} s) errors {r['graph']}, hook graph errors {r['graph_hooks']}; "
+                     f"LogFMT: {r['logfmt']} configs, {r['logfmt_seam_rows']} rows through the seam")
         if r["error"]:
             lines.append(r["error"])
         for f in r["failures"][:5]:
@@ -358,3 +384,5 @@ def test_low_latency_matches_cpu_backend(num_ranks, domain):
         assert r["configs"] >= 1 and r["passed"] == r["configs"] and (limited or r["configs"] == count), "\n".join(lines)
         if not DRY:
             assert r["graph"] == [] and r["graph_hooks"] == [], "\n".join(lines)
+    if domain and sum(r["logfmt_tokens"] for r in results) >= 64:
+        assert sum(r["logfmt_seam_rows"] for r in results) > 0, "LogFMT configurations ran but no row crossed the seam\n" + "\n".join(lines)

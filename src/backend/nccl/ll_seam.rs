@@ -120,6 +120,16 @@ impl Staging {
     }
 }
 
+/// Bytes a per-expert combine stages in its send half for peers outside the NVLink domain: `E·T`
+/// rows of `2·H + 4·H/128` bytes (DeepEP's combine slot). BF16 rows lie at their zero-copy slot;
+/// LogFMT rows as payloads `[E_l][R·T]` of `2·H` bytes from the half's start, then meta words
+/// `[E_l][R·T][H/128]` u32 (`ll_combine_send_logfmt` in `kernels/low_latency.cu`, which the
+/// launcher checks against `send_bytes` too). The send region of `LowLatencyLayout` always holds
+/// them.
+pub fn combine_stage_bytes(num_experts: usize, t: usize, hidden: usize) -> usize {
+    num_experts * t * (2 * hidden + 4 * (hidden / 128))
+}
+
 /// The seam of an LL buffer whose ranks span several NVLink domains.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Seam {
@@ -231,8 +241,10 @@ mod tests {
             let st = Staging::new(r, e, t, w.msg_bytes);
             let lay = LowLatencyLayout::new(t, h, e);
             assert!(st.check("op", lay.send_bytes).is_ok(), "{r} {e} {t} {h}: {} > {}", st.end, lay.send_bytes);
-            // A partial row is staged in the payload of its message.
+            // A partial row is staged in the payload of its message; per-expert combine rows
+            // (BF16 or LogFMT) in the send half.
             assert!(w.msg_bytes - MSG_META >= 2 * h);
+            assert!(combine_stage_bytes(e, t, h) <= lay.send_bytes && combine_stage_bytes(e, t, h) == e * t * lay.combine_slot_bytes);
         }
         let e = Staging::new(2, 2, 128, 160 + 256).check("deep_ep::low_latency_dispatch", 100).unwrap_err().to_string();
         assert!(e.contains("stages its messages to other NVLink domains") && e.contains("100 available"), "{e}");

@@ -126,6 +126,7 @@ impl NcclBackend {
         if let Some(seam) = &self.seam {
             stage = ll_seam::Staging::new(self.info.num_ranks, e, t, wire.msg_bytes);
             stage.check(op, lay.send_bytes)?;
+            crate::ensure!(ll_seam::combine_stage_bytes(e, t, h) <= lay.send_bytes, op, "internal: combine staging of {} bytes outside the send region of {} bytes", ll_seam::combine_stage_bytes(e, t, h), lay.send_bytes);
             crate::ensure!(seam.layout.end <= self.window.bytes(), op, "internal: seam area outside the window of {} bytes", self.window.bytes());
             net = (self.window.ctx().peer_base[self.info.rank] as *const u8).wrapping_add(seam.layout.desc_off).cast();
             shadow_off = seam.layout.shadow_off as u64;

@@ -209,7 +209,7 @@ using namespace deep_ep;
 using namespace deep_ep::ic;
 
 extern "C" int deep_ep_ic_check(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_check_args_t* args, void* stream) {
-  if (!ctx_ok(ctx) || args == nullptr || args->num_blocks < 1 || args->num_tokens < 0 || args->num_topk < 0 ||
+  if (!ctx_domain_ok(ctx) || args == nullptr || args->num_blocks < 1 || args->num_tokens < 0 || args->num_topk < 0 ||
       args->num_channels < 1 || args->num_channels > kMaxChannels || (args->num_tokens > 0 && args->is_token_in_rank == nullptr) ||
       (args->topk_idx != nullptr && (args->num_experts < ctx->num_ranks || args->num_experts % ctx->num_ranks != 0)))
     return cudaErrorInvalidValue;

@@ -25,6 +25,8 @@ pub mod transport;
 pub mod nccl;
 #[cfg(feature = "nccl")]
 pub mod nccl_window;
+#[cfg(feature = "nccl")]
+pub mod gin_comms;
 #[cfg(feature = "nvshmem")]
 pub mod nvshmem;
 #[cfg(feature = "nvshmem")]

@@ -135,11 +135,6 @@ impl GinComms {
         self.extra.is_empty()
     }
 
-    /// Whether extra communicator `i` holds a GIN device comm and a window (for the teardown plan).
-    pub fn holds(&self, i: usize) -> (bool, bool) {
-        self.extra.get(i).map_or((false, false), |e| (e.gin_devcomm.is_some(), !e.win.is_null()))
-    }
-
     /// The GIN device comm and window handle of every extra communicator, in order (for the
     /// device descriptor); None until [`GinComms::register`] completed.
     pub fn pairs(&self) -> Option<Vec<(&[u64], *mut c_void)>> {
@@ -225,7 +220,7 @@ mod tests {
     #[test]
     fn an_empty_set_has_nothing_to_tear_down() {
         let mut g = GinComms::default();
-        assert!(g.is_empty() && g.pairs() == Some(vec![]) && g.holds(0) == (false, false));
+        assert!(g.is_empty() && g.len() == 0 && g.pairs() == Some(vec![]));
         // Steps of communicators that were never created are no-ops (no NCCL call).
         let lib = nccl::library();
         if let (Ok(lib), Ok(api)) = (lib, nccl::device_api()) {

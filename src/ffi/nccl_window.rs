@@ -6,10 +6,7 @@
 //! Creation (the order verified on the GPU machine, docs/DEVICE.md): `ncclCommInitRank` →
 //! (internode buffers over NCCL GIN only: `ncclDevCommCreate` with GIN requirements, before any
 //! memory is registered, since NCCL registers memory with its GIN transport when the memory is
-//! registered and GIN is already enabled on the communicator; with `DEEP_EP_GIN_COMMS` > 1 the
-//! extra communicators are split and get theirs here too, `ffi::gin_comms`) → `ncclMemAlloc` +
-//! `ncclCommWindowRegister(..., NCCL_WIN_COLL_SYMMETRIC)` (then the same memory on every extra GIN
-//! communicator) → `ncclDevCommCreate`
+//! registered and GIN is already enabled on the communicator) → `ncclMemAlloc` + `ncclCommWindowRegister(..., NCCL_WIN_COLL_SYMMETRIC)` → `ncclDevCommCreate`
 //! (zeroed requirements, one LSA barrier, no multimem; it proves the device-comm path and tells
 //! the LSA team size, which must be the whole communicator: intranode only) → peer base pointers (a kernel calls `ncclGetPeerPointer`) →
 //! host-mapped status block → control area zeroed → an all-reduce of one int as the host
@@ -121,7 +118,8 @@ pub struct Window {
     /// The GIN device comm (internode buffers over GIN), created before the window registration.
     gin_devcomm: Option<Vec<u64>>,
     /// The GIN communicators split from `comm` (`DEEP_EP_GIN_COMMS` > 1), each with its GIN device
-    /// comm and a registration of `mem`.
+    /// comm (created right after `gin_devcomm`, before any memory is registered) and a registration
+    /// of `mem` (right after `win`); torn down around the window's own steps (`teardown_steps`).
     gin_comms: GinComms,
     devcomm: Option<Vec<u64>>,
     mem: *mut c_void,

@@ -694,12 +694,19 @@ int deep_ep_logfmt_math_host(int fn, const float* in, float* out, int64_t n);
 int deep_ep_llk_zero_signals(const deep_ep_ic_ctx_t* ctx, const deep_ep_ll_args_t* args, void* stream);
 /* sizeof(deep_ep_ll_args_t) (the Rust mirror checks its size against it). */
 size_t deep_ep_llk_args_bytes(void);
-/* The GIN seam descriptor (GinNet of low_latency.cuh: an ncclDevComm with GIN and the window's
- * ncclWindow_t) built on the host into `out` from a byte copy of the device comm; returns the bytes
- * written (0: bad arguments). The caller copies them to Args::net. */
-size_t deep_ep_llk_gin_net_build(const void* devcomm, size_t devcomm_bytes, void* window, void* out, size_t out_bytes);
-/* sizeof(GinNet) (which = 0), alignof (1), offset of its window handle (2). */
+/* The GIN seam descriptor (GinNet of transport.cuh: up to DEEP_EP_TP_MAX_GIN_COMMS pairs of an
+ * ncclDevComm with GIN and the window's ncclWindow_t on that communicator, their count and the
+ * contexts used per communicator) built on the host into `out` from byte copies of the device comms
+ * (devcomms[i], devcomm_bytes each) and windows[i]; returns the bytes written (0: bad arguments or a
+ * device comm without GIN). The caller copies them to Args::net. */
+size_t deep_ep_llk_gin_net_build(const void* const* devcomms, size_t devcomm_bytes, void* const* windows, int num_comms,
+                                 void* out, size_t out_bytes);
+/* Layout of GinNet: sizeof (which = 0), alignof (1), offset of c[0].win (2), stride of c[] (3),
+ * offset of num_comms (4), of num_contexts (5), capacity of c[] (6). */
 size_t deep_ep_llk_gin_net_layout(int which);
+/* The (communicator, context) of routing unit `unit` with `comms` x `contexts` (transport.cuh
+ * gin_route, as the device computes it). */
+void deep_ep_llk_gin_route(int unit, int comms, int contexts, int* comm, int* context);
 
 /* ---- NCCL device-API glue (kernels/nccl_glue.cu). NCCL is dlopen'ed by Rust: the function
  * pointers are passed in, so this library has no link-time NCCL dependency. ---- */

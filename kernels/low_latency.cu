@@ -393,12 +393,13 @@ __global__ void ll_zero_signals_kernel(const __grid_constant__ Ctx c, const __gr
   const uint64_t i0 = blockIdx.x * blockDim.x + threadIdx.x, step = gridDim.x * blockDim.x;
   for (uint64_t i = i0; i < a.signal_bytes / 2; i += step) w[i] = 0;
   if (a.net == nullptr) return;
-  // Seam signals this geometry uses (every context) and their shadows (the peers do the same).
+  // Seam signals this geometry uses (every communicator and context) and their shadows (the peers
+  // do the same).
   const uint64_t n = 4ull * a.num_experts;
   uint64_t* shadow = at<uint64_t>(local(c), a.shadow_off);
   for (uint64_t i = i0; i < n; i += step) shadow[i] = 0;
   const Net& net = net_of<Net>(a);
-  for (int k = 0; k < net.contexts(); ++k) {
+  for (int k = 0; k < net.units(); ++k) {
     const auto t = net.at(k);
     for (uint64_t i = i0; i < n; i += step) t.reset_signal(static_cast<int>(i));
   }
@@ -463,32 +464,52 @@ extern "C" int deep_ep_llk_zero_signals(const deep_ep_ic_ctx_t* ctx, const deep_
 
 extern "C" size_t deep_ep_llk_args_bytes(void) { return sizeof(deep_ep_ll_args_t); }
 
-// The GIN seam descriptor (GinNet) built on the host from a device comm (a byte copy of the
-// ncclDevComm that ncclDevCommCreate returned with GIN) and the window's ncclWindow_t, into
-// `out` (host memory of out_bytes); the caller copies it to Args::net in its own window.
-// Returns the bytes written, 0 on bad arguments.
-extern "C" size_t deep_ep_llk_gin_net_build(const void* devcomm, size_t devcomm_bytes, void* window, void* out,
-                                            size_t out_bytes) {
-  if (devcomm == nullptr || devcomm_bytes < sizeof(ncclDevComm) || window == nullptr || out == nullptr ||
-      out_bytes < sizeof(GinNet) || reinterpret_cast<uintptr_t>(out) % alignof(GinNet) != 0)
+// The GIN seam descriptor (GinNet) built on the host from `num_comms` device comms (byte copies of
+// the ncclDevComm that ncclDevCommCreate returned with GIN, each of devcomm_bytes) and the window's
+// ncclWindow_t on each communicator, into `out` (host memory of out_bytes); the caller copies it to
+// Args::net in its own window. Contexts per communicator = the fewest any of them was granted.
+// Returns the bytes written, 0 on bad arguments (a device comm without GIN included).
+extern "C" size_t deep_ep_llk_gin_net_build(const void* const* devcomms, size_t devcomm_bytes, void* const* windows,
+                                            int num_comms, void* out, size_t out_bytes) {
+  if (devcomms == nullptr || windows == nullptr || num_comms < 1 || num_comms > DEEP_EP_TP_MAX_GIN_COMMS ||
+      devcomm_bytes < sizeof(ncclDevComm) || out == nullptr || out_bytes < sizeof(GinNet) ||
+      reinterpret_cast<uintptr_t>(out) % alignof(GinNet) != 0)
     return 0;
   std::memset(out, 0, sizeof(GinNet));
   GinNet* n = static_cast<GinNet*>(out);
-  std::memcpy(&n->comm, devcomm, sizeof(ncclDevComm));
-  n->win = static_cast<ncclWindow_t>(window);
+  int contexts = DEEP_EP_TP_MAX_GIN_CONTEXTS;
+  for (int i = 0; i < num_comms; ++i) {
+    if (devcomms[i] == nullptr || windows[i] == nullptr) return 0;
+    std::memcpy(&n->c[i].comm, devcomms[i], sizeof(ncclDevComm));
+    n->c[i].win = static_cast<ncclWindow_t>(windows[i]);
+    const int granted = n->c[i].comm.ginContextCount;
+    if (granted < 1) return 0;
+    if (granted < contexts) contexts = granted;
+  }
+  n->num_comms = num_comms;
+  n->num_contexts = contexts;
   return sizeof(GinNet);
 }
 
-// sizeof(GinNet), alignof(GinNet) and the byte offset of GinNet::win (which = 0, 1, 2).
+// Layout of GinNet: which = 0 sizeof, 1 alignof, 2 offset of c[0].win, 3 stride of c[], 4 offset
+// of num_comms, 5 offset of num_contexts, 6 capacity of c[].
 extern "C" size_t deep_ep_llk_gin_net_layout(int which) {
+  alignas(GinNet) static unsigned char probe[sizeof(GinNet)];
+  const GinNet* n = reinterpret_cast<const GinNet*>(probe);
+  const auto off = [&](const void* p) { return static_cast<size_t>(static_cast<const unsigned char*>(p) - probe); };
   switch (which) {
     case 0: return sizeof(GinNet);
     case 1: return alignof(GinNet);
-    case 2: {
-      alignas(GinNet) static unsigned char probe[sizeof(GinNet)];
-      const GinNet* n = reinterpret_cast<const GinNet*>(probe);
-      return static_cast<size_t>(reinterpret_cast<const unsigned char*>(&n->win) - probe);
-    }
+    case 2: return off(&n->c[0].win);
+    case 3: return sizeof(deep_ep::tp::GinComm);
+    case 4: return off(&n->num_comms);
+    case 5: return off(&n->num_contexts);
+    case 6: return DEEP_EP_TP_MAX_GIN_COMMS;
     default: return 0;
   }
+}
+
+// gin_route on the host, so the Rust route can be checked against the device's.
+extern "C" void deep_ep_llk_gin_route(int unit, int comms, int contexts, int* comm, int* context) {
+  deep_ep::tp::gin_route(unit, comms, contexts, comm, context);
 }

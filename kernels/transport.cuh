@@ -197,12 +197,44 @@ struct LsaNet {
   deep_ep_tp_lsa_t d;
   __device__ LsaTransport at(int context) const { return LsaTransport(d, context); }
   __device__ int contexts() const { return d.num_contexts; }
+  // Distinct signal tables: at(u) for u < units() visits each once (one communicator).
+  __device__ int units() const { return d.num_contexts; }
 };
-struct GinNet {
+// The (communicator, context) that routing unit `unit` (a sender: rank, channel, local expert) uses
+// among `comms` communicators of `contexts` contexts each: g = unit mod (comms x contexts), comm =
+// g / contexts, context = g mod contexts; consecutive units fill one communicator's contexts first.
+// Host and device (crate::backend::nccl::gin::route, checked against this through
+// deep_ep_llk_gin_route).
+__host__ __device__ __forceinline__ void gin_route(int unit, int comms, int contexts, int* comm, int* context) {
+  const unsigned g = static_cast<unsigned>(unit) % static_cast<unsigned>(comms * contexts);
+  *comm = static_cast<int>(g / static_cast<unsigned>(contexts));
+  *context = static_cast<int>(g % static_cast<unsigned>(contexts));
+}
+
+// One GIN communicator of a buffer: its device comm (by value) and the buffer's window registered
+// on it (every communicator registers the same memory).
+struct GinComm {
   ncclDevComm comm;
   ncclWindow_t win;
-  __device__ GinTransport at(int context) const { return GinTransport(comm, win, context); }
-  __device__ int contexts() const { return comm.ginContextCount; }
+};
+// The buffer's GIN communicators (DEEP_EP_GIN_COMMS, 1..8). `num_contexts` is the fewest contexts
+// any of them was granted (NCCL may grant fewer than asked), so every (comm, context) pair a unit
+// routes to exists; QPs per peer = num_comms x num_contexts = units().
+struct GinNet {
+  GinComm c[DEEP_EP_TP_MAX_GIN_COMMS];
+  int32_t num_comms;
+  int32_t num_contexts;
+  // The transport of routing unit `unit` (gin_route). A receiver waits with the unit of the sender
+  // so it reads the signal table of the (comm, context) the sender raised.
+  __device__ GinTransport at(int unit) const {
+    int k, ctx;
+    gin_route(unit, num_comms, num_contexts, &k, &ctx);
+    return GinTransport(c[k].comm, c[k].win, ctx);
+  }
+  // Contexts per communicator.
+  __device__ int contexts() const { return num_contexts; }
+  // Distinct (comm, context) pairs: at(u) for u < units() visits each once (e.g. to reset signals).
+  __device__ int units() const { return num_comms * num_contexts; }
 };
 
 }  // namespace

@@ -20,6 +20,8 @@ extern "C" {
 #define DEEP_EP_TP_MAX_LSA_PEERS 8
 /* GIN contexts per communicator in NCCL 2.28 (NCCL_GIN_MAX_CONTEXTS). */
 #define DEEP_EP_TP_MAX_GIN_CONTEXTS 4
+/* NCCL communicators one buffer opens for more QPs per peer (crate::backend::nccl::gin::MAX_GIN_COMMS). */
+#define DEEP_EP_TP_MAX_GIN_COMMS 8
 
 /* Error codes a transport wait writes into deep_ep_tp_status_t.error. */
 #define DEEP_EP_TP_OK 0

@@ -65,14 +65,13 @@ pub fn setup_lsa(op: &'static str, ctx: &Ctx, bases: &[*mut c_void]) -> Result<(
     write_header(op, ctx, Header { net_kind: NET_LSA, signal_base: 0 })
 }
 
-/// Sets up the global barrier of a split ctx over NCCL GIN: descriptor from the GIN device comm
-/// and the window handle, signal ids `signal_base..signal_base + SIGNALS` (planned above every
+/// Sets up the global barrier of a split ctx over NCCL GIN: descriptor from the GIN device comms
+/// and their window handles (every communicator of the buffer; the barrier uses the first), signal ids `signal_base..signal_base + SIGNALS` (planned above every
 /// id the buffer's ops use). Local, synchronous.
-#[allow(clippy::not_unsafe_ptr_arg_deref)] // `window` is an opaque NCCL handle, only copied
-pub fn setup_gin(op: &'static str, ctx: &Ctx, devcomm: &[u64], window: *mut c_void, signal_base: usize) -> Result<()> {
+pub fn setup_gin(op: &'static str, ctx: &Ctx, comms: &[(&[u64], *mut c_void)], signal_base: usize) -> Result<()> {
     check_layout(op)?;
     crate::ensure!(signal_base + SIGNALS <= i32::MAX as usize, op, "internal: GIN barrier signal base {signal_base}");
-    super::transport::write_gin_desc(op, ctx, DESC_OFF, DESC_BYTES, devcomm, window)?;
+    super::transport::write_gin_desc(op, ctx, DESC_OFF, DESC_BYTES, comms)?;
     write_header(op, ctx, Header { net_kind: NET_GIN, signal_base: signal_base as i32 })
 }
 

@@ -37,7 +37,7 @@ impl PeerMap {
     /// intranode buffer). `gin`: the RDMA leg of an internode buffer goes over NCCL GIN (else the
     /// LSA emulation, which needs every rank in the team). Errors name what differs.
     pub fn new(op: &'static str, rank: usize, num_ranks: usize, nvl_domain: usize, lsa_size: usize, lsa_rank: usize, gin: bool) -> Result<PeerMap> {
-        crate::ensure!(num_ranks >= 1 && num_ranks <= MAX_RANKS && rank < num_ranks && nvl_domain >= 1, op, "internal: rank {rank} of {num_ranks}, NVLink domains of {nvl_domain}");
+        crate::ensure!((1..=MAX_RANKS).contains(&num_ranks) && rank < num_ranks && nvl_domain >= 1, op, "internal: rank {rank} of {num_ranks}, NVLink domains of {nvl_domain}");
         let internode = nvl_domain < num_ranks;
         crate::ensure!(!internode || num_ranks % nvl_domain == 0, op, "internal: {num_ranks} ranks in NVLink domains of {nvl_domain}");
         let team = |extra: &str| {

@@ -29,6 +29,8 @@ pub mod nccl_window;
 pub mod lsa_team;
 #[cfg(feature = "cuda")]
 pub mod global_barrier;
+#[cfg(feature = "nccl")]
+pub mod gin_comms;
 #[cfg(feature = "nvshmem")]
 pub mod nvshmem;
 #[cfg(feature = "nvshmem")]

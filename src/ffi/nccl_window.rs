@@ -14,6 +14,7 @@
 //! zeroed → an all-reduce of one int as the host rendezvous, so no peer signals into a control
 //! area that is not zeroed yet.
 
+use super::gin_comms::{self, GinComms};
 use super::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream, CONTROL_BYTES, MAX_RANKS};
 use super::lsa_team::PeerMap;
 use super::kernels::check as cuda_check;
@@ -56,23 +57,27 @@ pub struct WindowArgs<'a> {
 
 /// What a window asks `ncclDevCommCreate` for GIN, and who judges the answer.
 pub struct GinSetup<'a> {
-    /// Requirements (`backend::nccl::gin::GinPlan::requirements`).
+    /// Requirements of every communicator (`backend::nccl::gin::GinPlan::requirements`).
     pub reqs: GinReqs,
-    /// Turns NCCL's answer (the device comm and what it granted, or the NCCL result code) into
-    /// `Ok` or the error that explains it (`backend::nccl::gin::granted`).
-    pub judge: &'a dyn Fn(GinGrant) -> Result<()>,
+    /// GIN communicators (`DEEP_EP_GIN_COMMS`, >= 1): the window's own and `comms - 1` split from
+    /// it (`ffi::gin_comms`).
+    pub comms: usize,
+    /// Turns NCCL's answer on communicator `i` (the device comm and what it granted, or the NCCL
+    /// result code) into `Ok` or the error that explains it (`backend::nccl::gin::granted_on`).
+    pub judge: &'a dyn Fn(usize, GinGrant) -> Result<()>,
 }
 
-/// Creates the GIN device comm of `g` on `comm` through `create_fn` and has `g.judge` accept it.
-/// A device comm the judge refuses is left to the communicator's teardown (abort frees it).
+/// Creates the GIN device comm of `g` on `comm` (communicator `index` of the buffer) through
+/// `create_fn` and has `g.judge` accept it. A device comm the judge refuses is left to the
+/// communicator's teardown (abort frees it).
 ///
 /// # Safety
 /// `create_fn` must have the prototype of `ncclDevCommCreate` (the loaded NCCL's, or a stand-in in
 /// tests) and `comm` be a communicator it accepts.
-pub unsafe fn gin_setup(create_fn: *mut c_void, comm: *mut c_void, g: &GinSetup) -> Result<Vec<u64>> {
+pub unsafe fn gin_setup(create_fn: *mut c_void, comm: *mut c_void, index: usize, g: &GinSetup) -> Result<Vec<u64>> {
     let r = gin_devcomm_create(create_fn, comm, &g.reqs);
     let devcomm = r.as_ref().ok().map(|(d, _)| d.clone());
-    (g.judge)(r)?;
+    (g.judge)(index, r)?;
     devcomm.ok_or_else(|| Error::invalid(OP, "internal: a failed GIN device comm creation was accepted"))
 }
 
@@ -89,14 +94,26 @@ pub enum Teardown {
     MemFree,
     /// `ncclCommFinalize` then `ncclCommDestroy`.
     Comm,
+    /// A step of an extra GIN communicator (`ffi::gin_comms`; a no-op for what it does not hold).
+    Extra(gin_comms::Step),
 }
 
-/// The teardown of a window holding what the flags say: device comms first (they reference the
-/// communicator's GIN and LSA resources), then the window registration, its memory, the
-/// communicator last.
-pub fn teardown_steps(gin: bool, devcomm: bool, win: bool, mem: bool) -> Vec<Teardown> {
-    let have = [(gin, Teardown::GinDevComm), (devcomm, Teardown::DevComm), (win, Teardown::Deregister), (mem, Teardown::MemFree), (true, Teardown::Comm)];
-    have.iter().filter(|(h, _)| *h).map(|(_, s)| *s).collect()
+/// The teardown of a window holding what the flags say, with `extra` GIN communicators split from
+/// its own: device comms first (they reference the communicators' GIN and LSA resources; the extra
+/// ones newest first), then the window registrations (the extra ones first), the memory once no
+/// communicator has it registered, the extra communicators (newest first), the window's own last.
+pub fn teardown_steps(extra: usize, gin: bool, devcomm: bool, win: bool, mem: bool) -> Vec<Teardown> {
+    use gin_comms::Step;
+    let each = |f: fn(usize) -> Step| (0..extra).rev().map(move |i| Teardown::Extra(f(i)));
+    let mut steps: Vec<Teardown> = each(Step::GinDevComm).collect();
+    let have = [(gin, Teardown::GinDevComm), (devcomm, Teardown::DevComm)];
+    steps.extend(have.iter().filter(|(h, _)| *h).map(|(_, s)| *s));
+    steps.extend(each(Step::Deregister));
+    let have = [(win, Teardown::Deregister), (mem, Teardown::MemFree)];
+    steps.extend(have.iter().filter(|(h, _)| *h).map(|(_, s)| *s));
+    steps.extend(each(Step::Comm));
+    steps.push(Teardown::Comm);
+    steps
 }
 
 /// A communicator, its device comm and one symmetric window with its control area.
@@ -107,6 +124,10 @@ pub struct Window {
     comm: ncclComm_t,
     /// The GIN device comm (internode buffers over GIN), created before the window registration.
     gin_devcomm: Option<Vec<u64>>,
+    /// The GIN communicators split from `comm` (`DEEP_EP_GIN_COMMS` > 1), each with its GIN device
+    /// comm (created right after `gin_devcomm`, before any memory is registered) and a registration
+    /// of `mem` (right after `win`); torn down around the window's own steps (`teardown_steps`).
+    gin_comms: GinComms,
     devcomm: Option<Vec<u64>>,
     mem: *mut c_void,
     win: ncclWindow_t,
@@ -143,6 +164,7 @@ impl Window {
             device: a.device,
             comm: std::ptr::null_mut(),
             gin_devcomm: None,
+            gin_comms: GinComms::default(),
             devcomm: None,
             mem: std::ptr::null_mut(),
             win: std::ptr::null_mut(),
@@ -170,7 +192,9 @@ impl Window {
         nccl_check(lib, unsafe { init(&mut w.comm, a.num_ranks as c_int, id, a.rank as c_int) }, "ncclCommInitRank")?;
         if let Some(g) = &a.gin {
             // SAFETY: ncclDevCommCreate of the loaded NCCL on the live communicator.
-            w.gin_devcomm = Some(unsafe { gin_setup(api.dev_comm_create, w.comm.cast(), g) }?);
+            w.gin_devcomm = Some(unsafe { gin_setup(api.dev_comm_create, w.comm.cast(), 0, g) }?);
+            // SAFETY: the live communicator of this rank.
+            unsafe { w.gin_comms.open(lib, api, w.comm, a.rank, g.comms.saturating_sub(1), g) }?;
         }
 
         let mem_alloc = nccl_fn!(lib, ncclMemAlloc);
@@ -180,6 +204,8 @@ impl Window {
         // SAFETY: `mem` holds `bytes` bytes from ncclMemAlloc; writes one window handle.
         let res = unsafe { register(w.comm, w.mem, bytes, &mut w.win, nccl::NCCL_WIN_COLL_SYMMETRIC as c_int) };
         nccl_check(lib, res, "ncclCommWindowRegister")?;
+        // SAFETY: the same allocation; freed only after every registration (teardown_steps, Drop).
+        unsafe { w.gin_comms.register(lib, w.mem, bytes) }?;
         // SAFETY: pure query of the glue's struct size.
         let dc_bytes = unsafe { deep_ep_nccl_devcomm_bytes() };
         let mut devcomm = vec![0u64; dc_bytes.div_ceil(8)];
@@ -254,6 +280,15 @@ impl Window {
         self.gin_devcomm.as_deref().map(|d| (d, self.win.cast()))
     }
 
+    /// [`Window::gin`] of every GIN communicator, the window's own first, then those split from it
+    /// (`DEEP_EP_GIN_COMMS`); empty without GIN.
+    pub fn gin_all(&self) -> Vec<(&[u64], *mut c_void)> {
+        match (self.gin(), self.gin_comms.pairs()) {
+            (Some(own), Some(extra)) => std::iter::once(own).chain(extra).collect(),
+            _ => Vec::new(),
+        }
+    }
+
     /// Collective release: waits for the device, meets every peer at a barrier (so none still
     /// reads this window; the global barrier for an internode buffer, which the backend set up at
     /// creation), then tears NCCL down in order. On a barrier timeout the window is
@@ -270,7 +305,7 @@ impl Window {
                 first = r;
             }
         };
-        for step in teardown_steps(self.gin_devcomm.is_some(), self.devcomm.is_some(), !self.win.is_null(), !self.mem.is_null()) {
+        for step in teardown_steps(self.gin_comms.len(), self.gin_devcomm.is_some(), self.devcomm.is_some(), !self.win.is_null(), !self.mem.is_null()) {
             note(self.teardown(step));
         }
         self.comm = std::ptr::null_mut();
@@ -282,6 +317,7 @@ impl Window {
     /// One step of the collective teardown ([`teardown_steps`]).
     fn teardown(&mut self, step: Teardown) -> Result<()> {
         match step {
+            Teardown::Extra(s) => self.gin_comms.teardown(self.lib, self.api, s),
             Teardown::GinDevComm | Teardown::DevComm => {
                 let dc = if step == Teardown::GinDevComm { self.gin_devcomm.take() } else { self.devcomm.take() };
                 let Some(dc) = dc else { return Ok(()) };
@@ -326,6 +362,7 @@ impl Drop for Window {
             if let Err(e) = intranode::device_synchronize(DESTROY) {
                 eprintln!("deep_ep: releasing an NCCL buffer: {e}");
             }
+            self.gin_comms.abort(self.lib);
             match self.lib.ncclCommAbort.as_ref() {
                 // SAFETY: live communicator, aborted once.
                 Ok(f) => {
@@ -352,16 +389,22 @@ impl Drop for Window {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ffi::transport::GinInfo;
-    use crate::backend::nccl::gin::{buffer_plan, granted, GinKnobs};
+    use crate::backend::nccl::gin::{buffer_plan, granted_on, route, GinKnobs, MAX_GIN_COMMS};
     use crate::backend::nccl::ll_seam::DESC_BYTES;
-    use crate::ffi::transport::{build_gin_net, devcomm_bytes, devcomm_fill, gin_net_layout};
+    use crate::ffi::transport::GinInfo;
+    use crate::ffi::transport::{build_gin_net, devcomm_bytes, devcomm_fill, device_gin_route, gin_net_layout, MAX_GIN_CONTEXTS};
 
     // Stand-ins for ncclDevCommCreate (the glue zeroes the device comm before calling them).
-    extern "C" fn fake_grant(_comm: *mut c_void, _reqs: *const u8, out: *mut c_void) -> c_int {
-        let info = GinInfo { rank: 1, num_ranks: 4, lsa_rank: 1, lsa_size: 4, gin_context_count: 2, gin_type: 3, gin_signal_count: 8192 + 16 + 8, gin_counter_count: 0 };
+    fn grant(out: *mut c_void, contexts: i32) -> c_int {
+        let info = GinInfo { rank: 1, num_ranks: 4, lsa_rank: 1, lsa_size: 4, gin_context_count: contexts, gin_type: 3, gin_signal_count: 8192 + 16 + 8, gin_counter_count: 0 };
         // SAFETY: the glue hands a zeroed ncclDevComm of devcomm_bytes().
         unsafe { devcomm_fill(out, &info) }
+    }
+    extern "C" fn fake_grant(_comm: *mut c_void, _reqs: *const u8, out: *mut c_void) -> c_int {
+        grant(out, 2)
+    }
+    extern "C" fn fake_grant4(_comm: *mut c_void, _reqs: *const u8, out: *mut c_void) -> c_int {
+        grant(out, 4)
     }
     /// What NCCL does without a GPUDirect-RDMA NIC when GIN is not forced: a device comm with no
     /// GIN context.
@@ -373,53 +416,121 @@ mod tests {
         2
     }
 
-    /// The GIN step of an LL buffer's creation on rank 1 of 2 x 2, as `NcclBackend::create` wires it.
-    fn setup(create: extern "C" fn(*mut c_void, *const u8, *mut c_void) -> c_int) -> Result<Vec<u64>> {
-        let k = GinKnobs::parse(|n| (n == "DEEP_EP_RDMA_TRANSPORT").then(|| "gin".to_string())).unwrap();
+    type Create = extern "C" fn(*mut c_void, *const u8, *mut c_void) -> c_int;
+
+    /// The GIN step of an LL buffer's creation on rank 1 of 2 x 2 for communicator `index` of
+    /// `comms` (`DEEP_EP_GIN_COMMS`), as `NcclBackend::create` wires it.
+    fn setup(create: Create, comms: usize, index: usize) -> Result<Vec<u64>> {
+        let n = comms.to_string();
+        let k = GinKnobs::parse(|v| match v {
+            "DEEP_EP_RDMA_TRANSPORT" => Some("gin".to_string()),
+            "DEEP_EP_GIN_COMMS" => Some(n.clone()),
+            _ => None,
+        })
+        .unwrap();
         let p = buffer_plan(&k, 4, 2, true).unwrap().expect("a GIN plan");
-        let judge = |r| granted(&p, &k, 1, r, |c| format!("(text of {c})")).map(|_| ());
+        assert_eq!(p.num_comms, comms);
+        let judge = |i, r| granted_on(&p, &k, 1, i, r, |c| format!("(text of {c})")).map(|_| ());
         // SAFETY: the stand-ins have the prototype of ncclDevCommCreate and ignore the communicator.
-        unsafe { gin_setup(create as *mut c_void, 8 as *mut c_void, &GinSetup { reqs: p.requirements(), judge: &judge }) }
+        unsafe { gin_setup(create as *mut c_void, 8 as *mut c_void, index, &GinSetup { reqs: p.requirements(), comms, judge: &judge }) }
     }
 
     #[test]
     fn gin_setup_keeps_a_granted_device_comm_and_explains_a_refusal() {
-        let dc = setup(fake_grant).unwrap();
+        let dc = setup(fake_grant, 1, 0).unwrap();
         assert!(dc.len() * 8 >= devcomm_bytes());
-        let e = setup(fake_no_gin).unwrap_err().to_string();
+        let e = setup(fake_no_gin, 1, 0).unwrap_err().to_string();
         assert!(e.starts_with("deep_ep::create_buffer: GIN setup on rank 1 failed: NCCL GPU-initiated networking is unavailable: ncclDevCommCreate granted 0 GIN contexts (4 asked)"), "{e}");
         assert!(e.contains("GPUDirect-RDMA capable NIC") && e.contains("set DEEP_EP_RDMA_TRANSPORT=lsa"), "{e}");
-        let e = setup(fake_fail).unwrap_err().to_string();
+        let e = setup(fake_fail, 1, 0).unwrap_err().to_string();
         assert!(e.contains("GIN setup on rank 1 failed: NCCL GPU-initiated networking is unavailable: ncclDevCommCreate failed: ncclResult_t 2 (text of 2)"), "{e}");
+        // Several communicators: each grant is judged on its own, and the error names the rank
+        // and the communicator.
+        assert!(setup(fake_grant, 3, 2).is_ok());
+        let e = setup(fake_fail, 3, 0).unwrap_err().to_string();
+        assert!(e.starts_with("deep_ep::create_buffer: GIN setup on rank 1 (communicator 0 of 3) failed: NCCL GPU-initiated networking is unavailable: ncclDevCommCreate failed"), "{e}");
+        assert!(e.contains("12 QPs per peer (3 communicator(s) x 4 contexts)"), "{e}");
+        let e = setup(fake_no_gin, 2, 1).unwrap_err().to_string();
+        assert!(e.contains("GIN setup on rank 1 (communicator 1 of 2) failed: NCCL GPU-initiated networking is unavailable: ncclDevCommCreate granted 0 GIN contexts"), "{e}");
+    }
+
+    fn bytes_of(w: &[u64]) -> Vec<u8> {
+        w.iter().flat_map(|w| w.to_ne_bytes()).collect()
+    }
+
+    fn i32_at(b: &[u8], off: usize) -> i32 {
+        i32::from_ne_bytes(b[off..off + 4].try_into().unwrap())
     }
 
     #[test]
-    fn gin_descriptor_holds_the_device_comm_then_the_window_handle() {
-        let dc = setup(fake_grant).unwrap();
+    fn gin_descriptor_holds_every_communicator_and_the_fewest_granted_contexts() {
         let l = gin_net_layout();
-        assert!(l.bytes <= DESC_BYTES && l.align <= 8 && l.win_off >= devcomm_bytes() && l.win_off + 8 <= l.bytes, "{l:?}");
-        let win = 0xdead_bee0usize as *mut c_void;
-        let desc = build_gin_net("test", &dc, win, DESC_BYTES).unwrap();
-        assert_eq!(desc.len() * 8, l.bytes.div_ceil(8) * 8);
-        let bytes: Vec<u8> = desc.iter().flat_map(|w| w.to_ne_bytes()).collect();
-        let dc_bytes: Vec<u8> = dc.iter().flat_map(|w| w.to_ne_bytes()).collect();
         let n = devcomm_bytes();
-        assert_eq!(&bytes[..n], &dc_bytes[..n]);
-        assert_eq!(u64::from_ne_bytes(bytes[l.win_off..l.win_off + 8].try_into().unwrap()), 0xdead_bee0);
-        // The grant is visible in the copied device comm: rank 1 of 4, 2 GIN contexts.
-        assert_eq!(i32::from_ne_bytes(bytes[0..4].try_into().unwrap()), 1);
-        assert_eq!(i32::from_ne_bytes(bytes[4..8].try_into().unwrap()), 4);
-        let e = build_gin_net("test", &dc, win, l.bytes - 1).unwrap_err().to_string();
+        assert_eq!(l.capacity, MAX_GIN_COMMS);
+        assert!(l.bytes <= DESC_BYTES && l.align <= 8 && l.win_off >= n && l.win_off + 8 <= l.stride, "{l:?}");
+        assert!(l.comms_off >= l.stride * l.capacity && l.contexts_off >= l.comms_off + 4 && l.contexts_off + 4 <= l.bytes, "{l:?}");
+        let wins: Vec<*mut c_void> = (0..MAX_GIN_COMMS).map(|i| (0xdead_0000usize + 0x100 * (i + 1)) as *mut c_void).collect();
+        // One communicator granted 2 contexts; then 3 (4, 2, 4 granted: 2 used); then all 8.
+        for (creates, fewest) in [(vec![fake_grant as Create], 2), (vec![fake_grant4, fake_grant, fake_grant4], 2), (vec![fake_grant4 as Create; MAX_GIN_COMMS], 4)] {
+            let dcs: Vec<Vec<u64>> = creates.iter().map(|&c| setup(c, creates.len(), 0).unwrap()).collect();
+            let comms: Vec<(&[u64], *mut c_void)> = dcs.iter().zip(&wins).map(|(d, &w)| (d.as_slice(), w)).collect();
+            let desc = build_gin_net("test", &comms, DESC_BYTES).unwrap();
+            assert_eq!(desc.len() * 8, l.bytes.div_ceil(8) * 8);
+            let b = bytes_of(&desc);
+            for (i, d) in dcs.iter().enumerate() {
+                let at = i * l.stride;
+                assert_eq!(&b[at..at + n], &bytes_of(d)[..n], "device comm {i}");
+                // The grant is visible in the copied device comm: rank 1 of 4.
+                assert_eq!((i32_at(&b, at), i32_at(&b, at + 4)), (1, 4));
+                assert_eq!(u64::from_ne_bytes(b[at + l.win_off..at + l.win_off + 8].try_into().unwrap()), wins[i] as u64);
+            }
+            assert!(b[dcs.len() * l.stride..l.stride * l.capacity].iter().all(|&x| x == 0), "unused slots are zero");
+            assert_eq!((i32_at(&b, l.comms_off), i32_at(&b, l.contexts_off)), (dcs.len() as i32, fewest));
+        }
+        let dc = setup(fake_grant, 1, 0).unwrap();
+        let e = build_gin_net("test", &[(&dc, wins[0])], l.bytes - 1).unwrap_err().to_string();
         assert!(e.contains("reserved"), "{e}");
-        assert!(build_gin_net("test", &dc, std::ptr::null_mut(), DESC_BYTES).is_err());
-        assert!(build_gin_net("test", &dc[..4], win, DESC_BYTES).unwrap_err().to_string().contains("failed"));
+        assert!(build_gin_net("test", &[(&dc, std::ptr::null_mut())], DESC_BYTES).is_err());
+        assert!(build_gin_net("test", &[], DESC_BYTES).is_err());
+        assert!(build_gin_net("test", &vec![(dc.as_slice(), wins[0]); MAX_GIN_COMMS + 1], DESC_BYTES).is_err());
+        assert!(build_gin_net("test", &[(&dc[..4], wins[0])], DESC_BYTES).unwrap_err().to_string().contains("failed"));
+        // A device comm without GIN (0 contexts) makes no descriptor.
+        let zero = vec![0u64; dc.len()];
+        assert!(build_gin_net("test", &[(&dc, wins[0]), (&zero, wins[1])], DESC_BYTES).is_err());
     }
 
     #[test]
-    fn teardown_destroys_device_comms_before_the_window_and_the_communicator() {
+    fn device_route_is_the_host_route_and_units_cover_every_pair_once() {
+        for comms in 1..=MAX_GIN_COMMS {
+            for contexts in 1..=MAX_GIN_CONTEXTS {
+                for unit in 0..100 {
+                    assert_eq!(device_gin_route(unit, comms, contexts), route(unit, comms, contexts), "unit {unit}, {comms} x {contexts}");
+                }
+                // ll_zero_signals_kernel resets at(u) for u < units() = comms x contexts.
+                let pairs: std::collections::HashSet<_> = (0..comms * contexts).map(|u| device_gin_route(u, comms, contexts)).collect();
+                assert_eq!(pairs.len(), comms * contexts);
+                assert!(pairs.iter().all(|&(k, c)| k < comms && c < contexts));
+            }
+        }
+        // One communicator: the context is the unit modulo the contexts, as ncclGin reduces it.
+        assert_eq!((0..6).map(|u| device_gin_route(u, 1, 3)).collect::<Vec<_>>(), vec![(0, 0), (0, 1), (0, 2), (0, 0), (0, 1), (0, 2)]);
+    }
+
+    #[test]
+    fn teardown_destroys_device_comms_before_the_windows_and_the_communicators() {
+        use gin_comms::Step::{Comm as XComm, Deregister as XDeregister, GinDevComm as XGin};
         use Teardown::*;
-        assert_eq!(teardown_steps(true, true, true, true), vec![GinDevComm, DevComm, Deregister, MemFree, Comm]);
-        assert_eq!(teardown_steps(false, true, true, true), vec![DevComm, Deregister, MemFree, Comm]);
-        assert_eq!(teardown_steps(true, false, false, false), vec![GinDevComm, Comm]);
+        assert_eq!(teardown_steps(0, true, true, true, true), vec![GinDevComm, DevComm, Deregister, MemFree, Comm]);
+        assert_eq!(teardown_steps(0, false, true, true, true), vec![DevComm, Deregister, MemFree, Comm]);
+        assert_eq!(teardown_steps(0, true, false, false, false), vec![GinDevComm, Comm]);
+        // Two extra GIN communicators (DEEP_EP_GIN_COMMS = 3): every device comm, then every
+        // registration of the memory, the memory, the extra communicators, the window's own.
+        assert_eq!(
+            teardown_steps(2, true, true, true, true),
+            vec![Extra(XGin(1)), Extra(XGin(0)), GinDevComm, DevComm, Extra(XDeregister(1)), Extra(XDeregister(0)), Deregister, MemFree, Extra(XComm(1)), Extra(XComm(0)), Comm]
+        );
+        // Creation failed after the split (no memory yet): the extras' steps are planned and
+        // their missing resources skipped by GinComms::teardown.
+        assert_eq!(teardown_steps(1, true, false, false, false), vec![Extra(XGin(0)), GinDevComm, Extra(XDeregister(0)), Extra(XComm(0)), Comm]);
     }
 }

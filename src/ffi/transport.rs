@@ -111,8 +111,9 @@ extern "C" {
     fn deep_ep_tp_struct_size(which: c_int) -> usize;
     #[cfg(test)]
     fn deep_ep_tp_devcomm_fill(devcomm: *mut c_void, devcomm_bytes: usize, info: *const GinInfo) -> c_int;
-    fn deep_ep_llk_gin_net_build(devcomm: *const c_void, devcomm_bytes: usize, window: *mut c_void, out: *mut c_void, out_bytes: usize) -> usize;
+    fn deep_ep_llk_gin_net_build(devcomms: *const *const c_void, devcomm_bytes: usize, windows: *const *mut c_void, num_comms: c_int, out: *mut c_void, out_bytes: usize) -> usize;
     fn deep_ep_llk_gin_net_layout(which: c_int) -> usize;
+    fn deep_ep_llk_gin_route(unit: c_int, comms: c_int, contexts: c_int, comm: *mut c_int, context: *mut c_int);
     fn deep_ep_nccl_devcomm_bytes() -> usize;
     fn deep_ep_cuda_malloc(ptr: *mut *mut c_void, bytes: usize) -> c_int;
     fn deep_ep_cuda_free(ptr: *mut c_void) -> c_int;
@@ -214,47 +215,71 @@ pub fn write_lsa_desc(op: &'static str, ctx: &super::intranode::Ctx, bases: &[*m
     super::kernels::check(st, op, "writing the transport descriptor of the low-latency kernels")
 }
 
-/// Layout of the GIN seam descriptor (`GinNet` of `kernels/low_latency.cuh`: the `ncclDevComm`
-/// by value, then the window's `ncclWindow_t`), as the compiler lays it out.
+/// Layout of the GIN seam descriptor (`GinNet` of `kernels/transport.cuh`: `MAX_GIN_COMMS` pairs of
+/// an `ncclDevComm` by value and the window's `ncclWindow_t` on that communicator, then the count of
+/// communicators and the contexts used per communicator), as the compiler lays it out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GinNetLayout {
     /// `sizeof(GinNet)`.
     pub bytes: usize,
     /// `alignof(GinNet)`.
     pub align: usize,
-    /// Byte offset of the window handle.
+    /// Byte offset of the first communicator's window handle.
     pub win_off: usize,
+    /// Bytes from one communicator's pair to the next (`sizeof(GinComm)`).
+    pub stride: usize,
+    /// Byte offset of `num_comms` (i32).
+    pub comms_off: usize,
+    /// Byte offset of `num_contexts` (i32).
+    pub contexts_off: usize,
+    /// Communicators the descriptor holds at most (`DEEP_EP_TP_MAX_GIN_COMMS`).
+    pub capacity: usize,
 }
 
 /// The layout of `GinNet` (pure queries of compile-time constants).
 pub fn gin_net_layout() -> GinNetLayout {
     // SAFETY: pure queries.
-    unsafe { GinNetLayout { bytes: deep_ep_llk_gin_net_layout(0), align: deep_ep_llk_gin_net_layout(1), win_off: deep_ep_llk_gin_net_layout(2) } }
+    let q = |w: c_int| unsafe { deep_ep_llk_gin_net_layout(w) };
+    GinNetLayout { bytes: q(0), align: q(1), win_off: q(2), stride: q(3), comms_off: q(4), contexts_off: q(5), capacity: q(6) }
 }
 
-/// Builds the GIN seam descriptor on the host: `devcomm` (a device comm from
-/// [`gin_devcomm_create`] that NCCL granted GIN) and the handle of the window registered on its
-/// communicator. Fails when the descriptor would not fit the `desc_bytes` reserved for it or
-/// needs more than 8-byte alignment (the host copy is a `u64` buffer; the window slot is 128-aligned).
-#[allow(clippy::not_unsafe_ptr_arg_deref)] // `window` is an opaque NCCL handle, only copied
-pub fn build_gin_net(op: &'static str, devcomm: &[u64], window: *mut c_void, desc_bytes: usize) -> Result<Vec<u64>> {
+/// The (communicator, context) the device routes unit `unit` to among `comms` x `contexts`
+/// (`gin_route` of `kernels/transport.cuh`), for checking the host's route against it. Pure.
+pub fn device_gin_route(unit: usize, comms: usize, contexts: usize) -> (usize, usize) {
+    let (mut k, mut c): (c_int, c_int) = (-1, -1);
+    // SAFETY: pure arithmetic writing two ints.
+    unsafe { deep_ep_llk_gin_route(unit as c_int, comms as c_int, contexts as c_int, &mut k, &mut c) };
+    (k as usize, c as usize)
+}
+
+/// Builds the GIN seam descriptor on the host from the buffer's GIN communicators: per
+/// communicator, a device comm from [`gin_devcomm_create`] that NCCL granted GIN and the handle of
+/// the window registered on that communicator (the buffer's first communicator first). Fails when
+/// the descriptor would not fit the `desc_bytes` reserved for it, needs more than 8-byte alignment
+/// (the host copy is a `u64` buffer; the window slot is 128-aligned), or a communicator is missing
+/// its window or GIN.
+pub fn build_gin_net(op: &'static str, comms: &[(&[u64], *mut c_void)], desc_bytes: usize) -> Result<Vec<u64>> {
     let l = gin_net_layout();
     crate::ensure!(l.bytes > 0 && l.bytes <= desc_bytes && l.align <= 8, op, "internal: the GIN seam descriptor is {} bytes (align {}), {desc_bytes} reserved", l.bytes, l.align);
-    crate::ensure!(!window.is_null(), op, "internal: GIN seam descriptor without a window");
+    crate::ensure!((1..=l.capacity).contains(&comms.len()), op, "internal: GIN seam descriptor for {} communicators (1..={})", comms.len(), l.capacity);
+    crate::ensure!(comms.iter().all(|(_, w)| !w.is_null()), op, "internal: GIN seam descriptor without a window");
+    let dc_bytes = comms.iter().map(|(d, _)| d.len() * 8).min().unwrap_or(0);
+    let devcomms: Vec<*const c_void> = comms.iter().map(|(d, _)| d.as_ptr().cast()).collect();
+    let windows: Vec<*mut c_void> = comms.iter().map(|(_, w)| *w).collect();
     let mut out = vec![0u64; l.bytes.div_ceil(8)];
-    // SAFETY: reads devcomm.len() * 8 bytes of the slice, writes at most out.len() * 8 bytes of our
-    // 8-aligned buffer (the glue checks both sizes and the alignment).
-    let n = unsafe { deep_ep_llk_gin_net_build(devcomm.as_ptr().cast(), devcomm.len() * 8, window, out.as_mut_ptr().cast(), out.len() * 8) };
-    crate::ensure!(n == l.bytes, op, "internal: building the GIN seam descriptor from a device comm of {} bytes failed", devcomm.len() * 8);
+    // SAFETY: reads dc_bytes (the shortest slice) from each device comm and one handle per window,
+    // writes at most out.len() * 8 bytes of our 8-aligned buffer (the glue checks both sizes and
+    // the alignment).
+    let n = unsafe { deep_ep_llk_gin_net_build(devcomms.as_ptr(), dc_bytes, windows.as_ptr(), comms.len() as c_int, out.as_mut_ptr().cast(), out.len() * 8) };
+    crate::ensure!(n == l.bytes, op, "internal: building the GIN seam descriptor from {} device comm(s) of {dc_bytes} bytes failed", comms.len());
     Ok(out)
 }
 
-/// Writes this rank's GIN seam descriptor ([`build_gin_net`]) into its own window at `desc_off`,
-/// synchronously; the LL kernels of an internode buffer over GIN read it there (`Args::net` with
-/// `net_kind` = [`super::low_latency::NET_GIN`]). Local (no peer involved).
-#[allow(clippy::not_unsafe_ptr_arg_deref)] // `window` is an opaque NCCL handle, only copied
-pub fn write_gin_desc(op: &'static str, ctx: &super::intranode::Ctx, desc_off: usize, desc_bytes: usize, devcomm: &[u64], window: *mut c_void) -> Result<()> {
-    let desc = build_gin_net(op, devcomm, window, desc_bytes)?;
+/// Writes this rank's GIN seam descriptor ([`build_gin_net`] of `comms`) into its own window at
+/// `desc_off`, synchronously; the LL kernels of an internode buffer over GIN read it there
+/// (`Args::net` with `net_kind` = [`super::low_latency::NET_GIN`]). Local (no peer involved).
+pub fn write_gin_desc(op: &'static str, ctx: &super::intranode::Ctx, desc_off: usize, desc_bytes: usize, comms: &[(&[u64], *mut c_void)]) -> Result<()> {
+    let desc = build_gin_net(op, comms, desc_bytes)?;
     let bytes = gin_net_layout().bytes;
     crate::ensure!(desc_off % 16 == 0 && ((desc_off + desc_bytes) as u64) <= ctx.window_bytes, op, "internal: GIN seam descriptor at {desc_off} outside the window of {} bytes", ctx.window_bytes);
     let own = ctx.peer_base[ctx.rank as usize];

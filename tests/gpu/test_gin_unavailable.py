@@ -8,7 +8,9 @@ no crash, no hang). Where NCCL does grant GIN, the buffers instead run over GIN:
 dispatch -> identity expert -> combine round trip, the normal-mode buffer three internode
 dispatch -> identity expert -> combine round trips (_spawn.ht_check: every received row against
 its source, the combine against x * ranks reached; three, so that the seam signals, which are
-never reset, count across ops), all checked in closed form.
+never reset, count across ops), all checked in closed form. With DEEP_EP_GIN_COMMS=2 (LL) the buffer opens a second GIN communicator split from its own:
+the refusal then names the communicator (0 of 2, the first device comm NCCL is asked for), and
+where GIN is granted the round trip runs over both communicators.
 
 Every rank arms a watchdog (faulthandler) that ends it after WATCHDOG_S seconds: a hang in NCCL
 then shows as a rank that exited without reporting, which fails the test.
@@ -67,7 +69,7 @@ def ll_round_trip(buf, rank, world):
     return rows
 
 
-def gin_worker(rank, world, low_latency):
+def gin_worker(rank, world, low_latency, comms):
     import deep_ep_rs
 
     faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
@@ -84,6 +86,8 @@ def gin_worker(rank, world, low_latency):
     except RuntimeError as e:
         assert _gin_unavailable(e), f"expected the 'GIN unavailable' error, got: {e}"
         assert f"rank {rank}" in str(e) and "DEEP_EP_RDMA_TRANSPORT=lsa" in str(e), str(e)
+        if comms > 1:
+            assert f"(communicator 0 of {comms})" in str(e) and f"{comms} communicator(s)" in str(e), str(e)
         faulthandler.cancel_dump_traceback_later()
         if rank == 0:
             print(f"rank 0, {'LL' if low_latency else 'normal-mode'} buffer: {e}", flush=True)
@@ -101,11 +105,11 @@ def gin_worker(rank, world, low_latency):
         faulthandler.cancel_dump_traceback_later()
 
 
-@pytest.mark.parametrize("low_latency", [True, False], ids=["ll", "normal"])
-def test_gin_buffer_is_clear_about_gin(low_latency):
+@pytest.mark.parametrize("low_latency,comms", [(True, 1), (False, 1), (True, 2)], ids=["ll", "normal", "ll-2comms"])
+def test_gin_buffer_is_clear_about_gin(low_latency, comms):
     if _spawn.gpu_backend() != "nccl":
         pytest.skip("GIN buffers are built by the nccl backend")
-    res = _spawn.run(gin_worker, WORLD, low_latency, env=ENV)
+    res = _spawn.run(gin_worker, WORLD, low_latency, comms, env={**ENV, "DEEP_EP_GIN_COMMS": str(comms)})
     missing = [r for r, o in enumerate(res) if o is None]
     assert not missing, f"ranks {missing} exited without reporting (crash, or the {WATCHDOG_S} s watchdog)"
     outcomes = {o["ok"] if isinstance(o["ok"], str) else "granted" for o in res}

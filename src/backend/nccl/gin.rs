@@ -16,8 +16,11 @@
 //! - `DEEP_EP_GIN_CONTEXTS` = GIN contexts per communicator, 1..=4 (default: as many as the
 //!   buffer has independent senders, at most 4).
 //! - `DEEP_EP_GIN_COMMS` = communicators per buffer, 1..=8 (default 1); QPs per peer =
-//!   contexts x communicators (DeepEP's `num_qps_per_rank`). Buffers open one communicator:
-//!   values > 1 are refused by [`buffer_plan`].
+//!   contexts x communicators (DeepEP's `num_qps_per_rank`). The buffer's own communicator is the
+//!   first; the others are split from it (same ranks, same order), each with its own GIN device
+//!   comm (the same [`GinPlan::requirements`], granted and checked per communicator) and its own
+//!   registration of the buffer's memory (`ffi::gin_comms`). A sender's routing unit picks the
+//!   (communicator, context) pair ([`route`]): contexts = the fewest any communicator was granted.
 //! - `NCCL_GIN_TYPE` is read by NCCL itself; deep_ep validates it (2 = proxy, 3 = GDAKI, NCCL's
 //!   `ncclNetDeviceType`) and checks that the granted type matches.
 
@@ -26,8 +29,20 @@ use crate::ffi::transport::{GinInfo, GinReqs, MAX_GIN_CONTEXTS};
 
 const OP: &str = "deep_ep::create_buffer";
 
-/// Most communicators one buffer opens for more QPs.
+/// Most communicators one buffer opens for more QPs (`DEEP_EP_TP_MAX_GIN_COMMS`, the capacity of
+/// the device descriptor `GinNet`).
 pub const MAX_GIN_COMMS: usize = 8;
+
+/// The (communicator, context) that routing unit `unit` (a sender: rank, channel or local expert)
+/// uses among `comms` communicators of `contexts` contexts each: `g = unit % (comms * contexts)`,
+/// communicator `g / contexts`, context `g % contexts`. The device computes the same
+/// (`gin_route` in `kernels/transport.cuh`, with `contexts` = the fewest contexts any of the
+/// buffer's communicators was granted), so a receiver that routes the sender's unit reads the
+/// signal table the sender raised. Pure; `comms` and `contexts` >= 1.
+pub fn route(unit: usize, comms: usize, contexts: usize) -> (usize, usize) {
+    let g = unit % (comms * contexts);
+    (g / contexts, g % contexts)
+}
 
 /// What carries the RDMA leg.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -190,12 +205,17 @@ impl GinPlan {
         }
     }
 
-    /// (communicator, context index) that sender `unit` (an LL local expert; normal mode has one
-    /// sender) uses; the device reduces the index modulo the granted contexts (`ncclGin`
-    /// constructor).
+    /// (communicator, context) that sender `unit` (an LL local expert or rank; normal mode has one
+    /// sender) uses when every communicator is granted the contexts asked ([`route`]).
     pub fn route(&self, unit: usize) -> (usize, usize) {
-        let g = unit % self.qps_per_peer();
-        (g / self.contexts_per_comm, g % self.contexts_per_comm)
+        route(unit, self.num_comms, self.contexts_per_comm)
+    }
+
+    /// The same with the contexts NCCL granted on each communicator (`granted[i]` for communicator
+    /// `i`): the device uses the fewest (at most the asked count), as `GinNet::at` does.
+    pub fn granted_route(&self, unit: usize, granted: &[usize]) -> (usize, usize) {
+        let contexts = granted.iter().copied().min().unwrap_or(1).clamp(1, self.contexts_per_comm);
+        route(unit, self.num_comms, contexts)
     }
 
     /// Signal id of a low-latency count: `combine` phase or dispatch, buffer half, local expert,
@@ -235,23 +255,16 @@ pub fn plan(w: Workload, k: &GinKnobs) -> Result<GinPlan> {
 /// (`ll_seam::SIGNALS` = 4 x the most experts), then the normal-mode kernels' signals (an LL
 /// buffer may run normal-mode ops; [`ht_signal_base`]), and a context per sending rank (the LL
 /// kernels put on the context of the sender's rank); normal-mode buffers the signals of
-/// [`Workload::Normal`] on one context. Several communicators (`DEEP_EP_GIN_COMMS` > 1) are not
-/// wired.
+/// [`Workload::Normal`] on one context. `DEEP_EP_GIN_COMMS` communicators, each asking for the same
+/// requirements.
 pub fn buffer_plan(k: &GinKnobs, num_ranks: usize, num_rdma_ranks: usize, low_latency_mode: bool) -> Result<Option<GinPlan>> {
     if k.transport != Some(RdmaTransport::Gin) || num_rdma_ranks < 2 {
         return Ok(None);
     }
-    if k.comms.is_some_and(|c| c > 1) {
-        return Err(Error::NotImplemented {
-            op: OP,
-            backend: "nccl",
-            feature: "several GIN communicators per buffer (DEEP_EP_GIN_COMMS > 1): a buffer opens one; unset DEEP_EP_GIN_COMMS or set it to 1 (up to 4 QPs per peer through DEEP_EP_GIN_CONTEXTS)",
-        });
-    }
     let mut p = if low_latency_mode {
         let signals = ht_signal_base(true) + crate::ffi::internode::SEAM_SIGNALS;
         let contexts_per_comm = k.contexts.unwrap_or_else(|| num_ranks.min(MAX_GIN_CONTEXTS));
-        GinPlan { workload: Workload::LowLatency { num_local_experts: (super::ll_seam::MAX_EXPERTS / num_ranks).max(1), num_ranks }, num_comms: 1, contexts_per_comm, signals }
+        GinPlan { workload: Workload::LowLatency { num_local_experts: (super::ll_seam::MAX_EXPERTS / num_ranks).max(1), num_ranks }, num_comms: k.comms.unwrap_or(1), contexts_per_comm, signals }
     } else {
         plan(Workload::Normal { num_rdma_ranks }, k)?
     };
@@ -282,21 +295,29 @@ pub struct GinDevComm {
     pub gin_type: GinType,
 }
 
-/// Turns the result of `ncclDevCommCreate` with [`GinPlan::requirements`] on `rank` into a
-/// usable device comm, or the error that tells the user what is missing (naming the rank).
-/// `nccl_text` renders an NCCL result code (`ncclGetErrorString` in production).
+/// Turns the result of `ncclDevCommCreate` with [`GinPlan::requirements`] on `rank`'s first
+/// communicator into a usable device comm, or the error that tells the user what is missing
+/// (naming the rank). `nccl_text` renders an NCCL result code (`ncclGetErrorString` in production).
 pub fn granted(plan: &GinPlan, k: &GinKnobs, rank: usize, result: std::result::Result<(Vec<u64>, GinInfo), i32>, nccl_text: impl Fn(i32) -> String) -> Result<GinDevComm> {
+    granted_on(plan, k, rank, 0, result, nccl_text)
+}
+
+/// [`granted`] for communicator `comm` (0 = the buffer's own, 1.. = those split from it): each
+/// communicator's grant is checked on its own (GIN, its type, its signals); an error names the
+/// rank, and the communicator when the plan has several.
+pub fn granted_on(plan: &GinPlan, k: &GinKnobs, rank: usize, comm: usize, result: std::result::Result<(Vec<u64>, GinInfo), i32>, nccl_text: impl Fn(i32) -> String) -> Result<GinDevComm> {
+    let on = if plan.num_comms > 1 { format!(" (communicator {comm} of {})", plan.num_comms) } else { String::new() };
     let (devcomm, info) = match result {
         Ok(r) => r,
-        Err(code) => return Err(unavailable(plan, k, rank, &format!("ncclDevCommCreate failed: ncclResult_t {code} {}", nccl_text(code)))),
+        Err(code) => return Err(unavailable_on(plan, k, rank, &on, &format!("ncclDevCommCreate failed: ncclResult_t {code} {}", nccl_text(code)))),
     };
     if info.gin_context_count < 1 {
-        return Err(unavailable(plan, k, rank, &format!("ncclDevCommCreate granted 0 GIN contexts ({} asked)", plan.contexts_per_comm)));
+        return Err(unavailable_on(plan, k, rank, &on, &format!("ncclDevCommCreate granted 0 GIN contexts ({} asked)", plan.contexts_per_comm)));
     }
     let Some(gin_type) = GinType::from_code(info.gin_type) else {
-        return Err(unavailable(plan, k, rank, &format!("NCCL reported an unknown GIN type {}", info.gin_type)));
+        return Err(unavailable_on(plan, k, rank, &on, &format!("NCCL reported an unknown GIN type {}", info.gin_type)));
     };
-    let what = format!("GIN setup on rank {rank}");
+    let what = format!("GIN setup on rank {rank}{on}");
     if let Some(want) = k.gin_type.filter(|&t| t != gin_type) {
         return Err(Error::Device {
             op: OP,
@@ -316,13 +337,18 @@ pub fn granted(plan: &GinPlan, k: &GinKnobs, rank: usize, result: std::result::R
 
 /// The error for "no GIN here" on `rank`, with what to check and the emulation alternative.
 pub fn unavailable(plan: &GinPlan, k: &GinKnobs, rank: usize, why: &str) -> Error {
+    unavailable_on(plan, k, rank, "", why)
+}
+
+/// [`unavailable`] with `on` after the rank (which communicator, or empty).
+fn unavailable_on(plan: &GinPlan, k: &GinKnobs, rank: usize, on: &str, why: &str) -> Error {
     let asked = match k.gin_type {
         Some(t) => format!(" (NCCL_GIN_TYPE={} asked for {t:?})", t.code()),
         None => String::new(),
     };
     Error::Device {
         op: OP,
-        what: format!("GIN setup on rank {rank}"),
+        what: format!("GIN setup on rank {rank}{on}"),
         detail: format!(
             "NCCL GPU-initiated networking is unavailable{asked}: {why}. Internode buffers need a GPUDirect-RDMA capable NIC \
              (InfiniBand or RoCE with nvidia-peermem or DMA-BUF, rdma-core >= 44) and NCCL >= 2.28.7; NCCL_DEBUG=INFO \
@@ -473,11 +499,16 @@ mod tests {
         assert_eq!((p.contexts_per_comm, p.signals, ht_signal_base(false)), (1, SEAM_SIGNALS + BARRIER_SIGNALS, 0));
         assert!(ht_signal(0, HtSignal::Step, MAX_NODES - 1) < p.signals);
         assert_eq!(buffer_plan(&gin, 16, 8, false).unwrap().unwrap().signals, SEAM_SIGNALS + BARRIER_SIGNALS);
-        // Several communicators are refused by name.
-        let k = knobs(&[("DEEP_EP_RDMA_TRANSPORT", "gin"), ("DEEP_EP_GIN_COMMS", "2")]).unwrap();
-        let e = buffer_plan(&k, 4, 2, true).unwrap_err().to_string();
-        assert!(e.contains("DEEP_EP_GIN_COMMS > 1") && e.contains("not implemented"), "{e}");
+        // Several communicators, LL and normal mode: the same requirements on each, QPs multiply.
+        let k = knobs(&[("DEEP_EP_RDMA_TRANSPORT", "gin"), ("DEEP_EP_GIN_COMMS", "3")]).unwrap();
+        let p = buffer_plan(&k, 4, 2, true).unwrap().unwrap();
+        assert_eq!((p.num_comms, p.contexts_per_comm, p.qps_per_peer(), p.signals), (3, 4, 12, SIGNALS + SEAM_SIGNALS + BARRIER_SIGNALS));
+        assert_eq!(p.requirements(), buffer_plan(&gin, 4, 2, true).unwrap().unwrap().requirements());
+        let p = buffer_plan(&k, 4, 2, false).unwrap().unwrap();
+        assert_eq!((p.num_comms, p.qps_per_peer()), (3, 3));
         assert_eq!(buffer_plan(&knobs(&[("DEEP_EP_RDMA_TRANSPORT", "gin"), ("DEEP_EP_GIN_COMMS", "1")]).unwrap(), 4, 2, true).unwrap().unwrap().num_comms, 1);
+        // Without GIN the knob changes nothing.
+        assert_eq!(buffer_plan(&knobs(&[("DEEP_EP_GIN_COMMS", "8")]).unwrap(), 4, 2, true).unwrap(), None);
     }
 
     #[test]
@@ -499,6 +530,22 @@ mod tests {
             assert_eq!(barrier_signal_base(&p), SEAM_SIGNALS);
             assert!(ht_signal(0, HtSignal::Step, rr - 1) < barrier_signal_base(&p));
         }
+    }
+
+    #[test]
+    fn routes_fill_a_communicator_then_the_next_with_the_contexts_granted() {
+        let k = knobs(&[("DEEP_EP_GIN_COMMS", "2")]).unwrap();
+        let p = plan(Workload::LowLatency { num_local_experts: 8, num_ranks: 32 }, &k).unwrap();
+        assert_eq!((0..5).map(|u| route(u, 2, 4)).collect::<Vec<_>>(), (0..5).map(|u| p.route(u)).collect::<Vec<_>>());
+        // All granted as asked: the plan's route.
+        assert!((0..20).all(|u| p.granted_route(u, &[4, 4]) == p.route(u)));
+        // One communicator granted 2 of 4: both use 2, QPs per peer 4.
+        assert_eq!((0..5).map(|u| p.granted_route(u, &[4, 2])).collect::<Vec<_>>(), vec![(0, 0), (0, 1), (1, 0), (1, 1), (0, 0)]);
+        // Never more than asked, never fewer than one.
+        assert_eq!(p.granted_route(5, &[8, 8]), p.route(5));
+        assert_eq!(p.granted_route(3, &[0, 0]), (1, 0));
+        // A receiver routes the sender's rank: every rank pair agrees on one (comm, context).
+        assert_eq!(route(37, 2, 4), route(37 % 8, 2, 4));
     }
 
     fn info(contexts: i32, ty: i32, signals: i32) -> GinInfo {
@@ -524,6 +571,15 @@ mod tests {
         assert!(e.contains("NCCL_GIN_TYPE=3 (Gdaki) was set but NCCL granted Proxy (2)"), "{e}");
         let e = granted(&p, &GinKnobs::default(), 0, Ok((vec![], info(4, 2, 39))), text).unwrap_err().to_string();
         assert!(e.contains("granted 39 GIN signals, the buffer needs 40; raise NCCL_GIN_SIGNAL_POOL_SIZE"), "{e}");
+        // Per communicator: each grant is checked, errors name the rank and the communicator.
+        let k2 = knobs(&[("DEEP_EP_GIN_COMMS", "2")]).unwrap();
+        let p2 = plan(Workload::LowLatency { num_local_experts: 8, num_ranks: 32 }, &k2).unwrap();
+        assert!(granted_on(&p2, &k2, 3, 1, Ok((vec![0; 4], info(4, 3, 1024))), text).is_ok());
+        let e = granted_on(&p2, &k2, 3, 1, Ok((vec![], info(4, 3, 1023))), text).unwrap_err().to_string();
+        assert!(e.contains("GIN setup on rank 3 (communicator 1 of 2) failed: NCCL granted 1023 GIN signals"), "{e}");
+        let e = granted_on(&p2, &k2, 3, 0, Err(2), text).unwrap_err().to_string();
+        assert!(e.starts_with("deep_ep::create_buffer: GIN setup on rank 3 (communicator 0 of 2) failed: NCCL GPU-initiated networking is unavailable"), "{e}");
+        assert!(e.contains("8 QPs per peer (2 communicator(s) x 4 contexts)"), "{e}");
     }
 
     #[test]

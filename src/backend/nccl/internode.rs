@@ -108,8 +108,11 @@ pub(super) fn ht_net(op: &'static str, gin: bool, low_latency_mode: bool, ll_gin
 /// into the free end of its internode control area (`NET_OFF`). Local, synchronous; returns
 /// whether it wrote one.
 pub(super) fn write_gin_net(op: &'static str, window: &dyn super::window::PeerWindow) -> Result<bool> {
-    let Some((devcomm, win)) = window.gin() else { return Ok(false) };
-    crate::ffi::transport::write_gin_desc(op, window.ctx(), NET_OFF, NET_BYTES, devcomm, win)?;
+    let comms = window.gin_all();
+    if comms.is_empty() {
+        return Ok(false);
+    }
+    crate::ffi::transport::write_gin_desc(op, window.ctx(), NET_OFF, NET_BYTES, &comms)?;
     Ok(true)
 }
 

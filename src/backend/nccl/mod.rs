@@ -83,8 +83,8 @@ fn split_setup(op: &'static str, window: &dyn window::PeerWindow, topo: &crate::
     let domain: Vec<usize> = topo.nvl_peers().collect();
     crate::ensure!(own == domain && ctx.nvl_ranks as usize == topo.num_nvl_ranks(), op, "internal: the kernels address the windows of ranks {own:?}, not exactly this NVLink domain {domain:?}");
     let how = match (gin_plan, window.gin()) {
-        (Some(p), Some((devcomm, win))) => {
-            global_barrier::setup_gin(op, ctx, devcomm, win, gin::barrier_signal_base(p))?;
+        (Some(p), Some(_)) => {
+            global_barrier::setup_gin(op, ctx, &window.gin_all(), gin::barrier_signal_base(p))?;
             "NCCL GIN"
         }
         (None, None) => {
@@ -143,17 +143,17 @@ impl NcclBackend {
         crate::ffi::internode::check_struct_size(OP)?;
         let timeout_ns = timeout.as_nanos().min(u64::MAX as u128) as u64;
         let transport_self_test = gin::self_test_stride_from_env(a.rank, a.num_ranks)?;
-        let judge = |r: crate::ffi::transport::GinGrant| -> Result<()> {
+        let judge = |comm: usize, r: crate::ffi::transport::GinGrant| -> Result<()> {
             let Some(p) = &gin_plan else { return Ok(()) };
             let text = |c: i32| nccl::library().map(|l| nccl::error_text(l, c)).unwrap_or_default();
-            let g = gin::granted(p, &knobs, a.rank, r, text)?;
-            crate::log_info!(Some(a.rank), "{OP}: NCCL granted GIN ({:?}, {} of {} contexts, {} signals)", g.gin_type, g.info.gin_context_count, p.contexts_per_comm, g.info.gin_signal_count);
+            let g = gin::granted_on(p, &knobs, a.rank, comm, r, text)?;
+            crate::log_info!(Some(a.rank), "{OP}: NCCL granted GIN on communicator {comm} of {} ({:?}, {} of {} contexts, {} signals)", p.num_comms, g.gin_type, g.info.gin_context_count, p.contexts_per_comm, g.info.gin_signal_count);
             Ok(())
         };
         let window: Box<dyn window::PeerWindow> = match kind {
             BackendKind::Nccl => {
                 checked_library()?;
-                let gin = gin_plan.as_ref().map(|p| GinSetup { reqs: p.requirements(), judge: &judge });
+                let gin = gin_plan.as_ref().map(|p| GinSetup { reqs: p.requirements(), comms: p.num_comms, judge: &judge });
                 // Internode: the kernels get the windows of their own NVLink domain only.
                 let nvl_domain = if topo.num_rdma_ranks() >= 2 { topo.num_nvl_ranks() } else { a.num_ranks };
                 Box::new(Window::create(&WindowArgs { unique_id: &unique_id, rank: a.rank, num_ranks: a.num_ranks, nvl_domain, device, data_bytes, timeout_ns, transport_self_test, gin })?)
@@ -173,8 +173,9 @@ impl NcclBackend {
             Some(kind) => {
                 let layout = ll_seam::SeamLayout::new(crate::ffi::intranode::CONTROL_BYTES, a.num_nvl_bytes, a.num_rdma_bytes);
                 let name = if kind == ll_seam::NET_GIN {
-                    let (devcomm, win) = window.gin().ok_or_else(|| Error::invalid(OP, "internal: a GIN seam without a GIN device comm"))?;
-                    crate::ffi::transport::write_gin_desc(OP, window.ctx(), layout.desc_off, ll_seam::DESC_BYTES, devcomm, win)?;
+                    let comms = window.gin_all();
+                    crate::ensure!(!comms.is_empty(), OP, "internal: a GIN seam without a GIN device comm");
+                    crate::ffi::transport::write_gin_desc(OP, window.ctx(), layout.desc_off, ll_seam::DESC_BYTES, &comms)?;
                     "NCCL GIN"
                 } else {
                     crate::ffi::transport::write_lsa_desc(OP, window.ctx(), &window.lsa_bases(), layout.desc_off, layout.signal_off, ll_seam::LSA_CONTEXTS, ll_seam::SIGNALS)?;

@@ -33,6 +33,11 @@ pub trait PeerWindow: Send {
     fn gin(&self) -> Option<(&[u64], *mut std::ffi::c_void)> {
         None
     }
+    /// [`PeerWindow::gin`] of every GIN communicator of the buffer (`DEEP_EP_GIN_COMMS`), the
+    /// window's own first; empty without GIN.
+    fn gin_all(&self) -> Vec<(&[u64], *mut std::ffi::c_void)> {
+        self.gin().into_iter().collect()
+    }
 }
 
 impl PeerWindow for crate::ffi::nccl_window::Window {
@@ -42,6 +47,7 @@ impl PeerWindow for crate::ffi::nccl_window::Window {
     fn bytes(&self) -> usize { self.bytes() }
     fn close(&mut self, timeout_ms: u64) -> Result<()> { self.close(timeout_ms) }
     fn gin(&self) -> Option<(&[u64], *mut std::ffi::c_void)> { self.gin() }
+    fn gin_all(&self) -> Vec<(&[u64], *mut std::ffi::c_void)> { self.gin_all() }
 }
 
 #[cfg(feature = "nvshmem")]

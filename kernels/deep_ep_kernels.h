@@ -25,17 +25,18 @@ extern "C" {
 
 /*
  * DeepEP's get_dispatch_layout. N = num_tokens, K = num_topk, R = num_ranks, E = num_experts,
- * G = R / 8 nodes when R > 8 (else 0). Expert e lives on rank e / (E / R).
+ * D = nvl_domain ranks per node (DEEP_EP_NVL_DOMAIN_SIZE; DeepEP's 8), G = R / D nodes when R > D
+ * (else 0). Expert e lives on rank e / (E / R), rank r on node r / D.
  *
  * [IN]  topk_idx                 [N, K] row-major, int64 if topk_idx_is_int64 else int32;
  *                                global expert ids, entries outside [0, E) (e.g. -1) are ignored
  * [OUT] num_tokens_per_rank      [R] int32: tokens with >= 1 selected expert on rank r
  * [OUT] num_tokens_per_rdma_rank [G] int32: tokens with >= 1 selected expert on node g;
- *                                required when R > 8, ignored (may be NULL) when R <= 8
+ *                                required when R > D, ignored (may be NULL) when R <= D
  * [OUT] num_tokens_per_expert    [E] int32: (token, k) selections of expert e
  * [OUT] is_token_in_rank         [N, R] bool (1 byte): token n selects >= 1 expert on rank r
  *
- * Requires R > 0, E % R == 0, and R % 8 == 0 when R > 8. N == 0 is allowed (counts become 0).
+ * Requires R > 0, D >= 1, E % R == 0, and R % D == 0 when R > D. N == 0 is allowed (counts become 0).
  * Results are integer counts, identical for any launch configuration (crate::layout).
  * One kernel launch, preceded by a small zeroing kernel when N needs more than one block
  * (e.g. N > 128 at K = 8). CUDA-graph capturable; about 4 us of GPU time at N = 4096, K = 8.
@@ -44,7 +45,7 @@ int deep_ep_launch_dispatch_layout(const void* topk_idx, int topk_idx_is_int64, 
                                    int num_topk, int num_ranks, int num_experts,
                                    int* num_tokens_per_rank, int* num_tokens_per_rdma_rank,
                                    int* num_tokens_per_expert, bool* is_token_in_rank,
-                                   void* stream);
+                                   int nvl_domain, void* stream);
 
 /*
  * The real token count of a low-latency call as a device scalar (kernels/ll_rows.cu):

@@ -33,6 +33,7 @@ __device__ __forceinline__ int expert_at(const IdxT* p, int num_experts) {
 
 struct LayoutArgs {
   int num_tokens, num_topk, num_ranks, num_experts, num_nodes;
+  int nvl_domain;  // ranks per node (DEEP_EP_NVL_DOMAIN_SIZE): node of rank r = r / nvl_domain
   int* num_tokens_per_rank;
   int* num_tokens_per_rdma_rank;
   int* num_tokens_per_expert;
@@ -76,12 +77,12 @@ __device__ __forceinline__ void layout_tokens_warp(const IdxT* __restrict__ topk
     for (int it = 0; it < kLayoutWarpIters; ++it) {
       const int ei = e[it];
       const int r = ei >= 0 ? ei / experts_per_rank : 0;
-      const int g = r / kMaxNvlPeers;
+      const int g = r / a.nvl_domain;
       const int row = it * per_group + j;  // token index inside the chunk
       // Lanes without a valid id get keys no other lane has (valid keys stay below 2^31).
       const unsigned none = 0x80000000u | static_cast<unsigned>(lane);
       const unsigned rank_key = ei >= 0 ? static_cast<unsigned>(j * a.num_ranks + r) : none;
-      const unsigned node_key = ei >= 0 ? static_cast<unsigned>(j * (a.num_ranks / kMaxNvlPeers + 1) + g) : none;
+      const unsigned node_key = ei >= 0 ? static_cast<unsigned>(j * (a.num_ranks / a.nvl_domain + 1) + g) : none;
       const bool first_rank = __ffs(__match_any_sync(0xffffffffu, rank_key)) - 1 == lane;
       const bool first_node = __ffs(__match_any_sync(0xffffffffu, node_key)) - 1 == lane;
       if (ei < 0) continue;
@@ -110,13 +111,13 @@ __device__ __forceinline__ void layout_tokens_thread(const IdxT* __restrict__ to
       if (e < 0) continue;
       atomicAdd(&c.expert[e], 1);
       const int r = e / experts_per_rank;
-      const int g = r / kMaxNvlPeers;
+      const int g = r / a.nvl_domain;
       bool first_rank = true, first_node = true;
       for (int i = 0; i < k; ++i) {
         const int ei = expert_at(row + i, a.num_experts);
         if (ei < 0) continue;
         first_rank &= (ei / experts_per_rank != r);
-        first_node &= (ei / experts_per_rank / kMaxNvlPeers != g);
+        first_node &= (ei / experts_per_rank / a.nvl_domain != g);
       }
       if (first_rank) {
         in_rank[r] = true;
@@ -191,12 +192,12 @@ extern "C" int deep_ep_launch_dispatch_layout(const void* topk_idx, int topk_idx
                                               int num_experts, int* num_tokens_per_rank,
                                               int* num_tokens_per_rdma_rank,
                                               int* num_tokens_per_expert,
-                                              bool* is_token_in_rank, void* stream) {
+                                              bool* is_token_in_rank, int nvl_domain, void* stream) {
   using namespace deep_ep;
-  if (num_tokens < 0 || num_topk < 0 || num_ranks <= 0 || num_experts < 0 ||
-      num_experts % num_ranks != 0 || (num_ranks > kMaxNvlPeers && num_ranks % kMaxNvlPeers != 0))
+  if (num_tokens < 0 || num_topk < 0 || num_ranks <= 0 || num_experts < 0 || nvl_domain < 1 ||
+      num_experts % num_ranks != 0 || (num_ranks > nvl_domain && num_ranks % nvl_domain != 0))
     return cudaErrorInvalidValue;
-  const int num_nodes = num_ranks > kMaxNvlPeers ? num_ranks / kMaxNvlPeers : 0;
+  const int num_nodes = num_ranks > nvl_domain ? num_ranks / nvl_domain : 0;
   if (num_tokens_per_rank == nullptr || (num_nodes > 0 && num_tokens_per_rdma_rank == nullptr) ||
       (num_experts > 0 && num_tokens_per_expert == nullptr) ||
       (num_tokens > 0 && (is_token_in_rank == nullptr || (num_topk > 0 && topk_idx == nullptr))))
@@ -211,7 +212,7 @@ extern "C" int deep_ep_launch_dispatch_layout(const void* topk_idx, int topk_idx
   int64_t blocks = (static_cast<int64_t>(num_tokens) + per_block - 1) / per_block;
   blocks = blocks < 1 ? 1 : (blocks > kLayoutMaxBlocks ? kLayoutMaxBlocks : blocks);
 
-  const LayoutArgs a{num_tokens, num_topk, num_ranks, num_experts, num_nodes, num_tokens_per_rank,
+  const LayoutArgs a{num_tokens, num_topk, num_ranks, num_experts, num_nodes, nvl_domain, num_tokens_per_rank,
                      num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank};
   if (!(in_smem && blocks == 1)) {  // only a one-block launch with shared counters stores directly
     zero_counts_kernel<<<1, 1024, 0, s>>>(a);

@@ -10,18 +10,19 @@ use crate::tensor::{DType, Device, TensorRef};
 use std::ffi::{c_char, c_int, c_void, CStr};
 
 extern "C" {
-    /// `get_dispatch_layout` (N tokens, K top-k, R ranks, E experts, G = R/8 nodes if R > 8).
+    /// `get_dispatch_layout` (N tokens, K top-k, R ranks, E experts, D ranks per node, G = R/D nodes if R > D).
     fn deep_ep_launch_dispatch_layout(
         topk_idx: *const c_void,             // device [N, K] int32 or int64, row-major
         topk_idx_is_int64: c_int,            // 1: int64 ids, 0: int32 ids
         num_tokens: c_int,                   // N >= 0
         num_topk: c_int,                     // K >= 0
-        num_ranks: c_int,                    // R > 0, R % 8 == 0 when R > 8
+        num_ranks: c_int,                    // R > 0, R % D == 0 when R > D
         num_experts: c_int,                  // E, E % R == 0
         num_tokens_per_rank: *mut c_int,     // device [R] int32, written
-        num_tokens_per_rdma_rank: *mut c_int, // device [G] int32, written; null allowed when R <= 8
+        num_tokens_per_rdma_rank: *mut c_int, // device [G] int32, written; null allowed when R <= D
         num_tokens_per_expert: *mut c_int,   // device [E] int32, written
         is_token_in_rank: *mut bool,         // device [N, R] bool, written
+        nvl_domain: c_int,                   // D >= 1: ranks per node (DEEP_EP_NVL_DOMAIN_SIZE)
         stream: *mut c_void,                 // cudaStream_t
     ) -> c_int;
 
@@ -94,7 +95,7 @@ fn to_c_int(v: usize, name: &str) -> Result<c_int> {
 ///
 /// The caller (`crate::ops`) validates shapes, dtypes and devices; this checks only what keeps
 /// the launch memory-safe (rank, dtype, sizes that fit in `int`), and the C side checks the rest
-/// (`E % R == 0`, `R % 8 == 0` above 8 ranks) and reports `cudaErrorInvalidValue`.
+/// (`E % R == 0`, `R % D == 0` above D ranks) and reports `cudaErrorInvalidValue`.
 /// Sound as a safe function because a [`TensorRef`] carries a non-null pointer only when
 /// `ffi::capi` built it from a live tensor, and the C side refuses null outputs/inputs of nonzero
 /// size (`cudaErrorInvalidValue`); `stream` is an opaque handle that is never dereferenced here.
@@ -107,6 +108,7 @@ pub fn dispatch_layout(
     num_tokens_per_rdma_rank: Option<&TensorRef>,
     num_tokens_per_expert: &TensorRef,
     is_token_in_rank: &TensorRef,
+    nvl_domain: usize,
     stream: *mut c_void,
 ) -> Result<()> {
     let is_int64 = match topk_idx.dtype {
@@ -118,7 +120,10 @@ pub fn dispatch_layout(
         return Err(Error::invalid(LAYOUT_OP, format!("topk_idx must be 2-D, got shape {:?}", topk_idx.sizes())));
     }
     let (n, k) = (topk_idx.size(0), topk_idx.size(1));
-    let rdma_len = if num_ranks > crate::config::MAX_NVL_PEERS { num_ranks / crate::config::MAX_NVL_PEERS } else { 0 };
+    if nvl_domain == 0 || nvl_domain > i32::MAX as usize {
+        return Err(Error::invalid(LAYOUT_OP, format!("NVLink domain size must be >= 1, got {nvl_domain}")));
+    }
+    let rdma_len = if num_ranks > nvl_domain { num_ranks / nvl_domain } else { 0 };
     // Memory safety of the launch rests on these sizes; the full validation is the caller's.
     // An empty tensor counts as contiguous whatever its strides (as in torch).
     let dense = |t: &TensorRef| t.numel() == 0 || t.is_contiguous();
@@ -147,6 +152,7 @@ pub fn dispatch_layout(
             rdma_ptr,
             num_tokens_per_expert.data_ptr() as *mut c_int,
             is_token_in_rank.data_ptr() as *mut bool,
+            nvl_domain as c_int,
             stream,
         )
     };
@@ -229,8 +235,8 @@ mod tests {
             .collect()
     }
 
-    fn run_gpu(ids: &[i64], int64: bool, n: usize, k: usize, e: usize, r: usize) -> Layout {
-        let g = if r > 8 { r / 8 } else { 0 };
+    fn run_gpu(ids: &[i64], int64: bool, n: usize, k: usize, e: usize, r: usize, d: usize) -> Layout {
+        let g = if r > d { r / d } else { 0 };
         let idx = if int64 { DeviceBuf::upload(ids) } else { DeviceBuf::upload(&ids.iter().map(|&v| v as i32).collect::<Vec<_>>()) };
         let (per_rank, per_node, per_expert, in_rank) = (DeviceBuf::new(r * 4), DeviceBuf::new(g * 4), DeviceBuf::new(e * 4), DeviceBuf::new(n * r));
         let dt = if int64 { DType::Int64 } else { DType::Int32 };
@@ -243,6 +249,7 @@ mod tests {
             (g > 0).then_some(&rdma),
             &per_expert.tensor(DType::Int32, &[e as i64]),
             &in_rank.tensor(DType::Bool, &[n as i64, r as i64]),
+            d,
             std::ptr::null_mut(),
         )
         .expect("launch");
@@ -285,17 +292,22 @@ mod tests {
         let t = |d, s: &[i64]| TensorRef::meta(d, Device::Cuda(0), s);
         let (idx, in_rank) = (t(DType::Int64, &[4, 2]), t(DType::Bool, &[4, 3]));
         // E % R != 0 is refused by the C side with cudaErrorInvalidValue (no launch, no device).
-        let e = dispatch_layout(&idx, 8, 3, &t(DType::Int32, &[3]), None, &t(DType::Int32, &[8]), &in_rank, std::ptr::null_mut());
+        let e = dispatch_layout(&idx, 8, 3, &t(DType::Int32, &[3]), None, &t(DType::Int32, &[8]), &in_rank, 8, std::ptr::null_mut());
         let msg = e.err().map(|e| e.to_string()).unwrap_or_default();
         assert!(msg.contains("deep_ep::get_dispatch_layout: dispatch_layout kernel launch failed: cudaErrorInvalidValue"), "{msg}");
         // Wrong output sizes and dtypes are refused on the Rust side.
-        let e = dispatch_layout(&idx, 8, 4, &t(DType::Int32, &[3]), None, &t(DType::Int32, &[8]), &in_rank, std::ptr::null_mut());
+        let e = dispatch_layout(&idx, 8, 4, &t(DType::Int32, &[3]), None, &t(DType::Int32, &[8]), &in_rank, 8, std::ptr::null_mut());
         assert!(matches!(e, Err(Error::InvalidArgument { .. })));
         let f = t(DType::Float32, &[4, 2]);
-        let e = dispatch_layout(&f, 8, 4, &t(DType::Int32, &[4]), None, &t(DType::Int32, &[8]), &t(DType::Bool, &[4, 4]), std::ptr::null_mut());
+        let e = dispatch_layout(&f, 8, 4, &t(DType::Int32, &[4]), None, &t(DType::Int32, &[8]), &t(DType::Bool, &[4, 4]), 8, std::ptr::null_mut());
         assert!(matches!(e, Err(Error::InvalidArgument { .. })));
-        // More than 8 ranks needs the per-node output.
-        let e = dispatch_layout(&idx, 16, 16, &t(DType::Int32, &[16]), None, &t(DType::Int32, &[16]), &t(DType::Bool, &[4, 16]), std::ptr::null_mut());
+        // More than D ranks needs the per-node output (D = 8, and D = 2 with 4 ranks).
+        let e = dispatch_layout(&idx, 16, 16, &t(DType::Int32, &[16]), None, &t(DType::Int32, &[16]), &t(DType::Bool, &[4, 16]), 8, std::ptr::null_mut());
+        assert!(matches!(e, Err(Error::InvalidArgument { .. })));
+        let e = dispatch_layout(&idx, 8, 4, &t(DType::Int32, &[4]), None, &t(DType::Int32, &[8]), &t(DType::Bool, &[4, 4]), 2, std::ptr::null_mut());
+        assert!(matches!(e, Err(Error::InvalidArgument { .. })));
+        // A domain size of 0 is refused before the launch.
+        let e = dispatch_layout(&idx, 8, 4, &t(DType::Int32, &[4]), None, &t(DType::Int32, &[8]), &t(DType::Bool, &[4, 4]), 0, std::ptr::null_mut());
         assert!(matches!(e, Err(Error::InvalidArgument { .. })));
     }
 
@@ -327,10 +339,16 @@ mod tests {
         for &(n, k, e, r) in &cases {
             for int64 in [false, true] {
                 let ids = random_topk(&mut rng, n, k, e, int64);
-                let got = run_gpu(&ids, int64, n, k, e, r);
+                let got = run_gpu(&ids, int64, n, k, e, r, 8);
                 let want = reference(&ids.iter().map(|&v| if int64 { v } else { v as i32 as i64 }).collect::<Vec<_>>(), n, k, e, r);
                 assert_eq!(got, want, "N={n} K={k} E={e} R={r} int64={int64}");
             }
+        }
+        // Emulated nodes smaller than 8 (DEEP_EP_NVL_DOMAIN_SIZE): per-node counts over D ranks.
+        for &(n, k, e, r, d) in &[(1000, 8, 64, 4, 2), (3000, 9, 288, 8, 4), (777, 32, 64, 8, 1), (5, 2, 16, 4, 4)] {
+            let ids = random_topk(&mut rng, n, k, e, true);
+            let want = crate::layout::dispatch_layout_in_domains(&ids, n, k, e, r, d);
+            assert_eq!(run_gpu(&ids, true, n, k, e, r, d), want, "N={n} K={k} E={e} R={r} D={d}");
         }
     }
 
@@ -348,7 +366,7 @@ mod tests {
             let iters = 2000;
             let run = || {
                 for _ in 0..iters {
-                    dispatch_layout(&ti, e, r, &ta, None, &tb, &tc, std::ptr::null_mut()).expect("launch");
+                    dispatch_layout(&ti, e, r, &ta, None, &tb, &tc, 8, std::ptr::null_mut()).expect("launch");
                 }
                 // SAFETY: synchronises the legacy default stream.
                 check(unsafe { deep_ep_cuda_stream_synchronize(std::ptr::null_mut()) }, "test", "sync").expect("sync");

@@ -99,18 +99,12 @@ pub fn get_dispatch_layout(topk_idx: &TensorRef, num_experts: usize, num_ranks: 
             }
             Ok(())
         }
-        Device::Cuda(_) => {
-            let d = crate::topology::nvl_domain_size()?;
-            if num_ranks > d && d != crate::config::MAX_NVL_PEERS {
-                return Err(crate::error::Error::NotImplemented { op: "deep_ep::get_dispatch_layout", backend: "cuda", feature: "num_tokens_per_rdma_rank with DEEP_EP_NVL_DOMAIN_SIZE other than 8 on CUDA tensors" });
-            }
-            cuda_dispatch_layout(topk_idx, num_experts, num_ranks, out, stream)
-        }
+        Device::Cuda(_) => cuda_dispatch_layout(topk_idx, num_experts, num_ranks, crate::topology::nvl_domain_size()?, out, stream),
     }
 }
 
 #[cfg(feature = "cuda")]
-fn cuda_dispatch_layout(topk_idx: &TensorRef, e: usize, r: usize, out: &LayoutOutputs, stream: backend::Stream) -> Result<()> {
+fn cuda_dispatch_layout(topk_idx: &TensorRef, e: usize, r: usize, d: usize, out: &LayoutOutputs, stream: backend::Stream) -> Result<()> {
     crate::ffi::kernels::dispatch_layout(
         topk_idx,
         e,
@@ -119,12 +113,13 @@ fn cuda_dispatch_layout(topk_idx: &TensorRef, e: usize, r: usize, out: &LayoutOu
         out.num_tokens_per_rdma_rank.as_ref(),
         &out.num_tokens_per_expert,
         &out.is_token_in_rank,
+        d,
         stream,
     )
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_dispatch_layout(_: &TensorRef, _: usize, _: usize, _: &LayoutOutputs, _: backend::Stream) -> Result<()> {
+fn cuda_dispatch_layout(_: &TensorRef, _: usize, _: usize, _: usize, _: &LayoutOutputs, _: backend::Stream) -> Result<()> {
     Err(crate::error::Error::NotCompiled { op: "deep_ep::get_dispatch_layout", backend: "cuda".into(), feature: "cuda" })
 }
 

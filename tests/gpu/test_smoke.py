@@ -39,6 +39,21 @@ def test_layout_kernel_matches_cpu_on_every_gpu(shape, idx_dtype):
             assert torch.equal(a.cpu(), b), (shape, d)
 
 
+@pytest.mark.parametrize("domain", [1, 2, 4])
+def test_layout_kernel_with_emulated_nodes_matches_cpu(domain, monkeypatch):
+    """DEEP_EP_NVL_DOMAIN_SIZE below 8: the per-node counts (num_tokens_per_rdma_rank [R / D])
+    come from the CUDA kernel too, equal to the CPU backend's."""
+    monkeypatch.setenv("DEEP_EP_NVL_DOMAIN_SIZE", str(domain))
+    n, k, e, r = 3000, 8, 64, 8
+    idx = torch.randint(-1, e, (n, k), generator=torch.Generator().manual_seed(domain)).to(torch.int64)
+    want = ops.get_dispatch_layout(idx, e, r)
+    assert want[1] is not None and want[1].shape == (r // domain,)
+    got = ops.get_dispatch_layout(idx.cuda(), e, r)
+    torch.cuda.synchronize()
+    for a, b in zip(got, want):
+        assert torch.equal(a.cpu(), b), domain
+
+
 def test_layout_kernel_in_cuda_graph():
     idx = torch.randint(-1, 256, (4096, 8), device="cuda")
     out = ops.get_dispatch_layout(idx, 256, 8)

@@ -66,7 +66,8 @@ pub fn setup_lsa(op: &'static str, ctx: &Ctx, bases: &[*mut c_void]) -> Result<(
 }
 
 /// Sets up the global barrier of a split ctx over NCCL GIN: descriptor from the GIN device comms
-/// and their window handles (every communicator of the buffer; the barrier uses the first), signal ids `signal_base..signal_base + SIGNALS` (planned above every
+/// and their window handles (every communicator of the buffer; a rank signals on the (communicator, context) of its
+/// own rank, as the LL kernels), signal ids `signal_base..signal_base + SIGNALS` (planned above every
 /// id the buffer's ops use). Local, synchronous.
 pub fn setup_gin(op: &'static str, ctx: &Ctx, comms: &[(&[u64], *mut c_void)], signal_base: usize) -> Result<()> {
     check_layout(op)?;

@@ -67,6 +67,36 @@ def finish_rank(out_dir, rank, result):
         pass
 
 
+def tally_configs(result, cases, run_one, short_keys, index_of):
+    """Runs `run_one(case)` for every case of this rank (it returns a list of errors, or a pair
+    (errors, rows received) that also adds to result["rows"]), counting configs, passes and
+    failures (index_of(i, case), the case's `short_keys`, the first 6 errors) into `result`. After
+    each case the ranks all-reduce whether any rank raised: ranks may then be out of step, so all
+    stop there. Returns True when every case ran (no rank raised)."""
+    import torch.distributed as dist
+
+    for i, case in enumerate(cases):
+        exc = None
+        try:
+            errs = run_one(case)
+            if isinstance(errs, tuple):
+                errs, rows = errs
+                result["rows"] += rows
+        except Exception as e:  # noqa: BLE001 - recorded and reported
+            exc = f"{type(e).__name__}: {e}"
+            errs = [f"exception: {exc}"]
+        result["configs"] += 1
+        if errs:
+            result["failures"].append(dict(index=index_of(i, case), cfg={k: case[k] for k in short_keys}, errors=errs[:6]))
+        else:
+            result["passed"] += 1
+        flag = torch.tensor([1 if exc else 0])
+        dist.all_reduce(flag)
+        if int(flag) > 0:
+            return False
+    return True
+
+
 def _entry(rank, world, port, out_dir, fn, args, env, dry=False):
     os.environ.update(env)
     import torch.distributed as dist

@@ -32,7 +32,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _spawn import _free_port, finish_rank, gpu_backend, set_gpu_env
+from _spawn import _free_port, finish_rank, gpu_backend, set_gpu_env, tally_configs
 from test_intranode import diff, wall_us  # shared by the GPU tests
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
@@ -222,29 +222,11 @@ def worker(rank, port, out_dir, count, first, do_timing):
             gpu_buf = deep_ep_rs.Buffer(group, NVL_BYTES_GPU, RDMA_BYTES, device=torch.device("cuda", rank), backend=gpu_backend(),
                                         explicitly_destroy=True)
         assert gpu_buf.get_num_rdma_ranks() == WORLD // NVL_DOMAIN
-        stopped = False
-        for i in range(count):
-            case = widen(make_case(first + i, WORLD), i)
-            exc = None
-            try:
-                errs, rows = run_config(case, rank, cpu_buf, gpu_buf, deep_ep_rs)
-                result["rows"] += rows
-            except Exception as e:  # noqa: BLE001 - recorded and reported
-                exc = f"{type(e).__name__}: {e}"
-                errs = [f"exception: {exc}"]
-            result["configs"] += 1
-            if errs:
-                short = {k: case[k] for k in ("seed", "tokens", "hidden", "fp8", "el", "topk", "int32", "num_sms", "align", "bias",
-                                              "weights", "worst")}
-                result["failures"].append(dict(index=i, cfg=short, errors=errs[:6]))
-            else:
-                result["passed"] += 1
-            flag = torch.tensor([1 if exc else 0])
-            dist.all_reduce(flag)
-            if int(flag) > 0:  # ranks may be out of step: stop here
-                stopped = True
-                break
-        if not stopped:
+        short = ("seed", "tokens", "hidden", "fp8", "el", "topk", "int32", "num_sms", "align", "bias", "weights", "worst")
+        cases = (widen(make_case(first + i, WORLD), i) for i in range(count))
+        all_ran = tally_configs(result, cases, lambda case: run_config(case, rank, cpu_buf, gpu_buf, deep_ep_rs), short,
+                                lambda i, case: i)
+        if all_ran:
             if not DRY:
                 try:
                     result["graph"] = graph_test(rank, cpu_buf, gpu_buf)

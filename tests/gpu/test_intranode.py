@@ -31,7 +31,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _spawn import gpu_backend, _free_port, finish_rank, set_gpu_env
+from _spawn import gpu_backend, _free_port, finish_rank, set_gpu_env, tally_configs
 
 NVL_BYTES_CPU = 256 << 20
 NVL_BYTES_GPU = 320 << 20
@@ -374,27 +374,12 @@ def worker(rank, num_ranks, port, out_dir, count, seed, do_timing):
             gpu_buf = deep_ep_rs.Buffer(group, NVL_BYTES_CPU, device="cpu", backend="cpu", explicitly_destroy=True)
         else:
             gpu_buf = deep_ep_rs.Buffer(group, NVL_BYTES_GPU, device=torch.device("cuda", rank), backend=gpu_backend(), explicitly_destroy=True)
-        stopped = False
-        for cfg in make_configs(num_ranks, count, seed):
-            exc = None
-            try:
-                errs = run_config(cfg, rank, num_ranks, cpu_buf, gpu_buf, deep_ep_rs)
-            except Exception as e:  # noqa: BLE001 - recorded and reported
-                exc = f"{type(e).__name__}: {e}"
-                errs = [f"exception: {exc}"]
-            result["configs"] += 1
-            if errs:
-                short = {k: cfg[k] for k in ("tokens", "hidden", "fp8", "experts", "topk", "idx64", "with_topk", "worst", "num_sms",
-                                             "cached", "combine", "combine_topk", "bias", "alignment")}
-                result["failures"].append(dict(index=cfg["index"], cfg=short, errors=errs[:6]))
-            else:
-                result["passed"] += 1
-            flag = torch.tensor([1 if exc else 0])
-            dist.all_reduce(flag)
-            if int(flag) > 0:  # ranks may be out of step: stop here
-                stopped = True
-                break
-        if not stopped:
+        short = ("tokens", "hidden", "fp8", "experts", "topk", "idx64", "with_topk", "worst", "num_sms", "cached", "combine",
+                 "combine_topk", "bias", "alignment")
+        all_ran = tally_configs(result, make_configs(num_ranks, count, seed),
+                                lambda cfg: run_config(cfg, rank, num_ranks, cpu_buf, gpu_buf, deep_ep_rs), short,
+                                lambda i, cfg: cfg["index"])
+        if all_ran:
             result["graph"] = [] if DRY else graph_test(rank, num_ranks, cpu_buf, gpu_buf)
             if do_timing:
                 result["timing"] = timing(rank, num_ranks, gpu_buf, deep_ep_rs)

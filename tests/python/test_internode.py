@@ -280,6 +280,17 @@ def test_internode_random(rank_pool, world, d):
     assert all(r["closed"] > 0 for r in results)
 
 
+def test_internode_random_two_full_nodes(rank_pool):
+    """16 ranks as 2 domains of 8 (DeepEP's smallest real internode topology, more ranks than the
+    GPU backends hold today: docs/RANKS.md): the reference a > 8-rank GPU run must reproduce."""
+    world, d, cases = 16, 8, max(2, CASES // 8)
+    seeds = [1000 * world + 100 * d + i for i in range(cases)]
+    results = rank_pool(world).run(internode_worker, d, seeds)
+    assert all(r["cases"] == cases for r in results)
+    assert sum(r["rows"] for r in results) > 10 * cases, "tokens must really move"
+    assert all(r["closed"] > 0 for r in results)
+
+
 # ---- errors -------------------------------------------------------------------------------------
 def errors_worker(rank, world):
     import deep_ep_rs

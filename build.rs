@@ -27,6 +27,7 @@ const KNOBS: &[(&str, &str)] = &[
     ("NCCL_HOME", "NCCL with include/nccl.h (default: <site-packages>/nvidia/nccl)"),
     ("DEEP_EP_CUDA_ARCHS", "comma list of SM targets compiled to SASS, e.g. 90 | 90,100 | 90a (default: 90)"),
     ("DEEP_EP_CUDART", "how cudart is linked: static (default) | shared"),
+    ("NVSHMEM_HOME", "NVSHMEM with include/nvshmem.h and lib/libnvshmem_device.a for feature `nvshmem`'s device transport (default: <site-packages>/nvidia/nvshmem; absent: built without it)"),
 ];
 
 /// Reads a knob (trimmed, empty = unset) and tells Cargo to rerun when it changes.
@@ -258,6 +259,8 @@ fn main() {
     let (libtorch, cuda_home, nccl_home) = (knob("LIBTORCH"), knob("CUDA_HOME"), knob("NCCL_HOME"));
     let archs_spec = knob("DEEP_EP_CUDA_ARCHS").unwrap_or_else(|| "90".into());
     let cudart = knob("DEEP_EP_CUDART").unwrap_or_else(|| "static".into());
+    let nvshmem_home = knob("NVSHMEM_HOME");
+    println!("cargo:rustc-check-cfg=cfg(deep_ep_nvshmem_device)");
     let (want_cuda, want_nccl, want_torch) = (feature("cuda"), feature("nccl"), feature("torch"));
 
     let kernels_dir = manifest.join("kernels");
@@ -303,6 +306,18 @@ fn main() {
         fail(&problems, &py);
     }
 
+    if let (true, true, Some(c), Some(n)) = (want_cuda, feature("nvshmem"), &cuda, &nccl) {
+        // The NVSHMEM device transport is optional: without NVSHMEM's device library the backend
+        // still works (host-only NVSHMEM), only the NVSHMEM transport is missing. Built before the
+        // kernels so that its archive precedes cudart on the link line.
+        match find_nvshmem(&nvshmem_home, &mut py) {
+            Ok(home) => match build_nvshmem_device(&kernels_dir, c, n, &home, &archs, &out_dir) {
+                Ok(()) => println!("cargo:rustc-cfg=deep_ep_nvshmem_device"),
+                Err(e) => fail(&[e], &py),
+            },
+            Err(e) => println!("cargo:warning=feature `nvshmem`: building without the NVSHMEM device transport: {e}"),
+        }
+    }
     if let (true, Some(c), Some(n)) = (want_cuda, &cuda, &nccl) {
         if let Err(e) = build_kernels(&kernels_dir, c, n, &archs, &cudart) {
             fail(&[e], &py);
@@ -374,6 +389,90 @@ fn build_kernels(dir: &Path, cuda: &Cuda, nccl_home: &Path, archs: &[String], cu
             println!("cargo:rustc-link-lib={lib}");
         }
     }
+    Ok(())
+}
+
+/// NVSHMEM's home (headers and static device library): `NVSHMEM_HOME`, else the pip wheel.
+fn find_nvshmem(nvshmem_home: &Option<String>, py: &mut Python) -> Result<PathBuf, String> {
+    let home = match nvshmem_home {
+        Some(h) => PathBuf::from(h),
+        None => py.find_in_site("nvidia/nvshmem/include/nvshmem.h").map(|p| ancestor(&p, 2)).map_err(|e| format!("NVSHMEM_HOME is unset and {e}"))?,
+    };
+    if !home.join("include/nvshmem.h").exists() || !home.join("lib/libnvshmem_device.a").exists() {
+        return Err(format!("{} has no include/nvshmem.h or lib/libnvshmem_device.a", home.display()));
+    }
+    Ok(home)
+}
+
+/// Runs `cmd`, turning a failure into the build's error message.
+fn run_tool(cmd: &mut Command, what: &str) -> Result<(), String> {
+    let out = cmd.output().map_err(|e| format!("{what}: could not run {:?}: {e}", cmd.get_program()))?;
+    if out.status.success() {
+        return Ok(());
+    }
+    Err(format!("{what} failed: {:?}\n{}{}", cmd, String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+}
+
+/// Builds `kernels/nvshmem/*.cu`, the one unit that calls NVSHMEM's device API, into
+/// `libdeep_ep_nvshmem.a`: compiled with relocatable device code, device-linked (nvcc -dlink)
+/// against `libnvshmem_device.a`, and archived together with that library's host objects (the
+/// device-link stub names their fatbin wrappers). Nothing else changes: the other kernels keep
+/// their whole-program compilation, and the host library is still dlopen'ed at run time.
+fn build_nvshmem_device(kernels: &Path, cuda: &Cuda, nccl_home: &Path, home: &Path, archs: &[String], out_dir: &Path) -> Result<(), String> {
+    let dir = kernels.join("nvshmem");
+    let sources = files_with_ext(&dir, "cu");
+    for f in &sources {
+        println!("cargo:rerun-if-changed={}", f.display());
+    }
+    let device_lib = home.join("lib/libnvshmem_device.a");
+    println!("cargo:rerun-if-changed={}", device_lib.display());
+    let work = out_dir.join("nvshmem_device");
+    let _ = std::fs::remove_dir_all(&work);
+    std::fs::create_dir_all(&work).map_err(|e| format!("cannot create {}: {e}", work.display()))?;
+    let gencode: Vec<String> = archs.iter().flat_map(|a| ["-gencode".to_string(), format!("arch=compute_{a},code=sm_{a}")]).collect();
+    let mut objects = vec![];
+    for (i, src) in sources.iter().enumerate() {
+        let obj = work.join(format!("unit{i}.o"));
+        run_tool(
+            Command::new(&cuda.nvcc)
+                .args(["-std=c++17", "-O3", "-lineinfo", "-rdc=true", "-Xcompiler", "-fPIC", "-Xcompiler", "-ffp-contract=off"])
+                .args(&gencode)
+                .arg("-I")
+                .arg(kernels)
+                .arg("-I")
+                .arg(nccl_home.join("include"))
+                .arg("-I")
+                .arg(home.join("include"))
+                .arg("-c")
+                .arg(src)
+                .arg("-o")
+                .arg(&obj),
+            &format!("nvcc -rdc on {}", src.display()),
+        )?;
+        objects.push(obj);
+    }
+    if objects.is_empty() {
+        return Err(format!("feature nvshmem: no .cu files in {}", dir.display()));
+    }
+    let dlink = work.join("dlink.o");
+    run_tool(
+        Command::new(&cuda.nvcc).args(["-dlink", "-Xcompiler", "-fPIC"]).args(&gencode).args(&objects).arg(&device_lib).arg("-o").arg(&dlink),
+        "nvcc -dlink against libnvshmem_device.a",
+    )?;
+    objects.push(dlink);
+    // The static library's host objects, extracted so that one archive holds everything (a
+    // single archive is rescanned by the linker, so member order does not matter).
+    let members = work.join("members");
+    std::fs::create_dir_all(&members).map_err(|e| format!("cannot create {}: {e}", members.display()))?;
+    let ar = cc::Build::new().get_archiver();
+    let ar_prog = ar.get_program().to_owned();
+    run_tool(Command::new(&ar_prog).current_dir(&members).arg("x").arg(&device_lib), "ar x libnvshmem_device.a")?;
+    objects.extend(files_with_ext(&members, "o"));
+    let archive = out_dir.join("libdeep_ep_nvshmem.a");
+    let _ = std::fs::remove_file(&archive);
+    run_tool(Command::new(&ar_prog).arg("crs").arg(&archive).args(&objects), "ar crs libdeep_ep_nvshmem.a")?;
+    println!("cargo:rustc-link-search=native={}", out_dir.display());
+    println!("cargo:rustc-link-lib=static=deep_ep_nvshmem");
     Ok(())
 }
 

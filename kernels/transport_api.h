@@ -57,6 +57,24 @@ typedef struct {
   uint64_t window_bytes;      /* bytes of every window */
 } deep_ep_tp_lsa_t;
 
+/*
+ * NVSHMEM transport (kernels/nvshmem/transport.cu, built with the NVSHMEM device library only when
+ * the crate is built with feature `nvshmem` and NVSHMEM's headers are found): every rank is an
+ * NVSHMEM PE (PE = world rank); the window is one nvshmem_malloc allocation, so `base` is the same
+ * symmetric address on every PE and offsets translate directly. Signals are uint64 words of the
+ * window (hence symmetric) at signal_off + (context * num_signals + signal) * 8, as the LSA
+ * emulation's; NVSHMEM raises them with NVSHMEM_SIGNAL_ADD.
+ */
+typedef struct {
+  void* base;                 /* symmetric address of the window (own PE's copy) */
+  int32_t rank;               /* nvshmem_my_pe() */
+  int32_t num_ranks;          /* nvshmem_n_pes() */
+  int32_t num_contexts;       /* 1..DEEP_EP_TP_MAX_GIN_CONTEXTS: signal tables, as GIN's contexts */
+  int32_t num_signals;        /* signals per context */
+  uint64_t signal_off;        /* byte offset of the signal table in the window (8-aligned) */
+  uint64_t window_bytes;      /* bytes of the window */
+} deep_ep_tp_nvshmem_t;
+
 /* What ncclDevCommCreate is asked for (crate::backend::nccl::gin::GinRequirements). */
 typedef struct {
   int32_t gin_context_count;  /* a hint: NCCL may give fewer (reported in deep_ep_tp_gin_info_t) */
@@ -112,6 +130,22 @@ int deep_ep_tp_ping_gin(const void* devcomm, size_t devcomm_bytes, void* window,
                         void* stream);
 
 /*
+ * Self-test over NVSHMEM (only in builds with the NVSHMEM device library, see
+ * deep_ep_tp_nvshmem_built): the module's device state must have been registered with
+ * deep_ep_tp_nvshmem_device_init after NVSHMEM's initialisation.
+ */
+int deep_ep_tp_ping_nvshmem(const deep_ep_tp_nvshmem_t* net, const deep_ep_tp_ping_t* args, void* stream);
+/*
+ * Registers this library's NVSHMEM device state (the nvshmemi_device_state_d the device library
+ * linked into it reads) with the NVSHMEM host library that the caller initialised: calls
+ * `cumodule_init` (nvshmemx_cumodule_init resolved from libnvshmem_host, as int (*)(CUmodule)) on
+ * the CUDA module of the NVSHMEM kernels in the current context. Returns 0, the NVSHMEM status,
+ * or a cudaError_t + 1000 when the module could not be found.
+ */
+int deep_ep_tp_nvshmem_device_init(void* cumodule_init);
+/* The inverse (nvshmemx_cumodule_finalize), before NVSHMEM is finalised. Same returns. */
+int deep_ep_tp_nvshmem_device_fini(void* cumodule_finalize);
+/*
  * ncclDevCommCreate with GIN requirements. `create_fn` is ncclDevCommCreate resolved from the
  * loaded NCCL (nothing here links libnccl); `devcomm` receives the struct (devcomm_bytes >=
  * deep_ep_nccl_devcomm_bytes()). Returns the ncclResult_t as int (-1: bad arguments); on success
@@ -124,7 +158,7 @@ int deep_ep_tp_gin_devcomm_create(void* create_fn, void* comm, const deep_ep_tp_
  * for stand-ins of ncclDevCommCreate in tests without a NIC. -1 on bad arguments. */
 int deep_ep_tp_devcomm_fill(void* devcomm, size_t devcomm_bytes, const deep_ep_tp_gin_info_t* info);
 
-/* sizeof of the structs above by index (0 status, 1 lsa, 2 gin_reqs, 3 gin_info, 4 ping); 0 if unknown. */
+/* sizeof of the structs above by index (0 status, 1 lsa, 2 gin_reqs, 3 gin_info, 4 ping, 5 nvshmem); 0 if unknown. */
 size_t deep_ep_tp_struct_size(int which);
 
 #ifdef __cplusplus

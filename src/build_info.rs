@@ -56,7 +56,8 @@ fn cuda_versions() -> (String, String) {
 
 /// The build facts as a JSON object with the keys `crate_version`, `features`, `backends`,
 /// `cuda_archs`, `cudart`, `cuda_runtime`, `cuda_driver`, `nccl_header_version`,
-/// `nccl_header_version_code`, `torch`, `profile` (`cuda_driver` is the one fact of the machine:
+/// `nccl_header_version_code`, `torch`, `profile`, `nvshmem_device_transport` (true when the
+/// NVSHMEM device transport, kernels/nvshmem/, is linked in) (`cuda_driver` is the one fact of the machine:
 /// the CUDA version its driver supports).
 pub fn json() -> String {
     let mut features = vec![];
@@ -93,6 +94,7 @@ pub fn json() -> String {
         ("nccl_header_version_code", code),
         ("torch", quote(env!("DEEP_EP_BUILD_TORCH"))),
         ("profile", quote(if cfg!(debug_assertions) { "debug" } else { "release" })),
+        ("nvshmem_device_transport", cfg!(deep_ep_nvshmem_device).to_string()),
     ];
     format!("{{{}}}", fields.iter().map(|(k, v)| format!("{}: {v}", quote(k))).collect::<Vec<_>>().join(", "))
 }
@@ -104,7 +106,7 @@ mod tests {
     #[test]
     fn json_has_every_key_and_escapes_strings() {
         let j = json();
-        for k in ["crate_version", "features", "backends", "cuda_archs", "cudart", "cuda_runtime", "cuda_driver", "nccl_header_version", "torch", "profile"] {
+        for k in ["crate_version", "features", "backends", "cuda_archs", "cudart", "cuda_runtime", "cuda_driver", "nccl_header_version", "torch", "profile", "nvshmem_device_transport"] {
             assert!(j.contains(&format!("\"{k}\": ")), "{k} missing from {j}");
         }
         assert!(j.starts_with('{') && j.ends_with('}'));

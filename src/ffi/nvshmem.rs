@@ -83,7 +83,16 @@ pub struct NvshmemLib {
     free: unsafe extern "C" fn(*mut c_void),
     ptr: unsafe extern "C" fn(*const c_void, c_int) -> *mut c_void,
     barrier_all: unsafe extern "C" fn(),
+    /// `nvshmemx_cumodule_init` / `_finalize`, as opaque pointers: handed to the device transport
+    /// (kernels/nvshmem/transport.cu), which passes them this library's CUDA module.
+    cumodule_init: *mut c_void,
+    cumodule_finalize: *mut c_void,
 }
+
+// SAFETY: the two raw pointers are function addresses of the leaked (never unloaded) library.
+unsafe impl Send for NvshmemLib {}
+// SAFETY: as above; nothing is mutated through them.
+unsafe impl Sync for NvshmemLib {}
 
 static LIB: OnceLock<&'static NvshmemLib> = OnceLock::new();
 static LOADING: Mutex<()> = Mutex::new(());
@@ -123,6 +132,8 @@ pub fn open(path: &str) -> Result<&'static NvshmemLib> {
         free: sym!("nvshmem_free"),
         ptr: sym!("nvshmem_ptr"),
         barrier_all: sym!("nvshmem_barrier_all"),
+        cumodule_init: symbol::<unsafe extern "C" fn()>(&lib, path, "nvshmemx_cumodule_init\0")? as *mut c_void,
+        cumodule_finalize: symbol::<unsafe extern "C" fn()>(&lib, path, "nvshmemx_cumodule_finalize\0")? as *mut c_void,
     };
     std::mem::forget(lib);
     Ok(Box::leak(Box::new(l)))
@@ -246,6 +257,15 @@ impl NvshmemLib {
     pub fn barrier_all(&self) {
         // SAFETY: plain collective call of the initialised library.
         unsafe { (self.barrier_all)() }
+    }
+
+    /// Registers (`init`) or unregisters this library's NVSHMEM device state with the initialised
+    /// library (`nvshmemx_cumodule_init` / `_finalize` on the CUDA module of the device
+    /// transport), so that device-side NVSHMEM calls of kernels/nvshmem/ work. Current device.
+    pub fn register_device_state(&self, op: &'static str, init: bool) -> Result<()> {
+        let f = if init { self.cumodule_init } else { self.cumodule_finalize };
+        // SAFETY: `f` is the named function of this library, which the caller initialised.
+        unsafe { super::transport::nvshmem_device_register(op, f, init) }
     }
 
     /// `nvshmemx_hostlib_finalize` (collective).

@@ -23,7 +23,12 @@
 use super::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream, CONTROL_BYTES, MAX_RANKS};
 use super::nvshmem::{self, NvshmemLib};
 use crate::error::{Error, Result};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
+
+/// Whether this library's NVSHMEM device state is registered with the initialised NVSHMEM
+/// (kernels/nvshmem/transport.cu); cleared when NVSHMEM is finalised.
+static DEVICE_STATE: AtomicBool = AtomicBool::new(false);
 
 const OP: &str = "deep_ep::create_buffer";
 const DESTROY: &str = "deep_ep::destroy_buffer";
@@ -249,6 +254,15 @@ impl Window {
         drop(state);
         if let Some(stride) = a.transport_self_test {
             super::transport::lsa_self_test_run(OP, &w.ctx, stride, a.timeout_ns, stream.raw())?;
+            if super::transport::NVSHMEM_DEVICE_BUILT {
+                // The device state is registered on first use only, so a build whose NVSHMEM
+                // transport is unused leaves NVSHMEM's initialisation as it was.
+                if !DEVICE_STATE.load(Ordering::Acquire) {
+                    lib.register_device_state(OP, true)?;
+                    DEVICE_STATE.store(true, Ordering::Release);
+                }
+                super::transport::nvshmem_self_test_run(OP, &w.ctx, w.mem, stride, a.timeout_ns, stream.raw())?;
+            }
         }
         Ok(w)
     }
@@ -283,12 +297,16 @@ impl Window {
         // below); the device is idle and every peer passed the barrier above.
         unsafe { self.lib.free(self.mem) };
         self.mem = std::ptr::null_mut();
+        let mut unregistered = Ok(());
         if self.finalize {
+            if DEVICE_STATE.swap(false, Ordering::AcqRel) {
+                unregistered = self.lib.register_device_state(DESTROY, false);
+            }
             self.lib.finalize();
         }
         self.closed = true;
         *state = Session::Idle { geometry: self.geometry, initialised: !self.finalize };
-        Ok(())
+        unregistered
     }
 }
 

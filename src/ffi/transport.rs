@@ -104,6 +104,30 @@ pub struct PingArgs {
     pub claim: *mut i32,
 }
 
+/// `deep_ep_tp_nvshmem_t`: the NVSHMEM transport's view of the world (PE = world rank).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct NvshmemDesc {
+    /// Symmetric address of the window (the own PE's copy, from `nvshmem_malloc`).
+    pub base: *mut c_void,
+    pub rank: i32,
+    pub num_ranks: i32,
+    /// 1..=4 signal tables, as GIN's contexts.
+    pub num_contexts: i32,
+    /// Signals per context.
+    pub num_signals: i32,
+    /// Byte offset of the signal table (8-aligned) in the window.
+    pub signal_off: u64,
+    pub window_bytes: u64,
+}
+
+#[cfg(deep_ep_nvshmem_device)]
+extern "C" {
+    fn deep_ep_tp_ping_nvshmem(net: *const NvshmemDesc, args: *const PingArgs, stream: *mut c_void) -> c_int;
+    fn deep_ep_tp_nvshmem_device_init(cumodule_init: *mut c_void) -> c_int;
+    fn deep_ep_tp_nvshmem_device_fini(cumodule_finalize: *mut c_void) -> c_int;
+}
+
 extern "C" {
     fn deep_ep_tp_ping_lsa(lsa: *const LsaDesc, args: *const PingArgs, stream: *mut c_void) -> c_int;
     fn deep_ep_tp_ping_gin(devcomm: *const c_void, devcomm_bytes: usize, window: *mut c_void, args: *const PingArgs, stream: *mut c_void) -> c_int;
@@ -132,6 +156,7 @@ pub fn check_struct_sizes(op: &'static str) -> Result<()> {
         ("deep_ep_tp_gin_reqs_t", std::mem::size_of::<GinReqs>()),
         ("deep_ep_tp_gin_info_t", std::mem::size_of::<GinInfo>()),
         ("deep_ep_tp_ping_t", std::mem::size_of::<PingArgs>()),
+        ("deep_ep_tp_nvshmem_t", std::mem::size_of::<NvshmemDesc>()),
     ];
     for (i, (name, size)) in ours.iter().enumerate() {
         // SAFETY: pure query of a compile-time constant.
@@ -331,6 +356,14 @@ pub fn lsa_self_test_run(op: &'static str, ctx: &super::intranode::Ctx, rail_str
     crate::ensure!(rail_stride >= 1 && n % rail_stride == 0 && n <= MAX_LSA_PEERS, op, "internal: self-test rail stride {rail_stride} for {n} ranks");
     let mut lsa = LsaDesc { peer_base: [std::ptr::null_mut(); MAX_LSA_PEERS], rank: ctx.rank, num_ranks: ctx.num_ranks, num_contexts: 1, num_signals: MAX_LSA_PEERS as i32, signal_off: ST_SIGNALS_OFF, window_bytes: ctx.window_bytes };
     lsa.peer_base[..n].copy_from_slice(&ctx.peer_base[..n]);
+    let args = PingArgs { rank: ctx.rank, num_ranks: ctx.num_ranks, rail_stride: rail_stride as i32, context: 0, signal: 0, seq: 1, bytes: ST_BYTES, src_off: ST_SRC_OFF, dst_off: ST_DST_OFF, expect: 1, timeout_ns, status: std::ptr::null_mut(), claim: std::ptr::null_mut() };
+    // SAFETY: the windows outlive the kernel (ping_round synchronises the stream).
+    ping_round(op, args, stream, "the LSA emulation", |a| unsafe { ping_lsa(op, &lsa, a, stream) })
+}
+
+/// One self-test round: `args` completed with a fresh host-mapped status and claim word,
+/// launched by `launch`, the stream synchronised, the status turned into the error it reports.
+fn ping_round(op: &'static str, mut args: PingArgs, stream: *mut c_void, over: &str, launch: impl FnOnce(&PingArgs) -> Result<()>) -> Result<()> {
     let mapped = MappedStatus::new(op)?;
     let mut claim: *mut c_void = std::ptr::null_mut();
     // SAFETY: writes one device pointer; freed below on every path.
@@ -338,10 +371,11 @@ pub fn lsa_self_test_run(op: &'static str, ctx: &super::intranode::Ctx, rail_str
     let result = (|| {
         // SAFETY: 4 bytes of the allocation above.
         super::kernels::check(unsafe { deep_ep_cuda_memset_async(claim, 0, 4, stream) }, op, "cudaMemsetAsync")?;
-        let args = PingArgs { rank: ctx.rank, num_ranks: ctx.num_ranks, rail_stride: rail_stride as i32, context: 0, signal: 0, seq: 1, bytes: ST_BYTES, src_off: ST_SRC_OFF, dst_off: ST_DST_OFF, expect: 1, timeout_ns, status: mapped.device.cast(), claim: claim.cast() };
-        // SAFETY: the windows, the mapped status and the claim word outlive the kernel (the stream
-        // is synchronised before they are released).
-        unsafe { ping_lsa(op, &lsa, &args, stream) }?;
+        args.status = mapped.device.cast();
+        args.claim = claim.cast();
+        // The mapped status and the claim word outlive the kernel (the stream is synchronised
+        // before they are released).
+        launch(&args)?;
         // SAFETY: a valid stream (or null) from the caller.
         super::kernels::check(unsafe { deep_ep_cuda_stream_synchronize(stream) }, op, "synchronising the transport self-test")
     })();
@@ -353,17 +387,83 @@ pub fn lsa_self_test_run(op: &'static str, ctx: &super::intranode::Ctx, rail_str
         0 => Ok(()),
         err::TIMEOUT => Err(Error::Timeout {
             op,
-            rank: ctx.rank as usize,
+            rank: args.rank as usize,
             peers: vec![s.peer.max(0) as usize],
-            timeout_ms: timeout_ns / 1_000_000,
-            what: format!("transport self-test over the LSA emulation (signal {} at {} of {})", s.signal, s.seen, s.expected),
+            timeout_ms: args.timeout_ns / 1_000_000,
+            what: format!("transport self-test over {over} (signal {} at {} of {})", s.signal, s.seen, s.expected),
         }),
         code => Err(Error::Device {
             op,
-            what: "transport self-test over the LSA emulation".into(),
+            what: format!("transport self-test over {over}"),
             detail: format!("error {code}: data from rank {} reads {:#x} where {:#x} was sent", s.peer, s.seen, s.expected),
         }),
     }
+}
+
+// ---- NVSHMEM transport (kernels/nvshmem/transport.cu) -----------------------------------------
+
+/// Whether this build carries the NVSHMEM device transport (feature `nvshmem` with NVSHMEM's
+/// headers and `libnvshmem_device.a` found at build time).
+pub const NVSHMEM_DEVICE_BUILT: bool = cfg!(deep_ep_nvshmem_device);
+
+/// Window bytes the NVSHMEM self-test needs for `num_ranks` ranks: the LSA test's areas plus a
+/// receive area of its own (a rank may start it while a peer still checks the LSA round).
+pub fn nvshmem_self_test_bytes(num_ranks: usize) -> u64 {
+    lsa_self_test_bytes(num_ranks) + ST_BYTES * num_ranks as u64
+}
+
+/// Hands this library's NVSHMEM device state to the initialised host library
+/// (`nvshmemx_cumodule_init` / `nvshmemx_cumodule_finalize` resolved from it, passed as `func`).
+/// `init` false = unregister. Errors when the build has no NVSHMEM device transport.
+///
+/// # Safety
+/// `func` must be the named function of the NVSHMEM host library that was initialised in this
+/// process, on the current device.
+pub unsafe fn nvshmem_device_register(op: &'static str, func: *mut c_void, init: bool) -> Result<()> {
+    #[cfg(deep_ep_nvshmem_device)]
+    {
+        let st = if init { deep_ep_tp_nvshmem_device_init(func) } else { deep_ep_tp_nvshmem_device_fini(func) };
+        let name = if init { "nvshmemx_cumodule_init" } else { "nvshmemx_cumodule_finalize" };
+        match st {
+            0 => Ok(()),
+            s if s >= 1000 => Err(Error::Device { op, what: format!("{name}: finding this library's CUDA module"), detail: super::kernels::cuda_error_text(s - 1000) }),
+            s => Err(Error::Device { op, what: format!("{name} (registering the NVSHMEM device state)"), detail: format!("NVSHMEM status {s}") }),
+        }
+    }
+    #[cfg(not(deep_ep_nvshmem_device))]
+    {
+        let _ = (func, init);
+        Err(Error::NotImplemented { op, backend: "nvshmem", feature: "the NVSHMEM device transport (built without NVSHMEM's device library: set NVSHMEM_HOME and rebuild)" })
+    }
+}
+
+/// The NVSHMEM self-test: one round of the ping over the NVSHMEM transport (puts with
+/// NVSHMEM_SIGNAL_ADD into the peers' symmetric signal table, context 1) between the ranks of
+/// each rail, synchronous on `stream`; run after [`lsa_self_test_run`] on the same window (own
+/// signal context and receive area). `base` is the window's symmetric address. Collective.
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` and `base` are only handed to the kernel
+pub fn nvshmem_self_test_run(op: &'static str, ctx: &super::intranode::Ctx, base: *mut c_void, rail_stride: usize, timeout_ns: u64, stream: *mut c_void) -> Result<()> {
+    let n = ctx.num_ranks as usize;
+    crate::ensure!(ctx.window_bytes >= nvshmem_self_test_bytes(n), op, "internal: window of {} bytes too small for the NVSHMEM transport self-test", ctx.window_bytes);
+    crate::ensure!(rail_stride >= 1 && n % rail_stride == 0, op, "internal: self-test rail stride {rail_stride} for {n} ranks");
+    let net = NvshmemDesc { base, rank: ctx.rank, num_ranks: ctx.num_ranks, num_contexts: 2, num_signals: MAX_LSA_PEERS as i32, signal_off: ST_SIGNALS_OFF, window_bytes: ctx.window_bytes };
+    let dst_off = ST_DST_OFF + ST_BYTES * n as u64;
+    let args = PingArgs { rank: ctx.rank, num_ranks: ctx.num_ranks, rail_stride: rail_stride as i32, context: 1, signal: 0, seq: 2, bytes: ST_BYTES, src_off: ST_SRC_OFF, dst_off, expect: 1, timeout_ns, status: std::ptr::null_mut(), claim: std::ptr::null_mut() };
+    ping_round(op, args, stream, "NVSHMEM", |a| ping_nvshmem(op, &net, a, stream))
+}
+
+/// Launches the self-test over NVSHMEM (one warp) on `stream`; the caller synchronises.
+#[cfg(deep_ep_nvshmem_device)]
+fn ping_nvshmem(op: &'static str, net: &NvshmemDesc, args: &PingArgs, stream: *mut c_void) -> Result<()> {
+    // SAFETY: `net.base` is the live symmetric window and the device state is registered
+    // (nvshmem_device_register, at NVSHMEM's initialisation); `args`' status and claim outlive
+    // the kernel (ping_round).
+    super::kernels::check(unsafe { deep_ep_tp_ping_nvshmem(net, args, stream) }, op, "launching the NVSHMEM transport self-test")
+}
+
+#[cfg(not(deep_ep_nvshmem_device))]
+fn ping_nvshmem(op: &'static str, _: &NvshmemDesc, _: &PingArgs, _: *mut c_void) -> Result<()> {
+    Err(Error::NotImplemented { op, backend: "nvshmem", feature: "the NVSHMEM device transport (built without NVSHMEM's device library: set NVSHMEM_HOME and rebuild)" })
 }
 
 /// A host-mapped [`Status`], zeroed, freed on drop.
@@ -428,6 +528,33 @@ mod tests {
         // A zeroed device comm has no GIN contexts.
         let e = unsafe { ping_gin("test", &[0u64; 128], 8 as *mut c_void, &args(&mut status, &mut claim), std::ptr::null_mut()) }.unwrap_err().to_string();
         assert!(e.contains("cudaErrorInvalidValue"), "{e}");
+    }
+
+    /// The NVSHMEM launcher validates like the others (no GPU or NVSHMEM needed); a build without
+    /// the device transport says so instead.
+    #[test]
+    fn nvshmem_launcher_refuses_bad_arguments_or_names_the_missing_build() {
+        let mut status = Status::default();
+        let mut claim = 0i32;
+        let net = |base: *mut c_void, num_signals| NvshmemDesc { base, rank: 0, num_ranks: 4, num_contexts: 2, num_signals, signal_off: 0, window_bytes: 1 << 20 };
+        // Null window; then too few signals for a rail team of 2 starting at signal 7.
+        let mut a = args(&mut status, &mut claim);
+        let e = ping_nvshmem("test", &net(std::ptr::null_mut(), 8), &a, std::ptr::null_mut()).unwrap_err().to_string();
+        a.signal = 7;
+        let e2 = ping_nvshmem("test", &net(64 as *mut c_void, 8), &a, std::ptr::null_mut()).unwrap_err().to_string();
+        let e3 = ping_nvshmem("test", &net(64 as *mut c_void, 8), &PingArgs { rail_stride: 3, ..args(&mut status, &mut claim) }, std::ptr::null_mut()).unwrap_err().to_string();
+        for e in [e, e2, e3] {
+            if NVSHMEM_DEVICE_BUILT {
+                assert!(e.contains("NVSHMEM transport self-test") && e.contains("cudaErrorInvalidValue"), "{e}");
+            } else {
+                assert!(e.contains("built without NVSHMEM's device library"), "{e}");
+            }
+        }
+        // A null registration function is refused before any CUDA or NVSHMEM call.
+        let e = unsafe { nvshmem_device_register("test", std::ptr::null_mut(), true) }.unwrap_err().to_string();
+        let want = if NVSHMEM_DEVICE_BUILT { "nvshmemx_cumodule_init: finding this library's CUDA module" } else { "built without NVSHMEM's device library" };
+        assert!(e.contains(want), "{e}");
+        assert!(nvshmem_self_test_bytes(4) > lsa_self_test_bytes(4));
     }
 
     // What the fake `ncclDevCommCreate` below was handed: the requirement fields at their

@@ -74,6 +74,9 @@ def test_build_info_is_json_describing_this_build(ops):
     if "cuda" in info["features"]:
         assert info["cuda_archs"] and all(a[:2].isdigit() for a in info["cuda_archs"])
     assert info["profile"] in ("release", "debug")
+    # The NVSHMEM device transport exists only in builds with feature nvshmem (and its headers).
+    assert isinstance(info["nvshmem_device_transport"], bool)
+    assert not info["nvshmem_device_transport"] or "nvshmem" in info["features"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -57,6 +57,18 @@ struct Deadline {
   __device__ bool passed() const { return globaltimer() >= at; }
 };
 
+// The wait loop of every transport (one thread): polls `read()` until it reaches `least`
+// (rolling), false once the deadline passed; the last value read goes to *seen.
+template <class Read>
+__device__ __forceinline__ bool poll_signal(Read read, uint64_t least, const Deadline& dl, uint64_t* seen) {
+  for (uint32_t spin = 0;; ++spin) {
+    const uint64_t v = read();
+    *seen = v;
+    if (reached(least, v)) return true;
+    if ((spin & 63) == 63 && dl.passed()) return false;
+  }
+}
+
 // Records the first error of a launch into the host-mapped status. `claim` is a device word the
 // host zeroed (host-mapped memory has no atomics over PCIe, so the race is decided on the GPU).
 __device__ void report_first(deep_ep_tp_status_t* st, int* claim, int code, int peer, int signal, int context,
@@ -113,12 +125,7 @@ class LsaTransport {
   __device__ uint64_t read_signal(int signal) const { return ld_acquire_sys(word(d_.rank, signal)); }
 
   __device__ bool wait_signal(int signal, uint64_t least, const Deadline& dl, uint64_t* seen) const {
-    for (uint32_t spin = 0;; ++spin) {
-      const uint64_t v = read_signal(signal);
-      *seen = v;
-      if (reached(least, v)) return true;
-      if ((spin & 63) == 63 && dl.passed()) return false;
-    }
+    return poll_signal([&] { return read_signal(signal); }, least, dl, seen);
   }
 
   __device__ void reset_signal(int signal) const {
@@ -173,12 +180,7 @@ class GinTransport {
 
   // ncclGin::waitSignal has no deadline; poll readSignal instead.
   __device__ bool wait_signal(int signal, uint64_t least, const Deadline& dl, uint64_t* seen) const {
-    for (uint32_t spin = 0;; ++spin) {
-      const uint64_t v = read_signal(signal);
-      *seen = v;
-      if (reached(least, v)) return true;
-      if ((spin & 63) == 63 && dl.passed()) return false;
-    }
+    return poll_signal([&] { return read_signal(signal); }, least, dl, seen);
   }
 
   __device__ void reset_signal(int signal) const { gin_.resetSignal(static_cast<ncclGinSignal_t>(signal)); }

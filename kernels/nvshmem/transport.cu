@@ -73,16 +73,11 @@ class NvshmemTransport {
     return v;
   }
 
+  // Polls without a fence per read (read_signal fences each one); one fence once reached.
   __device__ bool wait_signal(int signal, uint64_t least, const Deadline& dl, uint64_t* seen) const {
-    for (uint32_t spin = 0;; ++spin) {
-      const uint64_t v = nvshmem_signal_fetch(word(signal));
-      *seen = v;
-      if (reached(least, v)) {
-        asm volatile("fence.acq_rel.sys;" ::: "memory");
-        return true;
-      }
-      if ((spin & 63) == 63 && dl.passed()) return false;
-    }
+    if (!poll_signal([&] { return nvshmem_signal_fetch(word(signal)); }, least, dl, seen)) return false;
+    asm volatile("fence.acq_rel.sys;" ::: "memory");
+    return true;
   }
 
   __device__ void reset_signal(int signal) const {

@@ -42,17 +42,7 @@ __device__ bool barrier(const Ctx& c, const Net& net, int signal_base, uint64_t 
   __syncwarp();
   if (lane < D) st_release_sys(at<uint64_t>(window(c, node * D + lane), kSlots + 8ull * me), e);
   bool ok = true;
-  if (lane < D) {
-    const uint64_t* slot = at<const uint64_t>(local(c), kSlots + 8ull * lane);
-    const uint64_t start = globaltimer();
-    while (ld_acquire_sys(slot) < e) {
-      if (globaltimer() - start > c.timeout_ns) {
-        ic::report(c, DEEP_EP_IC_ERR_TIMEOUT, node * D + lane, site, 0, 0);
-        ok = false;
-        break;
-      }
-    }
-  }
+  if (lane < D) ok = ic::wait_epoch(c, at<const uint64_t>(local(c), kSlots + 8ull * lane), e, node * D + lane, site);
   if (!__all_sync(0xffffffffu, ok)) return false;
   // Seam phase: the whole domain arrived; one add to signal `signal_base + node` of the rail peer
   // in every other domain, then a wait for each of theirs (sent after their own node phase), so

@@ -211,14 +211,7 @@ __device__ bool node_phase(const Ctx& c, const Geo& g, uint64_t arr, uint64_t e,
   Val mine{0, 0u, 0xffffffffu};
   if (lane < g.D) {
     Slot* s = at<Slot>(local(c), arr + 32ull * lane);
-    const uint64_t start = globaltimer();
-    while (ld_acquire_sys(&s->epoch) < e) {
-      if (globaltimer() - start > c.timeout_ns) {
-        ic::report(c, DEEP_EP_IC_ERR_TIMEOUT, g.node * g.D + lane, site, 0, 0);
-        ok = false;
-        break;
-      }
-    }
+    ok = ic::wait_epoch(c, &s->epoch, e, g.node * g.D + lane, site);
     if (ok) {
       mine.err = ld_volatile(&s->err);
       mine.smax = reinterpret_cast<volatile uint32_t*>(&s->smax)[0];

@@ -129,6 +129,19 @@ __device__ bool wait_flag(const Ctx& c, int s, int ch, uint64_t epoch, int site)
   return true;
 }
 
+// Waits (one thread) until the epoch word `slot` of this rank's window reaches `e` (a peer's
+// release store of its arrival); false after the deadline, reported at `site` naming `peer`.
+__device__ bool wait_epoch(const Ctx& c, const uint64_t* slot, uint64_t e, int peer, int site) {
+  const uint64_t start = globaltimer();
+  while (ld_acquire_sys(slot) < e) {
+    if (globaltimer() - start > c.timeout_ns) {
+      report(c, DEEP_EP_IC_ERR_TIMEOUT, peer, site, 0, 0);
+      return false;
+    }
+  }
+  return true;
+}
+
 // ---- copies ----------------------------------------------------------------------------------
 // One warp copies `bytes` from `src` to `dst`: common.cuh's warp_copy16 with kU loads in flight
 // per lane (pull_kernel uses more); bytes one by one when either side is not 16-byte aligned.

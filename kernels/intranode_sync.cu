@@ -61,15 +61,7 @@ __global__ void __launch_bounds__(kSyncThreads) sync_kernel(const __grid_constan
     const int p = tid;
     __threadfence_system();  // this rank's staged data before the signal (belt and braces)
     st_release_sys(at<uint64_t>(window(c, p), kBarrierOff + c.rank * kSlotBytes), s_epoch);
-    const uint64_t* slot = at<const uint64_t>(me, kBarrierOff + p * kSlotBytes);
-    const uint64_t start = globaltimer();
-    while (ld_acquire_sys(slot) < s_epoch) {
-      if (globaltimer() - start > c.timeout_ns) {
-        report(c, DEEP_EP_IC_ERR_TIMEOUT, p, a.site, 0, 0);
-        atomicExch(&s_failed, 1);
-        break;
-      }
-    }
+    if (!wait_epoch(c, at<const uint64_t>(me, kBarrierOff + p * kSlotBytes), s_epoch, p, a.site)) atomicExch(&s_failed, 1);
     if (a.gather && !s_failed) {
       // The peer's layout, read by the thread that acquired its signal.
       const uint64_t* src = at<const uint64_t>(window(c, p), header_slot(s_epoch));

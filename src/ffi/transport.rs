@@ -237,7 +237,7 @@ pub fn write_lsa_desc(op: &'static str, ctx: &super::intranode::Ctx, bases: &[*m
     // SAFETY: size_of::<LsaDesc>() bytes inside this rank's own live window (checked above), from
     // a host struct that lives through the synchronous copy.
     let st = unsafe { deep_ep_cuda_memcpy_htod(own.cast::<u8>().add(desc_off).cast(), (&lsa as *const LsaDesc).cast(), std::mem::size_of::<LsaDesc>()) };
-    super::kernels::check(st, op, "writing the transport descriptor of the low-latency kernels")
+    super::kernels::check(st, op, "writing an LSA seam descriptor")
 }
 
 /// Layout of the GIN seam descriptor (`GinNet` of `kernels/transport.cuh`: `MAX_GIN_COMMS` pairs of
@@ -301,8 +301,8 @@ pub fn build_gin_net(op: &'static str, comms: &[(&[u64], *mut c_void)], desc_byt
 }
 
 /// Writes this rank's GIN seam descriptor ([`build_gin_net`] of `comms`) into its own window at
-/// `desc_off`, synchronously; the LL kernels of an internode buffer over GIN read it there
-/// (`Args::net` with `net_kind` = [`super::low_latency::NET_GIN`]). Local (no peer involved).
+/// `desc_off`, synchronously; the LL and normal-mode kernels of an internode buffer over GIN and
+/// its global barrier read it there (`net` with `net_kind` GIN). Local (no peer involved).
 pub fn write_gin_desc(op: &'static str, ctx: &super::intranode::Ctx, desc_off: usize, desc_bytes: usize, comms: &[(&[u64], *mut c_void)]) -> Result<()> {
     let desc = build_gin_net(op, comms, desc_bytes)?;
     let bytes = gin_net_layout().bytes;
@@ -311,7 +311,7 @@ pub fn write_gin_desc(op: &'static str, ctx: &super::intranode::Ctx, desc_off: u
     // SAFETY: `bytes` <= desc_bytes inside this rank's own live window (checked above), from a host
     // buffer that lives through the synchronous copy.
     let st = unsafe { deep_ep_cuda_memcpy_htod(own.cast::<u8>().add(desc_off).cast(), desc.as_ptr().cast(), bytes) };
-    super::kernels::check(st, op, "writing the GIN descriptor of the low-latency kernels")
+    super::kernels::check(st, op, "writing a GIN seam descriptor")
 }
 
 /// Writes `info` into a zeroed `ncclDevComm` at `out`, as NCCL fills a grant: for stand-ins of
@@ -406,6 +406,10 @@ fn ping_round(op: &'static str, mut args: PingArgs, stream: *mut c_void, over: &
 /// headers and `libnvshmem_device.a` found at build time).
 pub const NVSHMEM_DEVICE_BUILT: bool = cfg!(deep_ep_nvshmem_device);
 
+/// What a build without the NVSHMEM device transport is missing (its `NotImplemented` feature).
+#[cfg(not(deep_ep_nvshmem_device))]
+const NO_NVSHMEM_DEVICE: &str = "the NVSHMEM device transport (built without NVSHMEM's device library: set NVSHMEM_HOME and rebuild)";
+
 /// Window bytes the NVSHMEM self-test needs for `num_ranks` ranks: the LSA test's areas plus a
 /// receive area of its own (a rank may start it while a peer still checks the LSA round).
 pub fn nvshmem_self_test_bytes(num_ranks: usize) -> u64 {
@@ -433,7 +437,7 @@ pub unsafe fn nvshmem_device_register(op: &'static str, func: *mut c_void, init:
     #[cfg(not(deep_ep_nvshmem_device))]
     {
         let _ = (func, init);
-        Err(Error::NotImplemented { op, backend: "nvshmem", feature: "the NVSHMEM device transport (built without NVSHMEM's device library: set NVSHMEM_HOME and rebuild)" })
+        Err(Error::NotImplemented { op, backend: "nvshmem", feature: NO_NVSHMEM_DEVICE })
     }
 }
 
@@ -463,7 +467,7 @@ fn ping_nvshmem(op: &'static str, net: &NvshmemDesc, args: &PingArgs, stream: *m
 
 #[cfg(not(deep_ep_nvshmem_device))]
 fn ping_nvshmem(op: &'static str, _: &NvshmemDesc, _: &PingArgs, _: *mut c_void) -> Result<()> {
-    Err(Error::NotImplemented { op, backend: "nvshmem", feature: "the NVSHMEM device transport (built without NVSHMEM's device library: set NVSHMEM_HOME and rebuild)" })
+    Err(Error::NotImplemented { op, backend: "nvshmem", feature: NO_NVSHMEM_DEVICE })
 }
 
 /// A host-mapped [`Status`], zeroed, freed on drop.

@@ -7,27 +7,26 @@ export DEEP_EP_PYTHON := $(abspath $(PY))
 TORCH_PIN := torch==2.11.0
 CUDA_PIN := cuda-toolkit[nvcc,nvvm,crt,cccl,cudart]==13.0.2
 NCCL_PIN := nvidia-nccl-cu13==2.28.9
+# bindgen's libclang from PyPI (self-contained clang/native/libclang.so): no system package, no root.
+CLANG_PIN := libclang==18.1.1
+TEST_PIPS := pytest numpy expecttest hypothesis
 LIB := target/release/libdeep_ep.so
 PYTEST_ENV := PYTHONPATH=python DEEP_EP_LIBRARY=$(abspath $(LIB))
 
-.PHONY: demo test deps build install rust-test rust-example py-test cpp-test gpu-test compat compat-newest clean
+.PHONY: demo test deps build install wheel wheel-test lint rust-test rust-example py-test cpp-test gpu-test compat compat-newest clean
 
 demo: build
 	$(PYTEST_ENV) $(PY) examples/moe_demo.py --ranks 4
 
 test: build rust-test rust-example py-test cpp-test gpu-test
 
-# Python venv with torch (the CUDA 13 wheel is PyPI's default), nvcc and NCCL from pip, and
-# libclang for bindgen. Re-runs only when this Makefile changes.
+# Python venv with torch (the CUDA 13 wheel is PyPI's default), nvcc, NCCL and libclang (bindgen),
+# all from PyPI: nothing outside the venv, no root. Re-runs only when this Makefile changes.
 deps: $(VENV)/.deps-ok
 $(VENV)/.deps-ok: Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_PIN)" "$(CUDA_PIN)" "$(NCCL_PIN)" pytest numpy expecttest hypothesis setuptools wheel cmake
-	@if ! ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1 && ! ls /usr/lib/x86_64-linux-gnu/libclang*.so* >/dev/null 2>&1; then \
-	  echo "installing libclang-dev (bindgen)"; \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libclang-dev) || \
-	  (sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libclang-dev); fi
+	$(PY) -m pip install -q "$(TORCH_PIN)" "$(CUDA_PIN)" "$(NCCL_PIN)" "$(CLANG_PIN)" $(TEST_PIPS) setuptools wheel cmake
 	touch $@
 
 build: deps
@@ -35,6 +34,30 @@ build: deps
 
 install: deps
 	$(PY) -m pip install --no-build-isolation .
+
+# dist/deep_ep_rs-*.whl: the Python package with libdeep_ep.so inside (built with this venv's torch).
+wheel: deps
+	rm -rf dist
+	$(PY) -m pip wheel -q --no-build-isolation --no-deps -w dist .
+
+# The installed wheel, not the source tree: a new venv holding only torch (and the test tools), the
+# wheel installed into it, the CPU suite run with no PYTHONPATH or DEEP_EP_LIBRARY
+# (DEEP_EP_TEST_INSTALLED=1 makes conftest check that deep_ep_rs comes from site-packages).
+WHEEL_VENV ?= .venv-wheel
+WHEEL_TORCH ?= $(TORCH_PIN)
+WHEEL_PIP_ARGS ?=
+wheel-test: wheel
+	rm -rf $(WHEEL_VENV) && python3 -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install -q $(WHEEL_PIP_ARGS) "$(WHEEL_TORCH)" $(TEST_PIPS)
+	$(WHEEL_VENV)/bin/python -m pip install -q --no-deps dist/deep_ep_rs-*.whl
+	cd /tmp && env -u PYTHONPATH -u DEEP_EP_LIBRARY $(abspath $(WHEEL_VENV))/bin/python -c \
+	  'import deep_ep_rs, torch; print("wheel:", deep_ep_rs.__file__, deep_ep_rs.library_path(), "torch", torch.__version__)'
+	env -u PYTHONPATH -u DEEP_EP_LIBRARY DEEP_EP_TEST_INSTALLED=1 $(WHEEL_VENV)/bin/python -m pytest tests/python -q
+
+# cargo fmt and clippy (clippy runs build.rs, so it needs the venv).
+lint: deps
+	cargo fmt --check
+	cargo clippy --release --all-targets -- -D warnings
 
 rust-test: deps
 	cargo test --release

@@ -28,6 +28,8 @@ const KNOBS: &[(&str, &str)] = &[
     ("DEEP_EP_CUDA_ARCHS", "comma list of SM targets compiled to SASS, e.g. 90 | 90,100 | 90a (default: 90)"),
     ("DEEP_EP_CUDART", "how cudart is linked: static (default) | shared"),
     ("NVSHMEM_HOME", "NVSHMEM with include/nvshmem.h and lib/libnvshmem_device.a for feature `nvshmem`'s device transport (default: <site-packages>/nvidia/nvshmem; absent: built without it)"),
+    ("LIBCLANG_PATH", "directory of libclang.so for bindgen, feature `nccl` (default: <site-packages>/clang/native of the PyPI `libclang` wheel)"),
+    ("DEEP_EP_CLANG_BUILTINS", "C builtin headers (stddef.h, ...) given to bindgen's clang with -idirafter (default: `$CC -print-file-name=include`, CC defaulting to gcc)"),
 ];
 
 /// Reads a knob (trimmed, empty = unset) and tells Cargo to rerun when it changes.
@@ -196,6 +198,48 @@ fn find_nccl(nccl_home: &Option<String>, py: &mut Python) -> Result<PathBuf, Str
     Ok(home)
 }
 
+/// What bindgen needs: a libclang to load and C builtin headers for it.
+struct Clang {
+    libclang_dir: PathBuf,
+    source: &'static str,
+    builtins: Option<PathBuf>,
+}
+
+/// libclang for bindgen: `LIBCLANG_PATH`, else the PyPI `libclang` wheel of the build's python
+/// (`clang/native/libclang.so`), so that no system package and no root is needed. Its builtin
+/// headers come from the C compiler (`-print-file-name=include`), the wheel ships none.
+fn find_clang(libclang_path: &Option<String>, builtins: Option<String>, py: &mut Python) -> Result<Clang, String> {
+    let (libclang_dir, source) = match libclang_path {
+        Some(d) => (PathBuf::from(d), "LIBCLANG_PATH"),
+        None => {
+            let so = py.find_in_site("clang/native/libclang.so").map_err(|e| {
+                format!("libclang for bindgen (feature nccl): LIBCLANG_PATH is unset and {e}; `pip install libclang` into that python")
+            })?;
+            (ancestor(&so, 1), "the PyPI libclang wheel")
+        }
+    };
+    let has_lib = std::fs::read_dir(&libclang_dir)
+        .map(|rd| rd.filter_map(|e| e.ok()?.file_name().into_string().ok()).any(|n| n.starts_with("libclang") && n.contains(".so")))
+        .unwrap_or(false);
+    if !has_lib {
+        return Err(format!("libclang for bindgen: {} (from {source}) has no libclang*.so*", libclang_dir.display()));
+    }
+    let builtins = match builtins {
+        Some(d) => Some(PathBuf::from(d)),
+        None => {
+            let cc = env::var("CC").ok().filter(|c| !c.trim().is_empty()).unwrap_or_else(|| "gcc".into());
+            Command::new(&cc)
+                .arg("-print-file-name=include")
+                .output()
+                .ok()
+                .filter(|o| o.status.success())
+                .map(|o| PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()))
+                .filter(|p| p.join("stddef.h").exists())
+        }
+    };
+    Ok(Clang { libclang_dir, source, builtins })
+}
+
 fn find_torch(libtorch: &Option<String>, py: &Python) -> Result<Torch, String> {
     match libtorch {
         Some(dir) => {
@@ -242,7 +286,7 @@ fn fail(problems: &[String], py: &Python) -> ! {
     eprintln!("\nKnobs (environment variables), python = {}:", py.describe());
     for (name, what) in KNOBS {
         let val = env::var(name).unwrap_or_else(|_| "<unset>".into());
-        eprintln!("  {name:<20} = {val}\n  {:<20}   {what}", "");
+        eprintln!("  {name:<22} = {val}\n  {:<22}   {what}", "");
     }
     eprintln!(
         "\nFeatures: cuda (nvcc kernels), nccl (bindings, needs cuda), torch (operator shim). A pure-Rust\n\
@@ -260,6 +304,7 @@ fn main() {
     let archs_spec = knob("DEEP_EP_CUDA_ARCHS").unwrap_or_else(|| "90".into());
     let cudart = knob("DEEP_EP_CUDART").unwrap_or_else(|| "static".into());
     let nvshmem_home = knob("NVSHMEM_HOME");
+    let (libclang_path, clang_builtins) = (knob("LIBCLANG_PATH"), knob("DEEP_EP_CLANG_BUILTINS"));
     println!("cargo:rustc-check-cfg=cfg(deep_ep_nvshmem_device)");
     let (want_cuda, want_nccl, want_torch) = (feature("cuda"), feature("nccl"), feature("torch"));
 
@@ -296,6 +341,13 @@ fn main() {
             Err(e) => problems.push(e),
         }
     }
+    let mut clang = None;
+    if want_nccl {
+        match find_clang(&libclang_path, clang_builtins, &mut py) {
+            Ok(c) => clang = Some(c),
+            Err(e) => problems.push(e),
+        }
+    }
     if !shim_sources.is_empty() {
         match find_torch(&libtorch, &py) {
             Ok(t) => torch = Some(t),
@@ -323,8 +375,8 @@ fn main() {
             fail(&[e], &py);
         }
     }
-    if let (true, Some(c), Some(n)) = (want_nccl, &cuda, &nccl) {
-        if let Err(e) = nccl_bindings(n, c, &out_dir) {
+    if let (true, Some(c), Some(n), Some(cl)) = (want_nccl, &cuda, &nccl, &clang) {
+        if let Err(e) = nccl_bindings(n, c, cl, &out_dir) {
             fail(&[e], &py);
         }
     }
@@ -478,7 +530,9 @@ fn build_nvshmem_device(kernels: &Path, cuda: &Cuda, nccl_home: &Path, home: &Pa
 
 /// Generates dynamic-loading NCCL bindings (`NcclLib`) into `$OUT_DIR/nccl_bindings.rs`.
 #[cfg(feature = "nccl")]
-fn nccl_bindings(nccl_home: &Path, cuda: &Cuda, out_dir: &Path) -> Result<(), String> {
+fn nccl_bindings(nccl_home: &Path, cuda: &Cuda, clang: &Clang, out_dir: &Path) -> Result<(), String> {
+    // clang-sys (bindgen's loader) reads LIBCLANG_PATH when bindgen first runs, in this process.
+    env::set_var("LIBCLANG_PATH", &clang.libclang_dir);
     let header = nccl_home.join("include/nccl.h");
     println!("cargo:rerun-if-changed={}", header.display());
     let text = std::fs::read_to_string(&header).map_err(|e| format!("cannot read {}: {e}", header.display()))?;
@@ -491,6 +545,8 @@ fn nccl_bindings(nccl_home: &Path, cuda: &Cuda, out_dir: &Path) -> Result<(), St
         .header(header.display().to_string())
         .clang_arg(format!("-I{}", nccl_home.join("include").display()))
         .clang_arg(format!("-I{}", cuda.include.display()))
+        // The PyPI libclang has no builtin headers of its own; gcc's serve (stddef.h, stdint.h).
+        .clang_args(clang.builtins.iter().flat_map(|d| ["-idirafter".to_string(), d.display().to_string()]))
         .allowlist_function("nccl.*")
         .allowlist_type("nccl.*")
         .allowlist_var("nccl.*|NCCL_.*")
@@ -504,7 +560,7 @@ fn nccl_bindings(nccl_home: &Path, cuda: &Cuda, out_dir: &Path) -> Result<(), St
         // Missing symbols become `Err` fields instead of failing the whole load.
         .dynamic_link_require_all(false)
         .generate()
-        .map_err(|e| format!("bindgen failed on {} (is libclang-dev installed?): {e}", header.display()))?;
+        .map_err(|e| format!("bindgen failed on {} with the libclang of {} ({}): {e}", header.display(), clang.libclang_dir.display(), clang.source))?;
     let mut src = bindings.to_string();
     src.push_str(&format!(
         "\n/// `NCCL_VERSION_CODE` of the headers these bindings were generated from.\npub const NCCL_HEADER_VERSION_CODE: i32 = {code};\n"
@@ -517,7 +573,7 @@ fn nccl_bindings(nccl_home: &Path, cuda: &Cuda, out_dir: &Path) -> Result<(), St
 }
 
 #[cfg(not(feature = "nccl"))]
-fn nccl_bindings(_: &Path, _: &Cuda, _: &Path) -> Result<(), String> {
+fn nccl_bindings(_: &Path, _: &Cuda, _: &Clang, _: &Path) -> Result<(), String> {
     Ok(())
 }
 

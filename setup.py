@@ -1,7 +1,12 @@
 """Builds the Rust library with cargo and ships libdeep_ep.so inside the deep_ep_rs package.
 
-Install with `pip install --no-build-isolation .` into an environment that already has torch
-(build.rs asks this interpreter where torch's headers and libraries are).
+`make wheel` (= `pip wheel --no-build-isolation --no-deps -w dist .` in the project's venv) builds
+against the torch, nvcc, NCCL and libclang already installed there. A plain `pip wheel .` /
+`pip install .` also works: pyproject.toml names the same pinned packages as build requirements,
+so pip fetches them into its isolated build environment (several GB, a few minutes).
+
+The wheel is tagged `py3-none-linux_x86_64`: libdeep_ep.so uses no Python C API, only libtorch's
+stable ABI, so one file serves every CPython >= 3.10 with torch >= 2.10 (README, "One binary").
 """
 import os
 import shutil
@@ -12,11 +17,25 @@ from pathlib import Path
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
+try:  # setuptools >= 70 ships bdist_wheel; older ones use the wheel package's
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:  # pragma: no cover
+    from wheel.bdist_wheel import bdist_wheel
+
 ROOT = Path(__file__).resolve().parent
 
 
 class BuildWithCargo(build_py):
     def run(self):
+        try:
+            import torch  # noqa: F401  (build.rs asks this interpreter where torch is)
+        except ImportError as e:
+            raise SystemExit(
+                f"deep_ep_rs: building needs torch importable by {sys.executable} ({e}). Use `make wheel`, "
+                "or `pip wheel .` with build isolation (pyproject.toml lists what to fetch), or install "
+                "torch, cuda-toolkit[nvcc,nvvm,crt,cccl,cudart], nvidia-nccl-cu13 and libclang first and "
+                "pass --no-build-isolation."
+            )
         env = dict(os.environ, DEEP_EP_PYTHON=sys.executable)
         features = os.environ.get("DEEP_EP_CARGO_FEATURES")
         cmd = ["cargo", "build", "--release"]
@@ -29,6 +48,18 @@ class BuildWithCargo(build_py):
         shutil.copy2(ROOT / "target" / "release" / "libdeep_ep.so", dst / "libdeep_ep.so")
 
 
+class PlatformWheel(bdist_wheel):
+    """A platform wheel (it carries a native library) that any CPython 3 can install."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        self.root_is_pure = False
+
+    def get_tag(self):
+        _, _, plat = super().get_tag()
+        return "py3", "none", plat
+
+
 setup(
     name="deep_ep_rs",
     version="0.1.0",
@@ -36,6 +67,7 @@ setup(
     package_dir={"": "python"},
     packages=["deep_ep_rs"],
     python_requires=">=3.10",
-    cmdclass={"build_py": BuildWithCargo},
+    install_requires=["torch>=2.10"],
+    cmdclass={"build_py": BuildWithCargo, "bdist_wheel": PlatformWheel},
     zip_safe=False,
 )

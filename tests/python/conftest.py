@@ -1,7 +1,8 @@
 """Shared fixtures of the CPU test tier.
 
 - The library: `deep_ep_rs` is imported from python/ (added to sys.path) and loads
-  $DEEP_EP_LIBRARY, defaulting to target/release/libdeep_ep.so of this checkout.
+  $DEEP_EP_LIBRARY, defaulting to target/release/libdeep_ep.so of this checkout; with
+  DEEP_EP_TEST_INSTALLED=1 the installed package and the library inside it instead.
 - `rank_pool(n)`: a session-wide pool of n spawned ranks in one gloo group (see _harness.py);
   `pool.run(fn, *args)` runs fn(rank, world_size, *args) on each rank and returns the results, or
   raises the failing ranks' tracebacks. Pools are started lazily and reused by every test.
@@ -16,16 +17,30 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT / "python") not in sys.path:
-    sys.path.insert(0, str(ROOT / "python"))
-if not os.environ.get("DEEP_EP_LIBRARY"):
-    _lib = ROOT / "target" / "release" / "libdeep_ep.so"
-    if _lib.is_file():
-        os.environ["DEEP_EP_LIBRARY"] = str(_lib)
+#: DEEP_EP_TEST_INSTALLED=1: test the installed package (a wheel in site-packages) and its bundled
+#: library, never this checkout's python/ or target/ (`make wheel-test`).
+INSTALLED = os.environ.get("DEEP_EP_TEST_INSTALLED") == "1"
+if INSTALLED:
+    if os.environ.get("DEEP_EP_LIBRARY") or os.environ.get("PYTHONPATH"):
+        raise RuntimeError("DEEP_EP_TEST_INSTALLED=1 tests the installed wheel: unset DEEP_EP_LIBRARY and PYTHONPATH")
+    import deep_ep_rs as _installed
+
+    _pkg = Path(_installed.__file__).resolve().parent
+    if ROOT in _pkg.parents or Path(_installed.library_path()).resolve().parent != _pkg:
+        raise RuntimeError(f"DEEP_EP_TEST_INSTALLED=1 but deep_ep_rs comes from {_pkg} with {_installed.library_path()}")
+    # Tests that start their own processes hand them the same library.
+    os.environ["DEEP_EP_LIBRARY"] = _installed.library_path()
+else:
+    if str(ROOT / "python") not in sys.path:
+        sys.path.insert(0, str(ROOT / "python"))
+    if not os.environ.get("DEEP_EP_LIBRARY"):
+        _lib = ROOT / "target" / "release" / "libdeep_ep.so"
+        if _lib.is_file():
+            os.environ["DEEP_EP_LIBRARY"] = str(_lib)
+    # Spawned workers import deep_ep_rs from python/ too.
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT / "python"), os.environ.get("PYTHONPATH", "")] if p)
 os.environ.setdefault("DEEP_EP_TIMEOUT_MS", "20000")
 os.environ.setdefault("DEEP_EP_BACKEND", "cpu")
-# Spawned workers import deep_ep_rs from python/ too.
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT / "python"), os.environ.get("PYTHONPATH", "")] if p)
 
 from _harness import RankPool  # noqa: E402
 

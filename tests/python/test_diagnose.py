@@ -9,7 +9,6 @@ import textwrap
 import pytest
 import torch
 
-from conftest import ROOT
 
 
 def _env(**extra):
@@ -144,7 +143,7 @@ LOG_SCRIPT = textwrap.dedent("""
 
 def _log_run(level):
     p = subprocess.run([sys.executable, "-c", LOG_SCRIPT], capture_output=True, text=True, timeout=120,
-                       env=_env(DEEP_EP_LOG=level, DEEP_EP_TIMEOUT_MS="300", PYTHONPATH=str(ROOT / "python")))
+                       env=_env(DEEP_EP_LOG=level, DEEP_EP_TIMEOUT_MS="300"))
     assert p.returncode == 0, p.stderr
     h0, h1 = (int(v) for v in p.stdout.split("handles")[1].split())
     assert "raised: timed out after 300 ms on rank 0 waiting for rank(s) [1] (barrier" in p.stdout

@@ -69,10 +69,7 @@ impl Python {
     }
 
     fn run(&self, script: &str) -> Result<String, String> {
-        let out = Command::new(&self.exe)
-            .args(["-c", script])
-            .output()
-            .map_err(|e| format!("could not run `{}`: {e}", self.exe))?;
+        let out = Command::new(&self.exe).args(["-c", script]).output().map_err(|e| format!("could not run `{}`: {e}", self.exe))?;
         if !out.status.success() {
             let err = String::from_utf8_lossy(&out.stderr);
             let last = err.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no output");
@@ -448,7 +445,10 @@ fn build_kernels(dir: &Path, cuda: &Cuda, nccl_home: &Path, archs: &[String], cu
 fn find_nvshmem(nvshmem_home: &Option<String>, py: &mut Python) -> Result<PathBuf, String> {
     let home = match nvshmem_home {
         Some(h) => PathBuf::from(h),
-        None => py.find_in_site("nvidia/nvshmem/include/nvshmem.h").map(|p| ancestor(&p, 2)).map_err(|e| format!("NVSHMEM_HOME is unset and {e}"))?,
+        None => py
+            .find_in_site("nvidia/nvshmem/include/nvshmem.h")
+            .map(|p| ancestor(&p, 2))
+            .map_err(|e| format!("NVSHMEM_HOME is unset and {e}"))?,
     };
     if !home.join("include/nvshmem.h").exists() || !home.join("lib/libnvshmem_device.a").exists() {
         return Err(format!("{} has no include/nvshmem.h or lib/libnvshmem_device.a", home.display()));
@@ -470,7 +470,14 @@ fn run_tool(cmd: &mut Command, what: &str) -> Result<(), String> {
 /// against `libnvshmem_device.a`, and archived together with that library's host objects (the
 /// device-link stub names their fatbin wrappers). Nothing else changes: the other kernels keep
 /// their whole-program compilation, and the host library is still dlopen'ed at run time.
-fn build_nvshmem_device(kernels: &Path, cuda: &Cuda, nccl_home: &Path, home: &Path, archs: &[String], out_dir: &Path) -> Result<(), String> {
+fn build_nvshmem_device(
+    kernels: &Path,
+    cuda: &Cuda,
+    nccl_home: &Path,
+    home: &Path,
+    archs: &[String],
+    out_dir: &Path,
+) -> Result<(), String> {
     let dir = kernels.join("nvshmem");
     let sources = files_with_ext(&dir, "cu");
     for f in &sources {
@@ -508,7 +515,13 @@ fn build_nvshmem_device(kernels: &Path, cuda: &Cuda, nccl_home: &Path, home: &Pa
     }
     let dlink = work.join("dlink.o");
     run_tool(
-        Command::new(&cuda.nvcc).args(["-dlink", "-Xcompiler", "-fPIC"]).args(&gencode).args(&objects).arg(&device_lib).arg("-o").arg(&dlink),
+        Command::new(&cuda.nvcc)
+            .args(["-dlink", "-Xcompiler", "-fPIC"])
+            .args(&gencode)
+            .args(&objects)
+            .arg(&device_lib)
+            .arg("-o")
+            .arg(&dlink),
         "nvcc -dlink against libnvshmem_device.a",
     )?;
     objects.push(dlink);
@@ -560,7 +573,9 @@ fn nccl_bindings(nccl_home: &Path, cuda: &Cuda, clang: &Clang, out_dir: &Path) -
         // Missing symbols become `Err` fields instead of failing the whole load.
         .dynamic_link_require_all(false)
         .generate()
-        .map_err(|e| format!("bindgen failed on {} with the libclang of {} ({}): {e}", header.display(), clang.libclang_dir.display(), clang.source))?;
+        .map_err(|e| {
+            format!("bindgen failed on {} with the libclang of {} ({}): {e}", header.display(), clang.libclang_dir.display(), clang.source)
+        })?;
     let mut src = bindings.to_string();
     src.push_str(&format!(
         "\n/// `NCCL_VERSION_CODE` of the headers these bindings were generated from.\npub const NCCL_HEADER_VERSION_CODE: i32 = {code};\n"

@@ -44,7 +44,12 @@ pub fn create(kind: BackendKind, args: &CreateArgs) -> Result<i64> {
     crate::log_info!(
         Some(args.rank),
         "created buffer {h}: backend {}, device {}, {} ranks, num_nvl_bytes {}, num_rdma_bytes {}, low_latency_mode {}",
-        kind.name(), args.device, args.num_ranks, args.num_nvl_bytes, args.num_rdma_bytes, args.low_latency_mode
+        kind.name(),
+        args.device,
+        args.num_ranks,
+        args.num_nvl_bytes,
+        args.num_rdma_bytes,
+        args.low_latency_mode
     );
     Ok(h)
 }

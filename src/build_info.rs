@@ -106,7 +106,19 @@ mod tests {
     #[test]
     fn json_has_every_key_and_escapes_strings() {
         let j = json();
-        for k in ["crate_version", "features", "backends", "cuda_archs", "cudart", "cuda_runtime", "cuda_driver", "nccl_header_version", "torch", "profile", "nvshmem_device_transport"] {
+        for k in [
+            "crate_version",
+            "features",
+            "backends",
+            "cuda_archs",
+            "cudart",
+            "cuda_runtime",
+            "cuda_driver",
+            "nccl_header_version",
+            "torch",
+            "profile",
+            "nvshmem_device_transport",
+        ] {
             assert!(j.contains(&format!("\"{k}\": ")), "{k} missing from {j}");
         }
         assert!(j.starts_with('{') && j.ends_with('}'));

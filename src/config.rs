@@ -29,10 +29,18 @@ impl Config {
     /// Validates and normalises like DeepEP's `Config` constructor.
     pub fn new(num_sms: usize, nvl_send: usize, nvl_recv: usize, rdma_send: usize, rdma_recv: usize) -> Result<Self> {
         crate::ensure!(nvl_send > 0 && nvl_recv > 0, OP, "NVLink chunk sizes must be positive, got send={nvl_send} recv={nvl_recv}");
-        crate::ensure!(nvl_send < nvl_recv, OP, "num_max_nvl_chunked_send_tokens ({nvl_send}) must be < num_max_nvl_chunked_recv_tokens ({nvl_recv})");
+        crate::ensure!(
+            nvl_send < nvl_recv,
+            OP,
+            "num_max_nvl_chunked_send_tokens ({nvl_send}) must be < num_max_nvl_chunked_recv_tokens ({nvl_recv})"
+        );
         crate::ensure!(rdma_send > 0 && rdma_recv > 0, OP, "RDMA chunk sizes must be positive, got send={rdma_send} recv={rdma_recv}");
         let rdma_recv = rdma_recv.div_ceil(rdma_send) * rdma_send;
-        crate::ensure!(rdma_send <= rdma_recv / 2, OP, "num_max_rdma_chunked_send_tokens ({rdma_send}) must be <= half of num_max_rdma_chunked_recv_tokens ({rdma_recv})");
+        crate::ensure!(
+            rdma_send <= rdma_recv / 2,
+            OP,
+            "num_max_rdma_chunked_send_tokens ({rdma_send}) must be <= half of num_max_rdma_chunked_recv_tokens ({rdma_recv})"
+        );
         Ok(Config {
             num_sms,
             num_max_nvl_chunked_send_tokens: nvl_send,
@@ -45,7 +53,10 @@ impl Config {
     /// Parses the `int[5]` op argument; `op` names the calling op in errors.
     pub fn from_slice(op: &'static str, v: &[i64]) -> Result<Self> {
         if v.len() != 5 || v.iter().any(|&x| x < 0) {
-            return Err(Error::invalid(op, format!("config must be 5 non-negative ints [num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv], got {v:?}")));
+            return Err(Error::invalid(
+                op,
+                format!("config must be 5 non-negative ints [num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv], got {v:?}"),
+            ));
         }
         let c = Config::new(v[0] as usize, v[1] as usize, v[2] as usize, v[3] as usize, v[4] as usize)
             .map_err(|e| Error::invalid(op, e.to_string()))?;
@@ -65,11 +76,8 @@ impl Config {
         let rn = num_ranks.min(MAX_NVL_PEERS);
         let rr = (num_ranks / MAX_NVL_PEERS).max(1);
         let t = self.num_max_nvl_chunked_recv_tokens;
-        let bytes = c * rn * (2 * rr + 3) * 4
-            + c * rn * t * hidden_bytes
-            + c * rn * t * 128 * 8
-            + c * rn * t * 128 * 4
-            + c * rn * t * 128 * 4;
+        let bytes =
+            c * rn * (2 * rr + 3) * 4 + c * rn * t * hidden_bytes + c * rn * t * 128 * 8 + c * rn * t * 128 * 4 + c * rn * t * 128 * 4;
         bytes.div_ceil(BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT
     }
 

@@ -6,9 +6,7 @@
 //! Only CPU buffers (backend "cpu"): GPU buffers need device memory, which torch provides.
 //! Every op here is a collective of the buffer's ranks except [`get_dispatch_layout`].
 
-use crate::backend::{
-    CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, Handle as RawHandle,
-};
+use crate::backend::{CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, Handle as RawHandle};
 use crate::config::Config;
 use crate::numerics::bf16;
 use crate::ops::{self, LayoutOutputs};
@@ -28,23 +26,14 @@ impl HostTensor {
     /// Zero-filled tensor of `sizes`.
     pub fn zeros(dtype: DType, sizes: &[usize]) -> Self {
         let bytes = sizes.iter().product::<usize>() * dtype.size();
-        HostTensor {
-            dtype,
-            sizes: sizes.iter().map(|&s| s as i64).collect(),
-            storage: vec![0; bytes.div_ceil(8)],
-        }
+        HostTensor { dtype, sizes: sizes.iter().map(|&s| s as i64).collect(), storage: vec![0; bytes.div_ceil(8)] }
     }
 
     /// From values converted to `dtype` (bf16: round to nearest even; integers: truncation;
     /// bool: != 0). Panics if `values.len()` is not the product of `sizes`.
     pub fn from_f64(dtype: DType, sizes: &[usize], values: &[f64]) -> Self {
         let mut t = HostTensor::zeros(dtype, sizes);
-        assert_eq!(
-            values.len(),
-            t.numel(),
-            "HostTensor: {} values for shape {sizes:?}",
-            values.len()
-        );
+        assert_eq!(values.len(), t.numel(), "HostTensor: {} values for shape {sizes:?}", values.len());
         let mut bytes = Vec::with_capacity(values.len() * dtype.size());
         for &v in values {
             match dtype {
@@ -93,11 +82,7 @@ impl HostTensor {
 
     fn bytes(&self) -> Vec<u8> {
         let n = self.numel() * self.dtype.size();
-        self.storage
-            .iter()
-            .flat_map(|w| w.to_le_bytes())
-            .take(n)
-            .collect()
+        self.storage.iter().flat_map(|w| w.to_le_bytes()).take(n).collect()
     }
 
     fn set_bytes(&mut self, b: &[u8]) {
@@ -136,17 +121,9 @@ pub struct Layout {
 }
 
 /// Local. `topk_idx` `[N, K]` i32/i64 global expert ids (−1 = none). Up to 8 ranks.
-pub fn get_dispatch_layout(
-    topk_idx: &HostTensor,
-    num_experts: usize,
-    num_ranks: usize,
-) -> Result<Layout> {
+pub fn get_dispatch_layout(topk_idx: &HostTensor, num_experts: usize, num_ranks: usize) -> Result<Layout> {
     ops::check_dispatch_layout(&topk_idx.view(), num_experts as i64, num_ranks as i64)?;
-    crate::ensure!(
-        num_ranks <= 8,
-        "deep_ep::host::get_dispatch_layout",
-        "up to 8 ranks (intranode), got {num_ranks}"
-    );
+    crate::ensure!(num_ranks <= 8, "deep_ep::host::get_dispatch_layout", "up to 8 ranks (intranode), got {num_ranks}");
     let n = topk_idx.sizes().first().copied().unwrap_or(0) as usize;
     let mut l = Layout {
         num_tokens_per_rank: HostTensor::zeros(DType::Int32, &[num_ranks]),
@@ -159,13 +136,7 @@ pub fn get_dispatch_layout(
         num_tokens_per_expert: l.num_tokens_per_expert.view_mut(),
         is_token_in_rank: l.is_token_in_rank.view_mut(),
     };
-    ops::get_dispatch_layout(
-        &topk_idx.view(),
-        num_experts,
-        num_ranks,
-        &out,
-        std::ptr::null_mut(),
-    )?;
+    ops::get_dispatch_layout(&topk_idx.view(), num_experts, num_ranks, &out, std::ptr::null_mut())?;
     Ok(l)
 }
 
@@ -228,13 +199,8 @@ pub fn dispatch(
     };
     let plan = ops::dispatch_prepare(buffer, &args)?;
     let r = layout.num_tokens_per_rank.numel();
-    let (rows, n, h, k, c) = (
-        plan.num_rows,
-        x.sizes()[0] as usize,
-        x.sizes()[1] as usize,
-        topk_idx.sizes()[1] as usize,
-        config.num_channels(),
-    );
+    let (rows, n, h, k, c) =
+        (plan.num_rows, x.sizes()[0] as usize, x.sizes()[1] as usize, topk_idx.sizes()[1] as usize, config.num_channels());
     let i32t = |s: &[usize]| HostTensor::zeros(DType::Int32, s);
     let mut d = Dispatched {
         recv_x: HostTensor::zeros(x.dtype(), &[rows, h]),
@@ -267,12 +233,7 @@ pub fn dispatch(
 
 /// Collective. `x [rows, H]` bf16 in dispatch order -> `[N, H]` bf16, the unweighted fp32 sum
 /// over the ranks each token went to (ascending rank order).
-pub fn combine(
-    buffer: i64,
-    x: &HostTensor,
-    handle: &DispatchHandle,
-    config: Config,
-) -> Result<HostTensor> {
+pub fn combine(buffer: i64, x: &HostTensor, handle: &DispatchHandle, config: Config) -> Result<HostTensor> {
     let args = CombineArgs {
         x: x.view(),
         topk_weights: None,
@@ -285,13 +246,6 @@ pub fn combine(
     ops::check_combine(buffer, &args)?;
     let n = handle.send_head.sizes()[0] as usize;
     let mut combined = HostTensor::zeros(x.dtype(), &[n, x.sizes()[1] as usize]);
-    ops::combine(
-        buffer,
-        &args,
-        &CombineOutputs {
-            combined_x: combined.view_mut(),
-            combined_topk_weights: None,
-        },
-    )?;
+    ops::combine(buffer, &args, &CombineOutputs { combined_x: combined.view_mut(), combined_topk_weights: None })?;
     Ok(combined)
 }

@@ -24,7 +24,14 @@ pub fn dispatch_layout(topk_idx: &[i64], num_tokens: usize, topk: usize, num_exp
 
 /// [`dispatch_layout`] with NVLink domains of `domain` ranks: `num_tokens_per_rdma_rank` has
 /// `num_ranks / domain` entries when `num_ranks > domain`, none otherwise.
-pub fn dispatch_layout_in_domains(topk_idx: &[i64], num_tokens: usize, topk: usize, num_experts: usize, num_ranks: usize, domain: usize) -> Layout {
+pub fn dispatch_layout_in_domains(
+    topk_idx: &[i64],
+    num_tokens: usize,
+    topk: usize,
+    num_experts: usize,
+    num_ranks: usize,
+    domain: usize,
+) -> Layout {
     assert_eq!(topk_idx.len(), num_tokens * topk);
     let per_rank = num_experts / num_ranks;
     let num_nodes = if num_ranks > domain { num_ranks / domain } else { 0 };

@@ -224,14 +224,7 @@ impl Check<'_> {
             let want: Vec<&str> = dtypes.iter().map(|d| d.name()).collect();
             return Err(Error::invalid(
                 self.op,
-                format!(
-                    "{} must be {} on {}, got {} on {}",
-                    self.name,
-                    want.join(" or "),
-                    device,
-                    self.t.dtype,
-                    self.t.device
-                ),
+                format!("{} must be {} on {}, got {} on {}", self.name, want.join(" or "), device, self.t.dtype, self.t.device),
             ));
         }
         Ok(self)
@@ -239,8 +232,8 @@ impl Check<'_> {
 
     /// Requires this exact shape; `None` sizes only fix the rank.
     pub fn shape(self, dims: &[DimSpec]) -> Result<Self> {
-        let ok = self.t.ndim == dims.len()
-            && dims.iter().zip(self.t.sizes()).all(|((_, want), got)| want.map_or(true, |w| w as i64 == *got));
+        let ok =
+            self.t.ndim == dims.len() && dims.iter().zip(self.t.sizes()).all(|((_, want), got)| want.map_or(true, |w| w as i64 == *got));
         if !ok {
             let want: Vec<String> = dims
                 .iter()
@@ -249,10 +242,7 @@ impl Check<'_> {
                     None => n.to_string(),
                 })
                 .collect();
-            return Err(Error::invalid(
-                self.op,
-                format!("{} must have shape [{}], got {:?}", self.name, want.join(", "), self.t.sizes()),
-            ));
+            return Err(Error::invalid(self.op, format!("{} must have shape [{}], got {:?}", self.name, want.join(", "), self.t.sizes())));
         }
         Ok(self)
     }

@@ -42,11 +42,7 @@ fn e4m3_slow(x: f32) -> u8 {
 
 /// Finite f32s spread over every exponent (bit patterns), plus ordinary magnitudes.
 fn finite_f32() -> impl Strategy<Value = f32> {
-    prop_oneof![
-        any::<u32>().prop_map(f32::from_bits).prop_filter("finite", |x| x.is_finite()),
-        -600.0f32..600.0,
-        -1.0f32..1.0,
-    ]
+    prop_oneof![any::<u32>().prop_map(f32::from_bits).prop_filter("finite", |x| x.is_finite()), -600.0f32..600.0, -1.0f32..1.0,]
 }
 
 proptest! {

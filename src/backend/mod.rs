@@ -430,12 +430,22 @@ pub trait Backend: Send {
     }
 
     /// Second half of an internode dispatch: tokens and the 10-tensor handle.
-    fn internode_dispatch_finish(&mut self, _args: &internode::InternodeDispatchArgs, _plan: &internode::InternodePlan, _out: &internode::InternodeDispatchOutputs) -> Result<()> {
+    fn internode_dispatch_finish(
+        &mut self,
+        _args: &internode::InternodeDispatchArgs,
+        _plan: &internode::InternodePlan,
+        _out: &internode::InternodeDispatchOutputs,
+    ) -> Result<()> {
         Err(self.no_internode("deep_ep::internode_dispatch"))
     }
 
     /// Internode dispatch reusing a handle: `recv_x [rows, H]`, scales `[rows, S]`.
-    fn internode_cached_dispatch(&mut self, _args: &internode::InternodeCachedDispatchArgs, _recv_x: &TensorRef, _recv_x_scales: Option<&TensorRef>) -> Result<()> {
+    fn internode_cached_dispatch(
+        &mut self,
+        _args: &internode::InternodeCachedDispatchArgs,
+        _recv_x: &TensorRef,
+        _recv_x_scales: Option<&TensorRef>,
+    ) -> Result<()> {
         Err(self.no_internode("deep_ep::internode_cached_dispatch"))
     }
 
@@ -446,14 +456,32 @@ pub trait Backend: Send {
 
     /// The error of a backend that lacks internode normal mode.
     fn no_internode(&self, op: &'static str) -> Error {
-        Error::NotImplemented { op, backend: self.info().backend.name(), feature: "internode normal mode (dispatch/combine across NVLink domains)" }
+        Error::NotImplemented {
+            op,
+            backend: self.info().backend.name(),
+            feature: "internode normal mode (dispatch/combine across NVLink domains)",
+        }
     }
 
     /// LL dispatch, send phase: cast and push tokens; writes `out.recv_state`.
-    fn ll_dispatch_send(&mut self, g: &LlGeometry, o: &LlDispatchOptions, args: &LlDispatchSendArgs, out: &LlDispatchOutputs, stream: Stream) -> Result<()>;
+    fn ll_dispatch_send(
+        &mut self,
+        g: &LlGeometry,
+        o: &LlDispatchOptions,
+        args: &LlDispatchSendArgs,
+        out: &LlDispatchOutputs,
+        stream: Stream,
+    ) -> Result<()>;
 
     /// LL dispatch, recv phase: wait for every source and fill `out`.
-    fn ll_dispatch_recv(&mut self, g: &LlGeometry, o: &LlDispatchOptions, out: &LlDispatchOutputs, stats: &LlStats, stream: Stream) -> Result<()>;
+    fn ll_dispatch_recv(
+        &mut self,
+        g: &LlGeometry,
+        o: &LlDispatchOptions,
+        out: &LlDispatchOutputs,
+        stats: &LlStats,
+        stream: Stream,
+    ) -> Result<()>;
 
     /// LL combine, send phase: push expert outputs back to their source ranks.
     fn ll_combine_send(&mut self, g: &LlGeometry, args: &LlCombineSendArgs, stream: Stream) -> Result<()>;
@@ -564,7 +592,15 @@ mod tests {
 
     #[test]
     fn nvshmem_backend_is_compiled_or_says_which_feature() {
-        let args = CreateArgs { unique_id: &[0u8; 128], rank: 0, num_ranks: 2, device: Device::Cpu, num_nvl_bytes: 0, num_rdma_bytes: 0, low_latency_mode: false };
+        let args = CreateArgs {
+            unique_id: &[0u8; 128],
+            rank: 0,
+            num_ranks: 2,
+            device: Device::Cpu,
+            num_nvl_bytes: 0,
+            num_rdma_bytes: 0,
+            low_latency_mode: false,
+        };
         let e = create(BackendKind::Nvshmem, &args).err().map(|e| e.to_string()).unwrap_or_default();
         if cfg!(feature = "nvshmem") {
             assert!(e.contains("the nvshmem backend needs a CUDA device, got cpu"), "{e}");

@@ -86,7 +86,10 @@ pub(crate) unsafe fn tensor(op: &'static str, name: &str, p: *const RawTensor) -
 
 pub(crate) fn check_size(op: &'static str, got: u32, want: usize) -> Result<()> {
     if got as usize != want {
-        return Err(Error::invalid(op, format!("argument struct size {got} != {want}: the shim and the library were built from different headers")));
+        return Err(Error::invalid(
+            op,
+            format!("argument struct size {got} != {want}: the shim and the library were built from different headers"),
+        ));
     }
     Ok(())
 }
@@ -142,7 +145,11 @@ pub unsafe extern "C" fn deep_ep_create_buffer(
     guard(|| {
         const OP: &str = "deep_ep::create_buffer";
         crate::ensure!(rank >= 0 && num_ranks >= 1, OP, "rank ({rank}) must be >= 0 and num_ranks ({num_ranks}) >= 1");
-        crate::ensure!(num_nvl_bytes >= 0 && num_rdma_bytes >= 0, OP, "buffer sizes must be >= 0, got {num_nvl_bytes} and {num_rdma_bytes}");
+        crate::ensure!(
+            num_nvl_bytes >= 0 && num_rdma_bytes >= 0,
+            OP,
+            "buffer sizes must be >= 0, got {num_nvl_bytes} and {num_rdma_bytes}"
+        );
         crate::ensure!(unique_id_len >= 0, OP, "unique_id length must be >= 0");
         let id = std::slice::from_raw_parts(unique_id, unique_id_len as usize);
         let args = CreateArgs {
@@ -181,11 +188,22 @@ pub unsafe extern "C" fn deep_ep_buffer_info(handle: i64, op: *const c_char, out
 /// Maps a caller-supplied op name onto the static names errors carry.
 fn op_name(name: &str) -> &'static str {
     const KNOWN: &[&str] = &[
-        "deep_ep::dispatch", "deep_ep::cached_dispatch", "deep_ep::combine", "deep_ep::low_latency_dispatch",
-        "deep_ep::low_latency_dispatch_send", "deep_ep::low_latency_dispatch_recv", "deep_ep::low_latency_combine",
-        "deep_ep::low_latency_combine_send", "deep_ep::low_latency_combine_recv", "deep_ep::clean_low_latency_buffer",
-        "deep_ep::get_next_low_latency_combine_buffer", "deep_ep::low_latency_query_mask_buffer", "deep_ep::wait_stats",
-        "deep_ep::internode_dispatch", "deep_ep::internode_cached_dispatch", "deep_ep::internode_combine",
+        "deep_ep::dispatch",
+        "deep_ep::cached_dispatch",
+        "deep_ep::combine",
+        "deep_ep::low_latency_dispatch",
+        "deep_ep::low_latency_dispatch_send",
+        "deep_ep::low_latency_dispatch_recv",
+        "deep_ep::low_latency_combine",
+        "deep_ep::low_latency_combine_send",
+        "deep_ep::low_latency_combine_recv",
+        "deep_ep::clean_low_latency_buffer",
+        "deep_ep::get_next_low_latency_combine_buffer",
+        "deep_ep::low_latency_query_mask_buffer",
+        "deep_ep::wait_stats",
+        "deep_ep::internode_dispatch",
+        "deep_ep::internode_cached_dispatch",
+        "deep_ep::internode_combine",
     ];
     KNOWN.iter().find(|k| **k == name).copied().unwrap_or("deep_ep::buffer_info")
 }
@@ -195,7 +213,14 @@ fn op_name(name: &str) -> &'static str {
 /// # Safety
 /// `cfg` points to `len` int64; `out` is writable.
 #[no_mangle]
-pub unsafe extern "C" fn deep_ep_buffer_size_hint(cfg: *const i64, len: i64, hidden_bytes: i64, num_ranks: i64, which: i32, out: *mut i64) -> c_int {
+pub unsafe extern "C" fn deep_ep_buffer_size_hint(
+    cfg: *const i64,
+    len: i64,
+    hidden_bytes: i64,
+    num_ranks: i64,
+    which: i32,
+    out: *mut i64,
+) -> c_int {
     guard(|| {
         let op = if which == 0 { "deep_ep::nvl_buffer_size_hint" } else { "deep_ep::rdma_buffer_size_hint" };
         let c = Config::from_slice(op, std::slice::from_raw_parts(cfg, len.max(0) as usize))?;
@@ -215,7 +240,11 @@ pub unsafe extern "C" fn deep_ep_buffer_size_hint(cfg: *const i64, len: i64, hid
 pub unsafe extern "C" fn deep_ep_low_latency_rdma_size_hint(t: i64, hidden: i64, num_ranks: i64, num_experts: i64, out: *mut i64) -> c_int {
     guard(|| {
         const OP: &str = "deep_ep::low_latency_rdma_size_hint";
-        crate::ensure!(t > 0 && hidden > 0 && num_ranks > 0 && num_experts > 0, OP, "all arguments must be positive, got ({t}, {hidden}, {num_ranks}, {num_experts})");
+        crate::ensure!(
+            t > 0 && hidden > 0 && num_ranks > 0 && num_experts > 0,
+            OP,
+            "all arguments must be positive, got ({t}, {hidden}, {num_ranks}, {num_experts})"
+        );
         *out = config::low_latency_rdma_size_hint(t as usize, hidden as usize, num_ranks as usize, num_experts as usize) as i64;
         Ok(())
     })
@@ -259,7 +288,6 @@ pub unsafe extern "C" fn deep_ep_get_dispatch_layout(
     })
 }
 
-
 /// See `deep_ep_ll_mask` in the header.
 ///
 /// # Safety
@@ -271,7 +299,12 @@ pub unsafe extern "C" fn deep_ep_ll_mask(handle: i64, action: i32, rank: i64, va
         1 => {
             const OP: &str = "deep_ep::low_latency_query_mask_buffer";
             let m = ops::low_latency_query_mask(handle)?;
-            crate::ensure!(!out.is_null() && out_len as usize == m.len(), OP, "mask_status must have num_ranks = {} elements, got {out_len}", m.len());
+            crate::ensure!(
+                !out.is_null() && out_len as usize == m.len(),
+                OP,
+                "mask_status must have num_ranks = {} elements, got {out_len}",
+                m.len()
+            );
             std::ptr::copy_nonoverlapping(m.as_ptr(), out, m.len());
             Ok(())
         }
@@ -289,7 +322,12 @@ pub unsafe extern "C" fn deep_ep_ll_mask(handle: i64, action: i32, rank: i64, va
 pub unsafe extern "C" fn deep_ep_wait_stats(handle: i64, reset: i32, out: *mut i64, out_len: i64) -> c_int {
     guard(|| {
         let v = ops::wait_stats(handle, reset != 0)?;
-        crate::ensure!(!out.is_null() && out_len as usize == 2 * v.len(), "deep_ep::wait_stats", "internal: output must hold {} int64, got {out_len}", 2 * v.len());
+        crate::ensure!(
+            !out.is_null() && out_len as usize == 2 * v.len(),
+            "deep_ep::wait_stats",
+            "internal: output must hold {} int64, got {out_len}",
+            2 * v.len()
+        );
         for (i, w) in v.iter().enumerate() {
             *out.add(2 * i) = w[0];
             *out.add(2 * i + 1) = w[1];

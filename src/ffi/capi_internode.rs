@@ -2,7 +2,9 @@
 
 use super::capi::{check_size, guard, opt_tensor, tensor, RawTensor};
 use super::capi_modes::{dispatch_args_as, RawDispatchArgs};
-use crate::backend::internode::{InternodeCachedDispatchArgs, InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutputs, InternodeHandle, InternodePlan};
+use crate::backend::internode::{
+    InternodeCachedDispatchArgs, InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutputs, InternodeHandle, InternodePlan,
+};
 use crate::backend::{CombineOutputs, DispatchPlan};
 use crate::config::Config;
 use crate::error::Result;
@@ -59,7 +61,10 @@ unsafe fn handle_of(op: &'static str, h: &RawInternodeHandle) -> Result<Internod
 }
 
 unsafe fn args_of(args: *const RawDispatchArgs, per_rdma: *const RawTensor) -> Result<InternodeDispatchArgs> {
-    Ok(InternodeDispatchArgs { base: dispatch_args_as(DISPATCH, args)?, num_tokens_per_rdma_rank: tensor(DISPATCH, "num_tokens_per_rdma_rank", per_rdma)? })
+    Ok(InternodeDispatchArgs {
+        base: dispatch_args_as(DISPATCH, args)?,
+        num_tokens_per_rdma_rank: tensor(DISPATCH, "num_tokens_per_rdma_rank", per_rdma)?,
+    })
 }
 
 /// See `deep_ep_internode_dispatch_prepare` in the header.
@@ -79,7 +84,13 @@ pub unsafe extern "C" fn deep_ep_internode_dispatch_prepare(
         let a = args_of(args, num_tokens_per_rdma_rank)?;
         let p = ops::internode_dispatch_prepare(handle, &a)?;
         let pe = std::slice::from_raw_parts_mut(per_expert, per_expert_len.max(0) as usize);
-        crate::ensure!(pe.len() == p.plan.num_recv_tokens_per_expert.len(), DISPATCH, "internal: per-expert buffer of {} for {} local experts", pe.len(), p.plan.num_recv_tokens_per_expert.len());
+        crate::ensure!(
+            pe.len() == p.plan.num_recv_tokens_per_expert.len(),
+            DISPATCH,
+            "internal: per-expert buffer of {} for {} local experts",
+            pe.len(),
+            p.plan.num_recv_tokens_per_expert.len()
+        );
         pe.copy_from_slice(&p.plan.num_recv_tokens_per_expert);
         *plan = RawInternodePlan {
             size: std::mem::size_of::<RawInternodePlan>() as u32,
@@ -112,7 +123,11 @@ pub unsafe extern "C" fn deep_ep_internode_dispatch_finish(
         let p = &*plan;
         check_size(OP, p.size, std::mem::size_of::<RawInternodePlan>())?;
         let plan = InternodePlan {
-            plan: DispatchPlan { num_recv_tokens: p.num_recv_tokens as usize, num_rows: p.num_rows as usize, num_recv_tokens_per_expert: vec![] },
+            plan: DispatchPlan {
+                num_recv_tokens: p.num_recv_tokens as usize,
+                num_rows: p.num_rows as usize,
+                num_recv_tokens_per_expert: vec![],
+            },
             num_rdma_recv_tokens: p.num_rdma_recv_tokens as usize,
             num_rdma_rows: p.num_rdma_rows as usize,
         };
@@ -186,7 +201,11 @@ pub unsafe extern "C" fn deep_ep_internode_combine(
         };
         match opt_tensor(COMBINE, "combined_x", combined_x)? {
             None => ops::check_internode_combine(handle, &a),
-            Some(cx) => ops::internode_combine(handle, &a, &CombineOutputs { combined_x: cx, combined_topk_weights: opt_tensor(COMBINE, "combined_topk_weights", combined_w)? }),
+            Some(cx) => ops::internode_combine(
+                handle,
+                &a,
+                &CombineOutputs { combined_x: cx, combined_topk_weights: opt_tensor(COMBINE, "combined_topk_weights", combined_w)? },
+            ),
         }
     })
 }

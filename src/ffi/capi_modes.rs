@@ -2,8 +2,8 @@
 
 use super::capi::{check_size, guard, opt_tensor, tensor, RawTensor};
 use crate::backend::{
-    CachedDispatchArgs, CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, DispatchPlan, Handle, LlCombineRecvArgs, LlCombineSendArgs, LlRowsArgs,
-    LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlStats,
+    CachedDispatchArgs, CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, DispatchPlan, Handle, LlCombineRecvArgs,
+    LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlRowsArgs, LlStats,
 };
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -134,8 +134,13 @@ pub(crate) unsafe fn dispatch_args_as(op: &'static str, a: *const RawDispatchArg
     let OP = op;
     let a = &*a;
     check_size(OP, a.size, std::mem::size_of::<RawDispatchArgs>())?;
-    crate::ensure!(a.expert_alignment >= 1 && a.expert_alignment <= ops::MAX_EXPERT_ALIGNMENT as i64, OP,
-        "expert_alignment must be in 1..={} (aligned counts are int32), got {}", ops::MAX_EXPERT_ALIGNMENT, a.expert_alignment);
+    crate::ensure!(
+        a.expert_alignment >= 1 && a.expert_alignment <= ops::MAX_EXPERT_ALIGNMENT as i64,
+        OP,
+        "expert_alignment must be in 1..={} (aligned counts are int32), got {}",
+        ops::MAX_EXPERT_ALIGNMENT,
+        a.expert_alignment
+    );
     crate::ensure!(a.num_worst_tokens >= 0, OP, "num_worst_tokens must be >= 0, got {}", a.num_worst_tokens);
     let ntpe = tensor(OP, "num_tokens_per_expert", &a.num_tokens_per_expert)?;
     Ok(DispatchArgs {
@@ -159,14 +164,30 @@ pub(crate) unsafe fn dispatch_args_as(op: &'static str, a: *const RawDispatchArg
 /// # Safety
 /// Pointers from the shim: args/plan valid, `per_expert` has `per_expert_len` writable int32.
 #[no_mangle]
-pub unsafe extern "C" fn deep_ep_dispatch_prepare(handle: i64, args: *const RawDispatchArgs, plan: *mut RawDispatchPlan, per_expert: *mut i32, per_expert_len: i64) -> c_int {
+pub unsafe extern "C" fn deep_ep_dispatch_prepare(
+    handle: i64,
+    args: *const RawDispatchArgs,
+    plan: *mut RawDispatchPlan,
+    per_expert: *mut i32,
+    per_expert_len: i64,
+) -> c_int {
     guard(|| {
         let a = dispatch_args(args)?;
         let p = ops::dispatch_prepare(handle, &a)?;
         let pe = std::slice::from_raw_parts_mut(per_expert, per_expert_len.max(0) as usize);
-        crate::ensure!(pe.len() == p.num_recv_tokens_per_expert.len(), "deep_ep::dispatch", "internal: per-expert buffer of {} for {} local experts", pe.len(), p.num_recv_tokens_per_expert.len());
+        crate::ensure!(
+            pe.len() == p.num_recv_tokens_per_expert.len(),
+            "deep_ep::dispatch",
+            "internal: per-expert buffer of {} for {} local experts",
+            pe.len(),
+            p.num_recv_tokens_per_expert.len()
+        );
         pe.copy_from_slice(&p.num_recv_tokens_per_expert);
-        *plan = RawDispatchPlan { size: std::mem::size_of::<RawDispatchPlan>() as u32, num_recv_tokens: p.num_recv_tokens as i64, num_rows: p.num_rows as i64 };
+        *plan = RawDispatchPlan {
+            size: std::mem::size_of::<RawDispatchPlan>() as u32,
+            num_recv_tokens: p.num_recv_tokens as i64,
+            num_rows: p.num_rows as i64,
+        };
         Ok(())
     })
 }
@@ -176,14 +197,20 @@ pub unsafe extern "C" fn deep_ep_dispatch_prepare(handle: i64, args: *const RawD
 /// # Safety
 /// Pointers from the shim.
 #[no_mangle]
-pub unsafe extern "C" fn deep_ep_dispatch_finish(handle: i64, args: *const RawDispatchArgs, plan: *const RawDispatchPlan, out: *const RawDispatchOutputs) -> c_int {
+pub unsafe extern "C" fn deep_ep_dispatch_finish(
+    handle: i64,
+    args: *const RawDispatchArgs,
+    plan: *const RawDispatchPlan,
+    out: *const RawDispatchOutputs,
+) -> c_int {
     const OP: &str = "deep_ep::dispatch";
     guard(|| {
         let a = dispatch_args(args)?;
         let p = &*plan;
         let o = &*out;
         check_size(OP, o.size, std::mem::size_of::<RawDispatchOutputs>())?;
-        let plan = DispatchPlan { num_recv_tokens: p.num_recv_tokens as usize, num_rows: p.num_rows as usize, num_recv_tokens_per_expert: vec![] };
+        let plan =
+            DispatchPlan { num_recv_tokens: p.num_recv_tokens as usize, num_rows: p.num_rows as usize, num_recv_tokens_per_expert: vec![] };
         let outs = DispatchOutputs {
             recv_x: tensor(OP, "recv_x", &o.recv_x)?,
             recv_x_scales: opt_tensor(OP, "recv_x_scales", &o.recv_x_scales)?,
@@ -204,7 +231,12 @@ pub unsafe extern "C" fn deep_ep_dispatch_finish(handle: i64, args: *const RawDi
 /// # Safety
 /// Pointers from the shim; `recv_x` NULL means validate only.
 #[no_mangle]
-pub unsafe extern "C" fn deep_ep_cached_dispatch(handle: i64, args: *const RawCachedDispatchArgs, recv_x: *const RawTensor, recv_x_scales: *const RawTensor) -> c_int {
+pub unsafe extern "C" fn deep_ep_cached_dispatch(
+    handle: i64,
+    args: *const RawCachedDispatchArgs,
+    recv_x: *const RawTensor,
+    recv_x_scales: *const RawTensor,
+) -> c_int {
     const OP: &str = "deep_ep::cached_dispatch";
     guard(|| {
         let r = &*args;
@@ -228,7 +260,12 @@ pub unsafe extern "C" fn deep_ep_cached_dispatch(handle: i64, args: *const RawCa
 /// # Safety
 /// Pointers from the shim; `combined_x` NULL means validate only.
 #[no_mangle]
-pub unsafe extern "C" fn deep_ep_combine(handle: i64, args: *const RawCombineArgs, combined_x: *const RawTensor, combined_w: *const RawTensor) -> c_int {
+pub unsafe extern "C" fn deep_ep_combine(
+    handle: i64,
+    args: *const RawCombineArgs,
+    combined_x: *const RawTensor,
+    combined_w: *const RawTensor,
+) -> c_int {
     const OP: &str = "deep_ep::combine";
     guard(|| {
         let r = &*args;
@@ -244,7 +281,11 @@ pub unsafe extern "C" fn deep_ep_combine(handle: i64, args: *const RawCombineArg
         };
         match opt_tensor(OP, "combined_x", combined_x)? {
             None => ops::check_combine(handle, &a),
-            Some(cx) => ops::combine(handle, &a, &CombineOutputs { combined_x: cx, combined_topk_weights: opt_tensor(OP, "combined_topk_weights", combined_w)? }),
+            Some(cx) => ops::combine(
+                handle,
+                &a,
+                &CombineOutputs { combined_x: cx, combined_topk_weights: opt_tensor(OP, "combined_topk_weights", combined_w)? },
+            ),
         }
     })
 }
@@ -252,9 +293,19 @@ pub unsafe extern "C" fn deep_ep_combine(handle: i64, args: *const RawCombineArg
 unsafe fn ll_params(op: &'static str, p: *const RawLlParams) -> Result<(LlGeometry, LlDispatchOptions, &'static RawLlParams)> {
     let p = &*p;
     check_size(op, p.size, std::mem::size_of::<RawLlParams>())?;
-    crate::ensure!(p.num_max_dispatch_tokens_per_rank > 0 && p.hidden > 0 && p.num_experts > 0, op,
-        "num_max_dispatch_tokens_per_rank ({}), hidden ({}) and num_experts ({}) must be positive", p.num_max_dispatch_tokens_per_rank, p.hidden, p.num_experts);
-    let g = LlGeometry { num_max_dispatch_tokens_per_rank: p.num_max_dispatch_tokens_per_rank as usize, hidden: p.hidden as usize, num_experts: p.num_experts as usize };
+    crate::ensure!(
+        p.num_max_dispatch_tokens_per_rank > 0 && p.hidden > 0 && p.num_experts > 0,
+        op,
+        "num_max_dispatch_tokens_per_rank ({}), hidden ({}) and num_experts ({}) must be positive",
+        p.num_max_dispatch_tokens_per_rank,
+        p.hidden,
+        p.num_experts
+    );
+    let g = LlGeometry {
+        num_max_dispatch_tokens_per_rank: p.num_max_dispatch_tokens_per_rank as usize,
+        hidden: p.hidden as usize,
+        num_experts: p.num_experts as usize,
+    };
     let o = LlDispatchOptions { use_fp8: p.use_fp8 != 0, round_scale: p.round_scale != 0, use_ue8m0: p.use_ue8m0 != 0 };
     Ok((g, o, p))
 }
@@ -297,7 +348,11 @@ pub unsafe extern "C" fn deep_ep_ll_dispatch_send(
     const OP: &str = "deep_ep::low_latency_dispatch";
     guard(|| {
         let (g, o, raw) = ll_params(OP, p)?;
-        let a = LlDispatchSendArgs { x: tensor(OP, "x", x)?, topk_idx: tensor(OP, "topk_idx", topk_idx)?, topk_weights: opt_tensor(OP, "topk_weights", topk_weights)? };
+        let a = LlDispatchSendArgs {
+            x: tensor(OP, "x", x)?,
+            topk_idx: tensor(OP, "topk_idx", topk_idx)?,
+            topk_weights: opt_tensor(OP, "topk_weights", topk_weights)?,
+        };
         if out.is_null() {
             return ops::check_low_latency_dispatch(handle, &g, &o, &a, &ll_stats(OP, cumulative, wait)?);
         }
@@ -310,7 +365,13 @@ pub unsafe extern "C" fn deep_ep_ll_dispatch_send(
 /// # Safety
 /// Pointers from the shim.
 #[no_mangle]
-pub unsafe extern "C" fn deep_ep_ll_dispatch_recv(handle: i64, p: *const RawLlParams, out: *const RawLlDispatchOutputs, cumulative: *const RawTensor, wait: *const RawTensor) -> c_int {
+pub unsafe extern "C" fn deep_ep_ll_dispatch_recv(
+    handle: i64,
+    p: *const RawLlParams,
+    out: *const RawLlDispatchOutputs,
+    cumulative: *const RawTensor,
+    wait: *const RawTensor,
+) -> c_int {
     const OP: &str = "deep_ep::low_latency_dispatch";
     guard(|| {
         let (g, o, raw) = ll_params(OP, p)?;
@@ -326,7 +387,14 @@ pub unsafe extern "C" fn deep_ep_ll_dispatch_recv(handle: i64, p: *const RawLlPa
 /// # Safety
 /// Pointers from the shim.
 #[no_mangle]
-pub unsafe extern "C" fn deep_ep_ll_combine_send(handle: i64, p: *const RawLlParams, x: *const RawTensor, src_info: *const RawTensor, layout_range: *const RawTensor, recv_state: *const RawTensor) -> c_int {
+pub unsafe extern "C" fn deep_ep_ll_combine_send(
+    handle: i64,
+    p: *const RawLlParams,
+    x: *const RawTensor,
+    src_info: *const RawTensor,
+    layout_range: *const RawTensor,
+    recv_state: *const RawTensor,
+) -> c_int {
     const OP: &str = "deep_ep::low_latency_combine";
     guard(|| {
         let (g, _, raw) = ll_params(OP, p)?;
@@ -374,10 +442,21 @@ pub unsafe extern "C" fn deep_ep_ll_combine_recv(
 /// # Safety
 /// Pointers from the shim.
 #[no_mangle]
-pub unsafe extern "C" fn deep_ep_ll_mask_rows(handle: i64, which: i32, topk_idx: *const RawTensor, num_tokens: *const RawTensor, out: *const RawTensor, stream: *mut c_void) -> c_int {
+pub unsafe extern "C" fn deep_ep_ll_mask_rows(
+    handle: i64,
+    which: i32,
+    topk_idx: *const RawTensor,
+    num_tokens: *const RawTensor,
+    out: *const RawTensor,
+    stream: *mut c_void,
+) -> c_int {
     let op = if which == 0 { "deep_ep::low_latency_dispatch" } else { "deep_ep::low_latency_combine" };
     guard(|| {
-        let a = LlRowsArgs { topk_idx: tensor(op, "topk_idx", topk_idx)?, num_tokens: tensor(op, "num_tokens", num_tokens)?, out: tensor(op, "out", out)? };
+        let a = LlRowsArgs {
+            topk_idx: tensor(op, "topk_idx", topk_idx)?,
+            num_tokens: tensor(op, "num_tokens", num_tokens)?,
+            out: tensor(op, "out", out)?,
+        };
         ops::low_latency_mask_rows(handle, op, &a, stream)
     })
 }
@@ -413,5 +492,13 @@ fn raw_of(t: &TensorRef) -> RawTensor {
     let mut strides = [0i64; crate::tensor::MAX_DIMS];
     sizes[..t.ndim()].copy_from_slice(t.sizes());
     strides[..t.ndim()].copy_from_slice(t.strides());
-    RawTensor { data: t.data_ptr() as *mut c_void, dtype: t.dtype as i32, device: t.device.to_raw(), ndim: t.ndim() as i32, reserved: 0, sizes, strides }
+    RawTensor {
+        data: t.data_ptr() as *mut c_void,
+        dtype: t.dtype as i32,
+        device: t.device.to_raw(),
+        ndim: t.ndim() as i32,
+        reserved: 0,
+        sizes,
+        strides,
+    }
 }

@@ -87,7 +87,15 @@ impl GinComms {
     ///
     /// # Safety
     /// `parent` must be a live communicator of `lib` on which this rank is `rank`.
-    pub unsafe fn open(&mut self, lib: &NcclLib, api: &DeviceApi, parent: ncclComm_t, rank: usize, count: usize, g: &GinSetup) -> Result<()> {
+    pub unsafe fn open(
+        &mut self,
+        lib: &NcclLib,
+        api: &DeviceApi,
+        parent: ncclComm_t,
+        rank: usize,
+        count: usize,
+        g: &GinSetup,
+    ) -> Result<()> {
         let split = nccl_fn!(lib, ncclCommSplit);
         let user_rank = nccl_fn!(lib, ncclCommUserRank);
         for i in 0..count {

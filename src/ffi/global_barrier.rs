@@ -52,7 +52,9 @@ fn write_header(op: &'static str, ctx: &Ctx, h: Header) -> Result<()> {
     crate::ensure!(!own.is_null() && ctx.window_bytes >= CONTROL_BYTES as u64, op, "internal: no own window for the global barrier");
     // SAFETY: 8 bytes inside the control area of this rank's own live window, from a host struct
     // that lives through the synchronous copy.
-    let st = unsafe { deep_ep_cuda_memcpy_htod(own.cast::<u8>().add(AREA_OFF).cast(), (&h as *const Header).cast(), std::mem::size_of::<Header>()) };
+    let st = unsafe {
+        deep_ep_cuda_memcpy_htod(own.cast::<u8>().add(AREA_OFF).cast(), (&h as *const Header).cast(), std::mem::size_of::<Header>())
+    };
     check(st, op, "writing the global barrier's header")
 }
 
@@ -107,10 +109,19 @@ mod tests {
 
     #[test]
     fn the_launcher_refuses_a_ctx_that_is_not_split() {
-        let ctx = Ctx { peer_base: [8usize as *mut c_void; 8], rank: 0, num_ranks: 4, window_bytes: 1 << 20, host_status: 8usize as *mut c_void, timeout_ns: 1, num_sms: 0, nvl_ranks: 0 };
+        let ctx = Ctx {
+            peer_base: [8usize as *mut c_void; 8],
+            rank: 0,
+            num_ranks: 4,
+            window_bytes: 1 << 20,
+            host_status: 8usize as *mut c_void,
+            timeout_ns: 1,
+            num_sms: 0,
+            nvl_ranks: 0,
+        };
         let mut bad = ctx;
         bad.num_ranks = 4;
-        bad.nvl_ranks = 2;  // rank 0's domain is {0, 1}: ranks 2, 3 must be NULL
+        bad.nvl_ranks = 2; // rank 0's domain is {0, 1}: ranks 2, 3 must be NULL
         for c in [ctx, bad] {
             // SAFETY: the launcher rejects these before touching anything.
             assert_ne!(unsafe { deep_ep_gb_barrier(&c, 8, std::ptr::null_mut()) }, 0);
@@ -120,7 +131,16 @@ mod tests {
     #[test]
     fn launchers_accept_a_split_ctx_exactly_with_null_outside_the_domain() {
         // Rank 3 of 2 x 2: windows of ranks 2, 3 only.
-        let mut c = Ctx { peer_base: [std::ptr::null_mut(); 8], rank: 3, num_ranks: 4, window_bytes: 1 << 20, host_status: 8usize as *mut c_void, timeout_ns: 1, num_sms: 0, nvl_ranks: 2 };
+        let mut c = Ctx {
+            peer_base: [std::ptr::null_mut(); 8],
+            rank: 3,
+            num_ranks: 4,
+            window_bytes: 1 << 20,
+            host_status: 8usize as *mut c_void,
+            timeout_ns: 1,
+            num_sms: 0,
+            nvl_ranks: 2,
+        };
         c.peer_base[2] = 0x10000usize as *mut c_void;
         c.peer_base[3] = 0x20000usize as *mut c_void;
         // The rendezvous word is pure address arithmetic behind the launchers' ctx check.
@@ -141,7 +161,16 @@ mod tests {
 
     #[test]
     fn split_means_some_rank_has_no_window_pointer() {
-        let mut c = Ctx { peer_base: [std::ptr::null_mut(); 8], rank: 1, num_ranks: 4, window_bytes: 0, host_status: std::ptr::null_mut(), timeout_ns: 0, num_sms: 0, nvl_ranks: 0 };
+        let mut c = Ctx {
+            peer_base: [std::ptr::null_mut(); 8],
+            rank: 1,
+            num_ranks: 4,
+            window_bytes: 0,
+            host_status: std::ptr::null_mut(),
+            timeout_ns: 0,
+            num_sms: 0,
+            nvl_ranks: 0,
+        };
         assert!(!c.split());
         c.nvl_ranks = 2;
         assert!(c.split());

@@ -41,7 +41,11 @@ impl HostMask {
         let (mut host, mut device) = (std::ptr::null_mut(), std::ptr::null_mut());
         let bytes = MASK_WORDS * 4;
         // SAFETY: writes two pointers; the allocation is `bytes` of pinned, mapped memory.
-        super::kernels::check(unsafe { deep_ep_cuda_host_alloc_mapped(&mut host, &mut device, bytes) }, op, "cudaHostAlloc(mapped) of the rank mask")?;
+        super::kernels::check(
+            unsafe { deep_ep_cuda_host_alloc_mapped(&mut host, &mut device, bytes) },
+            op,
+            "cudaHostAlloc(mapped) of the rank mask",
+        )?;
         let m = HostMask { host: host.cast(), device };
         // SAFETY: the block is ours and `bytes` long.
         unsafe { std::ptr::write_bytes(m.host.cast::<u8>(), 0, bytes) };
@@ -77,7 +81,11 @@ impl HostMask {
         assert!(words <= MASK_WORDS);
         // SAFETY: `dst` is device memory of at least `words` int32 (the caller's window scratch);
         // the source is our live pinned block.
-        super::kernels::check(unsafe { deep_ep_cuda_memcpy_htod(dst, self.host.cast(), words * 4) }, op, "copying the rank mask to the device")
+        super::kernels::check(
+            unsafe { deep_ep_cuda_memcpy_htod(dst, self.host.cast(), words * 4) },
+            op,
+            "copying the rank mask to the device",
+        )
     }
 }
 

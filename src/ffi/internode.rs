@@ -139,7 +139,12 @@ extern "C" {
 pub fn check_struct_size(op: &'static str) -> Result<()> {
     // SAFETY: pure query of a compile-time constant.
     let c = unsafe { deep_ep_in_args_bytes() };
-    crate::ensure!(c == std::mem::size_of::<InArgs>(), op, "internal: deep_ep_in_args_t is {c} bytes in C but {} in Rust", std::mem::size_of::<InArgs>());
+    crate::ensure!(
+        c == std::mem::size_of::<InArgs>(),
+        op,
+        "internal: deep_ep_in_args_t is {c} bytes in C but {} in Rust",
+        std::mem::size_of::<InArgs>()
+    );
     Ok(())
 }
 

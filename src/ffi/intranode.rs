@@ -467,7 +467,13 @@ pub fn destroy_barrier(op: &'static str, ctx: &Ctx, status: &HostStatus, timeout
     super::global_barrier::all_ranks(op, ctx, site::DESTROY, stream.raw())?;
     stream.synchronize(op)?;
     if let Some(e) = status.error().filter(|e| e.code == err::TIMEOUT) {
-        return Err(crate::error::Error::Timeout { op, rank: ctx.rank as usize, peers: vec![e.rank.max(0) as usize], timeout_ms, what: site::name(e.site).to_string() });
+        return Err(crate::error::Error::Timeout {
+            op,
+            rank: ctx.rank as usize,
+            peers: vec![e.rank.max(0) as usize],
+            timeout_ms,
+            what: site::name(e.site).to_string(),
+        });
     }
     Ok(())
 }

@@ -12,18 +12,18 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 extern "C" {
     /// `get_dispatch_layout` (N tokens, K top-k, R ranks, E experts, D ranks per node, G = R/D nodes if R > D).
     fn deep_ep_launch_dispatch_layout(
-        topk_idx: *const c_void,             // device [N, K] int32 or int64, row-major
-        topk_idx_is_int64: c_int,            // 1: int64 ids, 0: int32 ids
-        num_tokens: c_int,                   // N >= 0
-        num_topk: c_int,                     // K >= 0
-        num_ranks: c_int,                    // R > 0, R % D == 0 when R > D
-        num_experts: c_int,                  // E, E % R == 0
-        num_tokens_per_rank: *mut c_int,     // device [R] int32, written
+        topk_idx: *const c_void,              // device [N, K] int32 or int64, row-major
+        topk_idx_is_int64: c_int,             // 1: int64 ids, 0: int32 ids
+        num_tokens: c_int,                    // N >= 0
+        num_topk: c_int,                      // K >= 0
+        num_ranks: c_int,                     // R > 0, R % D == 0 when R > D
+        num_experts: c_int,                   // E, E % R == 0
+        num_tokens_per_rank: *mut c_int,      // device [R] int32, written
         num_tokens_per_rdma_rank: *mut c_int, // device [G] int32, written; null allowed when R <= D
-        num_tokens_per_expert: *mut c_int,   // device [E] int32, written
-        is_token_in_rank: *mut bool,         // device [N, R] bool, written
-        nvl_domain: c_int,                   // D >= 1: ranks per node (DEEP_EP_NVL_DOMAIN_SIZE)
-        stream: *mut c_void,                 // cudaStream_t
+        num_tokens_per_expert: *mut c_int,    // device [E] int32, written
+        is_token_in_rank: *mut bool,          // device [N, R] bool, written
+        nvl_domain: c_int,                    // D >= 1: ranks per node (DEEP_EP_NVL_DOMAIN_SIZE)
+        stream: *mut c_void,                  // cudaStream_t
     ) -> c_int;
 
     /// Static `cudaGetErrorName` of a status.
@@ -238,7 +238,8 @@ mod tests {
     fn run_gpu(ids: &[i64], int64: bool, n: usize, k: usize, e: usize, r: usize, d: usize) -> Layout {
         let g = if r > d { r / d } else { 0 };
         let idx = if int64 { DeviceBuf::upload(ids) } else { DeviceBuf::upload(&ids.iter().map(|&v| v as i32).collect::<Vec<_>>()) };
-        let (per_rank, per_node, per_expert, in_rank) = (DeviceBuf::new(r * 4), DeviceBuf::new(g * 4), DeviceBuf::new(e * 4), DeviceBuf::new(n * r));
+        let (per_rank, per_node, per_expert, in_rank) =
+            (DeviceBuf::new(r * 4), DeviceBuf::new(g * 4), DeviceBuf::new(e * 4), DeviceBuf::new(n * r));
         let dt = if int64 { DType::Int64 } else { DType::Int32 };
         let rdma = per_node.tensor(DType::Int32, &[g as i64]);
         dispatch_layout(
@@ -259,10 +260,14 @@ mod tests {
             num_tokens_per_rank: per_rank.download(),
             num_tokens_per_rdma_rank: per_node.download(),
             num_tokens_per_expert: per_expert.download(),
-            is_token_in_rank: in_rank.download::<u8>().into_iter().map(|b| {
-                assert!(b <= 1, "is_token_in_rank byte {b} was not written");
-                b == 1
-            }).collect(),
+            is_token_in_rank: in_rank
+                .download::<u8>()
+                .into_iter()
+                .map(|b| {
+                    assert!(b <= 1, "is_token_in_rank byte {b} was not written");
+                    b == 1
+                })
+                .collect(),
         }
     }
 
@@ -299,15 +304,55 @@ mod tests {
         let e = dispatch_layout(&idx, 8, 4, &t(DType::Int32, &[3]), None, &t(DType::Int32, &[8]), &in_rank, 8, std::ptr::null_mut());
         assert!(matches!(e, Err(Error::InvalidArgument { .. })));
         let f = t(DType::Float32, &[4, 2]);
-        let e = dispatch_layout(&f, 8, 4, &t(DType::Int32, &[4]), None, &t(DType::Int32, &[8]), &t(DType::Bool, &[4, 4]), 8, std::ptr::null_mut());
+        let e = dispatch_layout(
+            &f,
+            8,
+            4,
+            &t(DType::Int32, &[4]),
+            None,
+            &t(DType::Int32, &[8]),
+            &t(DType::Bool, &[4, 4]),
+            8,
+            std::ptr::null_mut(),
+        );
         assert!(matches!(e, Err(Error::InvalidArgument { .. })));
         // More than D ranks needs the per-node output (D = 8, and D = 2 with 4 ranks).
-        let e = dispatch_layout(&idx, 16, 16, &t(DType::Int32, &[16]), None, &t(DType::Int32, &[16]), &t(DType::Bool, &[4, 16]), 8, std::ptr::null_mut());
+        let e = dispatch_layout(
+            &idx,
+            16,
+            16,
+            &t(DType::Int32, &[16]),
+            None,
+            &t(DType::Int32, &[16]),
+            &t(DType::Bool, &[4, 16]),
+            8,
+            std::ptr::null_mut(),
+        );
         assert!(matches!(e, Err(Error::InvalidArgument { .. })));
-        let e = dispatch_layout(&idx, 8, 4, &t(DType::Int32, &[4]), None, &t(DType::Int32, &[8]), &t(DType::Bool, &[4, 4]), 2, std::ptr::null_mut());
+        let e = dispatch_layout(
+            &idx,
+            8,
+            4,
+            &t(DType::Int32, &[4]),
+            None,
+            &t(DType::Int32, &[8]),
+            &t(DType::Bool, &[4, 4]),
+            2,
+            std::ptr::null_mut(),
+        );
         assert!(matches!(e, Err(Error::InvalidArgument { .. })));
         // A domain size of 0 is refused before the launch.
-        let e = dispatch_layout(&idx, 8, 4, &t(DType::Int32, &[4]), None, &t(DType::Int32, &[8]), &t(DType::Bool, &[4, 4]), 0, std::ptr::null_mut());
+        let e = dispatch_layout(
+            &idx,
+            8,
+            4,
+            &t(DType::Int32, &[4]),
+            None,
+            &t(DType::Int32, &[8]),
+            &t(DType::Bool, &[4, 4]),
+            0,
+            std::ptr::null_mut(),
+        );
         assert!(matches!(e, Err(Error::InvalidArgument { .. })));
     }
 
@@ -362,7 +407,12 @@ mod tests {
             let ids = random_topk(&mut rng, n, k, e, true);
             let idx = DeviceBuf::upload(&ids);
             let (a, b, c) = (DeviceBuf::new(r * 4), DeviceBuf::new(e * 4), DeviceBuf::new(n * r));
-            let (ti, ta, tb, tc) = (idx.tensor(DType::Int64, &[n as i64, k as i64]), a.tensor(DType::Int32, &[r as i64]), b.tensor(DType::Int32, &[e as i64]), c.tensor(DType::Bool, &[n as i64, r as i64]));
+            let (ti, ta, tb, tc) = (
+                idx.tensor(DType::Int64, &[n as i64, k as i64]),
+                a.tensor(DType::Int32, &[r as i64]),
+                b.tensor(DType::Int32, &[e as i64]),
+                c.tensor(DType::Bool, &[n as i64, r as i64]),
+            );
             let iters = 2000;
             let run = || {
                 for _ in 0..iters {
@@ -374,7 +424,10 @@ mod tests {
             run();
             let t0 = std::time::Instant::now();
             run();
-            eprintln!("dispatch_layout N={n} K={k} E={e} R={r}: {:.2} us/launch (back-to-back)", t0.elapsed().as_secs_f64() * 1e6 / iters as f64);
+            eprintln!(
+                "dispatch_layout N={n} K={k} E={e} R={r}: {:.2} us/launch (back-to-back)",
+                t0.elapsed().as_secs_f64() * 1e6 / iters as f64
+            );
         }
     }
 }

@@ -11,11 +11,11 @@ extern "C" {
     fn deep_ep_launch_ll_mask_rows(
         topk_idx: *const c_void, // device [N, K] int32 or int64, row-major
         topk_idx_is_int64: c_int,
-        num_rows: i64,           // N >= 0
-        num_topk: c_int,         // K > 0
-        num_tokens: *const i32,  // device int32 scalar n (clamped to 0..=N on the device)
-        out: *mut c_void,        // device [N, K], dtype of topk_idx, written
-        stream: *mut c_void,     // cudaStream_t
+        num_rows: i64,          // N >= 0
+        num_topk: c_int,        // K > 0
+        num_tokens: *const i32, // device int32 scalar n (clamped to 0..=N on the device)
+        out: *mut c_void,       // device [N, K], dtype of topk_idx, written
+        stream: *mut c_void,    // cudaStream_t
     ) -> c_int;
 }
 

@@ -83,8 +83,20 @@ mod tests {
         xs.extend([0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, f32::MIN_POSITIVE, 1e-45, 127.5, 128.0, -152.0, -152.5, -126.5]);
         let (l, e) = (log2_det(&xs), exp2_det(&xs));
         for (i, &x) in xs.iter().enumerate() {
-            assert!(same(l[i], logfmt::log2_det(x)), "log2_det({x:e} = {:#x}): kernels {} crate {}", x.to_bits(), l[i], logfmt::log2_det(x));
-            assert!(same(e[i], logfmt::exp2_det(x)), "exp2_det({x:e} = {:#x}): kernels {} crate {}", x.to_bits(), e[i], logfmt::exp2_det(x));
+            assert!(
+                same(l[i], logfmt::log2_det(x)),
+                "log2_det({x:e} = {:#x}): kernels {} crate {}",
+                x.to_bits(),
+                l[i],
+                logfmt::log2_det(x)
+            );
+            assert!(
+                same(e[i], logfmt::exp2_det(x)),
+                "exp2_det({x:e} = {:#x}): kernels {} crate {}",
+                x.to_bits(),
+                e[i],
+                logfmt::exp2_det(x)
+            );
         }
     }
 
@@ -105,7 +117,8 @@ mod tests {
                 } else if u < 0.03 {
                     0.0
                 } else if u < 0.05 {
-                    f64::from(f32::from_bits((lcg(seed) * 0x7f_ffff as f64) as u32)) // subnormal f32 (bf16: subnormal or 0)
+                    f64::from(f32::from_bits((lcg(seed) * 0x7f_ffff as f64) as u32))
+                // subnormal f32 (bf16: subnormal or 0)
                 } else if u < 0.06 {
                     scale * 1e-12 // below the 2^-32 clip
                 } else {
@@ -148,7 +161,8 @@ mod tests {
         let mut seed = 29;
         for round in 0..300 {
             let h = [128, 512, 640, 1024, 2176, 4096, 7168][round % 7];
-            let mut acc_c: Vec<f32> = (0..h).map(|_| (lcg(&mut seed) * 2.0 - 1.0) as f32 * if round % 3 == 0 { 0.0 } else { 1.0 }).collect();
+            let mut acc_c: Vec<f32> =
+                (0..h).map(|_| (lcg(&mut seed) * 2.0 - 1.0) as f32 * if round % 3 == 0 { 0.0 } else { 1.0 }).collect();
             let mut acc_k = acc_c.clone();
             // Several selections in order, as a combine receive does.
             for _ in 0..1 + round % 4 {

@@ -143,7 +143,12 @@ extern "C" {
 pub fn check_struct_size(op: &'static str) -> Result<()> {
     // SAFETY: pure size query.
     let c = unsafe { deep_ep_llk_args_bytes() };
-    crate::ensure!(c == std::mem::size_of::<LlArgs>(), op, "internal: deep_ep_ll_args_t is {c} bytes in C, {} in Rust", std::mem::size_of::<LlArgs>());
+    crate::ensure!(
+        c == std::mem::size_of::<LlArgs>(),
+        op,
+        "internal: deep_ep_ll_args_t is {c} bytes in C, {} in Rust",
+        std::mem::size_of::<LlArgs>()
+    );
     Ok(())
 }
 

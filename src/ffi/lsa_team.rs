@@ -36,14 +36,31 @@ impl PeerMap {
     /// buffer of `num_ranks` ranks in NVLink domains of `nvl_domain` ranks (`>= num_ranks`: an
     /// intranode buffer). `gin`: the RDMA leg of an internode buffer goes over NCCL GIN (else the
     /// LSA emulation, which needs every rank in the team). Errors name what differs.
-    pub fn new(op: &'static str, rank: usize, num_ranks: usize, nvl_domain: usize, lsa_size: usize, lsa_rank: usize, gin: bool) -> Result<PeerMap> {
-        crate::ensure!((1..=MAX_RANKS).contains(&num_ranks) && rank < num_ranks && nvl_domain >= 1, op, "internal: rank {rank} of {num_ranks}, NVLink domains of {nvl_domain}");
+    pub fn new(
+        op: &'static str,
+        rank: usize,
+        num_ranks: usize,
+        nvl_domain: usize,
+        lsa_size: usize,
+        lsa_rank: usize,
+        gin: bool,
+    ) -> Result<PeerMap> {
+        crate::ensure!(
+            (1..=MAX_RANKS).contains(&num_ranks) && rank < num_ranks && nvl_domain >= 1,
+            op,
+            "internal: rank {rank} of {num_ranks}, NVLink domains of {nvl_domain}"
+        );
         let internode = nvl_domain < num_ranks;
         crate::ensure!(!internode || num_ranks % nvl_domain == 0, op, "internal: {num_ranks} ranks in NVLink domains of {nvl_domain}");
         let team = |extra: &str| {
             format!("NCCL's LSA team of rank {rank} (the ranks it reaches over NVLink) has {lsa_size} rank(s) with this one at LSA rank {lsa_rank}{extra}")
         };
-        crate::ensure!(lsa_size >= 1 && lsa_rank < lsa_size && lsa_rank <= rank && rank - lsa_rank + lsa_size <= num_ranks, op, "{}, which is not a range of the buffer's {num_ranks} ranks", team(""));
+        crate::ensure!(
+            lsa_size >= 1 && lsa_rank < lsa_size && lsa_rank <= rank && rank - lsa_rank + lsa_size <= num_ranks,
+            op,
+            "{}, which is not a range of the buffer's {num_ranks} ranks",
+            team("")
+        );
         let lsa_first = rank - lsa_rank;
         let map = |ctx_nvl_ranks| Ok(PeerMap { rank, num_ranks, lsa_first, lsa_size, ctx_nvl_ranks });
         if !internode {
@@ -125,7 +142,12 @@ mod tests {
         assert!(ctx[4..].iter().all(|p| p.is_null()));
         // 2 machines x 4 GPUs with the default domain size: NCCL's team is the node.
         let e = PeerMap::new(OP, 5, 8, 8, 4, 1, true).unwrap_err().to_string();
-        assert!(e.contains("LSA team of rank 5") && e.contains("has 4 rank(s)") && e.contains("set DEEP_EP_NVL_DOMAIN_SIZE to the ranks per node (4)"), "{e}");
+        assert!(
+            e.contains("LSA team of rank 5")
+                && e.contains("has 4 rank(s)")
+                && e.contains("set DEEP_EP_NVL_DOMAIN_SIZE to the ranks per node (4)"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -16,10 +16,10 @@
 
 use super::gin_comms::{self, GinComms};
 use super::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream, CONTROL_BYTES, MAX_RANKS};
-use super::lsa_team::PeerMap;
 use super::kernels::check as cuda_check;
-use super::transport::{gin_devcomm_create, GinGrant, GinReqs};
+use super::lsa_team::PeerMap;
 use super::nccl::{self, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId, ncclWindow_t, nccl_fn, DeviceApi, NcclLib};
+use super::transport::{gin_devcomm_create, GinGrant, GinReqs};
 use crate::error::{Error, Result};
 use std::ffi::{c_int, c_void};
 
@@ -30,7 +30,15 @@ const ALLOC_ALIGN: usize = 2 << 20;
 
 extern "C" {
     fn deep_ep_nccl_devcomm_bytes() -> usize;
-    fn deep_ep_nccl_devcomm_create(create_fn: *mut c_void, comm: *mut c_void, lsa_barrier_count: c_int, devcomm: *mut c_void, devcomm_bytes: usize, lsa_size: *mut c_int, lsa_rank: *mut c_int) -> c_int;
+    fn deep_ep_nccl_devcomm_create(
+        create_fn: *mut c_void,
+        comm: *mut c_void,
+        lsa_barrier_count: c_int,
+        devcomm: *mut c_void,
+        devcomm_bytes: usize,
+        lsa_size: *mut c_int,
+        lsa_rank: *mut c_int,
+    ) -> c_int;
     fn deep_ep_nccl_devcomm_destroy(destroy_fn: *mut c_void, comm: *mut c_void, devcomm: *const c_void) -> c_int;
     fn deep_ep_nccl_window_lsa_bases(window: *mut c_void, lsa_size: c_int, base: *mut *mut c_void) -> c_int;
 }
@@ -213,7 +221,15 @@ impl Window {
         // SAFETY: the glue calls ncclDevCommCreate (address resolved from the loaded NCCL) with a
         // live communicator and writes a devcomm of `dc_bytes` into our 8-aligned buffer.
         let res = unsafe {
-            deep_ep_nccl_devcomm_create(api.dev_comm_create, w.comm.cast(), 1, devcomm.as_mut_ptr().cast(), dc_bytes, &mut lsa_size, &mut lsa_rank)
+            deep_ep_nccl_devcomm_create(
+                api.dev_comm_create,
+                w.comm.cast(),
+                1,
+                devcomm.as_mut_ptr().cast(),
+                dc_bytes,
+                &mut lsa_size,
+                &mut lsa_rank,
+            )
         };
         nccl_check(lib, nccl::ncclResult_t(res as _), "ncclDevCommCreate")?;
         w.devcomm = Some(devcomm);
@@ -226,7 +242,11 @@ impl Window {
         cuda_check(st, OP, "reading the window's peer pointers")?;
         (w.ctx.peer_base, w.lsa_base) = map.spread(&lsa);
         w.ctx.nvl_ranks = map.ctx_nvl_ranks as i32;
-        crate::ensure!((0..a.num_ranks).all(|p| w.ctx.peer_base[p].is_null() != map.in_ctx(p)), OP, "NCCL gave no window pointer for a rank of this NVLink domain");
+        crate::ensure!(
+            (0..a.num_ranks).all(|p| w.ctx.peer_base[p].is_null() != map.in_ctx(p)),
+            OP,
+            "NCCL gave no window pointer for a rank of this NVLink domain"
+        );
 
         let status = HostStatus::new(OP)?;
         w.ctx.host_status = status.device_ptr();
@@ -305,7 +325,13 @@ impl Window {
                 first = r;
             }
         };
-        for step in teardown_steps(self.gin_comms.len(), self.gin_devcomm.is_some(), self.devcomm.is_some(), !self.win.is_null(), !self.mem.is_null()) {
+        for step in teardown_steps(
+            self.gin_comms.len(),
+            self.gin_devcomm.is_some(),
+            self.devcomm.is_some(),
+            !self.win.is_null(),
+            !self.mem.is_null(),
+        ) {
             note(self.teardown(step));
         }
         self.comm = std::ptr::null_mut();
@@ -396,7 +422,16 @@ mod tests {
 
     // Stand-ins for ncclDevCommCreate (the glue zeroes the device comm before calling them).
     fn grant(out: *mut c_void, contexts: i32) -> c_int {
-        let info = GinInfo { rank: 1, num_ranks: 4, lsa_rank: 1, lsa_size: 4, gin_context_count: contexts, gin_type: 3, gin_signal_count: 8192 + 16 + 8, gin_counter_count: 0 };
+        let info = GinInfo {
+            rank: 1,
+            num_ranks: 4,
+            lsa_rank: 1,
+            lsa_size: 4,
+            gin_context_count: contexts,
+            gin_type: 3,
+            gin_signal_count: 8192 + 16 + 8,
+            gin_counter_count: 0,
+        };
         // SAFETY: the glue hands a zeroed ncclDevComm of devcomm_bytes().
         unsafe { devcomm_fill(out, &info) }
     }
@@ -471,7 +506,11 @@ mod tests {
         assert!(l.comms_off >= l.stride * l.capacity && l.contexts_off >= l.comms_off + 4 && l.contexts_off + 4 <= l.bytes, "{l:?}");
         let wins: Vec<*mut c_void> = (0..MAX_GIN_COMMS).map(|i| (0xdead_0000usize + 0x100 * (i + 1)) as *mut c_void).collect();
         // One communicator granted 2 contexts; then 3 (4, 2, 4 granted: 2 used); then all 8.
-        for (creates, fewest) in [(vec![fake_grant as Create], 2), (vec![fake_grant4, fake_grant, fake_grant4], 2), (vec![fake_grant4 as Create; MAX_GIN_COMMS], 4)] {
+        for (creates, fewest) in [
+            (vec![fake_grant as Create], 2),
+            (vec![fake_grant4, fake_grant, fake_grant4], 2),
+            (vec![fake_grant4 as Create; MAX_GIN_COMMS], 4),
+        ] {
             let dcs: Vec<Vec<u64>> = creates.iter().map(|&c| setup(c, creates.len(), 0).unwrap()).collect();
             let comms: Vec<(&[u64], *mut c_void)> = dcs.iter().zip(&wins).map(|(d, &w)| (d.as_slice(), w)).collect();
             let desc = build_gin_net("test", &comms, DESC_BYTES).unwrap();
@@ -527,10 +566,25 @@ mod tests {
         // registration of the memory, the memory, the extra communicators, the window's own.
         assert_eq!(
             teardown_steps(2, true, true, true, true),
-            vec![Extra(XGin(1)), Extra(XGin(0)), GinDevComm, DevComm, Extra(XDeregister(1)), Extra(XDeregister(0)), Deregister, MemFree, Extra(XComm(1)), Extra(XComm(0)), Comm]
+            vec![
+                Extra(XGin(1)),
+                Extra(XGin(0)),
+                GinDevComm,
+                DevComm,
+                Extra(XDeregister(1)),
+                Extra(XDeregister(0)),
+                Deregister,
+                MemFree,
+                Extra(XComm(1)),
+                Extra(XComm(0)),
+                Comm
+            ]
         );
         // Creation failed after the split (no memory yet): the extras' steps are planned and
         // their missing resources skipped by GinComms::teardown.
-        assert_eq!(teardown_steps(1, true, false, false, false), vec![Extra(XGin(0)), GinDevComm, Extra(XDeregister(0)), Extra(XComm(0)), Comm]);
+        assert_eq!(
+            teardown_steps(1, true, false, false, false),
+            vec![Extra(XGin(0)), GinDevComm, Extra(XDeregister(0)), Extra(XComm(0)), Comm]
+        );
     }
 }

@@ -235,7 +235,11 @@ impl Window {
         for p in 0..a.num_ranks {
             let ptr = lib.peer_ptr(w.mem, p);
             if ptr.is_null() {
-                return Err(Error::NotImplemented { op: OP, backend: "nvshmem", feature: "ranks that are not reachable by load/store over NVLink (nvshmem_ptr returned null: internode)" });
+                return Err(Error::NotImplemented {
+                    op: OP,
+                    backend: "nvshmem",
+                    feature: "ranks that are not reachable by load/store over NVLink (nvshmem_ptr returned null: internode)",
+                });
             }
             w.ctx.peer_base[p] = ptr;
         }

@@ -89,7 +89,12 @@ impl TensorRef {
     pub fn cpu_dense_storage_mut<T: Pod>(&self) -> &mut [T] {
         assert_eq!(self.device, Device::Cpu, "host view of a {} tensor", self.device);
         assert_eq!(self.dtype.size(), std::mem::size_of::<T>(), "host view with wrong element size for {}", self.dtype);
-        assert!(self.is_dense(), "dense host view of a tensor with gaps or overlaps: sizes {:?} strides {:?}", self.sizes(), self.strides());
+        assert!(
+            self.is_dense(),
+            "dense host view of a tensor with gaps or overlaps: sizes {:?} strides {:?}",
+            self.sizes(),
+            self.strides()
+        );
         let n = self.numel();
         if n == 0 {
             return &mut [];

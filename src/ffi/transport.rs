@@ -130,12 +130,32 @@ extern "C" {
 
 extern "C" {
     fn deep_ep_tp_ping_lsa(lsa: *const LsaDesc, args: *const PingArgs, stream: *mut c_void) -> c_int;
-    fn deep_ep_tp_ping_gin(devcomm: *const c_void, devcomm_bytes: usize, window: *mut c_void, args: *const PingArgs, stream: *mut c_void) -> c_int;
-    fn deep_ep_tp_gin_devcomm_create(create_fn: *mut c_void, comm: *mut c_void, reqs: *const GinReqs, devcomm: *mut c_void, devcomm_bytes: usize, info: *mut GinInfo) -> c_int;
+    fn deep_ep_tp_ping_gin(
+        devcomm: *const c_void,
+        devcomm_bytes: usize,
+        window: *mut c_void,
+        args: *const PingArgs,
+        stream: *mut c_void,
+    ) -> c_int;
+    fn deep_ep_tp_gin_devcomm_create(
+        create_fn: *mut c_void,
+        comm: *mut c_void,
+        reqs: *const GinReqs,
+        devcomm: *mut c_void,
+        devcomm_bytes: usize,
+        info: *mut GinInfo,
+    ) -> c_int;
     fn deep_ep_tp_struct_size(which: c_int) -> usize;
     #[cfg(test)]
     fn deep_ep_tp_devcomm_fill(devcomm: *mut c_void, devcomm_bytes: usize, info: *const GinInfo) -> c_int;
-    fn deep_ep_llk_gin_net_build(devcomms: *const *const c_void, devcomm_bytes: usize, windows: *const *mut c_void, num_comms: c_int, out: *mut c_void, out_bytes: usize) -> usize;
+    fn deep_ep_llk_gin_net_build(
+        devcomms: *const *const c_void,
+        devcomm_bytes: usize,
+        windows: *const *mut c_void,
+        num_comms: c_int,
+        out: *mut c_void,
+        out_bytes: usize,
+    ) -> usize;
     fn deep_ep_llk_gin_net_layout(which: c_int) -> usize;
     fn deep_ep_llk_gin_route(unit: c_int, comms: c_int, contexts: c_int, comm: *mut c_int, context: *mut c_int);
     fn deep_ep_nccl_devcomm_bytes() -> usize;
@@ -219,7 +239,15 @@ pub fn devcomm_error(op: &'static str, code: i32, detail: String) -> Error {
 /// `desc_off`, synchronously. The LL kernels of an internode buffer and the global barrier read it
 /// there (`LsaNet` of `kernels/transport.cuh`). Fails, naming the transport switch, when a rank's
 /// window is not addressable (a real cluster). Local (no peer involved).
-pub fn write_lsa_desc(op: &'static str, ctx: &super::intranode::Ctx, bases: &[*mut c_void], desc_off: usize, signal_off: usize, num_contexts: usize, num_signals: usize) -> Result<()> {
+pub fn write_lsa_desc(
+    op: &'static str,
+    ctx: &super::intranode::Ctx,
+    bases: &[*mut c_void],
+    desc_off: usize,
+    signal_off: usize,
+    num_contexts: usize,
+    num_signals: usize,
+) -> Result<()> {
     let n = ctx.num_ranks as usize;
     crate::ensure!(bases.len() >= n, op, "internal: {} window bases for {n} ranks", bases.len());
     if let Some(p) = (0..n).find(|&p| bases[p].is_null()) {
@@ -229,14 +257,33 @@ pub fn write_lsa_desc(op: &'static str, ctx: &super::intranode::Ctx, bases: &[*m
         )));
     }
     let end = (signal_off + 8 * num_contexts * num_signals) as u64;
-    crate::ensure!(n <= MAX_LSA_PEERS && (1..=MAX_GIN_CONTEXTS).contains(&num_contexts) && signal_off % 8 == 0 && desc_off % 16 == 0, op, "internal: LSA descriptor for {n} ranks, {num_contexts} contexts");
-    crate::ensure!(((desc_off + std::mem::size_of::<LsaDesc>()) as u64) <= ctx.window_bytes && end <= ctx.window_bytes, op, "internal: seam area outside the window of {} bytes", ctx.window_bytes);
-    let mut lsa = LsaDesc { peer_base: [std::ptr::null_mut(); MAX_LSA_PEERS], rank: ctx.rank, num_ranks: ctx.num_ranks, num_contexts: num_contexts as i32, num_signals: num_signals as i32, signal_off: signal_off as u64, window_bytes: ctx.window_bytes };
+    crate::ensure!(
+        n <= MAX_LSA_PEERS && (1..=MAX_GIN_CONTEXTS).contains(&num_contexts) && signal_off % 8 == 0 && desc_off % 16 == 0,
+        op,
+        "internal: LSA descriptor for {n} ranks, {num_contexts} contexts"
+    );
+    crate::ensure!(
+        ((desc_off + std::mem::size_of::<LsaDesc>()) as u64) <= ctx.window_bytes && end <= ctx.window_bytes,
+        op,
+        "internal: seam area outside the window of {} bytes",
+        ctx.window_bytes
+    );
+    let mut lsa = LsaDesc {
+        peer_base: [std::ptr::null_mut(); MAX_LSA_PEERS],
+        rank: ctx.rank,
+        num_ranks: ctx.num_ranks,
+        num_contexts: num_contexts as i32,
+        num_signals: num_signals as i32,
+        signal_off: signal_off as u64,
+        window_bytes: ctx.window_bytes,
+    };
     lsa.peer_base[..n].copy_from_slice(&bases[..n]);
     let own = ctx.peer_base[ctx.rank as usize];
     // SAFETY: size_of::<LsaDesc>() bytes inside this rank's own live window (checked above), from
     // a host struct that lives through the synchronous copy.
-    let st = unsafe { deep_ep_cuda_memcpy_htod(own.cast::<u8>().add(desc_off).cast(), (&lsa as *const LsaDesc).cast(), std::mem::size_of::<LsaDesc>()) };
+    let st = unsafe {
+        deep_ep_cuda_memcpy_htod(own.cast::<u8>().add(desc_off).cast(), (&lsa as *const LsaDesc).cast(), std::mem::size_of::<LsaDesc>())
+    };
     super::kernels::check(st, op, "writing an LSA seam descriptor")
 }
 
@@ -285,8 +332,20 @@ pub fn device_gin_route(unit: usize, comms: usize, contexts: usize) -> (usize, u
 /// its window or GIN.
 pub fn build_gin_net(op: &'static str, comms: &[(&[u64], *mut c_void)], desc_bytes: usize) -> Result<Vec<u64>> {
     let l = gin_net_layout();
-    crate::ensure!(l.bytes > 0 && l.bytes <= desc_bytes && l.align <= 8, op, "internal: the GIN seam descriptor is {} bytes (align {}), {desc_bytes} reserved", l.bytes, l.align);
-    crate::ensure!((1..=l.capacity).contains(&comms.len()), op, "internal: GIN seam descriptor for {} communicators (1..={})", comms.len(), l.capacity);
+    crate::ensure!(
+        l.bytes > 0 && l.bytes <= desc_bytes && l.align <= 8,
+        op,
+        "internal: the GIN seam descriptor is {} bytes (align {}), {desc_bytes} reserved",
+        l.bytes,
+        l.align
+    );
+    crate::ensure!(
+        (1..=l.capacity).contains(&comms.len()),
+        op,
+        "internal: GIN seam descriptor for {} communicators (1..={})",
+        comms.len(),
+        l.capacity
+    );
     crate::ensure!(comms.iter().all(|(_, w)| !w.is_null()), op, "internal: GIN seam descriptor without a window");
     let dc_bytes = comms.iter().map(|(d, _)| d.len() * 8).min().unwrap_or(0);
     let devcomms: Vec<*const c_void> = comms.iter().map(|(d, _)| d.as_ptr().cast()).collect();
@@ -295,18 +354,43 @@ pub fn build_gin_net(op: &'static str, comms: &[(&[u64], *mut c_void)], desc_byt
     // SAFETY: reads dc_bytes (the shortest slice) from each device comm and one handle per window,
     // writes at most out.len() * 8 bytes of our 8-aligned buffer (the glue checks both sizes and
     // the alignment).
-    let n = unsafe { deep_ep_llk_gin_net_build(devcomms.as_ptr(), dc_bytes, windows.as_ptr(), comms.len() as c_int, out.as_mut_ptr().cast(), out.len() * 8) };
-    crate::ensure!(n == l.bytes, op, "internal: building the GIN seam descriptor from {} device comm(s) of {dc_bytes} bytes failed", comms.len());
+    let n = unsafe {
+        deep_ep_llk_gin_net_build(
+            devcomms.as_ptr(),
+            dc_bytes,
+            windows.as_ptr(),
+            comms.len() as c_int,
+            out.as_mut_ptr().cast(),
+            out.len() * 8,
+        )
+    };
+    crate::ensure!(
+        n == l.bytes,
+        op,
+        "internal: building the GIN seam descriptor from {} device comm(s) of {dc_bytes} bytes failed",
+        comms.len()
+    );
     Ok(out)
 }
 
 /// Writes this rank's GIN seam descriptor ([`build_gin_net`] of `comms`) into its own window at
 /// `desc_off`, synchronously; the LL and normal-mode kernels of an internode buffer over GIN and
 /// its global barrier read it there (`net` with `net_kind` GIN). Local (no peer involved).
-pub fn write_gin_desc(op: &'static str, ctx: &super::intranode::Ctx, desc_off: usize, desc_bytes: usize, comms: &[(&[u64], *mut c_void)]) -> Result<()> {
+pub fn write_gin_desc(
+    op: &'static str,
+    ctx: &super::intranode::Ctx,
+    desc_off: usize,
+    desc_bytes: usize,
+    comms: &[(&[u64], *mut c_void)],
+) -> Result<()> {
     let desc = build_gin_net(op, comms, desc_bytes)?;
     let bytes = gin_net_layout().bytes;
-    crate::ensure!(desc_off % 16 == 0 && ((desc_off + desc_bytes) as u64) <= ctx.window_bytes, op, "internal: GIN seam descriptor at {desc_off} outside the window of {} bytes", ctx.window_bytes);
+    crate::ensure!(
+        desc_off % 16 == 0 && ((desc_off + desc_bytes) as u64) <= ctx.window_bytes,
+        op,
+        "internal: GIN seam descriptor at {desc_off} outside the window of {} bytes",
+        ctx.window_bytes
+    );
     let own = ctx.peer_base[ctx.rank as usize];
     // SAFETY: `bytes` <= desc_bytes inside this rank's own live window (checked above), from a host
     // buffer that lives through the synchronous copy.
@@ -350,20 +434,63 @@ pub fn lsa_self_test_bytes(num_ranks: usize) -> u64 {
 /// whole window and meets at a host rendezvous before calling this.
 /// A silent peer raises [`Error::Timeout`] naming it; corrupted data an [`Error::Device`].
 #[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
-pub fn lsa_self_test_run(op: &'static str, ctx: &super::intranode::Ctx, rail_stride: usize, timeout_ns: u64, stream: *mut c_void) -> Result<()> {
-    crate::ensure!(ctx.window_bytes >= lsa_self_test_bytes(ctx.num_ranks as usize), op, "internal: window of {} bytes too small for the transport self-test", ctx.window_bytes);
+pub fn lsa_self_test_run(
+    op: &'static str,
+    ctx: &super::intranode::Ctx,
+    rail_stride: usize,
+    timeout_ns: u64,
+    stream: *mut c_void,
+) -> Result<()> {
+    crate::ensure!(
+        ctx.window_bytes >= lsa_self_test_bytes(ctx.num_ranks as usize),
+        op,
+        "internal: window of {} bytes too small for the transport self-test",
+        ctx.window_bytes
+    );
     let n = ctx.num_ranks as usize;
-    crate::ensure!(rail_stride >= 1 && n % rail_stride == 0 && n <= MAX_LSA_PEERS, op, "internal: self-test rail stride {rail_stride} for {n} ranks");
-    let mut lsa = LsaDesc { peer_base: [std::ptr::null_mut(); MAX_LSA_PEERS], rank: ctx.rank, num_ranks: ctx.num_ranks, num_contexts: 1, num_signals: MAX_LSA_PEERS as i32, signal_off: ST_SIGNALS_OFF, window_bytes: ctx.window_bytes };
+    crate::ensure!(
+        rail_stride >= 1 && n % rail_stride == 0 && n <= MAX_LSA_PEERS,
+        op,
+        "internal: self-test rail stride {rail_stride} for {n} ranks"
+    );
+    let mut lsa = LsaDesc {
+        peer_base: [std::ptr::null_mut(); MAX_LSA_PEERS],
+        rank: ctx.rank,
+        num_ranks: ctx.num_ranks,
+        num_contexts: 1,
+        num_signals: MAX_LSA_PEERS as i32,
+        signal_off: ST_SIGNALS_OFF,
+        window_bytes: ctx.window_bytes,
+    };
     lsa.peer_base[..n].copy_from_slice(&ctx.peer_base[..n]);
-    let args = PingArgs { rank: ctx.rank, num_ranks: ctx.num_ranks, rail_stride: rail_stride as i32, context: 0, signal: 0, seq: 1, bytes: ST_BYTES, src_off: ST_SRC_OFF, dst_off: ST_DST_OFF, expect: 1, timeout_ns, status: std::ptr::null_mut(), claim: std::ptr::null_mut() };
+    let args = PingArgs {
+        rank: ctx.rank,
+        num_ranks: ctx.num_ranks,
+        rail_stride: rail_stride as i32,
+        context: 0,
+        signal: 0,
+        seq: 1,
+        bytes: ST_BYTES,
+        src_off: ST_SRC_OFF,
+        dst_off: ST_DST_OFF,
+        expect: 1,
+        timeout_ns,
+        status: std::ptr::null_mut(),
+        claim: std::ptr::null_mut(),
+    };
     // SAFETY: the windows outlive the kernel (ping_round synchronises the stream).
     ping_round(op, args, stream, "the LSA emulation", |a| unsafe { ping_lsa(op, &lsa, a, stream) })
 }
 
 /// One self-test round: `args` completed with a fresh host-mapped status and claim word,
 /// launched by `launch`, the stream synchronised, the status turned into the error it reports.
-fn ping_round(op: &'static str, mut args: PingArgs, stream: *mut c_void, over: &str, launch: impl FnOnce(&PingArgs) -> Result<()>) -> Result<()> {
+fn ping_round(
+    op: &'static str,
+    mut args: PingArgs,
+    stream: *mut c_void,
+    over: &str,
+    launch: impl FnOnce(&PingArgs) -> Result<()>,
+) -> Result<()> {
     let mapped = MappedStatus::new(op)?;
     let mut claim: *mut c_void = std::ptr::null_mut();
     // SAFETY: writes one device pointer; freed below on every path.
@@ -430,8 +557,16 @@ pub unsafe fn nvshmem_device_register(op: &'static str, func: *mut c_void, init:
         let name = if init { "nvshmemx_cumodule_init" } else { "nvshmemx_cumodule_finalize" };
         match st {
             0 => Ok(()),
-            s if s >= 1000 => Err(Error::Device { op, what: format!("{name}: finding this library's CUDA module"), detail: super::kernels::cuda_error_text(s - 1000) }),
-            s => Err(Error::Device { op, what: format!("{name} (registering the NVSHMEM device state)"), detail: format!("NVSHMEM status {s}") }),
+            s if s >= 1000 => Err(Error::Device {
+                op,
+                what: format!("{name}: finding this library's CUDA module"),
+                detail: super::kernels::cuda_error_text(s - 1000),
+            }),
+            s => Err(Error::Device {
+                op,
+                what: format!("{name} (registering the NVSHMEM device state)"),
+                detail: format!("NVSHMEM status {s}"),
+            }),
         }
     }
     #[cfg(not(deep_ep_nvshmem_device))]
@@ -446,13 +581,47 @@ pub unsafe fn nvshmem_device_register(op: &'static str, func: *mut c_void, init:
 /// each rail, synchronous on `stream`; run after [`lsa_self_test_run`] on the same window (own
 /// signal context and receive area). `base` is the window's symmetric address. Collective.
 #[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` and `base` are only handed to the kernel
-pub fn nvshmem_self_test_run(op: &'static str, ctx: &super::intranode::Ctx, base: *mut c_void, rail_stride: usize, timeout_ns: u64, stream: *mut c_void) -> Result<()> {
+pub fn nvshmem_self_test_run(
+    op: &'static str,
+    ctx: &super::intranode::Ctx,
+    base: *mut c_void,
+    rail_stride: usize,
+    timeout_ns: u64,
+    stream: *mut c_void,
+) -> Result<()> {
     let n = ctx.num_ranks as usize;
-    crate::ensure!(ctx.window_bytes >= nvshmem_self_test_bytes(n), op, "internal: window of {} bytes too small for the NVSHMEM transport self-test", ctx.window_bytes);
+    crate::ensure!(
+        ctx.window_bytes >= nvshmem_self_test_bytes(n),
+        op,
+        "internal: window of {} bytes too small for the NVSHMEM transport self-test",
+        ctx.window_bytes
+    );
     crate::ensure!(rail_stride >= 1 && n % rail_stride == 0, op, "internal: self-test rail stride {rail_stride} for {n} ranks");
-    let net = NvshmemDesc { base, rank: ctx.rank, num_ranks: ctx.num_ranks, num_contexts: 2, num_signals: MAX_LSA_PEERS as i32, signal_off: ST_SIGNALS_OFF, window_bytes: ctx.window_bytes };
+    let net = NvshmemDesc {
+        base,
+        rank: ctx.rank,
+        num_ranks: ctx.num_ranks,
+        num_contexts: 2,
+        num_signals: MAX_LSA_PEERS as i32,
+        signal_off: ST_SIGNALS_OFF,
+        window_bytes: ctx.window_bytes,
+    };
     let dst_off = ST_DST_OFF + ST_BYTES * n as u64;
-    let args = PingArgs { rank: ctx.rank, num_ranks: ctx.num_ranks, rail_stride: rail_stride as i32, context: 1, signal: 0, seq: 2, bytes: ST_BYTES, src_off: ST_SRC_OFF, dst_off, expect: 1, timeout_ns, status: std::ptr::null_mut(), claim: std::ptr::null_mut() };
+    let args = PingArgs {
+        rank: ctx.rank,
+        num_ranks: ctx.num_ranks,
+        rail_stride: rail_stride as i32,
+        context: 1,
+        signal: 0,
+        seq: 2,
+        bytes: ST_BYTES,
+        src_off: ST_SRC_OFF,
+        dst_off,
+        expect: 1,
+        timeout_ns,
+        status: std::ptr::null_mut(),
+        claim: std::ptr::null_mut(),
+    };
     ping_round(op, args, stream, "NVSHMEM", |a| ping_nvshmem(op, &net, a, stream))
 }
 
@@ -480,7 +649,11 @@ impl MappedStatus {
     fn new(op: &'static str) -> Result<MappedStatus> {
         let (mut host, mut device) = (std::ptr::null_mut(), std::ptr::null_mut());
         // SAFETY: writes two pointers to a pinned mapped allocation of the given size.
-        super::kernels::check(unsafe { deep_ep_cuda_host_alloc_mapped(&mut host, &mut device, std::mem::size_of::<Status>()) }, op, "cudaHostAlloc(mapped)")?;
+        super::kernels::check(
+            unsafe { deep_ep_cuda_host_alloc_mapped(&mut host, &mut device, std::mem::size_of::<Status>()) },
+            op,
+            "cudaHostAlloc(mapped)",
+        )?;
         let m = MappedStatus { host: host.cast(), device };
         // SAFETY: the allocation is ours, aligned and large enough.
         unsafe { m.host.write_volatile(Status::default()) };
@@ -505,7 +678,21 @@ mod tests {
     use super::*;
 
     fn args(status: *mut Status, claim: *mut i32) -> PingArgs {
-        PingArgs { rank: 0, num_ranks: 4, rail_stride: 2, context: 0, signal: 0, seq: 1, bytes: 4096, src_off: 0, dst_off: 8192, expect: 1, timeout_ns: 1_000_000, status, claim }
+        PingArgs {
+            rank: 0,
+            num_ranks: 4,
+            rail_stride: 2,
+            context: 0,
+            signal: 0,
+            seq: 1,
+            bytes: 4096,
+            src_off: 0,
+            dst_off: 8192,
+            expect: 1,
+            timeout_ns: 1_000_000,
+            status,
+            claim,
+        }
     }
 
     #[test]
@@ -521,7 +708,15 @@ mod tests {
     fn self_test_launchers_refuse_bad_arguments() {
         let mut status = Status::default();
         let mut claim = 0i32;
-        let lsa = LsaDesc { peer_base: [std::ptr::null_mut(); MAX_LSA_PEERS], rank: 0, num_ranks: 4, num_contexts: 1, num_signals: 8, signal_off: 0, window_bytes: 1 << 20 };
+        let lsa = LsaDesc {
+            peer_base: [std::ptr::null_mut(); MAX_LSA_PEERS],
+            rank: 0,
+            num_ranks: 4,
+            num_contexts: 1,
+            num_signals: 8,
+            signal_off: 0,
+            window_bytes: 1 << 20,
+        };
         let e = unsafe { ping_lsa("test", &lsa, &args(&mut status, &mut claim), std::ptr::null_mut()) }.unwrap_err().to_string();
         assert!(e.contains("LSA transport self-test") && e.contains("cudaErrorInvalidValue"), "{e}");
         // rail_stride must divide num_ranks
@@ -530,7 +725,9 @@ mod tests {
         let e = unsafe { ping_gin("test", &[0u64; 64], 8 as *mut c_void, &a, std::ptr::null_mut()) }.unwrap_err().to_string();
         assert!(e.contains("GIN transport self-test"), "{e}");
         // A zeroed device comm has no GIN contexts.
-        let e = unsafe { ping_gin("test", &[0u64; 128], 8 as *mut c_void, &args(&mut status, &mut claim), std::ptr::null_mut()) }.unwrap_err().to_string();
+        let e = unsafe { ping_gin("test", &[0u64; 128], 8 as *mut c_void, &args(&mut status, &mut claim), std::ptr::null_mut()) }
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("cudaErrorInvalidValue"), "{e}");
     }
 
@@ -540,13 +737,28 @@ mod tests {
     fn nvshmem_launcher_refuses_bad_arguments_or_names_the_missing_build() {
         let mut status = Status::default();
         let mut claim = 0i32;
-        let net = |base: *mut c_void, num_signals| NvshmemDesc { base, rank: 0, num_ranks: 4, num_contexts: 2, num_signals, signal_off: 0, window_bytes: 1 << 20 };
+        let net = |base: *mut c_void, num_signals| NvshmemDesc {
+            base,
+            rank: 0,
+            num_ranks: 4,
+            num_contexts: 2,
+            num_signals,
+            signal_off: 0,
+            window_bytes: 1 << 20,
+        };
         // Null window; then too few signals for a rail team of 2 starting at signal 7.
         let mut a = args(&mut status, &mut claim);
         let e = ping_nvshmem("test", &net(std::ptr::null_mut(), 8), &a, std::ptr::null_mut()).unwrap_err().to_string();
         a.signal = 7;
         let e2 = ping_nvshmem("test", &net(64 as *mut c_void, 8), &a, std::ptr::null_mut()).unwrap_err().to_string();
-        let e3 = ping_nvshmem("test", &net(64 as *mut c_void, 8), &PingArgs { rail_stride: 3, ..args(&mut status, &mut claim) }, std::ptr::null_mut()).unwrap_err().to_string();
+        let e3 = ping_nvshmem(
+            "test",
+            &net(64 as *mut c_void, 8),
+            &PingArgs { rail_stride: 3, ..args(&mut status, &mut claim) },
+            std::ptr::null_mut(),
+        )
+        .unwrap_err()
+        .to_string();
         for e in [e, e2, e3] {
             if NVSHMEM_DEVICE_BUILT {
                 assert!(e.contains("NVSHMEM transport self-test") && e.contains("cudaErrorInvalidValue"), "{e}");
@@ -556,7 +768,11 @@ mod tests {
         }
         // A null registration function is refused before any CUDA or NVSHMEM call.
         let e = unsafe { nvshmem_device_register("test", std::ptr::null_mut(), true) }.unwrap_err().to_string();
-        let want = if NVSHMEM_DEVICE_BUILT { "nvshmemx_cumodule_init: finding this library's CUDA module" } else { "built without NVSHMEM's device library" };
+        let want = if NVSHMEM_DEVICE_BUILT {
+            "nvshmemx_cumodule_init: finding this library's CUDA module"
+        } else {
+            "built without NVSHMEM's device library"
+        };
         assert!(e.contains(want), "{e}");
         assert!(nvshmem_self_test_bytes(4) > lsa_self_test_bytes(4));
     }

@@ -2,7 +2,10 @@
 //! and backend calls. Shapes and the handle: [`crate::backend::internode`].
 
 use super::normal::{check_combine_payload, check_dispatch_args, check_x};
-use crate::backend::internode::{InternodeCachedDispatchArgs, InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutputs, InternodeHandle, InternodePlan, NVL_HEAD_COLUMNS, SOURCE_META_BYTES};
+use crate::backend::internode::{
+    InternodeCachedDispatchArgs, InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutputs, InternodeHandle, InternodePlan,
+    NVL_HEAD_COLUMNS, SOURCE_META_BYTES,
+};
 use crate::backend::{BufferInfo, CombineOutputs};
 use crate::buffer;
 use crate::error::Result;
@@ -28,7 +31,11 @@ fn check_handle(op: &'static str, h: &InternodeHandle, info: &BufferInfo, c: usi
     let (r, dev) = (info.num_ranks, info.device);
     let rr = num_rdma_ranks(op, info)?;
     let i32s = &[DType::Int32];
-    h.is_token_in_rank.check(op, "is_token_in_rank").on(&[DType::Bool], dev)?.shape(&[("num_tokens", None), ("num_ranks", Some(r))])?.contiguous()?;
+    h.is_token_in_rank
+        .check(op, "is_token_in_rank")
+        .on(&[DType::Bool], dev)?
+        .shape(&[("num_tokens", None), ("num_ranks", Some(r))])?
+        .contiguous()?;
     let n = h.is_token_in_rank.size(0);
     let chan = "(config.num_sms / 2 must equal the dispatch's)";
     for (t, name, rows) in [
@@ -41,11 +48,27 @@ fn check_handle(op: &'static str, h: &InternodeHandle, info: &BufferInfo, c: usi
         crate::ensure!(t.sizes() == [rows as i64, c as i64], op, "{name} must have shape [{rows}, {c}] {chan}, got {:?}", t.sizes());
         t.check(op, name).contiguous()?;
     }
-    h.recv_rdma_rank_prefix_sum.check(op, "recv_rdma_rank_prefix_sum").on(i32s, dev)?.shape(&[("num_rdma_ranks", Some(rr))])?.contiguous()?;
+    h.recv_rdma_rank_prefix_sum
+        .check(op, "recv_rdma_rank_prefix_sum")
+        .on(i32s, dev)?
+        .shape(&[("num_rdma_ranks", Some(rr))])?
+        .contiguous()?;
     h.recv_gbl_rank_prefix_sum.check(op, "recv_gbl_rank_prefix_sum").on(i32s, dev)?.shape(&[("num_ranks", Some(r))])?.contiguous()?;
-    h.recv_src_meta.check(op, "recv_src_meta").on(&[DType::UInt8], dev)?.shape(&[("num_recv_tokens", None), ("source_meta_bytes", Some(SOURCE_META_BYTES))])?.contiguous()?;
-    h.send_rdma_head.check(op, "send_rdma_head").on(i32s, dev)?.shape(&[("num_tokens", Some(n)), ("num_rdma_ranks", Some(rr))])?.contiguous()?;
-    h.send_nvl_head.check(op, "send_nvl_head").on(i32s, dev)?.shape(&[("num_rdma_recv_tokens", None), ("nvl_peers", Some(NVL_HEAD_COLUMNS))])?.contiguous()?;
+    h.recv_src_meta
+        .check(op, "recv_src_meta")
+        .on(&[DType::UInt8], dev)?
+        .shape(&[("num_recv_tokens", None), ("source_meta_bytes", Some(SOURCE_META_BYTES))])?
+        .contiguous()?;
+    h.send_rdma_head
+        .check(op, "send_rdma_head")
+        .on(i32s, dev)?
+        .shape(&[("num_tokens", Some(n)), ("num_rdma_ranks", Some(rr))])?
+        .contiguous()?;
+    h.send_nvl_head
+        .check(op, "send_nvl_head")
+        .on(i32s, dev)?
+        .shape(&[("num_rdma_recv_tokens", None), ("nvl_peers", Some(NVL_HEAD_COLUMNS))])?
+        .contiguous()?;
     Ok((n, h.recv_src_meta.size(0), h.send_nvl_head.size(0)))
 }
 
@@ -56,7 +79,11 @@ pub fn internode_dispatch_prepare(handle: i64, a: &InternodeDispatchArgs) -> Res
         let info = b.info().clone();
         let rr = num_rdma_ranks(DISPATCH, &info)?;
         check_dispatch_args(DISPATCH, &a.base, &info)?;
-        a.num_tokens_per_rdma_rank.check(DISPATCH, "num_tokens_per_rdma_rank").on(&[DType::Int32], info.device)?.shape(&[("num_rdma_ranks", Some(rr))])?.contiguous()?;
+        a.num_tokens_per_rdma_rank
+            .check(DISPATCH, "num_tokens_per_rdma_rank")
+            .on(&[DType::Int32], info.device)?
+            .shape(&[("num_rdma_ranks", Some(rr))])?
+            .contiguous()?;
         b.internode_dispatch_prepare(a)
     })
 }
@@ -78,7 +105,12 @@ pub fn check_internode_cached_dispatch(handle: i64, a: &InternodeCachedDispatchA
 }
 
 /// Internode dispatch reusing a handle (collective, no host sync on GPUs).
-pub fn internode_cached_dispatch(handle: i64, a: &InternodeCachedDispatchArgs, recv_x: &TensorRef, recv_x_scales: Option<&TensorRef>) -> Result<()> {
+pub fn internode_cached_dispatch(
+    handle: i64,
+    a: &InternodeCachedDispatchArgs,
+    recv_x: &TensorRef,
+    recv_x_scales: Option<&TensorRef>,
+) -> Result<()> {
     check_internode_cached_dispatch(handle, a)?;
     buffer::with(CACHED, handle, |b| b.internode_cached_dispatch(a, recv_x, recv_x_scales))
 }

@@ -21,13 +21,29 @@ pub const MAX_LL_TOPK: usize = 32;
 fn check_geometry(op: &'static str, g: &LlGeometry, info: &BufferInfo) -> Result<()> {
     crate::ensure!(info.low_latency_mode, op, "the buffer was created with low_latency_mode=False");
     let r = info.num_ranks;
-    crate::ensure!(g.num_max_dispatch_tokens_per_rank >= 1, op, "num_max_dispatch_tokens_per_rank must be >= 1, got {}", g.num_max_dispatch_tokens_per_rank);
-    crate::ensure!(g.num_experts >= 1 && g.num_experts % r == 0, op, "num_experts ({}) must be a positive multiple of num_ranks ({r})", g.num_experts);
+    crate::ensure!(
+        g.num_max_dispatch_tokens_per_rank >= 1,
+        op,
+        "num_max_dispatch_tokens_per_rank must be >= 1, got {}",
+        g.num_max_dispatch_tokens_per_rank
+    );
+    crate::ensure!(
+        g.num_experts >= 1 && g.num_experts % r == 0,
+        op,
+        "num_experts ({}) must be a positive multiple of num_ranks ({r})",
+        g.num_experts
+    );
     crate::ensure!(g.hidden >= 128 && g.hidden % 128 == 0, op, "hidden must be a positive multiple of 128, got {}", g.hidden);
     let need = crate::config::low_latency_rdma_size_hint(g.num_max_dispatch_tokens_per_rank, g.hidden, r, g.num_experts);
-    crate::ensure!(info.num_rdma_bytes >= need, op,
+    crate::ensure!(
+        info.num_rdma_bytes >= need,
+        op,
         "the buffer's num_rdma_bytes ({}) is smaller than get_low_latency_rdma_size_hint({}, {}, {r}, {}) = {need}",
-        info.num_rdma_bytes, g.num_max_dispatch_tokens_per_rank, g.hidden, g.num_experts);
+        info.num_rdma_bytes,
+        g.num_max_dispatch_tokens_per_rank,
+        g.hidden,
+        g.num_experts
+    );
     Ok(())
 }
 
@@ -35,7 +51,12 @@ fn check_topk(op: &'static str, idx: &TensorRef, weights: Option<&TensorRef>, g:
     let dev = info.device;
     idx.check(op, "topk_idx").on(&[DType::Int32, DType::Int64], dev)?.shape(&[("num_tokens", None), ("num_topk", None)])?.contiguous()?;
     let (n, k) = (idx.size(0), idx.size(1));
-    crate::ensure!(n <= g.num_max_dispatch_tokens_per_rank, op, "tokens over capacity: {n} tokens but num_max_dispatch_tokens_per_rank is {}", g.num_max_dispatch_tokens_per_rank);
+    crate::ensure!(
+        n <= g.num_max_dispatch_tokens_per_rank,
+        op,
+        "tokens over capacity: {n} tokens but num_max_dispatch_tokens_per_rank is {}",
+        g.num_max_dispatch_tokens_per_rank
+    );
     crate::ensure!((1..=MAX_LL_TOPK).contains(&k), op, "num_topk must be in 1..={MAX_LL_TOPK}, got {k}");
     if let Some(w) = weights {
         w.check(op, "topk_weights").on(&[DType::Float32], dev)?.shape(&[("num_tokens", Some(n)), ("num_topk", Some(k))])?.contiguous()?;
@@ -45,7 +66,10 @@ fn check_topk(op: &'static str, idx: &TensorRef, weights: Option<&TensorRef>, g:
 
 fn check_stats(op: &'static str, s: &LlStats, info: &BufferInfo, num_local_experts: usize) -> Result<()> {
     if let Some(t) = &s.cumulative_local_expert_recv_stats {
-        t.check(op, "cumulative_local_expert_recv_stats").on(&[DType::Int32], info.device)?.shape(&[("num_local_experts", Some(num_local_experts))])?.contiguous()?;
+        t.check(op, "cumulative_local_expert_recv_stats")
+            .on(&[DType::Int32], info.device)?
+            .shape(&[("num_local_experts", Some(num_local_experts))])?
+            .contiguous()?;
     }
     if let Some(t) = &s.wait_recv_cost_stats {
         // named as in the op schemas
@@ -56,15 +80,29 @@ fn check_stats(op: &'static str, s: &LlStats, info: &BufferInfo, num_local_exper
 }
 
 /// Validates a low-latency dispatch (call before allocating the static outputs).
-pub fn check_low_latency_dispatch(handle: i64, g: &LlGeometry, o: &LlDispatchOptions, a: &LlDispatchSendArgs, stats: &LlStats) -> Result<()> {
+pub fn check_low_latency_dispatch(
+    handle: i64,
+    g: &LlGeometry,
+    o: &LlDispatchOptions,
+    a: &LlDispatchSendArgs,
+    stats: &LlStats,
+) -> Result<()> {
     buffer::with(DISPATCH, handle, |b| {
         let info = b.info().clone();
         check_geometry(DISPATCH, g, &info)?;
-        a.x.check(DISPATCH, "x").on(&[DType::BFloat16], info.device)?.shape(&[("num_tokens", None), ("hidden", Some(g.hidden))])?.contiguous()?;
+        a.x.check(DISPATCH, "x")
+            .on(&[DType::BFloat16], info.device)?
+            .shape(&[("num_tokens", None), ("hidden", Some(g.hidden))])?
+            .contiguous()?;
         let n = check_topk(DISPATCH, &a.topk_idx, a.topk_weights.as_ref(), g, &info)?;
         crate::ensure!(a.x.size(0) == n, DISPATCH, "x has {} tokens but topk_idx has {n}", a.x.size(0));
         crate::ensure!(!o.use_ue8m0 || o.round_scale, DISPATCH, "use_ue8m0=True requires round_scale=True");
-        crate::ensure!(!o.use_ue8m0 || g.hidden % 512 == 0, DISPATCH, "use_ue8m0 packs 4 scales per int32: hidden must be a multiple of 512, got {}", g.hidden);
+        crate::ensure!(
+            !o.use_ue8m0 || g.hidden % 512 == 0,
+            DISPATCH,
+            "use_ue8m0 packs 4 scales per int32: hidden must be a multiple of 512, got {}",
+            g.hidden
+        );
         crate::ensure!(o.use_fp8 || (!o.round_scale && !o.use_ue8m0), DISPATCH, "round_scale/use_ue8m0 only apply with use_fp8=True");
         check_stats(DISPATCH, stats, &info, g.num_experts / info.num_ranks)
     })
@@ -74,24 +112,53 @@ fn check_dispatch_outputs(out: &LlDispatchOutputs, g: &LlGeometry, o: &LlDispatc
     let (r, dev) = (info.num_ranks, info.device);
     let (el, rows) = (g.num_experts / r, r * g.num_max_dispatch_tokens_per_rank);
     let xdt = if o.use_fp8 { DType::Float8E4m3 } else { DType::BFloat16 };
-    out.recv_x.check(DISPATCH, "recv_x").on(&[xdt], dev)?.shape(&[("num_local_experts", Some(el)), ("rows", Some(rows)), ("hidden", Some(g.hidden))])?.contiguous()?;
+    out.recv_x
+        .check(DISPATCH, "recv_x")
+        .on(&[xdt], dev)?
+        .shape(&[("num_local_experts", Some(el)), ("rows", Some(rows)), ("hidden", Some(g.hidden))])?
+        .contiguous()?;
     out.recv_count.check(DISPATCH, "recv_count").on(&[DType::Int32], dev)?.shape(&[("num_local_experts", Some(el))])?.contiguous()?;
-    out.src_info.check(DISPATCH, "src_info").on(&[DType::Int32], dev)?.shape(&[("num_local_experts", Some(el)), ("rows", Some(rows))])?.contiguous()?;
-    out.layout_range.check(DISPATCH, "layout_range").on(&[DType::Int64], dev)?.shape(&[("num_local_experts", Some(el)), ("num_ranks", Some(r))])?.contiguous()?;
+    out.src_info
+        .check(DISPATCH, "src_info")
+        .on(&[DType::Int32], dev)?
+        .shape(&[("num_local_experts", Some(el)), ("rows", Some(rows))])?
+        .contiguous()?;
+    out.layout_range
+        .check(DISPATCH, "layout_range")
+        .on(&[DType::Int64], dev)?
+        .shape(&[("num_local_experts", Some(el)), ("num_ranks", Some(r))])?
+        .contiguous()?;
     out.recv_state.check(DISPATCH, "recv_state").on(&[DType::Int64], dev)?.shape(&[("state", Some(LL_STATE_LEN))])?.contiguous()?;
     if o.use_fp8 {
         let s = out.recv_x_scales.as_ref();
         crate::ensure!(s.is_some(), DISPATCH, "recv_x_scales is required with use_fp8");
         let s = s.unwrap();
         let (dt, cols) = if o.use_ue8m0 { (DType::Int32, g.hidden / 512) } else { (DType::Float32, g.hidden / 128) };
-        s.check(DISPATCH, "recv_x_scales").on(&[dt], dev)?.shape(&[("num_local_experts", Some(el)), ("rows", Some(rows)), ("num_scales", Some(cols))])?;
-        crate::ensure!(s.strides() == [(rows * cols) as i64, 1, rows as i64], DISPATCH, "recv_x_scales must be column-major in its last two dims (strides [{}, 1, {rows}]), got {:?}", rows * cols, s.strides());
+        s.check(DISPATCH, "recv_x_scales").on(&[dt], dev)?.shape(&[
+            ("num_local_experts", Some(el)),
+            ("rows", Some(rows)),
+            ("num_scales", Some(cols)),
+        ])?;
+        crate::ensure!(
+            s.strides() == [(rows * cols) as i64, 1, rows as i64],
+            DISPATCH,
+            "recv_x_scales must be column-major in its last two dims (strides [{}, 1, {rows}]), got {:?}",
+            rows * cols,
+            s.strides()
+        );
     }
     Ok(())
 }
 
 /// LL dispatch send phase into caller-allocated outputs (not yet valid until the recv phase).
-pub fn low_latency_dispatch_send(handle: i64, g: &LlGeometry, o: &LlDispatchOptions, a: &LlDispatchSendArgs, out: &LlDispatchOutputs, stream: Stream) -> Result<()> {
+pub fn low_latency_dispatch_send(
+    handle: i64,
+    g: &LlGeometry,
+    o: &LlDispatchOptions,
+    a: &LlDispatchSendArgs,
+    out: &LlDispatchOutputs,
+    stream: Stream,
+) -> Result<()> {
     check_low_latency_dispatch(handle, g, o, a, &LlStats { cumulative_local_expert_recv_stats: None, wait_recv_cost_stats: None })?;
     buffer::with(DISPATCH, handle, |b| {
         check_dispatch_outputs(out, g, o, &b.info().clone())?;
@@ -100,7 +167,14 @@ pub fn low_latency_dispatch_send(handle: i64, g: &LlGeometry, o: &LlDispatchOpti
 }
 
 /// LL dispatch recv phase: waits for all sources and fills `out`.
-pub fn low_latency_dispatch_recv(handle: i64, g: &LlGeometry, o: &LlDispatchOptions, out: &LlDispatchOutputs, stats: &LlStats, stream: Stream) -> Result<()> {
+pub fn low_latency_dispatch_recv(
+    handle: i64,
+    g: &LlGeometry,
+    o: &LlDispatchOptions,
+    out: &LlDispatchOutputs,
+    stats: &LlStats,
+    stream: Stream,
+) -> Result<()> {
     buffer::with(DISPATCH, handle, |b| {
         let info = b.info().clone();
         check_geometry(DISPATCH, g, &info)?;
@@ -110,14 +184,32 @@ pub fn low_latency_dispatch_recv(handle: i64, g: &LlGeometry, o: &LlDispatchOpti
     })
 }
 
-fn check_combine_layout(x: Option<&TensorRef>, src_info: &TensorRef, layout_range: &TensorRef, g: &LlGeometry, info: &BufferInfo) -> Result<()> {
+fn check_combine_layout(
+    x: Option<&TensorRef>,
+    src_info: &TensorRef,
+    layout_range: &TensorRef,
+    g: &LlGeometry,
+    info: &BufferInfo,
+) -> Result<()> {
     let (r, dev) = (info.num_ranks, info.device);
     let (el, rows) = (g.num_experts / r, r * g.num_max_dispatch_tokens_per_rank);
     if let Some(x) = x {
-        x.check(COMBINE, "x").on(&[DType::BFloat16], dev)?.shape(&[("num_local_experts", Some(el)), ("rows", Some(rows)), ("hidden", Some(g.hidden))])?.contiguous()?;
+        x.check(COMBINE, "x")
+            .on(&[DType::BFloat16], dev)?
+            .shape(&[("num_local_experts", Some(el)), ("rows", Some(rows)), ("hidden", Some(g.hidden))])?
+            .contiguous()?;
     }
-    src_info.check(COMBINE, "src_info").on(&[DType::Int32], dev)?.shape(&[("num_local_experts", Some(el)), ("rows", Some(rows))])?.contiguous()?;
-    layout_range.check(COMBINE, "layout_range").on(&[DType::Int64], dev)?.shape(&[("num_local_experts", Some(el)), ("num_ranks", Some(r))])?.contiguous()?.done()
+    src_info
+        .check(COMBINE, "src_info")
+        .on(&[DType::Int32], dev)?
+        .shape(&[("num_local_experts", Some(el)), ("rows", Some(rows))])?
+        .contiguous()?;
+    layout_range
+        .check(COMBINE, "layout_range")
+        .on(&[DType::Int64], dev)?
+        .shape(&[("num_local_experts", Some(el)), ("num_ranks", Some(r))])?
+        .contiguous()?
+        .done()
 }
 
 /// LL combine send phase (collective in sequence with the recv phase).
@@ -127,7 +219,11 @@ pub fn low_latency_combine_send(handle: i64, g: &LlGeometry, a: &LlCombineSendAr
         check_geometry(COMBINE, g, &info)?;
         crate::ensure!(!(a.zero_copy && a.use_logfmt), COMBINE, "zero_copy and use_logfmt cannot be combined");
         check_combine_layout(Some(&a.x), &a.src_info, &a.layout_range, g, &info)?;
-        a.recv_state.check(COMBINE, "recv_state").on(&[DType::Int64], info.device)?.shape(&[("state", Some(LL_STATE_LEN))])?.contiguous()?;
+        a.recv_state
+            .check(COMBINE, "recv_state")
+            .on(&[DType::Int64], info.device)?
+            .shape(&[("state", Some(LL_STATE_LEN))])?
+            .contiguous()?;
         b.ll_combine_send(g, a, stream)
     })
 }
@@ -138,8 +234,16 @@ pub fn low_latency_combine_recv(handle: i64, g: &LlGeometry, a: &LlCombineRecvAr
         let info = b.info().clone();
         check_geometry(COMBINE, g, &info)?;
         let n = check_topk(COMBINE, &a.topk_idx, Some(&a.topk_weights), g, &info)?;
-        a.out.check(COMBINE, "out").on(&[DType::BFloat16], info.device)?.shape(&[("num_tokens", Some(n)), ("hidden", Some(g.hidden))])?.contiguous()?;
-        a.recv_state.check(COMBINE, "recv_state").on(&[DType::Int64], info.device)?.shape(&[("state", Some(LL_STATE_LEN))])?.contiguous()?;
+        a.out
+            .check(COMBINE, "out")
+            .on(&[DType::BFloat16], info.device)?
+            .shape(&[("num_tokens", Some(n)), ("hidden", Some(g.hidden))])?
+            .contiguous()?;
+        a.recv_state
+            .check(COMBINE, "recv_state")
+            .on(&[DType::Int64], info.device)?
+            .shape(&[("state", Some(LL_STATE_LEN))])?
+            .contiguous()?;
         crate::ensure!(stats.cumulative_local_expert_recv_stats.is_none(), COMBINE, "internal: combine takes no cumulative stats");
         check_stats(COMBINE, stats, &info, g.num_experts / info.num_ranks)?;
         b.ll_combine_recv(g, a, stats, stream)
@@ -158,13 +262,31 @@ pub fn low_latency_mask_rows(handle: i64, op: &'static str, a: &LlRowsArgs, stre
         let info = b.info().clone();
         crate::ensure!(info.low_latency_mode, op, "the buffer was created with low_latency_mode=False");
         let dev = info.device;
-        a.topk_idx.check(op, "topk_idx").on(&[DType::Int32, DType::Int64], dev)?.shape(&[("num_tokens", None), ("num_topk", None)])?.contiguous()?;
+        a.topk_idx
+            .check(op, "topk_idx")
+            .on(&[DType::Int32, DType::Int64], dev)?
+            .shape(&[("num_tokens", None), ("num_topk", None)])?
+            .contiguous()?;
         let (n, k) = (a.topk_idx.size(0), a.topk_idx.size(1));
         let nt = &a.num_tokens;
-        crate::ensure!(nt.dtype == DType::Int32 && nt.device == dev && nt.numel() == 1 && nt.ndim() <= 1, op,
-            "num_tokens must be an int32 tensor of shape [] or [1] on {dev} (the real number of rows of x), got {} {:?} on {}", nt.dtype, nt.sizes(), nt.device);
-        a.out.check(op, "internal: effective topk_idx").on(&[a.topk_idx.dtype], dev)?.shape(&[("num_tokens", Some(n)), ("num_topk", Some(k))])?.contiguous()?;
-        crate::ensure!(a.out.data_ptr() != a.topk_idx.data_ptr() || n * k == 0, op, "internal: the effective topk_idx must not alias topk_idx");
+        crate::ensure!(
+            nt.dtype == DType::Int32 && nt.device == dev && nt.numel() == 1 && nt.ndim() <= 1,
+            op,
+            "num_tokens must be an int32 tensor of shape [] or [1] on {dev} (the real number of rows of x), got {} {:?} on {}",
+            nt.dtype,
+            nt.sizes(),
+            nt.device
+        );
+        a.out
+            .check(op, "internal: effective topk_idx")
+            .on(&[a.topk_idx.dtype], dev)?
+            .shape(&[("num_tokens", Some(n)), ("num_topk", Some(k))])?
+            .contiguous()?;
+        crate::ensure!(
+            a.out.data_ptr() != a.topk_idx.data_ptr() || n * k == 0,
+            op,
+            "internal: the effective topk_idx must not alias topk_idx"
+        );
         b.ll_mask_rows(op, a, stream)
     })
 }

@@ -1,12 +1,12 @@
 //! Op entry points below the C seam: validate every argument against the op's contract and the
 //! buffer, then call the buffer's backend. Backends may assume what is checked here.
 
-pub(crate) mod low_latency;
 mod internode;
+pub(crate) mod low_latency;
 mod normal;
 
-pub use low_latency::*;
 pub use internode::*;
+pub use low_latency::*;
 pub use normal::*;
 
 use crate::backend::{self, BackendKind, CreateArgs, UNIQUE_ID_BYTES};
@@ -24,11 +24,21 @@ pub fn get_unique_id(backend_name: &str, device: Device) -> Result<Vec<u8>> {
 /// `deep_ep::create_buffer` (collective).
 pub fn create_buffer(args: &CreateArgs, backend_name: &str) -> Result<i64> {
     const OP: &str = "deep_ep::create_buffer";
-    crate::ensure!(args.unique_id.len() == UNIQUE_ID_BYTES, OP, "unique_id must have {UNIQUE_ID_BYTES} bytes, got {}", args.unique_id.len());
+    crate::ensure!(
+        args.unique_id.len() == UNIQUE_ID_BYTES,
+        OP,
+        "unique_id must have {UNIQUE_ID_BYTES} bytes, got {}",
+        args.unique_id.len()
+    );
     crate::ensure!(args.num_ranks >= 1, OP, "num_ranks must be >= 1, got {}", args.num_ranks);
     crate::ensure!(args.rank < args.num_ranks, OP, "rank {} out of range for num_ranks {}", args.rank, args.num_ranks);
-    crate::ensure!(args.num_nvl_bytes % 128 == 0 && args.num_rdma_bytes % 128 == 0, OP,
-        "num_nvl_bytes ({}) and num_rdma_bytes ({}) must be multiples of 128", args.num_nvl_bytes, args.num_rdma_bytes);
+    crate::ensure!(
+        args.num_nvl_bytes % 128 == 0 && args.num_rdma_bytes % 128 == 0,
+        OP,
+        "num_nvl_bytes ({}) and num_rdma_bytes ({}) must be multiples of 128",
+        args.num_nvl_bytes,
+        args.num_rdma_bytes
+    );
     // DeepEP's topology rules (DEEP_EP_NVL_DOMAIN_SIZE): every domain full; an internode
     // buffer's RDMA area sized for its mode.
     let t = crate::topology::Topology::new(OP, args.rank, args.num_ranks, crate::topology::nvl_domain_size()?)?;
@@ -75,14 +85,33 @@ pub struct LayoutOutputs {
 pub fn check_dispatch_layout(topk_idx: &TensorRef, num_experts: i64, num_ranks: i64) -> Result<()> {
     const OP: &str = "deep_ep::get_dispatch_layout";
     crate::ensure!(num_ranks >= 1, OP, "num_ranks must be >= 1, got {num_ranks}");
-    crate::ensure!(num_experts >= 1 && num_experts % num_ranks == 0, OP, "num_experts ({num_experts}) must be a positive multiple of num_ranks ({num_ranks})");
+    crate::ensure!(
+        num_experts >= 1 && num_experts % num_ranks == 0,
+        OP,
+        "num_experts ({num_experts}) must be a positive multiple of num_ranks ({num_ranks})"
+    );
     let d = crate::topology::nvl_domain_size()? as i64;
-    crate::ensure!(num_ranks <= d || num_ranks % d == 0, OP, "num_ranks ({num_ranks}) above {d} must be a multiple of {d} (NVLink domains of DEEP_EP_NVL_DOMAIN_SIZE={d} ranks)");
-    topk_idx.check(OP, "topk_idx").on(&[DType::Int32, DType::Int64], topk_idx.device)?.shape(&[("num_tokens", None), ("num_topk", None)])?.contiguous()?.done()
+    crate::ensure!(
+        num_ranks <= d || num_ranks % d == 0,
+        OP,
+        "num_ranks ({num_ranks}) above {d} must be a multiple of {d} (NVLink domains of DEEP_EP_NVL_DOMAIN_SIZE={d} ranks)"
+    );
+    topk_idx
+        .check(OP, "topk_idx")
+        .on(&[DType::Int32, DType::Int64], topk_idx.device)?
+        .shape(&[("num_tokens", None), ("num_topk", None)])?
+        .contiguous()?
+        .done()
 }
 
 /// `deep_ep::get_dispatch_layout` (local, not collective). On CUDA it launches on `stream`.
-pub fn get_dispatch_layout(topk_idx: &TensorRef, num_experts: usize, num_ranks: usize, out: &LayoutOutputs, stream: backend::Stream) -> Result<()> {
+pub fn get_dispatch_layout(
+    topk_idx: &TensorRef,
+    num_experts: usize,
+    num_ranks: usize,
+    out: &LayoutOutputs,
+    stream: backend::Stream,
+) -> Result<()> {
     check_dispatch_layout(topk_idx, num_experts as i64, num_ranks as i64)?;
     match topk_idx.device {
         Device::Cpu => {

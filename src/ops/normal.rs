@@ -21,12 +21,20 @@ pub const MAX_LOCAL_EXPERTS: usize = 1024;
 pub(super) fn check_x(op: &'static str, x: &TensorRef, scales: &Option<TensorRef>, info: &BufferInfo) -> Result<()> {
     let dev = info.device;
     x.check(op, "x").on(&[DType::BFloat16, DType::Float8E4m3], dev)?.shape(&[("num_tokens", None), ("hidden", None)])?.contiguous()?;
-    crate::ensure!((x.size(1) * x.dtype.size()) % 16 == 0, op, "x rows must be a multiple of 16 bytes, got hidden={} of {}", x.size(1), x.dtype);
+    crate::ensure!(
+        (x.size(1) * x.dtype.size()) % 16 == 0,
+        op,
+        "x rows must be a multiple of 16 bytes, got hidden={} of {}",
+        x.size(1),
+        x.dtype
+    );
     match (x.dtype, scales) {
         (DType::Float8E4m3, None) => crate::ensure!(false, op, "x is float8_e4m3fn: pass (x, x_scales) with per-token scales"),
         (DType::BFloat16, Some(_)) => crate::ensure!(false, op, "x_scales given but x is bfloat16 (scales only go with float8_e4m3fn x)"),
         (_, Some(s)) => {
-            s.check(op, "x_scales").on(&[DType::Float32, DType::Int32], dev)?.shape(&[("num_tokens", Some(x.size(0))), ("num_scales", None)])?;
+            s.check(op, "x_scales")
+                .on(&[DType::Float32, DType::Int32], dev)?
+                .shape(&[("num_tokens", Some(x.size(0))), ("num_scales", None)])?;
         }
         _ => {}
     }
@@ -36,16 +44,35 @@ pub(super) fn check_x(op: &'static str, x: &TensorRef, scales: &Option<TensorRef
 /// Checks a dispatch handle (6 tensors) against the buffer and `config.num_sms`.
 fn check_handle(op: &'static str, h: &Handle, info: &BufferInfo, num_channels: usize) -> Result<()> {
     let (r, dev) = (info.num_ranks, info.device);
-    h.rank_prefix_matrix.check(op, "rank_prefix_matrix").on(&[DType::Int32], dev)?.shape(&[("num_ranks", Some(r)), ("num_ranks", Some(r))])?.contiguous()?;
+    h.rank_prefix_matrix
+        .check(op, "rank_prefix_matrix")
+        .on(&[DType::Int32], dev)?
+        .shape(&[("num_ranks", Some(r)), ("num_ranks", Some(r))])?
+        .contiguous()?;
     let chan_msg = "(config.num_sms / 2 must equal the dispatch's)";
     for (t, name) in [(&h.channel_prefix_matrix, "channel_prefix_matrix"), (&h.recv_channel_prefix_matrix, "recv_channel_prefix_matrix")] {
         on_device(op, name, t, &[DType::Int32], dev)?;
-        crate::ensure!(t.sizes() == [r as i64, num_channels as i64], op, "{name} must have shape [{r}, {}] {chan_msg}, got {:?}", num_channels, t.sizes());
+        crate::ensure!(
+            t.sizes() == [r as i64, num_channels as i64],
+            op,
+            "{name} must have shape [{r}, {}] {chan_msg}, got {:?}",
+            num_channels,
+            t.sizes()
+        );
     }
     h.recv_src_idx.check(op, "recv_src_idx").on(&[DType::Int32], dev)?.shape(&[("num_recv_tokens", None)])?.contiguous()?;
-    h.is_token_in_rank.check(op, "is_token_in_rank").on(&[DType::Bool], dev)?.shape(&[("num_tokens", None), ("num_ranks", Some(r))])?.contiguous()?;
+    h.is_token_in_rank
+        .check(op, "is_token_in_rank")
+        .on(&[DType::Bool], dev)?
+        .shape(&[("num_tokens", None), ("num_ranks", Some(r))])?
+        .contiguous()?;
     let n = h.is_token_in_rank.size(0);
-    h.send_head.check(op, "send_head").on(&[DType::Int32], dev)?.shape(&[("num_tokens", Some(n)), ("num_ranks", Some(r))])?.contiguous()?.done()
+    h.send_head
+        .check(op, "send_head")
+        .on(&[DType::Int32], dev)?
+        .shape(&[("num_tokens", Some(n)), ("num_ranks", Some(r))])?
+        .contiguous()?
+        .done()
 }
 
 /// Validates a dispatch and runs its first half (collective; host sync unless worst-case).
@@ -64,24 +91,46 @@ pub(super) fn check_dispatch_args(op: &'static str, a: &DispatchArgs, info: &Buf
         check_x(op, &a.x, &a.x_scales, info)?;
         let n = a.x.size(0);
         a.num_tokens_per_rank.check(op, "num_tokens_per_rank").on(&[DType::Int32], dev)?.shape(&[("num_ranks", Some(r))])?.contiguous()?;
-        a.is_token_in_rank.check(op, "is_token_in_rank").on(&[DType::Bool], dev)?.shape(&[("num_tokens", Some(n)), ("num_ranks", Some(r))])?.contiguous()?;
-        a.num_tokens_per_expert.check(op, "num_tokens_per_expert").on(&[DType::Int32], dev)?.shape(&[("num_experts", None)])?.contiguous()?;
+        a.is_token_in_rank
+            .check(op, "is_token_in_rank")
+            .on(&[DType::Bool], dev)?
+            .shape(&[("num_tokens", Some(n)), ("num_ranks", Some(r))])?
+            .contiguous()?;
+        a.num_tokens_per_expert
+            .check(op, "num_tokens_per_expert")
+            .on(&[DType::Int32], dev)?
+            .shape(&[("num_experts", None)])?
+            .contiguous()?;
         let e = a.num_tokens_per_expert.size(0);
         crate::ensure!(e == a.num_experts, op, "internal: num_experts {} != num_tokens_per_expert size {e}", a.num_experts);
-        crate::ensure!(e > 0 && e % r == 0, op, "num_tokens_per_expert has {e} experts, which is not a positive multiple of num_ranks ({r})");
+        crate::ensure!(
+            e > 0 && e % r == 0,
+            op,
+            "num_tokens_per_expert has {e} experts, which is not a positive multiple of num_ranks ({r})"
+        );
         crate::ensure!(e / r <= MAX_LOCAL_EXPERTS, op, "{} experts per rank exceeds the limit of {MAX_LOCAL_EXPERTS}", e / r);
         match (&a.topk_idx, &a.topk_weights) {
             (Some(i), Some(w)) => {
-                i.check(op, "topk_idx").on(&[DType::Int32, DType::Int64], dev)?.shape(&[("num_tokens", Some(n)), ("num_topk", None)])?.contiguous()?;
+                i.check(op, "topk_idx")
+                    .on(&[DType::Int32, DType::Int64], dev)?
+                    .shape(&[("num_tokens", Some(n)), ("num_topk", None)])?
+                    .contiguous()?;
                 let k = i.size(1);
                 crate::ensure!((1..=MAX_TOPK).contains(&k), op, "num_topk must be in 1..={MAX_TOPK}, got {k}");
-                w.check(op, "topk_weights").on(&[DType::Float32], dev)?.shape(&[("num_tokens", Some(n)), ("num_topk", Some(k))])?.contiguous()?;
+                w.check(op, "topk_weights")
+                    .on(&[DType::Float32], dev)?
+                    .shape(&[("num_tokens", Some(n)), ("num_topk", Some(k))])?
+                    .contiguous()?;
             }
             (None, None) => crate::ensure!(a.num_worst_tokens == 0, op, "num_worst_tokens > 0 requires topk_idx and topk_weights"),
             _ => crate::ensure!(false, op, "topk_idx and topk_weights must be given together"),
         }
-        crate::ensure!((1..=MAX_EXPERT_ALIGNMENT).contains(&a.expert_alignment), op,
-            "expert_alignment must be in 1..={MAX_EXPERT_ALIGNMENT} (aligned counts are int32), got {}", a.expert_alignment);
+        crate::ensure!(
+            (1..=MAX_EXPERT_ALIGNMENT).contains(&a.expert_alignment),
+            op,
+            "expert_alignment must be in 1..={MAX_EXPERT_ALIGNMENT} (aligned counts are int32), got {}",
+            a.expert_alignment
+        );
         Ok(())
     }
 }
@@ -124,13 +173,23 @@ pub fn check_combine(handle: i64, a: &CombineArgs) -> Result<()> {
 /// The data of a combine (normal or internode): `x` [rows, hidden] BF16 in 16-byte rows,
 /// optional `topk_weights` [rows, K] f32 with K in 1..=MAX_TOPK, optional biases [n, hidden]
 /// BF16; all contiguous on `dev`.
-pub(crate) fn check_combine_payload(op: &'static str, dev: crate::tensor::Device, rows: usize, n: usize, x: &TensorRef,
-                                    topk_weights: Option<&TensorRef>, biases: [Option<&TensorRef>; 2]) -> Result<()> {
+pub(crate) fn check_combine_payload(
+    op: &'static str,
+    dev: crate::tensor::Device,
+    rows: usize,
+    n: usize,
+    x: &TensorRef,
+    topk_weights: Option<&TensorRef>,
+    biases: [Option<&TensorRef>; 2],
+) -> Result<()> {
     x.check(op, "x").on(&[DType::BFloat16], dev)?.shape(&[("num_recv_tokens", Some(rows)), ("hidden", None)])?.contiguous()?;
     let h = x.size(1);
     crate::ensure!((h * 2) % 16 == 0, op, "x rows must be a multiple of 16 bytes, got hidden={h}");
     if let Some(w) = topk_weights {
-        w.check(op, "topk_weights").on(&[DType::Float32], dev)?.shape(&[("num_recv_tokens", Some(rows)), ("num_topk", None)])?.contiguous()?;
+        w.check(op, "topk_weights")
+            .on(&[DType::Float32], dev)?
+            .shape(&[("num_recv_tokens", Some(rows)), ("num_topk", None)])?
+            .contiguous()?;
         crate::ensure!((1..=MAX_TOPK).contains(&w.size(1)), op, "num_topk must be in 1..={MAX_TOPK}, got {}", w.size(1));
     }
     for (bias, name) in biases.into_iter().zip(["bias_0", "bias_1"]) {

@@ -128,7 +128,13 @@ pub fn ll_dispatch(spec: &LlSpec, x: &[Vec<u16>], topk_idx: &[Vec<i64>], use_fp8
 /// `topk_idx[n][k]` returned for token n (LogFMT: `logfmt::round_trip` of it). The receive slot
 /// is keyed by (expert, token), so when a token lists an expert twice both selections read
 /// the row of the *last* of them (the one written last).
-pub fn ll_combine(spec: &LlSpec, topk_idx: &[Vec<i64>], weights: &[Vec<f32>], expert_out: &[Vec<Vec<u16>>], use_logfmt: bool) -> Vec<Vec<u16>> {
+pub fn ll_combine(
+    spec: &LlSpec,
+    topk_idx: &[Vec<i64>],
+    weights: &[Vec<f32>],
+    expert_out: &[Vec<Vec<u16>>],
+    use_logfmt: bool,
+) -> Vec<Vec<u16>> {
     let (h, k, el) = (spec.hidden, spec.num_topk, spec.local_experts());
     let routes = ll_routes(spec, topk_idx);
     // slot[(e, r, n)] = row index in routes[e / el][e % el]; later rows overwrite earlier ones.

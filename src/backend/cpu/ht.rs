@@ -46,7 +46,14 @@ pub(super) enum Kind {
 }
 
 impl Kind {
-    const ALL: [Kind; 6] = [Kind::Dispatch, Kind::CachedDispatch, Kind::Combine, Kind::InternodeDispatch, Kind::InternodeCachedDispatch, Kind::InternodeCombine];
+    const ALL: [Kind; 6] = [
+        Kind::Dispatch,
+        Kind::CachedDispatch,
+        Kind::Combine,
+        Kind::InternodeDispatch,
+        Kind::InternodeCachedDispatch,
+        Kind::InternodeCombine,
+    ];
 
     pub(super) fn op(self) -> &'static str {
         match self {
@@ -144,7 +151,13 @@ impl CpuBackend {
         for (p, h) in headers.iter().enumerate() {
             if h.0[W_KIND] != kind as u64 {
                 let theirs = Kind::ALL.into_iter().find(|k| *k as u64 == h.0[W_KIND]);
-                return Err(Error::invalid(op, format!("rank {p} is in {} while this rank is in {op}: all ranks must call the same ops in the same order", theirs.map_or("an unknown op", |k| k.op()))));
+                return Err(Error::invalid(
+                    op,
+                    format!(
+                        "rank {p} is in {} while this rank is in {op}: all ranks must call the same ops in the same order",
+                        theirs.map_or("an unknown op", |k| k.op())
+                    ),
+                ));
             }
             if h.0[W_STATUS] != 0 {
                 let mut msg = vec![0u8; h.0[W_MSG_LEN] as usize];
@@ -175,7 +188,13 @@ impl CpuBackend {
 
     pub(super) fn capacity_error(&self, op: &'static str, need: usize) -> Option<Error> {
         (need > self.info.num_nvl_bytes).then(|| {
-            Error::invalid(op, format!("tokens over capacity: this call needs {need} bytes of the buffer's NVLink area, num_nvl_bytes is {}", self.info.num_nvl_bytes))
+            Error::invalid(
+                op,
+                format!(
+                    "tokens over capacity: this call needs {need} bytes of the buffer's NVLink area, num_nvl_bytes is {}",
+                    self.info.num_nvl_bytes
+                ),
+            )
         })
     }
 
@@ -198,7 +217,8 @@ impl CpuBackend {
         let ntpr = a.num_tokens_per_rank.cpu_slice::<i32>();
         let ntpe = a.num_tokens_per_expert.cpu_slice::<i32>();
         let topk = a.topk_idx.as_ref().map(|t| t.cpu_indices_i64());
-        let own = self.capacity_error(op, end).or_else(|| check_layout_inputs(op, in_rank, ntpr, ntpe, topk.as_deref(), n, k, nr, e)).or(extra);
+        let own =
+            self.capacity_error(op, end).or_else(|| check_layout_inputs(op, in_rank, ntpr, ntpe, topk.as_deref(), n, k, nr, e)).or(extra);
 
         if own.is_none() {
             let me = self.ht_region(r);
@@ -229,7 +249,14 @@ impl CpuBackend {
     }
 
     /// Global checks and output sizes of a dispatch, from every rank's published header.
-    fn plan_dispatch(&self, op: &'static str, a: &DispatchArgs, headers: &[Header], words: &[u64; NUM_WORDS], offs: &[usize]) -> Result<DispatchPlan> {
+    fn plan_dispatch(
+        &self,
+        op: &'static str,
+        a: &DispatchArgs,
+        headers: &[Header],
+        words: &[u64; NUM_WORDS],
+        offs: &[usize],
+    ) -> Result<DispatchPlan> {
         let (r, nr, e) = (self.info.rank, self.info.num_ranks, a.num_experts);
         for (p, h) in headers.iter().enumerate() {
             for w in [W_ROW_BYTES, W_SCALE_BYTES, W_TOPK, W_EXPERTS, W_FLAGS] {
@@ -248,7 +275,10 @@ impl CpuBackend {
             let recv: i64 = counts.iter().map(|c| c[d] as i64).sum();
             let worst = headers[d].0[W_WORST] as i64;
             if worst > 0 && recv > worst {
-                return Err(Error::invalid(op, format!("tokens over capacity: rank {d} receives {recv} tokens but its num_worst_tokens is {worst}")));
+                return Err(Error::invalid(
+                    op,
+                    format!("tokens over capacity: rank {d} receives {recv} tokens but its num_worst_tokens is {worst}"),
+                ));
             }
         }
         let num_recv = counts.iter().map(|c| c[r] as usize).sum::<usize>();
@@ -267,7 +297,12 @@ impl CpuBackend {
     pub(super) fn ht_dispatch_finish(&mut self, a: &DispatchArgs, plan: &DispatchPlan, o: &DispatchOutputs) -> Result<()> {
         const OP: &str = "deep_ep::dispatch";
         let (nr, c) = (self.info.num_ranks, a.config.num_channels());
-        let data = RecvData { recv_x: &o.recv_x, recv_x_scales: o.recv_x_scales.as_ref(), recv_topk_idx: o.recv_topk_idx.as_ref(), recv_topk_weights: o.recv_topk_weights.as_ref() };
+        let data = RecvData {
+            recv_x: &o.recv_x,
+            recv_x_scales: o.recv_x_scales.as_ref(),
+            recv_topk_idx: o.recv_topk_idx.as_ref(),
+            recv_topk_weights: o.recv_topk_weights.as_ref(),
+        };
         let rows = self.pull_dispatch(a, plan, &data);
         let src_idx = o.recv_src_idx.cpu_slice_mut::<i32>();
         src_idx.fill(-1);
@@ -364,18 +399,25 @@ impl CpuBackend {
         let m = h.rank_prefix_matrix.cpu_slice::<i32>();
         let in_rank = h.is_token_in_rank.cpu_slice::<u8>();
         if in_rank.len() != num_tokens * nr {
-            return Some(Error::invalid(op, format!("stale handle: is_token_in_rank has {} entries for {num_tokens} tokens and {nr} ranks", in_rank.len())));
+            return Some(Error::invalid(
+                op,
+                format!("stale handle: is_token_in_rank has {} entries for {num_tokens} tokens and {nr} ranks", in_rank.len()),
+            ));
         }
         for d in 0..nr {
             let sent = (0..num_tokens).filter(|&t| in_rank[t * nr + d] != 0).count() as i32;
             let expected = m[r * nr + d] - if r > 0 { m[(r - 1) * nr + d] } else { 0 };
             if sent != expected {
-                return Some(Error::invalid(op, format!("stale handle: is_token_in_rank sends {sent} tokens to rank {d}, rank_prefix_matrix says {expected}")));
+                return Some(Error::invalid(
+                    op,
+                    format!("stale handle: is_token_in_rank sends {sent} tokens to rank {d}, rank_prefix_matrix says {expected}"),
+                ));
             }
         }
         let recv = m[(nr - 1) * nr + r] as usize;
         let rows = h.recv_src_idx.numel();
-        (rows < recv).then(|| Error::invalid(op, format!("stale handle: recv_src_idx has {rows} rows but this rank receives {recv} tokens")))
+        (rows < recv)
+            .then(|| Error::invalid(op, format!("stale handle: recv_src_idx has {rows} rows but this rank receives {recv} tokens")))
     }
 
     /// Every rank's handle must describe the same dispatch.
@@ -404,13 +446,26 @@ impl CpuBackend {
         let headers = self.rendezvous(Kind::CachedDispatch, words, own)?;
         let same = self.check_same_handles(OP, offs[0], m).and_then(|_| check_row_format(OP, &headers, &words));
         self.together(Kind::CachedDispatch, same)?;
-        self.gather_cached_rows(OP, &headers, |m_tok| sections(&[nr * nr * 4, m_tok * nr, m_tok * row_bytes, m_tok * scale_bytes]).0, recv_x, recv_scales)
+        self.gather_cached_rows(
+            OP,
+            &headers,
+            |m_tok| sections(&[nr * nr * 4, m_tok * nr, m_tok * row_bytes, m_tok * scale_bytes]).0,
+            recv_x,
+            recv_scales,
+        )
     }
 
     /// Stages a cached dispatch's inputs in this rank's region, intranode or internode, at the
     /// four sections `offs`: the handle's prefix (`prefix`, what the peers check the handles
     /// against), `is_token_in_rank`, the rows of `x` and the scales (2-D contiguous).
-    pub(super) fn stage_cached_rows(&self, offs: &[usize], prefix: &[i32], in_rank: &TensorRef, x: &TensorRef, x_scales: Option<&TensorRef>) {
+    pub(super) fn stage_cached_rows(
+        &self,
+        offs: &[usize],
+        prefix: &[i32],
+        in_rank: &TensorRef,
+        x: &TensorRef,
+        x_scales: Option<&TensorRef>,
+    ) {
         let me = self.ht_region(self.info.rank);
         me.write(offs[0], prefix);
         me.write(offs[1], in_rank.cpu_slice::<u8>());
@@ -424,8 +479,14 @@ impl CpuBackend {
     /// zeroes the outputs, then, source by source, appends in token order the staged rows (and
     /// scales) whose `is_token_in_rank` entry for this rank is set — sections 1, 2 and 3 of
     /// `offs_of(source's rows)` in the source's region — and meets the other ranks at the end.
-    pub(super) fn gather_cached_rows(&mut self, op: &'static str, headers: &[Header], offs_of: impl Fn(usize) -> Vec<usize>, recv_x: &TensorRef,
-                                     recv_scales: Option<&TensorRef>) -> Result<()> {
+    pub(super) fn gather_cached_rows(
+        &mut self,
+        op: &'static str,
+        headers: &[Header],
+        offs_of: impl Fn(usize) -> Vec<usize>,
+        recv_x: &TensorRef,
+        recv_scales: Option<&TensorRef>,
+    ) -> Result<()> {
         let (r, nr) = (self.info.rank, self.info.num_ranks);
         let (row_bytes, scale_bytes) = (headers[r].0[W_ROW_BYTES] as usize, headers[r].0[W_SCALE_BYTES] as usize);
         let out = recv_x.cpu_bytes_mut();
@@ -478,7 +539,10 @@ impl CpuBackend {
         let headers = self.rendezvous(Kind::Combine, words, own)?;
         let same = self.check_same_handles(OP, offs[0], m).and_then(|_| {
             match headers.iter().position(|h| h.0[W_ROW_BYTES] != words[W_ROW_BYTES] || h.0[W_TOPK] != words[W_TOPK]) {
-                Some(p) => Err(Error::invalid(OP, format!("rank {p} combines another hidden size or top-k (or passes topk_weights where this rank does not)"))),
+                Some(p) => Err(Error::invalid(
+                    OP,
+                    format!("rank {p} combines another hidden size or top-k (or passes topk_weights where this rank does not)"),
+                )),
                 None => Ok(()),
             }
         });
@@ -533,11 +597,24 @@ impl CpuBackend {
 /// Content checks of the layout inputs that only the CPU can afford: counts must agree with
 /// `is_token_in_rank` and `topk_idx`, and expert ids must be in range.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn check_layout_inputs(op: &'static str, in_rank: &[u8], ntpr: &[i32], ntpe: &[i32], topk: Option<&[i64]>, n: usize, k: usize, nr: usize, e: usize) -> Option<Error> {
+pub(super) fn check_layout_inputs(
+    op: &'static str,
+    in_rank: &[u8],
+    ntpr: &[i32],
+    ntpe: &[i32],
+    topk: Option<&[i64]>,
+    n: usize,
+    k: usize,
+    nr: usize,
+    e: usize,
+) -> Option<Error> {
     for d in 0..nr {
         let c = (0..n).filter(|&t| in_rank[t * nr + d] != 0).count() as i32;
         if c != ntpr[d] {
-            return Some(Error::invalid(op, format!("num_tokens_per_rank[{d}] = {} but is_token_in_rank selects {c} tokens for rank {d}", ntpr[d])));
+            return Some(Error::invalid(
+                op,
+                format!("num_tokens_per_rank[{d}] = {} but is_token_in_rank selects {c} tokens for rank {d}", ntpr[d]),
+            ));
         }
     }
     if let Some(idx) = topk {
@@ -546,7 +623,10 @@ pub(super) fn check_layout_inputs(op: &'static str, in_rank: &[u8], ntpr: &[i32]
         }
         let l = layout::dispatch_layout(idx, n, k, e, nr);
         if l.num_tokens_per_expert != ntpe {
-            return Some(Error::invalid(op, "num_tokens_per_expert does not match topk_idx (pass the tensors get_dispatch_layout returned)"));
+            return Some(Error::invalid(
+                op,
+                "num_tokens_per_expert does not match topk_idx (pass the tensors get_dispatch_layout returned)",
+            ));
         }
         let derived: Vec<u8> = l.is_token_in_rank.iter().map(|&b| b as u8).collect();
         if derived != in_rank {

@@ -9,7 +9,10 @@
 
 use super::ht::{cached_rows_words, check_row_format, sections, Header, Kind, RecvData, NUM_WORDS, W_ROWS, W_ROW_BYTES, W_TOPK};
 use super::CpuBackend;
-use crate::backend::internode::{InternodeCachedDispatchArgs, InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutputs, InternodeHandle, InternodePlan, NVL_HEAD_COLUMNS};
+use crate::backend::internode::{
+    InternodeCachedDispatchArgs, InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutputs, InternodeHandle, InternodePlan,
+    NVL_HEAD_COLUMNS,
+};
 use crate::backend::{CombineOutputs, DispatchArgs};
 use crate::error::{Error, Result};
 use crate::layout;
@@ -137,7 +140,15 @@ impl CpuBackend {
         let per_rdma = a.num_tokens_per_rdma_rank.cpu_slice::<i32>();
         let own = (0..g.rr).find_map(|j| {
             let cnt = (0..n).filter(|&t| in_domain(in_rank, nr, g.d, t, j)).count() as i32;
-            (cnt != per_rdma[j]).then(|| Error::invalid(op, format!("num_tokens_per_rdma_rank[{j}] = {} but is_token_in_rank selects {cnt} tokens for NVLink domain {j}", per_rdma[j])))
+            (cnt != per_rdma[j]).then(|| {
+                Error::invalid(
+                    op,
+                    format!(
+                        "num_tokens_per_rdma_rank[{j}] = {} but is_token_in_rank selects {cnt} tokens for NVLink domain {j}",
+                        per_rdma[j]
+                    ),
+                )
+            })
         });
         let plan = self.dispatch_prepare_as(Kind::InternodeDispatch, &a.base, own)?;
         // RDMA-leg sizes of every rank, so a worst-case overflow anywhere is raised everywhere.
@@ -150,7 +161,10 @@ impl CpuBackend {
             let cnt = *prefix.last().unwrap_or(&0) as usize;
             let their_worst = Header::read(&self.ht_region(d)).0[super::ht::W_WORST] as usize;
             if their_worst > 0 && cnt > their_worst && verdict.is_ok() {
-                verdict = Err(Error::invalid(op, format!("tokens over capacity: rank {d} forwards {cnt} tokens of its rail but its num_worst_tokens is {their_worst}")));
+                verdict = Err(Error::invalid(
+                    op,
+                    format!("tokens over capacity: rank {d} forwards {cnt} tokens of its rail but its num_worst_tokens is {their_worst}"),
+                ));
             }
             if d == self.info.rank {
                 mine = cnt;
@@ -160,11 +174,21 @@ impl CpuBackend {
         Ok(InternodePlan { plan, num_rdma_recv_tokens: mine, num_rdma_rows: if worst > 0 { worst } else { mine } })
     }
 
-    pub(super) fn ht_internode_dispatch_finish(&mut self, a: &InternodeDispatchArgs, p: &InternodePlan, o: &InternodeDispatchOutputs) -> Result<()> {
+    pub(super) fn ht_internode_dispatch_finish(
+        &mut self,
+        a: &InternodeDispatchArgs,
+        p: &InternodePlan,
+        o: &InternodeDispatchOutputs,
+    ) -> Result<()> {
         let op = Kind::InternodeDispatch.op();
         let (r, nr, g) = (self.info.rank, self.info.num_ranks, self.geo());
         let c = a.base.config.num_channels();
-        let data = RecvData { recv_x: &o.recv_x, recv_x_scales: o.recv_x_scales.as_ref(), recv_topk_idx: o.recv_topk_idx.as_ref(), recv_topk_weights: o.recv_topk_weights.as_ref() };
+        let data = RecvData {
+            recv_x: &o.recv_x,
+            recv_x_scales: o.recv_x_scales.as_ref(),
+            recv_topk_idx: o.recv_topk_idx.as_ref(),
+            recv_topk_weights: o.recv_topk_weights.as_ref(),
+        };
         let rows = self.pull_dispatch(&a.base, &p.plan, &data);
         let ins = self.all_in_rank(&a.base);
         let n = a.base.x.size(0);
@@ -188,7 +212,13 @@ impl CpuBackend {
 
         // NVLink receive side: absolute row starts per (source, channel).
         let counts = recv_counts(&ins, r, nr);
-        let gprefix: Vec<i32> = counts.iter().scan(0, |acc, &v| { *acc += v; Some(*acc) }).collect();
+        let gprefix: Vec<i32> = counts
+            .iter()
+            .scan(0, |acc, &v| {
+                *acc += v;
+                Some(*acc)
+            })
+            .collect();
         let gcpm = o.handle.recv_gbl_channel_prefix_matrix.cpu_slice_mut::<i32>();
         for (s, (n_s, in_rank)) in ins.iter().enumerate() {
             let base = if s > 0 { gprefix[s - 1] } else { 0 };
@@ -215,14 +245,23 @@ impl CpuBackend {
             return Some(Error::invalid(op, format!("stale handle: is_token_in_rank has {len} entries for {n} tokens and {nr} ranks")));
         }
         let recv = h.recv_gbl_rank_prefix_sum.cpu_slice::<i32>()[nr - 1];
-        (recv < 0 || rows < recv as usize).then(|| Error::invalid(op, format!("stale handle: {rows} rows but recv_gbl_rank_prefix_sum says this rank receives {recv} tokens")))
+        (recv < 0 || rows < recv as usize).then(|| {
+            Error::invalid(op, format!("stale handle: {rows} rows but recv_gbl_rank_prefix_sum says this rank receives {recv} tokens"))
+        })
     }
 
     /// After the rendezvous of a handle-based op: every rank's published `recv_gbl_rank_prefix_sum`
     /// must match the routing every rank published (same verdict on all ranks).
-    fn check_published_handles(&self, op: &'static str, headers: &[Header], offs_of: impl Fn(usize) -> Vec<usize>) -> Result<Vec<(usize, Vec<u8>)>> {
+    fn check_published_handles(
+        &self,
+        op: &'static str,
+        headers: &[Header],
+        offs_of: impl Fn(usize) -> Vec<usize>,
+    ) -> Result<Vec<(usize, Vec<u8>)>> {
         let nr = self.info.num_ranks;
-        let ins: Vec<(usize, Vec<u8>)> = (0..nr).map(|s| (headers[s].rows(), self.ht_region(s).slice::<u8>(offs_of(headers[s].rows())[1], headers[s].rows() * nr).to_vec())).collect();
+        let ins: Vec<(usize, Vec<u8>)> = (0..nr)
+            .map(|s| (headers[s].rows(), self.ht_region(s).slice::<u8>(offs_of(headers[s].rows())[1], headers[s].rows() * nr).to_vec()))
+            .collect();
         for (d, header) in headers.iter().enumerate().take(nr) {
             let counts = recv_counts(&ins, d, nr);
             let theirs = self.ht_region(d).slice::<i32>(offs_of(header.rows())[0], nr).to_vec();
@@ -237,7 +276,12 @@ impl CpuBackend {
         Ok(ins)
     }
 
-    pub(super) fn ht_internode_cached_dispatch(&mut self, a: &InternodeCachedDispatchArgs, recv_x: &TensorRef, recv_scales: Option<&TensorRef>) -> Result<()> {
+    pub(super) fn ht_internode_cached_dispatch(
+        &mut self,
+        a: &InternodeCachedDispatchArgs,
+        recv_x: &TensorRef,
+        recv_scales: Option<&TensorRef>,
+    ) -> Result<()> {
         let kind = Kind::InternodeCachedDispatch;
         let op = kind.op();
         let nr = self.info.num_ranks;
@@ -249,7 +293,13 @@ impl CpuBackend {
         let rows = recv_x.size(0);
         let own = self.capacity_error(op, end).or_else(|| self.check_internode_handle(op, &a.handle, n, rows));
         if own.is_none() {
-            self.stage_cached_rows(&offs, a.handle.recv_gbl_rank_prefix_sum.cpu_slice::<i32>(), &a.handle.is_token_in_rank, &a.x, a.x_scales.as_ref());
+            self.stage_cached_rows(
+                &offs,
+                a.handle.recv_gbl_rank_prefix_sum.cpu_slice::<i32>(),
+                &a.handle.is_token_in_rank,
+                &a.x,
+                a.x_scales.as_ref(),
+            );
         }
         let words = cached_rows_words(n, row_bytes, scale_bytes);
         let headers = self.rendezvous(kind, words, own)?;
@@ -288,7 +338,10 @@ impl CpuBackend {
         let headers = self.rendezvous(kind, words, own)?;
         let checked = self.check_published_handles(op, &headers, |m| secs(m, 0)).and_then(|_| {
             match headers.iter().position(|h| h.0[W_ROW_BYTES] != words[W_ROW_BYTES] || h.0[W_TOPK] != words[W_TOPK]) {
-                Some(p) => Err(Error::invalid(op, format!("rank {p} combines another hidden size or top-k (or passes topk_weights where this rank does not)"))),
+                Some(p) => Err(Error::invalid(
+                    op,
+                    format!("rank {p} combines another hidden size or top-k (or passes topk_weights where this rank does not)"),
+                )),
                 None => Ok(()),
             }
         });

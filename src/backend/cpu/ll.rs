@@ -38,8 +38,8 @@
 use super::shm::{self, Region};
 use super::CpuBackend;
 use crate::backend::{
-    LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlStats, LlWire, LL_MSG_META, LL_STATE_LEN,
-    LL_WIRE_MAX_TOPK,
+    LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlStats, LlWire,
+    LL_MSG_META, LL_STATE_LEN, LL_WIRE_MAX_TOPK,
 };
 use crate::config::LowLatencyLayout;
 use crate::error::{Error, Result};
@@ -220,7 +220,12 @@ impl CpuBackend {
         let v = st.cpu_slice::<i64>();
         crate::ensure!(v.len() >= LL_STATE_LEN, op, "recv_state must hold {LL_STATE_LEN} int64, got {}", v.len());
         let what = if kind == KIND_DISPATCH { "low_latency_dispatch_send" } else { "low_latency_combine_send" };
-        crate::ensure!(v[3] == kind && (0..2).contains(&v[0]) && v[1] > 0, op, "recv_state {:?} was not produced by {what}", &v[..LL_STATE_LEN]);
+        crate::ensure!(
+            v[3] == kind && (0..2).contains(&v[0]) && v[1] > 0,
+            op,
+            "recv_state {:?} was not produced by {what}",
+            &v[..LL_STATE_LEN]
+        );
         let (half, seq) = (v[0] as usize, v[1] as u32);
         crate::ensure!(
             self.ll.seq[half] == seq,
@@ -232,20 +237,37 @@ impl CpuBackend {
 
     /// Waits until `ready()` and returns the time waited; on expiry names `peers()` (the ranks
     /// that have not arrived), or in shrink mode masks them and returns `None`.
-    fn ll_wait(&mut self, op: &'static str, what: impl Fn() -> String, mut ready: impl FnMut() -> bool, peers: impl Fn() -> Vec<usize>) -> Result<Option<Duration>> {
+    fn ll_wait(
+        &mut self,
+        op: &'static str,
+        what: impl Fn() -> String,
+        mut ready: impl FnMut() -> bool,
+        peers: impl Fn() -> Vec<usize>,
+    ) -> Result<Option<Duration>> {
         if let Ok(d) = shm::wait_until(self.timeout, &mut ready) {
             return Ok(Some(d));
         }
         let missing = peers();
         if self.shrink {
-            crate::log_warn!(Some(self.info.rank), "{op}: ranks {missing:?} did not arrive within {} ms ({}); shrink mode masks them", self.timeout.as_millis(), what());
+            crate::log_warn!(
+                Some(self.info.rank),
+                "{op}: ranks {missing:?} did not arrive within {} ms ({}); shrink mode masks them",
+                self.timeout.as_millis(),
+                what()
+            );
             missing.iter().for_each(|&p| self.mask[p] = true);
             return Ok(None);
         }
         Err(Error::Timeout { op, rank: self.info.rank, peers: missing, timeout_ms: self.timeout.as_millis() as u64, what: what() })
     }
 
-    pub(super) fn ll_dispatch_send_impl(&mut self, g: &LlGeometry, o: &LlDispatchOptions, a: &LlDispatchSendArgs, out: &LlDispatchOutputs) -> Result<()> {
+    pub(super) fn ll_dispatch_send_impl(
+        &mut self,
+        g: &LlGeometry,
+        o: &LlDispatchOptions,
+        a: &LlDispatchSendArgs,
+        out: &LlDispatchOutputs,
+    ) -> Result<()> {
         let geo = self.ll_geo(OP_DISPATCH, g)?;
         let (n, h, t, me) = (a.x.size(0), geo.h, geo.t, self.info.rank);
         let k = if a.topk_idx.ndim() == 2 { a.topk_idx.size(1) } else { 0 };
@@ -262,7 +284,13 @@ impl CpuBackend {
             }
         }
         if let Some(e) = count.iter().position(|&c| c > t) {
-            return Err(Error::invalid(OP_DISPATCH, format!("expert {e} is selected {} times, more than num_max_dispatch_tokens_per_rank ({t}) (repeated top-k entries?)", count[e])));
+            return Err(Error::invalid(
+                OP_DISPATCH,
+                format!(
+                    "expert {e} is selected {} times, more than num_max_dispatch_tokens_per_rank ({t}) (repeated top-k entries?)",
+                    count[e]
+                ),
+            ));
         }
         self.ll_enter_geometry(OP_DISPATCH, &geo)?;
         let (half, seq) = self.ll_begin_send();
@@ -303,7 +331,10 @@ impl CpuBackend {
                     let (m, reg) = (nmsg[dst], &regions[dst]);
                     nmsg[dst] += 1;
                     let off = geo.dmsg(w, half, me, m);
-                    reg.write::<i32>(off, &[tok as i32, h as i32, t as i32, geo.e as i32, ent.len() as i32, weights.is_some() as i32, 0, 0]);
+                    reg.write::<i32>(
+                        off,
+                        &[tok as i32, h as i32, t as i32, geo.e as i32, ent.len() as i32, weights.is_some() as i32, 0, 0],
+                    );
                     let packed: Vec<u32> = ent.iter().map(|&(l, sl, _)| (l as u32) << 16 | sl as u32).collect();
                     reg.write::<u32>(off + 32, &packed);
                     reg.write::<f32>(off + 32 + 4 * LL_WIRE_MAX_TOPK, &ent.iter().map(|e| e.2).collect::<Vec<f32>>());
@@ -340,10 +371,20 @@ impl CpuBackend {
         Ok(())
     }
 
-    pub(super) fn ll_dispatch_recv_impl(&mut self, g: &LlGeometry, o: &LlDispatchOptions, out: &LlDispatchOutputs, stats: &LlStats) -> Result<()> {
+    pub(super) fn ll_dispatch_recv_impl(
+        &mut self,
+        g: &LlGeometry,
+        o: &LlDispatchOptions,
+        out: &LlDispatchOutputs,
+        stats: &LlStats,
+    ) -> Result<()> {
         let geo = self.ll_geo(OP_DISPATCH, g)?;
         let (half, seq, flags) = self.ll_read_state(OP_DISPATCH, &out.recv_state, KIND_DISPATCH)?;
-        crate::ensure!(flags & !FLAG_DEDUP == o.flags(), OP_DISPATCH, "the options of the receive ({o:?}) differ from those of the send (flags {flags})");
+        crate::ensure!(
+            flags & !FLAG_DEDUP == o.flags(),
+            OP_DISPATCH,
+            "the options of the receive ({o:?}) differ from those of the send (flags {flags})"
+        );
         let wire = if flags & FLAG_DEDUP != 0 { g.wire(self.info.num_ranks) } else { None };
         let (r, el, t, h, s) = (geo.r, geo.el, geo.t, geo.h, geo.s);
         let rt = r * t;
@@ -352,7 +393,8 @@ impl CpuBackend {
         let recv_count = out.recv_count.cpu_slice_mut::<i32>();
         let src_info = out.src_info.cpu_slice_mut::<i32>();
         let layout_range = out.layout_range.cpu_slice_mut::<i64>();
-        let (x16, x8) = if o.use_fp8 { (&mut [][..], out.recv_x.cpu_slice_mut::<u8>()) } else { (out.recv_x.cpu_slice_mut::<u16>(), &mut [][..]) };
+        let (x16, x8) =
+            if o.use_fp8 { (&mut [][..], out.recv_x.cpu_slice_mut::<u8>()) } else { (out.recv_x.cpu_slice_mut::<u16>(), &mut [][..]) };
         let scales = out.recv_x_scales.as_ref().filter(|_| o.use_fp8);
         let (sf, su, st) = match scales {
             Some(sc) if o.use_ue8m0 => (&mut [][..], sc.cpu_dense_storage_mut::<i32>(), sc.strides().to_vec()),
@@ -373,7 +415,12 @@ impl CpuBackend {
                 } else {
                     self.ll_wait(
                         OP_DISPATCH,
-                        || format!("dispatch count of local expert {l} from rank {src} (half {half}, call {seq}); word holds {:#x}", sig_load(&mine, sig, w)),
+                        || {
+                            format!(
+                                "dispatch count of local expert {l} from rank {src} (half {half}, call {seq}); word holds {:#x}",
+                                sig_load(&mine, sig, w)
+                            )
+                        },
                         || arrived(sig_load(&mine, sig, w), seq).is_some(),
                         || vec![src],
                     )?
@@ -395,7 +442,12 @@ impl CpuBackend {
                         Some(w) => {
                             let mut m = [0u32];
                             mine.read::<u32>(geo.idx(w, half, l, src, i), &mut m);
-                            crate::ensure!((m[0] as usize) < t, OP_DISPATCH, "rank {src} wrote index entry {} for local expert {l}, row {i}: not a message", m[0]);
+                            crate::ensure!(
+                                (m[0] as usize) < t,
+                                OP_DISPATCH,
+                                "rank {src} wrote index entry {} for local expert {l}, row {i}: not a message",
+                                m[0]
+                            );
                             let off = geo.dmsg(w, half, src, m[0] as usize);
                             (off, off + LL_MSG_META)
                         }
@@ -454,7 +506,12 @@ impl CpuBackend {
         let rt = r * t;
         let layout_range = a.layout_range.cpu_slice::<i64>();
         let src_info = a.src_info.cpu_slice::<i32>();
-        crate::ensure!(layout_range.len() == el * r && src_info.len() == el * rt, OP_COMBINE, "handle shapes do not match num_experts={} and num_ranks={r}", geo.e);
+        crate::ensure!(
+            layout_range.len() == el * r && src_info.len() == el * rt,
+            OP_COMBINE,
+            "handle shapes do not match num_experts={} and num_ranks={r}",
+            geo.e
+        );
         let range = |l: usize, s: usize| {
             let v = layout_range[l * r + s];
             ((v >> 32) as usize, (v & 0xffff_ffff) as usize)
@@ -462,7 +519,11 @@ impl CpuBackend {
         for l in 0..el {
             for s in 0..r {
                 let (b, c) = range(l, s);
-                crate::ensure!(b + c <= rt && c <= t, OP_COMBINE, "layout_range[{l}][{s}] = (begin {b}, count {c}) is outside the {rt} rows of an expert");
+                crate::ensure!(
+                    b + c <= rt && c <= t,
+                    OP_COMBINE,
+                    "layout_range[{l}][{s}] = (begin {b}, count {c}) is outside the {rt} rows of an expert"
+                );
                 for row in b..b + c {
                     let tok = src_info[l * rt + row];
                     crate::ensure!((0..t as i32).contains(&tok), OP_COMBINE, "src_info[{l}][{row}] = {tok} is not a token index below {t}");
@@ -472,7 +533,8 @@ impl CpuBackend {
         let x = if a.zero_copy { &[][..] } else { a.x.cpu_slice::<u16>() };
         // Partial sums when this handle's dispatch sent weights in the deduplicated format.
         let src_ptr = a.src_info.data_ptr() as usize;
-        let partial = crate::backend::ll_weighted_dispatch_half(&self.ll.dispatch, src_ptr).and_then(|hd| g.wire(r).filter(|w| w.partial_fits && !a.use_logfmt).map(|w| (hd, w)));
+        let partial = crate::backend::ll_weighted_dispatch_half(&self.ll.dispatch, src_ptr)
+            .and_then(|hd| g.wire(r).filter(|w| w.partial_fits && !a.use_logfmt).map(|w| (hd, w)));
         self.ll_enter_geometry(OP_COMBINE, &geo)?;
         let (half, seq) = self.ll_begin_send();
         let mine = self.ll_region(me);
@@ -493,14 +555,23 @@ impl CpuBackend {
                 let dst = self.ll_region(s);
                 let mut nm = [0u32];
                 mine.read::<u32>(geo.recv(hd) + LlWire::count_off(s), &mut nm);
-                crate::ensure!(nm[0] as usize <= t, OP_COMBINE, "the dispatch of this handle left {} messages from rank {s}, more than {t}", nm[0]);
+                crate::ensure!(
+                    nm[0] as usize <= t,
+                    OP_COMBINE,
+                    "the dispatch of this handle left {} messages from rank {s}, more than {t}",
+                    nm[0]
+                );
                 for m in 0..nm[0] as usize {
                     let (tok, _, entries) = read_meta(&mine, geo.dmsg(&w, hd, s, m));
                     crate::ensure!((0..t as i32).contains(&tok), OP_COMBINE, "a dispatch message from rank {s} names token {tok}");
                     acc.fill(0.0);
                     for &(l, sl, wt) in &entries {
                         let (b, c) = range(l, s);
-                        crate::ensure!(l < el && sl < c && b + sl < rt, OP_COMBINE, "a dispatch message from rank {s} names row {sl} of local expert {l}, outside layout_range");
+                        crate::ensure!(
+                            l < el && sl < c && b + sl < rt,
+                            OP_COMBINE,
+                            "a dispatch message from rank {s} names row {sl} of local expert {l}, outside layout_range"
+                        );
                         for (a, &y) in acc.iter_mut().zip(&read_row(l, b + sl, &mut row_buf)) {
                             *a = bf16::to_f32(y).mul_add(wt, *a);
                         }
@@ -550,7 +621,13 @@ impl CpuBackend {
         let idx = a.topk_idx.cpu_indices_i64();
         let w = a.topk_weights.cpu_slice::<f32>();
         let k = if a.topk_idx.ndim() == 2 { a.topk_idx.size(1) } else { 0 };
-        crate::ensure!(idx.len() == n * k && w.len() == idx.len(), OP_COMBINE, "topk_idx and topk_weights must be [{n}, num_topk], got {:?} and {:?}", a.topk_idx.sizes(), a.topk_weights.sizes());
+        crate::ensure!(
+            idx.len() == n * k && w.len() == idx.len(),
+            OP_COMBINE,
+            "topk_idx and topk_weights must be [{n}, num_topk], got {:?} and {:?}",
+            a.topk_idx.sizes(),
+            a.topk_weights.sizes()
+        );
         if let Some(&e) = idx.iter().find(|&&e| e >= geo.e as i64) {
             return Err(Error::invalid(OP_COMBINE, format!("topk_idx holds expert {e}, outside [0, {})", geo.e)));
         }

@@ -271,7 +271,10 @@ fn run_rank(c: Case, id: Vec<u8>, rank: usize, inputs: Vec<Input>) -> Vec<RankRo
             b.ll_dispatch_send(&g, &o, &send, &disps[i].outputs(&c), null).unwrap();
         }
         for &i in grp.iter().rev() {
-            let stats = LlStats { cumulative_local_expert_recv_stats: Some(tr(&mut cum, DType::Int32, &[el])), wait_recv_cost_stats: Some(tr(&mut wait, DType::Int64, &[c.r])) };
+            let stats = LlStats {
+                cumulative_local_expert_recv_stats: Some(tr(&mut cum, DType::Int32, &[el])),
+                wait_recv_cost_stats: Some(tr(&mut wait, DType::Int64, &[c.r])),
+            };
             b.ll_dispatch_recv(&g, &o, &disps[i].outputs(&c), &stats, null).unwrap();
         }
         if c.split {
@@ -322,13 +325,20 @@ fn run_rank(c: Case, id: Vec<u8>, rank: usize, inputs: Vec<Input>) -> Vec<RankRo
                 recv_state: tr(&mut state, DType::Int64, &[LL_STATE_LEN]),
                 out: tr(&mut combined[i], DType::BFloat16, &[n, h]),
             };
-            let stats = LlStats { cumulative_local_expert_recv_stats: None, wait_recv_cost_stats: Some(tr(&mut wait, DType::Int64, &[c.r])) };
+            let stats =
+                LlStats { cumulative_local_expert_recv_stats: None, wait_recv_cost_stats: Some(tr(&mut wait, DType::Int64, &[c.r])) };
             b.ll_combine_recv(&g, &args, &stats, null).unwrap();
         }
     }
     if c.split && inputs.len() > 1 {
         // The first dispatch's half has been reused since: its receive must be refused.
-        let e = b.ll_dispatch_recv(&g, &o, &disps[0].outputs(&c), &LlStats { cumulative_local_expert_recv_stats: None, wait_recv_cost_stats: None }, null);
+        let e = b.ll_dispatch_recv(
+            &g,
+            &o,
+            &disps[0].outputs(&c),
+            &LlStats { cumulative_local_expert_recv_stats: None, wait_recv_cost_stats: None },
+            null,
+        );
         assert!(e.unwrap_err().to_string().contains("reused"));
     }
     if !c.split && disps.len() >= 3 {
@@ -411,7 +421,6 @@ fn check(c: Case) {
             let gotv: Vec<f64> = comb[rank].iter().map(|&b| bf16::to_f32(b) as f64).collect();
             let diff = calc_diff(&expect, &gotv);
             assert!(diff < if c.fp8 { 9e-4 } else { 1e-5 }, "calc_diff {diff} rank {rank} round {round}");
-            
         }
     }
 }
@@ -452,7 +461,16 @@ fn split_calls_two_in_flight_duplicates_and_hidden_128() {
 #[test]
 fn small_buffer_bad_ids_and_missing_peer_are_reported() {
     let spec = |rdma: usize, id: &[u8], rank: usize, n: usize| {
-        CpuBackend::create(&CreateArgs { unique_id: id, rank, num_ranks: n, device: Device::Cpu, num_nvl_bytes: 0, num_rdma_bytes: rdma, low_latency_mode: true }).unwrap()
+        CpuBackend::create(&CreateArgs {
+            unique_id: id,
+            rank,
+            num_ranks: n,
+            device: Device::Cpu,
+            num_nvl_bytes: 0,
+            num_rdma_bytes: rdma,
+            low_latency_mode: true,
+        })
+        .unwrap()
     };
     let c = Case { r: 1, e: 2, h: 128, t: 4, k: 1, ..Default::default() };
     let (g, o) = (c.geo(), c.opts());
@@ -463,7 +481,8 @@ fn small_buffer_bad_ids_and_missing_peer_are_reported() {
     assert!(e.contains(&format!("needs {need} bytes")) && e.contains("num_rdma_bytes = 4096"), "{e}");
     let mut b = spec(low_latency_rdma_size_hint(4, 128, 1, 2), &CpuBackend::unique_id(), 0, 1);
     let (mut x, mut idx, mut d) = (vec![0u16; 128], vec![5i64], Disp::new(&c));
-    let send = LlDispatchSendArgs { x: tr(&mut x, DType::BFloat16, &[1, 128]), topk_idx: tr(&mut idx, DType::Int64, &[1, 1]), topk_weights: None };
+    let send =
+        LlDispatchSendArgs { x: tr(&mut x, DType::BFloat16, &[1, 128]), topk_idx: tr(&mut idx, DType::Int64, &[1, 1]), topk_weights: None };
     let e = b.ll_dispatch_send(&g, &o, &send, &d.outputs(&c), null).err().unwrap().to_string();
     assert!(e.contains("expert 5"), "{e}");
     // A rank that never sends: the receiver times out naming it.
@@ -480,7 +499,8 @@ fn small_buffer_bad_ids_and_missing_peer_are_reported() {
     b.timeout = Duration::from_millis(200);
     let mut d = Disp::new(&c);
     idx[0] = 1;
-    let send = LlDispatchSendArgs { x: tr(&mut x, DType::BFloat16, &[1, 128]), topk_idx: tr(&mut idx, DType::Int64, &[1, 1]), topk_weights: None };
+    let send =
+        LlDispatchSendArgs { x: tr(&mut x, DType::BFloat16, &[1, 128]), topk_idx: tr(&mut idx, DType::Int64, &[1, 1]), topk_weights: None };
     b.ll_dispatch_send(&c.geo(), &o, &send, &d.outputs(&c), null).unwrap();
     let stats = LlStats { cumulative_local_expert_recv_stats: None, wait_recv_cost_stats: None };
     match b.ll_dispatch_recv(&c.geo(), &o, &d.outputs(&c), &stats, null) {

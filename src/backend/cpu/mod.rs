@@ -13,12 +13,12 @@ pub(crate) mod internode;
 pub(crate) mod ll;
 pub mod shm;
 
-use super::{
-    Backend, BackendKind, BufferInfo, CachedDispatchArgs, CombineArgs, CombineOutputs, CreateArgs, DispatchArgs,
-    DispatchOutputs, DispatchPlan, LlCombineRecvArgs, LlCombineSendArgs, LlRowsArgs, LlDispatchOptions, LlDispatchOutputs,
-    LlDispatchSendArgs, LlGeometry, LlStats, Stream, UNIQUE_ID_BYTES,
-};
 use super::internode::{InternodeCachedDispatchArgs, InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutputs, InternodePlan};
+use super::{
+    Backend, BackendKind, BufferInfo, CachedDispatchArgs, CombineArgs, CombineOutputs, CreateArgs, DispatchArgs, DispatchOutputs,
+    DispatchPlan, LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlRowsArgs,
+    LlStats, Stream, UNIQUE_ID_BYTES,
+};
 use crate::error::{Error, Result};
 use crate::tensor::TensorRef;
 use shm::{Region, Segment};
@@ -94,7 +94,12 @@ impl CpuBackend {
         const OP: &str = "deep_ep::create_buffer";
         crate::ensure!(a.num_ranks >= 1 && a.num_ranks <= MAX_RANKS, OP, "num_ranks must be in 1..={MAX_RANKS}, got {}", a.num_ranks);
         crate::ensure!(a.rank < a.num_ranks, OP, "rank {} out of range for {} ranks", a.rank, a.num_ranks);
-        crate::ensure!(a.device == crate::tensor::Device::Cpu, OP, "the cpu backend works on CPU tensors; device {} needs the nccl backend", a.device);
+        crate::ensure!(
+            a.device == crate::tensor::Device::Cpu,
+            OP,
+            "the cpu backend works on CPU tensors; device {} needs the nccl backend",
+            a.device
+        );
         let path = Self::path_from_id(OP, a.unique_id)?;
         let ht_bytes = align_up(a.num_nvl_bytes, ALIGN);
         let ll_bytes = align_up(a.num_rdma_bytes, ALIGN);
@@ -190,11 +195,21 @@ impl CpuBackend {
         }
         let peers: Vec<usize> = (0..n).filter(|&p| !arrived(p)).collect();
         if masked_skip && self.shrink {
-            crate::log_warn!(Some(self.info.rank), "{op}: ranks {peers:?} missed the barrier ({what}) within {} ms; shrink mode masks them", self.timeout.as_millis());
+            crate::log_warn!(
+                Some(self.info.rank),
+                "{op}: ranks {peers:?} missed the barrier ({what}) within {} ms; shrink mode masks them",
+                self.timeout.as_millis()
+            );
             peers.iter().for_each(|&p| self.mask[p] = true);
             return Ok(());
         }
-        Err(Error::Timeout { op, rank: self.info.rank, peers, timeout_ms: self.timeout.as_millis() as u64, what: format!("barrier: {what}") })
+        Err(Error::Timeout {
+            op,
+            rank: self.info.rank,
+            peers,
+            timeout_ms: self.timeout.as_millis() as u64,
+            what: format!("barrier: {what}"),
+        })
     }
 }
 
@@ -223,11 +238,21 @@ impl Backend for CpuBackend {
         self.ht_internode_dispatch_prepare(args)
     }
 
-    fn internode_dispatch_finish(&mut self, args: &InternodeDispatchArgs, plan: &InternodePlan, out: &InternodeDispatchOutputs) -> Result<()> {
+    fn internode_dispatch_finish(
+        &mut self,
+        args: &InternodeDispatchArgs,
+        plan: &InternodePlan,
+        out: &InternodeDispatchOutputs,
+    ) -> Result<()> {
         self.ht_internode_dispatch_finish(args, plan, out)
     }
 
-    fn internode_cached_dispatch(&mut self, args: &InternodeCachedDispatchArgs, recv_x: &TensorRef, recv_x_scales: Option<&TensorRef>) -> Result<()> {
+    fn internode_cached_dispatch(
+        &mut self,
+        args: &InternodeCachedDispatchArgs,
+        recv_x: &TensorRef,
+        recv_x_scales: Option<&TensorRef>,
+    ) -> Result<()> {
         self.ht_internode_cached_dispatch(args, recv_x, recv_x_scales)
     }
 
@@ -235,11 +260,25 @@ impl Backend for CpuBackend {
         self.ht_internode_combine(args, out)
     }
 
-    fn ll_dispatch_send(&mut self, g: &LlGeometry, o: &LlDispatchOptions, args: &LlDispatchSendArgs, out: &LlDispatchOutputs, _s: Stream) -> Result<()> {
+    fn ll_dispatch_send(
+        &mut self,
+        g: &LlGeometry,
+        o: &LlDispatchOptions,
+        args: &LlDispatchSendArgs,
+        out: &LlDispatchOutputs,
+        _s: Stream,
+    ) -> Result<()> {
         self.ll_dispatch_send_impl(g, o, args, out)
     }
 
-    fn ll_dispatch_recv(&mut self, g: &LlGeometry, o: &LlDispatchOptions, out: &LlDispatchOutputs, stats: &LlStats, _s: Stream) -> Result<()> {
+    fn ll_dispatch_recv(
+        &mut self,
+        g: &LlGeometry,
+        o: &LlDispatchOptions,
+        out: &LlDispatchOutputs,
+        stats: &LlStats,
+        _s: Stream,
+    ) -> Result<()> {
         self.ll_dispatch_recv_impl(g, o, out, stats)
     }
 
@@ -309,7 +348,15 @@ mod tests {
     use crate::tensor::Device;
 
     fn args(id: &[u8], rank: usize, n: usize, nvl: usize) -> CreateArgs<'_> {
-        CreateArgs { unique_id: id, rank, num_ranks: n, device: Device::Cpu, num_nvl_bytes: nvl, num_rdma_bytes: 0, low_latency_mode: false }
+        CreateArgs {
+            unique_id: id,
+            rank,
+            num_ranks: n,
+            device: Device::Cpu,
+            num_nvl_bytes: nvl,
+            num_rdma_bytes: 0,
+            low_latency_mode: false,
+        }
     }
 
     #[test]
@@ -359,7 +406,12 @@ mod tests {
         let id = CpuBackend::unique_id();
         std::env::set_var("DEEP_EP_TIMEOUT_MS", "300");
         let mut all: Vec<CpuBackend> = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..3).map(|r| { let id = id.clone(); s.spawn(move || CpuBackend::create(&args(&id, r, 3, 4096)).unwrap()) }).collect();
+            let hs: Vec<_> = (0..3)
+                .map(|r| {
+                    let id = id.clone();
+                    s.spawn(move || CpuBackend::create(&args(&id, r, 3, 4096)).unwrap())
+                })
+                .collect();
             hs.into_iter().map(|h| h.join().unwrap()).collect()
         });
         let _dead = all.pop().unwrap(); // rank 2 never takes part again

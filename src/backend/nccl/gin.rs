@@ -119,7 +119,10 @@ impl GinKnobs {
             Some(v) => match v.trim().parse::<i32>().ok().and_then(GinType::from_code) {
                 Some(t) => Some(t),
                 None => {
-                    return Err(Error::invalid(OP, format!("NCCL_GIN_TYPE must be 2 (proxy) or 3 (GDAKI), got {v:?}; unset it to let NCCL choose")))
+                    return Err(Error::invalid(
+                        OP,
+                        format!("NCCL_GIN_TYPE must be 2 (proxy) or 3 (GDAKI), got {v:?}; unset it to let NCCL choose"),
+                    ))
                 }
             },
         };
@@ -238,7 +241,11 @@ pub fn plan(w: Workload, k: &GinKnobs) -> Result<GinPlan> {
             (1, crate::ffi::internode::SEAM_SIGNALS)
         }
         Workload::LowLatency { num_local_experts, num_ranks } => {
-            crate::ensure!(num_local_experts >= 1 && num_ranks >= 2, OP, "internal: GIN plan for {num_local_experts} local experts, {num_ranks} ranks");
+            crate::ensure!(
+                num_local_experts >= 1 && num_ranks >= 2,
+                OP,
+                "internal: GIN plan for {num_local_experts} local experts, {num_ranks} ranks"
+            );
             (num_local_experts, 4 * num_local_experts * num_ranks)
         }
     };
@@ -264,7 +271,12 @@ pub fn buffer_plan(k: &GinKnobs, num_ranks: usize, num_rdma_ranks: usize, low_la
     let mut p = if low_latency_mode {
         let signals = ht_signal_base(true) + crate::ffi::internode::SEAM_SIGNALS;
         let contexts_per_comm = k.contexts.unwrap_or_else(|| num_ranks.min(MAX_GIN_CONTEXTS));
-        GinPlan { workload: Workload::LowLatency { num_local_experts: (super::ll_seam::MAX_EXPERTS / num_ranks).max(1), num_ranks }, num_comms: k.comms.unwrap_or(1), contexts_per_comm, signals }
+        GinPlan {
+            workload: Workload::LowLatency { num_local_experts: (super::ll_seam::MAX_EXPERTS / num_ranks).max(1), num_ranks },
+            num_comms: k.comms.unwrap_or(1),
+            contexts_per_comm,
+            signals,
+        }
     } else {
         plan(Workload::Normal { num_rdma_ranks }, k)?
     };
@@ -298,21 +310,42 @@ pub struct GinDevComm {
 /// Turns the result of `ncclDevCommCreate` with [`GinPlan::requirements`] on `rank`'s first
 /// communicator into a usable device comm, or the error that tells the user what is missing
 /// (naming the rank). `nccl_text` renders an NCCL result code (`ncclGetErrorString` in production).
-pub fn granted(plan: &GinPlan, k: &GinKnobs, rank: usize, result: std::result::Result<(Vec<u64>, GinInfo), i32>, nccl_text: impl Fn(i32) -> String) -> Result<GinDevComm> {
+pub fn granted(
+    plan: &GinPlan,
+    k: &GinKnobs,
+    rank: usize,
+    result: std::result::Result<(Vec<u64>, GinInfo), i32>,
+    nccl_text: impl Fn(i32) -> String,
+) -> Result<GinDevComm> {
     granted_on(plan, k, rank, 0, result, nccl_text)
 }
 
 /// [`granted`] for communicator `comm` (0 = the buffer's own, 1.. = those split from it): each
 /// communicator's grant is checked on its own (GIN, its type, its signals); an error names the
 /// rank, and the communicator when the plan has several.
-pub fn granted_on(plan: &GinPlan, k: &GinKnobs, rank: usize, comm: usize, result: std::result::Result<(Vec<u64>, GinInfo), i32>, nccl_text: impl Fn(i32) -> String) -> Result<GinDevComm> {
+pub fn granted_on(
+    plan: &GinPlan,
+    k: &GinKnobs,
+    rank: usize,
+    comm: usize,
+    result: std::result::Result<(Vec<u64>, GinInfo), i32>,
+    nccl_text: impl Fn(i32) -> String,
+) -> Result<GinDevComm> {
     let on = if plan.num_comms > 1 { format!(" (communicator {comm} of {})", plan.num_comms) } else { String::new() };
     let (devcomm, info) = match result {
         Ok(r) => r,
-        Err(code) => return Err(unavailable_on(plan, k, rank, &on, &format!("ncclDevCommCreate failed: ncclResult_t {code} {}", nccl_text(code)))),
+        Err(code) => {
+            return Err(unavailable_on(plan, k, rank, &on, &format!("ncclDevCommCreate failed: ncclResult_t {code} {}", nccl_text(code))))
+        }
     };
     if info.gin_context_count < 1 {
-        return Err(unavailable_on(plan, k, rank, &on, &format!("ncclDevCommCreate granted 0 GIN contexts ({} asked)", plan.contexts_per_comm)));
+        return Err(unavailable_on(
+            plan,
+            k,
+            rank,
+            &on,
+            &format!("ncclDevCommCreate granted 0 GIN contexts ({} asked)", plan.contexts_per_comm),
+        ));
     }
     let Some(gin_type) = GinType::from_code(info.gin_type) else {
         return Err(unavailable_on(plan, k, rank, &on, &format!("NCCL reported an unknown GIN type {}", info.gin_type)));
@@ -329,7 +362,10 @@ pub fn granted_on(plan: &GinPlan, k: &GinKnobs, rank: usize, comm: usize, result
         return Err(Error::Device {
             op: OP,
             what,
-            detail: format!("NCCL granted {} GIN signals, the buffer needs {}; raise NCCL_GIN_SIGNAL_POOL_SIZE", info.gin_signal_count, plan.signals),
+            detail: format!(
+                "NCCL granted {} GIN signals, the buffer needs {}; raise NCCL_GIN_SIGNAL_POOL_SIZE",
+                info.gin_signal_count, plan.signals
+            ),
         });
     }
     Ok(GinDevComm { devcomm, info, gin_type })
@@ -402,7 +438,9 @@ mod tests {
     #[test]
     fn knobs_parse_and_reject_with_the_variable_named() {
         assert_eq!(knobs(&[]).unwrap(), GinKnobs::default());
-        let k = knobs(&[("DEEP_EP_RDMA_TRANSPORT", "LSA"), ("DEEP_EP_GIN_CONTEXTS", "2"), ("DEEP_EP_GIN_COMMS", "3"), ("NCCL_GIN_TYPE", "3")]).unwrap();
+        let k =
+            knobs(&[("DEEP_EP_RDMA_TRANSPORT", "LSA"), ("DEEP_EP_GIN_CONTEXTS", "2"), ("DEEP_EP_GIN_COMMS", "3"), ("NCCL_GIN_TYPE", "3")])
+                .unwrap();
         assert_eq!(k, GinKnobs { transport: Some(RdmaTransport::Lsa), contexts: Some(2), comms: Some(3), gin_type: Some(GinType::Gdaki) });
         assert_eq!(knobs(&[("NCCL_GIN_TYPE", " ")]).unwrap().gin_type, None);
         let err = |p: &[(&str, &str)]| knobs(p).unwrap_err().to_string();
@@ -436,7 +474,10 @@ mod tests {
         for rr in 2..=MAX_NODES {
             assert_eq!(plan(Workload::Normal { num_rdma_ranks: rr }, &GinKnobs::default()).unwrap().signals, SEAM_SIGNALS);
         }
-        assert_eq!(plan(Workload::Normal { num_rdma_ranks: 2 }, &knobs(&[("DEEP_EP_GIN_CONTEXTS", "2")]).unwrap()).unwrap().contexts_per_comm, 2);
+        assert_eq!(
+            plan(Workload::Normal { num_rdma_ranks: 2 }, &knobs(&[("DEEP_EP_GIN_CONTEXTS", "2")]).unwrap()).unwrap().contexts_per_comm,
+            2
+        );
         assert!(plan(Workload::Normal { num_rdma_ranks: 9 }, &GinKnobs::default()).is_err());
     }
 
@@ -446,7 +487,10 @@ mod tests {
         let k = knobs(&[("DEEP_EP_GIN_COMMS", "2")]).unwrap();
         let p = plan(Workload::LowLatency { num_local_experts: 8, num_ranks: 32 }, &k).unwrap();
         assert_eq!((p.num_comms, p.contexts_per_comm, p.qps_per_peer(), p.signals), (2, 4, 8, 4 * 8 * 32));
-        assert_eq!((0..9).map(|e| p.route(e)).collect::<Vec<_>>(), vec![(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3), (0, 0)]);
+        assert_eq!(
+            (0..9).map(|e| p.route(e)).collect::<Vec<_>>(),
+            vec![(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3), (0, 0)]
+        );
         let mut ids = HashSet::new();
         for combine in [false, true] {
             for half in 0..2 {
@@ -462,7 +506,8 @@ mod tests {
         // One local expert (EP256 with 256 experts): one context unless asked.
         let p = plan(Workload::LowLatency { num_local_experts: 1, num_ranks: 256 }, &GinKnobs::default()).unwrap();
         assert_eq!((p.contexts_per_comm, p.signals), (1, 1024));
-        let p = plan(Workload::LowLatency { num_local_experts: 1, num_ranks: 256 }, &knobs(&[("DEEP_EP_GIN_CONTEXTS", "4")]).unwrap()).unwrap();
+        let p =
+            plan(Workload::LowLatency { num_local_experts: 1, num_ranks: 256 }, &knobs(&[("DEEP_EP_GIN_CONTEXTS", "4")]).unwrap()).unwrap();
         assert_eq!(p.qps_per_peer(), 4);
         assert!(plan(Workload::Normal { num_rdma_ranks: 1 }, &GinKnobs::default()).is_err());
     }
@@ -506,7 +551,13 @@ mod tests {
         assert_eq!(p.requirements(), buffer_plan(&gin, 4, 2, true).unwrap().unwrap().requirements());
         let p = buffer_plan(&k, 4, 2, false).unwrap().unwrap();
         assert_eq!((p.num_comms, p.qps_per_peer()), (3, 3));
-        assert_eq!(buffer_plan(&knobs(&[("DEEP_EP_RDMA_TRANSPORT", "gin"), ("DEEP_EP_GIN_COMMS", "1")]).unwrap(), 4, 2, true).unwrap().unwrap().num_comms, 1);
+        assert_eq!(
+            buffer_plan(&knobs(&[("DEEP_EP_RDMA_TRANSPORT", "gin"), ("DEEP_EP_GIN_COMMS", "1")]).unwrap(), 4, 2, true)
+                .unwrap()
+                .unwrap()
+                .num_comms,
+            1
+        );
         // Without GIN the knob changes nothing.
         assert_eq!(buffer_plan(&knobs(&[("DEEP_EP_GIN_COMMS", "8")]).unwrap(), 4, 2, true).unwrap(), None);
     }
@@ -549,7 +600,16 @@ mod tests {
     }
 
     fn info(contexts: i32, ty: i32, signals: i32) -> GinInfo {
-        GinInfo { rank: 0, num_ranks: 16, lsa_rank: 0, lsa_size: 8, gin_context_count: contexts, gin_type: ty, gin_signal_count: signals, gin_counter_count: 0 }
+        GinInfo {
+            rank: 0,
+            num_ranks: 16,
+            lsa_rank: 0,
+            lsa_size: 8,
+            gin_context_count: contexts,
+            gin_type: ty,
+            gin_signal_count: signals,
+            gin_counter_count: 0,
+        }
     }
 
     #[test]
@@ -562,11 +622,17 @@ mod tests {
 
         let e = granted(&p, &GinKnobs::default(), 0, Ok((vec![], info(0, 0, 0))), text).unwrap_err().to_string();
         assert!(e.starts_with("deep_ep::create_buffer: GIN setup on rank 0 failed: NCCL GPU-initiated networking is unavailable: ncclDevCommCreate granted 0 GIN contexts (4 asked)"), "{e}");
-        assert!(e.contains("GPUDirect-RDMA capable NIC") && e.contains("DEEP_EP_RDMA_TRANSPORT=lsa") && e.contains("4 QPs per peer"), "{e}");
+        assert!(
+            e.contains("GPUDirect-RDMA capable NIC") && e.contains("DEEP_EP_RDMA_TRANSPORT=lsa") && e.contains("4 QPs per peer"),
+            "{e}"
+        );
 
         let k = knobs(&[("NCCL_GIN_TYPE", "3")]).unwrap();
         let e = granted(&p, &k, 0, Err(5), |c| format!("(code {c}: invalid usage)")).unwrap_err().to_string();
-        assert!(e.contains("unavailable (NCCL_GIN_TYPE=3 asked for Gdaki): ncclDevCommCreate failed: ncclResult_t 5 (code 5: invalid usage)"), "{e}");
+        assert!(
+            e.contains("unavailable (NCCL_GIN_TYPE=3 asked for Gdaki): ncclDevCommCreate failed: ncclResult_t 5 (code 5: invalid usage)"),
+            "{e}"
+        );
         let e = granted(&p, &k, 0, Ok((vec![], info(4, 2, 40))), text).unwrap_err().to_string();
         assert!(e.contains("NCCL_GIN_TYPE=3 (Gdaki) was set but NCCL granted Proxy (2)"), "{e}");
         let e = granted(&p, &GinKnobs::default(), 0, Ok((vec![], info(4, 2, 39))), text).unwrap_err().to_string();
@@ -578,7 +644,12 @@ mod tests {
         let e = granted_on(&p2, &k2, 3, 1, Ok((vec![], info(4, 3, 1023))), text).unwrap_err().to_string();
         assert!(e.contains("GIN setup on rank 3 (communicator 1 of 2) failed: NCCL granted 1023 GIN signals"), "{e}");
         let e = granted_on(&p2, &k2, 3, 0, Err(2), text).unwrap_err().to_string();
-        assert!(e.starts_with("deep_ep::create_buffer: GIN setup on rank 3 (communicator 0 of 2) failed: NCCL GPU-initiated networking is unavailable"), "{e}");
+        assert!(
+            e.starts_with(
+                "deep_ep::create_buffer: GIN setup on rank 3 (communicator 0 of 2) failed: NCCL GPU-initiated networking is unavailable"
+            ),
+            "{e}"
+        );
         assert!(e.contains("8 QPs per peer (2 communicator(s) x 4 contexts)"), "{e}");
     }
 
@@ -590,7 +661,10 @@ mod tests {
         assert_eq!(self_test_stride(Some("1"), Some("2"), 3, 4).unwrap(), Some(2));
         // One domain: everyone pings everyone.
         assert_eq!(self_test_stride(Some("1"), None, 0, 4).unwrap(), Some(1));
-        assert!(self_test_stride(Some("yes"), None, 0, 4).unwrap_err().to_string().contains("DEEP_EP_TRANSPORT_SELFTEST must be 0, 1 or a node size >= 2"));
+        assert!(self_test_stride(Some("yes"), None, 0, 4)
+            .unwrap_err()
+            .to_string()
+            .contains("DEEP_EP_TRANSPORT_SELFTEST must be 0, 1 or a node size >= 2"));
         // A node size for the self-test alone: 2 x 2 rails; 4 = one node.
         assert_eq!(self_test_stride(Some("2"), None, 1, 4).unwrap(), Some(2));
         assert_eq!(self_test_stride(Some("4"), Some("2"), 1, 4).unwrap(), Some(1));

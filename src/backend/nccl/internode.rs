@@ -32,14 +32,16 @@
 use super::gin::ht_signal_base;
 use super::normal::{channels, check_blocks, i32_of, is_int64, opt_ptr, opt_ptr_mut, ptr, ptr_mut, scales_of};
 use super::NcclBackend;
-use crate::backend::internode::{InternodeCachedDispatchArgs, InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutputs, InternodeHandle, InternodePlan};
+use crate::backend::internode::{
+    InternodeCachedDispatchArgs, InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutputs, InternodeHandle, InternodePlan,
+};
 use crate::backend::{CombineOutputs, DispatchPlan};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::ffi::internode::{self as k, kind, step, InArgs};
+use crate::ffi::internode::{NET_BYTES, NET_GIN, NET_LSA, NET_OFF};
 use crate::ffi::intranode::{CheckArgs, CONTROL_BYTES, MAX_LOCAL_EXPERTS};
 use crate::ffi::transport::{LsaDesc, MAX_LSA_PEERS};
-use crate::ffi::internode::{NET_BYTES, NET_GIN, NET_LSA, NET_OFF};
 use crate::tensor::TensorRef;
 use std::ffi::c_void;
 
@@ -140,7 +142,12 @@ impl NcclBackend {
         crate::ensure!(nr <= MAX_LSA_PEERS, op, "internal: {nr} ranks for the LSA emulation");
         let data_off = k::CTRL_OFF + k::CTRL_BYTES;
         let data_end = if self.info.low_latency_mode { CONTROL_BYTES + self.info.num_nvl_bytes } else { self.window.bytes() };
-        crate::ensure!(data_end > data_off + (1 << 20), op, "the buffer's window ({} bytes) leaves no room for internode data: raise num_nvl_bytes / num_rdma_bytes", self.window.bytes());
+        crate::ensure!(
+            data_end > data_off + (1 << 20),
+            op,
+            "the buffer's window ({} bytes) leaves no room for internode data: raise num_nvl_bytes / num_rdma_bytes",
+            self.window.bytes()
+        );
         Ok(Geo { d, rr, c, data_off, data_end })
     }
 
@@ -211,7 +218,11 @@ impl NcclBackend {
         let s = b.x_scales.as_ref().map_or(0, |t| t.size(1));
         let kk = b.topk_idx.as_ref().map_or(0, |t| t.size(1));
         let el = b.num_experts / nr;
-        crate::ensure!(el <= MAX_LOCAL_EXPERTS, DISPATCH, "{el} local experts per rank is above the nccl backend's limit of {MAX_LOCAL_EXPERTS}");
+        crate::ensure!(
+            el <= MAX_LOCAL_EXPERTS,
+            DISPATCH,
+            "{el} local experts per rank is above the nccl backend's limit of {MAX_LOCAL_EXPERTS}"
+        );
         crate::ensure!(b.x.is_contiguous(), DISPATCH, "x must be contiguous on the nccl backend");
         let blk = block_bytes(g.rr, g.d, g.c, el, true);
         let rec = record_bytes(rb, s, kk);
@@ -225,7 +236,16 @@ impl NcclBackend {
         args.num_scales = s as i32;
         args.topk_is_int64 = is_int64(b.topk_idx.as_ref());
         args.expert_alignment = i32_of(b.expert_alignment.max(1));
-        args.signature = signature(&[kind::DISPATCH as u64, rb as u64, s as u64, kk as u64, b.num_experts as u64, g.c as u64, g.data_end as u64, b.topk_weights.is_some() as u64]);
+        args.signature = signature(&[
+            kind::DISPATCH as u64,
+            rb as u64,
+            s as u64,
+            kk as u64,
+            b.num_experts as u64,
+            g.c as u64,
+            g.data_end as u64,
+            b.topk_weights.is_some() as u64,
+        ]);
         args.num_tokens = n as i64;
         args.row_bytes = rb as i64;
         args.num_worst = b.num_worst_tokens as i64;
@@ -277,7 +297,11 @@ impl NcclBackend {
         let el = args.num_local_experts as usize;
         if !host_counts {
             let w = b.num_worst_tokens;
-            return Ok(InternodePlan { plan: DispatchPlan { num_recv_tokens: 0, num_rows: w, num_recv_tokens_per_expert: vec![0; el] }, num_rdma_recv_tokens: 0, num_rdma_rows: w });
+            return Ok(InternodePlan {
+                plan: DispatchPlan { num_recv_tokens: 0, num_rows: w, num_recv_tokens_per_expert: vec![0; el] },
+                num_rdma_recv_tokens: 0,
+                num_rdma_rows: w,
+            });
         }
         let rows = self.wait_recv_count(DISPATCH, b.stream)?;
         let rdma = self.window.status().recv_rdma_count().max(0) as usize;
@@ -342,7 +366,12 @@ impl NcclBackend {
         args.num_rdma_rows = h.send_nvl_head.size(0) as i64;
     }
 
-    pub(super) fn in_cached_dispatch(&mut self, a: &InternodeCachedDispatchArgs, recv_x: &TensorRef, recv_scales: Option<&TensorRef>) -> Result<()> {
+    pub(super) fn in_cached_dispatch(
+        &mut self,
+        a: &InternodeCachedDispatchArgs,
+        recv_x: &TensorRef,
+        recv_scales: Option<&TensorRef>,
+    ) -> Result<()> {
         self.check_pending(CACHED, a.stream)?;
         let g = self.in_geo(CACHED, &a.config)?;
         let (n, rb) = (a.x.size(0), a.x.size(1) * a.x.dtype.size());
@@ -390,7 +419,9 @@ impl NcclBackend {
         let n = o.combined_x.size(0);
         let rdma_rows = a.handle.send_nvl_head.size(0);
         crate::ensure!(
-            o.combined_x.numel() == n * hidden && o.combined_x.is_contiguous() && o.combined_topk_weights.as_ref().map_or(kk == 0, |w| w.numel() == n * kk),
+            o.combined_x.numel() == n * hidden
+                && o.combined_x.is_contiguous()
+                && o.combined_topk_weights.as_ref().map_or(kk == 0, |w| w.numel() == n * kk),
             COMBINE,
             "internal: combine outputs do not match [{n}, {hidden}] / [{n}, {kk}]"
         );

@@ -235,7 +235,9 @@ mod tests {
         assert_eq!(s.end, s.cnt_off + 16);
         assert!([s.meta_off, s.idx_off, s.cnt_off].iter().all(|o| o % 16 == 0));
         // Every geometry of the GPU suite (2 x 2 and more) fits the send half.
-        for (r, e, t, h) in [(4, 8, 1500, 2048), (4, 8, 1, 2176), (4, 288, 128, 7168), (8, 16, 512, 4096), (16, 32, 128, 2048), (2, 4, 128, 2048)] {
+        for (r, e, t, h) in
+            [(4, 8, 1500, 2048), (4, 8, 1, 2176), (4, 288, 128, 7168), (8, 16, 512, 4096), (16, 32, 128, 2048), (2, 4, 128, 2048)]
+        {
             let g = LlGeometry { num_max_dispatch_tokens_per_rank: t, hidden: h, num_experts: e };
             let w = g.wire(r).unwrap();
             let st = Staging::new(r, e, t, w.msg_bytes);

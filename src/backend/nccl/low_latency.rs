@@ -41,14 +41,16 @@
 //! leaves the buffer unusable (every later kernel returns at once).
 
 use super::{ll_seam, NcclBackend};
-use crate::backend::{LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlStats, Stream};
+use crate::backend::{
+    LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlStats, Stream,
+};
 use crate::config::BUFFER_ALIGNMENT;
 use crate::error::{Error, Result};
-use crate::ffi::intranode::{self, err, site, CONTROL_BYTES};
 use crate::ffi::host_mask::SHRINK_WORD;
+use crate::ffi::intranode::{self, err, site, CONTROL_BYTES};
 use crate::ffi::low_latency::{self as k, LlArgs};
-use crate::tensor::{DType, TensorRef};
 use crate::ops::low_latency::{CLEAN as OP_CLEAN, COMBINE as OP_COMBINE, DISPATCH as OP_DISPATCH, NEXT as OP_NEXT};
+use crate::tensor::{DType, TensorRef};
 /// Blocks of the dispatch receive (128 threads each, ~4 per SM of an H100/H200, all resident).
 const RECV_BLOCKS: i32 = 528;
 /// Blocks of a partial combine send (128 threads each), over the source ranks. 528 (all resident,
@@ -97,7 +99,12 @@ fn opt_ptr<T>(t: Option<&TensorRef>) -> *mut T {
     t.map_or(std::ptr::null_mut(), ptr)
 }
 fn aligned(op: &'static str, name: &str, t: &TensorRef) -> Result<()> {
-    crate::ensure!(t.data_ptr() as usize % 16 == 0, op, "{name} must start at a 16-byte aligned address on the nccl backend (got a view at {:p})", t.data_ptr());
+    crate::ensure!(
+        t.data_ptr() as usize % 16 == 0,
+        op,
+        "{name} must start at a 16-byte aligned address on the nccl backend (got a view at {:p})",
+        t.data_ptr()
+    );
     Ok(())
 }
 
@@ -120,14 +127,31 @@ impl NcclBackend {
         };
         let need = lay.total_bytes();
         let ll_off = CONTROL_BYTES + self.info.num_nvl_bytes.div_ceil(BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT;
-        crate::ensure!(ll_off + need <= self.window.bytes(), op, "internal: LL area [{ll_off}, +{need}) outside the window of {} bytes", self.window.bytes());
+        crate::ensure!(
+            ll_off + need <= self.window.bytes(),
+            op,
+            "internal: LL area [{ll_off}, +{need}) outside the window of {} bytes",
+            self.window.bytes()
+        );
         // Internode: peers outside the NVLink domain through the seam (ll_seam.rs).
-        let (mut net, mut shadow_off, mut stage, mut nvl_domain, mut net_kind) = (std::ptr::null(), 0, ll_seam::Staging { meta_off: 0, idx_off: 0, cnt_off: 0, end: 0 }, 0, 0);
+        let (mut net, mut shadow_off, mut stage, mut nvl_domain, mut net_kind) =
+            (std::ptr::null(), 0, ll_seam::Staging { meta_off: 0, idx_off: 0, cnt_off: 0, end: 0 }, 0, 0);
         if let Some(seam) = &self.seam {
             stage = ll_seam::Staging::new(self.info.num_ranks, e, t, wire.msg_bytes);
             stage.check(op, lay.send_bytes)?;
-            crate::ensure!(ll_seam::combine_stage_bytes(e, t, h) <= lay.send_bytes, op, "internal: combine staging of {} bytes outside the send region of {} bytes", ll_seam::combine_stage_bytes(e, t, h), lay.send_bytes);
-            crate::ensure!(seam.layout.end <= self.window.bytes(), op, "internal: seam area outside the window of {} bytes", self.window.bytes());
+            crate::ensure!(
+                ll_seam::combine_stage_bytes(e, t, h) <= lay.send_bytes,
+                op,
+                "internal: combine staging of {} bytes outside the send region of {} bytes",
+                ll_seam::combine_stage_bytes(e, t, h),
+                lay.send_bytes
+            );
+            crate::ensure!(
+                seam.layout.end <= self.window.bytes(),
+                op,
+                "internal: seam area outside the window of {} bytes",
+                self.window.bytes()
+            );
             net = (self.window.ctx().peer_base[self.info.rank] as *const u8).wrapping_add(seam.layout.desc_off).cast();
             shadow_off = seam.layout.shadow_off as u64;
             nvl_domain = seam.nvl_domain as i32;
@@ -219,12 +243,24 @@ impl NcclBackend {
         Ok(())
     }
 
-    pub(super) fn ll_dispatch_send_impl(&mut self, g: &LlGeometry, o: &LlDispatchOptions, s: &LlDispatchSendArgs, out: &LlDispatchOutputs, stream: Stream) -> Result<()> {
+    pub(super) fn ll_dispatch_send_impl(
+        &mut self,
+        g: &LlGeometry,
+        o: &LlDispatchOptions,
+        s: &LlDispatchSendArgs,
+        out: &LlDispatchOutputs,
+        stream: Stream,
+    ) -> Result<()> {
         self.check_ll_pending(OP_DISPATCH, stream)?;
         let mut a = self.ll_args(OP_DISPATCH, g)?;
         let n = s.x.size(0);
         let k = if s.topk_idx.ndim() == 2 { s.topk_idx.size(1) } else { 0 };
-        crate::ensure!(n <= g.num_max_dispatch_tokens_per_rank, OP_DISPATCH, "x has {n} tokens, more than num_max_dispatch_tokens_per_rank ({})", g.num_max_dispatch_tokens_per_rank);
+        crate::ensure!(
+            n <= g.num_max_dispatch_tokens_per_rank,
+            OP_DISPATCH,
+            "x has {n} tokens, more than num_max_dispatch_tokens_per_rank ({})",
+            g.num_max_dispatch_tokens_per_rank
+        );
         crate::ensure!(k <= 16, OP_DISPATCH, "num_topk must be <= 16 on the nccl backend, got {k}");
         aligned(OP_DISPATCH, "x", &s.x)?;
         a.use_fp8 = o.use_fp8 as i32;
@@ -246,7 +282,14 @@ impl NcclBackend {
         Ok(())
     }
 
-    pub(super) fn ll_dispatch_recv_impl(&mut self, g: &LlGeometry, o: &LlDispatchOptions, out: &LlDispatchOutputs, st: &LlStats, stream: Stream) -> Result<()> {
+    pub(super) fn ll_dispatch_recv_impl(
+        &mut self,
+        g: &LlGeometry,
+        o: &LlDispatchOptions,
+        out: &LlDispatchOutputs,
+        st: &LlStats,
+        stream: Stream,
+    ) -> Result<()> {
         self.check_ll_pending(OP_DISPATCH, stream)?;
         let mut a = self.ll_args(OP_DISPATCH, g)?;
         a.use_fp8 = o.use_fp8 as i32;
@@ -301,7 +344,12 @@ impl NcclBackend {
         let mut a = self.ll_args(OP_COMBINE, g)?;
         let n = r.out.size(0);
         let k = if r.topk_idx.ndim() == 2 { r.topk_idx.size(1) } else { 0 };
-        crate::ensure!(n <= g.num_max_dispatch_tokens_per_rank, OP_COMBINE, "out has {n} tokens, more than num_max_dispatch_tokens_per_rank ({})", g.num_max_dispatch_tokens_per_rank);
+        crate::ensure!(
+            n <= g.num_max_dispatch_tokens_per_rank,
+            OP_COMBINE,
+            "out has {n} tokens, more than num_max_dispatch_tokens_per_rank ({})",
+            g.num_max_dispatch_tokens_per_rank
+        );
         crate::ensure!(k <= 16, OP_COMBINE, "num_topk must be <= 16 on the nccl backend, got {k}");
         aligned(OP_COMBINE, "out", &r.out)?;
         a.num_tokens = n as i32;
@@ -320,13 +368,18 @@ impl NcclBackend {
         self.check_ll_pending(OP_CLEAN, stream)?;
         let a = self.ll_args(OP_CLEAN, g)?;
         self.ll_reset_signals(OP_CLEAN, &a, stream)?;
-        self.ll = LlState { next_half: 0, geometry: Some((a.num_max_tokens as usize, a.hidden as usize, a.num_experts as usize)), ..LlState::default() };
+        self.ll = LlState {
+            next_half: 0,
+            geometry: Some((a.num_max_tokens as usize, a.hidden as usize, a.num_experts as usize)),
+            ..LlState::default()
+        };
         Ok(())
     }
 
     pub(super) fn ll_next_combine_buffer_impl(&mut self, g: &LlGeometry) -> Result<TensorRef> {
         let a = self.ll_args(OP_NEXT, g)?;
-        let (r, el, t, h) = (self.info.num_ranks as i64, (g.num_experts / self.info.num_ranks) as i64, a.num_max_tokens as i64, a.hidden as i64);
+        let (r, el, t, h) =
+            (self.info.num_ranks as i64, (g.num_experts / self.info.num_ranks) as i64, a.num_max_tokens as i64, a.hidden as i64);
         let (rt, m) = (r * t, h + h / 128 * 2);
         let off = a.ll_off + 2 * a.signal_bytes + self.ll.next_half as u64 * a.send_bytes;
         let base = self.window.ctx().peer_base[self.info.rank] as *mut u8;

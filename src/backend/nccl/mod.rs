@@ -42,7 +42,11 @@ mod normal;
 pub mod window;
 
 use super::internode::{InternodeCachedDispatchArgs, InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutputs, InternodePlan};
-use super::{Backend, BackendKind, BufferInfo, CachedDispatchArgs, CombineArgs, CombineOutputs, CreateArgs, DispatchArgs, DispatchOutputs, DispatchPlan, LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlRowsArgs, LlStats, Stream, UNIQUE_ID_BYTES};
+use super::{
+    Backend, BackendKind, BufferInfo, CachedDispatchArgs, CombineArgs, CombineOutputs, CreateArgs, DispatchArgs, DispatchOutputs,
+    DispatchPlan, LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlRowsArgs,
+    LlStats, Stream, UNIQUE_ID_BYTES,
+};
 use crate::error::{Error, Result};
 use crate::ffi::host_mask::{HostMask, SHRINK_WORD};
 use crate::ffi::intranode::MAX_RANKS;
@@ -75,13 +79,22 @@ fn ni(kind: BackendKind, op: &'static str, feature: &'static str) -> Error {
 /// that (every other rank's pointer NULL, so a kernel that still addresses one faults) and sets up
 /// the global barrier (destroy, LL signal reset) over the buffer's seam: GIN with signal ids after
 /// the plan's, or the LSA emulation through the window's LSA pointers. Local.
-fn split_setup(op: &'static str, window: &dyn window::PeerWindow, topo: &crate::topology::Topology, gin_plan: Option<&gin::GinPlan>) -> Result<()> {
+fn split_setup(
+    op: &'static str,
+    window: &dyn window::PeerWindow,
+    topo: &crate::topology::Topology,
+    gin_plan: Option<&gin::GinPlan>,
+) -> Result<()> {
     use crate::ffi::global_barrier;
     let ctx = window.ctx();
     let n = ctx.num_ranks as usize;
     let own: Vec<usize> = (0..n).filter(|&p| !ctx.peer_base[p].is_null()).collect();
     let domain: Vec<usize> = topo.nvl_peers().collect();
-    crate::ensure!(own == domain && ctx.nvl_ranks as usize == topo.num_nvl_ranks(), op, "internal: the kernels address the windows of ranks {own:?}, not exactly this NVLink domain {domain:?}");
+    crate::ensure!(
+        own == domain && ctx.nvl_ranks as usize == topo.num_nvl_ranks(),
+        op,
+        "internal: the kernels address the windows of ranks {own:?}, not exactly this NVLink domain {domain:?}"
+    );
     let how = match (gin_plan, window.gin()) {
         (Some(p), Some(_)) => {
             global_barrier::setup_gin(op, ctx, &window.gin_all(), gin::barrier_signal_base(p))?;
@@ -133,12 +146,14 @@ impl NcclBackend {
         // communicator, created before its window is registered (nccl_window.rs).
         let gin_plan = gin::buffer_plan(&knobs, a.num_ranks, topo.num_rdma_ranks(), a.low_latency_mode)?;
         let seam_bytes = net_kind.map_or(0, |_| ll_seam::SeamLayout::extra_bytes(a.num_rdma_bytes));
-        let mut data_bytes = a.num_nvl_bytes + low_latency::extra_window_bytes(a.num_nvl_bytes, a.num_rdma_bytes, a.low_latency_mode) + seam_bytes;
+        let mut data_bytes =
+            a.num_nvl_bytes + low_latency::extra_window_bytes(a.num_nvl_bytes, a.num_rdma_bytes, a.low_latency_mode) + seam_bytes;
         let d = crate::topology::nvl_domain_size()?;
         if a.num_ranks > d && !a.low_latency_mode {
             // Internode normal mode: its control area (after the transport self-test's) and the
             // RDMA area next to the NVLink one (internode.rs lays out the whole data area).
-            data_bytes += crate::ffi::internode::CTRL_OFF + crate::ffi::internode::CTRL_BYTES - crate::ffi::intranode::CONTROL_BYTES + a.num_rdma_bytes;
+            data_bytes += crate::ffi::internode::CTRL_OFF + crate::ffi::internode::CTRL_BYTES - crate::ffi::intranode::CONTROL_BYTES
+                + a.num_rdma_bytes;
         }
         crate::ffi::internode::check_struct_size(OP)?;
         let timeout_ns = timeout.as_nanos().min(u64::MAX as u128) as u64;
@@ -147,7 +162,15 @@ impl NcclBackend {
             let Some(p) = &gin_plan else { return Ok(()) };
             let text = |c: i32| nccl::library().map(|l| nccl::error_text(l, c)).unwrap_or_default();
             let g = gin::granted_on(p, &knobs, a.rank, comm, r, text)?;
-            crate::log_info!(Some(a.rank), "{OP}: NCCL granted GIN on communicator {comm} of {} ({:?}, {} of {} contexts, {} signals)", p.num_comms, g.gin_type, g.info.gin_context_count, p.contexts_per_comm, g.info.gin_signal_count);
+            crate::log_info!(
+                Some(a.rank),
+                "{OP}: NCCL granted GIN on communicator {comm} of {} ({:?}, {} of {} contexts, {} signals)",
+                p.num_comms,
+                g.gin_type,
+                g.info.gin_context_count,
+                p.contexts_per_comm,
+                g.info.gin_signal_count
+            );
             Ok(())
         };
         let window: Box<dyn window::PeerWindow> = match kind {
@@ -156,16 +179,38 @@ impl NcclBackend {
                 let gin = gin_plan.as_ref().map(|p| GinSetup { reqs: p.requirements(), comms: p.num_comms, judge: &judge });
                 // Internode: the kernels get the windows of their own NVLink domain only.
                 let nvl_domain = if topo.num_rdma_ranks() >= 2 { topo.num_nvl_ranks() } else { a.num_ranks };
-                Box::new(Window::create(&WindowArgs { unique_id: &unique_id, rank: a.rank, num_ranks: a.num_ranks, nvl_domain, device, data_bytes, timeout_ns, transport_self_test, gin })?)
+                Box::new(Window::create(&WindowArgs {
+                    unique_id: &unique_id,
+                    rank: a.rank,
+                    num_ranks: a.num_ranks,
+                    nvl_domain,
+                    device,
+                    data_bytes,
+                    timeout_ns,
+                    transport_self_test,
+                    gin,
+                })?)
             }
             #[cfg(feature = "nvshmem")]
             BackendKind::Nvshmem if gin_plan.is_some() => {
-                return Err(ni(kind, OP, "internode buffers over NCCL GIN (DEEP_EP_RDMA_TRANSPORT=gin) on NVSHMEM windows; use backend nccl"));
+                return Err(ni(
+                    kind,
+                    OP,
+                    "internode buffers over NCCL GIN (DEEP_EP_RDMA_TRANSPORT=gin) on NVSHMEM windows; use backend nccl",
+                ));
             }
             #[cfg(feature = "nvshmem")]
             BackendKind::Nvshmem => {
                 use crate::ffi::nvshmem_window as nw;
-                Box::new(nw::Window::create(&nw::WindowArgs { unique_id: &unique_id, rank: a.rank, num_ranks: a.num_ranks, device, data_bytes, timeout_ns, transport_self_test })?)
+                Box::new(nw::Window::create(&nw::WindowArgs {
+                    unique_id: &unique_id,
+                    rank: a.rank,
+                    num_ranks: a.num_ranks,
+                    device,
+                    data_bytes,
+                    timeout_ns,
+                    transport_self_test,
+                })?)
             }
             other => return Err(Error::invalid(OP, format!("internal: backend {} has no peer window", other.name()))),
         };
@@ -178,17 +223,35 @@ impl NcclBackend {
                     crate::ffi::transport::write_gin_desc(OP, window.ctx(), layout.desc_off, ll_seam::DESC_BYTES, &comms)?;
                     "NCCL GIN"
                 } else {
-                    crate::ffi::transport::write_lsa_desc(OP, window.ctx(), &window.lsa_bases(), layout.desc_off, layout.signal_off, ll_seam::LSA_CONTEXTS, ll_seam::SIGNALS)?;
+                    crate::ffi::transport::write_lsa_desc(
+                        OP,
+                        window.ctx(),
+                        &window.lsa_bases(),
+                        layout.desc_off,
+                        layout.signal_off,
+                        ll_seam::LSA_CONTEXTS,
+                        ll_seam::SIGNALS,
+                    )?;
                     "LSA emulation"
                 };
-                crate::log_info!(Some(a.rank), "{OP}: low-latency kernels reach ranks {:?} (outside this NVLink domain of {}) through the transport seam ({name})", ll_seam::remote_peers(&topo), topo.num_nvl_ranks());
+                crate::log_info!(
+                    Some(a.rank),
+                    "{OP}: low-latency kernels reach ranks {:?} (outside this NVLink domain of {}) through the transport seam ({name})",
+                    ll_seam::remote_peers(&topo),
+                    topo.num_nvl_ranks()
+                );
                 Some(ll_seam::Seam { layout, nvl_domain: topo.num_nvl_ranks(), kind })
             }
             None => None,
         };
         // Internode normal mode over GIN: the kernels' GinNet in the internode control area.
         if !a.low_latency_mode && topo.num_rdma_ranks() > 1 && internode::write_gin_net(OP, window.as_ref())? {
-            crate::log_info!(Some(a.rank), "{OP}: normal-mode kernels reach ranks {:?} (outside this NVLink domain of {}) through the transport seam (NCCL GIN)", ll_seam::remote_peers(&topo), topo.num_nvl_ranks());
+            crate::log_info!(
+                Some(a.rank),
+                "{OP}: normal-mode kernels reach ranks {:?} (outside this NVLink domain of {}) through the transport seam (NCCL GIN)",
+                ll_seam::remote_peers(&topo),
+                topo.num_nvl_ranks()
+            );
         }
         if window.ctx().split() {
             split_setup(OP, window.as_ref(), &topo, gin_plan.as_ref())?;
@@ -231,7 +294,11 @@ impl NcclBackend {
         let (now, seen) = (self.mask_bits(), self.mask_seen.get());
         if now & !seen != 0 {
             let ranks: Vec<usize> = (0..self.info.num_ranks).filter(|&r| (now & !seen) >> r & 1 != 0).collect();
-            crate::log_warn!(Some(self.info.rank), "{op}: rank(s) {ranks:?} did not arrive within {} ms; shrink mode masked them", self.timeout_ms());
+            crate::log_warn!(
+                Some(self.info.rank),
+                "{op}: rank(s) {ranks:?} did not arrive within {} ms; shrink mode masked them",
+                self.timeout_ms()
+            );
         }
         self.mask_seen.set(now);
     }
@@ -242,22 +309,61 @@ impl NcclBackend {
 }
 
 impl Backend for NcclBackend {
-    fn info(&self) -> &BufferInfo { &self.info }
-    fn dispatch_prepare(&mut self, a: &DispatchArgs) -> Result<DispatchPlan> { self.ht_dispatch_prepare(a) }
-    fn dispatch_finish(&mut self, a: &DispatchArgs, p: &DispatchPlan, o: &DispatchOutputs) -> Result<()> { self.ht_dispatch_finish(a, p, o) }
-    fn cached_dispatch(&mut self, a: &CachedDispatchArgs, x: &TensorRef, s: Option<&TensorRef>) -> Result<()> { self.ht_cached_dispatch(a, x, s) }
-    fn combine(&mut self, a: &CombineArgs, o: &CombineOutputs) -> Result<()> { self.ht_combine(a, o) }
-    fn internode_dispatch_prepare(&mut self, a: &InternodeDispatchArgs) -> Result<InternodePlan> { self.in_dispatch_prepare(a) }
-    fn internode_dispatch_finish(&mut self, a: &InternodeDispatchArgs, p: &InternodePlan, o: &InternodeDispatchOutputs) -> Result<()> { self.in_dispatch_finish(a, p, o) }
-    fn internode_cached_dispatch(&mut self, a: &InternodeCachedDispatchArgs, x: &TensorRef, s: Option<&TensorRef>) -> Result<()> { self.in_cached_dispatch(a, x, s) }
-    fn internode_combine(&mut self, a: &InternodeCombineArgs, o: &CombineOutputs) -> Result<()> { self.in_combine(a, o) }
-    fn ll_dispatch_send(&mut self, g: &LlGeometry, o: &LlDispatchOptions, a: &LlDispatchSendArgs, out: &LlDispatchOutputs, s: Stream) -> Result<()> { self.ll_dispatch_send_impl(g, o, a, out, s) }
-    fn ll_dispatch_recv(&mut self, g: &LlGeometry, o: &LlDispatchOptions, out: &LlDispatchOutputs, st: &LlStats, s: Stream) -> Result<()> { self.ll_dispatch_recv_impl(g, o, out, st, s) }
-    fn ll_combine_send(&mut self, g: &LlGeometry, a: &LlCombineSendArgs, s: Stream) -> Result<()> { self.ll_combine_send_impl(g, a, s) }
-    fn ll_combine_recv(&mut self, g: &LlGeometry, a: &LlCombineRecvArgs, st: &LlStats, s: Stream) -> Result<()> { self.ll_combine_recv_impl(g, a, st, s) }
-    fn ll_mask_rows(&mut self, op: &'static str, a: &LlRowsArgs, s: Stream) -> Result<()> { crate::ffi::ll_rows::mask_rows(op, a, s) }
-    fn clean_low_latency_buffer(&mut self, g: &LlGeometry, s: Stream) -> Result<()> { self.ll_clean_impl(g, s) }
-    fn next_low_latency_combine_buffer(&mut self, g: &LlGeometry) -> Result<TensorRef> { self.ll_next_combine_buffer_impl(g) }
+    fn info(&self) -> &BufferInfo {
+        &self.info
+    }
+    fn dispatch_prepare(&mut self, a: &DispatchArgs) -> Result<DispatchPlan> {
+        self.ht_dispatch_prepare(a)
+    }
+    fn dispatch_finish(&mut self, a: &DispatchArgs, p: &DispatchPlan, o: &DispatchOutputs) -> Result<()> {
+        self.ht_dispatch_finish(a, p, o)
+    }
+    fn cached_dispatch(&mut self, a: &CachedDispatchArgs, x: &TensorRef, s: Option<&TensorRef>) -> Result<()> {
+        self.ht_cached_dispatch(a, x, s)
+    }
+    fn combine(&mut self, a: &CombineArgs, o: &CombineOutputs) -> Result<()> {
+        self.ht_combine(a, o)
+    }
+    fn internode_dispatch_prepare(&mut self, a: &InternodeDispatchArgs) -> Result<InternodePlan> {
+        self.in_dispatch_prepare(a)
+    }
+    fn internode_dispatch_finish(&mut self, a: &InternodeDispatchArgs, p: &InternodePlan, o: &InternodeDispatchOutputs) -> Result<()> {
+        self.in_dispatch_finish(a, p, o)
+    }
+    fn internode_cached_dispatch(&mut self, a: &InternodeCachedDispatchArgs, x: &TensorRef, s: Option<&TensorRef>) -> Result<()> {
+        self.in_cached_dispatch(a, x, s)
+    }
+    fn internode_combine(&mut self, a: &InternodeCombineArgs, o: &CombineOutputs) -> Result<()> {
+        self.in_combine(a, o)
+    }
+    fn ll_dispatch_send(
+        &mut self,
+        g: &LlGeometry,
+        o: &LlDispatchOptions,
+        a: &LlDispatchSendArgs,
+        out: &LlDispatchOutputs,
+        s: Stream,
+    ) -> Result<()> {
+        self.ll_dispatch_send_impl(g, o, a, out, s)
+    }
+    fn ll_dispatch_recv(&mut self, g: &LlGeometry, o: &LlDispatchOptions, out: &LlDispatchOutputs, st: &LlStats, s: Stream) -> Result<()> {
+        self.ll_dispatch_recv_impl(g, o, out, st, s)
+    }
+    fn ll_combine_send(&mut self, g: &LlGeometry, a: &LlCombineSendArgs, s: Stream) -> Result<()> {
+        self.ll_combine_send_impl(g, a, s)
+    }
+    fn ll_combine_recv(&mut self, g: &LlGeometry, a: &LlCombineRecvArgs, st: &LlStats, s: Stream) -> Result<()> {
+        self.ll_combine_recv_impl(g, a, st, s)
+    }
+    fn ll_mask_rows(&mut self, op: &'static str, a: &LlRowsArgs, s: Stream) -> Result<()> {
+        crate::ffi::ll_rows::mask_rows(op, a, s)
+    }
+    fn clean_low_latency_buffer(&mut self, g: &LlGeometry, s: Stream) -> Result<()> {
+        self.ll_clean_impl(g, s)
+    }
+    fn next_low_latency_combine_buffer(&mut self, g: &LlGeometry) -> Result<TensorRef> {
+        self.ll_next_combine_buffer_impl(g)
+    }
     fn destroy(&mut self) -> Result<()> {
         let timeout_ms = self.timeout_ms();
         self.window.close(timeout_ms)
@@ -282,7 +388,11 @@ impl Backend for NcclBackend {
     fn wait_stats(&mut self, _reset: bool) -> Result<Vec<[i64; 2]>> {
         // Peer waits run in kernels (flag barriers); LL kernels report per-source wait time in
         // the dispatch/combine_wait_recv_cost_stats tensors instead.
-        Err(ni(self.info.backend, "deep_ep::wait_stats", "per-peer host wait statistics (waits run on the GPU; use the LL *_wait_recv_cost_stats tensors)"))
+        Err(ni(
+            self.info.backend,
+            "deep_ep::wait_stats",
+            "per-peer host wait statistics (waits run on the GPU; use the LL *_wait_recv_cost_stats tensors)",
+        ))
     }
 }
 
@@ -292,7 +402,15 @@ mod tests {
 
     #[test]
     fn create_validates_before_loading_nccl() {
-        let args = |id: &'static [u8], device| CreateArgs { unique_id: id, rank: 0, num_ranks: 2, device, num_nvl_bytes: 0, num_rdma_bytes: 0, low_latency_mode: false };
+        let args = |id: &'static [u8], device| CreateArgs {
+            unique_id: id,
+            rank: 0,
+            num_ranks: 2,
+            device,
+            num_nvl_bytes: 0,
+            num_rdma_bytes: 0,
+            low_latency_mode: false,
+        };
         for kind in [BackendKind::Nccl, BackendKind::Nvshmem] {
             let e = NcclBackend::create(&args(&[0u8; 5], Device::Cuda(0)), kind).err().map(|e| e.to_string()).unwrap_or_default();
             assert!(e.contains("unique_id must have 128 bytes, got 5"), "{e}");

@@ -58,7 +58,10 @@ use super::NcclBackend;
 use crate::backend::{CachedDispatchArgs, CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, DispatchPlan};
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::ffi::intranode::{self, err, kind, sec, site, CheckArgs, CombineArgs as KCombine, DispatchPushArgs, KernelError, Layout, PullArgs, PushArgs, StageArgs, SyncArgs, CONTROL_BYTES, MAX_CHANNELS, NUM_SECTIONS};
+use crate::ffi::intranode::{
+    self, err, kind, sec, site, CheckArgs, CombineArgs as KCombine, DispatchPushArgs, KernelError, Layout, PullArgs, PushArgs, StageArgs,
+    SyncArgs, CONTROL_BYTES, MAX_CHANNELS, NUM_SECTIONS,
+};
 use crate::tensor::{DType, TensorRef};
 use std::ffi::c_void;
 use std::time::{Duration, Instant};
@@ -438,7 +441,11 @@ impl NcclBackend {
         let rb = a.x.size(1) * a.x.dtype.size();
         let s = a.x_scales.as_ref().map_or(0, |t| t.size(1));
         let rows = a.handle.recv_src_idx.numel();
-        crate::ensure!(recv_x.size(0) == rows && recv_scales.map_or(true, |t| t.size(0) == rows), CACHED, "internal: outputs do not have {rows} rows");
+        crate::ensure!(
+            recv_x.size(0) == rows && recv_scales.map_or(true, |t| t.size(0) == rows),
+            CACHED,
+            "internal: outputs do not have {rows} rows"
+        );
         let pull = crate::settings::intranode_dispatch_pull();
         let (mut off, end) = place(if pull { [0, 0, n * nr * 4, 0, n * rb, n * s * 4, 0, 0] } else { [0; NUM_SECTIONS] });
         self.check_capacity(CACHED, end)?;
@@ -545,7 +552,16 @@ impl NcclBackend {
         let start = if fused {
             self.check_inputs(COMBINE, self.handle_checks(&a.handle, &a.config, c), a.stream)?;
             let keep_check = crate::settings::check_inputs() as i32;
-            SyncArgs { site: site::COMBINE_START, op_start: 1, gather: 1, publish: 1, zero_counters: 1, keep_check, layout, ..Default::default() }
+            SyncArgs {
+                site: site::COMBINE_START,
+                op_start: 1,
+                gather: 1,
+                publish: 1,
+                zero_counters: 1,
+                keep_check,
+                layout,
+                ..Default::default()
+            }
         } else {
             SyncArgs { site: site::COMBINE_START, op_start: 1, ..Default::default() }
         };

@@ -41,19 +41,41 @@ pub trait PeerWindow: Send {
 }
 
 impl PeerWindow for crate::ffi::nccl_window::Window {
-    fn ctx(&self) -> &Ctx { self.ctx() }
-    fn lsa_bases(&self) -> [*mut std::ffi::c_void; MAX_RANKS] { self.lsa_bases() }
-    fn status(&self) -> &HostStatus { self.status() }
-    fn bytes(&self) -> usize { self.bytes() }
-    fn close(&mut self, timeout_ms: u64) -> Result<()> { self.close(timeout_ms) }
-    fn gin(&self) -> Option<(&[u64], *mut std::ffi::c_void)> { self.gin() }
-    fn gin_all(&self) -> Vec<(&[u64], *mut std::ffi::c_void)> { self.gin_all() }
+    fn ctx(&self) -> &Ctx {
+        self.ctx()
+    }
+    fn lsa_bases(&self) -> [*mut std::ffi::c_void; MAX_RANKS] {
+        self.lsa_bases()
+    }
+    fn status(&self) -> &HostStatus {
+        self.status()
+    }
+    fn bytes(&self) -> usize {
+        self.bytes()
+    }
+    fn close(&mut self, timeout_ms: u64) -> Result<()> {
+        self.close(timeout_ms)
+    }
+    fn gin(&self) -> Option<(&[u64], *mut std::ffi::c_void)> {
+        self.gin()
+    }
+    fn gin_all(&self) -> Vec<(&[u64], *mut std::ffi::c_void)> {
+        self.gin_all()
+    }
 }
 
 #[cfg(feature = "nvshmem")]
 impl PeerWindow for crate::ffi::nvshmem_window::Window {
-    fn ctx(&self) -> &Ctx { self.ctx() }
-    fn status(&self) -> &HostStatus { self.status() }
-    fn bytes(&self) -> usize { self.bytes() }
-    fn close(&mut self, timeout_ms: u64) -> Result<()> { self.close(timeout_ms) }
+    fn ctx(&self) -> &Ctx {
+        self.ctx()
+    }
+    fn status(&self) -> &HostStatus {
+        self.status()
+    }
+    fn bytes(&self) -> usize {
+        self.bytes()
+    }
+    fn close(&mut self, timeout_ms: u64) -> Result<()> {
+        self.close(timeout_ms)
+    }
 }

@@ -103,8 +103,8 @@ mod tests {
         assert!(lsa == std::mem::size_of::<super::super::transport::LsaDesc>() && gin <= DESC_BYTES, "{lsa} {gin}");
         assert_eq!(gin, super::super::transport::gin_net_layout().bytes);
         // Between the intranode scratch and the LL scratch (kLlCalls = CONTROL_BYTES - 1024).
-        assert!(DESC_OFF + DESC_BYTES <= CONTROL_BYTES - 1024 && SIGNAL_OFF + 8 * SIGNALS <= DESC_OFF);
-        assert!(super::super::low_latency::LL_MASK_OFF >= DESC_OFF + DESC_BYTES);
+        const { assert!(DESC_OFF + DESC_BYTES <= CONTROL_BYTES - 1024 && SIGNAL_OFF + 8 * SIGNALS <= DESC_OFF) };
+        const { assert!(super::super::low_latency::LL_MASK_OFF >= DESC_OFF + DESC_BYTES) };
     }
 
     #[test]

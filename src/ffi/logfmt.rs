@@ -108,14 +108,12 @@ mod tests {
         for g in 0..h / 128 {
             let kind = lcg(seed);
             let scale = (2f64).powi(-((lcg(seed) * 30.0) as i32)) * if lcg(seed) < 0.08 { 16.0 } else { 0.9 };
-            for i in g * 128..(g + 1) * 128 {
+            for xi in &mut x[g * 128..(g + 1) * 128] {
                 let u = lcg(seed);
                 let v = if kind < 0.05 {
                     0.37 * scale // all equal
-                } else if kind < 0.08 {
-                    0.0 // all zero
-                } else if u < 0.03 {
-                    0.0
+                } else if kind < 0.08 || u < 0.03 {
+                    0.0 // an all-zero group, or a zero in 3% of places
                 } else if u < 0.05 {
                     f64::from(f32::from_bits((lcg(seed) * 0x7f_ffff as f64) as u32))
                 // subnormal f32 (bf16: subnormal or 0)
@@ -125,7 +123,7 @@ mod tests {
                     (lcg(seed) * 0.95 + 0.05) * scale
                 };
                 let b = bf16::from_f32(v as f32);
-                x[i] = if lcg(seed) < 0.5 { b | 0x8000 } else { b };
+                *xi = if lcg(seed) < 0.5 { b | 0x8000 } else { b };
             }
         }
         if lcg(seed) < 0.05 {

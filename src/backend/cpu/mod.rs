@@ -415,7 +415,8 @@ mod tests {
             hs.into_iter().map(|h| h.join().unwrap()).collect()
         });
         let _dead = all.pop().unwrap(); // rank 2 never takes part again
-        let res: Vec<(Result<()>, Result<()>, Result<()>, Vec<bool>, Vec<[i64; 2]>)> = std::thread::scope(|s| {
+        type Outcome = (Result<()>, Result<()>, Result<()>, Vec<bool>, Vec<[i64; 2]>);
+        let res: Vec<Outcome> = std::thread::scope(|s| {
             let hs: Vec<_> = all
                 .iter_mut()
                 .map(|b| {

@@ -574,7 +574,7 @@ mod tests {
         assert_eq!(ht_signal(ht_signal_base(true), HtSignal::Step, MAX_NODES - 1) + 1, base);
         assert_eq!(base + BARRIER_SIGNALS, p.requirements().gin_signal_count as usize);
         // A domain id per source node: the most nodes of a buffer (8 ranks of 1 GPU) fit.
-        assert!(BARRIER_SIGNALS >= crate::ffi::intranode::MAX_RANKS);
+        const { assert!(BARRIER_SIGNALS >= crate::ffi::intranode::MAX_RANKS) };
         // Normal mode: above every id of the kernels.
         for rr in [2, 4, 8] {
             let p = buffer_plan(&gin, 8, rr, false).unwrap().unwrap();

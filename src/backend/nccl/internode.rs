@@ -483,7 +483,7 @@ mod tests {
         assert_eq!(std::mem::size_of::<InArgs>() % 8, 0);
         // The GinNet slot is in the internode control area, after what the kernels use (kCtrlEnd
         // = 77824), and the descriptor fits it (as it fits the LL seam's DESC_BYTES).
-        assert!(NET_OFF >= k::CTRL_OFF + 77824 && NET_OFF + NET_BYTES <= k::CTRL_OFF + k::CTRL_BYTES && NET_OFF % 128 == 0);
+        const { assert!(NET_OFF >= k::CTRL_OFF + 77824 && NET_OFF + NET_BYTES <= k::CTRL_OFF + k::CTRL_BYTES && NET_OFF % 128 == 0) };
         let l = crate::ffi::transport::gin_net_layout();
         assert!(l.bytes > 0 && l.bytes <= NET_BYTES.min(super::super::ll_seam::DESC_BYTES) && l.align <= 8, "{l:?}");
     }

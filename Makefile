@@ -54,10 +54,11 @@ wheel-test: wheel
 	  'import deep_ep_rs, torch; print("wheel:", deep_ep_rs.__file__, deep_ep_rs.library_path(), "torch", torch.__version__)'
 	env -u PYTHONPATH -u DEEP_EP_LIBRARY DEEP_EP_TEST_INSTALLED=1 $(WHEEL_VENV)/bin/python -m pytest tests/python -q
 
-# cargo fmt and clippy (clippy runs build.rs, so it needs the venv).
+# cargo fmt and clippy (clippy runs build.rs, so it needs the venv; the dev profile keeps its
+# build-script outputs apart from the release build's, so the two do not rebuild each other).
 lint: deps
 	cargo fmt --check
-	cargo clippy --release --all-targets -- -D warnings
+	cargo clippy --all-targets -- -D warnings
 
 rust-test: deps
 	cargo test --release

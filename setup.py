@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Distribution, setup
 from setuptools.command.build_py import build_py
 
 try:  # setuptools >= 70 ships bdist_wheel; older ones use the wheel package's
@@ -48,12 +48,15 @@ class BuildWithCargo(build_py):
         shutil.copy2(ROOT / "target" / "release" / "libdeep_ep.so", dst / "libdeep_ep.so")
 
 
-class PlatformWheel(bdist_wheel):
-    """A platform wheel (it carries a native library) that any CPython 3 can install."""
+class NativeDistribution(Distribution):
+    """Carries a native library: installed to platlib, as a platform wheel."""
 
-    def finalize_options(self):
-        super().finalize_options()
-        self.root_is_pure = False
+    def has_ext_modules(self):
+        return True
+
+
+class PlatformWheel(bdist_wheel):
+    """A platform wheel that any CPython 3 can install (the library uses no Python C API)."""
 
     def get_tag(self):
         _, _, plat = super().get_tag()
@@ -69,5 +72,6 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.10"],
     cmdclass={"build_py": BuildWithCargo, "bdist_wheel": PlatformWheel},
+    distclass=NativeDistribution,
     zip_safe=False,
 )

@@ -114,7 +114,7 @@ def main():
         results["ll_dispatch_bf16" + tag] = kernel_table(lambda: buf.low_latency_dispatch(lx, lidx, m, e, use_fp8=False, topk_weights=lw), args.iters, graph)
         # Partial sums need the messages of the dispatch that made the handle (the latest one of
         # its buffer half), so this entry times a BF16 dispatch + combine pair; its table lists
-        # both ops' kernels (ll_combine_partial_kernel is the combine's send).
+        # both ops' kernels (each op's send and receive halves are launches of one kernel, ll_dispatch / ll_combine).
         def pair():
             _, _, h2, _, _ = buf.low_latency_dispatch(lx, lidx, m, e, use_fp8=False, topk_weights=lw)
             buf.low_latency_combine(y, lidx, lw, h2, out=out)

@@ -71,10 +71,10 @@ class MoELayer(torch.nn.Module):
 
 def make_params(num_ranks: int, hidden: int, experts_per_rank: int, seed: int = 0):
     """(router [H, E] f32, every expert's weight [E, H, H] bf16), deterministic in `seed`."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device="cpu").manual_seed(seed)
     e = experts_per_rank * num_ranks
-    router = torch.randn((hidden, e), generator=g) / 8
-    w_all = (torch.randn((e, hidden, hidden), generator=g) / hidden ** 0.5).to(torch.bfloat16)
+    router = torch.randn((hidden, e), generator=g, dtype=torch.float32, device="cpu") / 8
+    w_all = (torch.randn((e, hidden, hidden), generator=g, dtype=torch.float32, device="cpu") / hidden ** 0.5).to(torch.bfloat16)
     return router, w_all
 
 

@@ -602,6 +602,10 @@ size_t deep_ep_in_args_bytes(void);
  * same way.
  * ------------------------------------------------------------------------------------------- */
 #define DEEP_EP_LL_KIND_DISPATCH 1
+/* Phase argument of the one LL dispatch kernel and the one LL combine kernel (each half is a launch
+ * of the same kernel, as DeepEP's, so profilers list one `dispatch` and one `combine`). */
+#define DEEP_EP_LL_PHASE_SEND 1
+#define DEEP_EP_LL_PHASE_RECV 2
 #define DEEP_EP_LL_MSG_META 160   /* bytes of a dispatch message before its payload */
 #define DEEP_EP_LL_MAX_EXPERTS 2048
 #define DEEP_EP_LL_MAX_TOPK 16

@@ -59,7 +59,7 @@ __device__ void ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l
 // outside the NVLink domain gets each row by a seam put from its zero-copy slot (send_to), or with
 // LogFMT each encoded chunk by puts from the send half (ll_combine_send_logfmt).
 template <class Net>
-__global__ void __launch_bounds__(kLlThreads) ll_combine_send_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
+__device__ __forceinline__ void combine_send(const Ctx& c, const Args& a) {
   __shared__ uint32_t s_seq;
   __shared__ int s_skip;
   if (!begin_send(c, a, DEEP_EP_LL_KIND_COMBINE, &s_seq, &s_skip)) return;
@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(kLlThreads) ll_combine_send_kernel(const __gri
   flush_net<Net>(c, a, lane);
   __syncthreads();
   if (tid == 0 && !dead) {
-    __threadfence_system();  // one cumulative fence per block (see ll_dispatch_send_kernel)
+    __threadfence_system();  // one cumulative fence per block (see dispatch_send in ll_dispatch.cu)
     uint32_t* word = at<uint32_t>(peer, sig_off(a, a.half) + static_cast<uint64_t>(c.rank * El + l) * 4);
     raise_to<Net>(c, a, s, word, kSeamCombine, a.half, l, tag(s_seq, 0));
   }
@@ -106,7 +106,7 @@ __global__ void __launch_bounds__(kLlThreads) ll_combine_send_kernel(const __gri
 // outside the NVLink domain the row is staged in the payload of the message it answers (no longer
 // read: the dispatch receive copied it) and put by warp 0.
 template <class Net>
-__global__ void __launch_bounds__(kLlThreads) ll_combine_partial_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
+__device__ __forceinline__ void combine_send_partial(const Ctx& c, const Args& a) {
   __shared__ uint32_t s_seq;
   __shared__ int s_skip, s_last, s_n, s_tok;
   __shared__ int64_t s_row[kMaxLlTopk];
@@ -214,7 +214,7 @@ __global__ void __launch_bounds__(kLlThreads) ll_combine_partial_kernel(const __
   if (seam && tid < 32) flush_net<Net>(c, a, tid);
   __syncthreads();
   if (tid == 0) {
-    __threadfence_system();  // one cumulative fence per block (see ll_dispatch_send_kernel)
+    __threadfence_system();  // one cumulative fence per block (see dispatch_send in ll_dispatch.cu)
     s_last = atomicAdd(at<unsigned int>(local(c), kLlDone), 1u) == gridDim.x * gridDim.y - 1;
   }
   __syncthreads();
@@ -293,7 +293,7 @@ __device__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok,
 // (crate: f32::mul_add); partial: acc += the partial row of each expert rank d ascending that
 // holds one of the token's (unmasked) experts.
 template <class Net>
-__global__ void __launch_bounds__(kReduceThreads) ll_combine_recv_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
+__device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
   __shared__ int s_ok, s_half, s_partial, s_dm, s_logfmt;
   __shared__ uint32_t s_seq;
   __shared__ unsigned long long s_wait[kMaxRanks];
@@ -387,6 +387,23 @@ __global__ void __launch_bounds__(kReduceThreads) ll_combine_recv_kernel(const _
   }
 }
 
+// ---- the kernel ------------------------------------------------------------------------------
+// One kernel for every half of the combine, chosen by `phase` (as DeepEP's): profilers and
+// benchmarks that look kernels up by name find exactly one `combine` (docs/DESIGN.md, "Kernel
+// names"). Send (per-expert rows or partial sums): kLlThreads per block; receive: kReduceThreads.
+template <class Net>
+__global__ void __launch_bounds__(kReduceThreads) ll_combine(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
+  if (phase == DEEP_EP_LL_PHASE_SEND) {
+    if (a.partial) {
+      combine_send_partial<Net>(c, a);
+    } else {
+      combine_send<Net>(c, a);
+    }
+  } else {
+    combine_recv<Net>(c, a);
+  }
+}
+
 template <class Net>
 __global__ void ll_zero_signals_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
   uint32_t* w = at<uint32_t>(local(c), a.ll_off);
@@ -439,10 +456,10 @@ extern "C" int deep_ep_llk_combine_send(const deep_ep_ic_ctx_t* ctx, const deep_
   if (args->partial) {
     // Blocks (source rank, y): ~2 per SM in all; each takes every gridDim.y-th message.
     const int y = args->num_blocks > ctx->num_ranks ? args->num_blocks / ctx->num_ranks : 1;
-    DEEP_EP_LL_LAUNCH(ll_combine_partial_kernel, dim3(ctx->num_ranks, y), kLlThreads, args, *ctx, *args);
+    DEEP_EP_LL_LAUNCH(ll_combine, dim3(ctx->num_ranks, y), kLlThreads, args, *ctx, *args, DEEP_EP_LL_PHASE_SEND);
     return static_cast<int>(cudaGetLastError());
   }
-  DEEP_EP_LL_LAUNCH(ll_combine_send_kernel, dim3(el, ctx->num_ranks), kLlThreads, args, *ctx, *args);
+  DEEP_EP_LL_LAUNCH(ll_combine, dim3(el, ctx->num_ranks), kLlThreads, args, *ctx, *args, DEEP_EP_LL_PHASE_SEND);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -452,7 +469,7 @@ extern "C" int deep_ep_llk_combine_recv(const deep_ep_ic_ctx_t* ctx, const deep_
     return static_cast<int>(cudaErrorInvalidValue);
   // With no token the receive still waits for every word (the call completes for every rank).
   const int blocks = args->num_tokens < 1 ? 1 : (args->num_tokens < args->num_blocks ? args->num_tokens : args->num_blocks);
-  DEEP_EP_LL_LAUNCH(ll_combine_recv_kernel, blocks, kReduceThreads, args, *ctx, *args);
+  DEEP_EP_LL_LAUNCH(ll_combine, blocks, kReduceThreads, args, *ctx, *args, DEEP_EP_LL_PHASE_RECV);
   return static_cast<int>(cudaGetLastError());
 }
 

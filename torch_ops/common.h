@@ -37,11 +37,44 @@ template <typename... Args>
 #define DEEP_EP_CHECK(cond, ...) \
   if (!(cond)) ::deep_ep_ops::fail(__VA_ARGS__)
 
+// A device as torch prints it (`cpu`, `cuda:0`, `meta`), never as an enum number.
 inline std::string to_string(const Device& d) {
+  const char* name = nullptr;
   switch (d.type()) {
-    case DeviceType::CPU: return "cpu";
-    case DeviceType::CUDA: return d.index() >= 0 ? "cuda:" + std::to_string(d.index()) : "cuda";
-    default: return "device type " + std::to_string(static_cast<int>(d.type()));
+    case DeviceType::CPU: name = "cpu"; break;
+    case DeviceType::CUDA: name = "cuda"; break;
+    case DeviceType::Meta: name = "meta"; break;
+    case DeviceType::HIP: name = "hip"; break;
+    case DeviceType::XPU: name = "xpu"; break;
+    case DeviceType::MPS: name = "mps"; break;
+    case DeviceType::XLA: name = "xla"; break;
+    case DeviceType::HPU: name = "hpu"; break;
+    case DeviceType::Lazy: name = "lazy"; break;
+    case DeviceType::MTIA: name = "mtia"; break;
+    case DeviceType::PrivateUse1: name = "privateuseone"; break;
+    default: return "a device of type " + std::to_string(static_cast<int>(d.type())) + " (neither cpu nor cuda)";
+  }
+  return d.index() >= 0 && d.type() != DeviceType::CPU ? std::string(name) + ":" + std::to_string(d.index()) : std::string(name);
+}
+
+// A dtype as torch prints it (`torch.uint8`, `torch.bfloat16`).
+inline std::string dtype_name(ScalarType t) {
+  switch (t) {
+    case ScalarType::Byte: return "torch.uint8";
+    case ScalarType::Char: return "torch.int8";
+    case ScalarType::Short: return "torch.int16";
+    case ScalarType::Int: return "torch.int32";
+    case ScalarType::Long: return "torch.int64";
+    case ScalarType::Half: return "torch.float16";
+    case ScalarType::Float: return "torch.float32";
+    case ScalarType::Double: return "torch.float64";
+    case ScalarType::Bool: return "torch.bool";
+    case ScalarType::BFloat16: return "torch.bfloat16";
+    case ScalarType::Float8_e4m3fn: return "torch.float8_e4m3fn";
+    case ScalarType::Float8_e5m2: return "torch.float8_e5m2";
+    case ScalarType::ComplexFloat: return "torch.complex64";
+    case ScalarType::ComplexDouble: return "torch.complex128";
+    default: return std::string("torch dtype ") + torch::headeronly::toString(t);
   }
 }
 

@@ -19,7 +19,7 @@ int64_t create_buffer(const Tensor& unique_id, int64_t rank, int64_t num_ranks, 
                       int64_t num_rdma_bytes, bool low_latency_mode, std::string_view backend) {
   DEEP_EP_CHECK(unique_id.is_cpu() && unique_id.scalar_type() == ScalarType::Byte && unique_id.dim() == 1,
                 "deep_ep::create_buffer: unique_id must be a 1-D uint8 CPU tensor from get_unique_id, got ",
-                torch::headeronly::toString(unique_id.scalar_type()), " of shape ", shape_of(unique_id), " on ",
+                dtype_name(unique_id.scalar_type()), " of shape ", shape_of(unique_id), " on ",
                 to_string(unique_id.device()));
   DEEP_EP_CHECK(device.type() == DeviceType::CPU || device.type() == DeviceType::CUDA,
                 "deep_ep::create_buffer: device must be cpu or cuda, got ", to_string(device));
@@ -66,7 +66,7 @@ void ll_query_mask(int64_t handle, Tensor mask_status) {
   const int64_t r = buffer_info(handle, op).num_ranks();
   DEEP_EP_CHECK(mask_status.scalar_type() == ScalarType::Int && mask_status.dim() == 1 && mask_status.size(0) == r, op,
                 ": mask_status must be a 1-D int32 tensor of num_ranks = ", r, " elements, got ",
-                torch::headeronly::toString(mask_status.scalar_type()), " of shape ", shape_of(mask_status));
+                dtype_name(mask_status.scalar_type()), " of shape ", shape_of(mask_status));
   auto host = empty_on({r}, ScalarType::Int, Device(DeviceType::CPU));
   check(deep_ep_ll_mask(handle, 1, 0, 0, static_cast<int32_t*>(host.data_ptr()), r));
   torch::stable::copy_(mask_status, host);

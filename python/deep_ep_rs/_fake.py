@@ -176,7 +176,7 @@ def _ll_query_mask(handle, mask_status):
 
 @torch.library.register_fake("deep_ep::wait_stats")
 def _wait_stats(handle, reset=False):
-    return torch.empty((_num_ranks(handle), 2), dtype=torch.int64)
+    return torch.empty((_num_ranks(handle), 2), dtype=torch.int64, device="cpu")
 
 
 # Collective ops must never be dropped or reordered by graph passes, even when an output is unused;

@@ -27,6 +27,17 @@ _COMBINE_TABLE = {2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128)
                   96: (1, 480, 8, 128), 128: (1, 560, 8, 128), 144: (2, 720, 8, 128), 160: (2, 720, 8, 128)}
 
 
+def _table_entry(table: dict, num_ranks: int) -> tuple:
+    """DeepEP's entry for `num_ranks`; other counts (DeepEP asserts) get the entry of the next
+    count it lists (4 below 4, 8 up to 8, the largest above 160), so every rank count answers."""
+    assert isinstance(num_ranks, int) and num_ranks >= 1, f"Unsupported number of EP ranks: {num_ranks}"
+    if num_ranks in table:
+        return table[num_ranks]
+    if num_ranks <= 8:
+        return table[4 if num_ranks < 4 else 8]
+    return table[min((k for k in table if k >= num_ranks), default=max(table))]
+
+
 def _default_device() -> torch.device:
     if os.environ.get("DEEP_EP_BACKEND", "") != "cpu" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -80,7 +91,7 @@ class Buffer:
         uid = ops.get_unique_id(backend, self.device).tolist() if self.rank == 0 else None
         ids = [None] * self.group_size
         dist.all_gather_object(ids, uid, group=group)
-        self._handle = int(ops.create_buffer(torch.tensor(ids[0], dtype=torch.uint8), self.rank, self.group_size, self.device,
+        self._handle = int(ops.create_buffer(torch.tensor(ids[0], dtype=torch.uint8, device="cpu"), self.rank, self.group_size, self.device,
                                              self.num_nvl_bytes, self.num_rdma_bytes, self.low_latency_mode, backend))
         self.runtime = self._handle
         d = _nvl_domain_size()
@@ -169,13 +180,14 @@ class Buffer:
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
-        assert num_ranks in _DISPATCH_TABLE or num_ranks in (1, 3, 5, 6, 7), f"Unsupported number of EP ranks: {num_ranks}"
-        return Config(Buffer.num_sms, *_DISPATCH_TABLE.get(num_ranks, _DISPATCH_TABLE[4 if num_ranks < 4 else 8]))
+        """DeepEP V1's recommended dispatch config (its table: 2..160 ranks); any other count
+        answers too (`_table_entry`), where DeepEP asserts."""
+        return Config(Buffer.num_sms, *_table_entry(_DISPATCH_TABLE, num_ranks))
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
-        assert num_ranks in _COMBINE_TABLE or num_ranks in (1, 3, 5, 6, 7), f"Unsupported number of EP ranks: {num_ranks}"
-        return Config(Buffer.num_sms, *_COMBINE_TABLE.get(num_ranks, _COMBINE_TABLE[4 if num_ranks < 4 else 8]))
+        """DeepEP V1's recommended combine config; any rank count answers (`_table_entry`)."""
+        return Config(Buffer.num_sms, *_table_entry(_COMBINE_TABLE, num_ranks))
 
     def get_comm_stream(self) -> Optional[torch.cuda.Stream]:
         return self._comm_stream
@@ -196,7 +208,7 @@ class Buffer:
             result.append(EventOverlap(None))
             return
         compute = torch.cuda.current_stream(self.device)
-        if previous_event is not None and previous_event.event is not None:
+        if previous_event is not None and previous_event.event is not None and previous_event.event.event is not None:
             self._comm_stream.wait_event(previous_event.event.event)
         else:
             self._comm_stream.wait_stream(compute)

@@ -100,9 +100,9 @@ def _selftest_ranks(rank: int, world: int, device: str):
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     n, hidden, topk, experts = 16, 256, 2, 4 * world
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randint(-8, 8, (n, hidden), generator=g).to(torch.bfloat16).to(dev)
-    idx = torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(n)]).to(dev)
+    g = torch.Generator(device="cpu").manual_seed(rank)
+    x = torch.randint(-8, 8, (n, hidden), generator=g, device="cpu").to(torch.bfloat16).to(dev)
+    idx = torch.stack([torch.randperm(experts, generator=g, device="cpu")[:topk] for _ in range(n)]).to(dev)
     idx[0] = -1  # a token that goes nowhere
     w = torch.ones((n, topk), dtype=torch.float32, device=dev)
 

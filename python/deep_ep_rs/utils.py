@@ -45,14 +45,21 @@ class Config:
 
 
 class EventHandle:
-    """A CUDA event recorded on the current stream at construction (DeepEP's `EventHandle`)."""
+    """A CUDA event recorded on the current stream at construction (DeepEP's `EventHandle`).
+
+    Without CUDA (CPU buffers complete every op before returning) it holds no event (`event` is
+    None) and waiting is a no-op, so DeepEP code such as `EventOverlap(EventHandle())` runs
+    unchanged on the CPU backend (DeepEP itself needs a GPU)."""
 
     def __init__(self, stream: Optional[torch.cuda.Stream] = None):
-        self.event = torch.cuda.Event()
-        self.event.record(stream if stream is not None else torch.cuda.current_stream())
+        self.event = None
+        if stream is not None or torch.cuda.is_available():
+            self.event = torch.cuda.Event()
+            self.event.record(stream if stream is not None else torch.cuda.current_stream())
 
     def current_stream_wait(self) -> None:
-        torch.cuda.current_stream().wait_event(self.event)
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
 
 
 class EventOverlap:
@@ -78,3 +85,11 @@ class EventOverlap:
     def __exit__(self, exc_type, exc_val, exc_tb):
         if self.event is not None:
             self.event.current_stream_wait()
+
+
+def check_nvlink_connections(group) -> None:
+    """DeepEP V1's check that PCIe GPUs are used in pairs at most (its other GPUs are NVLink
+    machines and pass). The NVLink topology itself is reported by `python -m deep_ep_rs.diagnose`."""
+    if not torch.cuda.is_available() or "PCIE" not in torch.cuda.get_device_name():
+        return
+    assert group.size() <= 2, "PCIe GPUs only have pairwise NVLink connections"

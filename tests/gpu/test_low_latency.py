@@ -353,7 +353,7 @@ def worker(rank, num_ranks, port, out_dir, count, seed, replays, domain=0):
     finish_rank(out_dir, rank, result)
 
 
-@pytest.mark.parametrize("num_ranks,domain", [(2, 0), (4, 0), (4, 2)], ids=["2", "4", "2x2"])
+@pytest.mark.parametrize("num_ranks,domain", [(1, 0), (2, 0), (4, 0), (4, 2)], ids=["1", "2", "4", "2x2"])
 def test_low_latency_matches_cpu_backend(num_ranks, domain):
     if not DRY and torch.cuda.device_count() < num_ranks:
         pytest.skip(f"needs {num_ranks} GPUs")

@@ -21,12 +21,17 @@ ROOT = Path(__file__).resolve().parents[2]
 #: library, never this checkout's python/ or target/ (`make wheel-test`).
 INSTALLED = os.environ.get("DEEP_EP_TEST_INSTALLED") == "1"
 if INSTALLED:
-    if os.environ.get("DEEP_EP_LIBRARY") or os.environ.get("PYTHONPATH"):
+    import importlib.util
+
+    _spec = importlib.util.find_spec("deep_ep_rs")
+    _bundled = str(Path(_spec.origin).resolve().parent / "libdeep_ep.so") if _spec and _spec.origin else None
+    # Worker processes re-import this file with DEEP_EP_LIBRARY already set to the bundled copy.
+    if os.environ.get("PYTHONPATH") or os.environ.get("DEEP_EP_LIBRARY", _bundled) != _bundled:
         raise RuntimeError("DEEP_EP_TEST_INSTALLED=1 tests the installed wheel: unset DEEP_EP_LIBRARY and PYTHONPATH")
     import deep_ep_rs as _installed
 
     _pkg = Path(_installed.__file__).resolve().parent
-    if ROOT in _pkg.parents or Path(_installed.library_path()).resolve().parent != _pkg:
+    if _pkg == ROOT / "python" / "deep_ep_rs" or "site-packages" not in _pkg.parts or Path(_installed.library_path()).resolve().parent != _pkg:
         raise RuntimeError(f"DEEP_EP_TEST_INSTALLED=1 but deep_ep_rs comes from {_pkg} with {_installed.library_path()}")
     # Tests that start their own processes hand them the same library.
     os.environ["DEEP_EP_LIBRARY"] = _installed.library_path()

@@ -23,8 +23,10 @@ def open_fds() -> int:
 
 
 def deep_ep_maps() -> list:
+    """Mappings of the CPU backend's shared-memory files (<shm dir>/deep_ep_<name>); not the
+    library itself, which an installed wheel keeps at site-packages/deep_ep_rs/libdeep_ep.so."""
     with open("/proc/self/maps") as f:
-        return [line.strip() for line in f if "deep_ep_" in line]
+        return [line.strip() for line in f if "/deep_ep_" in line and not line.rstrip().endswith(".so")]
 
 
 def shm_dir(path):

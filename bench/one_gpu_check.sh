@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# What one GPU can show, from the installed wheel (not the source tree): the wheel in a fresh venv
+# over the machine's torch, every op registered, a single-rank round trip (diagnose's GPU
+# self-test), the GPU tests that run at one rank (smoke, framework call paths and kernel names,
+# LL against the CPU backend at 1 rank, compile), and the LL benchmark at one rank.
+#   bench/one_gpu_check.sh OUT_DIR WHEEL
+# Writes OUT_DIR/check.log and OUT_DIR/low-latency-1gpu.json. STEPS="a b" runs only those steps.
+set -u
+out=${1:?usage: bench/one_gpu_check.sh OUT_DIR WHEEL}
+wheel=${2:?usage: bench/one_gpu_check.sh OUT_DIR WHEEL}
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+unset PYTHONPATH DEEP_EP_LIBRARY
+log=$out/check.log
+: >"$log"
+venv=$(mktemp -d /tmp/deep_ep_wheel.XXXXXX)
+# The machine's torch is the one users have; the venv sees it and holds nothing else of ours.
+python3 -m venv --system-site-packages "$venv" >>"$log" 2>&1 || { echo "venv failed" | tee -a "$log"; exit 1; }
+"$venv/bin/python" -m pip install -q --no-deps --no-index "$wheel" >>"$log" 2>&1 || { echo "wheel install failed" | tee -a "$log"; exit 1; }
+py=$venv/bin/python
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]]; then return 0; fi
+  local t0=$SECONDS
+  echo "=== $name (limit ${limit}s): $*" | tee -a "$log"
+  timeout -k 10 "$limit" "$@" >>"$log" 2>&1
+  echo "=== $name: rc=$? in $((SECONDS - t0))s" | tee -a "$log"
+}
+step import 60 bash -c "cd /tmp && '$py' -c 'import deep_ep_rs, torch, os
+p = deep_ep_rs.library_path(); print(\"package\", os.path.dirname(deep_ep_rs.__file__), \"library\", p, \"torch\", torch.__version__, \"gpus\", torch.cuda.device_count())
+assert \"site-packages\" in p and os.path.dirname(p) == os.path.dirname(deep_ep_rs.__file__)'"
+step ops_only 60 bash -c "cd /tmp && '$py' -c 'import torch, importlib.util, os
+spec = importlib.util.find_spec(\"deep_ep_rs\"); lib = os.path.join(os.path.dirname(spec.origin), \"libdeep_ep.so\")
+torch.ops.load_library(lib); print(\"ops only:\", sorted(n for n in dir(torch.ops.deep_ep) if not n.startswith(\"_\")))'"
+step diagnose 240 bash -c "cd /tmp && '$py' -m deep_ep_rs.diagnose --timeout 120"
+step smoke 120 "$py" -m pytest -q -rs tests/gpu/test_smoke.py
+step frameworks 240 "$py" -m pytest -q -rs tests/gpu/test_frameworks_gpu.py
+step ll_1 240 env DEEP_EP_LL_CONFIGS=${LL_CONFIGS:-100} DEEP_EP_LL_REPLAYS=${LL_REPLAYS:-200} "$py" -m pytest -q -rs "tests/gpu/test_low_latency.py::test_low_latency_matches_cpu_backend[1]"
+step compile_cuda 180 "$py" -m pytest -q -rs tests/gpu/test_compile_cuda.py
+step bench_ll 120 "$py" -m torch.distributed.run --nproc-per-node 1 bench/low_latency.py --tokens 1 128 --out "$out/low-latency-1gpu.json"
+echo "=== done" | tee -a "$log"

@@ -36,7 +36,7 @@ torch.ops.load_library(lib); print(\"ops only:\", sorted(n for n in dir(torch.op
 step diagnose 240 bash -c "cd /tmp && '$py' -m deep_ep_rs.diagnose --timeout 120"
 step smoke 120 "$py" -m pytest -q -rs tests/gpu/test_smoke.py
 step frameworks 240 "$py" -m pytest -q -rs tests/gpu/test_frameworks_gpu.py
-step ll_1 240 env DEEP_EP_LL_CONFIGS=${LL_CONFIGS:-100} DEEP_EP_LL_REPLAYS=${LL_REPLAYS:-200} "$py" -m pytest -q -rs "tests/gpu/test_low_latency.py::test_low_latency_matches_cpu_backend[1]"
-step compile_cuda 180 "$py" -m pytest -q -rs tests/gpu/test_compile_cuda.py
+step ll_1 240 env DEEP_EP_LL_CONFIGS=${LL_CONFIGS:-60} DEEP_EP_LL_REPLAYS=${LL_REPLAYS:-200} "$py" -m pytest -q -rs "tests/gpu/test_low_latency.py::test_low_latency_matches_cpu_backend[1]"
 step bench_ll 120 "$py" -m torch.distributed.run --nproc-per-node 1 bench/low_latency.py --tokens 1 128 --out "$out/low-latency-1gpu.json"
+step compile_cuda 150 "$py" -m pytest -q -rs tests/gpu/test_compile_cuda.py
 echo "=== done" | tee -a "$log"

@@ -15,7 +15,12 @@ log=$out/check.log
 : >"$log"
 venv=$(mktemp -d /tmp/deep_ep_wheel.XXXXXX)
 # The machine's torch is the one users have; the venv sees it and holds nothing else of ours.
-python3 -m venv --system-site-packages "$venv" >>"$log" 2>&1 || { echo "venv failed" | tee -a "$log"; exit 1; }
+python3 -m venv "$venv" >>"$log" 2>&1 || { echo "venv failed" | tee -a "$log"; exit 1; }
+# python3 may itself be a venv (then --system-site-packages would not see its torch): a .pth line
+# puts the folder holding the machine's torch after the new venv's own site-packages.
+torch_site=$(python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
+"$venv/bin/python" -c 'import sys, sysconfig; open(sysconfig.get_paths()["purelib"] + "/machine_torch.pth", "w").write(sys.argv[1] + "\n")' "$torch_site"
+echo "venv $venv over the torch in $torch_site" >>"$log"
 "$venv/bin/python" -m pip install -q --no-deps --no-index "$wheel" >>"$log" 2>&1 || { echo "wheel install failed" | tee -a "$log"; exit 1; }
 py=$venv/bin/python
 step() {  # step NAME SECONDS COMMAND...

@@ -15,7 +15,10 @@ fn open_fds() -> usize {
 }
 
 fn deep_ep_maps() -> Vec<String> {
-    std::fs::read_to_string("/proc/self/maps").unwrap_or_default().lines().filter(|l| l.contains("deep_ep_")).map(str::to_string).collect()
+    // The backend's files are named deep_ep_<id>; match the file name, not the path (a checkout or
+    // a temporary folder may be called deep_ep_* too).
+    let is_shm_file = |l: &&str| l.trim_end().trim_end_matches(" (deleted)").rsplit('/').next().is_some_and(|f| f.starts_with("deep_ep_"));
+    std::fs::read_to_string("/proc/self/maps").unwrap_or_default().lines().filter(is_shm_file).map(str::to_string).collect()
 }
 
 fn files_in(dir: &Path) -> Vec<PathBuf> {

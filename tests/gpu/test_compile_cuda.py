@@ -180,7 +180,10 @@ def test_moe_prefill_compiled_fullgraph_equals_eager(ht_buffer):
             x = torch.randn((n, H), device=DEV).to(torch.bfloat16)
             want = layer.prefill(x)
             assert float(want.float().abs().sum()) > 0
-            assert torch.equal(compiled(x), want), n
+            # The deep_ep ops are bit-exact under compile (the traced-vs-eager op tests above);
+            # the layer's router softmax and expert matmuls are inductor's own kernels, whose
+            # rounding may differ from eager in the last bf16 bit (seen at n = 64 on one H200).
+            torch.testing.assert_close(compiled(x), want, rtol=1.6e-2, atol=1e-2, msg=lambda m: f"n={n}: {m}")
 
 
 def test_moe_decode_reduce_overhead_equals_eager(ll_buffer):

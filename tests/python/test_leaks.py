@@ -23,10 +23,12 @@ def open_fds() -> int:
 
 
 def deep_ep_maps() -> list:
-    """Mappings of the CPU backend's shared-memory files (<shm dir>/deep_ep_<name>); not the
-    library itself, which an installed wheel keeps at site-packages/deep_ep_rs/libdeep_ep.so."""
+    """Mappings of the CPU backend's shared-memory files, named deep_ep_<id>: the file name is
+    matched, not the path (a checkout, a temporary folder or site-packages/deep_ep_rs may hold
+    deep_ep_ in their names)."""
     with open("/proc/self/maps") as f:
-        return [line.strip() for line in f if "/deep_ep_" in line and not line.rstrip().endswith(".so")]
+        lines = [line.strip() for line in f]
+    return [line for line in lines if line.removesuffix(" (deleted)").rsplit("/", 1)[-1].startswith("deep_ep_")]
 
 
 def shm_dir(path):

@@ -129,6 +129,7 @@ def test_buffer_attributes_and_lifecycle(deep_ep, ops, group):
     b = deep_ep.Buffer(group, 1 << 22, 0, device="cpu", explicitly_destroy=True)
     assert (b.rank, b.group_size, b.num_nvl_bytes, b.num_rdma_bytes, b.low_latency_mode) == (0, 1, 1 << 22, 0, False)
     assert b.is_available() and b.device == torch.device("cpu")
+    assert b.runtime == b.handle and b.group is group  # DeepEP: runtime is its C++ object; here the op handle
     info = ops.buffer_info(b.handle)
     assert info == [0, 1, -1, 1 << 22, 0, 0, 0]
     h = b.handle

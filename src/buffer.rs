@@ -1,14 +1,26 @@
 //! The buffer registry: torch sees a buffer as a plain `int` handle; this maps it to its
 //! backend. Handles are never reused, so a stale handle is reported as destroyed rather than
 //! silently reaching another buffer.
+//!
+//! Two rules keep results right, and both are checked here, for every backend:
+//! - One op at a time per buffer. Ops of one buffer pair up across ranks by their order, so two
+//!   threads calling into the same buffer at once could take each other's rows: the second
+//!   caller raises instead of waiting (serialise calls per buffer; separate buffers may run in
+//!   parallel threads, as ranks-as-threads do).
+//! - A buffer belongs to the process that created it. A forked child shares its parent's
+//!   mappings but is not a rank of the buffer: every op there raises (create buffers after fork).
 
-use crate::backend::{self, Backend, BackendKind, CreateArgs};
+use crate::backend::{self, Backend, BackendKind, BufferInfo, CreateArgs};
 use crate::error::{Error, Result};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 struct Entry {
     backend: Arc<Mutex<Box<dyn Backend>>>,
+    /// The creating process (a forked child must not use the buffer).
+    pid: u32,
+    /// Fixed at creation: answered without taking the backend (another thread may be in an op).
+    info: BufferInfo,
     /// Set when a collective failed half-way (timeout): ranks are out of step.
     poisoned: Arc<Mutex<Option<String>>>,
 }
@@ -40,7 +52,8 @@ pub fn create(kind: BackendKind, args: &CreateArgs) -> Result<i64> {
     let mut r = lock(registry());
     let h = r.next;
     r.next += 1;
-    r.live.insert(h, Entry { backend: Arc::new(Mutex::new(b)), poisoned: Arc::new(Mutex::new(None)) });
+    let info = b.info().clone();
+    r.live.insert(h, Entry { backend: Arc::new(Mutex::new(b)), pid: std::process::id(), info, poisoned: Arc::new(Mutex::new(None)) });
     crate::log_info!(
         Some(args.rank),
         "created buffer {h}: backend {}, device {}, {} ranks, num_nvl_bytes {}, num_rdma_bytes {}, low_latency_mode {}",
@@ -60,11 +73,40 @@ type LiveBuffer = (Arc<Mutex<Box<dyn Backend>>>, Arc<Mutex<Option<String>>>);
 fn lookup(op: &'static str, handle: i64) -> Result<LiveBuffer> {
     let r = lock(registry());
     match r.live.get(&handle) {
+        Some(e) if e.pid != std::process::id() => Err(Error::BadHandle {
+            op,
+            msg: format!(
+                "buffer {handle} belongs to process {} and this is a forked child (process {}); a child cannot take part in \
+                 its parent's collectives: create its own buffers after the fork",
+                e.pid,
+                std::process::id()
+            ),
+        }),
         Some(e) => Ok((e.backend.clone(), e.poisoned.clone())),
-        None if r.destroyed.contains(&handle) => {
-            Err(Error::BadHandle { op, msg: format!("buffer handle {handle} was destroyed; create a new Buffer") })
-        }
-        None => Err(Error::BadHandle { op, msg: format!("buffer handle {handle} does not exist (never created in this process)") }),
+        None => Err(missing(op, handle, &r)),
+    }
+}
+
+fn missing(op: &'static str, handle: i64, r: &Registry) -> Error {
+    if r.destroyed.contains(&handle) {
+        Error::BadHandle { op, msg: format!("buffer handle {handle} was destroyed; create a new Buffer") }
+    } else {
+        Error::BadHandle { op, msg: format!("buffer handle {handle} does not exist (never created in this process)") }
+    }
+}
+
+/// The buffer's backend, or an error when another thread is inside an op of the same buffer.
+fn try_lock<'a>(op: &'static str, handle: i64, b: &'a Mutex<Box<dyn Backend>>) -> Result<std::sync::MutexGuard<'a, Box<dyn Backend>>> {
+    match b.try_lock() {
+        Ok(g) => Ok(g),
+        Err(std::sync::TryLockError::Poisoned(e)) => Ok(e.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => Err(Error::invalid(
+            op,
+            format!(
+                "buffer {handle} is in use by another thread of this process; ops of one buffer pair up across ranks by their \
+                 order, so they must not run concurrently: call them from one thread (or under one lock per buffer)"
+            ),
+        )),
     }
 }
 
@@ -77,10 +119,10 @@ pub fn with<R>(op: &'static str, handle: i64, f: impl FnOnce(&mut dyn Backend) -
             op,
             msg: format!("buffer {handle} is unusable after an earlier failure ({why}); destroy it and create a new one"),
         };
-        crate::log_warn!(Some(lock(&b).info().rank), "{e}");
+        crate::log_warn!(b.try_lock().ok().map(|g| g.info().rank), "{e}");
         return Err(e);
     }
-    let mut guard = lock(&b);
+    let mut guard = try_lock(op, handle, &b)?;
     let rank = Some(guard.info().rank);
     crate::log_debug!(rank, "{op} on buffer {handle}");
     let res = f(guard.as_mut());
@@ -98,7 +140,7 @@ pub fn with<R>(op: &'static str, handle: i64, f: impl FnOnce(&mut dyn Backend) -
 pub fn destroy(op: &'static str, handle: i64) -> Result<()> {
     let (b, poisoned) = lookup(op, handle)?;
     let healthy = lock(&poisoned).is_none();
-    let mut guard = lock(&b);
+    let mut guard = try_lock(op, handle, &b)?;
     let rank = Some(guard.info().rank);
     let res = if healthy { guard.destroy() } else { Ok(()) };
     drop(guard);
@@ -107,6 +149,15 @@ pub fn destroy(op: &'static str, handle: i64) -> Result<()> {
     r.live.remove(&handle);
     r.destroyed.push(handle);
     res
+}
+
+/// The buffer's fixed facts (local; never waits for an op in another thread).
+pub fn info(op: &'static str, handle: i64) -> Result<BufferInfo> {
+    let r = lock(registry());
+    match r.live.get(&handle) {
+        Some(e) => Ok(e.info.clone()),
+        None => Err(missing(op, handle, &r)),
+    }
 }
 
 /// Number of live buffers in this process (diagnostics and leak tests).

@@ -5,10 +5,21 @@ use std::time::Duration;
 /// Default deadline of every wait for peers.
 pub const DEFAULT_TIMEOUT_MS: u64 = 100_000;
 
-/// `DEEP_EP_TIMEOUT_MS`: how long any wait for a peer may take before it raises.
-pub fn timeout() -> Duration {
-    let ms = std::env::var("DEEP_EP_TIMEOUT_MS").ok().and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(DEFAULT_TIMEOUT_MS);
-    Duration::from_millis(ms.max(1))
+/// `DEEP_EP_TIMEOUT_MS`: how long any wait for a peer may take before it raises; read when a
+/// buffer is created. Unset or empty: [`DEFAULT_TIMEOUT_MS`]. Anything but a whole number of
+/// milliseconds >= 1 (`3000ms`, `abc`, `-1`, `0`) is an error naming the variable, not a silent default.
+pub fn timeout(op: &'static str) -> crate::error::Result<Duration> {
+    let v = match std::env::var("DEEP_EP_TIMEOUT_MS") {
+        Ok(v) if !v.trim().is_empty() => v,
+        _ => return Ok(Duration::from_millis(DEFAULT_TIMEOUT_MS)),
+    };
+    match v.trim().parse::<u64>() {
+        Ok(ms) if ms >= 1 => Ok(Duration::from_millis(ms)),
+        _ => Err(crate::error::Error::invalid(
+            op,
+            format!("DEEP_EP_TIMEOUT_MS={v:?} is not a whole number of milliseconds >= 1 (e.g. 30000); unset it for the default {DEFAULT_TIMEOUT_MS}"),
+        )),
+    }
 }
 
 /// `DEEP_EP_SHM_DIR`: where the CPU backend creates its shared-memory files

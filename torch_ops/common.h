@@ -182,8 +182,16 @@ struct BufferInfo {
   Device device() const { return v[2] >= 0 ? Device(DeviceType::CUDA, static_cast<int8_t>(v[2])) : Device(DeviceType::CPU); }
 };
 
+// The op this thread is in (set by buffer_info, which every buffer op calls first), so that
+// errors raised below it, such as a failed output allocation, can name it.
+inline const char*& current_op() {
+  static thread_local const char* op = "deep_ep";
+  return op;
+}
+
 // `op` ("deep_ep::dispatch") names the calling op in errors about the handle.
 inline BufferInfo buffer_info(int64_t handle, const char* op) {
+  current_op() = op;
   BufferInfo b{};
   check(deep_ep_buffer_info(handle, op, b.v));
   return b;
@@ -197,15 +205,31 @@ inline void fill_config(int64_t* dst, const IntList& config, const char* op) {
 }
 
 // Uninitialised / zeroed tensor on `like`'s device.
+// An output allocation that failed (out of memory, a size torch refuses) becomes an error that
+// names the op, the shape, the dtype, the device and the bytes, not torch's bare API failure.
+template <typename F>
+inline Tensor allocate(const IntList& shape, ScalarType dtype, const Device& device, F&& make) {
+  try {
+    return make();
+  } catch (const std::exception& e) {
+    double bytes = 1;
+    for (int64_t s : shape) bytes *= static_cast<double>(s);
+    std::ostringstream m;
+    m << current_op() << ": cannot allocate an output of shape " << to_string(shape) << " (" << dtype_name(dtype) << ", "
+      << bytes << " elements) on " << to_string(device) << ": " << e.what();
+    throw std::runtime_error(m.str());
+  }
+}
+
 inline Tensor empty_like_dev(const Tensor& like, const IntList& shape, ScalarType dtype) {
-  return torch::stable::new_empty(like, shape, dtype);
+  return allocate(shape, dtype, like.device(), [&] { return torch::stable::new_empty(like, shape, dtype); });
 }
 inline Tensor zeros_like_dev(const Tensor& like, const IntList& shape, ScalarType dtype) {
-  return torch::stable::new_zeros(like, shape, dtype);
+  return allocate(shape, dtype, like.device(), [&] { return torch::stable::new_zeros(like, shape, dtype); });
 }
 // Uninitialised tensor on `device`.
 inline Tensor empty_on(const IntList& shape, ScalarType dtype, const Device& device) {
-  return torch::stable::empty(shape, dtype, std::nullopt, device);
+  return allocate(shape, dtype, device, [&] { return torch::stable::empty(shape, dtype, std::nullopt, device); });
 }
 
 // Empty tensor standing for an absent optional output.

@@ -227,9 +227,21 @@ pub unsafe extern "C" fn deep_ep_buffer_size_hint(
         crate::ensure!(hidden_bytes > 0 && num_ranks > 0, op, "hidden_bytes ({hidden_bytes}) and num_ranks ({num_ranks}) must be positive");
         let (h, r) = (hidden_bytes as usize, num_ranks as usize);
         crate::ensure!(r <= 8 || r % 8 == 0, op, "num_ranks must be <= 8 or a multiple of 8, got {r}");
+        // An upper bound of either formula in f64, so that no size wraps around in usize or i64.
+        let (ch, t) = (c.num_channels() as f64, c.num_max_nvl_chunked_recv_tokens.max(c.num_max_rdma_chunked_recv_tokens) as f64);
+        let bound = ch * r as f64 * (t * (2.0 * h as f64 + 4096.0) + 64.0);
+        ensure_hint_fits(op, bound, &format!("hidden_bytes {h}, num_ranks {r}, config {c:?}"))?;
         *out = if which == 0 { c.nvl_buffer_size_hint(h, r) } else { c.rdma_buffer_size_hint(h, r) } as i64;
         Ok(())
     })
+}
+
+/// Size hints are computed in `usize` and returned as `i64`: arguments whose hint could exceed
+/// 2^62 bytes (4 EiB, far beyond any machine) are refused instead of wrapping to a small or
+/// negative number.
+fn ensure_hint_fits(op: &'static str, bound: f64, args: &str) -> crate::error::Result<()> {
+    crate::ensure!(bound < (1u64 << 62) as f64, op, "arguments too large: the size hint would exceed 2^62 bytes ({args})");
+    Ok(())
 }
 
 /// See `deep_ep_low_latency_rdma_size_hint` in the header.
@@ -245,6 +257,8 @@ pub unsafe extern "C" fn deep_ep_low_latency_rdma_size_hint(t: i64, hidden: i64,
             OP,
             "all arguments must be positive, got ({t}, {hidden}, {num_ranks}, {num_experts})"
         );
+        let bound = 8.0 * num_experts as f64 * t as f64 * (3.0 * hidden as f64 + 32.0) + 8.0 * num_experts as f64 + 512.0;
+        ensure_hint_fits(OP, bound, &format!("num_max_dispatch_tokens_per_rank {t}, hidden {hidden}, num_experts {num_experts}"))?;
         *out = config::low_latency_rdma_size_hint(t as usize, hidden as usize, num_ranks as usize, num_experts as usize) as i64;
         Ok(())
     })

@@ -28,6 +28,7 @@ pub fn num_rdma_ranks(op: &'static str, info: &BufferInfo) -> Result<usize> {
 
 /// Checks the 10 handle tensors; returns (N tokens, rows, rdma rows).
 fn check_handle(op: &'static str, h: &InternodeHandle, info: &BufferInfo, c: usize) -> Result<(usize, usize, usize)> {
+    super::normal::check_normal_memory(op, info)?;
     let (r, dev) = (info.num_ranks, info.device);
     let rr = num_rdma_ranks(op, info)?;
     let i32s = &[DType::Int32];

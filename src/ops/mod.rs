@@ -11,7 +11,7 @@ pub use normal::*;
 
 use crate::backend::{self, BackendKind, CreateArgs, UNIQUE_ID_BYTES};
 use crate::buffer;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::layout;
 use crate::tensor::{DType, Device, TensorRef};
 
@@ -58,18 +58,16 @@ pub fn destroy_buffer(handle: i64) -> Result<()> {
 /// low_latency_mode, backend (0 cpu, 1 nccl, 2 nvshmem)]`.
 /// `op` names the calling op in errors.
 pub fn buffer_info(handle: i64, op: &'static str) -> Result<[i64; 7]> {
-    buffer::with(op, handle, |b| {
-        let i = b.info();
-        Ok([
-            i.rank as i64,
-            i.num_ranks as i64,
-            i.device.to_raw() as i64,
-            i.num_nvl_bytes as i64,
-            i.num_rdma_bytes as i64,
-            i.low_latency_mode as i64,
-            i.backend as i64,
-        ])
-    })
+    let i = buffer::info(op, handle)?;
+    Ok([
+        i.rank as i64,
+        i.num_ranks as i64,
+        i.device.to_raw() as i64,
+        i.num_nvl_bytes as i64,
+        i.num_rdma_bytes as i64,
+        i.low_latency_mode as i64,
+        i.backend as i64,
+    ])
 }
 
 /// Outputs of `get_dispatch_layout`, caller-allocated: `[R]`, `[R/8]` (absent when R ≤ 8),
@@ -104,6 +102,24 @@ pub fn check_dispatch_layout(topk_idx: &TensorRef, num_experts: i64, num_ranks: 
         .done()
 }
 
+/// Expert ids of a CPU `topk_idx` (row-major, `k` per token) must lie in `[-1, num_experts)`;
+/// anything else would be dropped or aliased silently. (On CUDA the ops' device-side checks or
+/// the kernels' own bounds apply.)
+pub(crate) fn check_expert_ids(op: &'static str, ids: &[i64], k: usize, num_experts: usize) -> Result<()> {
+    match ids.iter().position(|&v| v < -1 || v >= num_experts as i64) {
+        None => Ok(()),
+        Some(p) => Err(Error::invalid(
+            op,
+            format!(
+                "topk_idx[{}, {}] = {} is not an expert id: ids must be in [-1, {num_experts}) (-1 = no expert)",
+                p / k.max(1),
+                p % k.max(1),
+                ids[p]
+            ),
+        )),
+    }
+}
+
 /// `deep_ep::get_dispatch_layout` (local, not collective). On CUDA it launches on `stream`.
 pub fn get_dispatch_layout(
     topk_idx: &TensorRef,
@@ -117,7 +133,9 @@ pub fn get_dispatch_layout(
         Device::Cpu => {
             let (n, k) = (topk_idx.size(0), topk_idx.size(1));
             let d = crate::topology::nvl_domain_size()?;
-            let l = layout::dispatch_layout_in_domains(&topk_idx.cpu_indices_i64(), n, k, num_experts, num_ranks, d);
+            let ids = topk_idx.cpu_indices_i64();
+            check_expert_ids("deep_ep::get_dispatch_layout", &ids, k, num_experts)?;
+            let l = layout::dispatch_layout_in_domains(&ids, n, k, num_experts, num_ranks, d);
             out.num_tokens_per_rank.cpu_slice_mut::<i32>().copy_from_slice(&l.num_tokens_per_rank);
             if let Some(t) = &out.num_tokens_per_rdma_rank {
                 t.cpu_slice_mut::<i32>().copy_from_slice(&l.num_tokens_per_rdma_rank);

@@ -41,8 +41,20 @@ pub(super) fn check_x(op: &'static str, x: &TensorRef, scales: &Option<TensorRef
     Ok(())
 }
 
+/// Normal-mode ops need the buffer's NVLink area (a buffer made for low-latency only has none).
+pub(super) fn check_normal_memory(op: &'static str, info: &BufferInfo) -> Result<()> {
+    crate::ensure!(
+        info.num_nvl_bytes > 0,
+        op,
+        "this buffer has no normal-mode memory (num_nvl_bytes = 0): create it with num_nvl_bytes of at least \
+         Config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks) to use dispatch and combine"
+    );
+    Ok(())
+}
+
 /// Checks a dispatch handle (6 tensors) against the buffer and `config.num_sms`.
 fn check_handle(op: &'static str, h: &Handle, info: &BufferInfo, num_channels: usize) -> Result<()> {
+    check_normal_memory(op, info)?;
     let (r, dev) = (info.num_ranks, info.device);
     h.rank_prefix_matrix
         .check(op, "rank_prefix_matrix")
@@ -86,6 +98,7 @@ pub fn dispatch_prepare(handle: i64, a: &DispatchArgs) -> Result<DispatchPlan> {
 
 /// The input checks of a non-cached dispatch (intranode or internode, named by `op`).
 pub(super) fn check_dispatch_args(op: &'static str, a: &DispatchArgs, info: &BufferInfo) -> Result<()> {
+    check_normal_memory(op, info)?;
     {
         let (dev, r) = (info.device, info.num_ranks);
         check_x(op, &a.x, &a.x_scales, info)?;

@@ -708,6 +708,7 @@ impl CpuBackend {
 
     pub(super) fn ll_next_combine_buffer_impl(&mut self, g: &LlGeometry) -> Result<TensorRef> {
         let geo = self.ll_geo(OP_NEXT, g)?;
+        self.views_out = true;
         let ptr = self.ll_region(self.info.rank).ptr_at(geo.send(self.ll.next_half));
         let (rt, m) = ((geo.r * geo.t) as i64, geo.m as i64);
         Ok(TensorRef::new(ptr, DType::BFloat16, Device::Cpu, &[geo.el as i64, rt, geo.h as i64], &[rt * m, m, 1]))

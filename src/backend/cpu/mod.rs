@@ -41,7 +41,10 @@ fn align_up(n: usize, a: usize) -> usize {
 /// A buffer on host shared memory.
 pub struct CpuBackend {
     pub(crate) info: BufferInfo,
-    seg: Segment,
+    /// None only while being dropped (see `Drop`).
+    seg: Option<Segment>,
+    /// A zero-copy combine view of this buffer was handed out: its memory must outlive the buffer.
+    pub(crate) views_out: bool,
     ht_bytes: usize,
     ll_bytes: usize,
     region_bytes: usize,
@@ -55,6 +58,17 @@ pub struct CpuBackend {
     pub(crate) shrink: bool,
     /// Per peer: `[waits, ns]` spent in host waits until that peer arrived (`wait_stats`).
     pub(crate) waits: Vec<[i64; 2]>,
+}
+
+impl Drop for CpuBackend {
+    /// Destroyed or poisoned alike: a buffer that handed out a zero-copy combine view keeps its
+    /// mapping until the process exits (the view may outlive the buffer; torch's stable ABI
+    /// before 2.11 has no tensor deleter to tell us when it dies). Others unmap at once.
+    fn drop(&mut self) {
+        if let (true, Some(seg)) = (self.views_out, self.seg.take()) {
+            seg.keep_mapped_until_exit();
+        }
+    }
 }
 
 impl CpuBackend {
@@ -105,15 +119,17 @@ impl CpuBackend {
         let ll_bytes = align_up(a.num_rdma_bytes, ALIGN);
         let region_bytes = ht_bytes + ll_bytes;
         let total = CONTROL_BYTES + a.num_ranks * region_bytes;
+        let timeout = crate::settings::timeout(OP)?;
         let seg = Segment::open(OP, &path, total)?;
         let mut b = CpuBackend {
             info: BufferInfo::from_args(a, BackendKind::Cpu),
-            seg,
+            seg: Some(seg),
+            views_out: false,
             ht_bytes,
             ll_bytes,
             region_bytes,
             epoch: 0,
-            timeout: crate::settings::timeout(),
+            timeout,
             ll: ll::LlState::default(),
             mask: vec![false; a.num_ranks],
             shrink: false,
@@ -125,7 +141,7 @@ impl CpuBackend {
         // Rank 0 removes the name once all ranks mapped it; after a failed rendezvous every
         // rank does, so no file is left behind and a late rank cannot join a failed buffer.
         if a.rank == 0 || barrier.is_err() {
-            b.seg.unlink();
+            b.seg().unlink();
         }
         barrier?;
         for peer in 0..a.num_ranks {
@@ -146,18 +162,22 @@ impl CpuBackend {
         Ok(b)
     }
 
+    fn seg(&self) -> &Segment {
+        self.seg.as_ref().expect("the segment lives until the backend is dropped")
+    }
+
     fn control(&self) -> Region {
-        self.seg.region(0, CONTROL_BYTES)
+        self.seg().region(0, CONTROL_BYTES)
     }
 
     /// Rank `r`'s normal-mode area (`num_nvl_bytes`, page-aligned).
     pub(crate) fn ht_region(&self, r: usize) -> Region {
-        self.seg.region(CONTROL_BYTES + r * self.region_bytes, self.ht_bytes)
+        self.seg().region(CONTROL_BYTES + r * self.region_bytes, self.ht_bytes)
     }
 
     /// Rank `r`'s low-latency area (`num_rdma_bytes`, page-aligned).
     pub(crate) fn ll_region(&self, r: usize) -> Region {
-        self.seg.region(CONTROL_BYTES + r * self.region_bytes + self.ht_bytes, self.ll_bytes)
+        self.seg().region(CONTROL_BYTES + r * self.region_bytes + self.ht_bytes, self.ll_bytes)
     }
 
     /// All ranks meet. On timeout the error names the ranks that never arrived.

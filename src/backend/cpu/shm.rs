@@ -28,6 +28,16 @@ pub struct Segment {
 // The mapping is process-wide memory; access is coordinated by the backend's protocol.
 unsafe impl Send for Segment {}
 
+/// What to say when the shared-memory folder cannot hold a buffer.
+fn shm_full_message(path: &str, len: usize) -> String {
+    let dir = std::path::Path::new(path).parent().map_or_else(|| ".".to_string(), |d| d.display().to_string());
+    format!(
+        "cannot reserve {len} bytes ({:.1} MiB) for the buffer in the shared-memory folder {dir} (file {path}); free space \
+         there, make it larger (docker run --shm-size=...) or set DEEP_EP_SHM_DIR to a folder with room",
+        len as f64 / (1u64 << 20) as f64
+    )
+}
+
 fn os_err(op: &'static str, what: String) -> Error {
     Error::Os { op, what, source: std::io::Error::last_os_error() }
 }
@@ -52,6 +62,14 @@ impl Segment {
             if (st.st_size as usize) < len && libc::ftruncate(fd, len as libc::off_t) != 0 {
                 libc::close(fd);
                 return Err(os_err(op, format!("ftruncate {path} to {len} bytes")));
+            }
+            // Reserve every page now: a sparse file on a filesystem too small for it (Docker's
+            // 64 MB /dev/shm) would otherwise raise SIGBUS in every rank at the first large op.
+            let rc = libc::posix_fallocate(fd, 0, len as libc::off_t);
+            if rc != 0 {
+                libc::close(fd);
+                libc::unlink(cpath.as_ptr());
+                return Err(Error::Os { op, what: shm_full_message(path, len), source: std::io::Error::from_raw_os_error(rc) });
             }
             let ptr = libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0);
             libc::close(fd);
@@ -85,6 +103,15 @@ impl Segment {
         assert!(offset.checked_add(len).is_some_and(|e| e <= self.len), "region {offset}+{len} outside segment of {}", self.len);
         // SAFETY: in bounds of the live mapping (checked above).
         Region { ptr: unsafe { self.ptr.add(offset) }, len }
+    }
+}
+
+impl Segment {
+    /// Keeps this mapping for the rest of the process instead of unmapping it: torch tensors
+    /// that alias it (the zero-copy combine view) may outlive their buffer, and reading them
+    /// must not fault. The file name is gone already, so nothing is left behind at exit.
+    pub fn keep_mapped_until_exit(self) {
+        std::mem::forget(self);
     }
 }
 

@@ -137,7 +137,7 @@ impl NcclBackend {
             return Err(Error::NotImplemented { op: OP, backend: kind.name(), feature: "buffers of more than 8 ranks (internode)" });
         }
         crate::ffi::low_latency::check_struct_size(OP)?;
-        let timeout = crate::settings::timeout();
+        let timeout = crate::settings::timeout(OP)?;
         // Internode LL (ranks over several NVLink domains): the seam's area after the LL area.
         let topo = crate::topology::Topology::new(OP, a.rank, a.num_ranks, crate::topology::nvl_domain_size()?)?;
         let knobs = gin::GinKnobs::from_env()?;

@@ -1,0 +1,210 @@
+"""Reliability faults of the CPU backend that must end in a clear error, never in a crash, a
+silent wrong result or a file left behind (more in test_bad_input*.py, test_leaks.py)."""
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SMALL_SHM = textwrap.dedent("""
+    import torch, deep_ep_rs
+    ops = torch.ops.deep_ep
+    uid = ops.get_unique_id("cpu", torch.device("cpu"))
+    try:
+        ops.create_buffer(uid, 0, 1, torch.device("cpu"), 64 << 20, 0, False, "cpu")
+        print("CREATED")
+    except RuntimeError as e:
+        print("ERR", e)
+""")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root to mount a small private tmpfs")
+def test_shared_memory_folder_too_small_is_a_clear_error_not_sigbus(tmp_path):
+    """A 64 MiB buffer in an 8 MiB tmpfs (Docker's /dev/shm is 64 MB): creation reserves every page,
+    so it fails at once with the size, the folder and DEEP_EP_SHM_DIR, and leaves no file."""
+    d = tmp_path / "shm"
+    d.mkdir()
+    script = tmp_path / "small_shm.py"
+    script.write_text(SMALL_SHM)
+    sh = f"mount -t tmpfs -o size=8m none {d} && {sys.executable} {script}; echo LEFT=$(ls -A {d} | wc -l)"
+    p = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", sh], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, DEEP_EP_SHM_DIR=str(d)))
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    assert "ERR deep_ep::create_buffer: cannot reserve 67" in out and str(d) in out and "DEEP_EP_SHM_DIR" in out, out + p.stderr
+    assert "LEFT=0" in out, out
+
+
+# ---- invalid environment values are errors that name the variable -----------------------------
+@pytest.mark.parametrize("value", ["3000ms", "abc", "-1", "0", "1e3"])
+def test_invalid_timeout_env_is_an_error_naming_it(ops, value, monkeypatch):
+    import torch
+
+    monkeypatch.setenv("DEEP_EP_TIMEOUT_MS", value)
+    uid = ops.get_unique_id("cpu", torch.device("cpu"))
+    with pytest.raises(RuntimeError, match=rf"deep_ep::create_buffer: DEEP_EP_TIMEOUT_MS=\"{value}\" is not a whole number of milliseconds"):
+        ops.create_buffer(uid, 0, 1, torch.device("cpu"), 1 << 20, 0, False, "cpu")
+
+
+# ---- a forked child cannot use its parent's buffer -----------------------------------------------
+FORK = textwrap.dedent("""
+    import os, torch, deep_ep_rs
+    ops = torch.ops.deep_ep
+    uid = ops.get_unique_id("cpu", torch.device("cpu"))
+    h = int(ops.create_buffer(uid, 0, 1, torch.device("cpu"), 1 << 22, 1 << 22, True, "cpu"))
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            ops.clean_low_latency_buffer(h, 8, 256, 2)
+            msg = "NO ERROR"
+        except RuntimeError as e:
+            msg = str(e)
+        os.write(w, msg.encode()); os._exit(0)
+    os.waitpid(pid, 0)
+    print("CHILD:", os.read(r, 4096).decode())
+    ops.clean_low_latency_buffer(h, 8, 256, 2)   # the parent's buffer still works
+    ops.destroy_buffer(h)
+    print("PARENT OK")
+""")
+
+
+def test_forked_child_using_parents_buffer_raises():
+    p = subprocess.run([sys.executable, "-c", FORK], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "CHILD: deep_ep::clean_low_latency_buffer: buffer 1 belongs to process" in p.stdout and "forked child" in p.stdout, p.stdout
+    assert "PARENT OK" in p.stdout
+
+
+# ---- two threads in one buffer at once: the second raises --------------------------------------
+def test_second_thread_in_a_busy_buffer_raises(ops):
+    import threading
+
+    import torch
+
+    cpu = torch.device("cpu")
+    uid = ops.get_unique_id("cpu", cpu)
+    hs = [None, None]
+    ts = [threading.Thread(target=lambda r=r: hs.__setitem__(r, int(ops.create_buffer(uid, r, 2, cpu, 1 << 22, 0, False, "cpu"))))
+          for r in range(2)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    x = torch.ones((4, 128), dtype=torch.bfloat16)
+    idx = torch.tensor([[0], [1], [2], [3]])
+    ntpr, _, ntpe, in_rank = ops.get_dispatch_layout(idx, 4, 2)
+    args = (x, None, idx, torch.ones((4, 1)), ntpr, in_rank, ntpe, 1, 0, [4, 6, 256, 6, 128])
+    out = {}
+
+    def rank0():  # waits inside the op until rank 1 arrives
+        out["rank0"] = ops.dispatch(hs[0], *args)[0].shape[0]
+
+    t = threading.Thread(target=rank0)
+    t.start()
+    import time
+
+    time.sleep(0.5)
+    with pytest.raises(RuntimeError, match=rf"buffer {hs[0]} is in use by another thread of this process"):
+        ops.dispatch(hs[0], *args)
+    assert ops.buffer_info(hs[0])[:2] == [0, 2]  # facts are answered meanwhile
+    out["rank1"] = ops.dispatch(hs[1], *args)[0].shape[0]
+    t.join()
+    assert out == {"rank0": 4, "rank1": 4}
+    ts = [threading.Thread(target=ops.destroy_buffer, args=(h,)) for h in hs]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+
+
+# ---- content of routing inputs ------------------------------------------------------------------
+@pytest.mark.parametrize("bad", [-2, 8, 1 << 40])
+def test_layout_rejects_out_of_range_expert_ids(ops, bad):
+    import torch
+
+    idx = torch.tensor([[0, 1], [2, bad]])
+    with pytest.raises(RuntimeError, match=rf"deep_ep::get_dispatch_layout: topk_idx\[1, 1\] = {bad} is not an expert id: ids must be in \[-1, 8\)"):
+        ops.get_dispatch_layout(idx, 8, 2)
+
+
+@pytest.mark.parametrize("bad", [-2, -100, 8])
+def test_low_latency_dispatch_rejects_out_of_range_expert_ids(ops, bad):
+    import torch
+
+    uid = ops.get_unique_id("cpu", torch.device("cpu"))
+    h = int(ops.create_buffer(uid, 0, 1, torch.device("cpu"), 0, ops.low_latency_rdma_size_hint(4, 256, 1, 8), True, "cpu"))
+    try:
+        x = torch.zeros((2, 256), dtype=torch.bfloat16)
+        idx = torch.tensor([[0, 1], [bad, 3]])
+        with pytest.raises(RuntimeError, match=rf"deep_ep::low_latency_dispatch: topk_idx\[1, 0\] = {bad} is not an expert id"):
+            ops.low_latency_dispatch(h, x, idx, None, None, None, 4, 8, False, False, False)
+    finally:
+        ops.destroy_buffer(h)
+
+
+# ---- size hints never wrap ---------------------------------------------------------------------
+def test_size_hints_refuse_arguments_that_would_overflow(ops):
+    with pytest.raises(RuntimeError, match="low_latency_rdma_size_hint: arguments too large"):
+        ops.low_latency_rdma_size_hint(1 << 40, 1 << 20, 8, 1 << 20)
+    with pytest.raises(RuntimeError, match="nvl_buffer_size_hint: arguments too large"):
+        ops.nvl_buffer_size_hint([20, 6, 256, 6, 128], 1 << 60, 8)
+    with pytest.raises(RuntimeError, match="rdma_buffer_size_hint: arguments too large"):
+        ops.rdma_buffer_size_hint([20, 6, 256, 6, 128], 1 << 60, 16)
+    assert ops.low_latency_rdma_size_hint(128, 7168, 8, 288) == 2_146_961_792  # DeepEP's worked example still holds
+
+
+# ---- a zero-copy view outlives its buffer -------------------------------------------------------
+VIEW = textwrap.dedent("""
+    import gc, torch, torch.distributed as dist, deep_ep_rs
+    ops = torch.ops.deep_ep
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d", rank=0, world_size=1)
+    T, H, E = 4, 256, 2
+    for how in ("destroy", "gc"):
+        buf = deep_ep_rs.Buffer(dist.group.WORLD, 0, deep_ep_rs.Buffer.get_low_latency_rdma_size_hint(T, H, 1, E),
+                                low_latency_mode=True, explicitly_destroy=(how == "destroy"))
+        x = torch.ones((3, H), dtype=torch.bfloat16)
+        idx = torch.tensor([[0, 1], [1, -1], [0, -1]])
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+        view = buf.get_next_low_latency_combine_buffer(handle)
+        view.fill_(2.0)
+        if how == "destroy":
+            buf.destroy()
+        del buf, recv, handle
+        gc.collect()
+        view.add_(1.0)                       # the memory is still mapped: no SIGSEGV
+        print(how, float(view.float().mean()))
+    dist.destroy_process_group()
+""")
+
+
+def test_zero_copy_view_outlives_its_buffer():
+    from _harness import free_port
+
+    p = subprocess.run([sys.executable, "-c", VIEW % free_port()], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, f"exit {p.returncode} (SIGSEGV is -11)\n{p.stderr}"
+    assert "destroy 3.0" in p.stdout and "gc 3.0" in p.stdout, p.stdout
+
+
+# ---- a buffer without normal-mode memory ------------------------------------------------------------
+def test_normal_ops_on_a_buffer_without_nvl_bytes_say_so(ops):
+    import torch
+
+    cpu = torch.device("cpu")
+    h = int(ops.create_buffer(ops.get_unique_id("cpu", cpu), 0, 1, cpu, 0, 0, False, "cpu"))
+    try:
+        x = torch.ones((4, 128), dtype=torch.bfloat16)
+        idx = torch.tensor([[0], [1], [0], [1]])
+        ntpr, _, ntpe, in_rank = ops.get_dispatch_layout(idx, 2, 1)
+        with pytest.raises(RuntimeError, match=r"deep_ep::dispatch: this buffer has no normal-mode memory \(num_nvl_bytes = 0\)"):
+            ops.dispatch(h, x, None, idx, torch.ones((4, 1)), ntpr, in_rank, ntpe, 1, 0, [4, 6, 256, 6, 128])
+    finally:
+        ops.destroy_buffer(h)
+
+
+def test_an_output_too_large_to_allocate_names_the_op_and_shape(ops, buffer1):
+    import torch
+
+    x = torch.ones((4, 128), dtype=torch.bfloat16)
+    idx = torch.tensor([[0], [1], [0], [1]])
+    ntpr, _, ntpe, in_rank = ops.get_dispatch_layout(idx, 2, 1)
+    with pytest.raises(RuntimeError, match=r"deep_ep::dispatch: cannot allocate an output of shape \[1125899906842624, 128\] \(torch\.bfloat16"):
+        ops.dispatch(buffer1, x, None, idx, torch.ones((4, 1)), ntpr, in_rank, ntpe, 1, 1 << 50, [4, 6, 256, 6, 128])

@@ -2,7 +2,7 @@
 # What one GPU can show, from the installed wheel (not the source tree): the wheel in a fresh venv
 # over the machine's torch, every op registered, a single-rank round trip (diagnose's GPU
 # self-test), the GPU tests that run at one rank (smoke, framework call paths and kernel names,
-# LL against the CPU backend at 1 rank, compile), and the LL benchmark at one rank.
+# reliability faults, LL against the CPU backend at 1 rank, compile), and the LL benchmark at one rank.
 #   bench/one_gpu_check.sh OUT_DIR WHEEL
 # Writes OUT_DIR/check.log and OUT_DIR/low-latency-1gpu.json. STEPS="a b" runs only those steps.
 set -u
@@ -41,6 +41,7 @@ torch.ops.load_library(lib); print(\"ops only:\", sorted(n for n in dir(torch.op
 step diagnose 240 bash -c "cd /tmp && '$py' -m deep_ep_rs.diagnose --timeout 120"
 step smoke 120 "$py" -m pytest -q -rs tests/gpu/test_smoke.py
 step frameworks 240 "$py" -m pytest -q -rs tests/gpu/test_frameworks_gpu.py
+step reliability 240 "$py" -m pytest -q -rs tests/gpu/test_reliability_gpu.py
 step ll_1 240 env DEEP_EP_LL_CONFIGS=${LL_CONFIGS:-60} DEEP_EP_LL_REPLAYS=${LL_REPLAYS:-200} "$py" -m pytest -q -rs "tests/gpu/test_low_latency.py::test_low_latency_matches_cpu_backend[1]"
 step bench_ll 120 "$py" -m torch.distributed.run --nproc-per-node 1 bench/low_latency.py --tokens 1 128 --out "$out/low-latency-1gpu.json"
 step compile_cuda 150 "$py" -m pytest -q -rs tests/gpu/test_compile_cuda.py

@@ -208,3 +208,33 @@ def test_an_output_too_large_to_allocate_names_the_op_and_shape(ops, buffer1):
     ntpr, _, ntpe, in_rank = ops.get_dispatch_layout(idx, 2, 1)
     with pytest.raises(RuntimeError, match=r"deep_ep::dispatch: cannot allocate an output of shape \[1125899906842624, 128\] \(torch\.bfloat16"):
         ops.dispatch(buffer1, x, None, idx, torch.ones((4, 1)), ntpr, in_rank, ntpe, 1, 1 << 50, [4, 6, 256, 6, 128])
+
+
+# ---- low-latency format flags must agree across ranks ---------------------------------------------
+def _ll_format_worker(rank, world, flags):
+    import torch
+    import torch.distributed as dist
+
+    import deep_ep_rs
+
+    t, h, e = 8, 512, 2 * world
+    buf = deep_ep_rs.Buffer(dist.group.WORLD, 0, deep_ep_rs.Buffer.get_low_latency_rdma_size_hint(t, h, world, e),
+                            low_latency_mode=True, explicitly_destroy=True)
+    x = torch.ones((4, h), dtype=torch.bfloat16)
+    idx = torch.tensor([[0, e - 1]] * 4)  # every rank sends to rank 0 and to the last rank
+    use_fp8, round_scale, use_ue8m0 = flags[rank]
+    try:
+        buf.low_latency_dispatch(x, idx, t, e, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
+        out = "no error"
+    except RuntimeError as ex:
+        out = str(ex)
+    buf.destroy()
+    return out
+
+
+@pytest.mark.parametrize("flags", [[(True, False, False), (False, False, False)], [(True, False, False), (True, True, True)]],
+                         ids=["fp8-vs-bf16", "scale-flags"])
+def test_low_latency_format_flags_differing_across_ranks_raise(rank_pool, flags):
+    out = rank_pool(2).run(_ll_format_worker, flags)
+    for r, msg in enumerate(out):
+        assert "every rank must pass the same use_fp8, round_scale and use_ue8m0" in msg, (r, msg)

@@ -141,6 +141,22 @@ fn read_meta(reg: &Region, off: usize) -> (i32, [i32; 4], Vec<(usize, usize, f32
     (hdr[0], [hdr[0], hdr[1], hdr[2], hdr[3]], entries)
 }
 
+/// The payload format of an LL dispatch (FP8 flags), as carried in its messages: 0 = BF16.
+fn format_code(o: &LlDispatchOptions) -> i32 {
+    if o.use_fp8 {
+        1 | (o.round_scale as i32) << 1 | (o.use_ue8m0 as i32) << 2
+    } else {
+        0
+    }
+}
+
+fn format_name(code: i32) -> String {
+    if code & 1 == 0 {
+        return "use_fp8=False (BF16)".into();
+    }
+    format!("use_fp8=True, round_scale={}, use_ue8m0={}", code & 2 != 0, code & 4 != 0)
+}
+
 fn tag(seq: u32, count: usize) -> u32 {
     ((seq & 0xffff) << 16) | (count as u32 + 1)
 }
@@ -270,6 +286,9 @@ impl CpuBackend {
     ) -> Result<()> {
         let geo = self.ll_geo(OP_DISPATCH, g)?;
         let (n, h, t, me) = (a.x.size(0), geo.h, geo.t, self.info.rank);
+        crate::ensure!(h < 1 << 24, OP_DISPATCH, "hidden ({h}) must be below 2^24");
+        // The message header's hidden word also carries the format, which receivers check.
+        let h_word = h as i32 | (format_code(o) << 24);
         let k = if a.topk_idx.ndim() == 2 { a.topk_idx.size(1) } else { 0 };
         crate::ensure!(a.topk_idx.numel() == n * k, OP_DISPATCH, "topk_idx must be [{n}, num_topk], got {:?}", a.topk_idx.sizes());
         crate::ensure!(n <= t, OP_DISPATCH, "x has {n} tokens, more than num_max_dispatch_tokens_per_rank ({t})");
@@ -333,7 +352,7 @@ impl CpuBackend {
                     let off = geo.dmsg(w, half, me, m);
                     reg.write::<i32>(
                         off,
-                        &[tok as i32, h as i32, t as i32, geo.e as i32, ent.len() as i32, weights.is_some() as i32, 0, 0],
+                        &[tok as i32, h_word, t as i32, geo.e as i32, ent.len() as i32, weights.is_some() as i32, 0, 0],
                     );
                     let packed: Vec<u32> = ent.iter().map(|&(l, sl, _)| (l as u32) << 16 | sl as u32).collect();
                     reg.write::<u32>(off + 32, &packed);
@@ -352,7 +371,7 @@ impl CpuBackend {
                 let off = geo.msg(half, l, me, slot[e]);
                 slot[e] += 1;
                 let reg = &regions[dst];
-                reg.write::<i32>(off, &[tok as i32, h as i32, t as i32, geo.e as i32]);
+                reg.write::<i32>(off, &[tok as i32, h_word, t as i32, geo.e as i32]);
                 write_payload(reg, off + HEADER);
             }
         }
@@ -455,11 +474,19 @@ impl CpuBackend {
                     };
                     let mut hdr = [0i32; 4];
                     mine.read::<i32>(off, &mut hdr);
-                    if hdr[1..] != [h as i32, t as i32, geo.e as i32] {
+                    let (their_h, their_fmt) = (hdr[1] & 0xff_ffff, (hdr[1] >> 24) & 0xff);
+                    if [their_h, hdr[2], hdr[3]] != [h as i32, t as i32, geo.e as i32] {
                         self.ll.geometry = Some((0, 0, 0)); // ranks disagree: the next send meets and re-zeroes
                         return Err(Error::invalid(OP_DISPATCH, format!(
-                            "a message from rank {src} for local expert {l} carries (hidden, num_max_dispatch_tokens_per_rank, num_experts) = {:?}, this rank receives with ({h}, {t}, {}): every rank must pass the same values",
-                            &hdr[1..], geo.e
+                            "a message from rank {src} for local expert {l} carries (hidden, num_max_dispatch_tokens_per_rank, num_experts) = ({their_h}, {}, {}), this rank receives with ({h}, {t}, {}): every rank must pass the same values",
+                            hdr[2], hdr[3], geo.e
+                        )));
+                    }
+                    if their_fmt != format_code(o) {
+                        self.ll.geometry = Some((0, 0, 0));
+                        return Err(Error::invalid(OP_DISPATCH, format!(
+                            "rank {src} dispatched with {}, this rank receives with {}: every rank must pass the same use_fp8, round_scale and use_ue8m0",
+                            format_name(their_fmt), format_name(format_code(o))
                         )));
                     }
                     src_info[row] = hdr[0];

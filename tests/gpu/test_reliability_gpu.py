@@ -1,0 +1,104 @@
+"""The reliability classes of tests/python/test_reliability.py on one GPU (nccl backend, one rank):
+a forked child using its parent's buffer, an output too large to allocate, GPU memory exhausted at
+buffer creation (the process keeps working), an invalid DEEP_EP_TIMEOUT_MS. Each case must end in a
+clear error, never a crash."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+ENV = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+PRELUDE = textwrap.dedent("""
+    import os, torch, torch.distributed as dist, deep_ep_rs
+    from _harness import free_port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    ops = torch.ops.deep_ep
+    def roundtrip(buf):
+        x = torch.ones((8, 256), dtype=torch.bfloat16, device="cuda")
+        idx = torch.tensor([[0, 1]] * 8, device="cuda")
+        ntpr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(idx, 2)
+        recv, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe,
+                                                topk_idx=idx, topk_weights=torch.ones((8, 2), device="cuda"))
+        out, _, _ = buf.combine(recv, handle)
+        torch.cuda.synchronize()
+        assert torch.equal(out, x), "round trip"
+""")
+
+
+def _run(body, timeout=240, **env):
+    tests_python = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python")
+    p = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body)], capture_output=True, text=True, timeout=timeout,
+                       env=dict(ENV, PYTHONPATH=os.pathsep.join(filter(None, [tests_python, os.environ.get("PYTHONPATH")])), **env))
+    assert p.returncode == 0, f"exit {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr[-4000:]}"
+    return p.stdout
+
+
+def test_forked_child_using_a_gpu_buffer_raises():
+    out = _run("""
+        buf = deep_ep_rs.Buffer(dist.group.WORLD, 1 << 24, explicitly_destroy=True)
+        roundtrip(buf)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                ops.clean_low_latency_buffer(buf.handle, 8, 256, 2)
+                msg = "NO ERROR"
+            except RuntimeError as e:
+                msg = str(e)
+            os.write(w, msg.encode()); os._exit(0)
+        os.waitpid(pid, 0)
+        print("CHILD:", os.read(r, 4096).decode())
+        roundtrip(buf)
+        buf.destroy()
+        print("PARENT OK")
+    """)
+    assert "forked child" in out and "PARENT OK" in out, out
+
+
+def test_output_too_large_names_op_and_shape_on_gpu():
+    out = _run("""
+        buf = deep_ep_rs.Buffer(dist.group.WORLD, 1 << 24, explicitly_destroy=True)
+        x = torch.ones((8, 256), dtype=torch.bfloat16, device="cuda")
+        idx = torch.tensor([[0, 1]] * 8, device="cuda")
+        ntpr, _, ntpe, in_rank = ops.get_dispatch_layout(idx, 2, 1)
+        try:
+            ops.dispatch(buf.handle, x, None, idx, torch.ones((8, 2), device="cuda"), ntpr, in_rank, ntpe, 1, 1 << 40, [20, 6, 256, 6, 128])
+        except RuntimeError as e:
+            print("ERR", str(e).splitlines()[0][:300])
+        roundtrip(buf)
+        buf.destroy()
+        print("AFTER OK")
+    """)
+    assert "ERR deep_ep::dispatch: cannot allocate an output of shape [1099511627776, 256]" in out and "AFTER OK" in out, out
+
+
+def test_gpu_memory_exhausted_at_creation_is_an_error_and_the_process_goes_on():
+    out = _run("""
+        try:
+            deep_ep_rs.Buffer(dist.group.WORLD, 1 << 40, explicitly_destroy=True)   # 1 TiB
+            print("CREATED?")
+        except RuntimeError as e:
+            print("ERR", str(e).splitlines()[0][:400])
+        buf = deep_ep_rs.Buffer(dist.group.WORLD, 1 << 24, explicitly_destroy=True)
+        roundtrip(buf)
+        buf.destroy()
+        print("AFTER OK")
+    """)
+    assert "ERR deep_ep::create_buffer" in out and "AFTER OK" in out, out
+    print(out)
+
+
+@pytest.mark.parametrize("value", ["3000ms", "-1"])
+def test_invalid_timeout_env_on_gpu(value):
+    out = _run("""
+        try:
+            deep_ep_rs.Buffer(dist.group.WORLD, 1 << 24, explicitly_destroy=True)
+            print("CREATED?")
+        except RuntimeError as e:
+            print("ERR", str(e)[:300])
+    """, DEEP_EP_TIMEOUT_MS=value)
+    assert "DEEP_EP_TIMEOUT_MS" in out and "not a whole number" in out, out

@@ -37,7 +37,7 @@ p = deep_ep_rs.library_path(); print(\"package\", os.path.dirname(deep_ep_rs.__f
 assert \"site-packages\" in p and os.path.dirname(p) == os.path.dirname(deep_ep_rs.__file__)'"
 step ops_only 60 bash -c "cd /tmp && '$py' -c 'import torch, importlib.util, os
 spec = importlib.util.find_spec(\"deep_ep_rs\"); lib = os.path.join(os.path.dirname(spec.origin), \"libdeep_ep.so\")
-torch.ops.load_library(lib); print(\"ops only:\", sorted(n for n in dir(torch.ops.deep_ep) if not n.startswith(\"_\")))'"
+torch.ops.load_library(lib); names = [n for n in (\"get_unique_id\", \"create_buffer\", \"dispatch\", \"combine\", \"low_latency_dispatch\", \"low_latency_combine\") if hasattr(torch.ops.deep_ep, n)]; print(\"ops only:\", names); assert len(names) == 6'"
 step diagnose 240 bash -c "cd /tmp && '$py' -m deep_ep_rs.diagnose --timeout 120"
 step smoke 120 "$py" -m pytest -q -rs tests/gpu/test_smoke.py
 step frameworks 240 "$py" -m pytest -q -rs tests/gpu/test_frameworks_gpu.py

@@ -20,7 +20,7 @@ use std::process::Command;
 
 /// Every knob this script reads: (name, meaning). Printed in full on failure.
 const KNOBS: &[(&str, &str)] = &[
-    ("DEEP_EP_PYTHON", "python used to locate torch and the pip CUDA/NCCL wheels (default: $VIRTUAL_ENV/bin/python, else python3 on PATH)"),
+    ("DEEP_EP_PYTHON", "python used to locate torch and the pip CUDA/NCCL wheels (default: $VIRTUAL_ENV/bin/python, else the checkout's .venv/bin/python, else python3 on PATH)"),
     ("VIRTUAL_ENV", "active virtualenv; its bin/python is the default python"),
     ("LIBTORCH", "libtorch dir with include/ and lib/ for feature `torch` (overrides the python's torch; C++11 ABI assumed)"),
     ("CUDA_HOME", "CUDA toolkit with bin/nvcc, include/, lib/ or lib64/ (default: <site-packages>/nvidia/cu13)"),
@@ -58,11 +58,15 @@ struct Torch {
 }
 
 impl Python {
-    fn new(deep_ep_python: Option<String>, virtual_env: Option<String>) -> Self {
+    fn new(deep_ep_python: Option<String>, virtual_env: Option<String>, checkout_venv: &Path) -> Self {
         match (deep_ep_python, virtual_env) {
             (Some(p), _) => Python { exe: p, chosen_by: "DEEP_EP_PYTHON", site_dirs: None },
             (None, Some(v)) if Path::new(&v).join("bin/python").exists() => {
                 Python { exe: format!("{v}/bin/python"), chosen_by: "VIRTUAL_ENV", site_dirs: None }
+            }
+            // The venv `make` creates, so that a plain `cargo build` / `cargo test` after it works.
+            _ if checkout_venv.join("bin/python").exists() => {
+                Python { exe: checkout_venv.join("bin/python").display().to_string(), chosen_by: "the checkout's .venv", site_dirs: None }
             }
             _ => Python { exe: "python3".into(), chosen_by: "default", site_dirs: None },
         }
@@ -296,7 +300,7 @@ fn main() {
     let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap_or_else(|_| ".".into()));
     let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap_or_else(|_| ".".into()));
     // Read every knob up front so each one is watched whatever the features are.
-    let mut py = Python::new(knob("DEEP_EP_PYTHON"), knob("VIRTUAL_ENV"));
+    let mut py = Python::new(knob("DEEP_EP_PYTHON"), knob("VIRTUAL_ENV"), &manifest.join(".venv"));
     let (libtorch, cuda_home, nccl_home) = (knob("LIBTORCH"), knob("CUDA_HOME"), knob("NCCL_HOME"));
     let archs_spec = knob("DEEP_EP_CUDA_ARCHS").unwrap_or_else(|| "90".into());
     let cudart = knob("DEEP_EP_CUDART").unwrap_or_else(|| "static".into());

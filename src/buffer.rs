@@ -73,17 +73,20 @@ type LiveBuffer = (Arc<Mutex<Box<dyn Backend>>>, Arc<Mutex<Option<String>>>);
 fn lookup(op: &'static str, handle: i64) -> Result<LiveBuffer> {
     let r = lock(registry());
     match r.live.get(&handle) {
-        Some(e) if e.pid != std::process::id() => Err(Error::BadHandle {
-            op,
-            msg: format!(
-                "buffer {handle} belongs to process {} and this is a forked child (process {}); a child cannot take part in \
-                 its parent's collectives: create its own buffers after the fork",
-                e.pid,
-                std::process::id()
-            ),
-        }),
+        Some(e) if e.pid != std::process::id() => Err(forked(op, handle, e.pid)),
         Some(e) => Ok((e.backend.clone(), e.poisoned.clone())),
         None => Err(missing(op, handle, &r)),
+    }
+}
+
+fn forked(op: &'static str, handle: i64, owner: u32) -> Error {
+    Error::BadHandle {
+        op,
+        msg: format!(
+            "buffer {handle} belongs to process {owner} and this is a forked child (process {}); a child cannot take part in its \
+             parent's collectives: create its own buffers after the fork",
+            std::process::id()
+        ),
     }
 }
 
@@ -155,6 +158,7 @@ pub fn destroy(op: &'static str, handle: i64) -> Result<()> {
 pub fn info(op: &'static str, handle: i64) -> Result<BufferInfo> {
     let r = lock(registry());
     match r.live.get(&handle) {
+        Some(e) if e.pid != std::process::id() => Err(forked(op, handle, e.pid)),
         Some(e) => Ok(e.info.clone()),
         None => Err(missing(op, handle, &r)),
     }

@@ -207,7 +207,17 @@ impl Window {
 
         let mem_alloc = nccl_fn!(lib, ncclMemAlloc);
         // SAFETY: writes one device pointer; the size is a multiple of 2 MiB.
-        nccl_check(lib, unsafe { mem_alloc(&mut w.mem, bytes) }, "ncclMemAlloc")?;
+        nccl_check(lib, unsafe { mem_alloc(&mut w.mem, bytes) }, "ncclMemAlloc").map_err(|e| {
+            Error::invalid(
+                OP,
+                format!(
+                    "cannot allocate {bytes} bytes ({:.2} GiB) of GPU memory for the buffer's window on cuda:{} ({e}); \
+                     ask for fewer num_nvl_bytes / num_rdma_bytes or free GPU memory",
+                    bytes as f64 / (1u64 << 30) as f64,
+                    a.device
+                ),
+            )
+        })?;
         let register = nccl_fn!(lib, ncclCommWindowRegister);
         // SAFETY: `mem` holds `bytes` bytes from ncclMemAlloc; writes one window handle.
         let res = unsafe { register(w.comm, w.mem, bytes, &mut w.win, nccl::NCCL_WIN_COLL_SYMMETRIC as c_int) };

@@ -350,10 +350,7 @@ impl CpuBackend {
                     let (m, reg) = (nmsg[dst], &regions[dst]);
                     nmsg[dst] += 1;
                     let off = geo.dmsg(w, half, me, m);
-                    reg.write::<i32>(
-                        off,
-                        &[tok as i32, h_word, t as i32, geo.e as i32, ent.len() as i32, weights.is_some() as i32, 0, 0],
-                    );
+                    reg.write::<i32>(off, &[tok as i32, h_word, t as i32, geo.e as i32, ent.len() as i32, weights.is_some() as i32, 0, 0]);
                     let packed: Vec<u32> = ent.iter().map(|&(l, sl, _)| (l as u32) << 16 | sl as u32).collect();
                     reg.write::<u32>(off + 32, &packed);
                     reg.write::<f32>(off + 32 + 4 * LL_WIRE_MAX_TOPK, &ent.iter().map(|e| e.2).collect::<Vec<f32>>());

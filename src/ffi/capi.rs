@@ -240,8 +240,10 @@ pub unsafe extern "C" fn deep_ep_buffer_size_hint(
 /// 2^62 bytes (4 EiB, far beyond any machine) are refused instead of wrapping to a small or
 /// negative number.
 fn ensure_hint_fits(op: &'static str, bound: f64, args: &str) -> crate::error::Result<()> {
-    crate::ensure!(bound < (1u64 << 62) as f64, op, "arguments too large: the size hint would exceed 2^62 bytes ({args})");
-    Ok(())
+    if bound.is_finite() && bound < (1u64 << 62) as f64 {
+        return Ok(());
+    }
+    Err(crate::error::Error::invalid(op, format!("arguments too large: the size hint would exceed 2^62 bytes ({args})")))
 }
 
 /// See `deep_ep_low_latency_rdma_size_hint` in the header.

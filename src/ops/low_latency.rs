@@ -7,7 +7,7 @@ use crate::backend::{
 };
 use crate::buffer;
 use crate::error::Result;
-use crate::tensor::{DType, Device, TensorRef};
+use crate::tensor::{DType, TensorRef};
 
 /// Op names, shared with the backends' error messages.
 pub(crate) const DISPATCH: &str = "deep_ep::low_latency_dispatch";
@@ -58,9 +58,6 @@ fn check_topk(op: &'static str, idx: &TensorRef, weights: Option<&TensorRef>, g:
         g.num_max_dispatch_tokens_per_rank
     );
     crate::ensure!((1..=MAX_LL_TOPK).contains(&k), op, "num_topk must be in 1..={MAX_LL_TOPK}, got {k}");
-    if idx.device == Device::Cpu {
-        super::check_expert_ids(op, &idx.cpu_indices_i64(), k, g.num_experts)?;
-    }
     if let Some(w) = weights {
         w.check(op, "topk_weights").on(&[DType::Float32], dev)?.shape(&[("num_tokens", Some(n)), ("num_topk", Some(k))])?.contiguous()?;
     }

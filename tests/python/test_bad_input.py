@@ -674,7 +674,7 @@ EXTRA_CASES = [
     ("ll-hidden-larger-than-buffer", "low_latency_dispatch", r"num_rdma_bytes \(\d+\) is smaller than get_low_latency_rdma_size_hint\(4, 1024",
      lambda c: c.fused(x=torch.zeros((3, 1024), dtype=torch.bfloat16))),
     ("ll-zero-experts", "low_latency_dispatch", r"num_experts \(0\) must be positive", lambda c: c.fused(e=0)),
-    ("ll-expert-out-of-range", "low_latency_dispatch", r"topk_idx holds expert 8, outside \[0, 8\)",
+    ("ll-expert-out-of-range", "low_latency_dispatch", r"topk_idx\[\d+, \d+\] = 8 is not an expert id: ids must be in \[-1, 8\)",
      lambda c: c.fused(idx=torch.tensor([[0, 8], [1, 2], [3, 4]]))),
     ("ll-topk-33", "low_latency_dispatch", r"num_topk must be in 1..=32, got 33", lambda c: c.fused(idx=torch.zeros((3, 33), dtype=torch.int64), w=None)),
     ("ll-weights-shape", "low_latency_dispatch", r"topk_weights must have shape \[num_tokens=3, num_topk=2\]", lambda c: c.fused(w=torch.ones((3, 3)))),

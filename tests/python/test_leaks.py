@@ -54,7 +54,9 @@ def check_cycles(ops, path, cycle, n=CYCLES, sync=lambda: None):
             handles += cycle()
     sync()
     assert os.listdir(path) == [], f"files left in DEEP_EP_SHM_DIR: {os.listdir(path)}"
-    assert deep_ep_maps() == maps == [], f"deep_ep_ mappings left: {deep_ep_maps()}"
+    # The baseline may hold mappings of earlier tests' buffers whose zero-copy views keep them
+    # (by design, until the process exits); the cycles must add none.
+    assert deep_ep_maps() == maps, f"deep_ep_ mappings left: {sorted(set(deep_ep_maps()) - set(maps))}"
     assert open_fds() == fds, f"open file descriptors grew from {fds} to {open_fds()}"
     assert len(set(handles)) == len(handles), "a handle was reused"
     assert_destroyed(ops, handles)

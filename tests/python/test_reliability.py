@@ -238,3 +238,25 @@ def test_low_latency_format_flags_differing_across_ranks_raise(rank_pool, flags)
     out = rank_pool(2).run(_ll_format_worker, flags)
     for r, msg in enumerate(out):
         assert "every rank must pass the same use_fp8, round_scale and use_ue8m0" in msg, (r, msg)
+
+
+def test_low_latency_combine_with_another_topk_idx_raises(ops):
+    import torch
+
+    cpu = torch.device("cpu")
+    t, h, e = 4, 256, 4
+    hb = int(ops.create_buffer(ops.get_unique_id("cpu", cpu), 0, 1, cpu, 0, ops.low_latency_rdma_size_hint(t, h, 1, e), True, "cpu"))
+    try:
+        x = torch.ones((3, h), dtype=torch.bfloat16)
+        idx = torch.tensor([[0, 1], [2, -1], [3, 0]])
+        w = torch.ones((3, 2))
+        recv, _, _, src_info, layout_range = ops.low_latency_dispatch(hb, x, idx, None, None, None, t, e, False, False, False)
+        out = torch.empty((3, h), dtype=torch.bfloat16)
+        other = torch.tensor([[1, 0], [2, -1], [3, 0]])
+        with pytest.raises(RuntimeError, match="deep_ep::low_latency_combine: topk_idx differs from the one the dispatch of this handle routed with"):
+            ops.low_latency_combine(hb, recv, other, w, src_info, layout_range, out, None, t, e, False, False)
+        recv, _, _, src_info, layout_range = ops.low_latency_dispatch(hb, x, idx, None, None, None, t, e, False, False, False)
+        ops.low_latency_combine(hb, recv, idx, w, src_info, layout_range, out, None, t, e, False, False)  # the same one works
+        assert torch.equal(out[1], x[1]) and torch.equal(out[0], (2 * x[0].float()).to(torch.bfloat16))
+    finally:
+        ops.destroy_buffer(hb)

@@ -81,6 +81,23 @@ pub struct LlState {
     dispatch: [crate::backend::LlDispatchRecord; 2],
     /// Dispatches recorded so far (orders `dispatch`: the latest match wins).
     dispatches: u64,
+    /// The routing of the latest dispatches, as (address of their `src_info` output, fingerprint
+    /// of their `topk_idx`); a combine send finds its dispatch's by `src_info`.
+    routed: Vec<(usize, u64)>,
+    /// Per half: the routing fingerprint of the combine sent on it, which its receive checks
+    /// against the `topk_idx` it is given (another one would silently sum nothing).
+    combine_routing: [Option<u64>; 2],
+}
+
+/// Fingerprint of a `topk_idx` (`n` rows of `k`): FNV-1a over the shape and the ids.
+fn routing_fingerprint(idx: &[i64], k: usize) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for v in [idx.len() as i64, k as i64].iter().chain(idx) {
+        for b in v.to_le_bytes() {
+            h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    h
 }
 
 /// Byte geometry of one LL call.
@@ -296,11 +313,10 @@ impl CpuBackend {
         let idx = a.topk_idx.cpu_indices_i64();
         // Validate before any write so an error leaves the shared state untouched.
         let mut count = vec![0usize; geo.e];
-        for &e in &idx {
-            if e >= 0 {
-                crate::ensure!((e as usize) < geo.e, OP_DISPATCH, "topk_idx holds expert {e}, outside [0, {})", geo.e);
-                count[e as usize] += 1;
-            }
+        // The ids as routed (rows at or past `num_tokens` are -1 by now), in [-1, E).
+        crate::ops::check_expert_ids(OP_DISPATCH, &idx, k, geo.e)?;
+        for &e in idx.iter().filter(|&&e| e >= 0) {
+            count[e as usize] += 1;
         }
         if let Some(e) = count.iter().position(|&c| c > t) {
             return Err(Error::invalid(
@@ -383,6 +399,12 @@ impl CpuBackend {
         }
         self.ll.dispatches += 1;
         self.ll.dispatch[half] = Some((out.src_info.data_ptr() as usize, wire.is_some() && weights.is_some(), self.ll.dispatches));
+        let src_addr = out.src_info.data_ptr() as usize;
+        self.ll.routed.retain(|&(p, _)| p != src_addr);
+        self.ll.routed.push((src_addr, routing_fingerprint(&idx, k)));
+        if self.ll.routed.len() > 8 {
+            self.ll.routed.remove(0);
+        }
         write_state(&out.recv_state, half, seq, o.flags() | if wire.is_some() { FLAG_DEDUP } else { 0 }, KIND_DISPATCH);
         Ok(())
     }
@@ -561,6 +583,7 @@ impl CpuBackend {
             .and_then(|hd| g.wire(r).filter(|w| w.partial_fits && !a.use_logfmt).map(|w| (hd, w)));
         self.ll_enter_geometry(OP_COMBINE, &geo)?;
         let (half, seq) = self.ll_begin_send();
+        self.ll.combine_routing[half] = self.ll.routed.iter().rev().find(|&&(p, _)| p == src_ptr).map(|&(_, fp)| fp);
         let mine = self.ll_region(me);
         let mut row_buf = vec![0u16; h];
         let read_row = |l: usize, row: usize, buf: &mut Vec<u16>| -> Vec<u16> {
@@ -652,8 +675,14 @@ impl CpuBackend {
             a.topk_idx.sizes(),
             a.topk_weights.sizes()
         );
-        if let Some(&e) = idx.iter().find(|&&e| e >= geo.e as i64) {
-            return Err(Error::invalid(OP_COMBINE, format!("topk_idx holds expert {e}, outside [0, {})", geo.e)));
+        crate::ops::check_expert_ids(OP_COMBINE, &idx, k, geo.e)?;
+        if let Some(fp) = self.ll.combine_routing[half] {
+            crate::ensure!(
+                fp == routing_fingerprint(&idx, k),
+                OP_COMBINE,
+                "topk_idx differs from the one the dispatch of this handle routed with: pass the same topk_idx (and \
+                 num_tokens) to low_latency_dispatch and low_latency_combine"
+            );
         }
         let mine = self.ll_region(self.info.rank);
         let sig = geo.sig(half);

@@ -42,6 +42,8 @@ step diagnose 240 bash -c "cd /tmp && '$py' -m deep_ep_rs.diagnose --timeout 120
 step smoke 120 "$py" -m pytest -q -rs tests/gpu/test_smoke.py
 step frameworks 240 "$py" -m pytest -q -rs tests/gpu/test_frameworks_gpu.py
 step reliability 240 "$py" -m pytest -q -rs tests/gpu/test_reliability_gpu.py
+# its CPU cases come through tests/python/conftest.py: tell it to use the installed package
+step bad_input 240 env DEEP_EP_TEST_INSTALLED=1 "$py" -m pytest -q -rs tests/gpu/test_bad_input_gpu.py
 step ll_1 240 env DEEP_EP_LL_CONFIGS=${LL_CONFIGS:-60} DEEP_EP_LL_REPLAYS=${LL_REPLAYS:-200} "$py" -m pytest -q -rs "tests/gpu/test_low_latency.py::test_low_latency_matches_cpu_backend[1]"
 step bench_ll 120 "$py" -m torch.distributed.run --nproc-per-node 1 bench/low_latency.py --tokens 1 128 --out "$out/low-latency-1gpu.json"
 step compile_cuda 150 "$py" -m pytest -q -rs tests/gpu/test_compile_cuda.py

@@ -260,3 +260,76 @@ def test_low_latency_combine_with_another_topk_idx_raises(ops):
         assert torch.equal(out[1], x[1]) and torch.equal(out[0], (2 * x[0].float()).to(torch.bfloat16))
     finally:
         ops.destroy_buffer(hb)
+
+
+# ---- ranks killed during creation ---------------------------------------------------------------
+CREATE_RANK = textwrap.dedent("""
+    import os, sys, time, torch, deep_ep_rs
+    ops = torch.ops.deep_ep
+    rank, uid_file = int(sys.argv[1]), sys.argv[2]
+    if rank == 0:
+        uid = ops.get_unique_id("cpu", torch.device("cpu"))
+        with open(uid_file + ".tmp", "wb") as f:
+            f.write(bytes(uid.tolist()))
+        os.rename(uid_file + ".tmp", uid_file)
+    else:
+        uid = torch.tensor(list(open(uid_file, "rb").read()), dtype=torch.uint8)
+    try:
+        ops.create_buffer(uid, rank, 2, torch.device("cpu"), 1 << 20, 0, False, "cpu")
+        print("CREATED")
+    except RuntimeError as e:
+        print("ERR", e)
+""")
+
+
+def _start_rank(tmp_path, rank, **env):
+    import time
+
+    script = tmp_path / "create_rank.py"
+    script.write_text(CREATE_RANK)
+    return subprocess.Popen([sys.executable, str(script), str(rank), str(tmp_path / "uid")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ, DEEP_EP_SHM_DIR=str(tmp_path / "shm"), **env)), time.monotonic()
+
+
+def _wait_for(path, seconds=60):
+    import time
+
+    t0 = time.monotonic()
+    while not path.exists():
+        assert time.monotonic() - t0 < seconds, f"{path} never appeared"
+        time.sleep(0.05)
+    time.sleep(1.0)  # rank 0 is now waiting in the rendezvous
+
+
+def test_creating_rank_killed_during_creation_fails_the_peer_and_leaves_no_file(tmp_path):
+    import signal
+
+    (tmp_path / "shm").mkdir()
+    r0, _ = _start_rank(tmp_path, 0, DEEP_EP_TIMEOUT_MS="60000")
+    _wait_for(tmp_path / "uid")
+    r0.send_signal(signal.SIGKILL)
+    r0.wait(30)
+    r1, _ = _start_rank(tmp_path, 1, DEEP_EP_TIMEOUT_MS="3000")
+    out, err = r1.communicate(timeout=120)
+    assert "ERR deep_ep::create_buffer: timed out after 3000 ms on rank 1 waiting for rank(s) [0]" in out, out + err
+    assert "confirmed the new buffer" in out, out
+    assert os.listdir(tmp_path / "shm") == []
+
+
+def test_file_of_a_rank_killed_in_the_rendezvous_is_removed_by_a_later_creation(tmp_path):
+    import signal
+
+    (tmp_path / "shm").mkdir()
+    r0, _ = _start_rank(tmp_path, 0, DEEP_EP_TIMEOUT_MS="60000")
+    _wait_for(tmp_path / "uid")
+    r0.send_signal(signal.SIGTERM)  # Python's default: the process ends at once, no cleanup
+    r0.wait(30)
+    left = os.listdir(tmp_path / "shm")
+    assert len(left) == 1 and left[0].startswith("deep_ep_"), left
+    old = os.path.getmtime(tmp_path / "shm" / left[0]) - 3600  # as if abandoned an hour ago
+    os.utime(tmp_path / "shm" / left[0], (old, old))
+    p = subprocess.run([sys.executable, "-c", "import torch, deep_ep_rs; ops = torch.ops.deep_ep; c = torch.device('cpu'); "
+                        "ops.destroy_buffer(ops.create_buffer(ops.get_unique_id('cpu', c), 0, 1, c, 1 << 20, 0, False, 'cpu'))"],
+                       capture_output=True, text=True, timeout=120, env=dict(os.environ, DEEP_EP_SHM_DIR=str(tmp_path / "shm")))
+    assert p.returncode == 0, p.stderr
+    assert os.listdir(tmp_path / "shm") == []

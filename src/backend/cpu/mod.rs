@@ -120,6 +120,8 @@ impl CpuBackend {
         let region_bytes = ht_bytes + ll_bytes;
         let total = CONTROL_BYTES + a.num_ranks * region_bytes;
         let timeout = crate::settings::timeout(OP)?;
+        // Never younger than twice the default deadline: another job on the machine may wait longer.
+        shm::remove_stale_files(&crate::settings::shm_dir(), 2 * timeout.max(Duration::from_millis(crate::settings::DEFAULT_TIMEOUT_MS)));
         let seg = Segment::open(OP, &path, total)?;
         let mut b = CpuBackend {
             info: BufferInfo::from_args(a, BackendKind::Cpu),
@@ -138,11 +140,10 @@ impl CpuBackend {
         let record = [1u64, a.num_ranks as u64, a.num_nvl_bytes as u64, a.num_rdma_bytes as u64, a.low_latency_mode as u64];
         b.control().write(RECORD_OFF + a.rank * SLOT, &record);
         let barrier = b.barrier(OP, "rendezvous of all ranks");
-        // Rank 0 removes the name once all ranks mapped it; after a failed rendezvous every
-        // rank does, so no file is left behind and a late rank cannot join a failed buffer.
-        if a.rank == 0 || barrier.is_err() {
-            b.seg().unlink();
-        }
+        // Every rank has mapped the file once the rendezvous passed, so every rank removes the
+        // name then (idempotent: the first one wins; a rank killed now leaves nothing behind);
+        // after a failed rendezvous too, so a late rank cannot join a failed buffer.
+        b.seg().unlink();
         barrier?;
         for peer in 0..a.num_ranks {
             let mut theirs = [0u64; 5];
@@ -159,6 +160,9 @@ impl CpuBackend {
                 ));
             }
         }
+        // A rank that arrived and then died (killed while waiting) never confirms: creation
+        // fails naming it, instead of returning a buffer with a dead peer.
+        b.barrier(OP, "every rank confirmed the new buffer (a rank that died during creation never does)")?;
         Ok(b)
     }
 

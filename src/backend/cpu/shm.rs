@@ -38,6 +38,22 @@ fn shm_full_message(path: &str, len: usize) -> String {
     )
 }
 
+/// Removes `deep_ep_*` files in `dir` not modified for `age`. A file exists only while its
+/// buffer is being created (every rank removes the name once all have mapped it), and creation
+/// gives up after the timeout, so such a file was left by ranks killed during creation (SIGKILL,
+/// SIGTERM in the rendezvous). Called at every creation; other users' files and errors are ignored.
+pub fn remove_stale_files(dir: &str, age: Duration) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let now = std::time::SystemTime::now();
+    for e in entries.flatten() {
+        let stale = e.file_name().to_str().is_some_and(|n| n.starts_with("deep_ep_"))
+            && e.metadata().ok().and_then(|m| m.modified().ok()).and_then(|t| now.duration_since(t).ok()).is_some_and(|d| d > age);
+        if stale {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
 fn os_err(op: &'static str, what: String) -> Error {
     Error::Os { op, what, source: std::io::Error::last_os_error() }
 }

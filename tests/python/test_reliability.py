@@ -333,3 +333,30 @@ def test_file_of_a_rank_killed_in_the_rendezvous_is_removed_by_a_later_creation(
                        capture_output=True, text=True, timeout=120, env=dict(os.environ, DEEP_EP_SHM_DIR=str(tmp_path / "shm")))
     assert p.returncode == 0, p.stderr
     assert os.listdir(tmp_path / "shm") == []
+
+
+def _ll_geometry_worker(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    import deep_ep_rs
+
+    h, e = 512, 2 * world
+    t = 8 if rank == 0 else 16  # num_max_dispatch_tokens_per_rank differs
+    buf = deep_ep_rs.Buffer(dist.group.WORLD, 0, deep_ep_rs.Buffer.get_low_latency_rdma_size_hint(16, h, world, e),
+                            low_latency_mode=True, explicitly_destroy=True)
+    x = torch.ones((4, h), dtype=torch.bfloat16)
+    idx = torch.tensor([[0, e - 1]] * 4)
+    try:
+        buf.low_latency_dispatch(x, idx, t, e, use_fp8=False)
+        out = "no error"
+    except RuntimeError as ex:
+        out = str(ex)
+    buf.destroy()
+    return out
+
+
+def test_low_latency_geometry_differing_across_ranks_names_the_peer(rank_pool):
+    out = rank_pool(2).run(_ll_geometry_worker)
+    for r, msg in enumerate(out):
+        assert "every rank must pass the same values" in msg and f"rank {1 - r}" in msg and "[0, 0, 0]" not in msg, (r, msg)

@@ -494,6 +494,20 @@ impl CpuBackend {
                     let mut hdr = [0i32; 4];
                     mine.read::<i32>(off, &mut hdr);
                     let (their_h, their_fmt) = (hdr[1] & 0xff_ffff, (hdr[1] >> 24) & 0xff);
+                    if hdr[1..] == [0, 0, 0] {
+                        // Nothing where this rank's layout puts the message: the sender laid it out
+                        // for another geometry (offsets depend on hidden, T and E).
+                        self.ll.geometry = Some((0, 0, 0));
+                        return Err(Error::invalid(
+                            OP_DISPATCH,
+                            format!(
+                                "rank {src} announced {count} tokens for local expert {l}, but no message lies where this rank's \
+                             (hidden, num_max_dispatch_tokens_per_rank, num_experts) = ({h}, {t}, {}) puts it: rank {src} \
+                             dispatched with others; every rank must pass the same values",
+                                geo.e
+                            ),
+                        ));
+                    }
                     if [their_h, hdr[2], hdr[3]] != [h as i32, t as i32, geo.e as i32] {
                         self.ll.geometry = Some((0, 0, 0)); // ranks disagree: the next send meets and re-zeroes
                         return Err(Error::invalid(OP_DISPATCH, format!(

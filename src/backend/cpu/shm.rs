@@ -76,8 +76,10 @@ impl Segment {
             }
             // Grow only: a concurrent rank may have sized it already (same len by contract).
             if (st.st_size as usize) < len && libc::ftruncate(fd, len as libc::off_t) != 0 {
+                let e = os_err(op, format!("ftruncate {path} to {len} bytes"));
                 libc::close(fd);
-                return Err(os_err(op, format!("ftruncate {path} to {len} bytes")));
+                libc::unlink(cpath.as_ptr()); // the buffer cannot be made: leave no file behind
+                return Err(e);
             }
             // Reserve every page now: a sparse file on a filesystem too small for it (Docker's
             // 64 MB /dev/shm) would otherwise raise SIGBUS in every rank at the first large op.
@@ -90,7 +92,9 @@ impl Segment {
             let ptr = libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0);
             libc::close(fd);
             if ptr == libc::MAP_FAILED {
-                return Err(os_err(op, format!("mmap {len} bytes of {path}")));
+                let e = os_err(op, format!("mmap {len} bytes of {path}"));
+                libc::unlink(cpath.as_ptr()); // the buffer cannot be made: leave no file behind
+                return Err(e);
             }
             Ok(Segment { ptr: ptr as *mut u8, len, path: path.to_string() })
         }

@@ -400,7 +400,13 @@ def vllm(rank, world, dev, default_device):
         mask = torch.zeros(world, device=dev, dtype=torch.int32)
         ll.low_latency_query_mask_buffer(mask)
         assert int(mask.sum()) == 0
+        if world > 1:  # mask a peer locally, see it in the query, unmask all
+            ll.low_latency_update_mask_buffer((rank + 1) % world, True)
+            ll.low_latency_query_mask_buffer(mask)
+            assert mask.cpu().tolist() == [int(r == (rank + 1) % world) for r in range(world)], mask
         ll.low_latency_clean_mask_buffer()
+        ll.low_latency_query_mask_buffer(mask)
+        assert int(mask.sum()) == 0
         for b in (ht, ll):  # vLLM's destroy(): every cached buffer, then the cache
             b.destroy()
         return {"ht_rows": int(recv_x.shape[0]), "ll_rows": int(expert_num_tokens.sum())}

@@ -54,20 +54,20 @@ impl DType {
         }
     }
 
-    /// The name torch prints for this dtype.
+    /// The name torch prints for this dtype (`torch.bfloat16`).
     pub fn name(self) -> &'static str {
         match self {
-            DType::BFloat16 => "bfloat16",
-            DType::Float32 => "float32",
-            DType::Float8E4m3 => "float8_e4m3fn",
-            DType::Int32 => "int32",
-            DType::Int64 => "int64",
-            DType::Bool => "bool",
-            DType::UInt8 => "uint8",
-            DType::Float16 => "float16",
-            DType::Float64 => "float64",
-            DType::Int8 => "int8",
-            DType::Int16 => "int16",
+            DType::BFloat16 => "torch.bfloat16",
+            DType::Float32 => "torch.float32",
+            DType::Float8E4m3 => "torch.float8_e4m3fn",
+            DType::Int32 => "torch.int32",
+            DType::Int64 => "torch.int64",
+            DType::Bool => "torch.bool",
+            DType::UInt8 => "torch.uint8",
+            DType::Float16 => "torch.float16",
+            DType::Float64 => "torch.float64",
+            DType::Int8 => "torch.int8",
+            DType::Int16 => "torch.int16",
             DType::Other => "an unsupported dtype",
         }
     }
@@ -272,7 +272,7 @@ mod tests {
     fn message_names_op_argument_dtype_and_device() {
         let t = TensorRef::meta(DType::Float32, Device::Cpu, &[4, 8]);
         let e = t.check("deep_ep::dispatch", "topk_idx").on(&[DType::Int32, DType::Int64], Device::Cuda(0)).err().unwrap();
-        assert_eq!(e.to_string(), "deep_ep::dispatch: topk_idx must be int32 or int64 on cuda:0, got float32 on cpu");
+        assert_eq!(e.to_string(), "deep_ep::dispatch: topk_idx must be torch.int32 or torch.int64 on cuda:0, got torch.float32 on cpu");
     }
 
     #[test]

@@ -176,7 +176,7 @@ def test_one_rank_counts_and_zero_rows(ops, ll_buf):
 BAD = {
     "negative": (torch.tensor([-1], dtype=torch.int32), r"num_tokens must be in 0\.\.=16 \(the rows of x / topk_idx\), got -1"),
     "too-large": (torch.tensor([T + 1], dtype=torch.int32), r"num_tokens must be in 0\.\.=16 \(the rows of x / topk_idx\), got 17"),
-    "int64": (torch.tensor([3], dtype=torch.int64), r"num_tokens must be an int32 tensor of shape \[\] or \[1\] on cpu.*got int64"),
+    "int64": (torch.tensor([3], dtype=torch.int64), r"num_tokens must be an int32 tensor of shape \[\] or \[1\] on cpu.*got torch\.int64"),
     "two-values": (torch.tensor([3, 4], dtype=torch.int32), r"num_tokens must be an int32 tensor of shape \[\] or \[1\].*\[2\]"),
     "float": (torch.tensor(3.0), r"num_tokens must be an int32 tensor"),
 }

@@ -53,6 +53,9 @@ int deep_ep_create_buffer(const uint8_t* unique_id, int64_t unique_id_len, int64
                           int64_t* handle);
 // Collective. Destroys a buffer; the handle is never reused.
 int deep_ep_destroy_buffer(int64_t handle);
+/* Local: slot handle -(slot + 1) names buffer `handle` in this process from now on (a serialized
+ * model bakes in the slot handle; each process binds its own buffer). 0 <= slot < 2^20. */
+int deep_ep_bind_buffer_slot(int64_t handle, int64_t slot);
 // out[7] = rank, num_ranks, device, num_nvl_bytes, num_rdma_bytes, low_latency_mode, backend (0 cpu, 1 nccl, 2 nvshmem).
 // `op` names the calling op in errors (NULL: "deep_ep::buffer_info").
 int deep_ep_buffer_info(int64_t handle, const char* op, int64_t* out);

@@ -13,6 +13,8 @@
 //   create_buffer(Tensor unique_id, int rank, int num_ranks, Device device, int num_nvl_bytes,
 //                 int num_rdma_bytes, bool low_latency_mode, str backend='') -> int     collective
 //   destroy_buffer(int handle) -> ()                                                    collective
+//   bind_buffer_slot(int handle, int slot) -> ()   local; handle -(slot + 1) names the buffer from
+//            now on (serialized models bake in slot handles, see slot_handle)
 //   buffer_info(int handle) -> int[]   [rank, num_ranks, device, nvl, rdma, ll, backend]
 //   nvl_buffer_size_hint(int[] config, int hidden_bytes, int num_ranks) -> int
 //   rdma_buffer_size_hint(int[] config, int hidden_bytes, int num_ranks) -> int
@@ -132,6 +134,10 @@ inline int64_t create_buffer(const Tensor& unique_id, int64_t rank, int64_t num_
 
 /// Collective.
 inline void destroy_buffer(int64_t handle) { op<void(int64_t)>("destroy_buffer").call(handle); }
+// Serialized models (TorchScript, torch.export, AOTInductor) name buffers by slot handle: bind this
+// process's buffer to the slot the model was made with, then load and run the model.
+inline int64_t slot_handle(int64_t slot) { return -(slot + 1); }
+inline void bind_buffer_slot(int64_t handle, int64_t slot) { op<void(int64_t, int64_t)>("bind_buffer_slot").call(handle, slot); }
 
 inline int64_t nvl_buffer_size_hint(const std::vector<int64_t>& config, int64_t hidden_bytes, int64_t num_ranks) {
   return op<int64_t(c10::ArrayRef<int64_t>, int64_t, int64_t)>("nvl_buffer_size_hint").call(config, hidden_bytes, num_ranks);

@@ -30,6 +30,46 @@ struct Registry {
     next: i64,
     live: HashMap<i64, Entry>,
     destroyed: Vec<i64>,
+    /// Slot → handle ([`bind_slot`]).
+    slots: HashMap<i64, i64>,
+}
+
+/// Largest slot number (slot handles are `-1 ..= -(MAX_SLOT + 1)`).
+pub const MAX_SLOT: i64 = (1 << 20) - 1;
+
+/// The handle that names slot `slot`: `-(slot + 1)`. Models scripted, exported or compiled with
+/// it run in any process that bound one of its buffers to that slot ([`bind_slot`]).
+pub fn slot_handle(slot: i64) -> i64 {
+    -(slot + 1)
+}
+
+/// Binds `slot` of this process to buffer `handle` (local; replaces an earlier binding). Ops given
+/// the slot handle `-(slot + 1)` then reach this buffer: a serialized model (TorchScript,
+/// torch.export, AOTInductor) bakes in the slot handle, never a process-specific handle.
+pub fn bind_slot(op: &'static str, handle: i64, slot: i64) -> Result<()> {
+    crate::ensure!((0..=MAX_SLOT).contains(&slot), op, "slot must be in 0..={MAX_SLOT}, got {slot}");
+    let mut r = lock(registry());
+    let h = resolve(op, handle, &r)?;
+    if !r.live.contains_key(&h) {
+        return Err(missing(op, h, &r));
+    }
+    r.slots.insert(slot, h);
+    Ok(())
+}
+
+/// A slot handle (negative) resolved to the buffer handle bound to it; other handles unchanged.
+fn resolve(op: &'static str, handle: i64, r: &Registry) -> Result<i64> {
+    if handle >= 0 {
+        return Ok(handle);
+    }
+    let slot = -(handle + 1);
+    r.slots.get(&slot).copied().ok_or_else(|| Error::BadHandle {
+        op,
+        msg: format!(
+            "handle {handle} names slot {slot}, and no buffer of this process is bound to it: create the buffer, then \
+             Buffer.bind_slot({slot}) (deep_ep::bind_buffer_slot) before running a model that uses the slot"
+        ),
+    })
 }
 
 fn registry() -> &'static Mutex<Registry> {
@@ -72,6 +112,7 @@ type LiveBuffer = (Arc<Mutex<Box<dyn Backend>>>, Arc<Mutex<Option<String>>>);
 
 fn lookup(op: &'static str, handle: i64) -> Result<LiveBuffer> {
     let r = lock(registry());
+    let handle = resolve(op, handle, &r)?;
     match r.live.get(&handle) {
         Some(e) if e.pid != std::process::id() => Err(forked(op, handle, e.pid)),
         Some(e) => Ok((e.backend.clone(), e.poisoned.clone())),
@@ -141,6 +182,7 @@ pub fn with<R>(op: &'static str, handle: i64, f: impl FnOnce(&mut dyn Backend) -
 /// Destroys the buffer (collective for healthy buffers; a poisoned buffer is released locally
 /// without waiting for peers).
 pub fn destroy(op: &'static str, handle: i64) -> Result<()> {
+    let handle = resolve(op, handle, &lock(registry()))?;
     let (b, poisoned) = lookup(op, handle)?;
     let healthy = lock(&poisoned).is_none();
     let mut guard = try_lock(op, handle, &b)?;
@@ -151,12 +193,14 @@ pub fn destroy(op: &'static str, handle: i64) -> Result<()> {
     let mut r = lock(registry());
     r.live.remove(&handle);
     r.destroyed.push(handle);
+    r.slots.retain(|_, h| *h != handle);
     res
 }
 
 /// The buffer's fixed facts (local; never waits for an op in another thread).
 pub fn info(op: &'static str, handle: i64) -> Result<BufferInfo> {
     let r = lock(registry());
+    let handle = resolve(op, handle, &r)?;
     match r.live.get(&handle) {
         Some(e) if e.pid != std::process::id() => Err(forked(op, handle, e.pid)),
         Some(e) => Ok(e.info.clone()),

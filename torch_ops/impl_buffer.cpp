@@ -34,6 +34,8 @@ int64_t create_buffer(const Tensor& unique_id, int64_t rank, int64_t num_ranks, 
 
 void destroy_buffer(int64_t handle) { check(deep_ep_destroy_buffer(handle)); }
 
+void bind_buffer_slot(int64_t handle, int64_t slot) { check(deep_ep_bind_buffer_slot(handle, slot)); }
+
 std::vector<int64_t> buffer_info_op(int64_t handle) {
   auto b = buffer_info(handle, "deep_ep::buffer_info");
   return std::vector<int64_t>(b.v, b.v + 7);
@@ -91,6 +93,7 @@ STABLE_TORCH_LIBRARY_IMPL(deep_ep, CompositeExplicitAutograd, m) {
   m.impl("get_unique_id", TORCH_BOX(&deep_ep_ops::get_unique_id));
   m.impl("create_buffer", TORCH_BOX(&deep_ep_ops::create_buffer));
   m.impl("destroy_buffer", TORCH_BOX(&deep_ep_ops::destroy_buffer));
+  m.impl("bind_buffer_slot", TORCH_BOX(&deep_ep_ops::bind_buffer_slot));
   m.impl("buffer_info", TORCH_BOX(&deep_ep_ops::buffer_info_op));
   m.impl("nvl_buffer_size_hint", TORCH_BOX(&deep_ep_ops::nvl_hint));
   m.impl("rdma_buffer_size_hint", TORCH_BOX(&deep_ep_ops::rdma_hint));

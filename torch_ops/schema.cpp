@@ -18,6 +18,9 @@ STABLE_TORCH_LIBRARY(deep_ep, m) {
       "bool low_latency_mode, str backend='') -> int");
   // Collective. Destroys the buffer; the handle is never reused.
   m.def("destroy_buffer(int handle) -> ()");
+  // Local. From now on the slot handle -(slot + 1) names this buffer in this process: models
+  // scripted, exported or AOT-compiled with a slot handle run in any process that binds one.
+  m.def("bind_buffer_slot(int handle, int slot) -> ()");
   // [rank, num_ranks, device, num_nvl_bytes, num_rdma_bytes, low_latency_mode, backend(0 cpu,1 nccl,2 nvshmem)].
   m.def("buffer_info(int handle) -> int[]");
   // DeepEP's Config.get_nvl_buffer_size_hint / get_rdma_buffer_size_hint and the LL RDMA hint (bytes).

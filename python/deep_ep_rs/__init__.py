@@ -20,7 +20,7 @@ _lib.load()
 from . import _fake  # noqa: E402,F401
 from . import _autograd  # noqa: E402,F401  (dispatch <-> combine backward)
 from . import utils  # noqa: E402
-from .buffer import Buffer  # noqa: E402
+from .buffer import Buffer, slot_handle  # noqa: E402
 from .utils import Config, EventHandle, EventOverlap  # noqa: E402
 
 __version__ = "0.1.0"
@@ -77,4 +77,4 @@ def library_path() -> str:
     return _lib.load()
 
 
-__all__ = ["Buffer", "Config", "EventOverlap", "EventHandle", "topk_idx_t", "install_as_deep_ep", "library_path"]
+__all__ = ["Buffer", "Config", "EventOverlap", "EventHandle", "topk_idx_t", "install_as_deep_ep", "library_path", "slot_handle"]

@@ -185,7 +185,7 @@ for _name in ("dispatch", "cached_dispatch", "combine", "internode_dispatch", "i
               "low_latency_dispatch", "low_latency_dispatch_send",
               "low_latency_dispatch_recv", "low_latency_combine", "low_latency_combine_send", "low_latency_combine_recv",
               "clean_low_latency_buffer", "low_latency_update_mask_buffer", "low_latency_query_mask_buffer",
-              "low_latency_clean_mask_buffer", "low_latency_set_shrink"):
+              "low_latency_clean_mask_buffer", "low_latency_set_shrink", "bind_buffer_slot"):
     try:
         torch.fx.node.has_side_effect(getattr(ops, _name).default)
     except AttributeError:  # older torch: the op is still kept when its outputs are used

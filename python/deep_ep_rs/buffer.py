@@ -51,6 +51,12 @@ def _nvl_domain_size() -> int:
     return int(v) if v else 8
 
 
+def slot_handle(slot: int) -> int:
+    """The handle that names slot `slot` in whichever process runs it: `-(slot + 1)`."""
+    assert isinstance(slot, int) and 0 <= slot < (1 << 20), f"slot must be in [0, 2^20), got {slot}"
+    return -(slot + 1)
+
+
 def _opt(t: torch.Tensor) -> Optional[torch.Tensor]:
     """Ops return empty tensors for absent optional outputs."""
     return None if t.dim() == 1 and t.numel() == 0 else t
@@ -127,6 +133,14 @@ class Buffer:
 
     def is_available(self) -> bool:
         return self._handle is not None
+
+    def bind_slot(self, slot: int = 0) -> int:
+        """Binds this buffer to `slot` of this process (local) and returns the slot handle
+        `-(slot + 1)`. Ops given the slot handle reach this buffer: build models that will be
+        scripted, exported or AOT-compiled with `slot_handle(slot)` instead of `buf.handle`, and
+        bind the loading process's own buffer to the same slot before running them."""
+        ops.bind_buffer_slot(self.handle, int(slot))
+        return slot_handle(slot)
 
     def memory_report(self, hidden: Optional[int] = None, num_max_dispatch_tokens_per_rank: Optional[int] = None,
                       num_experts: Optional[int] = None) -> dict:

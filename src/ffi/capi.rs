@@ -172,6 +172,12 @@ pub extern "C" fn deep_ep_destroy_buffer(handle: i64) -> c_int {
     guard(|| ops::destroy_buffer(handle))
 }
 
+/// See `deep_ep_bind_buffer_slot` in the header.
+#[no_mangle]
+pub extern "C" fn deep_ep_bind_buffer_slot(handle: i64, slot: i64) -> c_int {
+    guard(|| ops::bind_buffer_slot(handle, slot))
+}
+
 /// See `deep_ep_buffer_info` in the header.
 ///
 /// # Safety

@@ -54,6 +54,11 @@ pub fn destroy_buffer(handle: i64) -> Result<()> {
     buffer::destroy("deep_ep::destroy_buffer", handle)
 }
 
+/// `deep_ep::bind_buffer_slot` (local): slot handle `-(slot + 1)` names this buffer from now on.
+pub fn bind_buffer_slot(handle: i64, slot: i64) -> Result<()> {
+    buffer::bind_slot("deep_ep::bind_buffer_slot", handle, slot)
+}
+
 /// `deep_ep::buffer_info`: `[rank, num_ranks, device, num_nvl_bytes, num_rdma_bytes,
 /// low_latency_mode, backend (0 cpu, 1 nccl, 2 nvshmem)]`.
 /// `op` names the calling op in errors.

@@ -10,7 +10,7 @@ import torch
 import deep_ep_rs
 
 ops = torch.ops.deep_ep
-EXPECTED_OPS = ["get_unique_id", "create_buffer", "destroy_buffer", "buffer_info", "get_dispatch_layout", "dispatch",
+EXPECTED_OPS = ["get_unique_id", "create_buffer", "destroy_buffer", "bind_buffer_slot", "buffer_info", "get_dispatch_layout", "dispatch",
                 "cached_dispatch", "combine", "low_latency_dispatch", "low_latency_dispatch_send", "low_latency_dispatch_recv",
                 "low_latency_combine", "low_latency_combine_send", "low_latency_combine_recv", "clean_low_latency_buffer",
                 "get_next_low_latency_combine_buffer", "nvl_buffer_size_hint", "rdma_buffer_size_hint", "low_latency_rdma_size_hint",

@@ -9,6 +9,7 @@ EXPECTED = {
     "create_buffer": "create_buffer(Tensor unique_id, int rank, int num_ranks, Device device, int num_nvl_bytes, int num_rdma_bytes, "
                      "bool low_latency_mode, str backend='') -> int",
     "destroy_buffer": "destroy_buffer(int handle) -> ()",
+    "bind_buffer_slot": "bind_buffer_slot(int handle, int slot) -> ()",
     "buffer_info": "buffer_info(int handle) -> int[]",
     "nvl_buffer_size_hint": "nvl_buffer_size_hint(int[] config, int hidden_bytes, int num_ranks) -> int",
     "rdma_buffer_size_hint": "rdma_buffer_size_hint(int[] config, int hidden_bytes, int num_ranks) -> int",

@@ -1,0 +1,91 @@
+"""A small MoE step on the deep_ep ops, for serialization tests and examples: `prefill` = layout +
+normal dispatch (num_worst_tokens, static shapes) + combine, `decode` = low-latency dispatch +
+combine. Built with a slot handle (`deep_ep_rs.slot_handle(slot)`), so a scripted or exported
+copy runs in any process that binds its own buffer to the slot.
+
+    python _serialized_model.py make DIR    # buffer bound to slot 0; writes model.pt (TorchScript),
+                                            # model.pt2 (torch.export), model_aoti.pt2 (AOTInductor
+                                            # package) and io.pt (inputs, outputs)
+    python _serialized_model.py load DIR    # another process: own buffers, slot 0 bound, loads and
+                                            # compares bit for bit; prints one OK line per artifact
+"""
+import sys
+
+import torch
+
+import deep_ep_rs
+
+N, H, K, E, T = 6, 256, 2, 4, 8
+CONFIG = [20, 6, 256, 6, 128]
+
+
+class MoeStep(torch.nn.Module):
+    def __init__(self, handle: int):
+        super().__init__()
+        self.handle, self.n, self.h, self.e, self.t = handle, N, H, E, T
+        self.config = list(CONFIG)
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor):
+        ops = torch.ops.deep_ep
+        ntpr, _, ntpe, in_rank = ops.get_dispatch_layout(idx, self.e, 1)
+        recv_x, _, _, _, _, rpm, cpm, rcpm, src_idx, send_head = ops.dispatch(self.handle, x, None, idx, w, ntpr, in_rank, ntpe, 1, self.n,
+                                                                              self.config)
+        prefill, _ = ops.combine(self.handle, recv_x * 2, None, None, None, rpm, cpm, rcpm, src_idx, in_rank, send_head, self.config)
+        lrecv, _, _, src_info, layout_range = ops.low_latency_dispatch(self.handle, x, idx, None, None, None, self.t, self.e, False, False,
+                                                                       False)
+        decode = torch.empty((self.n, self.h), dtype=torch.bfloat16, device=x.device)
+        ops.low_latency_combine(self.handle, lrecv * 3, idx, w, src_info, layout_range, decode, None, self.t, self.e, False, False)
+        return prefill, decode
+
+
+def buffer(slot=None):
+    ops = torch.ops.deep_ep
+    cpu = torch.device("cpu")
+    h = int(ops.create_buffer(ops.get_unique_id("cpu", cpu), 0, 1, cpu, 1 << 22, ops.low_latency_rdma_size_hint(T, H, 1, E), True, "cpu"))
+    if slot is not None:
+        ops.bind_buffer_slot(h, slot)
+    return h
+
+
+def inputs():
+    g = torch.Generator(device="cpu").manual_seed(7)
+    x = torch.randn((N, H), generator=g, dtype=torch.float32, device="cpu").to(torch.bfloat16)
+    idx = torch.tensor([[0, 1], [2, -1], [3, 0], [1, 2], [-1, -1], [3, 2]], dtype=torch.int64, device="cpu")
+    w = torch.full((N, K), 0.5, dtype=torch.float32, device="cpu")
+    return x, idx, w
+
+
+def make(d):
+    buffer(slot=0)
+    model = MoeStep(deep_ep_rs.slot_handle(0))
+    args = inputs()
+    want = model(*args)
+    torch.jit.save(torch.jit.script(model), f"{d}/model.pt")
+    ep = torch.export.export(model, args)
+    torch.export.save(ep, f"{d}/model.pt2")
+    torch._inductor.aoti_compile_and_package(ep, package_path=f"{d}/model_aoti.pt2")  # AOTInductor, C++ wrapper
+    torch.save({"args": args, "want": want}, f"{d}/io.pt")
+    print("MADE")
+
+
+def load(d):
+    io = torch.load(f"{d}/io.pt")
+    scripted = torch.jit.load(f"{d}/model.pt")
+    try:  # nothing bound to slot 0 yet: a clear error, not another process's buffer
+        scripted(*io["args"])
+        print("UNBOUND RAN")
+    except RuntimeError as e:
+        print("UNBOUND:", next((line for line in str(e).splitlines() if "slot" in line), str(e)))
+    other = buffer()  # this process's handles differ from the maker's
+    h = buffer(slot=0)
+    assert h != 1 and other != h
+    artifacts = (("torchscript", scripted), ("export", torch.export.load(f"{d}/model.pt2").module()),
+                 ("aoti", torch._inductor.aoti_load_package(f"{d}/model_aoti.pt2")))
+    for name, fn in artifacts:
+        got = fn(*io["args"])
+        assert all(torch.equal(a, b) for a, b in zip(got, io["want"])), name
+        print(f"OK {name} (handle {h} bound to slot 0)")
+
+
+if __name__ == "__main__":
+    {"make": make, "load": load}[sys.argv[1]](sys.argv[2])

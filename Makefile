@@ -70,14 +70,19 @@ rust-example: deps
 py-test: build
 	$(PYTEST_ENV) $(PY) -m pytest tests/python -q
 
-# C++ example (examples/cpp_server): CMake build against the venv's libtorch, then 2 processes on
-# the CPU backend (HT dispatch/combine + LL decode step, checked against a reference).
+# C++ examples (examples/cpp_server): CMake build against the venv's libtorch, then 2 processes on
+# the CPU backend (HT dispatch/combine + LL decode step, checked against a reference), then
+# model_server: a TorchScript model and an AOTInductor package made by a Python process, loaded
+# and run with no Python against the C++ process's own buffer (slot 0), checked bit for bit.
 CPP_BUILD := build/cpp_server
 cpp-test: build
 	$(VENV)/bin/cmake -S examples/cpp_server -B $(CPP_BUILD) -DCMAKE_BUILD_TYPE=Release \
 	  -DTORCH_ROOT=$$($(PY) -c 'import torch,os;print(os.path.dirname(torch.__file__))') >/dev/null
 	$(VENV)/bin/cmake --build $(CPP_BUILD) -j 4
 	CUDA_VISIBLE_DEVICES= DEEP_EP_TIMEOUT_MS=60000 $(CPP_BUILD)/cpp_server --ranks 2 --lib $(abspath $(LIB))
+	rm -rf $(CPP_BUILD)/models && mkdir -p $(CPP_BUILD)/models
+	CUDA_VISIBLE_DEVICES= $(PYTEST_ENV) $(PY) tests/python/_serialized_model.py make $(CPP_BUILD)/models
+	CUDA_VISIBLE_DEVICES= $(CPP_BUILD)/model_server --dir $(CPP_BUILD)/models --lib $(abspath $(LIB))
 
 # One binary across torch versions: the CPU suite runs against the SAME libdeep_ep.so (built once
 # against $(TORCH_PIN)) under $(TORCH_PIN) (py-test) and under the newest torch on PyPI in a

@@ -65,6 +65,11 @@ def make(d):
     torch.export.save(ep, f"{d}/model.pt2")
     torch._inductor.aoti_compile_and_package(ep, package_path=f"{d}/model_aoti.pt2")  # AOTInductor, C++ wrapper
     torch.save({"args": args, "want": want}, f"{d}/io.pt")
+    io = torch.nn.Module()  # the same for C++ (examples/cpp_server/model_server.cpp): buffers of a scripted module
+    for k, v in (("x", args[0]), ("idx", args[1]), ("w", args[2]), ("prefill", want[0]), ("decode", want[1]),
+                 ("num_experts", torch.tensor(E)), ("num_max_dispatch_tokens_per_rank", torch.tensor(T))):
+        io.register_buffer(k, v)
+    torch.jit.save(torch.jit.script(io), f"{d}/io_ts.pt")
     print("MADE")
 
 

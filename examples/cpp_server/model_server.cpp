@@ -1,0 +1,72 @@
+// Serves models made in another (Python) process, with no Python here: loads a TorchScript file
+// (torch::jit::load) and an AOTInductor package (AOTIModelPackageLoader) written by
+// tests/python/_serialized_model.py, creates this process's own deep_ep buffer, binds it to the
+// slot the models were made with (slot 0), runs both on the saved inputs and checks the results
+// against the saved outputs bit for bit. One rank on the CPU backend.
+//   model_server --dir DIR --lib target/release/libdeep_ep.so
+#include <deep_ep.h>
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
+#include <torch/script.h>
+
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <string>
+#include <vector>
+
+namespace {
+
+bool same(const std::vector<at::Tensor>& got, const std::vector<at::Tensor>& want, const char* what) {
+  bool ok = got.size() == want.size();
+  for (size_t i = 0; ok && i < got.size(); ++i) ok = got[i].dtype() == want[i].dtype() && at::equal(got[i], want[i]);
+  std::printf("%s: %s\n", what, ok ? "bit-exact with the saved outputs" : "DIFFERS from the saved outputs");
+  return ok;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines reach a log even if a later step aborts
+  std::string dir, lib = "target/release/libdeep_ep.so";
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--dir")) dir = argv[i + 1];
+    if (!std::strcmp(argv[i], "--lib")) lib = argv[i + 1];
+  }
+  if (dir.empty()) {
+    std::fprintf(stderr, "usage: model_server --dir DIR [--lib libdeep_ep.so]\n");
+    return 2;
+  }
+  deep_ep::load_library(lib);  // registers deep_ep::* before the models are loaded
+  const at::Device cpu("cpu");
+  // The saved inputs and outputs: buffers of a scripted container module.
+  auto io = torch::jit::load(dir + "/io_ts.pt");
+  std::vector<at::Tensor> args = {io.attr("x").toTensor(), io.attr("idx").toTensor(), io.attr("w").toTensor()};
+  std::vector<at::Tensor> want = {io.attr("prefill").toTensor(), io.attr("decode").toTensor()};
+  const int64_t n = args[0].size(0), hidden = args[0].size(1), experts = io.attr("num_experts").toTensor().item<int64_t>();
+  const int64_t t = io.attr("num_max_dispatch_tokens_per_rank").toTensor().item<int64_t>();
+
+  // This process's buffers: a first one so that handle numbers differ from the maker's, then the
+  // one the models use, bound to slot 0.
+  const int64_t ll_bytes = deep_ep::op<int64_t(int64_t, int64_t, int64_t, int64_t)>("low_latency_rdma_size_hint").call(t, hidden, 1, experts);
+  const int64_t other = deep_ep::create_buffer(deep_ep::get_unique_id("cpu", cpu), 0, 1, cpu, 1 << 20, 0, false);
+  const int64_t h = deep_ep::create_buffer(deep_ep::get_unique_id("cpu", cpu), 0, 1, cpu, 1 << 22, ll_bytes, true);
+  deep_ep::bind_buffer_slot(h, 0);
+  std::printf("buffers %lld and %lld, slot 0 -> %lld; %lld tokens x %lld\n", (long long)other, (long long)h, (long long)h,
+              (long long)n, (long long)hidden);
+
+  bool ok = true;
+  {
+    auto model = torch::jit::load(dir + "/model.pt");
+    std::vector<c10::IValue> in(args.begin(), args.end());
+    auto out = model.forward(in).toTuple();
+    ok &= same({out->elements()[0].toTensor(), out->elements()[1].toTensor()}, want, "TorchScript (torch::jit::load)");
+  }
+  {
+    torch::inductor::AOTIModelPackageLoader loader(dir + "/model_aoti.pt2");
+    ok &= same(loader.run(args), want, "AOTInductor package (AOTIModelPackageLoader)");
+  }
+  deep_ep::destroy_buffer(h);
+  deep_ep::destroy_buffer(other);
+  std::printf("%s\n", ok ? "model_server: all checks passed" : "model_server: FAILED");
+  return ok ? 0 : 1;
+}

@@ -44,6 +44,11 @@ step frameworks 240 "$py" -m pytest -q -rs tests/gpu/test_frameworks_gpu.py
 step reliability 240 "$py" -m pytest -q -rs tests/gpu/test_reliability_gpu.py
 # its CPU cases come through tests/python/conftest.py: tell it to use the installed package
 step bad_input 240 env DEEP_EP_TEST_INSTALLED=1 "$py" -m pytest -q -rs tests/gpu/test_bad_input_gpu.py
+# A TorchScript model, a torch.export program and an AOTInductor package made in one process on the
+# GPU, run in another against its own buffer (slot 0); the loaded AOTI model captured in a CUDA
+# graph. CXX: the image's default /opt/gcc g++ builds AOTI wrappers that crash in std::regex at
+# load (not this library's bug); Ubuntu's g++ works.
+step serialized_cuda 300 bash -c "d=\$(mktemp -d) && export CXX=/usr/bin/g++ DEEP_EP_MODEL_DEVICE=cuda && '$py' tests/python/_serialized_model.py make \$d && '$py' tests/python/_serialized_model.py load \$d"
 step ll_1 240 env DEEP_EP_LL_CONFIGS=${LL_CONFIGS:-60} DEEP_EP_LL_REPLAYS=${LL_REPLAYS:-200} "$py" -m pytest -q -rs "tests/gpu/test_low_latency.py::test_low_latency_matches_cpu_backend[1]"
 step bench_ll 120 "$py" -m torch.distributed.run --nproc-per-node 1 bench/low_latency.py --tokens 1 128 --out "$out/low-latency-1gpu.json"
 step compile_cuda 150 "$py" -m pytest -q -rs tests/gpu/test_compile_cuda.py

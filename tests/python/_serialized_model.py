@@ -9,6 +9,7 @@ copy runs in any process that binds its own buffer to the slot.
     python _serialized_model.py load DIR    # another process: own buffers, slot 0 bound, loads and
                                             # compares bit for bit; prints one OK line per artifact
 """
+import os
 import sys
 
 import torch
@@ -17,6 +18,9 @@ import deep_ep_rs
 
 N, H, K, E, T = 6, 256, 2, 4, 8
 CONFIG = [20, 6, 256, 6, 128]
+#: DEEP_EP_MODEL_DEVICE=cuda: buffers on cuda:0 (nccl backend, one rank) and CUDA inputs; the
+#: loader then also captures the loaded AOTInductor model in a CUDA graph and replays it.
+DEV = torch.device(os.environ.get("DEEP_EP_MODEL_DEVICE", "cpu"))
 
 
 class MoeStep(torch.nn.Module):
@@ -40,8 +44,10 @@ class MoeStep(torch.nn.Module):
 
 def buffer(slot=None):
     ops = torch.ops.deep_ep
-    cpu = torch.device("cpu")
-    h = int(ops.create_buffer(ops.get_unique_id("cpu", cpu), 0, 1, cpu, 1 << 22, ops.low_latency_rdma_size_hint(T, H, 1, E), True, "cpu"))
+    dev = torch.device("cuda", 0) if DEV.type == "cuda" else DEV
+    backend = "cpu" if dev.type == "cpu" else ""
+    h = int(ops.create_buffer(ops.get_unique_id(backend, dev), 0, 1, dev, 1 << 22, ops.low_latency_rdma_size_hint(T, H, 1, E), True,
+                              backend))
     if slot is not None:
         ops.bind_buffer_slot(h, slot)
     return h
@@ -52,7 +58,7 @@ def inputs():
     x = torch.randn((N, H), generator=g, dtype=torch.float32, device="cpu").to(torch.bfloat16)
     idx = torch.tensor([[0, 1], [2, -1], [3, 0], [1, 2], [-1, -1], [3, 2]], dtype=torch.int64, device="cpu")
     w = torch.full((N, K), 0.5, dtype=torch.float32, device="cpu")
-    return x, idx, w
+    return x.to(DEV), idx.to(DEV), w.to(DEV)
 
 
 def make(d):
@@ -90,6 +96,19 @@ def load(d):
         got = fn(*io["args"])
         assert all(torch.equal(a, b) for a, b in zip(got, io["want"])), name
         print(f"OK {name} (handle {h} bound to slot 0)")
+    if DEV.type == "cuda":  # the loaded AOTI model, captured once and replayed
+        aoti = artifacts[2][1]
+        static = [a.clone() for a in io["args"]]
+        aoti(*static)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            outs = aoti(*static)
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(outs, io["want"])), "aoti graph replay"
+        print("OK aoti CUDA graph (3 replays)")
 
 
 if __name__ == "__main__":

@@ -12,13 +12,15 @@ CLANG_PIN := libclang==18.1.1
 TEST_PIPS := pytest numpy expecttest hypothesis
 LIB := target/release/libdeep_ep.so
 PYTEST_ENV := PYTHONPATH=python DEEP_EP_LIBRARY=$(abspath $(LIB))
+MODELS := build/models
+TCH_DIR := examples/tch_server
 
-.PHONY: demo test deps build install wheel wheel-test lint rust-test rust-example py-test cpp-test gpu-test compat compat-newest clean
+.PHONY: demo test deps build install wheel wheel-test lint rust-test rust-example rust-model-test py-test cpp-test gpu-test compat compat-newest clean
 
 demo: build
 	$(PYTEST_ENV) $(PY) examples/moe_demo.py --ranks 4
 
-test: build rust-test rust-example py-test cpp-test gpu-test
+test: build rust-test rust-example py-test cpp-test rust-model-test gpu-test
 
 # Python venv with torch (the CUDA 13 wheel is PyPI's default), nvcc, NCCL and libclang (bindgen),
 # all from PyPI: nothing outside the venv, no root. Re-runs only when this Makefile changes.
@@ -58,6 +60,7 @@ wheel-test: wheel
 # build-script outputs apart from the release build's, so the two do not rebuild each other).
 lint: deps
 	cargo fmt --check
+	cargo fmt --check --manifest-path $(TCH_DIR)/Cargo.toml
 	cargo clippy --all-targets -- -D warnings
 
 rust-test: deps
@@ -75,14 +78,26 @@ py-test: build
 # model_server: a TorchScript model and an AOTInductor package made by a Python process, loaded
 # and run with no Python against the C++ process's own buffer (slot 0), checked bit for bit.
 CPP_BUILD := build/cpp_server
-cpp-test: build
+cpp-test: build $(MODELS)/.ok
 	$(VENV)/bin/cmake -S examples/cpp_server -B $(CPP_BUILD) -DCMAKE_BUILD_TYPE=Release \
 	  -DTORCH_ROOT=$$($(PY) -c 'import torch,os;print(os.path.dirname(torch.__file__))') >/dev/null
 	$(VENV)/bin/cmake --build $(CPP_BUILD) -j 4
 	CUDA_VISIBLE_DEVICES= DEEP_EP_TIMEOUT_MS=60000 $(CPP_BUILD)/cpp_server --ranks 2 --lib $(abspath $(LIB))
-	rm -rf $(CPP_BUILD)/models && mkdir -p $(CPP_BUILD)/models
-	CUDA_VISIBLE_DEVICES= $(PYTEST_ENV) $(PY) tests/python/_serialized_model.py make $(CPP_BUILD)/models
-	CUDA_VISIBLE_DEVICES= $(CPP_BUILD)/model_server --dir $(CPP_BUILD)/models --lib $(abspath $(LIB))
+	CUDA_VISIBLE_DEVICES= $(CPP_BUILD)/model_server --dir $(MODELS) --lib $(abspath $(LIB))
+
+# Artifacts made by a Python process for the C++ and Rust servers: TorchScript, torch.export and
+# AOTInductor files of tests/python/_serialized_model.py, with their inputs and outputs.
+$(MODELS)/.ok: $(LIB) tests/python/_serialized_model.py
+	rm -rf $(MODELS) && mkdir -p $(MODELS)
+	CUDA_VISIBLE_DEVICES= $(PYTEST_ENV) $(PY) tests/python/_serialized_model.py make $(MODELS)
+	touch $@
+
+# The Rust server (examples/tch_server, its own crate: tch 0.24 + anyhow) runs the TorchScript model
+# with no Python, against its own buffer bound to slot 0; tch builds against the venv's torch.
+rust-model-test: build $(MODELS)/.ok
+	cd $(TCH_DIR) && LIBTORCH_USE_PYTORCH=1 PATH=$(abspath $(VENV))/bin:$$PATH cargo build --release -q
+	CUDA_VISIBLE_DEVICES= LD_LIBRARY_PATH=$$($(PY) -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib \
+	  $(TCH_DIR)/target/release/deep_ep_tch_server --dir $(MODELS) --lib $(abspath $(LIB))
 
 # One binary across torch versions: the CPU suite runs against the SAME libdeep_ep.so (built once
 # against $(TORCH_PIN)) under $(TORCH_PIN) (py-test) and under the newest torch on PyPI in a

@@ -54,6 +54,20 @@ class DecodeStep(MoeStep):
         return decode
 
 
+class SavedIO(torch.nn.Module):
+    """Inputs and expected outputs for C++ / Rust loaders: buffers x, idx, w, prefill, decode,
+    num_experts, num_max_dispatch_tokens_per_rank; forward() returns them in that order."""
+
+    def __init__(self, x, idx, w, prefill, decode):
+        super().__init__()
+        for k, v in (("x", x), ("idx", idx), ("w", w), ("prefill", prefill), ("decode", decode), ("num_experts", torch.tensor(E)),
+                     ("num_max_dispatch_tokens_per_rank", torch.tensor(T))):
+            self.register_buffer(k, v)
+
+    def forward(self):
+        return (self.x, self.idx, self.w, self.prefill, self.decode, self.num_experts, self.num_max_dispatch_tokens_per_rank)
+
+
 def buffer(slot=None):
     ops = torch.ops.deep_ep
     dev = torch.device("cuda", 0) if DEV.type == "cuda" else DEV
@@ -86,11 +100,9 @@ def make(d):
         decode = torch.export.export(DecodeStep(deep_ep_rs.slot_handle(0)), args)
         torch._inductor.aoti_compile_and_package(decode, package_path=f"{d}/decode_aoti.pt2")
     torch.save({"args": args, "want": want}, f"{d}/io.pt")
-    io = torch.nn.Module()  # the same for C++ (examples/cpp_server/model_server.cpp): buffers of a scripted module
-    for k, v in (("x", args[0]), ("idx", args[1]), ("w", args[2]), ("prefill", want[0]), ("decode", want[1]),
-                 ("num_experts", torch.tensor(E)), ("num_max_dispatch_tokens_per_rank", torch.tensor(T))):
-        io.register_buffer(k, v)
-    torch.jit.save(torch.jit.script(io), f"{d}/io_ts.pt")
+    # The same for C++ and Rust (examples/cpp_server/model_server.cpp, examples/tch_server): a
+    # scripted module whose buffers (and forward) hold them.
+    torch.jit.save(torch.jit.script(SavedIO(*args, *want)), f"{d}/io_ts.pt")
     print("MADE")
 
 

@@ -314,7 +314,9 @@ def test_creating_rank_killed_during_creation_fails_the_peer_and_leaves_no_file(
     r1, _ = _start_rank(tmp_path, 1, DEEP_EP_TIMEOUT_MS="3000")
     out, err = r1.communicate(timeout=120)
     assert "ERR deep_ep::create_buffer: timed out after 3000 ms on rank 1 waiting for rank(s) [0]" in out, out + err
-    assert "confirmed the new buffer" in out, out
+    # Killed while waiting in the rendezvous (the usual case: 1 s after it wrote the id) it never
+    # confirms; killed before it arrived, the rendezvous itself names it. Both fail the creation.
+    assert "confirmed the new buffer" in out or "rendezvous of all ranks" in out, out
     assert os.listdir(tmp_path / "shm") == []
 
 

@@ -204,6 +204,11 @@ CASES = [
     # handles, ids, lifecycle
     ("never-created-handle-cached", "cached_dispatch", r"buffer handle 987654321 does not exist", lambda c: c.cached(h=987654321)),
     ("buffer-info-never-created", "buffer_info", r"buffer handle 987654322 does not exist", lambda c: torch.ops.deep_ep.buffer_info(987654322)),
+    ("bind-slot-out-of-range", "bind_buffer_slot", r"slot must be in 0..=1048575, got -1", lambda c: torch.ops.deep_ep.bind_buffer_slot(1, -1)),
+    ("bind-slot-never-created", "bind_buffer_slot", r"buffer handle 987654324 does not exist",
+     lambda c: torch.ops.deep_ep.bind_buffer_slot(987654324, 3)),
+    ("unbound-slot-handle", "buffer_info", r"handle -7 names slot 6, and no buffer of this process is bound to it",
+     lambda c: torch.ops.deep_ep.buffer_info(-7)),
     ("invalid-unique-id", "create_buffer", r"unique_id was not made by get_unique_id",
      lambda c: torch.ops.deep_ep.create_buffer(torch.zeros(128, dtype=torch.uint8), 0, 1, torch.device("cpu"), 1 << 20, 0, False, "cpu")),
     ("unique-id-length", "create_buffer", r"unique_id must have 128 bytes",

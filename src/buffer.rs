@@ -110,14 +110,22 @@ pub fn create(kind: BackendKind, args: &CreateArgs) -> Result<i64> {
 /// A live buffer's backend and its poison note (set when a failure left it unusable).
 type LiveBuffer = (Arc<Mutex<Box<dyn Backend>>>, Arc<Mutex<Option<String>>>);
 
-fn lookup(op: &'static str, handle: i64) -> Result<LiveBuffer> {
-    let r = lock(registry());
-    let handle = resolve(op, handle, &r)?;
+/// The live entry `handle` (or the slot handle) names, with its resolved handle; a buffer of
+/// another process (this one is a forked child) is refused.
+fn owned_entry<'a>(op: &'static str, handle: i64, r: &'a Registry) -> Result<(i64, &'a Entry)> {
+    let handle = resolve(op, handle, r)?;
     match r.live.get(&handle) {
         Some(e) if e.pid != std::process::id() => Err(forked(op, handle, e.pid)),
-        Some(e) => Ok((e.backend.clone(), e.poisoned.clone())),
-        None => Err(missing(op, handle, &r)),
+        Some(e) => Ok((handle, e)),
+        None => Err(missing(op, handle, r)),
     }
+}
+
+/// The resolved handle and its live buffer.
+fn lookup(op: &'static str, handle: i64) -> Result<(i64, LiveBuffer)> {
+    let r = lock(registry());
+    let (h, e) = owned_entry(op, handle, &r)?;
+    Ok((h, (e.backend.clone(), e.poisoned.clone())))
 }
 
 fn forked(op: &'static str, handle: i64, owner: u32) -> Error {
@@ -157,7 +165,7 @@ fn try_lock<'a>(op: &'static str, handle: i64, b: &'a Mutex<Box<dyn Backend>>) -
 /// Runs `f` on the buffer's backend. A buffer whose earlier collective timed out refuses
 /// further collectives until it is destroyed and created again.
 pub fn with<R>(op: &'static str, handle: i64, f: impl FnOnce(&mut dyn Backend) -> Result<R>) -> Result<R> {
-    let (b, poisoned) = lookup(op, handle)?;
+    let (_, (b, poisoned)) = lookup(op, handle)?;
     if let Some(why) = lock(&poisoned).as_ref() {
         let e = Error::BadHandle {
             op,
@@ -182,8 +190,7 @@ pub fn with<R>(op: &'static str, handle: i64, f: impl FnOnce(&mut dyn Backend) -
 /// Destroys the buffer (collective for healthy buffers; a poisoned buffer is released locally
 /// without waiting for peers).
 pub fn destroy(op: &'static str, handle: i64) -> Result<()> {
-    let handle = resolve(op, handle, &lock(registry()))?;
-    let (b, poisoned) = lookup(op, handle)?;
+    let (handle, (b, poisoned)) = lookup(op, handle)?;
     let healthy = lock(&poisoned).is_none();
     let mut guard = try_lock(op, handle, &b)?;
     let rank = Some(guard.info().rank);
@@ -199,13 +206,7 @@ pub fn destroy(op: &'static str, handle: i64) -> Result<()> {
 
 /// The buffer's fixed facts (local; never waits for an op in another thread).
 pub fn info(op: &'static str, handle: i64) -> Result<BufferInfo> {
-    let r = lock(registry());
-    let handle = resolve(op, handle, &r)?;
-    match r.live.get(&handle) {
-        Some(e) if e.pid != std::process::id() => Err(forked(op, handle, e.pid)),
-        Some(e) => Ok(e.info.clone()),
-        None => Err(missing(op, handle, &r)),
-    }
+    owned_entry(op, handle, &lock(registry())).map(|(_, e)| e.info.clone())
 }
 
 /// Number of live buffers in this process (diagnostics and leak tests).

@@ -35,23 +35,22 @@ class MoeStep(torch.nn.Module):
         recv_x, _, _, _, _, rpm, cpm, rcpm, src_idx, send_head = ops.dispatch(self.handle, x, None, idx, w, ntpr, in_rank, ntpe, 1, self.n,
                                                                               self.config)
         prefill, _ = ops.combine(self.handle, recv_x * 2, None, None, None, rpm, cpm, rcpm, src_idx, in_rank, send_head, self.config)
+        return prefill, self.decode(x, idx, w)
+
+    def decode(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ops = torch.ops.deep_ep
         lrecv, _, _, src_info, layout_range = ops.low_latency_dispatch(self.handle, x, idx, None, None, None, self.t, self.e, False, False,
                                                                        False)
-        decode = torch.empty((self.n, self.h), dtype=torch.bfloat16, device=x.device)
-        ops.low_latency_combine(self.handle, lrecv * 3, idx, w, src_info, layout_range, decode, None, self.t, self.e, False, False)
-        return prefill, decode
+        out = torch.empty((self.n, self.h), dtype=torch.bfloat16, device=x.device)
+        ops.low_latency_combine(self.handle, lrecv * 3, idx, w, src_info, layout_range, out, None, self.t, self.e, False, False)
+        return out
 
 
 class DecodeStep(MoeStep):
     """The low-latency half alone (static shapes, no host sync): what a decode loop captures."""
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor):
-        ops = torch.ops.deep_ep
-        lrecv, _, _, src_info, layout_range = ops.low_latency_dispatch(self.handle, x, idx, None, None, None, self.t, self.e, False, False,
-                                                                       False)
-        decode = torch.empty((self.n, self.h), dtype=torch.bfloat16, device=x.device)
-        ops.low_latency_combine(self.handle, lrecv * 3, idx, w, src_info, layout_range, decode, None, self.t, self.e, False, False)
-        return decode
+        return self.decode(x, idx, w)
 
 
 class SavedIO(torch.nn.Module):

@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 SMALL_SHM = textwrap.dedent("""
     import torch, deep_ep_rs
@@ -40,8 +41,6 @@ def test_shared_memory_folder_too_small_is_a_clear_error_not_sigbus(tmp_path):
 # ---- invalid environment values are errors that name the variable -----------------------------
 @pytest.mark.parametrize("value", ["3000ms", "abc", "-1", "0", "1e3"])
 def test_invalid_timeout_env_is_an_error_naming_it(ops, value, monkeypatch):
-    import torch
-
     monkeypatch.setenv("DEEP_EP_TIMEOUT_MS", value)
     uid = ops.get_unique_id("cpu", torch.device("cpu"))
     with pytest.raises(RuntimeError, match=rf"deep_ep::create_buffer: DEEP_EP_TIMEOUT_MS=\"{value}\" is not a whole number of milliseconds"):
@@ -82,8 +81,6 @@ def test_forked_child_using_parents_buffer_raises():
 def test_second_thread_in_a_busy_buffer_raises(ops):
     import threading
 
-    import torch
-
     cpu = torch.device("cpu")
     uid = ops.get_unique_id("cpu", cpu)
     hs = [None, None]
@@ -121,8 +118,6 @@ def test_second_thread_in_a_busy_buffer_raises(ops):
 # ---- content of routing inputs ------------------------------------------------------------------
 @pytest.mark.parametrize("bad", [-2, 8, 1 << 40])
 def test_layout_rejects_out_of_range_expert_ids(ops, bad):
-    import torch
-
     idx = torch.tensor([[0, 1], [2, bad]])
     with pytest.raises(RuntimeError, match=rf"deep_ep::get_dispatch_layout: topk_idx\[1, 1\] = {bad} is not an expert id: ids must be in \[-1, 8\)"):
         ops.get_dispatch_layout(idx, 8, 2)
@@ -130,8 +125,6 @@ def test_layout_rejects_out_of_range_expert_ids(ops, bad):
 
 @pytest.mark.parametrize("bad", [-2, -100, 8])
 def test_low_latency_dispatch_rejects_out_of_range_expert_ids(ops, bad):
-    import torch
-
     uid = ops.get_unique_id("cpu", torch.device("cpu"))
     h = int(ops.create_buffer(uid, 0, 1, torch.device("cpu"), 0, ops.low_latency_rdma_size_hint(4, 256, 1, 8), True, "cpu"))
     try:
@@ -188,8 +181,6 @@ def test_zero_copy_view_outlives_its_buffer():
 
 # ---- a buffer without normal-mode memory ------------------------------------------------------------
 def test_normal_ops_on_a_buffer_without_nvl_bytes_say_so(ops):
-    import torch
-
     cpu = torch.device("cpu")
     h = int(ops.create_buffer(ops.get_unique_id("cpu", cpu), 0, 1, cpu, 0, 0, False, "cpu"))
     try:
@@ -203,8 +194,6 @@ def test_normal_ops_on_a_buffer_without_nvl_bytes_say_so(ops):
 
 
 def test_an_output_too_large_to_allocate_names_the_op_and_shape(ops, buffer1):
-    import torch
-
     x = torch.ones((4, 128), dtype=torch.bfloat16)
     idx = torch.tensor([[0], [1], [0], [1]])
     ntpr, _, ntpe, in_rank = ops.get_dispatch_layout(idx, 2, 1)
@@ -214,7 +203,6 @@ def test_an_output_too_large_to_allocate_names_the_op_and_shape(ops, buffer1):
 
 # ---- low-latency format flags must agree across ranks ---------------------------------------------
 def _ll_format_worker(rank, world, flags):
-    import torch
     import torch.distributed as dist
 
     import deep_ep_rs
@@ -243,8 +231,6 @@ def test_low_latency_format_flags_differing_across_ranks_raise(rank_pool, flags)
 
 
 def test_low_latency_combine_with_another_topk_idx_raises(ops):
-    import torch
-
     cpu = torch.device("cpu")
     t, h, e = 4, 256, 4
     hb = int(ops.create_buffer(ops.get_unique_id("cpu", cpu), 0, 1, cpu, 0, ops.low_latency_rdma_size_hint(t, h, 1, e), True, "cpu"))
@@ -340,7 +326,6 @@ def test_file_of_a_rank_killed_in_the_rendezvous_is_removed_by_a_later_creation(
 
 
 def _ll_geometry_worker(rank, world):
-    import torch
     import torch.distributed as dist
 
     import deep_ep_rs

@@ -398,8 +398,8 @@ impl CpuBackend {
             sig_store(&regions[e / geo.el], geo.sig(half), (e % geo.el) * geo.r + me, tag(seq, c));
         }
         self.ll.dispatches += 1;
-        self.ll.dispatch[half] = Some((out.src_info.data_ptr() as usize, wire.is_some() && weights.is_some(), self.ll.dispatches));
         let src_addr = out.src_info.data_ptr() as usize;
+        self.ll.dispatch[half] = Some((src_addr, wire.is_some() && weights.is_some(), self.ll.dispatches));
         self.ll.routed.retain(|&(p, _)| p != src_addr);
         self.ll.routed.push((src_addr, routing_fingerprint(&idx, k)));
         if self.ll.routed.len() > 8 {

@@ -100,6 +100,13 @@ impl Segment {
         }
     }
 
+    /// Keeps this mapping for the rest of the process instead of unmapping it: torch tensors
+    /// that alias it (the zero-copy combine view) may outlive their buffer, and reading them
+    /// must not fault. The file name is gone already, so nothing is left behind at exit.
+    pub fn keep_mapped_until_exit(self) {
+        std::mem::forget(self);
+    }
+
     /// Removes the file name (the mapping stays valid for every process that has it).
     pub fn unlink(&self) {
         if let Ok(c) = CString::new(self.path.as_str()) {
@@ -123,15 +130,6 @@ impl Segment {
         assert!(offset.checked_add(len).is_some_and(|e| e <= self.len), "region {offset}+{len} outside segment of {}", self.len);
         // SAFETY: in bounds of the live mapping (checked above).
         Region { ptr: unsafe { self.ptr.add(offset) }, len }
-    }
-}
-
-impl Segment {
-    /// Keeps this mapping for the rest of the process instead of unmapping it: torch tensors
-    /// that alias it (the zero-copy combine view) may outlive their buffer, and reading them
-    /// must not fault. The file name is gone already, so nothing is left behind at exit.
-    pub fn keep_mapped_until_exit(self) {
-        std::mem::forget(self);
     }
 }
 

@@ -52,4 +52,16 @@ step serialized_cuda 300 bash -c "d=\$(mktemp -d) && export CXX=/usr/bin/g++ DEE
 step ll_1 240 env DEEP_EP_LL_CONFIGS=${LL_CONFIGS:-60} DEEP_EP_LL_REPLAYS=${LL_REPLAYS:-200} "$py" -m pytest -q -rs "tests/gpu/test_low_latency.py::test_low_latency_matches_cpu_backend[1]"
 step bench_ll 120 "$py" -m torch.distributed.run --nproc-per-node 1 bench/low_latency.py --tokens 1 128 --out "$out/low-latency-1gpu.json"
 step compile_cuda 150 "$py" -m pytest -q -rs tests/gpu/test_compile_cuda.py
+# Several ranks on this one GPU (ipc backend; the harness picks it when ranks outnumber GPUs):
+# every multi-rank GPU suite against the CPU backend. IPC_CONFIGS random configs per suite and
+# rank count; IPC_MPS=1 runs the ranks under MPS (started by the harness) instead of time-slicing.
+ipc_env="DEEP_EP_TEST_BACKEND=ipc DEEP_EP_TEST_MPS=${IPC_MPS:-0}"
+n=${IPC_CONFIGS:-100}
+step ipc_ht ${IPC_LIMIT:-400} env $ipc_env DEEP_EP_INTRANODE_CONFIGS=$n "$py" -m pytest -q -rs -s tests/gpu/test_intranode.py
+step ipc_ll ${IPC_LIMIT:-400} env $ipc_env DEEP_EP_LL_CONFIGS=$n DEEP_EP_LL_REPLAYS=${IPC_REPLAYS:-100} "$py" -m pytest -q -rs -s "tests/gpu/test_low_latency.py::test_low_latency_matches_cpu_backend["{2,4,2x2}"]"
+step ipc_internode ${IPC_LIMIT:-400} env $ipc_env DEEP_EP_INTERNODE_GPU_CONFIGS=$n "$py" -m pytest -q -rs -s tests/gpu/test_internode_gpu.py
+step ipc_mask 300 env $ipc_env "$py" -m pytest -q -rs -s tests/gpu/test_rank_mask_gpu.py
+step ipc_recovery 300 env $ipc_env "$py" -m pytest -q -rs -s tests/gpu/test_recovery.py
+step ipc_bad 300 env $ipc_env DEEP_EP_TEST_INSTALLED=1 "$py" -m pytest -q -rs -s tests/gpu/test_bad_input_gpu.py -k one_rank_bad_input
+step ipc_soak 400 env $ipc_env DEEP_EP_SOAK_SCALE=${IPC_SOAK_SCALE:-0.05} "$py" -m pytest -q -rs -s tests/gpu/test_soak.py
 echo "=== done" | tee -a "$log"

@@ -56,7 +56,7 @@ int deep_ep_destroy_buffer(int64_t handle);
 /* Local: slot handle -(slot + 1) names buffer `handle` in this process from now on (a serialized
  * model bakes in the slot handle; each process binds its own buffer). 0 <= slot < 2^20. */
 int deep_ep_bind_buffer_slot(int64_t handle, int64_t slot);
-// out[7] = rank, num_ranks, device, num_nvl_bytes, num_rdma_bytes, low_latency_mode, backend (0 cpu, 1 nccl, 2 nvshmem).
+// out[7] = rank, num_ranks, device, num_nvl_bytes, num_rdma_bytes, low_latency_mode, backend (0 cpu, 1 nccl, 2 nvshmem, 3 ipc).
 // `op` names the calling op in errors (NULL: "deep_ep::buffer_info").
 int deep_ep_buffer_info(int64_t handle, const char* op, int64_t* out);
 

@@ -736,6 +736,13 @@ int deep_ep_cuda_sm_count(int device, int* sms); /* multiprocessors of `device` 
 int deep_ep_cuda_versions(int* runtime, int* driver);
 int deep_ep_cuda_host_alloc_mapped(void** host, void** device_ptr, size_t bytes);
 int deep_ep_cuda_free_host(void* host);
+
+/* CUDA IPC of the ipc window provider (synchronous): the 64-byte handle of an allocation of this
+ * process, opening a peer process's handle (peer access enabled lazily), closing what was opened. */
+#define DEEP_EP_IPC_HANDLE_BYTES 64
+int deep_ep_cuda_ipc_get_handle(void* handle, void* ptr);
+int deep_ep_cuda_ipc_open(void** ptr, const void* handle);
+int deep_ep_cuda_ipc_close(void* ptr);
 int deep_ep_cuda_stream_create(void** stream);
 int deep_ep_cuda_stream_destroy(void* stream);
 int deep_ep_cuda_device_synchronize(void);

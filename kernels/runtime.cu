@@ -1,5 +1,7 @@
 // runtime.cu: tiny CUDA runtime helpers behind the C API (error names, device count, and the
 // allocation/copy calls the Rust tests use). Host code only.
+#include <cstring>
+
 #include "common.cuh"
 
 extern "C" const char* deep_ep_cuda_error_name(int status) {
@@ -75,6 +77,24 @@ extern "C" int deep_ep_cuda_host_alloc_mapped(void** host, void** device_ptr, si
 }
 
 extern "C" int deep_ep_cuda_free_host(void* host) { return cudaFreeHost(host); }
+
+// CUDA IPC (the ipc window provider, src/ffi/ipc_window.rs). A handle is 64 opaque bytes.
+static_assert(sizeof(cudaIpcMemHandle_t) == DEEP_EP_IPC_HANDLE_BYTES, "cudaIpcMemHandle_t size");
+
+extern "C" int deep_ep_cuda_ipc_get_handle(void* handle, void* ptr) {
+  if (handle == nullptr) return cudaErrorInvalidValue;
+  return cudaIpcGetMemHandle(static_cast<cudaIpcMemHandle_t*>(handle), ptr);
+}
+
+extern "C" int deep_ep_cuda_ipc_open(void** ptr, const void* handle) {
+  if (ptr == nullptr || handle == nullptr) return cudaErrorInvalidValue;
+  *ptr = nullptr;
+  cudaIpcMemHandle_t h;
+  memcpy(&h, handle, sizeof(h));
+  return cudaIpcOpenMemHandle(ptr, h, cudaIpcMemLazyEnablePeerAccess);
+}
+
+extern "C" int deep_ep_cuda_ipc_close(void* ptr) { return cudaIpcCloseMemHandle(ptr); }
 
 extern "C" int deep_ep_cuda_stream_create(void** stream) {
   if (stream == nullptr) return cudaErrorInvalidValue;

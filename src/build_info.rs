@@ -76,6 +76,10 @@ pub fn json() -> String {
         features.push("nvshmem");
         backends.push("nvshmem");
     }
+    if cfg!(feature = "ipc") {
+        features.push("ipc");
+        backends.push("ipc");
+    }
     let archs: Vec<&str> = env!("DEEP_EP_BUILD_CUDA_ARCHS").split(',').filter(|s| !s.is_empty()).collect();
     let (code, version) = match nccl_header() {
         Some((c, v)) => (c.to_string(), quote(&v)),

@@ -21,7 +21,7 @@ STABLE_TORCH_LIBRARY(deep_ep, m) {
   // Local. From now on the slot handle -(slot + 1) names this buffer in this process: models
   // scripted, exported or AOT-compiled with a slot handle run in any process that binds one.
   m.def("bind_buffer_slot(int handle, int slot) -> ()");
-  // [rank, num_ranks, device, num_nvl_bytes, num_rdma_bytes, low_latency_mode, backend(0 cpu,1 nccl,2 nvshmem)].
+  // [rank, num_ranks, device, num_nvl_bytes, num_rdma_bytes, low_latency_mode, backend(0 cpu,1 nccl,2 nvshmem, 3 ipc)].
   m.def("buffer_info(int handle) -> int[]");
   // DeepEP's Config.get_nvl_buffer_size_hint / get_rdma_buffer_size_hint and the LL RDMA hint (bytes).
   m.def("nvl_buffer_size_hint(int[] config, int hidden_bytes, int num_ranks) -> int");

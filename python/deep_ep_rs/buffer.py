@@ -70,7 +70,7 @@ class Buffer:
     `explicitly_destroy`, `enable_shrink` (an LL wait that times out masks the missing rank
     instead of raising; the mask methods work with or without it). `num_qps_per_rank`, `allow_nvlink_for_low_latency_mode`, `allow_mnnvl`,
     `use_fabric` are accepted for compatibility. Extension: `device` (default: the current CUDA
-    device, or the CPU when CUDA is absent or DEEP_EP_BACKEND=cpu) and `backend` ("cpu", "nccl" or
+    device, or the CPU when CUDA is absent or DEEP_EP_BACKEND=cpu) and `backend` ("cpu", "nccl", "ipc" or
     "nvshmem"; "" = DEEP_EP_BACKEND, else the device's default).
     """
 
@@ -151,7 +151,7 @@ class Buffer:
         With `num_max_dispatch_tokens_per_rank` and `num_experts` too, adds the low-latency hint."""
         rank, num_ranks, dev, nvl, rdma, ll, backend = (int(v) for v in ops.buffer_info(self.handle))
         report = {"rank": rank, "num_ranks": num_ranks, "device": "cpu" if dev < 0 else f"cuda:{dev}",
-                  "backend": {0: "cpu", 1: "nccl", 2: "nvshmem"}.get(backend, str(backend)), "num_nvl_bytes": nvl,
+                  "backend": {0: "cpu", 1: "nccl", 2: "nvshmem", 3: "ipc"}.get(backend, str(backend)), "num_nvl_bytes": nvl,
                   "num_rdma_bytes": rdma, "low_latency_mode": bool(ll)}
         if hidden is None:
             return report

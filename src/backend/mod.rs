@@ -26,6 +26,9 @@ pub enum BackendKind {
     /// NVSHMEM symmetric memory (intranode: peer pointers from `nvshmem_ptr`), running the
     /// same kernels as `Nccl` (cargo feature `nvshmem`).
     Nvshmem,
+    /// CUDA-IPC memory (`cudaMalloc` + `cudaIpcOpenMemHandle`, no NCCL), running the same kernels
+    /// as `Nccl`; several ranks may share one GPU (cargo feature `ipc`).
+    Ipc,
 }
 
 impl BackendKind {
@@ -35,6 +38,7 @@ impl BackendKind {
             BackendKind::Cpu => "cpu",
             BackendKind::Nccl => "nccl",
             BackendKind::Nvshmem => "nvshmem",
+            BackendKind::Ipc => "ipc",
         }
     }
 
@@ -56,7 +60,8 @@ impl BackendKind {
             "cpu" => BackendKind::Cpu,
             "nccl" => BackendKind::Nccl,
             "nvshmem" => BackendKind::Nvshmem,
-            other => return Err(Error::invalid(op, format!("unknown backend '{other}' (expected cpu, nccl or nvshmem)"))),
+            "ipc" => BackendKind::Ipc,
+            other => return Err(Error::invalid(op, format!("unknown backend '{other}' (expected cpu, nccl, nvshmem or ipc)"))),
         };
         match (kind, device) {
             (BackendKind::Cpu, _) | (_, Device::Cuda(_)) => Ok(kind),
@@ -545,6 +550,10 @@ pub fn create(kind: BackendKind, args: &CreateArgs) -> Result<Box<dyn Backend>> 
         BackendKind::Nvshmem => Ok(Box::new(nccl::NcclBackend::create(args, kind)?)),
         #[cfg(not(feature = "nvshmem"))]
         BackendKind::Nvshmem => Err(Error::NotCompiled { op: OP, backend: "nvshmem".into(), feature: "nvshmem" }),
+        #[cfg(feature = "ipc")]
+        BackendKind::Ipc => Ok(Box::new(nccl::NcclBackend::create(args, kind)?)),
+        #[cfg(not(feature = "ipc"))]
+        BackendKind::Ipc => Err(Error::NotCompiled { op: OP, backend: "ipc".into(), feature: "ipc" }),
     }
 }
 
@@ -560,6 +569,10 @@ pub fn unique_id(kind: BackendKind) -> Result<Vec<u8>> {
         BackendKind::Nvshmem => nccl::NcclBackend::unique_id(kind),
         #[cfg(not(feature = "nvshmem"))]
         BackendKind::Nvshmem => Err(Error::NotCompiled { op: "deep_ep::get_unique_id", backend: "nvshmem".into(), feature: "nvshmem" }),
+        #[cfg(feature = "ipc")]
+        BackendKind::Ipc => Ok(crate::ffi::ipc_window::unique_id()),
+        #[cfg(not(feature = "ipc"))]
+        BackendKind::Ipc => Err(Error::NotCompiled { op: "deep_ep::get_unique_id", backend: "ipc".into(), feature: "ipc" }),
     }
 }
 
@@ -587,7 +600,7 @@ mod tests {
         let e = sel("nvshmem", "", Device::Cpu).unwrap_err();
         assert_eq!(e, "op: backend 'nvshmem' needs a CUDA device; CPU buffers use the cpu backend");
         let e = sel("", "shmem", gpu).unwrap_err();
-        assert!(e.contains("unknown backend 'shmem' (expected cpu, nccl or nvshmem)"), "{e}");
+        assert!(e.contains("unknown backend 'shmem' (expected cpu, nccl, nvshmem or ipc)"), "{e}");
     }
 
     #[test]

@@ -7,7 +7,13 @@ cuda:rank) and returns a list with, per rank, `{"ok": value}`, `{"skip": reason}
 on purpose, e.g. with os._exit). `fn` must be a module-level function of an importable module.
 `ht_check(...)` is a closed-form check of one normal-mode dispatch/combine round trip.
 `gpu_backend()` is the backend the GPU buffers of the tests use: DEEP_EP_TEST_BACKEND, else
-DEEP_EP_BACKEND when it names a GPU backend (nccl, nvshmem), else nccl.
+DEEP_EP_BACKEND when it names a GPU backend (nccl, nvshmem, ipc), else ipc when the test has more
+ranks than visible GPUs (`need_gpus`), else nccl.
+
+Several ranks per GPU (the ipc backend): rank r runs on `device(r)` = cuda:(r % GPUs), so a
+test of any rank count runs on one GPU. `need_gpus(world)` skips a test only when the backend
+under test cannot share a GPU. `DEEP_EP_TEST_MPS=1` runs the ranks under CUDA MPS (`mps()`),
+started by the harness when the machine has `nvidia-cuda-mps-control`.
 
 `run(..., dry=True)` runs the ranks on the CPU (no GPU needed, `fn` must then use CPU devices and
 the cpu backend): the dry-run modes of the tests check their harness with it.
@@ -35,7 +41,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-GPU_BACKENDS = ("nccl", "nvshmem")
+GPU_BACKENDS = ("nccl", "nvshmem", "ipc")
 
 
 def gpu_backend() -> str:
@@ -46,7 +52,49 @@ def gpu_backend() -> str:
             return name
         if name and var == "DEEP_EP_TEST_BACKEND":
             raise ValueError(f"DEEP_EP_TEST_BACKEND must be one of {GPU_BACKENDS}, got {name!r}")
-    return "nccl"
+    world = int(os.environ.get("DEEP_EP_TEST_WORLD", "1"))
+    return "ipc" if 0 < torch.cuda.device_count() < world else "nccl"
+
+
+def device(rank: int) -> torch.device:
+    """The GPU of `rank`: its own one while there are enough, else shared (ipc backend)."""
+    return torch.device("cuda", rank % max(1, torch.cuda.device_count()))
+
+
+def need_gpus(world: int):
+    """Called by the parent before spawning `world` ranks: records the rank count (children
+    inherit it, `gpu_backend`) and skips when there are too few GPUs for a backend that needs one
+    GPU per rank. Starts MPS when DEEP_EP_TEST_MPS=1."""
+    os.environ["DEEP_EP_TEST_WORLD"] = str(world)
+    n = torch.cuda.device_count()
+    if n < world and gpu_backend() != "ipc":
+        pytest.skip(f"needs {world} GPUs for the {gpu_backend()} backend, found {n} (the ipc backend shares one)")
+    if n < world and os.environ.get("DEEP_EP_TEST_MPS", "") == "1":
+        mps()
+
+
+_MPS_DIR = "/tmp/deep_ep_mps"
+
+
+def mps():
+    """Starts the CUDA MPS daemon once (pipe and log folders under /tmp/deep_ep_mps), so the
+    ranks' kernels share the GPU instead of time-slicing; the environment is set for children.
+    Stopped at exit of the test process."""
+    import atexit
+    import shutil
+    import subprocess
+
+    if os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
+        return
+    if shutil.which("nvidia-cuda-mps-control") is None:
+        pytest.skip("DEEP_EP_TEST_MPS=1 but nvidia-cuda-mps-control is not on PATH")
+    pipe, logs = f"{_MPS_DIR}/pipe", f"{_MPS_DIR}/log"
+    os.makedirs(pipe, exist_ok=True)
+    os.makedirs(logs, exist_ok=True)
+    env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=pipe, CUDA_MPS_LOG_DIRECTORY=logs)
+    subprocess.run(["nvidia-cuda-mps-control", "-d"], env=env, check=True)
+    os.environ.update(CUDA_MPS_PIPE_DIRECTORY=pipe, CUDA_MPS_LOG_DIRECTORY=logs)
+    atexit.register(lambda: subprocess.run(["nvidia-cuda-mps-control"], input=b"quit\n", env=env))
 
 
 def set_gpu_env():
@@ -102,7 +150,7 @@ def _entry(rank, world, port, out_dir, fn, args, env, dry=False):
     import torch.distributed as dist
 
     if not dry:
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(device(rank))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         res = {"ok": fn(rank, world, *args)}
@@ -114,8 +162,8 @@ def _entry(rank, world, port, out_dir, fn, args, env, dry=False):
 
 
 def run(fn, world, *args, env=None, dry=False):
-    if not dry and torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
+    if not dry:
+        need_gpus(world)
     set_gpu_env()
     out_dir = tempfile.mkdtemp(prefix="deep_ep_gpu_")
     mp.spawn(_entry, args=(world, _free_port(), out_dir, fn, args, dict(env or {}), dry), nprocs=world, join=True)

@@ -218,8 +218,8 @@ def one_rank_bad_worker(rank, world):
 
     import deep_ep_rs
 
-    dev = torch.device("cuda", rank)
-    buf = deep_ep_rs.Buffer(dist.group.WORLD, 64 << 20, device=dev, explicitly_destroy=True)
+    dev = _spawn.device(rank)
+    buf = deep_ep_rs.Buffer(dist.group.WORLD, 64 << 20, device=dev, backend=_spawn.gpu_backend(), explicitly_destroy=True)
     gen = torch.Generator(device=dev).manual_seed(rank)
     shape = dict(n=96, hidden=1024, experts=16, topk=2)
     rows = _spawn.ht_check(buf, rank, world, gen=gen, salt=0, **shape)

@@ -32,6 +32,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import _spawn  # noqa: E402
 from _spawn import _free_port, finish_rank, gpu_backend, set_gpu_env, tally_configs
 from test_intranode import diff, wall_us  # shared by the GPU tests
 
@@ -209,7 +210,7 @@ def worker(rank, port, out_dir, count, first, do_timing):
     os.environ["DEEP_EP_NVL_DOMAIN_SIZE"] = str(NVL_DOMAIN)
     os.environ["DEEP_EP_RDMA_TRANSPORT"] = "lsa"
     if not DRY:
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(_spawn.device(rank))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     import deep_ep_rs
     group = dist.group.WORLD
@@ -219,7 +220,7 @@ def worker(rank, port, out_dir, count, first, do_timing):
         if DRY:
             gpu_buf = deep_ep_rs.Buffer(group, NVL_BYTES_CPU, RDMA_BYTES, device="cpu", backend="cpu", explicitly_destroy=True)
         else:
-            gpu_buf = deep_ep_rs.Buffer(group, NVL_BYTES_GPU, RDMA_BYTES, device=torch.device("cuda", rank), backend=gpu_backend(),
+            gpu_buf = deep_ep_rs.Buffer(group, NVL_BYTES_GPU, RDMA_BYTES, device=_spawn.device(rank), backend=gpu_backend(),
                                         explicitly_destroy=True)
         assert gpu_buf.get_num_rdma_ranks() == WORLD // NVL_DOMAIN
         short = ("seed", "tokens", "hidden", "fp8", "el", "topk", "int32", "num_sms", "align", "bias", "weights", "worst")
@@ -242,8 +243,8 @@ def worker(rank, port, out_dir, count, first, do_timing):
 
 
 def test_internode_matches_cpu_backend():
-    if not DRY and torch.cuda.device_count() < WORLD:
-        pytest.skip(f"needs {WORLD} GPUs")
+    if not DRY:
+        _spawn.need_gpus(WORLD)
     set_gpu_env()
     if "DEEP_EP_SHM_DIR" not in os.environ and (not os.path.isdir("/dev/shm") or shutil.disk_usage("/dev/shm").total < (8 << 30)):
         os.environ["DEEP_EP_SHM_DIR"] = tempfile.gettempdir()

@@ -31,6 +31,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import _spawn  # noqa: E402
 from _spawn import gpu_backend, _free_port, finish_rank, set_gpu_env, tally_configs
 
 NVL_BYTES_CPU = 256 << 20
@@ -363,7 +364,7 @@ def kernel_times(fns: dict) -> dict:
 def worker(rank, num_ranks, port, out_dir, count, seed, do_timing):
     os.environ.setdefault("DEEP_EP_TIMEOUT_MS", "30000")
     if not DRY:
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(_spawn.device(rank))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
     import deep_ep_rs
     group = dist.group.WORLD
@@ -373,7 +374,7 @@ def worker(rank, num_ranks, port, out_dir, count, seed, do_timing):
         if DRY:
             gpu_buf = deep_ep_rs.Buffer(group, NVL_BYTES_CPU, device="cpu", backend="cpu", explicitly_destroy=True)
         else:
-            gpu_buf = deep_ep_rs.Buffer(group, NVL_BYTES_GPU, device=torch.device("cuda", rank), backend=gpu_backend(), explicitly_destroy=True)
+            gpu_buf = deep_ep_rs.Buffer(group, NVL_BYTES_GPU, device=_spawn.device(rank), backend=gpu_backend(), explicitly_destroy=True)
         short = ("tokens", "hidden", "fp8", "experts", "topk", "idx64", "with_topk", "worst", "num_sms", "cached", "combine",
                  "combine_topk", "bias", "alignment")
         all_ran = tally_configs(result, make_configs(num_ranks, count, seed),
@@ -396,8 +397,8 @@ def test_intranode_matches_cpu_backend(num_ranks, dispatch_path, combine_path, m
     """Both data paths of the GPU dispatch and of the combine, inherited by the workers."""
     monkeypatch.setenv("DEEP_EP_INTRANODE_DISPATCH", dispatch_path)
     monkeypatch.setenv("DEEP_EP_INTRANODE_COMBINE", combine_path)
-    if not DRY and torch.cuda.device_count() < num_ranks:
-        pytest.skip(f"needs {num_ranks} GPUs")
+    if not DRY:
+        _spawn.need_gpus(num_ranks)
     set_gpu_env()
     if "DEEP_EP_SHM_DIR" not in os.environ and (not os.path.isdir("/dev/shm") or shutil.disk_usage("/dev/shm").total < (8 << 30)):
         os.environ["DEEP_EP_SHM_DIR"] = tempfile.gettempdir()

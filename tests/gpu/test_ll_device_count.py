@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import _spawn  # noqa: E402
 from _spawn import _free_port, finish_rank, set_gpu_env
 from test_intranode import bits, diff
 from test_low_latency import cmp_dispatch, make_inputs
@@ -190,7 +191,7 @@ def big_case(rank, num_ranks, cpu_buf, gpu_buf, t, fp8) -> dict:
 def worker(rank, num_ranks, port, out_dir, replays):
     os.environ.setdefault("DEEP_EP_TIMEOUT_MS", "30000")
     if not DRY:
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(_spawn.device(rank))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
     import deep_ep_rs
 
@@ -202,7 +203,7 @@ def worker(rank, num_ranks, port, out_dir, replays):
         if DRY:
             gpu_buf = deep_ep_rs.Buffer(group, 0, nbytes, low_latency_mode=True, device="cpu", backend="cpu", explicitly_destroy=True)
         else:
-            gpu_buf = deep_ep_rs.Buffer(group, 0, nbytes, low_latency_mode=True, device=torch.device("cuda", rank), backend="nccl",
+            gpu_buf = deep_ep_rs.Buffer(group, 0, nbytes, low_latency_mode=True, device=_spawn.device(rank), backend=_spawn.gpu_backend(),
                                         explicitly_destroy=True)
         for name, fp8, hooks in (("bf16", False, False), ("fp8-hooks", True, True)):
             result["graphs"][name] = r = graph_case(rank, num_ranks, cpu_buf, gpu_buf, fp8, hooks, replays)
@@ -224,8 +225,8 @@ def worker(rank, num_ranks, port, out_dir, replays):
 
 @pytest.mark.parametrize("num_ranks", [2, 4])
 def test_ll_device_num_tokens_and_large_t(num_ranks):
-    if not DRY and torch.cuda.device_count() < num_ranks:
-        pytest.skip(f"needs {num_ranks} GPUs")
+    if not DRY:
+        _spawn.need_gpus(num_ranks)
     set_gpu_env()
     import deep_ep_rs  # noqa: F401 - loads the library in the parent for ll_bytes
 

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import _spawn  # noqa: E402
 from _spawn import gpu_backend, _free_port, finish_rank, set_gpu_env
 from test_intranode import DRY, bits, diff, sync, to_gpu
 
@@ -291,7 +292,7 @@ def worker(rank, num_ranks, port, out_dir, count, seed, replays, domain=0):
         os.environ["DEEP_EP_NVL_DOMAIN_SIZE"] = str(domain)
         os.environ.setdefault("DEEP_EP_RDMA_TRANSPORT", "lsa")
     if not DRY:
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(_spawn.device(rank))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
     import deep_ep_rs
     group = dist.group.WORLD
@@ -302,7 +303,7 @@ def worker(rank, num_ranks, port, out_dir, count, seed, replays, domain=0):
         if DRY:
             gpu_buf = deep_ep_rs.Buffer(group, 0, LL_BYTES, low_latency_mode=True, device="cpu", backend="cpu", explicitly_destroy=True)
         else:
-            gpu_buf = deep_ep_rs.Buffer(group, 0, LL_BYTES, low_latency_mode=True, device=torch.device("cuda", rank), backend=gpu_backend(),
+            gpu_buf = deep_ep_rs.Buffer(group, 0, LL_BYTES, low_latency_mode=True, device=_spawn.device(rank), backend=gpu_backend(),
                                         explicitly_destroy=True)
         stopped = False
         seconds = float(os.environ.get("DEEP_EP_LL_SECONDS", "0"))
@@ -355,8 +356,8 @@ def worker(rank, num_ranks, port, out_dir, count, seed, replays, domain=0):
 
 @pytest.mark.parametrize("num_ranks,domain", [(1, 0), (2, 0), (4, 0), (4, 2)], ids=["1", "2", "4", "2x2"])
 def test_low_latency_matches_cpu_backend(num_ranks, domain):
-    if not DRY and torch.cuda.device_count() < num_ranks:
-        pytest.skip(f"needs {num_ranks} GPUs")
+    if not DRY:
+        _spawn.need_gpus(num_ranks)
     set_gpu_env()
     if "DEEP_EP_SHM_DIR" not in os.environ and (not os.path.isdir("/dev/shm") or shutil.disk_usage("/dev/shm").free < 3 * num_ranks * LL_BYTES):
         os.environ["DEEP_EP_SHM_DIR"] = tempfile.gettempdir()

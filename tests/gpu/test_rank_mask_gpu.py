@@ -30,7 +30,7 @@ def mask_worker(rank, world, explicit):
 
     e = mc.EXPERTS_PER_RANK * world
     nbytes = -(-deep_ep_rs.Buffer.get_low_latency_rdma_size_hint(mc.T, mc.H, world, e) // 128) * 128
-    buf = deep_ep_rs.Buffer(dist.group.WORLD, 0, nbytes, low_latency_mode=True, device=torch.device("cuda", rank),
+    buf = deep_ep_rs.Buffer(dist.group.WORLD, 0, nbytes, low_latency_mode=True, device=_spawn.device(rank), backend=_spawn.gpu_backend(),
                             explicitly_destroy=True, enable_shrink=not explicit)
     try:
         st = torch.full((world,), 9, dtype=torch.int32, device=buf.device)

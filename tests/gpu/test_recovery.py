@@ -31,7 +31,7 @@ SHAPE = dict(n=512, hidden=2048, experts=24, topk=4)  # experts divisible by 4 a
 def _buffer(group, rank):
     import deep_ep_rs
 
-    return deep_ep_rs.Buffer(group, NVL, device=torch.device("cuda", rank), backend="nccl", explicitly_destroy=True)
+    return deep_ep_rs.Buffer(group, NVL, device=_spawn.device(rank), backend=_spawn.gpu_backend(), explicitly_destroy=True)
 
 
 def _roundtrips(buf, rank, world, seed, count=3):
@@ -107,7 +107,7 @@ def _ll_buffer(rank, world):
 
     hint = deep_ep_rs.Buffer.get_low_latency_rdma_size_hint(LL["T"], LL["H"], world, LL["E"])
     return deep_ep_rs.Buffer(dist.group.WORLD, 0, -(-hint // 128) * 128, low_latency_mode=True,
-                             device=torch.device("cuda", rank), backend="nccl", explicitly_destroy=True)
+                             device=_spawn.device(rank), backend=_spawn.gpu_backend(), explicitly_destroy=True)
 
 
 def _ll_roundtrip(buf, rank, seed, check=True):

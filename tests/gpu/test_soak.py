@@ -40,8 +40,12 @@ def _scaled(n):
     return max(1, int(n * SCALE))
 
 
+def _backend():
+    return "cpu" if DRY else _spawn.gpu_backend()
+
+
 def _device(rank):
-    return torch.device("cpu") if DRY else torch.device("cuda", rank)
+    return torch.device("cpu") if DRY else _spawn.device(rank)
 
 
 def _mem():
@@ -93,7 +97,7 @@ def _summary(part, res, extra=""):
 def ht_soak_worker(rank, world, iters):
     import deep_ep_rs
 
-    buf = deep_ep_rs.Buffer(dist.group.WORLD, NVL, device=_device(rank), explicitly_destroy=True)
+    buf = deep_ep_rs.Buffer(dist.group.WORLD, NVL, device=_device(rank), backend=_backend(), explicitly_destroy=True)
     gen = torch.Generator(device=buf.device).manual_seed(77 + rank)
     sizes = torch.Generator().manual_seed(5)  # the same on every rank: shapes agree
     for i in range(5):  # warm-up: allocator pools, kernels loaded
@@ -137,14 +141,14 @@ def create_destroy_worker(rank, world, cycles):
     import deep_ep_rs
 
     dev = _device(rank)
-    b = deep_ep_rs.Buffer(dist.group.WORLD, CD_NVL, device=dev, explicitly_destroy=True)  # warm-up: NCCL loaded, context up
+    b = deep_ep_rs.Buffer(dist.group.WORLD, CD_NVL, device=dev, backend=_backend(), explicitly_destroy=True)  # warm-up: NCCL loaded, context up
     b.destroy()
     _, free0 = _mem()
     proc0 = _proc_used()
     t0 = time.monotonic()
     handles = []
     for i in range(cycles):
-        b = deep_ep_rs.Buffer(dist.group.WORLD, CD_NVL, device=dev, explicitly_destroy=True)
+        b = deep_ep_rs.Buffer(dist.group.WORLD, CD_NVL, device=dev, backend=_backend(), explicitly_destroy=True)
         handles.append(b.handle)
         if i % 25 == 0:
             gen = torch.Generator(device=dev).manual_seed(i)
@@ -188,7 +192,7 @@ def ll_soak_worker(rank, world, replays):
     import deep_ep_rs
 
     nbytes = -(-deep_ep_rs.Buffer.get_low_latency_rdma_size_hint(T, H, world, E) // 128) * 128
-    buf = deep_ep_rs.Buffer(dist.group.WORLD, 0, nbytes, low_latency_mode=True, device=_device(rank), explicitly_destroy=True)
+    buf = deep_ep_rs.Buffer(dist.group.WORLD, 0, nbytes, low_latency_mode=True, device=_device(rank), backend=_backend(), explicitly_destroy=True)
     try:
         dev = buf.device
         gen = torch.Generator(device=dev).manual_seed(rank)

@@ -212,6 +212,25 @@ impl NcclBackend {
                     transport_self_test,
                 })?)
             }
+            #[cfg(feature = "ipc")]
+            BackendKind::Ipc if gin_plan.is_some() => {
+                return Err(ni(kind, OP, "internode buffers over NCCL GIN (DEEP_EP_RDMA_TRANSPORT=gin); ipc reaches other NVLink domains through the LSA emulation only"));
+            }
+            #[cfg(feature = "ipc")]
+            BackendKind::Ipc => {
+                use crate::ffi::ipc_window as iw;
+                let nvl_domain = if topo.num_rdma_ranks() >= 2 { topo.num_nvl_ranks() } else { a.num_ranks };
+                Box::new(iw::Window::create(&iw::WindowArgs {
+                    unique_id: &unique_id,
+                    rank: a.rank,
+                    num_ranks: a.num_ranks,
+                    nvl_domain,
+                    device,
+                    data_bytes,
+                    timeout_ns,
+                    transport_self_test,
+                })?)
+            }
             other => return Err(Error::invalid(OP, format!("internal: backend {} has no peer window", other.name()))),
         };
         let seam = match net_kind {
@@ -411,7 +430,7 @@ mod tests {
             num_rdma_bytes: 0,
             low_latency_mode: false,
         };
-        for kind in [BackendKind::Nccl, BackendKind::Nvshmem] {
+        for kind in [BackendKind::Nccl, BackendKind::Nvshmem, BackendKind::Ipc] {
             let e = NcclBackend::create(&args(&[0u8; 5], Device::Cuda(0)), kind).err().map(|e| e.to_string()).unwrap_or_default();
             assert!(e.contains("unique_id must have 128 bytes, got 5"), "{e}");
             let e = NcclBackend::create(&args(&[0u8; 128], Device::Cpu), kind).err().map(|e| e.to_string()).unwrap_or_default();

@@ -6,6 +6,8 @@
 //!   from `ncclGetPeerPointer` (LSA).
 //! - `nvshmem` (cargo feature `nvshmem`): one `nvshmem_malloc` allocation (`ffi::nvshmem_window`),
 //!   peer pointers from `nvshmem_ptr`.
+//! - `ipc` (cargo feature `ipc`): one `cudaMalloc` allocation per rank (`ffi::ipc_window`), peer
+//!   pointers from `cudaIpcOpenMemHandle`; no NCCL, several ranks per GPU.
 
 use crate::error::Result;
 use crate::ffi::intranode::{Ctx, HostStatus, MAX_RANKS};
@@ -68,6 +70,25 @@ impl PeerWindow for crate::ffi::nccl_window::Window {
 impl PeerWindow for crate::ffi::nvshmem_window::Window {
     fn ctx(&self) -> &Ctx {
         self.ctx()
+    }
+    fn status(&self) -> &HostStatus {
+        self.status()
+    }
+    fn bytes(&self) -> usize {
+        self.bytes()
+    }
+    fn close(&mut self, timeout_ms: u64) -> Result<()> {
+        self.close(timeout_ms)
+    }
+}
+
+#[cfg(feature = "ipc")]
+impl PeerWindow for crate::ffi::ipc_window::Window {
+    fn ctx(&self) -> &Ctx {
+        self.ctx()
+    }
+    fn lsa_bases(&self) -> [*mut std::ffi::c_void; MAX_RANKS] {
+        self.lsa_bases()
     }
     fn status(&self) -> &HostStatus {
         self.status()

@@ -1,0 +1,415 @@
+//! CUDA-IPC memory as the window of an intranode buffer (backend `ipc`): the same [`Ctx`] (peer
+//! base pointers, control area, host-mapped status) the NCCL and NVSHMEM windows give the
+//! kernels, with no NCCL or NVSHMEM call at all. It works with any NCCL (or none) and lets
+//! several processes share one GPU, which NCCL refuses (development and testing on one GPU).
+//!
+//! Creation (collective): `cudaMalloc` of the window → `cudaIpcGetMemHandle` → host-mapped status
+//! block → window zeroed → every rank publishes (handle, pointer, size, process token, verdict) in
+//! a small shared-memory file named by the unique id ([`Rendezvous`], the same folder and naming
+//! rules as the cpu backend's buffers) → host barrier → every rank removes the file name →
+//! `cudaIpcOpenMemHandle` of every peer of another process (a peer thread of this process: its
+//! pointer as is) → a second barrier where every rank confirms. A rank that fails any step
+//! publishes that, so its peers fail at once naming it instead of waiting for the deadline.
+//!
+//! [`Window::close`]: the kernel barrier of all ranks (bounded by the timeout), then every rank
+//! closes what it opened, meets the others once more on the host, and only then frees its own
+//! memory, so no peer still maps memory that is freed. Dropping an unclosed window (a poisoned
+//! buffer) closes and frees locally.
+//!
+//! Several ranks on one GPU: kernels of different processes time-slice unless MPS runs, so a
+//! barrier round trip costs milliseconds (docs/DESIGN.md, "Several ranks on one GPU"); every wait
+//! is still bounded by `DEEP_EP_TIMEOUT_MS`.
+
+use super::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream, CONTROL_BYTES, MAX_RANKS};
+use super::kernels::check;
+use super::lsa_team::PeerMap;
+use crate::backend::cpu::shm::{self, Region, Segment};
+use crate::error::{Error, Result};
+use std::ffi::{c_int, c_void};
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+const OP: &str = "deep_ep::create_buffer";
+const DESTROY: &str = "deep_ep::destroy_buffer";
+/// Window sizes are rounded up to this (as the NCCL window's).
+const ALLOC_ALIGN: usize = 2 << 20;
+/// `cudaIpcMemHandle_t` bytes (`DEEP_EP_IPC_HANDLE_BYTES`).
+pub const HANDLE_BYTES: usize = 64;
+/// Bytes of one rank's record in the rendezvous file.
+const SLOT: usize = 256;
+const ID_PREFIX: &[u8] = b"deep_ep_ipc:";
+
+extern "C" {
+    fn deep_ep_cuda_malloc(ptr: *mut *mut c_void, bytes: usize) -> c_int;
+    fn deep_ep_cuda_free(ptr: *mut c_void) -> c_int;
+    fn deep_ep_cuda_ipc_get_handle(handle: *mut c_void, ptr: *mut c_void) -> c_int;
+    fn deep_ep_cuda_ipc_open(ptr: *mut *mut c_void, handle: *const c_void) -> c_int;
+    fn deep_ep_cuda_ipc_close(ptr: *mut c_void) -> c_int;
+}
+
+/// Word indices of a rank's record (u64 words; the handle from word 8).
+mod word {
+    pub const EPOCH: usize = 0;
+    pub const TOKEN: usize = 1;
+    pub const PTR: usize = 2;
+    pub const BYTES: usize = 3;
+    pub const VERDICT: usize = 4;
+    pub const DEVICE: usize = 5;
+    pub const PID: usize = 6;
+    pub const HANDLE: usize = 8;
+}
+
+/// What a rank publishes as its verdict on a step of creation.
+const OK: u64 = 1;
+const FAILED: u64 = 2;
+
+/// A fresh unique id: prefix + random name, zero-padded to 128 bytes (host only, no GPU needed).
+pub fn unique_id() -> Vec<u8> {
+    let mut id = ID_PREFIX.to_vec();
+    id.extend(random_u128().to_le_bytes().iter().map(|b| format!("{b:02x}")).collect::<String>().bytes());
+    id.resize(crate::backend::UNIQUE_ID_BYTES, 0);
+    id
+}
+
+fn random_u128() -> u128 {
+    let mut rnd = [0u8; 16];
+    // SAFETY: getrandom writes at most len bytes into the buffer.
+    let got = unsafe { libc::getrandom(rnd.as_mut_ptr().cast(), rnd.len(), 0) };
+    if got != rnd.len() as isize {
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
+        return t ^ ((std::process::id() as u128) << 64);
+    }
+    u128::from_le_bytes(rnd)
+}
+
+/// A random token of this process: equal tokens = ranks in one process (threads), whose
+/// allocations cannot be opened through IPC (and need not be). Pids alone can repeat across
+/// containers sharing a GPU.
+fn process_token() -> u64 {
+    static TOKEN: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *TOKEN.get_or_init(|| (random_u128() as u64) | 1)
+}
+
+fn path_from_id(id: &[u8]) -> Result<String> {
+    let end = id.iter().position(|&b| b == 0).unwrap_or(id.len());
+    let body = &id[..end];
+    if !body.starts_with(ID_PREFIX) || body.len() == ID_PREFIX.len() {
+        return Err(Error::invalid(OP, "unique_id was not made by get_unique_id('ipc')"));
+    }
+    let name = std::str::from_utf8(&body[ID_PREFIX.len()..])
+        .ok()
+        .filter(|s| s.bytes().all(|b| b.is_ascii_alphanumeric()))
+        .ok_or_else(|| Error::invalid(OP, "unique_id holds an invalid name"))?;
+    Ok(format!("{}/deep_ep_ipc_{name}", crate::settings::shm_dir()))
+}
+
+/// The host side of the buffer's rendezvous: one record per rank in a shared-memory file and a
+/// barrier over their epoch words, every wait bounded by the timeout and naming the missing ranks.
+pub struct Rendezvous {
+    seg: Segment,
+    rank: usize,
+    num_ranks: usize,
+    epoch: u64,
+    timeout: Duration,
+}
+
+impl Rendezvous {
+    fn open(unique_id: &[u8], rank: usize, num_ranks: usize, timeout: Duration) -> Result<Rendezvous> {
+        let path = path_from_id(unique_id)?;
+        shm::remove_stale_files(&crate::settings::shm_dir(), 2 * timeout.max(Duration::from_millis(crate::settings::DEFAULT_TIMEOUT_MS)));
+        let seg = Segment::open(OP, &path, SLOT * MAX_RANKS)?;
+        Ok(Rendezvous { seg, rank, num_ranks, epoch: 0, timeout })
+    }
+
+    fn slot(&self, r: usize) -> Region {
+        self.seg.region(r * SLOT, SLOT)
+    }
+
+    fn get(&self, r: usize, w: usize) -> u64 {
+        self.slot(r).atomic_u64(w * 8).load(Ordering::Acquire)
+    }
+
+    fn set(&self, w: usize, v: u64) {
+        self.slot(self.rank).atomic_u64(w * 8).store(v, Ordering::Release)
+    }
+
+    /// All ranks meet (`what` names the step in a timeout).
+    fn barrier(&mut self, op: &'static str, what: &str) -> Result<()> {
+        self.epoch += 1;
+        let target = self.epoch;
+        self.set(word::EPOCH, target);
+        let arrived = |p: usize| self.get(p, word::EPOCH) >= target;
+        if shm::wait_until(self.timeout, || (0..self.num_ranks).all(arrived)).is_ok() {
+            return Ok(());
+        }
+        Err(Error::Timeout {
+            op,
+            rank: self.rank,
+            peers: (0..self.num_ranks).filter(|&p| !arrived(p)).collect(),
+            timeout_ms: self.timeout.as_millis() as u64,
+            what: format!("barrier: {what}"),
+        })
+    }
+
+    /// Publishes this rank's verdict on a step, meets the others, and fails (naming them) when a
+    /// rank failed it; `mine` is this rank's own result, raised as is.
+    fn agree<T>(&mut self, what: &str, mine: Result<T>) -> Result<T> {
+        self.set(word::VERDICT, if mine.is_ok() { OK } else { FAILED });
+        let met = self.barrier(OP, what);
+        let mine = mine?;
+        met?;
+        let failed: Vec<usize> = (0..self.num_ranks).filter(|&p| self.get(p, word::VERDICT) != OK).collect();
+        crate::ensure!(failed.is_empty(), OP, "rank(s) {failed:?} failed {what} (their own error says why)");
+        Ok(mine)
+    }
+}
+
+/// What [`Window::create`] needs (as `nccl_window::WindowArgs`).
+pub struct WindowArgs<'a> {
+    pub unique_id: &'a [u8],
+    pub rank: usize,
+    pub num_ranks: usize,
+    /// Ranks per NVLink domain, or `num_ranks` for an intranode buffer; below `num_ranks` the
+    /// kernels get the windows of the own domain only and the LSA emulation the others.
+    pub nvl_domain: usize,
+    pub device: i32,
+    /// Bytes for staged data; the window adds the control area and rounds up to 2 MiB.
+    pub data_bytes: usize,
+    pub timeout_ns: u64,
+    /// Run the LSA transport self-test during creation with this rail stride.
+    pub transport_self_test: Option<usize>,
+}
+
+/// One rank's window memory, the peers' windows it opened, and the rendezvous kept for the close.
+pub struct Window {
+    device: i32,
+    mem: *mut c_void,
+    /// Peer windows opened through IPC (closed at release); peers of this process are not here.
+    opened: Vec<*mut c_void>,
+    bytes: usize,
+    ctx: Ctx,
+    lsa_base: [*mut c_void; MAX_RANKS],
+    status: Option<HostStatus>,
+    rdv: Rendezvous,
+    closed: bool,
+}
+
+// SAFETY: device pointers and the mapping are process-wide; the backend owning the window is used
+// under the buffer's lock.
+unsafe impl Send for Window {}
+
+impl Window {
+    /// Collective over `num_ranks` processes or threads of one machine (see the module doc).
+    pub fn create(a: &WindowArgs) -> Result<Window> {
+        intranode::check_struct_sizes(OP)?;
+        crate::ensure!(a.num_ranks >= 1 && a.num_ranks <= MAX_RANKS, OP, "internal: {} ranks", a.num_ranks);
+        let timeout = Duration::from_nanos(a.timeout_ns);
+        let rdv = Rendezvous::open(a.unique_id, a.rank, a.num_ranks, timeout)?;
+        let bytes = (a.data_bytes + CONTROL_BYTES).div_ceil(ALLOC_ALIGN) * ALLOC_ALIGN;
+        let _guard = DeviceGuard::new(OP, a.device)?;
+        let mut w = Window {
+            device: a.device,
+            mem: std::ptr::null_mut(),
+            opened: Vec::new(),
+            bytes,
+            ctx: Ctx {
+                peer_base: [std::ptr::null_mut(); MAX_RANKS],
+                rank: a.rank as i32,
+                num_ranks: a.num_ranks as i32,
+                window_bytes: bytes as u64,
+                host_status: std::ptr::null_mut(),
+                timeout_ns: a.timeout_ns,
+                num_sms: 0,
+                nvl_ranks: 0,
+            },
+            lsa_base: [std::ptr::null_mut(); MAX_RANKS],
+            status: None,
+            rdv,
+            closed: false,
+        };
+        let own = w.make_own(a);
+        let handle = w.rdv.agree("to allocate its window", own);
+        // Every rank mapped the file by now (or gave up): the name can go, nothing is left behind.
+        w.rdv.seg.unlink();
+        handle?;
+        let ptrs = w.open_peers(a);
+        let ptrs = w.rdv.agree("to open its peers' windows through CUDA IPC", ptrs)?;
+        let map = PeerMap::new(OP, a.rank, a.num_ranks, a.nvl_domain, a.num_ranks, a.rank, false)?;
+        (w.ctx.peer_base, w.lsa_base) = map.spread(&ptrs);
+        w.ctx.nvl_ranks = map.ctx_nvl_ranks as i32;
+        if let Some(stride) = a.transport_self_test {
+            let full = Ctx { peer_base: w.lsa_base, nvl_ranks: 0, ..w.ctx };
+            let stream = Stream::new(OP)?;
+            super::transport::lsa_self_test_run(OP, &full, stride, a.timeout_ns, stream.raw())?;
+        }
+        Ok(w)
+    }
+
+    /// Allocates, zeroes and publishes this rank's window (before the first barrier, so no peer
+    /// signals into memory that is not zeroed yet).
+    fn make_own(&mut self, a: &WindowArgs) -> Result<()> {
+        self.ctx.num_sms = intranode::sm_count(OP, a.device)?;
+        // SAFETY: writes one pointer; `bytes` of device memory owned by this window from here.
+        check(unsafe { deep_ep_cuda_malloc(&mut self.mem, self.bytes) }, OP, "cudaMalloc").map_err(|e| {
+            Error::invalid(
+                OP,
+                format!(
+                    "cannot allocate {} bytes ({:.2} GiB) of GPU memory for the buffer's window on cuda:{} ({e}); ask for fewer \
+                     num_nvl_bytes / num_rdma_bytes or free GPU memory",
+                    self.bytes,
+                    self.bytes as f64 / (1u64 << 30) as f64,
+                    a.device
+                ),
+            )
+        })?;
+        let mut handle = [0u8; HANDLE_BYTES];
+        // SAFETY: writes HANDLE_BYTES bytes; `mem` is a live cudaMalloc allocation.
+        check(unsafe { deep_ep_cuda_ipc_get_handle(handle.as_mut_ptr().cast(), self.mem) }, OP, "cudaIpcGetMemHandle")?;
+        let status = HostStatus::new(OP)?;
+        self.ctx.host_status = status.device_ptr();
+        self.status = Some(status);
+        self.ctx.peer_base[a.rank] = self.mem;
+        let stream = Stream::new(OP)?;
+        intranode::zero_window(OP, &self.ctx, stream.raw())?;
+        stream.synchronize(OP)?;
+        let r = &self.rdv;
+        r.set(word::TOKEN, process_token());
+        r.set(word::PTR, self.mem as u64);
+        r.set(word::BYTES, self.bytes as u64);
+        r.set(word::DEVICE, a.device as u64);
+        r.set(word::PID, std::process::id() as u64);
+        r.slot(a.rank).write(word::HANDLE * 8, &handle);
+        Ok(())
+    }
+
+    /// Every rank's window pointer in this process: opened through IPC for ranks of another
+    /// process, as published for ranks of this one.
+    fn open_peers(&mut self, a: &WindowArgs) -> Result<Vec<*mut c_void>> {
+        let mut ptrs = vec![std::ptr::null_mut(); a.num_ranks];
+        for (p, out) in ptrs.iter_mut().enumerate() {
+            let theirs = self.rdv.get(p, word::BYTES) as usize;
+            crate::ensure!(
+                theirs == self.bytes,
+                OP,
+                "rank {p} made a window of {theirs} bytes, rank {} one of {} (every rank must create the buffer with the same sizes and mode)",
+                a.rank,
+                self.bytes
+            );
+            if p == a.rank || self.rdv.get(p, word::TOKEN) == process_token() {
+                *out = self.rdv.get(p, word::PTR) as *mut c_void;
+                continue;
+            }
+            let mut handle = [0u8; HANDLE_BYTES];
+            self.rdv.slot(p).read(word::HANDLE * 8, &mut handle);
+            let mut ptr = std::ptr::null_mut();
+            // SAFETY: `handle` is a peer's cudaIpcMemHandle_t; writes one pointer.
+            let st = unsafe { deep_ep_cuda_ipc_open(&mut ptr, handle.as_ptr().cast()) };
+            check(st, OP, &format!("cudaIpcOpenMemHandle of rank {p}'s window (process {} on its cuda:{})", self.rdv.get(p, word::PID), self.rdv.get(p, word::DEVICE)))
+                .map_err(|e| Error::invalid(OP, format!("{e}; the ipc backend needs CUDA IPC between the ranks' processes and peer access between their GPUs (same machine, same container or a shared IPC namespace)")))?;
+            self.opened.push(ptr);
+            *out = ptr;
+        }
+        Ok(ptrs)
+    }
+
+    pub fn ctx(&self) -> &Ctx {
+        &self.ctx
+    }
+
+    pub fn lsa_bases(&self) -> [*mut c_void; MAX_RANKS] {
+        self.lsa_base
+    }
+
+    pub fn status(&self) -> &HostStatus {
+        self.status.as_ref().expect("status block exists after create")
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Collective release: kernel barrier of all ranks, close the opened peers, meet on the host,
+    /// free the own memory.
+    pub fn close(&mut self, timeout_ms: u64) -> Result<()> {
+        if self.closed {
+            return Ok(());
+        }
+        let _guard = DeviceGuard::new(DESTROY, self.device)?;
+        intranode::destroy_barrier(DESTROY, &self.ctx, self.status(), timeout_ms)?;
+        self.closed = true;
+        let closed = self.close_opened();
+        let met = self.rdv.barrier(DESTROY, "every rank closed its mappings of the peers' windows");
+        let freed = self.free_own();
+        closed.and(met).and(freed)
+    }
+
+    fn close_opened(&mut self) -> Result<()> {
+        let mut first = Ok(());
+        for p in self.opened.drain(..) {
+            // SAFETY: opened by cudaIpcOpenMemHandle in `open_peers`, closed once.
+            let r = check(unsafe { deep_ep_cuda_ipc_close(p) }, DESTROY, "cudaIpcCloseMemHandle");
+            first = first.and(r);
+        }
+        first
+    }
+
+    fn free_own(&mut self) -> Result<()> {
+        let mem = std::mem::replace(&mut self.mem, std::ptr::null_mut());
+        if mem.is_null() {
+            return Ok(());
+        }
+        // SAFETY: allocated by cudaMalloc in `make_own`, freed once.
+        check(unsafe { deep_ep_cuda_free(mem) }, DESTROY, "cudaFree of the window")
+    }
+}
+
+impl Drop for Window {
+    fn drop(&mut self) {
+        if self.closed || (self.mem.is_null() && self.opened.is_empty()) {
+            return;
+        }
+        let _guard = DeviceGuard::new(DESTROY, self.device).ok();
+        if let Err(e) = intranode::device_synchronize(DESTROY) {
+            eprintln!("deep_ep: releasing an ipc buffer: {e}");
+        }
+        if let Err(e) = self.close_opened().and(self.free_own()) {
+            eprintln!("deep_ep: releasing an ipc buffer: {e}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unique_ids_name_distinct_files_in_the_shm_folder() {
+        let (a, b) = (unique_id(), unique_id());
+        assert_eq!(a.len(), crate::backend::UNIQUE_ID_BYTES);
+        assert_ne!(a, b);
+        let p = path_from_id(&a).unwrap();
+        assert!(p.starts_with(&crate::settings::shm_dir()) && p.contains("/deep_ep_ipc_"), "{p}");
+        let e = path_from_id(&crate::backend::cpu::CpuBackend::unique_id()).unwrap_err().to_string();
+        assert!(e.contains("unique_id was not made by get_unique_id('ipc')"), "{e}");
+    }
+
+    #[test]
+    fn the_rendezvous_names_the_rank_that_failed_a_step_and_the_one_that_never_came() {
+        let id = unique_id();
+        let t = Duration::from_millis(300);
+        let ok = std::thread::spawn({
+            let id = id.clone();
+            move || {
+                let mut r = Rendezvous::open(&id, 1, 3, t).unwrap();
+                r.agree("to allocate its window", Ok(())).map_err(|e| e.to_string())
+            }
+        });
+        let mut r0 = Rendezvous::open(&id, 0, 3, t).unwrap();
+        let e = r0.agree::<()>("to allocate its window", Err(Error::invalid(OP, "no memory"))).unwrap_err().to_string();
+        assert!(e.contains("no memory"), "{e}");
+        r0.seg.unlink();
+        let e1 = ok.join().unwrap().unwrap_err();
+        // Rank 2 never came: both time out naming it; rank 1 would otherwise name rank 0's failure.
+        assert!(e1.contains("[2]") && e1.contains("to allocate its window"), "{e1}");
+    }
+}

@@ -63,5 +63,6 @@ step ipc_internode ${IPC_LIMIT:-400} env $ipc_env DEEP_EP_INTERNODE_GPU_CONFIGS=
 step ipc_mask 300 env $ipc_env "$py" -m pytest -q -rs -s tests/gpu/test_rank_mask_gpu.py
 step ipc_recovery 300 env $ipc_env "$py" -m pytest -q -rs -s tests/gpu/test_recovery.py
 step ipc_bad 300 env $ipc_env DEEP_EP_TEST_INSTALLED=1 "$py" -m pytest -q -rs -s tests/gpu/test_bad_input_gpu.py -k one_rank_bad_input
+step ipc_reliability 300 env $ipc_env "$py" -m pytest -q -rs tests/gpu/test_reliability_ranks_gpu.py
 step ipc_soak 400 env $ipc_env DEEP_EP_SOAK_SCALE=${IPC_SOAK_SCALE:-0.05} "$py" -m pytest -q -rs -s tests/gpu/test_soak.py
 echo "=== done" | tee -a "$log"

@@ -116,6 +116,7 @@ int deep_ep_cuda_stream_synchronize(void* stream);
 #define DEEP_EP_IC_ERR_STALE_CPM 12    /* handle: channel_prefix_matrix[extra, value] differs from is_token_in_rank */
 #define DEEP_EP_IC_ERR_NTPRR 13        /* internode: num_tokens_per_rdma_rank[extra] = value, is_token_in_rank selects limit */
 #define DEEP_EP_IC_ERR_STALE_INTERNODE 14 /* internode handle: value (computed) != limit (handle) at entry extra (see deep_ep_in_args_t) */
+#define DEEP_EP_IC_ERR_LL_FORMAT 15  /* LL: source error_rank sent with another format word extra (0 flags, 1 hidden, 2 T, 3 E): value theirs, limit mine */
 
 /* Host-mapped status block (cudaHostAllocMapped), written by kernels, read and cleared by the host. */
 typedef struct {
@@ -743,6 +744,9 @@ int deep_ep_cuda_free_host(void* host);
 int deep_ep_cuda_ipc_get_handle(void* handle, void* ptr);
 int deep_ep_cuda_ipc_open(void** ptr, const void* handle);
 int deep_ep_cuda_ipc_close(void* ptr);
+/* PCI identity of `device` (domain << 32 | bus << 8 | device): the same GPU in every process,
+ * whatever CUDA_VISIBLE_DEVICES numbers it. */
+int deep_ep_cuda_pci_id(int device, unsigned long long* id);
 int deep_ep_cuda_stream_create(void** stream);
 int deep_ep_cuda_stream_destroy(void* stream);
 int deep_ep_cuda_device_synchronize(void);

@@ -86,6 +86,9 @@ __device__ __forceinline__ void dispatch_send(const Ctx& c, const Args& a) {
 #pragma unroll
     for (int k = 0; k < kMaxLlTopk; ++k) {
       const int64_t e = ids[k];
+      if ((e < -1 || e >= E) && blockIdx.x == 0) {  // raised at the next call (the cpu backend raises at once)
+        report(c, DEEP_EP_IC_ERR_EXPERT_ID, c.rank, DEEP_EP_IC_SITE_LL_DISPATCH, static_cast<int>(max(min(e, int64_t{INT32_MAX}), int64_t{INT32_MIN})), E);
+      }
       if (e < 0 || e >= E || s_mask[e / El]) continue;  // no expert, or one of a masked rank: dropped
       atomicAdd(&s_total[e], 1);
       if (tok < t_begin) atomicAdd(&s_before[e], 1);
@@ -215,6 +218,7 @@ __device__ __forceinline__ void dispatch_send(const Ctx& c, const Args& a) {
   if (tid < R && !s_mask[tid]) {
     char* cnt = far >> tid & 1 ? local(c) + stage + a.stage_cnt_off + 4 * tid : window(c, tid) + recv + 4 * c.rank;
     *reinterpret_cast<uint32_t*>(cnt) = static_cast<uint32_t>(s_rct[tid]);
+    if (!(far >> tid & 1)) put_fmt(c, a, 0, tid, fmt_dispatch(a));
   }
   __threadfence_system();
   __syncthreads();
@@ -283,6 +287,7 @@ __device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a) {
       s_cnt[tid] = 0;  // a masked source (or, in shrink mode, one that timed out) counts as sending nothing
     } else if (got > 0) {
       s_cnt[tid] = min(static_cast<int>(v & 0xffffu) - 1, T);
+      if (l == 0 && y == 0 && !remote(c, a, tid) && !fmt_agrees(c, a, 0, s_half, tid, fmt_dispatch(a), DEEP_EP_IC_SITE_LL_DISPATCH)) s_ok = 0;
       if (y == 0 && a.wait_stats != nullptr) {
         atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + tid), static_cast<unsigned long long>(clock64() - t0));
       }

@@ -92,6 +92,7 @@ __device__ __forceinline__ void combine_send(const Ctx& c, const Args& a) {
   flush_net<Net>(c, a, lane);
   __syncthreads();
   if (tid == 0 && !dead) {
+    if (l == 0 && !remote(c, a, s)) put_fmt(c, a, 1, s, fmt_combine((a.flags & DEEP_EP_LL_FLAG_LOGFMT) != 0, false));
     __threadfence_system();  // one cumulative fence per block (see dispatch_send in ll_dispatch.cu)
     uint32_t* word = at<uint32_t>(peer, sig_off(a, a.half) + static_cast<uint64_t>(c.rank * El + l) * 4);
     raise_to<Net>(c, a, s, word, kSeamCombine, a.half, l, tag(s_seq, 0));
@@ -219,6 +220,7 @@ __device__ __forceinline__ void combine_send_partial(const Ctx& c, const Args& a
   }
   __syncthreads();
   if (!s_last) return;
+  if (tid < R && !rank_masked(a, tid) && !remote(c, a, tid)) put_fmt(c, a, 1, tid, fmt_combine(false, true));
   __threadfence_system();
   if (tid < R && !rank_masked(a, tid)) {
     raise_to<Net>(c, a, tid, at<uint32_t>(window(c, tid), sig_off(a, a.half) + static_cast<uint64_t>(c.rank * El) * 4), kSeamCombine, a.half, 0, tag(s_seq, 0));
@@ -328,6 +330,10 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
     }
     if (got == 0) continue;  // shrink mode masked the rank: its experts are dropped below
     atomicMax(&s_wait[w / El], static_cast<unsigned long long>(clock64() - t0));
+    if (blockIdx.x == 0 && w % El == 0 && !remote(c, a, w / El) &&
+        !fmt_agrees(c, a, 1, s_half, w / El, fmt_combine(s_logfmt != 0, s_partial != 0), DEEP_EP_IC_SITE_LL_COMBINE)) {
+      s_ok = 0;
+    }
   }
   __syncthreads();
   if (!s_ok) return;

@@ -40,6 +40,15 @@ constexpr size_t kLlDone = kLlCalls + 4;
 static_assert(kScrEnd <= kLlCalls, "LL scratch overlaps the normal-mode scratch");
 static_assert(kLlDone + 4 <= DEEP_EP_IC_CONTROL_BYTES, "LL scratch outside the control area");
 static_assert(DEEP_EP_LL_MASK_OFF >= kLlDone + 4 && DEEP_EP_LL_MASK_OFF + 4 * kMaxRanks <= DEEP_EP_IC_CONTROL_BYTES, "LL mask copy");
+// Format words every NVLink source leaves in a receiver's control area with each send, before its
+// signals: [kind (0 dispatch, 1 combine)][half][source rank][flags, hidden, T, E] (by half: a
+// sender may run one call ahead, into the other half, with other flags). The receiver compares
+// them with its own after the wait, so ranks passing other flags or another geometry raise
+// (DEEP_EP_IC_ERR_LL_FORMAT at the next call) instead of reading each other's bytes as their own.
+constexpr size_t kLlFmt = kLlCalls + 128;
+static_assert(kLlFmt >= DEEP_EP_LL_MASK_OFF + 4 * kMaxRanks && kLlFmt + 4 * kMaxRanks * 16 <= DEEP_EP_IC_CONTROL_BYTES, "LL format words");
+__device__ __forceinline__ size_t fmt_slot(int kind, int half, int src) { return kLlFmt + static_cast<size_t>(((kind * 2 + half) * kMaxRanks + src) * 16); }
+constexpr uint32_t kFmtSet = 0x100;  // a written slot (a zeroed one never matches)
 
 using Args = deep_ep_ll_args_t;
 
@@ -199,6 +208,36 @@ __device__ __forceinline__ const Net& net_of(const Args& a) { return *static_cas
 // Whether peer d lies outside this rank's NVLink domain.
 __device__ __forceinline__ bool remote(const Ctx& c, const Args& a, int d) {
   return a.net != nullptr && d / a.nvl_domain != c.rank / a.nvl_domain;
+}
+
+// Format flags of a dispatch (crate::backend::cpu::ll::format_code's bits) and of a combine.
+__device__ __forceinline__ uint32_t fmt_dispatch(const Args& a) {
+  return kFmtSet | (a.use_fp8 ? 1u | (a.round_scale ? 2u : 0u) | (a.use_ue8m0 ? 4u : 0u) : 0u);
+}
+__device__ __forceinline__ uint32_t fmt_combine(bool logfmt, bool partial) { return kFmtSet | (logfmt ? 1u : 0u) | (partial ? 2u : 0u); }
+
+// Sender: this rank's format words in NVLink peer d's slot (before the fence that precedes the signals).
+__device__ __forceinline__ void put_fmt(const Ctx& c, const Args& a, int kind, int d, uint32_t flags) {
+  uint32_t* w = at<uint32_t>(window(c, d), fmt_slot(kind, a.half, c.rank));
+  w[0] = flags;
+  w[1] = static_cast<uint32_t>(a.hidden);
+  w[2] = static_cast<uint32_t>(a.num_max_tokens);
+  w[3] = static_cast<uint32_t>(a.num_experts);
+}
+
+// Receiver, after a wait on source s for the send into `half` succeeded: false (reported: field in extra, theirs, mine) when
+// s sent with another format.
+__device__ bool fmt_agrees(const Ctx& c, const Args& a, int kind, int half, int s, uint32_t flags, int site) {
+  const volatile uint32_t* w = at<volatile uint32_t>(local(c), fmt_slot(kind, half, s));
+  const uint32_t mine[4] = {flags, static_cast<uint32_t>(a.hidden), static_cast<uint32_t>(a.num_max_tokens), static_cast<uint32_t>(a.num_experts)};
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t theirs = w[i];
+    if (theirs != mine[i]) {
+      report(c, DEEP_EP_IC_ERR_LL_FORMAT, s, site, static_cast<int>(theirs), static_cast<int>(mine[i]), i);
+      return false;
+    }
+  }
+  return true;
 }
 
 // Seam signal of (kind, half, local expert l, rank r): on a receiver r is the sender; in a sender's

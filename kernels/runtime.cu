@@ -96,6 +96,16 @@ extern "C" int deep_ep_cuda_ipc_open(void** ptr, const void* handle) {
 
 extern "C" int deep_ep_cuda_ipc_close(void* ptr) { return cudaIpcCloseMemHandle(ptr); }
 
+extern "C" int deep_ep_cuda_pci_id(int device, unsigned long long* id) {
+  if (id == nullptr) return cudaErrorInvalidValue;
+  int domain = 0, bus = 0, dev = 0;
+  DEEP_EP_TRY(cudaDeviceGetAttribute(&domain, cudaDevAttrPciDomainId, device));
+  DEEP_EP_TRY(cudaDeviceGetAttribute(&bus, cudaDevAttrPciBusId, device));
+  DEEP_EP_TRY(cudaDeviceGetAttribute(&dev, cudaDevAttrPciDeviceId, device));
+  *id = (static_cast<unsigned long long>(domain) << 32) | (static_cast<unsigned long long>(bus) << 8) | static_cast<unsigned long long>(dev);
+  return cudaSuccess;
+}
+
 extern "C" int deep_ep_cuda_stream_create(void** stream) {
   if (stream == nullptr) return cudaErrorInvalidValue;
   cudaStream_t s = nullptr;

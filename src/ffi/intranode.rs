@@ -108,6 +108,9 @@ pub mod err {
     pub const NTPRR: i32 = 13;
     /// Internode handle: value (from the routing) != limit (the handle's) at entry extra.
     pub const STALE_INTERNODE: i32 = 14;
+    /// LL: source `rank` sent with another format word `extra` (0 flags, 1 hidden, 2 T, 3 E):
+    /// value theirs, limit this rank's.
+    pub const LL_FORMAT: i32 = 15;
 }
 
 /// `deep_ep_ic_ctx_t`: the buffer as kernels see it. `peer_base` is indexed by world rank, so a

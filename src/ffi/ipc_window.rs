@@ -45,6 +45,7 @@ extern "C" {
     fn deep_ep_cuda_ipc_get_handle(handle: *mut c_void, ptr: *mut c_void) -> c_int;
     fn deep_ep_cuda_ipc_open(ptr: *mut *mut c_void, handle: *const c_void) -> c_int;
     fn deep_ep_cuda_ipc_close(ptr: *mut c_void) -> c_int;
+    fn deep_ep_cuda_pci_id(device: c_int, id: *mut u64) -> c_int;
 }
 
 /// Word indices of a rank's record (u64 words; the handle from word 8).
@@ -56,6 +57,7 @@ mod word {
     pub const VERDICT: usize = 4;
     pub const DEVICE: usize = 5;
     pub const PID: usize = 6;
+    pub const GPU: usize = 7;
     pub const HANDLE: usize = 8;
 }
 
@@ -192,6 +194,8 @@ pub struct Window {
     status: Option<HostStatus>,
     rdv: Rendezvous,
     closed: bool,
+    /// Never free `mem` (a zero-copy view of it was handed out; `PeerWindow::keep_memory`).
+    keep_mem: bool,
 }
 
 // SAFETY: device pointers and the mapping are process-wide; the backend owning the window is used
@@ -226,6 +230,7 @@ impl Window {
             status: None,
             rdv,
             closed: false,
+            keep_mem: false,
         };
         let own = w.make_own(a);
         let handle = w.rdv.agree("to allocate its window", own);
@@ -234,6 +239,12 @@ impl Window {
         handle?;
         let ptrs = w.open_peers(a);
         let ptrs = w.rdv.agree("to open its peers' windows through CUDA IPC", ptrs)?;
+        // Ranks sharing this GPU: kernels whose blocks wait for another rank's blocks must all be
+        // resident at once, which under MPS means side by side on the SMs: each rank's grids get
+        // its share (the work split does not depend on it, so results stay bit-exact).
+        let gpu = w.rdv.get(a.rank, word::GPU);
+        let sharing = (0..a.num_ranks).filter(|&p| w.rdv.get(p, word::GPU) == gpu).count();
+        w.ctx.num_sms = (w.ctx.num_sms / sharing as i32).max(1);
         let map = PeerMap::new(OP, a.rank, a.num_ranks, a.nvl_domain, a.num_ranks, a.rank, false)?;
         (w.ctx.peer_base, w.lsa_base) = map.spread(&ptrs);
         w.ctx.nvl_ranks = map.ctx_nvl_ranks as i32;
@@ -278,6 +289,10 @@ impl Window {
         r.set(word::BYTES, self.bytes as u64);
         r.set(word::DEVICE, a.device as u64);
         r.set(word::PID, std::process::id() as u64);
+        let mut gpu = 0u64;
+        // SAFETY: writes one u64.
+        check(unsafe { deep_ep_cuda_pci_id(a.device, &mut gpu) }, OP, "cudaDeviceGetAttribute(PCI id)")?;
+        r.set(word::GPU, gpu);
         r.slot(a.rank).write(word::HANDLE * 8, &handle);
         Ok(())
     }
@@ -353,9 +368,14 @@ impl Window {
         first
     }
 
+    /// See `PeerWindow::keep_memory`.
+    pub fn keep_memory(&mut self) {
+        self.keep_mem = true;
+    }
+
     fn free_own(&mut self) -> Result<()> {
         let mem = std::mem::replace(&mut self.mem, std::ptr::null_mut());
-        if mem.is_null() {
+        if mem.is_null() || self.keep_mem {
             return Ok(());
         }
         // SAFETY: allocated by cudaMalloc in `make_own`, freed once.

@@ -145,6 +145,8 @@ pub struct Window {
     /// `ctx.peer_base` for an internode buffer on one NVLink machine (the LSA emulation's reach).
     lsa_base: [*mut c_void; MAX_RANKS],
     status: Option<HostStatus>,
+    /// Never free `mem` (a zero-copy view of it was handed out): deregistered, kept mapped.
+    keep_mem: bool,
 }
 
 // SAFETY: the handles are plain NCCL/CUDA handles, usable from any thread; a window is only used
@@ -189,6 +191,7 @@ impl Window {
             },
             lsa_base: [std::ptr::null_mut(); MAX_RANKS],
             status: None,
+            keep_mem: false,
         };
         // From here on a failure returns early and Drop releases what exists.
         let mut id = ncclUniqueId::default();
@@ -304,6 +307,11 @@ impl Window {
         self.bytes
     }
 
+    /// See `PeerWindow::keep_memory`: the release deregisters the window but never frees it.
+    pub fn keep_memory(&mut self) {
+        self.keep_mem = true;
+    }
+
     /// The GIN device comm (byte copy of `ncclDevComm`) and the `ncclWindow_t` it reaches the
     /// window through, when the window was created with [`WindowArgs::gin`].
     pub fn gin(&self) -> Option<(&[u64], *mut c_void)> {
@@ -369,6 +377,9 @@ impl Window {
             }
             Teardown::MemFree => {
                 let mem = std::mem::replace(&mut self.mem, std::ptr::null_mut());
+                if self.keep_mem {
+                    return Ok(());
+                }
                 let f = nccl_fn!(self.lib, ncclMemFree);
                 // SAFETY: allocated by ncclMemAlloc, no longer registered; freed once.
                 nccl_check(self.lib, unsafe { f(mem) }, "ncclMemFree")
@@ -410,7 +421,7 @@ impl Drop for Window {
             }
             self.comm = std::ptr::null_mut();
         }
-        if !self.mem.is_null() {
+        if !self.mem.is_null() && !self.keep_mem {
             if let Ok(f) = self.lib.ncclMemFree.as_ref() {
                 // SAFETY: allocated by ncclMemAlloc; its communicator is gone; freed once.
                 if let Err(e) = nccl_check(self.lib, unsafe { f(self.mem) }, "ncclMemFree") {

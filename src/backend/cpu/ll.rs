@@ -167,7 +167,7 @@ fn format_code(o: &LlDispatchOptions) -> i32 {
     }
 }
 
-fn format_name(code: i32) -> String {
+pub(crate) fn format_name(code: i32) -> String {
     if code & 1 == 0 {
         return "use_fp8=False (BF16)".into();
     }

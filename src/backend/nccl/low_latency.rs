@@ -108,6 +108,29 @@ fn aligned(op: &'static str, name: &str, t: &TensorRef) -> Result<()> {
     Ok(())
 }
 
+/// The message of a format mismatch a receive kernel found (`err::LL_FORMAT`): another rank sent
+/// with other flags or another geometry. Found after the data moved, so raised at the next call.
+fn ll_format_error(op: &'static str, e: crate::ffi::intranode::KernelError) -> Error {
+    let (src, theirs, mine) = (e.rank, e.value, e.limit);
+    let what = if e.site == site::LL_DISPATCH { "dispatch" } else { "combine" };
+    let text = match (e.extra, e.site == site::LL_DISPATCH) {
+        (0, true) => format!(
+            "rank {src} dispatched with {}, this rank received with {}: every rank must pass the same use_fp8, round_scale and use_ue8m0",
+            crate::backend::cpu::ll::format_name(theirs & 0xff),
+            crate::backend::cpu::ll::format_name(mine & 0xff)
+        ),
+        (0, false) => {
+            let name = |f: i32| format!("use_logfmt={}, partial sums={}", f & 1 != 0, f & 2 != 0);
+            format!("rank {src} combined with {}, this rank received with {}: every rank must pass the same use_logfmt (and combine mode)", name(theirs), name(mine))
+        }
+        (i, _) => {
+            let field = ["", "hidden", "num_max_dispatch_tokens_per_rank", "num_experts"].get(i as usize).copied().unwrap_or("?");
+            format!("rank {src} sent a low-latency {what} with {field} = {theirs}, this rank received with {mine}: every rank must pass the same values")
+        }
+    };
+    Error::invalid(op, format!("the previous low-latency {what} was wrong: {text}"))
+}
+
 impl NcclBackend {
     /// The LL geometry as kernel arguments (area offsets and sizes), after the checks that
     /// depend on this buffer.
@@ -206,6 +229,11 @@ impl NcclBackend {
             err::OVERFLOW if e.site == site::LL_DISPATCH => Error::invalid(op, format!(
                 "tokens over capacity: an expert of rank {} was selected {} times in one low-latency dispatch, more than num_max_dispatch_tokens_per_rank ({}); the extra selections were dropped",
                 e.rank, e.value, e.limit
+            )),
+            err::LL_FORMAT => ll_format_error(op, e),
+            err::EXPERT_ID if e.site == site::LL_DISPATCH => Error::invalid(op, format!(
+                "topk_idx of the previous low-latency dispatch held expert id {}, outside [-1, {}) (num_experts); those selections were dropped",
+                e.value, e.limit
             )),
             err::MISMATCH if e.site == site::LL_DISPATCH || e.site == site::LL_COMBINE => Error::invalid(op, format!(
                 "{where_} found data of another call (rank {}, value {}, expected {}): all ranks must pass the same hidden, num_max_dispatch_tokens_per_rank and num_experts, and a receive needs the state of the matching send",
@@ -384,6 +412,8 @@ impl NcclBackend {
         let off = a.ll_off + 2 * a.signal_bytes + self.ll.next_half as u64 * a.send_bytes;
         let base = self.window.ctx().peer_base[self.info.rank] as *mut u8;
         let ptr = base.wrapping_add(off as usize);
+        // The view may outlive the buffer (torch's stable ABI gives no deleter to tell us).
+        self.window.keep_memory();
         Ok(TensorRef::new(ptr, DType::BFloat16, self.info.device, &[el, rt, h], &[rt * m, m, 1]))
     }
 }

@@ -30,6 +30,10 @@ pub trait PeerWindow: Send {
     fn bytes(&self) -> usize;
     /// Collective release (barrier with timeout, then the provider's teardown).
     fn close(&mut self, timeout_ms: u64) -> Result<()>;
+    /// Keep the window memory mapped until the process exits, whatever releases the window: a
+    /// tensor aliasing it (the zero-copy combine view) may outlive the buffer, and reading it must
+    /// not fault. A provider that cannot keep it (nvshmem: its heap goes at finalize) ignores this.
+    fn keep_memory(&mut self) {}
     /// The GIN device comm (byte copy of `ncclDevComm`) and the `ncclWindow_t` of this window on
     /// its communicator, when the provider created one (NCCL windows of internode buffers over GIN).
     fn gin(&self) -> Option<(&[u64], *mut std::ffi::c_void)> {
@@ -43,6 +47,9 @@ pub trait PeerWindow: Send {
 }
 
 impl PeerWindow for crate::ffi::nccl_window::Window {
+    fn keep_memory(&mut self) {
+        self.keep_memory()
+    }
     fn ctx(&self) -> &Ctx {
         self.ctx()
     }
@@ -84,6 +91,9 @@ impl PeerWindow for crate::ffi::nvshmem_window::Window {
 
 #[cfg(feature = "ipc")]
 impl PeerWindow for crate::ffi::ipc_window::Window {
+    fn keep_memory(&mut self) {
+        self.keep_memory()
+    }
     fn ctx(&self) -> &Ctx {
         self.ctx()
     }

@@ -12,10 +12,10 @@ pub mod global_barrier;
 pub mod host_mask;
 #[cfg(feature = "cuda")]
 pub mod internode;
-#[cfg(feature = "ipc")]
-pub mod ipc_window;
 #[cfg(feature = "cuda")]
 pub mod intranode;
+#[cfg(feature = "ipc")]
+pub mod ipc_window;
 #[cfg(feature = "cuda")]
 pub mod kernels;
 #[cfg(feature = "cuda")]

@@ -152,13 +152,14 @@ def test_buffer_attributes_and_lifecycle(deep_ep, ops, group):
         ops.buffer_info(h2)
 
 
-def test_nvshmem_backend_on_cpu_is_a_clear_error(deep_ep, group):
-    """backend="nvshmem" needs a CUDA device; a CPU buffer (or a machine without GPU) says so."""
-    with pytest.raises(RuntimeError, match=r"^deep_ep::get_unique_id: backend 'nvshmem' needs a CUDA device; CPU buffers use the cpu backend"):
-        deep_ep.Buffer(group, 1 << 22, 0, device="cpu", backend="nvshmem")
+@pytest.mark.parametrize("backend", ["nvshmem", "ipc"])
+def test_gpu_only_backend_on_cpu_is_a_clear_error(deep_ep, group, backend):
+    """backend="nvshmem" or "ipc" needs a CUDA device; a CPU buffer (or a machine without GPU) says so."""
+    with pytest.raises(RuntimeError, match=rf"^deep_ep::get_unique_id: backend '{backend}' needs a CUDA device; CPU buffers use the cpu backend"):
+        deep_ep.Buffer(group, 1 << 22, 0, device="cpu", backend=backend)
     import json
 
-    assert "nvshmem" in json.loads(torch.ops.deep_ep.build_info())["backends"]
+    assert {"nvshmem", "ipc"} <= set(json.loads(torch.ops.deep_ep.build_info())["backends"])
 
 
 def test_buffer_requires_a_group(deep_ep):

@@ -65,7 +65,7 @@ def test_diagnose_reports_a_missing_library():
 def test_build_info_is_json_describing_this_build(ops):
     info = json.loads(ops.build_info())
     assert info["crate_version"] == "0.1.0"
-    assert info["backends"][0] == "cpu" and set(info["backends"]) <= {"cpu", "nccl", "nvshmem"}
+    assert info["backends"][0] == "cpu" and set(info["backends"]) <= {"cpu", "nccl", "nvshmem", "ipc"}
     assert ("nccl" in info["backends"]) == ("nccl" in info["features"])
     if "nccl" in info["features"]:
         code = info["nccl_header_version_code"]

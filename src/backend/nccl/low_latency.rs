@@ -121,7 +121,11 @@ fn ll_format_error(op: &'static str, e: crate::ffi::intranode::KernelError) -> E
         ),
         (0, false) => {
             let name = |f: i32| format!("use_logfmt={}, partial sums={}", f & 1 != 0, f & 2 != 0);
-            format!("rank {src} combined with {}, this rank received with {}: every rank must pass the same use_logfmt (and combine mode)", name(theirs), name(mine))
+            format!(
+                "rank {src} combined with {}, this rank received with {}: every rank must pass the same use_logfmt (and combine mode)",
+                name(theirs),
+                name(mine)
+            )
         }
         (i, _) => {
             let field = ["", "hidden", "num_max_dispatch_tokens_per_rank", "num_experts"].get(i as usize).copied().unwrap_or("?");

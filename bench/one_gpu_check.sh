@@ -48,7 +48,16 @@ step bad_input 240 env DEEP_EP_TEST_INSTALLED=1 "$py" -m pytest -q -rs tests/gpu
 # GPU, run in another against its own buffer (slot 0); the loaded AOTI model captured in a CUDA
 # graph. CXX: the image's default /opt/gcc g++ builds AOTI wrappers that crash in std::regex at
 # load (not this library's bug); Ubuntu's g++ works.
-step serialized_cuda 300 bash -c "d=\$(mktemp -d) && export CXX=/usr/bin/g++ DEEP_EP_MODEL_DEVICE=cuda && '$py' tests/python/_serialized_model.py make \$d && '$py' tests/python/_serialized_model.py load \$d"
+step serialized_cuda 300 bash -c "d=\$(mktemp -d) && export CXX=/usr/bin/g++ DEEP_EP_MODEL_DEVICE=cuda && '$py' tests/python/_serialized_model.py make \$d && '$py' tests/python/_serialized_model.py load \$d && echo \$d > /tmp/deep_ep_models_dir"
+# The C++ and Rust model servers (built on the build machine against the same torch version, in
+# SERVERS_DIR) on the models just made: no Python; the C++ one also replays the AOTI decode package
+# in a CUDA graph. The machine's torch libraries (and their CUDA runtime) come from LD_LIBRARY_PATH.
+servers=${SERVERS_DIR:-.carry}
+tlib=$("$py" -c 'import torch, os; print(os.path.dirname(torch.__file__))')/lib
+culib=$("$py" -c 'import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))')/nvidia/cu13/lib
+dlib=$(cd /tmp && "$py" -c 'import deep_ep_rs; print(deep_ep_rs.library_path())')
+step cpp_model_server 120 bash -c "LD_LIBRARY_PATH=$tlib:$culib $servers/model_server --dir \$(cat /tmp/deep_ep_models_dir) --lib $dlib --device cuda"
+step rust_model_server 120 bash -c "LD_LIBRARY_PATH=$tlib:$culib $servers/deep_ep_tch_server --dir \$(cat /tmp/deep_ep_models_dir) --lib $dlib"
 step ll_1 240 env DEEP_EP_LL_CONFIGS=${LL_CONFIGS:-60} DEEP_EP_LL_REPLAYS=${LL_REPLAYS:-200} "$py" -m pytest -q -rs "tests/gpu/test_low_latency.py::test_low_latency_matches_cpu_backend[1]"
 step bench_ll 120 "$py" -m torch.distributed.run --nproc-per-node 1 bench/low_latency.py --tokens 1 128 --out "$out/low-latency-1gpu.json"
 step compile_cuda 150 "$py" -m pytest -q -rs tests/gpu/test_compile_cuda.py

@@ -123,9 +123,15 @@ def load(d):
         assert all(torch.equal(a, b) for a, b in zip(got, io["want"])), name
         print(f"OK {name} (handle {h} bound to slot 0)")
     if DEV.type == "cuda":  # the loaded AOTI decode step, captured once and replayed
-        decode = torch._inductor.aoti_load_package(f"{d}/decode_aoti.pt2")
+        # run_single_threaded: the package's default runner records and queries a "run finished"
+        # event per call, which a capturing stream refuses ("operation not permitted when stream is
+        # capturing"); torch documents this flag for CUDA graphs.
+        decode = torch._inductor.aoti_load_package(f"{d}/decode_aoti.pt2", run_single_threaded=True)
         static = [a.clone() for a in io["args"]]
-        decode(*static)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            decode(*static)  # warm-up on the capture stream
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):

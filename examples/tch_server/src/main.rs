@@ -1,6 +1,7 @@
 //! Serves a TorchScript MoE step made by another (Python) process (tests/python/_serialized_model.py):
 //! loads libdeep_ep.so (registers `deep_ep::*` and exports its C API), creates this process's own
-//! CPU buffer, binds it to slot 0 (the slot the model was made with), loads the model with
+//! buffer on the device the model was made for (CPU backend, or cuda:N with the default GPU
+//! backend), binds it to slot 0 (the slot the model was made with), loads the model with
 //! `tch::CModule`, runs it on the saved inputs and checks prefill and decode bit for bit.
 
 use anyhow::{bail, ensure, Context, Result};
@@ -41,17 +42,18 @@ impl DeepEp {
         bail!("{}", unsafe { CStr::from_ptr(last()) }.to_string_lossy())
     }
 
-    /// A one-rank CPU buffer (collective of one) with room for LL calls of `t` tokens.
-    fn create_cpu_buffer(&self, nvl_bytes: i64, t: i64, hidden: i64, experts: i64) -> Result<i64> {
+    /// A one-rank buffer (collective of one) on `device` (-1 = CPU, else a CUDA index) with room
+    /// for LL calls of `t` tokens: the cpu backend, or on a GPU the default (DEEP_EP_BACKEND, else nccl).
+    fn create_buffer(&self, device: i32, nvl_bytes: i64, t: i64, hidden: i64, experts: i64) -> Result<i64> {
         let (uid_fn, create, hint): (GetUniqueId, CreateBuffer, LlHint) =
             (self.sym(b"deep_ep_get_unique_id")?, self.sym(b"deep_ep_create_buffer")?, self.sym(b"deep_ep_low_latency_rdma_size_hint")?);
-        let backend = c"cpu";
+        let backend = if device < 0 { c"cpu" } else { c"" };
         let (mut uid, mut rdma, mut handle) = ([0u8; 128], 0i64, 0i64);
         // SAFETY: out-pointers to locals of the sizes the C API writes.
         unsafe {
-            self.check(uid_fn(backend.as_ptr(), -1, uid.as_mut_ptr()))?;
+            self.check(uid_fn(backend.as_ptr(), device, uid.as_mut_ptr()))?;
             self.check(hint(t, hidden, 1, experts, &mut rdma))?;
-            self.check(create(uid.as_ptr(), 128, 0, 1, -1, nvl_bytes, rdma, 1, backend.as_ptr(), &mut handle))?;
+            self.check(create(uid.as_ptr(), 128, 0, 1, device, nvl_bytes, rdma, 1, backend.as_ptr(), &mut handle))?;
         }
         Ok(handle)
     }
@@ -96,10 +98,14 @@ fn main() -> Result<()> {
     let (n, hidden) = (io[0].size()[0], io[0].size()[1]);
     let (experts, t) = (io[5].int64_value(&[]), io[6].int64_value(&[]));
 
-    let other = deep_ep.create_cpu_buffer(1 << 20, t, hidden, experts)?; // handles differ from the maker's
-    let handle = deep_ep.create_cpu_buffer(1 << 22, t, hidden, experts)?;
+    let device = match io[0].device() {
+        tch::Device::Cuda(i) => i as i32,
+        _ => -1,
+    };
+    let other = deep_ep.create_buffer(device, 1 << 20, t, hidden, experts)?; // handles differ from the maker's
+    let handle = deep_ep.create_buffer(device, 1 << 22, t, hidden, experts)?;
     deep_ep.bind_slot(handle, 0)?;
-    println!("buffers {other} and {handle}, slot 0 -> {handle}; {n} tokens x {hidden}");
+    println!("buffers {other} and {handle} on {:?}, slot 0 -> {handle}; {n} tokens x {hidden}", io[0].device());
 
     let model = CModule::load(format!("{dir}/model.pt")).context("loading the TorchScript model")?;
     let inputs: Vec<IValue> = io[..3].iter().map(|t| IValue::Tensor(t.shallow_clone())).collect();

@@ -85,11 +85,11 @@ cpp-test: build $(MODELS)/.ok
 	CUDA_VISIBLE_DEVICES= DEEP_EP_TIMEOUT_MS=60000 $(CPP_BUILD)/cpp_server --ranks 2 --lib $(abspath $(LIB))
 	CUDA_VISIBLE_DEVICES= $(CPP_BUILD)/model_server --dir $(MODELS) --lib $(abspath $(LIB))
 
-# Artifacts made by a Python process for the C++ and Rust servers: TorchScript, torch.export and
-# AOTInductor files of tests/python/_serialized_model.py, with their inputs and outputs.
-$(MODELS)/.ok: $(LIB) tests/python/_serialized_model.py
+# Artifacts made by a Python process for the C++ and Rust servers: examples/moe_layer.py scripted,
+# exported and AOT-compiled by examples/export_moe_layer.py, with its inputs and outputs.
+$(MODELS)/.ok: $(LIB) examples/export_moe_layer.py examples/moe_layer.py
 	rm -rf $(MODELS) && mkdir -p $(MODELS)
-	CUDA_VISIBLE_DEVICES= $(PYTEST_ENV) $(PY) tests/python/_serialized_model.py make $(MODELS)
+	CUDA_VISIBLE_DEVICES= $(PYTEST_ENV) $(PY) examples/export_moe_layer.py $(MODELS)
 	touch $@
 
 # The Rust server (examples/tch_server, its own crate: tch 0.24 + anyhow) runs the TorchScript model

@@ -56,16 +56,22 @@ int main(int argc, char** argv) {
   const bool gpu = device == "cuda";
   const at::Device dev = gpu ? at::Device("cuda:0") : at::Device("cpu");
   const std::string backend = gpu ? "" : "cpu";  // GPU: DEEP_EP_BACKEND, else nccl
-  // The saved inputs and outputs: buffers of a scripted container module (on the maker's device).
-  auto io = torch::jit::load(dir + "/io_ts.pt");
-  std::vector<at::Tensor> args = {io.attr("x").toTensor(), io.attr("idx").toTensor(), io.attr("w").toTensor()};
-  std::vector<at::Tensor> want = {io.attr("prefill").toTensor(), io.attr("decode").toTensor()};
+  // The saved inputs and outputs: a scripted module whose forward() returns [num_inputs, *inputs,
+  // prefill, decode, num_experts, max_decode_tokens] (examples/export_moe_layer.py SavedIO).
+  auto saved = torch::jit::load(dir + "/io_ts.pt").forward({}).toTensorVector();
+  const int64_t n_in = saved.at(0).item<int64_t>();
+  if (saved.size() != static_cast<size_t>(n_in) + 5) {
+    std::fprintf(stderr, "model_server: io_ts.pt holds %zu tensors, expected %lld\n", saved.size(), (long long)n_in + 5);
+    return 2;
+  }
+  std::vector<at::Tensor> args(saved.begin() + 1, saved.begin() + 1 + n_in);
+  std::vector<at::Tensor> want = {saved[1 + n_in], saved[2 + n_in]};
   if (args[0].device() != dev) {
     std::fprintf(stderr, "model_server: the models in %s were made on %s, not %s\n", dir.c_str(), args[0].device().str().c_str(), device.c_str());
     return 2;
   }
-  const int64_t n = args[0].size(0), hidden = args[0].size(1), experts = io.attr("num_experts").toTensor().item<int64_t>();
-  const int64_t t = io.attr("num_max_dispatch_tokens_per_rank").toTensor().item<int64_t>();
+  const int64_t n = args[0].size(0), hidden = args[0].size(1), experts = saved[3 + n_in].item<int64_t>();
+  const int64_t t = saved[4 + n_in].item<int64_t>();
 
   // This process's buffers: a first one so that handle numbers differ from the maker's, then the
   // one the models use, bound to slot 0.

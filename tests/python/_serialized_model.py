@@ -11,10 +11,12 @@ copy runs in any process that binds its own buffer to the slot.
 """
 import os
 import sys
-
 import torch
 
 import deep_ep_rs
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
+from export_moe_layer import SavedIO  # noqa: E402  (the servers' io_ts.pt format)
 
 N, H, K, E, T = 6, 256, 2, 4, 8
 CONFIG = [20, 6, 256, 6, 128]
@@ -53,20 +55,6 @@ class DecodeStep(MoeStep):
         return self.decode(x, idx, w)
 
 
-class SavedIO(torch.nn.Module):
-    """Inputs and expected outputs for C++ / Rust loaders: buffers x, idx, w, prefill, decode,
-    num_experts, num_max_dispatch_tokens_per_rank; forward() returns them in that order."""
-
-    def __init__(self, x, idx, w, prefill, decode):
-        super().__init__()
-        for k, v in (("x", x), ("idx", idx), ("w", w), ("prefill", prefill), ("decode", decode), ("num_experts", torch.tensor(E)),
-                     ("num_max_dispatch_tokens_per_rank", torch.tensor(T))):
-            self.register_buffer(k, v)
-
-    def forward(self):
-        return (self.x, self.idx, self.w, self.prefill, self.decode, self.num_experts, self.num_max_dispatch_tokens_per_rank)
-
-
 def buffer(slot=None):
     ops = torch.ops.deep_ep
     dev = torch.device("cuda", 0) if DEV.type == "cuda" else DEV
@@ -101,7 +89,7 @@ def make(d):
     torch.save({"args": args, "want": want}, f"{d}/io.pt")
     # The same for C++ and Rust (examples/cpp_server/model_server.cpp, examples/tch_server): a
     # scripted module whose buffers (and forward) hold them.
-    torch.jit.save(torch.jit.script(SavedIO(*args, *want)), f"{d}/io_ts.pt")
+    torch.jit.save(torch.jit.script(SavedIO(list(args), *want, E, T)), f"{d}/io_ts.pt")
     print("MADE")
 
 

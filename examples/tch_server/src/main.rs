@@ -90,28 +90,38 @@ fn main() -> Result<()> {
     let dir = arg("--dir").context("usage: deep_ep_tch_server --dir DIR [--lib libdeep_ep.so]")?;
     let lib = arg("--lib").unwrap_or_else(|| "target/release/libdeep_ep.so".into());
 
+    // A CUDA libtorch registers its CUDA kernels from libtorch_cuda.so, which the linker drops from
+    // this binary (nothing here names a symbol of it): load it by name, so models and tensors saved
+    // on a GPU load here. Absent (a CPU-only libtorch): CPU only.
+    // SAFETY: loading runs libtorch_cuda's static initialisers against the libtorch tch loaded.
+    let _cuda = unsafe { libloading::Library::new("libtorch_cuda.so") }.ok();
     let deep_ep = DeepEp::load(&lib)?; // before loading any model that calls deep_ep::*
                                        // Saved inputs and outputs (io_ts.pt's forward returns them).
+                                       // io_ts.pt's forward returns [num_inputs, *inputs, prefill, decode, num_experts, max_decode_tokens].
     let no_args: [IValue; 0] = [];
-    let io = tensors(CModule::load(format!("{dir}/io_ts.pt"))?.forward_is(&no_args)?, "io_ts.pt")?;
-    ensure!(io.len() == 7, "io_ts.pt returned {} tensors, expected 7", io.len());
-    let (n, hidden) = (io[0].size()[0], io[0].size()[1]);
-    let (experts, t) = (io[5].int64_value(&[]), io[6].int64_value(&[]));
-
-    let device = match io[0].device() {
+    let saved = match CModule::load(format!("{dir}/io_ts.pt"))?.forward_is(&no_args)? {
+        IValue::TensorList(v) => v,
+        other => bail!("io_ts.pt: expected a list of tensors, got {other:?}"),
+    };
+    let n_in = saved.first().context("io_ts.pt returned nothing")?.int64_value(&[]) as usize;
+    ensure!(saved.len() == n_in + 5, "io_ts.pt returned {} tensors, expected {}", saved.len(), n_in + 5);
+    let (inputs, want) = (&saved[1..1 + n_in], &saved[1 + n_in..3 + n_in]);
+    let (n, hidden) = (inputs[0].size()[0], inputs[0].size()[1]);
+    let (experts, t) = (saved[3 + n_in].int64_value(&[]), saved[4 + n_in].int64_value(&[]));
+    let device = match inputs[0].device() {
         tch::Device::Cuda(i) => i as i32,
         _ => -1,
     };
     let other = deep_ep.create_buffer(device, 1 << 20, t, hidden, experts)?; // handles differ from the maker's
     let handle = deep_ep.create_buffer(device, 1 << 22, t, hidden, experts)?;
     deep_ep.bind_slot(handle, 0)?;
-    println!("buffers {other} and {handle} on {:?}, slot 0 -> {handle}; {n} tokens x {hidden}", io[0].device());
+    println!("buffers {other} and {handle} on {:?}, slot 0 -> {handle}; {n} tokens x {hidden}", inputs[0].device());
 
     let model = CModule::load(format!("{dir}/model.pt")).context("loading the TorchScript model")?;
-    let inputs: Vec<IValue> = io[..3].iter().map(|t| IValue::Tensor(t.shallow_clone())).collect();
-    let out = tensors(model.forward_is(&inputs)?, "model.pt")?;
+    let args: Vec<IValue> = inputs.iter().map(|t| IValue::Tensor(t.shallow_clone())).collect();
+    let out = tensors(model.forward_is(&args)?, "model.pt")?;
     ensure!(out.len() == 2, "the model returned {} tensors, expected (prefill, decode)", out.len());
-    for (name, got, want) in [("prefill", &out[0], &io[3]), ("decode", &out[1], &io[4])] {
+    for (name, got, want) in [("prefill", &out[0], &want[0]), ("decode", &out[1], &want[1])] {
         ensure!(got.kind() == want.kind() && got.equal(want), "{name} differs from the saved output");
         println!("{name}: bit-exact with the saved output");
     }

@@ -15,7 +15,7 @@ PYTEST_ENV := PYTHONPATH=python DEEP_EP_LIBRARY=$(abspath $(LIB))
 MODELS := build/models
 TCH_DIR := examples/tch_server
 
-.PHONY: demo test deps build install wheel wheel-test lint rust-test rust-example rust-model-test py-test cpp-test gpu-test compat compat-newest clean
+.PHONY: demo test deps build install wheel wheel-test lint rust-test rust-example rust-model-test py-test cpp-test gpu-test compat compat-newest scale-cpu clean
 
 demo: build
 	$(PYTEST_ENV) $(PY) examples/moe_demo.py --ranks 4
@@ -112,6 +112,15 @@ compat-newest: build
 	$(COMPAT_VENV)/bin/python -m pip install -q $(COMPAT_PIP_ARGS) "$(COMPAT_TORCH)" pytest numpy expecttest hypothesis
 	@echo "compat: $(LIB) sha256 $$(sha256sum $(LIB) | cut -c1-16) (built against $(TORCH_PIN)) under torch $$($(COMPAT_VENV)/bin/python -c 'import torch;print(torch.__version__)')"
 	$(PYTEST_ENV) $(COMPAT_VENV)/bin/python -m pytest tests/python -q
+
+# CPU reference past one NVLink domain, beyond CI's 16 ranks (docs/RANKS.md): the LL backend at
+# 16, 32 and 64 rank threads (also in rust-test, under a second each) and internode normal mode
+# at 32 and 64 rank processes (domains of 8) against the reference. Measured on 2 cores, 24 GiB:
+# 32 ranks 57 s, 64 ranks 151 s (peak about 20 GiB: one torch process per rank).
+SCALE_WORLDS ?= 32 64
+scale-cpu: build
+	cargo test --release ranks_match_reference
+	DEEP_EP_SCALE_WORLDS="$(SCALE_WORLDS)" $(PYTEST_ENV) $(PY) -m pytest tests/python/test_internode.py -q -k many_full_nodes
 
 # GPU tier: runs only where CUDA devices are visible (skipped with a message otherwise).
 gpu-test: build

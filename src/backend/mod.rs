@@ -299,8 +299,12 @@ pub fn ll_weighted_dispatch_half(records: &[LlDispatchRecord; 2], ptr: usize) ->
     (0..2).filter_map(|h| records[h].filter(|r| r.0 == ptr).map(|r| (r.2, r.1, h))).max().filter(|r| r.1).map(|r| r.2)
 }
 
-/// Offset of the message counts (`LlWire::count_off`) and of the index table.
-const LL_WIRE_COUNTS_BYTES: usize = 128;
+/// Bytes of the message counts (`LlWire::count_off`, one u32 per source rank) before the index
+/// table: 128 up to 32 ranks (every GPU layout today), then 4 bytes per rank in 128-byte steps
+/// (at 64 ranks the counts of ranks 32.. overwrote the index table: found by the 64-rank CPU test).
+fn ll_wire_counts_bytes(num_ranks: usize) -> usize {
+    (4 * num_ranks).div_ceil(128).max(1) * 128
+}
 
 impl LlGeometry {
     /// The deduplicated wire layout for `num_ranks` ranks, or `None` when it does not fit in
@@ -310,7 +314,7 @@ impl LlGeometry {
         let lay = LowLatencyLayout::new(t, h, e);
         let align = |v: usize| v.div_ceil(crate::config::BUFFER_ALIGNMENT) * crate::config::BUFFER_ALIGNMENT;
         let msg_bytes = (LL_MSG_META + (2 * h).max(h + h / 128 * 4)).div_ceil(16) * 16;
-        let idx_off = LL_WIRE_COUNTS_BYTES;
+        let idx_off = ll_wire_counts_bytes(r);
         let msgs_off = idx_off + align(4 * e * t);
         let partial_off = align(msgs_off + r * t * msg_bytes);
         (msgs_off + r * t * msg_bytes <= lay.recv_bytes).then_some(LlWire {

@@ -291,6 +291,18 @@ def test_internode_random_two_full_nodes(rank_pool):
     assert all(r["closed"] > 0 for r in results)
 
 
+@pytest.mark.skipif(not os.environ.get("DEEP_EP_SCALE_WORLDS"), reason="make scale-cpu (DEEP_EP_SCALE_WORLDS, e.g. '32 64')")
+@pytest.mark.parametrize("world", [int(w) for w in os.environ.get("DEEP_EP_SCALE_WORLDS", "32").split()])
+def test_internode_random_many_full_nodes(rank_pool, world):
+    """world ranks as world / 8 domains of 8 (EP32, EP64: DeepSeek-V3-style decode and prefill
+    scales) against the reference; one process per rank, so memory grows with the rank count."""
+    d, cases = 8, 2
+    seeds = [1000 * world + 100 * d + i for i in range(cases)]
+    results = rank_pool(world).run(internode_worker, d, seeds)
+    assert all(r["cases"] == cases for r in results)
+    assert sum(r["rows"] for r in results) > 10 * cases, "tokens must really move"
+
+
 # ---- errors -------------------------------------------------------------------------------------
 def errors_worker(rank, world):
     import deep_ep_rs

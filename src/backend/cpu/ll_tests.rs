@@ -511,3 +511,25 @@ fn small_buffer_bad_ids_and_missing_peer_are_reported() {
     b.destroy().unwrap();
     peer.join().unwrap();
 }
+
+/// Past one NVLink domain (docs/RANKS.md), ranks as threads: well under a second each on 2 cores,
+/// so all run in CI (the 64-rank case found the message counts overflowing into the index table).
+fn many_ranks(r: usize) {
+    check(Case { e: 2 * r, h: 128, t: 4, k: 4, rounds: 2, ..base(r) });
+    check(Case { e: 2 * r, h: 256, t: 4, k: 3, fp8: true, logfmt: true, rounds: 1, ..base(r) });
+}
+
+#[test]
+fn sixteen_ranks_match_reference() {
+    many_ranks(16);
+}
+
+#[test]
+fn thirty_two_ranks_match_reference() {
+    many_ranks(32);
+}
+
+#[test]
+fn sixty_four_ranks_match_reference() {
+    many_ranks(64);
+}

@@ -22,19 +22,11 @@ pub fn timeout(op: &'static str) -> crate::error::Result<Duration> {
     }
 }
 
-/// `DEEP_EP_SHM_DIR`: where the CPU backend creates its shared-memory files
-/// (default `/dev/shm` when present, else the system temp directory).
-pub fn shm_dir() -> String {
-    if let Ok(d) = std::env::var("DEEP_EP_SHM_DIR") {
-        if !d.is_empty() {
-            return d;
-        }
-    }
-    if std::path::Path::new("/dev/shm").is_dir() {
-        "/dev/shm".to_string()
-    } else {
-        std::env::temp_dir().to_string_lossy().into_owned()
-    }
+/// `DEEP_EP_SHM_DIR`: a folder for named shared-memory files (CPU buffers, the ipc provider's
+/// rendezvous), for ranks that cannot share anonymous memory (they do not share a network
+/// namespace). Unset or empty (the default): anonymous memory, nothing in any folder.
+pub fn shm_dir() -> Option<String> {
+    std::env::var("DEEP_EP_SHM_DIR").ok().filter(|d| !d.is_empty())
 }
 
 /// `DEEP_EP_LOG`: `off`, `warn` (default), `info` or `debug`; read once per process. An

@@ -1,6 +1,7 @@
 //! Resource leaks of the CPU backend: 200 buffers created and destroyed by rank threads (half
 //! through the handle registry, half as bare `CpuBackend`s), plus failed creations, leave no
-//! file in `DEEP_EP_SHM_DIR`, no extra open file descriptor and no `deep_ep_` mapping.
+//! extra open file descriptor (memfds and sockets included), no `deep_ep_` mapping, and no file
+//! in `DEEP_EP_SHM_DIR` (named files) or `/dev/shm` (anonymous memory, the default).
 //!
 //! One test function only: the checks read process-wide state (`/proc/self`), which parallel
 //! tests of the same binary would disturb.
@@ -17,7 +18,11 @@ fn open_fds() -> usize {
 fn deep_ep_maps() -> Vec<String> {
     // The backend's files are named deep_ep_<id>; match the file name, not the path (a checkout or
     // a temporary folder may be called deep_ep_* too).
-    let is_shm_file = |l: &&str| l.trim_end().trim_end_matches(" (deleted)").rsplit('/').next().is_some_and(|f| f.starts_with("deep_ep_"));
+    // Anonymous memory shows as /memfd:deep_ep_<id>.
+    let is_shm_file = |l: &&str| {
+        let f = l.trim_end().trim_end_matches(" (deleted)").rsplit('/').next().unwrap_or("");
+        f.trim_start_matches("memfd:").starts_with("deep_ep_")
+    };
     std::fs::read_to_string("/proc/self/maps").unwrap_or_default().lines().filter(is_shm_file).map(str::to_string).collect()
 }
 
@@ -52,11 +57,15 @@ fn cycle(num_ranks: usize, registry: bool) {
     threads.into_iter().for_each(|t| t.join().expect("rank thread"));
 }
 
-#[test]
-fn two_hundred_buffers_leave_nothing_behind() {
-    let dir = std::env::temp_dir().join(format!("deep_ep_leak_test_{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    std::env::set_var("DEEP_EP_SHM_DIR", &dir);
+/// `shm_dir`: `Some` for named files in that folder, `None` for anonymous memory.
+fn two_hundred_buffers(shm_dir: Option<&Path>) {
+    match shm_dir {
+        Some(dir) => std::env::set_var("DEEP_EP_SHM_DIR", dir),
+        None => std::env::remove_var("DEEP_EP_SHM_DIR"),
+    }
+    let watched = shm_dir.map_or_else(|| PathBuf::from("/dev/shm"), Path::to_path_buf);
+    let deep_ep_files = || files_in(&watched).into_iter().filter(|p| p.to_string_lossy().contains("/deep_ep_")).collect::<Vec<_>>();
+    let files_before = deep_ep_files();
     std::env::set_var("DEEP_EP_TIMEOUT_MS", "10000");
     cycle(2, true); // warm-up: thread-locals, the registry, lazily opened files
     let (fds, maps) = (open_fds(), deep_ep_maps());
@@ -73,10 +82,13 @@ fn two_hundred_buffers_leave_nothing_behind() {
     }
     assert_eq!(made, 200);
 
-    // failed creations: a missing peer (timeout) and mismatched sizes (error after the rendezvous)
+    // failed creations: a missing peer (timeout), a missing rank 0 (timeout) and mismatched
+    // sizes (error after the rendezvous)
     std::env::set_var("DEEP_EP_TIMEOUT_MS", "200");
     let id = CpuBackend::unique_id();
     assert!(CpuBackend::create(&args(&id, 1, 2, 1 << 20)).is_err());
+    let id = CpuBackend::unique_id();
+    assert!(CpuBackend::create(&args(&id, 0, 2, 1 << 20)).is_err());
     let id = CpuBackend::unique_id();
     let id2 = id.clone();
     let t = std::thread::spawn(move || CpuBackend::create(&args(&id2, 1, 2, 1 << 21)).is_err());
@@ -84,8 +96,16 @@ fn two_hundred_buffers_leave_nothing_behind() {
     assert!(t.join().unwrap());
 
     assert_eq!(deep_ep::buffer::live_count(), 0, "buffers still registered");
-    assert_eq!(files_in(&dir), Vec::<PathBuf>::new(), "files left in DEEP_EP_SHM_DIR");
+    assert_eq!(deep_ep_files(), files_before, "files left in {}", watched.display());
     assert_eq!(deep_ep_maps(), Vec::<String>::new(), "deep_ep_ mappings left");
     assert_eq!(open_fds(), fds, "open file descriptors grew");
+}
+
+#[test]
+fn two_hundred_buffers_leave_nothing_behind() {
+    let dir = std::env::temp_dir().join(format!("deep_ep_leak_test_{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    two_hundred_buffers(Some(&dir));
     std::fs::remove_dir(&dir).unwrap();
+    two_hundred_buffers(None);
 }

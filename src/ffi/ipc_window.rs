@@ -92,7 +92,7 @@ fn process_token() -> u64 {
     *TOKEN.get_or_init(|| (random_u128() as u64) | 1)
 }
 
-fn path_from_id(id: &[u8]) -> Result<String> {
+fn name_from_id(id: &[u8]) -> Result<String> {
     let end = id.iter().position(|&b| b == 0).unwrap_or(id.len());
     let body = &id[..end];
     if !body.starts_with(ID_PREFIX) || body.len() == ID_PREFIX.len() {
@@ -102,11 +102,12 @@ fn path_from_id(id: &[u8]) -> Result<String> {
         .ok()
         .filter(|s| s.bytes().all(|b| b.is_ascii_alphanumeric()))
         .ok_or_else(|| Error::invalid(OP, "unique_id holds an invalid name"))?;
-    Ok(format!("{}/deep_ep_ipc_{name}", crate::settings::shm_dir()))
+    Ok(format!("ipc_{name}"))
 }
 
-/// The host side of the buffer's rendezvous: one record per rank in a shared-memory file and a
-/// barrier over their epoch words, every wait bounded by the timeout and naming the missing ranks.
+/// The host side of the buffer's rendezvous: one record per rank in shared memory
+/// (`cpu::shared::segment`: anonymous by default) and a barrier over their epoch words, every wait bounded
+/// by the timeout and naming the missing ranks.
 pub struct Rendezvous {
     seg: Segment,
     rank: usize,
@@ -117,9 +118,7 @@ pub struct Rendezvous {
 
 impl Rendezvous {
     fn open(unique_id: &[u8], rank: usize, num_ranks: usize, timeout: Duration) -> Result<Rendezvous> {
-        let path = path_from_id(unique_id)?;
-        shm::remove_stale_files(&crate::settings::shm_dir(), 2 * timeout.max(Duration::from_millis(crate::settings::DEFAULT_TIMEOUT_MS)));
-        let seg = Segment::open(OP, &path, SLOT * MAX_RANKS)?;
+        let seg = crate::backend::cpu::shared::segment(OP, &name_from_id(unique_id)?, rank, num_ranks, SLOT * MAX_RANKS, timeout)?;
         Ok(Rendezvous { seg, rank, num_ranks, epoch: 0, timeout })
     }
 
@@ -234,7 +233,7 @@ impl Window {
         };
         let own = w.make_own(a);
         let handle = w.rdv.agree("to allocate its window", own);
-        // Every rank mapped the file by now (or gave up): the name can go, nothing is left behind.
+        // Every rank mapped the memory by now (or gave up): a named file's name can go.
         w.rdv.seg.unlink();
         handle?;
         let ptrs = w.open_peers(a);
@@ -403,33 +402,47 @@ mod tests {
     use super::*;
 
     #[test]
-    fn unique_ids_name_distinct_files_in_the_shm_folder() {
+    fn unique_ids_name_distinct_rendezvous() {
         let (a, b) = (unique_id(), unique_id());
         assert_eq!(a.len(), crate::backend::UNIQUE_ID_BYTES);
         assert_ne!(a, b);
-        let p = path_from_id(&a).unwrap();
-        assert!(p.starts_with(&crate::settings::shm_dir()) && p.contains("/deep_ep_ipc_"), "{p}");
-        let e = path_from_id(&crate::backend::cpu::CpuBackend::unique_id()).unwrap_err().to_string();
+        let n = name_from_id(&a).unwrap();
+        assert!(n.starts_with("ipc_") && n != name_from_id(&b).unwrap(), "{n}");
+        let e = name_from_id(&crate::backend::cpu::CpuBackend::unique_id()).unwrap_err().to_string();
         assert!(e.contains("unique_id was not made by get_unique_id('ipc')"), "{e}");
     }
 
     #[test]
-    fn the_rendezvous_names_the_rank_that_failed_a_step_and_the_one_that_never_came() {
+    fn the_rendezvous_names_the_rank_that_failed_a_step() {
         let id = unique_id();
-        let t = Duration::from_millis(300);
-        let ok = std::thread::spawn({
+        let t = Duration::from_millis(2000);
+        let peer = std::thread::spawn({
             let id = id.clone();
             move || {
-                let mut r = Rendezvous::open(&id, 1, 3, t).unwrap();
+                let mut r = Rendezvous::open(&id, 1, 2, t).unwrap();
                 r.agree("to allocate its window", Ok(())).map_err(|e| e.to_string())
             }
         });
-        let mut r0 = Rendezvous::open(&id, 0, 3, t).unwrap();
+        let mut r0 = Rendezvous::open(&id, 0, 2, t).unwrap();
         let e = r0.agree::<()>("to allocate its window", Err(Error::invalid(OP, "no memory"))).unwrap_err().to_string();
         assert!(e.contains("no memory"), "{e}");
-        r0.seg.unlink();
-        let e1 = ok.join().unwrap().unwrap_err();
-        // Rank 2 never came: both time out naming it; rank 1 would otherwise name rank 0's failure.
-        assert!(e1.contains("[2]") && e1.contains("to allocate its window"), "{e1}");
+        let e1 = peer.join().unwrap().unwrap_err();
+        assert!(e1.contains("rank(s) [0] failed to allocate its window"), "{e1}");
+    }
+
+    #[test]
+    fn the_rendezvous_names_the_rank_that_never_came() {
+        let id = unique_id();
+        let t = Duration::from_millis(300);
+        let came = std::thread::spawn({
+            let id = id.clone();
+            move || Rendezvous::open(&id, 1, 3, t).and_then(|mut r| r.barrier(OP, "to allocate its window")).map_err(|e| e.to_string())
+        });
+        // Rank 2 never comes: rank 0 names it while handing out the memory, rank 1 (served) names
+        // it at the first barrier, with rank 0, which gave up.
+        let e0 = Rendezvous::open(&id, 0, 3, t).err().expect("rank 2 never came").to_string();
+        assert!(e0.contains("[2]") && e0.contains("handing the buffer memory"), "{e0}");
+        let e1 = came.join().unwrap().unwrap_err();
+        assert!(e1.contains("[0, 2]") && e1.contains("to allocate its window"), "{e1}");
     }
 }

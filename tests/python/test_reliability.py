@@ -38,6 +38,71 @@ def test_shared_memory_folder_too_small_is_a_clear_error_not_sigbus(tmp_path):
     assert "LEFT=0" in out, out
 
 
+ANON_RANK = textwrap.dedent("""
+    import os, sys, time, torch, deep_ep_rs
+    ops = torch.ops.deep_ep
+    rank, uid_file, mib = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    if rank == 0:
+        uid = ops.get_unique_id("cpu", torch.device("cpu"))
+        with open(uid_file + ".tmp", "wb") as f:
+            f.write(bytes(uid.tolist()))
+        os.rename(uid_file + ".tmp", uid_file)
+    else:
+        while not os.path.exists(uid_file):
+            time.sleep(0.02)
+        uid = torch.tensor(list(open(uid_file, "rb").read()), dtype=torch.uint8)
+    try:
+        h = ops.create_buffer(uid, rank, 2, torch.device("cpu"), mib << 20, 0, False, "cpu")
+        x = torch.full((64, 1 << 18), float(rank + 1), dtype=torch.bfloat16)  # 32 MiB of rows: touches the memory
+        idx = torch.tensor([[1 - rank, rank]] * 64)
+        ntr, _, ntpe, itr = ops.get_dispatch_layout(idx, 2, 2)
+        out = ops.dispatch(h, x, None, None, None, ntr, itr, ntpe, 1, 0, [20, 6, 256, 6, 128])
+        got = out[0].float().sum(dim=1) / (1 << 18)
+        print("CREATED", int(out[0].shape[0]), sorted(set(got.tolist())))
+        ops.destroy_buffer(h)
+    except RuntimeError as e:
+        print("ERR", e)
+""")
+
+
+def _no_shm_dir_env(**extra):
+    env = {k: v for k, v in os.environ.items() if k != "DEEP_EP_SHM_DIR"}
+    env.update(extra)
+    return env
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root to mount a small private tmpfs")
+def test_default_memory_does_not_need_dev_shm(tmp_path):
+    """The default (no DEEP_EP_SHM_DIR) is anonymous memory handed out by rank 0: a 2-rank buffer
+    of 2 x 80 MiB works with an 8 MiB /dev/shm (Docker's default is 64 MB), and leaves nothing."""
+    script = tmp_path / "anon_rank.py"
+    script.write_text(ANON_RANK)
+    uid = tmp_path / "uid"
+    run = f"{sys.executable} {script} {{}} {uid} 80"
+    sh = (f"mount -t tmpfs -o size=8m none /dev/shm && ({run.format(0)} & {run.format(1)}; wait); "
+          "echo LEFT=$(ls -A /dev/shm | grep -c deep_ep_)")
+    p = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", sh], capture_output=True, text=True, timeout=180,
+                       env=_no_shm_dir_env(DEEP_EP_TIMEOUT_MS="60000"))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.count("CREATED 128 [1.0, 2.0]") == 2 and "LEFT=0" in p.stdout, p.stdout + p.stderr
+
+
+def test_memory_that_cannot_be_reserved_is_a_clear_error(tmp_path):
+    """Anonymous memory that cannot be reserved (here: a 1 MiB file-size limit) fails creation at
+    once, naming the size, instead of SIGBUS at the first large op."""
+    code = ("import resource, signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20)); exec(open(%r).read())" % str(tmp_path / "small.py"))
+    (tmp_path / "small.py").write_text(SMALL_SHM)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_no_shm_dir_env())
+    assert "ERR deep_ep::create_buffer: cannot reserve 67" in p.stdout and "anonymous memory" in p.stdout, p.stdout + p.stderr
+
+
+def _deep_ep_sockets():
+    """Abstract sockets of buffers being created (anonymous memory's rendezvous)."""
+    with open("/proc/net/unix") as f:
+        return [line.split()[-1] for line in f if "@deep_ep/" in line]
+
+
 # ---- invalid environment values are errors that name the variable -----------------------------
 @pytest.mark.parametrize("value", ["3000ms", "abc", "-1", "0", "1e3"])
 def test_invalid_timeout_env_is_an_error_naming_it(ops, value, monkeypatch):
@@ -255,6 +320,7 @@ CREATE_RANK = textwrap.dedent("""
     import os, sys, time, torch, deep_ep_rs
     ops = torch.ops.deep_ep
     rank, uid_file = int(sys.argv[1]), sys.argv[2]
+    world = int(sys.argv[3]) if len(sys.argv) > 3 else 2
     if rank == 0:
         uid = ops.get_unique_id("cpu", torch.device("cpu"))
         with open(uid_file + ".tmp", "wb") as f:
@@ -263,20 +329,23 @@ CREATE_RANK = textwrap.dedent("""
     else:
         uid = torch.tensor(list(open(uid_file, "rb").read()), dtype=torch.uint8)
     try:
-        ops.create_buffer(uid, rank, 2, torch.device("cpu"), 1 << 20, 0, False, "cpu")
+        ops.create_buffer(uid, rank, world, torch.device("cpu"), 1 << 20, 0, False, "cpu")
         print("CREATED")
     except RuntimeError as e:
         print("ERR", e)
 """)
 
 
-def _start_rank(tmp_path, rank, **env):
+def _start_rank(tmp_path, rank, anon=False, world=2, **env):
+    """A rank process creating a 2-rank buffer: named files in tmp_path/shm, or (anon) the default
+    anonymous memory."""
     import time
 
     script = tmp_path / "create_rank.py"
     script.write_text(CREATE_RANK)
-    return subprocess.Popen([sys.executable, str(script), str(rank), str(tmp_path / "uid")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=dict(os.environ, DEEP_EP_SHM_DIR=str(tmp_path / "shm"), **env)), time.monotonic()
+    env = _no_shm_dir_env(**env) if anon else dict(os.environ, DEEP_EP_SHM_DIR=str(tmp_path / "shm"), **env)
+    return subprocess.Popen([sys.executable, str(script), str(rank), str(tmp_path / "uid"), str(world)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env), time.monotonic()
 
 
 def _wait_for(path, seconds=60):
@@ -289,21 +358,52 @@ def _wait_for(path, seconds=60):
     time.sleep(1.0)  # rank 0 is now waiting in the rendezvous
 
 
-def test_creating_rank_killed_during_creation_fails_the_peer_and_leaves_no_file(tmp_path):
+@pytest.mark.parametrize("anon", [False, True], ids=["named-file", "anonymous"])
+def test_creating_rank_killed_during_creation_fails_the_peer_and_leaves_no_file(tmp_path, anon):
     import signal
 
     (tmp_path / "shm").mkdir()
-    r0, _ = _start_rank(tmp_path, 0, DEEP_EP_TIMEOUT_MS="60000")
+    shm_before = sorted(f for f in os.listdir("/dev/shm") if f.startswith("deep_ep_")) if os.path.isdir("/dev/shm") else []
+    r0, _ = _start_rank(tmp_path, 0, anon, DEEP_EP_TIMEOUT_MS="60000")
     _wait_for(tmp_path / "uid")
     r0.send_signal(signal.SIGKILL)
     r0.wait(30)
-    r1, _ = _start_rank(tmp_path, 1, DEEP_EP_TIMEOUT_MS="3000")
+    r1, _ = _start_rank(tmp_path, 1, anon, DEEP_EP_TIMEOUT_MS="3000")
     out, err = r1.communicate(timeout=120)
     assert "ERR deep_ep::create_buffer: timed out after 3000 ms on rank 1 waiting for rank(s) [0]" in out, out + err
-    # Killed while waiting in the rendezvous (the usual case: 1 s after it wrote the id) it never
-    # confirms; killed before it arrived, the rendezvous itself names it. Both fail the creation.
-    assert "confirmed the new buffer" in out or "rendezvous of all ranks" in out, out
+    if anon:  # rank 0 died before handing out the memory: its socket died with it
+        assert "receiving the buffer memory from rank 0" in out, out
+        name = "@deep_ep/cpu_" + bytes(open(tmp_path / "uid", "rb").read()).split(b":")[-1].rstrip(b"\0").decode()
+        assert name not in _deep_ep_sockets()
+    else:
+        # Killed while waiting in the rendezvous (the usual case: 1 s after it wrote the id) it
+        # never confirms; killed before it arrived, the rendezvous itself names it.
+        assert "confirmed the new buffer" in out or "rendezvous of all ranks" in out, out
     assert os.listdir(tmp_path / "shm") == []
+    if os.path.isdir("/dev/shm"):
+        assert sorted(f for f in os.listdir("/dev/shm") if f.startswith("deep_ep_")) == shm_before
+
+
+def test_rank_killed_after_getting_anonymous_memory_is_named_and_nothing_is_left(tmp_path):
+    """Anonymous memory, 3 ranks: rank 1 gets the memory and waits for rank 2; it is killed
+    (SIGKILL) there. When rank 2 comes, ranks 0 and 2 fail the creation naming rank 1 (it arrived,
+    then never confirmed), and the memory and the rendezvous socket are gone."""
+    import signal
+    import time
+
+    uid_name = lambda: "@deep_ep/cpu_" + open(tmp_path / "uid", "rb").read().split(b":")[-1].rstrip(b"\0").decode()
+    r0, _ = _start_rank(tmp_path, 0, True, 3, DEEP_EP_TIMEOUT_MS="20000")
+    _wait_for(tmp_path / "uid")
+    r1, _ = _start_rank(tmp_path, 1, True, 3, DEEP_EP_TIMEOUT_MS="60000")
+    time.sleep(1.5)  # rank 1 has the memory and waits in the rendezvous for rank 2
+    r1.send_signal(signal.SIGKILL)
+    r1.wait(30)
+    r2, _ = _start_rank(tmp_path, 2, True, 3, DEEP_EP_TIMEOUT_MS="3000")
+    out0, err0 = r0.communicate(timeout=120)
+    out2, err2 = r2.communicate(timeout=120)
+    for out, err in ((out0, err0), (out2, err2)):
+        assert "ERR deep_ep::create_buffer: timed out" in out and "waiting for rank(s) [1]" in out, out + err
+    assert uid_name() not in _deep_ep_sockets()
 
 
 def test_file_of_a_rank_killed_in_the_rendezvous_is_removed_by_a_later_creation(tmp_path):

@@ -2,7 +2,7 @@
 //! (or threads) of one machine. It is the reference the GPU kernels are tested against and what
 //! runs where there is no GPU.
 //!
-//! Segment layout (one file per buffer, named by the unique id):
+//! Segment layout (one shared mapping per buffer, `shared::segment`):
 //! `[control: barrier slots | create records][rank 0: HT area | LL area][rank 1: ...]...`
 //! Normal-mode ops *publish* into the caller's own HT area, meet at a barrier, then *pull* from
 //! peers (`ht.rs`). Low-latency ops *push* into the receiver's LL area and raise epoch-tagged
@@ -11,6 +11,7 @@
 pub(crate) mod ht;
 pub(crate) mod internode;
 pub(crate) mod ll;
+pub mod shared;
 pub mod shm;
 
 use super::internode::{InternodeCachedDispatchArgs, InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutputs, InternodePlan};
@@ -89,7 +90,7 @@ impl CpuBackend {
         id
     }
 
-    fn path_from_id(op: &'static str, id: &[u8]) -> Result<String> {
+    fn name_from_id(op: &'static str, id: &[u8]) -> Result<String> {
         let end = id.iter().position(|&b| b == 0).unwrap_or(id.len());
         let body = &id[..end];
         if !body.starts_with(ID_PREFIX) || body.len() == ID_PREFIX.len() {
@@ -99,11 +100,11 @@ impl CpuBackend {
             .ok()
             .filter(|s| s.bytes().all(|b| b.is_ascii_alphanumeric()))
             .ok_or_else(|| Error::invalid(op, "unique_id holds an invalid name"))?;
-        Ok(format!("{}/deep_ep_{name}", crate::settings::shm_dir()))
+        Ok(format!("cpu_{name}"))
     }
 
-    /// Collective: every rank maps the same file, checks that all ranks asked for the same
-    /// buffer, and rank 0 unlinks the name (every rank, when the rendezvous times out).
+    /// Collective: every rank maps the same shared memory (`shared::segment`) and checks that all
+    /// ranks asked for the same buffer; a named file loses its name once every rank has it.
     pub fn create(a: &CreateArgs) -> Result<CpuBackend> {
         const OP: &str = "deep_ep::create_buffer";
         crate::ensure!(a.num_ranks >= 1 && a.num_ranks <= MAX_RANKS, OP, "num_ranks must be in 1..={MAX_RANKS}, got {}", a.num_ranks);
@@ -114,15 +115,13 @@ impl CpuBackend {
             "the cpu backend works on CPU tensors; device {} needs the nccl backend",
             a.device
         );
-        let path = Self::path_from_id(OP, a.unique_id)?;
+        let name = Self::name_from_id(OP, a.unique_id)?;
         let ht_bytes = align_up(a.num_nvl_bytes, ALIGN);
         let ll_bytes = align_up(a.num_rdma_bytes, ALIGN);
         let region_bytes = ht_bytes + ll_bytes;
         let total = CONTROL_BYTES + a.num_ranks * region_bytes;
         let timeout = crate::settings::timeout(OP)?;
-        // Never younger than twice the default deadline: another job on the machine may wait longer.
-        shm::remove_stale_files(&crate::settings::shm_dir(), 2 * timeout.max(Duration::from_millis(crate::settings::DEFAULT_TIMEOUT_MS)));
-        let seg = Segment::open(OP, &path, total)?;
+        let seg = shared::segment(OP, &name, a.rank, a.num_ranks, total, timeout)?;
         let mut b = CpuBackend {
             info: BufferInfo::from_args(a, BackendKind::Cpu),
             seg: Some(seg),

@@ -1,6 +1,7 @@
-//! POSIX shared memory for the CPU backend: one file-backed `mmap` per buffer, shared by all
-//! ranks of one machine. This module holds all of the CPU backend's `unsafe`: mapping, raw
-//! copies and atomics at offsets. Everything above it uses bounds-checked [`Region`]s.
+//! Mappings of shared memory for the CPU backend: one `mmap` per buffer, shared by all ranks of
+//! one machine (`shared.rs` says whose memory and how ranks find it). This module and `shared.rs`
+//! hold all of the CPU backend's `unsafe`: mapping, descriptor passing, raw copies and atomics at
+//! offsets. Everything above uses bounds-checked [`Region`]s.
 
 use crate::error::{Error, Result};
 use std::ffi::CString;
@@ -17,12 +18,25 @@ impl Pod for i64 {}
 impl Pod for u64 {}
 impl Pod for f32 {}
 
-/// A mapped shared-memory file. Unmapped on drop; the file itself is unlinked by rank 0 as
-/// soon as every rank has mapped it, so nothing is left behind even if a process dies later.
+/// A mapping of a buffer's shared memory. Unmapped on drop. Named files (`DEEP_EP_SHM_DIR`)
+/// are unlinked as soon as every rank has mapped them; anonymous memory has no name at all.
 pub struct Segment {
     ptr: *mut u8,
     len: usize,
-    path: String,
+    /// The file's path (named files only).
+    path: Option<String>,
+}
+
+/// Maps `len` bytes of the shared-memory descriptor `fd` (`what` names it in errors).
+pub fn map_fd(op: &'static str, fd: &std::os::fd::OwnedFd, len: usize, what: &str) -> Result<Segment> {
+    use std::os::fd::AsRawFd;
+    crate::ensure!(len > 0, op, "internal: {what} of 0 bytes");
+    // SAFETY: valid descriptor; the result is checked.
+    let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
+    if ptr == libc::MAP_FAILED {
+        return Err(os_err(op, format!("mmap {len} bytes of {what}")));
+    }
+    Ok(Segment { ptr: ptr as *mut u8, len, path: None })
 }
 
 // The mapping is process-wide memory; access is coordinated by the backend's protocol.
@@ -59,8 +73,8 @@ fn os_err(op: &'static str, what: String) -> Error {
 }
 
 impl Segment {
-    /// Opens (creating if needed) the file `path` and maps `len` bytes of it. Every rank calls
-    /// this with the same `len`; the file is sparse, so untouched pages cost no memory.
+    /// Opens (creating if needed) the file `path` and maps `len` bytes of it, all reserved now.
+    /// Every rank calls this with the same `len`.
     pub fn open(op: &'static str, path: &str, len: usize) -> Result<Segment> {
         let cpath = CString::new(path).map_err(|_| Error::invalid(op, "shared-memory path contains NUL"))?;
         // SAFETY: plain libc calls on a NUL-terminated path; every result is checked.
@@ -96,7 +110,7 @@ impl Segment {
                 libc::unlink(cpath.as_ptr()); // the buffer cannot be made: leave no file behind
                 return Err(e);
             }
-            Ok(Segment { ptr: ptr as *mut u8, len, path: path.to_string() })
+            Ok(Segment { ptr: ptr as *mut u8, len, path: Some(path.to_string()) })
         }
     }
 
@@ -107,9 +121,9 @@ impl Segment {
         std::mem::forget(self);
     }
 
-    /// Removes the file name (the mapping stays valid for every process that has it).
+    /// Removes the file name, if any (the mapping stays valid for every process that has it).
     pub fn unlink(&self) {
-        if let Ok(c) = CString::new(self.path.as_str()) {
+        if let Some(c) = self.path.as_deref().and_then(|p| CString::new(p).ok()) {
             // SAFETY: NUL-terminated path; failure (already unlinked) is harmless.
             unsafe { libc::unlink(c.as_ptr()) };
         }

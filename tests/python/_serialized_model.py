@@ -5,7 +5,8 @@ copy runs in any process that binds its own buffer to the slot.
 
     python _serialized_model.py make DIR    # buffer bound to slot 0; writes model.pt (TorchScript),
                                             # model.pt2 (torch.export), model_aoti.pt2 (AOTInductor
-                                            # package) and io.pt (inputs, outputs)
+                                            # package), the same of the LL half through the hook
+                                            # ops (hook.pt, hook.pt2, hook_aoti.pt2) and io.pt
     python _serialized_model.py load DIR    # another process: own buffers, slot 0 bound, loads and
                                             # compares bit for bit; prints one OK line per artifact
 """
@@ -55,6 +56,23 @@ class DecodeStep(MoeStep):
         return self.decode(x, idx, w)
 
 
+class HookStep(MoeStep):
+    """The low-latency half through the hook ops (DeepEP's return_recv_hook=True: send, other
+    work, then the receive that fills the send's outputs in place), equal to `decode` bit for bit."""
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor):
+        ops = torch.ops.deep_ep
+        lrecv, scales, count, src_info, layout_range, state = ops.low_latency_dispatch_send(self.handle, x, idx, None, self.t, self.e, False,
+                                                                                            False, False)
+        other = x.float().sum()  # work that overlaps the transfer (here: nothing depends on it)
+        ops.low_latency_dispatch_recv(self.handle, state, lrecv, scales, count, src_info, layout_range, None, None, self.t, self.e, False,
+                                      False, False)
+        cstate = ops.low_latency_combine_send(self.handle, lrecv * 3, src_info, layout_range, self.t, self.e, False, False)
+        out = torch.empty((self.n, self.h), dtype=torch.bfloat16, device=x.device)
+        ops.low_latency_combine_recv(self.handle, cstate, idx, w, out, None, self.t, self.h, self.e)
+        return out, other
+
+
 def buffer(slot=None):
     ops = torch.ops.deep_ep
     dev = torch.device("cuda", 0) if DEV.type == "cuda" else DEV
@@ -83,6 +101,12 @@ def make(d):
     ep = torch.export.export(model, args)
     torch.export.save(ep, f"{d}/model.pt2")
     torch._inductor.aoti_compile_and_package(ep, package_path=f"{d}/model_aoti.pt2")  # AOTInductor, C++ wrapper
+    hooked = HookStep(deep_ep_rs.slot_handle(0))
+    assert torch.equal(hooked(*args)[0], want[1]), "hook ops differ from low_latency_dispatch/combine"
+    torch.jit.save(torch.jit.script(hooked), f"{d}/hook.pt")
+    ep = torch.export.export(hooked, args)
+    torch.export.save(ep, f"{d}/hook.pt2")
+    torch._inductor.aoti_compile_and_package(ep, package_path=f"{d}/hook_aoti.pt2")
     if DEV.type == "cuda":
         decode = torch.export.export(DecodeStep(deep_ep_rs.slot_handle(0)), args)
         torch._inductor.aoti_compile_and_package(decode, package_path=f"{d}/decode_aoti.pt2")
@@ -110,25 +134,32 @@ def load(d):
         got = fn(*io["args"])
         assert all(torch.equal(a, b) for a, b in zip(got, io["want"])), name
         print(f"OK {name} (handle {h} bound to slot 0)")
+    hooked = (("torchscript", torch.jit.load(f"{d}/hook.pt")), ("export", torch.export.load(f"{d}/hook.pt2").module()),
+              ("aoti", torch._inductor.aoti_load_package(f"{d}/hook_aoti.pt2")))
+    for name, fn in hooked:  # the LL half through the hook ops (send, other work, receive)
+        assert torch.equal(fn(*io["args"])[0], io["want"][1]), f"{name} hook"
+        print(f"OK {name} LL hooks")
     if DEV.type == "cuda":  # the loaded AOTI decode step, captured once and replayed
         # run_single_threaded: the package's default runner records and queries a "run finished"
         # event per call, which a capturing stream refuses ("operation not permitted when stream is
         # capturing"); torch documents this flag for CUDA graphs.
-        decode = torch._inductor.aoti_load_package(f"{d}/decode_aoti.pt2", run_single_threaded=True)
-        static = [a.clone() for a in io["args"]]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            decode(*static)  # warm-up on the capture stream
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = decode(*static)
-        for _ in range(3):
-            g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, io["want"][1]), "aoti decode graph replay"
-        print("OK aoti decode step in a CUDA graph (3 replays)")
+        for name, pkg in (("decode step", "decode_aoti.pt2"), ("decode step through the hook ops", "hook_aoti.pt2")):
+            decode = torch._inductor.aoti_load_package(f"{d}/{pkg}", run_single_threaded=True)
+            static = [a.clone() for a in io["args"]]
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                decode(*static)  # warm-up on the capture stream
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = decode(*static)
+            for _ in range(3):
+                g.replay()
+            torch.cuda.synchronize()
+            out = out[0] if isinstance(out, (list, tuple)) else out
+            assert torch.equal(out, io["want"][1]), f"aoti {name} graph replay"
+            print(f"OK aoti {name} in a CUDA graph (3 replays)")
 
 
 if __name__ == "__main__":

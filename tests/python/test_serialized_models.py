@@ -22,6 +22,7 @@ def test_scripted_and_exported_models_run_in_another_process(tmp_path):
     assert "UNBOUND: deep_ep::get_dispatch_layout" not in out  # layout takes no buffer
     assert "names slot 0, and no buffer of this process is bound to it" in out, out
     assert "OK torchscript" in out and "OK export" in out and "OK aoti" in out, out
+    assert all(f"OK {a} LL hooks" in out for a in ("torchscript", "export", "aoti")), out
 
 
 def test_slot_binding_rules(ops):

@@ -195,6 +195,8 @@ pub struct Window {
     closed: bool,
     /// Never free `mem` (a zero-copy view of it was handed out; `PeerWindow::keep_memory`).
     keep_mem: bool,
+    /// Ranks of the buffer on this rank's GPU, this one included.
+    ranks_on_gpu: usize,
 }
 
 // SAFETY: device pointers and the mapping are process-wide; the backend owning the window is used
@@ -230,6 +232,7 @@ impl Window {
             rdv,
             closed: false,
             keep_mem: false,
+            ranks_on_gpu: 1,
         };
         let own = w.make_own(a);
         let handle = w.rdv.agree("to allocate its window", own);
@@ -244,6 +247,7 @@ impl Window {
         let gpu = w.rdv.get(a.rank, word::GPU);
         let sharing = (0..a.num_ranks).filter(|&p| w.rdv.get(p, word::GPU) == gpu).count();
         w.ctx.num_sms = (w.ctx.num_sms / sharing as i32).max(1);
+        w.ranks_on_gpu = sharing;
         let map = PeerMap::new(OP, a.rank, a.num_ranks, a.nvl_domain, a.num_ranks, a.rank, false)?;
         (w.ctx.peer_base, w.lsa_base) = map.spread(&ptrs);
         w.ctx.nvl_ranks = map.ctx_nvl_ranks as i32;
@@ -340,6 +344,11 @@ impl Window {
 
     pub fn bytes(&self) -> usize {
         self.bytes
+    }
+
+    /// Ranks of the buffer on this rank's GPU, this one included (`ctx().num_sms` is its share).
+    pub fn ranks_on_gpu(&self) -> usize {
+        self.ranks_on_gpu
     }
 
     /// Collective release: kernel barrier of all ranks, close the opened peers, meet on the host,

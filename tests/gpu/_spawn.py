@@ -64,16 +64,14 @@ def device(rank: int) -> torch.device:
 def need_gpus(world: int, low_latency: bool = False):
     """Called by the parent before spawning `world` ranks: records the rank count (children
     inherit it, `gpu_backend`) and skips when there are too few GPUs for a backend that needs one
-    GPU per rank. Starts MPS when DEEP_EP_TEST_MPS=1; low-latency suites skip under MPS (their
-    receive kernels wait for peers' send kernels, which MPS need not make resident: measured
-    timeouts, docs/DESIGN.md "Several ranks on one GPU")."""
+    GPU per rank. Starts MPS when DEEP_EP_TEST_MPS=1 (low-latency suites included: their waiting
+    receive grids leave room for the peers' send kernels, docs/DESIGN.md "Several ranks on one
+    GPU")."""
     os.environ["DEEP_EP_TEST_WORLD"] = str(world)
     n = torch.cuda.device_count()
     if n < world and gpu_backend() != "ipc":
         pytest.skip(f"needs {world} GPUs for the {gpu_backend()} backend, found {n} (the ipc backend shares one)")
     if n < world and os.environ.get("DEEP_EP_TEST_MPS", "") == "1":
-        if low_latency:
-            pytest.skip("low-latency kernels of ranks sharing a GPU under MPS are not supported (time-slicing is)")
         mps()
 
 

@@ -51,22 +51,40 @@ use crate::ffi::intranode::{self, err, site, CONTROL_BYTES};
 use crate::ffi::low_latency::{self as k, LlArgs};
 use crate::ops::low_latency::{CLEAN as OP_CLEAN, COMBINE as OP_COMBINE, DISPATCH as OP_DISPATCH, NEXT as OP_NEXT};
 use crate::tensor::{DType, TensorRef};
-/// Blocks of the dispatch receive (128 threads each, ~4 per SM of an H100/H200, all resident).
-const RECV_BLOCKS: i32 = 528;
-/// Blocks of a partial combine send (128 threads each), over the source ranks. 528 (all resident,
-/// one message per block at 128 tokens) measured the same as 264 (bench/NOTES.md, session 6).
-const PARTIAL_BLOCKS: i32 = 264;
 /// Combine `recv_state` flag: partial sums were sent (`DEEP_EP_LL_FLAG_PARTIAL`).
 const FLAG_PARTIAL: i32 = 32;
 /// Combine `recv_state` flag: rows travel as LogFMT-10 (`DEEP_EP_LL_FLAG_LOGFMT`; the CPU
 /// backend's `FLAG_LOGFMT`).
 const FLAG_LOGFMT: i32 = 8;
-/// Most blocks of the dispatch send (256 threads each, 2 per SM: one or a few tokens per block).
-const SEND_BLOCKS: i32 = 264;
 /// Most experts of a dispatch send on this backend (`DEEP_EP_LL_MAX_EXPERTS`).
 const MAX_EXPERTS: usize = ll_seam::MAX_EXPERTS;
-/// Blocks of the combine receive (512 threads each, one per SM).
-const REDUCE_BLOCKS: i32 = 132;
+
+/// Block counts of the LL grids, per SM of this rank's share of the GPU (`Ctx::num_sms`: 132 on
+/// an H100/H200 that the rank has to itself, which gives the counts bench/NOTES.md measured).
+/// Results do not depend on them. Ranks sharing a GPU under MPS run side by side, and a receive
+/// grid spins until the peers' send kernels ran: it must leave room beside it for them, so it
+/// takes 2 blocks per SM of the share there instead of 4 (with 4 per SM the waiting grids of the
+/// other ranks filled every SM and a send kernel was never scheduled: the MPS timeouts of
+/// bench/RESULTS.md). Time-slicing needs none of this.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct LlGrid {
+    /// Dispatch receive (128 threads each; the kernel adds blocks up to one per local expert).
+    recv: i32,
+    /// Most blocks of the dispatch send (256 threads each; one or a few tokens per block).
+    send: i32,
+    /// Partial combine send (128 threads each), over the source ranks. 4 per SM measured the same
+    /// as 2 (bench/NOTES.md, session 6).
+    partial: i32,
+    /// Combine receive (512 threads each, at most one per token).
+    reduce: i32,
+}
+
+impl LlGrid {
+    fn new(num_sms: i32, ranks_on_gpu: usize) -> LlGrid {
+        let sms = num_sms.max(1);
+        LlGrid { recv: if ranks_on_gpu > 1 { 2 * sms } else { 4 * sms }, send: 2 * sms, partial: 2 * sms, reduce: sms }
+    }
+}
 
 /// Host-side LL state of one buffer.
 #[derive(Default, Debug)]
@@ -136,6 +154,10 @@ fn ll_format_error(op: &'static str, e: crate::ffi::intranode::KernelError) -> E
 }
 
 impl NcclBackend {
+    fn ll_grid(&self) -> LlGrid {
+        LlGrid::new(self.window.ctx().num_sms, self.window.ranks_on_gpu())
+    }
+
     /// The LL geometry as kernel arguments (area offsets and sizes), after the checks that
     /// depend on this buffer.
     fn ll_args(&self, op: &'static str, g: &LlGeometry) -> Result<LlArgs> {
@@ -205,7 +227,7 @@ impl NcclBackend {
             num_max_tokens: t as i32,
             hidden: h as i32,
             num_experts: e as i32,
-            num_blocks: RECV_BLOCKS,
+            num_blocks: self.ll_grid().recv,
             ..LlArgs::default()
         })
     }
@@ -306,7 +328,7 @@ impl NcclBackend {
         a.topk_idx = ptr(&s.topk_idx);
         a.topk_weights = opt_ptr(s.topk_weights.as_ref());
         a.recv_state = ptr(&out.recv_state);
-        a.num_blocks = SEND_BLOCKS;
+        a.num_blocks = self.ll_grid().send;
         self.ll_begin_send(OP_DISPATCH, &mut a, stream)?;
         k::dispatch_send(OP_DISPATCH, self.window.ctx(), &a, stream)?;
         self.ll.dispatches += 1;
@@ -365,7 +387,7 @@ impl NcclBackend {
             a.partial = 1;
             a.dispatch_half = hd as i32;
             a.flags = FLAG_PARTIAL;
-            a.num_blocks = PARTIAL_BLOCKS;
+            a.num_blocks = self.ll_grid().partial;
         }
         self.ll_begin_send(OP_COMBINE, &mut a, stream)?;
         k::combine_send(OP_COMBINE, self.window.ctx(), &a, stream)
@@ -392,7 +414,7 @@ impl NcclBackend {
         a.recv_state = ptr(&r.recv_state);
         a.out = ptr(&r.out);
         a.wait_stats = opt_ptr(st.wait_recv_cost_stats.as_ref());
-        a.num_blocks = REDUCE_BLOCKS;
+        a.num_blocks = self.ll_grid().reduce;
         k::combine_recv(OP_COMBINE, self.window.ctx(), &a, stream)
     }
 
@@ -425,6 +447,13 @@ impl NcclBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ll_grids_are_the_measured_ones_on_a_whole_gpu_and_leave_room_when_shared() {
+        assert_eq!(LlGrid::new(132, 1), LlGrid { recv: 528, send: 264, partial: 264, reduce: 132 });
+        assert_eq!(LlGrid::new(66, 2), LlGrid { recv: 132, send: 132, partial: 132, reduce: 66 });
+        assert_eq!(LlGrid::new(0, 4), LlGrid { recv: 2, send: 2, partial: 2, reduce: 1 });
+    }
 
     #[test]
     fn extra_bytes_keep_the_area_aligned() {

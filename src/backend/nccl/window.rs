@@ -30,6 +30,11 @@ pub trait PeerWindow: Send {
     fn bytes(&self) -> usize;
     /// Collective release (barrier with timeout, then the provider's teardown).
     fn close(&mut self, timeout_ms: u64) -> Result<()>;
+    /// Ranks of this buffer on this rank's GPU, this one included (more than one only on the
+    /// ipc provider); `Ctx::num_sms` is already this rank's share of the SMs.
+    fn ranks_on_gpu(&self) -> usize {
+        1
+    }
     /// Keep the window memory mapped until the process exits, whatever releases the window: a
     /// tensor aliasing it (the zero-copy combine view) may outlive the buffer, and reading it must
     /// not fault. A provider that cannot keep it (nvshmem: its heap goes at finalize) ignores this.
@@ -108,5 +113,8 @@ impl PeerWindow for crate::ffi::ipc_window::Window {
     }
     fn close(&mut self, timeout_ms: u64) -> Result<()> {
         self.close(timeout_ms)
+    }
+    fn ranks_on_gpu(&self) -> usize {
+        self.ranks_on_gpu()
     }
 }

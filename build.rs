@@ -28,7 +28,7 @@ const KNOBS: &[(&str, &str)] = &[
     ("DEEP_EP_CUDA_ARCHS", "comma list of SM targets compiled to SASS, e.g. 90 | 90,100 | 90a (default: 90)"),
     ("DEEP_EP_CUDART", "how cudart is linked: static (default) | shared"),
     ("NVSHMEM_HOME", "NVSHMEM with include/nvshmem.h and lib/libnvshmem_device.a for feature `nvshmem`'s device transport (default: <site-packages>/nvidia/nvshmem; absent: built without it)"),
-    ("LIBCLANG_PATH", "directory of libclang.so for bindgen, feature `nccl` (default: <site-packages>/clang/native of the PyPI `libclang` wheel)"),
+    ("LIBCLANG_PATH", "directory of libclang.so for bindgen, features `cuda`/`nccl` (default: <site-packages>/clang/native of the PyPI `libclang` wheel)"),
     ("DEEP_EP_CLANG_BUILTINS", "C builtin headers (stddef.h, ...) given to bindgen's clang with -idirafter (default: `$CC -print-file-name=include`, CC defaulting to gcc)"),
 ];
 
@@ -214,7 +214,9 @@ fn find_clang(libclang_path: &Option<String>, builtins: Option<String>, py: &mut
         Some(d) => (PathBuf::from(d), "LIBCLANG_PATH"),
         None => {
             let so = py.find_in_site("clang/native/libclang.so").map_err(|e| {
-                format!("libclang for bindgen (feature nccl): LIBCLANG_PATH is unset and {e}; `pip install libclang` into that python")
+                format!(
+                    "libclang for bindgen (features cuda/nccl): LIBCLANG_PATH is unset and {e}; `pip install libclang` into that python"
+                )
             })?;
             (ancestor(&so, 1), "the PyPI libclang wheel")
         }
@@ -343,7 +345,7 @@ fn main() {
         }
     }
     let mut clang = None;
-    if want_nccl {
+    if want_cuda || want_nccl {
         match find_clang(&libclang_path, clang_builtins, &mut py) {
             Ok(c) => clang = Some(c),
             Err(e) => problems.push(e),
@@ -371,8 +373,8 @@ fn main() {
             Err(e) => println!("cargo:warning=feature `nvshmem`: building without the NVSHMEM device transport: {e}"),
         }
     }
-    if let (true, Some(c), Some(n)) = (want_cuda, &cuda, &nccl) {
-        if let Err(e) = build_kernels(&kernels_dir, c, n, &archs, &cudart) {
+    if let (true, Some(c), Some(n), Some(cl)) = (want_cuda, &cuda, &nccl, &clang) {
+        if let Err(e) = build_kernels(&kernels_dir, c, n, &archs, &cudart).and_then(|()| kernel_bindings(&kernels_dir, cl, &out_dir)) {
             fail(&[e], &py);
         }
     }
@@ -542,6 +544,38 @@ fn build_nvshmem_device(
     run_tool(Command::new(&ar_prog).arg("crs").arg(&archive).args(&objects), "ar crs libdeep_ep_nvshmem.a")?;
     println!("cargo:rustc-link-search=native={}", out_dir.display());
     println!("cargo:rustc-link-lib=static=deep_ep_nvshmem");
+    Ok(())
+}
+
+/// Generates the Rust declarations of the kernels' C launch API (`kernels/deep_ep_kernels.h` and
+/// the `transport_api.h` it includes: argument structs, launchers, constants) into
+/// `$OUT_DIR/kernels_sys.rs`, included by `src/sys/kernels.rs`: one source for both languages.
+#[cfg(feature = "cuda")]
+fn kernel_bindings(kernels_dir: &Path, clang: &Clang, out_dir: &Path) -> Result<(), String> {
+    // clang-sys (bindgen's loader) reads LIBCLANG_PATH when bindgen first runs, in this process.
+    env::set_var("LIBCLANG_PATH", &clang.libclang_dir);
+    let header = kernels_dir.join("deep_ep_kernels.h");
+    let bindings = bindgen::Builder::default()
+        .header(header.display().to_string())
+        .clang_arg(format!("-I{}", kernels_dir.display()))
+        .clang_args(clang.builtins.iter().flat_map(|d| ["-idirafter".to_string(), d.display().to_string()]))
+        .allowlist_function("deep_ep_.*")
+        .allowlist_type("deep_ep_.*")
+        .allowlist_var("DEEP_EP_.*")
+        .derive_default(true)
+        .derive_debug(true)
+        .derive_partialeq(true)
+        .derive_eq(true)
+        .generate()
+        .map_err(|e| {
+            format!("bindgen failed on {} with the libclang of {} ({}): {e}", header.display(), clang.libclang_dir.display(), clang.source)
+        })?;
+    let dest = out_dir.join("kernels_sys.rs");
+    bindings.write_to_file(&dest).map_err(|e| format!("cannot write {}: {e}", dest.display()))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn kernel_bindings(_: &Path, _: &Clang, _: &Path) -> Result<(), String> {
     Ok(())
 }
 

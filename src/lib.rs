@@ -35,6 +35,7 @@ pub mod numerics;
 pub mod ops;
 pub mod reference;
 pub mod settings;
+pub mod sys;
 pub mod tensor;
 pub mod topology;
 

@@ -16,11 +16,8 @@
 use super::nccl::{self, ncclComm_t, ncclConfig_t, ncclWindow_t, nccl_fn, DeviceApi, NcclLib};
 use super::nccl_window::{gin_setup, GinSetup};
 use crate::error::Result;
+use crate::sys::kernels::*;
 use std::ffi::{c_int, c_void};
-
-extern "C" {
-    fn deep_ep_nccl_devcomm_destroy(destroy_fn: *mut c_void, comm: *mut c_void, devcomm: *const c_void) -> c_int;
-}
 
 /// `NCCL_CONFIG_UNDEF_INT` (INT_MIN): "not set, use the parent's or NCCL's default".
 const UNDEF_INT: c_int = c_int::MIN;

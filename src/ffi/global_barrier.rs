@@ -11,34 +11,25 @@ use super::intranode::{self, Ctx, SyncArgs, CONTROL_BYTES};
 use super::kernels::check;
 use super::low_latency::{NET_GIN, NET_LSA};
 use crate::error::Result;
-use std::ffi::{c_int, c_void};
+use crate::sys::kernels::*;
+use std::ffi::c_void;
 
 /// The barrier's area in the control area of every window (`DEEP_EP_GB_OFF`).
-pub const AREA_OFF: usize = CONTROL_BYTES - 6144;
+pub const AREA_OFF: usize = DEEP_EP_GB_OFF as usize;
 /// The LSA emulation's signal table of the barrier (`DEEP_EP_GB_SIG_OFF`).
-pub const SIGNAL_OFF: usize = AREA_OFF + 128;
+pub const SIGNAL_OFF: usize = DEEP_EP_GB_SIG_OFF as usize;
 /// The seam descriptor (`DEEP_EP_GB_DESC_OFF`, `DEEP_EP_GB_DESC_BYTES`).
-pub const DESC_OFF: usize = AREA_OFF + 1024;
-pub const DESC_BYTES: usize = 4096;
+pub const DESC_OFF: usize = DEEP_EP_GB_DESC_OFF as usize;
+pub const DESC_BYTES: usize = DEEP_EP_GB_DESC_BYTES as usize;
 /// Signal ids the barrier uses from its base: one per source NVLink domain
 /// (`DEEP_EP_GB_MAX_DOMAINS`); on GIN they come after the ops' ids
 /// (`backend::nccl::gin::barrier_signal_base`).
-pub const SIGNALS: usize = 8;
+pub const SIGNALS: usize = DEEP_EP_GB_MAX_DOMAINS as usize;
 
 /// `deep_ep_gb_header_t`.
-#[repr(C)]
-struct Header {
-    net_kind: i32,
-    signal_base: i32,
-}
+type Header = deep_ep_gb_header_t;
 
-extern "C" {
-    fn deep_ep_gb_barrier(ctx: *const Ctx, site: c_int, stream: *mut c_void) -> c_int;
-    fn deep_ep_gb_layout(which: c_int) -> usize;
-    fn deep_ep_cuda_memcpy_htod(dst: *mut c_void, host_src: *const c_void, bytes: usize) -> c_int;
-}
-
-/// Fails when the mirrored constants differ from the kernels' (a build out of step).
+/// Fails when the constants differ from the kernels' (a stale build).
 pub fn check_layout(op: &'static str) -> Result<()> {
     // SAFETY: pure queries of compile-time constants.
     let got: Vec<usize> = (0..4).chain([6]).map(|w| unsafe { deep_ep_gb_layout(w) }).collect();
@@ -114,7 +105,7 @@ mod tests {
             rank: 0,
             num_ranks: 4,
             window_bytes: 1 << 20,
-            host_status: 8usize as *mut c_void,
+            host_status: 8usize as *mut _,
             timeout_ns: 1,
             num_sms: 0,
             nvl_ranks: 0,
@@ -136,7 +127,7 @@ mod tests {
             rank: 3,
             num_ranks: 4,
             window_bytes: 1 << 20,
-            host_status: 8usize as *mut c_void,
+            host_status: 8usize as *mut _,
             timeout_ns: 1,
             num_sms: 0,
             nvl_ranks: 2,

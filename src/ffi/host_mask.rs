@@ -13,18 +13,13 @@
 
 use super::intranode::MAX_RANKS;
 use crate::error::Result;
-use std::ffi::{c_int, c_void};
+use crate::sys::kernels::*;
+use std::ffi::c_void;
 
 /// int32 words of the block.
 pub const MASK_WORDS: usize = 16;
 /// Index of the shrink-mode word.
 pub const SHRINK_WORD: usize = MAX_RANKS;
-
-extern "C" {
-    fn deep_ep_cuda_memcpy_htod(dst: *mut c_void, src: *const c_void, bytes: usize) -> c_int;
-    fn deep_ep_cuda_host_alloc_mapped(host: *mut *mut c_void, device_ptr: *mut *mut c_void, bytes: usize) -> c_int;
-    fn deep_ep_cuda_free_host(host: *mut c_void) -> c_int;
-}
 
 /// Host-mapped `int32_t[MASK_WORDS]`; freed on drop.
 pub struct HostMask {

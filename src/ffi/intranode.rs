@@ -10,58 +10,59 @@
 
 use super::kernels::check;
 use crate::error::Result;
+use crate::sys::kernels::{self as sys, *};
 use std::ffi::{c_int, c_void};
 
 /// Most ranks of one intranode buffer (`DEEP_EP_IC_MAX_RANKS`).
-pub const MAX_RANKS: usize = 8;
+pub const MAX_RANKS: usize = sys::DEEP_EP_IC_MAX_RANKS as usize;
 /// Most channels (`config.num_sms / 2`).
-pub const MAX_CHANNELS: usize = 512;
+pub const MAX_CHANNELS: usize = sys::DEEP_EP_IC_MAX_CHANNELS as usize;
 /// Most local experts a notify reports.
-pub const MAX_LOCAL_EXPERTS: usize = 1024;
+pub const MAX_LOCAL_EXPERTS: usize = sys::DEEP_EP_IC_MAX_LOCAL_EXPERTS as usize;
 /// Control area at the start of every window.
-pub const CONTROL_BYTES: usize = 65536;
+pub const CONTROL_BYTES: usize = sys::DEEP_EP_IC_CONTROL_BYTES as usize;
 /// Staged sections of a [`Layout`].
-pub const NUM_SECTIONS: usize = 8;
+pub const NUM_SECTIONS: usize = sys::DEEP_EP_IC_NUM_SECTIONS as usize;
 
 /// Section indices of [`Layout::off`] (`DEEP_EP_IC_SEC_*`).
 pub mod sec {
-    pub const COUNTS_RANK: usize = 0;
-    pub const COUNTS_EXPERT: usize = 1;
-    pub const SEND_HEAD: usize = 2;
-    pub const CPM: usize = 3;
-    pub const X: usize = 4;
-    pub const SCALES: usize = 5;
-    pub const TOPK: usize = 6;
-    pub const WEIGHTS: usize = 7;
+    pub const COUNTS_RANK: usize = crate::sys::kernels::DEEP_EP_IC_SEC_COUNTS_RANK as usize;
+    pub const COUNTS_EXPERT: usize = crate::sys::kernels::DEEP_EP_IC_SEC_COUNTS_EXPERT as usize;
+    pub const SEND_HEAD: usize = crate::sys::kernels::DEEP_EP_IC_SEC_SEND_HEAD as usize;
+    pub const CPM: usize = crate::sys::kernels::DEEP_EP_IC_SEC_CPM as usize;
+    pub const X: usize = crate::sys::kernels::DEEP_EP_IC_SEC_X as usize;
+    pub const SCALES: usize = crate::sys::kernels::DEEP_EP_IC_SEC_SCALES as usize;
+    pub const TOPK: usize = crate::sys::kernels::DEEP_EP_IC_SEC_TOPK as usize;
+    pub const WEIGHTS: usize = crate::sys::kernels::DEEP_EP_IC_SEC_WEIGHTS as usize;
 }
 
 /// Op kinds of a [`Layout`] (`DEEP_EP_IC_KIND_*`).
 pub mod kind {
-    pub const DISPATCH: i64 = 1;
-    pub const CACHED: i64 = 2;
-    pub const COMBINE: i64 = 3;
+    pub const DISPATCH: i64 = crate::sys::kernels::DEEP_EP_IC_KIND_DISPATCH as i64;
+    pub const CACHED: i64 = crate::sys::kernels::DEEP_EP_IC_KIND_CACHED as i64;
+    pub const COMBINE: i64 = crate::sys::kernels::DEEP_EP_IC_KIND_COMBINE as i64;
 }
 
 /// Barrier sites (`DEEP_EP_IC_SITE_*`), for messages.
 pub mod site {
-    pub const DISPATCH_START: i32 = 1;
-    pub const DISPATCH_NOTIFY: i32 = 2;
-    pub const CACHED_START: i32 = 3;
-    pub const CACHED_DATA: i32 = 4;
-    pub const COMBINE_START: i32 = 5;
-    pub const COMBINE_DATA: i32 = 6;
-    pub const CREATE: i32 = 7;
-    pub const DESTROY: i32 = 8;
-    pub const DISPATCH_RECV: i32 = 9;
-    pub const DISPATCH_PUSH: i32 = 10;
-    pub const LL_GEOMETRY: i32 = 11;
-    pub const LL_DISPATCH: i32 = 12;
-    pub const LL_COMBINE: i32 = 13;
-    pub const COMBINE_RECV: i32 = 14;
-    pub const IN_DISPATCH: i32 = 15;
-    pub const IN_DISPATCH_DATA: i32 = 16;
-    pub const IN_COMBINE: i32 = 17;
-    pub const IN_COMBINE_DATA: i32 = 18;
+    pub const DISPATCH_START: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_DISPATCH_START as i32;
+    pub const DISPATCH_NOTIFY: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_DISPATCH_NOTIFY as i32;
+    pub const CACHED_START: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_CACHED_START as i32;
+    pub const CACHED_DATA: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_CACHED_DATA as i32;
+    pub const COMBINE_START: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_COMBINE_START as i32;
+    pub const COMBINE_DATA: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_COMBINE_DATA as i32;
+    pub const CREATE: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_CREATE as i32;
+    pub const DESTROY: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_DESTROY as i32;
+    pub const DISPATCH_RECV: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_DISPATCH_RECV as i32;
+    pub const DISPATCH_PUSH: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_DISPATCH_PUSH as i32;
+    pub const LL_GEOMETRY: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_LL_GEOMETRY as i32;
+    pub const LL_DISPATCH: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_LL_DISPATCH as i32;
+    pub const LL_COMBINE: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_LL_COMBINE as i32;
+    pub const COMBINE_RECV: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_COMBINE_RECV as i32;
+    pub const IN_DISPATCH: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_IN_DISPATCH as i32;
+    pub const IN_DISPATCH_DATA: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_IN_DISPATCH_DATA as i32;
+    pub const IN_COMBINE: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_IN_COMBINE as i32;
+    pub const IN_COMBINE_DATA: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_IN_COMBINE_DATA as i32;
 
     /// Human name of a site.
     pub fn name(site: i32) -> &'static str {
@@ -91,48 +92,35 @@ pub mod site {
 
 /// Error codes of the host-mapped status block (`DEEP_EP_IC_ERR_*`).
 pub mod err {
-    pub const TIMEOUT: i32 = 1;
-    pub const MISMATCH: i32 = 2;
-    pub const OVERFLOW: i32 = 3;
-    pub const CAPACITY: i32 = 4;
+    pub const TIMEOUT: i32 = crate::sys::kernels::DEEP_EP_IC_ERR_TIMEOUT as i32;
+    pub const MISMATCH: i32 = crate::sys::kernels::DEEP_EP_IC_ERR_MISMATCH as i32;
+    pub const OVERFLOW: i32 = crate::sys::kernels::DEEP_EP_IC_ERR_OVERFLOW as i32;
+    pub const CAPACITY: i32 = crate::sys::kernels::DEEP_EP_IC_ERR_CAPACITY as i32;
     /// Input checks (`deep_ep_ic_check`), each about the reporting rank's own inputs.
-    pub const NTPR: i32 = 5;
-    pub const EXPERT_ID: i32 = 6;
-    pub const NTPE: i32 = 7;
-    pub const IN_RANK: i32 = 8;
-    pub const STALE_COUNTS: i32 = 9;
-    pub const STALE_ROWS: i32 = 10;
-    pub const STALE_SEND_HEAD: i32 = 11;
-    pub const STALE_CPM: i32 = 12;
+    pub const NTPR: i32 = crate::sys::kernels::DEEP_EP_IC_ERR_NTPR as i32;
+    pub const EXPERT_ID: i32 = crate::sys::kernels::DEEP_EP_IC_ERR_EXPERT_ID as i32;
+    pub const NTPE: i32 = crate::sys::kernels::DEEP_EP_IC_ERR_NTPE as i32;
+    pub const IN_RANK: i32 = crate::sys::kernels::DEEP_EP_IC_ERR_IN_RANK as i32;
+    pub const STALE_COUNTS: i32 = crate::sys::kernels::DEEP_EP_IC_ERR_STALE_COUNTS as i32;
+    pub const STALE_ROWS: i32 = crate::sys::kernels::DEEP_EP_IC_ERR_STALE_ROWS as i32;
+    pub const STALE_SEND_HEAD: i32 = crate::sys::kernels::DEEP_EP_IC_ERR_STALE_SEND_HEAD as i32;
+    pub const STALE_CPM: i32 = crate::sys::kernels::DEEP_EP_IC_ERR_STALE_CPM as i32;
     /// Internode: num_tokens_per_rdma_rank[extra] = value, is_token_in_rank selects limit.
-    pub const NTPRR: i32 = 13;
+    pub const NTPRR: i32 = crate::sys::kernels::DEEP_EP_IC_ERR_NTPRR as i32;
     /// Internode handle: value (from the routing) != limit (the handle's) at entry extra.
-    pub const STALE_INTERNODE: i32 = 14;
+    pub const STALE_INTERNODE: i32 = crate::sys::kernels::DEEP_EP_IC_ERR_STALE_INTERNODE as i32;
     /// LL: source `rank` sent with another format word `extra` (0 flags, 1 hidden, 2 T, 3 E):
     /// value theirs, limit this rank's.
-    pub const LL_FORMAT: i32 = 15;
+    pub const LL_FORMAT: i32 = crate::sys::kernels::DEEP_EP_IC_ERR_LL_FORMAT as i32;
 }
 
-/// `deep_ep_ic_ctx_t`: the buffer as kernels see it. `peer_base` is indexed by world rank, so a
-/// buffer has at most [`MAX_RANKS`] ranks in all, internode included.
-#[repr(C)]
-#[derive(Copy, Clone, Debug)]
-pub struct Ctx {
-    /// Window base of every rank this GPU addresses over NVLink; NULL for the ranks outside this
-    /// rank's NVLink domain when `nvl_ranks` > 0.
-    pub peer_base: [*mut c_void; MAX_RANKS],
-    pub rank: i32,
-    pub num_ranks: i32,
-    pub window_bytes: u64,
-    pub host_status: *mut c_void,
-    pub timeout_ns: u64,
-    /// SMs of this GPU, queried once at creation (0 = unknown: the launcher asks CUDA).
-    pub num_sms: i32,
-    /// 0: `peer_base` holds every rank. `D` (1 <= D < num_ranks, dividing it): an internode
-    /// buffer over NVLink domains of `D` consecutive ranks, `peer_base` set exactly for the ranks
-    /// of this rank's domain (the others are reached through the transport seam only).
-    pub nvl_ranks: i32,
-}
+/// `deep_ep_ic_ctx_t`: the buffer as kernels see it. `peer_base` holds the window base of every
+/// rank this GPU addresses over NVLink, by world rank (so a buffer has at most [`MAX_RANKS`]
+/// ranks in all, internode included; NULL outside this rank's NVLink domain when `nvl_ranks` > 0);
+/// `num_sms` is this rank's share of the GPU's SMs (0 = unknown: the launcher asks CUDA);
+/// `nvl_ranks` 0 = `peer_base` holds every rank, `D` = an internode buffer over NVLink domains of
+/// `D` consecutive ranks.
+pub type Ctx = deep_ep_ic_ctx_t;
 
 impl Ctx {
     /// Whether this is the ctx of a buffer whose other NVLink domains have no window pointer
@@ -143,236 +131,25 @@ impl Ctx {
 }
 
 /// `deep_ep_ic_layout_t`: what one rank stages, read by its peers.
-#[repr(C)]
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
-pub struct Layout {
-    pub kind: i64,
-    pub num_tokens: i64,
-    pub row_bytes: i64,
-    pub num_scales: i64,
-    pub num_topk: i64,
-    pub num_experts: i64,
-    pub num_worst: i64,
-    pub num_channels: i64,
-    pub off: [u64; NUM_SECTIONS],
-    /// Push dispatch: offset of this rank's receive area in its window (0 = pull model).
-    pub recv_off: u64,
-    /// Rows the receive area holds.
-    pub recv_cap: i64,
-    /// Rows this rank keeps (senders drop the rest); −1 = all it receives.
-    pub recv_limit: i64,
-}
-
-/// `deep_ep_ic_sync_args_t`.
-#[repr(C)]
-#[derive(Copy, Clone, Debug, Default)]
-pub struct SyncArgs {
-    pub site: i32,
-    pub op_start: i32,
-    pub gather: i32,
-    pub notify: i32,
-    pub write_host_counts: i32,
-    pub expert_alignment: i32,
-    pub num_local_experts: i32,
-    /// Write `layout` into this rank's header before signalling (gathered by this barrier).
-    pub publish: i32,
-    /// Zero the fused combine's local counters.
-    pub zero_counters: i32,
-    /// With `publish`: keep the input-check result the check kernel wrote into the header before
-    /// this barrier (else it is zeroed).
-    pub keep_check: i32,
-    pub layout: Layout,
-}
-
+pub type Layout = deep_ep_ic_layout_t;
+/// `deep_ep_ic_sync_args_t`: K0/K2 barrier, gather and notify.
+pub type SyncArgs = deep_ep_ic_sync_args_t;
 /// `deep_ep_ic_stage_args_t` (null pointer = absent input).
-#[repr(C)]
-#[derive(Copy, Clone, Debug)]
-pub struct StageArgs {
-    pub layout: Layout,
-    pub x: *const c_void,
-    pub scales: *const c_void,
-    pub scale_stride0: i64,
-    pub scale_stride1: i64,
-    pub topk_idx: *const c_void,
-    pub topk_is_int64: i32,
-    pub num_blocks: i32,
-    pub topk_weights: *const f32,
-    pub num_tokens_per_rank: *const i32,
-    pub num_tokens_per_expert: *const i32,
-    pub is_token_in_rank: *const bool,
-    pub send_head: *const i32,
-}
-
-/// `deep_ep_ic_push_args_t` (combine K1).
-#[repr(C)]
-#[derive(Copy, Clone, Debug)]
-pub struct PushArgs {
-    pub layout: Layout,
-    pub x: *const c_void,
-    pub topk_weights: *const f32,
-    pub rank_prefix_matrix: *const i32,
-    /// `[R, C]` of the handle (fused combine only).
-    pub recv_channel_prefix_matrix: *const i32,
-    pub num_rows: i64,
-    pub num_blocks: i32,
-    /// Fused combine: warps per block that start reducing (1..15); the others push first.
-    pub reduce_warps: i32,
-    /// Fused combine: 16-byte loads in flight per lane of a push warp (8 or 16).
-    pub push_unroll: i32,
-    /// Fused combine: threads per block (512 or 1024; 0 = 512).
-    pub threads: i32,
-}
-
+pub type StageArgs = deep_ep_ic_stage_args_t;
+/// `deep_ep_ic_push_args_t` (combine K1, and the fused combine's push half).
+pub type PushArgs = deep_ep_ic_push_args_t;
 /// `deep_ep_ic_pull_args_t` (null pointer = absent output / use notify's input).
-#[repr(C)]
-#[derive(Copy, Clone, Debug)]
-pub struct PullArgs {
-    pub recv_x: *mut c_void,
-    pub recv_scales: *mut c_void,
-    pub recv_topk_idx: *mut c_void,
-    pub recv_topk_weights: *mut f32,
-    pub recv_src_idx: *mut i32,
-    pub rank_prefix_matrix: *mut i32,
-    pub channel_prefix_matrix: *mut i32,
-    pub recv_channel_prefix_matrix: *mut i32,
-    pub send_head: *mut i32,
-    pub rpm_in: *const i32,
-    pub rcpm_in: *const i32,
-    pub num_rows: i64,
-    pub topk_is_int64: i32,
-    pub num_local_experts: i32,
-    pub num_blocks: i32,
-    /// Pull: 16-byte loads in flight per lane of a row copy (8 or 16, or 4 with 1024 threads;
-    /// 0 = 8).
-    pub unroll: i32,
-    /// Pull: threads per block (512 or 1024; 0 = 512).
-    pub threads: i32,
-    pub reserved: i32,
-}
-
-/// `deep_ep_ic_dispatch_push_args_t` (null pointer = absent input or output; null send_head /
-/// channel_prefix_matrix / rpm_in = this rank's staged send side and notify's matrix).
-#[repr(C)]
-#[derive(Copy, Clone, Debug)]
-pub struct DispatchPushArgs {
-    pub x: *const c_void,
-    pub scales: *const c_void,
-    pub scale_stride0: i64,
-    pub scale_stride1: i64,
-    pub topk_idx: *const c_void,
-    pub topk_weights: *const f32,
-    pub send_head: *const i32,
-    pub channel_prefix_matrix: *const i32,
-    pub rpm_in: *const i32,
-    pub recv_x: *mut c_void,
-    pub recv_scales: *mut c_void,
-    pub recv_topk_idx: *mut c_void,
-    pub recv_topk_weights: *mut f32,
-    pub recv_src_idx: *mut i32,
-    pub num_tokens: i64,
-    pub num_rows: i64,
-    pub topk_is_int64: i32,
-    pub num_local_experts: i32,
-    pub num_blocks: i32,
-    /// Warps per block that copy received rows out (1..15); the others push.
-    pub copy_warps: i32,
-}
-
+pub type PullArgs = deep_ep_ic_pull_args_t;
+/// `deep_ep_ic_dispatch_push_args_t` (null pointer = absent input or output).
+pub type DispatchPushArgs = deep_ep_ic_dispatch_push_args_t;
 /// `deep_ep_ic_check_args_t`: the routing inputs the check kernel compares (null = absent).
-#[repr(C)]
-#[derive(Copy, Clone, Debug)]
-pub struct CheckArgs {
-    pub topk_idx: *const c_void,
-    pub topk_is_int64: i32,
-    pub num_blocks: i32,
-    pub num_tokens_per_rank: *const i32,
-    pub num_tokens_per_expert: *const i32,
-    pub is_token_in_rank: *const bool,
-    pub send_head: *const i32,
-    pub channel_prefix_matrix: *const i32,
-    pub rank_prefix_matrix: *const i32,
-    pub num_tokens: i64,
-    pub num_topk: i64,
-    pub num_experts: i64,
-    pub num_channels: i64,
-    /// Handle: rows of recv_src_idx (cached dispatch) or of x (combine).
-    pub num_rows: i64,
-}
-
+pub type CheckArgs = deep_ep_ic_check_args_t;
 /// `deep_ep_ic_combine_args_t`.
-#[repr(C)]
-#[derive(Copy, Clone, Debug)]
-pub struct CombineArgs {
-    pub rank_prefix_matrix: *const i32,
-    pub channel_prefix_matrix: *const i32,
-    pub is_token_in_rank: *const bool,
-    pub send_head: *const i32,
-    pub bias_0: *const u16,
-    pub bias_1: *const u16,
-    pub out: *mut u16,
-    pub out_weights: *mut f32,
-    pub num_tokens: i64,
-    pub hidden: i32,
-    pub num_topk: i32,
-    pub num_channels: i32,
-    pub num_blocks: i32,
-}
+pub type CombineArgs = deep_ep_ic_combine_args_t;
+type HostStatusRaw = deep_ep_ic_host_status_t;
 
-/// `deep_ep_ic_host_status_t`.
-#[repr(C)]
-struct HostStatusRaw {
-    error: i32,
-    error_rank: i32,
-    error_site: i32,
-    error_value: i32,
-    error_limit: i32,
-    recv_count: i32,
-    error_extra: i32,
-    recv_rdma_count: i32,
-    per_expert: [i32; MAX_LOCAL_EXPERTS],
-}
-
-macro_rules! zeroed_default {
-    ($($t:ty),*) => {$(
-        impl Default for $t {
-            fn default() -> Self {
-                // SAFETY: every field is an integer, a raw pointer or an array of them, for which
-                // all-zero bytes are a valid value (0 / null = absent).
-                unsafe { std::mem::zeroed() }
-            }
-        }
-    )*};
-}
-zeroed_default!(StageArgs, PushArgs, PullArgs, CombineArgs, DispatchPushArgs, CheckArgs);
-
-extern "C" {
-    fn deep_ep_cuda_memset_async(ptr: *mut c_void, value: c_int, bytes: usize, stream: *mut c_void) -> c_int;
-    fn deep_ep_ic_sync(ctx: *const Ctx, args: *const SyncArgs, stream: *mut c_void) -> c_int;
-    fn deep_ep_ic_stage(ctx: *const Ctx, args: *const StageArgs, stream: *mut c_void) -> c_int;
-    fn deep_ep_ic_pull(ctx: *const Ctx, args: *const PullArgs, stream: *mut c_void) -> c_int;
-    fn deep_ep_ic_dispatch_push(ctx: *const Ctx, args: *const DispatchPushArgs, out: *const PullArgs, stream: *mut c_void) -> c_int;
-    fn deep_ep_ic_combine_push(ctx: *const Ctx, args: *const PushArgs, stream: *mut c_void) -> c_int;
-    fn deep_ep_ic_combine(ctx: *const Ctx, args: *const CombineArgs, stream: *mut c_void) -> c_int;
-    fn deep_ep_ic_combine_fused(ctx: *const Ctx, push: *const PushArgs, args: *const CombineArgs, stream: *mut c_void) -> c_int;
-    fn deep_ep_ic_check(ctx: *const Ctx, args: *const CheckArgs, stream: *mut c_void) -> c_int;
-    fn deep_ep_ic_clear_error(ctx: *const Ctx, stream: *mut c_void) -> c_int;
-    fn deep_ep_ic_struct_sizes(sizes: *mut usize);
-    fn deep_ep_ic_rendezvous_word(ctx: *const Ctx) -> *mut c_void;
-
-    fn deep_ep_cuda_get_device(device: *mut c_int) -> c_int;
-    fn deep_ep_cuda_sm_count(device: c_int, sms: *mut c_int) -> c_int;
-    fn deep_ep_cuda_versions(runtime: *mut c_int, driver: *mut c_int) -> c_int;
-    fn deep_ep_cuda_set_device(device: c_int) -> c_int;
-    fn deep_ep_cuda_host_alloc_mapped(host: *mut *mut c_void, device_ptr: *mut *mut c_void, bytes: usize) -> c_int;
-    fn deep_ep_cuda_free_host(host: *mut c_void) -> c_int;
-    fn deep_ep_cuda_stream_create(stream: *mut *mut c_void) -> c_int;
-    fn deep_ep_cuda_stream_destroy(stream: *mut c_void) -> c_int;
-    fn deep_ep_cuda_stream_synchronize(stream: *mut c_void) -> c_int;
-    fn deep_ep_cuda_device_synchronize() -> c_int;
-}
-
-/// Compares the Rust mirrors with the C structs (a mismatch means the header and this file
-/// diverged; kernels would read garbage).
+/// Compares the generated struct sizes with the C ones the kernels were compiled with (a
+/// mismatch means a stale build: kernels would read garbage).
 pub fn check_struct_sizes(op: &'static str) -> Result<()> {
     let mut c = [0usize; 10];
     // SAFETY: writes exactly 10 sizes.

@@ -25,7 +25,8 @@ use super::kernels::check;
 use super::lsa_team::PeerMap;
 use crate::backend::cpu::shm::{self, Region, Segment};
 use crate::error::{Error, Result};
-use std::ffi::{c_int, c_void};
+use crate::sys::kernels::*;
+use std::ffi::c_void;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -38,15 +39,6 @@ pub const HANDLE_BYTES: usize = 64;
 /// Bytes of one rank's record in the rendezvous file.
 const SLOT: usize = 256;
 const ID_PREFIX: &[u8] = b"deep_ep_ipc:";
-
-extern "C" {
-    fn deep_ep_cuda_malloc(ptr: *mut *mut c_void, bytes: usize) -> c_int;
-    fn deep_ep_cuda_free(ptr: *mut c_void) -> c_int;
-    fn deep_ep_cuda_ipc_get_handle(handle: *mut c_void, ptr: *mut c_void) -> c_int;
-    fn deep_ep_cuda_ipc_open(ptr: *mut *mut c_void, handle: *const c_void) -> c_int;
-    fn deep_ep_cuda_ipc_close(ptr: *mut c_void) -> c_int;
-    fn deep_ep_cuda_pci_id(device: c_int, id: *mut u64) -> c_int;
-}
 
 /// Word indices of a rank's record (u64 words; the handle from word 8).
 mod word {
@@ -280,7 +272,7 @@ impl Window {
         // SAFETY: writes HANDLE_BYTES bytes; `mem` is a live cudaMalloc allocation.
         check(unsafe { deep_ep_cuda_ipc_get_handle(handle.as_mut_ptr().cast(), self.mem) }, OP, "cudaIpcGetMemHandle")?;
         let status = HostStatus::new(OP)?;
-        self.ctx.host_status = status.device_ptr();
+        self.ctx.host_status = status.device_ptr().cast();
         self.status = Some(status);
         self.ctx.peer_base[a.rank] = self.mem;
         let stream = Stream::new(OP)?;

@@ -6,44 +6,9 @@
 //! are asynchronous on them and nothing here synchronises the host.
 
 use crate::error::{Error, Result};
+use crate::sys::kernels::*;
 use crate::tensor::{DType, Device, TensorRef};
 use std::ffi::{c_char, c_int, c_void, CStr};
-
-extern "C" {
-    /// `get_dispatch_layout` (N tokens, K top-k, R ranks, E experts, D ranks per node, G = R/D nodes if R > D).
-    fn deep_ep_launch_dispatch_layout(
-        topk_idx: *const c_void,              // device [N, K] int32 or int64, row-major
-        topk_idx_is_int64: c_int,             // 1: int64 ids, 0: int32 ids
-        num_tokens: c_int,                    // N >= 0
-        num_topk: c_int,                      // K >= 0
-        num_ranks: c_int,                     // R > 0, R % D == 0 when R > D
-        num_experts: c_int,                   // E, E % R == 0
-        num_tokens_per_rank: *mut c_int,      // device [R] int32, written
-        num_tokens_per_rdma_rank: *mut c_int, // device [G] int32, written; null allowed when R <= D
-        num_tokens_per_expert: *mut c_int,    // device [E] int32, written
-        is_token_in_rank: *mut bool,          // device [N, R] bool, written
-        nvl_domain: c_int,                    // D >= 1: ranks per node (DEEP_EP_NVL_DOMAIN_SIZE)
-        stream: *mut c_void,                  // cudaStream_t
-    ) -> c_int;
-
-    /// Static `cudaGetErrorName` of a status.
-    fn deep_ep_cuda_error_name(status: c_int) -> *const c_char;
-    /// Static `cudaGetErrorString` of a status.
-    fn deep_ep_cuda_error_string(status: c_int) -> *const c_char;
-    /// Host out: number of visible CUDA devices.
-    fn deep_ep_cuda_device_count(count: *mut c_int) -> c_int;
-}
-
-// Runtime helpers used by the tests (allocation and copies); see kernels/runtime.cu.
-#[cfg(test)]
-extern "C" {
-    fn deep_ep_cuda_set_device(device: c_int) -> c_int;
-    fn deep_ep_cuda_malloc(ptr: *mut *mut c_void, bytes: usize) -> c_int;
-    fn deep_ep_cuda_free(ptr: *mut c_void) -> c_int;
-    fn deep_ep_cuda_memcpy_htod(dst: *mut c_void, src: *const c_void, bytes: usize) -> c_int;
-    fn deep_ep_cuda_memcpy_dtoh(dst: *mut c_void, src: *const c_void, bytes: usize) -> c_int;
-    fn deep_ep_cuda_stream_synchronize(stream: *mut c_void) -> c_int;
-}
 
 fn static_str(p: *const c_char) -> &'static str {
     if p.is_null() {

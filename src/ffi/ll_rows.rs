@@ -4,20 +4,9 @@
 use super::kernels::check;
 use crate::backend::{LlRowsArgs, Stream};
 use crate::error::Result;
+use crate::sys::kernels::*;
 use crate::tensor::DType;
 use std::ffi::{c_int, c_void};
-
-extern "C" {
-    fn deep_ep_launch_ll_mask_rows(
-        topk_idx: *const c_void, // device [N, K] int32 or int64, row-major
-        topk_idx_is_int64: c_int,
-        num_rows: i64,          // N >= 0
-        num_topk: c_int,        // K > 0
-        num_tokens: *const i32, // device int32 scalar n (clamped to 0..=N on the device)
-        out: *mut c_void,       // device [N, K], dtype of topk_idx, written
-        stream: *mut c_void,    // cudaStream_t
-    ) -> c_int;
-}
 
 /// Launches the row mask of [`crate::backend::Backend::ll_mask_rows`] on `stream` (no host sync,
 /// capturable). `a` was validated by `crate::ops`: `[N, K]` contiguous CUDA tensors of one dtype

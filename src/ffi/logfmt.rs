@@ -4,13 +4,8 @@
 //! for bit, which is how the crate knows that the kernels' LogFMT matches the CPU backend's.
 
 use crate::numerics::logfmt::slot_bytes;
+use crate::sys::kernels::*;
 use std::ffi::c_int;
-
-extern "C" {
-    fn deep_ep_logfmt_encode_row_host(x: *const u16, hidden: c_int, slot: *mut u8) -> c_int;
-    fn deep_ep_logfmt_decode_accumulate_host(slot: *const u8, hidden: c_int, weight: f32, acc: *mut f32) -> c_int;
-    fn deep_ep_logfmt_math_host(func: c_int, input: *const f32, out: *mut f32, n: i64) -> c_int;
-}
 
 /// Largest row the host entry points take (channels).
 pub const MAX_HIDDEN: usize = 131_072;

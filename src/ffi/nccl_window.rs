@@ -21,27 +21,13 @@ use super::lsa_team::PeerMap;
 use super::nccl::{self, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId, ncclWindow_t, nccl_fn, DeviceApi, NcclLib};
 use super::transport::{gin_devcomm_create, GinGrant, GinReqs};
 use crate::error::{Error, Result};
+use crate::sys::kernels::*;
 use std::ffi::{c_int, c_void};
 
 const OP: &str = "deep_ep::create_buffer";
 const DESTROY: &str = "deep_ep::destroy_buffer";
 /// `ncclMemAlloc` granularity.
 const ALLOC_ALIGN: usize = 2 << 20;
-
-extern "C" {
-    fn deep_ep_nccl_devcomm_bytes() -> usize;
-    fn deep_ep_nccl_devcomm_create(
-        create_fn: *mut c_void,
-        comm: *mut c_void,
-        lsa_barrier_count: c_int,
-        devcomm: *mut c_void,
-        devcomm_bytes: usize,
-        lsa_size: *mut c_int,
-        lsa_rank: *mut c_int,
-    ) -> c_int;
-    fn deep_ep_nccl_devcomm_destroy(destroy_fn: *mut c_void, comm: *mut c_void, devcomm: *const c_void) -> c_int;
-    fn deep_ep_nccl_window_lsa_bases(window: *mut c_void, lsa_size: c_int, base: *mut *mut c_void) -> c_int;
-}
 
 /// What [`Window::create`] needs.
 pub struct WindowArgs<'a> {
@@ -262,7 +248,7 @@ impl Window {
         );
 
         let status = HostStatus::new(OP)?;
-        w.ctx.host_status = status.device_ptr();
+        w.ctx.host_status = status.device_ptr().cast();
         w.status = Some(status);
 
         let stream = Stream::new(OP)?;

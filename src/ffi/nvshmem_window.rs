@@ -244,7 +244,7 @@ impl Window {
             w.ctx.peer_base[p] = ptr;
         }
         let status = HostStatus::new(OP)?;
-        w.ctx.host_status = status.device_ptr();
+        w.ctx.host_status = status.device_ptr().cast();
         w.status = Some(status);
         let stream = Stream::new(OP)?;
         // The whole window starts zeroed: control area, transport self-test signals and LL tags

@@ -1,172 +1,41 @@
 //! Bindings of the remote-peer transport's C API (`kernels/transport_api.h`, device code in
 //! `kernels/transport.cuh`): descriptor structs, GIN device-comm creation, and the transport
-//! self-test launches. Keep the structs in step with the header; [`check_struct_sizes`] compares
-//! them with the compiler's `sizeof` at run time.
+//! self-test launches. The structs and declarations are generated from the header
+//! (`crate::sys::kernels`); [`check_struct_sizes`] still compares them with the kernels'
+//! `sizeof` at run time (a stale build).
 
 use crate::error::{Error, Result};
+use crate::sys::kernels::*;
 use std::ffi::{c_int, c_void};
 
 /// Ranks the LSA emulation can address (`DEEP_EP_TP_MAX_LSA_PEERS`).
-pub const MAX_LSA_PEERS: usize = 8;
+pub const MAX_LSA_PEERS: usize = DEEP_EP_TP_MAX_LSA_PEERS as usize;
 /// GIN contexts per communicator (`DEEP_EP_TP_MAX_GIN_CONTEXTS` = NCCL's `NCCL_GIN_MAX_CONTEXTS`).
-pub const MAX_GIN_CONTEXTS: usize = 4;
+pub const MAX_GIN_CONTEXTS: usize = DEEP_EP_TP_MAX_GIN_CONTEXTS as usize;
 
 /// Codes of [`Status::error`].
 pub mod err {
     /// A signal did not reach its target before the deadline.
-    pub const TIMEOUT: i32 = 1;
+    pub const TIMEOUT: i32 = crate::sys::kernels::DEEP_EP_TP_ERR_TIMEOUT as i32;
     /// Self-test: received bytes differ from the sender's pattern.
-    pub const DATA: i32 = 2;
+    pub const DATA: i32 = crate::sys::kernels::DEEP_EP_TP_ERR_DATA as i32;
 }
 
 /// `deep_ep_tp_status_t`: host-mapped error record of a transport kernel (first error wins;
-/// `error` is written last).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Status {
-    /// [`err`] code, 0 = none.
-    pub error: i32,
-    /// World rank waited for (timeout) or that sent bad data.
-    pub peer: i32,
-    /// Signal id of the wait.
-    pub signal: i32,
-    /// Transport context.
-    pub context: i32,
-    /// Last value seen, or the first bad word.
-    pub seen: u64,
-    /// Value waited for, or the expected word.
-    pub expected: u64,
-}
-
+/// `error` is written last): [`err`] code (0 = none), the world rank waited for or that sent bad
+/// data, signal id, context, the last value seen (or first bad word) and the value waited for.
+pub type Status = deep_ep_tp_status_t;
 /// `deep_ep_tp_lsa_t`: the LSA emulation's view of the emulated world (one NVLink domain).
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct LsaDesc {
-    /// Window base of every rank (device pointers valid in this process).
-    pub peer_base: [*mut c_void; MAX_LSA_PEERS],
-    pub rank: i32,
-    pub num_ranks: i32,
-    /// 1..=4, as GIN would grant.
-    pub num_contexts: i32,
-    /// Signals per context.
-    pub num_signals: i32,
-    /// Byte offset of the signal table (8-aligned) in every window.
-    pub signal_off: u64,
-    pub window_bytes: u64,
-}
-
+pub type LsaDesc = deep_ep_tp_lsa_t;
 /// `deep_ep_tp_gin_reqs_t`: what `ncclDevCommCreate` is asked for.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct GinReqs {
-    pub gin_context_count: i32,
-    pub gin_signal_count: i32,
-    pub gin_counter_count: i32,
-    pub lsa_barrier_count: i32,
-    /// 1: fail instead of creating a device comm without GIN.
-    pub gin_force_enable: i32,
-}
-
-/// `deep_ep_tp_gin_info_t`: what the created device comm offers.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct GinInfo {
-    pub rank: i32,
-    pub num_ranks: i32,
-    pub lsa_rank: i32,
-    pub lsa_size: i32,
-    /// 0 = no GIN.
-    pub gin_context_count: i32,
-    /// `ncclNetDeviceType` of context 0: 2 proxy, 3 GDAKI.
-    pub gin_type: i32,
-    pub gin_signal_count: i32,
-    pub gin_counter_count: i32,
-}
-
+pub type GinReqs = deep_ep_tp_gin_reqs_t;
+/// `deep_ep_tp_gin_info_t`: what the created device comm offers (`gin_type`: `ncclNetDeviceType`
+/// of context 0, 2 proxy, 3 GDAKI; `gin_context_count` 0 = no GIN).
+pub type GinInfo = deep_ep_tp_gin_info_t;
 /// `deep_ep_tp_ping_t`: arguments of the transport self-test (see the header).
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct PingArgs {
-    pub rank: i32,
-    pub num_ranks: i32,
-    pub rail_stride: i32,
-    pub context: i32,
-    pub signal: i32,
-    pub seq: u32,
-    pub bytes: u64,
-    pub src_off: u64,
-    pub dst_off: u64,
-    pub expect: u64,
-    pub timeout_ns: u64,
-    /// Host-mapped.
-    pub status: *mut Status,
-    /// Device word zeroed by the host.
-    pub claim: *mut i32,
-}
-
+pub type PingArgs = deep_ep_tp_ping_t;
 /// `deep_ep_tp_nvshmem_t`: the NVSHMEM transport's view of the world (PE = world rank).
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct NvshmemDesc {
-    /// Symmetric address of the window (the own PE's copy, from `nvshmem_malloc`).
-    pub base: *mut c_void,
-    pub rank: i32,
-    pub num_ranks: i32,
-    /// 1..=4 signal tables, as GIN's contexts.
-    pub num_contexts: i32,
-    /// Signals per context.
-    pub num_signals: i32,
-    /// Byte offset of the signal table (8-aligned) in the window.
-    pub signal_off: u64,
-    pub window_bytes: u64,
-}
-
-#[cfg(deep_ep_nvshmem_device)]
-extern "C" {
-    fn deep_ep_tp_ping_nvshmem(net: *const NvshmemDesc, args: *const PingArgs, stream: *mut c_void) -> c_int;
-    fn deep_ep_tp_nvshmem_device_init(cumodule_init: *mut c_void) -> c_int;
-    fn deep_ep_tp_nvshmem_device_fini(cumodule_finalize: *mut c_void) -> c_int;
-}
-
-extern "C" {
-    fn deep_ep_tp_ping_lsa(lsa: *const LsaDesc, args: *const PingArgs, stream: *mut c_void) -> c_int;
-    fn deep_ep_tp_ping_gin(
-        devcomm: *const c_void,
-        devcomm_bytes: usize,
-        window: *mut c_void,
-        args: *const PingArgs,
-        stream: *mut c_void,
-    ) -> c_int;
-    fn deep_ep_tp_gin_devcomm_create(
-        create_fn: *mut c_void,
-        comm: *mut c_void,
-        reqs: *const GinReqs,
-        devcomm: *mut c_void,
-        devcomm_bytes: usize,
-        info: *mut GinInfo,
-    ) -> c_int;
-    fn deep_ep_tp_struct_size(which: c_int) -> usize;
-    #[cfg(test)]
-    fn deep_ep_tp_devcomm_fill(devcomm: *mut c_void, devcomm_bytes: usize, info: *const GinInfo) -> c_int;
-    fn deep_ep_llk_gin_net_build(
-        devcomms: *const *const c_void,
-        devcomm_bytes: usize,
-        windows: *const *mut c_void,
-        num_comms: c_int,
-        out: *mut c_void,
-        out_bytes: usize,
-    ) -> usize;
-    fn deep_ep_llk_gin_net_layout(which: c_int) -> usize;
-    fn deep_ep_llk_gin_route(unit: c_int, comms: c_int, contexts: c_int, comm: *mut c_int, context: *mut c_int);
-    fn deep_ep_nccl_devcomm_bytes() -> usize;
-    fn deep_ep_cuda_malloc(ptr: *mut *mut c_void, bytes: usize) -> c_int;
-    fn deep_ep_cuda_free(ptr: *mut c_void) -> c_int;
-    fn deep_ep_cuda_memset_async(ptr: *mut c_void, value: c_int, bytes: usize, stream: *mut c_void) -> c_int;
-    fn deep_ep_cuda_memcpy_htod(dst: *mut c_void, host_src: *const c_void, bytes: usize) -> c_int;
-    fn deep_ep_cuda_host_alloc_mapped(host: *mut *mut c_void, device_ptr: *mut *mut c_void, bytes: usize) -> c_int;
-    fn deep_ep_cuda_free_host(host: *mut c_void) -> c_int;
-    fn deep_ep_cuda_stream_synchronize(stream: *mut c_void) -> c_int;
-}
+pub type NvshmemDesc = deep_ep_tp_nvshmem_t;
 
 /// Fails when a Rust mirror's size differs from the C struct's (header and this file out of step).
 pub fn check_struct_sizes(op: &'static str) -> Result<()> {

@@ -52,7 +52,11 @@ fn write_header(op: &'static str, ctx: &Ctx, h: Header) -> Result<()> {
 /// Sets up the global barrier of a split ctx over the LSA emulation: descriptor with every rank's
 /// window base (`bases`, by world rank: the window's LSA pointers, not `ctx.peer_base`), one
 /// context, the barrier's own signal table. Local, synchronous; after the window was zeroed.
-pub fn setup_lsa(op: &'static str, ctx: &Ctx, bases: &[*mut c_void]) -> Result<()> {
+///
+/// # Safety
+/// The launch contract of [`crate::ffi::intranode`]: `ctx` a live window of this rank (and
+/// pointer arguments null or live and large enough until the work ran).
+pub unsafe fn setup_lsa(op: &'static str, ctx: &Ctx, bases: &[*mut c_void]) -> Result<()> {
     check_layout(op)?;
     super::transport::write_lsa_desc(op, ctx, bases, DESC_OFF, SIGNAL_OFF, 1, SIGNALS)?;
     write_header(op, ctx, Header { net_kind: NET_LSA, signal_base: 0 })
@@ -62,7 +66,11 @@ pub fn setup_lsa(op: &'static str, ctx: &Ctx, bases: &[*mut c_void]) -> Result<(
 /// and their window handles (every communicator of the buffer; a rank signals on the (communicator, context) of its
 /// own rank, as the LL kernels), signal ids `signal_base..signal_base + SIGNALS` (planned above every
 /// id the buffer's ops use). Local, synchronous.
-pub fn setup_gin(op: &'static str, ctx: &Ctx, comms: &[(&[u64], *mut c_void)], signal_base: usize) -> Result<()> {
+///
+/// # Safety
+/// The launch contract of [`crate::ffi::intranode`]: `ctx` a live window of this rank (and
+/// pointer arguments null or live and large enough until the work ran).
+pub unsafe fn setup_gin(op: &'static str, ctx: &Ctx, comms: &[(&[u64], *mut c_void)], signal_base: usize) -> Result<()> {
     check_layout(op)?;
     crate::ensure!(signal_base + SIGNALS <= i32::MAX as usize, op, "internal: GIN barrier signal base {signal_base}");
     super::transport::write_gin_desc(op, ctx, DESC_OFF, DESC_BYTES, comms)?;
@@ -72,10 +80,14 @@ pub fn setup_gin(op: &'static str, ctx: &Ctx, comms: &[(&[u64], *mut c_void)], s
 /// A barrier of every rank of the buffer, asynchronous on `stream` (collective; the kernel
 /// records a timeout naming the rank waited for at `site` in the status block): the global
 /// barrier for a ctx split over NVLink domains ([`Ctx::split`]), else the intranode flag barrier.
-#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
-pub fn all_ranks(op: &'static str, ctx: &Ctx, site: i32, stream: *mut c_void) -> Result<()> {
+///
+/// # Safety
+/// The launch contract of [`crate::ffi::intranode`]: `ctx` a live window of this rank (and
+/// pointer arguments null or live and large enough until the work ran).
+pub unsafe fn all_ranks(op: &'static str, ctx: &Ctx, site: i32, stream: *mut c_void) -> Result<()> {
     if !ctx.split() {
-        return intranode::sync(op, ctx, &SyncArgs { site, ..Default::default() }, stream);
+        // SAFETY: launch contract: these SyncArgs carry no pointer.
+        return unsafe { intranode::sync(op, ctx, &SyncArgs { site, ..Default::default() }, stream) };
     }
     // SAFETY: the ctx describes live windows (own domain) and the barrier area set up at
     // creation; the launcher validates it; asynchronous on `stream`.
@@ -147,7 +159,8 @@ mod tests {
         assert!(intranode::rendezvous_word(&odd).is_null());
         // Intranode launchers still want every window.
         let args = SyncArgs::default();
-        assert!(intranode::sync("test", &c, &args, std::ptr::null_mut()).is_err());
+        // SAFETY: the launcher refuses this ctx before any device work (what the test checks).
+        assert!(unsafe { intranode::sync("test", &c, &args, std::ptr::null_mut()) }.is_err());
     }
 
     #[test]

@@ -75,8 +75,11 @@ pub fn check_struct_size(op: &'static str) -> Result<()> {
 /// Launches internode step `step` on `stream` (asynchronous). The launcher checks the geometry
 /// and, with [`NET_LSA`], the LSA descriptor against `ctx`; with [`NET_GIN`] that `net` is set
 /// (cudaErrorInvalidValue otherwise).
-#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
-pub fn launch(op: &'static str, ctx: &Ctx, args: &InArgs, step: i32, stream: *mut c_void) -> Result<()> {
+///
+/// # Safety
+/// The launch contract of [`crate::ffi::intranode`]: a live window, argument pointers null or live
+/// and large enough until `stream` ran the kernel.
+pub unsafe fn launch(op: &'static str, ctx: &Ctx, args: &InArgs, step: i32, stream: *mut c_void) -> Result<()> {
     // SAFETY: `ctx` describes the buffer's live window; every pointer of `args` is null or points
     // into a live tensor of the op (validated by crate::ops) or the window, all alive until the
     // stream reaches the kernel (the caller's tensors outlive the op on its stream, as with every

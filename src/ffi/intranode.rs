@@ -170,67 +170,93 @@ pub fn check_struct_sizes(op: &'static str) -> Result<()> {
     Ok(())
 }
 
-// The launches below are sound because `Ctx` comes from a live window (`ffi::nccl_window`) and
-// every pointer in the argument structs is null or the data of a live tensor of the size the
-// kernel reads/writes (checked by `crate::ops` and the backend before the struct is built); the
-// C side refuses inconsistent sizes with cudaErrorInvalidValue.
+// The launch contract of every `unsafe fn` launcher of the kernels (here, `ffi::low_latency`,
+// `ffi::internode`): `ctx` describes this buffer's live window (a window provider made it), and
+// every pointer in the argument structs is null or points to live device memory of the size the
+// kernel reads or writes (the data of a tensor validated by `crate::ops` and the backend, or the
+// window), alive until `stream` has run the kernel; `stream` is a valid CUDA stream (or null) of
+// the window's device. The C side refuses inconsistent sizes with cudaErrorInvalidValue.
 
 /// K0/K2: barrier, optionally gather + notify (one block).
-#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
-pub fn sync(op: &'static str, ctx: &Ctx, args: &SyncArgs, stream: *mut c_void) -> Result<()> {
-    // SAFETY: see the comment above; both structs are read by value.
+///
+/// # Safety
+/// The launch contract of [`crate::ffi::intranode`]: a live window, argument pointers null or live
+/// and large enough until `stream` ran the kernel.
+pub unsafe fn sync(op: &'static str, ctx: &Ctx, args: &SyncArgs, stream: *mut c_void) -> Result<()> {
+    // SAFETY: the caller keeps the launch contract; both structs are read by value.
     check(unsafe { deep_ep_ic_sync(ctx, args, stream) }, op, "intranode barrier kernel launch")
 }
 
 /// K1: stage this rank's inputs into its own window.
-#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
-pub fn stage(op: &'static str, ctx: &Ctx, args: &StageArgs, stream: *mut c_void) -> Result<()> {
-    // SAFETY: see the comment above.
+///
+/// # Safety
+/// The launch contract of [`crate::ffi::intranode`]: a live window, argument pointers null or live
+/// and large enough until `stream` ran the kernel.
+pub unsafe fn stage(op: &'static str, ctx: &Ctx, args: &StageArgs, stream: *mut c_void) -> Result<()> {
+    // SAFETY: the caller keeps the launch contract.
     check(unsafe { deep_ep_ic_stage(ctx, args, stream) }, op, "intranode stage kernel launch")
 }
 
 /// K3 of (cached) dispatch.
-#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
-pub fn pull(op: &'static str, ctx: &Ctx, args: &PullArgs, stream: *mut c_void) -> Result<()> {
-    // SAFETY: see the comment above.
+///
+/// # Safety
+/// The launch contract of [`crate::ffi::intranode`]: a live window, argument pointers null or live
+/// and large enough until `stream` ran the kernel.
+pub unsafe fn pull(op: &'static str, ctx: &Ctx, args: &PullArgs, stream: *mut c_void) -> Result<()> {
+    // SAFETY: the caller keeps the launch contract.
     check(unsafe { deep_ep_ic_pull(ctx, args, stream) }, op, "intranode pull kernel launch")
 }
 
 /// K3 of push (cached) dispatch: every row of x into its destinations' receive areas, and the
 /// overlapped copy-out of this rank's receive area into the outputs `out`.
-#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
-pub fn dispatch_push(op: &'static str, ctx: &Ctx, args: &DispatchPushArgs, out: &PullArgs, stream: *mut c_void) -> Result<()> {
-    // SAFETY: see the comment above.
+///
+/// # Safety
+/// The launch contract of [`crate::ffi::intranode`]: a live window, argument pointers null or live
+/// and large enough until `stream` ran the kernel.
+pub unsafe fn dispatch_push(op: &'static str, ctx: &Ctx, args: &DispatchPushArgs, out: &PullArgs, stream: *mut c_void) -> Result<()> {
+    // SAFETY: the caller keeps the launch contract.
     check(unsafe { deep_ep_ic_dispatch_push(ctx, args, out, stream) }, op, "intranode dispatch push kernel launch")
 }
 
 /// K1 of combine: push received rows back into their source ranks' windows.
-#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
-pub fn combine_push(op: &'static str, ctx: &Ctx, args: &PushArgs, stream: *mut c_void) -> Result<()> {
-    // SAFETY: see the comment above.
+///
+/// # Safety
+/// The launch contract of [`crate::ffi::intranode`]: a live window, argument pointers null or live
+/// and large enough until `stream` ran the kernel.
+pub unsafe fn combine_push(op: &'static str, ctx: &Ctx, args: &PushArgs, stream: *mut c_void) -> Result<()> {
+    // SAFETY: the caller keeps the launch contract.
     check(unsafe { deep_ep_ic_combine_push(ctx, args, stream) }, op, "intranode combine push kernel launch")
 }
 
 /// K3 of combine.
-#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
-pub fn combine(op: &'static str, ctx: &Ctx, args: &CombineArgs, stream: *mut c_void) -> Result<()> {
-    // SAFETY: see the comment above.
+///
+/// # Safety
+/// The launch contract of [`crate::ffi::intranode`]: a live window, argument pointers null or live
+/// and large enough until `stream` ran the kernel.
+pub unsafe fn combine(op: &'static str, ctx: &Ctx, args: &CombineArgs, stream: *mut c_void) -> Result<()> {
+    // SAFETY: the caller keeps the launch contract.
     check(unsafe { deep_ep_ic_combine(ctx, args, stream) }, op, "intranode combine kernel launch")
 }
 
 /// Fused combine (push and reduce in one kernel, after a start barrier with `publish` and
 /// `zero_counters`; no data barrier).
-#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
-pub fn combine_fused(op: &'static str, ctx: &Ctx, push: &PushArgs, args: &CombineArgs, stream: *mut c_void) -> Result<()> {
-    // SAFETY: see the comment above.
+///
+/// # Safety
+/// The launch contract of [`crate::ffi::intranode`]: a live window, argument pointers null or live
+/// and large enough until `stream` ran the kernel.
+pub unsafe fn combine_fused(op: &'static str, ctx: &Ctx, push: &PushArgs, args: &CombineArgs, stream: *mut c_void) -> Result<()> {
+    // SAFETY: the caller keeps the launch contract.
     check(unsafe { deep_ep_ic_combine_fused(ctx, push, args, stream) }, op, "intranode fused combine kernel launch")
 }
 
 /// Input checks before the barrier that gathers the op's header (the data barrier; the fused
 /// combine's start barrier), which raises what they find on every rank.
-#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
-pub fn check_inputs(op: &'static str, ctx: &Ctx, args: &CheckArgs, stream: *mut c_void) -> Result<()> {
-    // SAFETY: see the comment above; the kernel only reads the inputs and writes this rank's
+///
+/// # Safety
+/// The launch contract of [`crate::ffi::intranode`]: a live window, argument pointers null or live
+/// and large enough until `stream` ran the kernel.
+pub unsafe fn check_inputs(op: &'static str, ctx: &Ctx, args: &CheckArgs, stream: *mut c_void) -> Result<()> {
+    // SAFETY: the caller keeps the launch contract; the kernel only reads the inputs and writes this rank's
     // control area.
     check(unsafe { deep_ep_ic_check(ctx, args, stream) }, op, "intranode input-check kernel launch")
 }
@@ -241,7 +267,11 @@ pub fn check_inputs(op: &'static str, ctx: &Ctx, args: &CheckArgs, stream: *mut 
 /// NVLink, seam phase between rail peers) for a ctx split over NVLink domains
 /// ([`super::global_barrier::all_ranks`]). A peer that never arrives is an [`Error::Timeout`]
 /// naming it, and the caller must then skip its collective teardown.
-pub fn destroy_barrier(op: &'static str, ctx: &Ctx, status: &HostStatus, timeout_ms: u64) -> Result<()> {
+///
+/// # Safety
+/// The launch contract of [`crate::ffi::intranode`]: `ctx` a live window of this rank (and
+/// pointer arguments null or live and large enough until the work ran).
+pub unsafe fn destroy_barrier(op: &'static str, ctx: &Ctx, status: &HostStatus, timeout_ms: u64) -> Result<()> {
     device_synchronize(op)?;
     let stream = Stream::new(op)?;
     super::global_barrier::all_ranks(op, ctx, site::DESTROY, stream.raw())?;
@@ -263,8 +293,11 @@ pub fn destroy_barrier(op: &'static str, ctx: &Ctx, status: &HostStatus, timeout
 /// low-latency signal words, so the first LL call needs no barrier (a re-created
 /// buffer may get the memory of a destroyed one, with its old tags). Every window provider calls
 /// it at creation, before the first barrier.
-#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
-pub fn zero_window(op: &'static str, ctx: &Ctx, stream: *mut c_void) -> Result<()> {
+///
+/// # Safety
+/// The launch contract of [`crate::ffi::intranode`]: a live window, argument pointers null or live
+/// and large enough until `stream` ran the kernel.
+pub unsafe fn zero_window(op: &'static str, ctx: &Ctx, stream: *mut c_void) -> Result<()> {
     let local = ctx.peer_base[ctx.rank as usize];
     crate::ensure!(!local.is_null(), op, "internal: the window's own pointer is not set");
     // SAFETY: this rank's own window: `window_bytes` bytes of device memory; async on `stream`.
@@ -272,8 +305,11 @@ pub fn zero_window(op: &'static str, ctx: &Ctx, stream: *mut c_void) -> Result<(
 }
 
 /// Clears the device copy of a reported error.
-#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
-pub fn clear_error(op: &'static str, ctx: &Ctx, stream: *mut c_void) -> Result<()> {
+///
+/// # Safety
+/// The launch contract of [`crate::ffi::intranode`]: a live window, argument pointers null or live
+/// and large enough until `stream` ran the kernel.
+pub unsafe fn clear_error(op: &'static str, ctx: &Ctx, stream: *mut c_void) -> Result<()> {
     // SAFETY: writes one int of this rank's scratch.
     check(unsafe { deep_ep_ic_clear_error(ctx, stream) }, op, "intranode clear-error kernel launch")
 }

@@ -246,7 +246,8 @@ impl Window {
         if let Some(stride) = a.transport_self_test {
             let full = Ctx { peer_base: w.lsa_base, nvl_ranks: 0, ..w.ctx };
             let stream = Stream::new(OP)?;
-            super::transport::lsa_self_test_run(OP, &full, stride, a.timeout_ns, stream.raw())?;
+            // SAFETY: launch contract: the ctx of this live window, zeroed and past the host rendezvous.
+            unsafe { super::transport::lsa_self_test_run(OP, &full, stride, a.timeout_ns, stream.raw()) }?;
         }
         Ok(w)
     }
@@ -276,7 +277,8 @@ impl Window {
         self.status = Some(status);
         self.ctx.peer_base[a.rank] = self.mem;
         let stream = Stream::new(OP)?;
-        intranode::zero_window(OP, &self.ctx, stream.raw())?;
+        // SAFETY: launch contract: the window just made; the memset covers its own memory only.
+        unsafe { intranode::zero_window(OP, &self.ctx, stream.raw()) }?;
         stream.synchronize(OP)?;
         let r = &self.rdv;
         r.set(word::TOKEN, process_token());
@@ -350,7 +352,8 @@ impl Window {
             return Ok(());
         }
         let _guard = DeviceGuard::new(DESTROY, self.device)?;
-        intranode::destroy_barrier(DESTROY, &self.ctx, self.status(), timeout_ms)?;
+        // SAFETY: launch contract: the ctx of this live window; the barrier passes no other pointer.
+        unsafe { intranode::destroy_barrier(DESTROY, &self.ctx, self.status(), timeout_ms) }?;
         self.closed = true;
         let closed = self.close_opened();
         let met = self.rdv.barrier(DESTROY, "every rank closed its mappings of the peers' windows");

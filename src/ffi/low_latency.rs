@@ -37,42 +37,55 @@ pub fn check_struct_size(op: &'static str) -> Result<()> {
     Ok(())
 }
 
-// The launches below are sound because `Ctx` comes from a live window and every pointer in
-// `LlArgs` is null or the data of a live tensor of the shape the kernel reads/writes (checked by
-// `crate::ops` and `backend::nccl::low_latency` before the struct is built); the LL area offsets
-// are checked against the window size on the C side (cudaErrorInvalidValue otherwise).
+// Every launcher here is an `unsafe fn` under the launch contract of `ffi::intranode`; the C
+// side also checks the LL area offsets against the window size (cudaErrorInvalidValue).
 
 /// Send phase of an LL dispatch.
-#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
-pub fn dispatch_send(op: &'static str, ctx: &Ctx, a: &LlArgs, stream: *mut c_void) -> Result<()> {
-    // SAFETY: see the comment above; both structs are read by value.
+///
+/// # Safety
+/// The launch contract of [`crate::ffi::intranode`]: a live window, argument pointers null or live
+/// and large enough until `stream` ran the kernel.
+pub unsafe fn dispatch_send(op: &'static str, ctx: &Ctx, a: &LlArgs, stream: *mut c_void) -> Result<()> {
+    // SAFETY: the caller keeps the launch contract; both structs are read by value.
     check(unsafe { deep_ep_llk_dispatch_send(ctx, a, stream) }, op, "low-latency dispatch send kernel launch")
 }
 
 /// Receive phase of an LL dispatch.
-#[allow(clippy::not_unsafe_ptr_arg_deref)]
-pub fn dispatch_recv(op: &'static str, ctx: &Ctx, a: &LlArgs, stream: *mut c_void) -> Result<()> {
-    // SAFETY: see the comment above.
+///
+/// # Safety
+/// The launch contract of [`crate::ffi::intranode`]: a live window, argument pointers null or live
+/// and large enough until `stream` ran the kernel.
+pub unsafe fn dispatch_recv(op: &'static str, ctx: &Ctx, a: &LlArgs, stream: *mut c_void) -> Result<()> {
+    // SAFETY: the caller keeps the launch contract.
     check(unsafe { deep_ep_llk_dispatch_recv(ctx, a, stream) }, op, "low-latency dispatch receive kernel launch")
 }
 
 /// Send phase of an LL combine.
-#[allow(clippy::not_unsafe_ptr_arg_deref)]
-pub fn combine_send(op: &'static str, ctx: &Ctx, a: &LlArgs, stream: *mut c_void) -> Result<()> {
-    // SAFETY: see the comment above.
+///
+/// # Safety
+/// The launch contract of [`crate::ffi::intranode`]: a live window, argument pointers null or live
+/// and large enough until `stream` ran the kernel.
+pub unsafe fn combine_send(op: &'static str, ctx: &Ctx, a: &LlArgs, stream: *mut c_void) -> Result<()> {
+    // SAFETY: the caller keeps the launch contract.
     check(unsafe { deep_ep_llk_combine_send(ctx, a, stream) }, op, "low-latency combine send kernel launch")
 }
 
 /// Receive phase of an LL combine.
-#[allow(clippy::not_unsafe_ptr_arg_deref)]
-pub fn combine_recv(op: &'static str, ctx: &Ctx, a: &LlArgs, stream: *mut c_void) -> Result<()> {
-    // SAFETY: see the comment above.
+///
+/// # Safety
+/// The launch contract of [`crate::ffi::intranode`]: a live window, argument pointers null or live
+/// and large enough until `stream` ran the kernel.
+pub unsafe fn combine_recv(op: &'static str, ctx: &Ctx, a: &LlArgs, stream: *mut c_void) -> Result<()> {
+    // SAFETY: the caller keeps the launch contract.
     check(unsafe { deep_ep_llk_combine_recv(ctx, a, stream) }, op, "low-latency combine receive kernel launch")
 }
 
 /// Zeroes this rank's LL signal words of both halves.
-#[allow(clippy::not_unsafe_ptr_arg_deref)]
-pub fn zero_signals(op: &'static str, ctx: &Ctx, a: &LlArgs, stream: *mut c_void) -> Result<()> {
+///
+/// # Safety
+/// The launch contract of [`crate::ffi::intranode`]: a live window, argument pointers null or live
+/// and large enough until `stream` ran the kernel.
+pub unsafe fn zero_signals(op: &'static str, ctx: &Ctx, a: &LlArgs, stream: *mut c_void) -> Result<()> {
     // SAFETY: writes 2 * signal_bytes of this rank's own window at ll_off (checked on the C side).
     check(unsafe { deep_ep_llk_zero_signals(ctx, a, stream) }, op, "low-latency signal reset kernel launch")
 }

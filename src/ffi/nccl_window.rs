@@ -253,7 +253,8 @@ impl Window {
 
         let stream = Stream::new(OP)?;
         // The whole window starts zeroed: control area, transport self-test signals and LL tags.
-        intranode::zero_window(OP, &w.ctx, stream.raw())?;
+        // SAFETY: launch contract: the window just made; the memset covers its own memory only.
+        unsafe { intranode::zero_window(OP, &w.ctx, stream.raw()) }?;
         stream.synchronize(OP)?;
         let all_reduce = nccl_fn!(lib, ncclAllReduce);
         let word = intranode::rendezvous_word(&w.ctx);
@@ -266,7 +267,8 @@ impl Window {
             // LSA emulation, on every rank's window (not only the kernels' own domain).
             crate::ensure!(map.whole_buffer(), OP, "DEEP_EP_TRANSPORT_SELFTEST runs over the LSA emulation and needs every rank in NCCL's LSA team ({} of {} here): unset it across machines", map.lsa_size, a.num_ranks);
             let full = Ctx { peer_base: w.lsa_base, nvl_ranks: 0, ..w.ctx };
-            super::transport::lsa_self_test_run(OP, &full, stride, a.timeout_ns, stream.raw())?;
+            // SAFETY: launch contract: the ctx of this live window, zeroed and past the host rendezvous.
+            unsafe { super::transport::lsa_self_test_run(OP, &full, stride, a.timeout_ns, stream.raw()) }?;
         }
         Ok(w)
     }
@@ -322,7 +324,8 @@ impl Window {
             return Ok(());
         }
         let _guard = DeviceGuard::new(DESTROY, self.device)?;
-        intranode::destroy_barrier(DESTROY, &self.ctx, self.status(), timeout_ms)?;
+        // SAFETY: launch contract: the ctx of this live window; the barrier passes no other pointer.
+        unsafe { intranode::destroy_barrier(DESTROY, &self.ctx, self.status(), timeout_ms) }?;
         let mut first: Result<()> = Ok(());
         let mut note = |r: Result<()>| {
             if first.is_ok() {

@@ -249,7 +249,8 @@ impl Window {
         let stream = Stream::new(OP)?;
         // The whole window starts zeroed: control area, transport self-test signals and LL tags
         // (nvshmem_malloc may hand back a destroyed buffer's memory).
-        intranode::zero_window(OP, &w.ctx, stream.raw())?;
+        // SAFETY: launch contract: the window just made; the memset covers its own memory only.
+        unsafe { intranode::zero_window(OP, &w.ctx, stream.raw()) }?;
         stream.synchronize(OP)?;
         // Host rendezvous: no peer signals into a control area that is not zeroed yet.
         lib.barrier_all();
@@ -257,7 +258,8 @@ impl Window {
         *state = Session::Live { geometry };
         drop(state);
         if let Some(stride) = a.transport_self_test {
-            super::transport::lsa_self_test_run(OP, &w.ctx, stride, a.timeout_ns, stream.raw())?;
+            // SAFETY: launch contract: the ctx of this live window, zeroed and past the host rendezvous.
+            unsafe { super::transport::lsa_self_test_run(OP, &w.ctx, stride, a.timeout_ns, stream.raw()) }?;
             if super::transport::NVSHMEM_DEVICE_BUILT {
                 // The device state is registered on first use only, so a build whose NVSHMEM
                 // transport is unused leaves NVSHMEM's initialisation as it was.
@@ -265,7 +267,8 @@ impl Window {
                     lib.register_device_state(OP, true)?;
                     DEVICE_STATE.store(true, Ordering::Release);
                 }
-                super::transport::nvshmem_self_test_run(OP, &w.ctx, w.mem, stride, a.timeout_ns, stream.raw())?;
+                // SAFETY: launch contract: the ctx of this live window, zeroed and past the host rendezvous.
+                unsafe { super::transport::nvshmem_self_test_run(OP, &w.ctx, w.mem, stride, a.timeout_ns, stream.raw()) }?;
             }
         }
         Ok(w)
@@ -295,7 +298,8 @@ impl Window {
             return Ok(());
         }
         let _guard = DeviceGuard::new(DESTROY, self.device)?;
-        intranode::destroy_barrier(DESTROY, &self.ctx, self.status(), timeout_ms)?;
+        // SAFETY: launch contract: the ctx of this live window; the barrier passes no other pointer.
+        unsafe { intranode::destroy_barrier(DESTROY, &self.ctx, self.status(), timeout_ms) }?;
         let mut state = session();
         // SAFETY: allocated by nvshmem_malloc in `create`, freed once (the pointer is cleared
         // below); the device is idle and every peer passed the barrier above.

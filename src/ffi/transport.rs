@@ -108,7 +108,11 @@ pub fn devcomm_error(op: &'static str, code: i32, detail: String) -> Error {
 /// `desc_off`, synchronously. The LL kernels of an internode buffer and the global barrier read it
 /// there (`LsaNet` of `kernels/transport.cuh`). Fails, naming the transport switch, when a rank's
 /// window is not addressable (a real cluster). Local (no peer involved).
-pub fn write_lsa_desc(
+///
+/// # Safety
+/// The launch contract of [`crate::ffi::intranode`]: `ctx` a live window of this rank (and
+/// pointer arguments null or live and large enough until the work ran).
+pub unsafe fn write_lsa_desc(
     op: &'static str,
     ctx: &super::intranode::Ctx,
     bases: &[*mut c_void],
@@ -245,7 +249,11 @@ pub fn build_gin_net(op: &'static str, comms: &[(&[u64], *mut c_void)], desc_byt
 /// Writes this rank's GIN seam descriptor ([`build_gin_net`] of `comms`) into its own window at
 /// `desc_off`, synchronously; the LL and normal-mode kernels of an internode buffer over GIN and
 /// its global barrier read it there (`net` with `net_kind` GIN). Local (no peer involved).
-pub fn write_gin_desc(
+///
+/// # Safety
+/// The launch contract of [`crate::ffi::intranode`]: `ctx` a live window of this rank (and
+/// pointer arguments null or live and large enough until the work ran).
+pub unsafe fn write_gin_desc(
     op: &'static str,
     ctx: &super::intranode::Ctx,
     desc_off: usize,
@@ -302,8 +310,11 @@ pub fn lsa_self_test_bytes(num_ranks: usize) -> u64 {
 /// Every rank's signal table must be zero before any rank starts: buffer creation zeroes the
 /// whole window and meets at a host rendezvous before calling this.
 /// A silent peer raises [`Error::Timeout`] naming it; corrupted data an [`Error::Device`].
-#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced here
-pub fn lsa_self_test_run(
+///
+/// # Safety
+/// The launch contract of [`crate::ffi::intranode`]: `ctx` a live window of this rank (and
+/// pointer arguments null or live and large enough until the work ran).
+pub unsafe fn lsa_self_test_run(
     op: &'static str,
     ctx: &super::intranode::Ctx,
     rail_stride: usize,
@@ -449,8 +460,11 @@ pub unsafe fn nvshmem_device_register(op: &'static str, func: *mut c_void, init:
 /// NVSHMEM_SIGNAL_ADD into the peers' symmetric signal table, context 1) between the ranks of
 /// each rail, synchronous on `stream`; run after [`lsa_self_test_run`] on the same window (own
 /// signal context and receive area). `base` is the window's symmetric address. Collective.
-#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` and `base` are only handed to the kernel
-pub fn nvshmem_self_test_run(
+///
+/// # Safety
+/// The launch contract of [`crate::ffi::intranode`]: `ctx` a live window of this rank (and
+/// pointer arguments null or live and large enough until the work ran).
+pub unsafe fn nvshmem_self_test_run(
     op: &'static str,
     ctx: &super::intranode::Ctx,
     base: *mut c_void,

@@ -114,7 +114,8 @@ pub(super) fn write_gin_net(op: &'static str, window: &dyn super::window::PeerWi
     if comms.is_empty() {
         return Ok(false);
     }
-    crate::ffi::transport::write_gin_desc(op, window.ctx(), NET_OFF, NET_BYTES, &comms)?;
+    // SAFETY: launch contract: the ctx of this live window; the descriptor goes into its own control area.
+    unsafe { crate::ffi::transport::write_gin_desc(op, window.ctx(), NET_OFF, NET_BYTES, &comms) }?;
     Ok(true)
 }
 
@@ -206,7 +207,8 @@ impl NcclBackend {
     }
 
     fn launch(&self, op: &'static str, a: &InArgs, s: i32, stream: *mut c_void) -> Result<()> {
-        k::launch(op, self.window.ctx(), a, s, stream)
+        // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
+        unsafe { k::launch(op, self.window.ctx(), a, s, stream) }
     }
 
     /// Arguments of a dispatch (both halves): inputs, geometry, staging checked against the window.

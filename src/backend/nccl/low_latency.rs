@@ -242,7 +242,8 @@ impl NcclBackend {
         let where_ = site::name(e.site);
         if e.code != err::TIMEOUT {
             self.window.status().clear_error();
-            intranode::clear_error(op, self.window.ctx(), stream)?;
+            // SAFETY: launch contract: no pointer argument; it writes this rank's control area.
+            unsafe { intranode::clear_error(op, self.window.ctx(), stream) }?;
         }
         Err(match e.code {
             err::TIMEOUT => Error::Timeout {
@@ -274,9 +275,12 @@ impl NcclBackend {
     /// through the seam: `ffi::global_barrier`).
     fn ll_reset_signals(&self, op: &'static str, a: &LlArgs, stream: Stream) -> Result<()> {
         use crate::ffi::global_barrier::all_ranks;
-        all_ranks(op, self.window.ctx(), site::LL_GEOMETRY, stream)?;
-        k::zero_signals(op, self.window.ctx(), a, stream)?;
-        all_ranks(op, self.window.ctx(), site::LL_GEOMETRY, stream)
+        // SAFETY: launch contract: the ctx of this live window; the barrier passes no other pointer.
+        unsafe { all_ranks(op, self.window.ctx(), site::LL_GEOMETRY, stream) }?;
+        // SAFETY: launch contract: no tensor; it writes this rank's LL signal words in its window.
+        unsafe { k::zero_signals(op, self.window.ctx(), a, stream) }?;
+        // SAFETY: launch contract: the ctx of this live window; the barrier passes no other pointer.
+        unsafe { all_ranks(op, self.window.ctx(), site::LL_GEOMETRY, stream) }
     }
 
     /// Before a send: a call with another geometry than the previous LL call resets the signals;
@@ -330,7 +334,8 @@ impl NcclBackend {
         a.recv_state = ptr(&out.recv_state);
         a.num_blocks = self.ll_grid().send;
         self.ll_begin_send(OP_DISPATCH, &mut a, stream)?;
-        k::dispatch_send(OP_DISPATCH, self.window.ctx(), &a, stream)?;
+        // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
+        unsafe { k::dispatch_send(OP_DISPATCH, self.window.ctx(), &a, stream) }?;
         self.ll.dispatches += 1;
         self.ll.dispatch[a.half as usize] = Some((out.src_info.data_ptr() as usize, s.topk_weights.is_some(), self.ll.dispatches));
         Ok(())
@@ -362,7 +367,8 @@ impl NcclBackend {
         a.recv_state = ptr(&out.recv_state);
         a.cumulative = opt_ptr(st.cumulative_local_expert_recv_stats.as_ref());
         a.wait_stats = opt_ptr(st.wait_recv_cost_stats.as_ref());
-        k::dispatch_recv(OP_DISPATCH, self.window.ctx(), &a, stream)
+        // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
+        unsafe { k::dispatch_recv(OP_DISPATCH, self.window.ctx(), &a, stream) }
     }
 
     pub(super) fn ll_combine_send_impl(&mut self, g: &LlGeometry, s: &LlCombineSendArgs, stream: Stream) -> Result<()> {
@@ -390,7 +396,8 @@ impl NcclBackend {
             a.num_blocks = self.ll_grid().partial;
         }
         self.ll_begin_send(OP_COMBINE, &mut a, stream)?;
-        k::combine_send(OP_COMBINE, self.window.ctx(), &a, stream)
+        // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
+        unsafe { k::combine_send(OP_COMBINE, self.window.ctx(), &a, stream) }
     }
 
     pub(super) fn ll_combine_recv_impl(&mut self, g: &LlGeometry, r: &LlCombineRecvArgs, st: &LlStats, stream: Stream) -> Result<()> {
@@ -415,7 +422,8 @@ impl NcclBackend {
         a.out = ptr(&r.out);
         a.wait_stats = opt_ptr(st.wait_recv_cost_stats.as_ref());
         a.num_blocks = self.ll_grid().reduce;
-        k::combine_recv(OP_COMBINE, self.window.ctx(), &a, stream)
+        // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
+        unsafe { k::combine_recv(OP_COMBINE, self.window.ctx(), &a, stream) }
     }
 
     pub(super) fn ll_clean_impl(&mut self, g: &LlGeometry, stream: Stream) -> Result<()> {

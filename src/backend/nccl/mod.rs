@@ -97,11 +97,13 @@ fn split_setup(
     );
     let how = match (gin_plan, window.gin()) {
         (Some(p), Some(_)) => {
-            global_barrier::setup_gin(op, ctx, &window.gin_all(), gin::barrier_signal_base(p))?;
+            // SAFETY: launch contract: the ctx of this live window; the descriptor goes into its own control area.
+            unsafe { global_barrier::setup_gin(op, ctx, &window.gin_all(), gin::barrier_signal_base(p)) }?;
             "NCCL GIN"
         }
         (None, None) => {
-            global_barrier::setup_lsa(op, ctx, &window.lsa_bases())?;
+            // SAFETY: launch contract: the ctx of this live window; the descriptor goes into its own control area.
+            unsafe { global_barrier::setup_lsa(op, ctx, &window.lsa_bases()) }?;
             "the LSA emulation"
         }
         _ => return Err(Error::invalid(op, "internal: a GIN plan without a GIN device comm, or the reverse")),
@@ -239,18 +241,14 @@ impl NcclBackend {
                 let name = if kind == ll_seam::NET_GIN {
                     let comms = window.gin_all();
                     crate::ensure!(!comms.is_empty(), OP, "internal: a GIN seam without a GIN device comm");
-                    crate::ffi::transport::write_gin_desc(OP, window.ctx(), layout.desc_off, ll_seam::DESC_BYTES, &comms)?;
+                    // SAFETY: launch contract: the ctx of this live window; the descriptor goes into its own control area.
+                    unsafe { crate::ffi::transport::write_gin_desc(OP, window.ctx(), layout.desc_off, ll_seam::DESC_BYTES, &comms) }?;
                     "NCCL GIN"
                 } else {
-                    crate::ffi::transport::write_lsa_desc(
-                        OP,
-                        window.ctx(),
-                        &window.lsa_bases(),
-                        layout.desc_off,
-                        layout.signal_off,
-                        ll_seam::LSA_CONTEXTS,
-                        ll_seam::SIGNALS,
-                    )?;
+                    let (bases, ctx) = (window.lsa_bases(), window.ctx());
+                    let (off, sig) = (layout.desc_off, layout.signal_off);
+                    // SAFETY: launch contract: the ctx of this live window; the descriptor goes into its own control area.
+                    unsafe { crate::ffi::transport::write_lsa_desc(OP, ctx, &bases, off, sig, ll_seam::LSA_CONTEXTS, ll_seam::SIGNALS) }?;
                     "LSA emulation"
                 };
                 crate::log_info!(

@@ -147,7 +147,8 @@ impl NcclBackend {
         if !crate::settings::check_inputs() {
             return Ok(());
         }
-        intranode::check_inputs(op, self.window.ctx(), &args, stream)
+        // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
+        unsafe { intranode::check_inputs(op, self.window.ctx(), &args, stream) }
     }
 
     /// [`CheckArgs`] of a handle (cached dispatch, combine).
@@ -192,7 +193,8 @@ impl NcclBackend {
         let where_ = site::name(e.site);
         if e.code != err::TIMEOUT {
             self.window.status().clear_error();
-            if let Err(x) = intranode::clear_error(op, self.window.ctx(), stream) {
+            // SAFETY: launch contract: no pointer argument; it writes this rank's control area.
+            if let Err(x) = unsafe { intranode::clear_error(op, self.window.ctx(), stream) } {
                 return x;
             }
         }
@@ -272,7 +274,8 @@ impl NcclBackend {
     }
 
     fn barrier(&self, op: &'static str, args: SyncArgs, stream: *mut c_void) -> Result<()> {
-        intranode::sync(op, self.window.ctx(), &args, stream)
+        // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
+        unsafe { intranode::sync(op, self.window.ctx(), &args, stream) }
     }
 
     pub(super) fn ht_dispatch_prepare(&mut self, a: &DispatchArgs) -> Result<DispatchPlan> {
@@ -333,7 +336,8 @@ impl NcclBackend {
             is_token_in_rank: ptr(&a.is_token_in_rank),
             ..Default::default()
         };
-        intranode::stage(DISPATCH, self.window.ctx(), &stage, a.stream)?;
+        // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
+        unsafe { intranode::stage(DISPATCH, self.window.ctx(), &stage, a.stream) }?;
         let checks = CheckArgs {
             topk_idx: opt_ptr(a.topk_idx.as_ref()),
             topk_is_int64: is_int64(a.topk_idx.as_ref()),
@@ -402,7 +406,8 @@ impl NcclBackend {
             ..Default::default()
         };
         if crate::settings::intranode_dispatch_pull() {
-            return intranode::pull(DISPATCH, self.window.ctx(), &pull, a.stream);
+            // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
+            return unsafe { intranode::pull(DISPATCH, self.window.ctx(), &pull, a.stream) };
         }
         crate::ensure!(
             o.recv_topk_idx.is_none() || is_int64(o.recv_topk_idx.as_ref()) == is_int64(a.topk_idx.as_ref()),
@@ -430,7 +435,8 @@ impl NcclBackend {
             copy_warps: crate::settings::intranode_copy_warps(),
             ..Default::default()
         };
-        intranode::dispatch_push(DISPATCH, self.window.ctx(), &push, &pull, a.stream)
+        // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
+        unsafe { intranode::dispatch_push(DISPATCH, self.window.ctx(), &push, &pull, a.stream) }
     }
 
     pub(super) fn ht_cached_dispatch(&mut self, a: &CachedDispatchArgs, recv_x: &TensorRef, recv_scales: Option<&TensorRef>) -> Result<()> {
@@ -482,7 +488,8 @@ impl NcclBackend {
             // Header only.
             StageArgs { layout, num_blocks: i32_of(a.config.num_sms), ..Default::default() }
         };
-        intranode::stage(CACHED, self.window.ctx(), &stage, a.stream)?;
+        // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
+        unsafe { intranode::stage(CACHED, self.window.ctx(), &stage, a.stream) }?;
         self.check_inputs(CACHED, self.handle_checks(&a.handle, &a.config, c), a.stream)?;
         self.barrier(CACHED, SyncArgs { site: site::CACHED_DATA, gather: 1, ..Default::default() }, a.stream)?;
         let pull = PullArgs {
@@ -497,7 +504,8 @@ impl NcclBackend {
             ..Default::default()
         };
         if crate::settings::intranode_dispatch_pull() {
-            return intranode::pull(CACHED, self.window.ctx(), &pull, a.stream);
+            // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
+            return unsafe { intranode::pull(CACHED, self.window.ctx(), &pull, a.stream) };
         }
         let push = DispatchPushArgs {
             x: ptr(&a.x),
@@ -515,7 +523,8 @@ impl NcclBackend {
             copy_warps: crate::settings::intranode_copy_warps(),
             ..Default::default()
         };
-        intranode::dispatch_push(CACHED, self.window.ctx(), &push, &pull, a.stream)
+        // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
+        unsafe { intranode::dispatch_push(CACHED, self.window.ctx(), &push, &pull, a.stream) }
     }
 
     pub(super) fn ht_combine(&mut self, a: &CombineArgs, o: &CombineOutputs) -> Result<()> {
@@ -579,7 +588,8 @@ impl NcclBackend {
             threads: crate::settings::intranode_combine_threads(),
         };
         if !fused {
-            intranode::combine_push(COMBINE, self.window.ctx(), &push, a.stream)?;
+            // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
+            unsafe { intranode::combine_push(COMBINE, self.window.ctx(), &push, a.stream) }?;
             self.check_inputs(COMBINE, self.handle_checks(&a.handle, &a.config, c), a.stream)?;
             self.barrier(COMBINE, SyncArgs { site: site::COMBINE_DATA, gather: 1, ..Default::default() }, a.stream)?;
         }
@@ -599,9 +609,11 @@ impl NcclBackend {
             num_blocks: i32_of(a.config.num_sms),
         };
         if fused {
-            return intranode::combine_fused(COMBINE, self.window.ctx(), &push, &args, a.stream);
+            // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
+            return unsafe { intranode::combine_fused(COMBINE, self.window.ctx(), &push, &args, a.stream) };
         }
-        intranode::combine(COMBINE, self.window.ctx(), &args, a.stream)
+        // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
+        unsafe { intranode::combine(COMBINE, self.window.ctx(), &args, a.stream) }
     }
 }
 

@@ -41,7 +41,7 @@ extern "C" {
  * One kernel launch, preceded by a small zeroing kernel when N needs more than one block
  * (e.g. N > 128 at K = 8). CUDA-graph capturable; about 4 us of GPU time at N = 4096, K = 8.
  */
-int deep_ep_launch_dispatch_layout(const void* topk_idx, int topk_idx_is_int64, int num_tokens,
+int dek_dispatch_layout(const void* topk_idx, int topk_idx_is_int64, int num_tokens,
                                    int num_topk, int num_ranks, int num_experts,
                                    int* num_tokens_per_rank, int* num_tokens_per_rdma_rank,
                                    int* num_tokens_per_expert, bool* is_token_in_rank,
@@ -55,26 +55,26 @@ int deep_ep_launch_dispatch_layout(const void* topk_idx, int topk_idx_is_int64, 
  * One launch (none when num_rows * num_topk == 0), no host sync, CUDA-graph capturable: a
  * replay reads the current *num_tokens.
  */
-int deep_ep_launch_ll_mask_rows(const void* topk_idx, int topk_idx_is_int64, int64_t num_rows, int num_topk,
+int dek_ll_mask_rows(const void* topk_idx, int topk_idx_is_int64, int64_t num_rows, int num_topk,
                                 const int32_t* num_tokens, void* out, void* stream);
 
 /* Static name of a cudaError_t ("cudaErrorInvalidValue"); never NULL. Needs no device. */
-const char* deep_ep_cuda_error_name(int status);
+const char* dek_cuda_error_name(int status);
 
 /* Static description of a cudaError_t ("invalid argument"); never NULL. Needs no device. */
-const char* deep_ep_cuda_error_string(int status);
+const char* dek_cuda_error_string(int status);
 
 /* [OUT host] count: number of visible CUDA devices (cudaGetDeviceCount). */
-int deep_ep_cuda_device_count(int* count);
+int dek_cuda_device_count(int* count);
 
 /* Small runtime helpers (tests and host-side plumbing). Synchronous unless named _async. */
-int deep_ep_cuda_set_device(int device);
-int deep_ep_cuda_malloc(void** ptr, size_t bytes);
-int deep_ep_cuda_free(void* ptr);
-int deep_ep_cuda_memcpy_htod(void* dst, const void* host_src, size_t bytes);
-int deep_ep_cuda_memcpy_dtoh(void* host_dst, const void* src, size_t bytes);
-int deep_ep_cuda_memset_async(void* ptr, int value, size_t bytes, void* stream);
-int deep_ep_cuda_stream_synchronize(void* stream);
+int dek_cuda_set_device(int device);
+int dek_cuda_malloc(void** ptr, size_t bytes);
+int dek_cuda_free(void* ptr);
+int dek_cuda_memcpy_htod(void* dst, const void* host_src, size_t bytes);
+int dek_cuda_memcpy_dtoh(void* host_dst, const void* src, size_t bytes);
+int dek_cuda_memset_async(void* ptr, int value, size_t bytes, void* stream);
+int dek_cuda_stream_synchronize(void* stream);
 
 /* ---------------------------------------------------------------------------------------------
  * Intranode normal mode (kernels/intranode_*.cu): pull model over one NCCL symmetric window per
@@ -85,38 +85,38 @@ int deep_ep_cuda_stream_synchronize(void* stream);
  *   [0, 1024)          barrier slots: slot p (128 B apart, u64) is written by rank p
  *   [1024, 1536)       this rank's header, read by peers: two 256-byte slots, slot e % 2 for the
  *                      barrier of epoch e that gathers it; a slot holds the layout
- *                      (deep_ep_ic_layout_t) and, at DEEP_EP_IC_CHECK_OFF, the input-check result
+ *                      (dek_ic_layout_t) and, at DEK_IC_CHECK_OFF, the input-check result
  *   [4096, CONTROL)    local scratch: sticky timeout flag, first error, per-op "bad" flag, barrier
  *                      epoch, gathered peer layouts, rank_prefix_matrix, receiver channel starts;
- *                      near its end the global barrier's area (DEEP_EP_GB_OFF) and the LL scratch
+ *                      near its end the global barrier's area (DEK_GB_OFF) and the LL scratch
  *   [CONTROL, ...)     staged sections at the offsets of this rank's layout
  * Every function below is asynchronous on `stream`, launches only kernels (CUDA-graph
  * capturable) and returns a cudaError_t as int.
  * ------------------------------------------------------------------------------------------- */
-#define DEEP_EP_IC_MAX_RANKS 8
-#define DEEP_EP_IC_MAX_CHANNELS 512
-#define DEEP_EP_IC_MAX_LOCAL_EXPERTS 1024
-#define DEEP_EP_IC_CONTROL_BYTES 65536
-#define DEEP_EP_IC_LAYOUT_BYTES 256
+#define DEK_IC_MAX_RANKS 8
+#define DEK_IC_MAX_CHANNELS 512
+#define DEK_IC_MAX_LOCAL_EXPERTS 1024
+#define DEK_IC_CONTROL_BYTES 65536
+#define DEK_IC_LAYOUT_BYTES 256
 
-/* Error codes in deep_ep_ic_host_status_t.error. */
-#define DEEP_EP_IC_OK 0
-#define DEEP_EP_IC_ERR_TIMEOUT 1  /* a barrier passed timeout_ns; error_rank = the rank missing */
-#define DEEP_EP_IC_ERR_MISMATCH 2 /* error_rank staged another kind/size of op than this rank */
-#define DEEP_EP_IC_ERR_OVERFLOW 3 /* error_rank receives error_value tokens > num_worst error_limit */
-#define DEEP_EP_IC_ERR_CAPACITY 4 /* combine: error_rank's window needs error_value KiB > error_limit KiB */
-/* Input checks (deep_ep_ic_check), each about error_rank's own inputs: */
-#define DEEP_EP_IC_ERR_NTPR 5          /* num_tokens_per_rank[extra] = value, is_token_in_rank selects limit */
-#define DEEP_EP_IC_ERR_EXPERT_ID 6     /* topk_idx holds expert id value (clamped to int32), outside [-1, limit) */
-#define DEEP_EP_IC_ERR_NTPE 7          /* num_tokens_per_expert differs from the counts of topk_idx */
-#define DEEP_EP_IC_ERR_IN_RANK 8       /* is_token_in_rank[value, extra] differs from topk_idx */
-#define DEEP_EP_IC_ERR_STALE_COUNTS 9  /* handle: is_token_in_rank sends value tokens to rank extra, rank_prefix_matrix says limit */
-#define DEEP_EP_IC_ERR_STALE_ROWS 10   /* handle: receives value tokens, recv_src_idx / x has limit rows */
-#define DEEP_EP_IC_ERR_STALE_SEND_HEAD 11 /* handle: send_head[value, extra] differs from is_token_in_rank */
-#define DEEP_EP_IC_ERR_STALE_CPM 12    /* handle: channel_prefix_matrix[extra, value] differs from is_token_in_rank */
-#define DEEP_EP_IC_ERR_NTPRR 13        /* internode: num_tokens_per_rdma_rank[extra] = value, is_token_in_rank selects limit */
-#define DEEP_EP_IC_ERR_STALE_INTERNODE 14 /* internode handle: value (computed) != limit (handle) at entry extra (see deep_ep_in_args_t) */
-#define DEEP_EP_IC_ERR_LL_FORMAT 15  /* LL: source error_rank sent with another format word extra (0 flags, 1 hidden, 2 T, 3 E): value theirs, limit mine */
+/* Error codes in dek_ic_host_status_t.error. */
+#define DEK_IC_OK 0
+#define DEK_IC_ERR_TIMEOUT 1  /* a barrier passed timeout_ns; error_rank = the rank missing */
+#define DEK_IC_ERR_MISMATCH 2 /* error_rank staged another kind/size of op than this rank */
+#define DEK_IC_ERR_OVERFLOW 3 /* error_rank receives error_value tokens > num_worst error_limit */
+#define DEK_IC_ERR_CAPACITY 4 /* combine: error_rank's window needs error_value KiB > error_limit KiB */
+/* Input checks (dek_ic_check), each about error_rank's own inputs: */
+#define DEK_IC_ERR_NTPR 5          /* num_tokens_per_rank[extra] = value, is_token_in_rank selects limit */
+#define DEK_IC_ERR_EXPERT_ID 6     /* topk_idx holds expert id value (clamped to int32), outside [-1, limit) */
+#define DEK_IC_ERR_NTPE 7          /* num_tokens_per_expert differs from the counts of topk_idx */
+#define DEK_IC_ERR_IN_RANK 8       /* is_token_in_rank[value, extra] differs from topk_idx */
+#define DEK_IC_ERR_STALE_COUNTS 9  /* handle: is_token_in_rank sends value tokens to rank extra, rank_prefix_matrix says limit */
+#define DEK_IC_ERR_STALE_ROWS 10   /* handle: receives value tokens, recv_src_idx / x has limit rows */
+#define DEK_IC_ERR_STALE_SEND_HEAD 11 /* handle: send_head[value, extra] differs from is_token_in_rank */
+#define DEK_IC_ERR_STALE_CPM 12    /* handle: channel_prefix_matrix[extra, value] differs from is_token_in_rank */
+#define DEK_IC_ERR_NTPRR 13        /* internode: num_tokens_per_rdma_rank[extra] = value, is_token_in_rank selects limit */
+#define DEK_IC_ERR_STALE_INTERNODE 14 /* internode handle: value (computed) != limit (handle) at entry extra (see dek_in_args_t) */
+#define DEK_IC_ERR_LL_FORMAT 15  /* LL: source error_rank sent with another format word extra (0 flags, 1 hidden, 2 T, 3 E): value theirs, limit mine */
 
 /* Host-mapped status block (cudaHostAllocMapped), written by kernels, read and cleared by the host. */
 typedef struct {
@@ -128,59 +128,59 @@ typedef struct {
   int32_t recv_count;  /* notify with write_host_counts: tokens this rank receives; -1 before */
   int32_t error_extra; /* a third number of some errors (see the codes) */
   int32_t recv_rdma_count; /* internode notify with write_host_counts: RDMA-leg tokens this rank forwards */
-  int32_t per_expert[DEEP_EP_IC_MAX_LOCAL_EXPERTS]; /* written before recv_count */
-} deep_ep_ic_host_status_t;
+  int32_t per_expert[DEK_IC_MAX_LOCAL_EXPERTS]; /* written before recv_count */
+} dek_ic_host_status_t;
 
 /* Where a barrier is (for messages). */
-#define DEEP_EP_IC_SITE_DISPATCH_START 1
-#define DEEP_EP_IC_SITE_DISPATCH_NOTIFY 2
-#define DEEP_EP_IC_SITE_CACHED_START 3
-#define DEEP_EP_IC_SITE_CACHED_DATA 4
-#define DEEP_EP_IC_SITE_COMBINE_START 5
-#define DEEP_EP_IC_SITE_COMBINE_DATA 6
-#define DEEP_EP_IC_SITE_CREATE 7
-#define DEEP_EP_IC_SITE_DESTROY 8
-#define DEEP_EP_IC_SITE_DISPATCH_RECV 9  /* push dispatch: a copy warp waiting for a sender's channel */
-#define DEEP_EP_IC_SITE_DISPATCH_PUSH 10 /* push dispatch kernel (receive-area capacity check) */
-#define DEEP_EP_IC_SITE_LL_GEOMETRY 11 /* low-latency: barriers around a signal reset */
-#define DEEP_EP_IC_SITE_LL_DISPATCH 12 /* low-latency dispatch receive */
-#define DEEP_EP_IC_SITE_LL_COMBINE 13 /* low-latency combine receive */
-#define DEEP_EP_IC_SITE_COMBINE_RECV 14 /* fused combine: a reduce warp waiting for a peer's channel */
-#define DEEP_EP_IC_SITE_IN_DISPATCH 15 /* internode (cached) dispatch: start barrier, notify exchange, checks */
-#define DEEP_EP_IC_SITE_IN_DISPATCH_DATA 16 /* internode (cached) dispatch: the RDMA-leg data wait */
-#define DEEP_EP_IC_SITE_IN_COMBINE 17 /* internode combine: start barrier and count exchange */
-#define DEEP_EP_IC_SITE_IN_COMBINE_DATA 18 /* internode combine: node barrier before the forwarders, partials wait */
+#define DEK_IC_SITE_DISPATCH_START 1
+#define DEK_IC_SITE_DISPATCH_NOTIFY 2
+#define DEK_IC_SITE_CACHED_START 3
+#define DEK_IC_SITE_CACHED_DATA 4
+#define DEK_IC_SITE_COMBINE_START 5
+#define DEK_IC_SITE_COMBINE_DATA 6
+#define DEK_IC_SITE_CREATE 7
+#define DEK_IC_SITE_DESTROY 8
+#define DEK_IC_SITE_DISPATCH_RECV 9  /* push dispatch: a copy warp waiting for a sender's channel */
+#define DEK_IC_SITE_DISPATCH_PUSH 10 /* push dispatch kernel (receive-area capacity check) */
+#define DEK_IC_SITE_LL_GEOMETRY 11 /* low-latency: barriers around a signal reset */
+#define DEK_IC_SITE_LL_DISPATCH 12 /* low-latency dispatch receive */
+#define DEK_IC_SITE_LL_COMBINE 13 /* low-latency combine receive */
+#define DEK_IC_SITE_COMBINE_RECV 14 /* fused combine: a reduce warp waiting for a peer's channel */
+#define DEK_IC_SITE_IN_DISPATCH 15 /* internode (cached) dispatch: start barrier, notify exchange, checks */
+#define DEK_IC_SITE_IN_DISPATCH_DATA 16 /* internode (cached) dispatch: the RDMA-leg data wait */
+#define DEK_IC_SITE_IN_COMBINE 17 /* internode combine: start barrier and count exchange */
+#define DEK_IC_SITE_IN_COMBINE_DATA 18 /* internode combine: node barrier before the forwarders, partials wait */
 
 /* The buffer as kernels see it. peer_base is indexed by world rank, so a buffer has at most
- * DEEP_EP_IC_MAX_RANKS ranks in all, internode included. */
+ * DEK_IC_MAX_RANKS ranks in all, internode included. */
 typedef struct {
-  void* peer_base[DEEP_EP_IC_MAX_RANKS]; /* window base of rank p, valid on this GPU (NVLink) */
-  int32_t rank, num_ranks;               /* 1 <= num_ranks <= DEEP_EP_IC_MAX_RANKS */
+  void* peer_base[DEK_IC_MAX_RANKS]; /* window base of rank p, valid on this GPU (NVLink) */
+  int32_t rank, num_ranks;               /* 1 <= num_ranks <= DEK_IC_MAX_RANKS */
   uint64_t window_bytes;
-  deep_ep_ic_host_status_t* host_status; /* device pointer of the mapped block */
+  dek_ic_host_status_t* host_status; /* device pointer of the mapped block */
   uint64_t timeout_ns;                   /* barrier deadline (globaltimer ns) */
   int32_t num_sms;                       /* SMs of this GPU, queried once at creation (0 = unknown) */
   /* 0: peer_base holds every rank. D (1 <= D < num_ranks, dividing it): an internode buffer over
    * NVLink domains of D consecutive ranks; peer_base holds the ranks of this rank's domain only
    * and is NULL for every other rank (reached through the transport seam alone). */
   int32_t nvl_ranks;
-} deep_ep_ic_ctx_t;
+} dek_ic_ctx_t;
 
 /* Sections of a staged op (byte offsets into the rank's own window; 0 = absent). */
-#define DEEP_EP_IC_SEC_COUNTS_RANK 0   /* [R] int32 num_tokens_per_rank */
-#define DEEP_EP_IC_SEC_COUNTS_EXPERT 1 /* [E] int32 num_tokens_per_expert */
-#define DEEP_EP_IC_SEC_SEND_HEAD 2     /* [N, R] int32 */
-#define DEEP_EP_IC_SEC_CPM 3           /* [R, C] int32 sender channel_prefix_matrix (inclusive) */
-#define DEEP_EP_IC_SEC_X 4             /* [N, row_bytes] */
-#define DEEP_EP_IC_SEC_SCALES 5        /* [N, S] 4-byte scales, row-major */
-#define DEEP_EP_IC_SEC_TOPK 6          /* [N, K] int64 global expert ids */
-#define DEEP_EP_IC_SEC_WEIGHTS 7       /* [N, K] float32 */
-#define DEEP_EP_IC_NUM_SECTIONS 8
+#define DEK_IC_SEC_COUNTS_RANK 0   /* [R] int32 num_tokens_per_rank */
+#define DEK_IC_SEC_COUNTS_EXPERT 1 /* [E] int32 num_tokens_per_expert */
+#define DEK_IC_SEC_SEND_HEAD 2     /* [N, R] int32 */
+#define DEK_IC_SEC_CPM 3           /* [R, C] int32 sender channel_prefix_matrix (inclusive) */
+#define DEK_IC_SEC_X 4             /* [N, row_bytes] */
+#define DEK_IC_SEC_SCALES 5        /* [N, S] 4-byte scales, row-major */
+#define DEK_IC_SEC_TOPK 6          /* [N, K] int64 global expert ids */
+#define DEK_IC_SEC_WEIGHTS 7       /* [N, K] float32 */
+#define DEK_IC_NUM_SECTIONS 8
 
 /* Op kinds in a layout. */
-#define DEEP_EP_IC_KIND_DISPATCH 1
-#define DEEP_EP_IC_KIND_CACHED 2
-#define DEEP_EP_IC_KIND_COMBINE 3
+#define DEK_IC_KIND_DISPATCH 1
+#define DEK_IC_KIND_CACHED 2
+#define DEK_IC_KIND_COMBINE 3
 
 /* What one rank stages: copied into its window header, read by peers (<= 256 bytes). */
 typedef struct {
@@ -192,7 +192,7 @@ typedef struct {
   int64_t num_experts; /* E (dispatch) */
   int64_t num_worst;   /* num_worst_tokens (dispatch) */
   int64_t num_channels;
-  uint64_t off[DEEP_EP_IC_NUM_SECTIONS];
+  uint64_t off[DEK_IC_NUM_SECTIONS];
   /* Push dispatch (0 = pull model): receive area of this rank's window, written by the senders.
    * At recv_off (128-aligned), for recv_cap rows, each sub-array 128-aligned after the previous:
    * x [cap, row_bytes], scales [cap, S] 4-byte, top-k ids [cap, K] int64 (already rewritten to
@@ -203,7 +203,7 @@ typedef struct {
   /* Rows this rank keeps (its output rows: num_worst_tokens, or the cached handle's rows); senders
    * drop rows at or past it. -1: no limit (a non-worst-case dispatch keeps all it receives). */
   int64_t recv_limit;
-} deep_ep_ic_layout_t;
+} dek_ic_layout_t;
 
 /* K0 / K2: barrier (one block). With gather, copies every peer's layout into scratch after the
  * barrier and flags a mismatch (kind, row bytes, scales, top-k, experts, channels) as an error
@@ -211,27 +211,27 @@ typedef struct {
  * rank_prefix_matrix, this rank's receiver channel starts and (write_host_counts) the receive
  * count and per-local-expert counts rounded up to expert_alignment into the host block, and
  * flags any rank whose receive count exceeds its num_worst_tokens. op_start resets the per-op
- * error flag. With gather, a peer's nonzero input-check result (deep_ep_ic_check) is raised the
+ * error flag. With gather, a peer's nonzero input-check result (dek_ic_check) is raised the
  * same way, about that peer. With publish, `layout` is written into this rank's header before the
  * signal (so the same barrier gathers it: the fused combine's start barrier, which has no stage
  * kernel before it); the header's check result is kept when keep_check (the check kernel wrote it
  * before this barrier) and zeroed otherwise. zero_counters zeroes the fused combine's local
  * counters. A barrier whose peers do not arrive
- * within timeout_ns records DEEP_EP_IC_ERR_TIMEOUT and returns; after that every barrier and data
+ * within timeout_ns records DEK_IC_ERR_TIMEOUT and returns; after that every barrier and data
  * kernel of the buffer returns at once. */
 typedef struct {
   int32_t site, op_start, gather, notify, write_host_counts;
   int32_t expert_alignment, num_local_experts;
   int32_t publish, zero_counters, keep_check;
-  deep_ep_ic_layout_t layout; /* with publish */
-} deep_ep_ic_sync_args_t;
-int deep_ep_ic_sync(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_sync_args_t* args, void* stream);
+  dek_ic_layout_t layout; /* with publish */
+} dek_ic_sync_args_t;
+int dek_ic_sync(const dek_ic_ctx_t* ctx, const dek_ic_sync_args_t* args, void* stream);
 
 /* Input checks, launched before the barrier that gathers this op's header: after K1 and before the
  * data barrier K2 for dispatch, cached dispatch and the split combine (after its push); before the
  * start barrier (K0, with publish and keep_check) for the fused combine, which has no data barrier.
  * This rank's routing inputs are compared with each other on the device (no host sync), and the
- * first failure goes into the header slot of the next barrier at DEEP_EP_IC_CHECK_OFF (int32 code,
+ * first failure goes into the header slot of the next barrier at DEK_IC_CHECK_OFF (int32 code,
  * value, limit, extra; zeros = fine); that barrier's gather reports a failure of any rank as that
  * DEEP_EP_IC_ERR_* about that rank (so every rank raises it) and cancels the op's data kernels.
  * The same checks as the cpu backend:
@@ -243,7 +243,7 @@ int deep_ep_ic_sync(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_sync_args_t* a
  *    channel_prefix_matrix are those of is_token_in_rank (crate::layout::send_side).
  * The kernel accumulates in the control area's check scratch; its last block compares, writes the
  * header word and zeroes the scratch for the next op. */
-#define DEEP_EP_IC_CHECK_OFF 240 /* byte offset inside a header slot */
+#define DEK_IC_CHECK_OFF 240 /* byte offset inside a header slot */
 typedef struct {
   const void* topk_idx;                 /* [N, K] int32 or int64, or null */
   int32_t topk_is_int64;
@@ -256,15 +256,15 @@ typedef struct {
   const int32_t* rank_prefix_matrix;    /* [R, R] handle, or null */
   int64_t num_tokens, num_topk, num_experts, num_channels;
   int64_t num_rows;                     /* handle: rows of recv_src_idx (cached) / x (combine) */
-} deep_ep_ic_check_args_t;
-int deep_ep_ic_check(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_check_args_t* args, void* stream);
+} dek_ic_check_args_t;
+int dek_ic_check(const dek_ic_ctx_t* ctx, const dek_ic_check_args_t* args, void* stream);
 
 /* K1: stage this rank's inputs into its own window at layout.off and write the layout header.
  * Present inputs are copied (scales from any strides to row-major, top-k ids widened to int64);
  * for a dispatch layout, send_head [N, R] and channel_prefix_matrix [R, C] are computed from
  * is_token_in_rank (crate::layout::send_side); with send_head (cached), it is copied. */
 typedef struct {
-  deep_ep_ic_layout_t layout;
+  dek_ic_layout_t layout;
   const void* x;               /* [N, row_bytes] contiguous */
   const void* scales;          /* [N, S] 4-byte elements, strides in elements below */
   int64_t scale_stride0, scale_stride1;
@@ -276,8 +276,8 @@ typedef struct {
   const int32_t* num_tokens_per_expert; /* [E] */
   const bool* is_token_in_rank;         /* [N, R] */
   const int32_t* send_head;             /* [N, R] */
-} deep_ep_ic_stage_args_t;
-int deep_ep_ic_stage(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_stage_args_t* args, void* stream);
+} dek_ic_stage_args_t;
+int dek_ic_stage(const dek_ic_ctx_t* ctx, const dek_ic_stage_args_t* args, void* stream);
 
 /* K3 of (cached) dispatch: pull every row this rank receives, sources ascending, then token
  * order: row = rpm[s-1][rank] + rcpm[s][c] + send_head_s[n][rank]. Rows >= num_rows are dropped.
@@ -301,8 +301,8 @@ typedef struct {
   int32_t unroll;  /* pull: 16-byte loads in flight per lane of a row copy: 16 (or 0), 8; with 1024 threads 8 (0, 16) or 4 */
   int32_t threads; /* pull: threads per block, 512 (or 0) or 1024 */
   int32_t reserved;
-} deep_ep_ic_pull_args_t;
-int deep_ep_ic_pull(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_pull_args_t* args, void* stream);
+} dek_ic_pull_args_t;
+int dek_ic_pull(const dek_ic_ctx_t* ctx, const dek_ic_pull_args_t* args, void* stream);
 
 /* Push dispatch, K3 (after the notify / data barrier; the op's last kernel). Every rank reads each
  * of its rows of x once and stores it to every destination d with send_head[t][d] >= 0, at output
@@ -313,10 +313,10 @@ int deep_ep_ic_pull(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_pull_args_t* a
  * channel ch are stored, the sender raises flag (sender, ch) in every peer's control area (the
  * data barrier's epoch). Meanwhile copy_warps warps of every block move each (source, channel)
  * range of this rank's receive area into the outputs `out` as soon as its flag is up (waits
- * bounded by timeout_ns, DEEP_EP_IC_ERR_TIMEOUT names the source), and write the padding rows and
- * handle outputs exactly as deep_ep_ic_pull (out.num_local_experts unused: the senders rewrote
+ * bounded by timeout_ns, DEK_IC_ERR_TIMEOUT names the source), and write the padding rows and
+ * handle outputs exactly as dek_ic_pull (out.num_local_experts unused: the senders rewrote
  * the ids). Every rank first checks that every receive area holds its rows (same verdict
- * everywhere); if one does not, no rank writes and DEEP_EP_IC_ERR_CAPACITY cancels the op.
+ * everywhere); if one does not, no rank writes and DEK_IC_ERR_CAPACITY cancels the op.
  * NULL send_head / channel_prefix_matrix / rpm_in: this rank's staged send side and notify's
  * rank_prefix_matrix. */
 typedef struct {
@@ -337,9 +337,9 @@ typedef struct {
   int64_t num_rows;             /* rows of this rank's outputs; = out->num_rows */
   int32_t topk_is_int64, num_local_experts, num_blocks;
   int32_t copy_warps;           /* warps per block that copy out, 1..15 */
-} deep_ep_ic_dispatch_push_args_t;
-int deep_ep_ic_dispatch_push(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_dispatch_push_args_t* args,
-                             const deep_ep_ic_pull_args_t* out, void* stream);
+} dek_ic_dispatch_push_args_t;
+int dek_ic_dispatch_push(const dek_ic_ctx_t* ctx, const dek_ic_dispatch_push_args_t* args,
+                             const dek_ic_pull_args_t* out, void* stream);
 
 /* Combine is push, then local reduce. Window of rank s during a combine (offsets every rank
  * computes from the handle's rank_prefix_matrix, identical on all ranks): rows of x at
@@ -350,9 +350,9 @@ int deep_ep_ic_dispatch_push(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_dispa
  * K1 of combine: writes this rank's first rpm[R-1][rank] rows of x (and weights) into the windows
  * of the ranks they came from, and its layout header (kind, row bytes, top-k, channels) into its
  * own window. Every rank checks every window's need first; if one does not fit, no rank writes
- * anything and DEEP_EP_IC_ERR_CAPACITY cancels the op (found identically on every rank). */
+ * anything and DEK_IC_ERR_CAPACITY cancels the op (found identically on every rank). */
 typedef struct {
-  deep_ep_ic_layout_t layout;           /* header fields only */
+  dek_ic_layout_t layout;           /* header fields only */
   const void* x;                        /* [num_rows, row_bytes] */
   const float* topk_weights;            /* [num_rows, K] or NULL */
   const int32_t* rank_prefix_matrix;    /* [R, R] of the handle */
@@ -362,8 +362,8 @@ typedef struct {
   int32_t reduce_warps;                 /* fused combine: warps per block that start reducing, 1..15 */
   int32_t push_unroll;                  /* fused combine: 16-byte loads in flight per lane, 8 or 16 */
   int32_t threads;                      /* split combine: threads per block of the push kernel, 512 (or 0) or 1024 */
-} deep_ep_ic_push_args_t;
-int deep_ep_ic_combine_push(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_push_args_t* args, void* stream);
+} dek_ic_push_args_t;
+int dek_ic_combine_push(const dek_ic_ctx_t* ctx, const dek_ic_push_args_t* args, void* stream);
 
 /* K3 of combine (local reads only): out[n] = bf16(((0 + bias_0[n]) + bias_1[n]) + sum over d
  * ascending with is_token_in_rank[n][d] of y) in fp32, y = the row rank d pushed for this token,
@@ -379,8 +379,8 @@ typedef struct {
   float* out_weights;                   /* [N, K] or NULL */
   int64_t num_tokens;
   int32_t hidden, num_topk, num_channels, num_blocks;
-} deep_ep_ic_combine_args_t;
-int deep_ep_ic_combine(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_combine_args_t* args, void* stream);
+} dek_ic_combine_args_t;
+int dek_ic_combine(const dek_ic_ctx_t* ctx, const dek_ic_combine_args_t* args, void* stream);
 
 /* Fused combine: K1 and K3 in one kernel, after a start barrier with publish, gather and
  * zero_counters (no data barrier). Same window layout, same results as the two kernels above.
@@ -388,20 +388,20 @@ int deep_ep_ic_combine(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_combine_arg
  * [rpm[s-1][rank] + rcpm[s][ch], ... + rcpm[s][ch+1]) of x), and when all of (s, ch) is in s's
  * window raise flag (rank, ch) there (the start barrier's epoch). Reduce warps take chunks of
  * tokens in channel order, wait for flag (d, ch) of every peer d (bounded by timeout_ns,
- * DEEP_EP_IC_ERR_TIMEOUT at DEEP_EP_IC_SITE_COMBINE_RECV names d) and reduce as deep_ep_ic_combine,
+ * DEK_IC_ERR_TIMEOUT at DEK_IC_SITE_COMBINE_RECV names d) and reduce as dek_ic_combine,
  * reading this rank's own rows straight from x; push warps join them when their rows are out.
  * Blocks are capped at the SM count (all resident: reduce warps wait for other GPUs' push warps). */
-int deep_ep_ic_combine_fused(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_push_args_t* push,
-                             const deep_ep_ic_combine_args_t* args, void* stream);
+int dek_ic_combine_fused(const dek_ic_ctx_t* ctx, const dek_ic_push_args_t* push,
+                             const dek_ic_combine_args_t* args, void* stream);
 
 /* Clears the device copy of a reported error (the host clears the mapped block itself). */
-int deep_ep_ic_clear_error(const deep_ep_ic_ctx_t* ctx, void* stream);
+int dek_ic_clear_error(const dek_ic_ctx_t* ctx, void* stream);
 /* [OUT host] sizes[0..9] = sizeof of ctx, layout, sync, stage, pull, combine, push args, host status,
  * dispatch push args, check args (the Rust mirrors check theirs against these). */
-void deep_ep_ic_struct_sizes(size_t* sizes);
+void dek_ic_struct_sizes(size_t* sizes);
 /* sizes[0..10]: sizeof ctx, layout, sync, stage, pull, combine, push args, host status, dispatch push, check args. */
 /* [OUT host] the scratch int create's host rendezvous all-reduces (device pointer). */
-void* deep_ep_ic_rendezvous_word(const deep_ep_ic_ctx_t* ctx);
+void* dek_ic_rendezvous_word(const dek_ic_ctx_t* ctx);
 
 /* ---- Global barrier of an internode buffer (kernels/global_barrier.cu) ------------------------
  * A barrier of every rank of a buffer whose ctx->nvl_ranks = D > 0 (no window of another NVLink
@@ -409,28 +409,28 @@ void* deep_ep_ic_rendezvous_word(const deep_ep_ic_ctx_t* ctx);
  * NVLink), then seam phase (one signal add to the rank of the same local index in every other
  * domain, its rail peer, and a wait for theirs) through the transport seam described in the
  * barrier's area of this rank's window. A rank leaves once every rank of the buffer has entered.
- * Area at DEEP_EP_GB_OFF of the control area (zeroed with the window at creation):
- *   +0    deep_ep_gb_header_t, written by the host at creation (deep_ep_gb_setup in Rust)
+ * Area at DEK_GB_OFF of the control area (zeroed with the window at creation):
+ *   +0    dek_gb_header_t, written by the host at creation (deep_ep_gb_setup in Rust)
  *   +64   u64 epoch: barriers passed (local)
  *   +128  u64 [8] LSA emulation's signal table (one signal per source domain)
- *   +256  u64 [DEEP_EP_IC_MAX_RANKS] node slots (slot i written by local rank i of the domain)
- *   DEEP_EP_GB_DESC_OFF: the seam descriptor (tp::LsaNet or tp::GinNet), DEEP_EP_GB_DESC_BYTES
+ *   +256  u64 [DEK_IC_MAX_RANKS] node slots (slot i written by local rank i of the domain)
+ *   DEK_GB_DESC_OFF: the seam descriptor (tp::LsaNet or tp::GinNet), DEK_GB_DESC_BYTES
  * Signals go on the context of the sending rank (the LL kernels' context for everything a rank
  * sends), ids signal_base + source domain: GIN signals are never reset, the waits are rolling. */
-#define DEEP_EP_GB_OFF (DEEP_EP_IC_CONTROL_BYTES - 6144)
-#define DEEP_EP_GB_SIG_OFF (DEEP_EP_GB_OFF + 128)
-#define DEEP_EP_GB_DESC_OFF (DEEP_EP_GB_OFF + 1024)
-#define DEEP_EP_GB_DESC_BYTES 4096
-#define DEEP_EP_GB_MAX_DOMAINS 8
+#define DEK_GB_OFF (DEK_IC_CONTROL_BYTES - 6144)
+#define DEK_GB_SIG_OFF (DEK_GB_OFF + 128)
+#define DEK_GB_DESC_OFF (DEK_GB_OFF + 1024)
+#define DEK_GB_DESC_BYTES 4096
+#define DEK_GB_MAX_DOMAINS 8
 typedef struct {
-  int32_t net_kind;    /* DEEP_EP_LL_NET_LSA or DEEP_EP_LL_NET_GIN; 0 = not set up */
-  int32_t signal_base; /* first of DEEP_EP_GB_MAX_DOMAINS signal ids (GIN: above the ops' ids) */
-} deep_ep_gb_header_t;
+  int32_t net_kind;    /* DEK_LL_NET_LSA or DEK_LL_NET_GIN; 0 = not set up */
+  int32_t signal_base; /* first of DEK_GB_MAX_DOMAINS signal ids (GIN: above the ops' ids) */
+} dek_gb_header_t;
 /* One global barrier (1 block of 32 threads) on `stream`; `site` names it in a timeout report
- * (DEEP_EP_IC_ERR_TIMEOUT naming the rank waited for). Refuses a ctx with nvl_ranks == 0. */
-int deep_ep_gb_barrier(const deep_ep_ic_ctx_t* ctx, int site, void* stream);
+ * (DEK_IC_ERR_TIMEOUT naming the rank waited for). Refuses a ctx with nvl_ranks == 0. */
+int dek_gb_barrier(const dek_ic_ctx_t* ctx, int site, void* stream);
 /* Layout constants, for the Rust mirror's check (see global_barrier.cu). */
-size_t deep_ep_gb_layout(int which);
+size_t dek_gb_layout(int which);
 
 
 /* ---------------------------------------------------------------------------------------------
@@ -445,59 +445,59 @@ size_t deep_ep_gb_layout(int which);
  * order in fp32 on top of bias_0 + bias_1. Results and the 10-tensor handle are bit-exact with the
  * CPU backend (docs/INTERNODE.md).
  *
- * Window (offsets identical on every rank): the intranode control area [0, DEEP_EP_IC_CONTROL_BYTES)
+ * Window (offsets identical on every rank): the intranode control area [0, DEK_IC_CONTROL_BYTES)
  * (its error words and sticky timeout flag are shared), the internode control area at
- * DEEP_EP_IN_CTRL_OFF (seam signals, barrier slots, epochs, the notify results), and the data area
+ * DEK_IN_CTRL_OFF (seam signals, barrier slots, epochs, the notify results), and the data area
  * [data_off, data_end): per op two exchange regions of Rr blocks of block_bytes (staging, then the
  * blocks received from the rail peers), then the op's areas (see internode.cuh).
  *
- * Steps (deep_ep_in_launch `step`), all asynchronous on `stream`, CUDA-graph capturable:
- *  DEEP_EP_IN_SEND_SIDE  1 block: sender side of is_token_in_rank (per-node and per-rank channel
+ * Steps (dek_in_launch `step`), all asynchronous on `stream`, CUDA-graph capturable:
+ *  DEK_IN_SEND_SIDE  1 block: sender side of is_token_in_rank (per-node and per-rank channel
  *                        prefixes, send_rdma_head) into the own window, the notify blocks
- *  DEEP_EP_IN_NOTIFY     1 block: global barrier (errors, op signature), notify blocks to the
+ *  DEK_IN_NOTIFY     1 block: global barrier (errors, op signature), notify blocks to the
  *                        rail peers over the seam, node barrier, receive side, checks (worst case,
  *                        capacity, stale handle) agreed by a second global barrier, host counts
- *  DEEP_EP_IN_RDMA_SEND  grid: packs each token once into the own window and puts it to the
+ *  DEK_IN_RDMA_SEND  grid: packs each token once into the own window and puts it to the
  *                        forwarder of every destination node
- *  DEEP_EP_IN_STEP       1 block: signals the rail peers, waits for theirs, then a node barrier
- *  DEEP_EP_IN_NVL_RECV   grid: reads the tokens for this rank from the node's forwarders
+ *  DEK_IN_STEP       1 block: signals the rail peers, waits for theirs, then a node barrier
+ *  DEK_IN_NVL_RECV   grid: reads the tokens for this rank from the node's forwarders
  *                        (receive order: source rank, then token), writes outputs and the handle
- *  DEEP_EP_IN_C_BEGIN    1 block: combine's global barrier and count exchange over the seam
- *  DEEP_EP_IN_C_STAGE    grid: this rank's rows, weights and recv_gbl_channel_prefix_matrix into
+ *  DEK_IN_C_BEGIN    1 block: combine's global barrier and count exchange over the seam
+ *  DEK_IN_C_STAGE    grid: this rank's rows, weights and recv_gbl_channel_prefix_matrix into
  *                        its window
- *  DEEP_EP_IN_C_NODEBAR  1 block: node barrier
- *  DEEP_EP_IN_C_FORWARD  grid: forwarder partials, put back to the sources over the seam
- *  DEEP_EP_IN_C_FINAL    grid: the sources' fp32 sums (+ biases) into combined_x / weights
- * Combine's seam wait is DEEP_EP_IN_STEP without the node barrier (node_barrier = 0).
- * Waits are bounded by timeout_ns and report DEEP_EP_IC_ERR_TIMEOUT naming the rank waited for.
+ *  DEK_IN_C_NODEBAR  1 block: node barrier
+ *  DEK_IN_C_FORWARD  grid: forwarder partials, put back to the sources over the seam
+ *  DEK_IN_C_FINAL    grid: the sources' fp32 sums (+ biases) into combined_x / weights
+ * Combine's seam wait is DEK_IN_STEP without the node barrier (node_barrier = 0).
+ * Waits are bounded by timeout_ns and report DEK_IC_ERR_TIMEOUT naming the rank waited for.
  * ------------------------------------------------------------------------------------------- */
-#define DEEP_EP_IN_CTRL_OFF (DEEP_EP_IC_CONTROL_BYTES + (256 << 10)) /* after the transport self-test's area */
-#define DEEP_EP_IN_CTRL_BYTES (128 << 10)
+#define DEK_IN_CTRL_OFF (DEK_IC_CONTROL_BYTES + (256 << 10)) /* after the transport self-test's area */
+#define DEK_IN_CTRL_BYTES (128 << 10)
 /* Where a normal-mode buffer over GIN keeps its GinNet descriptor (in the internode control area;
  * written at buffer creation; an LL-mode buffer passes the LL seam's descriptor instead). */
-#define DEEP_EP_IN_NET_OFF (DEEP_EP_IN_CTRL_OFF + (80 << 10))
-#define DEEP_EP_IN_NET_BYTES (16 << 10)
+#define DEK_IN_NET_OFF (DEK_IN_CTRL_OFF + (80 << 10))
+#define DEK_IN_NET_BYTES (16 << 10)
 /* Seam signals the kernels use, from sig_base: global barriers at 0 + source node, seam steps at
  * 8 + source node (context 0). */
-#define DEEP_EP_IN_SEAM_SIGNALS 16
-#define DEEP_EP_IN_NET_LSA 1 /* the LSA emulation (`lsa`) */
-#define DEEP_EP_IN_NET_GIN 2 /* NCCL GIN (`net` points at a GinNet) */
-#define DEEP_EP_IN_SEND_SIDE 0
-#define DEEP_EP_IN_NOTIFY 1
-#define DEEP_EP_IN_RDMA_SEND 2
-#define DEEP_EP_IN_STEP 3
-#define DEEP_EP_IN_NVL_RECV 4
-#define DEEP_EP_IN_C_BEGIN 5
-#define DEEP_EP_IN_C_STAGE 6
-#define DEEP_EP_IN_C_NODEBAR 7
-#define DEEP_EP_IN_C_FORWARD 8
-#define DEEP_EP_IN_C_FINAL 9
-#define DEEP_EP_IN_KIND_DISPATCH 1
-#define DEEP_EP_IN_KIND_CACHED 2
-#define DEEP_EP_IN_KIND_COMBINE 3
+#define DEK_IN_SEAM_SIGNALS 16
+#define DEK_IN_NET_LSA 1 /* the LSA emulation (`lsa`) */
+#define DEK_IN_NET_GIN 2 /* NCCL GIN (`net` points at a GinNet) */
+#define DEK_IN_SEND_SIDE 0
+#define DEK_IN_NOTIFY 1
+#define DEK_IN_RDMA_SEND 2
+#define DEK_IN_STEP 3
+#define DEK_IN_NVL_RECV 4
+#define DEK_IN_C_BEGIN 5
+#define DEK_IN_C_STAGE 6
+#define DEK_IN_C_NODEBAR 7
+#define DEK_IN_C_FORWARD 8
+#define DEK_IN_C_FINAL 9
+#define DEK_IN_KIND_DISPATCH 1
+#define DEK_IN_KIND_CACHED 2
+#define DEK_IN_KIND_COMBINE 3
 
 typedef struct {
-  deep_ep_tp_lsa_t lsa;          /* the inter-node leg over the LSA emulation (net_kind LSA) */
+  dek_tp_lsa_t lsa;          /* the inter-node leg over the LSA emulation (net_kind LSA) */
   int32_t kind;                  /* DEEP_EP_IN_KIND_* */
   int32_t nvl_size, num_rdma_ranks, num_channels; /* D, Rr, C */
   int32_t num_local_experts;     /* dispatch: E / R (0 otherwise) */
@@ -547,18 +547,18 @@ typedef struct {
   int32_t* send_nvl_head;
   uint16_t* combined_x;          /* [N, H] */
   float* combined_w;             /* [N, K] or NULL */
-  /* The seam: DEEP_EP_IN_NET_LSA (over `lsa`, sig_base 0) or DEEP_EP_IN_NET_GIN (the GinNet of
+  /* The seam: DEK_IN_NET_LSA (over `lsa`, sig_base 0) or DEK_IN_NET_GIN (the GinNet of
    * transport.cuh at `net`, device memory in this rank's window; `lsa` unused). Every seam put and
-   * signal is on context 0 with ids sig_base + [0, DEEP_EP_IN_SEAM_SIGNALS); the ids are never
+   * signal is on context 0 with ids sig_base + [0, DEK_IN_SEAM_SIGNALS); the ids are never
    * reset: device epoch counters (zeroed with the window) give the values to wait for, so the
    * signals must be 0 when the buffer is created (fresh GIN signals and the zeroed LSA table are). */
   const void* net;
   int32_t net_kind;
   int32_t sig_base;
-} deep_ep_in_args_t;
-int deep_ep_in_launch(const deep_ep_ic_ctx_t* ctx, const deep_ep_in_args_t* args, int step, void* stream);
-/* sizeof(deep_ep_in_args_t) (checked by the Rust mirror). */
-size_t deep_ep_in_args_bytes(void);
+} dek_in_args_t;
+int dek_in_launch(const dek_ic_ctx_t* ctx, const dek_in_args_t* args, int step, void* stream);
+/* sizeof(dek_in_args_t) (checked by the Rust mirror). */
+size_t dek_in_args_bytes(void);
 
 /* ---------------------------------------------------------------------------------------------
  * Low-latency mode (kernels/ll_dispatch.cu, kernels/low_latency.cu): DeepEP's LL protocol over
@@ -575,9 +575,9 @@ size_t deep_ep_in_args_bytes(void);
  *           s at 4*s, 128 bytes), an index table [E_l][R][T] u32 at idx_off, messages [R][T] of
  *           msg_bytes at msgs_off: ONE per (source token, destination rank), whatever the
  *           number of that rank's experts the token selected. A message is 16 bytes {src token,
- *           H, T, E} i32, 16 bytes {entries n, has weights, 0, 0}, DEEP_EP_LL_MAX_TOPK u32
+ *           H, T, E} i32, 16 bytes {entries n, has weights, 0, 0}, DEK_LL_MAX_TOPK u32
  *           entries (local expert << 16 | expert slot, in top-k order) and as many f32 top-k
- *           weights (0 without topk_weights), then the payload (DEEP_EP_LL_MSG_META bytes in):
+ *           weights (0 without topk_weights), then the payload (DEK_LL_MSG_META bytes in):
  *           H bf16, or H E4M3 bytes (cast once per token) + H/128 f32 scale_inv. Index entry
  *           [l][s][slot] = the message of source s that row slot of (l, s) comes from; the receiver
  *           fans a message out to every row that names it. Combine: rows [E][T] of H bf16 keyed
@@ -587,7 +587,7 @@ size_t deep_ep_in_args_bytes(void);
  *           message's entries in top-k order of fma(y, w_k, acc)) in fp32; partial_off lies after
  *           the messages, which the partial combine send reads (dispatch_half).
  *           Partial combine signals: word d*E_l on source s = tag(seq, 0) from expert rank d.
- *           LogFMT combine (flags DEEP_EP_LL_FLAG_LOGFMT, never partial): meta words [E][T][H/128]
+ *           LogFMT combine (flags DEK_LL_FLAG_LOGFMT, never partial): meta words [E][T][H/128]
  *           u32 from offset 0, then rows [E][T] of 2H bytes at E*T*H/128*4 (kernels/logfmt.cuh).
  * The call number seq lives on the device (scratch of the control area): every send kernel takes
  * the next one and writes {half, seq, flags, kind} into recv_state, which the receive kernel reads,
@@ -596,27 +596,27 @@ size_t deep_ep_in_args_bytes(void);
  * (token, k) order, counted without atomics' ordering), sources ascending: identical to the CPU
  * backend. Rank mask (`mask`, host-mapped, read at every launch): nothing is sent to a masked
  * rank, no wait is made for it (its dispatch counts are 0) and top-k entries of its experts are
- * dropped (as the CPU backend). Waits are bounded by timeout_ns and report DEEP_EP_IC_ERR_TIMEOUT
- * with the rank waited for; DEEP_EP_IC_ERR_OVERFLOW (an expert selected more than T times:
- * error_value = selections, error_limit = T) and DEEP_EP_IC_ERR_MISMATCH (a message with another
+ * dropped (as the CPU backend). Waits are bounded by timeout_ns and report DEK_IC_ERR_TIMEOUT
+ * with the rank waited for; DEK_IC_ERR_OVERFLOW (an expert selected more than T times:
+ * error_value = selections, error_limit = T) and DEK_IC_ERR_MISMATCH (a message with another
  * geometry, or a receive whose recv_state does not come from a matching send) are reported the
  * same way.
  * ------------------------------------------------------------------------------------------- */
-#define DEEP_EP_LL_KIND_DISPATCH 1
+#define DEK_LL_KIND_DISPATCH 1
 /* Phase argument of the one LL dispatch kernel and the one LL combine kernel (each half is a launch
  * of the same kernel, as DeepEP's, so profilers list one `dispatch` and one `combine`). */
-#define DEEP_EP_LL_PHASE_SEND 1
-#define DEEP_EP_LL_PHASE_RECV 2
-#define DEEP_EP_LL_MSG_META 160   /* bytes of a dispatch message before its payload */
-#define DEEP_EP_LL_MAX_EXPERTS 2048
-#define DEEP_EP_LL_MAX_TOPK 16
-#define DEEP_EP_LL_FLAG_PARTIAL 32
-#define DEEP_EP_LL_FLAG_LOGFMT 8  /* combine: rows travel as LogFMT-10 (recv_state flag) */
-/* Device copy of the rank mask (int32 [DEEP_EP_IC_MAX_RANKS], 1 = masked) in the control area's
+#define DEK_LL_PHASE_SEND 1
+#define DEK_LL_PHASE_RECV 2
+#define DEK_LL_MSG_META 160   /* bytes of a dispatch message before its payload */
+#define DEK_LL_MAX_EXPERTS 2048
+#define DEK_LL_MAX_TOPK 16
+#define DEK_LL_FLAG_PARTIAL 32
+#define DEK_LL_FLAG_LOGFMT 8  /* combine: rows travel as LogFMT-10 (recv_state flag) */
+/* Device copy of the rank mask (int32 [DEK_IC_MAX_RANKS], 1 = masked) in the control area's
  * LL scratch; the host rewrites it at every mask update (host-mapped reads from every block
  * would cross PCIe: measured 10-50x slower LL ops). */
-#define DEEP_EP_LL_MASK_OFF (DEEP_EP_IC_CONTROL_BYTES - 1024 + 64) /* combine recv_state flag: partial sums were sent */
-#define DEEP_EP_LL_KIND_COMBINE 2
+#define DEK_LL_MASK_OFF (DEK_IC_CONTROL_BYTES - 1024 + 64) /* combine recv_state flag: partial sums were sent */
+#define DEK_LL_KIND_COMBINE 2
 typedef struct {
   uint64_t ll_off;                          /* byte offset of the LL area in every window */
   uint64_t signal_bytes, send_bytes, recv_bytes, msg_bytes; /* per half; msg = dispatch message */
@@ -637,7 +637,7 @@ typedef struct {
   int32_t* cumulative;       /* [E_l] += received tokens, or NULL */
   int64_t* wait_stats;       /* [R] += cycles waited per source, or NULL */
   uint16_t* out;             /* combine: [N, H] bf16 */
-  const int32_t* mask;       /* rank mask (device copy at DEEP_EP_LL_MASK_OFF of this rank's window) or NULL */
+  const int32_t* mask;       /* rank mask (device copy at DEK_LL_MASK_OFF of this rank's window) or NULL */
   int32_t* shrink_mask;      /* shrink mode: the host-mapped mask block; a receive wait that times out
                               * sets the peer's word here and in `mask` and goes on without it
                               * (instead of failing). NULL: shrink mode off */
@@ -659,97 +659,97 @@ typedef struct {
   uint64_t shadow_off;       /* u64 [4 * E] in this rank's window: the value it last gave each remote signal */
   uint64_t stage_meta_off, stage_idx_off, stage_cnt_off; /* dispatch staging, in a send half */
   int32_t nvl_domain;        /* ranks per NVLink domain: peer d is remote when d / nvl_domain != rank / nvl_domain */
-  int32_t net_kind;          /* DEEP_EP_LL_NET_LSA or DEEP_EP_LL_NET_GIN */
-} deep_ep_ll_args_t;
-#define DEEP_EP_LL_NET_LSA 1 /* the LSA emulation of the RDMA leg (one NVLink machine as several nodes) */
-#define DEEP_EP_LL_NET_GIN 2 /* NCCL GIN */
-/* Seam signals per rank the LL kernels use at most: 4 * DEEP_EP_LL_MAX_EXPERTS. */
-#define DEEP_EP_LL_SEAM_SIGNALS (4 * DEEP_EP_LL_MAX_EXPERTS)
+  int32_t net_kind;          /* DEK_LL_NET_LSA or DEK_LL_NET_GIN */
+} dek_ll_args_t;
+#define DEK_LL_NET_LSA 1 /* the LSA emulation of the RDMA leg (one NVLink machine as several nodes) */
+#define DEK_LL_NET_GIN 2 /* NCCL GIN */
+/* Seam signals per rank the LL kernels use at most: 4 * DEK_LL_MAX_EXPERTS. */
+#define DEK_LL_SEAM_SIGNALS (4 * DEK_LL_MAX_EXPERTS)
 /* Send phase of a dispatch: blocks of one or a few tokens (at most num_blocks) count expert slots
  * and message slots in shared memory, push one message per (token, destination rank) (cast to
  * FP8 once when use_fp8) with its index entries; the last block signals every count. topk_weights
  * ([N, K] f32 or NULL) travel in the messages. */
-int deep_ep_llk_dispatch_send(const deep_ep_ic_ctx_t* ctx, const deep_ep_ll_args_t* args, void* stream);
+int dek_ll_dispatch_send(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream);
 /* Receive phase: waits for every unmasked source's count of each local expert, copies the rows
  * (through the index table) into recv_x / scales / src_info, writes recv_count and layout_range,
  * adds the stats. */
-int deep_ep_llk_dispatch_recv(const deep_ep_ic_ctx_t* ctx, const deep_ep_ll_args_t* args, void* stream);
+int dek_ll_dispatch_recv(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream);
 /* Send phase of a combine: one block per (local expert, source rank) pushes the rows of
  * layout_range back to the source rank at (global expert, src token), then signals. With
  * `partial`: blocks (source rank, y) sum each message of the dispatch (dispatch_half) over its
  * entries with the weights it carried, push one bf16 row per (token, source rank); the last block
- * signals. With flags & DEEP_EP_LL_FLAG_LOGFMT (not with partial or zero_copy): each warp encodes one
+ * signals. With flags & DEK_LL_FLAG_LOGFMT (not with partial or zero_copy): each warp encodes one
  * chunk (1024 channels, 512 when H % 1024 != 0) of a row as LogFMT-10 into the LogFMT layout. */
-int deep_ep_llk_combine_send(const deep_ep_ic_ctx_t* ctx, const deep_ep_ll_args_t* args, void* stream);
+int dek_ll_combine_send(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream);
 /* Receive phase: waits for all E words (partial: the R words d*E_l), out[n] = bf16(sum over k in
  * order of fma(y, w_k, acc)) (partial: bf16(sum over expert ranks d ascending of the fp32 of d's
  * partial row), d unmasked with an expert in the token's top-k; LogFMT: the decoded values in
  * place of y). */
-int deep_ep_llk_combine_recv(const deep_ep_ic_ctx_t* ctx, const deep_ep_ll_args_t* args, void* stream);
+int dek_ll_combine_recv(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream);
 /* LogFMT-10 on the host with the functions the combine kernels run on the device
  * (kernels/logfmt.cu; values: src/numerics/logfmt.rs). A row x [hidden] bf16 (hidden % 128 == 0,
  * at most 131072) is encoded into slot [hidden/128*4 + 2*hidden] bytes (meta then payload, the
  * crate's slot layout; unused bytes zero); decode_accumulate does acc[i] = fma(value_i, weight,
  * acc[i]) over a slot; math: out[i] = log2_det(in[i]) (fn 0) or exp2_det(in[i]) (fn 1). Return 0,
  * or -1 on bad arguments. No GPU needed. */
-int deep_ep_logfmt_encode_row_host(const uint16_t* x, int hidden, uint8_t* slot);
-int deep_ep_logfmt_decode_accumulate_host(const uint8_t* slot, int hidden, float weight, float* acc);
-int deep_ep_logfmt_math_host(int fn, const float* in, float* out, int64_t n);
+int dek_logfmt_encode_row_host(const uint16_t* x, int hidden, uint8_t* slot);
+int dek_logfmt_decode_accumulate_host(const uint8_t* slot, int hidden, float weight, float* acc);
+int dek_logfmt_math_host(int fn, const float* in, float* out, int64_t n);
 /* Zeroes this rank's signal words of both halves (between two barriers on the host side), and
  * with a seam its seam signals [0, 4E) of every context and their shadows. */
-int deep_ep_llk_zero_signals(const deep_ep_ic_ctx_t* ctx, const deep_ep_ll_args_t* args, void* stream);
-/* sizeof(deep_ep_ll_args_t) (the Rust mirror checks its size against it). */
-size_t deep_ep_llk_args_bytes(void);
-/* The GIN seam descriptor (GinNet of transport.cuh: up to DEEP_EP_TP_MAX_GIN_COMMS pairs of an
+int dek_ll_zero_signals(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream);
+/* sizeof(dek_ll_args_t) (the Rust mirror checks its size against it). */
+size_t dek_ll_args_bytes(void);
+/* The GIN seam descriptor (GinNet of transport.cuh: up to DEK_TP_MAX_GIN_COMMS pairs of an
  * ncclDevComm with GIN and the window's ncclWindow_t on that communicator, their count and the
  * contexts used per communicator) built on the host into `out` from byte copies of the device comms
  * (devcomms[i], devcomm_bytes each) and windows[i]; returns the bytes written (0: bad arguments or a
  * device comm without GIN). The caller copies them to Args::net. */
-size_t deep_ep_llk_gin_net_build(const void* const* devcomms, size_t devcomm_bytes, void* const* windows, int num_comms,
+size_t dek_ll_gin_net_build(const void* const* devcomms, size_t devcomm_bytes, void* const* windows, int num_comms,
                                  void* out, size_t out_bytes);
 /* Layout of GinNet: sizeof (which = 0), alignof (1), offset of c[0].win (2), stride of c[] (3),
  * offset of num_comms (4), of num_contexts (5), capacity of c[] (6). */
-size_t deep_ep_llk_gin_net_layout(int which);
+size_t dek_ll_gin_net_layout(int which);
 /* The (communicator, context) of routing unit `unit` with `comms` x `contexts` (transport.cuh
  * gin_route, as the device computes it). */
-void deep_ep_llk_gin_route(int unit, int comms, int contexts, int* comm, int* context);
+void dek_ll_gin_route(int unit, int comms, int contexts, int* comm, int* context);
 
 /* ---- NCCL device-API glue (kernels/nccl_glue.cu). NCCL is dlopen'ed by Rust: the function
  * pointers are passed in, so this library has no link-time NCCL dependency. ---- */
 /* sizeof(ncclDevComm) of the headers this was built with. */
-size_t deep_ep_nccl_devcomm_bytes(void);
+size_t dek_nccl_devcomm_bytes(void);
 /* ncclDevCommCreate with zeroed requirements, lsaBarrierCount = lsa_barrier_count and
  * lsaMultimem false. [OUT host] devcomm (devcomm_bytes, 8-aligned), lsa_size, lsa_rank.
  * Returns the ncclResult_t (or -1 when devcomm_bytes is too small). */
-int deep_ep_nccl_devcomm_create(void* create_fn, void* comm, int lsa_barrier_count, void* devcomm,
+int dek_nccl_devcomm_create(void* create_fn, void* comm, int lsa_barrier_count, void* devcomm,
                                 size_t devcomm_bytes, int* lsa_size, int* lsa_rank);
 /* ncclDevCommDestroy; returns the ncclResult_t. */
-int deep_ep_nccl_devcomm_destroy(void* destroy_fn, void* comm, const void* devcomm);
+int dek_nccl_devcomm_destroy(void* destroy_fn, void* comm, const void* devcomm);
 /* [OUT host] base[i] = ncclGetLsaPointer(window, 0, i) for the LSA team ranks i < lsa_size
  * (synchronous): the windows this GPU can address, LSA rank order. */
-int deep_ep_nccl_window_lsa_bases(void* window, int lsa_size, void** base);
+int dek_nccl_window_lsa_bases(void* window, int lsa_size, void** base);
 
 /* More runtime helpers (host plumbing). */
-int deep_ep_cuda_get_device(int* device);
-int deep_ep_cuda_sm_count(int device, int* sms); /* multiprocessors of `device` */
+int dek_cuda_get_device(int* device);
+int dek_cuda_sm_count(int device, int* sms); /* multiprocessors of `device` */
 /* CUDA runtime version linked into the library and the CUDA version the driver supports (1000 *
  * major + 10 * minor; 0 where unknown, e.g. no driver). Needs no GPU. */
-int deep_ep_cuda_versions(int* runtime, int* driver);
-int deep_ep_cuda_host_alloc_mapped(void** host, void** device_ptr, size_t bytes);
-int deep_ep_cuda_free_host(void* host);
+int dek_cuda_versions(int* runtime, int* driver);
+int dek_cuda_host_alloc_mapped(void** host, void** device_ptr, size_t bytes);
+int dek_cuda_free_host(void* host);
 
 /* CUDA IPC of the ipc window provider (synchronous): the 64-byte handle of an allocation of this
  * process, opening a peer process's handle (peer access enabled lazily), closing what was opened. */
-#define DEEP_EP_IPC_HANDLE_BYTES 64
-int deep_ep_cuda_ipc_get_handle(void* handle, void* ptr);
-int deep_ep_cuda_ipc_open(void** ptr, const void* handle);
-int deep_ep_cuda_ipc_close(void* ptr);
+#define DEK_IPC_HANDLE_BYTES 64
+int dek_cuda_ipc_get_handle(void* handle, void* ptr);
+int dek_cuda_ipc_open(void** ptr, const void* handle);
+int dek_cuda_ipc_close(void* ptr);
 /* PCI identity of `device` (domain << 32 | bus << 8 | device): the same GPU in every process,
  * whatever CUDA_VISIBLE_DEVICES numbers it. */
-int deep_ep_cuda_pci_id(int device, unsigned long long* id);
-int deep_ep_cuda_stream_create(void** stream);
-int deep_ep_cuda_stream_destroy(void* stream);
-int deep_ep_cuda_device_synchronize(void);
+int dek_cuda_pci_id(int device, unsigned long long* id);
+int dek_cuda_stream_create(void** stream);
+int dek_cuda_stream_destroy(void* stream);
+int dek_cuda_device_synchronize(void);
 
 #ifdef __cplusplus
 }

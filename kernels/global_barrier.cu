@@ -17,17 +17,17 @@ using ic::Ctx;
 using ic::local;
 using ic::window;
 
-constexpr uint64_t kHeader = DEEP_EP_GB_OFF;
-constexpr uint64_t kEpoch = DEEP_EP_GB_OFF + 64;
-constexpr uint64_t kSignals = DEEP_EP_GB_SIG_OFF;
-constexpr uint64_t kSlots = DEEP_EP_GB_OFF + 256;
-constexpr int kMaxDomains = DEEP_EP_GB_MAX_DOMAINS;
-static_assert(ic::kScrEnd <= DEEP_EP_GB_OFF, "global barrier area overlaps the intranode scratch");
-static_assert(sizeof(deep_ep_gb_header_t) <= 64, "header overlaps the epoch");
+constexpr uint64_t kHeader = DEK_GB_OFF;
+constexpr uint64_t kEpoch = DEK_GB_OFF + 64;
+constexpr uint64_t kSignals = DEK_GB_SIG_OFF;
+constexpr uint64_t kSlots = DEK_GB_OFF + 256;
+constexpr int kMaxDomains = DEK_GB_MAX_DOMAINS;
+static_assert(ic::kScrEnd <= DEK_GB_OFF, "global barrier area overlaps the intranode scratch");
+static_assert(sizeof(dek_gb_header_t) <= 64, "header overlaps the epoch");
 static_assert(kSignals == kHeader + 128 && kSignals + 8 * kMaxDomains <= kSlots, "signal table overlaps the slots");
-static_assert(kSlots + 8 * ic::kMaxRanks <= DEEP_EP_GB_DESC_OFF, "node slots overlap the descriptor");
-static_assert(DEEP_EP_GB_DESC_OFF + DEEP_EP_GB_DESC_BYTES <= DEEP_EP_IC_CONTROL_BYTES - 1024, "descriptor reaches the LL scratch");
-static_assert(sizeof(tp::LsaNet) <= DEEP_EP_GB_DESC_BYTES && sizeof(tp::GinNet) <= DEEP_EP_GB_DESC_BYTES, "descriptor too large");
+static_assert(kSlots + 8 * ic::kMaxRanks <= DEK_GB_DESC_OFF, "node slots overlap the descriptor");
+static_assert(DEK_GB_DESC_OFF + DEK_GB_DESC_BYTES <= DEK_IC_CONTROL_BYTES - 1024, "descriptor reaches the LL scratch");
+static_assert(sizeof(tp::LsaNet) <= DEK_GB_DESC_BYTES && sizeof(tp::GinNet) <= DEK_GB_DESC_BYTES, "descriptor too large");
 static_assert(ic::kMaxRanks <= 32 && kMaxDomains <= 32, "one lane per rank and per domain");
 
 // Warp-collective barrier of epoch `e`. False after a timeout (reported, naming the rank).
@@ -58,7 +58,7 @@ __device__ bool barrier(const Ctx& c, const Net& net, int signal_base, uint64_t 
     const tp::Deadline dl(c.timeout_ns);
     uint64_t seen = 0;
     if (!net.at(peer).wait_signal(signal_base + lane, e, dl, &seen)) {
-      ic::report(c, DEEP_EP_IC_ERR_TIMEOUT, peer, site, static_cast<int>(seen), static_cast<int>(e));
+      ic::report(c, DEK_IC_ERR_TIMEOUT, peer, site, static_cast<int>(seen), static_cast<int>(e));
       ok = false;
     }
   }
@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(32) barrier_kernel(const __grid_constant__ Ctx
   // A buffer with a timed-out barrier waits for nobody any more (as the intranode barrier); the
   // host raises the recorded timeout.
   if (ld_volatile(at<const int>(local(c), ic::kScrTimedOut)) != 0) return;
-  const deep_ep_gb_header_t h = *at<const deep_ep_gb_header_t>(local(c), kHeader);
+  const dek_gb_header_t h = *at<const dek_gb_header_t>(local(c), kHeader);
   uint64_t e = 0;
   if (threadIdx.x == 0) {
     uint64_t* p = at<uint64_t>(local(c), kEpoch);
@@ -77,13 +77,13 @@ __global__ void __launch_bounds__(32) barrier_kernel(const __grid_constant__ Ctx
     *p = e;
   }
   e = __shfl_sync(0xffffffffu, e, 0);
-  const char* desc = local(c) + DEEP_EP_GB_DESC_OFF;
-  if (h.net_kind == DEEP_EP_LL_NET_GIN) {
+  const char* desc = local(c) + DEK_GB_DESC_OFF;
+  if (h.net_kind == DEK_LL_NET_GIN) {
     barrier(c, *reinterpret_cast<const tp::GinNet*>(desc), h.signal_base, e, site);
-  } else if (h.net_kind == DEEP_EP_LL_NET_LSA) {
+  } else if (h.net_kind == DEK_LL_NET_LSA) {
     barrier(c, *reinterpret_cast<const tp::LsaNet*>(desc), h.signal_base, e, site);
   } else if (threadIdx.x == 0) {
-    ic::report(c, DEEP_EP_IC_ERR_MISMATCH, c.rank, site, h.net_kind, 0);  // never set up: a host bug
+    ic::report(c, DEK_IC_ERR_MISMATCH, c.rank, site, h.net_kind, 0);  // never set up: a host bug
   }
 }
 
@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(32) barrier_kernel(const __grid_constant__ Ctx
 }  // namespace gb
 }  // namespace deep_ep
 
-extern "C" int deep_ep_gb_barrier(const deep_ep_ic_ctx_t* ctx, int site, void* stream) {
+extern "C" int dek_gb_barrier(const dek_ic_ctx_t* ctx, int site, void* stream) {
   using namespace deep_ep;
   if (!ic::ctx_domain_ok(ctx) || ctx->nvl_ranks == 0 || ctx->num_ranks / ctx->nvl_ranks > gb::kMaxDomains)
     return cudaErrorInvalidValue;
@@ -102,15 +102,15 @@ extern "C" int deep_ep_gb_barrier(const deep_ep_ic_ctx_t* ctx, int site, void* s
 // Layout constants for the Rust mirror's check (src/ffi/global_barrier.rs): 0 area offset, 1 LSA
 // signal table, 2 descriptor offset, 3 descriptor bytes, 4 sizeof(LsaNet), 5 sizeof(GinNet),
 // 6 most domains; 0 for anything else.
-extern "C" size_t deep_ep_gb_layout(int which) {
+extern "C" size_t dek_gb_layout(int which) {
   switch (which) {
-    case 0: return DEEP_EP_GB_OFF;
-    case 1: return DEEP_EP_GB_SIG_OFF;
-    case 2: return DEEP_EP_GB_DESC_OFF;
-    case 3: return DEEP_EP_GB_DESC_BYTES;
+    case 0: return DEK_GB_OFF;
+    case 1: return DEK_GB_SIG_OFF;
+    case 2: return DEK_GB_DESC_OFF;
+    case 3: return DEK_GB_DESC_BYTES;
     case 4: return sizeof(deep_ep::tp::LsaNet);
     case 5: return sizeof(deep_ep::tp::GinNet);
-    case 6: return DEEP_EP_GB_MAX_DOMAINS;
+    case 6: return DEK_GB_MAX_DOMAINS;
     default: return 0;
   }
 }

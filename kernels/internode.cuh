@@ -24,7 +24,7 @@ namespace deep_ep {
 namespace in {
 namespace {
 
-using Args = deep_ep_in_args_t;
+using Args = dek_in_args_t;
 using ic::at;
 using ic::Ctx;
 using ic::local;
@@ -36,8 +36,8 @@ constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxNodes = 8;
 
-// ---- internode control area (DEEP_EP_IN_CTRL_OFF, zeroed with the window at creation) ----------
-constexpr uint64_t kCtrl = DEEP_EP_IN_CTRL_OFF;
+// ---- internode control area (DEK_IN_CTRL_OFF, zeroed with the window at creation) ----------
+constexpr uint64_t kCtrl = DEK_IN_CTRL_OFF;
 constexpr uint64_t kSigOff = kCtrl;  // seam signal table of the LSA emulation: kNumSignals u64
 constexpr int kNumSignals = 32;
 constexpr int kSigBar = 0;   // sig_base + source node: global barriers (one add per barrier)
@@ -57,12 +57,12 @@ constexpr uint64_t kRecvRdmaCpm = kCtrl + 28672; // [Rr, C] i32
 constexpr uint64_t kRdmaCpm = kCtrl + 45056;     // [Rr, C] i32 sender side
 constexpr uint64_t kGblCpm = kCtrl + 61440;      // [R, C] i32 sender side
 constexpr uint64_t kCtrlEnd = kCtrl + 77824;
-static_assert(kCtrlEnd <= kCtrl + DEEP_EP_IN_CTRL_BYTES, "internode control area overflows");
+static_assert(kCtrlEnd <= kCtrl + DEK_IN_CTRL_BYTES, "internode control area overflows");
 static_assert(ic::kMaxRanks * ic::kMaxChannels * 4 <= 16384, "[R, C] tables larger than their slots");
 static_assert(kSigOff + kNumSignals * 8 <= kSlotA, "signal table overlaps the slots");
-static_assert(kSigBar + kMaxNodes <= kSigStep && kSigStep + kMaxNodes <= DEEP_EP_IN_SEAM_SIGNALS &&
-                  DEEP_EP_IN_SEAM_SIGNALS <= kNumSignals, "seam signal ids");
-static_assert(kCtrlEnd <= DEEP_EP_IN_NET_OFF && DEEP_EP_IN_NET_OFF + DEEP_EP_IN_NET_BYTES <= kCtrl + DEEP_EP_IN_CTRL_BYTES,
+static_assert(kSigBar + kMaxNodes <= kSigStep && kSigStep + kMaxNodes <= DEK_IN_SEAM_SIGNALS &&
+                  DEK_IN_SEAM_SIGNALS <= kNumSignals, "seam signal ids");
+static_assert(kCtrlEnd <= DEK_IN_NET_OFF && DEK_IN_NET_OFF + DEK_IN_NET_BYTES <= kCtrl + DEK_IN_CTRL_BYTES,
               "GIN descriptor slot outside the free end of the control area");
 
 // The transport of a seam step, on context 0 (file comment). LsaNet: over the descriptor inside
@@ -81,7 +81,7 @@ struct Seam<GinNet> {
 // args_ok: LSA or GIN).
 #define DEEP_EP_IN_LAUNCH(kernel, grid, block, stream, c, a)   \
   do {                                                         \
-    if ((a).net_kind == DEEP_EP_IN_NET_GIN) {                  \
+    if ((a).net_kind == DEK_IN_NET_GIN) {                  \
       kernel<GinNet><<<(grid), (block), 0, (stream)>>>(c, a);  \
     } else {                                                   \
       kernel<LsaNet><<<(grid), (block), 0, (stream)>>>(c, a);  \
@@ -239,7 +239,7 @@ __device__ bool wait_rail(const Ctx& c, const T& t, const Geo& g, int base, uint
     const tp::Deadline dl(c.timeout_ns);
     uint64_t seen = 0;
     if (!t.wait_signal(base + lane, least, dl, &seen)) {
-      ic::report(c, DEEP_EP_IC_ERR_TIMEOUT, lane * g.D + g.local, site, static_cast<int>(seen), static_cast<int>(least));
+      ic::report(c, DEK_IC_ERR_TIMEOUT, lane * g.D + g.local, site, static_cast<int>(seen), static_cast<int>(least));
       ok = false;
     }
   }
@@ -316,7 +316,7 @@ __device__ bool verdict(const Ctx& c, const Val& v, int site) {
   if (v.err != 0) {
     ic::report(c, static_cast<int>(v.err >> 8), static_cast<int>(v.err & 0xff), site, 0, 0);
   } else {
-    ic::report(c, DEEP_EP_IC_ERR_MISMATCH, -1, site, 0, 0);
+    ic::report(c, DEK_IC_ERR_MISMATCH, -1, site, 0, 0);
   }
   return false;
 }

@@ -19,7 +19,7 @@ __global__ void __launch_bounds__(256) c_begin_kernel(const __grid_constant__ Ct
   if (timed_out(c)) return;
   const Geo g = geo(c, a);
   const auto t = Seam<Net>::at(a);
-  const int site = DEEP_EP_IC_SITE_IN_COMBINE;
+  const int site = DEK_IC_SITE_IN_COMBINE;
   __shared__ Val s_v;
   char* me = local(c);
   if (threadIdx.x == 0) {
@@ -27,9 +27,9 @@ __global__ void __launch_bounds__(256) c_begin_kernel(const __grid_constant__ Ct
     int* e = own_error(c);
     e[0] = e[1] = e[2] = e[3] = 0;
     if (a.h_recv_gbl_rps[g.R - 1] > a.num_rows) {
-      set_error(c, DEEP_EP_IC_ERR_STALE_INTERNODE, a.h_recv_gbl_rps[g.R - 1], static_cast<int>(a.num_rows), -1);
+      set_error(c, DEK_IC_ERR_STALE_INTERNODE, a.h_recv_gbl_rps[g.R - 1], static_cast<int>(a.num_rows), -1);
     } else if (a.h_recv_rdma_rps[g.Rr - 1] > a.num_rdma_rows) {
-      set_error(c, DEEP_EP_IC_ERR_STALE_INTERNODE, a.h_recv_rdma_rps[g.Rr - 1], static_cast<int>(a.num_rdma_rows), -2);
+      set_error(c, DEK_IC_ERR_STALE_INTERNODE, a.h_recv_rdma_rps[g.Rr - 1], static_cast<int>(a.num_rdma_rows), -2);
     }
     s_v = own_val(c, a, site);
   }
@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(kThreads) c_stage_kernel(const __grid_constant
 
 __global__ void __launch_bounds__(32) c_nodebar_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
   if (timed_out(c) || op_bad(c)) return;
-  node_barrier(c, geo(c, a), DEEP_EP_IC_SITE_IN_COMBINE_DATA);
+  node_barrier(c, geo(c, a), DEK_IC_SITE_IN_COMBINE_DATA);
 }
 
 __device__ __forceinline__ float lo_f(uint32_t w) { return ic::bf16_to_f32(w & 0xffffu); }
@@ -231,11 +231,11 @@ __global__ void __launch_bounds__(kThreads) c_final_kernel(const __grid_constant
 
 int launch_combine(const Ctx& c, const Args& a, int step, cudaStream_t s) {
   switch (step) {
-    case DEEP_EP_IN_C_BEGIN: DEEP_EP_IN_LAUNCH(c_begin_kernel, 1, 256, s, c, a); break;
-    case DEEP_EP_IN_C_STAGE: c_stage_kernel<<<a.num_blocks, kThreads, 0, s>>>(c, a); break;
-    case DEEP_EP_IN_C_NODEBAR: c_nodebar_kernel<<<1, 32, 0, s>>>(c, a); break;
-    case DEEP_EP_IN_C_FORWARD: DEEP_EP_IN_LAUNCH(c_forward_kernel, a.num_blocks, kThreads, s, c, a); break;
-    case DEEP_EP_IN_C_FINAL: c_final_kernel<<<a.num_blocks, kThreads, 0, s>>>(c, a); break;
+    case DEK_IN_C_BEGIN: DEEP_EP_IN_LAUNCH(c_begin_kernel, 1, 256, s, c, a); break;
+    case DEK_IN_C_STAGE: c_stage_kernel<<<a.num_blocks, kThreads, 0, s>>>(c, a); break;
+    case DEK_IN_C_NODEBAR: c_nodebar_kernel<<<1, 32, 0, s>>>(c, a); break;
+    case DEK_IN_C_FORWARD: DEEP_EP_IN_LAUNCH(c_forward_kernel, a.num_blocks, kThreads, s, c, a); break;
+    case DEK_IN_C_FINAL: c_final_kernel<<<a.num_blocks, kThreads, 0, s>>>(c, a); break;
     default: return cudaErrorInvalidValue;
   }
   return static_cast<int>(cudaGetLastError());

@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(kThreads) send_side_kernel(const __grid_consta
     for (int j = 0; j < g.Rr; ++j) {
       const int got = rdma_cpm[j * g.C + g.C - 1];
       if (a.num_tokens_per_rdma_rank[j] != got) {
-        set_error(c, DEEP_EP_IC_ERR_NTPRR, a.num_tokens_per_rdma_rank[j], got, j);
+        set_error(c, DEK_IC_ERR_NTPRR, a.num_tokens_per_rdma_rank[j], got, j);
         break;
       }
     }
@@ -98,14 +98,14 @@ __global__ void __launch_bounds__(256) notify_kernel(const __grid_constant__ Ctx
   if (timed_out(c)) return;
   const Geo g = geo(c, a);
   const auto t = Seam<Net>::at(a);
-  const int site = DEEP_EP_IC_SITE_IN_DISPATCH;
+  const int site = DEK_IC_SITE_IN_DISPATCH;
   __shared__ Val s_v;
   __shared__ int s_ok;
   char* me = local(c);
   if (threadIdx.x == 0) {
     *at<int>(me, ic::kScrOpBad) = 0;
-    if (a.input_checked) {  // the result deep_ep_ic_check wrote (intranode_check.cu)
-      int* chk = at<int>(me, ic::next_header_slot(c) + DEEP_EP_IC_CHECK_OFF);
+    if (a.input_checked) {  // the result dek_ic_check wrote (intranode_check.cu)
+      int* chk = at<int>(me, ic::next_header_slot(c) + DEK_IC_CHECK_OFF);
       if (chk[0] != 0) set_error(c, chk[0], chk[1], chk[2], chk[3]);
       chk[0] = chk[1] = chk[2] = chk[3] = 0;
     }
@@ -164,22 +164,22 @@ __global__ void __launch_bounds__(256) notify_kernel(const __grid_constant__ Ctx
     *at<int64_t>(me, kInfo) = rows;
     *at<int64_t>(me, kInfo + 8) = rdma;
     const uint64_t rec = record(a).bytes;
-    if (a.kind == DEEP_EP_IN_KIND_DISPATCH && a.num_worst > 0 && rows > a.num_worst) {
-      set_error(c, DEEP_EP_IC_ERR_OVERFLOW, static_cast<int>(rows), static_cast<int>(a.num_worst), 0);
-    } else if (a.kind == DEEP_EP_IN_KIND_DISPATCH && a.num_worst > 0 && rdma > a.num_worst) {
-      set_error(c, DEEP_EP_IC_ERR_OVERFLOW, static_cast<int>(rdma), static_cast<int>(a.num_worst), 1);
+    if (a.kind == DEK_IN_KIND_DISPATCH && a.num_worst > 0 && rows > a.num_worst) {
+      set_error(c, DEK_IC_ERR_OVERFLOW, static_cast<int>(rows), static_cast<int>(a.num_worst), 0);
+    } else if (a.kind == DEK_IN_KIND_DISPATCH && a.num_worst > 0 && rdma > a.num_worst) {
+      set_error(c, DEK_IC_ERR_OVERFLOW, static_cast<int>(rdma), static_cast<int>(a.num_worst), 1);
     } else if (static_cast<uint64_t>(rdma) * rec > a.data_end - d_recv(a)) {
-      set_error(c, DEEP_EP_IC_ERR_CAPACITY, static_cast<int>((d_recv(a) + rdma * rec - ex_end(a)) >> 10),
+      set_error(c, DEK_IC_ERR_CAPACITY, static_cast<int>((d_recv(a) + rdma * rec - ex_end(a)) >> 10),
                 static_cast<int>((a.data_end - ex_end(a)) >> 10), 0);
-    } else if (a.kind == DEEP_EP_IN_KIND_CACHED) {
+    } else if (a.kind == DEK_IN_KIND_CACHED) {
       for (int s = 0; s < g.R; ++s) {
         if (a.h_recv_gbl_rps[s] != rgrps[s]) {
-          set_error(c, DEEP_EP_IC_ERR_STALE_INTERNODE, rgrps[s], a.h_recv_gbl_rps[s], s);
+          set_error(c, DEK_IC_ERR_STALE_INTERNODE, rgrps[s], a.h_recv_gbl_rps[s], s);
           break;
         }
       }
-      if (rows > a.num_rows) set_error(c, DEEP_EP_IC_ERR_STALE_INTERNODE, static_cast<int>(rows), static_cast<int>(a.num_rows), -1);
-      if (rdma > a.num_rdma_rows) set_error(c, DEEP_EP_IC_ERR_STALE_INTERNODE, static_cast<int>(rdma), static_cast<int>(a.num_rdma_rows), -2);
+      if (rows > a.num_rows) set_error(c, DEK_IC_ERR_STALE_INTERNODE, static_cast<int>(rows), static_cast<int>(a.num_rows), -1);
+      if (rdma > a.num_rdma_rows) set_error(c, DEK_IC_ERR_STALE_INTERNODE, static_cast<int>(rdma), static_cast<int>(a.num_rdma_rows), -2);
     }
     s_v = own_val(c, a, site);
   }
@@ -191,8 +191,8 @@ __global__ void __launch_bounds__(256) notify_kernel(const __grid_constant__ Ctx
   }
   __syncthreads();
   if (!s_ok || !a.write_host_counts || threadIdx.x != 0) return;
-  volatile deep_ep_ic_host_status_t* h = c.host_status;
-  for (int e = 0; e < el && e < DEEP_EP_IC_MAX_LOCAL_EXPERTS; ++e) h->per_expert[e] = per_expert[e];
+  volatile dek_ic_host_status_t* h = c.host_status;
+  for (int e = 0; e < el && e < DEK_IC_MAX_LOCAL_EXPERTS; ++e) h->per_expert[e] = per_expert[e];
   h->recv_rdma_count = static_cast<int>(*at<int64_t>(me, kInfo + 8));
   __threadfence_system();
   h->recv_count = static_cast<int>(*at<int64_t>(me, kInfo));
@@ -265,7 +265,7 @@ __global__ void __launch_bounds__(32) step_kernel(const __grid_constant__ Ctx c,
   if (timed_out(c) || op_bad(c)) return;
   const Geo g = geo(c, a);
   const auto t = Seam<Net>::at(a);
-  const int site = a.kind == DEEP_EP_IN_KIND_COMBINE ? DEEP_EP_IC_SITE_IN_COMBINE_DATA : DEEP_EP_IC_SITE_IN_DISPATCH_DATA;
+  const int site = a.kind == DEK_IN_KIND_COMBINE ? DEK_IC_SITE_IN_COMBINE_DATA : DEK_IC_SITE_IN_DISPATCH_DATA;
   if (!seam_step(c, t, g, a, site)) return;
   if (a.node_barrier) node_barrier(c, g, site);
 }
@@ -307,7 +307,7 @@ __global__ void __launch_bounds__(kThreads) nvl_recv_kernel(const __grid_constan
   const int lane = threadIdx.x & 31;
   const Rec r = record(a);
   char* me = local(c);
-  const bool full = a.kind == DEEP_EP_IN_KIND_DISPATCH;
+  const bool full = a.kind == DEK_IN_KIND_DISPATCH;
   const int64_t rows_real = *at<const int64_t>(me, kInfo), rdma_real = *at<const int64_t>(me, kInfo + 8);
   const int64_t gw = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5, nw = static_cast<int64_t>(gridDim.x) * kWarps;
   const int64_t recv_items = static_cast<int64_t>(g.R) * g.C, items = recv_items + (full ? g.Rr * g.C : 0);
@@ -386,13 +386,13 @@ bool args_ok(const Ctx* c, const Args* a) {
   const int R = c->num_ranks;
   if (a->nvl_size < 1 || a->num_rdma_ranks < 2 || a->nvl_size * a->num_rdma_ranks != R || a->num_rdma_ranks > kMaxNodes ||
       a->num_channels < 1 || a->num_channels > ic::kMaxChannels || a->num_blocks < 1 || a->num_topk < 0 || a->num_scales < 0 ||
-      a->num_local_experts < 0 || a->num_local_experts > DEEP_EP_IC_MAX_LOCAL_EXPERTS || a->block_bytes % 16 != 0 ||
-      a->data_off < kCtrl + DEEP_EP_IN_CTRL_BYTES || a->data_end > c->window_bytes || a->data_off >= a->data_end)
+      a->num_local_experts < 0 || a->num_local_experts > DEK_IC_MAX_LOCAL_EXPERTS || a->block_bytes % 16 != 0 ||
+      a->data_off < kCtrl + DEK_IN_CTRL_BYTES || a->data_end > c->window_bytes || a->data_off >= a->data_end)
     return false;
   // GIN: the descriptor lives in device memory (written at buffer creation); its signals are the
-  // host's business (GinPlan covers sig_base + DEEP_EP_IN_SEAM_SIGNALS). `lsa` is not read.
-  if (a->net_kind == DEEP_EP_IN_NET_GIN) return a->net != nullptr && a->sig_base >= 0;
-  if (a->net_kind != DEEP_EP_IN_NET_LSA || a->sig_base != 0) return false;
+  // host's business (GinPlan covers sig_base + DEK_IN_SEAM_SIGNALS). `lsa` is not read.
+  if (a->net_kind == DEK_IN_NET_GIN) return a->net != nullptr && a->sig_base >= 0;
+  if (a->net_kind != DEK_IN_NET_LSA || a->sig_base != 0) return false;
   if (a->lsa.num_ranks != R || a->lsa.rank != c->rank || a->lsa.num_contexts < 1 || a->lsa.signal_off != kSigOff ||
       a->lsa.num_signals < kNumSignals)
     return false;
@@ -406,19 +406,19 @@ bool args_ok(const Ctx* c, const Args* a) {
 }  // namespace in
 }  // namespace deep_ep
 
-extern "C" int deep_ep_in_launch(const deep_ep_ic_ctx_t* ctx, const deep_ep_in_args_t* args, int step, void* stream) {
+extern "C" int dek_in_launch(const dek_ic_ctx_t* ctx, const dek_in_args_t* args, int step, void* stream) {
   using namespace deep_ep::in;
   if (!args_ok(ctx, args)) return cudaErrorInvalidValue;
   const cudaStream_t s = deep_ep::as_stream(stream);
   switch (step) {
-    case DEEP_EP_IN_SEND_SIDE: send_side_kernel<<<1, kThreads, 0, s>>>(*ctx, *args); break;
-    case DEEP_EP_IN_NOTIFY: DEEP_EP_IN_LAUNCH(notify_kernel, 1, 256, s, *ctx, *args); break;
-    case DEEP_EP_IN_RDMA_SEND: DEEP_EP_IN_LAUNCH(rdma_send_kernel, args->num_blocks, kThreads, s, *ctx, *args); break;
-    case DEEP_EP_IN_STEP: DEEP_EP_IN_LAUNCH(step_kernel, 1, 32, s, *ctx, *args); break;
-    case DEEP_EP_IN_NVL_RECV: nvl_recv_kernel<<<args->num_blocks, kThreads, 0, s>>>(*ctx, *args); break;
+    case DEK_IN_SEND_SIDE: send_side_kernel<<<1, kThreads, 0, s>>>(*ctx, *args); break;
+    case DEK_IN_NOTIFY: DEEP_EP_IN_LAUNCH(notify_kernel, 1, 256, s, *ctx, *args); break;
+    case DEK_IN_RDMA_SEND: DEEP_EP_IN_LAUNCH(rdma_send_kernel, args->num_blocks, kThreads, s, *ctx, *args); break;
+    case DEK_IN_STEP: DEEP_EP_IN_LAUNCH(step_kernel, 1, 32, s, *ctx, *args); break;
+    case DEK_IN_NVL_RECV: nvl_recv_kernel<<<args->num_blocks, kThreads, 0, s>>>(*ctx, *args); break;
     default: return launch_combine(*ctx, *args, step, s);
   }
   return static_cast<int>(cudaGetLastError());
 }
 
-extern "C" size_t deep_ep_in_args_bytes(void) { return sizeof(deep_ep_in_args_t); }
+extern "C" size_t dek_in_args_bytes(void) { return sizeof(dek_in_args_t); }

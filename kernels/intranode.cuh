@@ -12,13 +12,13 @@ namespace deep_ep {
 namespace ic {
 namespace {
 
-constexpr int kMaxRanks = DEEP_EP_IC_MAX_RANKS;
-constexpr int kMaxChannels = DEEP_EP_IC_MAX_CHANNELS;
+constexpr int kMaxRanks = DEK_IC_MAX_RANKS;
+constexpr int kMaxChannels = DEK_IC_MAX_CHANNELS;
 constexpr int kThreads = 512;  // data kernels: 16 warps per block
 constexpr int kWarps = kThreads / 32;
 constexpr int kSyncThreads = 256;
 
-// Control area of every window (DEEP_EP_IC_CONTROL_BYTES); see deep_ep_kernels.h.
+// Control area of every window (DEK_IC_CONTROL_BYTES); see deep_ep_kernels.h.
 constexpr size_t kSlotBytes = 128;
 constexpr size_t kBarrierOff = 0;
 constexpr size_t kHeaderOff = 1024;  // two layout slots, picked by the parity of the gathering barrier
@@ -29,7 +29,7 @@ constexpr size_t kScrOpBad = kScratchOff + 8;     // int: this op's data kernels
 constexpr size_t kScrRendezvous = kScratchOff + 12;  // int all-reduced by create
 constexpr size_t kScrEpoch = kScratchOff + 16;    // u64: barriers passed
 constexpr size_t kScrHeaders = kScratchOff + 256;  // [R] layouts gathered after the barrier
-constexpr size_t kScrRpm = kScrHeaders + kMaxRanks * DEEP_EP_IC_LAYOUT_BYTES;  // [R, R] int
+constexpr size_t kScrRpm = kScrHeaders + kMaxRanks * DEK_IC_LAYOUT_BYTES;  // [R, R] int
 constexpr size_t kScrRcpm = kScrRpm + kMaxRanks * kMaxRanks * 4;              // [R, C] int
 constexpr size_t kScrChanDone = kScrRcpm + kMaxRanks * kMaxChannels * 4;      // [C] int, push dispatch
 constexpr size_t kScrChanFlags = kScrChanDone + kMaxChannels * 4;            // [R, C] u64, push dispatch
@@ -41,15 +41,15 @@ constexpr size_t kScrEnd = kScrCombineNext + 128;
 // the combine's start barrier (stream order), which zeroes these counters.
 constexpr size_t kScrPushDone = kScrRcpm;
 static_assert(kBarrierOff + kMaxRanks * kSlotBytes <= kHeaderOff, "barrier slots overlap the header");
-static_assert(sizeof(deep_ep_ic_layout_t) <= DEEP_EP_IC_LAYOUT_BYTES, "layout larger than its slot");
-static_assert(kHeaderOff + 2 * DEEP_EP_IC_LAYOUT_BYTES <= kScratchOff, "header overlaps the scratch");
-static_assert(DEEP_EP_IC_CHECK_OFF >= sizeof(deep_ep_ic_layout_t) && DEEP_EP_IC_CHECK_OFF % 8 == 0 &&
-                  DEEP_EP_IC_CHECK_OFF + 16 <= DEEP_EP_IC_LAYOUT_BYTES,
+static_assert(sizeof(dek_ic_layout_t) <= DEK_IC_LAYOUT_BYTES, "layout larger than its slot");
+static_assert(kHeaderOff + 2 * DEK_IC_LAYOUT_BYTES <= kScratchOff, "header overlaps the scratch");
+static_assert(DEK_IC_CHECK_OFF >= sizeof(dek_ic_layout_t) && DEK_IC_CHECK_OFF % 8 == 0 &&
+                  DEK_IC_CHECK_OFF + 16 <= DEK_IC_LAYOUT_BYTES,
               "the check result must sit in each header slot after the layout");
-static_assert(kScrEnd <= DEEP_EP_IC_CONTROL_BYTES - 1024, "scratch reaches the low-latency scratch (low_latency.cuh)");
+static_assert(kScrEnd <= DEK_IC_CONTROL_BYTES - 1024, "scratch reaches the low-latency scratch (low_latency.cuh)");
 
-using Ctx = deep_ep_ic_ctx_t;
-using Layout = deep_ep_ic_layout_t;
+using Ctx = dek_ic_ctx_t;
+using Layout = dek_ic_layout_t;
 
 __device__ __forceinline__ char* window(const Ctx& c, int rank) { return static_cast<char*>(c.peer_base[rank]); }
 __device__ __forceinline__ char* local(const Ctx& c) { return window(c, c.rank); }
@@ -60,10 +60,10 @@ __device__ __forceinline__ T* at(char* base, size_t off) { return reinterpret_ca
 // only after passing the previous one, and every peer read the same slot two barriers earlier (its
 // read finished before it signalled the barrier in between): so a layout can be published before
 // the barrier that gathers it (combine's start barrier does) without racing a slow peer's read.
-__device__ __forceinline__ size_t header_slot(uint64_t epoch) { return kHeaderOff + (epoch & 1) * DEEP_EP_IC_LAYOUT_BYTES; }
+__device__ __forceinline__ size_t header_slot(uint64_t epoch) { return kHeaderOff + (epoch & 1) * DEK_IC_LAYOUT_BYTES; }
 
 __device__ __forceinline__ const Layout& scratch_layout(const Ctx& c, int rank) {
-  return *at<const Layout>(local(c), kScrHeaders + static_cast<size_t>(rank) * DEEP_EP_IC_LAYOUT_BYTES);
+  return *at<const Layout>(local(c), kScrHeaders + static_cast<size_t>(rank) * DEK_IC_LAYOUT_BYTES);
 }
 
 // Memory model (st_release_sys, ld_acquire_sys, ld_volatile, globaltimer): common.cuh.
@@ -80,14 +80,14 @@ __device__ __forceinline__ size_t next_header_slot(const Ctx& c) {
 __device__ void report(const Ctx& c, int code, int about_rank, int site, int value, int limit, int extra = 0) {
   int* err = at<int>(local(c), kScrError);
   bool first;
-  if (code == DEEP_EP_IC_ERR_TIMEOUT) {
+  if (code == DEK_IC_ERR_TIMEOUT) {
     atomicExch(at<int>(local(c), kScrTimedOut), 1);
-    first = atomicExch(err, code) != DEEP_EP_IC_ERR_TIMEOUT;
+    first = atomicExch(err, code) != DEK_IC_ERR_TIMEOUT;
   } else {
     first = atomicCAS(err, 0, code) == 0;
   }
   if (!first) return;
-  volatile deep_ep_ic_host_status_t* h = c.host_status;
+  volatile dek_ic_host_status_t* h = c.host_status;
   h->error_rank = about_rank;
   h->error_site = site;
   h->error_value = value;
@@ -122,7 +122,7 @@ __device__ bool wait_flag(const Ctx& c, int s, int ch, uint64_t epoch, int site)
   while (ld_acquire_sys(flag) < epoch) {
     __nanosleep(128);  // leave issue slots to the warps of this SM that do the work
     if (globaltimer() - start > c.timeout_ns) {
-      report(c, DEEP_EP_IC_ERR_TIMEOUT, s, site, ch, 0);
+      report(c, DEK_IC_ERR_TIMEOUT, s, site, ch, 0);
       return false;
     }
   }
@@ -135,7 +135,7 @@ __device__ bool wait_epoch(const Ctx& c, const uint64_t* slot, uint64_t e, int p
   const uint64_t start = globaltimer();
   while (ld_acquire_sys(slot) < e) {
     if (globaltimer() - start > c.timeout_ns) {
-      report(c, DEEP_EP_IC_ERR_TIMEOUT, peer, site, 0, 0);
+      report(c, DEK_IC_ERR_TIMEOUT, peer, site, 0, 0);
       return false;
     }
   }
@@ -175,10 +175,10 @@ __device__ __forceinline__ int64_t sent_rows(const int* rpm, int R, int s, int d
 }
 // Offset of the weights in a combine window holding `pairs` rows of `row_bytes`.
 __device__ __forceinline__ uint64_t combine_weights_off(int64_t pairs, int64_t row_bytes) {
-  return DEEP_EP_IC_CONTROL_BYTES + (static_cast<uint64_t>(pairs * row_bytes) + 127) / 128 * 128;
+  return DEK_IC_CONTROL_BYTES + (static_cast<uint64_t>(pairs * row_bytes) + 127) / 128 * 128;
 }
 
-// ---- push dispatch: receive areas (deep_ep_kernels.h, deep_ep_ic_layout_t::recv_off) ------------
+// ---- push dispatch: receive areas (deep_ep_kernels.h, dek_ic_layout_t::recv_off) ------------
 __device__ __forceinline__ uint64_t align128(uint64_t v) { return (v + 127) / 128 * 128; }
 struct RecvArea {
   char* x;
@@ -241,7 +241,7 @@ __device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
 // ctx_ok, for the kernels that address every rank's window (intranode ops), wants all of them.
 bool ctx_domain_ok(const Ctx* c) {
   if (c == nullptr || c->num_ranks < 1 || c->num_ranks > kMaxRanks || c->rank < 0 || c->rank >= c->num_ranks ||
-      c->host_status == nullptr || c->window_bytes < DEEP_EP_IC_CONTROL_BYTES)
+      c->host_status == nullptr || c->window_bytes < DEK_IC_CONTROL_BYTES)
     return false;
   const int d = c->nvl_ranks;
   if (d < 0 || (d > 0 && (d >= c->num_ranks || c->num_ranks % d != 0))) return false;

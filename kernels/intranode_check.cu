@@ -1,5 +1,5 @@
 // intranode_check.cu: device-side checks of the routing inputs of the intranode normal-mode ops
-// (deep_ep_ic_check in deep_ep_kernels.h): the content checks the cpu backend makes on the host,
+// (dek_ic_check in deep_ep_kernels.h): the content checks the cpu backend makes on the host,
 // here without a host sync. The result travels in this rank's header (the slot of the next barrier)
 // to the barrier that gathers it (the data barrier; for the fused combine, the start barrier),
 // which raises it on every rank and cancels the op (intranode_sync.cu).
@@ -52,7 +52,7 @@ __device__ __forceinline__ int clamp32(long long v) {
   return static_cast<int>(max(min(v, static_cast<long long>(INT32_MAX)), static_cast<long long>(INT32_MIN)));
 }
 
-__global__ void __launch_bounds__(kCheckThreads) check_kernel(const __grid_constant__ Ctx c, const __grid_constant__ deep_ep_ic_check_args_t a) {
+__global__ void __launch_bounds__(kCheckThreads) check_kernel(const __grid_constant__ Ctx c, const __grid_constant__ dek_ic_check_args_t a) {
   __shared__ unsigned long long s_hash;
   __shared__ int s_cnt[kMaxRanks];
   __shared__ bool s_last;
@@ -172,29 +172,29 @@ __global__ void __launch_bounds__(kCheckThreads) check_kernel(const __grid_const
   for (int d = 0; d < R && code == 0; ++d) {
     const int got = v->cnt[d];
     if (rpm == nullptr && a.num_tokens_per_rank != nullptr && a.num_tokens_per_rank[d] != got) {
-      code = DEEP_EP_IC_ERR_NTPR, value = a.num_tokens_per_rank[d], limit = got, extra = d;
+      code = DEK_IC_ERR_NTPR, value = a.num_tokens_per_rank[d], limit = got, extra = d;
     } else if (rpm != nullptr) {
       const int want = rpm[c.rank * R + d] - (c.rank > 0 ? rpm[(c.rank - 1) * R + d] : 0);
-      if (want != got) code = DEEP_EP_IC_ERR_STALE_COUNTS, value = got, limit = want, extra = d;
+      if (want != got) code = DEK_IC_ERR_STALE_COUNTS, value = got, limit = want, extra = d;
     }
   }
   if (code == 0 && (flags & kBadId)) {
-    code = DEEP_EP_IC_ERR_EXPERT_ID, value = clamp32(v->bad_id), limit = clamp32(E);
+    code = DEK_IC_ERR_EXPERT_ID, value = clamp32(v->bad_id), limit = clamp32(E);
   } else if (code == 0 && a.topk_idx != nullptr && a.num_tokens_per_expert != nullptr && v->hash != 0) {
-    code = DEEP_EP_IC_ERR_NTPE;
+    code = DEK_IC_ERR_NTPE;
   } else if (code == 0 && (flags & kBadInRank)) {
-    code = DEEP_EP_IC_ERR_IN_RANK, value = v->bad_in_rank - 1, extra = v->bad_in_rank_d;
+    code = DEK_IC_ERR_IN_RANK, value = v->bad_in_rank - 1, extra = v->bad_in_rank_d;
   } else if (code == 0 && rpm != nullptr && rpm[(R - 1) * R + c.rank] > a.num_rows) {
-    code = DEEP_EP_IC_ERR_STALE_ROWS, value = rpm[(R - 1) * R + c.rank], limit = clamp32(a.num_rows);
+    code = DEK_IC_ERR_STALE_ROWS, value = rpm[(R - 1) * R + c.rank], limit = clamp32(a.num_rows);
   } else if (code == 0 && (flags & kBadSendHead)) {
-    code = DEEP_EP_IC_ERR_STALE_SEND_HEAD, value = v->bad_send_head - 1, extra = v->bad_send_head_d;
+    code = DEK_IC_ERR_STALE_SEND_HEAD, value = v->bad_send_head - 1, extra = v->bad_send_head_d;
   } else if (code == 0 && (flags & kBadCpm)) {
     const int i = v->bad_cpm - 1;
-    code = DEEP_EP_IC_ERR_STALE_CPM, value = static_cast<int>(i % C), extra = static_cast<int>(i / C);
+    code = DEK_IC_ERR_STALE_CPM, value = static_cast<int>(i % C), extra = static_cast<int>(i / C);
   }
   // Into the header slot of the next barrier: the one that gathers this op's header (the data
   // barrier, or the fused combine's start barrier, whose publish keeps these words).
-  int* out = at<int>(local(c), next_header_slot(c) + DEEP_EP_IC_CHECK_OFF);
+  int* out = at<int>(local(c), next_header_slot(c) + DEK_IC_CHECK_OFF);
   out[0] = code, out[1] = value, out[2] = limit, out[3] = extra;
   // Ready for the next op (stream-ordered after this kernel).
   unsigned long long* words = reinterpret_cast<unsigned long long*>(scr);
@@ -208,7 +208,7 @@ __global__ void __launch_bounds__(kCheckThreads) check_kernel(const __grid_const
 using namespace deep_ep;
 using namespace deep_ep::ic;
 
-extern "C" int deep_ep_ic_check(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_check_args_t* args, void* stream) {
+extern "C" int dek_ic_check(const dek_ic_ctx_t* ctx, const dek_ic_check_args_t* args, void* stream) {
   if (!ctx_domain_ok(ctx) || args == nullptr || args->num_blocks < 1 || args->num_tokens < 0 || args->num_topk < 0 ||
       args->num_channels < 1 || args->num_channels > kMaxChannels || (args->num_tokens > 0 && args->is_token_in_rank == nullptr) ||
       (args->topk_idx != nullptr && (args->num_experts < ctx->num_ranks || args->num_experts % ctx->num_ranks != 0)))

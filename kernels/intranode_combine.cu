@@ -110,7 +110,7 @@ __device__ bool combine_plan(const Ctx& c, const int* rpm, int64_t rb, int64_t K
     const uint64_t need = s_woff[s] + static_cast<uint64_t>(pairs * K) * 4;
     if (bad || need > c.window_bytes) {
       if (blockIdx.x == 0) {  // every rank finds the same: all skip this combine
-        report(c, DEEP_EP_IC_ERR_CAPACITY, s, DEEP_EP_IC_SITE_COMBINE_START, static_cast<int>(min(need >> 10, uint64_t{INT32_MAX})),
+        report(c, DEK_IC_ERR_CAPACITY, s, DEK_IC_SITE_COMBINE_START, static_cast<int>(min(need >> 10, uint64_t{INT32_MAX})),
                static_cast<int>(min(c.window_bytes >> 10, uint64_t{INT32_MAX})));
         *at<volatile int>(local(c), kScrOpBad) = 1;
       }
@@ -123,7 +123,7 @@ __device__ bool combine_plan(const Ctx& c, const int* rpm, int64_t rb, int64_t K
 // One token n: out[n] from the rows src[d] (nullptr: rank d did not get the token), weights from
 // wsrc[d] (K floats each). One warp.
 template <int kR>
-__device__ __forceinline__ void reduce_token(const deep_ep_ic_combine_args_t& a, int64_t n, const int4* const (&src)[kR],
+__device__ __forceinline__ void reduce_token(const dek_ic_combine_args_t& a, int64_t n, const int4* const (&src)[kR],
                                              const float* const (&wsrc)[kR], bool b0_aligned, bool b1_aligned, int lane) {
   const int64_t H = a.hidden, groups = H / 8;
   const int K = a.num_topk;
@@ -164,7 +164,7 @@ __device__ __forceinline__ void reduce_token(const deep_ep_ic_combine_args_t& a,
 
 // Lane d < R: the index words of token n for rank d (is_token_in_rank, channel prefix,
 // send_head); loaded one token ahead so their round trip overlaps the previous token's work.
-__device__ __forceinline__ void load_idx(const deep_ep_ic_combine_args_t& a, int R, int64_t per, int64_t n, int lane, int& in, int& cp,
+__device__ __forceinline__ void load_idx(const dek_ic_combine_args_t& a, int R, int64_t per, int64_t n, int lane, int& in, int& cp,
                                          int& sh) {
   in = 0;
   cp = 0;
@@ -190,7 +190,7 @@ __device__ __forceinline__ int64_t row_pos(int in, int cp, int sh, const int64_t
 // kT: threads per block, kThreads or 1024 (DEEP_EP_INTRANODE_COMBINE_THREADS: twice the warps
 // storing over NVLink per SM, to measure whether the push rate follows the number of warps).
 template <int kT>
-__global__ void __launch_bounds__(kT) push_kernel(const __grid_constant__ Ctx c, const __grid_constant__ deep_ep_ic_push_args_t a) {
+__global__ void __launch_bounds__(kT) push_kernel(const __grid_constant__ Ctx c, const __grid_constant__ dek_ic_push_args_t a) {
   __shared__ int s_rpm[kMaxRanks * kMaxRanks];
   __shared__ int64_t s_base[kMaxRanks];    // s_base[s]: where this rank's rows start in s's window
   __shared__ uint64_t s_woff[kMaxRanks];   // weights offset in s's window
@@ -198,7 +198,7 @@ __global__ void __launch_bounds__(kT) push_kernel(const __grid_constant__ Ctx c,
   __shared__ int s_fail;
   const Layout& L = a.layout;
   const int R = c.num_ranks, me = c.rank, tid = threadIdx.x, lane = tid & 31;
-  if (blockIdx.x == 0 && tid < DEEP_EP_IC_LAYOUT_BYTES / 8) {  // gathered by the data barrier
+  if (blockIdx.x == 0 && tid < DEK_IC_LAYOUT_BYTES / 8) {  // gathered by the data barrier
     const uint64_t* words = reinterpret_cast<const uint64_t*>(&L);
     at<uint64_t>(local(c), next_header_slot(c))[tid] = tid < sizeof(Layout) / 8 ? words[tid] : 0;
   }
@@ -231,7 +231,7 @@ __global__ void __launch_bounds__(kT) push_kernel(const __grid_constant__ Ctx c,
     if (r >= a.num_rows) continue;  // inconsistent handle: x has fewer rows
     const int64_t row = s_base[s] + j;
     char* dst = window(c, s);
-    warp_copy(dst + DEEP_EP_IC_CONTROL_BYTES + row * rb, x + r * rb, rb, lane);
+    warp_copy(dst + DEK_IC_CONTROL_BYTES + row * rb, x + r * rb, rb, lane);
     if (a.topk_weights != nullptr) {
       float* w = reinterpret_cast<float*>(dst + s_woff[s]) + row * K;
       for (int64_t i = lane; i < K; i += 32) w[i] = a.topk_weights[r * K + i];
@@ -243,7 +243,7 @@ __global__ void __launch_bounds__(kT) push_kernel(const __grid_constant__ Ctx c,
 // K3 of combine, kR >= num_ranks (register arrays sized for 2, 4 or 8 ranks). Reads only this
 // rank's window, where every rank pushed its rows.
 template <int kR>
-__global__ void __launch_bounds__(kThreads) combine_kernel(const __grid_constant__ Ctx c, const __grid_constant__ deep_ep_ic_combine_args_t a) {
+__global__ void __launch_bounds__(kThreads) combine_kernel(const __grid_constant__ Ctx c, const __grid_constant__ dek_ic_combine_args_t a) {
   __shared__ int64_t s_base[kMaxRanks];  // s_base[d]: where rank d's rows start in this window
   __shared__ int64_t s_count[kMaxRanks];
   __shared__ uint64_t s_woff;
@@ -280,7 +280,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const __grid_constant
     for (int d = 0; d < kR; ++d) {
       const int64_t r = __shfl_sync(0xffffffffu, row, d);
       const bool has = d < R && r >= 0;
-      src[d] = has ? reinterpret_cast<const int4*>(me + DEEP_EP_IC_CONTROL_BYTES + r * rb) : nullptr;
+      src[d] = has ? reinterpret_cast<const int4*>(me + DEK_IC_CONTROL_BYTES + r * rb) : nullptr;
       wsrc[d] = has ? reinterpret_cast<const float*>(me + s_woff) + r * K : nullptr;
     }
     reduce_token<kR>(a, n, src, wsrc, b0_aligned, b1_aligned, lane);
@@ -310,7 +310,7 @@ __device__ __forceinline__ void push_range(const int* rpm, const int* rcpm, int 
 // 16-byte loads in flight per lane (a template argument of the kernel, so the registers of the
 // deeper copy do not change the other instantiation's reduce loop).
 template <int kU>
-__device__ void push_rows(const Ctx& c, const deep_ep_ic_push_args_t& p, int C, const int* rpm, const int64_t* s_base,
+__device__ void push_rows(const Ctx& c, const dek_ic_push_args_t& p, int C, const int* rpm, const int64_t* s_base,
                           const uint64_t* s_woff, uint64_t epoch, int64_t gwarp, int64_t warps, int lane) {
   const int R = c.num_ranks, me = c.rank;
   if (R < 2) return;
@@ -367,7 +367,7 @@ __device__ void push_rows(const Ctx& c, const deep_ep_ic_push_args_t& p, int C, 
     const int64_t a0 = lo + (u - first) * kPushRows, a1 = min(a0 + kPushRows, hi);
     char* dst = window(c, s);
     const int64_t row = s_base[s] + (a0 - xb);  // rows follow each other in both windows
-    warp_copy<kU>(dst + DEEP_EP_IC_CONTROL_BYTES + row * rb, x + a0 * rb, (a1 - a0) * rb, lane);
+    warp_copy<kU>(dst + DEK_IC_CONTROL_BYTES + row * rb, x + a0 * rb, (a1 - a0) * rb, lane);
     if (p.topk_weights != nullptr) {
       float* w = reinterpret_cast<float*>(dst + s_woff[s]) + row * K;
       for (int64_t i = lane; i < (a1 - a0) * K; i += 32) w[i] = p.topk_weights[a0 * K + i];
@@ -380,7 +380,7 @@ __device__ void push_rows(const Ctx& c, const deep_ep_ic_push_args_t& p, int C, 
 // Reduce warps (and push warps once done): units of kReduceTokens tokens of one channel from the
 // local queue, channels ascending; before the first unit of a channel, wait for every peer's flag.
 template <int kR>
-__device__ void reduce_rows(const Ctx& c, const deep_ep_ic_push_args_t& p, const deep_ep_ic_combine_args_t& a, const int* rpm,
+__device__ void reduce_rows(const Ctx& c, const dek_ic_push_args_t& p, const dek_ic_combine_args_t& a, const int* rpm,
                             const int64_t* s_rbase, const int64_t* s_count, uint64_t epoch, int lane) {
   const int R = c.num_ranks, me = c.rank, C = a.num_channels;
   const int64_t rb = static_cast<int64_t>(a.hidden) * 2, N = a.num_tokens, K = a.num_topk;
@@ -408,7 +408,7 @@ __device__ void reduce_rows(const Ctx& c, const deep_ep_ic_push_args_t& p, const
     if (t0 < t1 && ch != ready) {
       bool ok = true;
       for (int d = 0; d < R && ok; ++d) {
-        if (d != me) ok = wait_flag(c, d, ch, epoch, DEEP_EP_IC_SITE_COMBINE_RECV);
+        if (d != me) ok = wait_flag(c, d, ch, epoch, DEK_IC_SITE_COMBINE_RECV);
       }
       if (!__all_sync(0xffffffffu, ok)) return;
       ready = ch;
@@ -435,7 +435,7 @@ __device__ void reduce_rows(const Ctx& c, const deep_ep_ic_push_args_t& p, const
             }
           } else {
             const int64_t r = s_rbase[d] + q;
-            src[d] = reinterpret_cast<const int4*>(win + DEEP_EP_IC_CONTROL_BYTES + r * rb);
+            src[d] = reinterpret_cast<const int4*>(win + DEK_IC_CONTROL_BYTES + r * rb);
             wsrc[d] = wwin + r * K;
           }
         }
@@ -447,8 +447,8 @@ __device__ void reduce_rows(const Ctx& c, const deep_ep_ic_push_args_t& p, const
 }
 
 template <int kR, int kU>
-__global__ void __launch_bounds__(kThreads) combine_fused_kernel(const __grid_constant__ Ctx c, const __grid_constant__ deep_ep_ic_push_args_t p,
-                                                                 const __grid_constant__ deep_ep_ic_combine_args_t a) {
+__global__ void __launch_bounds__(kThreads) combine_fused_kernel(const __grid_constant__ Ctx c, const __grid_constant__ dek_ic_push_args_t p,
+                                                                 const __grid_constant__ dek_ic_combine_args_t a) {
   __shared__ int s_rpm[kMaxRanks * kMaxRanks];
   __shared__ int64_t s_base[kMaxRanks];   // where this rank's rows start in s's window
   __shared__ uint64_t s_woff[kMaxRanks];  // weights offset in s's window
@@ -488,7 +488,7 @@ using namespace deep_ep::ic;
 
 
 namespace {
-bool combine_args_ok(const deep_ep_ic_combine_args_t* args) {
+bool combine_args_ok(const dek_ic_combine_args_t* args) {
   return args != nullptr && args->num_blocks >= 1 && args->num_tokens >= 0 && args->hidden >= 0 && args->hidden % 8 == 0 &&
          args->num_channels >= 1 && args->num_topk >= 0 &&
          (args->num_tokens == 0 || (args->out != nullptr && args->rank_prefix_matrix != nullptr && args->channel_prefix_matrix != nullptr &&
@@ -497,8 +497,8 @@ bool combine_args_ok(const deep_ep_ic_combine_args_t* args) {
 }
 }  // namespace
 
-extern "C" int deep_ep_ic_combine_fused(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_push_args_t* push,
-                                        const deep_ep_ic_combine_args_t* args, void* stream) {
+extern "C" int dek_ic_combine_fused(const dek_ic_ctx_t* ctx, const dek_ic_push_args_t* push,
+                                        const dek_ic_combine_args_t* args, void* stream) {
   if (!ctx_ok(ctx) || push == nullptr || !combine_args_ok(args) || push->num_rows < 0 || push->layout.row_bytes != 2 * int64_t{args->hidden} ||
       push->layout.num_topk != args->num_topk || (push->num_rows > 0 && push->x == nullptr) || push->rank_prefix_matrix == nullptr ||
       push->recv_channel_prefix_matrix == nullptr || args->num_channels > kMaxChannels || push->reduce_warps < 1 ||
@@ -522,7 +522,7 @@ extern "C" int deep_ep_ic_combine_fused(const deep_ep_ic_ctx_t* ctx, const deep_
   return cudaGetLastError();
 }
 
-extern "C" int deep_ep_ic_combine_push(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_push_args_t* args, void* stream) {
+extern "C" int dek_ic_combine_push(const dek_ic_ctx_t* ctx, const dek_ic_push_args_t* args, void* stream) {
   if (!ctx_ok(ctx) || args == nullptr || args->num_blocks < 1 || args->num_rows < 0 || args->layout.row_bytes < 0 ||
       args->layout.num_topk < 0 || (args->num_rows > 0 && args->x == nullptr) || args->rank_prefix_matrix == nullptr)
     return cudaErrorInvalidValue;
@@ -531,7 +531,7 @@ extern "C" int deep_ep_ic_combine_push(const deep_ep_ic_ctx_t* ctx, const deep_e
   return cudaGetLastError();
 }
 
-extern "C" int deep_ep_ic_combine(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_combine_args_t* args, void* stream) {
+extern "C" int dek_ic_combine(const dek_ic_ctx_t* ctx, const dek_ic_combine_args_t* args, void* stream) {
   if (!ctx_ok(ctx) || !combine_args_ok(args)) return cudaErrorInvalidValue;
   const cudaStream_t s = as_stream(stream);
   if (ctx->num_ranks <= 2) combine_kernel<2><<<args->num_blocks, kThreads, 0, s>>>(*ctx, *args);

@@ -40,7 +40,7 @@ constexpr int kPullUnroll = 16;
 // 64-register cap; measured so far: the NVLink rate follows the number of warps with copies in
 // flight rather than their depth, bench/NOTES.md).
 template <int kU, int kT>
-__global__ void __launch_bounds__(kT) pull_kernel(const __grid_constant__ Ctx c, const __grid_constant__ deep_ep_ic_pull_args_t a) {
+__global__ void __launch_bounds__(kT) pull_kernel(const __grid_constant__ Ctx c, const __grid_constant__ dek_ic_pull_args_t a) {
   __shared__ Layout s_layout[kMaxRanks];
   __shared__ int64_t s_task_start[kMaxRanks + 1];
   if (op_cancelled(c)) return;
@@ -77,11 +77,11 @@ __global__ void __launch_bounds__(kT) pull_kernel(const __grid_constant__ Ctx c,
     for (int64_t i = gtid; i < R * C; i += threads) a.recv_channel_prefix_matrix[i] = rcpm[i];
   }
   if (a.channel_prefix_matrix != nullptr) {
-    const int* cpm = at<const int>(local(c), me.off[DEEP_EP_IC_SEC_CPM]);
+    const int* cpm = at<const int>(local(c), me.off[DEK_IC_SEC_CPM]);
     for (int64_t i = gtid; i < R * C; i += threads) a.channel_prefix_matrix[i] = cpm[i];
   }
   if (a.send_head != nullptr) {
-    const int* sh = at<const int>(local(c), me.off[DEEP_EP_IC_SEC_SEND_HEAD]);
+    const int* sh = at<const int>(local(c), me.off[DEK_IC_SEC_SEND_HEAD]);
     for (int64_t i = gtid; i < me.num_tokens * R; i += threads) a.send_head[i] = sh[i];
   }
 
@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(kT) pull_kernel(const __grid_constant__ Ctx c,
     const int64_t t = first + lane;
     int64_t row = -1;
     if (lane < kTaskTokens && t < L.num_tokens) {
-      const int sh = __ldcg(at<const int>(const_cast<char*>(src), L.off[DEEP_EP_IC_SEC_SEND_HEAD]) + t * R + rank);
+      const int sh = __ldcg(at<const int>(const_cast<char*>(src), L.off[DEK_IC_SEC_SEND_HEAD]) + t * R + rank);
       if (sh >= 0) {
         const int64_t ch = t / per;
         row = (s > 0 ? rpm[(s - 1) * R + rank] : 0) + rcpm[s * C + ch] + sh;
@@ -131,9 +131,9 @@ __global__ void __launch_bounds__(kT) pull_kernel(const __grid_constant__ Ctx c,
       const int64_t tok = first + b;
       // The row's small arrays first: their remote loads are then in flight together with the
       // row's instead of costing two or three more round trips after it.
-      const uint32_t* sc = recv_scales != nullptr ? reinterpret_cast<const uint32_t*>(src + L.off[DEEP_EP_IC_SEC_SCALES]) + tok * S : nullptr;
-      const long long* ids = reinterpret_cast<const long long*>(src + L.off[DEEP_EP_IC_SEC_TOPK]) + tok * K;
-      const float* w = reinterpret_cast<const float*>(src + L.off[DEEP_EP_IC_SEC_WEIGHTS]) + tok * K;
+      const uint32_t* sc = recv_scales != nullptr ? reinterpret_cast<const uint32_t*>(src + L.off[DEK_IC_SEC_SCALES]) + tok * S : nullptr;
+      const long long* ids = reinterpret_cast<const long long*>(src + L.off[DEK_IC_SEC_TOPK]) + tok * K;
+      const float* w = reinterpret_cast<const float*>(src + L.off[DEK_IC_SEC_WEIGHTS]) + tok * K;
       uint32_t sc_pre[2] = {0, 0};
       if (sc != nullptr) {
         if (lane < S) sc_pre[0] = __ldcg(sc + lane);
@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(kT) pull_kernel(const __grid_constant__ Ctx c,
         id_pre = __ldcg(ids + lane);
         if (a.recv_topk_weights != nullptr) w_pre = __ldcg(w + lane);
       }
-      warp_copy<kU>(recv_x + r * rb, src + L.off[DEEP_EP_IC_SEC_X] + tok * rb, rb, lane);
+      warp_copy<kU>(recv_x + r * rb, src + L.off[DEK_IC_SEC_X] + tok * rb, rb, lane);
       if (sc != nullptr) {
         if (lane < S) recv_scales[r * S + lane] = sc_pre[0];
         if (lane + 32 < S) recv_scales[r * S + lane + 32] = sc_pre[1];
@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(kT) pull_kernel(const __grid_constant__ Ctx c,
 using namespace deep_ep;
 using namespace deep_ep::ic;
 
-extern "C" int deep_ep_ic_pull(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_pull_args_t* args, void* stream) {
+extern "C" int dek_ic_pull(const dek_ic_ctx_t* ctx, const dek_ic_pull_args_t* args, void* stream) {
   if (!ctx_ok(ctx) || args == nullptr || args->num_blocks < 1 || args->num_rows < 0 ||
       (args->num_rows > 0 && args->recv_x == nullptr) || args->num_local_experts < 0)
     return cudaErrorInvalidValue;

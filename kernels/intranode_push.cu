@@ -34,7 +34,7 @@ __device__ __forceinline__ int4 ld_nc(const int4* p) { return __ldg(p); }
 
 // One destination's copy of token t's side outputs (and its row when not 16-byte aligned): into
 // this rank's outputs (own) or into rank d's receive area A, at row r. One warp.
-__device__ __noinline__ void push_side(const deep_ep_ic_dispatch_push_args_t& a, const RecvArea& A, int d, bool own, int64_t r,
+__device__ __noinline__ void push_side(const dek_ic_dispatch_push_args_t& a, const RecvArea& A, int d, bool own, int64_t r,
                                        int64_t t, int64_t rb, int64_t S, int64_t K, bool vec, int lane) {
   if (!vec) warp_copy((own ? static_cast<char*>(a.recv_x) : A.x) + r * rb, static_cast<const char*>(a.x) + t * rb, rb, lane);
   const uint32_t* scales = static_cast<const uint32_t*>(a.scales);
@@ -60,12 +60,12 @@ __device__ __noinline__ void push_side(const deep_ep_ic_dispatch_push_args_t& a,
   if (src != nullptr && lane == 0) src[r] = static_cast<int32_t>(t);
 }
 
-__device__ void copy_out(const Ctx& c, const deep_ep_ic_pull_args_t& a, int cw, int num_cw, uint64_t epoch);
+__device__ void copy_out(const Ctx& c, const dek_ic_pull_args_t& a, int cw, int num_cw, uint64_t epoch);
 
 template <int kR>
 __global__ void __launch_bounds__(kThreads) dispatch_push_kernel(const __grid_constant__ Ctx c,
-                                                                 const __grid_constant__ deep_ep_ic_dispatch_push_args_t a,
-                                                                 const __grid_constant__ deep_ep_ic_pull_args_t p) {
+                                                                 const __grid_constant__ dek_ic_dispatch_push_args_t a,
+                                                                 const __grid_constant__ dek_ic_pull_args_t p) {
   __shared__ RecvArea s_area[kMaxRanks];
   __shared__ int64_t s_base[kMaxRanks];   // s_base[d]: first row of this rank's block on d
   __shared__ int64_t s_limit[kMaxRanks];  // rows d keeps
@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_push_kernel(const __grid_co
       if (L.recv_off == 0 || !recv_fits(L, pushed_rows(L, rpm[(R - 1) * R + d]), &need_kib)) {
         s_fail = 1;
         if (blockIdx.x == 0) {  // every rank finds the same: all skip this op
-          report(c, DEEP_EP_IC_ERR_CAPACITY, d, DEEP_EP_IC_SITE_DISPATCH_PUSH, static_cast<int>(min(need_kib, uint64_t{INT32_MAX})),
+          report(c, DEK_IC_ERR_CAPACITY, d, DEK_IC_SITE_DISPATCH_PUSH, static_cast<int>(min(need_kib, uint64_t{INT32_MAX})),
                  static_cast<int>(min(c.window_bytes >> 10, uint64_t{INT32_MAX})));
           *at<volatile int>(local(c), kScrOpBad) = 1;
         }
@@ -107,8 +107,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_push_kernel(const __grid_co
   const int C = static_cast<int>(mine.num_channels);
   const int64_t N = a.num_tokens, rb = mine.row_bytes, S = mine.num_scales, K = mine.num_topk;
   const int64_t per = tokens_per_channel(N, C);
-  const int* sh = a.send_head != nullptr ? a.send_head : at<const int>(local(c), mine.off[DEEP_EP_IC_SEC_SEND_HEAD]);
-  const int* cpm = a.channel_prefix_matrix != nullptr ? a.channel_prefix_matrix : at<const int>(local(c), mine.off[DEEP_EP_IC_SEC_CPM]);
+  const int* sh = a.send_head != nullptr ? a.send_head : at<const int>(local(c), mine.off[DEK_IC_SEC_SEND_HEAD]);
+  const int* cpm = a.channel_prefix_matrix != nullptr ? a.channel_prefix_matrix : at<const int>(local(c), mine.off[DEK_IC_SEC_CPM]);
   const char* x = static_cast<const char*>(a.x);
   char* recv_x = static_cast<char*>(a.recv_x);
   // Window receive areas are 128-aligned and rows follow at multiples of rb.
@@ -217,7 +217,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_push_kernel(const __grid_co
 
 // Copy warp cw of num_cw: receive area -> outputs, channel by channel as the senders complete them;
 // also the padding rows and the handle outputs (no wait).
-__device__ void copy_out(const Ctx& c, const deep_ep_ic_pull_args_t& a, int cw, int num_cw, uint64_t epoch) {
+__device__ void copy_out(const Ctx& c, const dek_ic_pull_args_t& a, int cw, int num_cw, uint64_t epoch) {
   const int R = c.num_ranks, rank = c.rank, lane = threadIdx.x & 31;
   const Layout& me = scratch_layout(c, rank);
   const int* rpm = a.rpm_in != nullptr ? a.rpm_in : at<const int>(local(c), kScrRpm);
@@ -237,11 +237,11 @@ __device__ void copy_out(const Ctx& c, const deep_ep_ic_pull_args_t& a, int cw, 
     for (int64_t i = gtid; i < R * C; i += threads) a.recv_channel_prefix_matrix[i] = rcpm[i];
   }
   if (a.channel_prefix_matrix != nullptr) {
-    const int* cpm = at<const int>(local(c), me.off[DEEP_EP_IC_SEC_CPM]);
+    const int* cpm = at<const int>(local(c), me.off[DEK_IC_SEC_CPM]);
     for (int64_t i = gtid; i < R * C; i += threads) a.channel_prefix_matrix[i] = cpm[i];
   }
   if (a.send_head != nullptr) {
-    const int* sh = at<const int>(local(c), me.off[DEEP_EP_IC_SEC_SEND_HEAD]);
+    const int* sh = at<const int>(local(c), me.off[DEK_IC_SEC_SEND_HEAD]);
     for (int64_t i = gtid; i < me.num_tokens * R; i += threads) a.send_head[i] = sh[i];
   }
 
@@ -272,7 +272,7 @@ __device__ void copy_out(const Ctx& c, const deep_ep_ic_pull_args_t& a, int cw, 
       const int64_t lo = max(base + rcpm[s * C + ch], int64_t{0});
       const int64_t hi = min(ch + 1 < C ? base + rcpm[s * C + ch + 1] : static_cast<int64_t>(rpm[s * R + rank]), real_rows);
       if (lo >= hi) continue;  // nothing from s in this channel (or past the kept rows)
-      if (!__all_sync(0xffffffffu, wait_flag(c, s, ch, epoch, DEEP_EP_IC_SITE_DISPATCH_RECV))) return;
+      if (!__all_sync(0xffffffffu, wait_flag(c, s, ch, epoch, DEK_IC_SITE_DISPATCH_RECV))) return;
       if (vec) {
         const int4* s4 = reinterpret_cast<const int4*>(A.x) + lo * n16;
         int4* d4 = reinterpret_cast<int4*>(recv_x) + lo * n16;
@@ -319,8 +319,8 @@ __device__ void copy_out(const Ctx& c, const deep_ep_ic_pull_args_t& a, int cw, 
 using namespace deep_ep;
 using namespace deep_ep::ic;
 
-extern "C" int deep_ep_ic_dispatch_push(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_dispatch_push_args_t* args,
-                                        const deep_ep_ic_pull_args_t* out, void* stream) {
+extern "C" int dek_ic_dispatch_push(const dek_ic_ctx_t* ctx, const dek_ic_dispatch_push_args_t* args,
+                                        const dek_ic_pull_args_t* out, void* stream) {
   if (!ctx_ok(ctx) || args == nullptr || out == nullptr || args->num_blocks < 1 || args->num_rows < 0 || args->num_tokens < 0 ||
       args->num_local_experts < 0 || args->copy_warps < 1 || args->copy_warps >= kWarps ||
       (args->num_tokens > 0 && args->x == nullptr) || (args->num_rows > 0 && args->recv_x == nullptr) ||

@@ -22,7 +22,7 @@ __device__ __forceinline__ bool same_op(const Layout& a, const Layout& b) {
          a.num_experts == b.num_experts && a.num_channels == b.num_channels && (a.recv_off != 0) == (b.recv_off != 0);
 }
 
-__global__ void __launch_bounds__(kSyncThreads) sync_kernel(const __grid_constant__ Ctx c, const __grid_constant__ deep_ep_ic_sync_args_t a) {
+__global__ void __launch_bounds__(kSyncThreads) sync_kernel(const __grid_constant__ Ctx c, const __grid_constant__ dek_ic_sync_args_t a) {
   __shared__ uint64_t s_epoch;
   __shared__ int s_skip, s_failed, s_bad;
   __shared__ int s_counts[kMaxRanks][kMaxRanks];  // s_counts[s][d]: tokens rank s sends to d
@@ -44,8 +44,8 @@ __global__ void __launch_bounds__(kSyncThreads) sync_kernel(const __grid_constan
   if (a.publish) {  // this op's layout, gathered by this very barrier (header_slot: no race)
     const uint64_t* words = reinterpret_cast<const uint64_t*>(&a.layout);
     uint64_t* dst = at<uint64_t>(me, header_slot(s_epoch));
-    constexpr int kCheckWord = DEEP_EP_IC_CHECK_OFF / 8;  // 2 words: code, value | limit, extra
-    for (int i = tid; i < DEEP_EP_IC_LAYOUT_BYTES / 8; i += blockDim.x) {
+    constexpr int kCheckWord = DEK_IC_CHECK_OFF / 8;  // 2 words: code, value | limit, extra
+    for (int i = tid; i < DEK_IC_LAYOUT_BYTES / 8; i += blockDim.x) {
       if (i < static_cast<int>(sizeof(Layout) / 8)) dst[i] = words[i];
       else if (!a.keep_check || i < kCheckWord || i >= kCheckWord + 2) dst[i] = 0;  // keep_check: the check kernel's result stays
     }
@@ -65,8 +65,8 @@ __global__ void __launch_bounds__(kSyncThreads) sync_kernel(const __grid_constan
     if (a.gather && !s_failed) {
       // The peer's layout, read by the thread that acquired its signal.
       const uint64_t* src = at<const uint64_t>(window(c, p), header_slot(s_epoch));
-      uint64_t* dst = at<uint64_t>(me, kScrHeaders + static_cast<size_t>(p) * DEEP_EP_IC_LAYOUT_BYTES);
-      for (int i = 0; i < DEEP_EP_IC_LAYOUT_BYTES / 8; ++i) dst[i] = ld_volatile(src + i);
+      uint64_t* dst = at<uint64_t>(me, kScrHeaders + static_cast<size_t>(p) * DEK_IC_LAYOUT_BYTES);
+      for (int i = 0; i < DEK_IC_LAYOUT_BYTES / 8; ++i) dst[i] = ld_volatile(src + i);
     }
   }
   __syncthreads();
@@ -74,10 +74,10 @@ __global__ void __launch_bounds__(kSyncThreads) sync_kernel(const __grid_constan
 
   const Layout& mine = scratch_layout(c, c.rank);
   if (tid < R && !same_op(scratch_layout(c, tid), mine)) {
-    report(c, DEEP_EP_IC_ERR_MISMATCH, tid, a.site, 0, 0);
+    report(c, DEK_IC_ERR_MISMATCH, tid, a.site, 0, 0);
     atomicExch(&s_bad, 1);
-  } else if (tid < R) {  // rank tid's input checks (deep_ep_ic_check; zeros when not run)
-    const int* chk = at<const int>(me, kScrHeaders + static_cast<size_t>(tid) * DEEP_EP_IC_LAYOUT_BYTES + DEEP_EP_IC_CHECK_OFF);
+  } else if (tid < R) {  // rank tid's input checks (dek_ic_check; zeros when not run)
+    const int* chk = at<const int>(me, kScrHeaders + static_cast<size_t>(tid) * DEK_IC_LAYOUT_BYTES + DEK_IC_CHECK_OFF);
     if (chk[0] != 0) {
       report(c, chk[0], tid, a.site, chk[1], chk[2], chk[3]);
       atomicExch(&s_bad, 1);
@@ -93,7 +93,7 @@ __global__ void __launch_bounds__(kSyncThreads) sync_kernel(const __grid_constan
   // ---- notify (dispatch): counts of every rank, read from the peers' staged sections ----------
   for (int i = tid; i < R * R; i += blockDim.x) {
     const int s = i / R, d = i % R;
-    const int* counts = at<const int>(window(c, s), scratch_layout(c, s).off[DEEP_EP_IC_SEC_COUNTS_RANK]);
+    const int* counts = at<const int>(window(c, s), scratch_layout(c, s).off[DEK_IC_SEC_COUNTS_RANK]);
     s_counts[s][d] = ld_volatile(counts + d);
   }
   __syncthreads();
@@ -107,12 +107,12 @@ __global__ void __launch_bounds__(kSyncThreads) sync_kernel(const __grid_constan
     }
     const Layout& Ld = scratch_layout(c, d);
     const int64_t worst = Ld.num_worst;
-    if (worst > 0 && acc > worst) report(c, DEEP_EP_IC_ERR_OVERFLOW, d, a.site, acc, static_cast<int>(worst));
+    if (worst > 0 && acc > worst) report(c, DEK_IC_ERR_OVERFLOW, d, a.site, acc, static_cast<int>(worst));
     // Push model: d's receive area must hold what the senders push (every rank finds the same
     // and cancels the op before the host reads the receive count).
     uint64_t need_kib = 0;
     if (Ld.recv_off != 0 && !recv_fits(Ld, pushed_rows(Ld, acc), &need_kib)) {
-      report(c, DEEP_EP_IC_ERR_CAPACITY, d, a.site, static_cast<int>(min(need_kib, uint64_t{INT32_MAX})),
+      report(c, DEK_IC_ERR_CAPACITY, d, a.site, static_cast<int>(min(need_kib, uint64_t{INT32_MAX})),
              static_cast<int>(min(c.window_bytes >> 10, uint64_t{INT32_MAX})));
       *at<volatile int>(me, kScrOpBad) = 1;
     }
@@ -122,17 +122,17 @@ __global__ void __launch_bounds__(kSyncThreads) sync_kernel(const __grid_constan
   int* rcpm = at<int>(me, kScrRcpm);
   for (int i = tid; i < R * C; i += blockDim.x) {
     const int s = i / C, ch = i % C;
-    const int* cpm = at<const int>(window(c, s), scratch_layout(c, s).off[DEEP_EP_IC_SEC_CPM]);
+    const int* cpm = at<const int>(window(c, s), scratch_layout(c, s).off[DEK_IC_SEC_CPM]);
     rcpm[i] = ch > 0 ? ld_volatile(cpm + c.rank * C + ch - 1) : 0;
   }
   if (!a.write_host_counts) return;
-  volatile deep_ep_ic_host_status_t* h = c.host_status;
+  volatile dek_ic_host_status_t* h = c.host_status;
   const int el = a.num_local_experts;
   const int64_t align = a.expert_alignment > 0 ? a.expert_alignment : 1;
   for (int i = tid; i < el; i += blockDim.x) {
     int64_t sum = 0;
     for (int s = 0; s < R; ++s) {
-      const int* per_expert = at<const int>(window(c, s), scratch_layout(c, s).off[DEEP_EP_IC_SEC_COUNTS_EXPERT]);
+      const int* per_expert = at<const int>(window(c, s), scratch_layout(c, s).off[DEK_IC_SEC_COUNTS_EXPERT]);
       sum += ld_volatile(per_expert + c.rank * el + i);
     }
     h->per_expert[i] = static_cast<int32_t>((sum + align - 1) / align * align);
@@ -147,12 +147,12 @@ __global__ void __launch_bounds__(kSyncThreads) sync_kernel(const __grid_constan
 
 // crate::layout::send_side for destination d: one warp per channel scans its tokens 32 at a
 // time (ballot prefix), then one thread turns the channel counts into the inclusive prefix.
-__device__ void send_side(const Ctx& c, const deep_ep_ic_stage_args_t& a, int d, int* s_channel_counts) {
+__device__ void send_side(const Ctx& c, const dek_ic_stage_args_t& a, int d, int* s_channel_counts) {
   const Layout& L = a.layout;
   const int R = c.num_ranks, C = static_cast<int>(L.num_channels);
   const int64_t n = L.num_tokens, per = tokens_per_channel(n, C);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int* send_head = at<int>(local(c), L.off[DEEP_EP_IC_SEC_SEND_HEAD]);
+  int* send_head = at<int>(local(c), L.off[DEK_IC_SEC_SEND_HEAD]);
   const unsigned char* in_rank = reinterpret_cast<const unsigned char*>(a.is_token_in_rank);
   for (int ch = warp; ch < C; ch += kWarps) {
     const int64_t start = min(per * ch, n), end = min(start + per, n);
@@ -168,7 +168,7 @@ __device__ void send_side(const Ctx& c, const deep_ep_ic_stage_args_t& a, int d,
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    int* cpm = at<int>(local(c), L.off[DEEP_EP_IC_SEC_CPM]);
+    int* cpm = at<int>(local(c), L.off[DEK_IC_SEC_CPM]);
     int acc = 0;
     for (int ch = 0; ch < C; ++ch) {
       acc += s_channel_counts[ch];
@@ -178,17 +178,17 @@ __device__ void send_side(const Ctx& c, const deep_ep_ic_stage_args_t& a, int d,
   __syncthreads();
 }
 
-__global__ void __launch_bounds__(kThreads) stage_kernel(const __grid_constant__ Ctx c, const __grid_constant__ deep_ep_ic_stage_args_t a) {
+__global__ void __launch_bounds__(kThreads) stage_kernel(const __grid_constant__ Ctx c, const __grid_constant__ dek_ic_stage_args_t a) {
   __shared__ int s_channel_counts[kMaxChannels];
   const Layout& L = a.layout;
   char* me = local(c);
   const int R = c.num_ranks;
-  if (blockIdx.x == 0 && threadIdx.x < DEEP_EP_IC_LAYOUT_BYTES / 8) {
+  if (blockIdx.x == 0 && threadIdx.x < DEK_IC_LAYOUT_BYTES / 8) {
     const uint64_t* words = reinterpret_cast<const uint64_t*>(&L);
     uint64_t* dst = at<uint64_t>(me, next_header_slot(c));  // gathered by the op's data barrier
     dst[threadIdx.x] = threadIdx.x < sizeof(Layout) / 8 ? words[threadIdx.x] : 0;
   }
-  if (L.kind == DEEP_EP_IC_KIND_DISPATCH) {  // also with no tokens: the prefix matrix must be zeros
+  if (L.kind == DEK_IC_KIND_DISPATCH) {  // also with no tokens: the prefix matrix must be zeros
     for (int d = blockIdx.x; d < R; d += gridDim.x) send_side(c, a, d, s_channel_counts);
   }
 
@@ -198,29 +198,29 @@ __global__ void __launch_bounds__(kThreads) stage_kernel(const __grid_constant__
   // Push dispatch: this op's per-channel counters of pushed tokens.
   for (int64_t i = tid; i < L.num_channels; i += threads) at<int>(me, kScrChanDone)[i] = 0;
   if (a.num_tokens_per_rank != nullptr) {
-    int* dst = at<int>(me, L.off[DEEP_EP_IC_SEC_COUNTS_RANK]);
+    int* dst = at<int>(me, L.off[DEK_IC_SEC_COUNTS_RANK]);
     for (int64_t i = tid; i < R; i += threads) dst[i] = a.num_tokens_per_rank[i];
   }
   if (a.num_tokens_per_expert != nullptr) {
-    int* dst = at<int>(me, L.off[DEEP_EP_IC_SEC_COUNTS_EXPERT]);
+    int* dst = at<int>(me, L.off[DEK_IC_SEC_COUNTS_EXPERT]);
     for (int64_t i = tid; i < L.num_experts; i += threads) dst[i] = a.num_tokens_per_expert[i];
   }
   if (a.send_head != nullptr) {
-    int* dst = at<int>(me, L.off[DEEP_EP_IC_SEC_SEND_HEAD]);
+    int* dst = at<int>(me, L.off[DEK_IC_SEC_SEND_HEAD]);
     for (int64_t i = tid; i < n * R; i += threads) dst[i] = a.send_head[i];
   }
   if (a.topk_idx != nullptr) {
-    int64_t* dst = at<int64_t>(me, L.off[DEEP_EP_IC_SEC_TOPK]);
+    int64_t* dst = at<int64_t>(me, L.off[DEK_IC_SEC_TOPK]);
     for (int64_t i = tid; i < n * k; i += threads) {
       dst[i] = a.topk_is_int64 ? static_cast<const int64_t*>(a.topk_idx)[i] : static_cast<const int32_t*>(a.topk_idx)[i];
     }
   }
   if (a.topk_weights != nullptr) {
-    float* dst = at<float>(me, L.off[DEEP_EP_IC_SEC_WEIGHTS]);
+    float* dst = at<float>(me, L.off[DEK_IC_SEC_WEIGHTS]);
     for (int64_t i = tid; i < n * k; i += threads) dst[i] = a.topk_weights[i];
   }
   if (a.scales != nullptr && s > 0) {
-    uint32_t* dst = at<uint32_t>(me, L.off[DEEP_EP_IC_SEC_SCALES]);
+    uint32_t* dst = at<uint32_t>(me, L.off[DEK_IC_SEC_SCALES]);
     const uint32_t* src = static_cast<const uint32_t*>(a.scales);
     for (int64_t i = tid; i < n * s; i += threads) {
       const int64_t t = i / s, j = i - t * s;
@@ -228,10 +228,10 @@ __global__ void __launch_bounds__(kThreads) stage_kernel(const __grid_constant__
     }
   }
   // Rows: one warp per row (pull model only; the push model reads x where it is).
-  const int64_t rows = L.off[DEEP_EP_IC_SEC_X] != 0 ? n : 0;
+  const int64_t rows = L.off[DEK_IC_SEC_X] != 0 ? n : 0;
   const int lane = threadIdx.x & 31;
   const int64_t warps = threads >> 5;
-  char* x_dst = me + L.off[DEEP_EP_IC_SEC_X];
+  char* x_dst = me + L.off[DEK_IC_SEC_X];
   const char* x_src = static_cast<const char*>(a.x);
   for (int64_t t = tid >> 5; t < rows; t += warps) warp_copy(x_dst + t * L.row_bytes, x_src + t * L.row_bytes, L.row_bytes, lane);
 }
@@ -245,42 +245,42 @@ __global__ void clear_error_kernel(const __grid_constant__ Ctx c) { *at<int>(loc
 using namespace deep_ep;
 using namespace deep_ep::ic;
 
-extern "C" int deep_ep_ic_sync(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_sync_args_t* args, void* stream) {
-  if (!ctx_ok(ctx) || args == nullptr || args->num_local_experts < 0 || args->num_local_experts > DEEP_EP_IC_MAX_LOCAL_EXPERTS)
+extern "C" int dek_ic_sync(const dek_ic_ctx_t* ctx, const dek_ic_sync_args_t* args, void* stream) {
+  if (!ctx_ok(ctx) || args == nullptr || args->num_local_experts < 0 || args->num_local_experts > DEK_IC_MAX_LOCAL_EXPERTS)
     return cudaErrorInvalidValue;
   sync_kernel<<<1, kSyncThreads, 0, as_stream(stream)>>>(*ctx, *args);
   return cudaGetLastError();
 }
 
-extern "C" int deep_ep_ic_stage(const deep_ep_ic_ctx_t* ctx, const deep_ep_ic_stage_args_t* args, void* stream) {
+extern "C" int dek_ic_stage(const dek_ic_ctx_t* ctx, const dek_ic_stage_args_t* args, void* stream) {
   if (!ctx_ok(ctx) || args == nullptr || args->num_blocks < 1 || args->layout.num_channels < 1 ||
       args->layout.num_channels > kMaxChannels || args->layout.num_tokens < 0 || args->layout.row_bytes < 0 ||
-      (args->layout.num_tokens > 0 && args->layout.off[DEEP_EP_IC_SEC_X] != 0 && args->x == nullptr))
+      (args->layout.num_tokens > 0 && args->layout.off[DEK_IC_SEC_X] != 0 && args->x == nullptr))
     return cudaErrorInvalidValue;
   stage_kernel<<<args->num_blocks, kThreads, 0, as_stream(stream)>>>(*ctx, *args);
   return cudaGetLastError();
 }
 
-extern "C" int deep_ep_ic_clear_error(const deep_ep_ic_ctx_t* ctx, void* stream) {
+extern "C" int dek_ic_clear_error(const dek_ic_ctx_t* ctx, void* stream) {
   if (!ctx_domain_ok(ctx)) return cudaErrorInvalidValue;  // local: internode buffers too
   clear_error_kernel<<<1, 1, 0, as_stream(stream)>>>(*ctx);
   return cudaGetLastError();
 }
 
-extern "C" void* deep_ep_ic_rendezvous_word(const deep_ep_ic_ctx_t* ctx) {
+extern "C" void* dek_ic_rendezvous_word(const dek_ic_ctx_t* ctx) {
   if (!ctx_domain_ok(ctx)) return nullptr;
   return static_cast<char*>(ctx->peer_base[ctx->rank]) + kScrRendezvous;
 }
 
-extern "C" void deep_ep_ic_struct_sizes(size_t* sizes) {
-  sizes[0] = sizeof(deep_ep_ic_ctx_t);
-  sizes[1] = sizeof(deep_ep_ic_layout_t);
-  sizes[2] = sizeof(deep_ep_ic_sync_args_t);
-  sizes[3] = sizeof(deep_ep_ic_stage_args_t);
-  sizes[4] = sizeof(deep_ep_ic_pull_args_t);
-  sizes[5] = sizeof(deep_ep_ic_combine_args_t);
-  sizes[6] = sizeof(deep_ep_ic_push_args_t);
-  sizes[7] = sizeof(deep_ep_ic_host_status_t);
-  sizes[8] = sizeof(deep_ep_ic_dispatch_push_args_t);
-  sizes[9] = sizeof(deep_ep_ic_check_args_t);
+extern "C" void dek_ic_struct_sizes(size_t* sizes) {
+  sizes[0] = sizeof(dek_ic_ctx_t);
+  sizes[1] = sizeof(dek_ic_layout_t);
+  sizes[2] = sizeof(dek_ic_sync_args_t);
+  sizes[3] = sizeof(dek_ic_stage_args_t);
+  sizes[4] = sizeof(dek_ic_pull_args_t);
+  sizes[5] = sizeof(dek_ic_combine_args_t);
+  sizes[6] = sizeof(dek_ic_push_args_t);
+  sizes[7] = sizeof(dek_ic_host_status_t);
+  sizes[8] = sizeof(dek_ic_dispatch_push_args_t);
+  sizes[9] = sizeof(dek_ic_check_args_t);
 }

@@ -187,7 +187,7 @@ cudaError_t launch_layout(const void* topk_idx, const LayoutArgs& a, bool smem, 
 }  // namespace
 }  // namespace deep_ep
 
-extern "C" int deep_ep_launch_dispatch_layout(const void* topk_idx, int topk_idx_is_int64,
+extern "C" int dek_dispatch_layout(const void* topk_idx, int topk_idx_is_int64,
                                               int num_tokens, int num_topk, int num_ranks,
                                               int num_experts, int* num_tokens_per_rank,
                                               int* num_tokens_per_rdma_rank,

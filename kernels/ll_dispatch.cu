@@ -8,7 +8,7 @@
 #include "low_latency.cuh"
 
 namespace deep_ep {
-namespace ic {
+namespace ll {
 namespace {
 
 // ---- FP8 (crate::numerics::fp8, DeepEP's calculate_fp8_scales) -------------------------------
@@ -59,7 +59,7 @@ __device__ __forceinline__ void dispatch_send(const Ctx& c, const Args& a) {
   __shared__ float s_w[kMaxRanks][kMaxLlTopk];
   __shared__ int64_t s_tok_e[kMaxLlTopk];
   __shared__ float s_tok_w[kMaxLlTopk];
-  if (!begin_send(c, a, DEEP_EP_LL_KIND_DISPATCH, &s_seq, &s_skip)) return;
+  if (!begin_send(c, a, DEK_LL_KIND_DISPATCH, &s_seq, &s_skip)) return;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int R = c.num_ranks, E = a.num_experts, El = E / R, T = a.num_max_tokens, H = a.hidden, S = H / 128;
   const int N = a.num_tokens, K = a.num_topk;
@@ -87,7 +87,7 @@ __device__ __forceinline__ void dispatch_send(const Ctx& c, const Args& a) {
     for (int k = 0; k < kMaxLlTopk; ++k) {
       const int64_t e = ids[k];
       if ((e < -1 || e >= E) && blockIdx.x == 0) {  // raised at the next call (the cpu backend raises at once)
-        report(c, DEEP_EP_IC_ERR_EXPERT_ID, c.rank, DEEP_EP_IC_SITE_LL_DISPATCH, static_cast<int>(max(min(e, int64_t{INT32_MAX}), int64_t{INT32_MIN})), E);
+        report(c, DEK_IC_ERR_EXPERT_ID, c.rank, DEK_IC_SITE_LL_DISPATCH, static_cast<int>(max(min(e, int64_t{INT32_MAX}), int64_t{INT32_MIN})), E);
       }
       if (e < 0 || e >= E || s_mask[e / El]) continue;  // no expert, or one of a masked rank: dropped
       atomicAdd(&s_total[e], 1);
@@ -242,7 +242,7 @@ __device__ __forceinline__ void dispatch_send(const Ctx& c, const Args& a) {
     const int d = e / El;
     if (s_mask[d]) continue;  // nothing goes to a masked rank
     const int cnt = s_total[e];
-    if (cnt > T) report(c, DEEP_EP_IC_ERR_OVERFLOW, d, DEEP_EP_IC_SITE_LL_DISPATCH, cnt, T);
+    if (cnt > T) report(c, DEK_IC_ERR_OVERFLOW, d, DEK_IC_SITE_LL_DISPATCH, cnt, T);
     if (far >> d & 1) continue;  // signalled above
     uint32_t* word = at<uint32_t>(window(c, d), sig_off(a, a.half) + static_cast<uint64_t>((e % El) * R + c.rank) * 4);
     raise_to<Net>(c, a, d, word, kSeamDispatch, a.half, e % El, tag(s_seq, static_cast<uint32_t>(min(cnt, T))));
@@ -271,7 +271,7 @@ __device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a) {
     int h = 0;
     uint32_t q = 0;
     int fl = 0;
-    s_ok = read_state(c, a, DEEP_EP_LL_KIND_DISPATCH, true, DEEP_EP_IC_SITE_LL_DISPATCH, &h, &q, &fl);
+    s_ok = read_state(c, a, DEK_LL_KIND_DISPATCH, true, DEK_IC_SITE_LL_DISPATCH, &h, &q, &fl);
     s_half = h;
     s_seq = q;
   }
@@ -282,12 +282,12 @@ __device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a) {
     const long long t0 = clock64();
     uint32_t v = 0;
     const uint32_t* word = at<const uint32_t>(me, sig_off(a, s_half) + static_cast<uint64_t>(l * R + tid) * 4);
-    const int got = rank_masked(a, tid) ? 0 : wait_from<Net>(c, a, tid, word, kSeamDispatch, s_half, l, s_seq, DEEP_EP_IC_SITE_LL_DISPATCH, &v);
+    const int got = rank_masked(a, tid) ? 0 : wait_from<Net>(c, a, tid, word, kSeamDispatch, s_half, l, s_seq, DEK_IC_SITE_LL_DISPATCH, &v);
     if (got == 0) {
       s_cnt[tid] = 0;  // a masked source (or, in shrink mode, one that timed out) counts as sending nothing
     } else if (got > 0) {
       s_cnt[tid] = min(static_cast<int>(v & 0xffffu) - 1, T);
-      if (l == 0 && y == 0 && !remote(c, a, tid) && !fmt_agrees(c, a, 0, s_half, tid, fmt_dispatch(a), DEEP_EP_IC_SITE_LL_DISPATCH)) s_ok = 0;
+      if (l == 0 && y == 0 && !remote(c, a, tid) && !fmt_agrees(c, a, 0, s_half, tid, fmt_dispatch(a), DEK_IC_SITE_LL_DISPATCH)) s_ok = 0;
       if (y == 0 && a.wait_stats != nullptr) {
         atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + tid), static_cast<unsigned long long>(clock64() - t0));
       }
@@ -318,13 +318,13 @@ __device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a) {
     const int slot = i - s_begin[s];
     const uint32_t m = __ldcg(reinterpret_cast<const unsigned int*>(me + recv + a.idx_off) + (static_cast<uint64_t>(l * R + s) * T + slot));
     if (m >= static_cast<uint32_t>(T)) {
-      if (lane == 0) report(c, DEEP_EP_IC_ERR_MISMATCH, s, DEEP_EP_IC_SITE_LL_DISPATCH, static_cast<int>(m), T);
+      if (lane == 0) report(c, DEK_IC_ERR_MISMATCH, s, DEK_IC_SITE_LL_DISPATCH, static_cast<int>(m), T);
       continue;
     }
     const char* msg = me + recv + a.msgs_off + (static_cast<uint64_t>(s) * T + m) * a.msg_bytes;
     const int4 hdr = __ldcg(reinterpret_cast<const int4*>(msg));
     if (hdr.y != H || hdr.z != T || hdr.w != a.num_experts) {
-      if (lane == 0) report(c, DEEP_EP_IC_ERR_MISMATCH, s, DEEP_EP_IC_SITE_LL_DISPATCH, hdr.y, H);
+      if (lane == 0) report(c, DEK_IC_ERR_MISMATCH, s, DEK_IC_SITE_LL_DISPATCH, hdr.y, H);
       continue;
     }
     const int64_t row = l * RT + i;
@@ -352,7 +352,7 @@ __device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a) {
 // Send: kSendThreads per block; receive: kLlThreads.
 template <class Net>
 __global__ void __launch_bounds__(kSendThreads) ll_dispatch(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
-  if (phase == DEEP_EP_LL_PHASE_SEND) {
+  if (phase == DEK_LL_PHASE_SEND) {
     dispatch_send<Net>(c, a);
   } else {
     dispatch_recv<Net>(c, a);
@@ -360,35 +360,35 @@ __global__ void __launch_bounds__(kSendThreads) ll_dispatch(const __grid_constan
 }
 
 }  // namespace
-}  // namespace ic
+}  // namespace ll
 }  // namespace deep_ep
 
-using namespace deep_ep::ic;
+using namespace deep_ep::ll;
 
-extern "C" int deep_ep_llk_dispatch_send(const deep_ep_ic_ctx_t* ctx, const deep_ep_ll_args_t* args, void* stream) {
+extern "C" int dek_ll_dispatch_send(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream) {
   if (!ll_ok(ctx, args) || args->recv_state == nullptr || (args->num_tokens > 0 && (args->x == nullptr || args->topk_idx == nullptr)))
     return static_cast<int>(cudaErrorInvalidValue);
   if (args->num_experts > kMaxLlExperts || args->num_topk > kMaxLlTopk) return static_cast<int>(cudaErrorInvalidValue);
   // Blocks of one or a few tokens, all resident (8 per SM by threads); at least one signals.
   const int blocks = args->num_tokens < 1 ? 1 : (args->num_tokens < args->num_blocks ? args->num_tokens : args->num_blocks);
-  if (args->net != nullptr && args->net_kind == DEEP_EP_LL_NET_GIN) {
-    ll_dispatch<GinNet><<<blocks, kSendThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args, DEEP_EP_LL_PHASE_SEND);
+  if (args->net != nullptr && args->net_kind == DEK_LL_NET_GIN) {
+    ll_dispatch<GinNet><<<blocks, kSendThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args, DEK_LL_PHASE_SEND);
   } else {
-    ll_dispatch<LsaNet><<<blocks, kSendThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args, DEEP_EP_LL_PHASE_SEND);
+    ll_dispatch<LsaNet><<<blocks, kSendThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args, DEK_LL_PHASE_SEND);
   }
   return static_cast<int>(cudaGetLastError());
 }
 
-extern "C" int deep_ep_llk_dispatch_recv(const deep_ep_ic_ctx_t* ctx, const deep_ep_ll_args_t* args, void* stream) {
+extern "C" int dek_ll_dispatch_recv(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream) {
   if (!ll_ok(ctx, args) || args->recv_state == nullptr || args->recv_x == nullptr || args->recv_count == nullptr ||
       args->src_info == nullptr || args->layout_range == nullptr || (args->use_fp8 && args->recv_scales == nullptr))
     return static_cast<int>(cudaErrorInvalidValue);
   const int el = args->num_experts / ctx->num_ranks;
   const int y = args->num_blocks > el ? (args->num_blocks + el - 1) / el : 1;
-  if (args->net != nullptr && args->net_kind == DEEP_EP_LL_NET_GIN) {
-    ll_dispatch<GinNet><<<dim3(el, y), kLlThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args, DEEP_EP_LL_PHASE_RECV);
+  if (args->net != nullptr && args->net_kind == DEK_LL_NET_GIN) {
+    ll_dispatch<GinNet><<<dim3(el, y), kLlThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args, DEK_LL_PHASE_RECV);
   } else {
-    ll_dispatch<LsaNet><<<dim3(el, y), kLlThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args, DEEP_EP_LL_PHASE_RECV);
+    ll_dispatch<LsaNet><<<dim3(el, y), kLlThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args, DEK_LL_PHASE_RECV);
   }
   return static_cast<int>(cudaGetLastError());
 }

@@ -28,7 +28,7 @@ __global__ void __launch_bounds__(kRowsThreads) ll_mask_rows_kernel(const IdxT* 
 }  // namespace
 }  // namespace deep_ep
 
-extern "C" int deep_ep_launch_ll_mask_rows(const void* topk_idx, int topk_idx_is_int64, int64_t num_rows, int num_topk,
+extern "C" int dek_ll_mask_rows(const void* topk_idx, int topk_idx_is_int64, int64_t num_rows, int num_topk,
                                            const int32_t* num_tokens, void* out, void* stream) {
   using namespace deep_ep;
   if (topk_idx == nullptr || out == nullptr || num_tokens == nullptr || num_rows < 0 || num_topk <= 0) return cudaErrorInvalidValue;

@@ -36,7 +36,7 @@ void plan(const uint8_t* slot, int hidden, Group* gp, bool* cast) {
 
 }  // namespace
 
-extern "C" int deep_ep_logfmt_encode_row_host(const uint16_t* x, int hidden, uint8_t* slot) {
+extern "C" int dek_logfmt_encode_row_host(const uint16_t* x, int hidden, uint8_t* slot) {
   if (x == nullptr || slot == nullptr || !row_ok(hidden)) return -1;
   const int s = hidden / kGroup;
   std::memset(slot, 0, 4 * static_cast<size_t>(s) + 2 * static_cast<size_t>(hidden));
@@ -72,7 +72,7 @@ extern "C" int deep_ep_logfmt_encode_row_host(const uint16_t* x, int hidden, uin
   return 0;
 }
 
-extern "C" int deep_ep_logfmt_decode_accumulate_host(const uint8_t* slot, int hidden, float weight, float* acc) {
+extern "C" int dek_logfmt_decode_accumulate_host(const uint8_t* slot, int hidden, float weight, float* acc) {
   if (slot == nullptr || acc == nullptr || !row_ok(hidden)) return -1;
   const int s = hidden / kGroup;
   Group gp[kMaxGroups];
@@ -98,7 +98,7 @@ extern "C" int deep_ep_logfmt_decode_accumulate_host(const uint8_t* slot, int hi
   return 0;
 }
 
-extern "C" int deep_ep_logfmt_math_host(int fn, const float* in, float* out, int64_t n) {
+extern "C" int dek_logfmt_math_host(int fn, const float* in, float* out, int64_t n) {
   if (in == nullptr || out == nullptr || n < 0 || (fn != 0 && fn != 1)) return -1;
   for (int64_t i = 0; i < n; ++i) out[i] = fn == 0 ? log2_det(in[i]) : exp2_det(in[i]);
   return 0;

@@ -236,7 +236,7 @@ DEEP_EP_LF_UNROLL
 // channels at `src` (8-byte aligned) into `meta` (ng u32) and `pay` (ng x 256 bytes, 16-byte
 // aligned); `pack` is 160 bytes of the warp's shared memory. Lane l owns channels 4l..4l+3 of each
 // group; the group's amax / amin are warp reductions of the bf16 bits (exact, in any order). The
-// host twin is deep_ep_logfmt_encode_row_host (kernels/logfmt.cu).
+// host twin is dek_logfmt_encode_row_host (kernels/logfmt.cu).
 __device__ __forceinline__ void encode_chunk_warp(const uint16_t* src, int ng, uint32_t* meta, char* pay, uint8_t* pack, int lane) {
   uint2 v[8];
   Group gp[8];

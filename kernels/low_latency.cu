@@ -7,14 +7,14 @@
 #include "low_latency.cuh"
 
 namespace deep_ep {
-namespace ic {
+namespace ll {
 namespace {
 
 // Channels one warp of the combine send moves per work item (2 KiB of BF16).
 constexpr int kChunk = 1024;
 
 // ---- combine ----------------------------------------------------------------------------------
-// LogFMT rows [b, b + cnt) of local expert l to rank s (combine send, flags DEEP_EP_LL_FLAG_LOGFMT):
+// LogFMT rows [b, b + cnt) of local expert l to rank s (combine send, flags DEK_LL_FLAG_LOGFMT):
 // one warp per (row, chunk) encodes into the LogFMT layout of logfmt.cuh at global expert
 // rank*E_l + l, source token. A rank s outside the NVLink domain is not written through a pointer:
 // the warp encodes into this rank's send half (the zero-copy buffer's bytes, unused by a LogFMT
@@ -62,7 +62,7 @@ template <class Net>
 __device__ __forceinline__ void combine_send(const Ctx& c, const Args& a) {
   __shared__ uint32_t s_seq;
   __shared__ int s_skip;
-  if (!begin_send(c, a, DEEP_EP_LL_KIND_COMBINE, &s_seq, &s_skip)) return;
+  if (!begin_send(c, a, DEK_LL_KIND_COMBINE, &s_seq, &s_skip)) return;
   const int l = blockIdx.x, s = blockIdx.y, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int R = c.num_ranks, El = a.num_experts / R, T = a.num_max_tokens, H = a.hidden;
   const int64_t RT = static_cast<int64_t>(R) * T, M = H + H / 128 * 2;
@@ -74,7 +74,7 @@ __device__ __forceinline__ void combine_send(const Ctx& c, const Args& a) {
   if (dead) cnt = 0;
   char* peer = window(c, s);
   const uint64_t dst_base = recv_off(a, a.half) + static_cast<uint64_t>(c.rank * El + l) * T * (2 * static_cast<uint64_t>(H));
-  if (a.flags & DEEP_EP_LL_FLAG_LOGFMT) {
+  if (a.flags & DEK_LL_FLAG_LOGFMT) {
     ll_combine_send_logfmt<Net>(c, a, s, l, b, cnt, warp, lane);
     cnt = 0;  // every row went out as LogFMT: nothing left for the BF16 loop
   }
@@ -92,7 +92,7 @@ __device__ __forceinline__ void combine_send(const Ctx& c, const Args& a) {
   flush_net<Net>(c, a, lane);
   __syncthreads();
   if (tid == 0 && !dead) {
-    if (l == 0 && !remote(c, a, s)) put_fmt(c, a, 1, s, fmt_combine((a.flags & DEEP_EP_LL_FLAG_LOGFMT) != 0, false));
+    if (l == 0 && !remote(c, a, s)) put_fmt(c, a, 1, s, fmt_combine((a.flags & DEK_LL_FLAG_LOGFMT) != 0, false));
     __threadfence_system();  // one cumulative fence per block (see dispatch_send in ll_dispatch.cu)
     uint32_t* word = at<uint32_t>(peer, sig_off(a, a.half) + static_cast<uint64_t>(c.rank * El + l) * 4);
     raise_to<Net>(c, a, s, word, kSeamCombine, a.half, l, tag(s_seq, 0));
@@ -112,7 +112,7 @@ __device__ __forceinline__ void combine_send_partial(const Ctx& c, const Args& a
   __shared__ int s_skip, s_last, s_n, s_tok;
   __shared__ int64_t s_row[kMaxLlTopk];
   __shared__ float s_w[kMaxLlTopk];
-  if (!begin_send(c, a, DEEP_EP_LL_KIND_COMBINE, &s_seq, &s_skip)) return;
+  if (!begin_send(c, a, DEK_LL_KIND_COMBINE, &s_seq, &s_skip)) return;
   const int s = blockIdx.x, tid = threadIdx.x;
   const int R = c.num_ranks, El = a.num_experts / R, T = a.num_max_tokens, H = a.hidden;
   const int64_t RT = static_cast<int64_t>(R) * T, M = H + H / 128 * 2;
@@ -131,7 +131,7 @@ __device__ __forceinline__ void combine_send_partial(const Ctx& c, const Args& a
       const int4 h1 = __ldcg(reinterpret_cast<const int4*>(msg + 16));
       s_tok = hdr.x >= 0 && hdr.x < T && hdr.y == H && hdr.z == T && hdr.w == a.num_experts ? hdr.x : -1;
       s_n = min(max(h1.x, 0), kMaxLlTopk);
-      if (s_tok < 0) report(c, DEEP_EP_IC_ERR_MISMATCH, s, DEEP_EP_IC_SITE_LL_COMBINE, hdr.y, H);
+      if (s_tok < 0) report(c, DEK_IC_ERR_MISMATCH, s, DEK_IC_SITE_LL_COMBINE, hdr.y, H);
     }
     __syncthreads();
     if (tid < s_n) {
@@ -141,7 +141,7 @@ __device__ __forceinline__ void combine_send_partial(const Ctx& c, const Args& a
       const int64_t b = lr >> 32, cnt = lr & 0xffffffffLL;
       s_row[tid] = l < El && slot < cnt && b + slot < RT ? l * RT + b + slot : -1;
       s_w[tid] = __ldcg(reinterpret_cast<const float*>(msg + 32 + 4 * kMaxLlTopk) + tid);
-      if (s_row[tid] < 0) report(c, DEEP_EP_IC_ERR_MISMATCH, s, DEEP_EP_IC_SITE_LL_COMBINE, slot, static_cast<int>(cnt));
+      if (s_row[tid] < 0) report(c, DEK_IC_ERR_MISMATCH, s, DEK_IC_SITE_LL_COMBINE, slot, static_cast<int>(cnt));
     }
     __syncthreads();
     if (s_tok >= 0) {
@@ -307,11 +307,11 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
     int h = 0;
     uint32_t q = 0;
     int fl = 0;
-    s_ok = read_state(c, a, DEEP_EP_LL_KIND_COMBINE, false, DEEP_EP_IC_SITE_LL_COMBINE, &h, &q, &fl);
+    s_ok = read_state(c, a, DEK_LL_KIND_COMBINE, false, DEK_IC_SITE_LL_COMBINE, &h, &q, &fl);
     s_half = h;
     s_seq = q;
-    s_partial = (fl & DEEP_EP_LL_FLAG_PARTIAL) != 0;
-    s_logfmt = (fl & DEEP_EP_LL_FLAG_LOGFMT) != 0;
+    s_partial = (fl & DEK_LL_FLAG_PARTIAL) != 0;
+    s_logfmt = (fl & DEK_LL_FLAG_LOGFMT) != 0;
   }
   if (tid < kMaxRanks) s_wait[tid] = 0;
   __syncthreads();
@@ -323,7 +323,7 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
     const long long t0 = clock64();
     uint32_t v = 0;
     const int got = wait_from<Net>(c, a, w / El, at<const uint32_t>(me, sig_off(a, s_half) + static_cast<uint64_t>(w) * 4), kSeamCombine, s_half,
-                                   w % El, s_seq, DEEP_EP_IC_SITE_LL_COMBINE, &v);
+                                   w % El, s_seq, DEK_IC_SITE_LL_COMBINE, &v);
     if (got < 0) {
       s_ok = 0;
       break;
@@ -331,7 +331,7 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
     if (got == 0) continue;  // shrink mode masked the rank: its experts are dropped below
     atomicMax(&s_wait[w / El], static_cast<unsigned long long>(clock64() - t0));
     if (blockIdx.x == 0 && w % El == 0 && !remote(c, a, w / El) &&
-        !fmt_agrees(c, a, 1, s_half, w / El, fmt_combine(s_logfmt != 0, s_partial != 0), DEEP_EP_IC_SITE_LL_COMBINE)) {
+        !fmt_agrees(c, a, 1, s_half, w / El, fmt_combine(s_logfmt != 0, s_partial != 0), DEK_IC_SITE_LL_COMBINE)) {
       s_ok = 0;
     }
   }
@@ -399,7 +399,7 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
 // names"). Send (per-expert rows or partial sums): kLlThreads per block; receive: kReduceThreads.
 template <class Net>
 __global__ void __launch_bounds__(kReduceThreads) ll_combine(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
-  if (phase == DEEP_EP_LL_PHASE_SEND) {
+  if (phase == DEK_LL_PHASE_SEND) {
     if (a.partial) {
       combine_send_partial<Net>(c, a);
     } else {
@@ -431,7 +431,7 @@ __global__ void ll_zero_signals_kernel(const __grid_constant__ Ctx c, const __gr
 // The launch of an LL kernel on the seam of `a` (the LSA instance also serves intranode buffers).
 #define DEEP_EP_LL_LAUNCH(kernel, grid, block, a, ...)                                     \
   do {                                                                                     \
-    if ((a)->net != nullptr && (a)->net_kind == DEEP_EP_LL_NET_GIN) {                      \
+    if ((a)->net != nullptr && (a)->net_kind == DEK_LL_NET_GIN) {                      \
       kernel<GinNet><<<grid, block, 0, deep_ep::as_stream(stream)>>>(__VA_ARGS__);         \
     } else {                                                                               \
       kernel<LsaNet><<<grid, block, 0, deep_ep::as_stream(stream)>>>(__VA_ARGS__);         \
@@ -439,12 +439,12 @@ __global__ void ll_zero_signals_kernel(const __grid_constant__ Ctx c, const __gr
   } while (0)
 
 }  // namespace
-}  // namespace ic
+}  // namespace ll
 }  // namespace deep_ep
 
-using namespace deep_ep::ic;
+using namespace deep_ep::ll;
 
-extern "C" int deep_ep_llk_combine_send(const deep_ep_ic_ctx_t* ctx, const deep_ep_ll_args_t* args, void* stream) {
+extern "C" int dek_ll_combine_send(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream) {
   if (!ll_ok(ctx, args) || args->recv_state == nullptr || args->src_info == nullptr || args->layout_range == nullptr ||
       (!args->zero_copy && args->x == nullptr))
     return static_cast<int>(cudaErrorInvalidValue);
@@ -453,7 +453,7 @@ extern "C" int deep_ep_llk_combine_send(const deep_ep_ic_ctx_t* ctx, const deep_
   // zero-copy slot, LogFMT payloads + meta words; both E_l*R*T*(2H + 4*H/128) bytes.
   const uint64_t rows = static_cast<uint64_t>(args->num_experts) * args->num_max_tokens, h = args->hidden;
   if (args->net != nullptr && !args->partial && rows * (2 * h + 4 * (h / 128)) > args->send_bytes) return static_cast<int>(cudaErrorInvalidValue);
-  if (args->flags & DEEP_EP_LL_FLAG_LOGFMT) {
+  if (args->flags & DEK_LL_FLAG_LOGFMT) {
     // The LogFMT layout must fit the receive half, its payload 16-byte aligned (logfmt.cuh).
     const uint64_t et = static_cast<uint64_t>(args->num_experts) * args->num_max_tokens, s = args->hidden / 128;
     if (args->partial || args->zero_copy || et * (4 * s + 2 * static_cast<uint64_t>(args->hidden)) > args->recv_bytes || et * s % 4 != 0)
@@ -462,45 +462,45 @@ extern "C" int deep_ep_llk_combine_send(const deep_ep_ic_ctx_t* ctx, const deep_
   if (args->partial) {
     // Blocks (source rank, y): ~2 per SM in all; each takes every gridDim.y-th message.
     const int y = args->num_blocks > ctx->num_ranks ? args->num_blocks / ctx->num_ranks : 1;
-    DEEP_EP_LL_LAUNCH(ll_combine, dim3(ctx->num_ranks, y), kLlThreads, args, *ctx, *args, DEEP_EP_LL_PHASE_SEND);
+    DEEP_EP_LL_LAUNCH(ll_combine, dim3(ctx->num_ranks, y), kLlThreads, args, *ctx, *args, DEK_LL_PHASE_SEND);
     return static_cast<int>(cudaGetLastError());
   }
-  DEEP_EP_LL_LAUNCH(ll_combine, dim3(el, ctx->num_ranks), kLlThreads, args, *ctx, *args, DEEP_EP_LL_PHASE_SEND);
+  DEEP_EP_LL_LAUNCH(ll_combine, dim3(el, ctx->num_ranks), kLlThreads, args, *ctx, *args, DEK_LL_PHASE_SEND);
   return static_cast<int>(cudaGetLastError());
 }
 
-extern "C" int deep_ep_llk_combine_recv(const deep_ep_ic_ctx_t* ctx, const deep_ep_ll_args_t* args, void* stream) {
+extern "C" int dek_ll_combine_recv(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream) {
   if (!ll_ok(ctx, args) || args->recv_state == nullptr || (args->num_tokens > 0 && (args->out == nullptr || args->topk_idx == nullptr ||
                                                                                   args->topk_weights == nullptr)))
     return static_cast<int>(cudaErrorInvalidValue);
   // With no token the receive still waits for every word (the call completes for every rank).
   const int blocks = args->num_tokens < 1 ? 1 : (args->num_tokens < args->num_blocks ? args->num_tokens : args->num_blocks);
-  DEEP_EP_LL_LAUNCH(ll_combine, blocks, kReduceThreads, args, *ctx, *args, DEEP_EP_LL_PHASE_RECV);
+  DEEP_EP_LL_LAUNCH(ll_combine, blocks, kReduceThreads, args, *ctx, *args, DEK_LL_PHASE_RECV);
   return static_cast<int>(cudaGetLastError());
 }
 
-extern "C" int deep_ep_llk_zero_signals(const deep_ep_ic_ctx_t* ctx, const deep_ep_ll_args_t* args, void* stream) {
+extern "C" int dek_ll_zero_signals(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream) {
   if (!ll_ok(ctx, args)) return static_cast<int>(cudaErrorInvalidValue);
   DEEP_EP_LL_LAUNCH(ll_zero_signals_kernel, 16, 256, args, *ctx, *args);
   return static_cast<int>(cudaGetLastError());
 }
 
-extern "C" size_t deep_ep_llk_args_bytes(void) { return sizeof(deep_ep_ll_args_t); }
+extern "C" size_t dek_ll_args_bytes(void) { return sizeof(dek_ll_args_t); }
 
 // The GIN seam descriptor (GinNet) built on the host from `num_comms` device comms (byte copies of
 // the ncclDevComm that ncclDevCommCreate returned with GIN, each of devcomm_bytes) and the window's
 // ncclWindow_t on each communicator, into `out` (host memory of out_bytes); the caller copies it to
 // Args::net in its own window. Contexts per communicator = the fewest any of them was granted.
 // Returns the bytes written, 0 on bad arguments (a device comm without GIN included).
-extern "C" size_t deep_ep_llk_gin_net_build(const void* const* devcomms, size_t devcomm_bytes, void* const* windows,
+extern "C" size_t dek_ll_gin_net_build(const void* const* devcomms, size_t devcomm_bytes, void* const* windows,
                                             int num_comms, void* out, size_t out_bytes) {
-  if (devcomms == nullptr || windows == nullptr || num_comms < 1 || num_comms > DEEP_EP_TP_MAX_GIN_COMMS ||
+  if (devcomms == nullptr || windows == nullptr || num_comms < 1 || num_comms > DEK_TP_MAX_GIN_COMMS ||
       devcomm_bytes < sizeof(ncclDevComm) || out == nullptr || out_bytes < sizeof(GinNet) ||
       reinterpret_cast<uintptr_t>(out) % alignof(GinNet) != 0)
     return 0;
   std::memset(out, 0, sizeof(GinNet));
   GinNet* n = static_cast<GinNet*>(out);
-  int contexts = DEEP_EP_TP_MAX_GIN_CONTEXTS;
+  int contexts = DEK_TP_MAX_GIN_CONTEXTS;
   for (int i = 0; i < num_comms; ++i) {
     if (devcomms[i] == nullptr || windows[i] == nullptr) return 0;
     std::memcpy(&n->c[i].comm, devcomms[i], sizeof(ncclDevComm));
@@ -516,7 +516,7 @@ extern "C" size_t deep_ep_llk_gin_net_build(const void* const* devcomms, size_t 
 
 // Layout of GinNet: which = 0 sizeof, 1 alignof, 2 offset of c[0].win, 3 stride of c[], 4 offset
 // of num_comms, 5 offset of num_contexts, 6 capacity of c[].
-extern "C" size_t deep_ep_llk_gin_net_layout(int which) {
+extern "C" size_t dek_ll_gin_net_layout(int which) {
   alignas(GinNet) static unsigned char probe[sizeof(GinNet)];
   const GinNet* n = reinterpret_cast<const GinNet*>(probe);
   const auto off = [&](const void* p) { return static_cast<size_t>(static_cast<const unsigned char*>(p) - probe); };
@@ -527,12 +527,12 @@ extern "C" size_t deep_ep_llk_gin_net_layout(int which) {
     case 3: return sizeof(deep_ep::tp::GinComm);
     case 4: return off(&n->num_comms);
     case 5: return off(&n->num_contexts);
-    case 6: return DEEP_EP_TP_MAX_GIN_COMMS;
+    case 6: return DEK_TP_MAX_GIN_COMMS;
     default: return 0;
   }
 }
 
 // gin_route on the host, so the Rust route can be checked against the device's.
-extern "C" void deep_ep_llk_gin_route(int unit, int comms, int contexts, int* comm, int* context) {
+extern "C" void dek_ll_gin_route(int unit, int comms, int contexts, int* comm, int* context) {
   deep_ep::tp::gin_route(unit, comms, contexts, comm, context);
 }

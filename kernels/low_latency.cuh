@@ -20,7 +20,10 @@
 #include "transport.cuh"
 
 namespace deep_ep {
-namespace ic {
+// The low-latency kernels have a namespace of their own; they build on the intranode window
+// helpers (Ctx, window(), the status block) of `ic`.
+namespace ll {
+using namespace ::deep_ep::ic;
 namespace {
 
 // Combine-send and dispatch-receive kernels: small blocks so that every block of a call is
@@ -32,25 +35,25 @@ constexpr int kReduceThreads = 512;
 constexpr int kSendThreads = 256;
 constexpr int kSendWarps = kSendThreads / 32;
 // Most experts of a dispatch send (two int histograms of E in shared memory).
-constexpr int kMaxLlExperts = DEEP_EP_LL_MAX_EXPERTS;
+constexpr int kMaxLlExperts = DEK_LL_MAX_EXPERTS;
 // LL words of the control area's scratch (local only): the call counter and the "blocks done"
 // counter of the send kernels (the last block advances the call counter and resets this one).
-constexpr size_t kLlCalls = DEEP_EP_IC_CONTROL_BYTES - 1024;  // after the push-dispatch flags
+constexpr size_t kLlCalls = DEK_IC_CONTROL_BYTES - 1024;  // after the push-dispatch flags
 constexpr size_t kLlDone = kLlCalls + 4;
 static_assert(kScrEnd <= kLlCalls, "LL scratch overlaps the normal-mode scratch");
-static_assert(kLlDone + 4 <= DEEP_EP_IC_CONTROL_BYTES, "LL scratch outside the control area");
-static_assert(DEEP_EP_LL_MASK_OFF >= kLlDone + 4 && DEEP_EP_LL_MASK_OFF + 4 * kMaxRanks <= DEEP_EP_IC_CONTROL_BYTES, "LL mask copy");
+static_assert(kLlDone + 4 <= DEK_IC_CONTROL_BYTES, "LL scratch outside the control area");
+static_assert(DEK_LL_MASK_OFF >= kLlDone + 4 && DEK_LL_MASK_OFF + 4 * kMaxRanks <= DEK_IC_CONTROL_BYTES, "LL mask copy");
 // Format words every NVLink source leaves in a receiver's control area with each send, before its
 // signals: [kind (0 dispatch, 1 combine)][half][source rank][flags, hidden, T, E] (by half: a
 // sender may run one call ahead, into the other half, with other flags). The receiver compares
 // them with its own after the wait, so ranks passing other flags or another geometry raise
-// (DEEP_EP_IC_ERR_LL_FORMAT at the next call) instead of reading each other's bytes as their own.
+// (DEK_IC_ERR_LL_FORMAT at the next call) instead of reading each other's bytes as their own.
 constexpr size_t kLlFmt = kLlCalls + 128;
-static_assert(kLlFmt >= DEEP_EP_LL_MASK_OFF + 4 * kMaxRanks && kLlFmt + 4 * kMaxRanks * 16 <= DEEP_EP_IC_CONTROL_BYTES, "LL format words");
+static_assert(kLlFmt >= DEK_LL_MASK_OFF + 4 * kMaxRanks && kLlFmt + 4 * kMaxRanks * 16 <= DEK_IC_CONTROL_BYTES, "LL format words");
 __device__ __forceinline__ size_t fmt_slot(int kind, int half, int src) { return kLlFmt + static_cast<size_t>(((kind * 2 + half) * kMaxRanks + src) * 16); }
 constexpr uint32_t kFmtSet = 0x100;  // a written slot (a zeroed one never matches)
 
-using Args = deep_ep_ll_args_t;
+using Args = dek_ll_args_t;
 
 __device__ __forceinline__ uint64_t sig_off(const Args& a, int h) { return a.ll_off + h * a.signal_bytes; }
 __device__ __forceinline__ uint64_t send_off(const Args& a, int h) { return a.ll_off + 2 * a.signal_bytes + h * a.send_bytes; }
@@ -142,7 +145,7 @@ __device__ int wait_tag(const Ctx& c, const Args& a, const uint32_t* word, uint3
         mask_rank(a, about_rank);
         return 0;
       }
-      report(c, DEEP_EP_IC_ERR_TIMEOUT, about_rank, site, static_cast<int>(v), 0);
+      report(c, DEK_IC_ERR_TIMEOUT, about_rank, site, static_cast<int>(v), 0);
       return -1;
     }
   }
@@ -151,9 +154,9 @@ __device__ int wait_tag(const Ctx& c, const Args& a, const uint32_t* word, uint3
 // Dispatch message (deep_ep_kernels.h): 16-byte header {src token, H, T, E}, 16 bytes {entries,
 // has weights, 0, 0}, kMaxLlTopk u32 entries (local expert << 16 | expert slot, top-k order),
 // kMaxLlTopk f32 weights, then the payload.
-constexpr int kMaxLlTopk = DEEP_EP_LL_MAX_TOPK;
+constexpr int kMaxLlTopk = DEK_LL_MAX_TOPK;
 constexpr int kMsgMeta = 32 + 8 * kMaxLlTopk;
-static_assert(kMsgMeta == DEEP_EP_LL_MSG_META, "message meta size");
+static_assert(kMsgMeta == DEK_LL_MSG_META, "message meta size");
 
 // Reads recv_state: false (after reporting) when it does not come from a send of `kind` with
 // `flags`, or the buffer timed out.
@@ -161,7 +164,7 @@ __device__ bool read_state(const Ctx& c, const Args& a, int kind, bool check_fla
   if (timed_out(c)) return false;
   const int64_t* st = a.recv_state;
   if (st[3] != kind || (check_flags && st[2] != a.flags) || st[0] < 0 || st[0] > 1) {
-    report(c, DEEP_EP_IC_ERR_MISMATCH, c.rank, site, static_cast<int>(st[3]), kind);
+    report(c, DEK_IC_ERR_MISMATCH, c.rank, site, static_cast<int>(st[3]), kind);
     return false;
   }
   *half = static_cast<int>(st[0]);
@@ -233,7 +236,7 @@ __device__ bool fmt_agrees(const Ctx& c, const Args& a, int kind, int half, int 
   for (int i = 0; i < 4; ++i) {
     const uint32_t theirs = w[i];
     if (theirs != mine[i]) {
-      report(c, DEEP_EP_IC_ERR_LL_FORMAT, s, site, static_cast<int>(theirs), static_cast<int>(mine[i]), i);
+      report(c, DEK_IC_ERR_LL_FORMAT, s, site, static_cast<int>(theirs), static_cast<int>(mine[i]), i);
       return false;
     }
   }
@@ -314,7 +317,7 @@ __device__ int wait_from(const Ctx& c, const Args& a, int src, const uint32_t* w
         mask_rank(a, src);
         return 0;
       }
-      report(c, DEEP_EP_IC_ERR_TIMEOUT, src, site, static_cast<int>(v), static_cast<int>(seq & 0xffffu));
+      report(c, DEK_IC_ERR_TIMEOUT, src, site, static_cast<int>(v), static_cast<int>(seq & 0xffffu));
       return -1;
     }
   }
@@ -325,7 +328,7 @@ bool ll_net_ok(const Ctx* c, const Args* a) {
   if (a->net == nullptr) return true;
   const uint64_t R = c->num_ranks, E = a->num_experts, T = a->num_max_tokens;
   const uint64_t pay = a->msg_bytes - kMsgMeta;
-  return (a->net_kind == DEEP_EP_LL_NET_LSA || a->net_kind == DEEP_EP_LL_NET_GIN) && a->nvl_domain >= 1 &&
+  return (a->net_kind == DEK_LL_NET_LSA || a->net_kind == DEK_LL_NET_GIN) && a->nvl_domain >= 1 &&
          a->nvl_domain < c->num_ranks && c->num_ranks % a->nvl_domain == 0 && E <= kMaxLlExperts &&
          a->shadow_off % 8 == 0 && a->shadow_off + 8 * 4 * E <= c->window_bytes &&
          reinterpret_cast<uintptr_t>(a->net) % 16 == 0 && a->stage_meta_off % 16 == 0 && a->stage_idx_off % 16 == 0 &&
@@ -334,5 +337,5 @@ bool ll_net_ok(const Ctx* c, const Args* a) {
 }
 
 }  // namespace
-}  // namespace ic
+}  // namespace ll
 }  // namespace deep_ep

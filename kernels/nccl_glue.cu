@@ -28,9 +28,9 @@ __global__ void lsa_bases_kernel(ncclWindow_t window, int lsa_size, void** out) 
 
 }  // namespace
 
-extern "C" size_t deep_ep_nccl_devcomm_bytes(void) { return sizeof(ncclDevComm); }
+extern "C" size_t dek_nccl_devcomm_bytes(void) { return sizeof(ncclDevComm); }
 
-extern "C" int deep_ep_nccl_devcomm_create(void* create_fn, void* comm, int lsa_barrier_count, void* devcomm,
+extern "C" int dek_nccl_devcomm_create(void* create_fn, void* comm, int lsa_barrier_count, void* devcomm,
                                            size_t devcomm_bytes, int* lsa_size, int* lsa_rank) {
   if (create_fn == nullptr || comm == nullptr || devcomm == nullptr || devcomm_bytes < sizeof(ncclDevComm) ||
       lsa_size == nullptr || lsa_rank == nullptr)
@@ -48,13 +48,13 @@ extern "C" int deep_ep_nccl_devcomm_create(void* create_fn, void* comm, int lsa_
   return static_cast<int>(res);
 }
 
-extern "C" int deep_ep_nccl_devcomm_destroy(void* destroy_fn, void* comm, const void* devcomm) {
+extern "C" int dek_nccl_devcomm_destroy(void* destroy_fn, void* comm, const void* devcomm) {
   if (destroy_fn == nullptr || comm == nullptr || devcomm == nullptr) return -1;
   return static_cast<int>(reinterpret_cast<DevCommDestroyFn>(destroy_fn)(static_cast<ncclComm_t>(comm),
                                                                         static_cast<const ncclDevComm*>(devcomm)));
 }
 
-extern "C" int deep_ep_nccl_window_lsa_bases(void* window, int lsa_size, void** base) {
+extern "C" int dek_nccl_window_lsa_bases(void* window, int lsa_size, void** base) {
   if (window == nullptr || base == nullptr || lsa_size < 1 || lsa_size > 1024) return cudaErrorInvalidValue;
   void** dev = nullptr;
   DEEP_EP_TRY(cudaMalloc(&dev, sizeof(void*) * lsa_size));

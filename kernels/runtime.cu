@@ -4,57 +4,57 @@
 
 #include "common.cuh"
 
-extern "C" const char* deep_ep_cuda_error_name(int status) {
+extern "C" const char* dek_cuda_error_name(int status) {
   return cudaGetErrorName(static_cast<cudaError_t>(status));
 }
 
-extern "C" const char* deep_ep_cuda_error_string(int status) {
+extern "C" const char* dek_cuda_error_string(int status) {
   return cudaGetErrorString(static_cast<cudaError_t>(status));
 }
 
-extern "C" int deep_ep_cuda_device_count(int* count) {
+extern "C" int dek_cuda_device_count(int* count) {
   if (count == nullptr) return cudaErrorInvalidValue;
   *count = 0;
   return cudaGetDeviceCount(count);
 }
 
-extern "C" int deep_ep_cuda_set_device(int device) { return cudaSetDevice(device); }
+extern "C" int dek_cuda_set_device(int device) { return cudaSetDevice(device); }
 
-extern "C" int deep_ep_cuda_malloc(void** ptr, size_t bytes) {
+extern "C" int dek_cuda_malloc(void** ptr, size_t bytes) {
   if (ptr == nullptr) return cudaErrorInvalidValue;
   *ptr = nullptr;
   return cudaMalloc(ptr, bytes);
 }
 
-extern "C" int deep_ep_cuda_free(void* ptr) { return cudaFree(ptr); }
+extern "C" int dek_cuda_free(void* ptr) { return cudaFree(ptr); }
 
-extern "C" int deep_ep_cuda_memcpy_htod(void* dst, const void* host_src, size_t bytes) {
+extern "C" int dek_cuda_memcpy_htod(void* dst, const void* host_src, size_t bytes) {
   return cudaMemcpy(dst, host_src, bytes, cudaMemcpyHostToDevice);
 }
 
-extern "C" int deep_ep_cuda_memcpy_dtoh(void* host_dst, const void* src, size_t bytes) {
+extern "C" int dek_cuda_memcpy_dtoh(void* host_dst, const void* src, size_t bytes) {
   return cudaMemcpy(host_dst, src, bytes, cudaMemcpyDeviceToHost);
 }
 
-extern "C" int deep_ep_cuda_memset_async(void* ptr, int value, size_t bytes, void* stream) {
+extern "C" int dek_cuda_memset_async(void* ptr, int value, size_t bytes, void* stream) {
   return cudaMemsetAsync(ptr, value, bytes, deep_ep::as_stream(stream));
 }
 
-extern "C" int deep_ep_cuda_stream_synchronize(void* stream) {
+extern "C" int dek_cuda_stream_synchronize(void* stream) {
   return cudaStreamSynchronize(deep_ep::as_stream(stream));
 }
 
-extern "C" int deep_ep_cuda_get_device(int* device) {
+extern "C" int dek_cuda_get_device(int* device) {
   if (device == nullptr) return cudaErrorInvalidValue;
   return cudaGetDevice(device);
 }
 
-extern "C" int deep_ep_cuda_sm_count(int device, int* sms) {
+extern "C" int dek_cuda_sm_count(int device, int* sms) {
   if (sms == nullptr) return cudaErrorInvalidValue;
   return cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
 }
 
-extern "C" int deep_ep_cuda_versions(int* runtime, int* driver) {
+extern "C" int dek_cuda_versions(int* runtime, int* driver) {
   if (runtime == nullptr || driver == nullptr) return cudaErrorInvalidValue;
   *runtime = 0;
   *driver = 0;
@@ -63,7 +63,7 @@ extern "C" int deep_ep_cuda_versions(int* runtime, int* driver) {
   return st;
 }
 
-extern "C" int deep_ep_cuda_host_alloc_mapped(void** host, void** device_ptr, size_t bytes) {
+extern "C" int dek_cuda_host_alloc_mapped(void** host, void** device_ptr, size_t bytes) {
   if (host == nullptr || device_ptr == nullptr) return cudaErrorInvalidValue;
   *host = nullptr;
   *device_ptr = nullptr;
@@ -76,17 +76,17 @@ extern "C" int deep_ep_cuda_host_alloc_mapped(void** host, void** device_ptr, si
   return st;
 }
 
-extern "C" int deep_ep_cuda_free_host(void* host) { return cudaFreeHost(host); }
+extern "C" int dek_cuda_free_host(void* host) { return cudaFreeHost(host); }
 
 // CUDA IPC (the ipc window provider, src/ffi/ipc_window.rs). A handle is 64 opaque bytes.
-static_assert(sizeof(cudaIpcMemHandle_t) == DEEP_EP_IPC_HANDLE_BYTES, "cudaIpcMemHandle_t size");
+static_assert(sizeof(cudaIpcMemHandle_t) == DEK_IPC_HANDLE_BYTES, "cudaIpcMemHandle_t size");
 
-extern "C" int deep_ep_cuda_ipc_get_handle(void* handle, void* ptr) {
+extern "C" int dek_cuda_ipc_get_handle(void* handle, void* ptr) {
   if (handle == nullptr) return cudaErrorInvalidValue;
   return cudaIpcGetMemHandle(static_cast<cudaIpcMemHandle_t*>(handle), ptr);
 }
 
-extern "C" int deep_ep_cuda_ipc_open(void** ptr, const void* handle) {
+extern "C" int dek_cuda_ipc_open(void** ptr, const void* handle) {
   if (ptr == nullptr || handle == nullptr) return cudaErrorInvalidValue;
   *ptr = nullptr;
   cudaIpcMemHandle_t h;
@@ -94,9 +94,9 @@ extern "C" int deep_ep_cuda_ipc_open(void** ptr, const void* handle) {
   return cudaIpcOpenMemHandle(ptr, h, cudaIpcMemLazyEnablePeerAccess);
 }
 
-extern "C" int deep_ep_cuda_ipc_close(void* ptr) { return cudaIpcCloseMemHandle(ptr); }
+extern "C" int dek_cuda_ipc_close(void* ptr) { return cudaIpcCloseMemHandle(ptr); }
 
-extern "C" int deep_ep_cuda_pci_id(int device, unsigned long long* id) {
+extern "C" int dek_cuda_pci_id(int device, unsigned long long* id) {
   if (id == nullptr) return cudaErrorInvalidValue;
   int domain = 0, bus = 0, dev = 0;
   DEEP_EP_TRY(cudaDeviceGetAttribute(&domain, cudaDevAttrPciDomainId, device));
@@ -106,7 +106,7 @@ extern "C" int deep_ep_cuda_pci_id(int device, unsigned long long* id) {
   return cudaSuccess;
 }
 
-extern "C" int deep_ep_cuda_stream_create(void** stream) {
+extern "C" int dek_cuda_stream_create(void** stream) {
   if (stream == nullptr) return cudaErrorInvalidValue;
   cudaStream_t s = nullptr;
   DEEP_EP_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -114,6 +114,6 @@ extern "C" int deep_ep_cuda_stream_create(void** stream) {
   return cudaSuccess;
 }
 
-extern "C" int deep_ep_cuda_stream_destroy(void* stream) { return cudaStreamDestroy(deep_ep::as_stream(stream)); }
+extern "C" int dek_cuda_stream_destroy(void* stream) { return cudaStreamDestroy(deep_ep::as_stream(stream)); }
 
-extern "C" int deep_ep_cuda_device_synchronize(void) { return cudaDeviceSynchronize(); }
+extern "C" int dek_cuda_device_synchronize(void) { return cudaDeviceSynchronize(); }

@@ -14,12 +14,12 @@ namespace {
 
 using DevCommCreateFn = ncclResult_t (*)(ncclComm_t, const ncclDevCommRequirements_t*, ncclDevComm_t*);
 
-__global__ void ping_lsa_kernel(const __grid_constant__ deep_ep_tp_lsa_t d, const deep_ep_tp_ping_t a) {
+__global__ void ping_lsa_kernel(const __grid_constant__ dek_tp_lsa_t d, const dek_tp_ping_t a) {
   const LsaTransport t(d, a.context);
   ping(t, a);
 }
 
-__global__ void ping_gin_kernel(const __grid_constant__ ncclDevComm comm, ncclWindow_t win, const deep_ep_tp_ping_t a) {
+__global__ void ping_gin_kernel(const __grid_constant__ ncclDevComm comm, ncclWindow_t win, const dek_tp_ping_t a) {
   const GinTransport t(comm, win, a.context);
   ping(t, a);
 }
@@ -28,11 +28,11 @@ __global__ void ping_gin_kernel(const __grid_constant__ ncclDevComm comm, ncclWi
 }  // namespace tp
 }  // namespace deep_ep
 
-extern "C" int deep_ep_tp_ping_lsa(const deep_ep_tp_lsa_t* lsa, const deep_ep_tp_ping_t* args, void* stream) {
+extern "C" int dek_tp_ping_lsa(const dek_tp_lsa_t* lsa, const dek_tp_ping_t* args, void* stream) {
   using namespace deep_ep::tp;
   if (lsa == nullptr || !ping_args_ok(args) || lsa->num_ranks != args->num_ranks || lsa->rank != args->rank ||
-      lsa->num_ranks > DEEP_EP_TP_MAX_LSA_PEERS || lsa->num_contexts < 1 ||
-      lsa->num_contexts > DEEP_EP_TP_MAX_GIN_CONTEXTS || lsa->signal_off % 8 != 0 ||
+      lsa->num_ranks > DEK_TP_MAX_LSA_PEERS || lsa->num_contexts < 1 ||
+      lsa->num_contexts > DEK_TP_MAX_GIN_CONTEXTS || lsa->signal_off % 8 != 0 ||
       args->signal + args->num_ranks / args->rail_stride > lsa->num_signals ||
       lsa->signal_off + 8ull * lsa->num_contexts * lsa->num_signals > lsa->window_bytes ||
       args->src_off + args->bytes > lsa->window_bytes ||
@@ -45,8 +45,8 @@ extern "C" int deep_ep_tp_ping_lsa(const deep_ep_tp_lsa_t* lsa, const deep_ep_tp
   return static_cast<int>(cudaGetLastError());
 }
 
-extern "C" int deep_ep_tp_ping_gin(const void* devcomm, size_t devcomm_bytes, void* window,
-                                   const deep_ep_tp_ping_t* args, void* stream) {
+extern "C" int dek_tp_ping_gin(const void* devcomm, size_t devcomm_bytes, void* window,
+                                   const dek_tp_ping_t* args, void* stream) {
   using namespace deep_ep::tp;
   if (devcomm == nullptr || devcomm_bytes < sizeof(ncclDevComm) || window == nullptr || !ping_args_ok(args))
     return cudaErrorInvalidValue;
@@ -59,11 +59,11 @@ extern "C" int deep_ep_tp_ping_gin(const void* devcomm, size_t devcomm_bytes, vo
   return static_cast<int>(cudaGetLastError());
 }
 
-extern "C" int deep_ep_tp_gin_devcomm_create(void* create_fn, void* comm, const deep_ep_tp_gin_reqs_t* reqs,
-                                             void* devcomm, size_t devcomm_bytes, deep_ep_tp_gin_info_t* info) {
+extern "C" int dek_tp_gin_devcomm_create(void* create_fn, void* comm, const dek_tp_gin_reqs_t* reqs,
+                                             void* devcomm, size_t devcomm_bytes, dek_tp_gin_info_t* info) {
   if (create_fn == nullptr || comm == nullptr || reqs == nullptr || devcomm == nullptr ||
       devcomm_bytes < sizeof(ncclDevComm) || info == nullptr || reqs->gin_context_count < 0 ||
-      reqs->gin_context_count > DEEP_EP_TP_MAX_GIN_CONTEXTS || reqs->gin_signal_count < 0 ||
+      reqs->gin_context_count > DEK_TP_MAX_GIN_CONTEXTS || reqs->gin_signal_count < 0 ||
       reqs->gin_counter_count < 0 || reqs->lsa_barrier_count < 0)
     return -1;
   ncclDevCommRequirements_t r;
@@ -90,24 +90,24 @@ extern "C" int deep_ep_tp_gin_devcomm_create(void* create_fn, void* comm, const 
   return static_cast<int>(res);
 }
 
-extern "C" size_t deep_ep_tp_struct_size(int which) {
+extern "C" size_t dek_tp_struct_size(int which) {
   switch (which) {
-    case 0: return sizeof(deep_ep_tp_status_t);
-    case 1: return sizeof(deep_ep_tp_lsa_t);
-    case 2: return sizeof(deep_ep_tp_gin_reqs_t);
-    case 3: return sizeof(deep_ep_tp_gin_info_t);
-    case 4: return sizeof(deep_ep_tp_ping_t);
-    case 5: return sizeof(deep_ep_tp_nvshmem_t);
+    case 0: return sizeof(dek_tp_status_t);
+    case 1: return sizeof(dek_tp_lsa_t);
+    case 2: return sizeof(dek_tp_gin_reqs_t);
+    case 3: return sizeof(dek_tp_gin_info_t);
+    case 4: return sizeof(dek_tp_ping_t);
+    case 5: return sizeof(dek_tp_nvshmem_t);
     default: return 0;
   }
 }
 
-// The inverse of what deep_ep_tp_gin_devcomm_create reads back: writes `info`'s fields into a
+// The inverse of what dek_tp_gin_devcomm_create reads back: writes `info`'s fields into a
 // zeroed ncclDevComm at `devcomm`. Only for stand-ins of ncclDevCommCreate (unit tests without a
 // NIC), so that they can grant GIN as NCCL would. Returns -1 on bad arguments.
-extern "C" int deep_ep_tp_devcomm_fill(void* devcomm, size_t devcomm_bytes, const deep_ep_tp_gin_info_t* info) {
+extern "C" int dek_tp_devcomm_fill(void* devcomm, size_t devcomm_bytes, const dek_tp_gin_info_t* info) {
   if (devcomm == nullptr || devcomm_bytes < sizeof(ncclDevComm) || info == nullptr || info->gin_context_count < 0 ||
-      info->gin_context_count > DEEP_EP_TP_MAX_GIN_CONTEXTS)
+      info->gin_context_count > DEK_TP_MAX_GIN_CONTEXTS)
     return -1;
   ncclDevComm* out = static_cast<ncclDevComm*>(devcomm);
   std::memset(out, 0, sizeof(ncclDevComm));

@@ -45,7 +45,7 @@ namespace deep_ep {
 namespace tp {
 namespace {
 
-static_assert(DEEP_EP_TP_MAX_GIN_CONTEXTS == NCCL_GIN_MAX_CONTEXTS, "GIN context limit changed in nccl_device");
+static_assert(DEK_TP_MAX_GIN_CONTEXTS == NCCL_GIN_MAX_CONTEXTS, "GIN context limit changed in nccl_device");
 
 // Rolling "least <= got" on 64 bits, as nccl::utility::rollingLessEq.
 __device__ __forceinline__ bool reached(uint64_t least, uint64_t got) { return static_cast<int64_t>(got - least) >= 0; }
@@ -71,10 +71,10 @@ __device__ __forceinline__ bool poll_signal(Read read, uint64_t least, const Dea
 
 // Records the first error of a launch into the host-mapped status. `claim` is a device word the
 // host zeroed (host-mapped memory has no atomics over PCIe, so the race is decided on the GPU).
-__device__ void report_first(deep_ep_tp_status_t* st, int* claim, int code, int peer, int signal, int context,
+__device__ void report_first(dek_tp_status_t* st, int* claim, int code, int peer, int signal, int context,
                              uint64_t seen, uint64_t expected) {
   if (st == nullptr || claim == nullptr || atomicCAS(claim, 0, code) != 0) return;
-  volatile deep_ep_tp_status_t* h = st;
+  volatile dek_tp_status_t* h = st;
   h->peer = peer;
   h->signal = signal;
   h->context = context;
@@ -102,7 +102,7 @@ __device__ __forceinline__ void put_copy(char* dst, const char* src, uint64_t by
 // ---- LSA emulation --------------------------------------------------------------------------
 class LsaTransport {
  public:
-  __device__ LsaTransport(const deep_ep_tp_lsa_t& d, int context)
+  __device__ LsaTransport(const dek_tp_lsa_t& d, int context)
       : d_(d), context_(context % (d.num_contexts > 0 ? d.num_contexts : 1)) {}
 
   __device__ int context() const { return context_; }
@@ -146,7 +146,7 @@ class LsaTransport {
     asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(word(peer, signal)), "l"(add) : "memory");
   }
 
-  const deep_ep_tp_lsa_t& d_;
+  const dek_tp_lsa_t& d_;
   int context_;
 };
 
@@ -196,7 +196,7 @@ class GinTransport {
 // ---- seam descriptors: what a kernel finds at a `net` pointer (device memory, written by the host
 // at buffer creation) and turns into a transport of a given context -------------------------------
 struct LsaNet {
-  deep_ep_tp_lsa_t d;
+  dek_tp_lsa_t d;
   __device__ LsaTransport at(int context) const { return LsaTransport(d, context); }
   __device__ int contexts() const { return d.num_contexts; }
   // Distinct signal tables: at(u) for u < units() visits each once (one communicator).
@@ -206,7 +206,7 @@ struct LsaNet {
 // among `comms` communicators of `contexts` contexts each: g = unit mod (comms x contexts), comm =
 // g / contexts, context = g mod contexts; consecutive units fill one communicator's contexts first.
 // Host and device (crate::backend::nccl::gin::route, checked against this through
-// deep_ep_llk_gin_route).
+// dek_ll_gin_route).
 __host__ __device__ __forceinline__ void gin_route(int unit, int comms, int contexts, int* comm, int* context) {
   const unsigned g = static_cast<unsigned>(unit) % static_cast<unsigned>(comms * contexts);
   *comm = static_cast<int>(g / static_cast<unsigned>(contexts));
@@ -223,7 +223,7 @@ struct GinComm {
 // any of them was granted (NCCL may grant fewer than asked), so every (comm, context) pair a unit
 // routes to exists; QPs per peer = num_comms x num_contexts = units().
 struct GinNet {
-  GinComm c[DEEP_EP_TP_MAX_GIN_COMMS];
+  GinComm c[DEK_TP_MAX_GIN_COMMS];
   int32_t num_comms;
   int32_t num_contexts;
   // The transport of routing unit `unit` (gin_route). A receiver waits with the unit of the sender

@@ -4,7 +4,7 @@
  * and the transport self-test ("ping"). Same rules as deep_ep_kernels.h: device pointers unless
  * "host", `stream` is a cudaStream_t as void*, cudaError_t as int (0 = success), nothing throws.
  * Rust declarations: src/ffi/transport.rs (keep both in step; struct sizes are checked at run
- * time through deep_ep_tp_struct_size).
+ * time through dek_tp_struct_size).
  */
 #ifndef DEEP_EP_TRANSPORT_API_H
 #define DEEP_EP_TRANSPORT_API_H
@@ -17,16 +17,16 @@ extern "C" {
 #endif
 
 /* Ranks the LSA emulation can address: one NVLink domain (crate::config::MAX_NVL_PEERS). */
-#define DEEP_EP_TP_MAX_LSA_PEERS 8
+#define DEK_TP_MAX_LSA_PEERS 8
 /* GIN contexts per communicator in NCCL 2.28 (NCCL_GIN_MAX_CONTEXTS). */
-#define DEEP_EP_TP_MAX_GIN_CONTEXTS 4
+#define DEK_TP_MAX_GIN_CONTEXTS 4
 /* NCCL communicators one buffer opens for more QPs per peer (crate::backend::nccl::gin::MAX_GIN_COMMS). */
-#define DEEP_EP_TP_MAX_GIN_COMMS 8
+#define DEK_TP_MAX_GIN_COMMS 8
 
-/* Error codes a transport wait writes into deep_ep_tp_status_t.error. */
-#define DEEP_EP_TP_OK 0
-#define DEEP_EP_TP_ERR_TIMEOUT 1      /* a signal did not reach its target before the deadline */
-#define DEEP_EP_TP_ERR_DATA 2         /* self-test: received bytes differ from the sender's pattern */
+/* Error codes a transport wait writes into dek_tp_status_t.error. */
+#define DEK_TP_OK 0
+#define DEK_TP_ERR_TIMEOUT 1      /* a signal did not reach its target before the deadline */
+#define DEK_TP_ERR_DATA 2         /* self-test: received bytes differ from the sender's pattern */
 
 /*
  * Host-mapped (cudaHostAllocMapped) error record. The first error of a launch wins: fields are
@@ -40,7 +40,7 @@ typedef struct {
   int32_t context;     /* transport context (GIN context / emulated QP group) */
   uint64_t seen;       /* last signal value seen (timeout) or first bad word (data) */
   uint64_t expected;   /* value waited for, or the expected word */
-} deep_ep_tp_status_t;
+} dek_tp_status_t;
 
 /*
  * LSA emulation of the RDMA leg: every rank of the emulated world is a peer on one NVLink domain,
@@ -48,14 +48,14 @@ typedef struct {
  * signal_off + (context * num_signals + signal) * 8, so per-context signal tables behave as GIN's.
  */
 typedef struct {
-  void* peer_base[DEEP_EP_TP_MAX_LSA_PEERS]; /* window base of every rank (own included) */
+  void* peer_base[DEK_TP_MAX_LSA_PEERS]; /* window base of every rank (own included) */
   int32_t rank;
-  int32_t num_ranks;          /* <= DEEP_EP_TP_MAX_LSA_PEERS */
-  int32_t num_contexts;       /* 1..DEEP_EP_TP_MAX_GIN_CONTEXTS, as GIN would give */
+  int32_t num_ranks;          /* <= DEK_TP_MAX_LSA_PEERS */
+  int32_t num_contexts;       /* 1..DEK_TP_MAX_GIN_CONTEXTS, as GIN would give */
   int32_t num_signals;        /* signals per context */
   uint64_t signal_off;        /* byte offset of the signal table in every window (8-aligned) */
   uint64_t window_bytes;      /* bytes of every window */
-} deep_ep_tp_lsa_t;
+} dek_tp_lsa_t;
 
 /*
  * NVSHMEM transport (kernels/nvshmem/transport.cu, built with the NVSHMEM device library only when
@@ -69,20 +69,20 @@ typedef struct {
   void* base;                 /* symmetric address of the window (own PE's copy) */
   int32_t rank;               /* nvshmem_my_pe() */
   int32_t num_ranks;          /* nvshmem_n_pes() */
-  int32_t num_contexts;       /* 1..DEEP_EP_TP_MAX_GIN_CONTEXTS: signal tables, as GIN's contexts */
+  int32_t num_contexts;       /* 1..DEK_TP_MAX_GIN_CONTEXTS: signal tables, as GIN's contexts */
   int32_t num_signals;        /* signals per context */
   uint64_t signal_off;        /* byte offset of the signal table in the window (8-aligned) */
   uint64_t window_bytes;      /* bytes of the window */
-} deep_ep_tp_nvshmem_t;
+} dek_tp_nvshmem_t;
 
 /* What ncclDevCommCreate is asked for (crate::backend::nccl::gin::GinRequirements). */
 typedef struct {
-  int32_t gin_context_count;  /* a hint: NCCL may give fewer (reported in deep_ep_tp_gin_info_t) */
+  int32_t gin_context_count;  /* a hint: NCCL may give fewer (reported in dek_tp_gin_info_t) */
   int32_t gin_signal_count;
   int32_t gin_counter_count;
   int32_t lsa_barrier_count;
   int32_t gin_force_enable;   /* 1: fail instead of silently creating a comm without GIN */
-} deep_ep_tp_gin_reqs_t;
+} dek_tp_gin_reqs_t;
 
 /* What the created device comm offers (read back from ncclDevComm). */
 typedef struct {
@@ -92,7 +92,7 @@ typedef struct {
   int32_t gin_type;           /* ncclNetDeviceType of context 0: 2 = proxy, 3 = GDAKI, else 0 */
   int32_t gin_signal_count;
   int32_t gin_counter_count;
-} deep_ep_tp_gin_info_t;
+} dek_tp_gin_info_t;
 
 /*
  * Transport self-test: every rank of the rail team (ranks r with r % rail_stride == rank %
@@ -115,26 +115,26 @@ typedef struct {
   uint64_t dst_off;           /* receive area in every window (>= team size * bytes) */
   uint64_t expect;            /* signal value that means "all of this round arrived" */
   uint64_t timeout_ns;
-  deep_ep_tp_status_t* status; /* host-mapped */
+  dek_tp_status_t* status; /* host-mapped */
   int32_t* claim;             /* device word zeroed by the host: decides the first error */
-} deep_ep_tp_ping_t;
+} dek_tp_ping_t;
 
 /* Self-test over the LSA emulation. */
-int deep_ep_tp_ping_lsa(const deep_ep_tp_lsa_t* lsa, const deep_ep_tp_ping_t* args, void* stream);
+int dek_tp_ping_lsa(const dek_tp_lsa_t* lsa, const dek_tp_ping_t* args, void* stream);
 
 /*
  * Self-test over NCCL GIN: `devcomm` is a host copy of an ncclDevComm made by
- * deep_ep_tp_gin_devcomm_create, `window` the ncclWindow_t holding src and dst areas.
+ * dek_tp_gin_devcomm_create, `window` the ncclWindow_t holding src and dst areas.
  */
-int deep_ep_tp_ping_gin(const void* devcomm, size_t devcomm_bytes, void* window, const deep_ep_tp_ping_t* args,
+int dek_tp_ping_gin(const void* devcomm, size_t devcomm_bytes, void* window, const dek_tp_ping_t* args,
                         void* stream);
 
 /*
  * Self-test over NVSHMEM (only in builds with the NVSHMEM device library, see
  * deep_ep_tp_nvshmem_built): the module's device state must have been registered with
- * deep_ep_tp_nvshmem_device_init after NVSHMEM's initialisation.
+ * dek_tp_nvshmem_device_init after NVSHMEM's initialisation.
  */
-int deep_ep_tp_ping_nvshmem(const deep_ep_tp_nvshmem_t* net, const deep_ep_tp_ping_t* args, void* stream);
+int dek_tp_ping_nvshmem(const dek_tp_nvshmem_t* net, const dek_tp_ping_t* args, void* stream);
 /*
  * Registers this library's NVSHMEM device state (the nvshmemi_device_state_d the device library
  * linked into it reads) with the NVSHMEM host library that the caller initialised: calls
@@ -142,24 +142,24 @@ int deep_ep_tp_ping_nvshmem(const deep_ep_tp_nvshmem_t* net, const deep_ep_tp_pi
  * the CUDA module of the NVSHMEM kernels in the current context. Returns 0, the NVSHMEM status,
  * or a cudaError_t + 1000 when the module could not be found.
  */
-int deep_ep_tp_nvshmem_device_init(void* cumodule_init);
+int dek_tp_nvshmem_device_init(void* cumodule_init);
 /* The inverse (nvshmemx_cumodule_finalize), before NVSHMEM is finalised. Same returns. */
-int deep_ep_tp_nvshmem_device_fini(void* cumodule_finalize);
+int dek_tp_nvshmem_device_fini(void* cumodule_finalize);
 /*
  * ncclDevCommCreate with GIN requirements. `create_fn` is ncclDevCommCreate resolved from the
  * loaded NCCL (nothing here links libnccl); `devcomm` receives the struct (devcomm_bytes >=
- * deep_ep_nccl_devcomm_bytes()). Returns the ncclResult_t as int (-1: bad arguments); on success
+ * dek_nccl_devcomm_bytes()). Returns the ncclResult_t as int (-1: bad arguments); on success
  * `info` describes what NCCL granted.
  */
-int deep_ep_tp_gin_devcomm_create(void* create_fn, void* comm, const deep_ep_tp_gin_reqs_t* reqs, void* devcomm,
-                                  size_t devcomm_bytes, deep_ep_tp_gin_info_t* info);
+int dek_tp_gin_devcomm_create(void* create_fn, void* comm, const dek_tp_gin_reqs_t* reqs, void* devcomm,
+                                  size_t devcomm_bytes, dek_tp_gin_info_t* info);
 
-/* Writes `info` into a zeroed ncclDevComm (the fields deep_ep_tp_gin_devcomm_create reads back):
+/* Writes `info` into a zeroed ncclDevComm (the fields dek_tp_gin_devcomm_create reads back):
  * for stand-ins of ncclDevCommCreate in tests without a NIC. -1 on bad arguments. */
-int deep_ep_tp_devcomm_fill(void* devcomm, size_t devcomm_bytes, const deep_ep_tp_gin_info_t* info);
+int dek_tp_devcomm_fill(void* devcomm, size_t devcomm_bytes, const dek_tp_gin_info_t* info);
 
 /* sizeof of the structs above by index (0 status, 1 lsa, 2 gin_reqs, 3 gin_info, 4 ping, 5 nvshmem); 0 if unknown. */
-size_t deep_ep_tp_struct_size(int which);
+size_t dek_tp_struct_size(int which);
 
 #ifdef __cplusplus
 }

@@ -1,4 +1,4 @@
-// transport_ping.cuh: the transport self-test of deep_ep_tp_ping_t (kernels/transport_api.h),
+// transport_ping.cuh: the transport self-test of dek_tp_ping_t (kernels/transport_api.h),
 // one template for every transport of kernels/transport.cuh (and kernels/nvshmem/), so that each
 // implementation is checked by the same code.
 #pragma once
@@ -14,9 +14,9 @@ __device__ __forceinline__ uint32_t pattern(int rank, uint32_t seq, uint64_t i) 
   return (static_cast<uint32_t>(rank) + 1u) * 0x9E3779B1u ^ seq * 0x85EBCA77u ^ static_cast<uint32_t>(i) * 0xC2B2AE3Du;
 }
 
-// The self-test of deep_ep_tp_ping_t, for any transport. One warp.
+// The self-test of dek_tp_ping_t, for any transport. One warp.
 template <typename T>
-__device__ void ping(const T& t, const deep_ep_tp_ping_t& a) {
+__device__ void ping(const T& t, const dek_tp_ping_t& a) {
   const int lane = threadIdx.x;
   const int stride = a.rail_stride;
   const int team = a.num_ranks / stride;
@@ -44,7 +44,7 @@ __device__ void ping(const T& t, const deep_ep_tp_ping_t& a) {
       if (m == me) continue;
       uint64_t seen = 0;
       if (!t.wait_signal(a.signal + m, a.expect, dl, &seen)) {
-        report_first(a.status, a.claim, DEEP_EP_TP_ERR_TIMEOUT, m * stride + rail, a.signal + m, t.context(), seen,
+        report_first(a.status, a.claim, DEK_TP_ERR_TIMEOUT, m * stride + rail, a.signal + m, t.context(), seen,
                      a.expect);
         s_ok = 0;
       }
@@ -59,7 +59,7 @@ __device__ void ping(const T& t, const deep_ep_tp_ping_t& a) {
         const uint32_t want = pattern(m * stride + rail, a.seq, i);
         const uint32_t v = __ldcg(got + i);
         if (v != want) {
-          report_first(a.status, a.claim, DEEP_EP_TP_ERR_DATA, m * stride + rail, a.signal + m, t.context(), v, want);
+          report_first(a.status, a.claim, DEK_TP_ERR_DATA, m * stride + rail, a.signal + m, t.context(), v, want);
           break;
         }
       }
@@ -69,7 +69,7 @@ __device__ void ping(const T& t, const deep_ep_tp_ping_t& a) {
 }
 
 // Host-side argument check shared by every ping entry point.
-inline bool ping_args_ok(const deep_ep_tp_ping_t* a) {
+inline bool ping_args_ok(const dek_tp_ping_t* a) {
   return a != nullptr && a->num_ranks >= 1 && a->rank >= 0 && a->rank < a->num_ranks && a->rail_stride >= 1 &&
          a->num_ranks % a->rail_stride == 0 && a->signal >= 0 && a->context >= 0 && a->bytes % 16 == 0 &&
          a->src_off % 16 == 0 && a->dst_off % 16 == 0 && a->status != nullptr && a->claim != nullptr;

@@ -6,7 +6,7 @@
 //
 // Initialisation: NVSHMEM's host library is dlopen'ed by src/ffi/nvshmem.rs and initialised
 // host-only (nvshmemx_hostlib_init_attr). The device library linked here carries its own
-// nvshmemi_device_state_d (in this library's CUDA module); deep_ep_tp_nvshmem_device_init hands
+// nvshmemi_device_state_d (in this library's CUDA module); dek_tp_nvshmem_device_init hands
 // that module to the host library's nvshmemx_cumodule_init, which fills the state (heap bases,
 // peer table, IBGDA/proxy state) and keeps it up to date. Until then every device call would read a
 // zeroed state, so the Rust side registers right after NVSHMEM's initialisation.
@@ -41,7 +41,7 @@ namespace {
 
 class NvshmemTransport {
  public:
-  __device__ NvshmemTransport(const deep_ep_tp_nvshmem_t& d, int context)
+  __device__ NvshmemTransport(const dek_tp_nvshmem_t& d, int context)
       : d_(d), context_(context % (d.num_contexts > 0 ? d.num_contexts : 1)) {}
 
   __device__ int context() const { return context_; }
@@ -97,19 +97,19 @@ class NvshmemTransport {
     return reinterpret_cast<uint64_t*>(local(d_.signal_off + (static_cast<uint64_t>(context_) * d_.num_signals + signal) * 8));
   }
 
-  const deep_ep_tp_nvshmem_t& d_;
+  const dek_tp_nvshmem_t& d_;
   int context_;
 };
 
 // The seam descriptor (as LsaNet): what a kernel finds at a `net` pointer.
 struct NvshmemNet {
-  deep_ep_tp_nvshmem_t d;
+  dek_tp_nvshmem_t d;
   __device__ NvshmemTransport at(int context) const { return NvshmemTransport(d, context); }
   __device__ int contexts() const { return d.num_contexts; }
   __device__ int units() const { return d.num_contexts; }
 };
 
-__global__ void ping_nvshmem_kernel(const __grid_constant__ deep_ep_tp_nvshmem_t d, const deep_ep_tp_ping_t a) {
+__global__ void ping_nvshmem_kernel(const __grid_constant__ dek_tp_nvshmem_t d, const dek_tp_ping_t a) {
   const NvshmemTransport t(d, a.context);
   ping(t, a);
 }
@@ -152,24 +152,24 @@ extern "C" __attribute__((visibility("hidden"))) int nvshmemid_hostlib_init_attr
 }
 extern "C" __attribute__((visibility("hidden"))) void nvshmemid_hostlib_finalize(void*, void*) {}
 
-extern "C" int deep_ep_tp_nvshmem_device_init(void* cumodule_init) {
+extern "C" int dek_tp_nvshmem_device_init(void* cumodule_init) {
   if (cumodule_init == nullptr) return 1000 + static_cast<int>(cudaErrorInvalidValue);
   CUmodule m = nullptr;
   const int e = deep_ep::tp::own_module(&m);
   return e != 0 ? e : reinterpret_cast<deep_ep::tp::CuModuleFn>(cumodule_init)(m);
 }
 
-extern "C" int deep_ep_tp_nvshmem_device_fini(void* cumodule_finalize) {
+extern "C" int dek_tp_nvshmem_device_fini(void* cumodule_finalize) {
   if (cumodule_finalize == nullptr) return 1000 + static_cast<int>(cudaErrorInvalidValue);
   CUmodule m = nullptr;
   const int e = deep_ep::tp::own_module(&m);
   return e != 0 ? e : reinterpret_cast<deep_ep::tp::CuModuleFn>(cumodule_finalize)(m);
 }
 
-extern "C" int deep_ep_tp_ping_nvshmem(const deep_ep_tp_nvshmem_t* net, const deep_ep_tp_ping_t* args, void* stream) {
+extern "C" int dek_tp_ping_nvshmem(const dek_tp_nvshmem_t* net, const dek_tp_ping_t* args, void* stream) {
   using namespace deep_ep::tp;
   if (net == nullptr || net->base == nullptr || !ping_args_ok(args) || net->num_ranks != args->num_ranks ||
-      net->rank != args->rank || net->num_contexts < 1 || net->num_contexts > DEEP_EP_TP_MAX_GIN_CONTEXTS ||
+      net->rank != args->rank || net->num_contexts < 1 || net->num_contexts > DEK_TP_MAX_GIN_CONTEXTS ||
       net->signal_off % 8 != 0 || args->signal + args->num_ranks / args->rail_stride > net->num_signals ||
       net->signal_off + 8ull * net->num_contexts * net->num_signals > net->window_bytes ||
       args->src_off + args->bytes > net->window_bytes ||

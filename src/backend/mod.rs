@@ -258,11 +258,11 @@ impl LlGeometry {
     }
 }
 
-/// Bytes of a deduplicated dispatch message before its payload (`DEEP_EP_LL_MSG_META`): header
+/// Bytes of a deduplicated dispatch message before its payload (`DEK_LL_MSG_META`): header
 /// `[src token, H, T, E]` i32, `[entries, has weights, 0, 0]` i32, [`LL_WIRE_MAX_TOPK`] u32
 /// entries `local expert << 16 | expert slot` (top-k order) and as many f32 weights.
 pub const LL_MSG_META: usize = 160;
-/// Most top-k entries of a deduplicated message (`DEEP_EP_LL_MAX_TOPK`).
+/// Most top-k entries of a deduplicated message (`DEK_LL_MAX_TOPK`).
 pub const LL_WIRE_MAX_TOPK: usize = 16;
 
 /// Byte layout of the deduplicated low-latency wire format inside one receive half, the same on

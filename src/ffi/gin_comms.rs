@@ -159,7 +159,7 @@ impl GinComms {
             Step::GinDevComm(_) => {
                 let Some(dc) = e.gin_devcomm.take() else { return Ok(()) };
                 // SAFETY: the devcomm was created on this communicator and is destroyed once.
-                let res = unsafe { deep_ep_nccl_devcomm_destroy(api.dev_comm_destroy, e.comm.cast(), dc.as_ptr().cast()) };
+                let res = unsafe { dek_nccl_devcomm_destroy(api.dev_comm_destroy, e.comm.cast(), dc.as_ptr().cast()) };
                 nccl::check(lib, nccl::ncclResult_t(res as _), "ncclDevCommDestroy (GIN communicator)")
             }
             Step::Deregister(_) => {

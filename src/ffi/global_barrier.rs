@@ -14,25 +14,25 @@ use crate::error::Result;
 use crate::sys::kernels::*;
 use std::ffi::c_void;
 
-/// The barrier's area in the control area of every window (`DEEP_EP_GB_OFF`).
-pub const AREA_OFF: usize = DEEP_EP_GB_OFF as usize;
-/// The LSA emulation's signal table of the barrier (`DEEP_EP_GB_SIG_OFF`).
-pub const SIGNAL_OFF: usize = DEEP_EP_GB_SIG_OFF as usize;
-/// The seam descriptor (`DEEP_EP_GB_DESC_OFF`, `DEEP_EP_GB_DESC_BYTES`).
-pub const DESC_OFF: usize = DEEP_EP_GB_DESC_OFF as usize;
-pub const DESC_BYTES: usize = DEEP_EP_GB_DESC_BYTES as usize;
+/// The barrier's area in the control area of every window (`DEK_GB_OFF`).
+pub const AREA_OFF: usize = DEK_GB_OFF as usize;
+/// The LSA emulation's signal table of the barrier (`DEK_GB_SIG_OFF`).
+pub const SIGNAL_OFF: usize = DEK_GB_SIG_OFF as usize;
+/// The seam descriptor (`DEK_GB_DESC_OFF`, `DEK_GB_DESC_BYTES`).
+pub const DESC_OFF: usize = DEK_GB_DESC_OFF as usize;
+pub const DESC_BYTES: usize = DEK_GB_DESC_BYTES as usize;
 /// Signal ids the barrier uses from its base: one per source NVLink domain
-/// (`DEEP_EP_GB_MAX_DOMAINS`); on GIN they come after the ops' ids
+/// (`DEK_GB_MAX_DOMAINS`); on GIN they come after the ops' ids
 /// (`backend::nccl::gin::barrier_signal_base`).
-pub const SIGNALS: usize = DEEP_EP_GB_MAX_DOMAINS as usize;
+pub const SIGNALS: usize = DEK_GB_MAX_DOMAINS as usize;
 
-/// `deep_ep_gb_header_t`.
-type Header = deep_ep_gb_header_t;
+/// `dek_gb_header_t`.
+type Header = dek_gb_header_t;
 
 /// Fails when the constants differ from the kernels' (a stale build).
 pub fn check_layout(op: &'static str) -> Result<()> {
     // SAFETY: pure queries of compile-time constants.
-    let got: Vec<usize> = (0..4).chain([6]).map(|w| unsafe { deep_ep_gb_layout(w) }).collect();
+    let got: Vec<usize> = (0..4).chain([6]).map(|w| unsafe { dek_gb_layout(w) }).collect();
     let want = vec![AREA_OFF, SIGNAL_OFF, DESC_OFF, DESC_BYTES, SIGNALS];
     crate::ensure!(got == want, op, "internal: global barrier layout of the kernels {got:?} differs from the host's {want:?} (rebuild)");
     Ok(())
@@ -44,7 +44,7 @@ fn write_header(op: &'static str, ctx: &Ctx, h: Header) -> Result<()> {
     // SAFETY: 8 bytes inside the control area of this rank's own live window, from a host struct
     // that lives through the synchronous copy.
     let st = unsafe {
-        deep_ep_cuda_memcpy_htod(own.cast::<u8>().add(AREA_OFF).cast(), (&h as *const Header).cast(), std::mem::size_of::<Header>())
+        dek_cuda_memcpy_htod(own.cast::<u8>().add(AREA_OFF).cast(), (&h as *const Header).cast(), std::mem::size_of::<Header>())
     };
     check(st, op, "writing the global barrier's header")
 }
@@ -91,7 +91,7 @@ pub unsafe fn all_ranks(op: &'static str, ctx: &Ctx, site: i32, stream: *mut c_v
     }
     // SAFETY: the ctx describes live windows (own domain) and the barrier area set up at
     // creation; the launcher validates it; asynchronous on `stream`.
-    check(unsafe { deep_ep_gb_barrier(ctx, site, stream) }, op, "global barrier kernel launch")
+    check(unsafe { dek_gb_barrier(ctx, site, stream) }, op, "global barrier kernel launch")
 }
 
 #[cfg(test)]
@@ -102,7 +102,7 @@ mod tests {
     fn layout_matches_the_kernels_and_fits_the_control_area() {
         check_layout("test").unwrap();
         // SAFETY: pure queries.
-        let (lsa, gin) = unsafe { (deep_ep_gb_layout(4), deep_ep_gb_layout(5)) };
+        let (lsa, gin) = unsafe { (dek_gb_layout(4), dek_gb_layout(5)) };
         assert!(lsa == std::mem::size_of::<super::super::transport::LsaDesc>() && gin <= DESC_BYTES, "{lsa} {gin}");
         assert_eq!(gin, super::super::transport::gin_net_layout().bytes);
         // Between the intranode scratch and the LL scratch (kLlCalls = CONTROL_BYTES - 1024).
@@ -127,7 +127,7 @@ mod tests {
         bad.nvl_ranks = 2; // rank 0's domain is {0, 1}: ranks 2, 3 must be NULL
         for c in [ctx, bad] {
             // SAFETY: the launcher rejects these before touching anything.
-            assert_ne!(unsafe { deep_ep_gb_barrier(&c, 8, std::ptr::null_mut()) }, 0);
+            assert_ne!(unsafe { dek_gb_barrier(&c, 8, std::ptr::null_mut()) }, 0);
         }
     }
 

@@ -37,7 +37,7 @@ impl HostMask {
         let bytes = MASK_WORDS * 4;
         // SAFETY: writes two pointers; the allocation is `bytes` of pinned, mapped memory.
         super::kernels::check(
-            unsafe { deep_ep_cuda_host_alloc_mapped(&mut host, &mut device, bytes) },
+            unsafe { dek_cuda_host_alloc_mapped(&mut host, &mut device, bytes) },
             op,
             "cudaHostAlloc(mapped) of the rank mask",
         )?;
@@ -77,7 +77,7 @@ impl HostMask {
         // SAFETY: `dst` is device memory of at least `words` int32 (the caller's window scratch);
         // the source is our live pinned block.
         super::kernels::check(
-            unsafe { deep_ep_cuda_memcpy_htod(dst, self.host.cast(), words * 4) },
+            unsafe { dek_cuda_memcpy_htod(dst, self.host.cast(), words * 4) },
             op,
             "copying the rank mask to the device",
         )
@@ -87,7 +87,7 @@ impl HostMask {
 impl Drop for HostMask {
     fn drop(&mut self) {
         // SAFETY: allocated by cudaHostAlloc in `new`, freed once.
-        let st = unsafe { deep_ep_cuda_free_host(self.host.cast()) };
+        let st = unsafe { dek_cuda_free_host(self.host.cast()) };
         if st != 0 {
             eprintln!("deep_ep: cudaFreeHost of the rank mask failed: {}", super::kernels::cuda_error_text(st));
         }

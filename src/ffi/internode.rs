@@ -10,63 +10,63 @@ use crate::error::Result;
 use crate::sys::kernels::*;
 use std::ffi::c_void;
 
-/// Internode control area of every window (`DEEP_EP_IN_CTRL_OFF`, `DEEP_EP_IN_CTRL_BYTES`).
-pub const CTRL_OFF: usize = DEEP_EP_IN_CTRL_OFF as usize;
-pub const CTRL_BYTES: usize = DEEP_EP_IN_CTRL_BYTES as usize;
+/// Internode control area of every window (`DEK_IN_CTRL_OFF`, `DEK_IN_CTRL_BYTES`).
+pub const CTRL_OFF: usize = DEK_IN_CTRL_OFF as usize;
+pub const CTRL_BYTES: usize = DEK_IN_CTRL_BYTES as usize;
 /// Offset and size of the seam signal table of the LSA emulation (`internode.cuh`).
 pub const SIGNAL_OFF: u64 = CTRL_OFF as u64;
 pub const NUM_SIGNALS: i32 = 32;
 /// Where a normal-mode buffer over GIN keeps its `GinNet` descriptor, and the bytes reserved for
-/// it (`DEEP_EP_IN_NET_OFF`, `DEEP_EP_IN_NET_BYTES`: the free end of the internode control area).
-pub const NET_OFF: usize = DEEP_EP_IN_NET_OFF as usize;
-pub const NET_BYTES: usize = DEEP_EP_IN_NET_BYTES as usize;
-/// Seam signals the kernels use from [`InArgs::sig_base`] (`DEEP_EP_IN_SEAM_SIGNALS`): global
+/// it (`DEK_IN_NET_OFF`, `DEK_IN_NET_BYTES`: the free end of the internode control area).
+pub const NET_OFF: usize = DEK_IN_NET_OFF as usize;
+pub const NET_BYTES: usize = DEK_IN_NET_BYTES as usize;
+/// Seam signals the kernels use from [`InArgs::sig_base`] (`DEK_IN_SEAM_SIGNALS`): global
 /// barriers at [`SIG_BAR`] + source node, seam steps at [`SIG_STEP`] + source node (`kSigBar`,
 /// `kSigStep` of `internode.cuh`; at most 8 nodes), all on context 0.
-pub const SEAM_SIGNALS: usize = DEEP_EP_IN_SEAM_SIGNALS as usize;
+pub const SEAM_SIGNALS: usize = DEK_IN_SEAM_SIGNALS as usize;
 pub const SIG_BAR: usize = 0;
 pub const SIG_STEP: usize = 8;
 /// Most nodes (NVLink domains) of an internode normal-mode buffer (`kMaxNodes`).
 pub const MAX_NODES: usize = 8;
-/// [`InArgs::net_kind`]: the LSA emulation over [`InArgs::lsa`] (`DEEP_EP_IN_NET_LSA`).
-pub const NET_LSA: i32 = DEEP_EP_IN_NET_LSA as i32;
-/// [`InArgs::net_kind`]: NCCL GIN over the `GinNet` at [`InArgs::net`] (`DEEP_EP_IN_NET_GIN`).
-pub const NET_GIN: i32 = DEEP_EP_IN_NET_GIN as i32;
+/// [`InArgs::net_kind`]: the LSA emulation over [`InArgs::lsa`] (`DEK_IN_NET_LSA`).
+pub const NET_LSA: i32 = DEK_IN_NET_LSA as i32;
+/// [`InArgs::net_kind`]: NCCL GIN over the `GinNet` at [`InArgs::net`] (`DEK_IN_NET_GIN`).
+pub const NET_GIN: i32 = DEK_IN_NET_GIN as i32;
 
 /// Steps of [`launch`] (`DEEP_EP_IN_*`).
 pub mod step {
-    pub const SEND_SIDE: i32 = crate::sys::kernels::DEEP_EP_IN_SEND_SIDE as i32;
-    pub const NOTIFY: i32 = crate::sys::kernels::DEEP_EP_IN_NOTIFY as i32;
-    pub const RDMA_SEND: i32 = crate::sys::kernels::DEEP_EP_IN_RDMA_SEND as i32;
-    pub const STEP: i32 = crate::sys::kernels::DEEP_EP_IN_STEP as i32;
-    pub const NVL_RECV: i32 = crate::sys::kernels::DEEP_EP_IN_NVL_RECV as i32;
-    pub const C_BEGIN: i32 = crate::sys::kernels::DEEP_EP_IN_C_BEGIN as i32;
-    pub const C_STAGE: i32 = crate::sys::kernels::DEEP_EP_IN_C_STAGE as i32;
-    pub const C_NODEBAR: i32 = crate::sys::kernels::DEEP_EP_IN_C_NODEBAR as i32;
-    pub const C_FORWARD: i32 = crate::sys::kernels::DEEP_EP_IN_C_FORWARD as i32;
-    pub const C_FINAL: i32 = crate::sys::kernels::DEEP_EP_IN_C_FINAL as i32;
+    pub const SEND_SIDE: i32 = crate::sys::kernels::DEK_IN_SEND_SIDE as i32;
+    pub const NOTIFY: i32 = crate::sys::kernels::DEK_IN_NOTIFY as i32;
+    pub const RDMA_SEND: i32 = crate::sys::kernels::DEK_IN_RDMA_SEND as i32;
+    pub const STEP: i32 = crate::sys::kernels::DEK_IN_STEP as i32;
+    pub const NVL_RECV: i32 = crate::sys::kernels::DEK_IN_NVL_RECV as i32;
+    pub const C_BEGIN: i32 = crate::sys::kernels::DEK_IN_C_BEGIN as i32;
+    pub const C_STAGE: i32 = crate::sys::kernels::DEK_IN_C_STAGE as i32;
+    pub const C_NODEBAR: i32 = crate::sys::kernels::DEK_IN_C_NODEBAR as i32;
+    pub const C_FORWARD: i32 = crate::sys::kernels::DEK_IN_C_FORWARD as i32;
+    pub const C_FINAL: i32 = crate::sys::kernels::DEK_IN_C_FINAL as i32;
 }
 
 /// Op kinds (`DEEP_EP_IN_KIND_*`).
 pub mod kind {
-    pub const DISPATCH: i32 = crate::sys::kernels::DEEP_EP_IN_KIND_DISPATCH as i32;
-    pub const CACHED: i32 = crate::sys::kernels::DEEP_EP_IN_KIND_CACHED as i32;
-    pub const COMBINE: i32 = crate::sys::kernels::DEEP_EP_IN_KIND_COMBINE as i32;
+    pub const DISPATCH: i32 = crate::sys::kernels::DEK_IN_KIND_DISPATCH as i32;
+    pub const CACHED: i32 = crate::sys::kernels::DEK_IN_KIND_CACHED as i32;
+    pub const COMBINE: i32 = crate::sys::kernels::DEK_IN_KIND_COMBINE as i32;
 }
 
-/// `deep_ep_in_args_t` (null pointer = absent): one struct for every step. `net` is the
+/// `dek_in_args_t` (null pointer = absent): one struct for every step. `net` is the
 /// `GinNet` in this rank's window ([`NET_GIN`], null for [`NET_LSA`]); `sig_base` the first seam
 /// signal id ([`SEAM_SIGNALS`] from there; 0 with [`NET_LSA`]).
-pub type InArgs = deep_ep_in_args_t;
+pub type InArgs = dek_in_args_t;
 
-/// Fails when [`InArgs`] and the kernels' `deep_ep_in_args_t` differ in size (a stale build).
+/// Fails when [`InArgs`] and the kernels' `dek_in_args_t` differ in size (a stale build).
 pub fn check_struct_size(op: &'static str) -> Result<()> {
     // SAFETY: pure query of a compile-time constant.
-    let c = unsafe { deep_ep_in_args_bytes() };
+    let c = unsafe { dek_in_args_bytes() };
     crate::ensure!(
         c == std::mem::size_of::<InArgs>(),
         op,
-        "internal: deep_ep_in_args_t is {c} bytes in C but {} in Rust",
+        "internal: dek_in_args_t is {c} bytes in C but {} in Rust",
         std::mem::size_of::<InArgs>()
     );
     Ok(())
@@ -84,5 +84,5 @@ pub unsafe fn launch(op: &'static str, ctx: &Ctx, args: &InArgs, step: i32, stre
     // into a live tensor of the op (validated by crate::ops) or the window, all alive until the
     // stream reaches the kernel (the caller's tensors outlive the op on its stream, as with every
     // CUDA op); both structs are read by value.
-    check(unsafe { deep_ep_in_launch(ctx, args, step, stream) }, op, "internode kernel launch")
+    check(unsafe { dek_in_launch(ctx, args, step, stream) }, op, "internode kernel launch")
 }

@@ -13,56 +13,56 @@ use crate::error::Result;
 use crate::sys::kernels::{self as sys, *};
 use std::ffi::{c_int, c_void};
 
-/// Most ranks of one intranode buffer (`DEEP_EP_IC_MAX_RANKS`).
-pub const MAX_RANKS: usize = sys::DEEP_EP_IC_MAX_RANKS as usize;
+/// Most ranks of one intranode buffer (`DEK_IC_MAX_RANKS`).
+pub const MAX_RANKS: usize = sys::DEK_IC_MAX_RANKS as usize;
 /// Most channels (`config.num_sms / 2`).
-pub const MAX_CHANNELS: usize = sys::DEEP_EP_IC_MAX_CHANNELS as usize;
+pub const MAX_CHANNELS: usize = sys::DEK_IC_MAX_CHANNELS as usize;
 /// Most local experts a notify reports.
-pub const MAX_LOCAL_EXPERTS: usize = sys::DEEP_EP_IC_MAX_LOCAL_EXPERTS as usize;
+pub const MAX_LOCAL_EXPERTS: usize = sys::DEK_IC_MAX_LOCAL_EXPERTS as usize;
 /// Control area at the start of every window.
-pub const CONTROL_BYTES: usize = sys::DEEP_EP_IC_CONTROL_BYTES as usize;
+pub const CONTROL_BYTES: usize = sys::DEK_IC_CONTROL_BYTES as usize;
 /// Staged sections of a [`Layout`].
-pub const NUM_SECTIONS: usize = sys::DEEP_EP_IC_NUM_SECTIONS as usize;
+pub const NUM_SECTIONS: usize = sys::DEK_IC_NUM_SECTIONS as usize;
 
 /// Section indices of [`Layout::off`] (`DEEP_EP_IC_SEC_*`).
 pub mod sec {
-    pub const COUNTS_RANK: usize = crate::sys::kernels::DEEP_EP_IC_SEC_COUNTS_RANK as usize;
-    pub const COUNTS_EXPERT: usize = crate::sys::kernels::DEEP_EP_IC_SEC_COUNTS_EXPERT as usize;
-    pub const SEND_HEAD: usize = crate::sys::kernels::DEEP_EP_IC_SEC_SEND_HEAD as usize;
-    pub const CPM: usize = crate::sys::kernels::DEEP_EP_IC_SEC_CPM as usize;
-    pub const X: usize = crate::sys::kernels::DEEP_EP_IC_SEC_X as usize;
-    pub const SCALES: usize = crate::sys::kernels::DEEP_EP_IC_SEC_SCALES as usize;
-    pub const TOPK: usize = crate::sys::kernels::DEEP_EP_IC_SEC_TOPK as usize;
-    pub const WEIGHTS: usize = crate::sys::kernels::DEEP_EP_IC_SEC_WEIGHTS as usize;
+    pub const COUNTS_RANK: usize = crate::sys::kernels::DEK_IC_SEC_COUNTS_RANK as usize;
+    pub const COUNTS_EXPERT: usize = crate::sys::kernels::DEK_IC_SEC_COUNTS_EXPERT as usize;
+    pub const SEND_HEAD: usize = crate::sys::kernels::DEK_IC_SEC_SEND_HEAD as usize;
+    pub const CPM: usize = crate::sys::kernels::DEK_IC_SEC_CPM as usize;
+    pub const X: usize = crate::sys::kernels::DEK_IC_SEC_X as usize;
+    pub const SCALES: usize = crate::sys::kernels::DEK_IC_SEC_SCALES as usize;
+    pub const TOPK: usize = crate::sys::kernels::DEK_IC_SEC_TOPK as usize;
+    pub const WEIGHTS: usize = crate::sys::kernels::DEK_IC_SEC_WEIGHTS as usize;
 }
 
 /// Op kinds of a [`Layout`] (`DEEP_EP_IC_KIND_*`).
 pub mod kind {
-    pub const DISPATCH: i64 = crate::sys::kernels::DEEP_EP_IC_KIND_DISPATCH as i64;
-    pub const CACHED: i64 = crate::sys::kernels::DEEP_EP_IC_KIND_CACHED as i64;
-    pub const COMBINE: i64 = crate::sys::kernels::DEEP_EP_IC_KIND_COMBINE as i64;
+    pub const DISPATCH: i64 = crate::sys::kernels::DEK_IC_KIND_DISPATCH as i64;
+    pub const CACHED: i64 = crate::sys::kernels::DEK_IC_KIND_CACHED as i64;
+    pub const COMBINE: i64 = crate::sys::kernels::DEK_IC_KIND_COMBINE as i64;
 }
 
 /// Barrier sites (`DEEP_EP_IC_SITE_*`), for messages.
 pub mod site {
-    pub const DISPATCH_START: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_DISPATCH_START as i32;
-    pub const DISPATCH_NOTIFY: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_DISPATCH_NOTIFY as i32;
-    pub const CACHED_START: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_CACHED_START as i32;
-    pub const CACHED_DATA: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_CACHED_DATA as i32;
-    pub const COMBINE_START: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_COMBINE_START as i32;
-    pub const COMBINE_DATA: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_COMBINE_DATA as i32;
-    pub const CREATE: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_CREATE as i32;
-    pub const DESTROY: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_DESTROY as i32;
-    pub const DISPATCH_RECV: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_DISPATCH_RECV as i32;
-    pub const DISPATCH_PUSH: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_DISPATCH_PUSH as i32;
-    pub const LL_GEOMETRY: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_LL_GEOMETRY as i32;
-    pub const LL_DISPATCH: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_LL_DISPATCH as i32;
-    pub const LL_COMBINE: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_LL_COMBINE as i32;
-    pub const COMBINE_RECV: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_COMBINE_RECV as i32;
-    pub const IN_DISPATCH: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_IN_DISPATCH as i32;
-    pub const IN_DISPATCH_DATA: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_IN_DISPATCH_DATA as i32;
-    pub const IN_COMBINE: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_IN_COMBINE as i32;
-    pub const IN_COMBINE_DATA: i32 = crate::sys::kernels::DEEP_EP_IC_SITE_IN_COMBINE_DATA as i32;
+    pub const DISPATCH_START: i32 = crate::sys::kernels::DEK_IC_SITE_DISPATCH_START as i32;
+    pub const DISPATCH_NOTIFY: i32 = crate::sys::kernels::DEK_IC_SITE_DISPATCH_NOTIFY as i32;
+    pub const CACHED_START: i32 = crate::sys::kernels::DEK_IC_SITE_CACHED_START as i32;
+    pub const CACHED_DATA: i32 = crate::sys::kernels::DEK_IC_SITE_CACHED_DATA as i32;
+    pub const COMBINE_START: i32 = crate::sys::kernels::DEK_IC_SITE_COMBINE_START as i32;
+    pub const COMBINE_DATA: i32 = crate::sys::kernels::DEK_IC_SITE_COMBINE_DATA as i32;
+    pub const CREATE: i32 = crate::sys::kernels::DEK_IC_SITE_CREATE as i32;
+    pub const DESTROY: i32 = crate::sys::kernels::DEK_IC_SITE_DESTROY as i32;
+    pub const DISPATCH_RECV: i32 = crate::sys::kernels::DEK_IC_SITE_DISPATCH_RECV as i32;
+    pub const DISPATCH_PUSH: i32 = crate::sys::kernels::DEK_IC_SITE_DISPATCH_PUSH as i32;
+    pub const LL_GEOMETRY: i32 = crate::sys::kernels::DEK_IC_SITE_LL_GEOMETRY as i32;
+    pub const LL_DISPATCH: i32 = crate::sys::kernels::DEK_IC_SITE_LL_DISPATCH as i32;
+    pub const LL_COMBINE: i32 = crate::sys::kernels::DEK_IC_SITE_LL_COMBINE as i32;
+    pub const COMBINE_RECV: i32 = crate::sys::kernels::DEK_IC_SITE_COMBINE_RECV as i32;
+    pub const IN_DISPATCH: i32 = crate::sys::kernels::DEK_IC_SITE_IN_DISPATCH as i32;
+    pub const IN_DISPATCH_DATA: i32 = crate::sys::kernels::DEK_IC_SITE_IN_DISPATCH_DATA as i32;
+    pub const IN_COMBINE: i32 = crate::sys::kernels::DEK_IC_SITE_IN_COMBINE as i32;
+    pub const IN_COMBINE_DATA: i32 = crate::sys::kernels::DEK_IC_SITE_IN_COMBINE_DATA as i32;
 
     /// Human name of a site.
     pub fn name(site: i32) -> &'static str {
@@ -92,35 +92,35 @@ pub mod site {
 
 /// Error codes of the host-mapped status block (`DEEP_EP_IC_ERR_*`).
 pub mod err {
-    pub const TIMEOUT: i32 = crate::sys::kernels::DEEP_EP_IC_ERR_TIMEOUT as i32;
-    pub const MISMATCH: i32 = crate::sys::kernels::DEEP_EP_IC_ERR_MISMATCH as i32;
-    pub const OVERFLOW: i32 = crate::sys::kernels::DEEP_EP_IC_ERR_OVERFLOW as i32;
-    pub const CAPACITY: i32 = crate::sys::kernels::DEEP_EP_IC_ERR_CAPACITY as i32;
-    /// Input checks (`deep_ep_ic_check`), each about the reporting rank's own inputs.
-    pub const NTPR: i32 = crate::sys::kernels::DEEP_EP_IC_ERR_NTPR as i32;
-    pub const EXPERT_ID: i32 = crate::sys::kernels::DEEP_EP_IC_ERR_EXPERT_ID as i32;
-    pub const NTPE: i32 = crate::sys::kernels::DEEP_EP_IC_ERR_NTPE as i32;
-    pub const IN_RANK: i32 = crate::sys::kernels::DEEP_EP_IC_ERR_IN_RANK as i32;
-    pub const STALE_COUNTS: i32 = crate::sys::kernels::DEEP_EP_IC_ERR_STALE_COUNTS as i32;
-    pub const STALE_ROWS: i32 = crate::sys::kernels::DEEP_EP_IC_ERR_STALE_ROWS as i32;
-    pub const STALE_SEND_HEAD: i32 = crate::sys::kernels::DEEP_EP_IC_ERR_STALE_SEND_HEAD as i32;
-    pub const STALE_CPM: i32 = crate::sys::kernels::DEEP_EP_IC_ERR_STALE_CPM as i32;
+    pub const TIMEOUT: i32 = crate::sys::kernels::DEK_IC_ERR_TIMEOUT as i32;
+    pub const MISMATCH: i32 = crate::sys::kernels::DEK_IC_ERR_MISMATCH as i32;
+    pub const OVERFLOW: i32 = crate::sys::kernels::DEK_IC_ERR_OVERFLOW as i32;
+    pub const CAPACITY: i32 = crate::sys::kernels::DEK_IC_ERR_CAPACITY as i32;
+    /// Input checks (`dek_ic_check`), each about the reporting rank's own inputs.
+    pub const NTPR: i32 = crate::sys::kernels::DEK_IC_ERR_NTPR as i32;
+    pub const EXPERT_ID: i32 = crate::sys::kernels::DEK_IC_ERR_EXPERT_ID as i32;
+    pub const NTPE: i32 = crate::sys::kernels::DEK_IC_ERR_NTPE as i32;
+    pub const IN_RANK: i32 = crate::sys::kernels::DEK_IC_ERR_IN_RANK as i32;
+    pub const STALE_COUNTS: i32 = crate::sys::kernels::DEK_IC_ERR_STALE_COUNTS as i32;
+    pub const STALE_ROWS: i32 = crate::sys::kernels::DEK_IC_ERR_STALE_ROWS as i32;
+    pub const STALE_SEND_HEAD: i32 = crate::sys::kernels::DEK_IC_ERR_STALE_SEND_HEAD as i32;
+    pub const STALE_CPM: i32 = crate::sys::kernels::DEK_IC_ERR_STALE_CPM as i32;
     /// Internode: num_tokens_per_rdma_rank[extra] = value, is_token_in_rank selects limit.
-    pub const NTPRR: i32 = crate::sys::kernels::DEEP_EP_IC_ERR_NTPRR as i32;
+    pub const NTPRR: i32 = crate::sys::kernels::DEK_IC_ERR_NTPRR as i32;
     /// Internode handle: value (from the routing) != limit (the handle's) at entry extra.
-    pub const STALE_INTERNODE: i32 = crate::sys::kernels::DEEP_EP_IC_ERR_STALE_INTERNODE as i32;
+    pub const STALE_INTERNODE: i32 = crate::sys::kernels::DEK_IC_ERR_STALE_INTERNODE as i32;
     /// LL: source `rank` sent with another format word `extra` (0 flags, 1 hidden, 2 T, 3 E):
     /// value theirs, limit this rank's.
-    pub const LL_FORMAT: i32 = crate::sys::kernels::DEEP_EP_IC_ERR_LL_FORMAT as i32;
+    pub const LL_FORMAT: i32 = crate::sys::kernels::DEK_IC_ERR_LL_FORMAT as i32;
 }
 
-/// `deep_ep_ic_ctx_t`: the buffer as kernels see it. `peer_base` holds the window base of every
+/// `dek_ic_ctx_t`: the buffer as kernels see it. `peer_base` holds the window base of every
 /// rank this GPU addresses over NVLink, by world rank (so a buffer has at most [`MAX_RANKS`]
 /// ranks in all, internode included; NULL outside this rank's NVLink domain when `nvl_ranks` > 0);
 /// `num_sms` is this rank's share of the GPU's SMs (0 = unknown: the launcher asks CUDA);
 /// `nvl_ranks` 0 = `peer_base` holds every rank, `D` = an internode buffer over NVLink domains of
 /// `D` consecutive ranks.
-pub type Ctx = deep_ep_ic_ctx_t;
+pub type Ctx = dek_ic_ctx_t;
 
 impl Ctx {
     /// Whether this is the ctx of a buffer whose other NVLink domains have no window pointer
@@ -130,30 +130,30 @@ impl Ctx {
     }
 }
 
-/// `deep_ep_ic_layout_t`: what one rank stages, read by its peers.
-pub type Layout = deep_ep_ic_layout_t;
-/// `deep_ep_ic_sync_args_t`: K0/K2 barrier, gather and notify.
-pub type SyncArgs = deep_ep_ic_sync_args_t;
-/// `deep_ep_ic_stage_args_t` (null pointer = absent input).
-pub type StageArgs = deep_ep_ic_stage_args_t;
-/// `deep_ep_ic_push_args_t` (combine K1, and the fused combine's push half).
-pub type PushArgs = deep_ep_ic_push_args_t;
-/// `deep_ep_ic_pull_args_t` (null pointer = absent output / use notify's input).
-pub type PullArgs = deep_ep_ic_pull_args_t;
-/// `deep_ep_ic_dispatch_push_args_t` (null pointer = absent input or output).
-pub type DispatchPushArgs = deep_ep_ic_dispatch_push_args_t;
-/// `deep_ep_ic_check_args_t`: the routing inputs the check kernel compares (null = absent).
-pub type CheckArgs = deep_ep_ic_check_args_t;
-/// `deep_ep_ic_combine_args_t`.
-pub type CombineArgs = deep_ep_ic_combine_args_t;
-type HostStatusRaw = deep_ep_ic_host_status_t;
+/// `dek_ic_layout_t`: what one rank stages, read by its peers.
+pub type Layout = dek_ic_layout_t;
+/// `dek_ic_sync_args_t`: K0/K2 barrier, gather and notify.
+pub type SyncArgs = dek_ic_sync_args_t;
+/// `dek_ic_stage_args_t` (null pointer = absent input).
+pub type StageArgs = dek_ic_stage_args_t;
+/// `dek_ic_push_args_t` (combine K1, and the fused combine's push half).
+pub type PushArgs = dek_ic_push_args_t;
+/// `dek_ic_pull_args_t` (null pointer = absent output / use notify's input).
+pub type PullArgs = dek_ic_pull_args_t;
+/// `dek_ic_dispatch_push_args_t` (null pointer = absent input or output).
+pub type DispatchPushArgs = dek_ic_dispatch_push_args_t;
+/// `dek_ic_check_args_t`: the routing inputs the check kernel compares (null = absent).
+pub type CheckArgs = dek_ic_check_args_t;
+/// `dek_ic_combine_args_t`.
+pub type CombineArgs = dek_ic_combine_args_t;
+type HostStatusRaw = dek_ic_host_status_t;
 
 /// Compares the generated struct sizes with the C ones the kernels were compiled with (a
 /// mismatch means a stale build: kernels would read garbage).
 pub fn check_struct_sizes(op: &'static str) -> Result<()> {
     let mut c = [0usize; 10];
     // SAFETY: writes exactly 10 sizes.
-    unsafe { deep_ep_ic_struct_sizes(c.as_mut_ptr()) };
+    unsafe { dek_ic_struct_sizes(c.as_mut_ptr()) };
     let rust = [
         std::mem::size_of::<Ctx>(),
         std::mem::size_of::<Layout>(),
@@ -184,7 +184,7 @@ pub fn check_struct_sizes(op: &'static str) -> Result<()> {
 /// and large enough until `stream` ran the kernel.
 pub unsafe fn sync(op: &'static str, ctx: &Ctx, args: &SyncArgs, stream: *mut c_void) -> Result<()> {
     // SAFETY: the caller keeps the launch contract; both structs are read by value.
-    check(unsafe { deep_ep_ic_sync(ctx, args, stream) }, op, "intranode barrier kernel launch")
+    check(unsafe { dek_ic_sync(ctx, args, stream) }, op, "intranode barrier kernel launch")
 }
 
 /// K1: stage this rank's inputs into its own window.
@@ -194,7 +194,7 @@ pub unsafe fn sync(op: &'static str, ctx: &Ctx, args: &SyncArgs, stream: *mut c_
 /// and large enough until `stream` ran the kernel.
 pub unsafe fn stage(op: &'static str, ctx: &Ctx, args: &StageArgs, stream: *mut c_void) -> Result<()> {
     // SAFETY: the caller keeps the launch contract.
-    check(unsafe { deep_ep_ic_stage(ctx, args, stream) }, op, "intranode stage kernel launch")
+    check(unsafe { dek_ic_stage(ctx, args, stream) }, op, "intranode stage kernel launch")
 }
 
 /// K3 of (cached) dispatch.
@@ -204,7 +204,7 @@ pub unsafe fn stage(op: &'static str, ctx: &Ctx, args: &StageArgs, stream: *mut 
 /// and large enough until `stream` ran the kernel.
 pub unsafe fn pull(op: &'static str, ctx: &Ctx, args: &PullArgs, stream: *mut c_void) -> Result<()> {
     // SAFETY: the caller keeps the launch contract.
-    check(unsafe { deep_ep_ic_pull(ctx, args, stream) }, op, "intranode pull kernel launch")
+    check(unsafe { dek_ic_pull(ctx, args, stream) }, op, "intranode pull kernel launch")
 }
 
 /// K3 of push (cached) dispatch: every row of x into its destinations' receive areas, and the
@@ -215,7 +215,7 @@ pub unsafe fn pull(op: &'static str, ctx: &Ctx, args: &PullArgs, stream: *mut c_
 /// and large enough until `stream` ran the kernel.
 pub unsafe fn dispatch_push(op: &'static str, ctx: &Ctx, args: &DispatchPushArgs, out: &PullArgs, stream: *mut c_void) -> Result<()> {
     // SAFETY: the caller keeps the launch contract.
-    check(unsafe { deep_ep_ic_dispatch_push(ctx, args, out, stream) }, op, "intranode dispatch push kernel launch")
+    check(unsafe { dek_ic_dispatch_push(ctx, args, out, stream) }, op, "intranode dispatch push kernel launch")
 }
 
 /// K1 of combine: push received rows back into their source ranks' windows.
@@ -225,7 +225,7 @@ pub unsafe fn dispatch_push(op: &'static str, ctx: &Ctx, args: &DispatchPushArgs
 /// and large enough until `stream` ran the kernel.
 pub unsafe fn combine_push(op: &'static str, ctx: &Ctx, args: &PushArgs, stream: *mut c_void) -> Result<()> {
     // SAFETY: the caller keeps the launch contract.
-    check(unsafe { deep_ep_ic_combine_push(ctx, args, stream) }, op, "intranode combine push kernel launch")
+    check(unsafe { dek_ic_combine_push(ctx, args, stream) }, op, "intranode combine push kernel launch")
 }
 
 /// K3 of combine.
@@ -235,7 +235,7 @@ pub unsafe fn combine_push(op: &'static str, ctx: &Ctx, args: &PushArgs, stream:
 /// and large enough until `stream` ran the kernel.
 pub unsafe fn combine(op: &'static str, ctx: &Ctx, args: &CombineArgs, stream: *mut c_void) -> Result<()> {
     // SAFETY: the caller keeps the launch contract.
-    check(unsafe { deep_ep_ic_combine(ctx, args, stream) }, op, "intranode combine kernel launch")
+    check(unsafe { dek_ic_combine(ctx, args, stream) }, op, "intranode combine kernel launch")
 }
 
 /// Fused combine (push and reduce in one kernel, after a start barrier with `publish` and
@@ -246,7 +246,7 @@ pub unsafe fn combine(op: &'static str, ctx: &Ctx, args: &CombineArgs, stream: *
 /// and large enough until `stream` ran the kernel.
 pub unsafe fn combine_fused(op: &'static str, ctx: &Ctx, push: &PushArgs, args: &CombineArgs, stream: *mut c_void) -> Result<()> {
     // SAFETY: the caller keeps the launch contract.
-    check(unsafe { deep_ep_ic_combine_fused(ctx, push, args, stream) }, op, "intranode fused combine kernel launch")
+    check(unsafe { dek_ic_combine_fused(ctx, push, args, stream) }, op, "intranode fused combine kernel launch")
 }
 
 /// Input checks before the barrier that gathers the op's header (the data barrier; the fused
@@ -258,7 +258,7 @@ pub unsafe fn combine_fused(op: &'static str, ctx: &Ctx, push: &PushArgs, args: 
 pub unsafe fn check_inputs(op: &'static str, ctx: &Ctx, args: &CheckArgs, stream: *mut c_void) -> Result<()> {
     // SAFETY: the caller keeps the launch contract; the kernel only reads the inputs and writes this rank's
     // control area.
-    check(unsafe { deep_ep_ic_check(ctx, args, stream) }, op, "intranode input-check kernel launch")
+    check(unsafe { dek_ic_check(ctx, args, stream) }, op, "intranode input-check kernel launch")
 }
 
 /// The first step of a collective buffer release, for every window provider: waits for the
@@ -301,7 +301,7 @@ pub unsafe fn zero_window(op: &'static str, ctx: &Ctx, stream: *mut c_void) -> R
     let local = ctx.peer_base[ctx.rank as usize];
     crate::ensure!(!local.is_null(), op, "internal: the window's own pointer is not set");
     // SAFETY: this rank's own window: `window_bytes` bytes of device memory; async on `stream`.
-    check(unsafe { deep_ep_cuda_memset_async(local, 0, ctx.window_bytes as usize, stream) }, op, "zeroing the window")
+    check(unsafe { dek_cuda_memset_async(local, 0, ctx.window_bytes as usize, stream) }, op, "zeroing the window")
 }
 
 /// Clears the device copy of a reported error.
@@ -311,14 +311,14 @@ pub unsafe fn zero_window(op: &'static str, ctx: &Ctx, stream: *mut c_void) -> R
 /// and large enough until `stream` ran the kernel.
 pub unsafe fn clear_error(op: &'static str, ctx: &Ctx, stream: *mut c_void) -> Result<()> {
     // SAFETY: writes one int of this rank's scratch.
-    check(unsafe { deep_ep_ic_clear_error(ctx, stream) }, op, "intranode clear-error kernel launch")
+    check(unsafe { dek_ic_clear_error(ctx, stream) }, op, "intranode clear-error kernel launch")
 }
 
 /// Multiprocessors of CUDA device `device`.
 pub fn sm_count(op: &'static str, device: i32) -> Result<i32> {
     let mut sms: c_int = 0;
     // SAFETY: writes one int.
-    check(unsafe { deep_ep_cuda_sm_count(device, &mut sms) }, op, "cudaDeviceGetAttribute(MultiProcessorCount)")?;
+    check(unsafe { dek_cuda_sm_count(device, &mut sms) }, op, "cudaDeviceGetAttribute(MultiProcessorCount)")?;
     Ok(sms)
 }
 
@@ -327,14 +327,14 @@ pub fn sm_count(op: &'static str, device: i32) -> Result<i32> {
 pub fn cuda_versions() -> (i32, i32) {
     let (mut rt, mut drv): (c_int, c_int) = (0, 0);
     // SAFETY: writes two ints (zeros on failure).
-    unsafe { deep_ep_cuda_versions(&mut rt, &mut drv) };
+    unsafe { dek_cuda_versions(&mut rt, &mut drv) };
     (rt, drv)
 }
 
 /// Device pointer of the scratch int that create's host rendezvous all-reduces.
 pub fn rendezvous_word(ctx: &Ctx) -> *mut c_void {
     // SAFETY: pure address arithmetic on the ctx.
-    unsafe { deep_ep_ic_rendezvous_word(ctx) }
+    unsafe { dek_ic_rendezvous_word(ctx) }
 }
 
 /// An error a kernel recorded in the host-mapped block.
@@ -372,7 +372,7 @@ impl HostStatus {
         let (mut host, mut device) = (std::ptr::null_mut(), std::ptr::null_mut());
         let bytes = std::mem::size_of::<HostStatusRaw>();
         // SAFETY: writes two pointers; the allocation is `bytes` of pinned, mapped memory.
-        check(unsafe { deep_ep_cuda_host_alloc_mapped(&mut host, &mut device, bytes) }, op, "cudaHostAlloc(mapped)")?;
+        check(unsafe { dek_cuda_host_alloc_mapped(&mut host, &mut device, bytes) }, op, "cudaHostAlloc(mapped)")?;
         let s = HostStatus { host: host.cast(), device };
         // SAFETY: the block is ours and `bytes` long.
         unsafe { std::ptr::write_bytes(s.host.cast::<u8>(), 0, bytes) };
@@ -441,7 +441,7 @@ impl HostStatus {
 impl Drop for HostStatus {
     fn drop(&mut self) {
         // SAFETY: allocated by cudaHostAlloc in `new`, freed once.
-        let st = unsafe { deep_ep_cuda_free_host(self.host.cast()) };
+        let st = unsafe { dek_cuda_free_host(self.host.cast()) };
         if st != 0 {
             eprintln!("deep_ep: cudaFreeHost of the status block failed: {}", super::kernels::cuda_error_text(st));
         }
@@ -457,9 +457,9 @@ impl DeviceGuard {
     pub fn new(op: &'static str, device: i32) -> Result<DeviceGuard> {
         let mut previous: c_int = 0;
         // SAFETY: writes one int.
-        check(unsafe { deep_ep_cuda_get_device(&mut previous) }, op, "cudaGetDevice")?;
+        check(unsafe { dek_cuda_get_device(&mut previous) }, op, "cudaGetDevice")?;
         // SAFETY: plain runtime call.
-        check(unsafe { deep_ep_cuda_set_device(device) }, op, "cudaSetDevice")?;
+        check(unsafe { dek_cuda_set_device(device) }, op, "cudaSetDevice")?;
         Ok(DeviceGuard { previous })
     }
 }
@@ -467,7 +467,7 @@ impl DeviceGuard {
 impl Drop for DeviceGuard {
     fn drop(&mut self) {
         // SAFETY: plain runtime call; restores the device that was current before.
-        let _ = unsafe { deep_ep_cuda_set_device(self.previous) };
+        let _ = unsafe { dek_cuda_set_device(self.previous) };
     }
 }
 
@@ -481,7 +481,7 @@ impl Stream {
     pub fn new(op: &'static str) -> Result<Stream> {
         let mut s = std::ptr::null_mut();
         // SAFETY: writes one stream handle.
-        check(unsafe { deep_ep_cuda_stream_create(&mut s) }, op, "cudaStreamCreate")?;
+        check(unsafe { dek_cuda_stream_create(&mut s) }, op, "cudaStreamCreate")?;
         Ok(Stream(s))
     }
 
@@ -491,21 +491,21 @@ impl Stream {
 
     pub fn synchronize(&self, op: &'static str) -> Result<()> {
         // SAFETY: the stream is live.
-        check(unsafe { deep_ep_cuda_stream_synchronize(self.0) }, op, "cudaStreamSynchronize")
+        check(unsafe { dek_cuda_stream_synchronize(self.0) }, op, "cudaStreamSynchronize")
     }
 }
 
 impl Drop for Stream {
     fn drop(&mut self) {
         // SAFETY: created in `new`, destroyed once.
-        let _ = unsafe { deep_ep_cuda_stream_destroy(self.0) };
+        let _ = unsafe { dek_cuda_stream_destroy(self.0) };
     }
 }
 
 /// Waits for all work on the current device.
 pub fn device_synchronize(op: &'static str) -> Result<()> {
     // SAFETY: plain runtime call.
-    check(unsafe { deep_ep_cuda_device_synchronize() }, op, "cudaDeviceSynchronize")
+    check(unsafe { dek_cuda_device_synchronize() }, op, "cudaDeviceSynchronize")
 }
 
 #[cfg(test)]

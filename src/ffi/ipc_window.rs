@@ -34,7 +34,7 @@ const OP: &str = "deep_ep::create_buffer";
 const DESTROY: &str = "deep_ep::destroy_buffer";
 /// Window sizes are rounded up to this (as the NCCL window's).
 const ALLOC_ALIGN: usize = 2 << 20;
-/// `cudaIpcMemHandle_t` bytes (`DEEP_EP_IPC_HANDLE_BYTES`).
+/// `cudaIpcMemHandle_t` bytes (`DEK_IPC_HANDLE_BYTES`).
 pub const HANDLE_BYTES: usize = 64;
 /// Bytes of one rank's record in the rendezvous file.
 const SLOT: usize = 256;
@@ -257,7 +257,7 @@ impl Window {
     fn make_own(&mut self, a: &WindowArgs) -> Result<()> {
         self.ctx.num_sms = intranode::sm_count(OP, a.device)?;
         // SAFETY: writes one pointer; `bytes` of device memory owned by this window from here.
-        check(unsafe { deep_ep_cuda_malloc(&mut self.mem, self.bytes) }, OP, "cudaMalloc").map_err(|e| {
+        check(unsafe { dek_cuda_malloc(&mut self.mem, self.bytes) }, OP, "cudaMalloc").map_err(|e| {
             Error::invalid(
                 OP,
                 format!(
@@ -271,7 +271,7 @@ impl Window {
         })?;
         let mut handle = [0u8; HANDLE_BYTES];
         // SAFETY: writes HANDLE_BYTES bytes; `mem` is a live cudaMalloc allocation.
-        check(unsafe { deep_ep_cuda_ipc_get_handle(handle.as_mut_ptr().cast(), self.mem) }, OP, "cudaIpcGetMemHandle")?;
+        check(unsafe { dek_cuda_ipc_get_handle(handle.as_mut_ptr().cast(), self.mem) }, OP, "cudaIpcGetMemHandle")?;
         let status = HostStatus::new(OP)?;
         self.ctx.host_status = status.device_ptr().cast();
         self.status = Some(status);
@@ -288,7 +288,7 @@ impl Window {
         r.set(word::PID, std::process::id() as u64);
         let mut gpu = 0u64;
         // SAFETY: writes one u64.
-        check(unsafe { deep_ep_cuda_pci_id(a.device, &mut gpu) }, OP, "cudaDeviceGetAttribute(PCI id)")?;
+        check(unsafe { dek_cuda_pci_id(a.device, &mut gpu) }, OP, "cudaDeviceGetAttribute(PCI id)")?;
         r.set(word::GPU, gpu);
         r.slot(a.rank).write(word::HANDLE * 8, &handle);
         Ok(())
@@ -315,7 +315,7 @@ impl Window {
             self.rdv.slot(p).read(word::HANDLE * 8, &mut handle);
             let mut ptr = std::ptr::null_mut();
             // SAFETY: `handle` is a peer's cudaIpcMemHandle_t; writes one pointer.
-            let st = unsafe { deep_ep_cuda_ipc_open(&mut ptr, handle.as_ptr().cast()) };
+            let st = unsafe { dek_cuda_ipc_open(&mut ptr, handle.as_ptr().cast()) };
             check(st, OP, &format!("cudaIpcOpenMemHandle of rank {p}'s window (process {} on its cuda:{})", self.rdv.get(p, word::PID), self.rdv.get(p, word::DEVICE)))
                 .map_err(|e| Error::invalid(OP, format!("{e}; the ipc backend needs CUDA IPC between the ranks' processes and peer access between their GPUs (same machine, same container or a shared IPC namespace)")))?;
             self.opened.push(ptr);
@@ -365,7 +365,7 @@ impl Window {
         let mut first = Ok(());
         for p in self.opened.drain(..) {
             // SAFETY: opened by cudaIpcOpenMemHandle in `open_peers`, closed once.
-            let r = check(unsafe { deep_ep_cuda_ipc_close(p) }, DESTROY, "cudaIpcCloseMemHandle");
+            let r = check(unsafe { dek_cuda_ipc_close(p) }, DESTROY, "cudaIpcCloseMemHandle");
             first = first.and(r);
         }
         first
@@ -382,7 +382,7 @@ impl Window {
             return Ok(());
         }
         // SAFETY: allocated by cudaMalloc in `make_own`, freed once.
-        check(unsafe { deep_ep_cuda_free(mem) }, DESTROY, "cudaFree of the window")
+        check(unsafe { dek_cuda_free(mem) }, DESTROY, "cudaFree of the window")
     }
 }
 

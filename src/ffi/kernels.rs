@@ -21,7 +21,7 @@ fn static_str(p: *const c_char) -> &'static str {
 /// `"cudaErrorInvalidValue (invalid argument)"` for a `cudaError_t` value. Needs no device.
 pub fn cuda_error_text(status: i32) -> String {
     // SAFETY: both functions only look the value up in a static table.
-    let (name, text) = unsafe { (deep_ep_cuda_error_name(status), deep_ep_cuda_error_string(status)) };
+    let (name, text) = unsafe { (dek_cuda_error_name(status), dek_cuda_error_string(status)) };
     format!("{} ({})", static_str(name), static_str(text))
 }
 
@@ -38,7 +38,7 @@ pub fn check(status: i32, op: &'static str, what: &str) -> Result<()> {
 pub fn device_count() -> Result<usize> {
     let mut n: c_int = 0;
     // SAFETY: writes one int through a valid pointer.
-    check(unsafe { deep_ep_cuda_device_count(&mut n) }, "deep_ep::cuda", "cudaGetDeviceCount")?;
+    check(unsafe { dek_cuda_device_count(&mut n) }, "deep_ep::cuda", "cudaGetDeviceCount")?;
     Ok(n.max(0) as usize)
 }
 
@@ -106,7 +106,7 @@ pub fn dispatch_layout(
     // op keeps them alive for the call and the stream orders later uses); the kernel reads N*K
     // ids and writes R, G, E and N*R elements, exactly those sizes.
     let status = unsafe {
-        deep_ep_launch_dispatch_layout(
+        dek_dispatch_layout(
             topk_idx.data_ptr() as *const c_void,
             is_int64,
             to_c_int(n, "num_tokens")?,
@@ -139,26 +139,26 @@ mod tests {
         fn new(bytes: usize) -> DeviceBuf {
             let mut ptr = std::ptr::null_mut();
             // SAFETY: cudaMalloc writes one pointer; a zero-byte request still gets a valid slot.
-            let st = unsafe { deep_ep_cuda_malloc(&mut ptr, bytes.max(1)) };
+            let st = unsafe { dek_cuda_malloc(&mut ptr, bytes.max(1)) };
             check(st, "test", "cudaMalloc").expect("cudaMalloc");
             // Garbage first, so a test notices any element the kernel forgets to write.
             let junk = vec![0xA5u8; bytes];
             // SAFETY: both buffers hold `bytes` bytes.
-            check(unsafe { deep_ep_cuda_memcpy_htod(ptr, junk.as_ptr().cast(), bytes) }, "test", "memcpy").expect("memcpy");
+            check(unsafe { dek_cuda_memcpy_htod(ptr, junk.as_ptr().cast(), bytes) }, "test", "memcpy").expect("memcpy");
             DeviceBuf { ptr, bytes }
         }
 
         fn upload<T: Copy>(v: &[T]) -> DeviceBuf {
             let b = DeviceBuf::new(std::mem::size_of_val(v));
             // SAFETY: the allocation holds exactly size_of_val(v) bytes.
-            check(unsafe { deep_ep_cuda_memcpy_htod(b.ptr, v.as_ptr().cast(), b.bytes) }, "test", "memcpy").expect("memcpy");
+            check(unsafe { dek_cuda_memcpy_htod(b.ptr, v.as_ptr().cast(), b.bytes) }, "test", "memcpy").expect("memcpy");
             b
         }
 
         fn download<T: Copy + Default>(&self) -> Vec<T> {
             let mut v = vec![T::default(); self.bytes / std::mem::size_of::<T>()];
             // SAFETY: v holds `bytes` bytes; the copy synchronises with the default stream.
-            check(unsafe { deep_ep_cuda_memcpy_dtoh(v.as_mut_ptr().cast(), self.ptr, self.bytes) }, "test", "memcpy").expect("memcpy");
+            check(unsafe { dek_cuda_memcpy_dtoh(v.as_mut_ptr().cast(), self.ptr, self.bytes) }, "test", "memcpy").expect("memcpy");
             v
         }
 
@@ -172,7 +172,7 @@ mod tests {
     impl Drop for DeviceBuf {
         fn drop(&mut self) {
             // SAFETY: ptr came from cudaMalloc and is freed once.
-            let _ = unsafe { deep_ep_cuda_free(self.ptr) };
+            let _ = unsafe { dek_cuda_free(self.ptr) };
         }
     }
 
@@ -220,7 +220,7 @@ mod tests {
         )
         .expect("launch");
         // SAFETY: synchronises the legacy default stream.
-        check(unsafe { deep_ep_cuda_stream_synchronize(std::ptr::null_mut()) }, "test", "sync").expect("kernel");
+        check(unsafe { dek_cuda_stream_synchronize(std::ptr::null_mut()) }, "test", "sync").expect("kernel");
         Layout {
             num_tokens_per_rank: per_rank.download(),
             num_tokens_per_rdma_rank: per_node.download(),
@@ -240,7 +240,7 @@ mod tests {
         match device_count() {
             Ok(n) if n > 0 => {
                 // SAFETY: selects device 0, which exists.
-                check(unsafe { deep_ep_cuda_set_device(0) }, "test", "cudaSetDevice").is_ok()
+                check(unsafe { dek_cuda_set_device(0) }, "test", "cudaSetDevice").is_ok()
             }
             other => {
                 eprintln!("skipping GPU test: {other:?}");
@@ -384,7 +384,7 @@ mod tests {
                     dispatch_layout(&ti, e, r, &ta, None, &tb, &tc, 8, std::ptr::null_mut()).expect("launch");
                 }
                 // SAFETY: synchronises the legacy default stream.
-                check(unsafe { deep_ep_cuda_stream_synchronize(std::ptr::null_mut()) }, "test", "sync").expect("sync");
+                check(unsafe { dek_cuda_stream_synchronize(std::ptr::null_mut()) }, "test", "sync").expect("sync");
             };
             run();
             let t0 = std::time::Instant::now();

@@ -17,7 +17,7 @@ pub fn mask_rows(op: &'static str, a: &LlRowsArgs, stream: Stream) -> Result<()>
     // SAFETY: the pointers are live device allocations of the validated shapes (the caller keeps
     // the tensors alive for the call); the launch is asynchronous and reads/writes only those.
     let status = unsafe {
-        deep_ep_launch_ll_mask_rows(
+        dek_ll_mask_rows(
             a.topk_idx.data_ptr() as *const c_void,
             (a.topk_idx.dtype == DType::Int64) as c_int,
             n as i64,

@@ -21,8 +21,8 @@ pub fn encode_row(x: &[u16]) -> Vec<u8> {
     check_hidden(x.len());
     let mut slot = vec![0u8; slot_bytes(x.len())];
     // SAFETY: `x` holds H values and `slot` slot_bytes(H) bytes, what the function reads / writes.
-    let rc = unsafe { deep_ep_logfmt_encode_row_host(x.as_ptr(), x.len() as c_int, slot.as_mut_ptr()) };
-    assert_eq!(rc, 0, "deep_ep_logfmt_encode_row_host refused hidden {}", x.len());
+    let rc = unsafe { dek_logfmt_encode_row_host(x.as_ptr(), x.len() as c_int, slot.as_mut_ptr()) };
+    assert_eq!(rc, 0, "dek_logfmt_encode_row_host refused hidden {}", x.len());
     slot
 }
 
@@ -32,14 +32,14 @@ pub fn decode_accumulate(slot: &[u8], weight: f32, acc: &mut [f32]) {
     check_hidden(acc.len());
     assert!(slot.len() >= slot_bytes(acc.len()), "logfmt host: slot of {} bytes for hidden {}", slot.len(), acc.len());
     // SAFETY: `slot` holds slot_bytes(H) bytes and `acc` H floats, what the function reads / writes.
-    let rc = unsafe { deep_ep_logfmt_decode_accumulate_host(slot.as_ptr(), acc.len() as c_int, weight, acc.as_mut_ptr()) };
-    assert_eq!(rc, 0, "deep_ep_logfmt_decode_accumulate_host refused hidden {}", acc.len());
+    let rc = unsafe { dek_logfmt_decode_accumulate_host(slot.as_ptr(), acc.len() as c_int, weight, acc.as_mut_ptr()) };
+    assert_eq!(rc, 0, "dek_logfmt_decode_accumulate_host refused hidden {}", acc.len());
 }
 
 fn math(func: c_int, x: &[f32]) -> Vec<f32> {
     let mut out = vec![0f32; x.len()];
     // SAFETY: `x` and `out` hold n floats each.
-    let rc = unsafe { deep_ep_logfmt_math_host(func, x.as_ptr(), out.as_mut_ptr(), x.len() as i64) };
+    let rc = unsafe { dek_logfmt_math_host(func, x.as_ptr(), out.as_mut_ptr(), x.len() as i64) };
     assert_eq!(rc, 0);
     out
 }

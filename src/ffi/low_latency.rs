@@ -8,30 +8,30 @@ use crate::error::Result;
 use crate::sys::kernels::*;
 use std::ffi::c_void;
 
-/// Offset of the device copy of the LL rank mask in every window (`DEEP_EP_LL_MASK_OFF`):
+/// Offset of the device copy of the LL rank mask in every window (`DEK_LL_MASK_OFF`):
 /// `int32 [MAX_RANKS]` in the control area.
-pub const LL_MASK_OFF: usize = DEEP_EP_LL_MASK_OFF as usize;
+pub const LL_MASK_OFF: usize = DEK_LL_MASK_OFF as usize;
 
-/// `net_kind` of [`LlArgs`]: the LSA emulation of the RDMA leg (`DEEP_EP_LL_NET_LSA`).
-pub const NET_LSA: i32 = DEEP_EP_LL_NET_LSA as i32;
-/// `net_kind` of [`LlArgs`]: NCCL GIN (`DEEP_EP_LL_NET_GIN`).
-pub const NET_GIN: i32 = DEEP_EP_LL_NET_GIN as i32;
+/// `net_kind` of [`LlArgs`]: the LSA emulation of the RDMA leg (`DEK_LL_NET_LSA`).
+pub const NET_LSA: i32 = DEK_LL_NET_LSA as i32;
+/// `net_kind` of [`LlArgs`]: NCCL GIN (`DEK_LL_NET_GIN`).
+pub const NET_GIN: i32 = DEK_LL_NET_GIN as i32;
 
 /// Kind words of `recv_state` (`DEEP_EP_LL_KIND_*`).
-pub const KIND_DISPATCH: i32 = DEEP_EP_LL_KIND_DISPATCH as i32;
-pub const KIND_COMBINE: i32 = DEEP_EP_LL_KIND_COMBINE as i32;
+pub const KIND_DISPATCH: i32 = DEK_LL_KIND_DISPATCH as i32;
+pub const KIND_COMBINE: i32 = DEK_LL_KIND_COMBINE as i32;
 
-/// `deep_ep_ll_args_t`: one struct for the five LL launches (unused fields null / 0).
-pub type LlArgs = deep_ep_ll_args_t;
+/// `dek_ll_args_t`: one struct for the five LL launches (unused fields null / 0).
+pub type LlArgs = dek_ll_args_t;
 
 /// Compares the generated struct's size with the C one the kernels were built with (stale build).
 pub fn check_struct_size(op: &'static str) -> Result<()> {
     // SAFETY: pure size query.
-    let c = unsafe { deep_ep_llk_args_bytes() };
+    let c = unsafe { dek_ll_args_bytes() };
     crate::ensure!(
         c == std::mem::size_of::<LlArgs>(),
         op,
-        "internal: deep_ep_ll_args_t is {c} bytes in C, {} in Rust",
+        "internal: dek_ll_args_t is {c} bytes in C, {} in Rust",
         std::mem::size_of::<LlArgs>()
     );
     Ok(())
@@ -47,7 +47,7 @@ pub fn check_struct_size(op: &'static str) -> Result<()> {
 /// and large enough until `stream` ran the kernel.
 pub unsafe fn dispatch_send(op: &'static str, ctx: &Ctx, a: &LlArgs, stream: *mut c_void) -> Result<()> {
     // SAFETY: the caller keeps the launch contract; both structs are read by value.
-    check(unsafe { deep_ep_llk_dispatch_send(ctx, a, stream) }, op, "low-latency dispatch send kernel launch")
+    check(unsafe { dek_ll_dispatch_send(ctx, a, stream) }, op, "low-latency dispatch send kernel launch")
 }
 
 /// Receive phase of an LL dispatch.
@@ -57,7 +57,7 @@ pub unsafe fn dispatch_send(op: &'static str, ctx: &Ctx, a: &LlArgs, stream: *mu
 /// and large enough until `stream` ran the kernel.
 pub unsafe fn dispatch_recv(op: &'static str, ctx: &Ctx, a: &LlArgs, stream: *mut c_void) -> Result<()> {
     // SAFETY: the caller keeps the launch contract.
-    check(unsafe { deep_ep_llk_dispatch_recv(ctx, a, stream) }, op, "low-latency dispatch receive kernel launch")
+    check(unsafe { dek_ll_dispatch_recv(ctx, a, stream) }, op, "low-latency dispatch receive kernel launch")
 }
 
 /// Send phase of an LL combine.
@@ -67,7 +67,7 @@ pub unsafe fn dispatch_recv(op: &'static str, ctx: &Ctx, a: &LlArgs, stream: *mu
 /// and large enough until `stream` ran the kernel.
 pub unsafe fn combine_send(op: &'static str, ctx: &Ctx, a: &LlArgs, stream: *mut c_void) -> Result<()> {
     // SAFETY: the caller keeps the launch contract.
-    check(unsafe { deep_ep_llk_combine_send(ctx, a, stream) }, op, "low-latency combine send kernel launch")
+    check(unsafe { dek_ll_combine_send(ctx, a, stream) }, op, "low-latency combine send kernel launch")
 }
 
 /// Receive phase of an LL combine.
@@ -77,7 +77,7 @@ pub unsafe fn combine_send(op: &'static str, ctx: &Ctx, a: &LlArgs, stream: *mut
 /// and large enough until `stream` ran the kernel.
 pub unsafe fn combine_recv(op: &'static str, ctx: &Ctx, a: &LlArgs, stream: *mut c_void) -> Result<()> {
     // SAFETY: the caller keeps the launch contract.
-    check(unsafe { deep_ep_llk_combine_recv(ctx, a, stream) }, op, "low-latency combine receive kernel launch")
+    check(unsafe { dek_ll_combine_recv(ctx, a, stream) }, op, "low-latency combine receive kernel launch")
 }
 
 /// Zeroes this rank's LL signal words of both halves.
@@ -87,5 +87,5 @@ pub unsafe fn combine_recv(op: &'static str, ctx: &Ctx, a: &LlArgs, stream: *mut
 /// and large enough until `stream` ran the kernel.
 pub unsafe fn zero_signals(op: &'static str, ctx: &Ctx, a: &LlArgs, stream: *mut c_void) -> Result<()> {
     // SAFETY: writes 2 * signal_bytes of this rank's own window at ll_off (checked on the C side).
-    check(unsafe { deep_ep_llk_zero_signals(ctx, a, stream) }, op, "low-latency signal reset kernel launch")
+    check(unsafe { dek_ll_zero_signals(ctx, a, stream) }, op, "low-latency signal reset kernel launch")
 }

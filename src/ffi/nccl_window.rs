@@ -214,13 +214,13 @@ impl Window {
         // SAFETY: the same allocation; freed only after every registration (teardown_steps, Drop).
         unsafe { w.gin_comms.register(lib, w.mem, bytes) }?;
         // SAFETY: pure query of the glue's struct size.
-        let dc_bytes = unsafe { deep_ep_nccl_devcomm_bytes() };
+        let dc_bytes = unsafe { dek_nccl_devcomm_bytes() };
         let mut devcomm = vec![0u64; dc_bytes.div_ceil(8)];
         let (mut lsa_size, mut lsa_rank): (c_int, c_int) = (0, 0);
         // SAFETY: the glue calls ncclDevCommCreate (address resolved from the loaded NCCL) with a
         // live communicator and writes a devcomm of `dc_bytes` into our 8-aligned buffer.
         let res = unsafe {
-            deep_ep_nccl_devcomm_create(
+            dek_nccl_devcomm_create(
                 api.dev_comm_create,
                 w.comm.cast(),
                 1,
@@ -237,7 +237,7 @@ impl Window {
         let mut lsa = [std::ptr::null_mut(); MAX_RANKS];
         // SAFETY: the window is live; writes lsa_size (<= num_ranks <= MAX_RANKS, checked by
         // PeerMap) pointers into `lsa`.
-        let st = unsafe { deep_ep_nccl_window_lsa_bases(w.win.cast(), map.lsa_size as c_int, lsa.as_mut_ptr()) };
+        let st = unsafe { dek_nccl_window_lsa_bases(w.win.cast(), map.lsa_size as c_int, lsa.as_mut_ptr()) };
         cuda_check(st, OP, "reading the window's peer pointers")?;
         (w.ctx.peer_base, w.lsa_base) = map.spread(&lsa);
         w.ctx.nvl_ranks = map.ctx_nvl_ranks as i32;
@@ -355,7 +355,7 @@ impl Window {
                 let dc = if step == Teardown::GinDevComm { self.gin_devcomm.take() } else { self.devcomm.take() };
                 let Some(dc) = dc else { return Ok(()) };
                 // SAFETY: the devcomm was created on this communicator and is destroyed once.
-                let res = unsafe { deep_ep_nccl_devcomm_destroy(self.api.dev_comm_destroy, self.comm.cast(), dc.as_ptr().cast()) };
+                let res = unsafe { dek_nccl_devcomm_destroy(self.api.dev_comm_destroy, self.comm.cast(), dc.as_ptr().cast()) };
                 nccl_check(self.lib, nccl::ncclResult_t(res as _), "ncclDevCommDestroy")
             }
             Teardown::Deregister => {

@@ -8,48 +8,48 @@ use crate::error::{Error, Result};
 use crate::sys::kernels::*;
 use std::ffi::{c_int, c_void};
 
-/// Ranks the LSA emulation can address (`DEEP_EP_TP_MAX_LSA_PEERS`).
-pub const MAX_LSA_PEERS: usize = DEEP_EP_TP_MAX_LSA_PEERS as usize;
-/// GIN contexts per communicator (`DEEP_EP_TP_MAX_GIN_CONTEXTS` = NCCL's `NCCL_GIN_MAX_CONTEXTS`).
-pub const MAX_GIN_CONTEXTS: usize = DEEP_EP_TP_MAX_GIN_CONTEXTS as usize;
+/// Ranks the LSA emulation can address (`DEK_TP_MAX_LSA_PEERS`).
+pub const MAX_LSA_PEERS: usize = DEK_TP_MAX_LSA_PEERS as usize;
+/// GIN contexts per communicator (`DEK_TP_MAX_GIN_CONTEXTS` = NCCL's `NCCL_GIN_MAX_CONTEXTS`).
+pub const MAX_GIN_CONTEXTS: usize = DEK_TP_MAX_GIN_CONTEXTS as usize;
 
 /// Codes of [`Status::error`].
 pub mod err {
     /// A signal did not reach its target before the deadline.
-    pub const TIMEOUT: i32 = crate::sys::kernels::DEEP_EP_TP_ERR_TIMEOUT as i32;
+    pub const TIMEOUT: i32 = crate::sys::kernels::DEK_TP_ERR_TIMEOUT as i32;
     /// Self-test: received bytes differ from the sender's pattern.
-    pub const DATA: i32 = crate::sys::kernels::DEEP_EP_TP_ERR_DATA as i32;
+    pub const DATA: i32 = crate::sys::kernels::DEK_TP_ERR_DATA as i32;
 }
 
-/// `deep_ep_tp_status_t`: host-mapped error record of a transport kernel (first error wins;
+/// `dek_tp_status_t`: host-mapped error record of a transport kernel (first error wins;
 /// `error` is written last): [`err`] code (0 = none), the world rank waited for or that sent bad
 /// data, signal id, context, the last value seen (or first bad word) and the value waited for.
-pub type Status = deep_ep_tp_status_t;
-/// `deep_ep_tp_lsa_t`: the LSA emulation's view of the emulated world (one NVLink domain).
-pub type LsaDesc = deep_ep_tp_lsa_t;
-/// `deep_ep_tp_gin_reqs_t`: what `ncclDevCommCreate` is asked for.
-pub type GinReqs = deep_ep_tp_gin_reqs_t;
-/// `deep_ep_tp_gin_info_t`: what the created device comm offers (`gin_type`: `ncclNetDeviceType`
+pub type Status = dek_tp_status_t;
+/// `dek_tp_lsa_t`: the LSA emulation's view of the emulated world (one NVLink domain).
+pub type LsaDesc = dek_tp_lsa_t;
+/// `dek_tp_gin_reqs_t`: what `ncclDevCommCreate` is asked for.
+pub type GinReqs = dek_tp_gin_reqs_t;
+/// `dek_tp_gin_info_t`: what the created device comm offers (`gin_type`: `ncclNetDeviceType`
 /// of context 0, 2 proxy, 3 GDAKI; `gin_context_count` 0 = no GIN).
-pub type GinInfo = deep_ep_tp_gin_info_t;
-/// `deep_ep_tp_ping_t`: arguments of the transport self-test (see the header).
-pub type PingArgs = deep_ep_tp_ping_t;
-/// `deep_ep_tp_nvshmem_t`: the NVSHMEM transport's view of the world (PE = world rank).
-pub type NvshmemDesc = deep_ep_tp_nvshmem_t;
+pub type GinInfo = dek_tp_gin_info_t;
+/// `dek_tp_ping_t`: arguments of the transport self-test (see the header).
+pub type PingArgs = dek_tp_ping_t;
+/// `dek_tp_nvshmem_t`: the NVSHMEM transport's view of the world (PE = world rank).
+pub type NvshmemDesc = dek_tp_nvshmem_t;
 
 /// Fails when a Rust mirror's size differs from the C struct's (header and this file out of step).
 pub fn check_struct_sizes(op: &'static str) -> Result<()> {
     let ours = [
-        ("deep_ep_tp_status_t", std::mem::size_of::<Status>()),
-        ("deep_ep_tp_lsa_t", std::mem::size_of::<LsaDesc>()),
-        ("deep_ep_tp_gin_reqs_t", std::mem::size_of::<GinReqs>()),
-        ("deep_ep_tp_gin_info_t", std::mem::size_of::<GinInfo>()),
-        ("deep_ep_tp_ping_t", std::mem::size_of::<PingArgs>()),
-        ("deep_ep_tp_nvshmem_t", std::mem::size_of::<NvshmemDesc>()),
+        ("dek_tp_status_t", std::mem::size_of::<Status>()),
+        ("dek_tp_lsa_t", std::mem::size_of::<LsaDesc>()),
+        ("dek_tp_gin_reqs_t", std::mem::size_of::<GinReqs>()),
+        ("dek_tp_gin_info_t", std::mem::size_of::<GinInfo>()),
+        ("dek_tp_ping_t", std::mem::size_of::<PingArgs>()),
+        ("dek_tp_nvshmem_t", std::mem::size_of::<NvshmemDesc>()),
     ];
     for (i, (name, size)) in ours.iter().enumerate() {
         // SAFETY: pure query of a compile-time constant.
-        let c = unsafe { deep_ep_tp_struct_size(i as c_int) };
+        let c = unsafe { dek_tp_struct_size(i as c_int) };
         crate::ensure!(c == *size, op, "internal: {name} is {c} bytes in C but {size} in Rust");
     }
     Ok(())
@@ -63,7 +63,7 @@ pub fn check_struct_sizes(op: &'static str) -> Result<()> {
 /// `lsa.peer_base` must hold live windows of `window_bytes`, `args.status` host-mapped memory and
 /// `args.claim` a device word, all alive until the kernel finished; `stream` a valid stream or null.
 pub unsafe fn ping_lsa(op: &'static str, lsa: &LsaDesc, args: &PingArgs, stream: *mut c_void) -> Result<()> {
-    super::kernels::check(deep_ep_tp_ping_lsa(lsa, args, stream), op, "launching the LSA transport self-test")
+    super::kernels::check(dek_tp_ping_lsa(lsa, args, stream), op, "launching the LSA transport self-test")
 }
 
 /// Launches the self-test over NCCL GIN (one warp) on `stream`.
@@ -72,7 +72,7 @@ pub unsafe fn ping_lsa(op: &'static str, lsa: &LsaDesc, args: &PingArgs, stream:
 /// `devcomm` must be a device comm from [`gin_devcomm_create`] whose communicator is alive,
 /// `window` a window registered on it holding the offsets of `args`; as [`ping_lsa`] otherwise.
 pub unsafe fn ping_gin(op: &'static str, devcomm: &[u64], window: *mut c_void, args: &PingArgs, stream: *mut c_void) -> Result<()> {
-    let st = deep_ep_tp_ping_gin(devcomm.as_ptr().cast(), devcomm.len() * 8, window, args, stream);
+    let st = dek_tp_ping_gin(devcomm.as_ptr().cast(), devcomm.len() * 8, window, args, stream);
     super::kernels::check(st, op, "launching the GIN transport self-test")
 }
 
@@ -83,10 +83,10 @@ pub unsafe fn ping_gin(op: &'static str, devcomm: &[u64], window: *mut c_void, a
 /// # Safety
 /// `create_fn` must be `ncclDevCommCreate` of the loaded NCCL and `comm` a live communicator of it.
 pub unsafe fn gin_devcomm_create(create_fn: *mut c_void, comm: *mut c_void, reqs: &GinReqs) -> GinGrant {
-    let bytes = deep_ep_nccl_devcomm_bytes();
+    let bytes = dek_nccl_devcomm_bytes();
     let mut devcomm = vec![0u64; bytes.div_ceil(8)];
     let mut info = GinInfo::default();
-    let res = deep_ep_tp_gin_devcomm_create(create_fn, comm, reqs, devcomm.as_mut_ptr().cast(), devcomm.len() * 8, &mut info);
+    let res = dek_tp_gin_devcomm_create(create_fn, comm, reqs, devcomm.as_mut_ptr().cast(), devcomm.len() * 8, &mut info);
     if res == 0 {
         Ok((devcomm, info))
     } else {
@@ -102,7 +102,7 @@ pub fn devcomm_error(op: &'static str, code: i32, detail: String) -> Error {
     Error::Device { op, what: "ncclDevCommCreate (GIN)".into(), detail: format!("ncclResult_t {code}: {detail}") }
 }
 
-/// Writes this rank's LSA emulation descriptor (`deep_ep_tp_lsa_t`: every rank's window base
+/// Writes this rank's LSA emulation descriptor (`dek_tp_lsa_t`: every rank's window base
 /// from `bases`, the window's LSA pointers, not `ctx.peer_base`, which holds the own NVLink domain
 /// only; `num_contexts` signal tables of `num_signals` at `signal_off`) into its own window at
 /// `desc_off`, synchronously. The LL kernels of an internode buffer and the global barrier read it
@@ -155,7 +155,7 @@ pub unsafe fn write_lsa_desc(
     // SAFETY: size_of::<LsaDesc>() bytes inside this rank's own live window (checked above), from
     // a host struct that lives through the synchronous copy.
     let st = unsafe {
-        deep_ep_cuda_memcpy_htod(own.cast::<u8>().add(desc_off).cast(), (&lsa as *const LsaDesc).cast(), std::mem::size_of::<LsaDesc>())
+        dek_cuda_memcpy_htod(own.cast::<u8>().add(desc_off).cast(), (&lsa as *const LsaDesc).cast(), std::mem::size_of::<LsaDesc>())
     };
     super::kernels::check(st, op, "writing an LSA seam descriptor")
 }
@@ -177,14 +177,14 @@ pub struct GinNetLayout {
     pub comms_off: usize,
     /// Byte offset of `num_contexts` (i32).
     pub contexts_off: usize,
-    /// Communicators the descriptor holds at most (`DEEP_EP_TP_MAX_GIN_COMMS`).
+    /// Communicators the descriptor holds at most (`DEK_TP_MAX_GIN_COMMS`).
     pub capacity: usize,
 }
 
 /// The layout of `GinNet` (pure queries of compile-time constants).
 pub fn gin_net_layout() -> GinNetLayout {
     // SAFETY: pure queries.
-    let q = |w: c_int| unsafe { deep_ep_llk_gin_net_layout(w) };
+    let q = |w: c_int| unsafe { dek_ll_gin_net_layout(w) };
     GinNetLayout { bytes: q(0), align: q(1), win_off: q(2), stride: q(3), comms_off: q(4), contexts_off: q(5), capacity: q(6) }
 }
 
@@ -193,7 +193,7 @@ pub fn gin_net_layout() -> GinNetLayout {
 pub fn device_gin_route(unit: usize, comms: usize, contexts: usize) -> (usize, usize) {
     let (mut k, mut c): (c_int, c_int) = (-1, -1);
     // SAFETY: pure arithmetic writing two ints.
-    unsafe { deep_ep_llk_gin_route(unit as c_int, comms as c_int, contexts as c_int, &mut k, &mut c) };
+    unsafe { dek_ll_gin_route(unit as c_int, comms as c_int, contexts as c_int, &mut k, &mut c) };
     (k as usize, c as usize)
 }
 
@@ -228,7 +228,7 @@ pub fn build_gin_net(op: &'static str, comms: &[(&[u64], *mut c_void)], desc_byt
     // writes at most out.len() * 8 bytes of our 8-aligned buffer (the glue checks both sizes and
     // the alignment).
     let n = unsafe {
-        deep_ep_llk_gin_net_build(
+        dek_ll_gin_net_build(
             devcomms.as_ptr(),
             dc_bytes,
             windows.as_ptr(),
@@ -271,7 +271,7 @@ pub unsafe fn write_gin_desc(
     let own = ctx.peer_base[ctx.rank as usize];
     // SAFETY: `bytes` <= desc_bytes inside this rank's own live window (checked above), from a host
     // buffer that lives through the synchronous copy.
-    let st = unsafe { deep_ep_cuda_memcpy_htod(own.cast::<u8>().add(desc_off).cast(), desc.as_ptr().cast(), bytes) };
+    let st = unsafe { dek_cuda_memcpy_htod(own.cast::<u8>().add(desc_off).cast(), desc.as_ptr().cast(), bytes) };
     super::kernels::check(st, op, "writing a GIN seam descriptor")
 }
 
@@ -282,13 +282,13 @@ pub unsafe fn write_gin_desc(
 /// `out` must be writable for [`devcomm_bytes`] bytes.
 #[cfg(test)]
 pub unsafe fn devcomm_fill(out: *mut c_void, info: &GinInfo) -> i32 {
-    deep_ep_tp_devcomm_fill(out, devcomm_bytes(), info)
+    dek_tp_devcomm_fill(out, devcomm_bytes(), info)
 }
 
 /// `sizeof(ncclDevComm)` of the build's NCCL headers.
 pub fn devcomm_bytes() -> usize {
     // SAFETY: pure query.
-    unsafe { deep_ep_nccl_devcomm_bytes() }
+    unsafe { dek_nccl_devcomm_bytes() }
 }
 
 // ---- LSA self-test on a live intranode window ------------------------------------------------
@@ -374,20 +374,20 @@ fn ping_round(
     let mapped = MappedStatus::new(op)?;
     let mut claim: *mut c_void = std::ptr::null_mut();
     // SAFETY: writes one device pointer; freed below on every path.
-    super::kernels::check(unsafe { deep_ep_cuda_malloc(&mut claim, 4) }, op, "cudaMalloc (self-test claim word)")?;
+    super::kernels::check(unsafe { dek_cuda_malloc(&mut claim, 4) }, op, "cudaMalloc (self-test claim word)")?;
     let result = (|| {
         // SAFETY: 4 bytes of the allocation above.
-        super::kernels::check(unsafe { deep_ep_cuda_memset_async(claim, 0, 4, stream) }, op, "cudaMemsetAsync")?;
+        super::kernels::check(unsafe { dek_cuda_memset_async(claim, 0, 4, stream) }, op, "cudaMemsetAsync")?;
         args.status = mapped.device.cast();
         args.claim = claim.cast();
         // The mapped status and the claim word outlive the kernel (the stream is synchronised
         // before they are released).
         launch(&args)?;
         // SAFETY: a valid stream (or null) from the caller.
-        super::kernels::check(unsafe { deep_ep_cuda_stream_synchronize(stream) }, op, "synchronising the transport self-test")
+        super::kernels::check(unsafe { dek_cuda_stream_synchronize(stream) }, op, "synchronising the transport self-test")
     })();
     // SAFETY: allocated above; the stream is synchronised or the launch failed.
-    unsafe { deep_ep_cuda_free(claim) };
+    unsafe { dek_cuda_free(claim) };
     result?;
     let s = mapped.read();
     match s.error {
@@ -433,7 +433,7 @@ pub fn nvshmem_self_test_bytes(num_ranks: usize) -> u64 {
 pub unsafe fn nvshmem_device_register(op: &'static str, func: *mut c_void, init: bool) -> Result<()> {
     #[cfg(deep_ep_nvshmem_device)]
     {
-        let st = if init { deep_ep_tp_nvshmem_device_init(func) } else { deep_ep_tp_nvshmem_device_fini(func) };
+        let st = if init { dek_tp_nvshmem_device_init(func) } else { dek_tp_nvshmem_device_fini(func) };
         let name = if init { "nvshmemx_cumodule_init" } else { "nvshmemx_cumodule_finalize" };
         match st {
             0 => Ok(()),
@@ -514,7 +514,7 @@ fn ping_nvshmem(op: &'static str, net: &NvshmemDesc, args: &PingArgs, stream: *m
     // SAFETY: `net.base` is the live symmetric window and the device state is registered
     // (nvshmem_device_register, at NVSHMEM's initialisation); `args`' status and claim outlive
     // the kernel (ping_round).
-    super::kernels::check(unsafe { deep_ep_tp_ping_nvshmem(net, args, stream) }, op, "launching the NVSHMEM transport self-test")
+    super::kernels::check(unsafe { dek_tp_ping_nvshmem(net, args, stream) }, op, "launching the NVSHMEM transport self-test")
 }
 
 #[cfg(not(deep_ep_nvshmem_device))]
@@ -533,7 +533,7 @@ impl MappedStatus {
         let (mut host, mut device) = (std::ptr::null_mut(), std::ptr::null_mut());
         // SAFETY: writes two pointers to a pinned mapped allocation of the given size.
         super::kernels::check(
-            unsafe { deep_ep_cuda_host_alloc_mapped(&mut host, &mut device, std::mem::size_of::<Status>()) },
+            unsafe { dek_cuda_host_alloc_mapped(&mut host, &mut device, std::mem::size_of::<Status>()) },
             op,
             "cudaHostAlloc(mapped)",
         )?;
@@ -552,7 +552,7 @@ impl MappedStatus {
 impl Drop for MappedStatus {
     fn drop(&mut self) {
         // SAFETY: allocated by cudaHostAlloc in `new`, freed once.
-        unsafe { deep_ep_cuda_free_host(self.host.cast()) };
+        unsafe { dek_cuda_free_host(self.host.cast()) };
     }
 }
 

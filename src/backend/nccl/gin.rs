@@ -29,7 +29,7 @@ use crate::ffi::transport::{GinInfo, GinReqs, MAX_GIN_CONTEXTS};
 
 const OP: &str = "deep_ep::create_buffer";
 
-/// Most communicators one buffer opens for more QPs (`DEEP_EP_TP_MAX_GIN_COMMS`, the capacity of
+/// Most communicators one buffer opens for more QPs (`DEK_TP_MAX_GIN_COMMS`, the capacity of
 /// the device descriptor `GinNet`).
 pub const MAX_GIN_COMMS: usize = 8;
 

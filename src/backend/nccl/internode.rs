@@ -480,8 +480,8 @@ mod tests {
 
     #[test]
     fn args_mirror_the_header_and_the_gin_slot_is_free() {
-        // InArgs (with net, net_kind, sig_base at the end) has the size of deep_ep_in_args_t.
-        k::check_struct_size("test").expect("deep_ep_in_args_t and InArgs differ");
+        // InArgs (with net, net_kind, sig_base at the end) has the size of dek_in_args_t.
+        k::check_struct_size("test").expect("dek_in_args_t and InArgs differ");
         assert_eq!(std::mem::size_of::<InArgs>() % 8, 0);
         // The GinNet slot is in the internode control area, after what the kernels use (kCtrlEnd
         // = 77824), and the descriptor fits it (as it fits the LL seam's DESC_BYTES).

@@ -14,9 +14,9 @@ use crate::config::BUFFER_ALIGNMENT;
 use crate::error::Result;
 use crate::topology::Topology;
 
-/// Most experts of an LL call on the nccl backend (`DEEP_EP_LL_MAX_EXPERTS`).
+/// Most experts of an LL call on the nccl backend (`DEK_LL_MAX_EXPERTS`).
 pub const MAX_EXPERTS: usize = 2048;
-/// Seam signals per rank (`DEEP_EP_LL_SEAM_SIGNALS`): one per (dispatch or combine, half, local
+/// Seam signals per rank (`DEK_LL_SEAM_SIGNALS`): one per (dispatch or combine, half, local
 /// expert, rank), at most `4 * MAX_EXPERTS` whatever the geometry.
 pub const SIGNALS: usize = 4 * MAX_EXPERTS;
 /// Contexts of the LSA emulation (GIN grants at most 4). Two, so that the emulated runs see senders
@@ -24,11 +24,11 @@ pub const SIGNALS: usize = 4 * MAX_EXPERTS;
 pub const LSA_CONTEXTS: usize = 2;
 /// Bytes reserved for the seam descriptor (`LsaNet` / `GinNet` of `kernels/low_latency.cuh`).
 pub const DESC_BYTES: usize = 4096;
-/// Bytes of a dispatch message before its payload (`DEEP_EP_LL_MSG_META`).
+/// Bytes of a dispatch message before its payload (`DEK_LL_MSG_META`).
 pub const MSG_META: usize = 160;
-/// `net_kind` of the LSA emulation (`DEEP_EP_LL_NET_LSA`).
+/// `net_kind` of the LSA emulation (`DEK_LL_NET_LSA`).
 pub const NET_LSA: i32 = crate::ffi::low_latency::NET_LSA;
-/// `net_kind` of NCCL GIN (`DEEP_EP_LL_NET_GIN`).
+/// `net_kind` of NCCL GIN (`DEK_LL_NET_GIN`).
 pub const NET_GIN: i32 = crate::ffi::low_latency::NET_GIN;
 
 fn align(v: usize) -> usize {

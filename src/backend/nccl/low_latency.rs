@@ -51,12 +51,12 @@ use crate::ffi::intranode::{self, err, site, CONTROL_BYTES};
 use crate::ffi::low_latency::{self as k, LlArgs};
 use crate::ops::low_latency::{CLEAN as OP_CLEAN, COMBINE as OP_COMBINE, DISPATCH as OP_DISPATCH, NEXT as OP_NEXT};
 use crate::tensor::{DType, TensorRef};
-/// Combine `recv_state` flag: partial sums were sent (`DEEP_EP_LL_FLAG_PARTIAL`).
+/// Combine `recv_state` flag: partial sums were sent (`DEK_LL_FLAG_PARTIAL`).
 const FLAG_PARTIAL: i32 = 32;
-/// Combine `recv_state` flag: rows travel as LogFMT-10 (`DEEP_EP_LL_FLAG_LOGFMT`; the CPU
+/// Combine `recv_state` flag: rows travel as LogFMT-10 (`DEK_LL_FLAG_LOGFMT`; the CPU
 /// backend's `FLAG_LOGFMT`).
 const FLAG_LOGFMT: i32 = 8;
-/// Most experts of a dispatch send on this backend (`DEEP_EP_LL_MAX_EXPERTS`).
+/// Most experts of a dispatch send on this backend (`DEK_LL_MAX_EXPERTS`).
 const MAX_EXPERTS: usize = ll_seam::MAX_EXPERTS;
 
 /// Block counts of the LL grids, per SM of this rank's share of the GPU (`Ctx::num_sms`: 132 on

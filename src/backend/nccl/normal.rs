@@ -169,7 +169,7 @@ impl NcclBackend {
 
     /// Push model: the receive area after the staged sections (which end at `end`, 128-aligned):
     /// `(recv_off, recv_cap)`, the capacity in rows of `row_bytes` plus their side outputs
-    /// (`deep_ep_ic_layout_t` in kernels/deep_ep_kernels.h: 5 sub-arrays, each 128-aligned).
+    /// (`dek_ic_layout_t` in kernels/deep_ep_kernels.h: 5 sub-arrays, each 128-aligned).
     fn recv_area(&self, end: usize, row_bytes: usize, scales: usize, topk: usize) -> (u64, i64) {
         let per = row_bytes + 4 * scales + 12 * topk + 4;
         let avail = self.window.bytes().saturating_sub(end).saturating_sub(5 * SECTION_ALIGN);

@@ -129,7 +129,7 @@ fn devcomm_create_passes_the_requirements_and_reports_no_gin() {
     let r = GinReqs { gin_context_count: 4, gin_signal_count: 96, gin_counter_count: 2, lsa_barrier_count: 1, gin_force_enable: 1 };
     let (devcomm, info) = unsafe { gin_devcomm_create(fake, 8 as *mut c_void, &r) }.unwrap();
     assert_eq!(seen(), vec![1, 1, 4, 96, 2]);
-    assert!(devcomm.len() * 8 >= unsafe { deep_ep_nccl_devcomm_bytes() });
+    assert!(devcomm.len() * 8 >= unsafe { dek_nccl_devcomm_bytes() });
     // The fake granted nothing: the info says "no GIN", which the backend turns into its error.
     assert_eq!(info, GinInfo::default());
 }

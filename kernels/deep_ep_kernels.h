@@ -8,7 +8,8 @@
  *   - the return value is a cudaError_t as int (0 = cudaSuccess). Launch functions check their
  *     arguments first (cudaErrorInvalidValue) and cudaGetLastError() after the launch;
  *   - no function throws, aborts or prints.
- * Rust declarations: src/ffi/kernels.rs (keep both in step).
+ * Names: dek_* / DEK_* (the exported C API of the library is deep_ep_*, csrc/deep_ep_capi.h).
+ * Rust declarations are generated from this file by build.rs (bindgen: src/sys/kernels.rs).
  */
 #ifndef DEEP_EP_KERNELS_H
 #define DEEP_EP_KERNELS_H

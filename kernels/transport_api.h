@@ -3,8 +3,8 @@
  * descriptors a kernel gets, the host-mapped status it reports into, the GIN device-comm setup
  * and the transport self-test ("ping"). Same rules as deep_ep_kernels.h: device pointers unless
  * "host", `stream` is a cudaStream_t as void*, cudaError_t as int (0 = success), nothing throws.
- * Rust declarations: src/ffi/transport.rs (keep both in step; struct sizes are checked at run
- * time through dek_tp_struct_size).
+ * Rust declarations are generated from this file by build.rs (bindgen: src/sys/kernels.rs); the
+ * struct sizes are still compared at run time through dek_tp_struct_size (a stale build).
  */
 #ifndef DEEP_EP_TRANSPORT_API_H
 #define DEEP_EP_TRANSPORT_API_H

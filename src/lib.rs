@@ -32,6 +32,7 @@ pub mod host;
 pub mod layout;
 pub mod log;
 pub mod numerics;
+pub mod op_names;
 pub mod ops;
 pub mod reference;
 pub mod settings;

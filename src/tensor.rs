@@ -5,6 +5,9 @@
 use crate::error::{Error, Result};
 use std::fmt;
 
+/// CUDA stream to launch on (`cudaStream_t`); null for CPU buffers.
+pub type Stream = *mut std::ffi::c_void;
+
 /// Element types the ops accept. Values match `deep_ep_dtype_t` in `csrc/deep_ep_capi.h`.
 #[repr(i32)]
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -271,7 +274,7 @@ mod tests {
     #[test]
     fn message_names_op_argument_dtype_and_device() {
         let t = TensorRef::meta(DType::Float32, Device::Cpu, &[4, 8]);
-        let e = t.check("deep_ep::dispatch", "topk_idx").on(&[DType::Int32, DType::Int64], Device::Cuda(0)).err().unwrap();
+        let e = t.check(crate::op_names::DISPATCH, "topk_idx").on(&[DType::Int32, DType::Int64], Device::Cuda(0)).err().unwrap();
         assert_eq!(e.to_string(), "deep_ep::dispatch: topk_idx must be torch.int32 or torch.int64 on cuda:0, got torch.float32 on cpu");
     }
 

@@ -109,7 +109,7 @@ impl Topology {
 
 /// Parses `DEEP_EP_NVL_DOMAIN_SIZE` (`None` or blank = [`DEFAULT_NVL_DOMAIN_SIZE`]).
 pub fn parse_nvl_domain_size(value: Option<&str>) -> Result<usize> {
-    const OP: &str = "deep_ep::create_buffer";
+    const OP: &str = crate::op_names::CREATE_BUFFER;
     let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else {
         return Ok(DEFAULT_NVL_DOMAIN_SIZE);
     };
@@ -130,7 +130,7 @@ pub fn nvl_domain_size() -> Result<usize> {
 /// - internode normal mode needs `num_rdma_bytes > 0` and at most 20 nodes (DeepEP's kernel limit);
 /// - both sizes are multiples of 128.
 pub fn check_buffer_sizes(t: &Topology, num_nvl_bytes: usize, num_rdma_bytes: usize, low_latency_mode: bool) -> Result<()> {
-    const OP: &str = "deep_ep::create_buffer";
+    const OP: &str = crate::op_names::CREATE_BUFFER;
     crate::ensure!(num_nvl_bytes % 128 == 0, OP, "num_nvl_bytes must be a multiple of 128, got {num_nvl_bytes}");
     crate::ensure!(num_rdma_bytes % 128 == 0, OP, "num_rdma_bytes must be a multiple of 128, got {num_rdma_bytes}");
     let internode = t.path() == Path::Internode;
@@ -211,7 +211,7 @@ mod tests {
 
     #[test]
     fn bad_geometry_is_reported() {
-        let e = |r, n, d| Topology::new("deep_ep::create_buffer", r, n, d).unwrap_err().to_string();
+        let e = |r, n, d| Topology::new(crate::op_names::CREATE_BUFFER, r, n, d).unwrap_err().to_string();
         assert!(e(0, 12, 8).contains("12 ranks do not fill NVLink domains of 8 ranks"), "{}", e(0, 12, 8));
         assert!(e(0, 4, 0).contains("must be in 1..=8, got 0"));
         assert!(e(0, 4, 9).contains("got 9"));

@@ -14,7 +14,6 @@ pub mod nccl;
 use crate::config::{low_latency_rdma_size_hint, Config, LowLatencyLayout};
 use crate::error::{Error, Result};
 use crate::tensor::{Device, TensorRef};
-use std::ffi::c_void;
 
 /// Which transport a buffer uses.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -117,8 +116,7 @@ pub struct CreateArgs<'a> {
     pub low_latency_mode: bool,
 }
 
-/// CUDA stream to launch on (`cudaStream_t`); null for CPU buffers.
-pub type Stream = *mut c_void;
+pub use crate::tensor::Stream;
 
 /// Normal-mode dispatch inputs (non-cached). Shapes: N tokens, H hidden, S scales, K top-k,
 /// R ranks, E experts.
@@ -435,7 +433,7 @@ pub trait Backend: Send {
     /// First half of an internode dispatch (ranks span several NVLink domains): output sizes.
     /// Backends without internode normal mode answer `NotImplemented`.
     fn internode_dispatch_prepare(&mut self, _args: &internode::InternodeDispatchArgs) -> Result<internode::InternodePlan> {
-        Err(self.no_internode("deep_ep::internode_dispatch"))
+        Err(self.no_internode(crate::op_names::INTERNODE_DISPATCH))
     }
 
     /// Second half of an internode dispatch: tokens and the 10-tensor handle.
@@ -445,7 +443,7 @@ pub trait Backend: Send {
         _plan: &internode::InternodePlan,
         _out: &internode::InternodeDispatchOutputs,
     ) -> Result<()> {
-        Err(self.no_internode("deep_ep::internode_dispatch"))
+        Err(self.no_internode(crate::op_names::INTERNODE_DISPATCH))
     }
 
     /// Internode dispatch reusing a handle: `recv_x [rows, H]`, scales `[rows, S]`.
@@ -455,12 +453,12 @@ pub trait Backend: Send {
         _recv_x: &TensorRef,
         _recv_x_scales: Option<&TensorRef>,
     ) -> Result<()> {
-        Err(self.no_internode("deep_ep::internode_cached_dispatch"))
+        Err(self.no_internode(crate::op_names::INTERNODE_CACHED_DISPATCH))
     }
 
     /// Internode combine (two-level reduction, see [`internode::InternodeCombineArgs`]).
     fn internode_combine(&mut self, _args: &internode::InternodeCombineArgs, _out: &CombineOutputs) -> Result<()> {
-        Err(self.no_internode("deep_ep::internode_combine"))
+        Err(self.no_internode(crate::op_names::INTERNODE_COMBINE))
     }
 
     /// The error of a backend that lacks internode normal mode.
@@ -543,7 +541,7 @@ pub trait Backend: Send {
 /// Creates the backend `kind` for `args`.
 pub fn create(kind: BackendKind, args: &CreateArgs) -> Result<Box<dyn Backend>> {
     #[allow(dead_code)] // used by the arms of backends that are not compiled in
-    const OP: &str = "deep_ep::create_buffer";
+    const OP: &str = crate::op_names::CREATE_BUFFER;
     match kind {
         BackendKind::Cpu => Ok(Box::new(cpu::CpuBackend::create(args)?)),
         #[cfg(feature = "nccl")]
@@ -568,20 +566,21 @@ pub fn unique_id(kind: BackendKind) -> Result<Vec<u8>> {
         #[cfg(feature = "nccl")]
         BackendKind::Nccl => nccl::NcclBackend::unique_id(kind),
         #[cfg(not(feature = "nccl"))]
-        BackendKind::Nccl => Err(Error::NotCompiled { op: "deep_ep::get_unique_id", backend: "nccl".into(), feature: "nccl" }),
+        BackendKind::Nccl => Err(Error::NotCompiled { op: crate::op_names::GET_UNIQUE_ID, backend: "nccl".into(), feature: "nccl" }),
         #[cfg(feature = "nvshmem")]
         BackendKind::Nvshmem => nccl::NcclBackend::unique_id(kind),
         #[cfg(not(feature = "nvshmem"))]
-        BackendKind::Nvshmem => Err(Error::NotCompiled { op: "deep_ep::get_unique_id", backend: "nvshmem".into(), feature: "nvshmem" }),
+        BackendKind::Nvshmem => {
+            Err(Error::NotCompiled { op: crate::op_names::GET_UNIQUE_ID, backend: "nvshmem".into(), feature: "nvshmem" })
+        }
         #[cfg(feature = "ipc")]
         BackendKind::Ipc => Ok(crate::ffi::ipc_window::unique_id()),
         #[cfg(not(feature = "ipc"))]
-        BackendKind::Ipc => Err(Error::NotCompiled { op: "deep_ep::get_unique_id", backend: "ipc".into(), feature: "ipc" }),
+        BackendKind::Ipc => Err(Error::NotCompiled { op: crate::op_names::GET_UNIQUE_ID, backend: "ipc".into(), feature: "ipc" }),
     }
 }
 
-/// Length of every unique id (NCCL's `ncclUniqueId` is 128 bytes; the CPU id is padded to it).
-pub const UNIQUE_ID_BYTES: usize = 128;
+pub use crate::config::UNIQUE_ID_BYTES;
 
 #[cfg(test)]
 mod tests {

@@ -143,7 +143,7 @@ pub unsafe extern "C" fn deep_ep_create_buffer(
     handle: *mut i64,
 ) -> c_int {
     guard(|| {
-        const OP: &str = "deep_ep::create_buffer";
+        const OP: &str = crate::op_names::CREATE_BUFFER;
         crate::ensure!(rank >= 0 && num_ranks >= 1, OP, "rank ({rank}) must be >= 0 and num_ranks ({num_ranks}) >= 1");
         crate::ensure!(
             num_nvl_bytes >= 0 && num_rdma_bytes >= 0,
@@ -194,24 +194,24 @@ pub unsafe extern "C" fn deep_ep_buffer_info(handle: i64, op: *const c_char, out
 /// Maps a caller-supplied op name onto the static names errors carry.
 fn op_name(name: &str) -> &'static str {
     const KNOWN: &[&str] = &[
-        "deep_ep::dispatch",
-        "deep_ep::cached_dispatch",
-        "deep_ep::combine",
-        "deep_ep::low_latency_dispatch",
-        "deep_ep::low_latency_dispatch_send",
-        "deep_ep::low_latency_dispatch_recv",
-        "deep_ep::low_latency_combine",
-        "deep_ep::low_latency_combine_send",
-        "deep_ep::low_latency_combine_recv",
-        "deep_ep::clean_low_latency_buffer",
-        "deep_ep::get_next_low_latency_combine_buffer",
-        "deep_ep::low_latency_query_mask_buffer",
-        "deep_ep::wait_stats",
-        "deep_ep::internode_dispatch",
-        "deep_ep::internode_cached_dispatch",
-        "deep_ep::internode_combine",
+        crate::op_names::DISPATCH,
+        crate::op_names::CACHED_DISPATCH,
+        crate::op_names::COMBINE,
+        crate::op_names::LOW_LATENCY_DISPATCH,
+        crate::op_names::LOW_LATENCY_DISPATCH_SEND,
+        crate::op_names::LOW_LATENCY_DISPATCH_RECV,
+        crate::op_names::LOW_LATENCY_COMBINE,
+        crate::op_names::LOW_LATENCY_COMBINE_SEND,
+        crate::op_names::LOW_LATENCY_COMBINE_RECV,
+        crate::op_names::CLEAN_LOW_LATENCY_BUFFER,
+        crate::op_names::GET_NEXT_LOW_LATENCY_COMBINE_BUFFER,
+        crate::op_names::LOW_LATENCY_QUERY_MASK_BUFFER,
+        crate::op_names::WAIT_STATS,
+        crate::op_names::INTERNODE_DISPATCH,
+        crate::op_names::INTERNODE_CACHED_DISPATCH,
+        crate::op_names::INTERNODE_COMBINE,
     ];
-    KNOWN.iter().find(|k| **k == name).copied().unwrap_or("deep_ep::buffer_info")
+    KNOWN.iter().find(|k| **k == name).copied().unwrap_or(crate::op_names::BUFFER_INFO)
 }
 
 /// See `deep_ep_buffer_size_hint` in the header.
@@ -228,7 +228,7 @@ pub unsafe extern "C" fn deep_ep_buffer_size_hint(
     out: *mut i64,
 ) -> c_int {
     guard(|| {
-        let op = if which == 0 { "deep_ep::nvl_buffer_size_hint" } else { "deep_ep::rdma_buffer_size_hint" };
+        let op = if which == 0 { crate::op_names::NVL_BUFFER_SIZE_HINT } else { crate::op_names::RDMA_BUFFER_SIZE_HINT };
         let c = Config::from_slice(op, std::slice::from_raw_parts(cfg, len.max(0) as usize))?;
         crate::ensure!(hidden_bytes > 0 && num_ranks > 0, op, "hidden_bytes ({hidden_bytes}) and num_ranks ({num_ranks}) must be positive");
         let (h, r) = (hidden_bytes as usize, num_ranks as usize);
@@ -259,7 +259,7 @@ fn ensure_hint_fits(op: &'static str, bound: f64, args: &str) -> crate::error::R
 #[no_mangle]
 pub unsafe extern "C" fn deep_ep_low_latency_rdma_size_hint(t: i64, hidden: i64, num_ranks: i64, num_experts: i64, out: *mut i64) -> c_int {
     guard(|| {
-        const OP: &str = "deep_ep::low_latency_rdma_size_hint";
+        const OP: &str = crate::op_names::LOW_LATENCY_RDMA_SIZE_HINT;
         crate::ensure!(
             t > 0 && hidden > 0 && num_ranks > 0 && num_experts > 0,
             OP,
@@ -278,7 +278,7 @@ pub unsafe extern "C" fn deep_ep_low_latency_rdma_size_hint(t: i64, hidden: i64,
 /// Descriptor from the shim.
 #[no_mangle]
 pub unsafe extern "C" fn deep_ep_check_dispatch_layout(topk_idx: *const RawTensor, num_experts: i64, num_ranks: i64) -> c_int {
-    guard(|| ops::check_dispatch_layout(&tensor("deep_ep::get_dispatch_layout", "topk_idx", topk_idx)?, num_experts, num_ranks))
+    guard(|| ops::check_dispatch_layout(&tensor(crate::op_names::GET_DISPATCH_LAYOUT, "topk_idx", topk_idx)?, num_experts, num_ranks))
 }
 
 /// See `deep_ep_get_dispatch_layout` in the header.
@@ -296,7 +296,7 @@ pub unsafe extern "C" fn deep_ep_get_dispatch_layout(
     in_rank: *const RawTensor,
     stream: *mut c_void,
 ) -> c_int {
-    const OP: &str = "deep_ep::get_dispatch_layout";
+    const OP: &str = crate::op_names::GET_DISPATCH_LAYOUT;
     guard(|| {
         let idx = tensor(OP, "topk_idx", topk_idx)?;
         ops::check_dispatch_layout(&idx, num_experts, num_ranks)?;
@@ -319,7 +319,7 @@ pub unsafe extern "C" fn deep_ep_ll_mask(handle: i64, action: i32, rank: i64, va
     guard(|| match action {
         0 => ops::low_latency_update_mask(handle, rank, value != 0),
         1 => {
-            const OP: &str = "deep_ep::low_latency_query_mask_buffer";
+            const OP: &str = crate::op_names::LOW_LATENCY_QUERY_MASK_BUFFER;
             let m = ops::low_latency_query_mask(handle)?;
             crate::ensure!(
                 !out.is_null() && out_len as usize == m.len(),
@@ -332,7 +332,7 @@ pub unsafe extern "C" fn deep_ep_ll_mask(handle: i64, action: i32, rank: i64, va
         }
         2 => ops::low_latency_clean_mask(handle),
         3 => ops::low_latency_set_shrink(handle, value != 0),
-        _ => Err(Error::invalid("deep_ep::low_latency_update_mask_buffer", format!("internal: unknown mask action {action}"))),
+        _ => Err(Error::invalid(crate::op_names::LOW_LATENCY_UPDATE_MASK_BUFFER, format!("internal: unknown mask action {action}"))),
     })
 }
 
@@ -346,7 +346,7 @@ pub unsafe extern "C" fn deep_ep_wait_stats(handle: i64, reset: i32, out: *mut i
         let v = ops::wait_stats(handle, reset != 0)?;
         crate::ensure!(
             !out.is_null() && out_len as usize == 2 * v.len(),
-            "deep_ep::wait_stats",
+            crate::op_names::WAIT_STATS,
             "internal: output must hold {} int64, got {out_len}",
             2 * v.len()
         );

@@ -11,9 +11,9 @@ use crate::error::Result;
 use crate::ops;
 use std::ffi::{c_int, c_void};
 
-const DISPATCH: &str = "deep_ep::internode_dispatch";
-const CACHED: &str = "deep_ep::internode_cached_dispatch";
-const COMBINE: &str = "deep_ep::internode_combine";
+const DISPATCH: &str = crate::op_names::INTERNODE_DISPATCH;
+const CACHED: &str = crate::op_names::INTERNODE_CACHED_DISPATCH;
+const COMBINE: &str = crate::op_names::INTERNODE_COMBINE;
 
 /// `deep_ep_internode_handle_t`: the 10 tensors in DeepEP's order.
 #[repr(C)]

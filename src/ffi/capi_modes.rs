@@ -125,7 +125,7 @@ unsafe fn handle_of(op: &'static str, h: &RawHandle) -> Result<Handle> {
 }
 
 unsafe fn dispatch_args(a: *const RawDispatchArgs) -> Result<DispatchArgs> {
-    dispatch_args_as("deep_ep::dispatch", a)
+    dispatch_args_as(crate::op_names::DISPATCH, a)
 }
 
 /// Converts `deep_ep_dispatch_args_t` for op `op`.
@@ -177,7 +177,7 @@ pub unsafe extern "C" fn deep_ep_dispatch_prepare(
         let pe = std::slice::from_raw_parts_mut(per_expert, per_expert_len.max(0) as usize);
         crate::ensure!(
             pe.len() == p.num_recv_tokens_per_expert.len(),
-            "deep_ep::dispatch",
+            crate::op_names::DISPATCH,
             "internal: per-expert buffer of {} for {} local experts",
             pe.len(),
             p.num_recv_tokens_per_expert.len()
@@ -203,7 +203,7 @@ pub unsafe extern "C" fn deep_ep_dispatch_finish(
     plan: *const RawDispatchPlan,
     out: *const RawDispatchOutputs,
 ) -> c_int {
-    const OP: &str = "deep_ep::dispatch";
+    const OP: &str = crate::op_names::DISPATCH;
     guard(|| {
         let a = dispatch_args(args)?;
         let p = &*plan;
@@ -237,7 +237,7 @@ pub unsafe extern "C" fn deep_ep_cached_dispatch(
     recv_x: *const RawTensor,
     recv_x_scales: *const RawTensor,
 ) -> c_int {
-    const OP: &str = "deep_ep::cached_dispatch";
+    const OP: &str = crate::op_names::CACHED_DISPATCH;
     guard(|| {
         let r = &*args;
         check_size(OP, r.size, std::mem::size_of::<RawCachedDispatchArgs>())?;
@@ -266,7 +266,7 @@ pub unsafe extern "C" fn deep_ep_combine(
     combined_x: *const RawTensor,
     combined_w: *const RawTensor,
 ) -> c_int {
-    const OP: &str = "deep_ep::combine";
+    const OP: &str = crate::op_names::COMBINE;
     guard(|| {
         let r = &*args;
         check_size(OP, r.size, std::mem::size_of::<RawCombineArgs>())?;
@@ -345,7 +345,7 @@ pub unsafe extern "C" fn deep_ep_ll_dispatch_send(
     wait: *const RawTensor,
     out: *const RawLlDispatchOutputs,
 ) -> c_int {
-    const OP: &str = "deep_ep::low_latency_dispatch";
+    const OP: &str = crate::op_names::LOW_LATENCY_DISPATCH;
     guard(|| {
         let (g, o, raw) = ll_params(OP, p)?;
         let a = LlDispatchSendArgs {
@@ -372,7 +372,7 @@ pub unsafe extern "C" fn deep_ep_ll_dispatch_recv(
     cumulative: *const RawTensor,
     wait: *const RawTensor,
 ) -> c_int {
-    const OP: &str = "deep_ep::low_latency_dispatch";
+    const OP: &str = crate::op_names::LOW_LATENCY_DISPATCH;
     guard(|| {
         let (g, o, raw) = ll_params(OP, p)?;
         if out.is_null() {
@@ -395,7 +395,7 @@ pub unsafe extern "C" fn deep_ep_ll_combine_send(
     layout_range: *const RawTensor,
     recv_state: *const RawTensor,
 ) -> c_int {
-    const OP: &str = "deep_ep::low_latency_combine";
+    const OP: &str = crate::op_names::LOW_LATENCY_COMBINE;
     guard(|| {
         let (g, _, raw) = ll_params(OP, p)?;
         let a = LlCombineSendArgs {
@@ -424,7 +424,7 @@ pub unsafe extern "C" fn deep_ep_ll_combine_recv(
     out: *const RawTensor,
     wait: *const RawTensor,
 ) -> c_int {
-    const OP: &str = "deep_ep::low_latency_combine";
+    const OP: &str = crate::op_names::LOW_LATENCY_COMBINE;
     guard(|| {
         let (g, _, raw) = ll_params(OP, p)?;
         let a = LlCombineRecvArgs {
@@ -450,7 +450,7 @@ pub unsafe extern "C" fn deep_ep_ll_mask_rows(
     out: *const RawTensor,
     stream: *mut c_void,
 ) -> c_int {
-    let op = if which == 0 { "deep_ep::low_latency_dispatch" } else { "deep_ep::low_latency_combine" };
+    let op = if which == 0 { crate::op_names::LOW_LATENCY_DISPATCH } else { crate::op_names::LOW_LATENCY_COMBINE };
     guard(|| {
         let a = LlRowsArgs {
             topk_idx: tensor(op, "topk_idx", topk_idx)?,
@@ -468,7 +468,7 @@ pub unsafe extern "C" fn deep_ep_ll_mask_rows(
 #[no_mangle]
 pub unsafe extern "C" fn deep_ep_ll_clean(handle: i64, p: *const RawLlParams) -> c_int {
     guard(|| {
-        let (g, _, raw) = ll_params("deep_ep::clean_low_latency_buffer", p)?;
+        let (g, _, raw) = ll_params(crate::op_names::CLEAN_LOW_LATENCY_BUFFER, p)?;
         ops::clean_low_latency_buffer(handle, &g, raw.stream)
     })
 }
@@ -480,7 +480,7 @@ pub unsafe extern "C" fn deep_ep_ll_clean(handle: i64, p: *const RawLlParams) ->
 #[no_mangle]
 pub unsafe extern "C" fn deep_ep_ll_next_combine_buffer(handle: i64, p: *const RawLlParams, view: *mut RawTensor) -> c_int {
     guard(|| {
-        let (g, _, _) = ll_params("deep_ep::get_next_low_latency_combine_buffer", p)?;
+        let (g, _, _) = ll_params(crate::op_names::GET_NEXT_LOW_LATENCY_COMBINE_BUFFER, p)?;
         let t: TensorRef = ops::next_low_latency_combine_buffer(handle, &g)?;
         *view = raw_of(&t);
         Ok(())

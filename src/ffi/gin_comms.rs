@@ -101,12 +101,20 @@ impl GinComms {
             // SAFETY: live parent; writes one communicator handle; the config lives through the call.
             let res = unsafe { split(parent, 0, rank as c_int, &mut comm, &mut config) };
             nccl::check(lib, res, "ncclCommSplit (GIN communicator)")?;
-            crate::ensure!(!comm.is_null(), "deep_ep::create_buffer", "internal: ncclCommSplit returned no communicator on rank {rank}");
+            crate::ensure!(
+                !comm.is_null(),
+                crate::op_names::CREATE_BUFFER,
+                "internal: ncclCommSplit returned no communicator on rank {rank}"
+            );
             self.extra.push(Extra { comm, gin_devcomm: None, win: std::ptr::null_mut() });
             let mut r: c_int = -1;
             // SAFETY: live communicator; writes one int.
             nccl::check(lib, unsafe { user_rank(comm, &mut r) }, "ncclCommUserRank")?;
-            crate::ensure!(r as usize == rank, "deep_ep::create_buffer", "internal: rank {rank} is rank {r} of its split GIN communicator");
+            crate::ensure!(
+                r as usize == rank,
+                crate::op_names::CREATE_BUFFER,
+                "internal: rank {rank} is rank {r} of its split GIN communicator"
+            );
             // SAFETY: ncclDevCommCreate of the loaded NCCL on the live communicator.
             let dc = gin_setup(api.dev_comm_create, comm.cast(), i + 1, g)?;
             self.extra.last_mut().expect("pushed above").gin_devcomm = Some(dc);

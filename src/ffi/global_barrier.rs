@@ -43,9 +43,8 @@ fn write_header(op: &'static str, ctx: &Ctx, h: Header) -> Result<()> {
     crate::ensure!(!own.is_null() && ctx.window_bytes >= CONTROL_BYTES as u64, op, "internal: no own window for the global barrier");
     // SAFETY: 8 bytes inside the control area of this rank's own live window, from a host struct
     // that lives through the synchronous copy.
-    let st = unsafe {
-        dek_cuda_memcpy_htod(own.cast::<u8>().add(AREA_OFF).cast(), (&h as *const Header).cast(), std::mem::size_of::<Header>())
-    };
+    let st =
+        unsafe { dek_cuda_memcpy_htod(own.cast::<u8>().add(AREA_OFF).cast(), (&h as *const Header).cast(), std::mem::size_of::<Header>()) };
     check(st, op, "writing the global barrier's header")
 }
 

@@ -76,11 +76,7 @@ impl HostMask {
         assert!(words <= MASK_WORDS);
         // SAFETY: `dst` is device memory of at least `words` int32 (the caller's window scratch);
         // the source is our live pinned block.
-        super::kernels::check(
-            unsafe { dek_cuda_memcpy_htod(dst, self.host.cast(), words * 4) },
-            op,
-            "copying the rank mask to the device",
-        )
+        super::kernels::check(unsafe { dek_cuda_memcpy_htod(dst, self.host.cast(), words * 4) }, op, "copying the rank mask to the device")
     }
 }
 

@@ -1,7 +1,7 @@
 //! Bindings to the intranode normal-mode kernels (`kernels/intranode_*.cu`) and the CUDA runtime
-//! helpers the NCCL backend needs (`kernels/runtime.cu`); the C declarations and the protocol are
-//! in `kernels/deep_ep_kernels.h` (keep both in step: [`check_struct_sizes`] compares the
-//! mirrored struct sizes with the C ones at buffer creation).
+//! helpers the NCCL backend needs (`kernels/runtime.cu`); the protocol is in
+//! `kernels/deep_ep_kernels.h`, whose declarations `crate::sys::kernels` generates
+//! ([`check_struct_sizes`] still compares the struct sizes with the kernels' at buffer creation).
 //!
 //! Every launch is asynchronous on the stream it is given and CUDA-graph capturable. The structs
 //! carry raw device pointers: the backend fills them only from live tensors handed over by

@@ -30,8 +30,8 @@ use std::ffi::c_void;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-const OP: &str = "deep_ep::create_buffer";
-const DESTROY: &str = "deep_ep::destroy_buffer";
+const OP: &str = crate::op_names::CREATE_BUFFER;
+const DESTROY: &str = crate::op_names::DESTROY_BUFFER;
 /// Window sizes are rounded up to this (as the NCCL window's).
 const ALLOC_ALIGN: usize = 2 << 20;
 /// `cudaIpcMemHandle_t` bytes (`DEK_IPC_HANDLE_BYTES`).
@@ -61,7 +61,7 @@ const FAILED: u64 = 2;
 pub fn unique_id() -> Vec<u8> {
     let mut id = ID_PREFIX.to_vec();
     id.extend(random_u128().to_le_bytes().iter().map(|b| format!("{b:02x}")).collect::<String>().bytes());
-    id.resize(crate::backend::UNIQUE_ID_BYTES, 0);
+    id.resize(crate::config::UNIQUE_ID_BYTES, 0);
     id
 }
 
@@ -408,7 +408,7 @@ mod tests {
     #[test]
     fn unique_ids_name_distinct_rendezvous() {
         let (a, b) = (unique_id(), unique_id());
-        assert_eq!(a.len(), crate::backend::UNIQUE_ID_BYTES);
+        assert_eq!(a.len(), crate::config::UNIQUE_ID_BYTES);
         assert_ne!(a, b);
         let n = name_from_id(&a).unwrap();
         assert!(n.starts_with("ipc_") && n != name_from_id(&b).unwrap(), "{n}");

@@ -1,5 +1,5 @@
-//! Bindings to the C launch API of `kernels/*.cu` (declared in `kernels/deep_ep_kernels.h`;
-//! keep both in step). Every C function returns a `cudaError_t` as `i32`; [`check`] turns a
+//! The dispatch-layout launcher and CUDA error texts over the C launch API of `kernels/*.cu`
+//! (`kernels/deep_ep_kernels.h`, declarations generated into `crate::sys::kernels`). Every C function returns a `cudaError_t` as `i32`; [`check`] turns a
 //! nonzero status into [`Error::Device`] carrying the CUDA error name.
 //!
 //! Streams are raw `cudaStream_t` values (`*mut c_void`, null = legacy default stream); launches
@@ -42,7 +42,7 @@ pub fn device_count() -> Result<usize> {
     Ok(n.max(0) as usize)
 }
 
-const LAYOUT_OP: &str = "deep_ep::get_dispatch_layout";
+const LAYOUT_OP: &str = crate::op_names::GET_DISPATCH_LAYOUT;
 
 fn to_c_int(v: usize, name: &str) -> Result<c_int> {
     c_int::try_from(v).map_err(|_| Error::invalid(LAYOUT_OP, format!("{name} = {v} does not fit in int32")))

@@ -126,7 +126,7 @@ impl PeerMap {
 mod tests {
     use super::*;
 
-    const OP: &str = "deep_ep::create_buffer";
+    const OP: &str = crate::op_names::CREATE_BUFFER;
 
     fn ptr(v: usize) -> *mut c_void {
         v as *mut c_void

@@ -24,8 +24,8 @@ use crate::error::{Error, Result};
 use crate::sys::kernels::*;
 use std::ffi::{c_int, c_void};
 
-const OP: &str = "deep_ep::create_buffer";
-const DESTROY: &str = "deep_ep::destroy_buffer";
+const OP: &str = crate::op_names::CREATE_BUFFER;
+const DESTROY: &str = crate::op_names::DESTROY_BUFFER;
 /// `ncclMemAlloc` granularity.
 const ALLOC_ALIGN: usize = 2 << 20;
 

@@ -30,8 +30,8 @@ use std::sync::Mutex;
 /// (kernels/nvshmem/transport.cu); cleared when NVSHMEM is finalised.
 static DEVICE_STATE: AtomicBool = AtomicBool::new(false);
 
-const OP: &str = "deep_ep::create_buffer";
-const DESTROY: &str = "deep_ep::destroy_buffer";
+const OP: &str = crate::op_names::CREATE_BUFFER;
+const DESTROY: &str = crate::op_names::DESTROY_BUFFER;
 /// Window sizes are rounded up to this (as the NCCL window's).
 const ALLOC_ALIGN: usize = 2 << 20;
 /// Heap room beyond the window suggested for NVSHMEM's own symmetric objects (team sync arrays).

@@ -228,14 +228,7 @@ pub fn build_gin_net(op: &'static str, comms: &[(&[u64], *mut c_void)], desc_byt
     // writes at most out.len() * 8 bytes of our 8-aligned buffer (the glue checks both sizes and
     // the alignment).
     let n = unsafe {
-        dek_ll_gin_net_build(
-            devcomms.as_ptr(),
-            dc_bytes,
-            windows.as_ptr(),
-            comms.len() as c_int,
-            out.as_mut_ptr().cast(),
-            out.len() * 8,
-        )
+        dek_ll_gin_net_build(devcomms.as_ptr(), dc_bytes, windows.as_ptr(), comms.len() as c_int, out.as_mut_ptr().cast(), out.len() * 8)
     };
     crate::ensure!(
         n == l.bytes,

@@ -11,9 +11,9 @@ use crate::buffer;
 use crate::error::Result;
 use crate::tensor::{DType, TensorRef};
 
-const DISPATCH: &str = "deep_ep::internode_dispatch";
-const CACHED: &str = "deep_ep::internode_cached_dispatch";
-const COMBINE: &str = "deep_ep::internode_combine";
+const DISPATCH: &str = crate::op_names::INTERNODE_DISPATCH;
+const CACHED: &str = crate::op_names::INTERNODE_CACHED_DISPATCH;
+const COMBINE: &str = crate::op_names::INTERNODE_COMBINE;
 
 /// Number of NVLink domains of `info`'s buffer; errors unless its ranks span more than one.
 pub fn num_rdma_ranks(op: &'static str, info: &BufferInfo) -> Result<usize> {

@@ -10,10 +10,10 @@ use crate::error::Result;
 use crate::tensor::{DType, TensorRef};
 
 /// Op names, shared with the backends' error messages.
-pub(crate) const DISPATCH: &str = "deep_ep::low_latency_dispatch";
-pub(crate) const COMBINE: &str = "deep_ep::low_latency_combine";
-pub(crate) const CLEAN: &str = "deep_ep::clean_low_latency_buffer";
-pub(crate) const NEXT: &str = "deep_ep::get_next_low_latency_combine_buffer";
+pub(crate) const DISPATCH: &str = crate::op_names::LOW_LATENCY_DISPATCH;
+pub(crate) const COMBINE: &str = crate::op_names::LOW_LATENCY_COMBINE;
+pub(crate) const CLEAN: &str = crate::op_names::CLEAN_LOW_LATENCY_BUFFER;
+pub(crate) const NEXT: &str = crate::op_names::GET_NEXT_LOW_LATENCY_COMBINE_BUFFER;
 
 /// Most top-k entries per token in low-latency mode.
 pub const MAX_LL_TOPK: usize = 32;
@@ -307,10 +307,10 @@ pub fn next_low_latency_combine_buffer(handle: i64, g: &LlGeometry) -> Result<Te
     })
 }
 
-const MASK_UPDATE: &str = "deep_ep::low_latency_update_mask_buffer";
-const MASK_QUERY: &str = "deep_ep::low_latency_query_mask_buffer";
-const MASK_CLEAN: &str = "deep_ep::low_latency_clean_mask_buffer";
-const SHRINK: &str = "deep_ep::low_latency_set_shrink";
+const MASK_UPDATE: &str = crate::op_names::LOW_LATENCY_UPDATE_MASK_BUFFER;
+const MASK_QUERY: &str = crate::op_names::LOW_LATENCY_QUERY_MASK_BUFFER;
+const MASK_CLEAN: &str = crate::op_names::LOW_LATENCY_CLEAN_MASK_BUFFER;
+const SHRINK: &str = crate::op_names::LOW_LATENCY_SET_SHRINK;
 
 /// `deep_ep::low_latency_update_mask_buffer` (local): masks (`masked`) or unmasks `rank` for
 /// this rank's LL ops.

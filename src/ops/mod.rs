@@ -11,19 +11,19 @@ pub use normal::*;
 
 use crate::backend::{self, BackendKind, CreateArgs, UNIQUE_ID_BYTES};
 use crate::buffer;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::layout;
 use crate::tensor::{DType, Device, TensorRef};
 
 /// `deep_ep::get_unique_id`: a rendezvous id for `backend` ("" = `DEEP_EP_BACKEND` or cpu).
 pub fn get_unique_id(backend_name: &str, device: Device) -> Result<Vec<u8>> {
-    let kind = BackendKind::select("deep_ep::get_unique_id", backend_name, device)?;
+    let kind = BackendKind::select(crate::op_names::GET_UNIQUE_ID, backend_name, device)?;
     backend::unique_id(kind)
 }
 
 /// `deep_ep::create_buffer` (collective).
 pub fn create_buffer(args: &CreateArgs, backend_name: &str) -> Result<i64> {
-    const OP: &str = "deep_ep::create_buffer";
+    const OP: &str = crate::op_names::CREATE_BUFFER;
     crate::ensure!(
         args.unique_id.len() == UNIQUE_ID_BYTES,
         OP,
@@ -51,12 +51,12 @@ pub fn create_buffer(args: &CreateArgs, backend_name: &str) -> Result<i64> {
 
 /// `deep_ep::destroy_buffer` (collective).
 pub fn destroy_buffer(handle: i64) -> Result<()> {
-    buffer::destroy("deep_ep::destroy_buffer", handle)
+    buffer::destroy(crate::op_names::DESTROY_BUFFER, handle)
 }
 
 /// `deep_ep::bind_buffer_slot` (local): slot handle `-(slot + 1)` names this buffer from now on.
 pub fn bind_buffer_slot(handle: i64, slot: i64) -> Result<()> {
-    buffer::bind_slot("deep_ep::bind_buffer_slot", handle, slot)
+    buffer::bind_slot(crate::op_names::BIND_BUFFER_SLOT, handle, slot)
 }
 
 /// `deep_ep::buffer_info`: `[rank, num_ranks, device, num_nvl_bytes, num_rdma_bytes,
@@ -86,7 +86,7 @@ pub struct LayoutOutputs {
 
 /// Validates `get_dispatch_layout` inputs (call before allocating outputs).
 pub fn check_dispatch_layout(topk_idx: &TensorRef, num_experts: i64, num_ranks: i64) -> Result<()> {
-    const OP: &str = "deep_ep::get_dispatch_layout";
+    const OP: &str = crate::op_names::GET_DISPATCH_LAYOUT;
     crate::ensure!(num_ranks >= 1, OP, "num_ranks must be >= 1, got {num_ranks}");
     crate::ensure!(
         num_experts >= 1 && num_experts % num_ranks == 0,
@@ -107,24 +107,6 @@ pub fn check_dispatch_layout(topk_idx: &TensorRef, num_experts: i64, num_ranks: 
         .done()
 }
 
-/// Expert ids of a CPU `topk_idx` (row-major, `k` per token) must lie in `[-1, num_experts)`;
-/// anything else would be dropped or aliased silently. (On CUDA the ops' device-side checks or
-/// the kernels' own bounds apply.)
-pub(crate) fn check_expert_ids(op: &'static str, ids: &[i64], k: usize, num_experts: usize) -> Result<()> {
-    match ids.iter().position(|&v| v < -1 || v >= num_experts as i64) {
-        None => Ok(()),
-        Some(p) => Err(Error::invalid(
-            op,
-            format!(
-                "topk_idx[{}, {}] = {} is not an expert id: ids must be in [-1, {num_experts}) (-1 = no expert)",
-                p / k.max(1),
-                p % k.max(1),
-                ids[p]
-            ),
-        )),
-    }
-}
-
 /// `deep_ep::get_dispatch_layout` (local, not collective). On CUDA it launches on `stream`.
 pub fn get_dispatch_layout(
     topk_idx: &TensorRef,
@@ -139,7 +121,7 @@ pub fn get_dispatch_layout(
             let (n, k) = (topk_idx.size(0), topk_idx.size(1));
             let d = crate::topology::nvl_domain_size()?;
             let ids = topk_idx.cpu_indices_i64();
-            check_expert_ids("deep_ep::get_dispatch_layout", &ids, k, num_experts)?;
+            crate::layout::check_expert_ids(crate::op_names::GET_DISPATCH_LAYOUT, &ids, k, num_experts)?;
             let l = layout::dispatch_layout_in_domains(&ids, n, k, num_experts, num_ranks, d);
             out.num_tokens_per_rank.cpu_slice_mut::<i32>().copy_from_slice(&l.num_tokens_per_rank);
             if let Some(t) = &out.num_tokens_per_rdma_rank {
@@ -172,7 +154,7 @@ fn cuda_dispatch_layout(topk_idx: &TensorRef, e: usize, r: usize, d: usize, out:
 
 #[cfg(not(feature = "cuda"))]
 fn cuda_dispatch_layout(_: &TensorRef, _: usize, _: usize, _: usize, _: &LayoutOutputs, _: backend::Stream) -> Result<()> {
-    Err(crate::error::Error::NotCompiled { op: "deep_ep::get_dispatch_layout", backend: "cuda".into(), feature: "cuda" })
+    Err(crate::error::Error::NotCompiled { op: crate::op_names::GET_DISPATCH_LAYOUT, backend: "cuda".into(), feature: "cuda" })
 }
 
 /// Requires `t` to live on the buffer's device (one message shape for every op).
@@ -183,7 +165,7 @@ pub(crate) fn on_device(op: &'static str, name: &'static str, t: &TensorRef, dty
 /// `deep_ep::wait_stats` (local): per peer `[waits, nanoseconds]` of this rank's host waits
 /// (see `Backend::wait_stats`); `reset` zeroes them after reading.
 pub fn wait_stats(handle: i64, reset: bool) -> Result<Vec<[i64; 2]>> {
-    buffer::with("deep_ep::wait_stats", handle, |b| b.wait_stats(reset))
+    buffer::with(crate::op_names::WAIT_STATS, handle, |b| b.wait_stats(reset))
 }
 
 /// Entries of `num_tokens_per_rdma_rank` for `num_ranks` ranks: `num_ranks / D` when the ranks

@@ -6,9 +6,9 @@ use crate::buffer;
 use crate::error::Result;
 use crate::tensor::{DType, TensorRef};
 
-const DISPATCH: &str = "deep_ep::dispatch";
-const CACHED: &str = "deep_ep::cached_dispatch";
-const COMBINE: &str = "deep_ep::combine";
+const DISPATCH: &str = crate::op_names::DISPATCH;
+const CACHED: &str = crate::op_names::CACHED_DISPATCH;
+const COMBINE: &str = crate::op_names::COMBINE;
 
 /// Most top-k entries per token the kernels support (DeepEP's device assert).
 pub const MAX_TOPK: usize = 32;

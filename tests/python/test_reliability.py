@@ -97,6 +97,15 @@ def test_memory_that_cannot_be_reserved_is_a_clear_error(tmp_path):
     assert "ERR deep_ep::create_buffer: cannot reserve 67" in p.stdout and "anonymous memory" in p.stdout, p.stdout + p.stderr
 
 
+def _maps_anonymous_buffer(pid):
+    """Whether process `pid` has mapped a CPU buffer's anonymous memory."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return any("memfd:deep_ep_cpu_" in line for line in f)
+    except OSError:
+        return False
+
+
 def _deep_ep_sockets():
     """Abstract sockets of buffers being created (anonymous memory's rendezvous)."""
     with open("/proc/net/unix") as f:
@@ -395,7 +404,11 @@ def test_rank_killed_after_getting_anonymous_memory_is_named_and_nothing_is_left
     r0, _ = _start_rank(tmp_path, 0, True, 3, DEEP_EP_TIMEOUT_MS="20000")
     _wait_for(tmp_path / "uid")
     r1, _ = _start_rank(tmp_path, 1, True, 3, DEEP_EP_TIMEOUT_MS="60000")
-    time.sleep(1.5)  # rank 1 has the memory and waits in the rendezvous for rank 2
+    t0 = time.monotonic()
+    while not _maps_anonymous_buffer(r1.pid):  # rank 1 has the memory (then waits for rank 2)
+        assert r1.poll() is None and time.monotonic() - t0 < 60, "rank 1 never mapped the buffer"
+        time.sleep(0.02)
+    time.sleep(0.5)
     r1.send_signal(signal.SIGKILL)
     r1.wait(30)
     r2, _ = _start_rank(tmp_path, 2, True, 3, DEEP_EP_TIMEOUT_MS="3000")

@@ -57,12 +57,12 @@ impl Kind {
 
     pub(super) fn op(self) -> &'static str {
         match self {
-            Kind::Dispatch => "deep_ep::dispatch",
-            Kind::CachedDispatch => "deep_ep::cached_dispatch",
-            Kind::Combine => "deep_ep::combine",
-            Kind::InternodeDispatch => "deep_ep::internode_dispatch",
-            Kind::InternodeCachedDispatch => "deep_ep::internode_cached_dispatch",
-            Kind::InternodeCombine => "deep_ep::internode_combine",
+            Kind::Dispatch => crate::op_names::DISPATCH,
+            Kind::CachedDispatch => crate::op_names::CACHED_DISPATCH,
+            Kind::Combine => crate::op_names::COMBINE,
+            Kind::InternodeDispatch => crate::op_names::INTERNODE_DISPATCH,
+            Kind::InternodeCachedDispatch => crate::op_names::INTERNODE_CACHED_DISPATCH,
+            Kind::InternodeCombine => crate::op_names::INTERNODE_COMBINE,
         }
     }
 }
@@ -295,7 +295,7 @@ impl CpuBackend {
     }
 
     pub(super) fn ht_dispatch_finish(&mut self, a: &DispatchArgs, plan: &DispatchPlan, o: &DispatchOutputs) -> Result<()> {
-        const OP: &str = "deep_ep::dispatch";
+        const OP: &str = crate::op_names::DISPATCH;
         let (nr, c) = (self.info.num_ranks, a.config.num_channels());
         let data = RecvData {
             recv_x: &o.recv_x,
@@ -431,7 +431,7 @@ impl CpuBackend {
     }
 
     pub(super) fn ht_cached_dispatch(&mut self, a: &CachedDispatchArgs, recv_x: &TensorRef, recv_scales: Option<&TensorRef>) -> Result<()> {
-        const OP: &str = "deep_ep::cached_dispatch";
+        const OP: &str = crate::op_names::CACHED_DISPATCH;
         let nr = self.info.num_ranks;
         let n = a.x.size(0);
         let row_bytes = a.x.size(1) * a.x.dtype.size();
@@ -515,7 +515,7 @@ impl CpuBackend {
     }
 
     pub(super) fn ht_combine(&mut self, a: &CombineArgs, o: &CombineOutputs) -> Result<()> {
-        const OP: &str = "deep_ep::combine";
+        const OP: &str = crate::op_names::COMBINE;
         let (r, nr) = (self.info.rank, self.info.num_ranks);
         let rows = a.x.size(0);
         let hidden = a.x.size(1);

@@ -48,7 +48,10 @@ use crate::tensor::{DType, Device, TensorRef};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use crate::ops::low_latency::{CLEAN as OP_CLEAN, COMBINE as OP_COMBINE, DISPATCH as OP_DISPATCH, NEXT as OP_NEXT};
+use crate::op_names::{
+    CLEAN_LOW_LATENCY_BUFFER as OP_CLEAN, GET_NEXT_LOW_LATENCY_COMBINE_BUFFER as OP_NEXT, LOW_LATENCY_COMBINE as OP_COMBINE,
+    LOW_LATENCY_DISPATCH as OP_DISPATCH,
+};
 const KIND_DISPATCH: i64 = 1;
 const KIND_COMBINE: i64 = 2;
 /// Combine's `recv_state` flag (dispatch's are `LlDispatchOptions::flags`).
@@ -314,7 +317,7 @@ impl CpuBackend {
         // Validate before any write so an error leaves the shared state untouched.
         let mut count = vec![0usize; geo.e];
         // The ids as routed (rows at or past `num_tokens` are -1 by now), in [-1, E).
-        crate::ops::check_expert_ids(OP_DISPATCH, &idx, k, geo.e)?;
+        crate::layout::check_expert_ids(OP_DISPATCH, &idx, k, geo.e)?;
         for &e in idx.iter().filter(|&&e| e >= 0) {
             count[e as usize] += 1;
         }
@@ -689,7 +692,7 @@ impl CpuBackend {
             a.topk_idx.sizes(),
             a.topk_weights.sizes()
         );
-        crate::ops::check_expert_ids(OP_COMBINE, &idx, k, geo.e)?;
+        crate::layout::check_expert_ids(OP_COMBINE, &idx, k, geo.e)?;
         if let Some(fp) = self.ll.combine_routing[half] {
             crate::ensure!(
                 fp == routing_fingerprint(&idx, k),

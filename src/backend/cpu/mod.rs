@@ -106,7 +106,7 @@ impl CpuBackend {
     /// Collective: every rank maps the same shared memory (`shared::segment`) and checks that all
     /// ranks asked for the same buffer; a named file loses its name once every rank has it.
     pub fn create(a: &CreateArgs) -> Result<CpuBackend> {
-        const OP: &str = "deep_ep::create_buffer";
+        const OP: &str = crate::op_names::CREATE_BUFFER;
         crate::ensure!(a.num_ranks >= 1 && a.num_ranks <= MAX_RANKS, OP, "num_ranks must be in 1..={MAX_RANKS}, got {}", a.num_ranks);
         crate::ensure!(a.rank < a.num_ranks, OP, "rank {} out of range for {} ranks", a.rank, a.num_ranks);
         crate::ensure!(

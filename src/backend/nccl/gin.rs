@@ -27,7 +27,7 @@
 use crate::error::{Error, Result};
 use crate::ffi::transport::{GinInfo, GinReqs, MAX_GIN_CONTEXTS};
 
-const OP: &str = "deep_ep::create_buffer";
+const OP: &str = crate::op_names::CREATE_BUFFER;
 
 /// Most communicators one buffer opens for more QPs (`DEK_TP_MAX_GIN_COMMS`, the capacity of
 /// the device descriptor `GinNet`).

@@ -45,9 +45,9 @@ use crate::ffi::transport::{LsaDesc, MAX_LSA_PEERS};
 use crate::tensor::TensorRef;
 use std::ffi::c_void;
 
-const DISPATCH: &str = "deep_ep::internode_dispatch";
-const CACHED: &str = "deep_ep::internode_cached_dispatch";
-const COMBINE: &str = "deep_ep::internode_combine";
+const DISPATCH: &str = crate::op_names::INTERNODE_DISPATCH;
+const CACHED: &str = crate::op_names::INTERNODE_CACHED_DISPATCH;
+const COMBINE: &str = crate::op_names::INTERNODE_COMBINE;
 
 fn align(v: usize, a: usize) -> usize {
     v.div_ceil(a) * a
@@ -138,7 +138,8 @@ impl Geo {
 impl NcclBackend {
     fn in_geo(&self, op: &'static str, config: &Config) -> Result<Geo> {
         let (nr, d) = (self.info.num_ranks, self.info.nvl_domain_size);
-        let rr = crate::ops::num_rdma_ranks(op, &self.info)?;
+        // crate::ops checked that the ranks span several domains of d.
+        let rr = nr / d;
         let c = channels(op, config)?;
         crate::ensure!(nr <= MAX_LSA_PEERS, op, "internal: {nr} ranks for the LSA emulation");
         let data_off = k::CTRL_OFF + k::CTRL_BYTES;
@@ -517,8 +518,8 @@ mod tests {
                 }
             }
         }
-        let e = ht_net("deep_ep::internode_dispatch", true, true, None).unwrap_err().to_string();
-        assert!(e.contains("deep_ep::internode_dispatch") && e.contains("without its GIN seam descriptor"), "{e}");
+        let e = ht_net(crate::op_names::INTERNODE_DISPATCH, true, true, None).unwrap_err().to_string();
+        assert!(e.contains(crate::op_names::INTERNODE_DISPATCH) && e.contains("without its GIN seam descriptor"), "{e}");
     }
 
     #[test]

@@ -248,7 +248,7 @@ mod tests {
             assert!(w.msg_bytes - MSG_META >= 2 * h);
             assert!(combine_stage_bytes(e, t, h) <= lay.send_bytes && combine_stage_bytes(e, t, h) == e * t * lay.combine_slot_bytes);
         }
-        let e = Staging::new(2, 2, 128, 160 + 256).check("deep_ep::low_latency_dispatch", 100).unwrap_err().to_string();
+        let e = Staging::new(2, 2, 128, 160 + 256).check(crate::op_names::LOW_LATENCY_DISPATCH, 100).unwrap_err().to_string();
         assert!(e.contains("stages its messages to other NVLink domains") && e.contains("100 available"), "{e}");
     }
 

@@ -49,7 +49,10 @@ use crate::error::{Error, Result};
 use crate::ffi::host_mask::SHRINK_WORD;
 use crate::ffi::intranode::{self, err, site, CONTROL_BYTES};
 use crate::ffi::low_latency::{self as k, LlArgs};
-use crate::ops::low_latency::{CLEAN as OP_CLEAN, COMBINE as OP_COMBINE, DISPATCH as OP_DISPATCH, NEXT as OP_NEXT};
+use crate::op_names::{
+    CLEAN_LOW_LATENCY_BUFFER as OP_CLEAN, GET_NEXT_LOW_LATENCY_COMBINE_BUFFER as OP_NEXT, LOW_LATENCY_COMBINE as OP_COMBINE,
+    LOW_LATENCY_DISPATCH as OP_DISPATCH,
+};
 use crate::tensor::{DType, TensorRef};
 /// Combine `recv_state` flag: partial sums were sent (`DEK_LL_FLAG_PARTIAL`).
 const FLAG_PARTIAL: i32 = 32;

@@ -126,7 +126,7 @@ impl NcclBackend {
     /// `num_nvl_bytes` (plus the LL area) and a 64 KiB control area, rounded up to 2 MiB, and a
     /// host-mapped status block.
     pub fn create(a: &CreateArgs, kind: BackendKind) -> Result<Self> {
-        const OP: &str = "deep_ep::create_buffer";
+        const OP: &str = crate::op_names::CREATE_BUFFER;
         let unique_id: [u8; UNIQUE_ID_BYTES] = a
             .unique_id
             .try_into()
@@ -285,7 +285,7 @@ impl NcclBackend {
             BackendKind::Nccl => Ok(nccl::unique_id(checked_library()?)?.to_vec()),
             #[cfg(feature = "nvshmem")]
             BackendKind::Nvshmem => Ok(crate::ffi::nvshmem_window::unique_id()?.to_vec()),
-            other => Err(Error::invalid("deep_ep::get_unique_id", format!("internal: backend {} has no peer window", other.name()))),
+            other => Err(Error::invalid(crate::op_names::GET_UNIQUE_ID, format!("internal: backend {} has no peer window", other.name()))),
         }
     }
 
@@ -373,7 +373,7 @@ impl Backend for NcclBackend {
         self.ll_combine_recv_impl(g, a, st, s)
     }
     fn ll_mask_rows(&mut self, op: &'static str, a: &LlRowsArgs, s: Stream) -> Result<()> {
-        crate::ffi::ll_rows::mask_rows(op, a, s)
+        crate::ffi::ll_rows::mask_rows(op, &a.topk_idx, &a.num_tokens, &a.out, s)
     }
     fn clean_low_latency_buffer(&mut self, g: &LlGeometry, s: Stream) -> Result<()> {
         self.ll_clean_impl(g, s)
@@ -388,7 +388,7 @@ impl Backend for NcclBackend {
     fn ll_update_mask(&mut self, rank: usize, masked: bool) -> Result<()> {
         self.mask.set(rank, masked as i32);
         self.mask_seen.set(self.mask_bits());
-        self.ll_sync_mask("deep_ep::low_latency_update_mask_buffer")
+        self.ll_sync_mask(crate::op_names::LOW_LATENCY_UPDATE_MASK_BUFFER)
     }
     fn ll_mask(&self) -> Vec<bool> {
         (0..self.info.num_ranks).map(|r| self.mask.get(r) != 0).collect()
@@ -396,7 +396,7 @@ impl Backend for NcclBackend {
     fn ll_clean_mask(&mut self) -> Result<()> {
         (0..MAX_RANKS).for_each(|r| self.mask.set(r, 0));
         self.mask_seen.set(0);
-        self.ll_sync_mask("deep_ep::low_latency_clean_mask_buffer")
+        self.ll_sync_mask(crate::op_names::LOW_LATENCY_CLEAN_MASK_BUFFER)
     }
     fn ll_set_shrink(&mut self, enable: bool) -> Result<()> {
         self.mask.set(SHRINK_WORD, enable as i32);
@@ -407,7 +407,7 @@ impl Backend for NcclBackend {
         // the dispatch/combine_wait_recv_cost_stats tensors instead.
         Err(ni(
             self.info.backend,
-            "deep_ep::wait_stats",
+            crate::op_names::WAIT_STATS,
             "per-peer host wait statistics (waits run on the GPU; use the LL *_wait_recv_cost_stats tensors)",
         ))
     }

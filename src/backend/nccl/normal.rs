@@ -66,9 +66,9 @@ use crate::tensor::{DType, TensorRef};
 use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
-const DISPATCH: &str = "deep_ep::dispatch";
-const CACHED: &str = "deep_ep::cached_dispatch";
-const COMBINE: &str = "deep_ep::combine";
+const DISPATCH: &str = crate::op_names::DISPATCH;
+const CACHED: &str = crate::op_names::CACHED_DISPATCH;
+const COMBINE: &str = crate::op_names::COMBINE;
 /// Alignment of staged sections.
 const SECTION_ALIGN: usize = 128;
 

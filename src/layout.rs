@@ -138,6 +138,24 @@ pub fn to_local_expert(e: i64, rank: usize, num_local_experts: usize) -> i64 {
     }
 }
 
+/// Expert ids of a CPU `topk_idx` (row-major, `k` per token) must lie in `[-1, num_experts)`;
+/// anything else would be dropped or aliased silently. (On CUDA the ops' device-side checks or
+/// the kernels' own bounds apply.)
+pub fn check_expert_ids(op: &'static str, ids: &[i64], k: usize, num_experts: usize) -> crate::error::Result<()> {
+    match ids.iter().position(|&v| v < -1 || v >= num_experts as i64) {
+        None => Ok(()),
+        Some(p) => Err(crate::error::Error::invalid(
+            op,
+            format!(
+                "topk_idx[{}, {}] = {} is not an expert id: ids must be in [-1, {num_experts}) (-1 = no expert)",
+                p / k.max(1),
+                p % k.max(1),
+                ids[p]
+            ),
+        )),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -177,23 +195,5 @@ mod tests {
         assert_eq!(h, vec![0, -1, 1, 0, -1, 0]);
         let starts = recv_channel_starts(|n| in_rank[n * 2 + 1], 3, 2);
         assert_eq!(starts, vec![0, 1]);
-    }
-}
-
-/// Expert ids of a CPU `topk_idx` (row-major, `k` per token) must lie in `[-1, num_experts)`;
-/// anything else would be dropped or aliased silently. (On CUDA the ops' device-side checks or
-/// the kernels' own bounds apply.)
-pub fn check_expert_ids(op: &'static str, ids: &[i64], k: usize, num_experts: usize) -> crate::error::Result<()> {
-    match ids.iter().position(|&v| v < -1 || v >= num_experts as i64) {
-        None => Ok(()),
-        Some(p) => Err(crate::error::Error::invalid(
-            op,
-            format!(
-                "topk_idx[{}, {}] = {} is not an expert id: ids must be in [-1, {num_experts}) (-1 = no expert)",
-                p / k.max(1),
-                p % k.max(1),
-                ids[p]
-            ),
-        )),
     }
 }

@@ -26,8 +26,8 @@ fn list(items: &[&str]) -> String {
 fn nccl_header() -> Option<(i32, String)> {
     #[cfg(feature = "nccl")]
     {
-        let code = crate::ffi::nccl::NCCL_HEADER_VERSION_CODE;
-        Some((code, crate::ffi::nccl::version_string(code)))
+        let code = crate::sys::nccl::NCCL_HEADER_VERSION_CODE;
+        Some((code, crate::sys::nccl::version_string(code)))
     }
     #[cfg(not(feature = "nccl"))]
     None
@@ -47,7 +47,7 @@ fn cuda_version(code: i32) -> String {
 fn cuda_versions() -> (String, String) {
     #[cfg(feature = "cuda")]
     {
-        let (rt, drv) = crate::ffi::intranode::cuda_versions();
+        let (rt, drv) = crate::kernels::intranode::cuda_versions();
         (cuda_version(rt), cuda_version(drv))
     }
     #[cfg(not(feature = "cuda"))]

@@ -5,13 +5,13 @@
 //! whose `libdeep_ep.so` registers `torch.ops.deep_ep.*` when loaded.
 //!
 //! Layers (see `docs/DESIGN.md`):
-//! - `kernels/*.cu`: device code behind a plain C launch API ([`ffi::kernels`]).
+//! - `kernels/*.cu`: device code behind a plain C launch API ([`kernels::layout`]).
 //! - [`tensor`], [`config`], [`layout`], [`numerics`], [`topology`]: torch-free types and math.
 //! - [`ops`]: validation of every op's arguments, then a call into the buffer's backend.
 //! - [`backend`]: the [`backend::Backend`] trait; `cpu` (shared memory) and `nccl` (device API; its
 //!   window can also come from NVSHMEM: backend `nvshmem`).
 //! - [`buffer`]: the registry that maps the integer handles seen by torch to backends.
-//! - [`ffi::capi`]: the `extern "C"` surface that `torch_ops/` (the only torch-aware code) calls.
+//! - [`api::buffer`]: the `extern "C"` surface that `torch_ops/` (the only torch-aware code) calls.
 //! - [`reference`]: a single-process reference of every op, for tests.
 //! - [`host`]: owned CPU tensors and safe normal-mode op wrappers for Rust programs without torch.
 //!
@@ -22,13 +22,15 @@
 //! | `torch` | the libtorch operator shim linked into the cdylib | yes |
 //! | `nvshmem` | NVSHMEM window provider of the NVLink backend (`DEEP_EP_BACKEND=nvshmem`; NVSHMEM dlopen'ed at run time, nothing needed at build time) | yes |
 
+pub mod api;
 pub mod backend;
 pub mod buffer;
 pub mod build_info;
 pub mod config;
 pub mod error;
-pub mod ffi;
 pub mod host;
+#[cfg(feature = "cuda")]
+pub mod kernels;
 pub mod layout;
 pub mod log;
 pub mod numerics;
@@ -38,6 +40,9 @@ pub mod reference;
 pub mod settings;
 pub mod sys;
 pub mod tensor;
+pub mod tensor_host;
 pub mod topology;
+#[cfg(feature = "nccl")]
+pub mod window;
 
 pub use error::{Error, Result};

@@ -9,7 +9,7 @@
 pub mod cpu;
 pub mod internode;
 #[cfg(feature = "nccl")]
-pub mod nccl;
+pub mod peer;
 
 use crate::config::{low_latency_rdma_size_hint, Config, LowLatencyLayout};
 use crate::error::{Error, Result};
@@ -545,15 +545,15 @@ pub fn create(kind: BackendKind, args: &CreateArgs) -> Result<Box<dyn Backend>> 
     match kind {
         BackendKind::Cpu => Ok(Box::new(cpu::CpuBackend::create(args)?)),
         #[cfg(feature = "nccl")]
-        BackendKind::Nccl => Ok(Box::new(nccl::NcclBackend::create(args, kind)?)),
+        BackendKind::Nccl => Ok(Box::new(peer::PeerBackend::create(args, kind)?)),
         #[cfg(not(feature = "nccl"))]
         BackendKind::Nccl => Err(Error::NotCompiled { op: OP, backend: "nccl".into(), feature: "nccl" }),
         #[cfg(feature = "nvshmem")]
-        BackendKind::Nvshmem => Ok(Box::new(nccl::NcclBackend::create(args, kind)?)),
+        BackendKind::Nvshmem => Ok(Box::new(peer::PeerBackend::create(args, kind)?)),
         #[cfg(not(feature = "nvshmem"))]
         BackendKind::Nvshmem => Err(Error::NotCompiled { op: OP, backend: "nvshmem".into(), feature: "nvshmem" }),
         #[cfg(feature = "ipc")]
-        BackendKind::Ipc => Ok(Box::new(nccl::NcclBackend::create(args, kind)?)),
+        BackendKind::Ipc => Ok(Box::new(peer::PeerBackend::create(args, kind)?)),
         #[cfg(not(feature = "ipc"))]
         BackendKind::Ipc => Err(Error::NotCompiled { op: OP, backend: "ipc".into(), feature: "ipc" }),
     }
@@ -564,17 +564,17 @@ pub fn unique_id(kind: BackendKind) -> Result<Vec<u8>> {
     match kind {
         BackendKind::Cpu => Ok(cpu::CpuBackend::unique_id()),
         #[cfg(feature = "nccl")]
-        BackendKind::Nccl => nccl::NcclBackend::unique_id(kind),
+        BackendKind::Nccl => peer::PeerBackend::unique_id(kind),
         #[cfg(not(feature = "nccl"))]
         BackendKind::Nccl => Err(Error::NotCompiled { op: crate::op_names::GET_UNIQUE_ID, backend: "nccl".into(), feature: "nccl" }),
         #[cfg(feature = "nvshmem")]
-        BackendKind::Nvshmem => nccl::NcclBackend::unique_id(kind),
+        BackendKind::Nvshmem => peer::PeerBackend::unique_id(kind),
         #[cfg(not(feature = "nvshmem"))]
         BackendKind::Nvshmem => {
             Err(Error::NotCompiled { op: crate::op_names::GET_UNIQUE_ID, backend: "nvshmem".into(), feature: "nvshmem" })
         }
         #[cfg(feature = "ipc")]
-        BackendKind::Ipc => Ok(crate::ffi::ipc_window::unique_id()),
+        BackendKind::Ipc => Ok(crate::window::ipc::unique_id()),
         #[cfg(not(feature = "ipc"))]
         BackendKind::Ipc => Err(Error::NotCompiled { op: crate::op_names::GET_UNIQUE_ID, backend: "ipc".into(), feature: "ipc" }),
     }

@@ -139,7 +139,7 @@ pub fn get_dispatch_layout(
 
 #[cfg(feature = "cuda")]
 fn cuda_dispatch_layout(topk_idx: &TensorRef, e: usize, r: usize, d: usize, out: &LayoutOutputs, stream: backend::Stream) -> Result<()> {
-    crate::ffi::kernels::dispatch_layout(
+    crate::kernels::layout::dispatch_layout(
         topk_idx,
         e,
         r,

@@ -8,15 +8,7 @@ use std::ffi::CString;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-/// Plain-old-data element types that may be viewed in shared memory.
-pub trait Pod: Copy + 'static {}
-impl Pod for u8 {}
-impl Pod for u16 {}
-impl Pod for i32 {}
-impl Pod for u32 {}
-impl Pod for i64 {}
-impl Pod for u64 {}
-impl Pod for f32 {}
+pub use crate::tensor_host::Pod;
 
 /// A mapping of a buffer's shared memory. Unmapped on drop. Named files (`DEEP_EP_SHM_DIR`)
 /// are unlinked as soon as every rank has mapped them; anonymous memory has no name at all.

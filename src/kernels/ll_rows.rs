@@ -1,8 +1,8 @@
 //! Binding of `kernels/ll_rows.cu`: the real token count of a low-latency call as a device
 //! scalar (`dek_ll_mask_rows` of `kernels/deep_ep_kernels.h`).
 
-use super::kernels::check;
 use crate::error::Result;
+use crate::kernels::layout::check;
 use crate::sys::kernels::*;
 use crate::tensor::{DType, Stream, TensorRef};
 use std::ffi::{c_int, c_void};

@@ -40,15 +40,15 @@
 //! status block; the next host-side call of the buffer raises them (`check_ll_pending`). A timeout
 //! leaves the buffer unusable (every later kernel returns at once).
 
-use super::{ll_seam, NcclBackend};
+use super::{ll_seam, PeerBackend};
 use crate::backend::{
     LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlStats, Stream,
 };
 use crate::config::BUFFER_ALIGNMENT;
 use crate::error::{Error, Result};
-use crate::ffi::host_mask::SHRINK_WORD;
-use crate::ffi::intranode::{self, err, site, CONTROL_BYTES};
-use crate::ffi::low_latency::{self as k, LlArgs};
+use crate::kernels::host_mask::SHRINK_WORD;
+use crate::kernels::intranode::{self, err, site, CONTROL_BYTES};
+use crate::kernels::low_latency::{self as k, LlArgs};
 use crate::op_names::{
     CLEAN_LOW_LATENCY_BUFFER as OP_CLEAN, GET_NEXT_LOW_LATENCY_COMBINE_BUFFER as OP_NEXT, LOW_LATENCY_COMBINE as OP_COMBINE,
     LOW_LATENCY_DISPATCH as OP_DISPATCH,
@@ -131,7 +131,7 @@ fn aligned(op: &'static str, name: &str, t: &TensorRef) -> Result<()> {
 
 /// The message of a format mismatch a receive kernel found (`err::LL_FORMAT`): another rank sent
 /// with other flags or another geometry. Found after the data moved, so raised at the next call.
-fn ll_format_error(op: &'static str, e: crate::ffi::intranode::KernelError) -> Error {
+fn ll_format_error(op: &'static str, e: crate::kernels::intranode::KernelError) -> Error {
     let (src, theirs, mine) = (e.rank, e.value, e.limit);
     let what = if e.site == site::LL_DISPATCH { "dispatch" } else { "combine" };
     let text = match (e.extra, e.site == site::LL_DISPATCH) {
@@ -156,7 +156,7 @@ fn ll_format_error(op: &'static str, e: crate::ffi::intranode::KernelError) -> E
     Error::invalid(op, format!("the previous low-latency {what} was wrong: {text}"))
 }
 
-impl NcclBackend {
+impl PeerBackend {
     fn ll_grid(&self) -> LlGrid {
         LlGrid::new(self.window.ctx().num_sms, self.window.ranks_on_gpu())
     }
@@ -275,9 +275,9 @@ impl NcclBackend {
 
     /// Zeroes the signal words of `a`'s geometry on every rank, between two barriers of all ranks
     /// (the global barrier for an internode buffer, whose kernels reach other NVLink domains only
-    /// through the seam: `ffi::global_barrier`).
+    /// through the seam: `kernels::global_barrier`).
     fn ll_reset_signals(&self, op: &'static str, a: &LlArgs, stream: Stream) -> Result<()> {
-        use crate::ffi::global_barrier::all_ranks;
+        use crate::kernels::global_barrier::all_ranks;
         // SAFETY: launch contract: the ctx of this live window; the barrier passes no other pointer.
         unsafe { all_ranks(op, self.window.ctx(), site::LL_GEOMETRY, stream) }?;
         // SAFETY: launch contract: no tensor; it writes this rank's LL signal words in its window.

@@ -14,14 +14,14 @@
 //! zeroed → an all-reduce of one int as the host rendezvous, so no peer signals into a control
 //! area that is not zeroed yet.
 
-use super::gin_comms::{self, GinComms};
-use super::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream, CONTROL_BYTES, MAX_RANKS};
-use super::kernels::check as cuda_check;
-use super::lsa_team::PeerMap;
-use super::nccl::{self, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId, ncclWindow_t, nccl_fn, DeviceApi, NcclLib};
-use super::transport::{gin_devcomm_create, GinGrant, GinReqs};
 use crate::error::{Error, Result};
+use crate::kernels::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream, CONTROL_BYTES, MAX_RANKS};
+use crate::kernels::layout::check as cuda_check;
+use crate::kernels::transport::{gin_devcomm_create, GinGrant, GinReqs};
 use crate::sys::kernels::*;
+use crate::sys::nccl::{self, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId, ncclWindow_t, nccl_fn, DeviceApi, NcclLib};
+use crate::window::gin_comms::{self, GinComms};
+use crate::window::lsa_team::PeerMap;
 use std::ffi::{c_int, c_void};
 
 const OP: &str = crate::op_names::CREATE_BUFFER;
@@ -43,7 +43,7 @@ pub struct WindowArgs<'a> {
     pub data_bytes: usize,
     pub timeout_ns: u64,
     /// Run the LSA transport self-test during creation with this rail stride
-    /// (`DEEP_EP_TRANSPORT_SELFTEST`, `backend::nccl::gin::self_test_stride`).
+    /// (`DEEP_EP_TRANSPORT_SELFTEST`, `backend::peer::gin::self_test_stride`).
     pub transport_self_test: Option<usize>,
     /// Create a GIN device comm on the communicator (internode buffers over NCCL GIN).
     pub gin: Option<GinSetup<'a>>,
@@ -51,13 +51,13 @@ pub struct WindowArgs<'a> {
 
 /// What a window asks `ncclDevCommCreate` for GIN, and who judges the answer.
 pub struct GinSetup<'a> {
-    /// Requirements of every communicator (`backend::nccl::gin::GinPlan::requirements`).
+    /// Requirements of every communicator (`backend::peer::gin::GinPlan::requirements`).
     pub reqs: GinReqs,
     /// GIN communicators (`DEEP_EP_GIN_COMMS`, >= 1): the window's own and `comms - 1` split from
-    /// it (`ffi::gin_comms`).
+    /// it (`window::gin_comms`).
     pub comms: usize,
     /// Turns NCCL's answer on communicator `i` (the device comm and what it granted, or the NCCL
-    /// result code) into `Ok` or the error that explains it (`backend::nccl::gin::granted_on`).
+    /// result code) into `Ok` or the error that explains it (`backend::peer::gin::granted_on`).
     pub judge: &'a dyn Fn(usize, GinGrant) -> Result<()>,
 }
 
@@ -88,7 +88,7 @@ pub enum Teardown {
     MemFree,
     /// `ncclCommFinalize` then `ncclCommDestroy`.
     Comm,
-    /// A step of an extra GIN communicator (`ffi::gin_comms`; a no-op for what it does not hold).
+    /// A step of an extra GIN communicator (`window::gin_comms`; a no-op for what it does not hold).
     Extra(gin_comms::Step),
 }
 
@@ -268,7 +268,7 @@ impl Window {
             crate::ensure!(map.whole_buffer(), OP, "DEEP_EP_TRANSPORT_SELFTEST runs over the LSA emulation and needs every rank in NCCL's LSA team ({} of {} here): unset it across machines", map.lsa_size, a.num_ranks);
             let full = Ctx { peer_base: w.lsa_base, nvl_ranks: 0, ..w.ctx };
             // SAFETY: launch contract: the ctx of this live window, zeroed and past the host rendezvous.
-            unsafe { super::transport::lsa_self_test_run(OP, &full, stride, a.timeout_ns, stream.raw()) }?;
+            unsafe { crate::kernels::transport::lsa_self_test_run(OP, &full, stride, a.timeout_ns, stream.raw()) }?;
         }
         Ok(w)
     }
@@ -425,10 +425,10 @@ impl Drop for Window {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::nccl::gin::{buffer_plan, granted_on, route, GinKnobs, MAX_GIN_COMMS};
-    use crate::backend::nccl::ll_seam::DESC_BYTES;
-    use crate::ffi::transport::GinInfo;
-    use crate::ffi::transport::{build_gin_net, devcomm_bytes, devcomm_fill, device_gin_route, gin_net_layout, MAX_GIN_CONTEXTS};
+    use crate::backend::peer::gin::{buffer_plan, granted_on, route, GinKnobs, MAX_GIN_COMMS};
+    use crate::backend::peer::ll_seam::DESC_BYTES;
+    use crate::kernels::transport::GinInfo;
+    use crate::kernels::transport::{build_gin_net, devcomm_bytes, devcomm_fill, device_gin_route, gin_net_layout, MAX_GIN_CONTEXTS};
 
     // Stand-ins for ncclDevCommCreate (the glue zeroes the device comm before calling them).
     fn grant(out: *mut c_void, contexts: i32) -> c_int {
@@ -464,7 +464,7 @@ mod tests {
     type Create = extern "C" fn(*mut c_void, *const u8, *mut c_void) -> c_int;
 
     /// The GIN step of an LL buffer's creation on rank 1 of 2 x 2 for communicator `index` of
-    /// `comms` (`DEEP_EP_GIN_COMMS`), as `NcclBackend::create` wires it.
+    /// `comms` (`DEEP_EP_GIN_COMMS`), as `PeerBackend::create` wires it.
     fn setup(create: Create, comms: usize, index: usize) -> Result<Vec<u64>> {
         let n = comms.to_string();
         let k = GinKnobs::parse(|v| match v {

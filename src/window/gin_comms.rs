@@ -13,10 +13,10 @@
 //! the extra communicators (newest first) before the buffer's own. The local path
 //! ([`GinComms::abort`]) aborts the extra communicators before the buffer's own.
 
-use super::nccl::{self, ncclComm_t, ncclConfig_t, ncclWindow_t, nccl_fn, DeviceApi, NcclLib};
-use super::nccl_window::{gin_setup, GinSetup};
 use crate::error::Result;
 use crate::sys::kernels::*;
+use crate::sys::nccl::{self, ncclComm_t, ncclConfig_t, ncclWindow_t, nccl_fn, DeviceApi, NcclLib};
+use crate::window::nccl::{gin_setup, GinSetup};
 use std::ffi::{c_int, c_void};
 
 /// `NCCL_CONFIG_UNDEF_INT` (INT_MIN): "not set, use the parent's or NCCL's default".

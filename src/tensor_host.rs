@@ -1,9 +1,18 @@
 //! Host access to CPU tensors handed over by `torch_ops/`. A [`TensorRef`] with real data is
-//! only built in [`crate::ffi::capi`] from a live `at::Tensor` that outlives the op call, which
+//! only built in [`crate::api`] from a live `at::Tensor` that outlives the op call, which
 //! is what makes these views sound.
 
-use crate::backend::cpu::shm::Pod;
 use crate::tensor::{Device, TensorRef};
+
+/// Plain-old-data element types that may be viewed in host memory (CPU tensors, shared memory).
+pub trait Pod: Copy + 'static {}
+impl Pod for u8 {}
+impl Pod for u16 {}
+impl Pod for i32 {}
+impl Pod for u32 {}
+impl Pod for i64 {}
+impl Pod for u64 {}
+impl Pod for f32 {}
 
 impl TensorRef {
     fn assert_host_view<T>(&self) {

@@ -265,7 +265,7 @@ impl NvshmemLib {
     pub fn register_device_state(&self, op: &'static str, init: bool) -> Result<()> {
         let f = if init { self.cumodule_init } else { self.cumodule_finalize };
         // SAFETY: `f` is the named function of this library, which the caller initialised.
-        unsafe { super::transport::nvshmem_device_register(op, f, init) }
+        unsafe { crate::kernels::transport::nvshmem_device_register(op, f, init) }
     }
 
     /// `nvshmemx_hostlib_finalize` (collective).

@@ -4,7 +4,7 @@
 //! error raised when NCCL grants no GIN (no GPUDirect-RDMA NIC).
 //!
 //! Device side: `kernels/transport.cuh`. Pure logic here (no device, no NCCL call); the
-//! `ncclDevCommCreate` call is `ffi::transport::gin_devcomm_create`, whose result [`granted`]
+//! `ncclDevCommCreate` call is `kernels::transport::gin_devcomm_create`, whose result [`granted`]
 //! turns into a [`GinDevComm`] or a clear error.
 //!
 //! Environment (README "Environment"; docs/INTERNODE.md):
@@ -19,13 +19,13 @@
 //!   contexts x communicators (DeepEP's `num_qps_per_rank`). The buffer's own communicator is the
 //!   first; the others are split from it (same ranks, same order), each with its own GIN device
 //!   comm (the same [`GinPlan::requirements`], granted and checked per communicator) and its own
-//!   registration of the buffer's memory (`ffi::gin_comms`). A sender's routing unit picks the
+//!   registration of the buffer's memory (`window::gin_comms`). A sender's routing unit picks the
 //!   (communicator, context) pair ([`route`]): contexts = the fewest any communicator was granted.
 //! - `NCCL_GIN_TYPE` is read by NCCL itself; deep_ep validates it (2 = proxy, 3 = GDAKI, NCCL's
 //!   `ncclNetDeviceType`) and checks that the granted type matches.
 
 use crate::error::{Error, Result};
-use crate::ffi::transport::{GinInfo, GinReqs, MAX_GIN_CONTEXTS};
+use crate::kernels::transport::{GinInfo, GinReqs, MAX_GIN_CONTEXTS};
 
 const OP: &str = crate::op_names::CREATE_BUFFER;
 
@@ -173,7 +173,7 @@ pub fn ht_signal_base(low_latency_mode: bool) -> usize {
 /// Signal id the normal-mode kernels use for `kind` from source node `node` (< 8), with the
 /// buffer's `base` ([`ht_signal_base`]); on context 0.
 pub fn ht_signal(base: usize, kind: HtSignal, node: usize) -> usize {
-    use crate::ffi::internode::{SIG_BAR, SIG_STEP};
+    use crate::kernels::internode::{SIG_BAR, SIG_STEP};
     base + node + if kind == HtSignal::Barrier { SIG_BAR } else { SIG_STEP }
 }
 
@@ -236,9 +236,9 @@ impl GinPlan {
 pub fn plan(w: Workload, k: &GinKnobs) -> Result<GinPlan> {
     let (units, signals) = match w {
         Workload::Normal { num_rdma_ranks } => {
-            let max = crate::ffi::internode::MAX_NODES;
+            let max = crate::kernels::internode::MAX_NODES;
             crate::ensure!((2..=max).contains(&num_rdma_ranks), OP, "internal: GIN plan for {num_rdma_ranks} nodes (2..={max})");
-            (1, crate::ffi::internode::SEAM_SIGNALS)
+            (1, crate::kernels::internode::SEAM_SIGNALS)
         }
         Workload::LowLatency { num_local_experts, num_ranks } => {
             crate::ensure!(
@@ -269,7 +269,7 @@ pub fn buffer_plan(k: &GinKnobs, num_ranks: usize, num_rdma_ranks: usize, low_la
         return Ok(None);
     }
     let mut p = if low_latency_mode {
-        let signals = ht_signal_base(true) + crate::ffi::internode::SEAM_SIGNALS;
+        let signals = ht_signal_base(true) + crate::kernels::internode::SEAM_SIGNALS;
         let contexts_per_comm = k.contexts.unwrap_or_else(|| num_ranks.min(MAX_GIN_CONTEXTS));
         GinPlan {
             workload: Workload::LowLatency { num_local_experts: (super::ll_seam::MAX_EXPERTS / num_ranks).max(1), num_ranks },
@@ -286,8 +286,8 @@ pub fn buffer_plan(k: &GinKnobs, num_ranks: usize, num_rdma_ranks: usize, low_la
 }
 
 /// Signals a [`buffer_plan`] adds at the end of its table for the buffer's global barrier
-/// (`ffi::global_barrier`: destroy and the LL signal reset; one id per source NVLink domain).
-pub const BARRIER_SIGNALS: usize = crate::ffi::global_barrier::SIGNALS;
+/// (`kernels::global_barrier`: destroy and the LL signal reset; one id per source NVLink domain).
+pub const BARRIER_SIGNALS: usize = crate::kernels::global_barrier::SIGNALS;
 
 /// First signal id of the global barrier in a plan from [`buffer_plan`]: its last
 /// [`BARRIER_SIGNALS`] ids, above every id its ops use (`ll_signal`, `ring_signal`, the normal-mode
@@ -452,7 +452,7 @@ mod tests {
 
     #[test]
     fn normal_plan_covers_the_kernels_signal_ids_on_one_context() {
-        use crate::ffi::internode::{MAX_NODES, SEAM_SIGNALS};
+        use crate::kernels::internode::{MAX_NODES, SEAM_SIGNALS};
         // The kernels (internode.cuh) put and signal on context 0 only: one context, 16 signals.
         let p = plan(Workload::Normal { num_rdma_ranks: 4 }, &GinKnobs::default()).unwrap();
         assert_eq!((p.num_comms, p.contexts_per_comm, p.qps_per_peer(), p.signals), (1, 1, 1, 16));
@@ -521,8 +521,8 @@ mod tests {
         assert_eq!(buffer_plan(&gin, 4, 1, true).unwrap(), None);
         // LL: every seam signal id, then the normal-mode kernels' ids; a context per sending rank
         // (at most 4).
-        use crate::backend::nccl::ll_seam::SIGNALS;
-        use crate::ffi::internode::{MAX_NODES, SEAM_SIGNALS};
+        use crate::backend::peer::ll_seam::SIGNALS;
+        use crate::kernels::internode::{MAX_NODES, SEAM_SIGNALS};
         let p = buffer_plan(&gin, 4, 2, true).unwrap().unwrap();
         assert_eq!((p.num_comms, p.contexts_per_comm, p.signals), (1, 4, SIGNALS + SEAM_SIGNALS + BARRIER_SIGNALS));
         let r = p.requirements();
@@ -534,7 +534,7 @@ mod tests {
                 assert!((SIGNALS..p.signals).contains(&s), "{kind:?} node {node} -> {s}");
             }
         }
-        assert_eq!(crate::backend::nccl::ll_seam::signal_id(true, 1, 511, 3, 512, 4), SIGNALS - 1);
+        assert_eq!(crate::backend::peer::ll_seam::signal_id(true, 1, 511, 3, 512, 4), SIGNALS - 1);
         let p = buffer_plan(&gin, 2, 2, true).unwrap().unwrap();
         assert_eq!(p.contexts_per_comm, 2);
         let k = knobs(&[("DEEP_EP_RDMA_TRANSPORT", "gin"), ("DEEP_EP_GIN_CONTEXTS", "1")]).unwrap();
@@ -565,16 +565,16 @@ mod tests {
     #[test]
     fn the_barrier_signals_follow_every_op_signal_of_the_plan() {
         let gin = knobs(&[("DEEP_EP_RDMA_TRANSPORT", "gin")]).unwrap();
-        use crate::ffi::internode::{MAX_NODES, SEAM_SIGNALS};
+        use crate::kernels::internode::{MAX_NODES, SEAM_SIGNALS};
         // LL: above every seam id (ll_seam::signal_id < SIGNALS) and the normal-mode ids after
         // them, inside the table NCCL grants.
         let p = buffer_plan(&gin, 4, 2, true).unwrap().unwrap();
         let base = barrier_signal_base(&p);
-        assert_eq!(base, crate::backend::nccl::ll_seam::SIGNALS + SEAM_SIGNALS);
+        assert_eq!(base, crate::backend::peer::ll_seam::SIGNALS + SEAM_SIGNALS);
         assert_eq!(ht_signal(ht_signal_base(true), HtSignal::Step, MAX_NODES - 1) + 1, base);
         assert_eq!(base + BARRIER_SIGNALS, p.requirements().gin_signal_count as usize);
         // A domain id per source node: the most nodes of a buffer (8 ranks of 1 GPU) fit.
-        const { assert!(BARRIER_SIGNALS >= crate::ffi::intranode::MAX_RANKS) };
+        const { assert!(BARRIER_SIGNALS >= crate::kernels::intranode::MAX_RANKS) };
         // Normal mode: above every id of the kernels.
         for rr in [2, 4, 8] {
             let p = buffer_plan(&gin, 8, rr, false).unwrap().unwrap();

@@ -20,12 +20,12 @@
 //! barrier round trip costs milliseconds (docs/DESIGN.md, "Several ranks on one GPU"); every wait
 //! is still bounded by `DEEP_EP_TIMEOUT_MS`.
 
-use super::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream, CONTROL_BYTES, MAX_RANKS};
-use super::kernels::check;
-use super::lsa_team::PeerMap;
 use crate::backend::cpu::shm::{self, Region, Segment};
 use crate::error::{Error, Result};
+use crate::kernels::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream, CONTROL_BYTES, MAX_RANKS};
+use crate::kernels::layout::check;
 use crate::sys::kernels::*;
+use crate::window::lsa_team::PeerMap;
 use std::ffi::c_void;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -247,7 +247,7 @@ impl Window {
             let full = Ctx { peer_base: w.lsa_base, nvl_ranks: 0, ..w.ctx };
             let stream = Stream::new(OP)?;
             // SAFETY: launch contract: the ctx of this live window, zeroed and past the host rendezvous.
-            unsafe { super::transport::lsa_self_test_run(OP, &full, stride, a.timeout_ns, stream.raw()) }?;
+            unsafe { crate::kernels::transport::lsa_self_test_run(OP, &full, stride, a.timeout_ns, stream.raw()) }?;
         }
         Ok(w)
     }

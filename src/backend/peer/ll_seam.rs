@@ -27,9 +27,9 @@ pub const DESC_BYTES: usize = 4096;
 /// Bytes of a dispatch message before its payload (`DEK_LL_MSG_META`).
 pub const MSG_META: usize = 160;
 /// `net_kind` of the LSA emulation (`DEK_LL_NET_LSA`).
-pub const NET_LSA: i32 = crate::ffi::low_latency::NET_LSA;
+pub const NET_LSA: i32 = crate::kernels::low_latency::NET_LSA;
 /// `net_kind` of NCCL GIN (`DEK_LL_NET_GIN`).
-pub const NET_GIN: i32 = crate::ffi::low_latency::NET_GIN;
+pub const NET_GIN: i32 = crate::kernels::low_latency::NET_GIN;
 
 fn align(v: usize) -> usize {
     v.div_ceil(BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT
@@ -165,7 +165,7 @@ pub fn remote_peers(topo: &Topology) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::nccl::gin::{plan, GinKnobs, Workload};
+    use crate::backend::peer::gin::{plan, GinKnobs, Workload};
     use crate::backend::LlGeometry;
     use crate::config::LowLatencyLayout;
 

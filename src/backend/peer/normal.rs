@@ -54,11 +54,11 @@
 //! (device data), so the (fused) push kernel checks it on every rank (all find the same), skips
 //! the op everywhere and records the error for the next call.
 
-use super::NcclBackend;
+use super::PeerBackend;
 use crate::backend::{CachedDispatchArgs, CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, DispatchPlan};
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::ffi::intranode::{
+use crate::kernels::intranode::{
     self, err, kind, sec, site, CheckArgs, CombineArgs as KCombine, DispatchPushArgs, KernelError, Layout, PullArgs, PushArgs, StageArgs,
     SyncArgs, CONTROL_BYTES, MAX_CHANNELS, NUM_SECTIONS,
 };
@@ -140,7 +140,7 @@ pub(super) fn check_blocks(config: &Config, tokens: usize, pairs: usize) -> i32 
     i32_of(tokens.div_ceil(256).max(pairs.div_ceil(8)).clamp(1, config.num_sms.max(1)))
 }
 
-impl NcclBackend {
+impl PeerBackend {
     /// Launches the input checks (before the barrier that gathers the op's header: the data
     /// barrier, or the fused combine's start barrier; it raises what they find).
     pub(super) fn check_inputs(&self, op: &'static str, args: CheckArgs, stream: *mut c_void) -> Result<()> {

@@ -7,10 +7,10 @@
 //! rank for any buffer (`destroy_buffer`, the low-latency signal reset): this one for a split
 //! ctx, the intranode flag barrier otherwise.
 
-use super::intranode::{self, Ctx, SyncArgs, CONTROL_BYTES};
-use super::kernels::check;
-use super::low_latency::{NET_GIN, NET_LSA};
 use crate::error::Result;
+use crate::kernels::intranode::{self, Ctx, SyncArgs, CONTROL_BYTES};
+use crate::kernels::layout::check;
+use crate::kernels::low_latency::{NET_GIN, NET_LSA};
 use crate::sys::kernels::*;
 use std::ffi::c_void;
 
@@ -23,7 +23,7 @@ pub const DESC_OFF: usize = DEK_GB_DESC_OFF as usize;
 pub const DESC_BYTES: usize = DEK_GB_DESC_BYTES as usize;
 /// Signal ids the barrier uses from its base: one per source NVLink domain
 /// (`DEK_GB_MAX_DOMAINS`); on GIN they come after the ops' ids
-/// (`backend::nccl::gin::barrier_signal_base`).
+/// (`backend::peer::gin::barrier_signal_base`).
 pub const SIGNALS: usize = DEK_GB_MAX_DOMAINS as usize;
 
 /// `dek_gb_header_t`.
@@ -53,11 +53,11 @@ fn write_header(op: &'static str, ctx: &Ctx, h: Header) -> Result<()> {
 /// context, the barrier's own signal table. Local, synchronous; after the window was zeroed.
 ///
 /// # Safety
-/// The launch contract of [`crate::ffi::intranode`]: `ctx` a live window of this rank (and
+/// The launch contract of [`crate::kernels::intranode`]: `ctx` a live window of this rank (and
 /// pointer arguments null or live and large enough until the work ran).
 pub unsafe fn setup_lsa(op: &'static str, ctx: &Ctx, bases: &[*mut c_void]) -> Result<()> {
     check_layout(op)?;
-    super::transport::write_lsa_desc(op, ctx, bases, DESC_OFF, SIGNAL_OFF, 1, SIGNALS)?;
+    crate::kernels::transport::write_lsa_desc(op, ctx, bases, DESC_OFF, SIGNAL_OFF, 1, SIGNALS)?;
     write_header(op, ctx, Header { net_kind: NET_LSA, signal_base: 0 })
 }
 
@@ -67,12 +67,12 @@ pub unsafe fn setup_lsa(op: &'static str, ctx: &Ctx, bases: &[*mut c_void]) -> R
 /// id the buffer's ops use). Local, synchronous.
 ///
 /// # Safety
-/// The launch contract of [`crate::ffi::intranode`]: `ctx` a live window of this rank (and
+/// The launch contract of [`crate::kernels::intranode`]: `ctx` a live window of this rank (and
 /// pointer arguments null or live and large enough until the work ran).
 pub unsafe fn setup_gin(op: &'static str, ctx: &Ctx, comms: &[(&[u64], *mut c_void)], signal_base: usize) -> Result<()> {
     check_layout(op)?;
     crate::ensure!(signal_base + SIGNALS <= i32::MAX as usize, op, "internal: GIN barrier signal base {signal_base}");
-    super::transport::write_gin_desc(op, ctx, DESC_OFF, DESC_BYTES, comms)?;
+    crate::kernels::transport::write_gin_desc(op, ctx, DESC_OFF, DESC_BYTES, comms)?;
     write_header(op, ctx, Header { net_kind: NET_GIN, signal_base: signal_base as i32 })
 }
 
@@ -81,7 +81,7 @@ pub unsafe fn setup_gin(op: &'static str, ctx: &Ctx, comms: &[(&[u64], *mut c_vo
 /// barrier for a ctx split over NVLink domains ([`Ctx::split`]), else the intranode flag barrier.
 ///
 /// # Safety
-/// The launch contract of [`crate::ffi::intranode`]: `ctx` a live window of this rank (and
+/// The launch contract of [`crate::kernels::intranode`]: `ctx` a live window of this rank (and
 /// pointer arguments null or live and large enough until the work ran).
 pub unsafe fn all_ranks(op: &'static str, ctx: &Ctx, site: i32, stream: *mut c_void) -> Result<()> {
     if !ctx.split() {
@@ -102,11 +102,11 @@ mod tests {
         check_layout("test").unwrap();
         // SAFETY: pure queries.
         let (lsa, gin) = unsafe { (dek_gb_layout(4), dek_gb_layout(5)) };
-        assert!(lsa == std::mem::size_of::<super::super::transport::LsaDesc>() && gin <= DESC_BYTES, "{lsa} {gin}");
-        assert_eq!(gin, super::super::transport::gin_net_layout().bytes);
+        assert!(lsa == std::mem::size_of::<crate::kernels::transport::LsaDesc>() && gin <= DESC_BYTES, "{lsa} {gin}");
+        assert_eq!(gin, crate::kernels::transport::gin_net_layout().bytes);
         // Between the intranode scratch and the LL scratch (kLlCalls = CONTROL_BYTES - 1024).
         const { assert!(DESC_OFF + DESC_BYTES <= CONTROL_BYTES - 1024 && SIGNAL_OFF + 8 * SIGNALS <= DESC_OFF) };
-        const { assert!(super::super::low_latency::LL_MASK_OFF >= DESC_OFF + DESC_BYTES) };
+        const { assert!(crate::kernels::low_latency::LL_MASK_OFF >= DESC_OFF + DESC_BYTES) };
     }
 
     #[test]

@@ -2,9 +2,9 @@
 //! `kernels/deep_ep_kernels.h` ("Low-latency mode"). Every launch is asynchronous on the given
 //! stream and CUDA-graph capturable (no host sync, the call number lives on the device).
 
-use super::intranode::Ctx;
-use super::kernels::check;
 use crate::error::Result;
+use crate::kernels::intranode::Ctx;
+use crate::kernels::layout::check;
 use crate::sys::kernels::*;
 use std::ffi::c_void;
 
@@ -37,13 +37,13 @@ pub fn check_struct_size(op: &'static str) -> Result<()> {
     Ok(())
 }
 
-// Every launcher here is an `unsafe fn` under the launch contract of `ffi::intranode`; the C
+// Every launcher here is an `unsafe fn` under the launch contract of `kernels::intranode`; the C
 // side also checks the LL area offsets against the window size (cudaErrorInvalidValue).
 
 /// Send phase of an LL dispatch.
 ///
 /// # Safety
-/// The launch contract of [`crate::ffi::intranode`]: a live window, argument pointers null or live
+/// The launch contract of [`crate::kernels::intranode`]: a live window, argument pointers null or live
 /// and large enough until `stream` ran the kernel.
 pub unsafe fn dispatch_send(op: &'static str, ctx: &Ctx, a: &LlArgs, stream: *mut c_void) -> Result<()> {
     // SAFETY: the caller keeps the launch contract; both structs are read by value.
@@ -53,7 +53,7 @@ pub unsafe fn dispatch_send(op: &'static str, ctx: &Ctx, a: &LlArgs, stream: *mu
 /// Receive phase of an LL dispatch.
 ///
 /// # Safety
-/// The launch contract of [`crate::ffi::intranode`]: a live window, argument pointers null or live
+/// The launch contract of [`crate::kernels::intranode`]: a live window, argument pointers null or live
 /// and large enough until `stream` ran the kernel.
 pub unsafe fn dispatch_recv(op: &'static str, ctx: &Ctx, a: &LlArgs, stream: *mut c_void) -> Result<()> {
     // SAFETY: the caller keeps the launch contract.
@@ -63,7 +63,7 @@ pub unsafe fn dispatch_recv(op: &'static str, ctx: &Ctx, a: &LlArgs, stream: *mu
 /// Send phase of an LL combine.
 ///
 /// # Safety
-/// The launch contract of [`crate::ffi::intranode`]: a live window, argument pointers null or live
+/// The launch contract of [`crate::kernels::intranode`]: a live window, argument pointers null or live
 /// and large enough until `stream` ran the kernel.
 pub unsafe fn combine_send(op: &'static str, ctx: &Ctx, a: &LlArgs, stream: *mut c_void) -> Result<()> {
     // SAFETY: the caller keeps the launch contract.
@@ -73,7 +73,7 @@ pub unsafe fn combine_send(op: &'static str, ctx: &Ctx, a: &LlArgs, stream: *mut
 /// Receive phase of an LL combine.
 ///
 /// # Safety
-/// The launch contract of [`crate::ffi::intranode`]: a live window, argument pointers null or live
+/// The launch contract of [`crate::kernels::intranode`]: a live window, argument pointers null or live
 /// and large enough until `stream` ran the kernel.
 pub unsafe fn combine_recv(op: &'static str, ctx: &Ctx, a: &LlArgs, stream: *mut c_void) -> Result<()> {
     // SAFETY: the caller keeps the launch contract.
@@ -83,7 +83,7 @@ pub unsafe fn combine_recv(op: &'static str, ctx: &Ctx, a: &LlArgs, stream: *mut
 /// Zeroes this rank's LL signal words of both halves.
 ///
 /// # Safety
-/// The launch contract of [`crate::ffi::intranode`]: a live window, argument pointers null or live
+/// The launch contract of [`crate::kernels::intranode`]: a live window, argument pointers null or live
 /// and large enough until `stream` ran the kernel.
 pub unsafe fn zero_signals(op: &'static str, ctx: &Ctx, a: &LlArgs, stream: *mut c_void) -> Result<()> {
     // SAFETY: writes 2 * signal_bytes of this rank's own window at ll_off (checked on the C side).

@@ -1,4 +1,4 @@
-//! Unit tests of `ffi::transport` (kept beside it so that the module stays under 800 lines).
+//! Unit tests of `kernels::transport` (kept beside it so that the module stays under 800 lines).
 use super::*;
 
 fn args(status: *mut Status, claim: *mut i32) -> PingArgs {
@@ -140,7 +140,7 @@ fn devcomm_create_passes_the_requirements_and_reports_no_gin() {
 #[cfg(feature = "nccl")]
 #[test]
 fn no_nic_gives_the_gin_unavailable_error() {
-    use crate::backend::nccl::gin::{granted, plan, GinKnobs, Workload};
+    use crate::backend::peer::gin::{granted, plan, GinKnobs, Workload};
     let k = GinKnobs::parse(|name| (name == "NCCL_GIN_TYPE").then(|| "3".to_string())).unwrap();
     let p = plan(Workload::LowLatency { num_local_experts: 2, num_ranks: 16 }, &k).unwrap();
     let r = unsafe { gin_devcomm_create(fake_create as *mut c_void, 8 as *mut c_void, &p.requirements()) };

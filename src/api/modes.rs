@@ -1,6 +1,6 @@
 //! C API of the normal-mode and low-latency ops (continuation of `capi.rs`).
 
-use super::capi::{check_size, guard, opt_tensor, tensor, RawTensor};
+use crate::api::buffer::{check_size, guard, opt_tensor, tensor, RawTensor};
 use crate::backend::{
     CachedDispatchArgs, CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, DispatchPlan, Handle, LlCombineRecvArgs,
     LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlRowsArgs, LlStats,

@@ -31,17 +31,17 @@
 
 use super::gin::ht_signal_base;
 use super::normal::{channels, check_blocks, i32_of, is_int64, opt_ptr, opt_ptr_mut, ptr, ptr_mut, scales_of};
-use super::NcclBackend;
+use super::PeerBackend;
 use crate::backend::internode::{
     InternodeCachedDispatchArgs, InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutputs, InternodeHandle, InternodePlan,
 };
 use crate::backend::{CombineOutputs, DispatchPlan};
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::ffi::internode::{self as k, kind, step, InArgs};
-use crate::ffi::internode::{NET_BYTES, NET_GIN, NET_LSA, NET_OFF};
-use crate::ffi::intranode::{CheckArgs, CONTROL_BYTES, MAX_LOCAL_EXPERTS};
-use crate::ffi::transport::{LsaDesc, MAX_LSA_PEERS};
+use crate::kernels::internode::{self as k, kind, step, InArgs};
+use crate::kernels::internode::{NET_BYTES, NET_GIN, NET_LSA, NET_OFF};
+use crate::kernels::intranode::{CheckArgs, CONTROL_BYTES, MAX_LOCAL_EXPERTS};
+use crate::kernels::transport::{LsaDesc, MAX_LSA_PEERS};
 use crate::tensor::TensorRef;
 use std::ffi::c_void;
 
@@ -106,16 +106,16 @@ pub(super) fn ht_net(op: &'static str, gin: bool, low_latency_mode: bool, ll_gin
 
 /// At the creation of a normal-mode buffer whose ranks span several NVLink domains: when its
 /// window holds a GIN device comm, writes the `GinNet` of the normal-mode kernels (the device comm
-/// by value and the window's `ncclWindow_t`, `ffi::transport::write_gin_desc` as for LL buffers)
+/// by value and the window's `ncclWindow_t`, `kernels::transport::write_gin_desc` as for LL buffers)
 /// into the free end of its internode control area (`NET_OFF`). Local, synchronous; returns
 /// whether it wrote one.
-pub(super) fn write_gin_net(op: &'static str, window: &dyn super::window::PeerWindow) -> Result<bool> {
+pub(super) fn write_gin_net(op: &'static str, window: &dyn crate::window::PeerWindow) -> Result<bool> {
     let comms = window.gin_all();
     if comms.is_empty() {
         return Ok(false);
     }
     // SAFETY: launch contract: the ctx of this live window; the descriptor goes into its own control area.
-    unsafe { crate::ffi::transport::write_gin_desc(op, window.ctx(), NET_OFF, NET_BYTES, &comms) }?;
+    unsafe { crate::kernels::transport::write_gin_desc(op, window.ctx(), NET_OFF, NET_BYTES, &comms) }?;
     Ok(true)
 }
 
@@ -135,7 +135,7 @@ impl Geo {
     }
 }
 
-impl NcclBackend {
+impl PeerBackend {
     fn in_geo(&self, op: &'static str, config: &Config) -> Result<Geo> {
         let (nr, d) = (self.info.num_ranks, self.info.nvl_domain_size);
         // crate::ops checked that the ranks span several domains of d.
@@ -487,14 +487,14 @@ mod tests {
         // The GinNet slot is in the internode control area, after what the kernels use (kCtrlEnd
         // = 77824), and the descriptor fits it (as it fits the LL seam's DESC_BYTES).
         const { assert!(NET_OFF >= k::CTRL_OFF + 77824 && NET_OFF + NET_BYTES <= k::CTRL_OFF + k::CTRL_BYTES && NET_OFF % 128 == 0) };
-        let l = crate::ffi::transport::gin_net_layout();
+        let l = crate::kernels::transport::gin_net_layout();
         assert!(l.bytes > 0 && l.bytes <= NET_BYTES.min(super::super::ll_seam::DESC_BYTES) && l.align <= 8, "{l:?}");
     }
 
     #[test]
     fn the_seam_follows_the_buffer_and_gin_signals_fit_its_plan() {
-        use crate::backend::nccl::gin::{buffer_plan, ht_signal, GinKnobs, HtSignal};
-        use crate::ffi::internode::MAX_NODES;
+        use crate::backend::peer::gin::{buffer_plan, ht_signal, GinKnobs, HtSignal};
+        use crate::kernels::internode::MAX_NODES;
         // No GIN device comm: the LSA emulation, ids from 0 in the emulation's table of 32.
         let lsa = ht_net("op", false, false, None).unwrap();
         assert_eq!(lsa, HtNet { kind: NET_LSA, desc_off: 0, sig_base: 0 });
@@ -513,7 +513,7 @@ mod tests {
                 for node in 0..rr {
                     for kind in [HtSignal::Barrier, HtSignal::Step] {
                         let s = ht_signal(n.sig_base, kind, node);
-                        assert!(s < plan.signals && (!ll || s >= crate::backend::nccl::ll_seam::SIGNALS), "ll {ll} {kind:?} {node} -> {s}");
+                        assert!(s < plan.signals && (!ll || s >= crate::backend::peer::ll_seam::SIGNALS), "ll {ll} {kind:?} {node} -> {s}");
                     }
                 }
             }

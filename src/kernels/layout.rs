@@ -62,7 +62,7 @@ fn to_c_int(v: usize, name: &str) -> Result<c_int> {
 /// the launch memory-safe (rank, dtype, sizes that fit in `int`), and the C side checks the rest
 /// (`E % R == 0`, `R % D == 0` above D ranks) and reports `cudaErrorInvalidValue`.
 /// Sound as a safe function because a [`TensorRef`] carries a non-null pointer only when
-/// `ffi::capi` built it from a live tensor, and the C side refuses null outputs/inputs of nonzero
+/// `api::buffer` built it from a live tensor, and the C side refuses null outputs/inputs of nonzero
 /// size (`cudaErrorInvalidValue`); `stream` is an opaque handle that is never dereferenced here.
 #[allow(clippy::too_many_arguments, clippy::not_unsafe_ptr_arg_deref)]
 pub fn dispatch_layout(

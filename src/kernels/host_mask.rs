@@ -11,8 +11,8 @@
 //! Kernels must read the words with `ld.volatile` (or `ld.acquire.sys`) since the host may
 //! change them at any time; writes from the host are followed by a SeqCst fence.
 
-use super::intranode::MAX_RANKS;
 use crate::error::Result;
+use crate::kernels::intranode::MAX_RANKS;
 use crate::sys::kernels::*;
 use std::ffi::c_void;
 
@@ -36,7 +36,7 @@ impl HostMask {
         let (mut host, mut device) = (std::ptr::null_mut(), std::ptr::null_mut());
         let bytes = MASK_WORDS * 4;
         // SAFETY: writes two pointers; the allocation is `bytes` of pinned, mapped memory.
-        super::kernels::check(
+        crate::kernels::layout::check(
             unsafe { dek_cuda_host_alloc_mapped(&mut host, &mut device, bytes) },
             op,
             "cudaHostAlloc(mapped) of the rank mask",
@@ -76,7 +76,11 @@ impl HostMask {
         assert!(words <= MASK_WORDS);
         // SAFETY: `dst` is device memory of at least `words` int32 (the caller's window scratch);
         // the source is our live pinned block.
-        super::kernels::check(unsafe { dek_cuda_memcpy_htod(dst, self.host.cast(), words * 4) }, op, "copying the rank mask to the device")
+        crate::kernels::layout::check(
+            unsafe { dek_cuda_memcpy_htod(dst, self.host.cast(), words * 4) },
+            op,
+            "copying the rank mask to the device",
+        )
     }
 }
 
@@ -85,7 +89,7 @@ impl Drop for HostMask {
         // SAFETY: allocated by cudaHostAlloc in `new`, freed once.
         let st = unsafe { dek_cuda_free_host(self.host.cast()) };
         if st != 0 {
-            eprintln!("deep_ep: cudaFreeHost of the rank mask failed: {}", super::kernels::cuda_error_text(st));
+            eprintln!("deep_ep: cudaFreeHost of the rank mask failed: {}", crate::kernels::layout::cuda_error_text(st));
         }
     }
 }

@@ -4,9 +4,9 @@
 //! The struct carries raw device pointers that the backend fills only from live tensors validated
 //! by `crate::ops` and from the buffer's own window.
 
-use super::intranode::Ctx;
-use super::kernels::check;
 use crate::error::Result;
+use crate::kernels::intranode::Ctx;
+use crate::kernels::layout::check;
 use crate::sys::kernels::*;
 use std::ffi::c_void;
 
@@ -77,7 +77,7 @@ pub fn check_struct_size(op: &'static str) -> Result<()> {
 /// (cudaErrorInvalidValue otherwise).
 ///
 /// # Safety
-/// The launch contract of [`crate::ffi::intranode`]: a live window, argument pointers null or live
+/// The launch contract of [`crate::kernels::intranode`]: a live window, argument pointers null or live
 /// and large enough until `stream` ran the kernel.
 pub unsafe fn launch(op: &'static str, ctx: &Ctx, args: &InArgs, step: i32, stream: *mut c_void) -> Result<()> {
     // SAFETY: `ctx` describes the buffer's live window; every pointer of `args` is null or points

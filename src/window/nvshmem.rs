@@ -20,9 +20,9 @@
 //! geometry allocates from it without initialising again). NVSHMEM's own variables: see
 //! [`env_defaults`].
 
-use super::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream, CONTROL_BYTES, MAX_RANKS};
-use super::nvshmem::{self, NvshmemLib};
 use crate::error::{Error, Result};
+use crate::kernels::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream, CONTROL_BYTES, MAX_RANKS};
+use crate::sys::nvshmem::{self, NvshmemLib};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
@@ -259,8 +259,8 @@ impl Window {
         drop(state);
         if let Some(stride) = a.transport_self_test {
             // SAFETY: launch contract: the ctx of this live window, zeroed and past the host rendezvous.
-            unsafe { super::transport::lsa_self_test_run(OP, &w.ctx, stride, a.timeout_ns, stream.raw()) }?;
-            if super::transport::NVSHMEM_DEVICE_BUILT {
+            unsafe { crate::kernels::transport::lsa_self_test_run(OP, &w.ctx, stride, a.timeout_ns, stream.raw()) }?;
+            if crate::kernels::transport::NVSHMEM_DEVICE_BUILT {
                 // The device state is registered on first use only, so a build whose NVSHMEM
                 // transport is unused leaves NVSHMEM's initialisation as it was.
                 if !DEVICE_STATE.load(Ordering::Acquire) {
@@ -268,7 +268,7 @@ impl Window {
                     DEVICE_STATE.store(true, Ordering::Release);
                 }
                 // SAFETY: launch contract: the ctx of this live window, zeroed and past the host rendezvous.
-                unsafe { super::transport::nvshmem_self_test_run(OP, &w.ctx, w.mem, stride, a.timeout_ns, stream.raw()) }?;
+                unsafe { crate::kernels::transport::nvshmem_self_test_run(OP, &w.ctx, w.mem, stride, a.timeout_ns, stream.raw()) }?;
             }
         }
         Ok(w)

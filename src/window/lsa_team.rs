@@ -1,5 +1,5 @@
 //! Which ranks' windows an NCCL window of a buffer can address, and which of them the kernels get
-//! in [`Ctx::peer_base`](super::intranode::Ctx): pure logic over NCCL's answer (the LSA team, the
+//! in [`Ctx::peer_base`](crate::kernels::intranode::Ctx): pure logic over NCCL's answer (the LSA team, the
 //! ranks that share load/store access over NVLink: every GPU of one NVLink machine, the node on a
 //! cluster) and the buffer's NVLink domains (`DEEP_EP_NVL_DOMAIN_SIZE`).
 //!
@@ -15,7 +15,7 @@
 use crate::error::{Error, Result};
 use std::ffi::c_void;
 
-use super::intranode::MAX_RANKS;
+use crate::kernels::intranode::MAX_RANKS;
 
 /// Where a window's peers are, checked against the buffer's topology.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -26,7 +26,7 @@ pub struct PeerMap {
     /// lsa_size)` (NCCL's teams are consecutive world ranks: `ncclGetPeerPointer`, `ncclTeamRail`).
     pub lsa_first: usize,
     pub lsa_size: usize,
-    /// [`Ctx::nvl_ranks`](super::intranode::Ctx): 0 = the kernels get every rank's window, `D` =
+    /// [`Ctx::nvl_ranks`](crate::kernels::intranode::Ctx): 0 = the kernels get every rank's window, `D` =
     /// only those of the own NVLink domain of `D` ranks.
     pub ctx_nvl_ranks: usize,
 }

@@ -5,11 +5,11 @@
 //!
 //! Every launch is asynchronous on the stream it is given and CUDA-graph capturable. The structs
 //! carry raw device pointers: the backend fills them only from live tensors handed over by
-//! `ffi::capi` (validated by `crate::ops`) and from the buffer's own window, which is what makes
+//! `api::buffer` (validated by `crate::ops`) and from the buffer's own window, which is what makes
 //! the safe launch wrappers sound.
 
-use super::kernels::check;
 use crate::error::Result;
+use crate::kernels::layout::check;
 use crate::sys::kernels::{self as sys, *};
 use std::ffi::{c_int, c_void};
 
@@ -124,7 +124,7 @@ pub type Ctx = dek_ic_ctx_t;
 
 impl Ctx {
     /// Whether this is the ctx of a buffer whose other NVLink domains have no window pointer
-    /// (`nvl_ranks` > 0): barriers of all ranks go through [`super::global_barrier`].
+    /// (`nvl_ranks` > 0): barriers of all ranks go through [`crate::kernels::global_barrier`].
     pub fn split(&self) -> bool {
         self.nvl_ranks > 0 && self.nvl_ranks < self.num_ranks
     }
@@ -170,8 +170,8 @@ pub fn check_struct_sizes(op: &'static str) -> Result<()> {
     Ok(())
 }
 
-// The launch contract of every `unsafe fn` launcher of the kernels (here, `ffi::low_latency`,
-// `ffi::internode`): `ctx` describes this buffer's live window (a window provider made it), and
+// The launch contract of every `unsafe fn` launcher of the kernels (here, `kernels::low_latency`,
+// `kernels::internode`): `ctx` describes this buffer's live window (a window provider made it), and
 // every pointer in the argument structs is null or points to live device memory of the size the
 // kernel reads or writes (the data of a tensor validated by `crate::ops` and the backend, or the
 // window), alive until `stream` has run the kernel; `stream` is a valid CUDA stream (or null) of
@@ -180,7 +180,7 @@ pub fn check_struct_sizes(op: &'static str) -> Result<()> {
 /// K0/K2: barrier, optionally gather + notify (one block).
 ///
 /// # Safety
-/// The launch contract of [`crate::ffi::intranode`]: a live window, argument pointers null or live
+/// The launch contract of [`crate::kernels::intranode`]: a live window, argument pointers null or live
 /// and large enough until `stream` ran the kernel.
 pub unsafe fn sync(op: &'static str, ctx: &Ctx, args: &SyncArgs, stream: *mut c_void) -> Result<()> {
     // SAFETY: the caller keeps the launch contract; both structs are read by value.
@@ -190,7 +190,7 @@ pub unsafe fn sync(op: &'static str, ctx: &Ctx, args: &SyncArgs, stream: *mut c_
 /// K1: stage this rank's inputs into its own window.
 ///
 /// # Safety
-/// The launch contract of [`crate::ffi::intranode`]: a live window, argument pointers null or live
+/// The launch contract of [`crate::kernels::intranode`]: a live window, argument pointers null or live
 /// and large enough until `stream` ran the kernel.
 pub unsafe fn stage(op: &'static str, ctx: &Ctx, args: &StageArgs, stream: *mut c_void) -> Result<()> {
     // SAFETY: the caller keeps the launch contract.
@@ -200,7 +200,7 @@ pub unsafe fn stage(op: &'static str, ctx: &Ctx, args: &StageArgs, stream: *mut 
 /// K3 of (cached) dispatch.
 ///
 /// # Safety
-/// The launch contract of [`crate::ffi::intranode`]: a live window, argument pointers null or live
+/// The launch contract of [`crate::kernels::intranode`]: a live window, argument pointers null or live
 /// and large enough until `stream` ran the kernel.
 pub unsafe fn pull(op: &'static str, ctx: &Ctx, args: &PullArgs, stream: *mut c_void) -> Result<()> {
     // SAFETY: the caller keeps the launch contract.
@@ -211,7 +211,7 @@ pub unsafe fn pull(op: &'static str, ctx: &Ctx, args: &PullArgs, stream: *mut c_
 /// overlapped copy-out of this rank's receive area into the outputs `out`.
 ///
 /// # Safety
-/// The launch contract of [`crate::ffi::intranode`]: a live window, argument pointers null or live
+/// The launch contract of [`crate::kernels::intranode`]: a live window, argument pointers null or live
 /// and large enough until `stream` ran the kernel.
 pub unsafe fn dispatch_push(op: &'static str, ctx: &Ctx, args: &DispatchPushArgs, out: &PullArgs, stream: *mut c_void) -> Result<()> {
     // SAFETY: the caller keeps the launch contract.
@@ -221,7 +221,7 @@ pub unsafe fn dispatch_push(op: &'static str, ctx: &Ctx, args: &DispatchPushArgs
 /// K1 of combine: push received rows back into their source ranks' windows.
 ///
 /// # Safety
-/// The launch contract of [`crate::ffi::intranode`]: a live window, argument pointers null or live
+/// The launch contract of [`crate::kernels::intranode`]: a live window, argument pointers null or live
 /// and large enough until `stream` ran the kernel.
 pub unsafe fn combine_push(op: &'static str, ctx: &Ctx, args: &PushArgs, stream: *mut c_void) -> Result<()> {
     // SAFETY: the caller keeps the launch contract.
@@ -231,7 +231,7 @@ pub unsafe fn combine_push(op: &'static str, ctx: &Ctx, args: &PushArgs, stream:
 /// K3 of combine.
 ///
 /// # Safety
-/// The launch contract of [`crate::ffi::intranode`]: a live window, argument pointers null or live
+/// The launch contract of [`crate::kernels::intranode`]: a live window, argument pointers null or live
 /// and large enough until `stream` ran the kernel.
 pub unsafe fn combine(op: &'static str, ctx: &Ctx, args: &CombineArgs, stream: *mut c_void) -> Result<()> {
     // SAFETY: the caller keeps the launch contract.
@@ -242,7 +242,7 @@ pub unsafe fn combine(op: &'static str, ctx: &Ctx, args: &CombineArgs, stream: *
 /// `zero_counters`; no data barrier).
 ///
 /// # Safety
-/// The launch contract of [`crate::ffi::intranode`]: a live window, argument pointers null or live
+/// The launch contract of [`crate::kernels::intranode`]: a live window, argument pointers null or live
 /// and large enough until `stream` ran the kernel.
 pub unsafe fn combine_fused(op: &'static str, ctx: &Ctx, push: &PushArgs, args: &CombineArgs, stream: *mut c_void) -> Result<()> {
     // SAFETY: the caller keeps the launch contract.
@@ -253,7 +253,7 @@ pub unsafe fn combine_fused(op: &'static str, ctx: &Ctx, push: &PushArgs, args: 
 /// combine's start barrier), which raises what they find on every rank.
 ///
 /// # Safety
-/// The launch contract of [`crate::ffi::intranode`]: a live window, argument pointers null or live
+/// The launch contract of [`crate::kernels::intranode`]: a live window, argument pointers null or live
 /// and large enough until `stream` ran the kernel.
 pub unsafe fn check_inputs(op: &'static str, ctx: &Ctx, args: &CheckArgs, stream: *mut c_void) -> Result<()> {
     // SAFETY: the caller keeps the launch contract; the kernel only reads the inputs and writes this rank's
@@ -265,16 +265,16 @@ pub unsafe fn check_inputs(op: &'static str, ctx: &Ctx, args: &CheckArgs, stream
 /// device, then meets every peer at the kernel barrier (bounded by the timeout), so no peer still
 /// reads or writes this rank's window: the flag barrier, or the global barrier (node phase over
 /// NVLink, seam phase between rail peers) for a ctx split over NVLink domains
-/// ([`super::global_barrier::all_ranks`]). A peer that never arrives is an [`Error::Timeout`]
+/// ([`crate::kernels::global_barrier::all_ranks`]). A peer that never arrives is an [`Error::Timeout`]
 /// naming it, and the caller must then skip its collective teardown.
 ///
 /// # Safety
-/// The launch contract of [`crate::ffi::intranode`]: `ctx` a live window of this rank (and
+/// The launch contract of [`crate::kernels::intranode`]: `ctx` a live window of this rank (and
 /// pointer arguments null or live and large enough until the work ran).
 pub unsafe fn destroy_barrier(op: &'static str, ctx: &Ctx, status: &HostStatus, timeout_ms: u64) -> Result<()> {
     device_synchronize(op)?;
     let stream = Stream::new(op)?;
-    super::global_barrier::all_ranks(op, ctx, site::DESTROY, stream.raw())?;
+    crate::kernels::global_barrier::all_ranks(op, ctx, site::DESTROY, stream.raw())?;
     stream.synchronize(op)?;
     if let Some(e) = status.error().filter(|e| e.code == err::TIMEOUT) {
         return Err(crate::error::Error::Timeout {
@@ -295,7 +295,7 @@ pub unsafe fn destroy_barrier(op: &'static str, ctx: &Ctx, status: &HostStatus, 
 /// it at creation, before the first barrier.
 ///
 /// # Safety
-/// The launch contract of [`crate::ffi::intranode`]: a live window, argument pointers null or live
+/// The launch contract of [`crate::kernels::intranode`]: a live window, argument pointers null or live
 /// and large enough until `stream` ran the kernel.
 pub unsafe fn zero_window(op: &'static str, ctx: &Ctx, stream: *mut c_void) -> Result<()> {
     let local = ctx.peer_base[ctx.rank as usize];
@@ -307,7 +307,7 @@ pub unsafe fn zero_window(op: &'static str, ctx: &Ctx, stream: *mut c_void) -> R
 /// Clears the device copy of a reported error.
 ///
 /// # Safety
-/// The launch contract of [`crate::ffi::intranode`]: a live window, argument pointers null or live
+/// The launch contract of [`crate::kernels::intranode`]: a live window, argument pointers null or live
 /// and large enough until `stream` ran the kernel.
 pub unsafe fn clear_error(op: &'static str, ctx: &Ctx, stream: *mut c_void) -> Result<()> {
     // SAFETY: writes one int of this rank's scratch.
@@ -443,7 +443,7 @@ impl Drop for HostStatus {
         // SAFETY: allocated by cudaHostAlloc in `new`, freed once.
         let st = unsafe { dek_cuda_free_host(self.host.cast()) };
         if st != 0 {
-            eprintln!("deep_ep: cudaFreeHost of the status block failed: {}", super::kernels::cuda_error_text(st));
+            eprintln!("deep_ep: cudaFreeHost of the status block failed: {}", crate::kernels::layout::cuda_error_text(st));
         }
     }
 }

@@ -1,7 +1,7 @@
 //! C API of the internode normal-mode ops (see `csrc/deep_ep_capi.h`, "internode").
 
-use super::capi::{check_size, guard, opt_tensor, tensor, RawTensor};
-use super::capi_modes::{dispatch_args_as, RawDispatchArgs};
+use crate::api::buffer::{check_size, guard, opt_tensor, tensor, RawTensor};
+use crate::api::modes::{dispatch_args_as, RawDispatchArgs};
 use crate::backend::internode::{
     InternodeCachedDispatchArgs, InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutputs, InternodeHandle, InternodePlan,
 };

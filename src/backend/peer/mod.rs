@@ -8,7 +8,7 @@
 //! `kernels/internode_*.cu`; LSA emulation, or NCCL GIN with `DEEP_EP_RDMA_TRANSPORT=gin`). The kernels of an internode
 //! buffer get the windows of their own NVLink domain only (`Ctx::nvl_ranks`, the others NULL,
 //! as on a cluster where NCCL's LSA team is the node), and its barriers of all ranks (destroy,
-//! the LL signal reset) are the global barrier of `ffi::global_barrier`, set up at creation.
+//! the LL signal reset) are the global barrier of `kernels::global_barrier`, set up at creation.
 //!
 //! The window comes from a provider ([`window::PeerWindow`]): an NCCL symmetric window (backend
 //! `nccl`) or an NVSHMEM symmetric allocation (backend `nvshmem`); kernels and host code only see
@@ -23,8 +23,8 @@
 //! by events), as with DeepEP's comm stream: barrier epochs live on the device.
 //!
 //! Rank masking (LL): the mask and the shrink flag live in a host-mapped `int32_t[16]` block
-//! ([`HostMask`], layout in `ffi::host_mask`): words 0..8 = rank masked, word 8 = shrink mode.
-//! LL kernels read a device copy of the mask words ([`NcclBackend::ll_mask_device_ptr`], in the
+//! ([`HostMask`], layout in `kernels::host_mask`): words 0..8 = rank masked, word 8 = shrink mode.
+//! LL kernels read a device copy of the mask words ([`PeerBackend::ll_mask_device_ptr`], in the
 //! window's control area) that every mask update rewrites (reading host-mapped memory from every
 //! block crossed PCIe: 10-50x slower LL ops, measured); graph replays read it too, so mask updates
 //! need no re-capture. The kernels apply the
@@ -39,7 +39,6 @@ mod internode;
 pub mod ll_seam;
 mod low_latency;
 mod normal;
-pub mod window;
 
 use super::internode::{InternodeCachedDispatchArgs, InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutputs, InternodePlan};
 use super::{
@@ -48,17 +47,17 @@ use super::{
     LlStats, Stream, UNIQUE_ID_BYTES,
 };
 use crate::error::{Error, Result};
-use crate::ffi::host_mask::{HostMask, SHRINK_WORD};
-use crate::ffi::intranode::MAX_RANKS;
-use crate::ffi::nccl;
-use crate::ffi::nccl_window::{GinSetup, Window, WindowArgs};
+use crate::kernels::host_mask::{HostMask, SHRINK_WORD};
+use crate::kernels::intranode::MAX_RANKS;
+use crate::sys::nccl;
 use crate::tensor::{Device, TensorRef};
+use crate::window::nccl::{GinSetup, Window, WindowArgs};
 use std::time::Duration;
 
 /// A buffer on NVLink: NCCL device-API window or NVSHMEM symmetric allocation (`info.backend`).
-pub struct NcclBackend {
+pub struct PeerBackend {
     info: BufferInfo,
-    window: Box<dyn window::PeerWindow>,
+    window: Box<dyn crate::window::PeerWindow>,
     timeout: Duration,
     /// Low-latency host state (half of the next send, geometry of the signals).
     ll: low_latency::LlState,
@@ -81,11 +80,11 @@ fn ni(kind: BackendKind, op: &'static str, feature: &'static str) -> Error {
 /// the plan's, or the LSA emulation through the window's LSA pointers. Local.
 fn split_setup(
     op: &'static str,
-    window: &dyn window::PeerWindow,
+    window: &dyn crate::window::PeerWindow,
     topo: &crate::topology::Topology,
     gin_plan: Option<&gin::GinPlan>,
 ) -> Result<()> {
-    use crate::ffi::global_barrier;
+    use crate::kernels::global_barrier;
     let ctx = window.ctx();
     let n = ctx.num_ranks as usize;
     let own: Vec<usize> = (0..n).filter(|&p| !ctx.peer_base[p].is_null()).collect();
@@ -119,7 +118,7 @@ fn checked_library() -> Result<&'static nccl::NcclLib> {
     Ok(lib)
 }
 
-impl NcclBackend {
+impl PeerBackend {
     /// Creates the buffer (collective over `num_ranks` processes, one per GPU of one NVLink
     /// domain) on the window provider of `kind` (`Nccl`: communicator, device comm, symmetric
     /// window; `Nvshmem`: NVSHMEM initialisation and one symmetric allocation) of
@@ -138,7 +137,7 @@ impl NcclBackend {
         if a.num_ranks > MAX_RANKS {
             return Err(Error::NotImplemented { op: OP, backend: kind.name(), feature: "buffers of more than 8 ranks (internode)" });
         }
-        crate::ffi::low_latency::check_struct_size(OP)?;
+        crate::kernels::low_latency::check_struct_size(OP)?;
         let timeout = crate::settings::timeout(OP)?;
         // Internode LL (ranks over several NVLink domains): the seam's area after the LL area.
         let topo = crate::topology::Topology::new(OP, a.rank, a.num_ranks, crate::topology::nvl_domain_size()?)?;
@@ -154,13 +153,14 @@ impl NcclBackend {
         if a.num_ranks > d && !a.low_latency_mode {
             // Internode normal mode: its control area (after the transport self-test's) and the
             // RDMA area next to the NVLink one (internode.rs lays out the whole data area).
-            data_bytes += crate::ffi::internode::CTRL_OFF + crate::ffi::internode::CTRL_BYTES - crate::ffi::intranode::CONTROL_BYTES
+            data_bytes += crate::kernels::internode::CTRL_OFF + crate::kernels::internode::CTRL_BYTES
+                - crate::kernels::intranode::CONTROL_BYTES
                 + a.num_rdma_bytes;
         }
-        crate::ffi::internode::check_struct_size(OP)?;
+        crate::kernels::internode::check_struct_size(OP)?;
         let timeout_ns = timeout.as_nanos().min(u64::MAX as u128) as u64;
         let transport_self_test = gin::self_test_stride_from_env(a.rank, a.num_ranks)?;
-        let judge = |comm: usize, r: crate::ffi::transport::GinGrant| -> Result<()> {
+        let judge = |comm: usize, r: crate::kernels::transport::GinGrant| -> Result<()> {
             let Some(p) = &gin_plan else { return Ok(()) };
             let text = |c: i32| nccl::library().map(|l| nccl::error_text(l, c)).unwrap_or_default();
             let g = gin::granted_on(p, &knobs, a.rank, comm, r, text)?;
@@ -175,7 +175,7 @@ impl NcclBackend {
             );
             Ok(())
         };
-        let window: Box<dyn window::PeerWindow> = match kind {
+        let window: Box<dyn crate::window::PeerWindow> = match kind {
             BackendKind::Nccl => {
                 checked_library()?;
                 let gin = gin_plan.as_ref().map(|p| GinSetup { reqs: p.requirements(), comms: p.num_comms, judge: &judge });
@@ -203,7 +203,7 @@ impl NcclBackend {
             }
             #[cfg(feature = "nvshmem")]
             BackendKind::Nvshmem => {
-                use crate::ffi::nvshmem_window as nw;
+                use crate::window::nvshmem as nw;
                 Box::new(nw::Window::create(&nw::WindowArgs {
                     unique_id: &unique_id,
                     rank: a.rank,
@@ -220,7 +220,7 @@ impl NcclBackend {
             }
             #[cfg(feature = "ipc")]
             BackendKind::Ipc => {
-                use crate::ffi::ipc_window as iw;
+                use crate::window::ipc as iw;
                 let nvl_domain = if topo.num_rdma_ranks() >= 2 { topo.num_nvl_ranks() } else { a.num_ranks };
                 Box::new(iw::Window::create(&iw::WindowArgs {
                     unique_id: &unique_id,
@@ -237,18 +237,20 @@ impl NcclBackend {
         };
         let seam = match net_kind {
             Some(kind) => {
-                let layout = ll_seam::SeamLayout::new(crate::ffi::intranode::CONTROL_BYTES, a.num_nvl_bytes, a.num_rdma_bytes);
+                let layout = ll_seam::SeamLayout::new(crate::kernels::intranode::CONTROL_BYTES, a.num_nvl_bytes, a.num_rdma_bytes);
                 let name = if kind == ll_seam::NET_GIN {
                     let comms = window.gin_all();
                     crate::ensure!(!comms.is_empty(), OP, "internal: a GIN seam without a GIN device comm");
                     // SAFETY: launch contract: the ctx of this live window; the descriptor goes into its own control area.
-                    unsafe { crate::ffi::transport::write_gin_desc(OP, window.ctx(), layout.desc_off, ll_seam::DESC_BYTES, &comms) }?;
+                    unsafe { crate::kernels::transport::write_gin_desc(OP, window.ctx(), layout.desc_off, ll_seam::DESC_BYTES, &comms) }?;
                     "NCCL GIN"
                 } else {
                     let (bases, ctx) = (window.lsa_bases(), window.ctx());
                     let (off, sig) = (layout.desc_off, layout.signal_off);
                     // SAFETY: launch contract: the ctx of this live window; the descriptor goes into its own control area.
-                    unsafe { crate::ffi::transport::write_lsa_desc(OP, ctx, &bases, off, sig, ll_seam::LSA_CONTEXTS, ll_seam::SIGNALS) }?;
+                    unsafe {
+                        crate::kernels::transport::write_lsa_desc(OP, ctx, &bases, off, sig, ll_seam::LSA_CONTEXTS, ll_seam::SIGNALS)
+                    }?;
                     "LSA emulation"
                 };
                 crate::log_info!(
@@ -275,7 +277,7 @@ impl NcclBackend {
         }
         let info = BufferInfo::from_args(a, kind);
         let mask = HostMask::new(OP)?;
-        Ok(NcclBackend { info, window, timeout, ll: low_latency::LlState::default(), mask, mask_seen: std::cell::Cell::new(0), seam })
+        Ok(PeerBackend { info, window, timeout, ll: low_latency::LlState::default(), mask, mask_seen: std::cell::Cell::new(0), seam })
     }
 
     /// A fresh unique id ([`UNIQUE_ID_BYTES`] bytes) of `kind`'s provider from one rank
@@ -284,7 +286,7 @@ impl NcclBackend {
         match kind {
             BackendKind::Nccl => Ok(nccl::unique_id(checked_library()?)?.to_vec()),
             #[cfg(feature = "nvshmem")]
-            BackendKind::Nvshmem => Ok(crate::ffi::nvshmem_window::unique_id()?.to_vec()),
+            BackendKind::Nvshmem => Ok(crate::window::nvshmem::unique_id()?.to_vec()),
             other => Err(Error::invalid(crate::op_names::GET_UNIQUE_ID, format!("internal: backend {} has no peer window", other.name()))),
         }
     }
@@ -293,7 +295,7 @@ impl NcclBackend {
     /// at `LL_MASK_OFF` of this rank's window, zero at creation), for the LL kernels' arguments.
     pub fn ll_mask_device_ptr(&self) -> *mut std::ffi::c_void {
         let base = self.window.ctx().peer_base[self.info.rank] as *mut u8;
-        base.wrapping_add(crate::ffi::low_latency::LL_MASK_OFF).cast()
+        base.wrapping_add(crate::kernels::low_latency::LL_MASK_OFF).cast()
     }
 
     /// Rewrites the kernels' device copy of the mask from the host-mapped block (synchronous).
@@ -325,7 +327,7 @@ impl NcclBackend {
     }
 }
 
-impl Backend for NcclBackend {
+impl Backend for PeerBackend {
     fn info(&self) -> &BufferInfo {
         &self.info
     }
@@ -373,7 +375,7 @@ impl Backend for NcclBackend {
         self.ll_combine_recv_impl(g, a, st, s)
     }
     fn ll_mask_rows(&mut self, op: &'static str, a: &LlRowsArgs, s: Stream) -> Result<()> {
-        crate::ffi::ll_rows::mask_rows(op, &a.topk_idx, &a.num_tokens, &a.out, s)
+        crate::kernels::ll_rows::mask_rows(op, &a.topk_idx, &a.num_tokens, &a.out, s)
     }
     fn clean_low_latency_buffer(&mut self, g: &LlGeometry, s: Stream) -> Result<()> {
         self.ll_clean_impl(g, s)
@@ -429,9 +431,9 @@ mod tests {
             low_latency_mode: false,
         };
         for kind in [BackendKind::Nccl, BackendKind::Nvshmem, BackendKind::Ipc] {
-            let e = NcclBackend::create(&args(&[0u8; 5], Device::Cuda(0)), kind).err().map(|e| e.to_string()).unwrap_or_default();
+            let e = PeerBackend::create(&args(&[0u8; 5], Device::Cuda(0)), kind).err().map(|e| e.to_string()).unwrap_or_default();
             assert!(e.contains("unique_id must have 128 bytes, got 5"), "{e}");
-            let e = NcclBackend::create(&args(&[0u8; 128], Device::Cpu), kind).err().map(|e| e.to_string()).unwrap_or_default();
+            let e = PeerBackend::create(&args(&[0u8; 128], Device::Cpu), kind).err().map(|e| e.to_string()).unwrap_or_default();
             assert!(e.contains(&format!("the {} backend needs a CUDA device", kind.name())), "{e}");
         }
     }

@@ -2,15 +2,26 @@
 //! addresses of it. The kernels (`kernels/intranode_*.cu`, `kernels/low_latency.cu`) and every
 //! host-side op only use [`Ctx`] (peer base pointers, control area, status block), so one
 //! backend runs on any provider:
-//! - `nccl`: an NCCL communicator with one symmetric window (`ffi::nccl_window`), peer pointers
+//! - `nccl`: an NCCL communicator with one symmetric window (`window::nccl`), peer pointers
 //!   from `ncclGetPeerPointer` (LSA).
-//! - `nvshmem` (cargo feature `nvshmem`): one `nvshmem_malloc` allocation (`ffi::nvshmem_window`),
+//! - `nvshmem` (cargo feature `nvshmem`): one `nvshmem_malloc` allocation (`window::nvshmem`),
 //!   peer pointers from `nvshmem_ptr`.
-//! - `ipc` (cargo feature `ipc`): one `cudaMalloc` allocation per rank (`ffi::ipc_window`), peer
+//! - `ipc` (cargo feature `ipc`): one `cudaMalloc` allocation per rank (`window::ipc`), peer
 //!   pointers from `cudaIpcOpenMemHandle`; no NCCL, several ranks per GPU.
 
+#[cfg(feature = "nccl")]
+pub mod gin_comms;
+#[cfg(feature = "ipc")]
+pub mod ipc;
+#[cfg(feature = "nccl")]
+pub mod lsa_team;
+#[cfg(feature = "nccl")]
+pub mod nccl;
+#[cfg(feature = "nvshmem")]
+pub mod nvshmem;
+
 use crate::error::Result;
-use crate::ffi::intranode::{Ctx, HostStatus, MAX_RANKS};
+use crate::kernels::intranode::{Ctx, HostStatus, MAX_RANKS};
 
 /// The symmetric memory of one buffer, as kernels and host code address it. Created
 /// collectively by the provider; [`PeerWindow::close`] is collective; dropping an unclosed window
@@ -51,7 +62,7 @@ pub trait PeerWindow: Send {
     }
 }
 
-impl PeerWindow for crate::ffi::nccl_window::Window {
+impl PeerWindow for nccl::Window {
     fn keep_memory(&mut self) {
         self.keep_memory()
     }
@@ -79,7 +90,7 @@ impl PeerWindow for crate::ffi::nccl_window::Window {
 }
 
 #[cfg(feature = "nvshmem")]
-impl PeerWindow for crate::ffi::nvshmem_window::Window {
+impl PeerWindow for nvshmem::Window {
     fn ctx(&self) -> &Ctx {
         self.ctx()
     }
@@ -95,7 +106,7 @@ impl PeerWindow for crate::ffi::nvshmem_window::Window {
 }
 
 #[cfg(feature = "ipc")]
-impl PeerWindow for crate::ffi::ipc_window::Window {
+impl PeerWindow for ipc::Window {
     fn keep_memory(&mut self) {
         self.keep_memory()
     }

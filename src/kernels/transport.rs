@@ -63,7 +63,7 @@ pub fn check_struct_sizes(op: &'static str) -> Result<()> {
 /// `lsa.peer_base` must hold live windows of `window_bytes`, `args.status` host-mapped memory and
 /// `args.claim` a device word, all alive until the kernel finished; `stream` a valid stream or null.
 pub unsafe fn ping_lsa(op: &'static str, lsa: &LsaDesc, args: &PingArgs, stream: *mut c_void) -> Result<()> {
-    super::kernels::check(dek_tp_ping_lsa(lsa, args, stream), op, "launching the LSA transport self-test")
+    crate::kernels::layout::check(dek_tp_ping_lsa(lsa, args, stream), op, "launching the LSA transport self-test")
 }
 
 /// Launches the self-test over NCCL GIN (one warp) on `stream`.
@@ -73,12 +73,12 @@ pub unsafe fn ping_lsa(op: &'static str, lsa: &LsaDesc, args: &PingArgs, stream:
 /// `window` a window registered on it holding the offsets of `args`; as [`ping_lsa`] otherwise.
 pub unsafe fn ping_gin(op: &'static str, devcomm: &[u64], window: *mut c_void, args: &PingArgs, stream: *mut c_void) -> Result<()> {
     let st = dek_tp_ping_gin(devcomm.as_ptr().cast(), devcomm.len() * 8, window, args, stream);
-    super::kernels::check(st, op, "launching the GIN transport self-test")
+    crate::kernels::layout::check(st, op, "launching the GIN transport self-test")
 }
 
 /// `ncclDevCommCreate` with GIN requirements: returns the device comm (an 8-aligned byte copy of
 /// `ncclDevComm`, to pass to kernels) and what NCCL granted. A failed call returns the NCCL result
-/// code as `Err(code)` so the caller can word the error (see `backend::nccl::gin`).
+/// code as `Err(code)` so the caller can word the error (see `backend::peer::gin`).
 ///
 /// # Safety
 /// `create_fn` must be `ncclDevCommCreate` of the loaded NCCL and `comm` a live communicator of it.
@@ -110,11 +110,11 @@ pub fn devcomm_error(op: &'static str, code: i32, detail: String) -> Error {
 /// window is not addressable (a real cluster). Local (no peer involved).
 ///
 /// # Safety
-/// The launch contract of [`crate::ffi::intranode`]: `ctx` a live window of this rank (and
+/// The launch contract of [`crate::kernels::intranode`]: `ctx` a live window of this rank (and
 /// pointer arguments null or live and large enough until the work ran).
 pub unsafe fn write_lsa_desc(
     op: &'static str,
-    ctx: &super::intranode::Ctx,
+    ctx: &crate::kernels::intranode::Ctx,
     bases: &[*mut c_void],
     desc_off: usize,
     signal_off: usize,
@@ -157,7 +157,7 @@ pub unsafe fn write_lsa_desc(
     let st = unsafe {
         dek_cuda_memcpy_htod(own.cast::<u8>().add(desc_off).cast(), (&lsa as *const LsaDesc).cast(), std::mem::size_of::<LsaDesc>())
     };
-    super::kernels::check(st, op, "writing an LSA seam descriptor")
+    crate::kernels::layout::check(st, op, "writing an LSA seam descriptor")
 }
 
 /// Layout of the GIN seam descriptor (`GinNet` of `kernels/transport.cuh`: `MAX_GIN_COMMS` pairs of
@@ -244,11 +244,11 @@ pub fn build_gin_net(op: &'static str, comms: &[(&[u64], *mut c_void)], desc_byt
 /// its global barrier read it there (`net` with `net_kind` GIN). Local (no peer involved).
 ///
 /// # Safety
-/// The launch contract of [`crate::ffi::intranode`]: `ctx` a live window of this rank (and
+/// The launch contract of [`crate::kernels::intranode`]: `ctx` a live window of this rank (and
 /// pointer arguments null or live and large enough until the work ran).
 pub unsafe fn write_gin_desc(
     op: &'static str,
-    ctx: &super::intranode::Ctx,
+    ctx: &crate::kernels::intranode::Ctx,
     desc_off: usize,
     desc_bytes: usize,
     comms: &[(&[u64], *mut c_void)],
@@ -265,7 +265,7 @@ pub unsafe fn write_gin_desc(
     // SAFETY: `bytes` <= desc_bytes inside this rank's own live window (checked above), from a host
     // buffer that lives through the synchronous copy.
     let st = unsafe { dek_cuda_memcpy_htod(own.cast::<u8>().add(desc_off).cast(), desc.as_ptr().cast(), bytes) };
-    super::kernels::check(st, op, "writing a GIN seam descriptor")
+    crate::kernels::layout::check(st, op, "writing a GIN seam descriptor")
 }
 
 /// Writes `info` into a zeroed `ncclDevComm` at `out`, as NCCL fills a grant: for stand-ins of
@@ -288,7 +288,7 @@ pub fn devcomm_bytes() -> usize {
 // Layout, right after the control area (the data area is unused while a buffer is created):
 // signal table (one context, one signal per sender), the own staging block, then one receive
 // block per rail-team member.
-const ST_SIGNALS_OFF: u64 = super::intranode::CONTROL_BYTES as u64;
+const ST_SIGNALS_OFF: u64 = crate::kernels::intranode::CONTROL_BYTES as u64;
 const ST_BYTES: u64 = 16 << 10;
 const ST_SRC_OFF: u64 = ST_SIGNALS_OFF + 4096;
 const ST_DST_OFF: u64 = ST_SRC_OFF + ST_BYTES;
@@ -305,11 +305,11 @@ pub fn lsa_self_test_bytes(num_ranks: usize) -> u64 {
 /// A silent peer raises [`Error::Timeout`] naming it; corrupted data an [`Error::Device`].
 ///
 /// # Safety
-/// The launch contract of [`crate::ffi::intranode`]: `ctx` a live window of this rank (and
+/// The launch contract of [`crate::kernels::intranode`]: `ctx` a live window of this rank (and
 /// pointer arguments null or live and large enough until the work ran).
 pub unsafe fn lsa_self_test_run(
     op: &'static str,
-    ctx: &super::intranode::Ctx,
+    ctx: &crate::kernels::intranode::Ctx,
     rail_stride: usize,
     timeout_ns: u64,
     stream: *mut c_void,
@@ -367,17 +367,17 @@ fn ping_round(
     let mapped = MappedStatus::new(op)?;
     let mut claim: *mut c_void = std::ptr::null_mut();
     // SAFETY: writes one device pointer; freed below on every path.
-    super::kernels::check(unsafe { dek_cuda_malloc(&mut claim, 4) }, op, "cudaMalloc (self-test claim word)")?;
+    crate::kernels::layout::check(unsafe { dek_cuda_malloc(&mut claim, 4) }, op, "cudaMalloc (self-test claim word)")?;
     let result = (|| {
         // SAFETY: 4 bytes of the allocation above.
-        super::kernels::check(unsafe { dek_cuda_memset_async(claim, 0, 4, stream) }, op, "cudaMemsetAsync")?;
+        crate::kernels::layout::check(unsafe { dek_cuda_memset_async(claim, 0, 4, stream) }, op, "cudaMemsetAsync")?;
         args.status = mapped.device.cast();
         args.claim = claim.cast();
         // The mapped status and the claim word outlive the kernel (the stream is synchronised
         // before they are released).
         launch(&args)?;
         // SAFETY: a valid stream (or null) from the caller.
-        super::kernels::check(unsafe { dek_cuda_stream_synchronize(stream) }, op, "synchronising the transport self-test")
+        crate::kernels::layout::check(unsafe { dek_cuda_stream_synchronize(stream) }, op, "synchronising the transport self-test")
     })();
     // SAFETY: allocated above; the stream is synchronised or the launch failed.
     unsafe { dek_cuda_free(claim) };
@@ -433,7 +433,7 @@ pub unsafe fn nvshmem_device_register(op: &'static str, func: *mut c_void, init:
             s if s >= 1000 => Err(Error::Device {
                 op,
                 what: format!("{name}: finding this library's CUDA module"),
-                detail: super::kernels::cuda_error_text(s - 1000),
+                detail: crate::kernels::layout::cuda_error_text(s - 1000),
             }),
             s => Err(Error::Device {
                 op,
@@ -455,11 +455,11 @@ pub unsafe fn nvshmem_device_register(op: &'static str, func: *mut c_void, init:
 /// signal context and receive area). `base` is the window's symmetric address. Collective.
 ///
 /// # Safety
-/// The launch contract of [`crate::ffi::intranode`]: `ctx` a live window of this rank (and
+/// The launch contract of [`crate::kernels::intranode`]: `ctx` a live window of this rank (and
 /// pointer arguments null or live and large enough until the work ran).
 pub unsafe fn nvshmem_self_test_run(
     op: &'static str,
-    ctx: &super::intranode::Ctx,
+    ctx: &crate::kernels::intranode::Ctx,
     base: *mut c_void,
     rail_stride: usize,
     timeout_ns: u64,
@@ -507,7 +507,7 @@ fn ping_nvshmem(op: &'static str, net: &NvshmemDesc, args: &PingArgs, stream: *m
     // SAFETY: `net.base` is the live symmetric window and the device state is registered
     // (nvshmem_device_register, at NVSHMEM's initialisation); `args`' status and claim outlive
     // the kernel (ping_round).
-    super::kernels::check(unsafe { dek_tp_ping_nvshmem(net, args, stream) }, op, "launching the NVSHMEM transport self-test")
+    crate::kernels::layout::check(unsafe { dek_tp_ping_nvshmem(net, args, stream) }, op, "launching the NVSHMEM transport self-test")
 }
 
 #[cfg(not(deep_ep_nvshmem_device))]
@@ -525,7 +525,7 @@ impl MappedStatus {
     fn new(op: &'static str) -> Result<MappedStatus> {
         let (mut host, mut device) = (std::ptr::null_mut(), std::ptr::null_mut());
         // SAFETY: writes two pointers to a pinned mapped allocation of the given size.
-        super::kernels::check(
+        crate::kernels::layout::check(
             unsafe { dek_cuda_host_alloc_mapped(&mut host, &mut device, std::mem::size_of::<Status>()) },
             op,
             "cudaHostAlloc(mapped)",

@@ -84,7 +84,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// Creates a buffer (collective) and returns its handle.
 pub fn create(kind: BackendKind, args: &CreateArgs) -> Result<i64> {
-    let b = backend::create(kind, args).inspect_err(|e| {
+    let b = backend::registry::create(kind, args).inspect_err(|e| {
         if e.poisons_buffer() {
             crate::log_warn!(Some(args.rank), "{e}");
         }

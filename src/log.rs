@@ -1,6 +1,6 @@
 //! A tiny stderr logger. One line per event, `[deep_ep rank R] level: message`, filtered by
 //! `DEEP_EP_LOG` (`off`, `warn` (default), `info`, `debug`; read once, see
-//! [`crate::settings::log_level`]). Events: buffer create/destroy (info), op entry (debug),
+//! [`log_level`]; the other knobs are in `crate::settings`). Events: buffer create/destroy (info), op entry (debug),
 //! timeouts and refusals of poisoned buffers (warn).
 
 use std::fmt;
@@ -41,9 +41,23 @@ impl Level {
     }
 }
 
+/// `DEEP_EP_LOG`: `off`, `warn` (default), `info` or `debug`; read once per process. An
+/// unknown value keeps the default and says so once on stderr.
+pub fn log_level() -> Level {
+    static LEVEL: std::sync::OnceLock<Level> = std::sync::OnceLock::new();
+    *LEVEL.get_or_init(|| match std::env::var("DEEP_EP_LOG") {
+        Err(_) => Level::Warn,
+        Ok(v) if v.trim().is_empty() => Level::Warn,
+        Ok(v) => Level::parse(&v).unwrap_or_else(|| {
+            eprintln!("[deep_ep] warn: DEEP_EP_LOG={v:?} is not one of off, warn, info, debug; using warn");
+            Level::Warn
+        }),
+    })
+}
+
 /// Whether events of `level` are printed.
 pub fn enabled(level: Level) -> bool {
-    level != Level::Off && level <= crate::settings::log_level()
+    level != Level::Off && level <= log_level()
 }
 
 /// The line printed for an event (without the newline).

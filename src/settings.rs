@@ -29,21 +29,6 @@ pub fn shm_dir() -> Option<String> {
     std::env::var("DEEP_EP_SHM_DIR").ok().filter(|d| !d.is_empty())
 }
 
-/// `DEEP_EP_LOG`: `off`, `warn` (default), `info` or `debug`; read once per process. An
-/// unknown value keeps the default and says so once on stderr.
-pub fn log_level() -> crate::log::Level {
-    use crate::log::Level;
-    static LEVEL: std::sync::OnceLock<Level> = std::sync::OnceLock::new();
-    *LEVEL.get_or_init(|| match std::env::var("DEEP_EP_LOG") {
-        Err(_) => Level::Warn,
-        Ok(v) if v.trim().is_empty() => Level::Warn,
-        Ok(v) => Level::parse(&v).unwrap_or_else(|| {
-            eprintln!("[deep_ep] warn: DEEP_EP_LOG={v:?} is not one of off, warn, info, debug; using warn");
-            Level::Warn
-        }),
-    })
-}
-
 /// `DEEP_EP_INTRANODE_DISPATCH`: `pull` (default) or `push`, the data path of the nccl backend's
 /// intranode (cached) dispatch; read once per process. All ranks must use the same (a mismatch
 /// is reported as ranks running different ops). An unknown value keeps the default and says so.

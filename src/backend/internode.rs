@@ -12,8 +12,9 @@
 //! then source token index (channels are contiguous token ranges, so "then channel, then token"
 //! is the same order). The RDMA-leg order: by source domain, then source token index.
 
-use super::{DispatchArgs, DispatchPlan, Stream};
+use super::normal::{DispatchArgs, DispatchPlan};
 use crate::config::Config;
+use crate::tensor::Stream;
 use crate::tensor::TensorRef;
 
 /// Columns of `send_nvl_head` and bits of `SourceMeta::is_token_in_nvl_rank_bits`: DeepEP's

@@ -8,7 +8,7 @@
 //! ctx, the intranode flag barrier otherwise.
 
 use crate::error::Result;
-use crate::kernels::intranode::{self, Ctx, SyncArgs, CONTROL_BYTES};
+use crate::kernels::intranode::{self, device_synchronize, err, site, Ctx, HostStatus, Stream, SyncArgs, CONTROL_BYTES};
 use crate::kernels::layout::check;
 use crate::kernels::low_latency::{NET_GIN, NET_LSA};
 use crate::sys::kernels::*;
@@ -23,7 +23,7 @@ pub const DESC_OFF: usize = DEK_GB_DESC_OFF as usize;
 pub const DESC_BYTES: usize = DEK_GB_DESC_BYTES as usize;
 /// Signal ids the barrier uses from its base: one per source NVLink domain
 /// (`DEK_GB_MAX_DOMAINS`); on GIN they come after the ops' ids
-/// (`backend::peer::gin::barrier_signal_base`).
+/// (`backend::peer::signals::barrier_base`).
 pub const SIGNALS: usize = DEK_GB_MAX_DOMAINS as usize;
 
 /// `dek_gb_header_t`.
@@ -91,6 +91,33 @@ pub unsafe fn all_ranks(op: &'static str, ctx: &Ctx, site: i32, stream: *mut c_v
     // SAFETY: the ctx describes live windows (own domain) and the barrier area set up at
     // creation; the launcher validates it; asynchronous on `stream`.
     check(unsafe { dek_gb_barrier(ctx, site, stream) }, op, "global barrier kernel launch")
+}
+
+/// The first step of a collective buffer release, for every window provider: waits for the
+/// device, then meets every peer at the kernel barrier (bounded by the timeout), so no peer still
+/// reads or writes this rank's window: the flag barrier, or the global barrier (node phase over
+/// NVLink, seam phase between rail peers) for a ctx split over NVLink domains
+/// ([`all_ranks`]). A peer that never arrives is an [`Error::Timeout`]
+/// naming it, and the caller must then skip its collective teardown.
+///
+/// # Safety
+/// The launch contract of [`crate::kernels::intranode`]: `ctx` a live window of this rank (and
+/// pointer arguments null or live and large enough until the work ran).
+pub unsafe fn destroy_barrier(op: &'static str, ctx: &Ctx, status: &HostStatus, timeout_ms: u64) -> Result<()> {
+    device_synchronize(op)?;
+    let stream = Stream::new(op)?;
+    all_ranks(op, ctx, site::DESTROY, stream.raw())?;
+    stream.synchronize(op)?;
+    if let Some(e) = status.error().filter(|e| e.code == err::TIMEOUT) {
+        return Err(crate::error::Error::Timeout {
+            op,
+            rank: ctx.rank as usize,
+            peers: vec![e.rank.max(0) as usize],
+            timeout_ms,
+            what: site::name(e.site).to_string(),
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -261,33 +261,6 @@ pub unsafe fn check_inputs(op: &'static str, ctx: &Ctx, args: &CheckArgs, stream
     check(unsafe { dek_ic_check(ctx, args, stream) }, op, "intranode input-check kernel launch")
 }
 
-/// The first step of a collective buffer release, for every window provider: waits for the
-/// device, then meets every peer at the kernel barrier (bounded by the timeout), so no peer still
-/// reads or writes this rank's window: the flag barrier, or the global barrier (node phase over
-/// NVLink, seam phase between rail peers) for a ctx split over NVLink domains
-/// ([`crate::kernels::global_barrier::all_ranks`]). A peer that never arrives is an [`Error::Timeout`]
-/// naming it, and the caller must then skip its collective teardown.
-///
-/// # Safety
-/// The launch contract of [`crate::kernels::intranode`]: `ctx` a live window of this rank (and
-/// pointer arguments null or live and large enough until the work ran).
-pub unsafe fn destroy_barrier(op: &'static str, ctx: &Ctx, status: &HostStatus, timeout_ms: u64) -> Result<()> {
-    device_synchronize(op)?;
-    let stream = Stream::new(op)?;
-    crate::kernels::global_barrier::all_ranks(op, ctx, site::DESTROY, stream.raw())?;
-    stream.synchronize(op)?;
-    if let Some(e) = status.error().filter(|e| e.code == err::TIMEOUT) {
-        return Err(crate::error::Error::Timeout {
-            op,
-            rank: ctx.rank as usize,
-            peers: vec![e.rank.max(0) as usize],
-            timeout_ms,
-            what: site::name(e.site).to_string(),
-        });
-    }
-    Ok(())
-}
-
 /// Zeroes this rank's whole window (`ctx.window_bytes` at its own peer pointer): the control
 /// area and the transport self-test signals start at zero, and so do the
 /// low-latency signal words, so the first LL call needs no barrier (a re-created

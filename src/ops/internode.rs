@@ -45,7 +45,7 @@ fn check_handle(op: &'static str, h: &InternodeHandle, info: &BufferInfo, c: usi
         (&h.recv_rdma_channel_prefix_matrix, "recv_rdma_channel_prefix_matrix", rr),
         (&h.recv_gbl_channel_prefix_matrix, "recv_gbl_channel_prefix_matrix", r),
     ] {
-        super::on_device(op, name, t, i32s, dev)?;
+        t.check(op, name).on(i32s, dev)?.done()?;
         crate::ensure!(t.sizes() == [rows as i64, c as i64], op, "{name} must have shape [{rows}, {c}] {chan}, got {:?}", t.sizes());
         t.check(op, name).contiguous()?;
     }

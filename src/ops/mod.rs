@@ -18,7 +18,7 @@ use crate::tensor::{DType, Device, TensorRef};
 /// `deep_ep::get_unique_id`: a rendezvous id for `backend` ("" = `DEEP_EP_BACKEND` or cpu).
 pub fn get_unique_id(backend_name: &str, device: Device) -> Result<Vec<u8>> {
     let kind = BackendKind::select(crate::op_names::GET_UNIQUE_ID, backend_name, device)?;
-    backend::unique_id(kind)
+    backend::registry::unique_id(kind)
 }
 
 /// `deep_ep::create_buffer` (collective).
@@ -155,11 +155,6 @@ fn cuda_dispatch_layout(topk_idx: &TensorRef, e: usize, r: usize, d: usize, out:
 #[cfg(not(feature = "cuda"))]
 fn cuda_dispatch_layout(_: &TensorRef, _: usize, _: usize, _: usize, _: &LayoutOutputs, _: backend::Stream) -> Result<()> {
     Err(crate::error::Error::NotCompiled { op: crate::op_names::GET_DISPATCH_LAYOUT, backend: "cuda".into(), feature: "cuda" })
-}
-
-/// Requires `t` to live on the buffer's device (one message shape for every op).
-pub(crate) fn on_device(op: &'static str, name: &'static str, t: &TensorRef, dtypes: &[DType], device: Device) -> Result<()> {
-    t.check(op, name).on(dtypes, device)?.done()
 }
 
 /// `deep_ep::wait_stats` (local): per peer `[waits, nanoseconds]` of this rank's host waits

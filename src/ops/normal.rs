@@ -1,6 +1,5 @@
 //! Normal-mode (high-throughput) ops: validation and backend calls.
 
-use super::on_device;
 use crate::backend::{BufferInfo, CachedDispatchArgs, CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, DispatchPlan, Handle};
 use crate::buffer;
 use crate::error::Result;
@@ -63,7 +62,7 @@ fn check_handle(op: &'static str, h: &Handle, info: &BufferInfo, num_channels: u
         .contiguous()?;
     let chan_msg = "(config.num_sms / 2 must equal the dispatch's)";
     for (t, name) in [(&h.channel_prefix_matrix, "channel_prefix_matrix"), (&h.recv_channel_prefix_matrix, "recv_channel_prefix_matrix")] {
-        on_device(op, name, t, &[DType::Int32], dev)?;
+        t.check(op, name).on(&[DType::Int32], dev)?.done()?;
         crate::ensure!(
             t.sizes() == [r as i64, num_channels as i64],
             op,

@@ -13,11 +13,37 @@
 //! the extra communicators (newest first) before the buffer's own. The local path
 //! ([`GinComms::abort`]) aborts the extra communicators before the buffer's own.
 
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::kernels::transport::{gin_devcomm_create, GinGrant, GinReqs};
 use crate::sys::kernels::*;
 use crate::sys::nccl::{self, ncclComm_t, ncclConfig_t, ncclWindow_t, nccl_fn, DeviceApi, NcclLib};
-use crate::window::nccl::{gin_setup, GinSetup};
 use std::ffi::{c_int, c_void};
+
+/// What a window asks `ncclDevCommCreate` for GIN, and who judges the answer.
+pub struct GinSetup<'a> {
+    /// Requirements of every communicator (`backend::peer::gin::GinPlan::requirements`).
+    pub reqs: GinReqs,
+    /// GIN communicators (`DEEP_EP_GIN_COMMS`, >= 1): the window's own and `comms - 1` split from
+    /// it (`window::gin_comms`).
+    pub comms: usize,
+    /// Turns NCCL's answer on communicator `i` (the device comm and what it granted, or the NCCL
+    /// result code) into `Ok` or the error that explains it (`backend::peer::gin::granted_on`).
+    pub judge: &'a dyn Fn(usize, GinGrant) -> Result<()>,
+}
+
+/// Creates the GIN device comm of `g` on `comm` (communicator `index` of the buffer) through
+/// `create_fn` and has `g.judge` accept it. A device comm the judge refuses is left to the
+/// communicator's teardown (abort frees it).
+///
+/// # Safety
+/// `create_fn` must have the prototype of `ncclDevCommCreate` (the loaded NCCL's, or a stand-in in
+/// tests) and `comm` be a communicator it accepts.
+pub unsafe fn gin_setup(create_fn: *mut c_void, comm: *mut c_void, index: usize, g: &GinSetup) -> Result<Vec<u64>> {
+    let r = gin_devcomm_create(create_fn, comm, &g.reqs);
+    let devcomm = r.as_ref().ok().map(|(d, _)| d.clone());
+    (g.judge)(index, r)?;
+    devcomm.ok_or_else(|| Error::invalid(crate::op_names::CREATE_BUFFER, "internal: a failed GIN device comm creation was accepted"))
+}
 
 /// `NCCL_CONFIG_UNDEF_INT` (INT_MIN): "not set, use the parent's or NCCL's default".
 const UNDEF_INT: c_int = c_int::MIN;

@@ -353,7 +353,7 @@ impl Window {
         }
         let _guard = DeviceGuard::new(DESTROY, self.device)?;
         // SAFETY: launch contract: the ctx of this live window; the barrier passes no other pointer.
-        unsafe { intranode::destroy_barrier(DESTROY, &self.ctx, self.status(), timeout_ms) }?;
+        unsafe { crate::kernels::global_barrier::destroy_barrier(DESTROY, &self.ctx, self.status(), timeout_ms) }?;
         self.closed = true;
         let closed = self.close_opened();
         let met = self.rdv.barrier(DESTROY, "every rank closed its mappings of the peers' windows");

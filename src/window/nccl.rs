@@ -17,10 +17,10 @@
 use crate::error::{Error, Result};
 use crate::kernels::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream, CONTROL_BYTES, MAX_RANKS};
 use crate::kernels::layout::check as cuda_check;
-use crate::kernels::transport::{gin_devcomm_create, GinGrant, GinReqs};
+
 use crate::sys::kernels::*;
 use crate::sys::nccl::{self, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId, ncclWindow_t, nccl_fn, DeviceApi, NcclLib};
-use crate::window::gin_comms::{self, GinComms};
+use crate::window::gin_comms::{self, gin_setup, GinComms, GinSetup};
 use crate::window::lsa_team::PeerMap;
 use std::ffi::{c_int, c_void};
 
@@ -47,32 +47,6 @@ pub struct WindowArgs<'a> {
     pub transport_self_test: Option<usize>,
     /// Create a GIN device comm on the communicator (internode buffers over NCCL GIN).
     pub gin: Option<GinSetup<'a>>,
-}
-
-/// What a window asks `ncclDevCommCreate` for GIN, and who judges the answer.
-pub struct GinSetup<'a> {
-    /// Requirements of every communicator (`backend::peer::gin::GinPlan::requirements`).
-    pub reqs: GinReqs,
-    /// GIN communicators (`DEEP_EP_GIN_COMMS`, >= 1): the window's own and `comms - 1` split from
-    /// it (`window::gin_comms`).
-    pub comms: usize,
-    /// Turns NCCL's answer on communicator `i` (the device comm and what it granted, or the NCCL
-    /// result code) into `Ok` or the error that explains it (`backend::peer::gin::granted_on`).
-    pub judge: &'a dyn Fn(usize, GinGrant) -> Result<()>,
-}
-
-/// Creates the GIN device comm of `g` on `comm` (communicator `index` of the buffer) through
-/// `create_fn` and has `g.judge` accept it. A device comm the judge refuses is left to the
-/// communicator's teardown (abort frees it).
-///
-/// # Safety
-/// `create_fn` must have the prototype of `ncclDevCommCreate` (the loaded NCCL's, or a stand-in in
-/// tests) and `comm` be a communicator it accepts.
-pub unsafe fn gin_setup(create_fn: *mut c_void, comm: *mut c_void, index: usize, g: &GinSetup) -> Result<Vec<u64>> {
-    let r = gin_devcomm_create(create_fn, comm, &g.reqs);
-    let devcomm = r.as_ref().ok().map(|(d, _)| d.clone());
-    (g.judge)(index, r)?;
-    devcomm.ok_or_else(|| Error::invalid(OP, "internal: a failed GIN device comm creation was accepted"))
 }
 
 /// One step of [`Window::close`]'s teardown, in order.
@@ -325,7 +299,7 @@ impl Window {
         }
         let _guard = DeviceGuard::new(DESTROY, self.device)?;
         // SAFETY: launch contract: the ctx of this live window; the barrier passes no other pointer.
-        unsafe { intranode::destroy_barrier(DESTROY, &self.ctx, self.status(), timeout_ms) }?;
+        unsafe { crate::kernels::global_barrier::destroy_barrier(DESTROY, &self.ctx, self.status(), timeout_ms) }?;
         let mut first: Result<()> = Ok(());
         let mut note = |r: Result<()>| {
             if first.is_ok() {

@@ -299,7 +299,7 @@ impl Window {
         }
         let _guard = DeviceGuard::new(DESTROY, self.device)?;
         // SAFETY: launch contract: the ctx of this live window; the barrier passes no other pointer.
-        unsafe { intranode::destroy_barrier(DESTROY, &self.ctx, self.status(), timeout_ms) }?;
+        unsafe { crate::kernels::global_barrier::destroy_barrier(DESTROY, &self.ctx, self.status(), timeout_ms) }?;
         let mut state = session();
         // SAFETY: allocated by nvshmem_malloc in `create`, freed once (the pointer is cleared
         // below); the device is idle and every peer passed the barrier above.

@@ -35,6 +35,7 @@
 //! only barriers of LL mode besides `clean_low_latency_buffer`. (A receive still in flight
 //! across a geometry change is not supported.)
 
+use super::ll_state::LlState;
 use super::shm::{self, Region};
 use super::CpuBackend;
 use crate::backend::{
@@ -61,36 +62,6 @@ const FLAG_LOGFMT: i64 = 8;
 const FLAG_DEDUP: i64 = 16;
 const FLAG_PARTIAL: i64 = 32;
 const HEADER: usize = 16;
-
-/// Host-side low-latency state of one buffer.
-#[derive(Default, Debug)]
-pub struct LlState {
-    /// Half the next LL send uses (DeepEP's `low_latency_buffer_idx`).
-    next_half: usize,
-    /// Sequence number of the latest send on each half.
-    seq: [u32; 2],
-    /// Sends issued since creation or the last clean, both halves together. One counter for
-    /// both halves keeps every call's tag unique: a word left behind by the other half, or
-    /// by a call with another geometry (signal offsets move with E), can never carry the
-    /// tag a waiter expects, so no rank can see a stale word as an arrival.
-    calls: u32,
-    /// `(T, H, E)` of the last send or clean; `None` while the signal area is untouched.
-    geometry: Option<(usize, usize, usize)>,
-    /// Per half: the dispatch that used it last, as (address of its `src_info` output, whether
-    /// it sent top-k weights in the deduplicated format, its number); a combine given that
-    /// `src_info` finds the latest dispatch with it and sends partial sums if that one carried
-    /// weights (see `LlGeometry::wire`; an older dispatch whose freed `src_info` address was
-    /// reused never matches first).
-    dispatch: [crate::backend::LlDispatchRecord; 2],
-    /// Dispatches recorded so far (orders `dispatch`: the latest match wins).
-    dispatches: u64,
-    /// The routing of the latest dispatches, as (address of their `src_info` output, fingerprint
-    /// of their `topk_idx`); a combine send finds its dispatch's by `src_info`.
-    routed: Vec<(usize, u64)>,
-    /// Per half: the routing fingerprint of the combine sent on it, which its receive checks
-    /// against the `topk_idx` it is given (another one would silently sum nothing).
-    combine_routing: [Option<u64>; 2],
-}
 
 /// Fingerprint of a `topk_idx` (`n` rows of `k`): FNV-1a over the shape and the ids.
 fn routing_fingerprint(idx: &[i64], k: usize) -> u64 {

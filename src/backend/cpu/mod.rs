@@ -11,6 +11,7 @@
 pub(crate) mod ht;
 pub(crate) mod internode;
 pub(crate) mod ll;
+mod ll_state;
 pub mod shared;
 pub mod shm;
 
@@ -52,7 +53,7 @@ pub struct CpuBackend {
     /// Barriers this rank has passed (the value it publishes in its barrier slot).
     epoch: u64,
     pub(crate) timeout: Duration,
-    pub(crate) ll: ll::LlState,
+    pub(crate) ll: ll_state::LlState,
     /// LL rank mask (`true` = masked); local to this rank, survives `clean_low_latency_buffer`.
     pub(crate) mask: Vec<bool>,
     /// Shrink mode: an LL wait that times out masks the missing ranks instead of raising.
@@ -131,7 +132,7 @@ impl CpuBackend {
             region_bytes,
             epoch: 0,
             timeout,
-            ll: ll::LlState::default(),
+            ll: ll_state::LlState::default(),
             mask: vec![false; a.num_ranks],
             shrink: false,
             waits: vec![[0, 0]; a.num_ranks],

@@ -24,6 +24,7 @@
 //! - `NCCL_GIN_TYPE` is read by NCCL itself; deep_ep validates it (2 = proxy, 3 = GDAKI, NCCL's
 //!   `ncclNetDeviceType`) and checks that the granted type matches.
 
+use super::signals::{ht_base as ht_signal_base, BARRIER_SIGNALS};
 use crate::error::{Error, Result};
 use crate::kernels::transport::{GinInfo, GinReqs, MAX_GIN_CONTEXTS};
 
@@ -139,42 +140,11 @@ impl GinKnobs {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Workload {
     /// Normal (HT) mode over `num_rdma_ranks` nodes: the kernels of `kernels/internode_*.cu` put
-    /// everything on context 0 and count with two signals per source node ([`ht_signal`]).
+    /// everything on context 0 and count with two signals per source node ([`super::signals::ht`]).
     Normal { num_rdma_ranks: usize },
     /// Low-latency mode: a count signal per (local expert, source rank), for dispatch and combine,
     /// in each of the two buffer halves.
     LowLatency { num_local_experts: usize, num_ranks: usize },
-}
-
-/// Kinds of the seam signals of the normal-mode kernels (`internode.cuh`). Each is raised on a
-/// rank by its rail peer of the source node, by one per event, and never reset: the receiver
-/// waits for the count of its own device epoch counter (zeroed with the window), so the signal
-/// must start at 0 (a fresh GIN device comm's signals do; the LL kernels count on the same).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum HtSignal {
-    /// Global barriers: a put of the barrier payload with the add (`kSigBar`).
-    Barrier,
-    /// Seam steps: the exchange blocks' puts, or a bare add after the token records / partials
-    /// (`kSigStep`).
-    Step,
-}
-
-/// First seam signal of the normal-mode kernels in a buffer (`InArgs::sig_base`): after the LL
-/// seam's ids in a low-latency buffer (which may run normal-mode ops too, and whose LL kernels
-/// reset `[0, ll_seam::SIGNALS)` at a geometry change), 0 otherwise.
-pub fn ht_signal_base(low_latency_mode: bool) -> usize {
-    if low_latency_mode {
-        super::ll_seam::SIGNALS
-    } else {
-        0
-    }
-}
-
-/// Signal id the normal-mode kernels use for `kind` from source node `node` (< 8), with the
-/// buffer's `base` ([`ht_signal_base`]); on context 0.
-pub fn ht_signal(base: usize, kind: HtSignal, node: usize) -> usize {
-    use crate::kernels::internode::{SIG_BAR, SIG_STEP};
-    base + node + if kind == HtSignal::Barrier { SIG_BAR } else { SIG_STEP }
 }
 
 /// Resources one buffer asks NCCL for.
@@ -225,7 +195,7 @@ impl GinPlan {
     /// source rank.
     pub fn ll_signal(&self, combine: bool, half: usize, local_expert: usize, src_rank: usize) -> usize {
         let Workload::LowLatency { num_local_experts, num_ranks } = self.workload else { unreachable!("ll_signal on an HT plan") };
-        ((usize::from(combine) * 2 + half) * num_local_experts + local_expert) * num_ranks + src_rank
+        super::signals::ll(combine, half, local_expert, src_rank, num_local_experts, num_ranks)
     }
 }
 
@@ -260,7 +230,7 @@ pub fn plan(w: Workload, k: &GinKnobs) -> Result<GinPlan> {
 /// `DEEP_EP_RDMA_TRANSPORT=gin`. The per-call geometry is unknown at creation, so the plan covers
 /// every call the buffer accepts: LL buffers get one signal per seam id
 /// (`ll_seam::SIGNALS` = 4 x the most experts), then the normal-mode kernels' signals (an LL
-/// buffer may run normal-mode ops; [`ht_signal_base`]), and a context per sending rank (the LL
+/// buffer may run normal-mode ops; [`super::signals::ht_base`]), and a context per sending rank (the LL
 /// kernels put on the context of the sender's rank); normal-mode buffers the signals of
 /// [`Workload::Normal`] on one context. `DEEP_EP_GIN_COMMS` communicators, each asking for the same
 /// requirements.
@@ -272,7 +242,7 @@ pub fn buffer_plan(k: &GinKnobs, num_ranks: usize, num_rdma_ranks: usize, low_la
         let signals = ht_signal_base(true) + crate::kernels::internode::SEAM_SIGNALS;
         let contexts_per_comm = k.contexts.unwrap_or_else(|| num_ranks.min(MAX_GIN_CONTEXTS));
         GinPlan {
-            workload: Workload::LowLatency { num_local_experts: (super::ll_seam::MAX_EXPERTS / num_ranks).max(1), num_ranks },
+            workload: Workload::LowLatency { num_local_experts: (super::signals::LL_MAX_EXPERTS / num_ranks).max(1), num_ranks },
             num_comms: k.comms.unwrap_or(1),
             contexts_per_comm,
             signals,
@@ -283,18 +253,6 @@ pub fn buffer_plan(k: &GinKnobs, num_ranks: usize, num_rdma_ranks: usize, low_la
     // The global barrier's signals after every id of the workload (barrier_signal_base).
     p.signals += BARRIER_SIGNALS;
     Ok(Some(p))
-}
-
-/// Signals a [`buffer_plan`] adds at the end of its table for the buffer's global barrier
-/// (`kernels::global_barrier`: destroy and the LL signal reset; one id per source NVLink domain).
-pub const BARRIER_SIGNALS: usize = crate::kernels::global_barrier::SIGNALS;
-
-/// First signal id of the global barrier in a plan from [`buffer_plan`]: its last
-/// [`BARRIER_SIGNALS`] ids, above every id its ops use (`ll_signal`, `ring_signal`, the normal-mode
-/// kernels' ids), so the barrier never adds to an op's signal and an LL reset never resets one of
-/// the barrier's.
-pub fn barrier_signal_base(p: &GinPlan) -> usize {
-    p.signals - BARRIER_SIGNALS
 }
 
 /// A device comm with GIN, as granted.
@@ -425,9 +383,33 @@ pub fn self_test_stride_from_env(rank: usize, num_ranks: usize) -> Result<Option
     self_test_stride(var("DEEP_EP_TRANSPORT_SELFTEST").as_deref(), var(crate::topology::NVL_DOMAIN_ENV).as_deref(), rank, num_ranks)
 }
 
+/// At the creation of a normal-mode buffer whose ranks span several NVLink domains: when its
+/// window holds a GIN device comm, writes the `GinNet` of the normal-mode kernels (the device comm
+/// by value and the window's `ncclWindow_t`, `kernels::transport::write_gin_desc` as for LL buffers)
+/// into the free end of its internode control area (`NET_OFF`). Local, synchronous; returns
+/// whether it wrote one.
+pub(super) fn write_gin_net(op: &'static str, window: &dyn crate::window::PeerWindow) -> Result<bool> {
+    let comms = window.gin_all();
+    if comms.is_empty() {
+        return Ok(false);
+    }
+    // SAFETY: launch contract: the ctx of this live window; the descriptor goes into its own control area.
+    unsafe {
+        crate::kernels::transport::write_gin_desc(
+            op,
+            window.ctx(),
+            crate::kernels::internode::NET_OFF,
+            crate::kernels::internode::NET_BYTES,
+            &comms,
+        )
+    }?;
+    Ok(true)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::peer::signals::{barrier_base, ht as ht_signal, HtSignal};
     use std::collections::{HashMap, HashSet};
 
     fn knobs(pairs: &[(&str, &str)]) -> Result<GinKnobs> {
@@ -534,7 +516,7 @@ mod tests {
                 assert!((SIGNALS..p.signals).contains(&s), "{kind:?} node {node} -> {s}");
             }
         }
-        assert_eq!(crate::backend::peer::ll_seam::signal_id(true, 1, 511, 3, 512, 4), SIGNALS - 1);
+        assert_eq!(crate::backend::peer::signals::ll(true, 1, 511, 3, 512, 4), SIGNALS - 1);
         let p = buffer_plan(&gin, 2, 2, true).unwrap().unwrap();
         assert_eq!(p.contexts_per_comm, 2);
         let k = knobs(&[("DEEP_EP_RDMA_TRANSPORT", "gin"), ("DEEP_EP_GIN_CONTEXTS", "1")]).unwrap();
@@ -569,7 +551,7 @@ mod tests {
         // LL: above every seam id (ll_seam::signal_id < SIGNALS) and the normal-mode ids after
         // them, inside the table NCCL grants.
         let p = buffer_plan(&gin, 4, 2, true).unwrap().unwrap();
-        let base = barrier_signal_base(&p);
+        let base = barrier_base(p.signals);
         assert_eq!(base, crate::backend::peer::ll_seam::SIGNALS + SEAM_SIGNALS);
         assert_eq!(ht_signal(ht_signal_base(true), HtSignal::Step, MAX_NODES - 1) + 1, base);
         assert_eq!(base + BARRIER_SIGNALS, p.requirements().gin_signal_count as usize);
@@ -578,8 +560,8 @@ mod tests {
         // Normal mode: above every id of the kernels.
         for rr in [2, 4, 8] {
             let p = buffer_plan(&gin, 8, rr, false).unwrap().unwrap();
-            assert_eq!(barrier_signal_base(&p), SEAM_SIGNALS);
-            assert!(ht_signal(0, HtSignal::Step, rr - 1) < barrier_signal_base(&p));
+            assert_eq!(barrier_base(p.signals), SEAM_SIGNALS);
+            assert!(ht_signal(0, HtSignal::Step, rr - 1) < barrier_base(p.signals));
         }
     }
 

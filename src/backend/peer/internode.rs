@@ -29,8 +29,8 @@
 //! A capacity error the host finds before launching is raised on that rank alone (its peers then
 //! time out), as with intranode.
 
-use super::gin::ht_signal_base;
 use super::normal::{channels, check_blocks, i32_of, is_int64, opt_ptr, opt_ptr_mut, ptr, ptr_mut, scales_of};
+use super::signals::ht_base as ht_signal_base;
 use super::PeerBackend;
 use crate::backend::internode::{
     InternodeCachedDispatchArgs, InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutputs, InternodeHandle, InternodePlan,
@@ -39,7 +39,7 @@ use crate::backend::{CombineOutputs, DispatchPlan};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::kernels::internode::{self as k, kind, step, InArgs};
-use crate::kernels::internode::{NET_BYTES, NET_GIN, NET_LSA, NET_OFF};
+use crate::kernels::internode::{NET_GIN, NET_LSA, NET_OFF};
 use crate::kernels::intranode::{CheckArgs, CONTROL_BYTES, MAX_LOCAL_EXPERTS};
 use crate::kernels::transport::{LsaDesc, MAX_LSA_PEERS};
 use crate::tensor::TensorRef;
@@ -102,21 +102,6 @@ pub(super) fn ht_net(op: &'static str, gin: bool, low_latency_mode: bool, ll_gin
         NET_OFF
     };
     Ok(HtNet { kind: NET_GIN, desc_off, sig_base: ht_signal_base(low_latency_mode) })
-}
-
-/// At the creation of a normal-mode buffer whose ranks span several NVLink domains: when its
-/// window holds a GIN device comm, writes the `GinNet` of the normal-mode kernels (the device comm
-/// by value and the window's `ncclWindow_t`, `kernels::transport::write_gin_desc` as for LL buffers)
-/// into the free end of its internode control area (`NET_OFF`). Local, synchronous; returns
-/// whether it wrote one.
-pub(super) fn write_gin_net(op: &'static str, window: &dyn crate::window::PeerWindow) -> Result<bool> {
-    let comms = window.gin_all();
-    if comms.is_empty() {
-        return Ok(false);
-    }
-    // SAFETY: launch contract: the ctx of this live window; the descriptor goes into its own control area.
-    unsafe { crate::kernels::transport::write_gin_desc(op, window.ctx(), NET_OFF, NET_BYTES, &comms) }?;
-    Ok(true)
 }
 
 /// Geometry and window areas of one op.
@@ -486,14 +471,15 @@ mod tests {
         assert_eq!(std::mem::size_of::<InArgs>() % 8, 0);
         // The GinNet slot is in the internode control area, after what the kernels use (kCtrlEnd
         // = 77824), and the descriptor fits it (as it fits the LL seam's DESC_BYTES).
-        const { assert!(NET_OFF >= k::CTRL_OFF + 77824 && NET_OFF + NET_BYTES <= k::CTRL_OFF + k::CTRL_BYTES && NET_OFF % 128 == 0) };
+        const { assert!(NET_OFF >= k::CTRL_OFF + 77824 && NET_OFF + k::NET_BYTES <= k::CTRL_OFF + k::CTRL_BYTES && NET_OFF % 128 == 0) };
         let l = crate::kernels::transport::gin_net_layout();
-        assert!(l.bytes > 0 && l.bytes <= NET_BYTES.min(super::super::ll_seam::DESC_BYTES) && l.align <= 8, "{l:?}");
+        assert!(l.bytes > 0 && l.bytes <= k::NET_BYTES.min(super::super::ll_seam::DESC_BYTES) && l.align <= 8, "{l:?}");
     }
 
     #[test]
     fn the_seam_follows_the_buffer_and_gin_signals_fit_its_plan() {
-        use crate::backend::peer::gin::{buffer_plan, ht_signal, GinKnobs, HtSignal};
+        use crate::backend::peer::gin::{buffer_plan, GinKnobs};
+        use crate::backend::peer::signals::{ht as ht_signal, HtSignal};
         use crate::kernels::internode::MAX_NODES;
         // No GIN device comm: the LSA emulation, ids from 0 in the emulation's table of 32.
         let lsa = ht_net("op", false, false, None).unwrap();

@@ -14,11 +14,8 @@ use crate::config::BUFFER_ALIGNMENT;
 use crate::error::Result;
 use crate::topology::Topology;
 
-/// Most experts of an LL call on the nccl backend (`DEK_LL_MAX_EXPERTS`).
-pub const MAX_EXPERTS: usize = 2048;
-/// Seam signals per rank (`DEK_LL_SEAM_SIGNALS`): one per (dispatch or combine, half, local
-/// expert, rank), at most `4 * MAX_EXPERTS` whatever the geometry.
-pub const SIGNALS: usize = 4 * MAX_EXPERTS;
+pub use super::signals::{LL_MAX_EXPERTS as MAX_EXPERTS, LL_SIGNALS as SIGNALS};
+
 /// Contexts of the LSA emulation (GIN grants at most 4). Two, so that the emulated runs see senders
 /// on different signal tables, as on GIN.
 pub const LSA_CONTEXTS: usize = 2;
@@ -41,20 +38,13 @@ pub fn is_remote(rank: usize, peer: usize, nvl_domain: usize) -> bool {
     rank / nvl_domain != peer / nvl_domain
 }
 
-/// Seam signal of `(combine, half, local expert, rank)` for `num_ranks` ranks of
-/// `num_local_experts` experts each: on a receiver `rank` is the sender; in a sender's shadow
-/// table it is the receiver (`seam_signal` in `kernels/low_latency.cuh`).
-pub fn signal_id(combine: bool, half: usize, local_expert: usize, rank: usize, num_local_experts: usize, num_ranks: usize) -> usize {
-    ((usize::from(combine) * 2 + half) * num_local_experts + local_expert) * num_ranks + rank
-}
-
 /// Where the seam's state lives in every window: after the LL area (`num_rdma_bytes`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SeamLayout {
     /// The seam descriptor (this rank's, read by its own kernels).
     pub desc_off: usize,
     /// `u64 [SIGNALS]`: the value this rank last gave each remote peer's seam signal, indexed by
-    /// [`signal_id`] with the receiver as `rank` (a signal add of `tag - shadow` makes the remote
+    /// [`super::signals::ll`] with the receiver as `rank` (a signal add of `tag - shadow` makes the remote
     /// value exactly the tag an NVLink word would hold, so no signal is reset between calls).
     pub shadow_off: usize,
     /// The LSA emulation's signal tables, `u64 [LSA_CONTEXTS][SIGNALS]` (GIN keeps its own).
@@ -202,7 +192,7 @@ mod tests {
                 for half in 0..2 {
                     for l in 0..el {
                         for s in 0..r {
-                            let id = signal_id(combine, half, l, s, el, r);
+                            let id = crate::backend::peer::signals::ll(combine, half, l, s, el, r);
                             assert_eq!(id, p.ll_signal(combine, half, l, s));
                             assert!(id < 4 * el * r && seen.insert(id));
                         }
@@ -210,7 +200,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(signal_id(true, 1, 511, 3, 512, 4), SIGNALS - 1);
+        assert_eq!(crate::backend::peer::signals::ll(true, 1, 511, 3, 512, 4), SIGNALS - 1);
     }
 
     #[test]

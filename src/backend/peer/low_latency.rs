@@ -40,6 +40,9 @@
 //! status block; the next host-side call of the buffer raises them (`check_ll_pending`). A timeout
 //! leaves the buffer unusable (every later kernel returns at once).
 
+#[cfg(test)]
+use super::ll_state::extra_window_bytes;
+use super::ll_state::LlState;
 use super::{ll_seam, PeerBackend};
 use crate::backend::{
     LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlStats, Stream,
@@ -86,30 +89,6 @@ impl LlGrid {
     fn new(num_sms: i32, ranks_on_gpu: usize) -> LlGrid {
         let sms = num_sms.max(1);
         LlGrid { recv: if ranks_on_gpu > 1 { 2 * sms } else { 4 * sms }, send: 2 * sms, partial: 2 * sms, reduce: sms }
-    }
-}
-
-/// Host-side LL state of one buffer.
-#[derive(Default, Debug)]
-pub struct LlState {
-    /// Half the next LL send uses.
-    next_half: usize,
-    /// `(T, H, E)` of the last send or clean; `None` before the first LL call.
-    geometry: Option<(usize, usize, usize)>,
-    /// Per half: the dispatch that used it last, as (address of its `src_info` output, whether
-    /// it carried top-k weights, its number); a combine given that `src_info` finds the latest
-    /// dispatch with it and sends partial sums if that one carried weights.
-    dispatch: [crate::backend::LlDispatchRecord; 2],
-    /// Dispatches recorded so far (orders `dispatch`: the latest match wins).
-    dispatches: u64,
-}
-
-/// Bytes the window needs beyond `num_nvl_bytes` for LL mode (`num_rdma_bytes`, plus alignment).
-pub fn extra_window_bytes(num_nvl_bytes: usize, num_rdma_bytes: usize, low_latency_mode: bool) -> usize {
-    if low_latency_mode {
-        num_nvl_bytes.div_ceil(BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT - num_nvl_bytes + num_rdma_bytes
-    } else {
-        0
     }
 }
 

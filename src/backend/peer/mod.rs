@@ -37,8 +37,10 @@
 pub mod gin;
 mod internode;
 pub mod ll_seam;
+mod ll_state;
 mod low_latency;
 mod normal;
+pub mod signals;
 
 use super::internode::{InternodeCachedDispatchArgs, InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutputs, InternodePlan};
 use super::{
@@ -51,7 +53,8 @@ use crate::kernels::host_mask::{HostMask, SHRINK_WORD};
 use crate::kernels::intranode::MAX_RANKS;
 use crate::sys::nccl;
 use crate::tensor::{Device, TensorRef};
-use crate::window::nccl::{GinSetup, Window, WindowArgs};
+use crate::window::gin_comms::GinSetup;
+use crate::window::nccl::{Window, WindowArgs};
 use std::time::Duration;
 
 /// A buffer on NVLink: NCCL device-API window or NVSHMEM symmetric allocation (`info.backend`).
@@ -60,7 +63,7 @@ pub struct PeerBackend {
     window: Box<dyn crate::window::PeerWindow>,
     timeout: Duration,
     /// Low-latency host state (half of the next send, geometry of the signals).
-    ll: low_latency::LlState,
+    ll: ll_state::LlState,
     /// LL rank mask + shrink flag, host-mapped so LL kernels read it (see the module doc).
     mask: HostMask,
     /// Mask bits the host knows of (set by the mask ops or already reported): a bit beyond them
@@ -97,7 +100,7 @@ fn split_setup(
     let how = match (gin_plan, window.gin()) {
         (Some(p), Some(_)) => {
             // SAFETY: launch contract: the ctx of this live window; the descriptor goes into its own control area.
-            unsafe { global_barrier::setup_gin(op, ctx, &window.gin_all(), gin::barrier_signal_base(p)) }?;
+            unsafe { global_barrier::setup_gin(op, ctx, &window.gin_all(), signals::barrier_base(p.signals)) }?;
             "NCCL GIN"
         }
         (None, None) => {
@@ -148,7 +151,7 @@ impl PeerBackend {
         let gin_plan = gin::buffer_plan(&knobs, a.num_ranks, topo.num_rdma_ranks(), a.low_latency_mode)?;
         let seam_bytes = net_kind.map_or(0, |_| ll_seam::SeamLayout::extra_bytes(a.num_rdma_bytes));
         let mut data_bytes =
-            a.num_nvl_bytes + low_latency::extra_window_bytes(a.num_nvl_bytes, a.num_rdma_bytes, a.low_latency_mode) + seam_bytes;
+            a.num_nvl_bytes + ll_state::extra_window_bytes(a.num_nvl_bytes, a.num_rdma_bytes, a.low_latency_mode) + seam_bytes;
         let d = crate::topology::nvl_domain_size()?;
         if a.num_ranks > d && !a.low_latency_mode {
             // Internode normal mode: its control area (after the transport self-test's) and the
@@ -264,7 +267,7 @@ impl PeerBackend {
             None => None,
         };
         // Internode normal mode over GIN: the kernels' GinNet in the internode control area.
-        if !a.low_latency_mode && topo.num_rdma_ranks() > 1 && internode::write_gin_net(OP, window.as_ref())? {
+        if !a.low_latency_mode && topo.num_rdma_ranks() > 1 && gin::write_gin_net(OP, window.as_ref())? {
             crate::log_info!(
                 Some(a.rank),
                 "{OP}: normal-mode kernels reach ranks {:?} (outside this NVLink domain of {}) through the transport seam (NCCL GIN)",
@@ -277,7 +280,7 @@ impl PeerBackend {
         }
         let info = BufferInfo::from_args(a, kind);
         let mask = HostMask::new(OP)?;
-        Ok(PeerBackend { info, window, timeout, ll: low_latency::LlState::default(), mask, mask_seen: std::cell::Cell::new(0), seam })
+        Ok(PeerBackend { info, window, timeout, ll: ll_state::LlState::default(), mask, mask_seen: std::cell::Cell::new(0), seam })
     }
 
     /// A fresh unique id ([`UNIQUE_ID_BYTES`] bytes) of `kind`'s provider from one rank

@@ -1,0 +1,201 @@
+//! Types of the low-latency backend calls: the call geometry, the deduplicated wire layout shared
+//! by both backends, and the send / receive arguments and outputs.
+
+use super::info::BufferInfo;
+use crate::config::{low_latency_rdma_size_hint, LowLatencyLayout};
+use crate::error::Result;
+use crate::tensor::TensorRef;
+
+/// Static geometry shared by the low-latency ops of one call.
+#[derive(Copy, Clone, Debug)]
+pub struct LlGeometry {
+    /// T: most tokens any rank dispatches in one call.
+    pub num_max_dispatch_tokens_per_rank: usize,
+    pub hidden: usize,
+    pub num_experts: usize,
+}
+
+/// Length of the `recv_state` int64 tensor that carries a split LL call from its send op to its
+/// recv op (buffer half, sequence number, two reserved words).
+pub const LL_STATE_LEN: usize = 4;
+
+/// Most tokens per rank in one low-latency call, on every backend: receive counts travel as
+/// `count + 1` in 16 bits.
+pub const LL_MAX_TOKENS: usize = 0xfffe;
+
+impl LlGeometry {
+    /// The checks every backend makes before it touches its low-latency area: LL mode, experts a
+    /// multiple of the rank count, hidden a multiple of 128, T within [`LL_MAX_TOKENS`], and the
+    /// area (both halves) within `num_rdma_bytes`. Returns the area's layout.
+    pub fn check_buffer(&self, op: &'static str, info: &BufferInfo) -> Result<LowLatencyLayout> {
+        let (r, e, t, h) = (info.num_ranks, self.num_experts, self.num_max_dispatch_tokens_per_rank, self.hidden);
+        crate::ensure!(info.low_latency_mode, op, "the buffer was not created with low_latency_mode=True");
+        crate::ensure!(e > 0 && e % r == 0, op, "num_experts ({e}) must be a positive multiple of num_ranks ({r})");
+        crate::ensure!(h > 0 && h % 128 == 0, op, "hidden ({h}) must be a positive multiple of 128");
+        crate::ensure!((1..=LL_MAX_TOKENS).contains(&t), op, "num_max_dispatch_tokens_per_rank ({t}) must be in 1..={LL_MAX_TOKENS}");
+        let lay = LowLatencyLayout::new(t, h, e);
+        let need = lay.total_bytes();
+        crate::ensure!(
+            info.num_rdma_bytes >= need,
+            op,
+            "num_rdma_bytes = {} is too small for num_max_dispatch_tokens_per_rank={t}, hidden={h}, num_experts={e}: the low-latency buffer needs {need} bytes (get_low_latency_rdma_size_hint gives {})",
+            info.num_rdma_bytes,
+            low_latency_rdma_size_hint(t, h, r, e)
+        );
+        Ok(lay)
+    }
+}
+
+/// Bytes of a deduplicated dispatch message before its payload (`DEK_LL_MSG_META`): header
+/// `[src token, H, T, E]` i32, `[entries, has weights, 0, 0]` i32, [`LL_WIRE_MAX_TOPK`] u32
+/// entries `local expert << 16 | expert slot` (top-k order) and as many f32 weights.
+pub const LL_MSG_META: usize = 160;
+/// Most top-k entries of a deduplicated message (`DEK_LL_MAX_TOPK`).
+pub const LL_WIRE_MAX_TOPK: usize = 16;
+
+/// Byte layout of the deduplicated low-latency wire format inside one receive half, the same on
+/// both backends: `[message counts: R u32, 128 B][index table [E_l][R][T] u32][messages [R][T]]
+/// [partial combine rows [R][T] of H bf16]`. A message goes once per (token, destination rank);
+/// index entry `[l][s][slot]` names the message of source `s` that row `slot` of `(l, s)` comes
+/// from. The per-expert combine rows (`[E][T]` slots) overlay it all from offset 0, while the
+/// partial rows lie after the messages so that a combine can read its dispatch's messages.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct LlWire {
+    pub idx_off: usize,
+    pub msgs_off: usize,
+    pub msg_bytes: usize,
+    pub partial_off: usize,
+    /// Whether the partial combine rows fit in the half as well.
+    pub partial_fits: bool,
+}
+
+impl LlWire {
+    /// Offset of the message count of source `s`.
+    pub fn count_off(s: usize) -> usize {
+        4 * s
+    }
+}
+
+/// A backend's record of the last dispatch of each LL half: (address of its `src_info` output,
+/// whether it carried top-k weights in the deduplicated format, its number).
+pub type LlDispatchRecord = Option<(usize, bool, u64)>;
+
+/// The half whose dispatch a combine given `src_info` at `ptr` belongs to, when that dispatch
+/// carried top-k weights (the combine then sends partial sums): the latest recorded dispatch with
+/// this `src_info` address decides, so a freed and reused address of an older one never matches.
+pub fn ll_weighted_dispatch_half(records: &[LlDispatchRecord; 2], ptr: usize) -> Option<usize> {
+    (0..2).filter_map(|h| records[h].filter(|r| r.0 == ptr).map(|r| (r.2, r.1, h))).max().filter(|r| r.1).map(|r| r.2)
+}
+
+/// Bytes of the message counts (`LlWire::count_off`, one u32 per source rank) before the index
+/// table: 128 up to 32 ranks (every GPU layout today), then 4 bytes per rank in 128-byte steps
+/// (at 64 ranks the counts of ranks 32.. overwrote the index table: found by the 64-rank CPU test).
+fn ll_wire_counts_bytes(num_ranks: usize) -> usize {
+    (4 * num_ranks).div_ceil(128).max(1) * 128
+}
+
+impl LlGeometry {
+    /// The deduplicated wire layout for `num_ranks` ranks, or `None` when it does not fit in
+    /// DeepEP's receive half (few experts per rank with a small hidden, e.g. one per rank at 128).
+    pub fn wire(&self, num_ranks: usize) -> Option<LlWire> {
+        let (r, e, t, h) = (num_ranks, self.num_experts, self.num_max_dispatch_tokens_per_rank, self.hidden);
+        let lay = LowLatencyLayout::new(t, h, e);
+        let align = |v: usize| v.div_ceil(crate::config::BUFFER_ALIGNMENT) * crate::config::BUFFER_ALIGNMENT;
+        let msg_bytes = (LL_MSG_META + (2 * h).max(h + h / 128 * 4)).div_ceil(16) * 16;
+        let idx_off = ll_wire_counts_bytes(r);
+        let msgs_off = idx_off + align(4 * e * t);
+        let partial_off = align(msgs_off + r * t * msg_bytes);
+        (msgs_off + r * t * msg_bytes <= lay.recv_bytes).then_some(LlWire {
+            idx_off,
+            msgs_off,
+            msg_bytes,
+            partial_off,
+            partial_fits: partial_off + r * t * 2 * h <= lay.recv_bytes,
+        })
+    }
+}
+
+/// Low-latency dispatch options.
+#[derive(Copy, Clone, Debug)]
+pub struct LlDispatchOptions {
+    pub use_fp8: bool,
+    pub round_scale: bool,
+    pub use_ue8m0: bool,
+}
+
+impl LlDispatchOptions {
+    /// The options as the flag bits a send records in `recv_state` and its receive checks
+    /// (fp8 = 1, round_scale = 2, use_ue8m0 = 4).
+    pub fn flags(&self) -> i64 {
+        self.use_fp8 as i64 | (self.round_scale as i64) << 1 | (self.use_ue8m0 as i64) << 2
+    }
+}
+
+/// Low-latency dispatch send-phase inputs.
+pub struct LlDispatchSendArgs {
+    /// `[N, H]` bf16, N ≤ T.
+    pub x: TensorRef,
+    /// `[N, K]` int32 or int64, global expert ids, −1 = none.
+    pub topk_idx: TensorRef,
+    /// `[N, K]` float32, optional (lets a backend reduce combine traffic; not required).
+    pub topk_weights: Option<TensorRef>,
+}
+
+/// Low-latency dispatch outputs (static shapes; E_l = E / R). Allocated by the send op,
+/// filled by the recv op.
+pub struct LlDispatchOutputs {
+    /// `[E_l, R*T, H]` bf16, or float8_e4m3fn with scales.
+    pub recv_x: TensorRef,
+    /// float32 `[E_l, R*T, H/128]` or int32 `[E_l, R*T, H/512]` (UE8M0), column-major in the
+    /// last two dims (token stride 1).
+    pub recv_x_scales: Option<TensorRef>,
+    /// `[E_l]` int32 valid rows per local expert.
+    pub recv_count: TensorRef,
+    /// `[E_l, R*T]` int32: source token index of each row.
+    pub src_info: TensorRef,
+    /// `[E_l, R]` int64: `(begin << 32) | count` per source rank.
+    pub layout_range: TensorRef,
+    /// `[LL_STATE_LEN]` int64, written by send, read by recv.
+    pub recv_state: TensorRef,
+}
+
+/// Monitoring tensors the LL recv phases add to (mutated in place).
+pub struct LlStats {
+    /// `[E_l]` int32: += received tokens per local expert (dispatch only).
+    pub cumulative_local_expert_recv_stats: Option<TensorRef>,
+    /// `[R]` int64: += time waited per source rank (ns on CPU, cycles on GPU).
+    pub wait_recv_cost_stats: Option<TensorRef>,
+}
+
+/// Low-latency combine send-phase inputs.
+pub struct LlCombineSendArgs {
+    /// `[E_l, R*T, H]` bf16 expert outputs in dispatch layout (ignored with `zero_copy`).
+    pub x: TensorRef,
+    pub src_info: TensorRef,
+    pub layout_range: TensorRef,
+    pub use_logfmt: bool,
+    /// The caller already wrote `x` into `next_low_latency_combine_buffer`.
+    pub zero_copy: bool,
+    /// `[LL_STATE_LEN]` int64, written here.
+    pub recv_state: TensorRef,
+}
+
+/// Inputs of [`Backend::ll_mask_rows`]: the real token count of an LL call as a device scalar.
+pub struct LlRowsArgs {
+    /// `[N, K]` int32 or int64 global expert ids (the caller's, read only).
+    pub topk_idx: TensorRef,
+    /// int32 `[]` or `[1]` on the buffer's device: the number `n` of real rows, `0 ≤ n ≤ N`.
+    pub num_tokens: TensorRef,
+    /// `[N, K]`, dtype of `topk_idx`, written: rows `< n` copied, rows `≥ n` all −1.
+    pub out: TensorRef,
+}
+
+/// Low-latency combine recv-phase inputs; `out [N, H]` bf16 is written.
+pub struct LlCombineRecvArgs {
+    /// `[N, K]` int32 or int64: this rank's original global expert ids.
+    pub topk_idx: TensorRef,
+    /// `[N, K]` float32.
+    pub topk_weights: TensorRef,
+    pub recv_state: TensorRef,
+    pub out: TensorRef,
+}

@@ -6,7 +6,7 @@ examples/tch_server (Rust) load.
 
 One rank. The layer is built on the slot handle `deep_ep_rs.slot_handle(0)`, not on this
 process's buffer handle, so a server runs the artifacts against its own buffer once it binds it
-to slot 0 (docs/DESIGN.md "Handles in serialized models"). Writes:
+to slot 0 (docs/OPS.md "Handles in serialized models"). Writes:
 - model.pt        TorchScript of `Serve`: forward(x) -> (prefill(x), decode(x)), i.e. the normal ops
                   (layout, dispatch with num_worst_tokens, expert MLP, combine) then the LL ops;
 - model.pt2       the same through torch.export;

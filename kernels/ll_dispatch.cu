@@ -348,7 +348,7 @@ __device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a) {
 
 // ---- the kernel ------------------------------------------------------------------------------
 // One kernel for both halves, the half chosen by `phase` (as DeepEP's): profilers and benchmarks
-// that look kernels up by name find exactly one `dispatch` (docs/DESIGN.md, "Kernel names").
+// that look kernels up by name find exactly one `dispatch` (docs/OPS.md, "Kernel names").
 // Send: kSendThreads per block; receive: kLlThreads.
 template <class Net>
 __global__ void __launch_bounds__(kSendThreads) ll_dispatch(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {

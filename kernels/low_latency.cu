@@ -395,7 +395,7 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
 
 // ---- the kernel ------------------------------------------------------------------------------
 // One kernel for every half of the combine, chosen by `phase` (as DeepEP's): profilers and
-// benchmarks that look kernels up by name find exactly one `combine` (docs/DESIGN.md, "Kernel
+// benchmarks that look kernels up by name find exactly one `combine` (docs/OPS.md, "Kernel
 // names"). Send (per-expert rows or partial sums): kLlThreads per block; receive: kReduceThreads.
 template <class Net>
 __global__ void __launch_bounds__(kReduceThreads) ll_combine(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {

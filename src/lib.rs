@@ -4,16 +4,18 @@
 //! top-k experts) and **combine** (bring expert outputs back and reduce them), as a Rust crate
 //! whose `libdeep_ep.so` registers `torch.ops.deep_ep.*` when loaded.
 //!
-//! Layers (see `docs/DESIGN.md`):
-//! - `kernels/*.cu`: device code behind a plain C launch API ([`kernels::layout`]).
-//! - [`tensor`], [`config`], [`layout`], [`numerics`], [`topology`]: torch-free types and math.
-//! - [`ops`]: validation of every op's arguments, then a call into the buffer's backend.
-//! - [`backend`]: the [`backend::Backend`] trait; `cpu` (shared memory) and `nccl` (device API; its
-//!   window can also come from NVSHMEM: backend `nvshmem`).
-//! - [`buffer`]: the registry that maps the integer handles seen by torch to backends.
-//! - [`api::buffer`]: the `extern "C"` surface that `torch_ops/` (the only torch-aware code) calls.
-//! - [`reference`]: a single-process reference of every op, for tests.
-//! - [`host`]: owned CPU tensors and safe normal-mode op wrappers for Rust programs without torch.
+//! Layers, dependencies pointing down (see `docs/DESIGN.md`):
+//! - [`api`]: the `extern "C"` surface that `torch_ops/` (the only torch-aware code) calls.
+//! - [`ops`]: validation of every op's arguments, then a call into the buffer's backend;
+//!   [`buffer`]: the registry that maps the integer handles seen by torch to backends.
+//! - [`backend`]: the [`backend::Backend`] trait; `cpu` (shared memory, the reference semantics)
+//!   and `peer` (the NVLink peer-window backend behind backends `nccl`, `nvshmem` and `ipc`).
+//! - `window`: where a peer-window buffer's memory comes from (NCCL, NVSHMEM, CUDA IPC).
+//! - `kernels`: the host side of `kernels/*.cu` (launchers, the window context).
+//! - [`sys`]: generated declarations of the kernels' C API and of NCCL.
+//! - [`tensor`], [`config`], [`layout`], [`numerics`], [`topology`], [`op_names`]: torch-free
+//!   types and math; [`reference`]: a single-process reference of every op, for tests; [`host`]:
+//!   owned CPU tensors and safe normal-mode op wrappers for Rust programs without torch.
 //!
 //! | cargo feature | what it adds | default |
 //! |---|---|---|
@@ -21,6 +23,7 @@
 //! | `nccl` | NCCL bindings (bindgen, dlopen'ed at run time) and the NCCL backend | yes |
 //! | `torch` | the libtorch operator shim linked into the cdylib | yes |
 //! | `nvshmem` | NVSHMEM window provider of the NVLink backend (`DEEP_EP_BACKEND=nvshmem`; NVSHMEM dlopen'ed at run time, nothing needed at build time) | yes |
+//! | `ipc` | CUDA-IPC window provider (`DEEP_EP_BACKEND=ipc`: no NCCL, several ranks per GPU) | yes |
 
 pub mod api;
 pub mod backend;

@@ -3,7 +3,7 @@
 //
 // Everything here uses libtorch's stable ABI only (torch/csrc/stable, the C shim; target 2.10 via
 // TORCH_TARGET_VERSION set by build.rs), so one build of the library loads into any torch >= 2.10
-// (docs/DESIGN.md, "One binary across torch versions").
+// (docs/BUILD.md, "One binary across torch versions").
 #pragma once
 #include <dlfcn.h>
 #include <torch/csrc/stable/accelerator.h>

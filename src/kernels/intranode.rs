@@ -177,88 +177,46 @@ pub fn check_struct_sizes(op: &'static str) -> Result<()> {
 // window), alive until `stream` has run the kernel; `stream` is a valid CUDA stream (or null) of
 // the window's device. The C side refuses inconsistent sizes with cudaErrorInvalidValue.
 
-/// K0/K2: barrier, optionally gather + notify (one block).
-///
-/// # Safety
-/// The launch contract of [`crate::kernels::intranode`]: a live window, argument pointers null or live
-/// and large enough until `stream` ran the kernel.
-pub unsafe fn sync(op: &'static str, ctx: &Ctx, args: &SyncArgs, stream: *mut c_void) -> Result<()> {
-    // SAFETY: the caller keeps the launch contract; both structs are read by value.
-    check(unsafe { dek_ic_sync(ctx, args, stream) }, op, "intranode barrier kernel launch")
+/// Defines `unsafe fn` launchers over generated C launchers of the shape
+/// `int dek_..(const dek_ic_ctx_t*, const args*..., void* stream)`: each takes the op name (for
+/// errors), the ctx, its argument structs and the stream, and has the launch contract above as its
+/// safety section; `what` names the launch in errors.
+macro_rules! launchers {
+    ($($(#[doc = $doc:literal])* $name:ident($($arg:ident: $ty:ty),*) => $c:ident, $what:literal;)*) => {$(
+        $(#[doc = $doc])*
+        ///
+        /// # Safety
+        /// The launch contract of [`crate::kernels::intranode`]: a live window, argument pointers
+        /// null or live and large enough until `stream` ran the kernel.
+        pub unsafe fn $name(op: &'static str, ctx: &$crate::kernels::intranode::Ctx, $($arg: $ty,)* stream: *mut ::std::ffi::c_void) -> $crate::error::Result<()> {
+            // SAFETY: the caller keeps the launch contract; the structs are read by value.
+            $crate::kernels::layout::check(unsafe { $c(ctx, $($arg,)* stream) }, op, $what)
+        }
+    )*};
 }
+pub(crate) use launchers;
 
-/// K1: stage this rank's inputs into its own window.
-///
-/// # Safety
-/// The launch contract of [`crate::kernels::intranode`]: a live window, argument pointers null or live
-/// and large enough until `stream` ran the kernel.
-pub unsafe fn stage(op: &'static str, ctx: &Ctx, args: &StageArgs, stream: *mut c_void) -> Result<()> {
-    // SAFETY: the caller keeps the launch contract.
-    check(unsafe { dek_ic_stage(ctx, args, stream) }, op, "intranode stage kernel launch")
-}
-
-/// K3 of (cached) dispatch.
-///
-/// # Safety
-/// The launch contract of [`crate::kernels::intranode`]: a live window, argument pointers null or live
-/// and large enough until `stream` ran the kernel.
-pub unsafe fn pull(op: &'static str, ctx: &Ctx, args: &PullArgs, stream: *mut c_void) -> Result<()> {
-    // SAFETY: the caller keeps the launch contract.
-    check(unsafe { dek_ic_pull(ctx, args, stream) }, op, "intranode pull kernel launch")
-}
-
-/// K3 of push (cached) dispatch: every row of x into its destinations' receive areas, and the
-/// overlapped copy-out of this rank's receive area into the outputs `out`.
-///
-/// # Safety
-/// The launch contract of [`crate::kernels::intranode`]: a live window, argument pointers null or live
-/// and large enough until `stream` ran the kernel.
-pub unsafe fn dispatch_push(op: &'static str, ctx: &Ctx, args: &DispatchPushArgs, out: &PullArgs, stream: *mut c_void) -> Result<()> {
-    // SAFETY: the caller keeps the launch contract.
-    check(unsafe { dek_ic_dispatch_push(ctx, args, out, stream) }, op, "intranode dispatch push kernel launch")
-}
-
-/// K1 of combine: push received rows back into their source ranks' windows.
-///
-/// # Safety
-/// The launch contract of [`crate::kernels::intranode`]: a live window, argument pointers null or live
-/// and large enough until `stream` ran the kernel.
-pub unsafe fn combine_push(op: &'static str, ctx: &Ctx, args: &PushArgs, stream: *mut c_void) -> Result<()> {
-    // SAFETY: the caller keeps the launch contract.
-    check(unsafe { dek_ic_combine_push(ctx, args, stream) }, op, "intranode combine push kernel launch")
-}
-
-/// K3 of combine.
-///
-/// # Safety
-/// The launch contract of [`crate::kernels::intranode`]: a live window, argument pointers null or live
-/// and large enough until `stream` ran the kernel.
-pub unsafe fn combine(op: &'static str, ctx: &Ctx, args: &CombineArgs, stream: *mut c_void) -> Result<()> {
-    // SAFETY: the caller keeps the launch contract.
-    check(unsafe { dek_ic_combine(ctx, args, stream) }, op, "intranode combine kernel launch")
-}
-
-/// Fused combine (push and reduce in one kernel, after a start barrier with `publish` and
-/// `zero_counters`; no data barrier).
-///
-/// # Safety
-/// The launch contract of [`crate::kernels::intranode`]: a live window, argument pointers null or live
-/// and large enough until `stream` ran the kernel.
-pub unsafe fn combine_fused(op: &'static str, ctx: &Ctx, push: &PushArgs, args: &CombineArgs, stream: *mut c_void) -> Result<()> {
-    // SAFETY: the caller keeps the launch contract.
-    check(unsafe { dek_ic_combine_fused(ctx, push, args, stream) }, op, "intranode fused combine kernel launch")
-}
-
-/// Input checks before the barrier that gathers the op's header (the data barrier; the fused
-/// combine's start barrier), which raises what they find on every rank.
-///
-/// # Safety
-/// The launch contract of [`crate::kernels::intranode`]: a live window, argument pointers null or live
-/// and large enough until `stream` ran the kernel.
-pub unsafe fn check_inputs(op: &'static str, ctx: &Ctx, args: &CheckArgs, stream: *mut c_void) -> Result<()> {
-    // SAFETY: the caller keeps the launch contract; the kernel only reads the inputs and writes this rank's
-    // control area.
-    check(unsafe { dek_ic_check(ctx, args, stream) }, op, "intranode input-check kernel launch")
+launchers! {
+    /// K0/K2: barrier, optionally gather + notify (one block).
+    sync(args: &SyncArgs) => dek_ic_sync, "intranode barrier kernel launch";
+    /// K1: stage this rank's inputs into its own window.
+    stage(args: &StageArgs) => dek_ic_stage, "intranode stage kernel launch";
+    /// K3 of (cached) dispatch.
+    pull(args: &PullArgs) => dek_ic_pull, "intranode pull kernel launch";
+    /// K3 of push (cached) dispatch: every row of x into its destinations' receive areas, and the
+    /// overlapped copy-out of this rank's receive area into the outputs `out`.
+    dispatch_push(args: &DispatchPushArgs, out: &PullArgs) => dek_ic_dispatch_push, "intranode dispatch push kernel launch";
+    /// K1 of combine: push received rows back into their source ranks' windows.
+    combine_push(args: &PushArgs) => dek_ic_combine_push, "intranode combine push kernel launch";
+    /// K3 of combine.
+    combine(args: &CombineArgs) => dek_ic_combine, "intranode combine kernel launch";
+    /// Fused combine (push and reduce in one kernel, after a start barrier with `publish` and
+    /// `zero_counters`; no data barrier).
+    combine_fused(push: &PushArgs, args: &CombineArgs) => dek_ic_combine_fused, "intranode fused combine kernel launch";
+    /// Input checks before the barrier that gathers the op's header (the data barrier; the fused
+    /// combine's start barrier), which raises what they find on every rank. The kernel only reads
+    /// the inputs and writes this rank's control area.
+    check_inputs(args: &CheckArgs) => dek_ic_check, "intranode input-check kernel launch";
 }
 
 /// Zeroes this rank's whole window (`ctx.window_bytes` at its own peer pointer): the control

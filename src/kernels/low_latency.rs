@@ -3,10 +3,7 @@
 //! stream and CUDA-graph capturable (no host sync, the call number lives on the device).
 
 use crate::error::Result;
-use crate::kernels::intranode::Ctx;
-use crate::kernels::layout::check;
 use crate::sys::kernels::*;
-use std::ffi::c_void;
 
 /// Offset of the device copy of the LL rank mask in every window (`DEK_LL_MASK_OFF`):
 /// `int32 [MAX_RANKS]` in the control area.
@@ -40,52 +37,16 @@ pub fn check_struct_size(op: &'static str) -> Result<()> {
 // Every launcher here is an `unsafe fn` under the launch contract of `kernels::intranode`; the C
 // side also checks the LL area offsets against the window size (cudaErrorInvalidValue).
 
-/// Send phase of an LL dispatch.
-///
-/// # Safety
-/// The launch contract of [`crate::kernels::intranode`]: a live window, argument pointers null or live
-/// and large enough until `stream` ran the kernel.
-pub unsafe fn dispatch_send(op: &'static str, ctx: &Ctx, a: &LlArgs, stream: *mut c_void) -> Result<()> {
-    // SAFETY: the caller keeps the launch contract; both structs are read by value.
-    check(unsafe { dek_ll_dispatch_send(ctx, a, stream) }, op, "low-latency dispatch send kernel launch")
-}
-
-/// Receive phase of an LL dispatch.
-///
-/// # Safety
-/// The launch contract of [`crate::kernels::intranode`]: a live window, argument pointers null or live
-/// and large enough until `stream` ran the kernel.
-pub unsafe fn dispatch_recv(op: &'static str, ctx: &Ctx, a: &LlArgs, stream: *mut c_void) -> Result<()> {
-    // SAFETY: the caller keeps the launch contract.
-    check(unsafe { dek_ll_dispatch_recv(ctx, a, stream) }, op, "low-latency dispatch receive kernel launch")
-}
-
-/// Send phase of an LL combine.
-///
-/// # Safety
-/// The launch contract of [`crate::kernels::intranode`]: a live window, argument pointers null or live
-/// and large enough until `stream` ran the kernel.
-pub unsafe fn combine_send(op: &'static str, ctx: &Ctx, a: &LlArgs, stream: *mut c_void) -> Result<()> {
-    // SAFETY: the caller keeps the launch contract.
-    check(unsafe { dek_ll_combine_send(ctx, a, stream) }, op, "low-latency combine send kernel launch")
-}
-
-/// Receive phase of an LL combine.
-///
-/// # Safety
-/// The launch contract of [`crate::kernels::intranode`]: a live window, argument pointers null or live
-/// and large enough until `stream` ran the kernel.
-pub unsafe fn combine_recv(op: &'static str, ctx: &Ctx, a: &LlArgs, stream: *mut c_void) -> Result<()> {
-    // SAFETY: the caller keeps the launch contract.
-    check(unsafe { dek_ll_combine_recv(ctx, a, stream) }, op, "low-latency combine receive kernel launch")
-}
-
-/// Zeroes this rank's LL signal words of both halves.
-///
-/// # Safety
-/// The launch contract of [`crate::kernels::intranode`]: a live window, argument pointers null or live
-/// and large enough until `stream` ran the kernel.
-pub unsafe fn zero_signals(op: &'static str, ctx: &Ctx, a: &LlArgs, stream: *mut c_void) -> Result<()> {
-    // SAFETY: writes 2 * signal_bytes of this rank's own window at ll_off (checked on the C side).
-    check(unsafe { dek_ll_zero_signals(ctx, a, stream) }, op, "low-latency signal reset kernel launch")
+crate::kernels::intranode::launchers! {
+    /// Send phase of an LL dispatch.
+    dispatch_send(a: &LlArgs) => dek_ll_dispatch_send, "low-latency dispatch send kernel launch";
+    /// Receive phase of an LL dispatch.
+    dispatch_recv(a: &LlArgs) => dek_ll_dispatch_recv, "low-latency dispatch receive kernel launch";
+    /// Send phase of an LL combine.
+    combine_send(a: &LlArgs) => dek_ll_combine_send, "low-latency combine send kernel launch";
+    /// Receive phase of an LL combine.
+    combine_recv(a: &LlArgs) => dek_ll_combine_recv, "low-latency combine receive kernel launch";
+    /// Zeroes this rank's LL signal words of both halves (2 * signal_bytes of its own window at
+    /// ll_off, checked on the C side).
+    zero_signals(a: &LlArgs) => dek_ll_zero_signals, "low-latency signal reset kernel launch";
 }

@@ -1,6 +1,6 @@
-//! Single-process reference implementations of every op over all ranks at once (no shared
-//! memory, no torch): what `cargo test` checks the layout math and numerics against, and the
-//! model the CPU backend and GPU kernels must agree with.
+//! Single-process reference of the low-latency ops over all ranks at once (no shared memory, no
+//! torch): what `cargo test` checks the CPU backend's LL mode against. The normal-mode reference
+//! is `tests/python/_reference.py` (its layout math is `crate::layout`, shared with every
+//! backend), which the CPU and GPU suites compare against.
 
-pub mod ht;
 pub mod ll;

@@ -17,7 +17,7 @@
 //! buffer) closes and frees locally.
 //!
 //! Several ranks on one GPU: kernels of different processes time-slice unless MPS runs, so a
-//! barrier round trip costs milliseconds (docs/DESIGN.md, "Several ranks on one GPU"); every wait
+//! barrier round trip costs milliseconds (docs/BACKENDS.md, "Several ranks on one GPU"); every wait
 //! is still bounded by `DEEP_EP_TIMEOUT_MS`.
 
 use crate::backend::cpu::shm::{self, Region, Segment};

@@ -62,70 +62,46 @@ pub trait PeerWindow: Send {
     }
 }
 
-impl PeerWindow for nccl::Window {
-    fn keep_memory(&mut self) {
-        self.keep_memory()
-    }
-    fn ctx(&self) -> &Ctx {
-        self.ctx()
-    }
-    fn lsa_bases(&self) -> [*mut std::ffi::c_void; MAX_RANKS] {
-        self.lsa_bases()
-    }
-    fn status(&self) -> &HostStatus {
-        self.status()
-    }
-    fn bytes(&self) -> usize {
-        self.bytes()
-    }
-    fn close(&mut self, timeout_ms: u64) -> Result<()> {
-        self.close(timeout_ms)
-    }
-    fn gin(&self) -> Option<(&[u64], *mut std::ffi::c_void)> {
-        self.gin()
-    }
-    fn gin_all(&self) -> Vec<(&[u64], *mut std::ffi::c_void)> {
-        self.gin_all()
-    }
+/// `impl PeerWindow` for a provider's `Window` whose inherent methods of the same names do the
+/// work: the four every provider has, then the optional ones it overrides.
+macro_rules! forward_peer_window {
+    ($t:ty $(, $opt:ident($($arg:ident: $aty:ty),*) -> $ret:ty)*) => {
+        impl PeerWindow for $t {
+            fn ctx(&self) -> &Ctx {
+                self.ctx()
+            }
+            fn status(&self) -> &HostStatus {
+                self.status()
+            }
+            fn bytes(&self) -> usize {
+                self.bytes()
+            }
+            fn close(&mut self, timeout_ms: u64) -> Result<()> {
+                self.close(timeout_ms)
+            }
+            $(forward_peer_window!(@opt $opt($($arg: $aty),*) -> $ret);)*
+        }
+    };
+    (@opt keep_memory() -> $ret:ty) => {
+        fn keep_memory(&mut self) {
+            self.keep_memory()
+        }
+    };
+    (@opt $opt:ident() -> $ret:ty) => {
+        fn $opt(&self) -> $ret {
+            self.$opt()
+        }
+    };
 }
 
+forward_peer_window!(
+    nccl::Window,
+    keep_memory() -> (),
+    lsa_bases() -> [*mut std::ffi::c_void; MAX_RANKS],
+    gin() -> Option<(&[u64], *mut std::ffi::c_void)>,
+    gin_all() -> Vec<(&[u64], *mut std::ffi::c_void)>
+);
 #[cfg(feature = "nvshmem")]
-impl PeerWindow for nvshmem::Window {
-    fn ctx(&self) -> &Ctx {
-        self.ctx()
-    }
-    fn status(&self) -> &HostStatus {
-        self.status()
-    }
-    fn bytes(&self) -> usize {
-        self.bytes()
-    }
-    fn close(&mut self, timeout_ms: u64) -> Result<()> {
-        self.close(timeout_ms)
-    }
-}
-
+forward_peer_window!(nvshmem::Window);
 #[cfg(feature = "ipc")]
-impl PeerWindow for ipc::Window {
-    fn keep_memory(&mut self) {
-        self.keep_memory()
-    }
-    fn ctx(&self) -> &Ctx {
-        self.ctx()
-    }
-    fn lsa_bases(&self) -> [*mut std::ffi::c_void; MAX_RANKS] {
-        self.lsa_bases()
-    }
-    fn status(&self) -> &HostStatus {
-        self.status()
-    }
-    fn bytes(&self) -> usize {
-        self.bytes()
-    }
-    fn close(&mut self, timeout_ms: u64) -> Result<()> {
-        self.close(timeout_ms)
-    }
-    fn ranks_on_gpu(&self) -> usize {
-        self.ranks_on_gpu()
-    }
-}
+forward_peer_window!(ipc::Window, keep_memory() -> (), lsa_bases() -> [*mut std::ffi::c_void; MAX_RANKS], ranks_on_gpu() -> usize);

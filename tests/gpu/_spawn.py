@@ -65,7 +65,7 @@ def need_gpus(world: int, low_latency: bool = False):
     """Called by the parent before spawning `world` ranks: records the rank count (children
     inherit it, `gpu_backend`) and skips when there are too few GPUs for a backend that needs one
     GPU per rank. Starts MPS when DEEP_EP_TEST_MPS=1 (low-latency suites included: their waiting
-    receive grids leave room for the peers' send kernels, docs/DESIGN.md "Several ranks on one
+    receive grids leave room for the peers' send kernels, docs/BACKENDS.md "Several ranks on one
     GPU")."""
     os.environ["DEEP_EP_TEST_WORLD"] = str(world)
     n = torch.cuda.device_count()

@@ -1,6 +1,6 @@
 """Independent pure-torch reference of DeepEP V1 normal-mode semantics (never calls deep_ep).
 
-Sources: DEEPEP_BEHAVIOUR.md §1.6-1.8, §3.7, §4.2 and docs/DESIGN.md ("Semantics we fix"):
+Sources: DEEPEP_BEHAVIOUR.md §1.6-1.8, §3.7, §4.2 and docs/OPS.md ("Semantics we fix"):
 - layout: per-selection expert counts, per-token rank membership (deduplicated), -1 ignored;
 - dispatch on rank r: rows from source ranks ascending, within a source ascending token index, of
   the tokens with >= 1 expert on r; topk ids made rank-local (or -1, weight zeroed);
@@ -184,7 +184,7 @@ def per_token_cast_back(x_fp8: torch.Tensor, x_scales: torch.Tensor) -> torch.Te
 
 # ---------------------------------------------------------------------------------------------
 # low-latency mode (DEEPEP_BEHAVIOUR.md §1.11-1.13, §3.3-3.4; receive order on the CPU backend:
-# sources ascending, then token order - docs/DESIGN.md; DeepEP's order is nondeterministic, so
+# sources ascending, then token order - docs/OPS.md; DeepEP's order is nondeterministic, so
 # checks that must hold on every backend compare order-independently)
 
 

@@ -205,7 +205,7 @@ def check_dispatch(tag, out, rf: ref.DispatchRef, case, rows=None):
     assert event.event is None, "CPU buffers complete every op before returning"
     if rows == n_real:
         assert lst == rf.num_recv_tokens_per_expert_list, f"{tag}: per-expert list {lst} != {rf.num_recv_tokens_per_expert_list}"
-    else:  # worst-case mode: no host sync, padding rows marked invalid (docs/DESIGN.md)
+    else:  # worst-case mode: no host sync, padding rows marked invalid (docs/OPS.md)
         assert lst == [], f"{tag}: worst-case dispatch must return an empty per-expert list, got {lst}"
         if case["with_topk"]:
             assert bool((recv_idx[n_real:] == -1).all()), f"{tag}: padding rows of recv_topk_idx must be -1"
@@ -286,7 +286,7 @@ def run_case(buf, deep_ep, case, rank, world):
     else:
         assert cw is None
     assert ev.event is None
-    # combine does not rewrite the handle (docs/DESIGN.md: the op is functional)
+    # combine does not rewrite the handle (docs/OPS.md: the op is functional)
     same(f"{tag} send_head after combine", handle[5], rf.send_head)
     if case["with_topk"] and case["combine_weights"]:
         # recv weights summed back give the original weights of the valid selections, exactly

@@ -191,17 +191,27 @@ fn hand_over(conn: &OwnedFd, mem: &OwnedFd, len: usize) -> Option<usize> {
     send_fd(conn, mem, &payload).then_some(rank)
 }
 
-fn send_fd(conn: &OwnedFd, fd: &OwnedFd, payload: &[u8; 8]) -> bool {
-    let mut iov = libc::iovec { iov_base: payload.as_ptr() as *mut libc::c_void, iov_len: payload.len() };
+/// Room for one control message carrying one descriptor (`SCM_RIGHTS`).
+fn fd_control() -> Vec<u8> {
     // SAFETY: CMSG_SPACE is a pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as usize;
-    let mut control = vec![0u8; space];
-    // SAFETY: msghdr is plain data; the fields set below point at live buffers of this frame.
+    vec![0u8; unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as usize]
+}
+
+/// A message of one buffer (`iov`) and the control area `control`; both must outlive its use.
+fn fd_msghdr(iov: &mut libc::iovec, control: &mut [u8]) -> libc::msghdr {
+    // SAFETY: msghdr is plain data; all-zero is a valid value.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
+    msg.msg_iov = iov;
     msg.msg_iovlen = 1;
     msg.msg_control = control.as_mut_ptr() as *mut libc::c_void;
-    msg.msg_controllen = space as _;
+    msg.msg_controllen = control.len() as _;
+    msg
+}
+
+fn send_fd(conn: &OwnedFd, fd: &OwnedFd, payload: &[u8; 8]) -> bool {
+    let mut iov = libc::iovec { iov_base: payload.as_ptr() as *mut libc::c_void, iov_len: payload.len() };
+    let mut control = fd_control();
+    let msg = fd_msghdr(&mut iov, &mut control);
     // SAFETY: the control buffer has room for one SCM_RIGHTS header with one int.
     unsafe {
         let cm = libc::CMSG_FIRSTHDR(&msg);
@@ -249,15 +259,8 @@ fn receive(op: &'static str, name: &str, rank: usize, timeout: Duration) -> Resu
 fn recv_fd(conn: &OwnedFd) -> Option<(OwnedFd, usize)> {
     let mut payload = [0u8; 8];
     let mut iov = libc::iovec { iov_base: payload.as_mut_ptr() as *mut libc::c_void, iov_len: 8 };
-    // SAFETY: CMSG_SPACE is a pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as usize;
-    let mut control = vec![0u8; space];
-    // SAFETY: msghdr is plain data; the fields set below point at live buffers of this frame.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr() as *mut libc::c_void;
-    msg.msg_controllen = space as _;
+    let mut control = fd_control();
+    let mut msg = fd_msghdr(&mut iov, &mut control);
     // SAFETY: valid socket; MSG_CMSG_CLOEXEC keeps the received descriptor out of exec'd children.
     let n = unsafe { libc::recvmsg(conn.as_raw_fd(), &mut msg, libc::MSG_WAITALL | libc::MSG_CMSG_CLOEXEC) };
     if n != 8 {

@@ -1,1 +1,0 @@
-//! Reference normal-mode dispatch/combine over all ranks in one process.

@@ -20,9 +20,10 @@
 //! barrier round trip costs milliseconds (docs/BACKENDS.md, "Several ranks on one GPU"); every wait
 //! is still bounded by `DEEP_EP_TIMEOUT_MS`.
 
+use super::peer_window::PeerWindow;
 use crate::backend::cpu::shm::{self, Region, Segment};
 use crate::error::{Error, Result};
-use crate::kernels::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream, CONTROL_BYTES, MAX_RANKS};
+use crate::kernels::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream, MAX_RANKS};
 use crate::kernels::layout::check;
 use crate::sys::kernels::*;
 use crate::window::lsa_team::PeerMap;
@@ -33,7 +34,6 @@ use std::time::Duration;
 const OP: &str = crate::op_names::CREATE_BUFFER;
 const DESTROY: &str = crate::op_names::DESTROY_BUFFER;
 /// Window sizes are rounded up to this (as the NCCL window's).
-const ALLOC_ALIGN: usize = 2 << 20;
 /// `cudaIpcMemHandle_t` bytes (`DEK_IPC_HANDLE_BYTES`).
 pub const HANDLE_BYTES: usize = 64;
 /// Bytes of one rank's record in the rendezvous file.
@@ -179,10 +179,10 @@ pub struct Window {
     mem: *mut c_void,
     /// Peer windows opened through IPC (closed at release); peers of this process are not here.
     opened: Vec<*mut c_void>,
-    bytes: usize,
-    ctx: Ctx,
-    lsa_base: [*mut c_void; MAX_RANKS],
-    status: Option<HostStatus>,
+    pub(super) bytes: usize,
+    pub(super) ctx: Ctx,
+    pub(super) lsa_base: [*mut c_void; MAX_RANKS],
+    pub(super) status: Option<HostStatus>,
     rdv: Rendezvous,
     closed: bool,
     /// Never free `mem` (a zero-copy view of it was handed out; `PeerWindow::keep_memory`).
@@ -202,23 +202,14 @@ impl Window {
         crate::ensure!(a.num_ranks >= 1 && a.num_ranks <= MAX_RANKS, OP, "internal: {} ranks", a.num_ranks);
         let timeout = Duration::from_nanos(a.timeout_ns);
         let rdv = Rendezvous::open(a.unique_id, a.rank, a.num_ranks, timeout)?;
-        let bytes = (a.data_bytes + CONTROL_BYTES).div_ceil(ALLOC_ALIGN) * ALLOC_ALIGN;
+        let bytes = super::peer_window::window_bytes(a.data_bytes);
         let _guard = DeviceGuard::new(OP, a.device)?;
         let mut w = Window {
             device: a.device,
             mem: std::ptr::null_mut(),
             opened: Vec::new(),
             bytes,
-            ctx: Ctx {
-                peer_base: [std::ptr::null_mut(); MAX_RANKS],
-                rank: a.rank as i32,
-                num_ranks: a.num_ranks as i32,
-                window_bytes: bytes as u64,
-                host_status: std::ptr::null_mut(),
-                timeout_ns: a.timeout_ns,
-                num_sms: 0,
-                nvl_ranks: 0,
-            },
+            ctx: super::peer_window::new_ctx(a.rank, a.num_ranks, bytes, a.timeout_ns, 0),
             lsa_base: [std::ptr::null_mut(); MAX_RANKS],
             status: None,
             rdv,
@@ -324,22 +315,6 @@ impl Window {
         Ok(ptrs)
     }
 
-    pub fn ctx(&self) -> &Ctx {
-        &self.ctx
-    }
-
-    pub fn lsa_bases(&self) -> [*mut c_void; MAX_RANKS] {
-        self.lsa_base
-    }
-
-    pub fn status(&self) -> &HostStatus {
-        self.status.as_ref().expect("status block exists after create")
-    }
-
-    pub fn bytes(&self) -> usize {
-        self.bytes
-    }
-
     /// Ranks of the buffer on this rank's GPU, this one included (`ctx().num_sms` is its share).
     pub fn ranks_on_gpu(&self) -> usize {
         self.ranks_on_gpu
@@ -400,6 +375,8 @@ impl Drop for Window {
         }
     }
 }
+
+super::peer_window::forward_peer_window!(Window, keep_memory() -> (), lsa_bases() -> [*mut std::ffi::c_void; MAX_RANKS], ranks_on_gpu() -> usize);
 
 #[cfg(test)]
 mod tests {

@@ -15,9 +15,10 @@
 //! area that is not zeroed yet.
 
 use crate::error::{Error, Result};
-use crate::kernels::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream, CONTROL_BYTES, MAX_RANKS};
+use crate::kernels::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream, MAX_RANKS};
 use crate::kernels::layout::check as cuda_check;
 
+use super::peer_window::PeerWindow;
 use crate::sys::kernels::*;
 use crate::sys::nccl::{self, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId, ncclWindow_t, nccl_fn, DeviceApi, NcclLib};
 use crate::window::gin_comms::{self, gin_setup, GinComms, GinSetup};
@@ -26,8 +27,6 @@ use std::ffi::{c_int, c_void};
 
 const OP: &str = crate::op_names::CREATE_BUFFER;
 const DESTROY: &str = crate::op_names::DESTROY_BUFFER;
-/// `ncclMemAlloc` granularity.
-const ALLOC_ALIGN: usize = 2 << 20;
 
 /// What [`Window::create`] needs.
 pub struct WindowArgs<'a> {
@@ -99,12 +98,12 @@ pub struct Window {
     devcomm: Option<Vec<u64>>,
     mem: *mut c_void,
     win: ncclWindow_t,
-    bytes: usize,
-    ctx: Ctx,
+    pub(super) bytes: usize,
+    pub(super) ctx: Ctx,
     /// Window base of every rank in NCCL's LSA team, by world rank (NULL outside it): more than
     /// `ctx.peer_base` for an internode buffer on one NVLink machine (the LSA emulation's reach).
-    lsa_base: [*mut c_void; MAX_RANKS],
-    status: Option<HostStatus>,
+    pub(super) lsa_base: [*mut c_void; MAX_RANKS],
+    pub(super) status: Option<HostStatus>,
     /// Never free `mem` (a zero-copy view of it was handed out): deregistered, kept mapped.
     keep_mem: bool,
 }
@@ -127,7 +126,7 @@ impl Window {
         let api = nccl::device_api()?;
         crate::ensure!(a.num_ranks >= 1 && a.num_ranks <= MAX_RANKS, OP, "internal: {} ranks", a.num_ranks);
         let _guard = DeviceGuard::new(OP, a.device)?;
-        let bytes = (a.data_bytes + CONTROL_BYTES).div_ceil(ALLOC_ALIGN) * ALLOC_ALIGN;
+        let bytes = super::peer_window::window_bytes(a.data_bytes);
         let mut w = Window {
             lib,
             api,
@@ -139,16 +138,7 @@ impl Window {
             mem: std::ptr::null_mut(),
             win: std::ptr::null_mut(),
             bytes,
-            ctx: Ctx {
-                peer_base: [std::ptr::null_mut(); MAX_RANKS],
-                rank: a.rank as i32,
-                num_ranks: a.num_ranks as i32,
-                window_bytes: bytes as u64,
-                host_status: std::ptr::null_mut(),
-                timeout_ns: a.timeout_ns,
-                num_sms: intranode::sm_count(OP, a.device)?,
-                nvl_ranks: 0,
-            },
+            ctx: super::peer_window::new_ctx(a.rank, a.num_ranks, bytes, a.timeout_ns, intranode::sm_count(OP, a.device)?),
             lsa_base: [std::ptr::null_mut(); MAX_RANKS],
             status: None,
             keep_mem: false,
@@ -245,28 +235,6 @@ impl Window {
             unsafe { crate::kernels::transport::lsa_self_test_run(OP, &full, stride, a.timeout_ns, stream.raw()) }?;
         }
         Ok(w)
-    }
-
-    /// What kernels need to address the buffer.
-    pub fn ctx(&self) -> &Ctx {
-        &self.ctx
-    }
-
-    /// Window base of every rank in NCCL's LSA team by world rank (NULL outside it), for the LSA
-    /// emulation's descriptors: on one NVLink machine every rank, where `ctx().peer_base` of an
-    /// internode buffer holds the own NVLink domain only.
-    pub fn lsa_bases(&self) -> [*mut c_void; MAX_RANKS] {
-        self.lsa_base
-    }
-
-    /// The host-mapped status block.
-    pub fn status(&self) -> &HostStatus {
-        self.status.as_ref().expect("status block exists after create")
-    }
-
-    /// Bytes of the window (control area included).
-    pub fn bytes(&self) -> usize {
-        self.bytes
     }
 
     /// See `PeerWindow::keep_memory`: the release deregisters the window but never frees it.
@@ -395,6 +363,14 @@ impl Drop for Window {
         }
     }
 }
+
+super::peer_window::forward_peer_window!(
+    Window,
+    keep_memory() -> (),
+    lsa_bases() -> [*mut std::ffi::c_void; MAX_RANKS],
+    gin() -> Option<(&[u64], *mut std::ffi::c_void)>,
+    gin_all() -> Vec<(&[u64], *mut std::ffi::c_void)>
+);
 
 #[cfg(test)]
 mod tests {

@@ -20,8 +20,9 @@
 //! geometry allocates from it without initialising again). NVSHMEM's own variables: see
 //! [`env_defaults`].
 
+use super::peer_window::PeerWindow;
 use crate::error::{Error, Result};
-use crate::kernels::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream, CONTROL_BYTES, MAX_RANKS};
+use crate::kernels::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream, MAX_RANKS};
 use crate::sys::nvshmem::{self, NvshmemLib};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
@@ -33,7 +34,6 @@ static DEVICE_STATE: AtomicBool = AtomicBool::new(false);
 const OP: &str = crate::op_names::CREATE_BUFFER;
 const DESTROY: &str = crate::op_names::DESTROY_BUFFER;
 /// Window sizes are rounded up to this (as the NCCL window's).
-const ALLOC_ALIGN: usize = 2 << 20;
 /// Heap room beyond the window suggested for NVSHMEM's own symmetric objects (team sync arrays).
 pub const HEAP_MARGIN: usize = 64 << 20;
 
@@ -160,9 +160,9 @@ pub struct Window {
     device: i32,
     geometry: Geometry,
     mem: *mut std::ffi::c_void,
-    bytes: usize,
-    ctx: Ctx,
-    status: Option<HostStatus>,
+    pub(super) bytes: usize,
+    pub(super) ctx: Ctx,
+    pub(super) status: Option<HostStatus>,
     finalize: bool,
     /// Closed collectively (or never fully created, see `create`).
     closed: bool,
@@ -183,7 +183,7 @@ impl Window {
         let mut state = session();
         let must_init = state.admit(geometry)?;
         let _guard = DeviceGuard::new(OP, a.device)?;
-        let bytes = (a.data_bytes + CONTROL_BYTES).div_ceil(ALLOC_ALIGN) * ALLOC_ALIGN;
+        let bytes = super::peer_window::window_bytes(a.data_bytes);
         // From here until the window is complete a failure leaves NVSHMEM as it is (its
         // collective teardown could hang on peers that went on or failed elsewhere).
         *state = Session::Stuck { geometry };
@@ -197,16 +197,7 @@ impl Window {
             geometry,
             mem: std::ptr::null_mut(),
             bytes,
-            ctx: Ctx {
-                peer_base: [std::ptr::null_mut(); MAX_RANKS],
-                rank: a.rank as i32,
-                num_ranks: a.num_ranks as i32,
-                window_bytes: bytes as u64,
-                host_status: std::ptr::null_mut(),
-                timeout_ns: a.timeout_ns,
-                num_sms: intranode::sm_count(OP, a.device)?,
-                nvl_ranks: 0,
-            },
+            ctx: super::peer_window::new_ctx(a.rank, a.num_ranks, bytes, a.timeout_ns, intranode::sm_count(OP, a.device)?),
             status: None,
             finalize,
             closed: true, // Drop has nothing collective to skip until the window is complete
@@ -274,21 +265,6 @@ impl Window {
         Ok(w)
     }
 
-    /// What kernels need to address the buffer.
-    pub fn ctx(&self) -> &Ctx {
-        &self.ctx
-    }
-
-    /// The host-mapped status block.
-    pub fn status(&self) -> &HostStatus {
-        self.status.as_ref().expect("status block exists after create")
-    }
-
-    /// Bytes of the window (control area included).
-    pub fn bytes(&self) -> usize {
-        self.bytes
-    }
-
     /// Collective release: waits for the device, meets every peer at the kernel barrier (bounded
     /// by the timeout, so no peer still reads this window), then `nvshmem_free` and (unless
     /// `DEEP_EP_NVSHMEM_FINALIZE=0`) `nvshmemx_hostlib_finalize`. On a barrier timeout nothing
@@ -332,6 +308,8 @@ impl Drop for Window {
         *session() = Session::Stuck { geometry: self.geometry };
     }
 }
+
+super::peer_window::forward_peer_window!(Window);
 
 #[cfg(test)]
 mod tests {

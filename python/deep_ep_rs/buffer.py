@@ -147,7 +147,8 @@ class Buffer:
         """What this buffer holds (from `buffer_info`): rank, num_ranks, device, backend,
         num_nvl_bytes, num_rdma_bytes, low_latency_mode. With `hidden`, adds `size_hints`: the
         bytes the default dispatch/combine configs ask for BF16 tokens of that size (DeepEP's
-        size hints; rank counts without a default config are left out) and `meets_size_hints`.
+        size hints; rank counts without a default config are left out) and `meets_size_hints`
+        (the normal-mode hints count only for a buffer with NVL bytes).
         With `num_max_dispatch_tokens_per_rank` and `num_experts` too, adds the low-latency hint."""
         rank, num_ranks, dev, nvl, rdma, ll, backend = (int(v) for v in ops.buffer_info(self.handle))
         report = {"rank": rank, "num_ranks": num_ranks, "device": "cpu" if dev < 0 else f"cuda:{dev}",
@@ -163,8 +164,10 @@ class Buffer:
                 continue
             hints[f"{name}_nvl_bytes"] = cfg.get_nvl_buffer_size_hint(hidden * 2, num_ranks)
             hints[f"{name}_rdma_bytes"] = cfg.get_rdma_buffer_size_hint(hidden * 2, num_ranks)
-        ok = all(nvl >= v for k, v in hints.items() if k.endswith("nvl_bytes"))
-        ok = ok and all(rdma >= v for k, v in hints.items() if k.endswith("rdma_bytes"))
+        # A buffer without NVL bytes runs no normal-mode op (an LL-only buffer, as DeepEP's decode
+        # buffers are): the normal-mode hints do not apply to it.
+        ok = nvl == 0 or all(nvl >= v for k, v in hints.items() if k.endswith("nvl_bytes"))
+        ok = ok and (nvl == 0 or all(rdma >= v for k, v in hints.items() if k.endswith("rdma_bytes")))
         if num_max_dispatch_tokens_per_rank is not None and num_experts is not None:
             hints["low_latency_rdma_bytes"] = Buffer.get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden,
                                                                                     num_ranks, num_experts)

@@ -94,12 +94,22 @@ def memory_report_worker(rank, world):
         small = buf.memory_report(hidden=128)
     finally:
         buf.destroy()
+    # An LL-only buffer sized by the LL hint (DeepEP's decode buffers): the normal-mode hints do
+    # not apply to it.
+    ll_hint = deep_ep_rs.Buffer.get_low_latency_rdma_size_hint(8, 4096, world, 4 * world)
+    ll_only = deep_ep_rs.Buffer(dist.group.WORLD, 0, ll_hint, low_latency_mode=True, device="cpu", explicitly_destroy=True)
+    try:
+        assert ll_only.memory_report(hidden=4096, num_max_dispatch_tokens_per_rank=8, num_experts=4 * world)["meets_size_hints"] is True
+    finally:
+        ll_only.destroy()
     with pytest.raises(RuntimeError, match="destroyed"):
         buf.memory_report()
     return plain, full, small, hint
 
 
 def test_memory_report(rank_pool):
+    import deep_ep_rs  # noqa: F401  (registers torch.ops.deep_ep in this process too)
+
     results = rank_pool(2).run(memory_report_worker)
     for rank, (plain, full, small, hint) in enumerate(results):
         assert plain == {"rank": rank, "num_ranks": 2, "device": "cpu", "backend": "cpu", "num_nvl_bytes": 1 << 24,

@@ -268,57 +268,17 @@ mod tests {
         // Wrong output sizes and dtypes are refused on the Rust side.
         let e = dispatch_layout(&idx, 8, 4, &t(DType::Int32, &[3]), None, &t(DType::Int32, &[8]), &in_rank, 8, std::ptr::null_mut());
         assert!(matches!(e, Err(Error::InvalidArgument { .. })));
-        let f = t(DType::Float32, &[4, 2]);
-        let e = dispatch_layout(
-            &f,
-            8,
-            4,
-            &t(DType::Int32, &[4]),
-            None,
-            &t(DType::Int32, &[8]),
-            &t(DType::Bool, &[4, 4]),
-            8,
-            std::ptr::null_mut(),
-        );
-        assert!(matches!(e, Err(Error::InvalidArgument { .. })));
-        // More than D ranks needs the per-node output (D = 8, and D = 2 with 4 ranks).
-        let e = dispatch_layout(
-            &idx,
-            16,
-            16,
-            &t(DType::Int32, &[16]),
-            None,
-            &t(DType::Int32, &[16]),
-            &t(DType::Bool, &[4, 16]),
-            8,
-            std::ptr::null_mut(),
-        );
-        assert!(matches!(e, Err(Error::InvalidArgument { .. })));
-        let e = dispatch_layout(
-            &idx,
-            8,
-            4,
-            &t(DType::Int32, &[4]),
-            None,
-            &t(DType::Int32, &[8]),
-            &t(DType::Bool, &[4, 4]),
-            2,
-            std::ptr::null_mut(),
-        );
-        assert!(matches!(e, Err(Error::InvalidArgument { .. })));
-        // A domain size of 0 is refused before the launch.
-        let e = dispatch_layout(
-            &idx,
-            8,
-            4,
-            &t(DType::Int32, &[4]),
-            None,
-            &t(DType::Int32, &[8]),
-            &t(DType::Bool, &[4, 4]),
-            0,
-            std::ptr::null_mut(),
-        );
-        assert!(matches!(e, Err(Error::InvalidArgument { .. })));
+        // (ids, E, R, D): refused on the Rust side, before any launch.
+        let refused = |ids: &TensorRef, e: usize, r: usize, d: usize| {
+            let (ntpr, ntpe, in_rank) = (t(DType::Int32, &[r as i64]), t(DType::Int32, &[e as i64]), t(DType::Bool, &[4, r as i64]));
+            let got = dispatch_layout(ids, e, r, &ntpr, None, &ntpe, &in_rank, d, std::ptr::null_mut());
+            assert!(matches!(got, Err(Error::InvalidArgument { .. })), "E {e} R {r} D {d}");
+        };
+        refused(&t(DType::Float32, &[4, 2]), 8, 4, 8); // float ids
+                                                       // More than D ranks needs the per-node output (D = 8, and D = 2 with 4 ranks).
+        refused(&idx, 16, 16, 8);
+        refused(&idx, 8, 4, 2);
+        refused(&idx, 8, 4, 0); // a domain size of 0 is refused before the launch
     }
 
     #[test]

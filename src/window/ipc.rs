@@ -20,7 +20,7 @@
 //! barrier round trip costs milliseconds (docs/BACKENDS.md, "Several ranks on one GPU"); every wait
 //! is still bounded by `DEEP_EP_TIMEOUT_MS`.
 
-use super::peer_window::PeerWindow;
+use super::peer_window::{PeerWindow, WindowArgs};
 use crate::backend::cpu::shm::{self, Region, Segment};
 use crate::error::{Error, Result};
 use crate::kernels::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream, MAX_RANKS};
@@ -155,22 +155,6 @@ impl Rendezvous {
         crate::ensure!(failed.is_empty(), OP, "rank(s) {failed:?} failed {what} (their own error says why)");
         Ok(mine)
     }
-}
-
-/// What [`Window::create`] needs (as `nccl_window::WindowArgs`).
-pub struct WindowArgs<'a> {
-    pub unique_id: &'a [u8],
-    pub rank: usize,
-    pub num_ranks: usize,
-    /// Ranks per NVLink domain, or `num_ranks` for an intranode buffer; below `num_ranks` the
-    /// kernels get the windows of the own domain only and the LSA emulation the others.
-    pub nvl_domain: usize,
-    pub device: i32,
-    /// Bytes for staged data; the window adds the control area and rounds up to 2 MiB.
-    pub data_bytes: usize,
-    pub timeout_ns: u64,
-    /// Run the LSA transport self-test during creation with this rail stride.
-    pub transport_self_test: Option<usize>,
 }
 
 /// One rank's window memory, the peers' windows it opened, and the rendezvous kept for the close.

@@ -21,4 +21,4 @@ pub mod nccl;
 pub mod nvshmem;
 mod peer_window;
 
-pub use peer_window::{new_ctx, window_bytes, PeerWindow};
+pub use peer_window::{new_ctx, window_bytes, PeerWindow, WindowArgs};

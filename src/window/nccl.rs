@@ -18,35 +18,17 @@ use crate::error::{Error, Result};
 use crate::kernels::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream, MAX_RANKS};
 use crate::kernels::layout::check as cuda_check;
 
-use super::peer_window::PeerWindow;
+use super::peer_window::{PeerWindow, WindowArgs};
 use crate::sys::kernels::*;
 use crate::sys::nccl::{self, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId, ncclWindow_t, nccl_fn, DeviceApi, NcclLib};
-use crate::window::gin_comms::{self, gin_setup, GinComms, GinSetup};
+#[cfg(test)]
+use crate::window::gin_comms::GinSetup;
+use crate::window::gin_comms::{self, gin_setup, GinComms};
 use crate::window::lsa_team::PeerMap;
 use std::ffi::{c_int, c_void};
 
 const OP: &str = crate::op_names::CREATE_BUFFER;
 const DESTROY: &str = crate::op_names::DESTROY_BUFFER;
-
-/// What [`Window::create`] needs.
-pub struct WindowArgs<'a> {
-    pub unique_id: &'a [u8; 128],
-    pub rank: usize,
-    pub num_ranks: usize,
-    /// Ranks per NVLink domain (`DEEP_EP_NVL_DOMAIN_SIZE`), or `num_ranks` for an intranode
-    /// buffer. Below `num_ranks` (an internode buffer) the kernels get the windows of the own
-    /// domain only ([`PeerMap`]).
-    pub nvl_domain: usize,
-    pub device: i32,
-    /// Bytes for staged data; the window adds the control area and rounds up to 2 MiB.
-    pub data_bytes: usize,
-    pub timeout_ns: u64,
-    /// Run the LSA transport self-test during creation with this rail stride
-    /// (`DEEP_EP_TRANSPORT_SELFTEST`, `backend::peer::gin::self_test_stride`).
-    pub transport_self_test: Option<usize>,
-    /// Create a GIN device comm on the communicator (internode buffers over NCCL GIN).
-    pub gin: Option<GinSetup<'a>>,
-}
 
 /// One step of [`Window::close`]'s teardown, in order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -20,7 +20,7 @@
 //! geometry allocates from it without initialising again). NVSHMEM's own variables: see
 //! [`env_defaults`].
 
-use super::peer_window::PeerWindow;
+use super::peer_window::{PeerWindow, WindowArgs};
 use crate::error::{Error, Result};
 use crate::kernels::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream, MAX_RANKS};
 use crate::sys::nvshmem::{self, NvshmemLib};
@@ -36,19 +36,6 @@ const DESTROY: &str = crate::op_names::DESTROY_BUFFER;
 /// Window sizes are rounded up to this (as the NCCL window's).
 /// Heap room beyond the window suggested for NVSHMEM's own symmetric objects (team sync arrays).
 pub const HEAP_MARGIN: usize = 64 << 20;
-
-/// What [`Window::create`] needs (as `nccl_window::WindowArgs`).
-pub struct WindowArgs<'a> {
-    pub unique_id: &'a [u8; 128],
-    pub rank: usize,
-    pub num_ranks: usize,
-    pub device: i32,
-    /// Bytes for staged data; the window adds the control area and rounds up to 2 MiB.
-    pub data_bytes: usize,
-    pub timeout_ns: u64,
-    /// Run the LSA transport self-test during creation with this rail stride.
-    pub transport_self_test: Option<usize>,
-}
 
 /// Who a process's NVSHMEM was initialised for: `(rank, num_ranks, device)`.
 pub type Geometry = (usize, usize, i32);

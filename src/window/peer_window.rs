@@ -1,8 +1,30 @@
 //! The [`PeerWindow`] trait every provider implements, and what the providers share: the window
 //! size, a fresh context, and the forwarding `impl` macro.
 
+use super::gin_comms::GinSetup;
 use crate::error::Result;
 use crate::kernels::intranode::{Ctx, HostStatus, MAX_RANKS};
+
+/// What a provider's `Window::create` needs (every provider takes the same; each uses what applies
+/// to it: `nvl_domain` and `gin` are the nccl provider's, `nvl_domain` also the ipc provider's).
+pub struct WindowArgs<'a> {
+    pub unique_id: &'a [u8; 128],
+    pub rank: usize,
+    pub num_ranks: usize,
+    /// Ranks per NVLink domain (`DEEP_EP_NVL_DOMAIN_SIZE`), or `num_ranks` for an intranode
+    /// buffer. Below `num_ranks` (an internode buffer) the kernels get the windows of the own
+    /// domain only (`window::lsa_team::PeerMap`).
+    pub nvl_domain: usize,
+    pub device: i32,
+    /// Bytes for staged data; the window adds the control area and rounds up to 2 MiB.
+    pub data_bytes: usize,
+    pub timeout_ns: u64,
+    /// Run the LSA transport self-test during creation with this rail stride
+    /// (`DEEP_EP_TRANSPORT_SELFTEST`, `backend::peer::gin::self_test_stride`).
+    pub transport_self_test: Option<usize>,
+    /// Create a GIN device comm on the communicator (internode buffers over NCCL GIN).
+    pub gin: Option<GinSetup<'a>>,
+}
 
 /// The symmetric memory of one buffer, as kernels and host code address it. Created
 /// collectively by the provider; [`PeerWindow::close`] is collective; dropping an unclosed window

@@ -54,7 +54,8 @@ use crate::kernels::intranode::MAX_RANKS;
 use crate::sys::nccl;
 use crate::tensor::{Device, TensorRef};
 use crate::window::gin_comms::GinSetup;
-use crate::window::nccl::{Window, WindowArgs};
+use crate::window::nccl::Window;
+use crate::window::WindowArgs;
 use std::time::Duration;
 
 /// A buffer on NVLink: NCCL device-API window or NVSHMEM symmetric allocation (`info.backend`).
@@ -178,23 +179,26 @@ impl PeerBackend {
             );
             Ok(())
         };
+        // What every provider gets (the nccl one adds the GIN setup). Internode: the kernels get the
+        // windows of their own NVLink domain only (nccl, ipc; nvshmem is one domain).
+        let nvl_domain = if topo.num_rdma_ranks() >= 2 { topo.num_nvl_ranks() } else { a.num_ranks };
+        let (rank, num_ranks) = (a.rank, a.num_ranks);
+        let args = WindowArgs {
+            unique_id: &unique_id,
+            rank,
+            num_ranks,
+            nvl_domain,
+            device,
+            data_bytes,
+            timeout_ns,
+            transport_self_test,
+            gin: None,
+        };
         let window: Box<dyn crate::window::PeerWindow> = match kind {
             BackendKind::Nccl => {
                 checked_library()?;
                 let gin = gin_plan.as_ref().map(|p| GinSetup { reqs: p.requirements(), comms: p.num_comms, judge: &judge });
-                // Internode: the kernels get the windows of their own NVLink domain only.
-                let nvl_domain = if topo.num_rdma_ranks() >= 2 { topo.num_nvl_ranks() } else { a.num_ranks };
-                Box::new(Window::create(&WindowArgs {
-                    unique_id: &unique_id,
-                    rank: a.rank,
-                    num_ranks: a.num_ranks,
-                    nvl_domain,
-                    device,
-                    data_bytes,
-                    timeout_ns,
-                    transport_self_test,
-                    gin,
-                })?)
+                Box::new(Window::create(&WindowArgs { gin, ..args })?)
             }
             #[cfg(feature = "nvshmem")]
             BackendKind::Nvshmem if gin_plan.is_some() => {
@@ -205,37 +209,13 @@ impl PeerBackend {
                 ));
             }
             #[cfg(feature = "nvshmem")]
-            BackendKind::Nvshmem => {
-                use crate::window::nvshmem as nw;
-                Box::new(nw::Window::create(&nw::WindowArgs {
-                    unique_id: &unique_id,
-                    rank: a.rank,
-                    num_ranks: a.num_ranks,
-                    device,
-                    data_bytes,
-                    timeout_ns,
-                    transport_self_test,
-                })?)
-            }
+            BackendKind::Nvshmem => Box::new(crate::window::nvshmem::Window::create(&args)?),
             #[cfg(feature = "ipc")]
             BackendKind::Ipc if gin_plan.is_some() => {
                 return Err(ni(kind, OP, "internode buffers over NCCL GIN (DEEP_EP_RDMA_TRANSPORT=gin); ipc reaches other NVLink domains through the LSA emulation only"));
             }
             #[cfg(feature = "ipc")]
-            BackendKind::Ipc => {
-                use crate::window::ipc as iw;
-                let nvl_domain = if topo.num_rdma_ranks() >= 2 { topo.num_nvl_ranks() } else { a.num_ranks };
-                Box::new(iw::Window::create(&iw::WindowArgs {
-                    unique_id: &unique_id,
-                    rank: a.rank,
-                    num_ranks: a.num_ranks,
-                    nvl_domain,
-                    device,
-                    data_bytes,
-                    timeout_ns,
-                    transport_self_test,
-                })?)
-            }
+            BackendKind::Ipc => Box::new(crate::window::ipc::Window::create(&args)?),
             other => return Err(Error::invalid(OP, format!("internal: backend {} has no peer window", other.name()))),
         };
         let seam = match net_kind {

@@ -13,7 +13,12 @@
 #                  SOAK_LIMIT s, default 300; summary lines in OUT_DIR/soak-summary.txt) instead of
 #                  the scaled soak in `reliability`.
 #   STEPS="a b"    run only the named steps (e.g. STEPS=soak_full, or STEPS="bad_input reliability").
+#   STEPS="$(bench/gpu_suite.sh --remeasure)"  the re-measurement of a 4-GPU machine after the suite:
+#                  HT at EP2 and EP4 at 20/24/32 SMs, the LL sweep 1..512 tokens at EP2 and EP4 (each
+#                  with its same-run naive all-to-all), and ipc against nccl at 4 ranks (tests and speed).
 set -u
+REMEASURE="bench_ht_ep2 bench_ht_ep4 bench_ll_sweep_ep2 bench_ll_sweep_ep4 ipc_vs_nccl ipc_suites_4"
+if [ "${1:-}" = "--remeasure" ]; then echo "$REMEASURE"; exit 0; fi
 out=${1:?usage: bench/gpu_suite.sh OUT_DIR [LIBRARY]}
 lib=${2:-$PWD/target/release/libdeep_ep.so}
 mkdir -p "$out"
@@ -23,7 +28,7 @@ export PYTHONPATH=$PWD/python DEEP_EP_LIBRARY=$lib DEEP_EP_TEST_LOG=$tests_log
 log=$out/suite.log
 : >"$log"
 
-OPTIONAL="low_latency_4 ll_4 ll_24 ll_2x2 internode rank_mask ll_count transport bench_ll bench_intranode intranode_push recovery create_destroy bench_ab profile"  # only when named in STEPS
+OPTIONAL="low_latency_4 ll_4 ll_24 ll_2x2 internode rank_mask ll_count transport bench_ll bench_intranode intranode_push recovery create_destroy bench_ab profile $REMEASURE"  # only when named in STEPS
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2 over="LIMIT_$1"
   limit=${!over:-$limit}  # LIMIT_<step>=seconds overrides a step's limit
@@ -63,6 +68,14 @@ step recovery 90 python3 -m pytest -q -rs tests/gpu/test_recovery.py
 step create_destroy 150 env DEEP_EP_SOAK_SCALE=1 python3 -m pytest -q -rs -s tests/gpu/test_soak.py -k create_destroy
 step bench_intranode_pull 75 env DEEP_EP_INTRANODE_DISPATCH=pull torchrun --nproc-per-node 4 bench/intranode.py --sms 20 24 --iters 15 --out "$out/intranode-pull.json"
 step bench_intranode_push 75 env DEEP_EP_INTRANODE_DISPATCH=push torchrun --nproc-per-node 4 bench/intranode.py --sms 20 24 --iters 15 --out "$out/intranode-push.json"
+# The re-measurement (named in STEPS only; see --remeasure above).
+tokens="1 2 4 8 16 32 64 128 256 512"
+step bench_ht_ep2 150 torchrun --nproc-per-node 2 bench/intranode.py --sms 20 24 32 --iters 20 --out "$out/intranode-ep2.json"
+step bench_ht_ep4 150 torchrun --nproc-per-node 4 bench/intranode.py --sms 20 24 32 --iters 20 --out "$out/intranode-ep4.json"
+step bench_ll_sweep_ep2 150 torchrun --nproc-per-node 2 bench/low_latency.py --tokens $tokens --iters 10 --replays 50 --out "$out/low-latency-ep2-sweep.json"
+step bench_ll_sweep_ep4 150 torchrun --nproc-per-node 4 bench/low_latency.py --tokens $tokens --iters 10 --replays 50 --out "$out/low-latency-ep4-sweep.json"
+step ipc_vs_nccl 300 bash -c 'for b in nccl ipc; do echo "--- backend $b"; DEEP_EP_BACKEND=$b torchrun --nproc-per-node 4 bench/intranode.py --sms 20 24 --iters 15 --out "'"$out"'/intranode-ep4-$b.json" && DEEP_EP_BACKEND=$b torchrun --nproc-per-node 4 bench/low_latency.py --tokens 1 128 --out "'"$out"'/low-latency-ep4-$b.json"; done'
+step ipc_suites_4 300 env DEEP_EP_TEST_BACKEND=ipc DEEP_EP_INTRANODE_CONFIGS=${INTRANODE_CONFIGS:-25} DEEP_EP_LL_CONFIGS=${LL_CONFIGS:-50} DEEP_EP_LL_REPLAYS=100 python3 -m pytest -q -rs tests/gpu/test_intranode.py "tests/gpu/test_low_latency.py::test_low_latency_matches_cpu_backend[4]"
 if [ "${SOAK_SCALE:-0.2}" = "1" ]; then
   step bad_input 90 python3 -m pytest -q -rs tests/gpu/test_bad_input_gpu.py
   step reliability 120 python3 -m pytest -q -rs tests/gpu/test_recovery.py tests/gpu/test_rank_mask_gpu.py

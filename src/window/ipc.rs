@@ -247,14 +247,10 @@ impl Window {
         let mut handle = [0u8; HANDLE_BYTES];
         // SAFETY: writes HANDLE_BYTES bytes; `mem` is a live cudaMalloc allocation.
         check(unsafe { dek_cuda_ipc_get_handle(handle.as_mut_ptr().cast(), self.mem) }, OP, "cudaIpcGetMemHandle")?;
-        let status = HostStatus::new(OP)?;
-        self.ctx.host_status = status.device_ptr().cast();
-        self.status = Some(status);
         self.ctx.peer_base[a.rank] = self.mem;
         let stream = Stream::new(OP)?;
-        // SAFETY: launch contract: the window just made; the memset covers its own memory only.
-        unsafe { intranode::zero_window(OP, &self.ctx, stream.raw()) }?;
-        stream.synchronize(OP)?;
+        // SAFETY: `peer_base[rank]` is the cudaMalloc allocation just made, of `window_bytes`.
+        self.status = Some(unsafe { super::peer_window::attach_status_and_zero(OP, &mut self.ctx, &stream) }?);
         let r = &self.rdv;
         r.set(word::TOKEN, process_token());
         r.set(word::PTR, self.mem as u64);

@@ -193,15 +193,9 @@ impl Window {
             "NCCL gave no window pointer for a rank of this NVLink domain"
         );
 
-        let status = HostStatus::new(OP)?;
-        w.ctx.host_status = status.device_ptr().cast();
-        w.status = Some(status);
-
         let stream = Stream::new(OP)?;
-        // The whole window starts zeroed: control area, transport self-test signals and LL tags.
-        // SAFETY: launch contract: the window just made; the memset covers its own memory only.
-        unsafe { intranode::zero_window(OP, &w.ctx, stream.raw()) }?;
-        stream.synchronize(OP)?;
+        // SAFETY: `peer_base[rank]` is the window just registered, of `window_bytes`.
+        w.status = Some(unsafe { super::peer_window::attach_status_and_zero(OP, &mut w.ctx, &stream) }?);
         let all_reduce = nccl_fn!(lib, ncclAllReduce);
         let word = intranode::rendezvous_word(&w.ctx);
         // SAFETY: one int of this rank's window, on our private stream.

@@ -221,15 +221,9 @@ impl Window {
             }
             w.ctx.peer_base[p] = ptr;
         }
-        let status = HostStatus::new(OP)?;
-        w.ctx.host_status = status.device_ptr().cast();
-        w.status = Some(status);
         let stream = Stream::new(OP)?;
-        // The whole window starts zeroed: control area, transport self-test signals and LL tags
-        // (nvshmem_malloc may hand back a destroyed buffer's memory).
-        // SAFETY: launch contract: the window just made; the memset covers its own memory only.
-        unsafe { intranode::zero_window(OP, &w.ctx, stream.raw()) }?;
-        stream.synchronize(OP)?;
+        // SAFETY: `peer_base[rank]` is this PE's nvshmem_malloc allocation, of `window_bytes`.
+        w.status = Some(unsafe { super::peer_window::attach_status_and_zero(OP, &mut w.ctx, &stream) }?);
         // Host rendezvous: no peer signals into a control area that is not zeroed yet.
         lib.barrier_all();
         w.closed = false;

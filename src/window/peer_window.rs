@@ -1,9 +1,10 @@
 //! The [`PeerWindow`] trait every provider implements, and what the providers share: the window
-//! size, a fresh context, and the forwarding `impl` macro.
+//! size, a fresh context, the status block and zeroing of a new window, and the forwarding `impl`
+//! macro.
 
 use super::gin_comms::GinSetup;
 use crate::error::Result;
-use crate::kernels::intranode::{Ctx, HostStatus, MAX_RANKS};
+use crate::kernels::intranode::{self, Ctx, HostStatus, Stream, MAX_RANKS};
 
 /// What a provider's `Window::create` needs (every provider takes the same; each uses what applies
 /// to it: `nvl_domain` and `gin` are the nccl provider's, `nvl_domain` also the ipc provider's).
@@ -76,6 +77,23 @@ pub fn window_bytes(data_bytes: usize) -> usize {
 /// every NVLink rank in one domain).
 pub fn new_ctx(rank: usize, num_ranks: usize, bytes: usize, timeout_ns: u64, num_sms: i32) -> Ctx {
     Ctx { rank: rank as i32, num_ranks: num_ranks as i32, window_bytes: bytes as u64, timeout_ns, num_sms, ..Ctx::default() }
+}
+
+/// The last local steps of every provider's own window before its first barrier: the host-mapped
+/// status block the kernels report into (`ctx.host_status` points at it), then the whole window
+/// zeroed on `stream`, synchronously: control area, transport self-test signals and LL tags (a new
+/// allocation may hold a destroyed buffer's tags), so no peer signals into memory that is not
+/// zeroed yet.
+///
+/// # Safety
+/// `ctx.peer_base[ctx.rank]` is this rank's live window of `ctx.window_bytes` bytes.
+pub unsafe fn attach_status_and_zero(op: &'static str, ctx: &mut Ctx, stream: &Stream) -> Result<HostStatus> {
+    let status = HostStatus::new(op)?;
+    ctx.host_status = status.device_ptr().cast();
+    // SAFETY: launch contract (the caller's obligation): the memset covers this rank's own window.
+    unsafe { intranode::zero_window(op, ctx, stream.raw()) }?;
+    stream.synchronize(op)?;
+    Ok(status)
 }
 
 /// `impl PeerWindow` for a provider's `Window`: the context, status block and size from its

@@ -24,7 +24,7 @@
 //! - `NCCL_GIN_TYPE` is read by NCCL itself; deep_ep validates it (2 = proxy, 3 = GDAKI, NCCL's
 //!   `ncclNetDeviceType`) and checks that the granted type matches.
 
-use super::signals::{ht_base as ht_signal_base, BARRIER_SIGNALS};
+use super::signals::{ht_base, BARRIER_SIGNALS};
 use crate::error::{Error, Result};
 use crate::kernels::transport::{GinInfo, GinReqs, MAX_GIN_CONTEXTS};
 
@@ -229,7 +229,7 @@ pub fn plan(w: Workload, k: &GinKnobs) -> Result<GinPlan> {
 /// whose ranks span several NVLink domains (`num_rdma_ranks` >= 2) with
 /// `DEEP_EP_RDMA_TRANSPORT=gin`. The per-call geometry is unknown at creation, so the plan covers
 /// every call the buffer accepts: LL buffers get one signal per seam id
-/// (`ll_seam::SIGNALS` = 4 x the most experts), then the normal-mode kernels' signals (an LL
+/// (`signals::LL_SIGNALS` = 4 x the most experts), then the normal-mode kernels' signals (an LL
 /// buffer may run normal-mode ops; [`super::signals::ht_base`]), and a context per sending rank (the LL
 /// kernels put on the context of the sender's rank); normal-mode buffers the signals of
 /// [`Workload::Normal`] on one context. `DEEP_EP_GIN_COMMS` communicators, each asking for the same
@@ -239,7 +239,7 @@ pub fn buffer_plan(k: &GinKnobs, num_ranks: usize, num_rdma_ranks: usize, low_la
         return Ok(None);
     }
     let mut p = if low_latency_mode {
-        let signals = ht_signal_base(true) + crate::kernels::internode::SEAM_SIGNALS;
+        let signals = ht_base(true) + crate::kernels::internode::SEAM_SIGNALS;
         let contexts_per_comm = k.contexts.unwrap_or_else(|| num_ranks.min(MAX_GIN_CONTEXTS));
         GinPlan {
             workload: Workload::LowLatency { num_local_experts: (super::signals::LL_MAX_EXPERTS / num_ranks).max(1), num_ranks },
@@ -409,7 +409,7 @@ pub(super) fn write_gin_net(op: &'static str, window: &dyn crate::window::PeerWi
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::peer::signals::{barrier_base, ht as ht_signal, HtSignal};
+    use crate::backend::peer::signals::{barrier_base, ht, HtSignal};
     use std::collections::{HashMap, HashSet};
 
     fn knobs(pairs: &[(&str, &str)]) -> Result<GinKnobs> {
@@ -444,10 +444,10 @@ mod tests {
         // every node count up to kMaxNodes, all distinct and inside the plan.
         let mut ids = HashSet::new();
         for node in 0..MAX_NODES {
-            assert_eq!(ht_signal(0, HtSignal::Barrier, node), node);
-            assert_eq!(ht_signal(0, HtSignal::Step, node), 8 + node);
+            assert_eq!(ht(0, HtSignal::Barrier, node), node);
+            assert_eq!(ht(0, HtSignal::Step, node), 8 + node);
             for kind in [HtSignal::Barrier, HtSignal::Step] {
-                let s = ht_signal(0, kind, node);
+                let s = ht(0, kind, node);
                 assert!(s < p.signals && ids.insert(s), "{kind:?} node {node} -> {s}");
             }
         }
@@ -503,7 +503,7 @@ mod tests {
         assert_eq!(buffer_plan(&gin, 4, 1, true).unwrap(), None);
         // LL: every seam signal id, then the normal-mode kernels' ids; a context per sending rank
         // (at most 4).
-        use crate::backend::peer::ll_seam::SIGNALS;
+        use crate::backend::peer::signals::LL_SIGNALS as SIGNALS; // the LL ids come first
         use crate::kernels::internode::{MAX_NODES, SEAM_SIGNALS};
         let p = buffer_plan(&gin, 4, 2, true).unwrap().unwrap();
         assert_eq!((p.num_comms, p.contexts_per_comm, p.signals), (1, 4, SIGNALS + SEAM_SIGNALS + BARRIER_SIGNALS));
@@ -512,7 +512,7 @@ mod tests {
         // Normal-mode ops of an LL buffer: past every LL id (which the LL kernels reset), inside the plan.
         for node in 0..MAX_NODES {
             for kind in [HtSignal::Barrier, HtSignal::Step] {
-                let s = ht_signal(ht_signal_base(true), kind, node);
+                let s = ht(ht_base(true), kind, node);
                 assert!((SIGNALS..p.signals).contains(&s), "{kind:?} node {node} -> {s}");
             }
         }
@@ -523,8 +523,8 @@ mod tests {
         assert_eq!(buffer_plan(&k, 8, 4, true).unwrap().unwrap().contexts_per_comm, 1);
         // Normal mode: the kernels' signals from 0, on one context.
         let p = buffer_plan(&gin, 4, 2, false).unwrap().unwrap();
-        assert_eq!((p.contexts_per_comm, p.signals, ht_signal_base(false)), (1, SEAM_SIGNALS + BARRIER_SIGNALS, 0));
-        assert!(ht_signal(0, HtSignal::Step, MAX_NODES - 1) < p.signals);
+        assert_eq!((p.contexts_per_comm, p.signals, ht_base(false)), (1, SEAM_SIGNALS + BARRIER_SIGNALS, 0));
+        assert!(ht(0, HtSignal::Step, MAX_NODES - 1) < p.signals);
         assert_eq!(buffer_plan(&gin, 16, 8, false).unwrap().unwrap().signals, SEAM_SIGNALS + BARRIER_SIGNALS);
         // Several communicators, LL and normal mode: the same requirements on each, QPs multiply.
         let k = knobs(&[("DEEP_EP_RDMA_TRANSPORT", "gin"), ("DEEP_EP_GIN_COMMS", "3")]).unwrap();
@@ -548,12 +548,12 @@ mod tests {
     fn the_barrier_signals_follow_every_op_signal_of_the_plan() {
         let gin = knobs(&[("DEEP_EP_RDMA_TRANSPORT", "gin")]).unwrap();
         use crate::kernels::internode::{MAX_NODES, SEAM_SIGNALS};
-        // LL: above every seam id (ll_seam::signal_id < SIGNALS) and the normal-mode ids after
+        // LL: above every seam id (signals::ll < LL_SIGNALS) and the normal-mode ids after
         // them, inside the table NCCL grants.
         let p = buffer_plan(&gin, 4, 2, true).unwrap().unwrap();
         let base = barrier_base(p.signals);
-        assert_eq!(base, crate::backend::peer::ll_seam::SIGNALS + SEAM_SIGNALS);
-        assert_eq!(ht_signal(ht_signal_base(true), HtSignal::Step, MAX_NODES - 1) + 1, base);
+        assert_eq!(base, crate::backend::peer::signals::LL_SIGNALS + SEAM_SIGNALS);
+        assert_eq!(ht(ht_base(true), HtSignal::Step, MAX_NODES - 1) + 1, base);
         assert_eq!(base + BARRIER_SIGNALS, p.requirements().gin_signal_count as usize);
         // A domain id per source node: the most nodes of a buffer (8 ranks of 1 GPU) fit.
         const { assert!(BARRIER_SIGNALS >= crate::kernels::intranode::MAX_RANKS) };
@@ -561,7 +561,7 @@ mod tests {
         for rr in [2, 4, 8] {
             let p = buffer_plan(&gin, 8, rr, false).unwrap().unwrap();
             assert_eq!(barrier_base(p.signals), SEAM_SIGNALS);
-            assert!(ht_signal(0, HtSignal::Step, rr - 1) < barrier_base(p.signals));
+            assert!(ht(0, HtSignal::Step, rr - 1) < barrier_base(p.signals));
         }
     }
 

@@ -30,7 +30,7 @@
 //! time out), as with intranode.
 
 use super::normal::{channels, check_blocks, i32_of, is_int64, opt_ptr, opt_ptr_mut, ptr, ptr_mut, scales_of};
-use super::signals::ht_base as ht_signal_base;
+use super::signals::ht_base;
 use super::PeerBackend;
 use crate::backend::internode::{
     InternodeCachedDispatchArgs, InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutputs, InternodeHandle, InternodePlan,
@@ -91,7 +91,7 @@ pub(super) struct HtNet {
 /// The seam of a buffer's normal-mode ops: the LSA emulation unless the buffer holds a GIN device
 /// comm (`gin`); with one, the `GinNet` at `NET_OFF` (normal-mode buffers, [`write_gin_net`]) or
 /// the LL seam's at `ll_gin_desc` (low-latency buffers, which may run normal-mode ops too) and the
-/// signals from [`ht_signal_base`]. Pure.
+/// signals from [`ht_base`]. Pure.
 pub(super) fn ht_net(op: &'static str, gin: bool, low_latency_mode: bool, ll_gin_desc: Option<usize>) -> Result<HtNet> {
     if !gin {
         return Ok(HtNet { kind: NET_LSA, desc_off: 0, sig_base: 0 });
@@ -101,7 +101,7 @@ pub(super) fn ht_net(op: &'static str, gin: bool, low_latency_mode: bool, ll_gin
     } else {
         NET_OFF
     };
-    Ok(HtNet { kind: NET_GIN, desc_off, sig_base: ht_signal_base(low_latency_mode) })
+    Ok(HtNet { kind: NET_GIN, desc_off, sig_base: ht_base(low_latency_mode) })
 }
 
 /// Geometry and window areas of one op.
@@ -479,13 +479,13 @@ mod tests {
     #[test]
     fn the_seam_follows_the_buffer_and_gin_signals_fit_its_plan() {
         use crate::backend::peer::gin::{buffer_plan, GinKnobs};
-        use crate::backend::peer::signals::{ht as ht_signal, HtSignal};
+        use crate::backend::peer::signals::{ht, HtSignal};
         use crate::kernels::internode::MAX_NODES;
         // No GIN device comm: the LSA emulation, ids from 0 in the emulation's table of 32.
         let lsa = ht_net("op", false, false, None).unwrap();
         assert_eq!(lsa, HtNet { kind: NET_LSA, desc_off: 0, sig_base: 0 });
         assert_eq!(ht_net("op", false, true, Some(4096)).unwrap(), lsa);
-        assert!(ht_signal(lsa.sig_base, HtSignal::Step, MAX_NODES - 1) < k::NUM_SIGNALS as usize);
+        assert!(ht(lsa.sig_base, HtSignal::Step, MAX_NODES - 1) < k::NUM_SIGNALS as usize);
         let gin = GinKnobs::parse(|n| (n == "DEEP_EP_RDMA_TRANSPORT").then(|| "gin".to_string())).unwrap();
         for (ll, desc) in [(false, None), (true, Some(1 << 30))] {
             let n = ht_net("op", true, ll, desc).unwrap();
@@ -498,8 +498,11 @@ mod tests {
                 let plan = buffer_plan(&gin, rr * 2, rr, ll).unwrap().expect("a GIN plan");
                 for node in 0..rr {
                     for kind in [HtSignal::Barrier, HtSignal::Step] {
-                        let s = ht_signal(n.sig_base, kind, node);
-                        assert!(s < plan.signals && (!ll || s >= crate::backend::peer::ll_seam::SIGNALS), "ll {ll} {kind:?} {node} -> {s}");
+                        let s = ht(n.sig_base, kind, node);
+                        assert!(
+                            s < plan.signals && (!ll || s >= crate::backend::peer::signals::LL_SIGNALS),
+                            "ll {ll} {kind:?} {node} -> {s}"
+                        );
                     }
                 }
             }

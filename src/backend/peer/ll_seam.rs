@@ -10,11 +10,10 @@
 //! [`super::gin::GinPlan::ll_signal`]).
 
 use super::gin::RdmaTransport;
+use super::signals::LL_SIGNALS;
 use crate::config::BUFFER_ALIGNMENT;
 use crate::error::Result;
 use crate::topology::Topology;
-
-pub use super::signals::{LL_MAX_EXPERTS as MAX_EXPERTS, LL_SIGNALS as SIGNALS};
 
 /// Contexts of the LSA emulation (GIN grants at most 4). Two, so that the emulated runs see senders
 /// on different signal tables, as on GIN.
@@ -43,11 +42,11 @@ pub fn is_remote(rank: usize, peer: usize, nvl_domain: usize) -> bool {
 pub struct SeamLayout {
     /// The seam descriptor (this rank's, read by its own kernels).
     pub desc_off: usize,
-    /// `u64 [SIGNALS]`: the value this rank last gave each remote peer's seam signal, indexed by
+    /// `u64 [LL_SIGNALS]`: the value this rank last gave each remote peer's seam signal, indexed by
     /// [`super::signals::ll`] with the receiver as `rank` (a signal add of `tag - shadow` makes the remote
     /// value exactly the tag an NVLink word would hold, so no signal is reset between calls).
     pub shadow_off: usize,
-    /// The LSA emulation's signal tables, `u64 [LSA_CONTEXTS][SIGNALS]` (GIN keeps its own).
+    /// The LSA emulation's signal tables, `u64 [LSA_CONTEXTS][LL_SIGNALS]` (GIN keeps its own).
     pub signal_off: usize,
     /// End of the seam area.
     pub end: usize,
@@ -55,15 +54,15 @@ pub struct SeamLayout {
 
 impl SeamLayout {
     /// Bytes of the seam area.
-    pub const BYTES: usize = DESC_BYTES + 8 * SIGNALS + 8 * LSA_CONTEXTS * SIGNALS;
+    pub const BYTES: usize = DESC_BYTES + 8 * LL_SIGNALS + 8 * LSA_CONTEXTS * LL_SIGNALS;
 
     /// The seam area of a window whose control area has `control_bytes`, behind `num_nvl_bytes`
     /// and an LL area of `num_rdma_bytes` (each region starts 128-byte aligned).
     pub fn new(control_bytes: usize, num_nvl_bytes: usize, num_rdma_bytes: usize) -> SeamLayout {
         let desc_off = control_bytes + align(num_nvl_bytes) + align(num_rdma_bytes);
         let shadow_off = desc_off + DESC_BYTES;
-        let signal_off = shadow_off + 8 * SIGNALS;
-        SeamLayout { desc_off, shadow_off, signal_off, end: signal_off + 8 * LSA_CONTEXTS * SIGNALS }
+        let signal_off = shadow_off + 8 * LL_SIGNALS;
+        SeamLayout { desc_off, shadow_off, signal_off, end: signal_off + 8 * LSA_CONTEXTS * LL_SIGNALS }
     }
 
     /// Window bytes the seam adds after an LL area of `num_rdma_bytes` (its alignment included).
@@ -186,7 +185,7 @@ mod tests {
     fn signal_ids_are_gin_plan_ids_and_fit() {
         for (el, r) in [(1, 2), (2, 4), (64, 4), (256, 8)] {
             let p = plan(Workload::LowLatency { num_local_experts: el, num_ranks: r }, &GinKnobs::default()).unwrap();
-            assert!(p.signals <= SIGNALS || el * r > MAX_EXPERTS);
+            assert!(p.signals <= LL_SIGNALS || el * r > crate::backend::peer::signals::LL_MAX_EXPERTS);
             let mut seen = std::collections::HashSet::new();
             for combine in [false, true] {
                 for half in 0..2 {
@@ -200,14 +199,14 @@ mod tests {
                 }
             }
         }
-        assert_eq!(crate::backend::peer::signals::ll(true, 1, 511, 3, 512, 4), SIGNALS - 1);
+        assert_eq!(crate::backend::peer::signals::ll(true, 1, 511, 3, 512, 4), LL_SIGNALS - 1);
     }
 
     #[test]
     fn seam_area_follows_the_ll_area() {
         let l = SeamLayout::new(65536, 1000, 4096);
         assert_eq!(l.desc_off, 65536 + 1024 + 4096);
-        assert_eq!((l.shadow_off - l.desc_off, l.signal_off - l.shadow_off), (DESC_BYTES, 8 * SIGNALS));
+        assert_eq!((l.shadow_off - l.desc_off, l.signal_off - l.shadow_off), (DESC_BYTES, 8 * LL_SIGNALS));
         assert_eq!(l.end - l.desc_off, SeamLayout::BYTES);
         assert!(l.desc_off % 128 == 0 && l.shadow_off % 8 == 0 && l.signal_off % 8 == 0);
         // The window grows by exactly what the seam needs after the LL area of num_rdma_bytes.

@@ -63,7 +63,7 @@ const FLAG_PARTIAL: i32 = 32;
 /// backend's `FLAG_LOGFMT`).
 const FLAG_LOGFMT: i32 = 8;
 /// Most experts of a dispatch send on this backend (`DEK_LL_MAX_EXPERTS`).
-const MAX_EXPERTS: usize = ll_seam::MAX_EXPERTS;
+const MAX_EXPERTS: usize = super::signals::LL_MAX_EXPERTS;
 
 /// Block counts of the LL grids, per SM of this rank's share of the GPU (`Ctx::num_sms`: 132 on
 /// an H100/H200 that the rank has to itself, which gives the counts bench/NOTES.md measured).

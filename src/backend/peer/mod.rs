@@ -232,7 +232,7 @@ impl PeerBackend {
                     let (off, sig) = (layout.desc_off, layout.signal_off);
                     // SAFETY: launch contract: the ctx of this live window; the descriptor goes into its own control area.
                     unsafe {
-                        crate::kernels::transport::write_lsa_desc(OP, ctx, &bases, off, sig, ll_seam::LSA_CONTEXTS, ll_seam::SIGNALS)
+                        crate::kernels::transport::write_lsa_desc(OP, ctx, &bases, off, sig, ll_seam::LSA_CONTEXTS, signals::LL_SIGNALS)
                     }?;
                     "LSA emulation"
                 };

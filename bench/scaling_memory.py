@@ -56,13 +56,10 @@ SOURCE_META_BYTES = 8  # sizeof(SourceMeta) = {int src_rdma_rank, int is_token_i
 TOPK_IDX_BYTES = 8  # sizeof(topk_idx_t), int64 by default
 INTERNODE_RDMA_RANKS = (2, 3, 4, 6, 8, 12, 16, 18, 20)  # SWITCH_RDMA_RANKS of the internode kernels
 
-# (nvl_send, nvl_recv, rdma_send, rdma_recv), deep_ep/buffer.py @ 567632d (DEEPEP_BEHAVIOUR.md §2.2).
-DEEPEP_DISPATCH = {2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128), 16: (36, 288, 20, 128),
-                   24: (32, 288, 8, 128), 32: (32, 288, 8, 128), 48: (32, 288, 8, 128), 64: (32, 288, 8, 128),
-                   96: (20, 480, 12, 128), 128: (20, 560, 12, 128), 144: (32, 720, 12, 128), 160: (28, 720, 12, 128)}
-DEEPEP_COMBINE = {2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128), 16: (4, 288, 12, 128),
-                  24: (1, 288, 8, 128), 32: (1, 288, 8, 128), 48: (1, 288, 8, 128), 64: (1, 288, 8, 128),
-                  96: (1, 480, 8, 128), 128: (1, 560, 8, 128), 144: (2, 720, 8, 128), 160: (2, 720, 8, 128)}
+# (nvl_send, nvl_recv, rdma_send, rdma_recv) by rank count: DeepEP's default-config tables of
+# deep_ep/buffer.py @ 567632d (DEEPEP_BEHAVIOUR.md §2.2), which deep_ep_rs.buffer carries verbatim.
+DEEPEP_DISPATCH = _bufmod._DISPATCH_TABLE
+DEEPEP_COMBINE = _bufmod._COMBINE_TABLE
 
 
 def align_up(a: int, b: int) -> int:

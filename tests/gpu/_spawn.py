@@ -61,7 +61,7 @@ def device(rank: int) -> torch.device:
     return torch.device("cuda", rank % max(1, torch.cuda.device_count()))
 
 
-def need_gpus(world: int, low_latency: bool = False):
+def need_gpus(world: int):
     """Called by the parent before spawning `world` ranks: records the rank count (children
     inherit it, `gpu_backend`) and skips when there are too few GPUs for a backend that needs one
     GPU per rank. Starts MPS when DEEP_EP_TEST_MPS=1 (low-latency suites included: their waiting

@@ -357,7 +357,7 @@ def worker(rank, num_ranks, port, out_dir, count, seed, replays, domain=0):
 @pytest.mark.parametrize("num_ranks,domain", [(1, 0), (2, 0), (4, 0), (4, 2)], ids=["1", "2", "4", "2x2"])
 def test_low_latency_matches_cpu_backend(num_ranks, domain):
     if not DRY:
-        _spawn.need_gpus(num_ranks, low_latency=True)
+        _spawn.need_gpus(num_ranks)
     set_gpu_env()
     if "DEEP_EP_SHM_DIR" not in os.environ and (not os.path.isdir("/dev/shm") or shutil.disk_usage("/dev/shm").free < 3 * num_ranks * LL_BYTES):
         os.environ["DEEP_EP_SHM_DIR"] = tempfile.gettempdir()

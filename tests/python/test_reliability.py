@@ -38,10 +38,12 @@ def test_shared_memory_folder_too_small_is_a_clear_error_not_sigbus(tmp_path):
     assert "LEFT=0" in out, out
 
 
-ANON_RANK = textwrap.dedent("""
+# The start of a rank process (argv: rank, uid file): rank 0 makes the CPU unique id and publishes
+# it in the file, the others wait for it.
+UID_EXCHANGE = """
     import os, sys, time, torch, deep_ep_rs
     ops = torch.ops.deep_ep
-    rank, uid_file, mib = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    rank, uid_file = int(sys.argv[1]), sys.argv[2]
     if rank == 0:
         uid = ops.get_unique_id("cpu", torch.device("cpu"))
         with open(uid_file + ".tmp", "wb") as f:
@@ -51,6 +53,10 @@ ANON_RANK = textwrap.dedent("""
         while not os.path.exists(uid_file):
             time.sleep(0.02)
         uid = torch.tensor(list(open(uid_file, "rb").read()), dtype=torch.uint8)
+"""
+
+ANON_RANK = textwrap.dedent(UID_EXCHANGE + """
+    mib = int(sys.argv[3])
     try:
         h = ops.create_buffer(uid, rank, 2, torch.device("cpu"), mib << 20, 0, False, "cpu")
         x = torch.full((64, 1 << 18), float(rank + 1), dtype=torch.bfloat16)  # 32 MiB of rows: touches the memory
@@ -104,6 +110,11 @@ def _maps_anonymous_buffer(pid):
             return any("memfd:deep_ep_cpu_" in line for line in f)
     except OSError:
         return False
+
+
+def _rendezvous_socket(uid_file):
+    """The abstract socket name of the CPU buffer whose unique id is in `uid_file`."""
+    return "@deep_ep/cpu_" + open(uid_file, "rb").read().split(b":")[-1].rstrip(b"\0").decode()
 
 
 def _deep_ep_sockets():
@@ -325,18 +336,8 @@ def test_low_latency_combine_with_another_topk_idx_raises(ops):
 
 
 # ---- ranks killed during creation ---------------------------------------------------------------
-CREATE_RANK = textwrap.dedent("""
-    import os, sys, time, torch, deep_ep_rs
-    ops = torch.ops.deep_ep
-    rank, uid_file = int(sys.argv[1]), sys.argv[2]
+CREATE_RANK = textwrap.dedent(UID_EXCHANGE + """
     world = int(sys.argv[3]) if len(sys.argv) > 3 else 2
-    if rank == 0:
-        uid = ops.get_unique_id("cpu", torch.device("cpu"))
-        with open(uid_file + ".tmp", "wb") as f:
-            f.write(bytes(uid.tolist()))
-        os.rename(uid_file + ".tmp", uid_file)
-    else:
-        uid = torch.tensor(list(open(uid_file, "rb").read()), dtype=torch.uint8)
     try:
         ops.create_buffer(uid, rank, world, torch.device("cpu"), 1 << 20, 0, False, "cpu")
         print("CREATED")
@@ -382,8 +383,7 @@ def test_creating_rank_killed_during_creation_fails_the_peer_and_leaves_no_file(
     assert "ERR deep_ep::create_buffer: timed out after 3000 ms on rank 1 waiting for rank(s) [0]" in out, out + err
     if anon:  # rank 0 died before handing out the memory: its socket died with it
         assert "receiving the buffer memory from rank 0" in out, out
-        name = "@deep_ep/cpu_" + bytes(open(tmp_path / "uid", "rb").read()).split(b":")[-1].rstrip(b"\0").decode()
-        assert name not in _deep_ep_sockets()
+        assert _rendezvous_socket(tmp_path / "uid") not in _deep_ep_sockets()
     else:
         # Killed while waiting in the rendezvous (the usual case: 1 s after it wrote the id) it
         # never confirms; killed before it arrived, the rendezvous itself names it.
@@ -400,7 +400,6 @@ def test_rank_killed_after_getting_anonymous_memory_is_named_and_nothing_is_left
     import signal
     import time
 
-    uid_name = lambda: "@deep_ep/cpu_" + open(tmp_path / "uid", "rb").read().split(b":")[-1].rstrip(b"\0").decode()
     r0, _ = _start_rank(tmp_path, 0, True, 3, DEEP_EP_TIMEOUT_MS="20000")
     _wait_for(tmp_path / "uid")
     r1, _ = _start_rank(tmp_path, 1, True, 3, DEEP_EP_TIMEOUT_MS="60000")
@@ -416,7 +415,7 @@ def test_rank_killed_after_getting_anonymous_memory_is_named_and_nothing_is_left
     out2, err2 = r2.communicate(timeout=120)
     for out, err in ((out0, err0), (out2, err2)):
         assert "ERR deep_ep::create_buffer: timed out" in out and "waiting for rank(s) [1]" in out, out + err
-    assert uid_name() not in _deep_ep_sockets()
+    assert _rendezvous_socket(tmp_path / "uid") not in _deep_ep_sockets()
 
 
 def test_file_of_a_rank_killed_in_the_rendezvous_is_removed_by_a_later_creation(tmp_path):

@@ -114,38 +114,35 @@ impl Config {
     }
 }
 
+/// DeepEP V1's default configs by rank count: the ranks a row covers, then (nvl_send, nvl_recv,
+/// rdma_send, rdma_recv) chunk sizes of dispatch and of combine.
+#[rustfmt::skip]
+const DEFAULT_CONFIGS: [(&[usize], [usize; 4], [usize; 4]); 9] = [
+    (&[1, 2],           [24, 256, 6, 128], [10, 256, 6, 128]),
+    (&[3, 4],           [6, 256, 6, 128],  [9, 256, 6, 128]),
+    (&[5, 6, 7, 8],     [6, 256, 6, 128],  [4, 256, 6, 128]),
+    (&[16],             [36, 288, 20, 128], [4, 288, 12, 128]),
+    (&[24, 32, 48, 64], [32, 288, 8, 128], [1, 288, 8, 128]),
+    (&[96],             [20, 480, 12, 128], [1, 480, 8, 128]),
+    (&[128],            [20, 560, 12, 128], [1, 560, 8, 128]),
+    (&[144],            [32, 720, 12, 128], [2, 720, 8, 128]),
+    (&[160],            [28, 720, 12, 128], [2, 720, 8, 128]),
+];
+
+fn default_config(num_ranks: usize, num_sms: usize, combine: bool) -> Option<Config> {
+    let (_, d, c) = DEFAULT_CONFIGS.iter().find(|(ranks, _, _)| ranks.contains(&num_ranks))?;
+    let [a, b, e, f] = if combine { *c } else { *d };
+    Config::new(num_sms, a, b, e, f).ok()
+}
+
 /// Default dispatch config for `num_ranks` (DeepEP V1's table) with `num_sms` blocks.
 pub fn default_dispatch_config(num_ranks: usize, num_sms: usize) -> Option<Config> {
-    let (a, b, c, d) = match num_ranks {
-        1 | 2 => (24, 256, 6, 128),
-        3 | 4 => (6, 256, 6, 128),
-        5..=8 => (6, 256, 6, 128),
-        16 => (36, 288, 20, 128),
-        24 | 32 | 48 | 64 => (32, 288, 8, 128),
-        96 => (20, 480, 12, 128),
-        128 => (20, 560, 12, 128),
-        144 => (32, 720, 12, 128),
-        160 => (28, 720, 12, 128),
-        _ => return None,
-    };
-    Config::new(num_sms, a, b, c, d).ok()
+    default_config(num_ranks, num_sms, false)
 }
 
 /// Default combine config for `num_ranks` (DeepEP V1's table) with `num_sms` blocks.
 pub fn default_combine_config(num_ranks: usize, num_sms: usize) -> Option<Config> {
-    let (a, b, c, d) = match num_ranks {
-        1 | 2 => (10, 256, 6, 128),
-        3 | 4 => (9, 256, 6, 128),
-        5..=8 => (4, 256, 6, 128),
-        16 => (4, 288, 12, 128),
-        24 | 32 | 48 | 64 => (1, 288, 8, 128),
-        96 => (1, 480, 8, 128),
-        128 => (1, 560, 8, 128),
-        144 => (2, 720, 8, 128),
-        160 => (2, 720, 8, 128),
-        _ => return None,
-    };
-    Config::new(num_sms, a, b, c, d).ok()
+    default_config(num_ranks, num_sms, true)
 }
 
 /// Sizes of the low-latency buffer regions (DeepEP V1's `LowLatencyLayout`), per half.

@@ -71,55 +71,40 @@ pub fn intranode_reduce_warps() -> i32 {
     *W.get_or_init(|| range_knob("DEEP_EP_INTRANODE_REDUCE_WARPS", 1..=15, 4))
 }
 
-/// `var` as a two-way switch: `on` (also when unset or empty) → true, `off` → false; anything
-/// else keeps `on` and says so.
+/// `var` read by `accept` (`default`, spelt `shown`, when unset); a value `accept` refuses keeps
+/// the default and says so on stderr, naming the variable and what it takes (`expected`).
+fn knob<T: Copy>(var: &str, (default, shown): (T, &str), expected: &str, accept: impl FnOnce(&str) -> Option<T>) -> T {
+    let Ok(v) = std::env::var(var) else { return default };
+    accept(v.trim()).unwrap_or_else(|| {
+        eprintln!("[deep_ep] warn: {var}={v:?} is not {expected}; using {shown}");
+        default
+    })
+}
+
+/// `var` as a two-way switch: `on` (also when unset or empty) → true, `off` → false.
 fn two_way_knob(var: &str, on: &str, off: &str) -> bool {
-    match std::env::var(var) {
-        Err(_) => true,
-        Ok(v) => match v.trim() {
-            "" => true,
-            x if x == on => true,
-            x if x == off => false,
-            other => {
-                eprintln!("[deep_ep] warn: {var}={other:?} is not {on} or {off}; using {on}");
-                true
-            }
-        },
-    }
+    knob(var, (true, on), &format!("{on} or {off}"), |v| match v {
+        "" => Some(true),
+        x if x == on => Some(true),
+        x if x == off => Some(false),
+        _ => None,
+    })
 }
 
-/// `var` as an integer in `range` (`default` when unset); anything else keeps the default and
-/// says so.
+/// `var` as an integer in `range` (`default` when unset).
 fn range_knob(var: &str, range: std::ops::RangeInclusive<i32>, default: i32) -> i32 {
-    match std::env::var(var) {
-        Err(_) => default,
-        Ok(v) => match v.trim().parse::<i32>() {
-            Ok(w) if range.contains(&w) => w,
-            _ => {
-                eprintln!("[deep_ep] warn: {var}={v:?} is not {}..{}; using {default}", range.start(), range.end());
-                default
-            }
-        },
-    }
+    let expected = format!("{}..{}", range.start(), range.end());
+    knob(var, (default, &default.to_string()), &expected, |v| v.parse().ok().filter(|w| range.contains(w)))
 }
 
-/// One of `allowed` from `var` (default `allowed[0]`); anything else keeps the default and says so.
+/// One of `allowed` from `var` (default `allowed[0]`).
 fn choice_knob(var: &str, allowed: &[i32]) -> i32 {
     choice_knob_or(var, allowed, allowed[0])
 }
 
-/// One of `allowed` from `var`, `default` when unset; anything else keeps the default and says so.
+/// One of `allowed` from `var`, `default` when unset.
 fn choice_knob_or(var: &str, allowed: &[i32], default: i32) -> i32 {
-    match std::env::var(var) {
-        Err(_) => default,
-        Ok(v) => match v.trim().parse::<i32>() {
-            Ok(u) if allowed.contains(&u) => u,
-            _ => {
-                eprintln!("[deep_ep] warn: {var}={v:?} is not one of {allowed:?}; using the default");
-                default
-            }
-        },
-    }
+    knob(var, (default, &default.to_string()), &format!("one of {allowed:?}"), |v| v.parse().ok().filter(|u| allowed.contains(u)))
 }
 
 /// `DEEP_EP_INTRANODE_PUSH_UNROLL`: 16-byte loads in flight per lane of a push warp of the fused

@@ -167,7 +167,7 @@ pub unsafe extern "C" fn deep_ep_internode_cached_dispatch(
             stream,
         };
         match opt_tensor(CACHED, "recv_x", recv_x)? {
-            None => ops::check_internode_cached_dispatch(handle, &a),
+            None => ops::check_cached_dispatch(handle, &a),
             Some(rx) => ops::internode_cached_dispatch(handle, &a, &rx, opt_tensor(CACHED, "recv_x_scales", recv_x_scales)?.as_ref()),
         }
     })
@@ -200,7 +200,7 @@ pub unsafe extern "C" fn deep_ep_internode_combine(
             stream,
         };
         match opt_tensor(COMBINE, "combined_x", combined_x)? {
-            None => ops::check_internode_combine(handle, &a),
+            None => ops::check_combine(handle, &a),
             Some(cx) => ops::internode_combine(
                 handle,
                 &a,

@@ -12,9 +12,7 @@
 //! then source token index (channels are contiguous token ranges, so "then channel, then token"
 //! is the same order). The RDMA-leg order: by source domain, then source token index.
 
-use super::normal::{DispatchArgs, DispatchPlan};
-use crate::config::Config;
-use crate::tensor::Stream;
+use super::normal::{CachedDispatchArgs, CombineArgs, DispatchArgs, DispatchPlan};
 use crate::tensor::TensorRef;
 
 /// Columns of `send_nvl_head` and bits of `SourceMeta::is_token_in_nvl_rank_bits`: DeepEP's
@@ -81,31 +79,14 @@ pub struct InternodeDispatchOutputs {
 }
 
 /// An internode dispatch reusing a handle: rows = `recv_src_meta.size(0)`, no host sync.
-pub struct InternodeCachedDispatchArgs {
-    pub x: TensorRef,
-    pub x_scales: Option<TensorRef>,
-    pub handle: InternodeHandle,
-    pub config: Config,
-    pub stream: Stream,
-}
+pub type InternodeCachedDispatchArgs = CachedDispatchArgs<InternodeHandle>;
 
 /// Internode combine: `x [rows, H]` bf16 in dispatch receive order goes back to the tokens'
 /// sources. Result per token n: `bf16(f32(bias_0[n]) + f32(bias_1[n]) + Σ_{domain j ascending}
 /// f32(P_j))` with `P_j = bf16(Σ_{local rank l ascending} f32(x_{j·D+l}[row of n]))` (DeepEP's
 /// forwarder reduces a domain's rows in fp32 and sends one bf16 partial per domain); top-k
 /// weights are summed the same way in fp32 without the bf16 rounding.
-pub struct InternodeCombineArgs {
-    /// `[rows, H]` bf16.
-    pub x: TensorRef,
-    /// `[rows, K]` float32, summed back (not applied).
-    pub topk_weights: Option<TensorRef>,
-    /// `[N, H]` bf16, added first.
-    pub bias_0: Option<TensorRef>,
-    pub bias_1: Option<TensorRef>,
-    pub handle: InternodeHandle,
-    pub config: Config,
-    pub stream: Stream,
-}
+pub type InternodeCombineArgs = CombineArgs<InternodeHandle>;
 
 /// The arguments of a non-cached internode dispatch: the intranode ones plus
 /// `num_tokens_per_rdma_rank [Rr]` int32.

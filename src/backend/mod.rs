@@ -15,7 +15,9 @@ pub mod normal;
 pub mod peer;
 pub mod registry;
 
-use crate::error::{Error, Result};
+#[cfg(doc)]
+use crate::error::Error;
+use crate::error::Result;
 #[cfg(test)]
 use crate::tensor::Device;
 use crate::tensor::TensorRef;
@@ -25,13 +27,27 @@ pub use info::{BackendKind, BufferInfo, CreateArgs};
 pub use low_latency::*;
 pub use normal::*;
 
-/// A transport for one buffer. Every method is collective unless noted: all ranks of the buffer
-/// call it in the same order. CUDA backends launch on `stream` and return without host sync
-/// unless noted; the CPU backend completes before returning.
-pub trait Backend: Send {
+/// A transport for one buffer: the three modes' traits and what every buffer has. Each backend
+/// implements each mode in the file of that mode (`cpu/ht.rs`, `peer/normal.rs`, ...). Every
+/// method is collective unless noted: all ranks of the buffer call it in the same order. CUDA
+/// backends launch on `stream` and return without host sync unless noted; the CPU backend
+/// completes before returning.
+pub trait Backend: NormalMode + InternodeMode + LowLatencyMode + Send {
     /// Static facts of this buffer.
     fn info(&self) -> &BufferInfo;
 
+    /// Releases the buffer (collective: barriers so no peer still reads it).
+    fn destroy(&mut self) -> Result<()>;
+
+    /// Per-peer host wait statistics since creation or the last reset, local: for each rank
+    /// `p`, `[waits, nanoseconds]` = how many host-side waits of this rank included `p` and the
+    /// total time spent until `p` arrived (the own row stays zero). Backends whose waits run on the GPU answer
+    /// [`Error::NotImplemented`].
+    fn wait_stats(&mut self, reset: bool) -> Result<Vec<[i64; 2]>>;
+}
+
+/// Normal mode (high-throughput) within one NVLink domain.
+pub trait NormalMode {
     /// First half of a dispatch: exchange counts, learn output sizes (host sync unless
     /// `num_worst_tokens > 0`).
     fn dispatch_prepare(&mut self, args: &DispatchArgs) -> Result<DispatchPlan>;
@@ -44,47 +60,35 @@ pub trait Backend: Send {
 
     /// Normal-mode combine (unweighted fp32 sum, ascending rank order, bias first).
     fn combine(&mut self, args: &CombineArgs, out: &CombineOutputs) -> Result<()>;
+}
 
+/// Normal mode across NVLink domains (DeepEP's internode mode).
+pub trait InternodeMode {
     /// First half of an internode dispatch (ranks span several NVLink domains): output sizes.
-    /// Backends without internode normal mode answer `NotImplemented`.
-    fn internode_dispatch_prepare(&mut self, _args: &internode::InternodeDispatchArgs) -> Result<internode::InternodePlan> {
-        Err(self.no_internode(crate::op_names::INTERNODE_DISPATCH))
-    }
+    fn internode_dispatch_prepare(&mut self, args: &internode::InternodeDispatchArgs) -> Result<internode::InternodePlan>;
 
     /// Second half of an internode dispatch: tokens and the 10-tensor handle.
     fn internode_dispatch_finish(
         &mut self,
-        _args: &internode::InternodeDispatchArgs,
-        _plan: &internode::InternodePlan,
-        _out: &internode::InternodeDispatchOutputs,
-    ) -> Result<()> {
-        Err(self.no_internode(crate::op_names::INTERNODE_DISPATCH))
-    }
+        args: &internode::InternodeDispatchArgs,
+        plan: &internode::InternodePlan,
+        out: &internode::InternodeDispatchOutputs,
+    ) -> Result<()>;
 
     /// Internode dispatch reusing a handle: `recv_x [rows, H]`, scales `[rows, S]`.
     fn internode_cached_dispatch(
         &mut self,
-        _args: &internode::InternodeCachedDispatchArgs,
-        _recv_x: &TensorRef,
-        _recv_x_scales: Option<&TensorRef>,
-    ) -> Result<()> {
-        Err(self.no_internode(crate::op_names::INTERNODE_CACHED_DISPATCH))
-    }
+        args: &internode::InternodeCachedDispatchArgs,
+        recv_x: &TensorRef,
+        recv_x_scales: Option<&TensorRef>,
+    ) -> Result<()>;
 
     /// Internode combine (two-level reduction, see [`internode::InternodeCombineArgs`]).
-    fn internode_combine(&mut self, _args: &internode::InternodeCombineArgs, _out: &CombineOutputs) -> Result<()> {
-        Err(self.no_internode(crate::op_names::INTERNODE_COMBINE))
-    }
+    fn internode_combine(&mut self, args: &internode::InternodeCombineArgs, out: &CombineOutputs) -> Result<()>;
+}
 
-    /// The error of a backend that lacks internode normal mode.
-    fn no_internode(&self, op: &'static str) -> Error {
-        Error::NotImplemented {
-            op,
-            backend: self.info().backend.name(),
-            feature: "internode normal mode (dispatch/combine across NVLink domains)",
-        }
-    }
-
+/// Low-latency mode (decode): two-phase dispatch and combine, rank masking.
+pub trait LowLatencyMode {
     /// LL dispatch, send phase: cast and push tokens; writes `out.recv_state`.
     fn ll_dispatch_send(
         &mut self,
@@ -125,9 +129,6 @@ pub trait Backend: Send {
     /// view `[E_l, R*T, H]` with strides `(R*T*M, M, 1)`, `M = H + H/128*2`.
     fn next_low_latency_combine_buffer(&mut self, g: &LlGeometry) -> Result<TensorRef>;
 
-    /// Releases the buffer (collective: barriers so no peer still reads it).
-    fn destroy(&mut self) -> Result<()>;
-
     /// Rank masking of low-latency mode (DeepEP's `low_latency_update_mask_buffer`), local:
     /// marks `rank` (already range-checked) dead (`masked`) or alive. LL ops of this rank then
     /// neither send to nor wait for a masked rank, and the experts it owns are dropped: tokens
@@ -145,12 +146,6 @@ pub trait Backend: Send {
     /// Shrink mode (DeepEP's `enable_shrink`), local: when on, an LL wait (or an LL barrier)
     /// that times out masks the ranks that did not arrive and goes on instead of raising.
     fn ll_set_shrink(&mut self, enable: bool) -> Result<()>;
-
-    /// Per-peer host wait statistics since creation or the last reset, local: for each rank
-    /// `p`, `[waits, nanoseconds]` = how many host-side waits of this rank included `p` and the
-    /// total time spent until `p` arrived (the own row stays zero). Backends whose waits run on the GPU answer
-    /// [`Error::NotImplemented`].
-    fn wait_stats(&mut self, reset: bool) -> Result<Vec<[i64; 2]>>;
 }
 
 pub use crate::config::UNIQUE_ID_BYTES;

@@ -73,17 +73,18 @@ pub struct Handle {
     pub send_head: TensorRef,
 }
 
-/// Dispatch that reuses a handle: no layout, no host sync; rows = `recv_src_idx.len()`.
-pub struct CachedDispatchArgs {
+/// Dispatch that reuses a handle: no layout, no host sync; rows = `recv_src_idx.len()` (for the
+/// internode handle, `recv_src_meta.size(0)`).
+pub struct CachedDispatchArgs<H = Handle> {
     pub x: TensorRef,
     pub x_scales: Option<TensorRef>,
-    pub handle: Handle,
+    pub handle: H,
     pub config: Config,
     pub stream: Stream,
 }
 
 /// Normal-mode combine: `x` rows in dispatch receive order are sent back and summed.
-pub struct CombineArgs {
+pub struct CombineArgs<H = Handle> {
     /// `[rows, H]` bf16.
     pub x: TensorRef,
     /// `[rows, K]` float32, summed back like `x` (not applied).
@@ -91,7 +92,7 @@ pub struct CombineArgs {
     /// `[N, H]` bf16, added first (fp32).
     pub bias_0: Option<TensorRef>,
     pub bias_1: Option<TensorRef>,
-    pub handle: Handle,
+    pub handle: H,
     pub config: Config,
     pub stream: Stream,
 }

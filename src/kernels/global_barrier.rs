@@ -161,14 +161,13 @@ mod tests {
     fn launchers_accept_a_split_ctx_exactly_with_null_outside_the_domain() {
         // Rank 3 of 2 x 2: windows of ranks 2, 3 only.
         let mut c = Ctx {
-            peer_base: [std::ptr::null_mut(); 8],
             rank: 3,
             num_ranks: 4,
             window_bytes: 1 << 20,
             host_status: 8usize as *mut _,
             timeout_ns: 1,
-            num_sms: 0,
             nvl_ranks: 2,
+            ..Ctx::default()
         };
         c.peer_base[2] = 0x10000usize as *mut c_void;
         c.peer_base[3] = 0x20000usize as *mut c_void;
@@ -191,16 +190,7 @@ mod tests {
 
     #[test]
     fn split_means_some_rank_has_no_window_pointer() {
-        let mut c = Ctx {
-            peer_base: [std::ptr::null_mut(); 8],
-            rank: 1,
-            num_ranks: 4,
-            window_bytes: 0,
-            host_status: std::ptr::null_mut(),
-            timeout_ns: 0,
-            num_sms: 0,
-            nvl_ranks: 0,
-        };
+        let mut c = Ctx { rank: 1, num_ranks: 4, ..Ctx::default() };
         assert!(!c.split());
         c.nvl_ranks = 2;
         assert!(c.split());

@@ -35,23 +35,18 @@ pub const NET_GIN: i32 = DEK_IN_NET_GIN as i32;
 
 /// Steps of [`launch`] (`DEEP_EP_IN_*`).
 pub mod step {
-    pub const SEND_SIDE: i32 = crate::sys::kernels::DEK_IN_SEND_SIDE as i32;
-    pub const NOTIFY: i32 = crate::sys::kernels::DEK_IN_NOTIFY as i32;
-    pub const RDMA_SEND: i32 = crate::sys::kernels::DEK_IN_RDMA_SEND as i32;
-    pub const STEP: i32 = crate::sys::kernels::DEK_IN_STEP as i32;
-    pub const NVL_RECV: i32 = crate::sys::kernels::DEK_IN_NVL_RECV as i32;
-    pub const C_BEGIN: i32 = crate::sys::kernels::DEK_IN_C_BEGIN as i32;
-    pub const C_STAGE: i32 = crate::sys::kernels::DEK_IN_C_STAGE as i32;
-    pub const C_NODEBAR: i32 = crate::sys::kernels::DEK_IN_C_NODEBAR as i32;
-    pub const C_FORWARD: i32 = crate::sys::kernels::DEK_IN_C_FORWARD as i32;
-    pub const C_FINAL: i32 = crate::sys::kernels::DEK_IN_C_FINAL as i32;
+    crate::kernels::c_consts! { i32;
+        SEND_SIDE = DEK_IN_SEND_SIDE, NOTIFY = DEK_IN_NOTIFY, RDMA_SEND = DEK_IN_RDMA_SEND, STEP = DEK_IN_STEP,
+        NVL_RECV = DEK_IN_NVL_RECV, C_BEGIN = DEK_IN_C_BEGIN, C_STAGE = DEK_IN_C_STAGE, C_NODEBAR = DEK_IN_C_NODEBAR,
+        C_FORWARD = DEK_IN_C_FORWARD, C_FINAL = DEK_IN_C_FINAL,
+    }
 }
 
 /// Op kinds (`DEEP_EP_IN_KIND_*`).
 pub mod kind {
-    pub const DISPATCH: i32 = crate::sys::kernels::DEK_IN_KIND_DISPATCH as i32;
-    pub const CACHED: i32 = crate::sys::kernels::DEK_IN_KIND_CACHED as i32;
-    pub const COMBINE: i32 = crate::sys::kernels::DEK_IN_KIND_COMBINE as i32;
+    crate::kernels::c_consts! { i32;
+        DISPATCH = DEK_IN_KIND_DISPATCH, CACHED = DEK_IN_KIND_CACHED, COMBINE = DEK_IN_KIND_COMBINE,
+    }
 }
 
 /// `dek_in_args_t` (null pointer = absent): one struct for every step. `net` is the
@@ -62,14 +57,7 @@ pub type InArgs = dek_in_args_t;
 /// Fails when [`InArgs`] and the kernels' `dek_in_args_t` differ in size (a stale build).
 pub fn check_struct_size(op: &'static str) -> Result<()> {
     // SAFETY: pure query of a compile-time constant.
-    let c = unsafe { dek_in_args_bytes() };
-    crate::ensure!(
-        c == std::mem::size_of::<InArgs>(),
-        op,
-        "internal: dek_in_args_t is {c} bytes in C but {} in Rust",
-        std::mem::size_of::<InArgs>()
-    );
-    Ok(())
+    super::check_struct_size::<InArgs>(op, "dek_in_args_t", unsafe { dek_in_args_bytes() })
 }
 
 /// Launches internode step `step` on `stream` (asynchronous). The launcher checks the geometry

@@ -26,43 +26,31 @@ pub const NUM_SECTIONS: usize = sys::DEK_IC_NUM_SECTIONS as usize;
 
 /// Section indices of [`Layout::off`] (`DEEP_EP_IC_SEC_*`).
 pub mod sec {
-    pub const COUNTS_RANK: usize = crate::sys::kernels::DEK_IC_SEC_COUNTS_RANK as usize;
-    pub const COUNTS_EXPERT: usize = crate::sys::kernels::DEK_IC_SEC_COUNTS_EXPERT as usize;
-    pub const SEND_HEAD: usize = crate::sys::kernels::DEK_IC_SEC_SEND_HEAD as usize;
-    pub const CPM: usize = crate::sys::kernels::DEK_IC_SEC_CPM as usize;
-    pub const X: usize = crate::sys::kernels::DEK_IC_SEC_X as usize;
-    pub const SCALES: usize = crate::sys::kernels::DEK_IC_SEC_SCALES as usize;
-    pub const TOPK: usize = crate::sys::kernels::DEK_IC_SEC_TOPK as usize;
-    pub const WEIGHTS: usize = crate::sys::kernels::DEK_IC_SEC_WEIGHTS as usize;
+    crate::kernels::c_consts! { usize;
+        COUNTS_RANK = DEK_IC_SEC_COUNTS_RANK, COUNTS_EXPERT = DEK_IC_SEC_COUNTS_EXPERT, SEND_HEAD = DEK_IC_SEC_SEND_HEAD,
+        CPM = DEK_IC_SEC_CPM, X = DEK_IC_SEC_X, SCALES = DEK_IC_SEC_SCALES, TOPK = DEK_IC_SEC_TOPK, WEIGHTS = DEK_IC_SEC_WEIGHTS,
+    }
 }
 
 /// Op kinds of a [`Layout`] (`DEEP_EP_IC_KIND_*`).
 pub mod kind {
-    pub const DISPATCH: i64 = crate::sys::kernels::DEK_IC_KIND_DISPATCH as i64;
-    pub const CACHED: i64 = crate::sys::kernels::DEK_IC_KIND_CACHED as i64;
-    pub const COMBINE: i64 = crate::sys::kernels::DEK_IC_KIND_COMBINE as i64;
+    crate::kernels::c_consts! { i64;
+        DISPATCH = DEK_IC_KIND_DISPATCH, CACHED = DEK_IC_KIND_CACHED, COMBINE = DEK_IC_KIND_COMBINE,
+    }
 }
 
 /// Barrier sites (`DEEP_EP_IC_SITE_*`), for messages.
 pub mod site {
-    pub const DISPATCH_START: i32 = crate::sys::kernels::DEK_IC_SITE_DISPATCH_START as i32;
-    pub const DISPATCH_NOTIFY: i32 = crate::sys::kernels::DEK_IC_SITE_DISPATCH_NOTIFY as i32;
-    pub const CACHED_START: i32 = crate::sys::kernels::DEK_IC_SITE_CACHED_START as i32;
-    pub const CACHED_DATA: i32 = crate::sys::kernels::DEK_IC_SITE_CACHED_DATA as i32;
-    pub const COMBINE_START: i32 = crate::sys::kernels::DEK_IC_SITE_COMBINE_START as i32;
-    pub const COMBINE_DATA: i32 = crate::sys::kernels::DEK_IC_SITE_COMBINE_DATA as i32;
-    pub const CREATE: i32 = crate::sys::kernels::DEK_IC_SITE_CREATE as i32;
-    pub const DESTROY: i32 = crate::sys::kernels::DEK_IC_SITE_DESTROY as i32;
-    pub const DISPATCH_RECV: i32 = crate::sys::kernels::DEK_IC_SITE_DISPATCH_RECV as i32;
-    pub const DISPATCH_PUSH: i32 = crate::sys::kernels::DEK_IC_SITE_DISPATCH_PUSH as i32;
-    pub const LL_GEOMETRY: i32 = crate::sys::kernels::DEK_IC_SITE_LL_GEOMETRY as i32;
-    pub const LL_DISPATCH: i32 = crate::sys::kernels::DEK_IC_SITE_LL_DISPATCH as i32;
-    pub const LL_COMBINE: i32 = crate::sys::kernels::DEK_IC_SITE_LL_COMBINE as i32;
-    pub const COMBINE_RECV: i32 = crate::sys::kernels::DEK_IC_SITE_COMBINE_RECV as i32;
-    pub const IN_DISPATCH: i32 = crate::sys::kernels::DEK_IC_SITE_IN_DISPATCH as i32;
-    pub const IN_DISPATCH_DATA: i32 = crate::sys::kernels::DEK_IC_SITE_IN_DISPATCH_DATA as i32;
-    pub const IN_COMBINE: i32 = crate::sys::kernels::DEK_IC_SITE_IN_COMBINE as i32;
-    pub const IN_COMBINE_DATA: i32 = crate::sys::kernels::DEK_IC_SITE_IN_COMBINE_DATA as i32;
+    crate::kernels::c_consts! { i32;
+        DISPATCH_START = DEK_IC_SITE_DISPATCH_START, DISPATCH_NOTIFY = DEK_IC_SITE_DISPATCH_NOTIFY,
+        CACHED_START = DEK_IC_SITE_CACHED_START, CACHED_DATA = DEK_IC_SITE_CACHED_DATA,
+        COMBINE_START = DEK_IC_SITE_COMBINE_START, COMBINE_DATA = DEK_IC_SITE_COMBINE_DATA, CREATE = DEK_IC_SITE_CREATE,
+        DESTROY = DEK_IC_SITE_DESTROY, DISPATCH_RECV = DEK_IC_SITE_DISPATCH_RECV, DISPATCH_PUSH = DEK_IC_SITE_DISPATCH_PUSH,
+        LL_GEOMETRY = DEK_IC_SITE_LL_GEOMETRY, LL_DISPATCH = DEK_IC_SITE_LL_DISPATCH, LL_COMBINE = DEK_IC_SITE_LL_COMBINE,
+        COMBINE_RECV = DEK_IC_SITE_COMBINE_RECV, IN_DISPATCH = DEK_IC_SITE_IN_DISPATCH,
+        IN_DISPATCH_DATA = DEK_IC_SITE_IN_DISPATCH_DATA, IN_COMBINE = DEK_IC_SITE_IN_COMBINE,
+        IN_COMBINE_DATA = DEK_IC_SITE_IN_COMBINE_DATA,
+    }
 
     /// Human name of a site.
     pub fn name(site: i32) -> &'static str {
@@ -92,19 +80,16 @@ pub mod site {
 
 /// Error codes of the host-mapped status block (`DEEP_EP_IC_ERR_*`).
 pub mod err {
-    pub const TIMEOUT: i32 = crate::sys::kernels::DEK_IC_ERR_TIMEOUT as i32;
-    pub const MISMATCH: i32 = crate::sys::kernels::DEK_IC_ERR_MISMATCH as i32;
-    pub const OVERFLOW: i32 = crate::sys::kernels::DEK_IC_ERR_OVERFLOW as i32;
-    pub const CAPACITY: i32 = crate::sys::kernels::DEK_IC_ERR_CAPACITY as i32;
-    /// Input checks (`dek_ic_check`), each about the reporting rank's own inputs.
-    pub const NTPR: i32 = crate::sys::kernels::DEK_IC_ERR_NTPR as i32;
-    pub const EXPERT_ID: i32 = crate::sys::kernels::DEK_IC_ERR_EXPERT_ID as i32;
-    pub const NTPE: i32 = crate::sys::kernels::DEK_IC_ERR_NTPE as i32;
-    pub const IN_RANK: i32 = crate::sys::kernels::DEK_IC_ERR_IN_RANK as i32;
-    pub const STALE_COUNTS: i32 = crate::sys::kernels::DEK_IC_ERR_STALE_COUNTS as i32;
-    pub const STALE_ROWS: i32 = crate::sys::kernels::DEK_IC_ERR_STALE_ROWS as i32;
-    pub const STALE_SEND_HEAD: i32 = crate::sys::kernels::DEK_IC_ERR_STALE_SEND_HEAD as i32;
-    pub const STALE_CPM: i32 = crate::sys::kernels::DEK_IC_ERR_STALE_CPM as i32;
+    crate::kernels::c_consts! { i32;
+        TIMEOUT = DEK_IC_ERR_TIMEOUT, MISMATCH = DEK_IC_ERR_MISMATCH, OVERFLOW = DEK_IC_ERR_OVERFLOW,
+        CAPACITY = DEK_IC_ERR_CAPACITY,
+    }
+    // Input checks (`dek_ic_check`), each about the reporting rank's own inputs.
+    crate::kernels::c_consts! { i32;
+        NTPR = DEK_IC_ERR_NTPR, EXPERT_ID = DEK_IC_ERR_EXPERT_ID, NTPE = DEK_IC_ERR_NTPE, IN_RANK = DEK_IC_ERR_IN_RANK,
+        STALE_COUNTS = DEK_IC_ERR_STALE_COUNTS, STALE_ROWS = DEK_IC_ERR_STALE_ROWS, STALE_SEND_HEAD = DEK_IC_ERR_STALE_SEND_HEAD,
+        STALE_CPM = DEK_IC_ERR_STALE_CPM,
+    }
     /// Internode: num_tokens_per_rdma_rank[extra] = value, is_token_in_rank selects limit.
     pub const NTPRR: i32 = crate::sys::kernels::DEK_IC_ERR_NTPRR as i32;
     /// Internode handle: value (from the routing) != limit (the handle's) at entry extra.

@@ -24,14 +24,7 @@ pub type LlArgs = dek_ll_args_t;
 /// Compares the generated struct's size with the C one the kernels were built with (stale build).
 pub fn check_struct_size(op: &'static str) -> Result<()> {
     // SAFETY: pure size query.
-    let c = unsafe { dek_ll_args_bytes() };
-    crate::ensure!(
-        c == std::mem::size_of::<LlArgs>(),
-        op,
-        "internal: dek_ll_args_t is {c} bytes in C, {} in Rust",
-        std::mem::size_of::<LlArgs>()
-    );
-    Ok(())
+    super::check_struct_size::<LlArgs>(op, "dek_ll_args_t", unsafe { dek_ll_args_bytes() })
 }
 
 // Every launcher here is an `unsafe fn` under the launch contract of `kernels::intranode`; the C

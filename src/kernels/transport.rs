@@ -39,20 +39,14 @@ pub type NvshmemDesc = dek_tp_nvshmem_t;
 
 /// Fails when a Rust mirror's size differs from the C struct's (header and this file out of step).
 pub fn check_struct_sizes(op: &'static str) -> Result<()> {
-    let ours = [
-        ("dek_tp_status_t", std::mem::size_of::<Status>()),
-        ("dek_tp_lsa_t", std::mem::size_of::<LsaDesc>()),
-        ("dek_tp_gin_reqs_t", std::mem::size_of::<GinReqs>()),
-        ("dek_tp_gin_info_t", std::mem::size_of::<GinInfo>()),
-        ("dek_tp_ping_t", std::mem::size_of::<PingArgs>()),
-        ("dek_tp_nvshmem_t", std::mem::size_of::<NvshmemDesc>()),
-    ];
-    for (i, (name, size)) in ours.iter().enumerate() {
-        // SAFETY: pure query of a compile-time constant.
-        let c = unsafe { dek_tp_struct_size(i as c_int) };
-        crate::ensure!(c == *size, op, "internal: {name} is {c} bytes in C but {size} in Rust");
-    }
-    Ok(())
+    // SAFETY: pure queries of compile-time constants (the index order is the header's).
+    let c = |i: c_int| unsafe { dek_tp_struct_size(i) };
+    super::check_struct_size::<Status>(op, "dek_tp_status_t", c(0))?;
+    super::check_struct_size::<LsaDesc>(op, "dek_tp_lsa_t", c(1))?;
+    super::check_struct_size::<GinReqs>(op, "dek_tp_gin_reqs_t", c(2))?;
+    super::check_struct_size::<GinInfo>(op, "dek_tp_gin_info_t", c(3))?;
+    super::check_struct_size::<PingArgs>(op, "dek_tp_ping_t", c(4))?;
+    super::check_struct_size::<NvshmemDesc>(op, "dek_tp_nvshmem_t", c(5))
 }
 
 /// Launches the self-test over the LSA emulation (one warp) on `stream`. Asynchronous; the

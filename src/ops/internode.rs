@@ -1,13 +1,14 @@
 //! Internode normal-mode ops (DeepEP's `internode_dispatch` / `internode_combine`): validation
 //! and backend calls. Shapes and the handle: [`crate::backend::internode`].
 
-use super::normal::{check_combine_payload, check_dispatch_args, check_x};
+use super::normal::{check_cached_dispatch, check_combine, check_dispatch_args, check_is_token_in_rank, RoutingHandle};
 use crate::backend::internode::{
     InternodeCachedDispatchArgs, InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutputs, InternodeHandle, InternodePlan,
     NVL_HEAD_COLUMNS, SOURCE_META_BYTES,
 };
 use crate::backend::{BufferInfo, CombineOutputs};
 use crate::buffer;
+use crate::config::Config;
 use crate::error::Result;
 use crate::tensor::{DType, TensorRef};
 
@@ -32,12 +33,7 @@ fn check_handle(op: &'static str, h: &InternodeHandle, info: &BufferInfo, c: usi
     let (r, dev) = (info.num_ranks, info.device);
     let rr = num_rdma_ranks(op, info)?;
     let i32s = &[DType::Int32];
-    h.is_token_in_rank
-        .check(op, "is_token_in_rank")
-        .on(&[DType::Bool], dev)?
-        .shape(&[("num_tokens", None), ("num_ranks", Some(r))])?
-        .contiguous()?;
-    let n = h.is_token_in_rank.size(0);
+    let n = check_is_token_in_rank(op, &h.is_token_in_rank, info)?;
     let chan = "(config.num_sms / 2 must equal the dispatch's)";
     for (t, name, rows) in [
         (&h.rdma_channel_prefix_matrix, "rdma_channel_prefix_matrix", rr),
@@ -73,6 +69,22 @@ fn check_handle(op: &'static str, h: &InternodeHandle, info: &BufferInfo, c: usi
     Ok((n, h.recv_src_meta.size(0), h.send_nvl_head.size(0)))
 }
 
+impl RoutingHandle for InternodeHandle {
+    const OPS: (&'static str, &'static str) = (CACHED, COMBINE);
+    fn check(&self, op: &'static str, info: &BufferInfo, config: &Config) -> Result<(usize, usize)> {
+        let (n, rows, _) = check_handle(op, self, info, config.num_channels())?;
+        Ok((n, rows))
+    }
+    /// DeepEP's extra asserts: `nvl_recv % num_rdma_ranks == 0`, `nvl_send <= nvl_recv / num_rdma_ranks`.
+    fn check_combine_config(&self, op: &'static str, info: &BufferInfo, config: &Config) -> Result<()> {
+        let rr = info.num_ranks / info.nvl_domain_size;
+        let (send, recv) = (config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens);
+        crate::ensure!(recv % rr == 0 && send <= recv / rr, op,
+            "config: num_max_nvl_chunked_recv_tokens ({recv}) must be a multiple of the {rr} NVLink domains and num_max_nvl_chunked_send_tokens ({send}) at most {}", recv / rr);
+        Ok(())
+    }
+}
+
 /// Validates an internode dispatch and runs its first half (collective; host sync unless
 /// `num_worst_tokens > 0`).
 pub fn internode_dispatch_prepare(handle: i64, a: &InternodeDispatchArgs) -> Result<InternodePlan> {
@@ -94,17 +106,6 @@ pub fn internode_dispatch_finish(handle: i64, a: &InternodeDispatchArgs, plan: &
     buffer::with(DISPATCH, handle, |b| b.internode_dispatch_finish(a, plan, o))
 }
 
-/// Validates an internode cached dispatch (call before allocating `[rows, H]` outputs).
-pub fn check_internode_cached_dispatch(handle: i64, a: &InternodeCachedDispatchArgs) -> Result<()> {
-    buffer::with(CACHED, handle, |b| {
-        let info = b.info().clone();
-        check_x(CACHED, &a.x, &a.x_scales, &info)?;
-        let (n, _, _) = check_handle(CACHED, &a.handle, &info, a.config.num_channels())?;
-        crate::ensure!(a.x.size(0) == n, CACHED, "x has {} tokens but the handle was made for {n}", a.x.size(0));
-        Ok(())
-    })
-}
-
 /// Internode dispatch reusing a handle (collective, no host sync on GPUs).
 pub fn internode_cached_dispatch(
     handle: i64,
@@ -112,27 +113,12 @@ pub fn internode_cached_dispatch(
     recv_x: &TensorRef,
     recv_x_scales: Option<&TensorRef>,
 ) -> Result<()> {
-    check_internode_cached_dispatch(handle, a)?;
+    check_cached_dispatch(handle, a)?;
     buffer::with(CACHED, handle, |b| b.internode_cached_dispatch(a, recv_x, recv_x_scales))
-}
-
-/// Validates an internode combine (call before allocating `[N, H]` outputs). DeepEP's extra
-/// asserts: `nvl_recv % num_rdma_ranks == 0` and `nvl_send <= nvl_recv / num_rdma_ranks`.
-pub fn check_internode_combine(handle: i64, a: &InternodeCombineArgs) -> Result<()> {
-    buffer::with(COMBINE, handle, |b| {
-        let info = b.info().clone();
-        let dev = info.device;
-        let (n, rows, _) = check_handle(COMBINE, &a.handle, &info, a.config.num_channels())?;
-        let rr = info.num_ranks / info.nvl_domain_size;
-        let (send, recv) = (a.config.num_max_nvl_chunked_send_tokens, a.config.num_max_nvl_chunked_recv_tokens);
-        crate::ensure!(recv % rr == 0 && send <= recv / rr, COMBINE,
-            "config: num_max_nvl_chunked_recv_tokens ({recv}) must be a multiple of the {rr} NVLink domains and num_max_nvl_chunked_send_tokens ({send}) at most {}", recv / rr);
-        check_combine_payload(COMBINE, dev, rows, n, &a.x, a.topk_weights.as_ref(), [a.bias_0.as_ref(), a.bias_1.as_ref()])
-    })
 }
 
 /// Internode combine (collective).
 pub fn internode_combine(handle: i64, a: &InternodeCombineArgs, o: &CombineOutputs) -> Result<()> {
-    check_internode_combine(handle, a)?;
+    check_combine(handle, a)?;
     buffer::with(COMBINE, handle, |b| b.internode_combine(a, o))
 }

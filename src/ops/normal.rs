@@ -2,6 +2,7 @@
 
 use crate::backend::{BufferInfo, CachedDispatchArgs, CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, DispatchPlan, Handle};
 use crate::buffer;
+use crate::config::Config;
 use crate::error::Result;
 use crate::tensor::{DType, TensorRef};
 
@@ -51,6 +52,36 @@ pub(super) fn check_normal_memory(op: &'static str, info: &BufferInfo) -> Result
     Ok(())
 }
 
+/// Checks a handle's `is_token_in_rank` `[N, R]` bool against the buffer; N.
+pub(super) fn check_is_token_in_rank(op: &'static str, t: &TensorRef, info: &BufferInfo) -> Result<usize> {
+    t.check(op, "is_token_in_rank")
+        .on(&[DType::Bool], info.device)?
+        .shape(&[("num_tokens", None), ("num_ranks", Some(info.num_ranks))])?
+        .contiguous()?;
+    Ok(t.size(0))
+}
+
+/// A routing handle as the cached dispatch and the combine check it: the intranode [`Handle`] or
+/// the internode one (`backend::internode::InternodeHandle`).
+pub trait RoutingHandle {
+    /// Names of the cached dispatch and the combine that take this handle.
+    const OPS: (&'static str, &'static str);
+    /// Checks the handle's tensors against the buffer and `config.num_sms`; (N tokens, rows).
+    fn check(&self, op: &'static str, info: &BufferInfo, config: &Config) -> Result<(usize, usize)>;
+    /// What a combine with this handle asks of `config` beyond the handle.
+    fn check_combine_config(&self, _op: &'static str, _info: &BufferInfo, _config: &Config) -> Result<()> {
+        Ok(())
+    }
+}
+
+impl RoutingHandle for Handle {
+    const OPS: (&'static str, &'static str) = (CACHED, COMBINE);
+    fn check(&self, op: &'static str, info: &BufferInfo, config: &Config) -> Result<(usize, usize)> {
+        check_handle(op, self, info, config.num_channels())?;
+        Ok((self.is_token_in_rank.size(0), self.recv_src_idx.size(0)))
+    }
+}
+
 /// Checks a dispatch handle (6 tensors) against the buffer and `config.num_sms`.
 fn check_handle(op: &'static str, h: &Handle, info: &BufferInfo, num_channels: usize) -> Result<()> {
     check_normal_memory(op, info)?;
@@ -72,12 +103,7 @@ fn check_handle(op: &'static str, h: &Handle, info: &BufferInfo, num_channels: u
         );
     }
     h.recv_src_idx.check(op, "recv_src_idx").on(&[DType::Int32], dev)?.shape(&[("num_recv_tokens", None)])?.contiguous()?;
-    h.is_token_in_rank
-        .check(op, "is_token_in_rank")
-        .on(&[DType::Bool], dev)?
-        .shape(&[("num_tokens", None), ("num_ranks", Some(r))])?
-        .contiguous()?;
-    let n = h.is_token_in_rank.size(0);
+    let n = check_is_token_in_rank(op, &h.is_token_in_rank, info)?;
     h.send_head
         .check(op, "send_head")
         .on(&[DType::Int32], dev)?
@@ -152,14 +178,15 @@ pub fn dispatch_finish(handle: i64, a: &DispatchArgs, plan: &DispatchPlan, o: &D
     buffer::with(DISPATCH, handle, |b| b.dispatch_finish(a, plan, o))
 }
 
-/// Validates a cached dispatch (call before allocating `[rows, H]` outputs).
-pub fn check_cached_dispatch(handle: i64, a: &CachedDispatchArgs) -> Result<()> {
-    buffer::with(CACHED, handle, |b| {
+/// Validates a cached dispatch, intranode or internode (call before allocating `[rows, H]`
+/// outputs).
+pub fn check_cached_dispatch<H: RoutingHandle>(handle: i64, a: &CachedDispatchArgs<H>) -> Result<()> {
+    let op = H::OPS.0;
+    buffer::with(op, handle, |b| {
         let info = b.info().clone();
-        check_x(CACHED, &a.x, &a.x_scales, &info)?;
-        check_handle(CACHED, &a.handle, &info, a.config.num_channels())?;
-        let n = a.handle.is_token_in_rank.size(0);
-        crate::ensure!(a.x.size(0) == n, CACHED, "x has {} tokens but the handle was made for {n}", a.x.size(0));
+        check_x(op, &a.x, &a.x_scales, &info)?;
+        let (n, _) = a.handle.check(op, &info, &a.config)?;
+        crate::ensure!(a.x.size(0) == n, op, "x has {} tokens but the handle was made for {n}", a.x.size(0));
         Ok(())
     })
 }
@@ -170,15 +197,14 @@ pub fn cached_dispatch(handle: i64, a: &CachedDispatchArgs, recv_x: &TensorRef, 
     buffer::with(CACHED, handle, |b| b.cached_dispatch(a, recv_x, recv_x_scales))
 }
 
-/// Validates a combine (call before allocating `[N, H]` outputs).
-pub fn check_combine(handle: i64, a: &CombineArgs) -> Result<()> {
-    buffer::with(COMBINE, handle, |b| {
+/// Validates a combine, intranode or internode (call before allocating `[N, H]` outputs).
+pub fn check_combine<H: RoutingHandle>(handle: i64, a: &CombineArgs<H>) -> Result<()> {
+    let op = H::OPS.1;
+    buffer::with(op, handle, |b| {
         let info = b.info().clone();
-        let dev = info.device;
-        check_handle(COMBINE, &a.handle, &info, a.config.num_channels())?;
-        let rows = a.handle.recv_src_idx.size(0);
-        let n = a.handle.send_head.size(0);
-        check_combine_payload(COMBINE, dev, rows, n, &a.x, a.topk_weights.as_ref(), [a.bias_0.as_ref(), a.bias_1.as_ref()])
+        let (n, rows) = a.handle.check(op, &info, &a.config)?;
+        a.handle.check_combine_config(op, &info, &a.config)?;
+        check_combine_payload(op, info.device, rows, n, &a.x, a.topk_weights.as_ref(), [a.bias_0.as_ref(), a.bias_1.as_ref()])
     })
 }
 

@@ -13,3 +13,17 @@ pub mod kernels;
 pub mod nccl;
 #[cfg(feature = "nvshmem")]
 pub mod nvshmem;
+
+/// The library a loader test opens: `$env`, else `<home>/lib/<file>` of the build's install
+/// (`home` from build.rs); `None`, said on stderr so the test reads as skipped, when neither exists.
+#[cfg(test)]
+pub(crate) fn test_library(env: &str, home: Option<&str>, file: &str) -> Option<String> {
+    let found = std::env::var(env).ok().or_else(|| {
+        let p = format!("{}/lib/{file}", home?);
+        std::path::Path::new(&p).exists().then_some(p)
+    });
+    if found.is_none() {
+        eprintln!("skipping: no {file} found (set {env})");
+    }
+    found
+}

@@ -213,19 +213,9 @@ mod tests {
         assert_eq!(version_string(22809), "2.28.9");
     }
 
-    /// The libnccl.so.2 next to the build's headers, or `DEEP_EP_NCCL_LIBRARY`.
-    fn test_library_path() -> Option<String> {
-        if let Ok(p) = std::env::var("DEEP_EP_NCCL_LIBRARY") {
-            return Some(p);
-        }
-        let p = format!("{}/lib/libnccl.so.2", option_env!("DEEP_EP_BUILD_NCCL_HOME")?);
-        std::path::Path::new(&p).exists().then_some(p)
-    }
-
     #[test]
     fn loaded_library_matches_the_headers() {
-        let Some(path) = test_library_path() else {
-            eprintln!("skipping: no libnccl.so.2 found (set DEEP_EP_NCCL_LIBRARY)");
+        let Some(path) = crate::sys::test_library("DEEP_EP_NCCL_LIBRARY", option_env!("DEEP_EP_BUILD_NCCL_HOME"), "libnccl.so.2") else {
             return;
         };
         let lib = open(&path).expect("open libnccl.so.2");

@@ -326,19 +326,11 @@ mod tests {
         assert!(e.contains("DEEP_EP_NVSHMEM_LIBRARY") && e.contains("nvidia-nvshmem-cu13"), "{e}");
     }
 
-    /// The wheel's library next to the build's python (or `DEEP_EP_NVSHMEM_LIBRARY`).
-    fn test_library_path() -> Option<String> {
-        if let Ok(p) = std::env::var("DEEP_EP_NVSHMEM_LIBRARY") {
-            return Some(p);
-        }
-        let p = format!("{}/lib/libnvshmem_host.so.3", option_env!("DEEP_EP_BUILD_NVSHMEM_HOME")?);
-        std::path::Path::new(&p).exists().then_some(p)
-    }
-
     #[test]
     fn wheel_library_resolves_every_symbol() {
-        let Some(path) = test_library_path() else {
-            eprintln!("skipping: no libnvshmem_host.so.3 found (set DEEP_EP_NVSHMEM_LIBRARY)");
+        let Some(path) =
+            crate::sys::test_library("DEEP_EP_NVSHMEM_LIBRARY", option_env!("DEEP_EP_BUILD_NVSHMEM_HOME"), "libnvshmem_host.so.3")
+        else {
             return;
         };
         let lib = open(&path).expect("open libnvshmem_host.so.3");

@@ -21,6 +21,7 @@
 //! is still bounded by `DEEP_EP_TIMEOUT_MS`.
 
 use super::peer_window::{PeerWindow, WindowArgs};
+use crate::backend::cpu::shared;
 use crate::backend::cpu::shm::{self, Region, Segment};
 use crate::error::{Error, Result};
 use crate::kernels::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream, MAX_RANKS};
@@ -38,7 +39,6 @@ const DESTROY: &str = crate::op_names::DESTROY_BUFFER;
 pub const HANDLE_BYTES: usize = 64;
 /// Bytes of one rank's record in the rendezvous file.
 const SLOT: usize = 256;
-const ID_PREFIX: &[u8] = b"deep_ep_ipc:";
 
 /// Word indices of a rank's record (u64 words; the handle from word 8).
 mod word {
@@ -59,21 +59,7 @@ const FAILED: u64 = 2;
 
 /// A fresh unique id: prefix + random name, zero-padded to 128 bytes (host only, no GPU needed).
 pub fn unique_id() -> Vec<u8> {
-    let mut id = ID_PREFIX.to_vec();
-    id.extend(random_u128().to_le_bytes().iter().map(|b| format!("{b:02x}")).collect::<String>().bytes());
-    id.resize(crate::config::UNIQUE_ID_BYTES, 0);
-    id
-}
-
-fn random_u128() -> u128 {
-    let mut rnd = [0u8; 16];
-    // SAFETY: getrandom writes at most len bytes into the buffer.
-    let got = unsafe { libc::getrandom(rnd.as_mut_ptr().cast(), rnd.len(), 0) };
-    if got != rnd.len() as isize {
-        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
-        return t ^ ((std::process::id() as u128) << 64);
-    }
-    u128::from_le_bytes(rnd)
+    shared::make_unique_id("ipc")
 }
 
 /// A random token of this process: equal tokens = ranks in one process (threads), whose
@@ -81,20 +67,11 @@ fn random_u128() -> u128 {
 /// containers sharing a GPU.
 fn process_token() -> u64 {
     static TOKEN: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *TOKEN.get_or_init(|| (random_u128() as u64) | 1)
+    *TOKEN.get_or_init(|| (shared::random_u128() as u64) | 1)
 }
 
 fn name_from_id(id: &[u8]) -> Result<String> {
-    let end = id.iter().position(|&b| b == 0).unwrap_or(id.len());
-    let body = &id[..end];
-    if !body.starts_with(ID_PREFIX) || body.len() == ID_PREFIX.len() {
-        return Err(Error::invalid(OP, "unique_id was not made by get_unique_id('ipc')"));
-    }
-    let name = std::str::from_utf8(&body[ID_PREFIX.len()..])
-        .ok()
-        .filter(|s| s.bytes().all(|b| b.is_ascii_alphanumeric()))
-        .ok_or_else(|| Error::invalid(OP, "unique_id holds an invalid name"))?;
-    Ok(format!("ipc_{name}"))
+    shared::name_from_id(OP, "ipc", id)
 }
 
 /// The host side of the buffer's rendezvous: one record per rank in shared memory

@@ -8,7 +8,7 @@
 
 use super::shm::Region;
 use super::CpuBackend;
-use crate::backend::{CachedDispatchArgs, CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, DispatchPlan, Handle};
+use crate::backend::{CachedDispatchArgs, CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, DispatchPlan, Handle, NormalMode};
 use crate::error::{Error, Result};
 use crate::layout;
 use crate::numerics::bf16;
@@ -198,10 +198,6 @@ impl CpuBackend {
         })
     }
 
-    pub(super) fn ht_dispatch_prepare(&mut self, a: &DispatchArgs) -> Result<DispatchPlan> {
-        self.dispatch_prepare_as(Kind::Dispatch, a, None)
-    }
-
     /// The notify half of a dispatch as op `kind`; `extra` is a further own error to publish.
     /// Leaves every rank's inputs published in its HT area (read by the finish half).
     pub(super) fn dispatch_prepare_as(&mut self, kind: Kind, a: &DispatchArgs, extra: Option<Error>) -> Result<DispatchPlan> {
@@ -292,37 +288,6 @@ impl CpuBackend {
             .collect();
         let num_rows = if a.num_worst_tokens > 0 { a.num_worst_tokens } else { num_recv };
         Ok(DispatchPlan { num_recv_tokens: num_recv, num_rows, num_recv_tokens_per_expert: per_expert })
-    }
-
-    pub(super) fn ht_dispatch_finish(&mut self, a: &DispatchArgs, plan: &DispatchPlan, o: &DispatchOutputs) -> Result<()> {
-        const OP: &str = crate::op_names::DISPATCH;
-        let (nr, c) = (self.info.num_ranks, a.config.num_channels());
-        let data = RecvData {
-            recv_x: &o.recv_x,
-            recv_x_scales: o.recv_x_scales.as_ref(),
-            recv_topk_idx: o.recv_topk_idx.as_ref(),
-            recv_topk_weights: o.recv_topk_weights.as_ref(),
-        };
-        let rows = self.pull_dispatch(a, plan, &data);
-        let src_idx = o.recv_src_idx.cpu_slice_mut::<i32>();
-        src_idx.fill(-1);
-        for (row, &(_, t)) in rows.iter().enumerate() {
-            src_idx[row] = t as i32;
-        }
-        let recv_cpm = o.recv_channel_prefix_matrix.cpu_slice_mut::<i32>();
-        let mut counts = Vec::with_capacity(nr);
-        for s in 0..nr {
-            let (n_s, in_rank) = self.published_in_rank(a, s);
-            counts.push(self.ht_region(s).slice::<i32>(HEADER_BYTES, nr).to_vec());
-            let starts = layout::recv_channel_starts(|t| in_rank[t * nr + self.info.rank] != 0, n_s, c);
-            recv_cpm[s * c..(s + 1) * c].copy_from_slice(&starts);
-        }
-        o.rank_prefix_matrix.cpu_slice_mut::<i32>().copy_from_slice(&layout::rank_prefix_matrix(&counts));
-        let own_in_rank: Vec<bool> = a.is_token_in_rank.cpu_slice::<u8>().iter().map(|&b| b != 0).collect();
-        let (cpm, send_head) = layout::send_side(&own_in_rank, a.x.size(0), nr, c);
-        o.channel_prefix_matrix.cpu_slice_mut::<i32>().copy_from_slice(&cpm);
-        o.send_head.cpu_slice_mut::<i32>().copy_from_slice(&send_head);
-        self.barrier(OP, "all ranks received their tokens")
     }
 
     /// Rank `s`'s published token count and `is_token_in_rank [n_s, R]` (u8) of the dispatch
@@ -430,31 +395,6 @@ impl CpuBackend {
         Ok(())
     }
 
-    pub(super) fn ht_cached_dispatch(&mut self, a: &CachedDispatchArgs, recv_x: &TensorRef, recv_scales: Option<&TensorRef>) -> Result<()> {
-        const OP: &str = crate::op_names::CACHED_DISPATCH;
-        let nr = self.info.num_ranks;
-        let n = a.x.size(0);
-        let row_bytes = a.x.size(1) * a.x.dtype.size();
-        let scale_bytes = a.x_scales.as_ref().map_or(0, |s| s.size(1) * 4);
-        let m = a.handle.rank_prefix_matrix.cpu_slice::<i32>();
-        let (offs, end) = sections(&[nr * nr * 4, n * nr, n * row_bytes, n * scale_bytes]);
-        let own = self.capacity_error(OP, end).or_else(|| self.check_handle(OP, &a.handle, n));
-        if own.is_none() {
-            self.stage_cached_rows(&offs, m, &a.handle.is_token_in_rank, &a.x, a.x_scales.as_ref());
-        }
-        let words = cached_rows_words(n, row_bytes, scale_bytes);
-        let headers = self.rendezvous(Kind::CachedDispatch, words, own)?;
-        let same = self.check_same_handles(OP, offs[0], m).and_then(|_| check_row_format(OP, &headers, &words));
-        self.together(Kind::CachedDispatch, same)?;
-        self.gather_cached_rows(
-            OP,
-            &headers,
-            |m_tok| sections(&[nr * nr * 4, m_tok * nr, m_tok * row_bytes, m_tok * scale_bytes]).0,
-            recv_x,
-            recv_scales,
-        )
-    }
-
     /// Stages a cached dispatch's inputs in this rank's region, intranode or internode, at the
     /// four sections `offs`: the handle's prefix (`prefix`, what the peers check the handles
     /// against), `is_token_in_rank`, the rows of `x` and the scales (2-D contiguous).
@@ -513,8 +453,142 @@ impl CpuBackend {
         }
         self.barrier(op, "all ranks received their tokens")
     }
+}
 
-    pub(super) fn ht_combine(&mut self, a: &CombineArgs, o: &CombineOutputs) -> Result<()> {
+/// Content checks of the layout inputs that only the CPU can afford: counts must agree with
+/// `is_token_in_rank` and `topk_idx`, and expert ids must be in range.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn check_layout_inputs(
+    op: &'static str,
+    in_rank: &[u8],
+    ntpr: &[i32],
+    ntpe: &[i32],
+    topk: Option<&[i64]>,
+    n: usize,
+    k: usize,
+    nr: usize,
+    e: usize,
+) -> Option<Error> {
+    for d in 0..nr {
+        let c = (0..n).filter(|&t| in_rank[t * nr + d] != 0).count() as i32;
+        if c != ntpr[d] {
+            return Some(Error::invalid(
+                op,
+                format!("num_tokens_per_rank[{d}] = {} but is_token_in_rank selects {c} tokens for rank {d}", ntpr[d]),
+            ));
+        }
+    }
+    if let Some(idx) = topk {
+        if let Some(&bad) = idx.iter().find(|&&v| v < -1 || v >= e as i64) {
+            return Some(Error::invalid(op, format!("topk_idx holds expert id {bad}, outside [-1, {e})")));
+        }
+        let l = layout::dispatch_layout(idx, n, k, e, nr);
+        if l.num_tokens_per_expert != ntpe {
+            return Some(Error::invalid(
+                op,
+                "num_tokens_per_expert does not match topk_idx (pass the tensors get_dispatch_layout returned)",
+            ));
+        }
+        let derived: Vec<u8> = l.is_token_in_rank.iter().map(|&b| b as u8).collect();
+        if derived != in_rank {
+            return Some(Error::invalid(op, "is_token_in_rank does not match topk_idx (pass the tensors get_dispatch_layout returned)"));
+        }
+    }
+    None
+}
+
+/// Writes a combine's payload into this rank's region: `x` rows at `offs[0]`, the top-k weights
+/// (when given) at `offs[1]`.
+pub(super) fn stage_combine_payload<H>(me: &Region, offs: &[usize], a: &CombineArgs<H>) {
+    me.write(offs[0], a.x.cpu_slice::<u16>());
+    if let Some(w) = &a.topk_weights {
+        me.write(offs[1], w.cpu_slice::<f32>());
+    }
+}
+
+/// The header words every combine publishes: `rows_word` (rows, or tokens for internode), the
+/// row bytes of `hidden` bf16 and the top-k `k` (0 without weights).
+pub(super) fn combine_words(rows_word: usize, hidden: usize, k: usize) -> [u64; NUM_WORDS] {
+    let mut words = [0u64; NUM_WORDS];
+    words[W_ROWS] = rows_word as u64;
+    words[W_ROW_BYTES] = (hidden * 2) as u64;
+    words[W_TOPK] = k as u64;
+    words
+}
+
+/// Fails naming the first rank whose combine has another row size or top-k than `words`.
+pub(super) fn check_combine_format(op: &'static str, headers: &[Header], words: &[u64; NUM_WORDS]) -> Result<()> {
+    match headers.iter().position(|h| h.0[W_ROW_BYTES] != words[W_ROW_BYTES] || h.0[W_TOPK] != words[W_TOPK]) {
+        Some(p) => Err(Error::invalid(
+            op,
+            format!("rank {p} combines another hidden size or top-k (or passes topk_weights where this rank does not)"),
+        )),
+        None => Ok(()),
+    }
+}
+
+impl NormalMode for CpuBackend {
+    fn dispatch_prepare(&mut self, a: &DispatchArgs) -> Result<DispatchPlan> {
+        self.dispatch_prepare_as(Kind::Dispatch, a, None)
+    }
+
+    fn dispatch_finish(&mut self, a: &DispatchArgs, plan: &DispatchPlan, o: &DispatchOutputs) -> Result<()> {
+        const OP: &str = crate::op_names::DISPATCH;
+        let (nr, c) = (self.info.num_ranks, a.config.num_channels());
+        let data = RecvData {
+            recv_x: &o.recv_x,
+            recv_x_scales: o.recv_x_scales.as_ref(),
+            recv_topk_idx: o.recv_topk_idx.as_ref(),
+            recv_topk_weights: o.recv_topk_weights.as_ref(),
+        };
+        let rows = self.pull_dispatch(a, plan, &data);
+        let src_idx = o.recv_src_idx.cpu_slice_mut::<i32>();
+        src_idx.fill(-1);
+        for (row, &(_, t)) in rows.iter().enumerate() {
+            src_idx[row] = t as i32;
+        }
+        let recv_cpm = o.recv_channel_prefix_matrix.cpu_slice_mut::<i32>();
+        let mut counts = Vec::with_capacity(nr);
+        for s in 0..nr {
+            let (n_s, in_rank) = self.published_in_rank(a, s);
+            counts.push(self.ht_region(s).slice::<i32>(HEADER_BYTES, nr).to_vec());
+            let starts = layout::recv_channel_starts(|t| in_rank[t * nr + self.info.rank] != 0, n_s, c);
+            recv_cpm[s * c..(s + 1) * c].copy_from_slice(&starts);
+        }
+        o.rank_prefix_matrix.cpu_slice_mut::<i32>().copy_from_slice(&layout::rank_prefix_matrix(&counts));
+        let own_in_rank: Vec<bool> = a.is_token_in_rank.cpu_slice::<u8>().iter().map(|&b| b != 0).collect();
+        let (cpm, send_head) = layout::send_side(&own_in_rank, a.x.size(0), nr, c);
+        o.channel_prefix_matrix.cpu_slice_mut::<i32>().copy_from_slice(&cpm);
+        o.send_head.cpu_slice_mut::<i32>().copy_from_slice(&send_head);
+        self.barrier(OP, "all ranks received their tokens")
+    }
+
+    fn cached_dispatch(&mut self, a: &CachedDispatchArgs, recv_x: &TensorRef, recv_scales: Option<&TensorRef>) -> Result<()> {
+        const OP: &str = crate::op_names::CACHED_DISPATCH;
+        let nr = self.info.num_ranks;
+        let n = a.x.size(0);
+        let row_bytes = a.x.size(1) * a.x.dtype.size();
+        let scale_bytes = a.x_scales.as_ref().map_or(0, |s| s.size(1) * 4);
+        let m = a.handle.rank_prefix_matrix.cpu_slice::<i32>();
+        let (offs, end) = sections(&[nr * nr * 4, n * nr, n * row_bytes, n * scale_bytes]);
+        let own = self.capacity_error(OP, end).or_else(|| self.check_handle(OP, &a.handle, n));
+        if own.is_none() {
+            self.stage_cached_rows(&offs, m, &a.handle.is_token_in_rank, &a.x, a.x_scales.as_ref());
+        }
+        let words = cached_rows_words(n, row_bytes, scale_bytes);
+        let headers = self.rendezvous(Kind::CachedDispatch, words, own)?;
+        let same = self.check_same_handles(OP, offs[0], m).and_then(|_| check_row_format(OP, &headers, &words));
+        self.together(Kind::CachedDispatch, same)?;
+        self.gather_cached_rows(
+            OP,
+            &headers,
+            |m_tok| sections(&[nr * nr * 4, m_tok * nr, m_tok * row_bytes, m_tok * scale_bytes]).0,
+            recv_x,
+            recv_scales,
+        )
+    }
+
+    fn combine(&mut self, a: &CombineArgs, o: &CombineOutputs) -> Result<()> {
         const OP: &str = crate::op_names::COMBINE;
         let (r, nr) = (self.info.rank, self.info.num_ranks);
         let rows = a.x.size(0);
@@ -527,25 +601,11 @@ impl CpuBackend {
         if own.is_none() {
             let me = self.ht_region(r);
             me.write(offs[0], m);
-            me.write(offs[1], a.x.cpu_slice::<u16>());
-            if let Some(w) = &a.topk_weights {
-                me.write(offs[2], w.cpu_slice::<f32>());
-            }
+            stage_combine_payload(&me, &offs[1..], a);
         }
-        let mut words = [0u64; NUM_WORDS];
-        words[W_ROWS] = rows as u64;
-        words[W_ROW_BYTES] = (hidden * 2) as u64;
-        words[W_TOPK] = k as u64;
+        let words = combine_words(rows, hidden, k);
         let headers = self.rendezvous(Kind::Combine, words, own)?;
-        let same = self.check_same_handles(OP, offs[0], m).and_then(|_| {
-            match headers.iter().position(|h| h.0[W_ROW_BYTES] != words[W_ROW_BYTES] || h.0[W_TOPK] != words[W_TOPK]) {
-                Some(p) => Err(Error::invalid(
-                    OP,
-                    format!("rank {p} combines another hidden size or top-k (or passes topk_weights where this rank does not)"),
-                )),
-                None => Ok(()),
-            }
-        });
+        let same = self.check_same_handles(OP, offs[0], m).and_then(|_| check_combine_format(OP, &headers, &words));
         self.together(Kind::Combine, same)?;
 
         let in_rank = a.handle.is_token_in_rank.cpu_slice::<u8>();
@@ -592,46 +652,4 @@ impl CpuBackend {
         }
         self.barrier(OP, "all ranks reduced their tokens")
     }
-}
-
-/// Content checks of the layout inputs that only the CPU can afford: counts must agree with
-/// `is_token_in_rank` and `topk_idx`, and expert ids must be in range.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn check_layout_inputs(
-    op: &'static str,
-    in_rank: &[u8],
-    ntpr: &[i32],
-    ntpe: &[i32],
-    topk: Option<&[i64]>,
-    n: usize,
-    k: usize,
-    nr: usize,
-    e: usize,
-) -> Option<Error> {
-    for d in 0..nr {
-        let c = (0..n).filter(|&t| in_rank[t * nr + d] != 0).count() as i32;
-        if c != ntpr[d] {
-            return Some(Error::invalid(
-                op,
-                format!("num_tokens_per_rank[{d}] = {} but is_token_in_rank selects {c} tokens for rank {d}", ntpr[d]),
-            ));
-        }
-    }
-    if let Some(idx) = topk {
-        if let Some(&bad) = idx.iter().find(|&&v| v < -1 || v >= e as i64) {
-            return Some(Error::invalid(op, format!("topk_idx holds expert id {bad}, outside [-1, {e})")));
-        }
-        let l = layout::dispatch_layout(idx, n, k, e, nr);
-        if l.num_tokens_per_expert != ntpe {
-            return Some(Error::invalid(
-                op,
-                "num_tokens_per_expert does not match topk_idx (pass the tensors get_dispatch_layout returned)",
-            ));
-        }
-        let derived: Vec<u8> = l.is_token_in_rank.iter().map(|&b| b as u8).collect();
-        if derived != in_rank {
-            return Some(Error::invalid(op, "is_token_in_rank does not match topk_idx (pass the tensors get_dispatch_layout returned)"));
-        }
-    }
-    None
 }

@@ -7,13 +7,15 @@
 //! here as DeepEP's notify and forwarding kernels would fill it, see
 //! [`crate::backend::internode::InternodeHandle`]) and the two-level rounding of the combine.
 
-use super::ht::{cached_rows_words, check_row_format, sections, Header, Kind, RecvData, NUM_WORDS, W_ROWS, W_ROW_BYTES, W_TOPK};
+use super::ht::{
+    cached_rows_words, check_combine_format, check_row_format, combine_words, sections, stage_combine_payload, Header, Kind, RecvData,
+};
 use super::CpuBackend;
 use crate::backend::internode::{
     InternodeCachedDispatchArgs, InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutputs, InternodeHandle, InternodePlan,
     NVL_HEAD_COLUMNS,
 };
-use crate::backend::{CombineOutputs, DispatchArgs};
+use crate::backend::{CombineOutputs, DispatchArgs, InternodeMode};
 use crate::error::{Error, Result};
 use crate::layout;
 use crate::numerics::bf16;
@@ -132,7 +134,49 @@ impl CpuBackend {
         (0..self.info.num_ranks).map(|s| self.published_in_rank(a, s)).collect()
     }
 
-    pub(super) fn ht_internode_dispatch_prepare(&mut self, a: &InternodeDispatchArgs) -> Result<InternodePlan> {
+    /// Own checks of a handle: `is_token_in_rank` fits `n` tokens and the rows cover the
+    /// receive count the handle claims.
+    fn check_internode_handle(&self, op: &'static str, h: &InternodeHandle, n: usize, rows: usize) -> Option<Error> {
+        let nr = self.info.num_ranks;
+        let len = h.is_token_in_rank.numel();
+        if len != n * nr {
+            return Some(Error::invalid(op, format!("stale handle: is_token_in_rank has {len} entries for {n} tokens and {nr} ranks")));
+        }
+        let recv = h.recv_gbl_rank_prefix_sum.cpu_slice::<i32>()[nr - 1];
+        (recv < 0 || rows < recv as usize).then(|| {
+            Error::invalid(op, format!("stale handle: {rows} rows but recv_gbl_rank_prefix_sum says this rank receives {recv} tokens"))
+        })
+    }
+
+    /// After the rendezvous of a handle-based op: every rank's published `recv_gbl_rank_prefix_sum`
+    /// must match the routing every rank published (same verdict on all ranks).
+    fn check_published_handles(
+        &self,
+        op: &'static str,
+        headers: &[Header],
+        offs_of: impl Fn(usize) -> Vec<usize>,
+    ) -> Result<Vec<(usize, Vec<u8>)>> {
+        let nr = self.info.num_ranks;
+        let ins: Vec<(usize, Vec<u8>)> = (0..nr)
+            .map(|s| (headers[s].rows(), self.ht_region(s).slice::<u8>(offs_of(headers[s].rows())[1], headers[s].rows() * nr).to_vec()))
+            .collect();
+        for (d, header) in headers.iter().enumerate().take(nr) {
+            let counts = recv_counts(&ins, d, nr);
+            let theirs = self.ht_region(d).slice::<i32>(offs_of(header.rows())[0], nr).to_vec();
+            let mut acc = 0;
+            for s in 0..nr {
+                acc += counts[s];
+                if theirs[s] != acc {
+                    return Err(Error::invalid(op, format!("stale handle: rank {d}'s recv_gbl_rank_prefix_sum[{s}] is {} but the ranks' is_token_in_rank route {acc} tokens there; all ranks must pass handles of the same dispatch", theirs[s])));
+                }
+            }
+        }
+        Ok(ins)
+    }
+}
+
+impl InternodeMode for CpuBackend {
+    fn internode_dispatch_prepare(&mut self, a: &InternodeDispatchArgs) -> Result<InternodePlan> {
         let op = Kind::InternodeDispatch.op();
         let (nr, g) = (self.info.num_ranks, self.geo());
         let n = a.base.x.size(0);
@@ -174,12 +218,7 @@ impl CpuBackend {
         Ok(InternodePlan { plan, num_rdma_recv_tokens: mine, num_rdma_rows: if worst > 0 { worst } else { mine } })
     }
 
-    pub(super) fn ht_internode_dispatch_finish(
-        &mut self,
-        a: &InternodeDispatchArgs,
-        p: &InternodePlan,
-        o: &InternodeDispatchOutputs,
-    ) -> Result<()> {
+    fn internode_dispatch_finish(&mut self, a: &InternodeDispatchArgs, p: &InternodePlan, o: &InternodeDispatchOutputs) -> Result<()> {
         let op = Kind::InternodeDispatch.op();
         let (r, nr, g) = (self.info.rank, self.info.num_ranks, self.geo());
         let c = a.base.config.num_channels();
@@ -236,47 +275,7 @@ impl CpuBackend {
         self.barrier(op, "all ranks received their tokens")
     }
 
-    /// Own checks of a handle: `is_token_in_rank` fits `n` tokens and the rows cover the
-    /// receive count the handle claims.
-    fn check_internode_handle(&self, op: &'static str, h: &InternodeHandle, n: usize, rows: usize) -> Option<Error> {
-        let nr = self.info.num_ranks;
-        let len = h.is_token_in_rank.numel();
-        if len != n * nr {
-            return Some(Error::invalid(op, format!("stale handle: is_token_in_rank has {len} entries for {n} tokens and {nr} ranks")));
-        }
-        let recv = h.recv_gbl_rank_prefix_sum.cpu_slice::<i32>()[nr - 1];
-        (recv < 0 || rows < recv as usize).then(|| {
-            Error::invalid(op, format!("stale handle: {rows} rows but recv_gbl_rank_prefix_sum says this rank receives {recv} tokens"))
-        })
-    }
-
-    /// After the rendezvous of a handle-based op: every rank's published `recv_gbl_rank_prefix_sum`
-    /// must match the routing every rank published (same verdict on all ranks).
-    fn check_published_handles(
-        &self,
-        op: &'static str,
-        headers: &[Header],
-        offs_of: impl Fn(usize) -> Vec<usize>,
-    ) -> Result<Vec<(usize, Vec<u8>)>> {
-        let nr = self.info.num_ranks;
-        let ins: Vec<(usize, Vec<u8>)> = (0..nr)
-            .map(|s| (headers[s].rows(), self.ht_region(s).slice::<u8>(offs_of(headers[s].rows())[1], headers[s].rows() * nr).to_vec()))
-            .collect();
-        for (d, header) in headers.iter().enumerate().take(nr) {
-            let counts = recv_counts(&ins, d, nr);
-            let theirs = self.ht_region(d).slice::<i32>(offs_of(header.rows())[0], nr).to_vec();
-            let mut acc = 0;
-            for s in 0..nr {
-                acc += counts[s];
-                if theirs[s] != acc {
-                    return Err(Error::invalid(op, format!("stale handle: rank {d}'s recv_gbl_rank_prefix_sum[{s}] is {} but the ranks' is_token_in_rank route {acc} tokens there; all ranks must pass handles of the same dispatch", theirs[s])));
-                }
-            }
-        }
-        Ok(ins)
-    }
-
-    pub(super) fn ht_internode_cached_dispatch(
+    fn internode_cached_dispatch(
         &mut self,
         a: &InternodeCachedDispatchArgs,
         recv_x: &TensorRef,
@@ -308,7 +307,7 @@ impl CpuBackend {
         self.gather_cached_rows(op, &headers, secs, recv_x, recv_scales)
     }
 
-    pub(super) fn ht_internode_combine(&mut self, a: &InternodeCombineArgs, o: &CombineOutputs) -> Result<()> {
+    fn internode_combine(&mut self, a: &InternodeCombineArgs, o: &CombineOutputs) -> Result<()> {
         let kind = Kind::InternodeCombine;
         let op = kind.op();
         let (r, nr, g) = (self.info.rank, self.info.num_ranks, self.geo());
@@ -324,27 +323,13 @@ impl CpuBackend {
             let me = self.ht_region(r);
             me.write(offs[0], a.handle.recv_gbl_rank_prefix_sum.cpu_slice::<i32>());
             me.write(offs[1], a.handle.is_token_in_rank.cpu_slice::<u8>());
-            me.write(offs[2], a.x.cpu_slice::<u16>());
-            if let Some(w) = &a.topk_weights {
-                me.write(offs[3], w.cpu_slice::<f32>());
-            }
+            stage_combine_payload(&me, &offs[2..], a);
         }
-        let mut words = [0u64; NUM_WORDS];
-        words[W_ROWS] = n as u64;
-        words[W_ROW_BYTES] = (hidden * 2) as u64;
-        words[W_TOPK] = k as u64;
+        let mut words = combine_words(n, hidden, k);
         // Rows of x travel in a spare header word (W_ROWS holds the token count here).
         words[super::ht::W_EXPERTS] = rows as u64;
         let headers = self.rendezvous(kind, words, own)?;
-        let checked = self.check_published_handles(op, &headers, |m| secs(m, 0)).and_then(|_| {
-            match headers.iter().position(|h| h.0[W_ROW_BYTES] != words[W_ROW_BYTES] || h.0[W_TOPK] != words[W_TOPK]) {
-                Some(p) => Err(Error::invalid(
-                    op,
-                    format!("rank {p} combines another hidden size or top-k (or passes topk_weights where this rank does not)"),
-                )),
-                None => Ok(()),
-            }
-        });
+        let checked = self.check_published_handles(op, &headers, |m| secs(m, 0)).and_then(|_| check_combine_format(op, &headers, &words));
         self.together(kind, checked)?;
 
         let in_rank = a.handle.is_token_in_rank.cpu_slice::<u8>();

@@ -39,8 +39,8 @@ use super::ll_state::LlState;
 use super::shm::{self, Region};
 use super::CpuBackend;
 use crate::backend::{
-    LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlStats, LlWire,
-    LL_MSG_META, LL_STATE_LEN, LL_WIRE_MAX_TOPK,
+    LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlRowsArgs, LlStats,
+    LlWire, LowLatencyMode, Stream, LL_MSG_META, LL_STATE_LEN, LL_WIRE_MAX_TOPK,
 };
 use crate::config::LowLatencyLayout;
 use crate::error::{Error, Result};
@@ -267,13 +267,16 @@ impl CpuBackend {
         }
         Err(Error::Timeout { op, rank: self.info.rank, peers: missing, timeout_ms: self.timeout.as_millis() as u64, what: what() })
     }
+}
 
-    pub(super) fn ll_dispatch_send_impl(
+impl LowLatencyMode for CpuBackend {
+    fn ll_dispatch_send(
         &mut self,
         g: &LlGeometry,
         o: &LlDispatchOptions,
         a: &LlDispatchSendArgs,
         out: &LlDispatchOutputs,
+        _s: Stream,
     ) -> Result<()> {
         let geo = self.ll_geo(OP_DISPATCH, g)?;
         let (n, h, t, me) = (a.x.size(0), geo.h, geo.t, self.info.rank);
@@ -383,12 +386,13 @@ impl CpuBackend {
         Ok(())
     }
 
-    pub(super) fn ll_dispatch_recv_impl(
+    fn ll_dispatch_recv(
         &mut self,
         g: &LlGeometry,
         o: &LlDispatchOptions,
         out: &LlDispatchOutputs,
         stats: &LlStats,
+        _s: Stream,
     ) -> Result<()> {
         let geo = self.ll_geo(OP_DISPATCH, g)?;
         let (half, seq, flags) = self.ll_read_state(OP_DISPATCH, &out.recv_state, KIND_DISPATCH)?;
@@ -533,7 +537,7 @@ impl CpuBackend {
         Ok(())
     }
 
-    pub(super) fn ll_combine_send_impl(&mut self, g: &LlGeometry, a: &LlCombineSendArgs) -> Result<()> {
+    fn ll_combine_send(&mut self, g: &LlGeometry, a: &LlCombineSendArgs, _s: Stream) -> Result<()> {
         let geo = self.ll_geo(OP_COMBINE, g)?;
         crate::ensure!(!(a.use_logfmt && a.zero_copy), OP_COMBINE, "zero_copy and use_logfmt cannot be used together");
         let (r, el, t, h, me) = (geo.r, geo.el, geo.t, geo.h, self.info.rank);
@@ -643,7 +647,7 @@ impl CpuBackend {
         Ok(())
     }
 
-    pub(super) fn ll_combine_recv_impl(&mut self, g: &LlGeometry, a: &LlCombineRecvArgs, stats: &LlStats) -> Result<()> {
+    fn ll_combine_recv(&mut self, g: &LlGeometry, a: &LlCombineRecvArgs, stats: &LlStats, _s: Stream) -> Result<()> {
         let geo = self.ll_geo(OP_COMBINE, g)?;
         let (half, seq, flags) = self.ll_read_state(OP_COMBINE, &a.recv_state, KIND_COMBINE)?;
         let logfmt = flags & FLAG_LOGFMT != 0;
@@ -738,7 +742,7 @@ impl CpuBackend {
         Ok(())
     }
 
-    pub(super) fn ll_clean_impl(&mut self, g: &LlGeometry) -> Result<()> {
+    fn clean_low_latency_buffer(&mut self, g: &LlGeometry, _s: Stream) -> Result<()> {
         let geo = self.ll_geo(OP_CLEAN, g)?;
         // Nobody may still be sending into the signals we zero, nor start before we finish.
         self.barrier_among(OP_CLEAN, "before zeroing the low-latency signals", true)?;
@@ -747,12 +751,41 @@ impl CpuBackend {
         self.barrier_among(OP_CLEAN, "after zeroing the low-latency signals", true)
     }
 
-    pub(super) fn ll_next_combine_buffer_impl(&mut self, g: &LlGeometry) -> Result<TensorRef> {
+    fn next_low_latency_combine_buffer(&mut self, g: &LlGeometry) -> Result<TensorRef> {
         let geo = self.ll_geo(OP_NEXT, g)?;
         self.views_out = true;
         let ptr = self.ll_region(self.info.rank).ptr_at(geo.send(self.ll.next_half));
         let (rt, m) = ((geo.r * geo.t) as i64, geo.m as i64);
         Ok(TensorRef::new(ptr, DType::BFloat16, Device::Cpu, &[geo.el as i64, rt, geo.h as i64], &[rt * m, m, 1]))
+    }
+
+    fn ll_mask_rows(&mut self, op: &'static str, a: &LlRowsArgs, _s: Stream) -> Result<()> {
+        let (n, k) = (a.topk_idx.size(0), a.topk_idx.size(1));
+        let v = a.num_tokens.cpu_slice::<i32>()[0];
+        crate::ensure!(v >= 0 && v as usize <= n, op, "num_tokens must be in 0..={n} (the rows of x / topk_idx), got {v}");
+        let mut idx = a.topk_idx.cpu_indices_i64();
+        idx[v as usize * k..].fill(-1);
+        a.out.cpu_store_indices(&idx);
+        Ok(())
+    }
+
+    fn ll_update_mask(&mut self, rank: usize, masked: bool) -> Result<()> {
+        self.mask[rank] = masked;
+        Ok(())
+    }
+
+    fn ll_mask(&self) -> Vec<bool> {
+        self.mask.clone()
+    }
+
+    fn ll_clean_mask(&mut self) -> Result<()> {
+        self.mask.fill(false);
+        Ok(())
+    }
+
+    fn ll_set_shrink(&mut self, enable: bool) -> Result<()> {
+        self.shrink = enable;
+        Ok(())
     }
 }
 

@@ -15,14 +15,8 @@ mod ll_state;
 pub mod shared;
 pub mod shm;
 
-use super::internode::{InternodeCachedDispatchArgs, InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutputs, InternodePlan};
-use super::{
-    Backend, BackendKind, BufferInfo, CachedDispatchArgs, CombineArgs, CombineOutputs, CreateArgs, DispatchArgs, DispatchOutputs,
-    DispatchPlan, LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlRowsArgs,
-    LlStats, Stream, UNIQUE_ID_BYTES,
-};
+use super::{Backend, BackendKind, BufferInfo, CreateArgs};
 use crate::error::{Error, Result};
-use crate::tensor::TensorRef;
 use shm::{Region, Segment};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -33,7 +27,6 @@ const SLOT: usize = 64;
 const BARRIER_OFF: usize = 0;
 const RECORD_OFF: usize = MAX_RANKS * SLOT;
 const CONTROL_BYTES: usize = 2 * MAX_RANKS * SLOT;
-const ID_PREFIX: &[u8] = b"deep_ep_cpu:";
 const ALIGN: usize = 4096;
 
 fn align_up(n: usize, a: usize) -> usize {
@@ -74,34 +67,9 @@ impl Drop for CpuBackend {
 }
 
 impl CpuBackend {
-    /// A fresh rendezvous id: prefix + random name, zero-padded to [`UNIQUE_ID_BYTES`].
+    /// A fresh rendezvous id: prefix + random name, zero-padded to [`crate::config::UNIQUE_ID_BYTES`].
     pub fn unique_id() -> Vec<u8> {
-        let mut rnd = [0u8; 16];
-        // SAFETY: getrandom writes at most len bytes into the buffer.
-        let got = unsafe { libc::getrandom(rnd.as_mut_ptr() as *mut libc::c_void, rnd.len(), 0) };
-        if got != rnd.len() as isize {
-            // Fall back to time and pid: uniqueness per machine is all that is needed.
-            let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
-            rnd[..8].copy_from_slice(&(t as u64).to_le_bytes());
-            rnd[8..12].copy_from_slice(&std::process::id().to_le_bytes());
-        }
-        let mut id = ID_PREFIX.to_vec();
-        id.extend(rnd.iter().map(|b| format!("{b:02x}")).collect::<String>().bytes());
-        id.resize(UNIQUE_ID_BYTES, 0);
-        id
-    }
-
-    fn name_from_id(op: &'static str, id: &[u8]) -> Result<String> {
-        let end = id.iter().position(|&b| b == 0).unwrap_or(id.len());
-        let body = &id[..end];
-        if !body.starts_with(ID_PREFIX) || body.len() == ID_PREFIX.len() {
-            return Err(Error::invalid(op, "unique_id was not made by get_unique_id('cpu')"));
-        }
-        let name = std::str::from_utf8(&body[ID_PREFIX.len()..])
-            .ok()
-            .filter(|s| s.bytes().all(|b| b.is_ascii_alphanumeric()))
-            .ok_or_else(|| Error::invalid(op, "unique_id holds an invalid name"))?;
-        Ok(format!("cpu_{name}"))
+        shared::make_unique_id("cpu")
     }
 
     /// Collective: every rank maps the same shared memory (`shared::segment`) and checks that all
@@ -116,7 +84,7 @@ impl CpuBackend {
             "the cpu backend works on CPU tensors; device {} needs the nccl backend",
             a.device
         );
-        let name = Self::name_from_id(OP, a.unique_id)?;
+        let name = shared::name_from_id(OP, "cpu", a.unique_id)?;
         let ht_bytes = align_up(a.num_nvl_bytes, ALIGN);
         let ll_bytes = align_up(a.num_rdma_bytes, ALIGN);
         let region_bytes = ht_bytes + ll_bytes;
@@ -242,118 +210,9 @@ impl Backend for CpuBackend {
         &self.info
     }
 
-    fn dispatch_prepare(&mut self, args: &DispatchArgs) -> Result<DispatchPlan> {
-        self.ht_dispatch_prepare(args)
-    }
-
-    fn dispatch_finish(&mut self, args: &DispatchArgs, plan: &DispatchPlan, out: &DispatchOutputs) -> Result<()> {
-        self.ht_dispatch_finish(args, plan, out)
-    }
-
-    fn cached_dispatch(&mut self, args: &CachedDispatchArgs, recv_x: &TensorRef, recv_x_scales: Option<&TensorRef>) -> Result<()> {
-        self.ht_cached_dispatch(args, recv_x, recv_x_scales)
-    }
-
-    fn combine(&mut self, args: &CombineArgs, out: &CombineOutputs) -> Result<()> {
-        self.ht_combine(args, out)
-    }
-
-    fn internode_dispatch_prepare(&mut self, args: &InternodeDispatchArgs) -> Result<InternodePlan> {
-        self.ht_internode_dispatch_prepare(args)
-    }
-
-    fn internode_dispatch_finish(
-        &mut self,
-        args: &InternodeDispatchArgs,
-        plan: &InternodePlan,
-        out: &InternodeDispatchOutputs,
-    ) -> Result<()> {
-        self.ht_internode_dispatch_finish(args, plan, out)
-    }
-
-    fn internode_cached_dispatch(
-        &mut self,
-        args: &InternodeCachedDispatchArgs,
-        recv_x: &TensorRef,
-        recv_x_scales: Option<&TensorRef>,
-    ) -> Result<()> {
-        self.ht_internode_cached_dispatch(args, recv_x, recv_x_scales)
-    }
-
-    fn internode_combine(&mut self, args: &InternodeCombineArgs, out: &CombineOutputs) -> Result<()> {
-        self.ht_internode_combine(args, out)
-    }
-
-    fn ll_dispatch_send(
-        &mut self,
-        g: &LlGeometry,
-        o: &LlDispatchOptions,
-        args: &LlDispatchSendArgs,
-        out: &LlDispatchOutputs,
-        _s: Stream,
-    ) -> Result<()> {
-        self.ll_dispatch_send_impl(g, o, args, out)
-    }
-
-    fn ll_dispatch_recv(
-        &mut self,
-        g: &LlGeometry,
-        o: &LlDispatchOptions,
-        out: &LlDispatchOutputs,
-        stats: &LlStats,
-        _s: Stream,
-    ) -> Result<()> {
-        self.ll_dispatch_recv_impl(g, o, out, stats)
-    }
-
-    fn ll_combine_send(&mut self, g: &LlGeometry, args: &LlCombineSendArgs, _s: Stream) -> Result<()> {
-        self.ll_combine_send_impl(g, args)
-    }
-
-    fn ll_combine_recv(&mut self, g: &LlGeometry, args: &LlCombineRecvArgs, stats: &LlStats, _s: Stream) -> Result<()> {
-        self.ll_combine_recv_impl(g, args, stats)
-    }
-
-    fn ll_mask_rows(&mut self, op: &'static str, a: &LlRowsArgs, _s: Stream) -> Result<()> {
-        let (n, k) = (a.topk_idx.size(0), a.topk_idx.size(1));
-        let v = a.num_tokens.cpu_slice::<i32>()[0];
-        crate::ensure!(v >= 0 && v as usize <= n, op, "num_tokens must be in 0..={n} (the rows of x / topk_idx), got {v}");
-        let mut idx = a.topk_idx.cpu_indices_i64();
-        idx[v as usize * k..].fill(-1);
-        a.out.cpu_store_indices(&idx);
-        Ok(())
-    }
-
-    fn clean_low_latency_buffer(&mut self, g: &LlGeometry, _s: Stream) -> Result<()> {
-        self.ll_clean_impl(g)
-    }
-
-    fn next_low_latency_combine_buffer(&mut self, g: &LlGeometry) -> Result<TensorRef> {
-        self.ll_next_combine_buffer_impl(g)
-    }
-
     fn destroy(&mut self) -> Result<()> {
         // Local: unmapping our view leaves the file pages alive for peers still mapping them,
         // so no barrier is needed (and a destructor can never hang waiting for a peer).
-        Ok(())
-    }
-
-    fn ll_update_mask(&mut self, rank: usize, masked: bool) -> Result<()> {
-        self.mask[rank] = masked;
-        Ok(())
-    }
-
-    fn ll_mask(&self) -> Vec<bool> {
-        self.mask.clone()
-    }
-
-    fn ll_clean_mask(&mut self) -> Result<()> {
-        self.mask.fill(false);
-        Ok(())
-    }
-
-    fn ll_set_shrink(&mut self, enable: bool) -> Result<()> {
-        self.shrink = enable;
         Ok(())
     }
 
@@ -369,7 +228,8 @@ impl Backend for CpuBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tensor::Device;
+    use crate::backend::{LlRowsArgs, LowLatencyMode};
+    use crate::tensor::{Device, TensorRef};
 
     fn args(id: &[u8], rank: usize, n: usize, nvl: usize) -> CreateArgs<'_> {
         CreateArgs {

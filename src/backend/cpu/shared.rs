@@ -13,6 +13,43 @@ use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::time::{Duration, Instant};
 
+/// 128 random bits (time and pid where `getrandom` fails: uniqueness per machine is all a
+/// rendezvous name needs).
+pub fn random_u128() -> u128 {
+    let mut rnd = [0u8; 16];
+    // SAFETY: getrandom writes at most len bytes into the buffer.
+    let got = unsafe { libc::getrandom(rnd.as_mut_ptr().cast(), rnd.len(), 0) };
+    if got != rnd.len() as isize {
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
+        return t ^ ((std::process::id() as u128) << 64);
+    }
+    u128::from_le_bytes(rnd)
+}
+
+/// A fresh rendezvous id of the `kind` backend (`cpu`, `ipc`): `deep_ep_<kind>:` and a random hex
+/// name, zero-padded to [`crate::config::UNIQUE_ID_BYTES`].
+pub fn make_unique_id(kind: &str) -> Vec<u8> {
+    let mut id = format!("deep_ep_{kind}:").into_bytes();
+    id.extend(random_u128().to_le_bytes().iter().map(|b| format!("{b:02x}")).collect::<String>().bytes());
+    id.resize(crate::config::UNIQUE_ID_BYTES, 0);
+    id
+}
+
+/// The rendezvous name (`<kind>_<hex>`) of an id that [`make_unique_id`] made for `kind`.
+pub fn name_from_id(op: &'static str, kind: &str, id: &[u8]) -> Result<String> {
+    let prefix = format!("deep_ep_{kind}:");
+    let end = id.iter().position(|&b| b == 0).unwrap_or(id.len());
+    let body = &id[..end];
+    if !body.starts_with(prefix.as_bytes()) || body.len() == prefix.len() {
+        return Err(Error::invalid(op, format!("unique_id was not made by get_unique_id('{kind}')")));
+    }
+    let name = std::str::from_utf8(&body[prefix.len()..])
+        .ok()
+        .filter(|s| s.bytes().all(|b| b.is_ascii_alphanumeric()))
+        .ok_or_else(|| Error::invalid(op, "unique_id holds an invalid name"))?;
+    Ok(format!("{kind}_{name}"))
+}
+
 /// First word of a request: a stray connection (another program, an old version) is dropped.
 const MAGIC: u32 = 0xDEE9_0001;
 /// How long rank 0 waits for one connected rank's request before dropping it.

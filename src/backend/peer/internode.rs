@@ -35,7 +35,7 @@ use super::PeerBackend;
 use crate::backend::internode::{
     InternodeCachedDispatchArgs, InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutputs, InternodeHandle, InternodePlan,
 };
-use crate::backend::{CombineOutputs, DispatchPlan};
+use crate::backend::{CombineOutputs, DispatchPlan, InternodeMode};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::kernels::internode::{self as k, kind, step, InArgs};
@@ -251,7 +251,23 @@ impl PeerBackend {
         Ok(args)
     }
 
-    pub(super) fn in_dispatch_prepare(&mut self, a: &InternodeDispatchArgs) -> Result<InternodePlan> {
+    /// The handle's input pointers.
+    fn handle_ptrs(args: &mut InArgs, h: &InternodeHandle) {
+        args.is_token_in_rank = ptr(&h.is_token_in_rank);
+        args.h_rdma_cpm = ptr(&h.rdma_channel_prefix_matrix);
+        args.h_recv_rdma_cpm = ptr(&h.recv_rdma_channel_prefix_matrix);
+        args.h_recv_rdma_rps = ptr(&h.recv_rdma_rank_prefix_sum);
+        args.h_recv_gbl_cpm = ptr(&h.recv_gbl_channel_prefix_matrix);
+        args.h_recv_gbl_rps = ptr(&h.recv_gbl_rank_prefix_sum);
+        args.h_send_rdma_head = ptr(&h.send_rdma_head);
+        args.h_send_nvl_head = ptr(&h.send_nvl_head);
+        args.num_rows = h.recv_src_meta.size(0) as i64;
+        args.num_rdma_rows = h.send_nvl_head.size(0) as i64;
+    }
+}
+
+impl InternodeMode for PeerBackend {
+    fn internode_dispatch_prepare(&mut self, a: &InternodeDispatchArgs) -> Result<InternodePlan> {
         let b = &a.base;
         self.check_pending(DISPATCH, b.stream)?;
         let mut args = self.dispatch_args(a)?;
@@ -297,7 +313,7 @@ impl PeerBackend {
         Ok(InternodePlan { plan, num_rdma_recv_tokens: rdma, num_rdma_rows: rdma })
     }
 
-    pub(super) fn in_dispatch_finish(&mut self, a: &InternodeDispatchArgs, p: &InternodePlan, o: &InternodeDispatchOutputs) -> Result<()> {
+    fn internode_dispatch_finish(&mut self, a: &InternodeDispatchArgs, p: &InternodePlan, o: &InternodeDispatchOutputs) -> Result<()> {
         let (nr, n) = (self.info.num_ranks, a.base.x.size(0));
         let mut args = self.dispatch_args(a)?;
         let (rows, rdma) = (p.plan.num_rows, p.num_rdma_rows);
@@ -340,21 +356,7 @@ impl PeerBackend {
         Ok(())
     }
 
-    /// The handle's input pointers.
-    fn handle_ptrs(args: &mut InArgs, h: &InternodeHandle) {
-        args.is_token_in_rank = ptr(&h.is_token_in_rank);
-        args.h_rdma_cpm = ptr(&h.rdma_channel_prefix_matrix);
-        args.h_recv_rdma_cpm = ptr(&h.recv_rdma_channel_prefix_matrix);
-        args.h_recv_rdma_rps = ptr(&h.recv_rdma_rank_prefix_sum);
-        args.h_recv_gbl_cpm = ptr(&h.recv_gbl_channel_prefix_matrix);
-        args.h_recv_gbl_rps = ptr(&h.recv_gbl_rank_prefix_sum);
-        args.h_send_rdma_head = ptr(&h.send_rdma_head);
-        args.h_send_nvl_head = ptr(&h.send_nvl_head);
-        args.num_rows = h.recv_src_meta.size(0) as i64;
-        args.num_rdma_rows = h.send_nvl_head.size(0) as i64;
-    }
-
-    pub(super) fn in_cached_dispatch(
+    fn internode_cached_dispatch(
         &mut self,
         a: &InternodeCachedDispatchArgs,
         recv_x: &TensorRef,
@@ -398,7 +400,7 @@ impl PeerBackend {
         Ok(())
     }
 
-    pub(super) fn in_combine(&mut self, a: &InternodeCombineArgs, o: &CombineOutputs) -> Result<()> {
+    fn internode_combine(&mut self, a: &InternodeCombineArgs, o: &CombineOutputs) -> Result<()> {
         self.check_pending(COMBINE, a.stream)?;
         let g = self.in_geo(COMBINE, &a.config)?;
         let nr = self.info.num_ranks;

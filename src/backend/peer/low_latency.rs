@@ -45,12 +45,13 @@ use super::ll_state::extra_window_bytes;
 use super::ll_state::LlState;
 use super::{ll_seam, PeerBackend};
 use crate::backend::{
-    LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlStats, Stream,
+    LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlRowsArgs, LlStats,
+    LowLatencyMode, Stream,
 };
 use crate::config::BUFFER_ALIGNMENT;
 use crate::error::{Error, Result};
 use crate::kernels::host_mask::SHRINK_WORD;
-use crate::kernels::intranode::{self, err, site, CONTROL_BYTES};
+use crate::kernels::intranode::{self, err, site, CONTROL_BYTES, MAX_RANKS};
 use crate::kernels::low_latency::{self as k, LlArgs};
 use crate::op_names::{
     CLEAN_LOW_LATENCY_BUFFER as OP_CLEAN, GET_NEXT_LOW_LATENCY_COMBINE_BUFFER as OP_NEXT, LOW_LATENCY_COMBINE as OP_COMBINE,
@@ -282,8 +283,12 @@ impl PeerBackend {
         self.ll.next_half ^= 1;
         Ok(())
     }
+}
 
-    pub(super) fn ll_dispatch_send_impl(
+// The streams are handed to CUDA, never dereferenced here (an invalid one is CUDA's error).
+#[allow(clippy::not_unsafe_ptr_arg_deref)]
+impl LowLatencyMode for PeerBackend {
+    fn ll_dispatch_send(
         &mut self,
         g: &LlGeometry,
         o: &LlDispatchOptions,
@@ -323,7 +328,7 @@ impl PeerBackend {
         Ok(())
     }
 
-    pub(super) fn ll_dispatch_recv_impl(
+    fn ll_dispatch_recv(
         &mut self,
         g: &LlGeometry,
         o: &LlDispatchOptions,
@@ -353,7 +358,7 @@ impl PeerBackend {
         unsafe { k::dispatch_recv(OP_DISPATCH, self.window.ctx(), &a, stream) }
     }
 
-    pub(super) fn ll_combine_send_impl(&mut self, g: &LlGeometry, s: &LlCombineSendArgs, stream: Stream) -> Result<()> {
+    fn ll_combine_send(&mut self, g: &LlGeometry, s: &LlCombineSendArgs, stream: Stream) -> Result<()> {
         self.check_ll_pending(OP_COMBINE, stream)?;
         let mut a = self.ll_args(OP_COMBINE, g)?;
         a.zero_copy = s.zero_copy as i32;
@@ -382,7 +387,7 @@ impl PeerBackend {
         unsafe { k::combine_send(OP_COMBINE, self.window.ctx(), &a, stream) }
     }
 
-    pub(super) fn ll_combine_recv_impl(&mut self, g: &LlGeometry, r: &LlCombineRecvArgs, st: &LlStats, stream: Stream) -> Result<()> {
+    fn ll_combine_recv(&mut self, g: &LlGeometry, r: &LlCombineRecvArgs, st: &LlStats, stream: Stream) -> Result<()> {
         self.check_ll_pending(OP_COMBINE, stream)?;
         let mut a = self.ll_args(OP_COMBINE, g)?;
         let n = r.out.size(0);
@@ -408,7 +413,7 @@ impl PeerBackend {
         unsafe { k::combine_recv(OP_COMBINE, self.window.ctx(), &a, stream) }
     }
 
-    pub(super) fn ll_clean_impl(&mut self, g: &LlGeometry, stream: Stream) -> Result<()> {
+    fn clean_low_latency_buffer(&mut self, g: &LlGeometry, stream: Stream) -> Result<()> {
         self.check_ll_pending(OP_CLEAN, stream)?;
         let a = self.ll_args(OP_CLEAN, g)?;
         self.ll_reset_signals(OP_CLEAN, &a, stream)?;
@@ -420,7 +425,7 @@ impl PeerBackend {
         Ok(())
     }
 
-    pub(super) fn ll_next_combine_buffer_impl(&mut self, g: &LlGeometry) -> Result<TensorRef> {
+    fn next_low_latency_combine_buffer(&mut self, g: &LlGeometry) -> Result<TensorRef> {
         let a = self.ll_args(OP_NEXT, g)?;
         let (r, el, t, h) =
             (self.info.num_ranks as i64, (g.num_experts / self.info.num_ranks) as i64, a.num_max_tokens as i64, a.hidden as i64);
@@ -431,6 +436,31 @@ impl PeerBackend {
         // The view may outlive the buffer (torch's stable ABI gives no deleter to tell us).
         self.window.keep_memory();
         Ok(TensorRef::new(ptr, DType::BFloat16, self.info.device, &[el, rt, h], &[rt * m, m, 1]))
+    }
+
+    fn ll_mask_rows(&mut self, op: &'static str, a: &LlRowsArgs, s: Stream) -> Result<()> {
+        crate::kernels::ll_rows::mask_rows(op, &a.topk_idx, &a.num_tokens, &a.out, s)
+    }
+
+    fn ll_update_mask(&mut self, rank: usize, masked: bool) -> Result<()> {
+        self.mask.set(rank, masked as i32);
+        self.mask_seen.set(self.mask_bits());
+        self.ll_sync_mask(crate::op_names::LOW_LATENCY_UPDATE_MASK_BUFFER)
+    }
+
+    fn ll_mask(&self) -> Vec<bool> {
+        (0..self.info.num_ranks).map(|r| self.mask.get(r) != 0).collect()
+    }
+
+    fn ll_clean_mask(&mut self) -> Result<()> {
+        (0..MAX_RANKS).for_each(|r| self.mask.set(r, 0));
+        self.mask_seen.set(0);
+        self.ll_sync_mask(crate::op_names::LOW_LATENCY_CLEAN_MASK_BUFFER)
+    }
+
+    fn ll_set_shrink(&mut self, enable: bool) -> Result<()> {
+        self.mask.set(SHRINK_WORD, enable as i32);
+        Ok(())
     }
 }
 

@@ -42,17 +42,12 @@ mod low_latency;
 mod normal;
 pub mod signals;
 
-use super::internode::{InternodeCachedDispatchArgs, InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutputs, InternodePlan};
-use super::{
-    Backend, BackendKind, BufferInfo, CachedDispatchArgs, CombineArgs, CombineOutputs, CreateArgs, DispatchArgs, DispatchOutputs,
-    DispatchPlan, LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlRowsArgs,
-    LlStats, Stream, UNIQUE_ID_BYTES,
-};
+use super::{Backend, BackendKind, BufferInfo, CreateArgs, UNIQUE_ID_BYTES};
 use crate::error::{Error, Result};
-use crate::kernels::host_mask::{HostMask, SHRINK_WORD};
+use crate::kernels::host_mask::HostMask;
 use crate::kernels::intranode::MAX_RANKS;
 use crate::sys::nccl;
-use crate::tensor::{Device, TensorRef};
+use crate::tensor::Device;
 use crate::window::gin_comms::GinSetup;
 use crate::window::nccl::Window;
 use crate::window::WindowArgs;
@@ -314,78 +309,9 @@ impl Backend for PeerBackend {
     fn info(&self) -> &BufferInfo {
         &self.info
     }
-    fn dispatch_prepare(&mut self, a: &DispatchArgs) -> Result<DispatchPlan> {
-        self.ht_dispatch_prepare(a)
-    }
-    fn dispatch_finish(&mut self, a: &DispatchArgs, p: &DispatchPlan, o: &DispatchOutputs) -> Result<()> {
-        self.ht_dispatch_finish(a, p, o)
-    }
-    fn cached_dispatch(&mut self, a: &CachedDispatchArgs, x: &TensorRef, s: Option<&TensorRef>) -> Result<()> {
-        self.ht_cached_dispatch(a, x, s)
-    }
-    fn combine(&mut self, a: &CombineArgs, o: &CombineOutputs) -> Result<()> {
-        self.ht_combine(a, o)
-    }
-    fn internode_dispatch_prepare(&mut self, a: &InternodeDispatchArgs) -> Result<InternodePlan> {
-        self.in_dispatch_prepare(a)
-    }
-    fn internode_dispatch_finish(&mut self, a: &InternodeDispatchArgs, p: &InternodePlan, o: &InternodeDispatchOutputs) -> Result<()> {
-        self.in_dispatch_finish(a, p, o)
-    }
-    fn internode_cached_dispatch(&mut self, a: &InternodeCachedDispatchArgs, x: &TensorRef, s: Option<&TensorRef>) -> Result<()> {
-        self.in_cached_dispatch(a, x, s)
-    }
-    fn internode_combine(&mut self, a: &InternodeCombineArgs, o: &CombineOutputs) -> Result<()> {
-        self.in_combine(a, o)
-    }
-    fn ll_dispatch_send(
-        &mut self,
-        g: &LlGeometry,
-        o: &LlDispatchOptions,
-        a: &LlDispatchSendArgs,
-        out: &LlDispatchOutputs,
-        s: Stream,
-    ) -> Result<()> {
-        self.ll_dispatch_send_impl(g, o, a, out, s)
-    }
-    fn ll_dispatch_recv(&mut self, g: &LlGeometry, o: &LlDispatchOptions, out: &LlDispatchOutputs, st: &LlStats, s: Stream) -> Result<()> {
-        self.ll_dispatch_recv_impl(g, o, out, st, s)
-    }
-    fn ll_combine_send(&mut self, g: &LlGeometry, a: &LlCombineSendArgs, s: Stream) -> Result<()> {
-        self.ll_combine_send_impl(g, a, s)
-    }
-    fn ll_combine_recv(&mut self, g: &LlGeometry, a: &LlCombineRecvArgs, st: &LlStats, s: Stream) -> Result<()> {
-        self.ll_combine_recv_impl(g, a, st, s)
-    }
-    fn ll_mask_rows(&mut self, op: &'static str, a: &LlRowsArgs, s: Stream) -> Result<()> {
-        crate::kernels::ll_rows::mask_rows(op, &a.topk_idx, &a.num_tokens, &a.out, s)
-    }
-    fn clean_low_latency_buffer(&mut self, g: &LlGeometry, s: Stream) -> Result<()> {
-        self.ll_clean_impl(g, s)
-    }
-    fn next_low_latency_combine_buffer(&mut self, g: &LlGeometry) -> Result<TensorRef> {
-        self.ll_next_combine_buffer_impl(g)
-    }
     fn destroy(&mut self) -> Result<()> {
         let timeout_ms = self.timeout_ms();
         self.window.close(timeout_ms)
-    }
-    fn ll_update_mask(&mut self, rank: usize, masked: bool) -> Result<()> {
-        self.mask.set(rank, masked as i32);
-        self.mask_seen.set(self.mask_bits());
-        self.ll_sync_mask(crate::op_names::LOW_LATENCY_UPDATE_MASK_BUFFER)
-    }
-    fn ll_mask(&self) -> Vec<bool> {
-        (0..self.info.num_ranks).map(|r| self.mask.get(r) != 0).collect()
-    }
-    fn ll_clean_mask(&mut self) -> Result<()> {
-        (0..MAX_RANKS).for_each(|r| self.mask.set(r, 0));
-        self.mask_seen.set(0);
-        self.ll_sync_mask(crate::op_names::LOW_LATENCY_CLEAN_MASK_BUFFER)
-    }
-    fn ll_set_shrink(&mut self, enable: bool) -> Result<()> {
-        self.mask.set(SHRINK_WORD, enable as i32);
-        Ok(())
     }
     fn wait_stats(&mut self, _reset: bool) -> Result<Vec<[i64; 2]>> {
         // Peer waits run in kernels (flag barriers); LL kernels report per-source wait time in

@@ -55,7 +55,7 @@
 //! the op everywhere and records the error for the next call.
 
 use super::PeerBackend;
-use crate::backend::{CachedDispatchArgs, CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, DispatchPlan};
+use crate::backend::{CachedDispatchArgs, CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, DispatchPlan, NormalMode};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::kernels::intranode::{
@@ -277,8 +277,10 @@ impl PeerBackend {
         // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
         unsafe { intranode::sync(op, self.window.ctx(), &args, stream) }
     }
+}
 
-    pub(super) fn ht_dispatch_prepare(&mut self, a: &DispatchArgs) -> Result<DispatchPlan> {
+impl NormalMode for PeerBackend {
+    fn dispatch_prepare(&mut self, a: &DispatchArgs) -> Result<DispatchPlan> {
         self.check_pending(DISPATCH, a.stream)?;
         let nr = self.info.num_ranks;
         let c = channels(DISPATCH, &a.config)?;
@@ -371,7 +373,7 @@ impl PeerBackend {
         Ok(DispatchPlan { num_recv_tokens: recv, num_rows: recv, num_recv_tokens_per_expert: self.window.status().per_expert(el) })
     }
 
-    pub(super) fn ht_dispatch_finish(&mut self, a: &DispatchArgs, plan: &DispatchPlan, o: &DispatchOutputs) -> Result<()> {
+    fn dispatch_finish(&mut self, a: &DispatchArgs, plan: &DispatchPlan, o: &DispatchOutputs) -> Result<()> {
         let nr = self.info.num_ranks;
         let c = channels(DISPATCH, &a.config)?;
         let rows = plan.num_rows;
@@ -439,7 +441,7 @@ impl PeerBackend {
         unsafe { intranode::dispatch_push(DISPATCH, self.window.ctx(), &push, &pull, a.stream) }
     }
 
-    pub(super) fn ht_cached_dispatch(&mut self, a: &CachedDispatchArgs, recv_x: &TensorRef, recv_scales: Option<&TensorRef>) -> Result<()> {
+    fn cached_dispatch(&mut self, a: &CachedDispatchArgs, recv_x: &TensorRef, recv_scales: Option<&TensorRef>) -> Result<()> {
         self.check_pending(CACHED, a.stream)?;
         let nr = self.info.num_ranks;
         let c = channels(CACHED, &a.config)?;
@@ -527,7 +529,7 @@ impl PeerBackend {
         unsafe { intranode::dispatch_push(CACHED, self.window.ctx(), &push, &pull, a.stream) }
     }
 
-    pub(super) fn ht_combine(&mut self, a: &CombineArgs, o: &CombineOutputs) -> Result<()> {
+    fn combine(&mut self, a: &CombineArgs, o: &CombineOutputs) -> Result<()> {
         self.check_pending(COMBINE, a.stream)?;
         let c = channels(COMBINE, &a.config)?;
         let rows = a.x.size(0);

@@ -118,6 +118,7 @@ int dek_cuda_stream_synchronize(void* stream);
 #define DEK_IC_ERR_NTPRR 13        /* internode: num_tokens_per_rdma_rank[extra] = value, is_token_in_rank selects limit */
 #define DEK_IC_ERR_STALE_INTERNODE 14 /* internode handle: value (computed) != limit (handle) at entry extra (see dek_in_args_t) */
 #define DEK_IC_ERR_LL_FORMAT 15  /* LL: source error_rank sent with another format word extra (0 flags, 1 hidden, 2 T, 3 E): value theirs, limit mine */
+#define DEK_IC_ERR_LL_ROUTING 16 /* LL combine receive: topk_idx [value, limit] is not the one its dispatch routed with */
 
 /* Host-mapped status block (cudaHostAllocMapped), written by kernels, read and cleared by the host. */
 typedef struct {
@@ -645,7 +646,9 @@ typedef struct {
   int32_t num_blocks;
   int32_t partial;           /* combine send: one partial sum per (token, expert rank) */
   int32_t dispatch_half;     /* combine send with partial: the half holding the dispatch's messages */
-  int32_t reserved;
+  int32_t routing_half;      /* combine send: the half of this handle's dispatch (its routing fingerprint
+                              * goes with the combine, whose receive compares its topk_idx with it:
+                              * DEK_IC_ERR_LL_ROUTING); -1: unknown, no check */
   /* Internode (docs/INTERNODE.md "Internode LL"): peers outside this rank's NVLink domain are
    * reached through the transport seam (kernels/transport.cuh). net == NULL: every peer by NVLink
    * stores (intranode). Remote messages are staged in this rank's own window first (GIN sends only

@@ -294,6 +294,26 @@ __device__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok,
 // +gridDim.x, ...: thread j owns channels 8j..8j+7: acc = fma(y_k, w_k, acc) over k in order
 // (crate: f32::mul_add); partial: acc += the partial row of each expert rank d ascending that
 // holds one of the token's (unmasked) experts.
+// Block 0 of a combine receive: the fingerprint of its topk_idx against the one of the dispatch
+// the combine answers (kLlRouting [2 + half]; 0 = unknown). Another topk_idx would silently sum
+// the wrong rows: reported (DEK_IC_ERR_LL_ROUTING, raised at the next call), as the CPU backend
+// raises at once.
+__device__ void check_routing(const Ctx& c, const Args& a, int half) {
+  __shared__ unsigned long long s_fp;
+  const uint64_t want = ld_volatile(at<uint64_t>(local(c), kLlRouting) + 2 + half);
+  if (want == 0) return;  // the same word for every thread: the branch is uniform
+  if (threadIdx.x == 0) s_fp = 0;
+  __syncthreads();
+  const int64_t nk = static_cast<int64_t>(a.num_tokens) * a.num_topk;
+  uint64_t h = 0;
+  for (int64_t j = threadIdx.x; j < nk; j += blockDim.x) h += routing_mix(j, topk_at(a, j));
+  atomicAdd(&s_fp, static_cast<unsigned long long>(h));
+  __syncthreads();
+  if (threadIdx.x == 0 && routing_seal(s_fp, a.num_tokens, a.num_topk) != want) {
+    report(c, DEK_IC_ERR_LL_ROUTING, c.rank, DEK_IC_SITE_LL_COMBINE, a.num_tokens, a.num_topk);
+  }
+}
+
 template <class Net>
 __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
   __shared__ int s_ok, s_half, s_partial, s_dm, s_logfmt;
@@ -337,6 +357,7 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
   }
   __syncthreads();
   if (!s_ok) return;
+  if (blockIdx.x == 0) check_routing(c, a, s_half);
   if (blockIdx.x == 0 && tid < R && a.wait_stats != nullptr) {
     atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + tid), s_wait[tid]);
   }

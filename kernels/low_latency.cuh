@@ -53,6 +53,25 @@ static_assert(kLlFmt >= DEK_LL_MASK_OFF + 4 * kMaxRanks && kLlFmt + 4 * kMaxRank
 __device__ __forceinline__ size_t fmt_slot(int kind, int half, int src) { return kLlFmt + static_cast<size_t>(((kind * 2 + half) * kMaxRanks + src) * 16); }
 constexpr uint32_t kFmtSet = 0x100;  // a written slot (a zeroed one never matches)
 
+// Routing fingerprints (local only), u64 [4]: [h] = the topk_idx of the latest dispatch sent on
+// half h, [2 + h] = the one the combine sent on half h answers (0 = unknown: no check). A dispatch
+// send writes [h]; a combine send copies [routing_half] to [2 + half]; the combine receive compares
+// the fingerprint of its own topk_idx with [2 + half] (DEK_IC_ERR_LL_ROUTING), as the CPU backend.
+constexpr size_t kLlRouting = kLlFmt + 4 * kMaxRanks * 16;
+static_assert(kLlRouting % 8 == 0 && kLlRouting + 32 <= DEK_IC_CONTROL_BYTES, "LL routing fingerprints");
+
+// One top-k entry's share of a routing fingerprint: entry j (= token * K + k) holding expert id e.
+// The fingerprint is the sum over entries (any thread order gives the same) sealed with N and K.
+__device__ __forceinline__ uint64_t routing_mix(int64_t j, int64_t e) {
+  uint64_t z = (static_cast<uint64_t>(j) << 32) ^ static_cast<uint64_t>(e + 1) ^ 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+__device__ __forceinline__ uint64_t routing_seal(uint64_t sum, int n, int k) {
+  return (sum + routing_mix(-1, (static_cast<int64_t>(n) << 8) | k)) | 1;  // never 0 (= unknown)
+}
+
 using Args = dek_ll_args_t;
 
 __device__ __forceinline__ uint64_t sig_off(const Args& a, int h) { return a.ll_off + h * a.signal_bytes; }
@@ -95,6 +114,10 @@ __device__ bool begin_send(const Ctx& c, const Args& a, int kind, uint32_t* s_se
       a.recv_state[1] = *s_seq;
       a.recv_state[2] = a.flags;
       a.recv_state[3] = kind;
+      if (kind == DEK_LL_KIND_COMBINE) {
+        uint64_t* fp = at<uint64_t>(local(c), kLlRouting);
+        fp[2 + a.half] = a.routing_half == 0 || a.routing_half == 1 ? fp[a.routing_half] : 0;
+      }
     }
   }
   __syncthreads();

@@ -80,11 +80,17 @@ impl LlWire {
 /// whether it carried top-k weights in the deduplicated format, its number).
 pub type LlDispatchRecord = Option<(usize, bool, u64)>;
 
-/// The half whose dispatch a combine given `src_info` at `ptr` belongs to, when that dispatch
-/// carried top-k weights (the combine then sends partial sums): the latest recorded dispatch with
-/// this `src_info` address decides, so a freed and reused address of an older one never matches.
+/// The half whose dispatch a combine given `src_info` at `ptr` answers: the latest recorded
+/// dispatch with this `src_info` address decides, so a freed and reused address of an older one
+/// never matches.
+pub fn ll_dispatch_half(records: &[LlDispatchRecord; 2], ptr: usize) -> Option<usize> {
+    (0..2).filter_map(|h| records[h].filter(|r| r.0 == ptr).map(|r| (r.2, h))).max().map(|r| r.1)
+}
+
+/// [`ll_dispatch_half`] when that dispatch carried top-k weights (the combine then sends partial
+/// sums).
 pub fn ll_weighted_dispatch_half(records: &[LlDispatchRecord; 2], ptr: usize) -> Option<usize> {
-    (0..2).filter_map(|h| records[h].filter(|r| r.0 == ptr).map(|r| (r.2, r.1, h))).max().filter(|r| r.1).map(|r| r.2)
+    ll_dispatch_half(records, ptr).filter(|&h| records[h].is_some_and(|r| r.1))
 }
 
 /// Bytes of the message counts (`LlWire::count_off`, one u32 per source rank) before the index

@@ -97,6 +97,8 @@ pub mod err {
     /// LL: source `rank` sent with another format word `extra` (0 flags, 1 hidden, 2 T, 3 E):
     /// value theirs, limit this rank's.
     pub const LL_FORMAT: i32 = crate::sys::kernels::DEK_IC_ERR_LL_FORMAT as i32;
+    /// LL combine receive: its topk_idx `[value, limit]` is not the one its dispatch routed with.
+    pub const LL_ROUTING: i32 = crate::sys::kernels::DEK_IC_ERR_LL_ROUTING as i32;
 }
 
 /// `dek_ic_ctx_t`: the buffer as kernels see it. `peer_base` holds the window base of every

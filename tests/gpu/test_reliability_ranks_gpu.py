@@ -4,10 +4,9 @@ flags and geometry differing across ranks, LL expert ids below -1, a zero-copy c
 after its buffer was destroyed, and two threads in one buffer. Each case must end in a clear error
 on every rank (or work), never a crash or a hang. The LL kernels find a format mismatch or a bad id
 after the data moved (no host wait: graph-capturable), so the error comes from the buffer's next
-call, as DeepEP's LL errors do; the cpu backend raises in the call itself.
-
-Not checked on the GPU yet (the cpu backend raises it): an LL combine given another topk_idx than
-its dispatch (xfail below)."""
+call, as DeepEP's LL errors do; the cpu backend raises in the call itself. An LL combine given
+another topk_idx than its dispatch is found by the combine's receive (a fingerprint of topk_idx,
+kernels/low_latency.cuh `kLlRouting`) and raised at the next call."""
 import os
 import sys
 
@@ -96,7 +95,6 @@ def _combine_topk_worker(rank, world):
     return bad, good.float().sum().item()
 
 
-@pytest.mark.xfail(reason="the GPU LL combine does not compare topk_idx with its dispatch's yet (the cpu backend does)", strict=True)
 def test_low_latency_combine_with_another_topk_idx_raises_on_gpu():
     out = [o["ok"] for o in _spawn.run(_combine_topk_worker, 2)]
     for r, (bad, _) in enumerate(out):

@@ -241,6 +241,12 @@ impl PeerBackend {
                 e.rank, e.value, e.limit
             )),
             err::LL_FORMAT => ll_format_error(op, e),
+            err::LL_ROUTING => Error::invalid(op, format!(
+                "topk_idx differs from the one the dispatch of this handle routed with (found by the receive of the previous \
+                 low-latency combine, topk_idx [{}, {}]; its output is wrong): pass the same topk_idx (and num_tokens) to \
+                 low_latency_dispatch and low_latency_combine",
+                e.value, e.limit
+            )),
             err::EXPERT_ID if e.site == site::LL_DISPATCH => Error::invalid(op, format!(
                 "topk_idx of the previous low-latency dispatch held expert id {}, outside [-1, {}) (num_experts); those selections were dropped",
                 e.value, e.limit
@@ -382,6 +388,10 @@ impl LowLatencyMode for PeerBackend {
             a.flags = FLAG_PARTIAL;
             a.num_blocks = self.ll_grid().partial;
         }
+        // The dispatch's routing fingerprint goes with the combine; its receive checks topk_idx
+        // against it (`DEEP_EP_CHECK_INPUTS=0` skips the check).
+        let routed = crate::backend::ll_dispatch_half(&self.ll.dispatch, src_ptr).filter(|_| crate::settings::check_inputs());
+        a.routing_half = routed.map_or(-1, |h| h as i32);
         self.ll_begin_send(OP_COMBINE, &mut a, stream)?;
         // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
         unsafe { k::combine_send(OP_COMBINE, self.window.ctx(), &a, stream) }

@@ -61,6 +61,8 @@ step rust_model_server 120 bash -c "LD_LIBRARY_PATH=$tlib:$culib $servers/deep_e
 step ll_1 240 env DEEP_EP_LL_CONFIGS=${LL_CONFIGS:-60} DEEP_EP_LL_REPLAYS=${LL_REPLAYS:-200} "$py" -m pytest -q -rs "tests/gpu/test_low_latency.py::test_low_latency_matches_cpu_backend[1]"
 step bench_ll 120 "$py" -m torch.distributed.run --nproc-per-node 1 bench/low_latency.py --tokens 1 128 --out "$out/low-latency-1gpu.json"
 step compile_cuda 150 "$py" -m pytest -q -rs tests/gpu/test_compile_cuda.py
+# Issue 21's profile: Nsight Compute over the LL kernels at 1 and 128 tokens (reports in $out/ncu).
+step ll_ncu 420 bash bench/ll_ncu.sh "$out/ncu" "$py"
 # Several ranks on this one GPU (ipc backend; the harness picks it when ranks outnumber GPUs):
 # every multi-rank GPU suite against the CPU backend. IPC_CONFIGS random configs per suite and
 # rank count; IPC_MPS=1 runs the ranks under MPS (started by the harness) instead of time-slicing.

@@ -729,70 +729,11 @@ def test_more_bad_calls_then_still_usable(ops, ll_buffer, shared_buffer, dead_ha
 
 
 # ---------------------------------------------------------------------------------------------
-# 2 ranks: arguments that disagree between ranks (hidden, LL geometry, num_ranks at creation)
-
-
-def disagreeing_ranks_worker(rank, world):
-    import deep_ep_rs
-    import torch.distributed as dist
-
-    e = E * world
-    calls = 0
-    buf = deep_ep_rs.Buffer(dist.group.WORLD, 1 << 22, 0, device="cpu", explicitly_destroy=True)
-    try:
-        # normal mode: hidden differs between the ranks; both raise, then a correct round trip
-        x, idx, w = good_inputs(80 + rank, h=H * (rank + 1), e=e, num_ranks=world)
-        expect_error("dispatch", r"every rank must use the same hidden size", dispatch, buf.handle, x, idx, w, e=e, num_ranks=world)
-        assert_works(buf.handle, rank, world, seed=500)
-        calls += 1
-    finally:
-        buf.destroy()
-    # low latency: hidden differs between the ranks (each fits the buffer); both raise, then a
-    # correct dispatch/combine on the same buffer works
-    nbytes = -(-int(torch.ops.deep_ep.low_latency_rdma_size_hint(T_LL, 2 * H_LL, world, E_LL)) // 128) * 128
-    ll = deep_ep_rs.Buffer(dist.group.WORLD, 0, nbytes, low_latency_mode=True, device="cpu", explicitly_destroy=True)
-    try:
-        idx = torch.tensor([[0, 4], [1, 5], [2, 6]])  # every rank sends to every rank
-        xh = torch.ones((3, H_LL * (rank + 1)), dtype=torch.bfloat16)
-        expect_error("low_latency_dispatch", r"every rank must pass the same values", ll.low_latency_dispatch, xh, idx, T_LL, E_LL,
-                     use_fp8=False)
-        x = torch.ones((3, H_LL), dtype=torch.bfloat16) * (rank + 1)
-        recv, _, handle, _, _ = ll.low_latency_dispatch(x, idx, T_LL, E_LL, use_fp8=False)
-        out, _, _ = ll.low_latency_combine(recv, idx, torch.ones((3, 2)), handle)
-        assert torch.equal(out, x * 2)
-        calls += 1
-    finally:
-        ll.destroy()
-    # create_buffer: the ranks disagree on num_ranks
-    with timeout_ms(1500):
-        uid = [torch.ops.deep_ep.get_unique_id("cpu").tolist() if rank == 0 else None]
-        dist.broadcast_object_list(uid, src=0)
-        uid = torch.tensor(uid[0], dtype=torch.uint8)
-        args = (uid, rank, world + rank, CPU, 1 << 20, 0, False, "cpu")  # rank 1 believes in 3 ranks
-        regex = r"rank 1 created the buffer with \(num_ranks, .*\) = \[3," if rank == 0 else r"timed out .* waiting for rank\(s\) \[2\]"
-        expect_error("create_buffer", regex, torch.ops.deep_ep.create_buffer, *args)
-        calls += 1
-    dist.barrier()
-    buf = deep_ep_rs.Buffer(dist.group.WORLD, 1 << 22, 0, device="cpu", explicitly_destroy=True)
-    try:
-        assert_works(buf.handle, rank, world, seed=501)
-    finally:
-        buf.destroy()
-    return calls
-
-
-TWO_RANK_DISAGREEING = 3
-
-
-def test_two_ranks_disagreeing_arguments(rank_pool):
-    assert rank_pool(2).run(disagreeing_ranks_worker) == [TWO_RANK_DISAGREEING] * 2
-
-
-# ---------------------------------------------------------------------------------------------
 # the count
 
 
 TWO_RANK_SAME_BAD_INPUT = 12  # test_two_ranks_same_bad_input_then_continue
+TWO_RANK_DISAGREEING = 3  # test_bad_input_ranks.py: test_two_ranks_disagreeing_arguments
 OTHER_SINGLE_CALLS = ["dispatch-tokens-over-capacity", "destroyed-cached", "destroyed-combine", "destroyed-destroy", "destroyed-buffer-info",
                       "destroyed-dispatch", "config-4-ints", "config-6-ints", "python-config-odd-num-sms"]
 

@@ -25,6 +25,8 @@ const OP: &str = "deep_ep::Config";
 
 /// Bytes `NUM_BUFFER_ALIGNMENT_BYTES` in DeepEP.
 pub const BUFFER_ALIGNMENT: usize = 128;
+/// Largest `config.num_sms` (two per channel; the kernels' `DEK_IC_MAX_CHANNELS` is 512).
+pub const MAX_NUM_SMS: usize = 1024;
 /// Most NVLink peers in one domain.
 pub const MAX_NVL_PEERS: usize = 8;
 
@@ -64,6 +66,7 @@ impl Config {
         let c = Config::new(v[0] as usize, v[1] as usize, v[2] as usize, v[3] as usize, v[4] as usize)
             .map_err(|e| Error::invalid(op, e.to_string()))?;
         crate::ensure!(c.num_sms >= 2 && c.num_sms % 2 == 0, op, "config.num_sms must be even and >= 2, got {}", c.num_sms);
+        crate::ensure!(c.num_sms <= MAX_NUM_SMS, op, "config.num_sms must be at most {MAX_NUM_SMS} (2 per channel), got {}", c.num_sms);
         Ok(c)
     }
 

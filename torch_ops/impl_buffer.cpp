@@ -6,6 +6,7 @@ namespace deep_ep_ops {
 namespace {
 
 Tensor get_unique_id(std::string_view backend, std::optional<Device> device) {
+  current_op() = "deep_ep::get_unique_id";
   auto id = empty_on({DEEP_EP_UNIQUE_ID_BYTES}, ScalarType::Byte, Device(DeviceType::CPU));
   const bool cuda = device.has_value() && device->type() == DeviceType::CUDA;
   int32_t dev = cuda ? device->index() : -1;

@@ -9,6 +9,7 @@ namespace {
 using std::optional;
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> get_dispatch_layout(const Tensor& topk_idx, int64_t num_experts, int64_t num_ranks) {
+  current_op() = "deep_ep::get_dispatch_layout";  // a buffer-less op: errors below it name it
   auto ti = raw(topk_idx);
   check(deep_ep_check_dispatch_layout(&ti, num_experts, num_ranks));
   DeviceScope guard(topk_idx.device());

@@ -4,16 +4,48 @@ Shapes follow torch_ops/schema.cpp. The receive count of a non-cached normal dis
 the data, so it is a dynamic size; everything else is static. Ops whose shapes depend on the
 buffer (its rank count) read it through buffer_info outside fake mode: it is a host-side lookup.
 """
+import functools
 import os
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from . import _lib
 
 _lib.load()
 ops = torch.ops.deep_ep
 LL_STATE_LEN = 4
+
+
+def _tensors(names, args, kwargs):
+    """(argument name as the schema spells it, tensor) of every tensor argument, lists included."""
+    for name, v in list(zip(names, args)) + list(kwargs.items()):
+        for t in (v if isinstance(v, (list, tuple)) else [v]):
+            if isinstance(t, torch.Tensor):
+                yield name, t
+
+
+def _fake(op):
+    """torch.library.register_fake for deep_ep::`op`, refusing a real call that mixes meta tensors
+    with tensors on a device: one meta tensor sends the whole call to this shape-only kernel, which
+    would return uninitialised outputs and move no data (FakeTensors, torch.compile's, are not meta
+    and pass; a call with only meta tensors is shape inference and passes)."""
+    names = [a.name for a in getattr(ops, op).default._schema.arguments]
+
+    def register(fn):
+        @functools.wraps(fn)
+        def checked(*args, **kwargs):
+            ts = list(_tensors(names, args, kwargs))
+            meta = next((n for n, t in ts if t.device.type == "meta" and not isinstance(t, FakeTensor)), None)
+            real = next(((n, t.device) for n, t in ts if t.device.type != "meta" and not isinstance(t, FakeTensor)), None)
+            if meta is not None and real is not None:
+                raise RuntimeError(f"deep_ep::{op}: {meta} is on the meta device but {real[0]} is on {real[1]}: every tensor of the call "
+                                   "must be on the buffer's device (a meta tensor would run only the shape function: no data moved)")
+            return fn(*args, **kwargs)
+
+        return torch.library.register_fake(f"deep_ep::{op}")(checked)
+
+    return register
 
 
 def _num_ranks(handle: int) -> int:
@@ -44,7 +76,7 @@ def _received(x, x_scales, topk_idx, topk_weights, rows):
             _rows_of(topk_weights, rows, x, torch.float32))
 
 
-@torch.library.register_fake("deep_ep::get_dispatch_layout")
+@_fake("get_dispatch_layout")
 def _layout(topk_idx, num_experts, num_ranks):
     n = topk_idx.shape[0]
     i32 = torch.int32
@@ -56,7 +88,7 @@ def _layout(topk_idx, num_experts, num_ranks):
     )
 
 
-@torch.library.register_fake("deep_ep::dispatch")
+@_fake("dispatch")
 def _dispatch(handle, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
               num_tokens_per_expert, expert_alignment, num_worst_tokens, config):
     r = num_tokens_per_rank.shape[0]
@@ -73,19 +105,19 @@ def _dispatch(handle, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, 
     )
 
 
-@torch.library.register_fake("deep_ep::cached_dispatch")
+@_fake("cached_dispatch")
 def _cached(handle, x, x_scales, rpm, cpm, rcpm, recv_src_idx, is_token_in_rank, send_head, config):
     rows = recv_src_idx.shape[0]
     return x.new_empty((rows, x.shape[1])), _rows_of(x_scales, rows, x, torch.float32)
 
 
-@torch.library.register_fake("deep_ep::combine")
+@_fake("combine")
 def _combine(handle, x, topk_weights, bias_0, bias_1, rpm, cpm, rcpm, recv_src_idx, is_token_in_rank, send_head, config):
     n = send_head.shape[0]
     return x.new_empty((n, x.shape[1])), _rows_of(topk_weights, n, x, torch.float32)
 
 
-@torch.library.register_fake("deep_ep::internode_dispatch")
+@_fake("internode_dispatch")
 def _internode_dispatch(handle, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_rdma_rank,
                         is_token_in_rank, num_tokens_per_expert, expert_alignment, num_worst_tokens, config):
     r, rr = num_tokens_per_rank.shape[0], num_tokens_per_rdma_rank.shape[0]
@@ -105,14 +137,14 @@ def _internode_dispatch(handle, x, x_scales, topk_idx, topk_weights, num_tokens_
     )
 
 
-@torch.library.register_fake("deep_ep::internode_cached_dispatch")
+@_fake("internode_cached_dispatch")
 def _internode_cached(handle, x, x_scales, is_token_in_rank, rdma_cpm, gbl_cpm, recv_rdma_cpm, recv_rdma_rps, recv_gbl_cpm,
                       recv_gbl_rps, recv_src_meta, send_rdma_head, send_nvl_head, config):
     rows = recv_src_meta.shape[0]
     return x.new_empty((rows, x.shape[1])), _rows_of(x_scales, rows, x, torch.float32)
 
 
-@torch.library.register_fake("deep_ep::internode_combine")
+@_fake("internode_combine")
 def _internode_combine(handle, x, topk_weights, bias_0, bias_1, is_token_in_rank, rdma_cpm, gbl_cpm, recv_rdma_cpm,
                        recv_rdma_rps, recv_gbl_cpm, recv_gbl_rps, recv_src_meta, send_rdma_head, send_nvl_head, config):
     n = is_token_in_rank.shape[0]
@@ -132,49 +164,49 @@ def _ll_outputs(handle, x, t, e, use_fp8, use_ue8m0):
             x.new_empty((el, r), dtype=torch.int64))
 
 
-@torch.library.register_fake("deep_ep::low_latency_dispatch")
+@_fake("low_latency_dispatch")
 def _ll_dispatch(handle, x, topk_idx, topk_weights, cumulative, wait, t, e, use_fp8, round_scale, use_ue8m0, num_tokens=None):
     return _ll_outputs(handle, x, t, e, use_fp8, use_ue8m0)
 
 
-@torch.library.register_fake("deep_ep::low_latency_dispatch_send")
+@_fake("low_latency_dispatch_send")
 def _ll_dispatch_send(handle, x, topk_idx, topk_weights, t, e, use_fp8, round_scale, use_ue8m0, num_tokens=None):
     return _ll_outputs(handle, x, t, e, use_fp8, use_ue8m0) + (x.new_empty((LL_STATE_LEN,), dtype=torch.int64),)
 
 
-@torch.library.register_fake("deep_ep::low_latency_dispatch_recv")
+@_fake("low_latency_dispatch_recv")
 def _ll_dispatch_recv(handle, state, recv_x, scales, count, src_info, layout_range, cumulative, wait, t, e, use_fp8, round_scale, use_ue8m0):
     return None
 
 
-@torch.library.register_fake("deep_ep::low_latency_combine")
+@_fake("low_latency_combine")
 def _ll_combine(handle, x, topk_idx, topk_weights, src_info, layout_range, out, wait, t, e, use_logfmt, zero_copy, num_tokens=None):
     return None
 
 
-@torch.library.register_fake("deep_ep::low_latency_combine_send")
+@_fake("low_latency_combine_send")
 def _ll_combine_send(handle, x, src_info, layout_range, t, e, use_logfmt, zero_copy):
     return x.new_empty((LL_STATE_LEN,), dtype=torch.int64)
 
 
-@torch.library.register_fake("deep_ep::low_latency_combine_recv")
+@_fake("low_latency_combine_recv")
 def _ll_combine_recv(handle, state, topk_idx, topk_weights, out, wait, t, hidden, e, num_tokens=None):
     return None
 
 
-@torch.library.register_fake("deep_ep::get_next_low_latency_combine_buffer")
+@_fake("get_next_low_latency_combine_buffer")
 def _ll_next(handle, t, hidden, e):
     r = _num_ranks(handle)
     m = hidden + hidden // 128 * 2
     return torch.empty_strided((e // r, r * t, hidden), (r * t * m, m, 1), dtype=torch.bfloat16, device=_device(handle))
 
 
-@torch.library.register_fake("deep_ep::low_latency_query_mask_buffer")
+@_fake("low_latency_query_mask_buffer")
 def _ll_query_mask(handle, mask_status):
     return None
 
 
-@torch.library.register_fake("deep_ep::wait_stats")
+@_fake("wait_stats")
 def _wait_stats(handle, reset=False):
     return torch.empty((_num_ranks(handle), 2), dtype=torch.int64, device="cpu")
 

@@ -49,7 +49,10 @@ impl BackendKind {
             "nccl" => BackendKind::Nccl,
             "nvshmem" => BackendKind::Nvshmem,
             "ipc" => BackendKind::Ipc,
-            other => return Err(Error::invalid(op, format!("unknown backend '{other}' (expected cpu, nccl, nvshmem or ipc)"))),
+            other => {
+                let from = if requested.is_empty() { " (from DEEP_EP_BACKEND)" } else { "" };
+                return Err(Error::invalid(op, format!("unknown backend '{other}'{from} (expected cpu, nccl, nvshmem or ipc)")));
+            }
         };
         match (kind, device) {
             (BackendKind::Cpu, _) | (_, Device::Cuda(_)) => Ok(kind),

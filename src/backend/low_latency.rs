@@ -87,6 +87,27 @@ pub fn ll_dispatch_half(records: &[LlDispatchRecord; 2], ptr: usize) -> Option<u
     (0..2).filter_map(|h| records[h].filter(|r| r.0 == ptr).map(|r| (r.2, h))).max().map(|r| r.1)
 }
 
+/// Records that the dispatch whose `src_info` is at `ptr` has received (its receive ran, hook or
+/// not), in `received` by half.
+pub fn ll_mark_received(records: &[LlDispatchRecord; 2], received: &mut [bool; 2], ptr: usize) {
+    if let Some(h) = ll_dispatch_half(records, ptr) {
+        received[h] = true;
+    }
+}
+
+/// Fails when the dispatch a combine given `src_info` at `ptr` answers has not received yet: its
+/// handle's `src_info` and `layout_range` are not written (a receive hook that was never called).
+pub fn ll_check_received(op: &'static str, records: &[LlDispatchRecord; 2], received: &[bool; 2], ptr: usize) -> crate::error::Result<()> {
+    match ll_dispatch_half(records, ptr) {
+        Some(h) if !received[h] => Err(crate::error::Error::invalid(
+            op,
+            "the low-latency dispatch of this handle has not received yet: call its receive hook (return_recv_hook=True) \
+             before low_latency_combine",
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// [`ll_dispatch_half`] when that dispatch carried top-k weights (the combine then sends partial
 /// sums).
 pub fn ll_weighted_dispatch_half(records: &[LlDispatchRecord; 2], ptr: usize) -> Option<usize> {

@@ -171,7 +171,7 @@ mod tests {
         let e = sel("nvshmem", "", Device::Cpu).unwrap_err();
         assert_eq!(e, "op: backend 'nvshmem' needs a CUDA device; CPU buffers use the cpu backend");
         let e = sel("", "shmem", gpu).unwrap_err();
-        assert!(e.contains("unknown backend 'shmem' (expected cpu, nccl, nvshmem or ipc)"), "{e}");
+        assert!(e.contains("unknown backend 'shmem' (from DEEP_EP_BACKEND) (expected cpu, nccl, nvshmem or ipc)"), "{e}");
     }
 
     #[test]

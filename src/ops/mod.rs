@@ -88,6 +88,16 @@ pub struct LayoutOutputs {
 pub fn check_dispatch_layout(topk_idx: &TensorRef, num_experts: i64, num_ranks: i64) -> Result<()> {
     const OP: &str = crate::op_names::GET_DISPATCH_LAYOUT;
     crate::ensure!(num_ranks >= 1, OP, "num_ranks must be >= 1, got {num_ranks}");
+    // No buffer has more ranks, nor more experts per rank (outputs are [num_ranks] and [num_experts]).
+    let max_ranks = crate::backend::cpu::MAX_RANKS as i64;
+    crate::ensure!(num_ranks <= max_ranks, OP, "num_ranks must be at most {max_ranks} (the most ranks of a buffer), got {num_ranks}");
+    let max_experts = num_ranks * crate::ops::MAX_LOCAL_EXPERTS as i64;
+    crate::ensure!(
+        num_experts <= max_experts,
+        OP,
+        "num_experts ({num_experts}) must be at most {max_experts} ({} experts per rank of {num_ranks})",
+        crate::ops::MAX_LOCAL_EXPERTS
+    );
     crate::ensure!(
         num_experts >= 1 && num_experts % num_ranks == 0,
         OP,

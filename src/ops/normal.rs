@@ -164,6 +164,13 @@ pub(super) fn check_dispatch_args(op: &'static str, a: &DispatchArgs, info: &Buf
             _ => crate::ensure!(false, op, "topk_idx and topk_weights must be given together"),
         }
         crate::ensure!(
+            a.num_worst_tokens <= i32::MAX as usize,
+            op,
+            "num_worst_tokens must be at most {} (rows are indexed by int32), got {}",
+            i32::MAX,
+            a.num_worst_tokens
+        );
+        crate::ensure!(
             (1..=MAX_EXPERT_ALIGNMENT).contains(&a.expert_alignment),
             op,
             "expert_alignment must be in 1..={MAX_EXPERT_ALIGNMENT} (aligned counts are int32), got {}",

@@ -282,7 +282,10 @@ def test_an_output_too_large_to_allocate_names_the_op_and_shape(ops, buffer1):
     x = torch.ones((4, 128), dtype=torch.bfloat16)
     idx = torch.tensor([[0], [1], [0], [1]])
     ntpr, _, ntpe, in_rank = ops.get_dispatch_layout(idx, 2, 1)
-    with pytest.raises(RuntimeError, match=r"deep_ep::dispatch: cannot allocate an output of shape \[1125899906842624, 128\] \(torch\.bfloat16"):
+    rows = (1 << 31) - 1  # the most rows int32 indices allow: 512 GiB of bf16 rows
+    with pytest.raises(RuntimeError, match=rf"deep_ep::dispatch: cannot allocate an output of shape \[{rows}, 128\] \(torch\.bfloat16"):
+        ops.dispatch(buffer1, x, None, idx, torch.ones((4, 1)), ntpr, in_rank, ntpe, 1, rows, [4, 6, 256, 6, 128])
+    with pytest.raises(RuntimeError, match=r"deep_ep::dispatch: num_worst_tokens must be at most 2147483647 \(rows are indexed by int32\), got 1125899906842624"):
         ops.dispatch(buffer1, x, None, idx, torch.ones((4, 1)), ntpr, in_rank, ntpe, 1, 1 << 50, [4, 6, 256, 6, 128])
 
 

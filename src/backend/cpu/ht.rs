@@ -43,16 +43,23 @@ pub(super) enum Kind {
     InternodeDispatch = 4,
     InternodeCachedDispatch = 5,
     InternodeCombine = 6,
+    /// `clean_low_latency_buffer`, and an LL op's signal reset for a new geometry: they meet
+    /// the other ranks in barriers too, so they say so in the header (an HT op of a peer paired
+    /// with them would otherwise read the peer's header of an earlier call as its own).
+    LlClean = 7,
+    LlGeometry = 8,
 }
 
 impl Kind {
-    const ALL: [Kind; 6] = [
+    const ALL: [Kind; 8] = [
         Kind::Dispatch,
         Kind::CachedDispatch,
         Kind::Combine,
         Kind::InternodeDispatch,
         Kind::InternodeCachedDispatch,
         Kind::InternodeCombine,
+        Kind::LlClean,
+        Kind::LlGeometry,
     ];
 
     pub(super) fn op(self) -> &'static str {
@@ -63,6 +70,8 @@ impl Kind {
             Kind::InternodeDispatch => crate::op_names::INTERNODE_DISPATCH,
             Kind::InternodeCachedDispatch => crate::op_names::INTERNODE_CACHED_DISPATCH,
             Kind::InternodeCombine => crate::op_names::INTERNODE_COMBINE,
+            Kind::LlClean => crate::op_names::CLEAN_LOW_LATENCY_BUFFER,
+            Kind::LlGeometry => "a low-latency op with a new geometry (its signal reset)",
         }
     }
 }
@@ -143,12 +152,19 @@ impl CpuBackend {
     /// After the first barrier: raises the same error on every rank if any rank failed its
     /// own checks or is in another op.
     fn check_peers(&self, kind: Kind, own: Option<Error>) -> Result<Vec<Header>> {
-        let op = kind.op();
+        self.check_peers_among(kind, kind.op(), own, false)
+    }
+
+    /// [`Self::check_peers`] over the ranks a barrier waited for (`masked_skip`: not the masked).
+    fn check_peers_among(&self, kind: Kind, op: &'static str, own: Option<Error>, masked_skip: bool) -> Result<Vec<Header>> {
         let headers: Vec<Header> = (0..self.info.num_ranks).map(|p| Header::read(&self.ht_region(p))).collect();
         if let Some(e) = own {
             return Err(e);
         }
         for (p, h) in headers.iter().enumerate() {
+            if masked_skip && self.mask[p] {
+                continue;
+            }
             if h.0[W_KIND] != kind as u64 {
                 let theirs = Kind::ALL.into_iter().find(|k| *k as u64 == h.0[W_KIND]);
                 return Err(Error::invalid(
@@ -174,6 +190,22 @@ impl CpuBackend {
         self.barrier(kind.op(), "all ranks published their inputs")?;
         let checked = self.check_peers(kind, own);
         self.together(kind, checked)
+    }
+
+    /// The rendezvous of an LL-side step that meets the other ranks in barriers (`Kind::LlClean`,
+    /// `Kind::LlGeometry`): over the unmasked ranks, and only where the buffer has the
+    /// normal-mode area that holds headers (without it no normal-mode op can run to be confused).
+    pub(super) fn ll_rendezvous(&mut self, op: &'static str, kind: Kind, what: &str) -> Result<()> {
+        if self.ht_bytes < HEADER_BYTES {
+            return self.barrier_among(op, what, true);
+        }
+        self.publish_header(kind, [0; NUM_WORDS], None);
+        self.barrier_among(op, what, true)?;
+        let checked = self.check_peers_among(kind, op, None, true).map(|_| ());
+        if checked.is_err() {
+            self.barrier_among(op, "all ranks saw the error", true)?;
+        }
+        checked
     }
 
     /// Every rank reaches the same verdict after a rendezvous. On failure all ranks meet once

@@ -35,6 +35,7 @@
 //! only barriers of LL mode besides `clean_low_latency_buffer`. (A receive still in flight
 //! across a geometry change is not supported.)
 
+use super::ht::Kind;
 use super::ll_state::LlState;
 use super::shm::{self, Region};
 use super::CpuBackend;
@@ -203,7 +204,7 @@ impl CpuBackend {
             }
             Some(_) => {}
         }
-        self.barrier_among(op, "every rank finished the calls of the previous low-latency geometry", true)?;
+        self.ll_rendezvous(op, Kind::LlGeometry, "every rank finished the calls of the previous low-latency geometry")?;
         self.ll_zero_signals(geo);
         self.ll.geometry = Some(key);
         self.barrier_among(op, "every rank zeroed its signals for the new low-latency geometry", true)
@@ -377,6 +378,7 @@ impl LowLatencyMode for CpuBackend {
         self.ll.dispatches += 1;
         let src_addr = out.src_info.data_ptr() as usize;
         self.ll.dispatch[half] = Some((src_addr, wire.is_some() && weights.is_some(), self.ll.dispatches));
+        self.ll.received[half] = false;
         self.ll.routed.retain(|&(p, _)| p != src_addr);
         self.ll.routed.push((src_addr, routing_fingerprint(&idx, k)));
         if self.ll.routed.len() > 8 {
@@ -534,11 +536,13 @@ impl LowLatencyMode for CpuBackend {
                 *a += b as i64;
             }
         }
+        crate::backend::ll_mark_received(&self.ll.dispatch, &mut self.ll.received, out.src_info.data_ptr() as usize);
         Ok(())
     }
 
     fn ll_combine_send(&mut self, g: &LlGeometry, a: &LlCombineSendArgs, _s: Stream) -> Result<()> {
         let geo = self.ll_geo(OP_COMBINE, g)?;
+        crate::backend::ll_check_received(OP_COMBINE, &self.ll.dispatch, &self.ll.received, a.src_info.data_ptr() as usize)?;
         crate::ensure!(!(a.use_logfmt && a.zero_copy), OP_COMBINE, "zero_copy and use_logfmt cannot be used together");
         let (r, el, t, h, me) = (geo.r, geo.el, geo.t, geo.h, self.info.rank);
         let rt = r * t;
@@ -745,7 +749,7 @@ impl LowLatencyMode for CpuBackend {
     fn clean_low_latency_buffer(&mut self, g: &LlGeometry, _s: Stream) -> Result<()> {
         let geo = self.ll_geo(OP_CLEAN, g)?;
         // Nobody may still be sending into the signals we zero, nor start before we finish.
-        self.barrier_among(OP_CLEAN, "before zeroing the low-latency signals", true)?;
+        self.ll_rendezvous(OP_CLEAN, Kind::LlClean, "before zeroing the low-latency signals")?;
         self.ll_zero_signals(&geo);
         self.ll = LlState { geometry: Some((geo.t, geo.h, geo.e)), ..LlState::default() };
         self.barrier_among(OP_CLEAN, "after zeroing the low-latency signals", true)

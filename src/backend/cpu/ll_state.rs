@@ -20,6 +20,9 @@ pub struct LlState {
     /// weights (see `LlGeometry::wire`; an older dispatch whose freed `src_info` address was
     /// reused never matches first).
     pub(super) dispatch: [crate::backend::LlDispatchRecord; 2],
+    /// Per half: whether the recorded dispatch's receive ran (a combine of a dispatch whose
+    /// receive hook was never called raises instead of reading an unwritten handle).
+    pub(super) received: [bool; 2],
     /// Dispatches recorded so far (orders `dispatch`: the latest match wins).
     pub(super) dispatches: u64,
     /// The routing of the latest dispatches, as (address of their `src_info` output, fingerprint

@@ -65,8 +65,17 @@ pub fn segment(op: &'static str, name: &str, rank: usize, num_ranks: usize, len:
         None => rendezvous(op, name, rank, num_ranks, len, timeout),
         Some(dir) => {
             // Never younger than twice the default deadline: another job on the machine may wait longer.
+            crate::ensure!(
+                std::path::Path::new(&dir).is_dir(),
+                op,
+                "DEEP_EP_SHM_DIR={dir:?} is not a folder: set it to an existing writable folder shared by the ranks, or unset it \
+                 for anonymous memory (the default)"
+            );
             shm::remove_stale_files(&dir, 2 * timeout.max(Duration::from_millis(crate::settings::DEFAULT_TIMEOUT_MS)));
-            Segment::open(op, &format!("{dir}/deep_ep_{name}"), len)
+            Segment::open(op, &format!("{dir}/deep_ep_{name}"), len).map_err(|e| match e {
+                Error::Os { op, what, source } => Error::Os { op, what: format!("{what} (in DEEP_EP_SHM_DIR={dir:?})"), source },
+                e => e,
+            })
         }
     }
 }

@@ -14,6 +14,9 @@ pub struct LlState {
     /// it carried top-k weights, its number); a combine given that `src_info` finds the latest
     /// dispatch with it and sends partial sums if that one carried weights.
     pub(super) dispatch: [crate::backend::LlDispatchRecord; 2],
+    /// Per half: whether the recorded dispatch's receive ran (a combine of a dispatch whose
+    /// receive hook was never called raises instead of reading an unwritten handle).
+    pub(super) received: [bool; 2],
     /// Dispatches recorded so far (orders `dispatch`: the latest match wins).
     pub(super) dispatches: u64,
 }

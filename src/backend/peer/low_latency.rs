@@ -331,6 +331,7 @@ impl LowLatencyMode for PeerBackend {
         unsafe { k::dispatch_send(OP_DISPATCH, self.window.ctx(), &a, stream) }?;
         self.ll.dispatches += 1;
         self.ll.dispatch[a.half as usize] = Some((out.src_info.data_ptr() as usize, s.topk_weights.is_some(), self.ll.dispatches));
+        self.ll.received[a.half as usize] = false;
         Ok(())
     }
 
@@ -361,11 +362,14 @@ impl LowLatencyMode for PeerBackend {
         a.cumulative = opt_ptr(st.cumulative_local_expert_recv_stats.as_ref());
         a.wait_stats = opt_ptr(st.wait_recv_cost_stats.as_ref());
         // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
-        unsafe { k::dispatch_recv(OP_DISPATCH, self.window.ctx(), &a, stream) }
+        unsafe { k::dispatch_recv(OP_DISPATCH, self.window.ctx(), &a, stream) }?;
+        crate::backend::ll_mark_received(&self.ll.dispatch, &mut self.ll.received, out.src_info.data_ptr() as usize);
+        Ok(())
     }
 
     fn ll_combine_send(&mut self, g: &LlGeometry, s: &LlCombineSendArgs, stream: Stream) -> Result<()> {
         self.check_ll_pending(OP_COMBINE, stream)?;
+        crate::backend::ll_check_received(OP_COMBINE, &self.ll.dispatch, &self.ll.received, s.src_info.data_ptr() as usize)?;
         let mut a = self.ll_args(OP_COMBINE, g)?;
         a.zero_copy = s.zero_copy as i32;
         if !s.zero_copy {

@@ -17,6 +17,10 @@ pub enum Error {
     #[error("{op}: timed out after {timeout_ms} ms on rank {rank} waiting for rank(s) {peers:?} ({what})")]
     Timeout { op: &'static str, rank: usize, peers: Vec<usize>, timeout_ms: u64, what: String },
 
+    /// Ctrl-C (SIGINT) while waiting for peers: the collective was left half done.
+    #[error("{op}: interrupted (SIGINT) on rank {rank} while waiting for rank(s) {peers:?} ({what})")]
+    Interrupted { op: &'static str, rank: usize, peers: Vec<usize>, what: String },
+
     /// The requested feature exists in the API but is not built for this backend yet.
     #[error("{op}: {feature} is not implemented on the {backend} backend yet")]
     NotImplemented { op: &'static str, backend: &'static str, feature: &'static str },
@@ -47,8 +51,25 @@ impl Error {
     /// Whether the error leaves the buffer's shared state out of step across ranks
     /// (a timed-out collective): such a buffer must be destroyed and created again.
     pub fn poisons_buffer(&self) -> bool {
-        matches!(self, Error::Timeout { .. })
+        matches!(self, Error::Timeout { .. } | Error::Interrupted { .. })
     }
+
+    /// The error of a wait for `peers` that ended by `end` (timed out or interrupted).
+    pub fn wait_ended(end: WaitEnd, op: &'static str, rank: usize, peers: Vec<usize>, timeout_ms: u64, what: String) -> Self {
+        match end {
+            WaitEnd::TimedOut => Error::Timeout { op, rank, peers, timeout_ms, what },
+            WaitEnd::Interrupted => Error::Interrupted { op, rank, peers, what },
+        }
+    }
+}
+
+/// Why a host wait for peers ended without them.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum WaitEnd {
+    /// `DEEP_EP_TIMEOUT_MS` ran out.
+    TimedOut,
+    /// The user pressed Ctrl-C ([`crate::interrupt`]).
+    Interrupted,
 }
 
 /// `ensure!(cond, op, "fmt", args..)` returns an [`Error::InvalidArgument`] when `cond` is false.

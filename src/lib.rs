@@ -32,6 +32,7 @@ pub mod build_info;
 pub mod config;
 pub mod error;
 pub mod host;
+pub mod interrupt;
 #[cfg(feature = "cuda")]
 pub mod kernels;
 pub mod layout;

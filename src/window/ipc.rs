@@ -109,16 +109,9 @@ impl Rendezvous {
         let target = self.epoch;
         self.set(word::EPOCH, target);
         let arrived = |p: usize| self.get(p, word::EPOCH) >= target;
-        if shm::wait_until(self.timeout, || (0..self.num_ranks).all(arrived)).is_ok() {
-            return Ok(());
-        }
-        Err(Error::Timeout {
-            op,
-            rank: self.rank,
-            peers: (0..self.num_ranks).filter(|&p| !arrived(p)).collect(),
-            timeout_ms: self.timeout.as_millis() as u64,
-            what: format!("barrier: {what}"),
-        })
+        let Err(end) = shm::wait_until(self.timeout, || (0..self.num_ranks).all(arrived)) else { return Ok(()) };
+        let peers = (0..self.num_ranks).filter(|&p| !arrived(p)).collect();
+        Err(Error::wait_ended(end, op, self.rank, peers, self.timeout.as_millis() as u64, format!("barrier: {what}")))
     }
 
     /// Publishes this rank's verdict on a step, meets the others, and fails (naming them) when a

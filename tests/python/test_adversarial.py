@@ -145,3 +145,70 @@ def test_shm_dir_that_is_not_a_folder_names_the_variable(ops, monkeypatch, tmp_p
     uid = ops.get_unique_id("cpu", cpu)
     with pytest.raises(RuntimeError, match=r"^deep_ep::create_buffer: DEEP_EP_SHM_DIR=.* is not a folder"):
         ops.create_buffer(uid, 0, 1, cpu, 1 << 20, 0, False, "cpu")
+
+
+# ---- Ctrl-C during a wait for a peer ---------------------------------------------------------------
+SIGINT_RANK = """
+import os, sys, time, torch, deep_ep_rs
+ops, cpu = torch.ops.deep_ep, torch.device("cpu")
+rank, uid_file, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+if rank == 0:
+    uid = ops.get_unique_id("cpu", cpu)
+    torch.save(uid, uid_file + ".tmp")
+    os.rename(uid_file + ".tmp", uid_file)
+else:
+    while not os.path.exists(uid_file):
+        time.sleep(0.02)
+    uid = torch.load(uid_file)
+ll = mode == "ll"
+hint = deep_ep_rs.Buffer.get_low_latency_rdma_size_hint(8, 128, 2, 4)
+h = int(ops.create_buffer(uid, rank, 2, cpu, 0 if ll else 1 << 22, hint if ll else 0, ll, "cpu"))
+print("created", flush=True)
+if rank == 1:
+    time.sleep(60)  # never joins the op: rank 0 waits for it
+    sys.exit(0)
+idx = torch.tensor([[0], [1], [2], [3]] * 2)
+t0 = time.monotonic()
+try:
+    try:
+        if ll:
+            ops.low_latency_dispatch(h, torch.ones(8, 128).bfloat16(), idx, None, None, None, 8, 4, False, False, False, None)
+        else:
+            ntpr, _, ntpe, in_rank = ops.get_dispatch_layout(idx, 4, 2)
+            ops.dispatch(h, torch.ones(8, 64).bfloat16(), None, idx, torch.ones(8, 1), ntpr, in_rank, ntpe, 1, 0, [4, 6, 256, 6, 128])
+    except RuntimeError as e:
+        print("RuntimeError", e, flush=True)
+    time.sleep(5)  # the KeyboardInterrupt comes before this ends
+    print("no KeyboardInterrupt", flush=True)
+except KeyboardInterrupt:
+    print(f"KeyboardInterrupt after {time.monotonic() - t0:.1f} s", flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["normal", "ll"])
+def test_ctrl_c_during_a_wait_for_a_peer_interrupts_at_once(tmp_path, mode):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "rank.py"
+    script.write_text(SIGINT_RANK)
+    env = dict(os.environ, DEEP_EP_TIMEOUT_MS="60000")
+    ps = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path / "uid"), mode], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]
+    try:
+        assert ps[0].stdout.readline().strip() == "created"
+        time.sleep(1.0)  # rank 0 is in the op's wait now
+        ps[0].send_signal(signal.SIGINT)
+        out, err = ps[0].communicate(timeout=30)
+    finally:
+        for p in ps:
+            p.kill()
+            p.wait()
+    op = "low_latency_dispatch" if mode == "ll" else "dispatch"
+    # The op's error (logged as the buffer is given up), then Python's KeyboardInterrupt at once.
+    assert f"deep_ep::{op}: interrupted (SIGINT) on rank 0 while waiting for rank(s) [1]" in out + err, out + err
+    got = [line for line in out.splitlines() if line.startswith("KeyboardInterrupt after")]
+    assert got and float(got[0].split()[2]) < 10, out + err

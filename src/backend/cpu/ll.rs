@@ -252,11 +252,12 @@ impl CpuBackend {
         mut ready: impl FnMut() -> bool,
         peers: impl Fn() -> Vec<usize>,
     ) -> Result<Option<Duration>> {
-        if let Ok(d) = shm::wait_until(self.timeout, &mut ready) {
-            return Ok(Some(d));
-        }
+        let end = match shm::wait_until(self.timeout, &mut ready) {
+            Ok(d) => return Ok(Some(d)),
+            Err(end) => end,
+        };
         let missing = peers();
-        if self.shrink {
+        if self.shrink && end == crate::error::WaitEnd::TimedOut {
             crate::log_warn!(
                 Some(self.info.rank),
                 "{op}: ranks {missing:?} did not arrive within {} ms ({}); shrink mode masks them",
@@ -266,7 +267,7 @@ impl CpuBackend {
             missing.iter().for_each(|&p| self.mask[p] = true);
             return Ok(None);
         }
-        Err(Error::Timeout { op, rank: self.info.rank, peers: missing, timeout_ms: self.timeout.as_millis() as u64, what: what() })
+        Err(Error::wait_ended(end, op, self.info.rank, missing, self.timeout.as_millis() as u64, what()))
     }
 }
 

@@ -16,7 +16,7 @@ pub mod shared;
 pub mod shm;
 
 use super::{Backend, BackendKind, BufferInfo, CreateArgs};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, WaitEnd};
 use shm::{Region, Segment};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -182,11 +182,9 @@ impl CpuBackend {
             }
             (0..n).all(arrived)
         });
-        if res.is_ok() {
-            return Ok(());
-        }
+        let Err(end) = res else { return Ok(()) };
         let peers: Vec<usize> = (0..n).filter(|&p| !arrived(p)).collect();
-        if masked_skip && self.shrink {
+        if masked_skip && self.shrink && end == WaitEnd::TimedOut {
             crate::log_warn!(
                 Some(self.info.rank),
                 "{op}: ranks {peers:?} missed the barrier ({what}) within {} ms; shrink mode masks them",
@@ -195,13 +193,7 @@ impl CpuBackend {
             peers.iter().for_each(|&p| self.mask[p] = true);
             return Ok(());
         }
-        Err(Error::Timeout {
-            op,
-            rank: self.info.rank,
-            peers,
-            timeout_ms: self.timeout.as_millis() as u64,
-            what: format!("barrier: {what}"),
-        })
+        Err(Error::wait_ended(end, op, self.info.rank, peers, self.timeout.as_millis() as u64, format!("barrier: {what}")))
     }
 }
 

@@ -260,15 +260,19 @@ impl Backoff {
     }
 }
 
-/// Waits until `ready()` or the timeout; returns the time waited.
-pub fn wait_until(timeout: Duration, mut ready: impl FnMut() -> bool) -> std::result::Result<Duration, Duration> {
+/// Waits until `ready()`, the timeout or Ctrl-C ([`crate::interrupt`]); returns the time waited.
+pub fn wait_until(timeout: Duration, mut ready: impl FnMut() -> bool) -> std::result::Result<Duration, crate::error::WaitEnd> {
     let mut b = Backoff::new(timeout);
+    let mut checked = Instant::now();
     loop {
         if ready() {
             return Ok(b.elapsed());
         }
         if !b.snooze() {
-            return if ready() { Ok(b.elapsed()) } else { Err(b.elapsed()) };
+            return if ready() { Ok(b.elapsed()) } else { Err(crate::error::WaitEnd::TimedOut) };
+        }
+        if crate::interrupt::requested_during(&mut checked) {
+            return Err(crate::error::WaitEnd::Interrupted);
         }
     }
 }

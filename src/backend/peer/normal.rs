@@ -244,6 +244,7 @@ impl PeerBackend {
         // The GPU's own barrier deadline comes first, so its diagnosis (which rank) is seen.
         let deadline = Instant::now() + self.timeout + Duration::from_secs(1);
         let mut spins = 0u32;
+        let mut checked = Instant::now();
         loop {
             if let Some(e) = status.error() {
                 return Err(self.kernel_error(op, e, stream));
@@ -262,6 +263,14 @@ impl PeerBackend {
                     peers: vec![],
                     timeout_ms: self.timeout_ms(),
                     what: "the host waited for the notify kernel's receive counts (is the stream blocked by earlier work?)".into(),
+                });
+            }
+            if crate::interrupt::requested_during(&mut checked) {
+                return Err(Error::Interrupted {
+                    op,
+                    rank: self.info.rank,
+                    peers: vec![],
+                    what: "the host waited for the notify kernel's receive counts; the kernels still run to their own deadline".into(),
                 });
             }
             spins += 1;

@@ -118,7 +118,7 @@ int dek_cuda_stream_synchronize(void* stream);
 #define DEK_IC_ERR_NTPRR 13        /* internode: num_tokens_per_rdma_rank[extra] = value, is_token_in_rank selects limit */
 #define DEK_IC_ERR_STALE_INTERNODE 14 /* internode handle: value (computed) != limit (handle) at entry extra (see dek_in_args_t) */
 #define DEK_IC_ERR_LL_FORMAT 15  /* LL: source error_rank sent with another format word extra (0 flags, 1 hidden, 2 T, 3 E): value theirs, limit mine */
-#define DEK_IC_ERR_LL_ROUTING 16 /* LL combine receive: topk_idx [value, limit] is not the one its dispatch routed with */
+#define DEK_IC_ERR_LL_ROUTING 16 /* LL combine receive: topk_idx (extra 0) or, with partial sums, topk_weights (extra 1) [value, limit] are not its dispatch's */
 
 /* Host-mapped status block (cudaHostAllocMapped), written by kernels, read and cleared by the host. */
 typedef struct {

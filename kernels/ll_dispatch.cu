@@ -59,7 +59,7 @@ __device__ __forceinline__ void dispatch_send(const Ctx& c, const Args& a) {
   __shared__ float s_w[kMaxRanks][kMaxLlTopk];
   __shared__ int64_t s_tok_e[kMaxLlTopk];
   __shared__ float s_tok_w[kMaxLlTopk];
-  __shared__ unsigned long long s_fp;  // block 0: the routing fingerprint of topk_idx (kLlRouting)
+  __shared__ unsigned long long s_fp, s_fpw;  // block 0: fingerprints of topk_idx and topk_weights (kLlRouting)
   if (!begin_send(c, a, DEK_LL_KIND_DISPATCH, &s_seq, &s_skip)) return;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int R = c.num_ranks, E = a.num_experts, El = E / R, T = a.num_max_tokens, H = a.hidden, S = H / 128;
@@ -75,7 +75,7 @@ __device__ __forceinline__ void dispatch_send(const Ctx& c, const Args& a) {
     unsigned far = 0;
     for (int d = 0; d < R; ++d) far |= static_cast<unsigned>(remote(c, a, d)) << d;
     s_far = static_cast<int>(far);
-    s_fp = 0;
+    s_fp = s_fpw = 0;
   }
   __syncthreads();
   const unsigned far = static_cast<unsigned>(s_far);
@@ -102,14 +102,25 @@ __device__ __forceinline__ void dispatch_send(const Ctx& c, const Args& a) {
       if (tok < t_begin) atomicAdd(&s_rc[d], 1);
     }
     if (blockIdx.x == 0) {
-      uint64_t h = 0;
+      uint64_t h = 0, hw = 0;
 #pragma unroll
       for (int k = 0; k < kMaxLlTopk; ++k) h += k < K ? routing_mix(static_cast<int64_t>(tok) * K + k, ids[k]) : 0;  // unrolled: ids stays in registers
+      if (a.topk_weights != nullptr) {
+        for (int k = 0; k < K; ++k) {
+          const int64_t j = static_cast<int64_t>(tok) * K + k;
+          hw += routing_mix(j, __float_as_uint(a.topk_weights[j]));
+        }
+        atomicAdd(&s_fpw, static_cast<unsigned long long>(hw));
+      }
       atomicAdd(&s_fp, static_cast<unsigned long long>(h));
     }
   }
   __syncthreads();
-  if (blockIdx.x == 0 && tid == 0) at<uint64_t>(local(c), kLlRouting)[a.half] = routing_seal(s_fp, N, K);
+  if (blockIdx.x == 0 && tid == 0) {
+    uint64_t* fp = at<uint64_t>(local(c), kLlRouting);
+    fp[a.half] = routing_seal(s_fp, N, K);
+    fp[4 + a.half] = a.topk_weights != nullptr ? routing_seal(s_fpw, N, K) : 0;
+  }
   const uint64_t recv = recv_off(a, a.half), msgs = recv + a.msgs_off;
   // Staging of remote messages (send half of this call): payload of token tok at tok * pay_stride.
   const uint64_t stage = send_off(a, a.half), pay_stride = a.msg_bytes - kMsgMeta;

@@ -299,18 +299,25 @@ __device__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok,
 // the wrong rows: reported (DEK_IC_ERR_LL_ROUTING, raised at the next call), as the CPU backend
 // raises at once.
 __device__ void check_routing(const Ctx& c, const Args& a, int half) {
-  __shared__ unsigned long long s_fp;
+  __shared__ unsigned long long s_fp, s_fpw;
   const uint64_t want = ld_volatile(at<uint64_t>(local(c), kLlRouting) + 2 + half);
+  const uint64_t want_w = ld_volatile(at<uint64_t>(local(c), kLlRouting) + 6 + half);
   if (want == 0) return;  // the same word for every thread: the branch is uniform
-  if (threadIdx.x == 0) s_fp = 0;
+  if (threadIdx.x == 0) s_fp = s_fpw = 0;
   __syncthreads();
   const int64_t nk = static_cast<int64_t>(a.num_tokens) * a.num_topk;
-  uint64_t h = 0;
-  for (int64_t j = threadIdx.x; j < nk; j += blockDim.x) h += routing_mix(j, topk_at(a, j));
+  uint64_t h = 0, hw = 0;
+  for (int64_t j = threadIdx.x; j < nk; j += blockDim.x) {
+    h += routing_mix(j, topk_at(a, j));
+    if (want_w != 0) hw += routing_mix(j, __float_as_uint(a.topk_weights[j]));
+  }
   atomicAdd(&s_fp, static_cast<unsigned long long>(h));
+  atomicAdd(&s_fpw, static_cast<unsigned long long>(hw));
   __syncthreads();
   if (threadIdx.x == 0 && routing_seal(s_fp, a.num_tokens, a.num_topk) != want) {
-    report(c, DEK_IC_ERR_LL_ROUTING, c.rank, DEK_IC_SITE_LL_COMBINE, a.num_tokens, a.num_topk);
+    report(c, DEK_IC_ERR_LL_ROUTING, c.rank, DEK_IC_SITE_LL_COMBINE, a.num_tokens, a.num_topk, 0);
+  } else if (threadIdx.x == 0 && want_w != 0 && routing_seal(s_fpw, a.num_tokens, a.num_topk) != want_w) {
+    report(c, DEK_IC_ERR_LL_ROUTING, c.rank, DEK_IC_SITE_LL_COMBINE, a.num_tokens, a.num_topk, 1);
   }
 }
 

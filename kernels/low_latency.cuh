@@ -53,12 +53,15 @@ static_assert(kLlFmt >= DEK_LL_MASK_OFF + 4 * kMaxRanks && kLlFmt + 4 * kMaxRank
 __device__ __forceinline__ size_t fmt_slot(int kind, int half, int src) { return kLlFmt + static_cast<size_t>(((kind * 2 + half) * kMaxRanks + src) * 16); }
 constexpr uint32_t kFmtSet = 0x100;  // a written slot (a zeroed one never matches)
 
-// Routing fingerprints (local only), u64 [4]: [h] = the topk_idx of the latest dispatch sent on
-// half h, [2 + h] = the one the combine sent on half h answers (0 = unknown: no check). A dispatch
-// send writes [h]; a combine send copies [routing_half] to [2 + half]; the combine receive compares
-// the fingerprint of its own topk_idx with [2 + half] (DEK_IC_ERR_LL_ROUTING), as the CPU backend.
+// Routing fingerprints (local only), u64 [8]: [h] = the topk_idx of the latest dispatch sent on
+// half h, [2 + h] = the one the combine sent on half h answers (0 = unknown: no check); [4 + h] =
+// the top-k weights that dispatch carried (0 = none), [6 + h] = those of the combine's dispatch when
+// the combine sends partial sums (made with them). A dispatch send writes [h] and [4 + h]; a combine
+// send copies [routing_half] to [2 + half] (and [4 + routing_half] to [6 + half]); the combine
+// receive compares its own topk_idx (and topk_weights) with them (DEK_IC_ERR_LL_ROUTING, extra 0 for
+// the ids, 1 for the weights), as the CPU backend.
 constexpr size_t kLlRouting = kLlFmt + 4 * kMaxRanks * 16;
-static_assert(kLlRouting % 8 == 0 && kLlRouting + 32 <= DEK_IC_CONTROL_BYTES, "LL routing fingerprints");
+static_assert(kLlRouting % 8 == 0 && kLlRouting + 64 <= DEK_IC_CONTROL_BYTES, "LL routing fingerprints");
 
 // One top-k entry's share of a routing fingerprint: entry j (= token * K + k) holding expert id e.
 // The fingerprint is the sum over entries (any thread order gives the same) sealed with N and K.
@@ -116,7 +119,9 @@ __device__ bool begin_send(const Ctx& c, const Args& a, int kind, uint32_t* s_se
       a.recv_state[3] = kind;
       if (kind == DEK_LL_KIND_COMBINE) {
         uint64_t* fp = at<uint64_t>(local(c), kLlRouting);
-        fp[2 + a.half] = a.routing_half == 0 || a.routing_half == 1 ? fp[a.routing_half] : 0;
+        const bool known = a.routing_half == 0 || a.routing_half == 1;
+        fp[2 + a.half] = known ? fp[a.routing_half] : 0;
+        fp[6 + a.half] = known && a.partial ? fp[4 + a.routing_half] : 0;
       }
     }
   }

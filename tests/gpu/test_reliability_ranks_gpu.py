@@ -102,6 +102,38 @@ def test_low_latency_combine_with_another_topk_idx_raises_on_gpu():
     assert all(s == 5 * H for _, s in out), out  # rows 0 and 2 through two experts, row 1 through one, weights 1
 
 
+def _combine_weights_worker(rank, world):
+    """A dispatch that carried top-k weights makes the combine send partial sums (when the format
+    fits: hidden 2048, 16 experts a rank); a combine given other weights must raise."""
+    import torch.distributed as dist
+
+    import deep_ep_rs
+
+    t, h, e, k = 8, 2048, 16 * world, 2
+    dev = _spawn.device(rank)
+    buf = deep_ep_rs.Buffer(dist.group.WORLD, 0, deep_ep_rs.Buffer.get_low_latency_rdma_size_hint(t, h, world, e), low_latency_mode=True,
+                            device=dev, backend=_spawn.gpu_backend(), explicitly_destroy=True)
+    g = torch.Generator(device=dev).manual_seed(rank)
+    x = torch.randn(t, h, device=dev, generator=g).to(torch.bfloat16)
+    idx = torch.rand(t, e, device=dev, generator=g).topk(k, dim=1).indices
+    w, w2 = torch.rand(t, k, device=dev, generator=g), torch.rand(t, k, device=dev, generator=g)
+    recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, t, e, use_fp8=False, topk_weights=w)
+    bad = _try(lambda: buf.low_latency_combine(recv, idx, w2, handle),
+               lambda: buf.low_latency_dispatch(x, idx, t, e, use_fp8=False, topk_weights=w))
+    recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, t, e, use_fp8=False, topk_weights=w)
+    good, _, _ = buf.low_latency_combine(recv, idx, w, handle)
+    torch.cuda.synchronize()
+    buf.destroy()
+    return bad, bool(torch.isfinite(good.float()).all())
+
+
+def test_low_latency_combine_with_other_weights_than_its_partial_sums_raises_on_gpu():
+    out = [o["ok"] for o in _spawn.run(_combine_weights_worker, 2)]
+    for r, (bad, finite) in enumerate(out):
+        assert "topk_weights differ from the ones the dispatch of this handle carried" in bad, (r, bad)
+        assert finite, r
+
+
 def _below_minus_one_worker(rank, world):
     buf, e = _buffer(rank, world)
     dev = _spawn.device(rank)

@@ -212,3 +212,36 @@ def test_ctrl_c_during_a_wait_for_a_peer_interrupts_at_once(tmp_path, mode):
     assert f"deep_ep::{op}: interrupted (SIGINT) on rank 0 while waiting for rank(s) [1]" in out + err, out + err
     got = [line for line in out.splitlines() if line.startswith("KeyboardInterrupt after")]
     assert got and float(got[0].split()[2]) < 10, out + err
+
+
+# ---- an LL combine answering a dispatch that carried top-k weights, given other weights ----------
+def _other_weights_worker(rank, world):
+    import deep_ep_rs
+    import torch.distributed as dist
+
+    import _reference as ref
+
+    t, h, e, k = 8, 2048, 32, 2  # the partial-sum format fits: the experts' ranks sum with the dispatch's weights
+    buf = deep_ep_rs.Buffer(dist.group.WORLD, 0, deep_ep_rs.Buffer.get_low_latency_rdma_size_hint(t, h, world, e),
+                            low_latency_mode=True, explicitly_destroy=True)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(t, h, generator=g).bfloat16()
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    w, w2 = torch.rand(t, k, generator=g), torch.rand(t, k, generator=g)
+    recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, t, e, use_fp8=False, topk_weights=w)
+    try:
+        buf.low_latency_combine(recv, idx, w2, handle)
+        out = "no error"
+    except RuntimeError as ex:
+        out = str(ex)
+    recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, t, e, use_fp8=False, topk_weights=w)
+    y, _, _ = buf.low_latency_combine(recv, idx, w, handle)  # the same weights: partial sums, as the reference
+    diff = ref.calc_diff(y, ref.ll_combine(x, idx, w, lambda g, rows: rows))
+    buf.destroy()
+    return out, diff
+
+
+def test_low_latency_combine_with_other_weights_than_its_partial_sums_raises(rank_pool):
+    for out, diff in rank_pool(2).run(_other_weights_worker):
+        assert out.startswith("deep_ep::low_latency_combine: topk_weights differ from the ones the dispatch of this handle carried"), out
+        assert diff < 1e-5, diff

@@ -75,6 +75,12 @@ fn routing_fingerprint(idx: &[i64], k: usize) -> u64 {
     h
 }
 
+/// A fingerprint of top-k weights (their bits, in order).
+fn weights_fingerprint(w: &[f32]) -> u64 {
+    let bits: Vec<i64> = w.iter().map(|v| v.to_bits() as i64).collect();
+    routing_fingerprint(&bits, 1) ^ 0x5bd1_e995
+}
+
 /// Byte geometry of one LL call.
 struct Geo {
     r: usize,
@@ -380,8 +386,8 @@ impl LowLatencyMode for CpuBackend {
         let src_addr = out.src_info.data_ptr() as usize;
         self.ll.dispatch[half] = Some((src_addr, wire.is_some() && weights.is_some(), self.ll.dispatches));
         self.ll.received[half] = false;
-        self.ll.routed.retain(|&(p, _)| p != src_addr);
-        self.ll.routed.push((src_addr, routing_fingerprint(&idx, k)));
+        self.ll.routed.retain(|&(p, _, _)| p != src_addr);
+        self.ll.routed.push((src_addr, routing_fingerprint(&idx, k), weights.map(weights_fingerprint)));
         if self.ll.routed.len() > 8 {
             self.ll.routed.remove(0);
         }
@@ -580,7 +586,8 @@ impl LowLatencyMode for CpuBackend {
             .and_then(|hd| g.wire(r).filter(|w| w.partial_fits && !a.use_logfmt).map(|w| (hd, w)));
         self.ll_enter_geometry(OP_COMBINE, &geo)?;
         let (half, seq) = self.ll_begin_send();
-        self.ll.combine_routing[half] = self.ll.routed.iter().rev().find(|&&(p, _)| p == src_ptr).map(|&(_, fp)| fp);
+        self.ll.combine_routing[half] =
+            self.ll.routed.iter().rev().find(|&&(p, _, _)| p == src_ptr).map(|&(_, fp, fw)| (fp, fw.filter(|_| partial.is_some())));
         let mine = self.ll_region(me);
         let mut row_buf = vec![0u16; h];
         let read_row = |l: usize, row: usize, buf: &mut Vec<u16>| -> Vec<u16> {
@@ -673,14 +680,6 @@ impl LowLatencyMode for CpuBackend {
             a.topk_weights.sizes()
         );
         crate::layout::check_expert_ids(OP_COMBINE, &idx, k, geo.e)?;
-        if let Some(fp) = self.ll.combine_routing[half] {
-            crate::ensure!(
-                fp == routing_fingerprint(&idx, k),
-                OP_COMBINE,
-                "topk_idx differs from the one the dispatch of this handle routed with: pass the same topk_idx (and \
-                 num_tokens) to low_latency_dispatch and low_latency_combine"
-            );
-        }
         let mine = self.ll_region(self.info.rank);
         let sig = geo.sig(half);
         let missing = |s: usize| (s * el..s * el + words).any(|w| arrived(sig_load(&mine, sig, w), seq).is_none());
@@ -701,6 +700,21 @@ impl LowLatencyMode for CpuBackend {
                 self.waits[s][0] += 1;
                 self.waits[s][1] += d.as_nanos() as i64;
             }
+        }
+        // After the waits: raising before them would let this rank run calls ahead of its peers.
+        if let Some((fp, fw)) = self.ll.combine_routing[half] {
+            crate::ensure!(
+                fp == routing_fingerprint(&idx, k),
+                OP_COMBINE,
+                "topk_idx differs from the one the dispatch of this handle routed with: pass the same topk_idx (and \
+                 num_tokens) to low_latency_dispatch and low_latency_combine"
+            );
+            crate::ensure!(
+                fw.is_none_or(|fw| fw == weights_fingerprint(w)),
+                OP_COMBINE,
+                "topk_weights differ from the ones the dispatch of this handle carried: its expert ranks summed with those \
+                 (partial sums), so pass the same topk_weights to low_latency_dispatch and low_latency_combine (or none to the dispatch)"
+            );
         }
         let out = a.out.cpu_slice_mut::<u16>();
         let mut acc = vec![0f32; h];

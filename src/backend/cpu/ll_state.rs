@@ -27,8 +27,11 @@ pub struct LlState {
     pub(super) dispatches: u64,
     /// The routing of the latest dispatches, as (address of their `src_info` output, fingerprint
     /// of their `topk_idx`); a combine send finds its dispatch's by `src_info`.
-    pub(super) routed: Vec<(usize, u64)>,
+    /// With the fingerprint of the top-k weights the dispatch carried (for partial sums), if any.
+    pub(super) routed: Vec<(usize, u64, Option<u64>)>,
     /// Per half: the routing fingerprint of the combine sent on it, which its receive checks
     /// against the `topk_idx` it is given (another one would silently sum nothing).
-    pub(super) combine_routing: [Option<u64>; 2],
+    /// With the weights' fingerprint when the combine sends partial sums (made with the weights
+    /// the dispatch carried: other weights at the combine would silently not be used).
+    pub(super) combine_routing: [Option<(u64, Option<u64>)>; 2],
 }

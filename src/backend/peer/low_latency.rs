@@ -241,6 +241,12 @@ impl PeerBackend {
                 e.rank, e.value, e.limit
             )),
             err::LL_FORMAT => ll_format_error(op, e),
+            err::LL_ROUTING if e.extra == 1 => Error::invalid(op, format!(
+                "topk_weights differ from the ones the dispatch of this handle carried (found by the receive of the previous \
+                 low-latency combine, [{}, {}]; its output is wrong): its expert ranks summed with those (partial sums), so pass \
+                 the same topk_weights to low_latency_dispatch and low_latency_combine (or none to the dispatch)",
+                e.value, e.limit
+            )),
             err::LL_ROUTING => Error::invalid(op, format!(
                 "topk_idx differs from the one the dispatch of this handle routed with (found by the receive of the previous \
                  low-latency combine, topk_idx [{}, {}]; its output is wrong): pass the same topk_idx (and num_tokens) to \

@@ -710,7 +710,7 @@ impl LowLatencyMode for CpuBackend {
                  num_tokens) to low_latency_dispatch and low_latency_combine"
             );
             crate::ensure!(
-                fw.is_none_or(|fw| fw == weights_fingerprint(w)),
+                fw.map_or(true, |fw| fw == weights_fingerprint(w)),
                 OP_COMBINE,
                 "topk_weights differ from the ones the dispatch of this handle carried: its expert ranks summed with those \
                  (partial sums), so pass the same topk_weights to low_latency_dispatch and low_latency_combine (or none to the dispatch)"

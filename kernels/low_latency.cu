@@ -290,14 +290,10 @@ __device__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok,
   }
 }
 
-// Every block waits for all E words (partial: the R words d*E_l), then reduces tokens blockIdx.x,
-// +gridDim.x, ...: thread j owns channels 8j..8j+7: acc = fma(y_k, w_k, acc) over k in order
-// (crate: f32::mul_add); partial: acc += the partial row of each expert rank d ascending that
-// holds one of the token's (unmasked) experts.
-// Block 0 of a combine receive: the fingerprint of its topk_idx against the one of the dispatch
-// the combine answers (kLlRouting [2 + half]; 0 = unknown). Another topk_idx would silently sum
-// the wrong rows: reported (DEK_IC_ERR_LL_ROUTING, raised at the next call), as the CPU backend
-// raises at once.
+// Block 0 of a combine receive: the fingerprint of its topk_idx (and, when the combine sent partial
+// sums, of its topk_weights) against the dispatch's the combine answers (kLlRouting [2 + half],
+// [6 + half]; 0 = unknown). Others would silently sum the wrong rows or weights: reported
+// (DEK_IC_ERR_LL_ROUTING, raised at the next call), as the CPU backend raises at once.
 __device__ void check_routing(const Ctx& c, const Args& a, int half) {
   __shared__ unsigned long long s_fp, s_fpw;
   const uint64_t want = ld_volatile(at<uint64_t>(local(c), kLlRouting) + 2 + half);
@@ -321,6 +317,10 @@ __device__ void check_routing(const Ctx& c, const Args& a, int half) {
   }
 }
 
+// Every block waits for all E words (partial: the R words d*E_l), then reduces tokens blockIdx.x,
+// +gridDim.x, ...: thread j owns channels 8j..8j+7: acc = fma(y_k, w_k, acc) over k in order
+// (crate: f32::mul_add); partial: acc += the partial row of each expert rank d ascending that
+// holds one of the token's (unmasked) experts.
 template <class Net>
 __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
   __shared__ int s_ok, s_half, s_partial, s_dm, s_logfmt;

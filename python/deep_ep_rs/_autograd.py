@@ -124,3 +124,26 @@ def _combine_backward(ctx, grad_cx, grad_cw):
 
 torch.library.register_autograd("deep_ep::dispatch", _dispatch_backward, setup_context=_dispatch_setup)
 torch.library.register_autograd("deep_ep::combine", _combine_backward, setup_context=_combine_setup)
+
+# The low-latency ops mutate their stats arguments, so torch.library.register_autograd refuses
+# them; without an autograd kernel torch only warns that they "may lead to silently incorrect
+# behavior" and gives their outputs a grad_fn whose backward leaves the inputs' .grad at None.
+# They have no backward (decode only): an Autograd kernel that runs them below autograd makes their
+# outputs plain tensors, so a backward through them fails at once in torch ("does not require
+# grad") instead of computing nothing.
+_below_autograd = torch.library.Library("deep_ep", "IMPL")
+
+
+def _no_grad_kernel(op):
+    fn = getattr(ops, op).default
+
+    def kernel(*args, **kwargs):
+        with torch._C._AutoDispatchBelowAutograd():
+            return fn(*args, **kwargs)
+
+    _below_autograd.impl(op, kernel, "Autograd")
+
+
+for _op in ("low_latency_dispatch", "low_latency_combine", "low_latency_dispatch_send", "low_latency_dispatch_recv",
+            "low_latency_combine_send", "low_latency_combine_recv"):
+    _no_grad_kernel(_op)

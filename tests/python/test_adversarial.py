@@ -245,3 +245,18 @@ def test_low_latency_combine_with_other_weights_than_its_partial_sums_raises(ran
     for out, diff in rank_pool(2).run(_other_weights_worker):
         assert out.startswith("deep_ep::low_latency_combine: topk_weights differ from the ones the dispatch of this handle carried"), out
         assert diff < 1e-5, diff
+
+
+# ---- low-latency ops have no backward: their outputs do not pretend to carry gradients -----------
+def test_low_latency_outputs_do_not_require_grad(deep_ep, ops):
+    from conftest import make_buffer1
+
+    h = make_buffer1(ops, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(8, 128, 1, 4), True)
+    try:
+        x = torch.randn(8, 128).bfloat16().requires_grad_()
+        recv = ops.low_latency_dispatch(h, x, torch.randint(0, 4, (8, 1)), None, None, None, 8, 4, False, False, False, None)[0]
+        assert not recv.requires_grad
+        with pytest.raises(RuntimeError, match="does not require grad"):
+            recv.float().sum().backward()
+    finally:
+        ops.destroy_buffer(h)

@@ -64,23 +64,6 @@ const FLAG_DEDUP: i64 = 16;
 const FLAG_PARTIAL: i64 = 32;
 const HEADER: usize = 16;
 
-/// Fingerprint of a `topk_idx` (`n` rows of `k`): FNV-1a over the shape and the ids.
-fn routing_fingerprint(idx: &[i64], k: usize) -> u64 {
-    let mut h = 0xcbf2_9ce4_8422_2325u64;
-    for v in [idx.len() as i64, k as i64].iter().chain(idx) {
-        for b in v.to_le_bytes() {
-            h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
-        }
-    }
-    h
-}
-
-/// A fingerprint of top-k weights (their bits, in order).
-fn weights_fingerprint(w: &[f32]) -> u64 {
-    let bits: Vec<i64> = w.iter().map(|v| v.to_bits() as i64).collect();
-    routing_fingerprint(&bits, 1) ^ 0x5bd1_e995
-}
-
 /// Byte geometry of one LL call.
 struct Geo {
     r: usize,
@@ -386,11 +369,7 @@ impl LowLatencyMode for CpuBackend {
         let src_addr = out.src_info.data_ptr() as usize;
         self.ll.dispatch[half] = Some((src_addr, wire.is_some() && weights.is_some(), self.ll.dispatches));
         self.ll.received[half] = false;
-        self.ll.routed.retain(|&(p, _, _)| p != src_addr);
-        self.ll.routed.push((src_addr, routing_fingerprint(&idx, k), weights.map(weights_fingerprint)));
-        if self.ll.routed.len() > 8 {
-            self.ll.routed.remove(0);
-        }
+        self.ll.record_routing(src_addr, &idx, k, weights);
         write_state(&out.recv_state, half, seq, o.flags() | if wire.is_some() { FLAG_DEDUP } else { 0 }, KIND_DISPATCH);
         Ok(())
     }
@@ -586,8 +565,7 @@ impl LowLatencyMode for CpuBackend {
             .and_then(|hd| g.wire(r).filter(|w| w.partial_fits && !a.use_logfmt).map(|w| (hd, w)));
         self.ll_enter_geometry(OP_COMBINE, &geo)?;
         let (half, seq) = self.ll_begin_send();
-        self.ll.combine_routing[half] =
-            self.ll.routed.iter().rev().find(|&&(p, _, _)| p == src_ptr).map(|&(_, fp, fw)| (fp, fw.filter(|_| partial.is_some())));
+        self.ll.route_combine(half, src_ptr, partial.is_some());
         let mine = self.ll_region(me);
         let mut row_buf = vec![0u16; h];
         let read_row = |l: usize, row: usize, buf: &mut Vec<u16>| -> Vec<u16> {
@@ -702,20 +680,7 @@ impl LowLatencyMode for CpuBackend {
             }
         }
         // After the waits: raising before them would let this rank run calls ahead of its peers.
-        if let Some((fp, fw)) = self.ll.combine_routing[half] {
-            crate::ensure!(
-                fp == routing_fingerprint(&idx, k),
-                OP_COMBINE,
-                "topk_idx differs from the one the dispatch of this handle routed with: pass the same topk_idx (and \
-                 num_tokens) to low_latency_dispatch and low_latency_combine"
-            );
-            crate::ensure!(
-                fw.map_or(true, |fw| fw == weights_fingerprint(w)),
-                OP_COMBINE,
-                "topk_weights differ from the ones the dispatch of this handle carried: its expert ranks summed with those \
-                 (partial sums), so pass the same topk_weights to low_latency_dispatch and low_latency_combine (or none to the dispatch)"
-            );
-        }
+        self.ll.check_combine_routing(OP_COMBINE, half, &idx, k, w)?;
         let out = a.out.cpu_slice_mut::<u16>();
         let mut acc = vec![0f32; h];
         let mut row = vec![0u16; h];

@@ -35,3 +35,65 @@ pub struct LlState {
     /// the dispatch carried: other weights at the combine would silently not be used).
     pub(super) combine_routing: [Option<(u64, Option<u64>)>; 2],
 }
+
+impl LlState {
+    /// Records the routing of a dispatch whose `src_info` output is at `src_addr`: its `topk_idx`
+    /// (`k` per token) and the top-k weights it carried, if any (the latest 8 dispatches).
+    pub(super) fn record_routing(&mut self, src_addr: usize, idx: &[i64], k: usize, weights: Option<&[f32]>) {
+        self.routed.retain(|&(p, _, _)| p != src_addr);
+        self.routed.push((src_addr, routing_fingerprint(idx, k), weights.map(weights_fingerprint)));
+        if self.routed.len() > 8 {
+            self.routed.remove(0);
+        }
+    }
+
+    /// The combine sent on `half` answers the dispatch of `src_info` at `src_ptr` (if recorded);
+    /// with `partial` sums its weights are checked too.
+    pub(super) fn route_combine(&mut self, half: usize, src_ptr: usize, partial: bool) {
+        self.combine_routing[half] =
+            self.routed.iter().rev().find(|&&(p, _, _)| p == src_ptr).map(|&(_, fp, fw)| (fp, fw.filter(|_| partial)));
+    }
+
+    /// Fails when the combine received on `half` is given another `topk_idx` (or, with partial
+    /// sums, other weights `w`) than its dispatch's.
+    pub(super) fn check_combine_routing(
+        &self,
+        op: &'static str,
+        half: usize,
+        idx: &[i64],
+        k: usize,
+        w: &[f32],
+    ) -> crate::error::Result<()> {
+        let Some((fp, fw)) = self.combine_routing[half] else { return Ok(()) };
+        crate::ensure!(
+            fp == routing_fingerprint(idx, k),
+            op,
+            "topk_idx differs from the one the dispatch of this handle routed with: pass the same topk_idx (and \
+             num_tokens) to low_latency_dispatch and low_latency_combine"
+        );
+        crate::ensure!(
+            fw.map_or(true, |fw| fw == weights_fingerprint(w)),
+            op,
+            "topk_weights differ from the ones the dispatch of this handle carried: its expert ranks summed with those \
+             (partial sums), so pass the same topk_weights to low_latency_dispatch and low_latency_combine (or none to the dispatch)"
+        );
+        Ok(())
+    }
+}
+
+/// Fingerprint of a `topk_idx` (`n` rows of `k`): FNV-1a over the shape and the ids.
+fn routing_fingerprint(idx: &[i64], k: usize) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for v in [idx.len() as i64, k as i64].iter().chain(idx) {
+        for b in v.to_le_bytes() {
+            h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    h
+}
+
+/// A fingerprint of top-k weights (their bits, in order).
+fn weights_fingerprint(w: &[f32]) -> u64 {
+    let bits: Vec<i64> = w.iter().map(|v| v.to_bits() as i64).collect();
+    routing_fingerprint(&bits, 1) ^ 0x5bd1_e995
+}

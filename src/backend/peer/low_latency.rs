@@ -258,7 +258,7 @@ impl PeerBackend {
                 e.value, e.limit
             )),
             err::MISMATCH if e.site == site::LL_DISPATCH || e.site == site::LL_COMBINE => Error::invalid(op, format!(
-                "{where_} found data of another call (rank {}, value {}, expected {}): all ranks must pass the same hidden, num_max_dispatch_tokens_per_rank and num_experts, and a receive needs the state of the matching send",
+                "{where_} found data of another call (rank {}, value {}, expected {}): every rank must pass the same hidden, num_max_dispatch_tokens_per_rank and num_experts, and a receive needs the state of the matching send",
                 e.rank, e.value, e.limit
             )),
             c => Error::Device { op, what: "low-latency kernel".into(), detail: format!("error code {c} (rank {}) at {where_}", e.rank) },

@@ -81,10 +81,10 @@ impl LlState {
     }
 }
 
-/// Fingerprint of a `topk_idx` (`n` rows of `k`): FNV-1a over the shape and the ids.
-fn routing_fingerprint(idx: &[i64], k: usize) -> u64 {
+/// FNV-1a over the little-endian bytes of `values`.
+fn fnv1a(values: impl IntoIterator<Item = i64>) -> u64 {
     let mut h = 0xcbf2_9ce4_8422_2325u64;
-    for v in [idx.len() as i64, k as i64].iter().chain(idx) {
+    for v in values {
         for b in v.to_le_bytes() {
             h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
         }
@@ -92,8 +92,12 @@ fn routing_fingerprint(idx: &[i64], k: usize) -> u64 {
     h
 }
 
-/// A fingerprint of top-k weights (their bits, in order).
+/// Fingerprint of a `topk_idx` (`n` rows of `k`): FNV-1a over the shape and the ids.
+fn routing_fingerprint(idx: &[i64], k: usize) -> u64 {
+    fnv1a([idx.len() as i64, k as i64].into_iter().chain(idx.iter().copied()))
+}
+
+/// A fingerprint of top-k weights (their bits, in order), hashed in place (no copy per call).
 fn weights_fingerprint(w: &[f32]) -> u64 {
-    let bits: Vec<i64> = w.iter().map(|v| v.to_bits() as i64).collect();
-    routing_fingerprint(&bits, 1) ^ 0x5bd1_e995
+    fnv1a([w.len() as i64, 1].into_iter().chain(w.iter().map(|v| v.to_bits() as i64))) ^ 0x5bd1_e995
 }

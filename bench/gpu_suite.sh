@@ -50,11 +50,12 @@ step intranode_push 90 env DEEP_EP_INTRANODE_CONFIGS=${INTRANODE_PUSH_CONFIGS:-4
 # 4 tests (1, 2, 4 ranks and 2x2), each LL_SECONDS of random configs then two graphs of LL_REPLAYS
 # replays (~0.1 s per replay at 4 ranks: 500 replays did not fit 240 s on 2026-11-26)
 step low_latency 300 env DEEP_EP_LL_SECONDS=${LL_SECONDS:-25} DEEP_EP_LL_REPLAYS=${LL_REPLAYS:-200} DEEP_EP_LL_CHECK_EVERY=${LL_CHECK_EVERY:-50} python3 -m pytest -q tests/gpu/test_low_latency.py
-step low_latency_4 120 env DEEP_EP_LL_SECONDS=${LL_SECONDS:-25} DEEP_EP_LL_REPLAYS=${LL_REPLAYS:-1000} DEEP_EP_LL_CHECK_EVERY=${LL_CHECK_EVERY:-50} python3 -m pytest -q tests/gpu/test_low_latency.py -k 4
+# [4] alone: LL_SECONDS of configs, then the two graphs (~0.1 s per replay at 4 ranks, as above)
+step low_latency_4 330 env DEEP_EP_LL_SECONDS=${LL_SECONDS:-25} DEEP_EP_LL_REPLAYS=${LL_REPLAYS:-1000} DEEP_EP_LL_CHECK_EVERY=${LL_CHECK_EVERY:-50} python3 -m pytest -q tests/gpu/test_low_latency.py -k 4
 # 2 and 4 ranks at LL_CONFIGS configs each (no time budget: all must run), then the 2 x 2 emulated nodes
 step ll_24 240 env DEEP_EP_LL_CONFIGS=${LL_CONFIGS:-200} DEEP_EP_LL_REPLAYS=${LL_REPLAYS:-200} DEEP_EP_LL_CHECK_EVERY=${LL_CHECK_EVERY:-50} python3 -m pytest -q "tests/gpu/test_low_latency.py::test_low_latency_matches_cpu_backend[2]" "tests/gpu/test_low_latency.py::test_low_latency_matches_cpu_backend[4]"
-# 4 ranks alone at LL_CONFIGS configs (~0.9 s per config there, plus the two graphs)
-step ll_4 330 env DEEP_EP_LL_CONFIGS=${LL_CONFIGS:-200} DEEP_EP_LL_REPLAYS=${LL_REPLAYS:-1000} DEEP_EP_LL_CHECK_EVERY=${LL_CHECK_EVERY:-50} python3 -m pytest -q "tests/gpu/test_low_latency.py::test_low_latency_matches_cpu_backend[4]"
+# 4 ranks alone at LL_CONFIGS configs (~0.9 s per config there, plus the two graphs at ~0.1 s per replay)
+step ll_4 480 env DEEP_EP_LL_CONFIGS=${LL_CONFIGS:-200} DEEP_EP_LL_REPLAYS=${LL_REPLAYS:-1000} DEEP_EP_LL_CHECK_EVERY=${LL_CHECK_EVERY:-50} python3 -m pytest -q "tests/gpu/test_low_latency.py::test_low_latency_matches_cpu_backend[4]"
 step ll_2x2 200 env DEEP_EP_LL_CONFIGS=${LL_2X2_CONFIGS:-100} DEEP_EP_LL_REPLAYS=${LL_REPLAYS:-200} DEEP_EP_LL_CHECK_EVERY=${LL_CHECK_EVERY:-50} python3 -m pytest -q "tests/gpu/test_low_latency.py::test_low_latency_matches_cpu_backend[2x2]"
 step internode 120 env DEEP_EP_TIMEOUT_MS=10000 DEEP_EP_INTERNODE_GPU_CONFIGS=${INTERNODE_CONFIGS:-100} python3 -m pytest -q -rs tests/gpu/test_internode_gpu.py
 step rank_mask 60 python3 -m pytest -q -rs tests/gpu/test_rank_mask_gpu.py

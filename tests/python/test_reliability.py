@@ -64,10 +64,12 @@ ANON_RANK = textwrap.dedent(UID_EXCHANGE + """
         ntr, _, ntpe, itr = ops.get_dispatch_layout(idx, 2, 2)
         out = ops.dispatch(h, x, None, None, None, ntr, itr, ntpe, 1, 0, [20, 6, 256, 6, 128])
         got = out[0].float().sum(dim=1) / (1 << 18)
-        print("CREATED", int(out[0].shape[0]), sorted(set(got.tolist())))
+        # One write per line: both ranks share the pipe, and an unbuffered print() writes its
+        # pieces separately, so the two lines could interleave.
+        os.write(1, f"CREATED {int(out[0].shape[0])} {sorted(set(got.tolist()))}\\n".encode())
         ops.destroy_buffer(h)
     except RuntimeError as e:
-        print("ERR", e)
+        os.write(1, f"ERR {e}\\n".encode())
 """)
 
 

@@ -28,7 +28,7 @@ export PYTHONPATH=$PWD/python DEEP_EP_LIBRARY=$lib DEEP_EP_TEST_LOG=$tests_log
 log=$out/suite.log
 : >"$log"
 
-OPTIONAL="low_latency_4 ll_4 ll_24 ll_2x2 internode rank_mask ll_count transport bench_ll bench_intranode intranode_push recovery create_destroy bench_ab profile $REMEASURE"  # only when named in STEPS
+OPTIONAL="low_latency_4 ll_4 ll_24 ll_2x2 internode rank_mask ll_count transport bench_ll bench_intranode intranode_push recovery create_destroy bench_ab profile ht_ncu $REMEASURE"  # only when named in STEPS
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2 over="LIMIT_$1"
   limit=${!over:-$limit}  # LIMIT_<step>=seconds overrides a step's limit
@@ -67,6 +67,8 @@ step bench_intranode 75 torchrun --nproc-per-node 4 bench/intranode.py --sms ${B
 # the price of the device-side input checks and of the fused combine: the same bench three times
 step bench_ab 120 bash -c 'for v in "" DEEP_EP_CHECK_INPUTS=0 DEEP_EP_INTRANODE_COMBINE=split; do echo "--- variant: ${v:-default}"; env $v torchrun --nproc-per-node 4 bench/intranode.py --sms ${BENCH_SMS:-20} --iters 20 --out "'"$out"'/intranode-ab${v:+-${v##*=}}.json"; done'
 step profile 90 torchrun --nproc-per-node 4 bench/profile.py --out "$out/profile.json"
+# Issue 23: Nsight Compute over rank 0's HT kernels at 4 ranks (reports in $out/ht_ncu).
+step ht_ncu 500 bash bench/ht_ncu.sh "$out/ht_ncu" python3 4
 step recovery 90 python3 -m pytest -q -rs tests/gpu/test_recovery.py
 step create_destroy 150 env DEEP_EP_SOAK_SCALE=1 python3 -m pytest -q -rs -s tests/gpu/test_soak.py -k create_destroy
 step bench_intranode_pull 75 env DEEP_EP_INTRANODE_DISPATCH=pull torchrun --nproc-per-node 4 bench/intranode.py --sms 20 24 --iters 15 --out "$out/intranode-pull.json"

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Nsight Compute over the high-throughput (normal-mode) kernels of rank 0 (bench/ht_ncu.py), the
+# other ranks running the same calls unprofiled: issue 23's profile before an HT kernel changes.
+#   bench/ht_ncu.sh OUT_DIR [PYTHON] [RANKS]   (on the device; the wheel or PYTHONPATH must give deep_ep_rs)
+# RANKS defaults to the GPU count. Writes OUT_DIR/ht.ncu-rep, details.csv (every metric of every
+# kernel of the profiled region), raw.csv (stall-reason counters, durations, grids), and ncu.log.
+set -u
+if [ "${1:-}" = "--rank" ]; then  # one rank under torchrun: ncu for rank 0, the script for the others
+  shift
+  out=$1 py=$2
+  shift 2
+  if [ "${LOCAL_RANK:-0}" = 0 ]; then
+    exec "$NCU" --profile-from-start off --set full --import-source yes --source-folders "$(dirname "$0")/../kernels" \
+      -f -o "$out/ht" "$py" "$(dirname "$0")/ht_ncu.py" "$@"
+  fi
+  exec "$py" "$(dirname "$0")/ht_ncu.py" "$@"
+fi
+out=${1:?usage: bench/ht_ncu.sh OUT_DIR [PYTHON] [RANKS]}
+py=${2:-python3}
+ranks=${3:-$("$py" -c 'import torch; print(torch.cuda.device_count())')}
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# ncu serialises and replays rank 0's kernels; the peers wait at its barriers meanwhile.
+export DEEP_EP_TIMEOUT_MS=${DEEP_EP_TIMEOUT_MS:-600000}
+NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+[ -n "$NCU" ] || { echo "ht_ncu: no ncu on this machine" | tee "$out/ncu.log"; exit 1; }
+export NCU
+here=$(cd "$(dirname "$0")" && pwd)
+"$py" -m torch.distributed.run --nproc-per-node "$ranks" --no-python bash "$here/ht_ncu.sh" --rank "$out" "$py" "${@:4}" \
+  >"$out/ncu.log" 2>&1
+rc=$?
+echo "ht_ncu: rc=$rc at $ranks ranks" | tee -a "$out/ncu.log"
+[ -f "$out/ht.ncu-rep" ] || exit 1
+"$NCU" --import "$out/ht.ncu-rep" --page details --csv >"$out/details.csv" 2>>"$out/ncu.log"
+"$NCU" --import "$out/ht.ncu-rep" --page raw --csv --metrics \
+  'regex:smsp__pcsamp_warps_issue_stalled_.*,gpu__time_duration.sum,launch__grid_size,launch__block_size,sm__warps_active.avg.pct_of_peak_sustained_active,dram__bytes.sum,nvlrx__bytes.sum,nvltx__bytes.sum' \
+  >"$out/raw.csv" 2>>"$out/ncu.log"
+ls -la "$out" | tee -a "$out/ncu.log"

@@ -20,15 +20,7 @@ import torch
 import torch.distributed as dist
 
 import deep_ep_rs
-
-
-def fp8_cast(x):
-    """Per-token, per-128-channel E4M3 cast (bench/intranode.py's), scales column-major."""
-    n, h = x.shape
-    xv = x.float().view(n, h // 128, 128)
-    amax = xv.abs().amax(dim=2, keepdim=True).clamp(min=1e-4)
-    q = (xv * (448.0 / amax)).to(torch.float8_e4m3fn).view(n, h)
-    return q, (amax / 448.0).view(n, h // 128).T.contiguous().T
+from intranode import per_token_cast_to_fp8  # bench/intranode.py's cast, so both profile the same inputs
 
 
 def main():
@@ -60,7 +52,8 @@ def main():
     ntpr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(idx, e)
     recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank,
                                               num_tokens_per_expert=ntpe, config=cfg)
-    x8 = fp8_cast(x)
+    x8 = per_token_cast_to_fp8(x)
+    x8 = (x8[0], x8[1].T.contiguous().T)  # scales column-major, as bench/intranode.py passes them
 
     def rng(name, mark):
         return torch.cuda.nvtx.range(f"ht/{name}") if mark and cuda else contextlib.nullcontext()

@@ -22,17 +22,15 @@ mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # ncu serialises and replays rank 0's kernels; the peers wait at its barriers meanwhile.
 export DEEP_EP_TIMEOUT_MS=${DEEP_EP_TIMEOUT_MS:-600000}
-NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+here=$(cd "$(dirname "$0")" && pwd)
+. "$here/ncu_lib.sh"
+NCU=$(ncu_bin)
 [ -n "$NCU" ] || { echo "ht_ncu: no ncu on this machine" | tee "$out/ncu.log"; exit 1; }
 export NCU
-here=$(cd "$(dirname "$0")" && pwd)
 "$py" -m torch.distributed.run --nproc-per-node "$ranks" --no-python bash "$here/ht_ncu.sh" --rank "$out" "$py" "${@:4}" \
   >"$out/ncu.log" 2>&1
 rc=$?
 echo "ht_ncu: rc=$rc at $ranks ranks" | tee -a "$out/ncu.log"
 [ -f "$out/ht.ncu-rep" ] || exit 1
-"$NCU" --import "$out/ht.ncu-rep" --page details --csv >"$out/details.csv" 2>>"$out/ncu.log"
-"$NCU" --import "$out/ht.ncu-rep" --page raw --csv --metrics \
-  'regex:smsp__pcsamp_warps_issue_stalled_.*,gpu__time_duration.sum,launch__grid_size,launch__block_size,sm__warps_active.avg.pct_of_peak_sustained_active,dram__bytes.sum,nvlrx__bytes.sum,nvltx__bytes.sum' \
-  >"$out/raw.csv" 2>>"$out/ncu.log"
+ncu_pages "$NCU" "$out/ht.ncu-rep" "$out" 'dram__bytes.sum,nvlrx__bytes.sum,nvltx__bytes.sum'
 ls -la "$out" | tee -a "$out/ncu.log"

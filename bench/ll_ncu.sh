@@ -10,9 +10,10 @@ out=${1:?usage: bench/ll_ncu.sh OUT_DIR [PYTHON]}
 py=${2:-python3}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
-[ -n "$ncu" ] || { echo "ll_ncu: no ncu on this machine" | tee "$out/ncu.log"; exit 1; }
 here=$(cd "$(dirname "$0")" && pwd)
+. "$here/ncu_lib.sh"
+ncu=$(ncu_bin)
+[ -n "$ncu" ] || { echo "ll_ncu: no ncu on this machine" | tee "$out/ncu.log"; exit 1; }
 # ll_dispatch / ll_combine: one kernel each, the phase is an argument (send, recv).
 "$ncu" --profile-from-start off --kernel-name regex:'ll_(dispatch|combine)' --set full \
   --import-source yes --source-folders "$here/../kernels" -f -o "$out/ll" \
@@ -20,10 +21,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 rc=$?
 echo "ll_ncu: ncu rc=$rc" | tee -a "$out/ncu.log"
 [ -f "$out/ll.ncu-rep" ] || exit 1
-"$ncu" --import "$out/ll.ncu-rep" --page details --csv >"$out/details.csv" 2>>"$out/ncu.log"
-"$ncu" --import "$out/ll.ncu-rep" --page raw --csv --metrics \
-  'regex:smsp__pcsamp_warps_issue_stalled_.*,gpu__time_duration.sum,launch__grid_size,launch__block_size,sm__warps_active.avg.pct_of_peak_sustained_active' \
-  >"$out/raw.csv" 2>>"$out/ncu.log"
+ncu_pages "$ncu" "$out/ll.ncu-rep" "$out"
 for k in ll_dispatch ll_combine; do
   "$ncu" --import "$out/ll.ncu-rep" --page source --csv --kernel-name regex:"$k" --print-source sass \
     >"$out/source-$k.csv" 2>>"$out/ncu.log" || echo "ll_ncu: no source page for $k" >>"$out/ncu.log"

@@ -58,6 +58,15 @@ __device__ __forceinline__ uint64_t ld_volatile(const uint64_t* p) {
   return *reinterpret_cast<const volatile uint64_t*>(p);
 }
 
+// Sum of v over the 32 lanes of a warp (every lane gets it; the whole warp must call it). Wrapping
+// sums give the same value in any order; a 64-bit shared-memory atomicAdd is a compare-and-swap
+// loop that serialises a block adding to one word (bench/LL_PROFILE.md, section 6).
+__device__ __forceinline__ uint64_t warp_sum_u64(uint64_t v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
 // One warp copies `n16` 16-byte words from `src` to `dst` (both 16-aligned): L2-only loads (peer
 // memory changes between ops, so no non-coherent cache path), kUnroll loads in flight per lane.
 template <int kUnroll>

@@ -59,7 +59,7 @@ __device__ __forceinline__ void dispatch_send(const Ctx& c, const Args& a) {
   __shared__ float s_w[kMaxRanks][kMaxLlTopk];
   __shared__ int64_t s_tok_e[kMaxLlTopk];
   __shared__ float s_tok_w[kMaxLlTopk];
-  __shared__ unsigned long long s_fp, s_fpw;  // block 0: fingerprints of topk_idx and topk_weights (kLlRouting)
+  __shared__ unsigned long long s_fp[kSendWarps], s_fpw[kSendWarps];  // block 0: per-warp shares of the routing fingerprints (kLlRouting)
   if (!begin_send(c, a, DEK_LL_KIND_DISPATCH, &s_seq, &s_skip)) return;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int R = c.num_ranks, E = a.num_experts, El = E / R, T = a.num_max_tokens, H = a.hidden, S = H / 128;
@@ -75,10 +75,10 @@ __device__ __forceinline__ void dispatch_send(const Ctx& c, const Args& a) {
     unsigned far = 0;
     for (int d = 0; d < R; ++d) far |= static_cast<unsigned>(remote(c, a, d)) << d;
     s_far = static_cast<int>(far);
-    s_fp = s_fpw = 0;
   }
   __syncthreads();
   const unsigned far = static_cast<unsigned>(s_far);
+  uint64_t fp = 0, fpw = 0;  // block 0: this thread's shares of the fingerprints of topk_idx and topk_weights
   for (int tok = tid; tok < N; tok += kSendThreads) {
     // The token's ids are loaded before any is used: one load latency instead of K in a chain.
     int64_t ids[kMaxLlTopk];
@@ -102,24 +102,34 @@ __device__ __forceinline__ void dispatch_send(const Ctx& c, const Args& a) {
       if (tok < t_begin) atomicAdd(&s_rc[d], 1);
     }
     if (blockIdx.x == 0) {
-      uint64_t h = 0, hw = 0;
 #pragma unroll
-      for (int k = 0; k < kMaxLlTopk; ++k) h += k < K ? routing_mix(static_cast<int64_t>(tok) * K + k, ids[k]) : 0;  // unrolled: ids stays in registers
+      for (int k = 0; k < kMaxLlTopk; ++k) fp += k < K ? routing_mix(static_cast<int64_t>(tok) * K + k, ids[k]) : 0;  // unrolled: ids stays in registers
       if (a.topk_weights != nullptr) {
         for (int k = 0; k < K; ++k) {
           const int64_t j = static_cast<int64_t>(tok) * K + k;
-          hw += routing_mix(j, __float_as_uint(a.topk_weights[j]));
+          fpw += routing_mix(j, __float_as_uint(a.topk_weights[j]));
         }
-        atomicAdd(&s_fpw, static_cast<unsigned long long>(hw));
       }
-      atomicAdd(&s_fp, static_cast<unsigned long long>(h));
+    }
+  }
+  if (blockIdx.x == 0) {  // the same for the whole block: every lane of every warp takes part
+    fp = warp_sum_u64(fp);
+    fpw = warp_sum_u64(fpw);
+    if (lane == 0) {
+      s_fp[warp] = fp;
+      s_fpw[warp] = fpw;
     }
   }
   __syncthreads();
   if (blockIdx.x == 0 && tid == 0) {
-    uint64_t* fp = at<uint64_t>(local(c), kLlRouting);
-    fp[a.half] = routing_seal(s_fp, N, K);
-    fp[4 + a.half] = a.topk_weights != nullptr ? routing_seal(s_fpw, N, K) : 0;
+    uint64_t h = 0, hw = 0;
+    for (int w = 0; w < kSendWarps; ++w) {
+      h += s_fp[w];
+      hw += s_fpw[w];
+    }
+    uint64_t* words = at<uint64_t>(local(c), kLlRouting);
+    words[a.half] = routing_seal(h, N, K);
+    words[4 + a.half] = a.topk_weights != nullptr ? routing_seal(hw, N, K) : 0;
   }
   const uint64_t recv = recv_off(a, a.half), msgs = recv + a.msgs_off;
   // Staging of remote messages (send half of this call): payload of token tok at tok * pay_stride.
@@ -404,7 +414,9 @@ extern "C" int dek_ll_dispatch_recv(const dek_ic_ctx_t* ctx, const dek_ll_args_t
       args->src_info == nullptr || args->layout_range == nullptr || (args->use_fp8 && args->recv_scales == nullptr))
     return static_cast<int>(cudaErrorInvalidValue);
   const int el = args->num_experts / ctx->num_ranks;
-  const int y = args->num_blocks > el ? (args->num_blocks + el - 1) / el : 1;
+  // At most num_blocks blocks (rounded down to whole columns): they are sized to be resident at
+  // once, and one block more than fits costs a second wave (288 x 2 = 576 > 528 on 132 SMs).
+  const int y = args->num_blocks > el ? args->num_blocks / el : 1;
   if (args->net != nullptr && args->net_kind == DEK_LL_NET_GIN) {
     ll_dispatch<GinNet><<<dim3(el, y), kLlThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args, DEK_LL_PHASE_RECV);
   } else {

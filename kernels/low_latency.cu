@@ -295,24 +295,32 @@ __device__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok,
 // [6 + half]; 0 = unknown). Others would silently sum the wrong rows or weights: reported
 // (DEK_IC_ERR_LL_ROUTING, raised at the next call), as the CPU backend raises at once.
 __device__ void check_routing(const Ctx& c, const Args& a, int half) {
-  __shared__ unsigned long long s_fp, s_fpw;
+  __shared__ unsigned long long s_fp[kReduceThreads / 32], s_fpw[kReduceThreads / 32];  // per-warp shares
   const uint64_t want = ld_volatile(at<uint64_t>(local(c), kLlRouting) + 2 + half);
   const uint64_t want_w = ld_volatile(at<uint64_t>(local(c), kLlRouting) + 6 + half);
   if (want == 0) return;  // the same word for every thread: the branch is uniform
-  if (threadIdx.x == 0) s_fp = s_fpw = 0;
-  __syncthreads();
   const int64_t nk = static_cast<int64_t>(a.num_tokens) * a.num_topk;
   uint64_t h = 0, hw = 0;
   for (int64_t j = threadIdx.x; j < nk; j += blockDim.x) {
     h += routing_mix(j, topk_at(a, j));
     if (want_w != 0) hw += routing_mix(j, __float_as_uint(a.topk_weights[j]));
   }
-  atomicAdd(&s_fp, static_cast<unsigned long long>(h));
-  atomicAdd(&s_fpw, static_cast<unsigned long long>(hw));
+  h = warp_sum_u64(h);
+  hw = warp_sum_u64(hw);
+  if (threadIdx.x % 32 == 0) {
+    s_fp[threadIdx.x / 32] = h;
+    s_fpw[threadIdx.x / 32] = hw;
+  }
   __syncthreads();
-  if (threadIdx.x == 0 && routing_seal(s_fp, a.num_tokens, a.num_topk) != want) {
+  if (threadIdx.x != 0) return;
+  h = hw = 0;
+  for (unsigned w = 0; w < blockDim.x / 32; ++w) {
+    h += s_fp[w];
+    hw += s_fpw[w];
+  }
+  if (routing_seal(h, a.num_tokens, a.num_topk) != want) {
     report(c, DEK_IC_ERR_LL_ROUTING, c.rank, DEK_IC_SITE_LL_COMBINE, a.num_tokens, a.num_topk, 0);
-  } else if (threadIdx.x == 0 && want_w != 0 && routing_seal(s_fpw, a.num_tokens, a.num_topk) != want_w) {
+  } else if (want_w != 0 && routing_seal(hw, a.num_tokens, a.num_topk) != want_w) {
     report(c, DEK_IC_ERR_LL_ROUTING, c.rank, DEK_IC_SITE_LL_COMBINE, a.num_tokens, a.num_topk, 1);
   }
 }
@@ -356,7 +364,8 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
       break;
     }
     if (got == 0) continue;  // shrink mode masked the rank: its experts are dropped below
-    atomicMax(&s_wait[w / El], static_cast<unsigned long long>(clock64() - t0));
+    // Only when asked: a 64-bit shared atomicMax is a compare-and-swap loop on one word.
+    if (a.wait_stats != nullptr) atomicMax(&s_wait[w / El], static_cast<unsigned long long>(clock64() - t0));
     if (blockIdx.x == 0 && w % El == 0 && !remote(c, a, w / El) &&
         !fmt_agrees(c, a, 1, s_half, w / El, fmt_combine(s_logfmt != 0, s_partial != 0), DEK_IC_SITE_LL_COMBINE)) {
       s_ok = 0;
@@ -408,12 +417,23 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
       float acc[8];
 #pragma unroll
       for (int u = 0; u < 8; ++u) acc[u] = 0.0f;
-      for (int k = 0; k < K; ++k) {
-        const int64_t e = s_e[k];
-        if (e < 0 || e >= E) continue;
-        const int4 v = __ldcg(reinterpret_cast<const int4*>(recv + (static_cast<uint64_t>(e) * T + tok) * row_bytes) + j);
-        const uint32_t wv[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z), static_cast<uint32_t>(v.w)};
-        fma_bf16x8(acc, wv, s_w[k]);
+      // kRowBatch rows' loads in flight before their FMAs (each load used at once made K serial
+      // latencies); the FMAs keep the order k = 0, 1, ... so the sums are unchanged.
+      constexpr int kRowBatch = 4;
+      for (int k0 = 0; k0 < K; k0 += kRowBatch) {
+        int4 v[kRowBatch];
+#pragma unroll
+        for (int u = 0; u < kRowBatch; ++u) {
+          const int64_t e = k0 + u < K ? s_e[k0 + u] : -1;
+          if (e >= 0 && e < E) v[u] = __ldcg(reinterpret_cast<const int4*>(recv + (static_cast<uint64_t>(e) * T + tok) * row_bytes) + j);
+        }
+#pragma unroll
+        for (int u = 0; u < kRowBatch; ++u) {
+          const int64_t e = k0 + u < K ? s_e[k0 + u] : -1;
+          if (e < 0 || e >= E) continue;
+          const uint32_t wv[4] = {static_cast<uint32_t>(v[u].x), static_cast<uint32_t>(v[u].y), static_cast<uint32_t>(v[u].z), static_cast<uint32_t>(v[u].w)};
+          fma_bf16x8(acc, wv, s_w[k0 + u]);
+        }
       }
       reinterpret_cast<int4*>(a.out + static_cast<int64_t>(tok) * H)[j] = pack_bf16x8(acc);
     }

@@ -265,7 +265,8 @@ __device__ bool fmt_agrees(const Ctx& c, const Args& a, int kind, int half, int 
   uint32_t w[4];  // the slot in one 16-byte volatile load (it is 16-aligned) instead of four in a chain
   asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
-               : "l"(at<const uint32_t>(local(c), fmt_slot(kind, half, s))));
+               : "l"(at<const uint32_t>(local(c), fmt_slot(kind, half, s)))
+               : "memory");  // after the wait's acquire load, as the volatile loads it replaces
   const uint32_t mine[4] = {flags, static_cast<uint32_t>(a.hidden), static_cast<uint32_t>(a.num_max_tokens), static_cast<uint32_t>(a.num_experts)};
   for (int i = 0; i < 4; ++i) {
     const uint32_t theirs = w[i];

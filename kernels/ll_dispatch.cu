@@ -57,8 +57,6 @@ __device__ __forceinline__ void dispatch_send(const Ctx& c, const Args& a) {
   __shared__ int s_rc[kMaxRanks], s_rct[kMaxRanks], s_mask[kMaxRanks], s_n[kMaxRanks], s_msg[kMaxRanks];
   __shared__ uint32_t s_ent[kMaxRanks][kMaxLlTopk];
   __shared__ float s_w[kMaxRanks][kMaxLlTopk];
-  __shared__ int64_t s_tok_e[kMaxLlTopk];
-  __shared__ float s_tok_w[kMaxLlTopk];
   __shared__ unsigned long long s_fp[kSendWarps], s_fpw[kSendWarps];  // block 0: per-warp shares of the routing fingerprints (kLlRouting)
   if (!begin_send(c, a, DEK_LL_KIND_DISPATCH, &s_seq, &s_skip)) return;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -137,30 +135,37 @@ __device__ __forceinline__ void dispatch_send(const Ctx& c, const Args& a) {
   const int gpw = (S + kSendWarps - 1) / kSendWarps, g_lo = min(S, warp * gpw), g_hi = min(S, g_lo + gpw);
   constexpr int kBatch = 8;
   for (int tok = t_begin; tok < t_end; ++tok) {
-    // The token's ids and weights land in shared memory in one load latency (thread 0's routing
-    // below is sequential: loading them there cost two latencies per selection).
-    if (tid < K) {
-      s_tok_e[tid] = topk_at(a, static_cast<int64_t>(tok) * K + tid);
-      s_tok_w[tid] = a.topk_weights != nullptr ? a.topk_weights[static_cast<int64_t>(tok) * K + tid] : 0.0f;
-    }
-    __syncthreads();
-    if (tid == 0) {
-      unsigned dm = 0;
-      for (int d = 0; d < R; ++d) s_n[d] = 0;
-      for (int k = 0; k < K; ++k) {
-        const int64_t e = s_tok_e[k];
-        if (e < 0 || e >= E || s_mask[e / El]) continue;
-        const int d = static_cast<int>(e / El), l = static_cast<int>(e % El), slot = s_before[e]++;
-        dm |= 1u << d;  // as counted in s_rc: a message even if every selection overflows
-        if (slot >= T) continue;  // overflow: reported by the last block, the selection is dropped
-        s_ent[d][s_n[d]] = (static_cast<uint32_t>(l) << 16) | static_cast<uint32_t>(slot);
-        s_w[d][s_n[d]] = s_tok_w[k];
-        ++s_n[d];
+    // Warp 0 routes the token, lane k its selection k (was thread 0 alone, with the other warps
+    // waiting: the largest part of a 1-token send, bench/LL_PROFILE.md section 2). Same result as
+    // taking the selections in order k = 0, 1, ...: an expert's slot counts its earlier selections
+    // (of this token: the lanes below with the same expert), d's list keeps k order.
+    if (warp == 0) {
+      const unsigned below = (1u << lane) - 1u;
+      const int64_t j = static_cast<int64_t>(tok) * K + lane;
+      const int64_t e = lane < K ? topk_at(a, j) : -1;
+      const float w = lane < K && a.topk_weights != nullptr ? a.topk_weights[j] : 0.0f;
+      const bool in_range = e >= 0 && e < E;
+      const int ei = in_range ? static_cast<int>(e) : 0, d = ei / El;
+      const bool routed = in_range && !s_mask[d];  // not dropped (no expert, or a masked rank's)
+      // Lanes routed to the same expert: a key no other lane has when not routed.
+      const unsigned same_e = __match_any_sync(0xffffffffu, routed ? ei : -1 - lane);
+      const int before = routed ? s_before[ei] : 0;
+      const int slot = before + __popc(same_e & below);
+      __syncwarp();
+      if (routed && (same_e & below) == 0) s_before[ei] = before + __popc(same_e);  // the group's first lane
+      const unsigned dm = __reduce_or_sync(0xffffffffu, routed ? 1u << d : 0u);  // a message even if every selection overflows
+      const bool kept = routed && slot < T;  // overflow: reported by the last block, the selection is dropped
+      const unsigned same_d = __match_any_sync(0xffffffffu, kept ? d : -1 - lane);
+      if (lane < R) s_n[lane] = 0;
+      __syncwarp();
+      if (kept) {
+        const int pos = __popc(same_d & below);
+        s_ent[d][pos] = (static_cast<uint32_t>(ei % El) << 16) | static_cast<uint32_t>(slot);
+        s_w[d][pos] = w;
+        if ((same_d & below) == 0) s_n[d] = __popc(same_d);
       }
-      for (int d = 0; d < R; ++d) {
-        if (dm >> d & 1) s_msg[d] = s_rc[d]++;
-      }
-      s_dmask = static_cast<int>(dm);
+      if (lane < R && (dm >> lane & 1)) s_msg[lane] = s_rc[lane]++;
+      if (lane == 0) s_dmask = static_cast<int>(dm);
     }
     __syncthreads();
     const unsigned dm = static_cast<unsigned>(s_dmask);

@@ -42,7 +42,7 @@ __device__ __forceinline__ uint32_t cast_group_fp8(uint2 v, bool round_scale, fl
 // Block b owns tokens [b*per, (b+1)*per). Every block first counts, in shared memory, the
 // selections of each expert over all tokens (s_total, for the signals) and over the tokens before
 // its own (s_before: the expert slots), and the messages each rank gets from those earlier tokens
-// (s_rc: message slots). Then per token (in order) thread 0 routes its top-k entries (slot order =
+// (s_rc: message slots). Then per token (in order) warp 0 routes its top-k entries (slot order =
 // (token, k) order, as the CPU backend's), and the warps split the token's 128-channel groups:
 // each group is loaded (and cast to FP8) once and stored into every destination's message. The
 // last block to finish release-stores every (rank, local expert) count. A destination outside the
@@ -77,36 +77,38 @@ __device__ __forceinline__ void dispatch_send(const Ctx& c, const Args& a) {
   __syncthreads();
   const unsigned far = static_cast<unsigned>(s_far);
   uint64_t fp = 0, fpw = 0;  // block 0: this thread's shares of the fingerprints of topk_idx and topk_weights
-  for (int tok = tid; tok < N; tok += kSendThreads) {
-    // The token's ids are loaded before any is used: one load latency instead of K in a chain.
-    int64_t ids[kMaxLlTopk];
-#pragma unroll
-    for (int k = 0; k < kMaxLlTopk; ++k) ids[k] = k < K ? topk_at(a, static_cast<int64_t>(tok) * K + k) : -1;
-    unsigned dm = 0;
-#pragma unroll
-    for (int k = 0; k < kMaxLlTopk; ++k) {
-      const int64_t e = ids[k];
+  // One top-k entry per lane (was one token per thread, whose serial 16-way loop was the largest
+  // part of a 1-token send: bench/LL_PROFILE.md section 2). A token's entries sit in one aligned
+  // group of kp lanes (kp = K rounded up to a power of 2), so the ranks it sends to are one OR
+  // across the group; counts are sums, the same in any order.
+  const int kp = K <= 1 ? 1 : 1 << (32 - __clz(K - 1));
+  const int per_warp = 32 / kp, k = lane % kp;
+  for (int t0 = warp * per_warp; t0 < N; t0 += kSendWarps * per_warp) {  // the same bounds for the whole warp
+    const int tok = t0 + lane / kp;
+    const bool entry = tok < N && k < K;
+    const int64_t j = static_cast<int64_t>(tok) * K + k;
+    const int64_t e = entry ? topk_at(a, j) : -1;
+    unsigned bits = 0;
+    if (entry) {
       if ((e < -1 || e >= E) && blockIdx.x == 0) {  // raised at the next call (the cpu backend raises at once)
         report(c, DEK_IC_ERR_EXPERT_ID, c.rank, DEK_IC_SITE_LL_DISPATCH, static_cast<int>(max(min(e, int64_t{INT32_MAX}), int64_t{INT32_MIN})), E);
       }
-      if (e < 0 || e >= E || s_mask[e / El]) continue;  // no expert, or one of a masked rank: dropped
-      atomicAdd(&s_total[e], 1);
-      if (tok < t_begin) atomicAdd(&s_before[e], 1);
-      dm |= 1u << (e / El);
+      if (e >= 0 && e < E && !s_mask[e / El]) {  // else no expert, or one of a masked rank: dropped
+        atomicAdd(&s_total[e], 1);
+        if (tok < t_begin) atomicAdd(&s_before[e], 1);
+        bits = 1u << (e / El);
+      }
+      if (blockIdx.x == 0) {
+        fp += routing_mix(j, e);
+        if (a.topk_weights != nullptr) fpw += routing_mix(j, __float_as_uint(a.topk_weights[j]));
+      }
     }
-    for (int d = 0; d < R; ++d) {
-      if (!(dm >> d & 1)) continue;
-      atomicAdd(&s_rct[d], 1);
-      if (tok < t_begin) atomicAdd(&s_rc[d], 1);
-    }
-    if (blockIdx.x == 0) {
-#pragma unroll
-      for (int k = 0; k < kMaxLlTopk; ++k) fp += k < K ? routing_mix(static_cast<int64_t>(tok) * K + k, ids[k]) : 0;  // unrolled: ids stays in registers
-      if (a.topk_weights != nullptr) {
-        for (int k = 0; k < K; ++k) {
-          const int64_t j = static_cast<int64_t>(tok) * K + k;
-          fpw += routing_mix(j, __float_as_uint(a.topk_weights[j]));
-        }
+    for (int o = 1; o < kp; o <<= 1) bits |= __shfl_xor_sync(0xffffffffu, bits, o);  // within the token's group
+    if (entry && k == 0) {
+      for (unsigned dm = bits; dm != 0; dm &= dm - 1) {
+        const int d = __ffs(dm) - 1;
+        atomicAdd(&s_rct[d], 1);
+        if (tok < t_begin) atomicAdd(&s_rc[d], 1);
       }
     }
   }

@@ -58,6 +58,13 @@ __device__ __forceinline__ uint64_t ld_volatile(const uint64_t* p) {
   return *reinterpret_cast<const volatile uint64_t*>(p);
 }
 
+// Release/acquire fence at system scope (`fence.acq_rel.sys`): what a flag protocol needs (stores
+// before it are seen before stores after it, by peers that acquire). `__threadfence_system()` is
+// `fence.sc.sys`, a sequentially consistent fence that also orders stores before later loads,
+// which no signal here relies on, and is the costliest instruction of the LL send kernels
+// (bench/LL_PROFILE.md, sections 2 and 4).
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
 // Sum of v over the 32 lanes of a warp (every lane gets it; the whole warp must call it). Wrapping
 // sums give the same value in any order; a 64-bit shared-memory atomicAdd is a compare-and-swap
 // loop that serialises a block adding to one word (bench/LL_PROFILE.md, section 6).

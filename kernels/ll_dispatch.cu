@@ -245,19 +245,19 @@ __device__ __forceinline__ void dispatch_send(const Ctx& c, const Args& a) {
   // the barrier made it see (the grid-sync pattern) without 256 fences waiting on NVLink each.
   __syncthreads();
   if (tid == 0) {
-    __threadfence_system();
+    fence_acq_rel_sys();
     s_last = atomicAdd(at<unsigned int>(local(c), kLlDone), 1u) == gridDim.x - 1;
   }
   __syncthreads();
   if (!s_last) return;
-  __threadfence_system();
+  fence_acq_rel_sys();
   // Message counts (read by a partial combine) before the signals (remote: staged).
   if (tid < R && !s_mask[tid]) {
     char* cnt = far >> tid & 1 ? local(c) + stage + a.stage_cnt_off + 4 * tid : window(c, tid) + recv + 4 * c.rank;
     *reinterpret_cast<uint32_t*>(cnt) = static_cast<uint32_t>(s_rct[tid]);
     if (!(far >> tid & 1)) put_fmt(c, a, 0, tid, fmt_dispatch(a));
   }
-  __threadfence_system();
+  fence_acq_rel_sys();
   __syncthreads();
   if (warp < R && (far >> warp & 1) && !s_mask[warp]) {  // warp d: d's count and index rows, then its signals
     const int d = warp;

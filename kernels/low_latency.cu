@@ -93,7 +93,7 @@ __device__ __forceinline__ void combine_send(const Ctx& c, const Args& a) {
   __syncthreads();
   if (tid == 0 && !dead) {
     if (l == 0 && !remote(c, a, s)) put_fmt(c, a, 1, s, fmt_combine((a.flags & DEK_LL_FLAG_LOGFMT) != 0, false));
-    __threadfence_system();  // one cumulative fence per block (see dispatch_send in ll_dispatch.cu)
+    fence_acq_rel_sys();  // one cumulative fence per block (see dispatch_send in ll_dispatch.cu)
     uint32_t* word = at<uint32_t>(peer, sig_off(a, a.half) + static_cast<uint64_t>(c.rank * El + l) * 4);
     raise_to<Net>(c, a, s, word, kSeamCombine, a.half, l, tag(s_seq, 0));
   }
@@ -215,13 +215,13 @@ __device__ __forceinline__ void combine_send_partial(const Ctx& c, const Args& a
   if (seam && tid < 32) flush_net<Net>(c, a, tid);
   __syncthreads();
   if (tid == 0) {
-    __threadfence_system();  // one cumulative fence per block (see dispatch_send in ll_dispatch.cu)
+    fence_acq_rel_sys();  // one cumulative fence per block (see dispatch_send in ll_dispatch.cu)
     s_last = atomicAdd(at<unsigned int>(local(c), kLlDone), 1u) == gridDim.x * gridDim.y - 1;
   }
   __syncthreads();
   if (!s_last) return;
   if (tid < R && !rank_masked(a, tid) && !remote(c, a, tid)) put_fmt(c, a, 1, tid, fmt_combine(false, true));
-  __threadfence_system();
+  fence_acq_rel_sys();
   if (tid < R && !rank_masked(a, tid)) {
     raise_to<Net>(c, a, tid, at<uint32_t>(window(c, tid), sig_off(a, a.half) + static_cast<uint64_t>(c.rank * El) * 4), kSeamCombine, a.half, 0, tag(s_seq, 0));
   }

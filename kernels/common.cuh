@@ -74,6 +74,23 @@ __device__ __forceinline__ uint64_t warp_sum_u64(uint64_t v) {
   return v;
 }
 
+// Block sums of two u64 values, in two halves around the caller's __syncthreads(): the whole warp
+// calls warp_shares_u64 (its lane 0 stores the warp's sums at [warp] of `s0` and `s1`, shared
+// memory of a slot per warp), then one thread adds the `warps` shares with shares_sum_u64.
+__device__ __forceinline__ void warp_shares_u64(uint64_t v0, uint64_t v1, unsigned long long* s0, unsigned long long* s1) {
+  v0 = warp_sum_u64(v0);
+  v1 = warp_sum_u64(v1);
+  if (threadIdx.x % 32 == 0) {
+    s0[threadIdx.x / 32] = v0;
+    s1[threadIdx.x / 32] = v1;
+  }
+}
+__device__ __forceinline__ uint64_t shares_sum_u64(const unsigned long long* s, int warps) {
+  uint64_t v = 0;
+  for (int w = 0; w < warps; ++w) v += s[w];
+  return v;
+}
+
 // One warp copies `n16` 16-byte words from `src` to `dst` (both 16-aligned): L2-only loads (peer
 // memory changes between ops, so no non-coherent cache path), kUnroll loads in flight per lane.
 template <int kUnroll>

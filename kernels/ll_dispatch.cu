@@ -112,24 +112,12 @@ __device__ __forceinline__ void dispatch_send(const Ctx& c, const Args& a) {
       }
     }
   }
-  if (blockIdx.x == 0) {  // the same for the whole block: every lane of every warp takes part
-    fp = warp_sum_u64(fp);
-    fpw = warp_sum_u64(fpw);
-    if (lane == 0) {
-      s_fp[warp] = fp;
-      s_fpw[warp] = fpw;
-    }
-  }
+  if (blockIdx.x == 0) warp_shares_u64(fp, fpw, s_fp, s_fpw);  // uniform in the block: every lane takes part
   __syncthreads();
   if (blockIdx.x == 0 && tid == 0) {
-    uint64_t h = 0, hw = 0;
-    for (int w = 0; w < kSendWarps; ++w) {
-      h += s_fp[w];
-      hw += s_fpw[w];
-    }
     uint64_t* words = at<uint64_t>(local(c), kLlRouting);
-    words[a.half] = routing_seal(h, N, K);
-    words[4 + a.half] = a.topk_weights != nullptr ? routing_seal(hw, N, K) : 0;
+    words[a.half] = routing_seal(shares_sum_u64(s_fp, kSendWarps), N, K);
+    words[4 + a.half] = a.topk_weights != nullptr ? routing_seal(shares_sum_u64(s_fpw, kSendWarps), N, K) : 0;
   }
   const uint64_t recv = recv_off(a, a.half), msgs = recv + a.msgs_off;
   // Staging of remote messages (send half of this call): payload of token tok at tok * pay_stride.

@@ -305,19 +305,11 @@ __device__ void check_routing(const Ctx& c, const Args& a, int half) {
     h += routing_mix(j, topk_at(a, j));
     if (want_w != 0) hw += routing_mix(j, __float_as_uint(a.topk_weights[j]));
   }
-  h = warp_sum_u64(h);
-  hw = warp_sum_u64(hw);
-  if (threadIdx.x % 32 == 0) {
-    s_fp[threadIdx.x / 32] = h;
-    s_fpw[threadIdx.x / 32] = hw;
-  }
+  warp_shares_u64(h, hw, s_fp, s_fpw);
   __syncthreads();
   if (threadIdx.x != 0) return;
-  h = hw = 0;
-  for (unsigned w = 0; w < blockDim.x / 32; ++w) {
-    h += s_fp[w];
-    hw += s_fpw[w];
-  }
+  h = shares_sum_u64(s_fp, blockDim.x / 32);
+  hw = shares_sum_u64(s_fpw, blockDim.x / 32);
   if (routing_seal(h, a.num_tokens, a.num_topk) != want) {
     report(c, DEK_IC_ERR_LL_ROUTING, c.rank, DEK_IC_SITE_LL_COMBINE, a.num_tokens, a.num_topk, 0);
   } else if (want_w != 0 && routing_seal(hw, a.num_tokens, a.num_topk) != want_w) {

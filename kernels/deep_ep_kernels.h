@@ -153,19 +153,22 @@ typedef struct {
 #define DEK_IC_SITE_IN_COMBINE 17 /* internode combine: start barrier and count exchange */
 #define DEK_IC_SITE_IN_COMBINE_DATA 18 /* internode combine: node barrier before the forwarders, partials wait */
 
-/* The buffer as kernels see it. peer_base is indexed by world rank, so a buffer has at most
- * DEK_IC_MAX_RANKS ranks in all, internode included. */
+/* The buffer as kernels see it. peer_base holds the ranks of this rank's NVLink domain, indexed
+ * by domain-local index (world rank nvl_first + i at [i]), so a domain has at most
+ * DEK_IC_MAX_RANKS ranks; the buffer as a whole is still limited to DEK_IC_MAX_RANKS too
+ * (docs/RANKS.md, step 2 of lifting it). */
 typedef struct {
-  void* peer_base[DEK_IC_MAX_RANKS]; /* window base of rank p, valid on this GPU (NVLink) */
+  void* peer_base[DEK_IC_MAX_RANKS]; /* window base of world rank nvl_first + i, valid on this GPU (NVLink) */
   int32_t rank, num_ranks;               /* 1 <= num_ranks <= DEK_IC_MAX_RANKS */
   uint64_t window_bytes;
   dek_ic_host_status_t* host_status; /* device pointer of the mapped block */
   uint64_t timeout_ns;                   /* barrier deadline (globaltimer ns) */
   int32_t num_sms;                       /* SMs of this GPU, queried once at creation (0 = unknown) */
   /* 0: peer_base holds every rank. D (1 <= D < num_ranks, dividing it): an internode buffer over
-   * NVLink domains of D consecutive ranks; peer_base holds the ranks of this rank's domain only
-   * and is NULL for every other rank (reached through the transport seam alone). */
+   * NVLink domains of D consecutive ranks; peer_base holds the D ranks of this rank's domain only
+   * (the other ranks are reached through the transport seam alone; entries from D on are NULL). */
   int32_t nvl_ranks;
+  int32_t nvl_first; /* first world rank of this rank's domain: rank / D * D (0 when nvl_ranks is 0) */
 } dek_ic_ctx_t;
 
 /* Sections of a staged op (byte offsets into the rank's own window; 0 = absent). */

@@ -396,8 +396,9 @@ bool args_ok(const Ctx* c, const Args* a) {
   if (a->lsa.num_ranks != R || a->lsa.rank != c->rank || a->lsa.num_contexts < 1 || a->lsa.signal_off != kSigOff ||
       a->lsa.num_signals < kNumSignals)
     return false;
-  for (int p = 0; p < R; ++p) {
-    if (c->peer_base[p] != nullptr && a->lsa.peer_base[p] != c->peer_base[p]) return false;  // NULL: another domain
+  const int domain = c->nvl_ranks > 0 ? c->nvl_ranks : R;
+  for (int i = 0; i < domain; ++i) {  // the own domain's windows (local index i) are the emulation's too
+    if (a->lsa.peer_base[c->nvl_first + i] != c->peer_base[i]) return false;
   }
   return true;
 }

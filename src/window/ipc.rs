@@ -188,8 +188,9 @@ impl Window {
         let map = PeerMap::new(OP, a.rank, a.num_ranks, a.nvl_domain, a.num_ranks, a.rank, false)?;
         (w.ctx.peer_base, w.lsa_base) = map.spread(&ptrs);
         w.ctx.nvl_ranks = map.ctx_nvl_ranks as i32;
+        w.ctx.nvl_first = map.ctx_first() as i32;
         if let Some(stride) = a.transport_self_test {
-            let full = Ctx { peer_base: w.lsa_base, nvl_ranks: 0, ..w.ctx };
+            let full = Ctx { peer_base: w.lsa_base, nvl_ranks: 0, nvl_first: 0, ..w.ctx };
             let stream = Stream::new(OP)?;
             // SAFETY: launch contract: the ctx of this live window, zeroed and past the host rendezvous.
             unsafe { crate::kernels::transport::lsa_self_test_run(OP, &full, stride, a.timeout_ns, stream.raw()) }?;

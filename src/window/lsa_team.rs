@@ -99,18 +99,25 @@ impl PeerMap {
         p < self.num_ranks && (self.ctx_nvl_ranks == 0 || p / self.ctx_nvl_ranks == self.rank / self.ctx_nvl_ranks)
     }
 
-    /// From the team's window pointers in LSA order (`lsa[i]` of LSA rank `i`): `(ctx, lsa)` by
-    /// world rank, where `ctx` holds the ranks of [`PeerMap::in_ctx`] (NULL elsewhere) and `lsa`
-    /// every rank of the team (for the LSA emulation's descriptor and self-test).
+    /// The first world rank of the ranks the kernels address ([`Ctx::nvl_first`](crate::kernels::intranode::Ctx)).
+    pub fn ctx_first(&self) -> usize {
+        self.rank.checked_div(self.ctx_nvl_ranks).map_or(0, |node| node * self.ctx_nvl_ranks)
+    }
+
+    /// From the team's window pointers in LSA order (`lsa[i]` of LSA rank `i`): `(ctx, lsa)`,
+    /// where `ctx` holds the ranks of [`PeerMap::in_ctx`] by local index (`ctx[i]` is world rank
+    /// [`PeerMap::ctx_first`] + i; NULL after them) and `lsa` every rank of the team by world rank
+    /// (for the LSA emulation's descriptor and self-test).
     pub fn spread(&self, lsa: &[*mut c_void]) -> ([*mut c_void; MAX_RANKS], [*mut c_void; MAX_RANKS]) {
         let mut by_world = [std::ptr::null_mut(); MAX_RANKS];
         for (i, &b) in lsa.iter().take(self.lsa_size).enumerate() {
             by_world[self.lsa_first + i] = b;
         }
         let mut ctx = [std::ptr::null_mut(); MAX_RANKS];
-        for (p, c) in ctx.iter_mut().enumerate().take(self.num_ranks) {
+        let first = self.ctx_first();
+        for (p, &b) in by_world.iter().enumerate().take(self.num_ranks) {
             if self.in_ctx(p) {
-                *c = by_world[p];
+                ctx[p - first] = b;
             }
         }
         (ctx, by_world)
@@ -158,14 +165,16 @@ mod tests {
             assert_eq!((m.lsa_first, m.ctx_nvl_ranks), (0, 2));
             assert_eq!((0..4).map(|p| m.in_ctx(p)).collect::<Vec<_>>(), vec![false, false, true, true]);
             let (ctx, lsa) = m.spread(&[ptr(10), ptr(11), ptr(12), ptr(13)]);
-            assert_eq!(&ctx[..4], &[ptr(0), ptr(0), ptr(12), ptr(13)]);
+            assert_eq!(m.ctx_first(), 2);
+            assert_eq!(&ctx[..4], &[ptr(12), ptr(13), ptr(0), ptr(0)]); // by local index from rank 2
             assert_eq!(&lsa[..4], &[ptr(10), ptr(11), ptr(12), ptr(13)]);
             assert!(m.whole_buffer());
         }
         // 4 x 1: only the own window.
         let m = PeerMap::new(OP, 1, 4, 1, 4, 1, false).unwrap();
         let (ctx, _) = m.spread(&[ptr(10), ptr(11), ptr(12), ptr(13)]);
-        assert_eq!(&ctx[..4], &[ptr(0), ptr(11), ptr(0), ptr(0)]);
+        assert_eq!(m.ctx_first(), 1);
+        assert_eq!(&ctx[..4], &[ptr(11), ptr(0), ptr(0), ptr(0)]);
     }
 
     #[test]
@@ -175,8 +184,9 @@ mod tests {
         assert_eq!((m.lsa_first, m.lsa_size, m.ctx_nvl_ranks), (4, 4, 4));
         assert!(!m.whole_buffer());
         let (ctx, lsa) = m.spread(&[ptr(20), ptr(21), ptr(22), ptr(23)]);
-        assert_eq!(ctx, lsa);
-        assert_eq!(ctx, [ptr(0), ptr(0), ptr(0), ptr(0), ptr(20), ptr(21), ptr(22), ptr(23)]);
+        assert_eq!(m.ctx_first(), 4);
+        assert_eq!(lsa, [ptr(0), ptr(0), ptr(0), ptr(0), ptr(20), ptr(21), ptr(22), ptr(23)]);
+        assert_eq!(ctx, [ptr(20), ptr(21), ptr(22), ptr(23), ptr(0), ptr(0), ptr(0), ptr(0)]);
         // The same team without GIN: the emulation cannot reach the other node.
         let e = PeerMap::new(OP, 6, 8, 4, 4, 2, false).unwrap_err().to_string();
         assert!(e.contains("LSA emulation") && e.contains("needs all 8 ranks") && e.contains("DEEP_EP_RDMA_TRANSPORT=gin"), "{e}");

@@ -187,8 +187,9 @@ impl Window {
         cuda_check(st, OP, "reading the window's peer pointers")?;
         (w.ctx.peer_base, w.lsa_base) = map.spread(&lsa);
         w.ctx.nvl_ranks = map.ctx_nvl_ranks as i32;
+        w.ctx.nvl_first = map.ctx_first() as i32;
         crate::ensure!(
-            (0..a.num_ranks).all(|p| w.ctx.peer_base[p].is_null() != map.in_ctx(p)),
+            (0..a.num_ranks).all(|p| w.ctx.base_of(p).is_null() != map.in_ctx(p)),
             OP,
             "NCCL gave no window pointer for a rank of this NVLink domain"
         );
@@ -206,7 +207,7 @@ impl Window {
             // After the rendezvous: every rank's signals are zero. The self-test runs over the
             // LSA emulation, on every rank's window (not only the kernels' own domain).
             crate::ensure!(map.whole_buffer(), OP, "DEEP_EP_TRANSPORT_SELFTEST runs over the LSA emulation and needs every rank in NCCL's LSA team ({} of {} here): unset it across machines", map.lsa_size, a.num_ranks);
-            let full = Ctx { peer_base: w.lsa_base, nvl_ranks: 0, ..w.ctx };
+            let full = Ctx { peer_base: w.lsa_base, nvl_ranks: 0, nvl_first: 0, ..w.ctx };
             // SAFETY: launch contract: the ctx of this live window, zeroed and past the host rendezvous.
             unsafe { crate::kernels::transport::lsa_self_test_run(OP, &full, stride, a.timeout_ns, stream.raw()) }?;
         }

@@ -86,7 +86,7 @@ pub fn new_ctx(rank: usize, num_ranks: usize, bytes: usize, timeout_ns: u64, num
 /// zeroed yet.
 ///
 /// # Safety
-/// `ctx.peer_base[ctx.rank]` is this rank's live window of `ctx.window_bytes` bytes.
+/// `ctx.own_base()` is this rank's live window of `ctx.window_bytes` bytes.
 pub unsafe fn attach_status_and_zero(op: &'static str, ctx: &mut Ctx, stream: &Stream) -> Result<HostStatus> {
     let status = HostStatus::new(op)?;
     ctx.host_status = status.device_ptr().cast();

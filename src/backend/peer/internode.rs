@@ -150,11 +150,7 @@ impl PeerBackend {
         let nr = self.info.num_ranks;
         let net = self.ht_net(op)?;
         // GIN: the descriptor in this rank's own window (written, and checked to fit, at creation).
-        let net_ptr = if net.kind == NET_GIN {
-            (ctx.peer_base[ctx.rank as usize] as *const u8).wrapping_add(net.desc_off).cast()
-        } else {
-            std::ptr::null()
-        };
+        let net_ptr = if net.kind == NET_GIN { (ctx.own_base() as *const u8).wrapping_add(net.desc_off).cast() } else { std::ptr::null() };
         let mut lsa = LsaDesc {
             peer_base: [std::ptr::null_mut(); MAX_LSA_PEERS],
             rank: ctx.rank,

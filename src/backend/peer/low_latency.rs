@@ -184,7 +184,7 @@ impl PeerBackend {
                 "internal: seam area outside the window of {} bytes",
                 self.window.bytes()
             );
-            net = (self.window.ctx().peer_base[self.info.rank] as *const u8).wrapping_add(seam.layout.desc_off).cast();
+            net = (self.window.ctx().own_base() as *const u8).wrapping_add(seam.layout.desc_off).cast();
             shadow_off = seam.layout.shadow_off as u64;
             nvl_domain = seam.nvl_domain as i32;
             net_kind = seam.kind;
@@ -451,7 +451,7 @@ impl LowLatencyMode for PeerBackend {
             (self.info.num_ranks as i64, (g.num_experts / self.info.num_ranks) as i64, a.num_max_tokens as i64, a.hidden as i64);
         let (rt, m) = (r * t, h + h / 128 * 2);
         let off = a.ll_off + 2 * a.signal_bytes + self.ll.next_half as u64 * a.send_bytes;
-        let base = self.window.ctx().peer_base[self.info.rank] as *mut u8;
+        let base = self.window.ctx().own_base() as *mut u8;
         let ptr = base.wrapping_add(off as usize);
         // The view may outlive the buffer (torch's stable ABI gives no deleter to tell us).
         self.window.keep_memory();

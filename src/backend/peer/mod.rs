@@ -85,8 +85,7 @@ fn split_setup(
 ) -> Result<()> {
     use crate::kernels::global_barrier;
     let ctx = window.ctx();
-    let n = ctx.num_ranks as usize;
-    let own: Vec<usize> = (0..n).filter(|&p| !ctx.peer_base[p].is_null()).collect();
+    let own = ctx.addressed_ranks();
     let domain: Vec<usize> = topo.nvl_peers().collect();
     crate::ensure!(
         own == domain && ctx.nvl_ranks as usize == topo.num_nvl_ranks(),
@@ -272,7 +271,7 @@ impl PeerBackend {
     /// Device pointer of the LL kernels' copy of the rank mask (`int32_t[MAX_RANKS]`, 1 = masked,
     /// at `LL_MASK_OFF` of this rank's window, zero at creation), for the LL kernels' arguments.
     pub fn ll_mask_device_ptr(&self) -> *mut std::ffi::c_void {
-        let base = self.window.ctx().peer_base[self.info.rank] as *mut u8;
+        let base = self.window.ctx().own_base() as *mut u8;
         base.wrapping_add(crate::kernels::low_latency::LL_MASK_OFF).cast()
     }
 

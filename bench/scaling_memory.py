@@ -200,9 +200,9 @@ def creation_check(num_ranks: int, nvl: int, rdma: int, low_latency: bool) -> st
 # create, src/backend/peer/ll_seam.rs SeamLayout, kernels/deep_ep_kernels.h). The nccl backend
 # refuses buffers of more than 8 ranks today (src/backend/peer/mod.rs, MAX_RANKS): these are
 # the bytes the current layout would take once that limit is lifted (docs/RANKS.md).
-CONTROL_BYTES = 65536  # DEK_IC_CONTROL_BYTES
+CONTROL_BYTES = 128 << 10  # DEK_IC_CONTROL_BYTES
 IN_CTRL_OFF = CONTROL_BYTES + (256 << 10)  # DEK_IN_CTRL_OFF
-IN_CTRL_BYTES = 128 << 10  # DEK_IN_CTRL_BYTES
+IN_CTRL_BYTES = 1536 << 10  # DEK_IN_CTRL_BYTES (per-rank tables sized for 256 ranks)
 LL_SIGNALS = 4 * 2048  # signals::LL_SIGNALS
 SEAM_BYTES = 4096 + 8 * LL_SIGNALS + 8 * 2 * LL_SIGNALS  # DESC_BYTES + shadows + 2 LSA signal tables
 

@@ -133,7 +133,7 @@ mod tests {
         assert_eq!(gin, crate::kernels::transport::gin_net_layout().bytes);
         // Between the intranode scratch and the LL scratch (kLlCalls = CONTROL_BYTES - 1024).
         const { assert!(DESC_OFF + DESC_BYTES <= CONTROL_BYTES - 1024 && SIGNAL_OFF + 8 * SIGNALS <= DESC_OFF) };
-        const { assert!(crate::kernels::low_latency::LL_MASK_OFF >= DESC_OFF + DESC_BYTES) };
+        const { assert!(DEK_IC_RANK_TABLES_END as usize <= AREA_OFF) };
     }
 
     #[test]

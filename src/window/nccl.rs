@@ -366,7 +366,9 @@ mod tests {
             lsa_size: 4,
             gin_context_count: contexts,
             gin_type: 3,
-            gin_signal_count: 8192 + 16 + 8,
+            gin_signal_count: (crate::backend::peer::signals::LL_SIGNALS
+                + crate::kernels::internode::SEAM_SIGNALS
+                + crate::backend::peer::signals::BARRIER_SIGNALS) as i32,
             gin_counter_count: 0,
         };
         // SAFETY: the glue hands a zeroed ncclDevComm of devcomm_bytes().

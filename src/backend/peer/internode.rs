@@ -467,9 +467,12 @@ mod tests {
         // InArgs (with net, net_kind, sig_base at the end) has the size of dek_in_args_t.
         k::check_struct_size("test").expect("dek_in_args_t and InArgs differ");
         assert_eq!(std::mem::size_of::<InArgs>() % 8, 0);
-        // The GinNet slot is in the internode control area, after what the kernels use (kCtrlEnd
-        // = 77824), and the descriptor fits it (as it fits the LL seam's DESC_BYTES).
-        const { assert!(NET_OFF >= k::CTRL_OFF + 77824 && NET_OFF + k::NET_BYTES <= k::CTRL_OFF + k::CTRL_BYTES && NET_OFF % 128 == 0) };
+        // The GinNet slot is in the internode control area, after what the kernels use (kCtrlEnd:
+        // 16 KiB, then two [R, C] and two [Rr, C] i32 tables sized for the maxima), and the
+        // descriptor fits it (as it fits the LL seam's DESC_BYTES).
+        use crate::kernels::intranode::MAX_CHANNELS;
+        const CTRL_END: usize = k::CTRL_OFF + 16384 + 2 * 4 * (k::MAX_RANKS + k::MAX_NODES) * MAX_CHANNELS;
+        const { assert!(NET_OFF >= CTRL_END && NET_OFF + k::NET_BYTES <= k::CTRL_OFF + k::CTRL_BYTES && NET_OFF % 128 == 0) };
         let l = crate::kernels::transport::gin_net_layout();
         assert!(l.bytes > 0 && l.bytes <= k::NET_BYTES.min(super::super::ll_seam::DESC_BYTES) && l.align <= 8, "{l:?}");
     }
@@ -479,7 +482,7 @@ mod tests {
         use crate::backend::peer::gin::{buffer_plan, GinKnobs};
         use crate::backend::peer::signals::{ht, HtSignal};
         use crate::kernels::internode::MAX_NODES;
-        // No GIN device comm: the LSA emulation, ids from 0 in the emulation's table of 32.
+        // No GIN device comm: the LSA emulation, ids from 0 in the emulation's table.
         let lsa = ht_net("op", false, false, None).unwrap();
         assert_eq!(lsa, HtNet { kind: NET_LSA, desc_off: 0, sig_base: 0 });
         assert_eq!(ht_net("op", false, true, Some(4096)).unwrap(), lsa);
@@ -490,7 +493,7 @@ mod tests {
             assert_eq!(n.kind, NET_GIN);
             // Normal-mode buffers: the slot written at creation; LL buffers: their LL seam's.
             assert_eq!(n.desc_off, desc.unwrap_or(NET_OFF));
-            // Every id the kernels use (sig_base + kSigBar/kSigStep + node, node < 8) lies inside
+            // Every id the kernels use (sig_base + kSigBar/kSigStep + node, node < MAX_NODES) lies inside
             // the signals the buffer asks NCCL for; in LL buffers after every LL seam id.
             for rr in 2..=MAX_NODES {
                 let plan = buffer_plan(&gin, rr * 2, rr, ll).unwrap().expect("a GIN plan");

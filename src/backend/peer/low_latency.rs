@@ -51,7 +51,7 @@ use crate::backend::{
 use crate::config::BUFFER_ALIGNMENT;
 use crate::error::{Error, Result};
 use crate::kernels::host_mask::SHRINK_WORD;
-use crate::kernels::intranode::{self, err, site, CONTROL_BYTES, MAX_RANKS};
+use crate::kernels::intranode::{self, err, site, CONTROL_BYTES};
 use crate::kernels::low_latency::{self as k, LlArgs};
 use crate::op_names::{
     CLEAN_LOW_LATENCY_BUFFER as OP_CLEAN, GET_NEXT_LOW_LATENCY_COMBINE_BUFFER as OP_NEXT, LOW_LATENCY_COMBINE as OP_COMBINE,
@@ -464,7 +464,7 @@ impl LowLatencyMode for PeerBackend {
 
     fn ll_update_mask(&mut self, rank: usize, masked: bool) -> Result<()> {
         self.mask.set(rank, masked as i32);
-        self.mask_seen.set(self.mask_bits());
+        self.mask_seen.set(self.masked_ranks());
         self.ll_sync_mask(crate::op_names::LOW_LATENCY_UPDATE_MASK_BUFFER)
     }
 
@@ -473,8 +473,8 @@ impl LowLatencyMode for PeerBackend {
     }
 
     fn ll_clean_mask(&mut self) -> Result<()> {
-        (0..MAX_RANKS).for_each(|r| self.mask.set(r, 0));
-        self.mask_seen.set(0);
+        (0..self.info.num_ranks).for_each(|r| self.mask.set(r, 0));
+        self.mask_seen.set(Default::default());
         self.ll_sync_mask(crate::op_names::LOW_LATENCY_CLEAN_MASK_BUFFER)
     }
 

@@ -224,8 +224,8 @@ def ht_window(nvl: int, rdma: int) -> int:
 # the data area [IN_CTRL_OFF + IN_CTRL_BYTES, window end) is split in halves (dispatch: own staged
 # records | records received as forwarder) or thirds (combine: staged rows | forwarded partials |
 # partials received), each sized by the op's token counts, not by the config's ring slots.
-def record_bytes(row_bytes: int, scales: int, topk: int) -> int:
-    return align_up(row_bytes, 16) + align_up(4 * scales, 16) + align_up(8 * topk, 16) + align_up(4 * topk, 16) + 16
+def record_bytes(row_bytes: int, scales: int, topk: int, rr: int) -> int:
+    return align_up(row_bytes, 16) + align_up(4 * scales, 16) + align_up(8 * topk, 16) + align_up(4 * topk, 16) + align_up(4 + rr, 16)
 
 
 def block_bytes(rr: int, d: int, c: int, el: int, dispatch: bool) -> int:
@@ -245,7 +245,7 @@ def one_pass_need(num_ranks: int, n: int, uniform: bool) -> int:
     rr, el = num_ranks // d, NUM_EXPERTS // num_ranks
     x0 = align_up(IN_CTRL_OFF + IN_CTRL_BYTES + 2 * rr * max(block_bytes(rr, d, c, el, True),
                                                                block_bytes(rr, d, c, 0, False)), 128)
-    rec = record_bytes(HIDDEN_BYTES, 0, TOPK)
+    rec = record_bytes(HIDDEN_BYTES, 0, TOPK, rr)
     crec = align_up(HIDDEN_BYTES, 16) + align_up(4 * TOPK, 16)
     rows = n * num_ranks * p_hit(el) if uniform else 0  # rows this rank receives
     fwd = n * rr * p_hit(el * d) if uniform else 0  # RDMA-leg tokens this rank forwards

@@ -53,10 +53,11 @@ fn align(v: usize, a: usize) -> usize {
     v.div_ceil(a) * a
 }
 
-/// Bytes of one RDMA-leg token record (`internode.cuh`, `record`): row, scales, int64 top-k ids,
-/// weights, then 16 bytes of source token and routing bits, each part 16-aligned.
-pub fn record_bytes(row_bytes: usize, scales: usize, topk: usize) -> usize {
-    align(row_bytes, 16) + align(4 * scales, 16) + align(8 * topk, 16) + align(4 * topk, 16) + 16
+/// Bytes of one RDMA-leg token record (`internode.cuh`, `record`) of a buffer over `rr` nodes:
+/// row, scales, int64 top-k ids, weights, then the source token (i32) and a routing byte per node,
+/// each part 16-aligned.
+pub fn record_bytes(row_bytes: usize, scales: usize, topk: usize, rr: usize) -> usize {
+    align(row_bytes, 16) + align(4 * scales, 16) + align(8 * topk, 16) + align(4 * topk, 16) + align(4 + rr, 16)
 }
 
 /// Bytes of one exchange block (`internode.cuh`): header, per-node counts and, for dispatch, the
@@ -209,7 +210,7 @@ impl PeerBackend {
         );
         crate::ensure!(b.x.is_contiguous(), DISPATCH, "x must be contiguous on the nccl backend");
         let blk = block_bytes(g.rr, g.d, g.c, el, true);
-        let rec = record_bytes(rb, s, kk);
+        let rec = record_bytes(rb, s, kk, g.rr);
         let ex_end = g.ex_end(blk);
         let mid = ex_end + (g.data_end.saturating_sub(ex_end) / 2) / 128 * 128;
         self.capacity(DISPATCH, "staging this rank's tokens", align(ex_end + 4 * n * g.rr, 128) + n * rec, mid)?;
@@ -370,7 +371,7 @@ impl InternodeMode for PeerBackend {
             "internal: outputs do not have {rows} rows"
         );
         let blk = block_bytes(g.rr, g.d, g.c, 0, true);
-        let rec = record_bytes(rb, s, 0);
+        let rec = record_bytes(rb, s, 0, g.rr);
         let ex_end = g.ex_end(blk);
         let mid = ex_end + (g.data_end.saturating_sub(ex_end) / 2) / 128 * 128;
         self.capacity(CACHED, "staging this rank's tokens", align(ex_end + 4 * n * g.rr, 128) + n * rec, mid)?;
@@ -452,9 +453,12 @@ mod tests {
     #[test]
     fn sizes_follow_the_kernel_layout() {
         // bf16 hidden 200 (400 bytes), no scales, top-9: 400 + 0 + 80 + 48 + 16.
-        assert_eq!(record_bytes(400, 0, 9), 400 + 80 + 48 + 16);
+        assert_eq!(record_bytes(400, 0, 9, 2), 400 + 80 + 48 + 16);
         // FP8 hidden 208 with 1 scale, top-1.
-        assert_eq!(record_bytes(208, 1, 1), 208 + 16 + 16 + 16 + 16);
+        assert_eq!(record_bytes(208, 1, 1, 4), 208 + 16 + 16 + 16 + 16);
+        // The meta grows past 12 nodes: 4 + 13 bytes -> 32, and 4 + 32 -> 48.
+        assert_eq!(record_bytes(400, 0, 9, 13), 400 + 80 + 48 + 32);
+        assert_eq!(record_bytes(400, 0, 9, 32), 400 + 80 + 48 + 48);
         // 2 nodes x 2, 3 channels, 4 local experts: 4 + 2 + 3 + 6 + 8 = 23 ints -> 96 bytes.
         assert_eq!(block_bytes(2, 2, 3, 4, true), 96);
         assert_eq!(block_bytes(2, 2, 3, 0, false), 32);

@@ -51,7 +51,7 @@ static_assert(kScrEnd <= DEK_IC_CONTROL_BYTES - 1024, "scratch reaches the low-l
 using Ctx = dek_ic_ctx_t;
 using Layout = dek_ic_layout_t;
 
-__device__ __forceinline__ char* window(const Ctx& c, int rank) { return static_cast<char*>(c.peer_base[rank]); }
+__device__ __forceinline__ char* window(const Ctx& c, int rank) { return static_cast<char*>(c.peer_base[rank - c.nvl_first]); }
 __device__ __forceinline__ char* local(const Ctx& c) { return window(c, c.rank); }
 template <typename T>
 __device__ __forceinline__ T* at(char* base, size_t off) { return reinterpret_cast<T*>(base + off); }
@@ -236,8 +236,8 @@ __device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
 }
 
 // Host side of the launch functions: a ctx the kernels can use. ctx_domain_ok accepts the ctx of
-// an internode buffer too (nvl_ranks = D > 0): a window base exactly for the ranks of this rank's
-// NVLink domain, NULL for every other rank (a kernel that still addresses one faults, loudly).
+// an internode buffer too (nvl_ranks = D > 0): a window base exactly for the D ranks of this rank's
+// NVLink domain (local indices 0..D-1 from nvl_first), NULL after them.
 // ctx_ok, for the kernels that address every rank's window (intranode ops), wants all of them.
 bool ctx_domain_ok(const Ctx* c) {
   if (c == nullptr || c->num_ranks < 1 || c->num_ranks > kMaxRanks || c->rank < 0 || c->rank >= c->num_ranks ||
@@ -245,9 +245,10 @@ bool ctx_domain_ok(const Ctx* c) {
     return false;
   const int d = c->nvl_ranks;
   if (d < 0 || (d > 0 && (d >= c->num_ranks || c->num_ranks % d != 0))) return false;
-  for (int p = 0; p < c->num_ranks; ++p) {
-    const bool own = d == 0 || p / d == c->rank / d;
-    if ((c->peer_base[p] != nullptr) != own) return false;
+  if (c->nvl_first != (d > 0 ? c->rank / d * d : 0)) return false;
+  const int domain = d > 0 ? d : c->num_ranks;  // entries [0, domain) set, the rest NULL
+  for (int i = 0; i < kMaxRanks; ++i) {
+    if ((c->peer_base[i] != nullptr) != (i < domain)) return false;
   }
   return true;
 }

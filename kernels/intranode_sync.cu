@@ -269,7 +269,7 @@ extern "C" int dek_ic_clear_error(const dek_ic_ctx_t* ctx, void* stream) {
 
 extern "C" void* dek_ic_rendezvous_word(const dek_ic_ctx_t* ctx) {
   if (!ctx_domain_ok(ctx)) return nullptr;
-  return static_cast<char*>(ctx->peer_base[ctx->rank]) + kScrRendezvous;
+  return static_cast<char*>(ctx->peer_base[ctx->rank - ctx->nvl_first]) + kScrRendezvous;
 }
 
 extern "C" void dek_ic_struct_sizes(size_t* sizes) {

@@ -42,15 +42,15 @@ constexpr size_t kLlCalls = DEK_IC_CONTROL_BYTES - 1024;  // after the push-disp
 constexpr size_t kLlDone = kLlCalls + 4;
 static_assert(kScrEnd <= kLlCalls, "LL scratch overlaps the normal-mode scratch");
 static_assert(kLlDone + 4 <= DEK_IC_CONTROL_BYTES, "LL scratch outside the control area");
-static_assert(DEK_LL_MASK_OFF >= kLlDone + 4 && DEK_LL_MASK_OFF + 4 * kMaxRanks <= DEK_IC_CONTROL_BYTES, "LL mask copy");
+static_assert(ic::kScrEnd <= DEK_IC_RANK_TABLES_OFF && DEK_IC_RANK_TABLES_END <= DEK_GB_OFF, "rank tables overlap the scratch areas");
 // Format words every NVLink source leaves in a receiver's control area with each send, before its
 // signals: [kind (0 dispatch, 1 combine)][half][source rank][flags, hidden, T, E] (by half: a
 // sender may run one call ahead, into the other half, with other flags). The receiver compares
 // them with its own after the wait, so ranks passing other flags or another geometry raise
 // (DEK_IC_ERR_LL_FORMAT at the next call) instead of reading each other's bytes as their own.
-constexpr size_t kLlFmt = kLlCalls + 128;
-static_assert(kLlFmt >= DEK_LL_MASK_OFF + 4 * kMaxRanks && kLlFmt + 4 * kMaxRanks * 16 <= DEK_IC_CONTROL_BYTES, "LL format words");
-__device__ __forceinline__ size_t fmt_slot(int kind, int half, int src) { return kLlFmt + static_cast<size_t>(((kind * 2 + half) * kMaxRanks + src) * 16); }
+// In the rank tables (deep_ep_kernels.h), indexed by world rank.
+constexpr size_t kLlFmt = DEK_LL_FMT_OFF;
+__device__ __forceinline__ size_t fmt_slot(int kind, int half, int src) { return kLlFmt + static_cast<size_t>(((kind * 2 + half) * DEK_IN_MAX_RANKS + src) * 16); }
 constexpr uint32_t kFmtSet = 0x100;  // a written slot (a zeroed one never matches)
 
 // Routing fingerprints (local only), u64 [8]: [h] = the topk_idx of the latest dispatch sent on
@@ -60,7 +60,7 @@ constexpr uint32_t kFmtSet = 0x100;  // a written slot (a zeroed one never match
 // send copies [routing_half] to [2 + half] (and [4 + routing_half] to [6 + half]); the combine
 // receive compares its own topk_idx (and topk_weights) with them (DEK_IC_ERR_LL_ROUTING, extra 0 for
 // the ids, 1 for the weights), as the CPU backend.
-constexpr size_t kLlRouting = kLlFmt + 4 * kMaxRanks * 16;
+constexpr size_t kLlRouting = kLlCalls + 128;
 static_assert(kLlRouting % 8 == 0 && kLlRouting + 64 <= DEK_IC_CONTROL_BYTES, "LL routing fingerprints");
 
 // One top-k entry's share of a routing fingerprint: entry j (= token * K + k) holding expert id e.

@@ -135,7 +135,7 @@ pub struct Window {
     opened: Vec<*mut c_void>,
     pub(super) bytes: usize,
     pub(super) ctx: Ctx,
-    pub(super) lsa_base: [*mut c_void; MAX_RANKS],
+    pub(super) lsa_base: Vec<*mut c_void>,
     pub(super) status: Option<HostStatus>,
     rdv: Rendezvous,
     closed: bool,
@@ -164,7 +164,7 @@ impl Window {
             opened: Vec::new(),
             bytes,
             ctx: super::peer_window::new_ctx(a.rank, a.num_ranks, bytes, a.timeout_ns, 0),
-            lsa_base: [std::ptr::null_mut(); MAX_RANKS],
+            lsa_base: Vec::new(),
             status: None,
             rdv,
             closed: false,
@@ -188,8 +188,9 @@ impl Window {
         let map = PeerMap::new(OP, a.rank, a.num_ranks, a.nvl_domain, a.num_ranks, a.rank, false)?;
         (w.ctx.peer_base, w.lsa_base) = map.spread(&ptrs);
         w.ctx.nvl_ranks = map.ctx_nvl_ranks as i32;
+        w.ctx.nvl_first = map.ctx_first() as i32;
         if let Some(stride) = a.transport_self_test {
-            let full = Ctx { peer_base: w.lsa_base, nvl_ranks: 0, ..w.ctx };
+            let full = Ctx { peer_base: super::lsa_team::whole_buffer_ctx_bases(OP, &w.lsa_base)?, nvl_ranks: 0, nvl_first: 0, ..w.ctx };
             let stream = Stream::new(OP)?;
             // SAFETY: launch contract: the ctx of this live window, zeroed and past the host rendezvous.
             unsafe { crate::kernels::transport::lsa_self_test_run(OP, &full, stride, a.timeout_ns, stream.raw()) }?;
@@ -326,7 +327,7 @@ impl Drop for Window {
     }
 }
 
-super::peer_window::forward_peer_window!(Window, keep_memory() -> (), lsa_bases() -> [*mut std::ffi::c_void; MAX_RANKS], ranks_on_gpu() -> usize);
+super::peer_window::forward_peer_window!(Window, keep_memory() -> (), lsa_bases() -> Vec<*mut std::ffi::c_void>, ranks_on_gpu() -> usize);
 
 #[cfg(test)]
 mod tests {

@@ -22,6 +22,15 @@ namespace deep_ep {
 // Ranks per NVLink domain (node); `crate::config::MAX_NVL_PEERS` on the Rust side.
 constexpr int kMaxNvlPeers = 8;
 
+// Workers (warps or threads) of a block that share a loop over ranks or nodes: all `n` of them,
+// or one in the rank-stride test build (cargo feature `rank-stride-test`, docs/RANKS.md), so that
+// runs of a few ranks go through the iterations that only large buffers take otherwise. A loop
+// `for (i = w; i < count && w < rank_workers(n); i += rank_workers(n))` over worker w.
+#ifndef DEEP_EP_TEST_RANK_STRIDE
+#define DEEP_EP_TEST_RANK_STRIDE 0
+#endif
+constexpr int rank_workers(int n) { return DEEP_EP_TEST_RANK_STRIDE ? 1 : n; }
+
 // The C API passes streams as void* so its header needs no CUDA include.
 inline cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream); }
 

@@ -35,16 +35,8 @@ using tp::LsaNet;
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxNodes = DEK_IN_MAX_NODES;  // nodes: one lane each in the per-node warp code
-constexpr int kMaxNvlPeers = ic::kMaxRanks;  // ranks of one node (local index < 8)
-static_assert(kMaxNodes <= 32, "one lane per node");
-
-// Warps of a block that share a loop over ranks or nodes: all of them, or one in the rank-stride
-// test build (cargo feature `rank-stride-test`, docs/RANKS.md), so that runs of a few ranks go
-// through a loop's later iterations too.
-#ifndef DEEP_EP_TEST_RANK_STRIDE
-#define DEEP_EP_TEST_RANK_STRIDE 0
-#endif
-constexpr int kRankWarps = DEEP_EP_TEST_RANK_STRIDE ? 1 : kWarps;
+static_assert(kMaxNodes <= 32 && kMaxNvlPeers == ic::kMaxRanks, "one lane per node; a node's ranks index local arrays");
+constexpr int kRankWarps = rank_workers(kWarps);
 
 // ---- internode control area (DEK_IN_CTRL_OFF, zeroed with the window at creation) ----------
 // Sized for DEK_IN_MAX_RANKS ranks in DEK_IN_MAX_NODES nodes (offsets identical on every rank).

@@ -29,7 +29,7 @@ constexpr int kMaxNvlPeers = 8;
 #ifndef DEEP_EP_TEST_RANK_STRIDE
 #define DEEP_EP_TEST_RANK_STRIDE 0
 #endif
-constexpr int rank_workers(int n) { return DEEP_EP_TEST_RANK_STRIDE ? 1 : n; }
+__host__ __device__ constexpr int rank_workers(int n) { return DEEP_EP_TEST_RANK_STRIDE ? 1 : n; }
 
 // The C API passes streams as void* so its header needs no CUDA include.
 inline cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream); }

@@ -220,10 +220,14 @@ __device__ __forceinline__ void combine_send_partial(const Ctx& c, const Args& a
   }
   __syncthreads();
   if (!s_last) return;
-  if (tid < R && !rank_masked(a, tid) && !remote(c, a, tid)) put_fmt(c, a, 1, tid, fmt_combine(false, true));
+  constexpr int kSignallers = rank_workers(kLlThreads);  // threads signalling the ranks, each R / kSignallers
+  for (int d = tid; d < R && tid < kSignallers; d += kSignallers) {
+    if (!rank_masked(a, d) && !remote(c, a, d)) put_fmt(c, a, 1, d, fmt_combine(false, true));
+  }
   fence_acq_rel_sys();
-  if (tid < R && !rank_masked(a, tid)) {
-    raise_to<Net>(c, a, tid, at<uint32_t>(window(c, tid), sig_off(a, a.half) + static_cast<uint64_t>(c.rank * El) * 4), kSeamCombine, a.half, 0, tag(s_seq, 0));
+  for (int d = tid; d < R && tid < kSignallers; d += kSignallers) {
+    if (rank_masked(a, d)) continue;
+    raise_to<Net>(c, a, d, at<uint32_t>(window(c, d), sig_off(a, a.half) + static_cast<uint64_t>(c.rank * El) * 4), kSeamCombine, a.half, 0, tag(s_seq, 0));
   }
   __syncthreads();
   if (tid == 0) {
@@ -323,11 +327,12 @@ __device__ void check_routing(const Ctx& c, const Args& a, int half) {
 // holds one of the token's (unmasked) experts.
 template <class Net>
 __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
-  __shared__ int s_ok, s_half, s_partial, s_dm, s_logfmt;
+  __shared__ int s_ok, s_half, s_partial, s_logfmt, s_npart;
   __shared__ uint32_t s_seq;
-  __shared__ unsigned long long s_wait[kMaxRanks];
-  __shared__ int64_t s_e[16];
-  __shared__ float s_w[16];
+  __shared__ unsigned long long s_wait[kMaxLlRanks];
+  __shared__ int64_t s_e[kMaxLlTopk];
+  __shared__ float s_w[kMaxLlTopk];
+  __shared__ int s_part[kMaxLlTopk];  // partial sums: the token's distinct expert ranks, ascending
   const int tid = threadIdx.x, R = c.num_ranks, El = a.num_experts / R, E = a.num_experts, T = a.num_max_tokens, H = a.hidden;
   const int K = a.num_topk;
   if (tid == 0) {
@@ -340,7 +345,7 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
     s_partial = (fl & DEK_LL_FLAG_PARTIAL) != 0;
     s_logfmt = (fl & DEK_LL_FLAG_LOGFMT) != 0;
   }
-  if (tid < kMaxRanks) s_wait[tid] = 0;
+  for (int d = tid; d < R; d += blockDim.x) s_wait[d] = 0;
   __syncthreads();
   if (!s_ok) return;
   char* me = local(c);
@@ -366,19 +371,30 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
   __syncthreads();
   if (!s_ok) return;
   if (blockIdx.x == 0) check_routing(c, a, s_half);
-  if (blockIdx.x == 0 && tid < R && a.wait_stats != nullptr) {
-    atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + tid), s_wait[tid]);
+  for (int d = tid; blockIdx.x == 0 && d < R && a.wait_stats != nullptr; d += blockDim.x) {
+    atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + d), s_wait[d]);
   }
   const char* recv = me + recv_off(a, s_half);
   const uint64_t row_bytes = 2 * static_cast<uint64_t>(H);
   for (int tok = blockIdx.x; tok < a.num_tokens; tok += gridDim.x) {
-    if (tid == 0) s_dm = 0;
-    __syncthreads();
-    if (tid < K) {
-      const int64_t e = topk_at(a, static_cast<int64_t>(tok) * K + tid);
-      s_e[tid] = e >= 0 && e < E && rank_masked(a, static_cast<int>(e / El)) ? -1 : e;  // experts of masked ranks: dropped
-      s_w[tid] = a.topk_weights[static_cast<int64_t>(tok) * K + tid];
-      if (s_e[tid] >= 0 && s_e[tid] < E) atomicOr(&s_dm, 1 << static_cast<int>(s_e[tid] / El));
+    if (tid < 32) {  // warp 0, lane k: selection k (K <= kMaxLlTopk <= 32)
+      int64_t e = -1;
+      if (tid < K) {
+        e = topk_at(a, static_cast<int64_t>(tok) * K + tid);
+        if (e >= 0 && e < E && rank_masked(a, static_cast<int>(e / El))) e = -1;  // experts of masked ranks: dropped
+        s_e[tid] = e;
+        s_w[tid] = a.topk_weights[static_cast<int64_t>(tok) * K + tid];
+      }
+      // The distinct ranks of the valid experts, ascending (each at the count of smaller ones).
+      const bool valid = e >= 0 && e < E;
+      const int d = valid ? static_cast<int>(e / El) : 0;
+      const unsigned same = __match_any_sync(0xffffffffu, valid ? d : -1 - tid);
+      const bool first = valid && (same & ((1u << tid) - 1u)) == 0;
+      const unsigned firsts = __ballot_sync(0xffffffffu, first);
+      int idx = 0;
+      for (unsigned f = firsts; f != 0; f &= f - 1) idx += __shfl_sync(0xffffffffu, d, __ffs(f) - 1) < d;
+      if (first) s_part[idx] = d;
+      if (tid == 0) s_npart = __popc(firsts);
     }
     __syncthreads();
     if (s_partial) {
@@ -386,8 +402,8 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
         float acc[8];
 #pragma unroll
         for (int u = 0; u < 8; ++u) acc[u] = 0.0f;
-        for (int d = 0; d < R; ++d) {
-          if (!(s_dm >> d & 1)) continue;
+        for (int i = 0; i < s_npart; ++i) {
+          const int d = s_part[i];
           const int4 v = __ldcg(reinterpret_cast<const int4*>(recv + a.partial_off + (static_cast<uint64_t>(d) * T + tok) * row_bytes) + j);
           const uint32_t wv[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z), static_cast<uint32_t>(v.w)};
 #pragma unroll
@@ -398,7 +414,7 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
         }
         reinterpret_cast<int4*>(a.out + static_cast<int64_t>(tok) * H)[j] = pack_bf16x8(acc);
       }
-      __syncthreads();  // s_e, s_w, s_dm are rewritten for the next token
+      __syncthreads();  // s_e, s_w, s_part are rewritten for the next token
       continue;
     }
     if (s_logfmt) {

@@ -34,6 +34,8 @@ constexpr int kLlWarps = kLlThreads / 32;
 constexpr int kReduceThreads = 512;
 constexpr int kSendThreads = 256;
 constexpr int kSendWarps = kSendThreads / 32;
+constexpr int kMaxLlRanks = DEK_IN_MAX_RANKS;  // per-rank tables of the LL kernels (docs/RANKS.md)
+constexpr int kDstWarps = rank_workers(kSendWarps);  // dispatch send: warps taking turns over destinations
 // Most experts of a dispatch send (two int histograms of E in shared memory).
 constexpr int kMaxLlExperts = DEK_LL_MAX_EXPERTS;
 // LL words of the control area's scratch (local only): the call counter and the "blocks done"

@@ -240,11 +240,13 @@ __device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
 // NVLink domain (local indices 0..D-1 from nvl_first), NULL after them.
 // ctx_ok, for the kernels that address every rank's window (intranode ops), wants all of them.
 bool ctx_domain_ok(const Ctx* c) {
-  if (c == nullptr || c->num_ranks < 1 || c->num_ranks > kMaxRanks || c->rank < 0 || c->rank >= c->num_ranks ||
-      c->host_status == nullptr || c->window_bytes < DEK_IC_CONTROL_BYTES)
+  // Intranode: at most kMaxRanks ranks; internode: DEK_IN_MAX_RANKS in at most DEK_IN_MAX_NODES
+  // domains of at most kMaxRanks (docs/RANKS.md).
+  if (c == nullptr || c->num_ranks < 1 || c->num_ranks > (c->nvl_ranks > 0 ? DEK_IN_MAX_RANKS : kMaxRanks) || c->rank < 0 ||
+      c->rank >= c->num_ranks || c->host_status == nullptr || c->window_bytes < DEK_IC_CONTROL_BYTES)
     return false;
   const int d = c->nvl_ranks;
-  if (d < 0 || (d > 0 && (d >= c->num_ranks || c->num_ranks % d != 0))) return false;
+  if (d < 0 || (d > 0 && (d > kMaxRanks || d >= c->num_ranks || c->num_ranks % d != 0 || c->num_ranks / d > DEK_IN_MAX_NODES))) return false;
   if (c->nvl_first != (d > 0 ? c->rank / d * d : 0)) return false;
   const int domain = d > 0 ? d : c->num_ranks;  // entries [0, domain) set, the rest NULL
   for (int i = 0; i < kMaxRanks; ++i) {

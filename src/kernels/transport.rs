@@ -315,6 +315,14 @@ pub unsafe fn lsa_self_test_run(
         ctx.window_bytes
     );
     let n = ctx.num_ranks as usize;
+    // Its windows come from a Ctx of every rank, and its area (before the internode control area)
+    // holds a receive slot per rank: at most 8 ranks.
+    crate::ensure!(
+        n <= crate::kernels::intranode::MAX_RANKS,
+        op,
+        "DEEP_EP_TRANSPORT_SELFTEST runs on buffers of at most {} ranks, not {n}: unset it",
+        crate::kernels::intranode::MAX_RANKS
+    );
     crate::ensure!(
         rail_stride >= 1 && n % rail_stride == 0 && n <= MAX_LSA_PEERS,
         op,

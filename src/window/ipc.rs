@@ -24,8 +24,9 @@ use super::peer_window::{PeerWindow, WindowArgs};
 use crate::backend::cpu::shared;
 use crate::backend::cpu::shm::{self, Region, Segment};
 use crate::error::{Error, Result};
-use crate::kernels::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream, MAX_RANKS};
+use crate::kernels::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream};
 use crate::kernels::layout::check;
+use crate::kernels::transport::MAX_LSA_PEERS;
 use crate::sys::kernels::*;
 use crate::window::lsa_team::PeerMap;
 use std::ffi::c_void;
@@ -87,7 +88,7 @@ pub struct Rendezvous {
 
 impl Rendezvous {
     fn open(unique_id: &[u8], rank: usize, num_ranks: usize, timeout: Duration) -> Result<Rendezvous> {
-        let seg = crate::backend::cpu::shared::segment(OP, &name_from_id(unique_id)?, rank, num_ranks, SLOT * MAX_RANKS, timeout)?;
+        let seg = crate::backend::cpu::shared::segment(OP, &name_from_id(unique_id)?, rank, num_ranks, SLOT * MAX_LSA_PEERS, timeout)?;
         Ok(Rendezvous { seg, rank, num_ranks, epoch: 0, timeout })
     }
 
@@ -153,7 +154,13 @@ impl Window {
     /// Collective over `num_ranks` processes or threads of one machine (see the module doc).
     pub fn create(a: &WindowArgs) -> Result<Window> {
         intranode::check_struct_sizes(OP)?;
-        crate::ensure!(a.num_ranks >= 1 && a.num_ranks <= MAX_RANKS, OP, "internal: {} ranks", a.num_ranks);
+        // One machine: as many ranks as the LSA emulation reaches (every window is addressable).
+        crate::ensure!(
+            a.num_ranks >= 1 && a.num_ranks <= MAX_LSA_PEERS,
+            OP,
+            "{} ranks: the ipc provider takes at most {MAX_LSA_PEERS}",
+            a.num_ranks
+        );
         let timeout = Duration::from_nanos(a.timeout_ns);
         let rdv = Rendezvous::open(a.unique_id, a.rank, a.num_ranks, timeout)?;
         let bytes = super::peer_window::window_bytes(a.data_bytes);

@@ -14,14 +14,16 @@
 //!
 //! Sizes: an intranode buffer has at most `MAX_RANKS` (8) ranks; an internode one at most
 //! `internode::MAX_RANKS` (256) in at most `internode::MAX_NODES` (32) domains of at most 8. The
-//! kernels' `Ctx` holds 8 windows, so an LSA team is at most 8 ranks: the whole buffer only when
-//! that has at most 8 ranks, else exactly the own domain.
+//! kernels' `Ctx` holds the 8 windows of the own domain; the LSA team is the whole buffer when the
+//! LSA emulation reaches it (`MAX_LSA_PEERS`, 32: one machine, or several ranks per GPU), else
+//! exactly the own domain.
 
 use crate::error::{Error, Result};
 use std::ffi::c_void;
 
 use crate::kernels::internode::{MAX_NODES, MAX_RANKS as MAX_RANKS_IN};
 use crate::kernels::intranode::MAX_RANKS;
+use crate::kernels::transport::MAX_LSA_PEERS;
 
 /// Where a window's peers are, checked against the buffer's topology.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -74,11 +76,12 @@ impl PeerMap {
         );
         let lsa_first = rank - lsa_rank;
         let map = |ctx_nvl_ranks| Ok(PeerMap { rank, num_ranks, lsa_first, lsa_size, ctx_nvl_ranks });
-        if internode && lsa_size > MAX_RANKS && lsa_size != nvl_domain {
-            // A larger NVLink machine (an NVL72 rack, say): the kernels and the LSA emulation take
-            // at most 8 windows, so the buffer's domains must be the nodes of the RDMA leg.
+        if internode && lsa_size > MAX_RANKS && lsa_size != nvl_domain && (lsa_size != num_ranks || num_ranks > MAX_LSA_PEERS) {
+            // A larger NVLink machine (an NVL72 rack, say) holding part of the buffer: the kernels
+            // take the 8 windows of their domain, and the LSA emulation reaches MAX_LSA_PEERS
+            // ranks of one team, so the domains must be the nodes of the RDMA leg.
             return Err(Error::invalid(op, format!(
-                "{}, more than the {MAX_RANKS} windows an NVLink domain of a buffer may hold: set {} to at most {MAX_RANKS} and DEEP_EP_RDMA_TRANSPORT=gin",
+                "{}, more than the {MAX_RANKS} windows an NVLink domain of a buffer may hold, and not the whole buffer of at most {MAX_LSA_PEERS} ranks: set {} to at most {MAX_RANKS} and DEEP_EP_RDMA_TRANSPORT=gin",
                 team(""), crate::topology::NVL_DOMAIN_ENV
             )));
         }
@@ -92,7 +95,7 @@ impl PeerMap {
             )));
         }
         let node = rank / nvl_domain;
-        if lsa_size == num_ranks && num_ranks <= MAX_RANKS {
+        if lsa_size == num_ranks && num_ranks <= MAX_LSA_PEERS {
             // One NVLink machine playing several nodes: the kernels still see their domain only.
             return map(nvl_domain);
         }
@@ -151,7 +154,12 @@ impl PeerMap {
 /// Every rank's window by world rank (`lsa`, of a buffer whose LSA team is the whole buffer) as
 /// the pointers of a `Ctx` that addresses them all: what the transport self-test runs on.
 pub fn whole_buffer_ctx_bases(op: &'static str, lsa: &[*mut c_void]) -> Result<[*mut c_void; MAX_RANKS]> {
-    crate::ensure!(lsa.len() <= MAX_RANKS, op, "internal: {} windows in one Ctx", lsa.len());
+    crate::ensure!(
+        lsa.len() <= MAX_RANKS,
+        op,
+        "DEEP_EP_TRANSPORT_SELFTEST runs on buffers of at most {MAX_RANKS} ranks, not {}: unset it",
+        lsa.len()
+    );
     let mut bases = [std::ptr::null_mut(); MAX_RANKS];
     bases[..lsa.len()].copy_from_slice(lsa);
     Ok(bases)
@@ -262,8 +270,15 @@ mod tests {
         // two domains, more than a Ctx holds.
         let e = PeerMap::new(OP, 3, 64, 8, 16, 3, true).unwrap_err().to_string();
         assert!(e.contains("has 16 rank(s)") && e.contains("more than the 8 windows") && e.contains("DEEP_EP_NVL_DOMAIN_SIZE"), "{e}");
-        // The whole 16-rank buffer in one LSA team (one machine emulating 2 x 8): refused too, the
-        // emulation's descriptors hold 8 ranks.
-        assert!(PeerMap::new(OP, 9, 16, 8, 16, 9, false).is_err());
+        // The whole 16-rank buffer in one LSA team (2 x 8 emulated on one machine or one GPU):
+        // the emulation reaches them all, the kernels their own domain.
+        let m = PeerMap::new(OP, 9, 16, 8, 16, 9, false).unwrap();
+        assert!(m.whole_buffer() && (m.ctx_first(), m.ctx_nvl_ranks) == (8, 8));
+        let team: Vec<_> = (0..16).map(|i| ptr(100 + i)).collect();
+        let (ctx, lsa) = m.spread(&team);
+        assert_eq!((ctx.to_vec(), lsa), (team[8..].to_vec(), team.clone()));
+        // 4 x 4 likewise; 64 ranks in one team is past the emulation's reach.
+        assert_eq!(PeerMap::new(OP, 5, 16, 4, 16, 5, false).unwrap().ctx_first(), 4);
+        assert!(PeerMap::new(OP, 5, 64, 8, 64, 5, false).is_err());
     }
 }

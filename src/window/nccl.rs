@@ -15,7 +15,7 @@
 //! area that is not zeroed yet.
 
 use crate::error::{Error, Result};
-use crate::kernels::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream, MAX_RANKS};
+use crate::kernels::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream};
 use crate::kernels::layout::check as cuda_check;
 
 use super::peer_window::{PeerWindow, WindowArgs};
@@ -106,7 +106,7 @@ impl Window {
         intranode::check_struct_sizes(OP)?;
         let lib = nccl::library()?;
         let api = nccl::device_api()?;
-        crate::ensure!(a.num_ranks >= 1 && a.num_ranks <= MAX_RANKS, OP, "internal: {} ranks", a.num_ranks);
+        crate::ensure!(a.num_ranks >= 1 && a.num_ranks <= crate::kernels::internode::MAX_RANKS, OP, "internal: {} ranks", a.num_ranks);
         let _guard = DeviceGuard::new(OP, a.device)?;
         let bytes = super::peer_window::window_bytes(a.data_bytes);
         let mut w = Window {
@@ -180,9 +180,8 @@ impl Window {
         w.devcomm = Some(devcomm);
         crate::ensure!(lsa_size >= 1 && lsa_rank >= 0, OP, "NCCL reported LSA rank {lsa_rank} of {lsa_size}");
         let map = PeerMap::new(OP, a.rank, a.num_ranks, a.nvl_domain, lsa_size as usize, lsa_rank as usize, a.gin.is_some())?;
-        let mut lsa = [std::ptr::null_mut(); MAX_RANKS];
-        // SAFETY: the window is live; writes lsa_size (<= num_ranks <= MAX_RANKS, checked by
-        // PeerMap) pointers into `lsa`.
+        let mut lsa = vec![std::ptr::null_mut(); map.lsa_size];
+        // SAFETY: the window is live; writes lsa_size pointers into `lsa`, which holds as many.
         let st = unsafe { dek_nccl_window_lsa_bases(w.win.cast(), map.lsa_size as c_int, lsa.as_mut_ptr()) };
         cuda_check(st, OP, "reading the window's peer pointers")?;
         (w.ctx.peer_base, w.lsa_base) = map.spread(&lsa);

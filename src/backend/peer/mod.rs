@@ -133,8 +133,23 @@ impl PeerBackend {
             return Err(Error::invalid(OP, format!("the {} backend needs a CUDA device, got {}", kind.name(), a.device)));
         };
         crate::ensure!(a.num_ranks > 0 && a.rank < a.num_ranks, OP, "rank {} out of range for {} ranks", a.rank, a.num_ranks);
+        // More than 8 ranks: an internode buffer (NVLink domains of at most 8), up to 256 ranks in
+        // 32 domains (docs/RANKS.md); refused here, before any rank waits in NCCL's init for peers.
         if a.num_ranks > MAX_RANKS {
-            return Err(Error::NotImplemented { op: OP, backend: kind.name(), feature: "buffers of more than 8 ranks (internode)" });
+            if kind == BackendKind::Nvshmem {
+                return Err(Error::NotImplemented { op: OP, backend: kind.name(), feature: "buffers of more than 8 ranks (internode)" });
+            }
+            let max = crate::kernels::internode::MAX_RANKS;
+            crate::ensure!(a.num_ranks <= max, OP, "{} ranks: a buffer has at most {max}", a.num_ranks);
+            let lsa_max = crate::kernels::transport::MAX_LSA_PEERS;
+            let gin = gin::GinKnobs::from_env()?.transport == Some(gin::RdmaTransport::Gin);
+            crate::ensure!(
+                gin || a.num_ranks <= lsa_max,
+                OP,
+                "{} ranks: the LSA emulation of the RDMA leg (DEEP_EP_RDMA_TRANSPORT unset or lsa) reaches at most {lsa_max} ranks, \
+                 all on one machine; across machines set DEEP_EP_RDMA_TRANSPORT=gin",
+                a.num_ranks
+            );
         }
         crate::kernels::low_latency::check_struct_size(OP)?;
         let timeout = crate::settings::timeout(OP)?;

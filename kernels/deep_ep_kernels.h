@@ -171,12 +171,12 @@ typedef struct {
 #define DEK_IC_SITE_IN_COMBINE 17 /* internode combine: start barrier and count exchange */
 #define DEK_IC_SITE_IN_COMBINE_DATA 18 /* internode combine: node barrier before the forwarders, partials wait */
 
-/* The buffer as kernels see it. peer_base holds the ranks of this rank's NVLink domain, indexed
- * by domain-local index (world rank nvl_first + i at [i]), so a domain has at most
- * DEK_IC_MAX_RANKS ranks; the buffer as a whole is still limited to DEK_IC_MAX_RANKS too
- * (docs/RANKS.md, step 2 of lifting it). */
+/* The buffer as kernels see it. peer_base holds the ranks of this rank's NVLink domain, world
+ * rank r at slot r % DEK_IC_MAX_RANKS (the at most DEK_IC_MAX_RANKS consecutive ranks of a domain
+ * take distinct slots; an intranode buffer's rank r is at [r]), NULL elsewhere; the buffer as a
+ * whole is still limited to DEK_IC_MAX_RANKS too (docs/RANKS.md, step 2 of lifting it). */
 typedef struct {
-  void* peer_base[DEK_IC_MAX_RANKS]; /* window base of world rank nvl_first + i, valid on this GPU (NVLink) */
+  void* peer_base[DEK_IC_MAX_RANKS]; /* window base of world rank r of the domain at [r % 8], valid on this GPU (NVLink) */
   int32_t rank, num_ranks;               /* 1 <= num_ranks <= DEK_IC_MAX_RANKS */
   uint64_t window_bytes;
   dek_ic_host_status_t* host_status; /* device pointer of the mapped block */

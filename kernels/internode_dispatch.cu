@@ -407,8 +407,8 @@ bool args_ok(const Ctx* c, const Args* a) {
       a->lsa.num_signals < kNumSignals)
     return false;
   const int domain = c->nvl_ranks > 0 ? c->nvl_ranks : R;
-  for (int i = 0; i < domain; ++i) {  // the own domain's windows (local index i) are the emulation's too
-    if (a->lsa.peer_base[c->nvl_first + i] != c->peer_base[i]) return false;
+  for (int p = c->nvl_first; p < c->nvl_first + domain; ++p) {  // the own domain's windows are the emulation's too
+    if (a->lsa.peer_base[p] != c->peer_base[p % ic::kMaxRanks]) return false;
   }
   return true;
 }

@@ -161,7 +161,7 @@ mod tests {
 
     #[test]
     fn launchers_accept_a_split_ctx_exactly_with_null_outside_the_domain() {
-        // Rank 3 of 2 x 2: windows of ranks 2, 3 only, at local indices 0, 1 (nvl_first 2).
+        // Rank 3 of 2 x 2: windows of ranks 2, 3 only, at slots 2, 3 (rank % 8; nvl_first 2).
         let mut c = Ctx {
             rank: 3,
             num_ranks: 4,
@@ -172,17 +172,17 @@ mod tests {
             nvl_first: 2,
             ..Ctx::default()
         };
-        c.peer_base[0] = 0x10000usize as *mut c_void;
-        c.peer_base[1] = 0x20000usize as *mut c_void;
+        c.peer_base[2] = 0x10000usize as *mut c_void;
+        c.peer_base[3] = 0x20000usize as *mut c_void;
         assert_eq!((c.own_base() as usize, c.base_of(2) as usize, c.addressed_ranks()), (0x20000, 0x10000, vec![2, 3]));
         assert!(c.base_of(0).is_null() && c.base_of(1).is_null());
         // The rendezvous word is pure address arithmetic behind the launchers' ctx check.
         assert_eq!(intranode::rendezvous_word(&c) as usize, 0x20000 + 4096 + 12);
         let mut other = c;
-        other.peer_base[2] = 0x30000usize as *mut c_void; // an entry past the domain: refused
+        other.peer_base[0] = 0x30000usize as *mut c_void; // an entry outside the domain: refused
         assert!(intranode::rendezvous_word(&other).is_null());
         let mut missing = c;
-        missing.peer_base[0] = std::ptr::null_mut(); // a rank of the own domain without a window
+        missing.peer_base[2] = std::ptr::null_mut(); // a rank of the own domain without a window
         assert!(intranode::rendezvous_word(&missing).is_null());
         let mut first = c;
         first.nvl_first = 0; // not rank / D * D

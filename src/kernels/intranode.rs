@@ -102,8 +102,9 @@ pub mod err {
 }
 
 /// `dek_ic_ctx_t`: the buffer as kernels see it. `peer_base` holds the window base of every
-/// rank of this rank's NVLink domain, by local index (`peer_base[i]` is world rank
-/// `nvl_first + i`; NULL from the domain's size on), so a domain has at most [`MAX_RANKS`] ranks;
+/// rank of this rank's NVLink domain, world rank `r` at slot `r % MAX_RANKS` (a domain's at most
+/// [`MAX_RANKS`] consecutive ranks take distinct slots; an intranode buffer's rank `r` is at `[r]`),
+/// NULL in the other slots;
 /// `num_sms` is this rank's share of the GPU's SMs (0 = unknown: the launcher asks CUDA);
 /// `nvl_ranks` 0 = `peer_base` holds every rank (`nvl_first` 0), `D` = an internode buffer over
 /// NVLink domains of `D` consecutive ranks (`nvl_first` = rank / D * D).
@@ -112,13 +113,13 @@ pub type Ctx = dek_ic_ctx_t;
 impl Ctx {
     /// This rank's own window base.
     pub fn own_base(&self) -> *mut c_void {
-        self.peer_base[(self.rank - self.nvl_first) as usize]
+        self.peer_base[self.rank as usize % MAX_RANKS]
     }
 
     /// The window base of world rank `p` when this GPU addresses it (NULL otherwise).
     pub fn base_of(&self, p: usize) -> *mut c_void {
         match p.checked_sub(self.nvl_first as usize) {
-            Some(i) if i < MAX_RANKS => self.peer_base[i],
+            Some(i) if i < MAX_RANKS => self.peer_base[p % MAX_RANKS],
             _ => std::ptr::null_mut(),
         }
     }

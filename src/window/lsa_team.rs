@@ -127,19 +127,18 @@ impl PeerMap {
     }
 
     /// From the team's window pointers in LSA order (`lsa[i]` of LSA rank `i`): `(ctx, lsa)`,
-    /// where `ctx` holds the ranks of [`PeerMap::in_ctx`] by local index (`ctx[i]` is world rank
-    /// [`PeerMap::ctx_first`] + i; NULL after them) and `lsa` every rank of the buffer by world
-    /// rank, NULL outside the team (for the LSA emulation's descriptor and self-test).
+    /// where `ctx` holds the ranks of [`PeerMap::in_ctx`], world rank `p` at slot `p % MAX_RANKS`
+    /// (NULL in the other slots), and `lsa` every rank of the buffer by world rank, NULL outside
+    /// the team (for the LSA emulation's descriptor and self-test).
     pub fn spread(&self, lsa: &[*mut c_void]) -> ([*mut c_void; MAX_RANKS], Vec<*mut c_void>) {
         let mut by_world = vec![std::ptr::null_mut(); self.num_ranks];
         for (i, &b) in lsa.iter().take(self.lsa_size).enumerate() {
             by_world[self.lsa_first + i] = b;
         }
         let mut ctx = [std::ptr::null_mut(); MAX_RANKS];
-        let first = self.ctx_first();
         for (p, &b) in by_world.iter().enumerate() {
             if self.in_ctx(p) {
-                ctx[p - first] = b;
+                ctx[p % MAX_RANKS] = b;
             }
         }
         (ctx, by_world)
@@ -202,7 +201,7 @@ mod tests {
             assert_eq!((0..4).map(|p| m.in_ctx(p)).collect::<Vec<_>>(), vec![false, false, true, true]);
             let (ctx, lsa) = m.spread(&[ptr(10), ptr(11), ptr(12), ptr(13)]);
             assert_eq!(m.ctx_first(), 2);
-            assert_eq!(&ctx[..4], &[ptr(12), ptr(13), ptr(0), ptr(0)]); // by local index from rank 2
+            assert_eq!(&ctx[..4], &[ptr(0), ptr(0), ptr(12), ptr(13)]); // world rank p at slot p % 8
             assert_eq!(&lsa[..4], &[ptr(10), ptr(11), ptr(12), ptr(13)]);
             assert!(m.whole_buffer());
         }
@@ -210,7 +209,7 @@ mod tests {
         let m = PeerMap::new(OP, 1, 4, 1, 4, 1, false).unwrap();
         let (ctx, _) = m.spread(&[ptr(10), ptr(11), ptr(12), ptr(13)]);
         assert_eq!(m.ctx_first(), 1);
-        assert_eq!(&ctx[..4], &[ptr(11), ptr(0), ptr(0), ptr(0)]);
+        assert_eq!(&ctx[..4], &[ptr(0), ptr(11), ptr(0), ptr(0)]);
     }
 
     #[test]
@@ -222,7 +221,7 @@ mod tests {
         let (ctx, lsa) = m.spread(&[ptr(20), ptr(21), ptr(22), ptr(23)]);
         assert_eq!(m.ctx_first(), 4);
         assert_eq!(lsa, vec![ptr(0), ptr(0), ptr(0), ptr(0), ptr(20), ptr(21), ptr(22), ptr(23)]);
-        assert_eq!(ctx, [ptr(20), ptr(21), ptr(22), ptr(23), ptr(0), ptr(0), ptr(0), ptr(0)]);
+        assert_eq!(ctx, [ptr(0), ptr(0), ptr(0), ptr(0), ptr(20), ptr(21), ptr(22), ptr(23)]);
         // The same team without GIN: the emulation cannot reach the other node.
         let e = PeerMap::new(OP, 6, 8, 4, 4, 2, false).unwrap_err().to_string();
         assert!(e.contains("LSA emulation") && e.contains("needs all 8 ranks") && e.contains("DEEP_EP_RDMA_TRANSPORT=gin"), "{e}");
@@ -243,7 +242,7 @@ mod tests {
     }
 
     #[test]
-    fn internode_buffers_of_up_to_256_ranks_map_the_own_domain_by_local_index() {
+    fn internode_buffers_of_up_to_256_ranks_map_the_own_domain_by_slot() {
         // Rank 37 of 64 in domains of 8 over GIN: node 4, local 5; LSA team = world ranks 32..40.
         let m = PeerMap::new(OP, 37, 64, 8, 8, 5, true).unwrap();
         assert_eq!((m.lsa_first, m.ctx_first(), m.ctx_nvl_ranks), (32, 32, 8));
@@ -256,6 +255,10 @@ mod tests {
         // 256 ranks = 32 domains of 8, the last rank.
         let m = PeerMap::new(OP, 255, 256, 8, 8, 7, true).unwrap();
         assert_eq!((m.ctx_first(), m.spread(&team).1.len()), (248, 256));
+        // Domains of 3 (24 ranks over GIN): rank 13's domain 12..14 takes slots 4, 5, 6.
+        let m = PeerMap::new(OP, 13, 24, 3, 3, 1, true).unwrap();
+        let (ctx, _) = m.spread(&[ptr(1), ptr(2), ptr(3)]);
+        assert_eq!(ctx, [ptr(0), ptr(0), ptr(0), ptr(0), ptr(1), ptr(2), ptr(3), ptr(0)]);
         // Past the limits: 264 ranks, 33 domains, domains of 16 (internal: create refuses first).
         assert!(PeerMap::new(OP, 0, 264, 8, 8, 0, true).is_err());
         assert!(PeerMap::new(OP, 0, 132, 4, 4, 0, true).is_err());

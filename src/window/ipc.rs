@@ -225,7 +225,7 @@ impl Window {
         let mut handle = [0u8; HANDLE_BYTES];
         // SAFETY: writes HANDLE_BYTES bytes; `mem` is a live cudaMalloc allocation.
         check(unsafe { dek_cuda_ipc_get_handle(handle.as_mut_ptr().cast(), self.mem) }, OP, "cudaIpcGetMemHandle")?;
-        self.ctx.peer_base[a.rank % MAX_RANKS] = self.mem; // own_base(): slot rank % 8
+        self.ctx.peer_base[a.rank % intranode::MAX_RANKS] = self.mem; // own_base(): slot rank % 8
         let stream = Stream::new(OP)?;
         // SAFETY: `own_base()` is the cudaMalloc allocation just made, of `window_bytes`.
         self.status = Some(unsafe { super::peer_window::attach_status_and_zero(OP, &mut self.ctx, &stream) }?);

@@ -16,7 +16,8 @@ After the configurations, a worst-case dispatch + combine is captured in one CUD
 replayed with fresh inputs (compared with the CPU backend); with DEEP_EP_TIMING=1 rank 0 prints wall
 times per call of DeepEP's benchmark shape at 2048 tokens (not RDMA timings: the inter-node leg is NVLink here).
 
-Environment: DEEP_EP_INTERNODE_GPU_LAYOUT (nodes x ranks per node, default 2x2),
+Environment: DEEP_EP_INTERNODE_GPU_LAYOUT (nodes x ranks per node, default 2x2; 16 ranks get
+smaller shapes), DEEP_EP_INTERNODE_GPU_MIB (MiB of each buffer area, default 256),
 DEEP_EP_INTERNODE_GPU_CONFIGS (default 120), DEEP_EP_INTERNODE_GPU_SEED (first seed,
 default 50000), DEEP_EP_TIMING, DEEP_EP_TEST_LOG (directory for per-rank JSON results). DEEP_EP_INTERNODE_DRY=1 (or DEEP_EP_GPU_DRY=1) runs the harness without a GPU (a second CPU buffer stands in
 for the GPU one).
@@ -44,8 +45,9 @@ from test_internode import make_case, rank_inputs  # noqa: E402
 LAYOUT = os.environ.get("DEEP_EP_INTERNODE_GPU_LAYOUT", "2x2")
 NODES, NVL_DOMAIN = (int(v) for v in LAYOUT.split("x"))
 WORLD = NODES * NVL_DOMAIN
-NVL_BYTES_CPU = 256 << 20
-NVL_BYTES_GPU, RDMA_BYTES = 256 << 20, 256 << 20
+MIB = int(os.environ.get("DEEP_EP_INTERNODE_GPU_MIB", "256"))  # each of the NVLink and RDMA areas
+NVL_BYTES_CPU = MIB << 20
+NVL_BYTES_GPU, RDMA_BYTES = MIB << 20, MIB << 20
 DRY = os.environ.get("DEEP_EP_INTERNODE_DRY", "") == "1" or os.environ.get("DEEP_EP_GPU_DRY", "") == "1"
 SUPPORTS_DRY = True
 
@@ -53,9 +55,9 @@ SUPPORTS_DRY = True
 def widen(case, i: int):
     """Larger shapes and worst-case mode for some configurations (same on every rank)."""
     rng = random.Random(case["seed"] * 31 + 7)
-    if i % 4 == 3:
-        case["tokens"] = [rng.randint(100, 600) for _ in range(WORLD)]
-        case["hidden"] = 2048 if case["fp8"] else rng.choice([2048, 7168])
+    if i % 4 == 3:  # reduced for 16 ranks (every rank receives from 16)
+        case["tokens"] = [rng.randint(100, 600 if WORLD <= 8 else 200) for _ in range(WORLD)]
+        case["hidden"] = 2048 if case["fp8"] or WORLD > 8 else rng.choice([2048, 7168])
     case["worst"] = case["weights"] and rng.random() < 0.3  # worst-case mode needs top-k
     case["worst_extra"] = rng.randint(0, 8)
     case["cached_x_seed"] = rng.randint(0, 1 << 30)

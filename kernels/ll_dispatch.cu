@@ -142,11 +142,9 @@ __device__ __forceinline__ void dispatch_send(const Ctx& c, const Args& a) {
       __syncwarp();
       if (routed && (same_e & below) == 0) s_before[ei] = before + __popc(same_e);  // the group's first lane
       // A message to every routed rank, even if every selection for it overflows.
-      const unsigned to_d = __match_any_sync(0xffffffffu, routed ? d : -1 - lane);
-      const bool first_d = routed && (to_d & below) == 0;
-      const unsigned firsts = __ballot_sync(0xffffffffu, first_d);
-      int idx = 0;  // the destination index of rank d
-      for (unsigned f = firsts; f != 0; f &= f - 1) idx += __shfl_sync(0xffffffffu, d, __ffs(f) - 1) < d;  // same in every lane of rank d
+      const RankList dst = rank_list(routed, d);
+      const int idx = dst.idx;  // the destination index of rank d
+      const bool first_d = dst.first;
       const bool kept = routed && slot < T;  // overflow: reported by the last block, the selection is dropped
       const unsigned same_d = __match_any_sync(0xffffffffu, kept ? d : -1 - lane);
       if (lane < kMaxLlTopk) s_n[lane] = 0;
@@ -163,7 +161,7 @@ __device__ __forceinline__ void dispatch_send(const Ctx& c, const Args& a) {
       }
       const unsigned far_firsts = __ballot_sync(0xffffffffu, first_d && remote(c, a, d));
       if (lane == 0) {
-        s_ndst = __popc(firsts);
+        s_ndst = dst.count;
         s_any_far = far_firsts != 0;
       }
     }

@@ -385,16 +385,12 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
         s_e[tid] = e;
         s_w[tid] = a.topk_weights[static_cast<int64_t>(tok) * K + tid];
       }
-      // The distinct ranks of the valid experts, ascending (each at the count of smaller ones).
+      // The distinct ranks of the valid experts, ascending.
       const bool valid = e >= 0 && e < E;
       const int d = valid ? static_cast<int>(e / El) : 0;
-      const unsigned same = __match_any_sync(0xffffffffu, valid ? d : -1 - tid);
-      const bool first = valid && (same & ((1u << tid) - 1u)) == 0;
-      const unsigned firsts = __ballot_sync(0xffffffffu, first);
-      int idx = 0;
-      for (unsigned f = firsts; f != 0; f &= f - 1) idx += __shfl_sync(0xffffffffu, d, __ffs(f) - 1) < d;
-      if (first) s_part[idx] = d;
-      if (tid == 0) s_npart = __popc(firsts);
+      const RankList part = rank_list(valid, d);
+      if (part.first) s_part[part.idx] = d;
+      if (tid == 0) s_npart = part.count;
     }
     __syncthreads();
     if (s_partial) {

@@ -241,6 +241,25 @@ constexpr int kSeamDispatch = 0, kSeamCombine = 1;
 template <class Net>
 __device__ __forceinline__ const Net& net_of(const Args& a) { return *static_cast<const Net*>(a.net); }
 
+// Warp-collective (every lane of the warp): the distinct ranks `d` of the lanes with `valid`,
+// ascending (a token's destinations, the CPU backend's order): a valid lane's index among them
+// (how many are smaller: the same in every lane of one rank), whether it is the lowest lane of its
+// rank, and how many there are. No rank bitmask, so any rank up to kMaxLlRanks.
+struct RankList {
+  int idx;
+  bool first;
+  int count;
+};
+__device__ __forceinline__ RankList rank_list(bool valid, int d) {
+  const int lane = threadIdx.x & 31;
+  const unsigned same = __match_any_sync(0xffffffffu, valid ? d : -1 - lane);
+  const bool first = valid && (same & ((1u << lane) - 1u)) == 0;
+  const unsigned firsts = __ballot_sync(0xffffffffu, first);
+  int idx = 0;
+  for (unsigned f = firsts; f != 0; f &= f - 1) idx += __shfl_sync(0xffffffffu, d, __ffs(f) - 1) < d;
+  return RankList{idx, first, __popc(firsts)};
+}
+
 // Whether peer d lies outside this rank's NVLink domain.
 __device__ __forceinline__ bool remote(const Ctx& c, const Args& a, int d) {
   return a.net != nullptr && d / a.nvl_domain != c.rank / a.nvl_domain;

@@ -39,7 +39,7 @@ fn knob(name: &str) -> Option<String> {
 }
 
 fn feature(name: &str) -> bool {
-    env::var_os(format!("CARGO_FEATURE_{}", name.to_uppercase())).is_some()
+    env::var_os(format!("CARGO_FEATURE_{}", name.to_uppercase().replace('-', "_"))).is_some()
 }
 
 /// The python interpreter and what it answered, queried at most once each.
@@ -429,6 +429,10 @@ fn build_kernels(dir: &Path, cuda: &Cuda, nccl_home: &Path, archs: &[String], cu
         .include(nccl_home.join("include"));
     for a in archs {
         b.flag("-gencode").flag(format!("arch=compute_{a},code=sm_{a}"));
+    }
+    if feature("rank-stride-test") {
+        // Loops over ranks and nodes run on one warp (docs/RANKS.md), so few ranks take many turns.
+        b.define("DEEP_EP_TEST_RANK_STRIDE", "1");
     }
     b.files(&sources).try_compile("deep_ep_kernels").map_err(|e| format!("nvcc failed on kernels/*.cu: {e}"))?;
 

@@ -71,6 +71,11 @@ n=${IPC_CONFIGS:-100}
 step ipc_ht ${IPC_LIMIT:-400} env $ipc_env DEEP_EP_INTRANODE_CONFIGS=$n "$py" -m pytest -q -rs -s tests/gpu/test_intranode.py
 step ipc_ll ${IPC_LIMIT:-400} env $ipc_env DEEP_EP_LL_CONFIGS=$n DEEP_EP_LL_REPLAYS=${IPC_REPLAYS:-100} "$py" -m pytest -q -rs -s "tests/gpu/test_low_latency.py::test_low_latency_matches_cpu_backend["{2,4,2x2}"]"
 step ipc_internode ${IPC_LIMIT:-400} env $ipc_env DEEP_EP_INTERNODE_GPU_CONFIGS=$n "$py" -m pytest -q -rs -s tests/gpu/test_internode_gpu.py
+# docs/RANKS.md: every rank its own node (4 x 1), so the per-node paths see 4 nodes; then buffers
+# of 16 ranks on this GPU, 2 x 8 and 4 x 4 (IPC16_CONFIGS configs each, normal and LL).
+step ipc_4x1 ${IPC_LIMIT:-400} bash -c "env $ipc_env DEEP_EP_INTERNODE_GPU_LAYOUT=4x1 DEEP_EP_INTERNODE_GPU_CONFIGS=$n '$py' -m pytest -q -rs -s tests/gpu/test_internode_gpu.py; env $ipc_env DEEP_EP_LL_CONFIGS=$n DEEP_EP_LL_REPLAYS=${IPC_REPLAYS:-100} '$py' -m pytest -q -rs -s 'tests/gpu/test_low_latency.py::test_low_latency_matches_cpu_backend[4x1]'"
+n16=${IPC16_CONFIGS:-10}
+step ipc_16 ${IPC16_LIMIT:-580} bash -c "for l in 2x8 4x4; do env $ipc_env DEEP_EP_INTERNODE_GPU_LAYOUT=\$l DEEP_EP_INTERNODE_GPU_CONFIGS=$n16 '$py' -m pytest -q -rs -s tests/gpu/test_internode_gpu.py; env $ipc_env DEEP_EP_LL_CONFIGS=$n16 DEEP_EP_LL_REPLAYS=20 '$py' -m pytest -q -rs -s \"tests/gpu/test_low_latency.py::test_low_latency_matches_cpu_backend[\$l]\"; done"
 step ipc_mask 300 env $ipc_env "$py" -m pytest -q -rs -s tests/gpu/test_rank_mask_gpu.py
 step ipc_recovery 300 env $ipc_env "$py" -m pytest -q -rs -s tests/gpu/test_recovery.py
 step ipc_bad 300 env $ipc_env DEEP_EP_TEST_INSTALLED=1 "$py" -m pytest -q -rs -s tests/gpu/test_bad_input_gpu.py -k one_rank_bad_input

@@ -200,9 +200,9 @@ def creation_check(num_ranks: int, nvl: int, rdma: int, low_latency: bool) -> st
 # create, src/backend/peer/ll_seam.rs SeamLayout, kernels/deep_ep_kernels.h). The nccl backend
 # refuses buffers of more than 8 ranks today (src/backend/peer/mod.rs, MAX_RANKS): these are
 # the bytes the current layout would take once that limit is lifted (docs/RANKS.md).
-CONTROL_BYTES = 65536  # DEK_IC_CONTROL_BYTES
+CONTROL_BYTES = 128 << 10  # DEK_IC_CONTROL_BYTES
 IN_CTRL_OFF = CONTROL_BYTES + (256 << 10)  # DEK_IN_CTRL_OFF
-IN_CTRL_BYTES = 128 << 10  # DEK_IN_CTRL_BYTES
+IN_CTRL_BYTES = 1536 << 10  # DEK_IN_CTRL_BYTES (per-rank tables sized for 256 ranks)
 LL_SIGNALS = 4 * 2048  # signals::LL_SIGNALS
 SEAM_BYTES = 4096 + 8 * LL_SIGNALS + 8 * 2 * LL_SIGNALS  # DESC_BYTES + shadows + 2 LSA signal tables
 
@@ -224,8 +224,8 @@ def ht_window(nvl: int, rdma: int) -> int:
 # the data area [IN_CTRL_OFF + IN_CTRL_BYTES, window end) is split in halves (dispatch: own staged
 # records | records received as forwarder) or thirds (combine: staged rows | forwarded partials |
 # partials received), each sized by the op's token counts, not by the config's ring slots.
-def record_bytes(row_bytes: int, scales: int, topk: int) -> int:
-    return align_up(row_bytes, 16) + align_up(4 * scales, 16) + align_up(8 * topk, 16) + align_up(4 * topk, 16) + 16
+def record_bytes(row_bytes: int, scales: int, topk: int, rr: int) -> int:
+    return align_up(row_bytes, 16) + align_up(4 * scales, 16) + align_up(8 * topk, 16) + align_up(4 * topk, 16) + align_up(4 + rr, 16)
 
 
 def block_bytes(rr: int, d: int, c: int, el: int, dispatch: bool) -> int:
@@ -245,7 +245,7 @@ def one_pass_need(num_ranks: int, n: int, uniform: bool) -> int:
     rr, el = num_ranks // d, NUM_EXPERTS // num_ranks
     x0 = align_up(IN_CTRL_OFF + IN_CTRL_BYTES + 2 * rr * max(block_bytes(rr, d, c, el, True),
                                                                block_bytes(rr, d, c, 0, False)), 128)
-    rec = record_bytes(HIDDEN_BYTES, 0, TOPK)
+    rec = record_bytes(HIDDEN_BYTES, 0, TOPK, rr)
     crec = align_up(HIDDEN_BYTES, 16) + align_up(4 * TOPK, 16)
     rows = n * num_ranks * p_hit(el) if uniform else 0  # rows this rank receives
     fwd = n * rr * p_hit(el * d) if uniform else 0  # RDMA-leg tokens this rank forwards

@@ -22,6 +22,15 @@ namespace deep_ep {
 // Ranks per NVLink domain (node); `crate::config::MAX_NVL_PEERS` on the Rust side.
 constexpr int kMaxNvlPeers = 8;
 
+// Workers (warps or threads) of a block that share a loop over ranks or nodes: all `n` of them,
+// or one in the rank-stride test build (cargo feature `rank-stride-test`, docs/RANKS.md), so that
+// runs of a few ranks go through the iterations that only large buffers take otherwise. A loop
+// `for (i = w; i < count && w < rank_workers(n); i += rank_workers(n))` over worker w.
+#ifndef DEEP_EP_TEST_RANK_STRIDE
+#define DEEP_EP_TEST_RANK_STRIDE 0
+#endif
+__host__ __device__ constexpr int rank_workers(int n) { return DEEP_EP_TEST_RANK_STRIDE ? 1 : n; }
+
 // The C API passes streams as void* so its header needs no CUDA include.
 inline cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream); }
 
@@ -56,6 +65,39 @@ __device__ __forceinline__ uint32_t ld_acquire_sys_u32(const uint32_t* p) {
 __device__ __forceinline__ int ld_volatile(const int* p) { return *reinterpret_cast<const volatile int*>(p); }
 __device__ __forceinline__ uint64_t ld_volatile(const uint64_t* p) {
   return *reinterpret_cast<const volatile uint64_t*>(p);
+}
+
+// Release/acquire fence at system scope (`fence.acq_rel.sys`): what a flag protocol needs (stores
+// before it are seen before stores after it, by peers that acquire). `__threadfence_system()` is
+// `fence.sc.sys`, a sequentially consistent fence that also orders stores before later loads,
+// which no signal here relies on, and is the costliest instruction of the LL send kernels
+// (bench/LL_PROFILE.md, sections 2 and 4).
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
+// Sum of v over the 32 lanes of a warp (every lane gets it; the whole warp must call it). Wrapping
+// sums give the same value in any order; a 64-bit shared-memory atomicAdd is a compare-and-swap
+// loop that serialises a block adding to one word (bench/LL_PROFILE.md, section 6).
+__device__ __forceinline__ uint64_t warp_sum_u64(uint64_t v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Block sums of two u64 values, in two halves around the caller's __syncthreads(): the whole warp
+// calls warp_shares_u64 (its lane 0 stores the warp's sums at [warp] of `s0` and `s1`, shared
+// memory of a slot per warp), then one thread adds the `warps` shares with shares_sum_u64.
+__device__ __forceinline__ void warp_shares_u64(uint64_t v0, uint64_t v1, unsigned long long* s0, unsigned long long* s1) {
+  v0 = warp_sum_u64(v0);
+  v1 = warp_sum_u64(v1);
+  if (threadIdx.x % 32 == 0) {
+    s0[threadIdx.x / 32] = v0;
+    s1[threadIdx.x / 32] = v1;
+  }
+}
+__device__ __forceinline__ uint64_t shares_sum_u64(const unsigned long long* s, int warps) {
+  uint64_t v = 0;
+  for (int w = 0; w < warps; ++w) v += s[w];
+  return v;
 }
 
 // One warp copies `n16` 16-byte words from `src` to `dst` (both 16-aligned): L2-only loads (peer

@@ -90,6 +90,7 @@ int dek_cuda_stream_synchronize(void* stream);
  *   [4096, CONTROL)    local scratch: sticky timeout flag, first error, per-op "bad" flag, barrier
  *                      epoch, gathered peer layouts, rank_prefix_matrix, receiver channel starts;
  *                      near its end the global barrier's area (DEK_GB_OFF) and the LL scratch
+ *   [DEK_IC_RANK_TABLES_OFF, ...)  per-world-rank tables sized for DEK_IN_MAX_RANKS (below)
  *   [CONTROL, ...)     staged sections at the offsets of this rank's layout
  * Every function below is asynchronous on `stream`, launches only kernels (CUDA-graph
  * capturable) and returns a cudaError_t as int.
@@ -97,7 +98,24 @@ int dek_cuda_stream_synchronize(void* stream);
 #define DEK_IC_MAX_RANKS 8
 #define DEK_IC_MAX_CHANNELS 512
 #define DEK_IC_MAX_LOCAL_EXPERTS 1024
-#define DEK_IC_CONTROL_BYTES 65536
+#define DEK_IC_CONTROL_BYTES (128 << 10)
+/* Buffers over several NVLink domains (docs/RANKS.md): at most DEK_IN_MAX_RANKS ranks in at most
+ * DEK_IN_MAX_NODES domains of at most DEK_IC_MAX_RANKS ranks. Every per-world-rank table of a
+ * window is sized for them (offsets stay identical on every rank); buffer creation still refuses
+ * more than DEK_IC_MAX_RANKS ranks until the kernels loop over ranks (RANKS.md steps 4-6). */
+#define DEK_IN_MAX_RANKS 256
+#define DEK_IN_MAX_NODES 32
+/* Per-world-rank tables of the control area (local unless said otherwise), from
+ * DEK_IC_RANK_TABLES_OFF to DEK_IC_RANK_TABLES_END:
+ *   DEK_LL_MASK_OFF          int32 [DEK_IN_MAX_RANKS]: the LL kernels' copy of the rank mask
+ *   DEK_IC_CHECK_COUNTS_OFF  int32 [DEK_IN_MAX_RANKS]: the input check's per-rank token counts
+ *   DEK_LL_FMT_OFF           [kind 2][half 2][source DEK_IN_MAX_RANKS] x 16 B: LL format words,
+ *                            written by NVLink sources (low_latency.cuh) */
+#define DEK_IC_RANK_TABLES_OFF (64 << 10)
+#define DEK_LL_MASK_OFF DEK_IC_RANK_TABLES_OFF
+#define DEK_IC_CHECK_COUNTS_OFF (DEK_IC_RANK_TABLES_OFF + 4 * DEK_IN_MAX_RANKS)
+#define DEK_LL_FMT_OFF (DEK_IC_CHECK_COUNTS_OFF + 4 * DEK_IN_MAX_RANKS)
+#define DEK_IC_RANK_TABLES_END (DEK_LL_FMT_OFF + 4 * 16 * DEK_IN_MAX_RANKS)
 #define DEK_IC_LAYOUT_BYTES 256
 
 /* Error codes in dek_ic_host_status_t.error. */
@@ -153,19 +171,22 @@ typedef struct {
 #define DEK_IC_SITE_IN_COMBINE 17 /* internode combine: start barrier and count exchange */
 #define DEK_IC_SITE_IN_COMBINE_DATA 18 /* internode combine: node barrier before the forwarders, partials wait */
 
-/* The buffer as kernels see it. peer_base is indexed by world rank, so a buffer has at most
- * DEK_IC_MAX_RANKS ranks in all, internode included. */
+/* The buffer as kernels see it. peer_base holds the ranks of this rank's NVLink domain, world
+ * rank r at slot r % DEK_IC_MAX_RANKS (the at most DEK_IC_MAX_RANKS consecutive ranks of a domain
+ * take distinct slots; an intranode buffer's rank r is at [r]), NULL elsewhere; the buffer as a
+ * whole is still limited to DEK_IC_MAX_RANKS too (docs/RANKS.md, step 2 of lifting it). */
 typedef struct {
-  void* peer_base[DEK_IC_MAX_RANKS]; /* window base of rank p, valid on this GPU (NVLink) */
+  void* peer_base[DEK_IC_MAX_RANKS]; /* window base of world rank r of the domain at [r % 8], valid on this GPU (NVLink) */
   int32_t rank, num_ranks;               /* 1 <= num_ranks <= DEK_IC_MAX_RANKS */
   uint64_t window_bytes;
   dek_ic_host_status_t* host_status; /* device pointer of the mapped block */
   uint64_t timeout_ns;                   /* barrier deadline (globaltimer ns) */
   int32_t num_sms;                       /* SMs of this GPU, queried once at creation (0 = unknown) */
   /* 0: peer_base holds every rank. D (1 <= D < num_ranks, dividing it): an internode buffer over
-   * NVLink domains of D consecutive ranks; peer_base holds the ranks of this rank's domain only
-   * and is NULL for every other rank (reached through the transport seam alone). */
+   * NVLink domains of D consecutive ranks; peer_base holds the D ranks of this rank's domain only
+   * (the other ranks are reached through the transport seam alone; entries from D on are NULL). */
   int32_t nvl_ranks;
+  int32_t nvl_first; /* first world rank of this rank's domain: rank / D * D (0 when nvl_ranks is 0) */
 } dek_ic_ctx_t;
 
 /* Sections of a staged op (byte offsets into the rank's own window; 0 = absent). */
@@ -414,16 +435,17 @@ void* dek_ic_rendezvous_word(const dek_ic_ctx_t* ctx);
  * Area at DEK_GB_OFF of the control area (zeroed with the window at creation):
  *   +0    dek_gb_header_t, written by the host at creation (deep_ep_gb_setup in Rust)
  *   +64   u64 epoch: barriers passed (local)
- *   +128  u64 [8] LSA emulation's signal table (one signal per source domain)
- *   +256  u64 [DEK_IC_MAX_RANKS] node slots (slot i written by local rank i of the domain)
+ *   +128  u64 [DEK_GB_MAX_DOMAINS] LSA emulation's signal table (one signal per source domain)
+ *   +512  u64 [DEK_IC_MAX_RANKS] node slots (slot i written by local rank i of the domain)
  *   DEK_GB_DESC_OFF: the seam descriptor (tp::LsaNet or tp::GinNet), DEK_GB_DESC_BYTES
  * Signals go on the context of the sending rank (the LL kernels' context for everything a rank
  * sends), ids signal_base + source domain: GIN signals are never reset, the waits are rolling. */
 #define DEK_GB_OFF (DEK_IC_CONTROL_BYTES - 6144)
 #define DEK_GB_SIG_OFF (DEK_GB_OFF + 128)
+#define DEK_GB_SLOTS_OFF (DEK_GB_OFF + 512)
 #define DEK_GB_DESC_OFF (DEK_GB_OFF + 1024)
 #define DEK_GB_DESC_BYTES 4096
-#define DEK_GB_MAX_DOMAINS 8
+#define DEK_GB_MAX_DOMAINS DEK_IN_MAX_NODES
 typedef struct {
   int32_t net_kind;    /* DEK_LL_NET_LSA or DEK_LL_NET_GIN; 0 = not set up */
   int32_t signal_base; /* first of DEK_GB_MAX_DOMAINS signal ids (GIN: above the ops' ids) */
@@ -474,14 +496,18 @@ size_t dek_gb_layout(int which);
  * Waits are bounded by timeout_ns and report DEK_IC_ERR_TIMEOUT naming the rank waited for.
  * ------------------------------------------------------------------------------------------- */
 #define DEK_IN_CTRL_OFF (DEK_IC_CONTROL_BYTES + (256 << 10)) /* after the transport self-test's area */
-#define DEK_IN_CTRL_BYTES (128 << 10)
+#define DEK_IN_CTRL_BYTES (1536 << 10) /* its [R, C] tables are sized for DEK_IN_MAX_RANKS */
 /* Where a normal-mode buffer over GIN keeps its GinNet descriptor (in the internode control area;
  * written at buffer creation; an LL-mode buffer passes the LL seam's descriptor instead). */
-#define DEK_IN_NET_OFF (DEK_IN_CTRL_OFF + (80 << 10))
+#define DEK_IN_NET_OFF (DEK_IN_CTRL_OFF + (1280 << 10))
 #define DEK_IN_NET_BYTES (16 << 10)
-/* Seam signals the kernels use, from sig_base: global barriers at 0 + source node, seam steps at
- * 8 + source node (context 0). */
-#define DEK_IN_SEAM_SIGNALS 16
+/* Seam signals the kernels use, from sig_base: global barriers at DEK_IN_SIG_BAR + source node,
+ * seam steps at DEK_IN_SIG_STEP + source node (context 0); the LSA emulation's signal table has
+ * DEK_IN_LSA_SIGNALS entries. */
+#define DEK_IN_SEAM_SIGNALS (2 * DEK_IN_MAX_NODES)
+#define DEK_IN_SIG_BAR 0
+#define DEK_IN_SIG_STEP DEK_IN_MAX_NODES
+#define DEK_IN_LSA_SIGNALS DEK_IN_SEAM_SIGNALS
 #define DEK_IN_NET_LSA 1 /* the LSA emulation (`lsa`) */
 #define DEK_IN_NET_GIN 2 /* NCCL GIN (`net` points at a GinNet) */
 #define DEK_IN_SEND_SIDE 0
@@ -612,12 +638,11 @@ size_t dek_in_args_bytes(void);
 #define DEK_LL_MSG_META 160   /* bytes of a dispatch message before its payload */
 #define DEK_LL_MAX_EXPERTS 2048
 #define DEK_LL_MAX_TOPK 16
-#define DEK_LL_FLAG_PARTIAL 32
+#define DEK_LL_FLAG_PARTIAL 32 /* combine recv_state flag: partial sums were sent */
 #define DEK_LL_FLAG_LOGFMT 8  /* combine: rows travel as LogFMT-10 (recv_state flag) */
-/* Device copy of the rank mask (int32 [DEK_IC_MAX_RANKS], 1 = masked) in the control area's
- * LL scratch; the host rewrites it at every mask update (host-mapped reads from every block
- * would cross PCIe: measured 10-50x slower LL ops). */
-#define DEK_LL_MASK_OFF (DEK_IC_CONTROL_BYTES - 1024 + 64) /* combine recv_state flag: partial sums were sent */
+/* The device copy of the rank mask (1 = masked) is at DEK_LL_MASK_OFF (rank tables, above); the
+ * host rewrites it at every mask update (host-mapped reads from every block would cross PCIe:
+ * measured 10-50x slower LL ops). */
 #define DEK_LL_KIND_COMBINE 2
 typedef struct {
   uint64_t ll_off;                          /* byte offset of the LL area in every window */

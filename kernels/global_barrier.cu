@@ -20,7 +20,7 @@ using ic::window;
 constexpr uint64_t kHeader = DEK_GB_OFF;
 constexpr uint64_t kEpoch = DEK_GB_OFF + 64;
 constexpr uint64_t kSignals = DEK_GB_SIG_OFF;
-constexpr uint64_t kSlots = DEK_GB_OFF + 256;
+constexpr uint64_t kSlots = DEK_GB_SLOTS_OFF;
 constexpr int kMaxDomains = DEK_GB_MAX_DOMAINS;
 static_assert(ic::kScrEnd <= DEK_GB_OFF, "global barrier area overlaps the intranode scratch");
 static_assert(sizeof(dek_gb_header_t) <= 64, "header overlaps the epoch");
@@ -28,7 +28,7 @@ static_assert(kSignals == kHeader + 128 && kSignals + 8 * kMaxDomains <= kSlots,
 static_assert(kSlots + 8 * ic::kMaxRanks <= DEK_GB_DESC_OFF, "node slots overlap the descriptor");
 static_assert(DEK_GB_DESC_OFF + DEK_GB_DESC_BYTES <= DEK_IC_CONTROL_BYTES - 1024, "descriptor reaches the LL scratch");
 static_assert(sizeof(tp::LsaNet) <= DEK_GB_DESC_BYTES && sizeof(tp::GinNet) <= DEK_GB_DESC_BYTES, "descriptor too large");
-static_assert(ic::kMaxRanks <= 32 && kMaxDomains <= 32, "one lane per rank and per domain");
+static_assert(ic::kMaxRanks <= 32 && kMaxDomains <= 32, "one lane per local rank and per domain");
 
 // Warp-collective barrier of epoch `e`. False after a timeout (reported, naming the rank).
 template <class Net>

@@ -34,34 +34,41 @@ using tp::LsaNet;
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
-constexpr int kMaxNodes = 8;
+constexpr int kMaxNodes = DEK_IN_MAX_NODES;  // nodes: one lane each in the per-node warp code
+static_assert(kMaxNodes <= 32 && kMaxNvlPeers == ic::kMaxRanks, "one lane per node; a node's ranks index local arrays");
+constexpr int kRankWarps = rank_workers(kWarps);
 
 // ---- internode control area (DEK_IN_CTRL_OFF, zeroed with the window at creation) ----------
+// Sized for DEK_IN_MAX_RANKS ranks in DEK_IN_MAX_NODES nodes (offsets identical on every rank).
 constexpr uint64_t kCtrl = DEK_IN_CTRL_OFF;
 constexpr uint64_t kSigOff = kCtrl;  // seam signal table of the LSA emulation: kNumSignals u64
-constexpr int kNumSignals = 32;
-constexpr int kSigBar = 0;   // sig_base + source node: global barriers (one add per barrier)
-constexpr int kSigStep = 8;  // sig_base + source node: seam steps (one add per step)
+constexpr int kNumSignals = DEK_IN_LSA_SIGNALS;
+constexpr int kSigBar = DEK_IN_SIG_BAR;    // sig_base + source node: global barriers (one add per barrier)
+constexpr int kSigStep = DEK_IN_SIG_STEP;  // sig_base + source node: seam steps (one add per step)
 constexpr uint64_t kSlotA = kCtrl + 1024;  // [8] x 32 B node slots: global barrier, first phase
 constexpr uint64_t kSlotB = kCtrl + 1280;  // second phase
 constexpr uint64_t kSlotN = kCtrl + 1536;  // node barriers
-constexpr uint64_t kRail = kCtrl + 2048;   // [2 parities][8 nodes] x 32 B barrier payloads from rail peers
-constexpr uint64_t kRailStage = kCtrl + 2560;  // 32 B: this rank's payload (source of the puts)
-constexpr uint64_t kEpochs = kCtrl + 3072;     // u64: global barriers, node barriers, seam steps
-constexpr uint64_t kInfo = kCtrl + 3200;       // i64 real rows, i64 real RDMA rows; +16: own error (4 x i32)
-constexpr uint64_t kRecvGblRps = kCtrl + 4096;   // [R] i32
-constexpr uint64_t kRecvRdmaRps = kCtrl + 4160;  // [Rr] i32
-constexpr uint64_t kPerExpert = kCtrl + 8192;    // [el] i32 (aligned counts)
-constexpr uint64_t kRecvGblCpm = kCtrl + 12288;  // [R, C] i32 absolute first rows
-constexpr uint64_t kRecvRdmaCpm = kCtrl + 28672; // [Rr, C] i32
-constexpr uint64_t kRdmaCpm = kCtrl + 45056;     // [Rr, C] i32 sender side
-constexpr uint64_t kGblCpm = kCtrl + 61440;      // [R, C] i32 sender side
-constexpr uint64_t kCtrlEnd = kCtrl + 77824;
+constexpr uint64_t kRail = kCtrl + 2048;   // [2 parities][kMaxNodes] x 32 B barrier payloads from rail peers
+constexpr uint64_t kRailStage = kRail + 2 * kMaxNodes * 32;  // 32 B: this rank's payload (source of the puts)
+constexpr uint64_t kEpochs = kRailStage + 64;  // u64: global barriers, node barriers, seam steps
+constexpr uint64_t kInfo = kEpochs + 64;       // i64 real rows, i64 real RDMA rows; +16: own error (4 x i32)
+constexpr uint64_t kRecvGblRps = kCtrl + 8192;                           // [R] i32
+constexpr uint64_t kRecvRdmaRps = kRecvGblRps + 4 * DEK_IN_MAX_RANKS;    // [Rr] i32
+constexpr uint64_t kPerExpert = kCtrl + 12288;                           // [el] i32 (aligned counts)
+constexpr uint64_t kRankChanBytes = 4ull * DEK_IN_MAX_RANKS * DEK_IC_MAX_CHANNELS;  // an [R, C] i32 table
+constexpr uint64_t kNodeChanBytes = 4ull * kMaxNodes * DEK_IC_MAX_CHANNELS;         // an [Rr, C] i32 table
+constexpr uint64_t kRecvGblCpm = kCtrl + 16384;                  // [R, C] i32 absolute first rows
+constexpr uint64_t kRecvRdmaCpm = kRecvGblCpm + kRankChanBytes;  // [Rr, C] i32
+constexpr uint64_t kRdmaCpm = kRecvRdmaCpm + kNodeChanBytes;     // [Rr, C] i32 sender side
+constexpr uint64_t kGblCpm = kRdmaCpm + kNodeChanBytes;          // [R, C] i32 sender side
+constexpr uint64_t kCtrlEnd = kGblCpm + kRankChanBytes;
 static_assert(kCtrlEnd <= kCtrl + DEK_IN_CTRL_BYTES, "internode control area overflows");
-static_assert(ic::kMaxRanks * ic::kMaxChannels * 4 <= 16384, "[R, C] tables larger than their slots");
+static_assert(kInfo + 32 <= kRecvGblRps && kRecvRdmaRps + 4 * kMaxNodes <= kPerExpert &&
+                  kPerExpert + 4 * DEK_IC_MAX_LOCAL_EXPERTS <= kRecvGblCpm, "internode control slots overlap");
 static_assert(kSigOff + kNumSignals * 8 <= kSlotA, "signal table overlaps the slots");
 static_assert(kSigBar + kMaxNodes <= kSigStep && kSigStep + kMaxNodes <= DEK_IN_SEAM_SIGNALS &&
                   DEK_IN_SEAM_SIGNALS <= kNumSignals, "seam signal ids");
+static_assert(DEK_IN_MAX_RANKS <= 256, "barrier error words hold the rank in 8 bits (Slot::err)");
 static_assert(kCtrlEnd <= DEK_IN_NET_OFF && DEK_IN_NET_OFF + DEK_IN_NET_BYTES <= kCtrl + DEK_IN_CTRL_BYTES,
               "GIN descriptor slot outside the free end of the control area");
 
@@ -145,8 +152,8 @@ __device__ __forceinline__ Rec record(const Args& a) {
   r.scales = align16(a.row_bytes);
   r.idx = r.scales + align16(4ull * a.num_scales);
   r.weights = r.idx + align16(8ull * a.num_topk);
-  r.meta = r.weights + align16(4ull * a.num_topk);
-  r.bytes = r.meta + 16;
+  r.meta = r.weights + align16(4ull * a.num_topk);  // i32 source token, then u8 [Rr] node bytes
+  r.bytes = r.meta + align16(4ull + a.num_rdma_ranks);
   return r;
 }
 __device__ __forceinline__ uint64_t d_srh(const Args& a) { return ex_end(a); }

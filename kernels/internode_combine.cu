@@ -94,9 +94,9 @@ __global__ void __launch_bounds__(kThreads) c_forward_kernel(const __grid_consta
   const int64_t H = a.row_bytes / 2;
   const int K = a.num_topk;
   const uint64_t crec = a.record_bytes, wofs = c_weights_in_rec(a);
-  __shared__ const char* s_rows[kMaxNodes];     // staged rows of local rank m
-  __shared__ const float* s_w[kMaxNodes];       // staged weights of local rank m
-  __shared__ const int* s_gcpm[kMaxNodes];      // staged recv_gbl_channel_prefix_matrix of local rank m
+  __shared__ const char* s_rows[kMaxNvlPeers];  // staged rows of local rank m
+  __shared__ const float* s_w[kMaxNvlPeers];    // staged weights of local rank m
+  __shared__ const int* s_gcpm[kMaxNvlPeers];   // staged recv_gbl_channel_prefix_matrix of local rank m
   if (threadIdx.x < g.D) {
     const char* win = window(c, g.node * g.D + threadIdx.x);
     const int64_t rows_m = __ldcg(reinterpret_cast<const long long*>(win + kInfo));
@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kThreads) c_forward_kernel(const __grid_consta
     const int64_t first = ch > 0 ? a.h_recv_rdma_cpm[i * g.C + ch - 1] : 0;
     const int64_t p0 = base + first, p1 = base + a.h_recv_rdma_cpm[i * g.C + ch];
     for (int64_t p = p0 + warp; p < p1; p += kWarps) {
-      int64_t row[kMaxNodes];
+      int64_t row[kMaxNvlPeers];
       for (int m = 0; m < g.D; ++m) {
         const int h = a.h_send_nvl_head[p * 8 + m];
         row[m] = h >= 0 ? ldg_int(s_gcpm[m] + s * g.C + ch) + h : -1;
@@ -164,12 +164,13 @@ __global__ void __launch_bounds__(kThreads) c_forward_kernel(const __grid_consta
 __global__ void __launch_bounds__(kThreads) c_final_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
   if (ic::op_cancelled(c)) return;
   const Geo g = geo(c, a);
-  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const char* me = local(c);
   const int64_t n = a.num_tokens, H = a.row_bytes / 2, per = ic::tokens_per_channel(n, g.C);
   const int K = a.num_topk;
   const uint64_t crec = a.record_bytes, wofs = c_weights_in_rec(a);
   __shared__ int64_t s_base[kMaxNodes];  // first slot of node j's partials in the receive area
+  __shared__ const char* s_part[kWarps][kMaxNodes];  // per warp: its token's partial of node j
   if (threadIdx.x == 0) {
     int64_t b = 0;
     for (int j = 0; j < g.Rr; ++j) {
@@ -182,11 +183,15 @@ __global__ void __launch_bounds__(kThreads) c_final_kernel(const __grid_constant
   const bool vec = H % 8 == 0 && (al & 15) == 0;
   for (int64_t tok = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5; tok < n; tok += static_cast<int64_t>(gridDim.x) * kWarps) {
     const int64_t ch = per > 0 ? tok / per : 0;
-    const char* part[kMaxNodes];
-    for (int j = 0; j < g.Rr; ++j) {
+    // The token's partial from node j (NULL: none), a lane per node, in shared memory (a
+    // per-thread array of kMaxNodes pointers would live in local memory).
+    const char** part = s_part[warp];
+    __syncwarp();  // the previous token's reads of part[] are done
+    for (int j = lane; j < g.Rr; j += 32) {
       const int h = a.h_send_rdma_head[tok * g.Rr + j];
       part[j] = h < 0 ? nullptr : me + c_recv(a) + static_cast<uint64_t>(s_base[j] + (ch > 0 ? a.h_rdma_cpm[j * g.C + ch - 1] : 0) + h) * crec;
     }
+    __syncwarp();
     if (vec) {
       for (int64_t q = lane; q < H / 8; q += 32) {
         float acc[8];

@@ -39,10 +39,11 @@ __global__ void __launch_bounds__(kThreads) send_side_kernel(const __grid_consta
     int* e = own_error(c);
     e[0] = e[1] = e[2] = e[3] = 0;
   }
-  // Warps 0..Rr-1: node j (send_rdma_head, rdma_cpm); warps Rr..Rr+R-1: rank d (gbl_cpm).
-  if (warp < g.Rr + g.R) {
-    const bool is_node = warp < g.Rr;
-    const int j = is_node ? warp : warp - g.Rr;
+  // Items 0..Rr-1: node j (send_rdma_head, rdma_cpm); items Rr..Rr+R-1: rank d (gbl_cpm); one
+  // warp per item, the block's warps taking turns.
+  for (int w = warp; w < g.Rr + g.R && warp < kRankWarps; w += kRankWarps) {
+    const bool is_node = w < g.Rr;
+    const int j = is_node ? w : w - g.Rr;
     int acc = 0;
     for (int ch = 0; ch < g.C; ++ch) {
       const int64_t start = min(per * ch, n), end = min(start + per, n);
@@ -207,6 +208,7 @@ __global__ void __launch_bounds__(kThreads) rdma_send_kernel(const __grid_consta
   const int lane = threadIdx.x & 31;
   char* me = local(c);
   __shared__ int64_t s_base[kMaxNodes];  // first slot of this rank's tokens at node j's forwarder
+  static_assert(kMaxNodes <= kThreads, "a thread per node");
   if (threadIdx.x < g.Rr) {
     int64_t b = 0;
     for (int i = 0; i < g.node; ++i) b += ldg_int(ex_block(me, a, i) + 4 + threadIdx.x);
@@ -236,11 +238,13 @@ __global__ void __launch_bounds__(kThreads) rdma_send_kernel(const __grid_consta
       at<int64_t>(rec, r.idx)[k] = e;
       at<float>(rec, r.weights)[k] = a.topk_weights != nullptr ? a.topk_weights[tok * K + k] : 0.0f;
     }
-    if (lane == 0) {
-      int bits = 0;
-      for (int d = 0; d < g.R; ++d) bits |= (ir[tok * g.R + d] != 0 ? 1 : 0) << d;
-      at<int>(rec, r.meta)[0] = static_cast<int>(tok);
-      at<int>(rec, r.meta)[1] = bits;
+    // Meta: the source token, then per destination node j a byte whose bit m says local rank m
+    // of node j receives the token (a lane per node).
+    if (lane == 0) at<int>(rec, r.meta)[0] = static_cast<int>(tok);
+    for (int j = lane; j < g.Rr; j += 32) {
+      unsigned bits = 0;
+      for (int m = 0; m < g.D; ++m) bits |= (ir[tok * g.R + j * g.D + m] != 0 ? 1u : 0u) << m;
+      at<unsigned char>(rec, r.meta + 4)[j] = static_cast<unsigned char>(bits);
     }
     __syncwarp();
     const int64_t ch = per > 0 ? tok / per : 0;
@@ -270,6 +274,12 @@ __global__ void __launch_bounds__(32) step_kernel(const __grid_constant__ Ctx c,
   if (a.node_barrier) node_barrier(c, g, site);
 }
 
+// The local ranks of node `node` that record `rec` goes to (bit m = local rank m; written by
+// rdma_send_kernel, read by the forwarders' node and by the receivers).
+__device__ __forceinline__ int node_bits(const char* rec, const Rec& r, int node) {
+  return __ldcg(reinterpret_cast<const unsigned char*>(rec + r.meta + 4) + node);
+}
+
 // One received record `p` of forwarder window `fwin` into output row `row`. Warp-collective.
 __device__ void receive_row(const Ctx& c, const Geo& g, const Args& a, const Rec& r, const char* rec, int64_t row, int src_node) {
   const int lane = threadIdx.x & 31;
@@ -294,10 +304,9 @@ __device__ void receive_row(const Ctx& c, const Geo& g, const Args& a, const Rec
     }
   }
   if (lane == 0 && a.recv_src_meta != nullptr) {
-    const int bits = __ldcg(reinterpret_cast<const int*>(rec + r.meta) + 1);
     int* m = reinterpret_cast<int*>(a.recv_src_meta + row * 8);
     m[0] = src_node;
-    m[1] = (bits >> (g.node * g.D)) & ((1 << g.D) - 1);
+    m[1] = node_bits(rec, r, g.node);
   }
 }
 
@@ -323,7 +332,7 @@ __global__ void __launch_bounds__(kThreads) nvl_recv_kernel(const __grid_constan
       for (int64_t pb = p0; pb < p1; pb += 32) {
         const int64_t p = pb + lane;
         bool in = false;
-        if (p < p1) in = (ldg_int(reinterpret_cast<const int*>(fwin + d_recv(a) + p * r.bytes + r.meta) + 1) >> c.rank) & 1;
+        if (p < p1) in = (node_bits(fwin + d_recv(a) + p * r.bytes, r, g.node) >> g.local) & 1;
         unsigned m = __ballot_sync(0xffffffffu, in);
         while (m != 0) {
           const int l = __ffs(m) - 1;
@@ -339,9 +348,9 @@ __global__ void __launch_bounds__(kThreads) nvl_recv_kernel(const __grid_constan
       const int64_t p0 = base + (ch > 0 ? rrcpm[i * g.C + ch - 1] : 0), p1 = base + rrcpm[i * g.C + ch];
       int cnt = 0;
       for (int64_t p = p0; p < p1; ++p) {
-        const int bits = ldg_int(reinterpret_cast<const int*>(me + d_recv(a) + p * r.bytes + r.meta) + 1);
+        const int bits = node_bits(me + d_recv(a) + p * r.bytes, r, g.node);
         int v = -1;
-        if (lane < g.D && ((bits >> (g.node * g.D + lane)) & 1)) v = cnt++;
+        if (lane < g.D && ((bits >> lane) & 1)) v = cnt++;
         if (lane < 8) a.send_nvl_head[p * 8 + lane] = v;
       }
     }
@@ -384,7 +393,8 @@ __global__ void __launch_bounds__(kThreads) nvl_recv_kernel(const __grid_constan
 bool args_ok(const Ctx* c, const Args* a) {
   if (!ic::ctx_domain_ok(c) || a == nullptr || (c->nvl_ranks != 0 && c->nvl_ranks != a->nvl_size)) return false;
   const int R = c->num_ranks;
-  if (a->nvl_size < 1 || a->num_rdma_ranks < 2 || a->nvl_size * a->num_rdma_ranks != R || a->num_rdma_ranks > kMaxNodes ||
+  if (a->nvl_size < 1 || a->nvl_size > kMaxNvlPeers || a->num_rdma_ranks < 2 || a->nvl_size * a->num_rdma_ranks != R ||
+      a->num_rdma_ranks > kMaxNodes || R > DEK_IN_MAX_RANKS ||
       a->num_channels < 1 || a->num_channels > ic::kMaxChannels || a->num_blocks < 1 || a->num_topk < 0 || a->num_scales < 0 ||
       a->num_local_experts < 0 || a->num_local_experts > DEK_IC_MAX_LOCAL_EXPERTS || a->block_bytes % 16 != 0 ||
       a->data_off < kCtrl + DEK_IN_CTRL_BYTES || a->data_end > c->window_bytes || a->data_off >= a->data_end)
@@ -393,11 +403,12 @@ bool args_ok(const Ctx* c, const Args* a) {
   // host's business (GinPlan covers sig_base + DEK_IN_SEAM_SIGNALS). `lsa` is not read.
   if (a->net_kind == DEK_IN_NET_GIN) return a->net != nullptr && a->sig_base >= 0;
   if (a->net_kind != DEK_IN_NET_LSA || a->sig_base != 0) return false;
-  if (a->lsa.num_ranks != R || a->lsa.rank != c->rank || a->lsa.num_contexts < 1 || a->lsa.signal_off != kSigOff ||
+  if (R > DEK_TP_MAX_LSA_PEERS || a->lsa.num_ranks != R || a->lsa.rank != c->rank || a->lsa.num_contexts < 1 || a->lsa.signal_off != kSigOff ||
       a->lsa.num_signals < kNumSignals)
     return false;
-  for (int p = 0; p < R; ++p) {
-    if (c->peer_base[p] != nullptr && a->lsa.peer_base[p] != c->peer_base[p]) return false;  // NULL: another domain
+  const int domain = c->nvl_ranks > 0 ? c->nvl_ranks : R;
+  for (int p = c->nvl_first; p < c->nvl_first + domain; ++p) {  // the own domain's windows are the emulation's too
+    if (a->lsa.peer_base[p] != c->peer_base[p % ic::kMaxRanks]) return false;
   }
   return true;
 }

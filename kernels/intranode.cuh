@@ -41,6 +41,7 @@ constexpr size_t kScrEnd = kScrCombineNext + 128;
 // the combine's start barrier (stream order), which zeroes these counters.
 constexpr size_t kScrPushDone = kScrRcpm;
 static_assert(kBarrierOff + kMaxRanks * kSlotBytes <= kHeaderOff, "barrier slots overlap the header");
+static_assert((kMaxRanks & (kMaxRanks - 1)) == 0, "peer_base slots are rank & (kMaxRanks - 1)");
 static_assert(sizeof(dek_ic_layout_t) <= DEK_IC_LAYOUT_BYTES, "layout larger than its slot");
 static_assert(kHeaderOff + 2 * DEK_IC_LAYOUT_BYTES <= kScratchOff, "header overlaps the scratch");
 static_assert(DEK_IC_CHECK_OFF >= sizeof(dek_ic_layout_t) && DEK_IC_CHECK_OFF % 8 == 0 &&
@@ -51,8 +52,20 @@ static_assert(kScrEnd <= DEK_IC_CONTROL_BYTES - 1024, "scratch reaches the low-l
 using Ctx = dek_ic_ctx_t;
 using Layout = dek_ic_layout_t;
 
-__device__ __forceinline__ char* window(const Ctx& c, int rank) { return static_cast<char*>(c.peer_base[rank]); }
-__device__ __forceinline__ char* local(const Ctx& c) { return window(c, c.rank); }
+// Window of world rank `rank` in a ctx that holds every rank (ctx_ok: nvl_first 0, entries by
+// world rank): the intranode ops' kernels, whose hot loops take one per peer.
+__device__ __forceinline__ char* peer_window(const Ctx& c, int rank) { return static_cast<char*>(c.peer_base[rank]); }
+__device__ __forceinline__ char* peer_local(const Ctx& c) { return peer_window(c, c.rank); }  // their own window
+// Window of world rank `rank` in any ctx (internode and LL kernels, barriers, checks): NULL outside
+// this rank's NVLink domain (no window there; the seam reaches it), so that callers may take it
+// before asking whether the rank is remote.
+__device__ __forceinline__ char* window(const Ctx& c, int rank) {
+  const bool near = static_cast<unsigned>(rank - c.nvl_first) < static_cast<unsigned>(kMaxRanks);
+  return near ? static_cast<char*>(c.peer_base[rank & (kMaxRanks - 1)]) : nullptr;
+}
+// This rank's own window (slot rank % kMaxRanks, an AND: a subtraction of nvl_first made the
+// intranode pull kernel spill, ptxas -v).
+__device__ __forceinline__ char* local(const Ctx& c) { return static_cast<char*>(c.peer_base[c.rank & (kMaxRanks - 1)]); }
 template <typename T>
 __device__ __forceinline__ T* at(char* base, size_t off) { return reinterpret_cast<T*>(base + off); }
 
@@ -112,7 +125,7 @@ __device__ __forceinline__ bool op_cancelled(const Ctx& c) {
 // ---- per-(sender, channel) flags (push dispatch, fused combine) -------------------------------
 // Flag (s, ch) in the window of `owner`: rank s has stored all its rows of channel ch there.
 __device__ __forceinline__ uint64_t* chan_flag(const Ctx& c, int owner, int s, int ch) {
-  return at<uint64_t>(window(c, owner), kScrChanFlags + (static_cast<size_t>(s) * kMaxChannels + ch) * 8);
+  return at<uint64_t>(peer_window(c, owner), kScrChanFlags + (static_cast<size_t>(s) * kMaxChannels + ch) * 8);
 }
 // Waits (every lane) until flag (s, ch) of this rank's window reaches `epoch`; false after the
 // deadline (reported at `site`, naming s).
@@ -236,18 +249,22 @@ __device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
 }
 
 // Host side of the launch functions: a ctx the kernels can use. ctx_domain_ok accepts the ctx of
-// an internode buffer too (nvl_ranks = D > 0): a window base exactly for the ranks of this rank's
-// NVLink domain, NULL for every other rank (a kernel that still addresses one faults, loudly).
+// an internode buffer too (nvl_ranks = D > 0): a window base exactly for the D ranks of this rank's
+// NVLink domain (world rank r at slot r % kMaxRanks), NULL in the other slots.
 // ctx_ok, for the kernels that address every rank's window (intranode ops), wants all of them.
 bool ctx_domain_ok(const Ctx* c) {
-  if (c == nullptr || c->num_ranks < 1 || c->num_ranks > kMaxRanks || c->rank < 0 || c->rank >= c->num_ranks ||
-      c->host_status == nullptr || c->window_bytes < DEK_IC_CONTROL_BYTES)
+  // Intranode: at most kMaxRanks ranks; internode: DEK_IN_MAX_RANKS in at most DEK_IN_MAX_NODES
+  // domains of at most kMaxRanks (docs/RANKS.md).
+  if (c == nullptr || c->num_ranks < 1 || c->num_ranks > (c->nvl_ranks > 0 ? DEK_IN_MAX_RANKS : kMaxRanks) || c->rank < 0 ||
+      c->rank >= c->num_ranks || c->host_status == nullptr || c->window_bytes < DEK_IC_CONTROL_BYTES)
     return false;
   const int d = c->nvl_ranks;
-  if (d < 0 || (d > 0 && (d >= c->num_ranks || c->num_ranks % d != 0))) return false;
-  for (int p = 0; p < c->num_ranks; ++p) {
-    const bool own = d == 0 || p / d == c->rank / d;
-    if ((c->peer_base[p] != nullptr) != own) return false;
+  if (d < 0 || (d > 0 && (d > kMaxRanks || d >= c->num_ranks || c->num_ranks % d != 0 || c->num_ranks / d > DEK_IN_MAX_NODES))) return false;
+  if (c->nvl_first != (d > 0 ? c->rank / d * d : 0)) return false;
+  const int domain = d > 0 ? d : c->num_ranks;  // ranks nvl_first + [0, domain) set, the other slots NULL
+  for (int i = 0; i < kMaxRanks; ++i) {
+    const int j = ((i - c->nvl_first) % kMaxRanks + kMaxRanks) % kMaxRanks;  // slot i holds rank nvl_first + j
+    if ((c->peer_base[i] != nullptr) != (j < domain)) return false;
   }
   return true;
 }

@@ -5,11 +5,12 @@
 // which raises it on every rank and cancels the op (intranode_sync.cu).
 //
 // One launch, three phases, then the last block to finish decides:
-//  A  one thread per token: expert ids in range, is_token_in_rank row == the ranks of the valid ids,
-//     and a sum of 64-bit hashes of the valid ids (minus sum over e of ntpe[e] * hash(e): zero iff
+//  A  one thread per token: expert ids in range, is_token_in_rank row == the ranks of the valid ids
+//     (every id's rank selected, and as many ranks selected as the ids have distinct ranks: no
+//     per-rank bitmask, so any R up to DEK_IN_MAX_RANKS), and a sum of 64-bit hashes of the valid ids (minus sum over e of ntpe[e] * hash(e): zero iff
 //     num_tokens_per_expert matches, up to a 2^-64 chance);
 //  B  one warp per (destination d, channel): counts is_token_in_rank[:, d] over the channel's
-//     tokens (added to cnt[d]) and, for a handle, compares send_head and channel_prefix_matrix
+//     tokens (added to the per-rank counts at DEK_IC_CHECK_COUNTS_OFF) and, for a handle, compares send_head and channel_prefix_matrix
 //     with what crate::layout::send_side gives for is_token_in_rank;
 //  C  the last block compares the per-rank counts (num_tokens_per_rank or rank_prefix_matrix),
 //     writes the first failure (in the cpu backend's order) into the header and zeroes the scratch.
@@ -24,7 +25,8 @@ namespace {
 constexpr int kCheckThreads = 256;
 constexpr int kCheckUnroll = 4;  // phase B: 32-token rows loaded ahead per step
 
-// Check scratch (kScrCheck, 128 bytes, zero between launches).
+// Check scratch (kScrCheck, 128 bytes, and the counts [R] at DEK_IC_CHECK_COUNTS_OFF of the rank
+// tables; zero between launches).
 struct CheckScratch {
   unsigned long long hash;  // sum of hash(valid id) - sum of ntpe[e] * hash(e)
   unsigned int ticket;      // blocks finished
@@ -35,7 +37,6 @@ struct CheckScratch {
   int bad_send_head;        // 1 + token whose send_head differs
   int bad_send_head_d;
   int bad_cpm;              // 1 + d * C + channel whose channel_prefix_matrix entry differs
-  int cnt[kMaxRanks];       // is_token_in_rank column counts
 };
 static_assert(sizeof(CheckScratch) <= 128, "check scratch larger than its slot");
 
@@ -52,15 +53,31 @@ __device__ __forceinline__ int clamp32(long long v) {
   return static_cast<int>(max(min(v, static_cast<long long>(INT32_MAX)), static_cast<long long>(INT32_MIN)));
 }
 
+// Expert id j of token t.
+__device__ __forceinline__ long long id_at(const dek_ic_check_args_t& a, int64_t t, int64_t j) {
+  const int64_t i = t * a.num_topk + j;
+  return a.topk_is_int64 ? static_cast<const int64_t*>(a.topk_idx)[i] : static_cast<const int32_t*>(a.topk_idx)[i];
+}
+
+// Whether one of token t's valid ids (in [0, E)) is an expert of rank d.
+__device__ __forceinline__ bool ids_reach(const dek_ic_check_args_t& a, int64_t t, int64_t el, int64_t d) {
+  for (int64_t j = 0; j < a.num_topk; ++j) {
+    const long long e = id_at(a, t, j);
+    if (e >= 0 && e < a.num_experts && e / el == d) return true;
+  }
+  return false;
+}
+
 __global__ void __launch_bounds__(kCheckThreads) check_kernel(const __grid_constant__ Ctx c, const __grid_constant__ dek_ic_check_args_t a) {
   __shared__ unsigned long long s_hash;
-  __shared__ int s_cnt[kMaxRanks];
+  __shared__ int s_cnt[DEK_IN_MAX_RANKS];
   __shared__ bool s_last;
   CheckScratch* scr = at<CheckScratch>(local(c), kScrCheck);
+  int* cnt = at<int>(local(c), DEK_IC_CHECK_COUNTS_OFF);  // is_token_in_rank column counts [R]
   const int R = c.num_ranks, lane = threadIdx.x & 31;
   const int64_t n = a.num_tokens, k = a.num_topk, E = a.num_experts, C = a.num_channels;
   if (threadIdx.x == 0) s_hash = 0;
-  if (threadIdx.x < kMaxRanks) s_cnt[threadIdx.x] = 0;
+  for (int d = threadIdx.x; d < R; d += blockDim.x) s_cnt[d] = 0;
   __syncthreads();
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -71,19 +88,17 @@ __global__ void __launch_bounds__(kCheckThreads) check_kernel(const __grid_const
     const int64_t el = E / R;
     unsigned long long h = 0;
     for (int64_t t = tid; t < n; t += threads) {
-      unsigned mask = 0;
-      // The token's is_token_in_rank row and its ids in groups of kCheckUnroll, loaded before use
-      // (the atomics below would otherwise keep the loads in order, one latency each).
-      unsigned char row[kMaxRanks];
-#pragma unroll
-      for (int d = 0; d < kMaxRanks; ++d) row[d] = d < R ? in_rank[t * R + d] : 0;
+      // The row equals the ranks of the valid ids iff every such rank is selected in it and it
+      // selects as many ranks as the ids have distinct ones.
+      int selected = 0, distinct = 0;
+      bool covered = true;
+      for (int d = 0; d < R; ++d) selected += in_rank[t * R + d] != 0;
+      // The ids in groups of kCheckUnroll, loaded before use (the atomics below would otherwise
+      // keep the loads in order, one latency each).
       for (int64_t j0 = 0; j0 < k; j0 += kCheckUnroll) {
         long long ids[kCheckUnroll];
 #pragma unroll
-        for (int u = 0; u < kCheckUnroll; ++u) {
-          const int64_t j = j0 + u;
-          ids[u] = j >= k ? -1 : a.topk_is_int64 ? static_cast<const int64_t*>(a.topk_idx)[t * k + j] : static_cast<const int32_t*>(a.topk_idx)[t * k + j];
-        }
+        for (int u = 0; u < kCheckUnroll; ++u) ids[u] = j0 + u >= k ? -1 : id_at(a, t, j0 + u);
 #pragma unroll
         for (int u = 0; u < kCheckUnroll; ++u) {
           const long long e = ids[u];
@@ -92,15 +107,24 @@ __global__ void __launch_bounds__(kCheckThreads) check_kernel(const __grid_const
             atomicCAS(reinterpret_cast<unsigned long long*>(&scr->bad_id), 0ull, static_cast<unsigned long long>(e));
           } else if (e >= 0) {
             h += id_hash(e);
-            mask |= 1u << (e / el);
+            const int64_t d = e / el;
+            covered = covered && in_rank[t * R + d] != 0;
+            bool first = true;  // no earlier valid id of the token has this rank
+            for (int64_t j = 0; j < j0 + u && first; ++j) {
+              const long long f = id_at(a, t, j);
+              first = !(f >= 0 && f < E && f / el == d);
+            }
+            distinct += first;
           }
         }
       }
-      for (int d = 0; d < R; ++d) {
-        if ((row[d] != 0) != (((mask >> d) & 1u) != 0)) {
-          atomicOr(&scr->flags, kBadInRank);
-          if (atomicCAS(&scr->bad_in_rank, 0, static_cast<int>(t) + 1) == 0) scr->bad_in_rank_d = d;
-          break;
+      if (!covered || selected != distinct) {
+        for (int d = 0; d < R; ++d) {  // the first rank that differs, as the cpu backend reports it
+          if ((in_rank[t * R + d] != 0) != ids_reach(a, t, el, d)) {
+            atomicOr(&scr->flags, kBadInRank);
+            if (atomicCAS(&scr->bad_in_rank, 0, static_cast<int>(t) + 1) == 0) scr->bad_in_rank_d = d;
+            break;
+          }
         }
       }
     }
@@ -156,7 +180,7 @@ __global__ void __launch_bounds__(kCheckThreads) check_kernel(const __grid_const
   }
   __syncthreads();
   if (threadIdx.x == 0) atomicAdd(&scr->hash, s_hash);
-  if (threadIdx.x < R) atomicAdd(&scr->cnt[threadIdx.x], s_cnt[threadIdx.x]);
+  for (int d = threadIdx.x; d < R; d += blockDim.x) atomicAdd(&cnt[d], s_cnt[d]);
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) s_last = atomicAdd(&scr->ticket, 1u) == gridDim.x - 1;
@@ -166,11 +190,12 @@ __global__ void __launch_bounds__(kCheckThreads) check_kernel(const __grid_const
   // ---- C: the last block: per-rank counts, then the first failure in the cpu backend's order ----
   __threadfence();
   volatile CheckScratch* v = scr;
+  const volatile int* vcnt = cnt;
   const unsigned flags = v->flags;
   int code = 0, value = 0, limit = 0, extra = 0;
   const int* rpm = a.rank_prefix_matrix;
   for (int d = 0; d < R && code == 0; ++d) {
-    const int got = v->cnt[d];
+    const int got = vcnt[d];
     if (rpm == nullptr && a.num_tokens_per_rank != nullptr && a.num_tokens_per_rank[d] != got) {
       code = DEK_IC_ERR_NTPR, value = a.num_tokens_per_rank[d], limit = got, extra = d;
     } else if (rpm != nullptr) {
@@ -199,6 +224,7 @@ __global__ void __launch_bounds__(kCheckThreads) check_kernel(const __grid_const
   // Ready for the next op (stream-ordered after this kernel).
   unsigned long long* words = reinterpret_cast<unsigned long long*>(scr);
   for (int i = 0; i < 16; ++i) words[i] = 0;
+  for (int d = 0; d < R; ++d) cnt[d] = 0;
 }
 
 }  // namespace

@@ -112,7 +112,7 @@ __device__ bool combine_plan(const Ctx& c, const int* rpm, int64_t rb, int64_t K
       if (blockIdx.x == 0) {  // every rank finds the same: all skip this combine
         report(c, DEK_IC_ERR_CAPACITY, s, DEK_IC_SITE_COMBINE_START, static_cast<int>(min(need >> 10, uint64_t{INT32_MAX})),
                static_cast<int>(min(c.window_bytes >> 10, uint64_t{INT32_MAX})));
-        *at<volatile int>(local(c), kScrOpBad) = 1;
+        *at<volatile int>(peer_local(c), kScrOpBad) = 1;
       }
       return false;
     }
@@ -200,7 +200,7 @@ __global__ void __launch_bounds__(kT) push_kernel(const __grid_constant__ Ctx c,
   const int R = c.num_ranks, me = c.rank, tid = threadIdx.x, lane = tid & 31;
   if (blockIdx.x == 0 && tid < DEK_IC_LAYOUT_BYTES / 8) {  // gathered by the data barrier
     const uint64_t* words = reinterpret_cast<const uint64_t*>(&L);
-    at<uint64_t>(local(c), next_header_slot(c))[tid] = tid < sizeof(Layout) / 8 ? words[tid] : 0;
+    at<uint64_t>(peer_local(c), next_header_slot(c))[tid] = tid < sizeof(Layout) / 8 ? words[tid] : 0;
   }
   for (int i = tid; i < R * R; i += blockDim.x) s_rpm[i] = a.rank_prefix_matrix[i];
   __syncthreads();
@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(kT) push_kernel(const __grid_constant__ Ctx c,
     const int64_t r = (s > 0 ? s_rpm[(s - 1) * R + me] : 0) + j;
     if (r >= a.num_rows) continue;  // inconsistent handle: x has fewer rows
     const int64_t row = s_base[s] + j;
-    char* dst = window(c, s);
+    char* dst = peer_window(c, s);
     warp_copy(dst + DEK_IC_CONTROL_BYTES + row * rb, x + r * rb, rb, lane);
     if (a.topk_weights != nullptr) {
       float* w = reinterpret_cast<float*>(dst + s_woff[s]) + row * K;
@@ -266,7 +266,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const __grid_constant
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
   const bool b0_aligned = (reinterpret_cast<uintptr_t>(a.bias_0) & 15) == 0;
   const bool b1_aligned = (reinterpret_cast<uintptr_t>(a.bias_1) & 15) == 0;
-  char* me = local(c);
+  char* me = peer_local(c);
   int nx_in, nx_cp, nx_sh;
   load_idx(a, R, per, gwarp, lane, nx_in, nx_cp, nx_sh);
   for (int64_t n = gwarp; n < n_tokens; n += warps) {
@@ -317,7 +317,7 @@ __device__ void push_rows(const Ctx& c, const dek_ic_push_args_t& p, int C, cons
   const int* rcpm = p.recv_channel_prefix_matrix;
   const int64_t rb = p.layout.row_bytes, K = p.layout.num_topk;
   const char* x = static_cast<const char*>(p.x);
-  int* done = at<int>(local(c), kScrPushDone);
+  int* done = at<int>(peer_local(c), kScrPushDone);
   if (gwarp == 0) {  // ranges without rows are complete now
     for (int i = lane; i < C * R; i += 32) {
       const int ch = i / R, s = i % R;
@@ -365,7 +365,7 @@ __device__ void push_rows(const Ctx& c, const dek_ic_push_args_t& p, int C, cons
       pend_ch = ch;
     }
     const int64_t a0 = lo + (u - first) * kPushRows, a1 = min(a0 + kPushRows, hi);
-    char* dst = window(c, s);
+    char* dst = peer_window(c, s);
     const int64_t row = s_base[s] + (a0 - xb);  // rows follow each other in both windows
     warp_copy<kU>(dst + DEK_IC_CONTROL_BYTES + row * rb, x + a0 * rb, (a1 - a0) * rb, lane);
     if (p.topk_weights != nullptr) {
@@ -387,7 +387,7 @@ __device__ void reduce_rows(const Ctx& c, const dek_ic_push_args_t& p, const dek
   const int64_t per = tokens_per_channel(N, C);
   if (per == 0) return;
   const int64_t upc = (per + kReduceTokens - 1) / kReduceTokens, total = upc * C;
-  char* win = local(c);
+  char* win = peer_local(c);
   const float* wwin = reinterpret_cast<const float*>(win + combine_weights_off(s_rbase[R - 1] + s_count[R - 1], rb));
   const int64_t xb = me > 0 ? rpm[(me - 1) * R + me] : 0;  // this rank's own rows in x
   const char* x = static_cast<const char*>(p.x);
@@ -470,7 +470,7 @@ __global__ void __launch_bounds__(kThreads) combine_fused_kernel(const __grid_co
   }
   __syncthreads();
   if (s_fail) return;
-  const uint64_t epoch = ld_volatile(at<const uint64_t>(local(c), kScrEpoch));  // the start barrier's: equal on all ranks
+  const uint64_t epoch = ld_volatile(at<const uint64_t>(peer_local(c), kScrEpoch));  // the start barrier's: equal on all ranks
   const int push_warps = kWarps - p.reduce_warps;
   if (warp < push_warps) {
     push_rows<kU>(c, p, a.num_channels, s_rpm, s_base, s_woff, epoch, static_cast<int64_t>(blockIdx.x) * push_warps + warp,

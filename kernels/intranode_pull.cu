@@ -59,8 +59,8 @@ __global__ void __launch_bounds__(kT) pull_kernel(const __grid_constant__ Ctx c,
   __syncthreads();
 
   const Layout& me = s_layout[rank];
-  const int* rpm = a.rpm_in != nullptr ? a.rpm_in : at<const int>(local(c), kScrRpm);
-  const int* rcpm = a.rcpm_in != nullptr ? a.rcpm_in : at<const int>(local(c), kScrRcpm);
+  const int* rpm = a.rpm_in != nullptr ? a.rpm_in : at<const int>(peer_local(c), kScrRpm);
+  const int* rcpm = a.rcpm_in != nullptr ? a.rcpm_in : at<const int>(peer_local(c), kScrRcpm);
   const int C = static_cast<int>(me.num_channels);
   const int64_t rb = me.row_bytes, S = me.num_scales, K = me.num_topk, el = a.num_local_experts;
   const int64_t received = max(rpm[(R - 1) * R + rank], 0);
@@ -77,11 +77,11 @@ __global__ void __launch_bounds__(kT) pull_kernel(const __grid_constant__ Ctx c,
     for (int64_t i = gtid; i < R * C; i += threads) a.recv_channel_prefix_matrix[i] = rcpm[i];
   }
   if (a.channel_prefix_matrix != nullptr) {
-    const int* cpm = at<const int>(local(c), me.off[DEK_IC_SEC_CPM]);
+    const int* cpm = at<const int>(peer_local(c), me.off[DEK_IC_SEC_CPM]);
     for (int64_t i = gtid; i < R * C; i += threads) a.channel_prefix_matrix[i] = cpm[i];
   }
   if (a.send_head != nullptr) {
-    const int* sh = at<const int>(local(c), me.off[DEK_IC_SEC_SEND_HEAD]);
+    const int* sh = at<const int>(peer_local(c), me.off[DEK_IC_SEC_SEND_HEAD]);
     for (int64_t i = gtid; i < me.num_tokens * R; i += threads) a.send_head[i] = sh[i];
   }
 
@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kT) pull_kernel(const __grid_constant__ Ctx c,
     const Layout& L = s_layout[s];
     const int64_t first = (task - s_task_start[v]) * kTaskTokens;
     const int64_t per = tokens_per_channel(L.num_tokens, C);
-    const char* src = window(c, s);
+    const char* src = peer_window(c, s);
     const int64_t t = first + lane;
     int64_t row = -1;
     if (lane < kTaskTokens && t < L.num_tokens) {

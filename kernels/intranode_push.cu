@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_push_kernel(const __grid_co
   __shared__ int s_fail;
   if (op_cancelled(c)) return;
   const int R = c.num_ranks, me = c.rank, tid = threadIdx.x, lane = tid & 31;
-  const int* rpm = a.rpm_in != nullptr ? a.rpm_in : at<const int>(local(c), kScrRpm);
+  const int* rpm = a.rpm_in != nullptr ? a.rpm_in : at<const int>(peer_local(c), kScrRpm);
   if (tid == 0) {
     s_fail = 0;
     for (int d = 0; d < R; ++d) {
@@ -83,11 +83,11 @@ __global__ void __launch_bounds__(kThreads) dispatch_push_kernel(const __grid_co
         if (blockIdx.x == 0) {  // every rank finds the same: all skip this op
           report(c, DEK_IC_ERR_CAPACITY, d, DEK_IC_SITE_DISPATCH_PUSH, static_cast<int>(min(need_kib, uint64_t{INT32_MAX})),
                  static_cast<int>(min(c.window_bytes >> 10, uint64_t{INT32_MAX})));
-          *at<volatile int>(local(c), kScrOpBad) = 1;
+          *at<volatile int>(peer_local(c), kScrOpBad) = 1;
         }
         break;
       }
-      s_area[d] = recv_area(window(c, d), L);
+      s_area[d] = recv_area(peer_window(c, d), L);
       s_base[d] = me > 0 ? rpm[(me - 1) * R + d] : 0;
       // Also never past the area (only an inconsistent cached handle could get there).
       s_limit[d] = min(L.recv_limit >= 0 ? L.recv_limit : INT64_MAX, L.recv_cap);
@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_push_kernel(const __grid_co
   }
   __syncthreads();
   if (s_fail) return;
-  const uint64_t epoch = *at<const uint64_t>(local(c), kScrEpoch);  // the data barrier's: equal on all ranks
+  const uint64_t epoch = *at<const uint64_t>(peer_local(c), kScrEpoch);  // the data barrier's: equal on all ranks
   const int warp = tid >> 5, copy_warps = a.copy_warps, push_warps = kWarps - copy_warps;
   if (warp >= push_warps) {
     copy_out(c, p, blockIdx.x * copy_warps + (warp - push_warps), gridDim.x * copy_warps, epoch);
@@ -107,8 +107,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_push_kernel(const __grid_co
   const int C = static_cast<int>(mine.num_channels);
   const int64_t N = a.num_tokens, rb = mine.row_bytes, S = mine.num_scales, K = mine.num_topk;
   const int64_t per = tokens_per_channel(N, C);
-  const int* sh = a.send_head != nullptr ? a.send_head : at<const int>(local(c), mine.off[DEK_IC_SEC_SEND_HEAD]);
-  const int* cpm = a.channel_prefix_matrix != nullptr ? a.channel_prefix_matrix : at<const int>(local(c), mine.off[DEK_IC_SEC_CPM]);
+  const int* sh = a.send_head != nullptr ? a.send_head : at<const int>(peer_local(c), mine.off[DEK_IC_SEC_SEND_HEAD]);
+  const int* cpm = a.channel_prefix_matrix != nullptr ? a.channel_prefix_matrix : at<const int>(peer_local(c), mine.off[DEK_IC_SEC_CPM]);
   const char* x = static_cast<const char*>(a.x);
   char* recv_x = static_cast<char*>(a.recv_x);
   // Window receive areas are 128-aligned and rows follow at multiples of rb.
@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_push_kernel(const __grid_co
   const int n16 = static_cast<int>(rb / 16);
   const int64_t gwarp = static_cast<int64_t>(blockIdx.x) * push_warps + warp;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * push_warps;
-  int* done = at<int>(local(c), kScrChanDone);  // zeroed by this op's stage kernel
+  int* done = at<int>(peer_local(c), kScrChanDone);  // zeroed by this op's stage kernel
   // Raises flag (me, ch) in every peer's window: all of this rank's rows of channel ch are there.
   auto signal = [&](int ch) {
     for (int d = 0; d < R; ++d) {
@@ -220,14 +220,14 @@ __global__ void __launch_bounds__(kThreads) dispatch_push_kernel(const __grid_co
 __device__ void copy_out(const Ctx& c, const dek_ic_pull_args_t& a, int cw, int num_cw, uint64_t epoch) {
   const int R = c.num_ranks, rank = c.rank, lane = threadIdx.x & 31;
   const Layout& me = scratch_layout(c, rank);
-  const int* rpm = a.rpm_in != nullptr ? a.rpm_in : at<const int>(local(c), kScrRpm);
-  const int* rcpm = a.rcpm_in != nullptr ? a.rcpm_in : at<const int>(local(c), kScrRcpm);
+  const int* rpm = a.rpm_in != nullptr ? a.rpm_in : at<const int>(peer_local(c), kScrRpm);
+  const int* rcpm = a.rcpm_in != nullptr ? a.rcpm_in : at<const int>(peer_local(c), kScrRcpm);
   const int C = static_cast<int>(me.num_channels);
   const int64_t rb = me.row_bytes, S = me.num_scales, K = me.num_topk;
   const int64_t received = max(rpm[(R - 1) * R + rank], 0);
   const int64_t real_rows = min(received, a.num_rows);
   const int64_t gtid = static_cast<int64_t>(cw) * 32 + lane, threads = static_cast<int64_t>(num_cw) * 32;
-  const RecvArea A = recv_area(local(c), me);
+  const RecvArea A = recv_area(peer_local(c), me);
 
   // Handle outputs (dispatch), as pull_kernel.
   if (a.rank_prefix_matrix != nullptr) {
@@ -237,11 +237,11 @@ __device__ void copy_out(const Ctx& c, const dek_ic_pull_args_t& a, int cw, int 
     for (int64_t i = gtid; i < R * C; i += threads) a.recv_channel_prefix_matrix[i] = rcpm[i];
   }
   if (a.channel_prefix_matrix != nullptr) {
-    const int* cpm = at<const int>(local(c), me.off[DEK_IC_SEC_CPM]);
+    const int* cpm = at<const int>(peer_local(c), me.off[DEK_IC_SEC_CPM]);
     for (int64_t i = gtid; i < R * C; i += threads) a.channel_prefix_matrix[i] = cpm[i];
   }
   if (a.send_head != nullptr) {
-    const int* sh = at<const int>(local(c), me.off[DEK_IC_SEC_SEND_HEAD]);
+    const int* sh = at<const int>(peer_local(c), me.off[DEK_IC_SEC_SEND_HEAD]);
     for (int64_t i = gtid; i < me.num_tokens * R; i += threads) a.send_head[i] = sh[i];
   }
 

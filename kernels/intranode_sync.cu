@@ -26,7 +26,7 @@ __global__ void __launch_bounds__(kSyncThreads) sync_kernel(const __grid_constan
   __shared__ uint64_t s_epoch;
   __shared__ int s_skip, s_failed, s_bad;
   __shared__ int s_counts[kMaxRanks][kMaxRanks];  // s_counts[s][d]: tokens rank s sends to d
-  char* me = local(c);
+  char* me = peer_local(c);
   const int R = c.num_ranks, tid = threadIdx.x;
   if (tid == 0) {
     s_skip = ld_volatile(at<int>(me, kScrTimedOut)) != 0;
@@ -60,11 +60,11 @@ __global__ void __launch_bounds__(kSyncThreads) sync_kernel(const __grid_constan
   if (tid < R) {
     const int p = tid;
     __threadfence_system();  // this rank's staged data before the signal (belt and braces)
-    st_release_sys(at<uint64_t>(window(c, p), kBarrierOff + c.rank * kSlotBytes), s_epoch);
+    st_release_sys(at<uint64_t>(peer_window(c, p), kBarrierOff + c.rank * kSlotBytes), s_epoch);
     if (!wait_epoch(c, at<const uint64_t>(me, kBarrierOff + p * kSlotBytes), s_epoch, p, a.site)) atomicExch(&s_failed, 1);
     if (a.gather && !s_failed) {
       // The peer's layout, read by the thread that acquired its signal.
-      const uint64_t* src = at<const uint64_t>(window(c, p), header_slot(s_epoch));
+      const uint64_t* src = at<const uint64_t>(peer_window(c, p), header_slot(s_epoch));
       uint64_t* dst = at<uint64_t>(me, kScrHeaders + static_cast<size_t>(p) * DEK_IC_LAYOUT_BYTES);
       for (int i = 0; i < DEK_IC_LAYOUT_BYTES / 8; ++i) dst[i] = ld_volatile(src + i);
     }
@@ -93,7 +93,7 @@ __global__ void __launch_bounds__(kSyncThreads) sync_kernel(const __grid_constan
   // ---- notify (dispatch): counts of every rank, read from the peers' staged sections ----------
   for (int i = tid; i < R * R; i += blockDim.x) {
     const int s = i / R, d = i % R;
-    const int* counts = at<const int>(window(c, s), scratch_layout(c, s).off[DEK_IC_SEC_COUNTS_RANK]);
+    const int* counts = at<const int>(peer_window(c, s), scratch_layout(c, s).off[DEK_IC_SEC_COUNTS_RANK]);
     s_counts[s][d] = ld_volatile(counts + d);
   }
   __syncthreads();
@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(kSyncThreads) sync_kernel(const __grid_constan
   int* rcpm = at<int>(me, kScrRcpm);
   for (int i = tid; i < R * C; i += blockDim.x) {
     const int s = i / C, ch = i % C;
-    const int* cpm = at<const int>(window(c, s), scratch_layout(c, s).off[DEK_IC_SEC_CPM]);
+    const int* cpm = at<const int>(peer_window(c, s), scratch_layout(c, s).off[DEK_IC_SEC_CPM]);
     rcpm[i] = ch > 0 ? ld_volatile(cpm + c.rank * C + ch - 1) : 0;
   }
   if (!a.write_host_counts) return;
@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(kSyncThreads) sync_kernel(const __grid_constan
   for (int i = tid; i < el; i += blockDim.x) {
     int64_t sum = 0;
     for (int s = 0; s < R; ++s) {
-      const int* per_expert = at<const int>(window(c, s), scratch_layout(c, s).off[DEK_IC_SEC_COUNTS_EXPERT]);
+      const int* per_expert = at<const int>(peer_window(c, s), scratch_layout(c, s).off[DEK_IC_SEC_COUNTS_EXPERT]);
       sum += ld_volatile(per_expert + c.rank * el + i);
     }
     h->per_expert[i] = static_cast<int32_t>((sum + align - 1) / align * align);
@@ -152,7 +152,7 @@ __device__ void send_side(const Ctx& c, const dek_ic_stage_args_t& a, int d, int
   const int R = c.num_ranks, C = static_cast<int>(L.num_channels);
   const int64_t n = L.num_tokens, per = tokens_per_channel(n, C);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int* send_head = at<int>(local(c), L.off[DEK_IC_SEC_SEND_HEAD]);
+  int* send_head = at<int>(peer_local(c), L.off[DEK_IC_SEC_SEND_HEAD]);
   const unsigned char* in_rank = reinterpret_cast<const unsigned char*>(a.is_token_in_rank);
   for (int ch = warp; ch < C; ch += kWarps) {
     const int64_t start = min(per * ch, n), end = min(start + per, n);
@@ -168,7 +168,7 @@ __device__ void send_side(const Ctx& c, const dek_ic_stage_args_t& a, int d, int
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    int* cpm = at<int>(local(c), L.off[DEK_IC_SEC_CPM]);
+    int* cpm = at<int>(peer_local(c), L.off[DEK_IC_SEC_CPM]);
     int acc = 0;
     for (int ch = 0; ch < C; ++ch) {
       acc += s_channel_counts[ch];
@@ -181,7 +181,7 @@ __device__ void send_side(const Ctx& c, const dek_ic_stage_args_t& a, int d, int
 __global__ void __launch_bounds__(kThreads) stage_kernel(const __grid_constant__ Ctx c, const __grid_constant__ dek_ic_stage_args_t a) {
   __shared__ int s_channel_counts[kMaxChannels];
   const Layout& L = a.layout;
-  char* me = local(c);
+  char* me = peer_local(c);
   const int R = c.num_ranks;
   if (blockIdx.x == 0 && threadIdx.x < DEK_IC_LAYOUT_BYTES / 8) {
     const uint64_t* words = reinterpret_cast<const uint64_t*>(&L);
@@ -269,7 +269,7 @@ extern "C" int dek_ic_clear_error(const dek_ic_ctx_t* ctx, void* stream) {
 
 extern "C" void* dek_ic_rendezvous_word(const dek_ic_ctx_t* ctx) {
   if (!ctx_domain_ok(ctx)) return nullptr;
-  return static_cast<char*>(ctx->peer_base[ctx->rank]) + kScrRendezvous;
+  return static_cast<char*>(ctx->peer_base[ctx->rank % kMaxRanks]) + kScrRendezvous;
 }
 
 extern "C" void dek_ic_struct_sizes(size_t* sizes) {

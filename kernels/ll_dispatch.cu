@@ -42,7 +42,7 @@ __device__ __forceinline__ uint32_t cast_group_fp8(uint2 v, bool round_scale, fl
 // Block b owns tokens [b*per, (b+1)*per). Every block first counts, in shared memory, the
 // selections of each expert over all tokens (s_total, for the signals) and over the tokens before
 // its own (s_before: the expert slots), and the messages each rank gets from those earlier tokens
-// (s_rc: message slots). Then per token (in order) thread 0 routes its top-k entries (slot order =
+// (s_rc: message slots). Then per token (in order) warp 0 routes its top-k entries (slot order =
 // (token, k) order, as the CPU backend's), and the warps split the token's 128-channel groups:
 // each group is loaded (and cast to FP8) once and stored into every destination's message. The
 // last block to finish release-stores every (rank, local expert) count. A destination outside the
@@ -52,14 +52,15 @@ __device__ __forceinline__ uint32_t cast_group_fp8(uint2 v, bool round_scale, fl
 template <class Net>
 __device__ __forceinline__ void dispatch_send(const Ctx& c, const Args& a) {
   __shared__ uint32_t s_seq;
-  __shared__ int s_skip, s_dmask, s_last, s_far;
+  __shared__ int s_skip, s_last, s_ndst, s_any_far;
   __shared__ int s_before[kMaxLlExperts], s_total[kMaxLlExperts];
-  __shared__ int s_rc[kMaxRanks], s_rct[kMaxRanks], s_mask[kMaxRanks], s_n[kMaxRanks], s_msg[kMaxRanks];
-  __shared__ uint32_t s_ent[kMaxRanks][kMaxLlTopk];
-  __shared__ float s_w[kMaxRanks][kMaxLlTopk];
-  __shared__ int64_t s_tok_e[kMaxLlTopk];
-  __shared__ float s_tok_w[kMaxLlTopk];
-  __shared__ unsigned long long s_fp, s_fpw;  // block 0: fingerprints of topk_idx and topk_weights (kLlRouting)
+  __shared__ int s_rc[kMaxLlRanks], s_rct[kMaxLlRanks], s_mask[kMaxLlRanks];
+  // The current token's destinations i < s_ndst (its distinct ranks, ascending): rank, entries,
+  // message slot, and the entries (expert << 16 | slot) and weights in k order.
+  __shared__ int s_dst[kMaxLlTopk], s_n[kMaxLlTopk], s_msg[kMaxLlTopk];
+  __shared__ uint32_t s_ent[kMaxLlTopk][kMaxLlTopk];
+  __shared__ float s_w[kMaxLlTopk][kMaxLlTopk];
+  __shared__ unsigned long long s_fp[kSendWarps], s_fpw[kSendWarps];  // block 0: per-warp shares of the routing fingerprints (kLlRouting)
   if (!begin_send(c, a, DEK_LL_KIND_DISPATCH, &s_seq, &s_skip)) return;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int R = c.num_ranks, E = a.num_experts, El = E / R, T = a.num_max_tokens, H = a.hidden, S = H / 128;
@@ -67,111 +68,124 @@ __device__ __forceinline__ void dispatch_send(const Ctx& c, const Args& a) {
   const int per = (N + gridDim.x - 1) / gridDim.x;
   const int t_begin = min(N, static_cast<int>(blockIdx.x) * per), t_end = min(N, t_begin + per);
   for (int e = tid; e < E; e += kSendThreads) s_before[e] = s_total[e] = 0;
-  if (tid < R) {
-    s_rc[tid] = s_rct[tid] = 0;
-    s_mask[tid] = rank_masked(a, tid);
-  }
-  if (tid == 0) {
-    unsigned far = 0;
-    for (int d = 0; d < R; ++d) far |= static_cast<unsigned>(remote(c, a, d)) << d;
-    s_far = static_cast<int>(far);
-    s_fp = s_fpw = 0;
+  for (int d = tid; d < R; d += kSendThreads) {
+    s_rc[d] = s_rct[d] = 0;
+    s_mask[d] = rank_masked(a, d);
   }
   __syncthreads();
-  const unsigned far = static_cast<unsigned>(s_far);
-  for (int tok = tid; tok < N; tok += kSendThreads) {
-    // The token's ids are loaded before any is used: one load latency instead of K in a chain.
-    int64_t ids[kMaxLlTopk];
-#pragma unroll
-    for (int k = 0; k < kMaxLlTopk; ++k) ids[k] = k < K ? topk_at(a, static_cast<int64_t>(tok) * K + k) : -1;
-    unsigned dm = 0;
-#pragma unroll
-    for (int k = 0; k < kMaxLlTopk; ++k) {
-      const int64_t e = ids[k];
+  uint64_t fp = 0, fpw = 0;  // block 0: this thread's shares of the fingerprints of topk_idx and topk_weights
+  // One top-k entry per lane (was one token per thread, whose serial 16-way loop was the largest
+  // part of a 1-token send: bench/LL_PROFILE.md section 2). A token's entries sit in one aligned
+  // group of kp lanes (kp = K rounded up to a power of 2); the first lane of each (token, rank)
+  // pair counts the token's message to that rank; counts are sums, the same in any order.
+  const int kp = K <= 1 ? 1 : 1 << (32 - __clz(K - 1));
+  const int per_warp = 32 / kp, k = lane % kp;
+  for (int t0 = warp * per_warp; t0 < N; t0 += kSendWarps * per_warp) {  // the same bounds for the whole warp
+    const int tok = t0 + lane / kp;
+    const bool entry = tok < N && k < K;
+    const int64_t j = static_cast<int64_t>(tok) * K + k;
+    const int64_t e = entry ? topk_at(a, j) : -1;
+    int dest = -1;  // the rank this entry's token goes to through it (-1: dropped)
+    if (entry) {
       if ((e < -1 || e >= E) && blockIdx.x == 0) {  // raised at the next call (the cpu backend raises at once)
         report(c, DEK_IC_ERR_EXPERT_ID, c.rank, DEK_IC_SITE_LL_DISPATCH, static_cast<int>(max(min(e, int64_t{INT32_MAX}), int64_t{INT32_MIN})), E);
       }
-      if (e < 0 || e >= E || s_mask[e / El]) continue;  // no expert, or one of a masked rank: dropped
-      atomicAdd(&s_total[e], 1);
-      if (tok < t_begin) atomicAdd(&s_before[e], 1);
-      dm |= 1u << (e / El);
-    }
-    for (int d = 0; d < R; ++d) {
-      if (!(dm >> d & 1)) continue;
-      atomicAdd(&s_rct[d], 1);
-      if (tok < t_begin) atomicAdd(&s_rc[d], 1);
-    }
-    if (blockIdx.x == 0) {
-      uint64_t h = 0, hw = 0;
-#pragma unroll
-      for (int k = 0; k < kMaxLlTopk; ++k) h += k < K ? routing_mix(static_cast<int64_t>(tok) * K + k, ids[k]) : 0;  // unrolled: ids stays in registers
-      if (a.topk_weights != nullptr) {
-        for (int k = 0; k < K; ++k) {
-          const int64_t j = static_cast<int64_t>(tok) * K + k;
-          hw += routing_mix(j, __float_as_uint(a.topk_weights[j]));
-        }
-        atomicAdd(&s_fpw, static_cast<unsigned long long>(hw));
+      if (e >= 0 && e < E && !s_mask[e / El]) {  // else no expert, or one of a masked rank: dropped
+        atomicAdd(&s_total[e], 1);
+        if (tok < t_begin) atomicAdd(&s_before[e], 1);
+        dest = static_cast<int>(e / El);
       }
-      atomicAdd(&s_fp, static_cast<unsigned long long>(h));
+      if (blockIdx.x == 0) {
+        fp += routing_mix(j, e);
+        if (a.topk_weights != nullptr) fpw += routing_mix(j, __float_as_uint(a.topk_weights[j]));
+      }
+    }
+    // Lanes of the same token and rank (a key no other lane has when dropped).
+    const unsigned same = __match_any_sync(0xffffffffu, dest < 0 ? -1 - lane : (lane / kp) * kMaxLlRanks + dest);
+    if (dest >= 0 && (same & ((1u << lane) - 1u)) == 0) {
+      atomicAdd(&s_rct[dest], 1);
+      if (tok < t_begin) atomicAdd(&s_rc[dest], 1);
     }
   }
+  if (blockIdx.x == 0) warp_shares_u64(fp, fpw, s_fp, s_fpw);  // uniform in the block: every lane takes part
   __syncthreads();
   if (blockIdx.x == 0 && tid == 0) {
-    uint64_t* fp = at<uint64_t>(local(c), kLlRouting);
-    fp[a.half] = routing_seal(s_fp, N, K);
-    fp[4 + a.half] = a.topk_weights != nullptr ? routing_seal(s_fpw, N, K) : 0;
+    uint64_t* words = at<uint64_t>(local(c), kLlRouting);
+    words[a.half] = routing_seal(shares_sum_u64(s_fp, kSendWarps), N, K);
+    words[4 + a.half] = a.topk_weights != nullptr ? routing_seal(shares_sum_u64(s_fpw, kSendWarps), N, K) : 0;
   }
   const uint64_t recv = recv_off(a, a.half), msgs = recv + a.msgs_off;
   // Staging of remote messages (send half of this call): payload of token tok at tok * pay_stride.
   const uint64_t stage = send_off(a, a.half), pay_stride = a.msg_bytes - kMsgMeta;
   const int gpw = (S + kSendWarps - 1) / kSendWarps, g_lo = min(S, warp * gpw), g_hi = min(S, g_lo + gpw);
   constexpr int kBatch = 8;
+  bool put_any = false;  // this warp put to a remote destination (flushed at the end)
   for (int tok = t_begin; tok < t_end; ++tok) {
-    // The token's ids and weights land in shared memory in one load latency (thread 0's routing
-    // below is sequential: loading them there cost two latencies per selection).
-    if (tid < K) {
-      s_tok_e[tid] = topk_at(a, static_cast<int64_t>(tok) * K + tid);
-      s_tok_w[tid] = a.topk_weights != nullptr ? a.topk_weights[static_cast<int64_t>(tok) * K + tid] : 0.0f;
+    // Warp 0 routes the token, lane k its selection k (was thread 0 alone, with the other warps
+    // waiting: the largest part of a 1-token send, bench/LL_PROFILE.md section 2). Same result as
+    // taking the selections in order k = 0, 1, ...: an expert's slot counts its earlier selections
+    // (of this token: the lanes below with the same expert), a destination's list keeps k order,
+    // and the destinations are the token's distinct ranks, ascending (the CPU backend's message
+    // order), each at the index of how many of them are smaller.
+    if (warp == 0) {
+      const unsigned below = (1u << lane) - 1u;
+      const int64_t j = static_cast<int64_t>(tok) * K + lane;
+      const int64_t e = lane < K ? topk_at(a, j) : -1;
+      const float w = lane < K && a.topk_weights != nullptr ? a.topk_weights[j] : 0.0f;
+      const bool in_range = e >= 0 && e < E;
+      const int ei = in_range ? static_cast<int>(e) : 0, d = ei / El;
+      const bool routed = in_range && !s_mask[d];  // not dropped (no expert, or a masked rank's)
+      // Lanes routed to the same expert: a key no other lane has when not routed.
+      const unsigned same_e = __match_any_sync(0xffffffffu, routed ? ei : -1 - lane);
+      const int before = routed ? s_before[ei] : 0;
+      const int slot = before + __popc(same_e & below);
+      __syncwarp();
+      if (routed && (same_e & below) == 0) s_before[ei] = before + __popc(same_e);  // the group's first lane
+      // A message to every routed rank, even if every selection for it overflows.
+      const RankList dst = rank_list(routed, d);
+      const int idx = dst.idx;  // the destination index of rank d
+      const bool first_d = dst.first;
+      const bool kept = routed && slot < T;  // overflow: reported by the last block, the selection is dropped
+      const unsigned same_d = __match_any_sync(0xffffffffu, kept ? d : -1 - lane);
+      if (lane < kMaxLlTopk) s_n[lane] = 0;
+      __syncwarp();
+      if (kept) {
+        const int pos = __popc(same_d & below);
+        s_ent[idx][pos] = (static_cast<uint32_t>(ei % El) << 16) | static_cast<uint32_t>(slot);
+        s_w[idx][pos] = w;
+        if ((same_d & below) == 0) s_n[idx] = __popc(same_d);
+      }
+      if (first_d) {
+        s_dst[idx] = d;
+        s_msg[idx] = s_rc[d]++;
+      }
+      const unsigned far_firsts = __ballot_sync(0xffffffffu, first_d && remote(c, a, d));
+      if (lane == 0) {
+        s_ndst = dst.count;
+        s_any_far = far_firsts != 0;
+      }
     }
     __syncthreads();
-    if (tid == 0) {
-      unsigned dm = 0;
-      for (int d = 0; d < R; ++d) s_n[d] = 0;
-      for (int k = 0; k < K; ++k) {
-        const int64_t e = s_tok_e[k];
-        if (e < 0 || e >= E || s_mask[e / El]) continue;
-        const int d = static_cast<int>(e / El), l = static_cast<int>(e % El), slot = s_before[e]++;
-        dm |= 1u << d;  // as counted in s_rc: a message even if every selection overflows
-        if (slot >= T) continue;  // overflow: reported by the last block, the selection is dropped
-        s_ent[d][s_n[d]] = (static_cast<uint32_t>(l) << 16) | static_cast<uint32_t>(slot);
-        s_w[d][s_n[d]] = s_tok_w[k];
-        ++s_n[d];
-      }
-      for (int d = 0; d < R; ++d) {
-        if (dm >> d & 1) s_msg[d] = s_rc[d]++;
-      }
-      s_dmask = static_cast<int>(dm);
-    }
-    __syncthreads();
-    const unsigned dm = static_cast<unsigned>(s_dmask);
-    if (warp < R && (dm >> warp & 1)) {  // warp d: the meta of d's message and d's index entries
-      const int d = warp, n = s_n[d];
-      const bool seam = far >> d & 1;  // staged: meta [d][slot], index rows [expert][slot]
+    const int ndst = s_ndst;
+    // Warp i (taking turns): the meta of destination i's message and its index entries.
+    for (int i = warp; i < ndst && warp < kDstWarps; i += kDstWarps) {
+      const int d = s_dst[i], n = s_n[i];
+      const bool seam = remote(c, a, d);  // staged: meta [d][slot], index rows [expert][slot]
       char* base = window(c, d);
-      char* msg = seam ? local(c) + stage + a.stage_meta_off + static_cast<uint64_t>(d * T + s_msg[d]) * kMsgMeta
-                       : base + msgs + static_cast<uint64_t>(c.rank * T + s_msg[d]) * a.msg_bytes;
+      char* msg = seam ? local(c) + stage + a.stage_meta_off + static_cast<uint64_t>(d * T + s_msg[i]) * kMsgMeta
+                       : base + msgs + static_cast<uint64_t>(c.rank * T + s_msg[i]) * a.msg_bytes;
       if (lane == 0) {
         *reinterpret_cast<int4*>(msg) = make_int4(tok, H, T, E);
         *reinterpret_cast<int4*>(msg + 16) = make_int4(n, a.topk_weights != nullptr, 0, 0);
       }
       if (lane < n) {
-        const uint32_t en = s_ent[d][lane];
+        const uint32_t en = s_ent[i][lane];
         reinterpret_cast<uint32_t*>(msg + 32)[lane] = en;
-        reinterpret_cast<float*>(msg + 32 + 4 * kMaxLlTopk)[lane] = s_w[d][lane];
+        reinterpret_cast<float*>(msg + 32 + 4 * kMaxLlTopk)[lane] = s_w[i][lane];
         const uint64_t w = (static_cast<uint64_t>((en >> 16) * R + c.rank) * T + (en & 0xffffu)) * 4;
         uint32_t* entry = seam ? at<uint32_t>(local(c), stage + a.stage_idx_off + (static_cast<uint64_t>(d * El + (en >> 16)) * T + (en & 0xffffu)) * 4)
                                : at<uint32_t>(base, recv + a.idx_off + w);
-        *entry = static_cast<uint32_t>(s_msg[d]);
+        *entry = static_cast<uint32_t>(s_msg[i]);
       }
     }
     const uint16_t* row = static_cast<const uint16_t*>(a.x) + static_cast<int64_t>(tok) * H;
@@ -189,14 +203,15 @@ __device__ __forceinline__ void dispatch_send(const Ctx& c, const Args& a) {
           if (g0 + u < g_hi) q[u] = cast_group_fp8(v[u], a.round_scale != 0, &inv[u]);
         }
       }
-      for (int d = -1; d < R; ++d) {  // d = -1: the staged payload of the remote destinations
+      for (int i = -1; i < ndst; ++i) {  // i = -1: the staged payload of the remote destinations
         char* pay;
-        if (d < 0) {
-          if (!(dm & far)) continue;
+        if (i < 0) {
+          if (!s_any_far) continue;
           pay = local(c) + stage + static_cast<uint64_t>(tok) * pay_stride;
         } else {
-          if (!(dm >> d & 1) || (far >> d & 1)) continue;
-          pay = window(c, d) + msgs + static_cast<uint64_t>(c.rank * T + s_msg[d]) * a.msg_bytes + kMsgMeta;
+          const int d = s_dst[i];
+          if (remote(c, a, d)) continue;
+          pay = window(c, d) + msgs + static_cast<uint64_t>(c.rank * T + s_msg[i]) * a.msg_bytes + kMsgMeta;
         }
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
@@ -211,39 +226,44 @@ __device__ __forceinline__ void dispatch_send(const Ctx& c, const Args& a) {
         }
       }
     }
-    if (dm & far) {  // warp d puts the staged meta and payload of d's message
+    if (s_any_far) {  // warp i puts the staged meta and payload of remote destination i's message
       __syncthreads();
-      if (warp < R && ((dm & far) >> warp & 1)) {
-        const uint64_t dst = msgs + static_cast<uint64_t>(c.rank * T + s_msg[warp]) * a.msg_bytes;
-        put_to<Net>(c, a, warp, dst, stage + a.stage_meta_off + static_cast<uint64_t>(warp * T + s_msg[warp]) * kMsgMeta, kMsgMeta, lane);
+      for (int i = warp; i < ndst && warp < kDstWarps; i += kDstWarps) {
+        const int d = s_dst[i];
+        if (!remote(c, a, d)) continue;
+        const uint64_t dst = msgs + static_cast<uint64_t>(c.rank * T + s_msg[i]) * a.msg_bytes;
+        put_to<Net>(c, a, d, dst, stage + a.stage_meta_off + static_cast<uint64_t>(d * T + s_msg[i]) * kMsgMeta, kMsgMeta, lane);
         const uint64_t pay = a.use_fp8 ? (static_cast<uint64_t>(H) + H / 32 + 15) / 16 * 16 : 2 * static_cast<uint64_t>(H);
-        put_to<Net>(c, a, warp, dst + kMsgMeta, stage + static_cast<uint64_t>(tok) * pay_stride, pay, lane);
+        put_to<Net>(c, a, d, dst + kMsgMeta, stage + static_cast<uint64_t>(tok) * pay_stride, pay, lane);
+        put_any = true;
       }
     }
-    __syncthreads();  // s_n, s_ent, s_msg are rewritten for the next token
+    __syncthreads();  // s_dst, s_n, s_ent, s_msg are rewritten for the next token
   }
-  if (warp < R && (far >> warp & 1)) flush_net<Net>(c, a, lane);
+  if (put_any) flush_net<Net>(c, a, lane);
   // Every block fences its stores and counts itself done; the last one signals every count. One
   // fence per block, after the barrier: a fence is cumulative, so thread 0's orders every store
   // the barrier made it see (the grid-sync pattern) without 256 fences waiting on NVLink each.
   __syncthreads();
   if (tid == 0) {
-    __threadfence_system();
+    fence_acq_rel_sys();
     s_last = atomicAdd(at<unsigned int>(local(c), kLlDone), 1u) == gridDim.x - 1;
   }
   __syncthreads();
   if (!s_last) return;
-  __threadfence_system();
+  fence_acq_rel_sys();
   // Message counts (read by a partial combine) before the signals (remote: staged).
-  if (tid < R && !s_mask[tid]) {
-    char* cnt = far >> tid & 1 ? local(c) + stage + a.stage_cnt_off + 4 * tid : window(c, tid) + recv + 4 * c.rank;
-    *reinterpret_cast<uint32_t*>(cnt) = static_cast<uint32_t>(s_rct[tid]);
-    if (!(far >> tid & 1)) put_fmt(c, a, 0, tid, fmt_dispatch(a));
+  for (int d = tid; d < R && tid < rank_workers(kSendThreads); d += rank_workers(kSendThreads)) {
+    if (s_mask[d]) continue;
+    const bool far = remote(c, a, d);
+    char* cnt = far ? local(c) + stage + a.stage_cnt_off + 4 * d : window(c, d) + recv + 4 * c.rank;
+    *reinterpret_cast<uint32_t*>(cnt) = static_cast<uint32_t>(s_rct[d]);
+    if (!far) put_fmt(c, a, 0, d, fmt_dispatch(a));
   }
-  __threadfence_system();
+  fence_acq_rel_sys();
   __syncthreads();
-  if (warp < R && (far >> warp & 1) && !s_mask[warp]) {  // warp d: d's count and index rows, then its signals
-    const int d = warp;
+  for (int d = warp; d < R && warp < kDstWarps; d += kDstWarps) {  // warp per remote d: its count and index rows, then its signals
+    if (!remote(c, a, d) || s_mask[d]) continue;
     put_to<Net>(c, a, d, recv + 4 * c.rank, stage + a.stage_cnt_off + 4 * d, 4, lane);
     for (int l = 0; l < El; ++l) {
       const int n = min(s_total[d * El + l], T);
@@ -263,7 +283,7 @@ __device__ __forceinline__ void dispatch_send(const Ctx& c, const Args& a) {
     if (s_mask[d]) continue;  // nothing goes to a masked rank
     const int cnt = s_total[e];
     if (cnt > T) report(c, DEK_IC_ERR_OVERFLOW, d, DEK_IC_SITE_LL_DISPATCH, cnt, T);
-    if (far >> d & 1) continue;  // signalled above
+    if (remote(c, a, d)) continue;  // signalled above
     uint32_t* word = at<uint32_t>(window(c, d), sig_off(a, a.half) + static_cast<uint64_t>((e % El) * R + c.rank) * 4);
     raise_to<Net>(c, a, d, word, kSeamDispatch, a.half, e % El, tag(s_seq, static_cast<uint32_t>(min(cnt, T))));
   }
@@ -283,7 +303,7 @@ template <class Net>
 __device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a) {
   __shared__ int s_ok, s_half;
   __shared__ uint32_t s_seq;
-  __shared__ int s_cnt[kMaxRanks], s_begin[kMaxRanks + 1];
+  __shared__ int s_cnt[kMaxLlRanks], s_begin[kMaxLlRanks + 1];
   const int l = blockIdx.x, y = blockIdx.y, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int R = c.num_ranks, T = a.num_max_tokens, H = a.hidden, S = H / 128;
   const int64_t RT = static_cast<int64_t>(R) * T;
@@ -298,21 +318,23 @@ __device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a) {
   __syncthreads();
   if (!s_ok) return;
   char* me = local(c);
-  if (tid < R) {
+  constexpr int kWaiters = rank_workers(kLlThreads);  // threads waiting for sources, each for R / kWaiters
+  for (int s = tid; s < R && tid < kWaiters; s += kWaiters) {
     const long long t0 = clock64();
     uint32_t v = 0;
-    const uint32_t* word = at<const uint32_t>(me, sig_off(a, s_half) + static_cast<uint64_t>(l * R + tid) * 4);
-    const int got = rank_masked(a, tid) ? 0 : wait_from<Net>(c, a, tid, word, kSeamDispatch, s_half, l, s_seq, DEK_IC_SITE_LL_DISPATCH, &v);
+    const uint32_t* word = at<const uint32_t>(me, sig_off(a, s_half) + static_cast<uint64_t>(l * R + s) * 4);
+    const int got = rank_masked(a, s) ? 0 : wait_from<Net>(c, a, s, word, kSeamDispatch, s_half, l, s_seq, DEK_IC_SITE_LL_DISPATCH, &v);
     if (got == 0) {
-      s_cnt[tid] = 0;  // a masked source (or, in shrink mode, one that timed out) counts as sending nothing
+      s_cnt[s] = 0;  // a masked source (or, in shrink mode, one that timed out) counts as sending nothing
     } else if (got > 0) {
-      s_cnt[tid] = min(static_cast<int>(v & 0xffffu) - 1, T);
-      if (l == 0 && y == 0 && !remote(c, a, tid) && !fmt_agrees(c, a, 0, s_half, tid, fmt_dispatch(a), DEK_IC_SITE_LL_DISPATCH)) s_ok = 0;
+      s_cnt[s] = min(static_cast<int>(v & 0xffffu) - 1, T);
+      if (l == 0 && y == 0 && !remote(c, a, s) && !fmt_agrees(c, a, 0, s_half, s, fmt_dispatch(a), DEK_IC_SITE_LL_DISPATCH)) s_ok = 0;
       if (y == 0 && a.wait_stats != nullptr) {
-        atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + tid), static_cast<unsigned long long>(clock64() - t0));
+        atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + s), static_cast<unsigned long long>(clock64() - t0));
       }
     } else {
       s_ok = 0;
+      break;  // reported; the block gives up
     }
   }
   __syncthreads();
@@ -324,7 +346,7 @@ __device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a) {
   __syncthreads();
   const int total = s_begin[R];
   if (y == 0) {
-    if (tid < R) a.layout_range[l * R + tid] = (static_cast<int64_t>(s_begin[tid]) << 32) | s_cnt[tid];
+    for (int s = tid; s < R; s += kLlThreads) a.layout_range[l * R + s] = (static_cast<int64_t>(s_begin[s]) << 32) | s_cnt[s];
     if (tid == 0) {
       a.recv_count[l] = total;
       if (a.cumulative != nullptr) a.cumulative[l] += total;
@@ -333,8 +355,15 @@ __device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a) {
   const uint64_t recv = recv_off(a, s_half);
   const int64_t xrow_bytes = a.use_fp8 ? H : 2 * static_cast<int64_t>(H);
   for (int i = y * kLlWarps + warp; i < total; i += gridDim.y * kLlWarps) {
-    int s = 0;
-    while (s + 1 < R && i >= s_begin[s + 1]) ++s;
+    int s = 0;  // the first source whose rows reach past i (binary search over the prefix)
+    for (int hi = R - 1; s < hi;) {
+      const int mid = (s + hi) / 2;
+      if (s_begin[mid + 1] > i) {
+        hi = mid;
+      } else {
+        s = mid + 1;
+      }
+    }
     const int slot = i - s_begin[s];
     const uint32_t m = __ldcg(reinterpret_cast<const unsigned int*>(me + recv + a.idx_off) + (static_cast<uint64_t>(l * R + s) * T + slot));
     if (m >= static_cast<uint32_t>(T)) {
@@ -404,7 +433,9 @@ extern "C" int dek_ll_dispatch_recv(const dek_ic_ctx_t* ctx, const dek_ll_args_t
       args->src_info == nullptr || args->layout_range == nullptr || (args->use_fp8 && args->recv_scales == nullptr))
     return static_cast<int>(cudaErrorInvalidValue);
   const int el = args->num_experts / ctx->num_ranks;
-  const int y = args->num_blocks > el ? (args->num_blocks + el - 1) / el : 1;
+  // At most num_blocks blocks (rounded down to whole columns): they are sized to be resident at
+  // once, and one block more than fits costs a second wave (288 x 2 = 576 > 528 on 132 SMs).
+  const int y = args->num_blocks > el ? args->num_blocks / el : 1;
   if (args->net != nullptr && args->net_kind == DEK_LL_NET_GIN) {
     ll_dispatch<GinNet><<<dim3(el, y), kLlThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args, DEK_LL_PHASE_RECV);
   } else {

@@ -93,7 +93,7 @@ __device__ __forceinline__ void combine_send(const Ctx& c, const Args& a) {
   __syncthreads();
   if (tid == 0 && !dead) {
     if (l == 0 && !remote(c, a, s)) put_fmt(c, a, 1, s, fmt_combine((a.flags & DEK_LL_FLAG_LOGFMT) != 0, false));
-    __threadfence_system();  // one cumulative fence per block (see dispatch_send in ll_dispatch.cu)
+    fence_acq_rel_sys();  // one cumulative fence per block (see dispatch_send in ll_dispatch.cu)
     uint32_t* word = at<uint32_t>(peer, sig_off(a, a.half) + static_cast<uint64_t>(c.rank * El + l) * 4);
     raise_to<Net>(c, a, s, word, kSeamCombine, a.half, l, tag(s_seq, 0));
   }
@@ -215,15 +215,19 @@ __device__ __forceinline__ void combine_send_partial(const Ctx& c, const Args& a
   if (seam && tid < 32) flush_net<Net>(c, a, tid);
   __syncthreads();
   if (tid == 0) {
-    __threadfence_system();  // one cumulative fence per block (see dispatch_send in ll_dispatch.cu)
+    fence_acq_rel_sys();  // one cumulative fence per block (see dispatch_send in ll_dispatch.cu)
     s_last = atomicAdd(at<unsigned int>(local(c), kLlDone), 1u) == gridDim.x * gridDim.y - 1;
   }
   __syncthreads();
   if (!s_last) return;
-  if (tid < R && !rank_masked(a, tid) && !remote(c, a, tid)) put_fmt(c, a, 1, tid, fmt_combine(false, true));
-  __threadfence_system();
-  if (tid < R && !rank_masked(a, tid)) {
-    raise_to<Net>(c, a, tid, at<uint32_t>(window(c, tid), sig_off(a, a.half) + static_cast<uint64_t>(c.rank * El) * 4), kSeamCombine, a.half, 0, tag(s_seq, 0));
+  constexpr int kSignallers = rank_workers(kLlThreads);  // threads signalling the ranks, each R / kSignallers
+  for (int d = tid; d < R && tid < kSignallers; d += kSignallers) {
+    if (!rank_masked(a, d) && !remote(c, a, d)) put_fmt(c, a, 1, d, fmt_combine(false, true));
+  }
+  fence_acq_rel_sys();
+  for (int d = tid; d < R && tid < kSignallers; d += kSignallers) {
+    if (rank_masked(a, d)) continue;
+    raise_to<Net>(c, a, d, at<uint32_t>(window(c, d), sig_off(a, a.half) + static_cast<uint64_t>(c.rank * El) * 4), kSeamCombine, a.half, 0, tag(s_seq, 0));
   }
   __syncthreads();
   if (tid == 0) {
@@ -295,24 +299,24 @@ __device__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok,
 // [6 + half]; 0 = unknown). Others would silently sum the wrong rows or weights: reported
 // (DEK_IC_ERR_LL_ROUTING, raised at the next call), as the CPU backend raises at once.
 __device__ void check_routing(const Ctx& c, const Args& a, int half) {
-  __shared__ unsigned long long s_fp, s_fpw;
+  __shared__ unsigned long long s_fp[kReduceThreads / 32], s_fpw[kReduceThreads / 32];  // per-warp shares
   const uint64_t want = ld_volatile(at<uint64_t>(local(c), kLlRouting) + 2 + half);
   const uint64_t want_w = ld_volatile(at<uint64_t>(local(c), kLlRouting) + 6 + half);
   if (want == 0) return;  // the same word for every thread: the branch is uniform
-  if (threadIdx.x == 0) s_fp = s_fpw = 0;
-  __syncthreads();
   const int64_t nk = static_cast<int64_t>(a.num_tokens) * a.num_topk;
   uint64_t h = 0, hw = 0;
   for (int64_t j = threadIdx.x; j < nk; j += blockDim.x) {
     h += routing_mix(j, topk_at(a, j));
     if (want_w != 0) hw += routing_mix(j, __float_as_uint(a.topk_weights[j]));
   }
-  atomicAdd(&s_fp, static_cast<unsigned long long>(h));
-  atomicAdd(&s_fpw, static_cast<unsigned long long>(hw));
+  warp_shares_u64(h, hw, s_fp, s_fpw);
   __syncthreads();
-  if (threadIdx.x == 0 && routing_seal(s_fp, a.num_tokens, a.num_topk) != want) {
+  if (threadIdx.x != 0) return;
+  h = shares_sum_u64(s_fp, blockDim.x / 32);
+  hw = shares_sum_u64(s_fpw, blockDim.x / 32);
+  if (routing_seal(h, a.num_tokens, a.num_topk) != want) {
     report(c, DEK_IC_ERR_LL_ROUTING, c.rank, DEK_IC_SITE_LL_COMBINE, a.num_tokens, a.num_topk, 0);
-  } else if (threadIdx.x == 0 && want_w != 0 && routing_seal(s_fpw, a.num_tokens, a.num_topk) != want_w) {
+  } else if (want_w != 0 && routing_seal(hw, a.num_tokens, a.num_topk) != want_w) {
     report(c, DEK_IC_ERR_LL_ROUTING, c.rank, DEK_IC_SITE_LL_COMBINE, a.num_tokens, a.num_topk, 1);
   }
 }
@@ -323,11 +327,12 @@ __device__ void check_routing(const Ctx& c, const Args& a, int half) {
 // holds one of the token's (unmasked) experts.
 template <class Net>
 __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
-  __shared__ int s_ok, s_half, s_partial, s_dm, s_logfmt;
+  __shared__ int s_ok, s_half, s_partial, s_logfmt, s_npart;
   __shared__ uint32_t s_seq;
-  __shared__ unsigned long long s_wait[kMaxRanks];
-  __shared__ int64_t s_e[16];
-  __shared__ float s_w[16];
+  __shared__ unsigned long long s_wait[kMaxLlRanks];
+  __shared__ int64_t s_e[kMaxLlTopk];
+  __shared__ float s_w[kMaxLlTopk];
+  __shared__ int s_part[kMaxLlTopk];  // partial sums: the token's distinct expert ranks, ascending
   const int tid = threadIdx.x, R = c.num_ranks, El = a.num_experts / R, E = a.num_experts, T = a.num_max_tokens, H = a.hidden;
   const int K = a.num_topk;
   if (tid == 0) {
@@ -340,7 +345,7 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
     s_partial = (fl & DEK_LL_FLAG_PARTIAL) != 0;
     s_logfmt = (fl & DEK_LL_FLAG_LOGFMT) != 0;
   }
-  if (tid < kMaxRanks) s_wait[tid] = 0;
+  for (int d = tid; d < R; d += blockDim.x) s_wait[d] = 0;
   __syncthreads();
   if (!s_ok) return;
   char* me = local(c);
@@ -356,7 +361,8 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
       break;
     }
     if (got == 0) continue;  // shrink mode masked the rank: its experts are dropped below
-    atomicMax(&s_wait[w / El], static_cast<unsigned long long>(clock64() - t0));
+    // Only when asked: a 64-bit shared atomicMax is a compare-and-swap loop on one word.
+    if (a.wait_stats != nullptr) atomicMax(&s_wait[w / El], static_cast<unsigned long long>(clock64() - t0));
     if (blockIdx.x == 0 && w % El == 0 && !remote(c, a, w / El) &&
         !fmt_agrees(c, a, 1, s_half, w / El, fmt_combine(s_logfmt != 0, s_partial != 0), DEK_IC_SITE_LL_COMBINE)) {
       s_ok = 0;
@@ -365,19 +371,26 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
   __syncthreads();
   if (!s_ok) return;
   if (blockIdx.x == 0) check_routing(c, a, s_half);
-  if (blockIdx.x == 0 && tid < R && a.wait_stats != nullptr) {
-    atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + tid), s_wait[tid]);
+  for (int d = tid; blockIdx.x == 0 && d < R && a.wait_stats != nullptr; d += blockDim.x) {
+    atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + d), s_wait[d]);
   }
   const char* recv = me + recv_off(a, s_half);
   const uint64_t row_bytes = 2 * static_cast<uint64_t>(H);
   for (int tok = blockIdx.x; tok < a.num_tokens; tok += gridDim.x) {
-    if (tid == 0) s_dm = 0;
-    __syncthreads();
-    if (tid < K) {
-      const int64_t e = topk_at(a, static_cast<int64_t>(tok) * K + tid);
-      s_e[tid] = e >= 0 && e < E && rank_masked(a, static_cast<int>(e / El)) ? -1 : e;  // experts of masked ranks: dropped
-      s_w[tid] = a.topk_weights[static_cast<int64_t>(tok) * K + tid];
-      if (s_e[tid] >= 0 && s_e[tid] < E) atomicOr(&s_dm, 1 << static_cast<int>(s_e[tid] / El));
+    if (tid < 32) {  // warp 0, lane k: selection k (K <= kMaxLlTopk <= 32)
+      int64_t e = -1;
+      if (tid < K) {
+        e = topk_at(a, static_cast<int64_t>(tok) * K + tid);
+        if (e >= 0 && e < E && rank_masked(a, static_cast<int>(e / El))) e = -1;  // experts of masked ranks: dropped
+        s_e[tid] = e;
+        s_w[tid] = a.topk_weights[static_cast<int64_t>(tok) * K + tid];
+      }
+      // The distinct ranks of the valid experts, ascending.
+      const bool valid = e >= 0 && e < E;
+      const int d = valid ? static_cast<int>(e / El) : 0;
+      const RankList part = rank_list(valid, d);
+      if (part.first) s_part[part.idx] = d;
+      if (tid == 0) s_npart = part.count;
     }
     __syncthreads();
     if (s_partial) {
@@ -385,8 +398,8 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
         float acc[8];
 #pragma unroll
         for (int u = 0; u < 8; ++u) acc[u] = 0.0f;
-        for (int d = 0; d < R; ++d) {
-          if (!(s_dm >> d & 1)) continue;
+        for (int i = 0; i < s_npart; ++i) {
+          const int d = s_part[i];
           const int4 v = __ldcg(reinterpret_cast<const int4*>(recv + a.partial_off + (static_cast<uint64_t>(d) * T + tok) * row_bytes) + j);
           const uint32_t wv[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z), static_cast<uint32_t>(v.w)};
 #pragma unroll
@@ -397,7 +410,7 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
         }
         reinterpret_cast<int4*>(a.out + static_cast<int64_t>(tok) * H)[j] = pack_bf16x8(acc);
       }
-      __syncthreads();  // s_e, s_w, s_dm are rewritten for the next token
+      __syncthreads();  // s_e, s_w, s_part are rewritten for the next token
       continue;
     }
     if (s_logfmt) {
@@ -408,12 +421,23 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
       float acc[8];
 #pragma unroll
       for (int u = 0; u < 8; ++u) acc[u] = 0.0f;
-      for (int k = 0; k < K; ++k) {
-        const int64_t e = s_e[k];
-        if (e < 0 || e >= E) continue;
-        const int4 v = __ldcg(reinterpret_cast<const int4*>(recv + (static_cast<uint64_t>(e) * T + tok) * row_bytes) + j);
-        const uint32_t wv[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z), static_cast<uint32_t>(v.w)};
-        fma_bf16x8(acc, wv, s_w[k]);
+      // kRowBatch rows' loads in flight before their FMAs (each load used at once made K serial
+      // latencies); the FMAs keep the order k = 0, 1, ... so the sums are unchanged.
+      constexpr int kRowBatch = 4;
+      for (int k0 = 0; k0 < K; k0 += kRowBatch) {
+        int4 v[kRowBatch];
+#pragma unroll
+        for (int u = 0; u < kRowBatch; ++u) {
+          const int64_t e = k0 + u < K ? s_e[k0 + u] : -1;
+          if (e >= 0 && e < E) v[u] = __ldcg(reinterpret_cast<const int4*>(recv + (static_cast<uint64_t>(e) * T + tok) * row_bytes) + j);
+        }
+#pragma unroll
+        for (int u = 0; u < kRowBatch; ++u) {
+          const int64_t e = k0 + u < K ? s_e[k0 + u] : -1;
+          if (e < 0 || e >= E) continue;
+          const uint32_t wv[4] = {static_cast<uint32_t>(v[u].x), static_cast<uint32_t>(v[u].y), static_cast<uint32_t>(v[u].z), static_cast<uint32_t>(v[u].w)};
+          fma_bf16x8(acc, wv, s_w[k0 + u]);
+        }
       }
       reinterpret_cast<int4*>(a.out + static_cast<int64_t>(tok) * H)[j] = pack_bf16x8(acc);
     }

@@ -34,6 +34,8 @@ constexpr int kLlWarps = kLlThreads / 32;
 constexpr int kReduceThreads = 512;
 constexpr int kSendThreads = 256;
 constexpr int kSendWarps = kSendThreads / 32;
+constexpr int kMaxLlRanks = DEK_IN_MAX_RANKS;  // per-rank tables of the LL kernels (docs/RANKS.md)
+constexpr int kDstWarps = rank_workers(kSendWarps);  // dispatch send: warps taking turns over destinations
 // Most experts of a dispatch send (two int histograms of E in shared memory).
 constexpr int kMaxLlExperts = DEK_LL_MAX_EXPERTS;
 // LL words of the control area's scratch (local only): the call counter and the "blocks done"
@@ -42,15 +44,15 @@ constexpr size_t kLlCalls = DEK_IC_CONTROL_BYTES - 1024;  // after the push-disp
 constexpr size_t kLlDone = kLlCalls + 4;
 static_assert(kScrEnd <= kLlCalls, "LL scratch overlaps the normal-mode scratch");
 static_assert(kLlDone + 4 <= DEK_IC_CONTROL_BYTES, "LL scratch outside the control area");
-static_assert(DEK_LL_MASK_OFF >= kLlDone + 4 && DEK_LL_MASK_OFF + 4 * kMaxRanks <= DEK_IC_CONTROL_BYTES, "LL mask copy");
+static_assert(ic::kScrEnd <= DEK_IC_RANK_TABLES_OFF && DEK_IC_RANK_TABLES_END <= DEK_GB_OFF, "rank tables overlap the scratch areas");
 // Format words every NVLink source leaves in a receiver's control area with each send, before its
 // signals: [kind (0 dispatch, 1 combine)][half][source rank][flags, hidden, T, E] (by half: a
 // sender may run one call ahead, into the other half, with other flags). The receiver compares
 // them with its own after the wait, so ranks passing other flags or another geometry raise
 // (DEK_IC_ERR_LL_FORMAT at the next call) instead of reading each other's bytes as their own.
-constexpr size_t kLlFmt = kLlCalls + 128;
-static_assert(kLlFmt >= DEK_LL_MASK_OFF + 4 * kMaxRanks && kLlFmt + 4 * kMaxRanks * 16 <= DEK_IC_CONTROL_BYTES, "LL format words");
-__device__ __forceinline__ size_t fmt_slot(int kind, int half, int src) { return kLlFmt + static_cast<size_t>(((kind * 2 + half) * kMaxRanks + src) * 16); }
+// In the rank tables (deep_ep_kernels.h), indexed by world rank.
+constexpr size_t kLlFmt = DEK_LL_FMT_OFF;
+__device__ __forceinline__ size_t fmt_slot(int kind, int half, int src) { return kLlFmt + static_cast<size_t>(((kind * 2 + half) * DEK_IN_MAX_RANKS + src) * 16); }
 constexpr uint32_t kFmtSet = 0x100;  // a written slot (a zeroed one never matches)
 
 // Routing fingerprints (local only), u64 [8]: [h] = the topk_idx of the latest dispatch sent on
@@ -60,7 +62,7 @@ constexpr uint32_t kFmtSet = 0x100;  // a written slot (a zeroed one never match
 // send copies [routing_half] to [2 + half] (and [4 + routing_half] to [6 + half]); the combine
 // receive compares its own topk_idx (and topk_weights) with them (DEK_IC_ERR_LL_ROUTING, extra 0 for
 // the ids, 1 for the weights), as the CPU backend.
-constexpr size_t kLlRouting = kLlFmt + 4 * kMaxRanks * 16;
+constexpr size_t kLlRouting = kLlCalls + 128;
 static_assert(kLlRouting % 8 == 0 && kLlRouting + 64 <= DEK_IC_CONTROL_BYTES, "LL routing fingerprints");
 
 // One top-k entry's share of a routing fingerprint: entry j (= token * K + k) holding expert id e.
@@ -189,15 +191,18 @@ static_assert(kMsgMeta == DEK_LL_MSG_META, "message meta size");
 // Reads recv_state: false (after reporting) when it does not come from a send of `kind` with
 // `flags`, or the buffer timed out.
 __device__ bool read_state(const Ctx& c, const Args& a, int kind, bool check_flags, int site, int* half, uint32_t* seq, int* flags) {
-  if (timed_out(c)) return false;
+  // Every load issued before any test: one memory latency instead of five in a chain.
+  const bool stale = timed_out(c);
   const int64_t* st = a.recv_state;
-  if (st[3] != kind || (check_flags && st[2] != a.flags) || st[0] < 0 || st[0] > 1) {
-    report(c, DEK_IC_ERR_MISMATCH, c.rank, site, static_cast<int>(st[3]), kind);
+  const int64_t st0 = st[0], st1 = st[1], st2 = st[2], st3 = st[3];
+  if (stale) return false;
+  if (st3 != kind || (check_flags && st2 != a.flags) || st0 < 0 || st0 > 1) {
+    report(c, DEK_IC_ERR_MISMATCH, c.rank, site, static_cast<int>(st3), kind);
     return false;
   }
-  *half = static_cast<int>(st[0]);
-  *seq = static_cast<uint32_t>(st[1]);
-  *flags = static_cast<int>(st[2]);
+  *half = static_cast<int>(st0);
+  *seq = static_cast<uint32_t>(st1);
+  *flags = static_cast<int>(st2);
   return true;
 }
 
@@ -236,6 +241,25 @@ constexpr int kSeamDispatch = 0, kSeamCombine = 1;
 template <class Net>
 __device__ __forceinline__ const Net& net_of(const Args& a) { return *static_cast<const Net*>(a.net); }
 
+// Warp-collective (every lane of the warp): the distinct ranks `d` of the lanes with `valid`,
+// ascending (a token's destinations, the CPU backend's order): a valid lane's index among them
+// (how many are smaller: the same in every lane of one rank), whether it is the lowest lane of its
+// rank, and how many there are. No rank bitmask, so any rank up to kMaxLlRanks.
+struct RankList {
+  int idx;
+  bool first;
+  int count;
+};
+__device__ __forceinline__ RankList rank_list(bool valid, int d) {
+  const int lane = threadIdx.x & 31;
+  const unsigned same = __match_any_sync(0xffffffffu, valid ? d : -1 - lane);
+  const bool first = valid && (same & ((1u << lane) - 1u)) == 0;
+  const unsigned firsts = __ballot_sync(0xffffffffu, first);
+  int idx = 0;
+  for (unsigned f = firsts; f != 0; f &= f - 1) idx += __shfl_sync(0xffffffffu, d, __ffs(f) - 1) < d;
+  return RankList{idx, first, __popc(firsts)};
+}
+
 // Whether peer d lies outside this rank's NVLink domain.
 __device__ __forceinline__ bool remote(const Ctx& c, const Args& a, int d) {
   return a.net != nullptr && d / a.nvl_domain != c.rank / a.nvl_domain;
@@ -259,7 +283,11 @@ __device__ __forceinline__ void put_fmt(const Ctx& c, const Args& a, int kind, i
 // Receiver, after a wait on source s for the send into `half` succeeded: false (reported: field in extra, theirs, mine) when
 // s sent with another format.
 __device__ bool fmt_agrees(const Ctx& c, const Args& a, int kind, int half, int s, uint32_t flags, int site) {
-  const volatile uint32_t* w = at<volatile uint32_t>(local(c), fmt_slot(kind, half, s));
+  uint32_t w[4];  // the slot in one 16-byte volatile load (it is 16-aligned) instead of four in a chain
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+               : "l"(at<const uint32_t>(local(c), fmt_slot(kind, half, s)))
+               : "memory");  // after the wait's acquire load, as the volatile loads it replaces
   const uint32_t mine[4] = {flags, static_cast<uint32_t>(a.hidden), static_cast<uint32_t>(a.num_max_tokens), static_cast<uint32_t>(a.num_experts)};
   for (int i = 0; i < 4; ++i) {
     const uint32_t theirs = w[i];

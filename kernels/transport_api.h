@@ -16,8 +16,10 @@
 extern "C" {
 #endif
 
-/* Ranks the LSA emulation can address: one NVLink domain (crate::config::MAX_NVL_PEERS). */
-#define DEK_TP_MAX_LSA_PEERS 8
+/* Ranks the LSA emulation can address: every rank of a buffer on one machine whose GPUs (or, with
+ * several ranks per GPU, whose ranks) all share load/store access, such as 2 x 8 or 4 x 4 ranks
+ * emulated on one GPU (docs/RANKS.md). */
+#define DEK_TP_MAX_LSA_PEERS 32
 /* GIN contexts per communicator in NCCL 2.28 (NCCL_GIN_MAX_CONTEXTS). */
 #define DEK_TP_MAX_GIN_CONTEXTS 4
 /* NCCL communicators one buffer opens for more QPs per peer (crate::backend::nccl::gin::MAX_GIN_COMMS). */

@@ -39,7 +39,7 @@ pub fn check_layout(op: &'static str) -> Result<()> {
 }
 
 fn write_header(op: &'static str, ctx: &Ctx, h: Header) -> Result<()> {
-    let own = ctx.peer_base[ctx.rank as usize];
+    let own = ctx.own_base();
     crate::ensure!(!own.is_null() && ctx.window_bytes >= CONTROL_BYTES as u64, op, "internal: no own window for the global barrier");
     // SAFETY: 8 bytes inside the control area of this rank's own live window, from a host struct
     // that lives through the synchronous copy.
@@ -133,13 +133,12 @@ mod tests {
         assert_eq!(gin, crate::kernels::transport::gin_net_layout().bytes);
         // Between the intranode scratch and the LL scratch (kLlCalls = CONTROL_BYTES - 1024).
         const { assert!(DESC_OFF + DESC_BYTES <= CONTROL_BYTES - 1024 && SIGNAL_OFF + 8 * SIGNALS <= DESC_OFF) };
-        const { assert!(crate::kernels::low_latency::LL_MASK_OFF >= DESC_OFF + DESC_BYTES) };
+        const { assert!(DEK_IC_RANK_TABLES_END as usize <= AREA_OFF) };
     }
 
     #[test]
     fn the_launcher_refuses_a_ctx_that_is_not_split() {
-        let ctx = Ctx {
-            peer_base: [8usize as *mut c_void; 8],
+        let mut ctx = Ctx {
             rank: 0,
             num_ranks: 4,
             window_bytes: 1 << 20,
@@ -147,7 +146,10 @@ mod tests {
             timeout_ns: 1,
             num_sms: 0,
             nvl_ranks: 0,
+            nvl_first: 0,
+            ..Ctx::default()
         };
+        ctx.peer_base[..4].fill(8usize as *mut c_void);
         let mut bad = ctx;
         bad.num_ranks = 4;
         bad.nvl_ranks = 2; // rank 0's domain is {0, 1}: ranks 2, 3 must be NULL
@@ -159,7 +161,7 @@ mod tests {
 
     #[test]
     fn launchers_accept_a_split_ctx_exactly_with_null_outside_the_domain() {
-        // Rank 3 of 2 x 2: windows of ranks 2, 3 only.
+        // Rank 3 of 2 x 2: windows of ranks 2, 3 only, at slots 2, 3 (rank % 8; nvl_first 2).
         let mut c = Ctx {
             rank: 3,
             num_ranks: 4,
@@ -167,18 +169,24 @@ mod tests {
             host_status: 8usize as *mut _,
             timeout_ns: 1,
             nvl_ranks: 2,
+            nvl_first: 2,
             ..Ctx::default()
         };
         c.peer_base[2] = 0x10000usize as *mut c_void;
         c.peer_base[3] = 0x20000usize as *mut c_void;
+        assert_eq!((c.own_base() as usize, c.base_of(2) as usize, c.addressed_ranks()), (0x20000, 0x10000, vec![2, 3]));
+        assert!(c.base_of(0).is_null() && c.base_of(1).is_null());
         // The rendezvous word is pure address arithmetic behind the launchers' ctx check.
         assert_eq!(intranode::rendezvous_word(&c) as usize, 0x20000 + 4096 + 12);
         let mut other = c;
-        other.peer_base[0] = 0x30000usize as *mut c_void; // another domain's window: refused
+        other.peer_base[0] = 0x30000usize as *mut c_void; // an entry outside the domain: refused
         assert!(intranode::rendezvous_word(&other).is_null());
         let mut missing = c;
         missing.peer_base[2] = std::ptr::null_mut(); // a rank of the own domain without a window
         assert!(intranode::rendezvous_word(&missing).is_null());
+        let mut first = c;
+        first.nvl_first = 0; // not rank / D * D
+        assert!(intranode::rendezvous_word(&first).is_null());
         let mut odd = c;
         odd.nvl_ranks = 3; // does not divide the ranks
         assert!(intranode::rendezvous_word(&odd).is_null());

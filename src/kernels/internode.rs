@@ -13,21 +13,28 @@ use std::ffi::c_void;
 /// Internode control area of every window (`DEK_IN_CTRL_OFF`, `DEK_IN_CTRL_BYTES`).
 pub const CTRL_OFF: usize = DEK_IN_CTRL_OFF as usize;
 pub const CTRL_BYTES: usize = DEK_IN_CTRL_BYTES as usize;
-/// Offset and size of the seam signal table of the LSA emulation (`internode.cuh`).
+/// Offset and size of the seam signal table of the LSA emulation (`internode.cuh`,
+/// `DEK_IN_LSA_SIGNALS`).
 pub const SIGNAL_OFF: u64 = CTRL_OFF as u64;
-pub const NUM_SIGNALS: i32 = 32;
+pub const NUM_SIGNALS: i32 = DEK_IN_LSA_SIGNALS as i32;
 /// Where a normal-mode buffer over GIN keeps its `GinNet` descriptor, and the bytes reserved for
 /// it (`DEK_IN_NET_OFF`, `DEK_IN_NET_BYTES`: the free end of the internode control area).
 pub const NET_OFF: usize = DEK_IN_NET_OFF as usize;
 pub const NET_BYTES: usize = DEK_IN_NET_BYTES as usize;
 /// Seam signals the kernels use from [`InArgs::sig_base`] (`DEK_IN_SEAM_SIGNALS`): global
-/// barriers at [`SIG_BAR`] + source node, seam steps at [`SIG_STEP`] + source node (`kSigBar`,
-/// `kSigStep` of `internode.cuh`; at most 8 nodes), all on context 0.
+/// barriers at [`SIG_BAR`] + source node, seam steps at [`SIG_STEP`] + source node
+/// (`DEK_IN_SIG_BAR`, `DEK_IN_SIG_STEP`; room for [`MAX_NODES`] nodes), all on context 0.
 pub const SEAM_SIGNALS: usize = DEK_IN_SEAM_SIGNALS as usize;
-pub const SIG_BAR: usize = 0;
-pub const SIG_STEP: usize = 8;
-/// Most nodes (NVLink domains) of an internode normal-mode buffer (`kMaxNodes`).
-pub const MAX_NODES: usize = 8;
+pub const SIG_BAR: usize = DEK_IN_SIG_BAR as usize;
+pub const SIG_STEP: usize = DEK_IN_SIG_STEP as usize;
+/// Most nodes (NVLink domains) of an internode buffer that the window layout and the signal plan
+/// are sized for (`DEK_IN_MAX_NODES`).
+pub const MAX_NODES: usize = DEK_IN_MAX_NODES as usize;
+/// Most ranks of an internode buffer that the window layout is sized for (`DEK_IN_MAX_RANKS`).
+pub const MAX_RANKS: usize = DEK_IN_MAX_RANKS as usize;
+/// Most nodes the normal-mode kernels take today (`kMaxNodes` of `internode.cuh`; their
+/// per-block arrays are lifted to [`MAX_NODES`] by docs/RANKS.md step 4).
+pub const KERNEL_MAX_NODES: usize = 8;
 /// [`InArgs::net_kind`]: the LSA emulation over [`InArgs::lsa`] (`DEK_IN_NET_LSA`).
 pub const NET_LSA: i32 = DEK_IN_NET_LSA as i32;
 /// [`InArgs::net_kind`]: NCCL GIN over the `GinNet` at [`InArgs::net`] (`DEK_IN_NET_GIN`).

@@ -102,14 +102,33 @@ pub mod err {
 }
 
 /// `dek_ic_ctx_t`: the buffer as kernels see it. `peer_base` holds the window base of every
-/// rank this GPU addresses over NVLink, by world rank (so a buffer has at most [`MAX_RANKS`]
-/// ranks in all, internode included; NULL outside this rank's NVLink domain when `nvl_ranks` > 0);
+/// rank of this rank's NVLink domain, world rank `r` at slot `r % MAX_RANKS` (a domain's at most
+/// [`MAX_RANKS`] consecutive ranks take distinct slots; an intranode buffer's rank `r` is at `[r]`),
+/// NULL in the other slots;
 /// `num_sms` is this rank's share of the GPU's SMs (0 = unknown: the launcher asks CUDA);
-/// `nvl_ranks` 0 = `peer_base` holds every rank, `D` = an internode buffer over NVLink domains of
-/// `D` consecutive ranks.
+/// `nvl_ranks` 0 = `peer_base` holds every rank (`nvl_first` 0), `D` = an internode buffer over
+/// NVLink domains of `D` consecutive ranks (`nvl_first` = rank / D * D).
 pub type Ctx = dek_ic_ctx_t;
 
 impl Ctx {
+    /// This rank's own window base.
+    pub fn own_base(&self) -> *mut c_void {
+        self.peer_base[self.rank as usize % MAX_RANKS]
+    }
+
+    /// The window base of world rank `p` when this GPU addresses it (NULL otherwise).
+    pub fn base_of(&self, p: usize) -> *mut c_void {
+        match p.checked_sub(self.nvl_first as usize) {
+            Some(i) if i < MAX_RANKS => self.peer_base[p % MAX_RANKS],
+            _ => std::ptr::null_mut(),
+        }
+    }
+
+    /// The world ranks whose windows the kernels address (the own NVLink domain), ascending.
+    pub fn addressed_ranks(&self) -> Vec<usize> {
+        (0..self.num_ranks as usize).filter(|&p| !self.base_of(p).is_null()).collect()
+    }
+
     /// Whether this is the ctx of a buffer whose other NVLink domains have no window pointer
     /// (`nvl_ranks` > 0): barriers of all ranks go through [`crate::kernels::global_barrier`].
     pub fn split(&self) -> bool {
@@ -216,7 +235,7 @@ launchers! {
 /// The launch contract of [`crate::kernels::intranode`]: a live window, argument pointers null or live
 /// and large enough until `stream` ran the kernel.
 pub unsafe fn zero_window(op: &'static str, ctx: &Ctx, stream: *mut c_void) -> Result<()> {
-    let local = ctx.peer_base[ctx.rank as usize];
+    let local = ctx.own_base();
     crate::ensure!(!local.is_null(), op, "internal: the window's own pointer is not set");
     // SAFETY: this rank's own window: `window_bytes` bytes of device memory; async on `stream`.
     check(unsafe { dek_cuda_memset_async(local, 0, ctx.window_bytes as usize, stream) }, op, "zeroing the window")

@@ -145,7 +145,7 @@ pub unsafe fn write_lsa_desc(
         window_bytes: ctx.window_bytes,
     };
     lsa.peer_base[..n].copy_from_slice(&bases[..n]);
-    let own = ctx.peer_base[ctx.rank as usize];
+    let own = ctx.own_base();
     // SAFETY: size_of::<LsaDesc>() bytes inside this rank's own live window (checked above), from
     // a host struct that lives through the synchronous copy.
     let st = unsafe {
@@ -255,7 +255,7 @@ pub unsafe fn write_gin_desc(
         "internal: GIN seam descriptor at {desc_off} outside the window of {} bytes",
         ctx.window_bytes
     );
-    let own = ctx.peer_base[ctx.rank as usize];
+    let own = ctx.own_base();
     // SAFETY: `bytes` <= desc_bytes inside this rank's own live window (checked above), from a host
     // buffer that lives through the synchronous copy.
     let st = unsafe { dek_cuda_memcpy_htod(own.cast::<u8>().add(desc_off).cast(), desc.as_ptr().cast(), bytes) };
@@ -315,6 +315,14 @@ pub unsafe fn lsa_self_test_run(
         ctx.window_bytes
     );
     let n = ctx.num_ranks as usize;
+    // Its windows come from a Ctx of every rank, and its area (before the internode control area)
+    // holds a receive slot per rank: at most 8 ranks.
+    crate::ensure!(
+        n <= crate::kernels::intranode::MAX_RANKS,
+        op,
+        "DEEP_EP_TRANSPORT_SELFTEST runs on buffers of at most {} ranks, not {n}: unset it",
+        crate::kernels::intranode::MAX_RANKS
+    );
     crate::ensure!(
         rail_stride >= 1 && n % rail_stride == 0 && n <= MAX_LSA_PEERS,
         op,

@@ -24,8 +24,9 @@ use super::peer_window::{PeerWindow, WindowArgs};
 use crate::backend::cpu::shared;
 use crate::backend::cpu::shm::{self, Region, Segment};
 use crate::error::{Error, Result};
-use crate::kernels::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream, MAX_RANKS};
+use crate::kernels::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream};
 use crate::kernels::layout::check;
+use crate::kernels::transport::MAX_LSA_PEERS;
 use crate::sys::kernels::*;
 use crate::window::lsa_team::PeerMap;
 use std::ffi::c_void;
@@ -87,7 +88,7 @@ pub struct Rendezvous {
 
 impl Rendezvous {
     fn open(unique_id: &[u8], rank: usize, num_ranks: usize, timeout: Duration) -> Result<Rendezvous> {
-        let seg = crate::backend::cpu::shared::segment(OP, &name_from_id(unique_id)?, rank, num_ranks, SLOT * MAX_RANKS, timeout)?;
+        let seg = crate::backend::cpu::shared::segment(OP, &name_from_id(unique_id)?, rank, num_ranks, SLOT * MAX_LSA_PEERS, timeout)?;
         Ok(Rendezvous { seg, rank, num_ranks, epoch: 0, timeout })
     }
 
@@ -135,7 +136,7 @@ pub struct Window {
     opened: Vec<*mut c_void>,
     pub(super) bytes: usize,
     pub(super) ctx: Ctx,
-    pub(super) lsa_base: [*mut c_void; MAX_RANKS],
+    pub(super) lsa_base: Vec<*mut c_void>,
     pub(super) status: Option<HostStatus>,
     rdv: Rendezvous,
     closed: bool,
@@ -153,7 +154,13 @@ impl Window {
     /// Collective over `num_ranks` processes or threads of one machine (see the module doc).
     pub fn create(a: &WindowArgs) -> Result<Window> {
         intranode::check_struct_sizes(OP)?;
-        crate::ensure!(a.num_ranks >= 1 && a.num_ranks <= MAX_RANKS, OP, "internal: {} ranks", a.num_ranks);
+        // One machine: as many ranks as the LSA emulation reaches (every window is addressable).
+        crate::ensure!(
+            a.num_ranks >= 1 && a.num_ranks <= MAX_LSA_PEERS,
+            OP,
+            "{} ranks: the ipc provider takes at most {MAX_LSA_PEERS}",
+            a.num_ranks
+        );
         let timeout = Duration::from_nanos(a.timeout_ns);
         let rdv = Rendezvous::open(a.unique_id, a.rank, a.num_ranks, timeout)?;
         let bytes = super::peer_window::window_bytes(a.data_bytes);
@@ -164,7 +171,7 @@ impl Window {
             opened: Vec::new(),
             bytes,
             ctx: super::peer_window::new_ctx(a.rank, a.num_ranks, bytes, a.timeout_ns, 0),
-            lsa_base: [std::ptr::null_mut(); MAX_RANKS],
+            lsa_base: Vec::new(),
             status: None,
             rdv,
             closed: false,
@@ -188,8 +195,9 @@ impl Window {
         let map = PeerMap::new(OP, a.rank, a.num_ranks, a.nvl_domain, a.num_ranks, a.rank, false)?;
         (w.ctx.peer_base, w.lsa_base) = map.spread(&ptrs);
         w.ctx.nvl_ranks = map.ctx_nvl_ranks as i32;
+        w.ctx.nvl_first = map.ctx_first() as i32;
         if let Some(stride) = a.transport_self_test {
-            let full = Ctx { peer_base: w.lsa_base, nvl_ranks: 0, ..w.ctx };
+            let full = Ctx { peer_base: super::lsa_team::whole_buffer_ctx_bases(OP, &w.lsa_base)?, nvl_ranks: 0, nvl_first: 0, ..w.ctx };
             let stream = Stream::new(OP)?;
             // SAFETY: launch contract: the ctx of this live window, zeroed and past the host rendezvous.
             unsafe { crate::kernels::transport::lsa_self_test_run(OP, &full, stride, a.timeout_ns, stream.raw()) }?;
@@ -217,9 +225,9 @@ impl Window {
         let mut handle = [0u8; HANDLE_BYTES];
         // SAFETY: writes HANDLE_BYTES bytes; `mem` is a live cudaMalloc allocation.
         check(unsafe { dek_cuda_ipc_get_handle(handle.as_mut_ptr().cast(), self.mem) }, OP, "cudaIpcGetMemHandle")?;
-        self.ctx.peer_base[a.rank] = self.mem;
+        self.ctx.peer_base[a.rank % intranode::MAX_RANKS] = self.mem; // own_base(): slot rank % 8
         let stream = Stream::new(OP)?;
-        // SAFETY: `peer_base[rank]` is the cudaMalloc allocation just made, of `window_bytes`.
+        // SAFETY: `own_base()` is the cudaMalloc allocation just made, of `window_bytes`.
         self.status = Some(unsafe { super::peer_window::attach_status_and_zero(OP, &mut self.ctx, &stream) }?);
         let r = &self.rdv;
         r.set(word::TOKEN, process_token());
@@ -326,7 +334,7 @@ impl Drop for Window {
     }
 }
 
-super::peer_window::forward_peer_window!(Window, keep_memory() -> (), lsa_bases() -> [*mut std::ffi::c_void; MAX_RANKS], ranks_on_gpu() -> usize);
+super::peer_window::forward_peer_window!(Window, keep_memory() -> (), lsa_bases() -> Vec<*mut std::ffi::c_void>, ranks_on_gpu() -> usize);
 
 #[cfg(test)]
 mod tests {

@@ -15,7 +15,7 @@
 //! area that is not zeroed yet.
 
 use crate::error::{Error, Result};
-use crate::kernels::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream, MAX_RANKS};
+use crate::kernels::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream};
 use crate::kernels::layout::check as cuda_check;
 
 use super::peer_window::{PeerWindow, WindowArgs};
@@ -84,7 +84,7 @@ pub struct Window {
     pub(super) ctx: Ctx,
     /// Window base of every rank in NCCL's LSA team, by world rank (NULL outside it): more than
     /// `ctx.peer_base` for an internode buffer on one NVLink machine (the LSA emulation's reach).
-    pub(super) lsa_base: [*mut c_void; MAX_RANKS],
+    pub(super) lsa_base: Vec<*mut c_void>,
     pub(super) status: Option<HostStatus>,
     /// Never free `mem` (a zero-copy view of it was handed out): deregistered, kept mapped.
     keep_mem: bool,
@@ -106,7 +106,7 @@ impl Window {
         intranode::check_struct_sizes(OP)?;
         let lib = nccl::library()?;
         let api = nccl::device_api()?;
-        crate::ensure!(a.num_ranks >= 1 && a.num_ranks <= MAX_RANKS, OP, "internal: {} ranks", a.num_ranks);
+        crate::ensure!(a.num_ranks >= 1 && a.num_ranks <= crate::kernels::internode::MAX_RANKS, OP, "internal: {} ranks", a.num_ranks);
         let _guard = DeviceGuard::new(OP, a.device)?;
         let bytes = super::peer_window::window_bytes(a.data_bytes);
         let mut w = Window {
@@ -121,7 +121,7 @@ impl Window {
             win: std::ptr::null_mut(),
             bytes,
             ctx: super::peer_window::new_ctx(a.rank, a.num_ranks, bytes, a.timeout_ns, intranode::sm_count(OP, a.device)?),
-            lsa_base: [std::ptr::null_mut(); MAX_RANKS],
+            lsa_base: Vec::new(),
             status: None,
             keep_mem: false,
         };
@@ -180,15 +180,15 @@ impl Window {
         w.devcomm = Some(devcomm);
         crate::ensure!(lsa_size >= 1 && lsa_rank >= 0, OP, "NCCL reported LSA rank {lsa_rank} of {lsa_size}");
         let map = PeerMap::new(OP, a.rank, a.num_ranks, a.nvl_domain, lsa_size as usize, lsa_rank as usize, a.gin.is_some())?;
-        let mut lsa = [std::ptr::null_mut(); MAX_RANKS];
-        // SAFETY: the window is live; writes lsa_size (<= num_ranks <= MAX_RANKS, checked by
-        // PeerMap) pointers into `lsa`.
+        let mut lsa = vec![std::ptr::null_mut(); map.lsa_size];
+        // SAFETY: the window is live; writes lsa_size pointers into `lsa`, which holds as many.
         let st = unsafe { dek_nccl_window_lsa_bases(w.win.cast(), map.lsa_size as c_int, lsa.as_mut_ptr()) };
         cuda_check(st, OP, "reading the window's peer pointers")?;
         (w.ctx.peer_base, w.lsa_base) = map.spread(&lsa);
         w.ctx.nvl_ranks = map.ctx_nvl_ranks as i32;
+        w.ctx.nvl_first = map.ctx_first() as i32;
         crate::ensure!(
-            (0..a.num_ranks).all(|p| w.ctx.peer_base[p].is_null() != map.in_ctx(p)),
+            (0..a.num_ranks).all(|p| w.ctx.base_of(p).is_null() != map.in_ctx(p)),
             OP,
             "NCCL gave no window pointer for a rank of this NVLink domain"
         );
@@ -206,7 +206,7 @@ impl Window {
             // After the rendezvous: every rank's signals are zero. The self-test runs over the
             // LSA emulation, on every rank's window (not only the kernels' own domain).
             crate::ensure!(map.whole_buffer(), OP, "DEEP_EP_TRANSPORT_SELFTEST runs over the LSA emulation and needs every rank in NCCL's LSA team ({} of {} here): unset it across machines", map.lsa_size, a.num_ranks);
-            let full = Ctx { peer_base: w.lsa_base, nvl_ranks: 0, ..w.ctx };
+            let full = Ctx { peer_base: super::lsa_team::whole_buffer_ctx_bases(OP, &w.lsa_base)?, nvl_ranks: 0, nvl_first: 0, ..w.ctx };
             // SAFETY: launch contract: the ctx of this live window, zeroed and past the host rendezvous.
             unsafe { crate::kernels::transport::lsa_self_test_run(OP, &full, stride, a.timeout_ns, stream.raw()) }?;
         }
@@ -343,7 +343,7 @@ impl Drop for Window {
 super::peer_window::forward_peer_window!(
     Window,
     keep_memory() -> (),
-    lsa_bases() -> [*mut std::ffi::c_void; MAX_RANKS],
+    lsa_bases() -> Vec<*mut std::ffi::c_void>,
     gin() -> Option<(&[u64], *mut std::ffi::c_void)>,
     gin_all() -> Vec<(&[u64], *mut std::ffi::c_void)>
 );
@@ -365,7 +365,9 @@ mod tests {
             lsa_size: 4,
             gin_context_count: contexts,
             gin_type: 3,
-            gin_signal_count: 8192 + 16 + 8,
+            gin_signal_count: (crate::backend::peer::signals::LL_SIGNALS
+                + crate::kernels::internode::SEAM_SIGNALS
+                + crate::backend::peer::signals::BARRIER_SIGNALS) as i32,
             gin_counter_count: 0,
         };
         // SAFETY: the glue hands a zeroed ncclDevComm of devcomm_bytes().

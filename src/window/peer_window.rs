@@ -4,7 +4,7 @@
 
 use super::gin_comms::GinSetup;
 use crate::error::Result;
-use crate::kernels::intranode::{self, Ctx, HostStatus, Stream, MAX_RANKS};
+use crate::kernels::intranode::{self, Ctx, HostStatus, Stream};
 
 /// What a provider's `Window::create` needs (every provider takes the same; each uses what applies
 /// to it: `nvl_domain` and `gin` are the nccl provider's, `nvl_domain` also the ipc provider's).
@@ -34,10 +34,12 @@ pub trait PeerWindow: Send {
     /// Peer base pointers, rank, sizes and status pointer, passed to every kernel. For an
     /// internode buffer of the `nccl` provider, `peer_base` holds the own NVLink domain only.
     fn ctx(&self) -> &Ctx;
-    /// Window base of every rank this GPU can address, by world rank (NULL elsewhere): what the
-    /// LSA emulation of the RDMA leg puts through. Defaults to the ctx's pointers.
-    fn lsa_bases(&self) -> [*mut std::ffi::c_void; MAX_RANKS] {
-        self.ctx().peer_base
+    /// Window base of every rank of the buffer this GPU can address, by world rank (NULL
+    /// elsewhere; `num_ranks` entries): what the LSA emulation of the RDMA leg puts through.
+    /// Defaults to the ctx's pointers.
+    fn lsa_bases(&self) -> Vec<*mut std::ffi::c_void> {
+        let c = self.ctx();
+        (0..c.num_ranks as usize).map(|p| c.base_of(p)).collect()
     }
     /// The host-mapped status block kernels report errors and receive counts in.
     fn status(&self) -> &HostStatus;
@@ -86,7 +88,7 @@ pub fn new_ctx(rank: usize, num_ranks: usize, bytes: usize, timeout_ns: u64, num
 /// zeroed yet.
 ///
 /// # Safety
-/// `ctx.peer_base[ctx.rank]` is this rank's live window of `ctx.window_bytes` bytes.
+/// `ctx.own_base()` is this rank's live window of `ctx.window_bytes` bytes.
 pub unsafe fn attach_status_and_zero(op: &'static str, ctx: &mut Ctx, stream: &Stream) -> Result<HostStatus> {
     let status = HostStatus::new(op)?;
     ctx.host_status = status.device_ptr().cast();
@@ -119,7 +121,7 @@ macro_rules! forward_peer_window {
     };
     (@opt lsa_bases() -> $ret:ty) => {
         fn lsa_bases(&self) -> $ret {
-            self.lsa_base
+            self.lsa_base.clone()
         }
     };
     (@opt keep_memory() -> $ret:ty) => {

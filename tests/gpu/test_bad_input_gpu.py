@@ -160,10 +160,14 @@ GPU_CASES = [
     ("mixed-bias-on-cpu", "combine", r"bias_0 must .*cuda:0", lambda c: c.combine(b0=torch.zeros((tb.N, tb.H), dtype=torch.bfloat16))),
     ("nccl-on-cpu-device", "create_buffer", r"needs a CUDA device",
      lambda c: torch.ops.deep_ep.create_buffer(torch.zeros(128, dtype=torch.uint8), 0, 2, torch.device("cpu"), 1 << 20, 0, False, "nccl")),
-    ("nccl-too-many-ranks", "create_buffer", r"more than 8 ranks",
-     # 16 ranks fill two NVLink domains and carry an RDMA area, so the topology rules pass and
-     # the backend's own limit answers
-     lambda c: torch.ops.deep_ep.create_buffer(torch.ops.deep_ep.get_unique_id("nccl", DEV), 0, 16, DEV, 1 << 20, 1 << 20, False, "nccl")),
+    # Buffers that fill NVLink domains and carry an RDMA area pass the topology rules, so the
+    # backend's own limits answer, before NCCL's init would wait for absent ranks: 264 ranks is
+    # past every limit (LL mode: normal mode stops at 20 domains first), 64 past the LSA
+    # emulation's reach (DEEP_EP_RDMA_TRANSPORT unset).
+    ("nccl-too-many-ranks", "create_buffer", r"264 ranks: a buffer has at most 256",
+     lambda c: torch.ops.deep_ep.create_buffer(torch.ops.deep_ep.get_unique_id("nccl", DEV), 0, 264, DEV, 1 << 20, 1 << 20, True, "nccl")),
+    ("nccl-past-the-emulation", "create_buffer", r"64 ranks: the LSA emulation .* at most 32 ranks.*DEEP_EP_RDMA_TRANSPORT=gin",
+     lambda c: torch.ops.deep_ep.create_buffer(torch.ops.deep_ep.get_unique_id("nccl", DEV), 0, 64, DEV, 1 << 20, 1 << 20, False, "nccl")),
     ("mask-rank-out-of-range", "low_latency_update_mask_buffer", r"rank_to_mask must be in \[0, 1\)",
      lambda c: torch.ops.deep_ep.low_latency_update_mask_buffer(c.h, 4, True)),
     ("mask-status-wrong-length", "low_latency_query_mask_buffer", r"mask_status must be a 1-D int32",

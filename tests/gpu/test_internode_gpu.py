@@ -1,6 +1,7 @@
-"""Internode normal mode on the GPU backend against the CPU backend, bit for bit: 4 GPUs emulate
+"""Internode normal mode on the GPU backend against the CPU backend, bit for bit: 4 ranks emulate
 2 nodes x 2 GPUs (DEEP_EP_NVL_DOMAIN_SIZE=2, the inter-node leg over the transport seam's LSA
-emulation, DEEP_EP_RDMA_TRANSPORT=lsa).
+emulation, DEEP_EP_RDMA_TRANSPORT=lsa), or another layout: DEEP_EP_INTERNODE_GPU_LAYOUT=NxD
+(default 2x2; 4x1 gives every rank its own node, so each takes the per-node paths of 4 nodes).
 
 One process per GPU (torch.multiprocessing spawn, gloo for torch.distributed). Every process holds
 a CPU buffer and a GPU buffer over the same group, builds the same inputs for both and runs
@@ -15,7 +16,9 @@ After the configurations, a worst-case dispatch + combine is captured in one CUD
 replayed with fresh inputs (compared with the CPU backend); with DEEP_EP_TIMING=1 rank 0 prints wall
 times per call of DeepEP's benchmark shape at 2048 tokens (not RDMA timings: the inter-node leg is NVLink here).
 
-Environment: DEEP_EP_INTERNODE_GPU_CONFIGS (default 120), DEEP_EP_INTERNODE_GPU_SEED (first seed,
+Environment: DEEP_EP_INTERNODE_GPU_LAYOUT (nodes x ranks per node, default 2x2; 16 ranks get
+smaller shapes), DEEP_EP_INTERNODE_GPU_MIB (MiB of each buffer area, default 256),
+DEEP_EP_INTERNODE_GPU_CONFIGS (default 120), DEEP_EP_INTERNODE_GPU_SEED (first seed,
 default 50000), DEEP_EP_TIMING, DEEP_EP_TEST_LOG (directory for per-rank JSON results). DEEP_EP_INTERNODE_DRY=1 (or DEEP_EP_GPU_DRY=1) runs the harness without a GPU (a second CPU buffer stands in
 for the GPU one).
 """
@@ -39,9 +42,12 @@ from test_intranode import diff, wall_us  # shared by the GPU tests
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 from test_internode import make_case, rank_inputs  # noqa: E402
 
-WORLD, NVL_DOMAIN = 4, 2
-NVL_BYTES_CPU = 256 << 20
-NVL_BYTES_GPU, RDMA_BYTES = 256 << 20, 256 << 20
+LAYOUT = os.environ.get("DEEP_EP_INTERNODE_GPU_LAYOUT", "2x2")
+NODES, NVL_DOMAIN = (int(v) for v in LAYOUT.split("x"))
+WORLD = NODES * NVL_DOMAIN
+MIB = int(os.environ.get("DEEP_EP_INTERNODE_GPU_MIB", "256"))  # each of the NVLink and RDMA areas
+NVL_BYTES_CPU = MIB << 20
+NVL_BYTES_GPU, RDMA_BYTES = MIB << 20, MIB << 20
 DRY = os.environ.get("DEEP_EP_INTERNODE_DRY", "") == "1" or os.environ.get("DEEP_EP_GPU_DRY", "") == "1"
 SUPPORTS_DRY = True
 
@@ -49,9 +55,9 @@ SUPPORTS_DRY = True
 def widen(case, i: int):
     """Larger shapes and worst-case mode for some configurations (same on every rank)."""
     rng = random.Random(case["seed"] * 31 + 7)
-    if i % 4 == 3:
-        case["tokens"] = [rng.randint(100, 600) for _ in range(WORLD)]
-        case["hidden"] = 2048 if case["fp8"] else rng.choice([2048, 7168])
+    if i % 4 == 3:  # reduced for 16 ranks (every rank receives from 16)
+        case["tokens"] = [rng.randint(100, 600 if WORLD <= 8 else 200) for _ in range(WORLD)]
+        case["hidden"] = 2048 if case["fp8"] or WORLD > 8 else rng.choice([2048, 7168])
     case["worst"] = case["weights"] and rng.random() < 0.3  # worst-case mode needs top-k
     case["worst_extra"] = rng.randint(0, 8)
     case["cached_x_seed"] = rng.randint(0, 1 << 30)
@@ -181,6 +187,46 @@ def graph_test(rank, cpu_buf, gpu_buf) -> list:
     return errs
 
 
+def errors_test(rank, buf, dev) -> list:
+    """Bad routing inputs on one rank fail every rank with the op's message, and the buffer works on:
+    a wrong num_tokens_per_rdma_rank (rank 1), an is_token_in_rank row that disagrees with topk_idx
+    (rank 0, its counts kept consistent with the row), then a good dispatch + combine."""
+    errs = []
+    experts = 2 * WORLD
+    g = torch.Generator().manual_seed(777 + rank)
+    idx = torch.randint(0, experts, (6, 2), generator=g)
+    ntpr, ntprr, ntpe, ir = torch.ops.deep_ep.get_dispatch_layout(idx, experts, WORLD)
+    x = torch.randn((6, 128), generator=g).to(torch.bfloat16)
+    kw = dict(topk_idx=idx.to(dev), topk_weights=torch.ones(idx.shape, device=dev), num_tokens_per_expert=ntpe.to(dev))
+
+    def expect(what, match, **args):
+        try:
+            buf.dispatch(x.to(dev), **{**kw, **args})
+            errs.append(f"{what}: no error")
+        except RuntimeError as e:
+            if match not in str(e):
+                errs.append(f"{what}: {e}")
+
+    bad = ntprr + (1 if rank == 1 else 0)
+    expect("wrong num_tokens_per_rdma_rank", "num_tokens_per_rdma_rank", num_tokens_per_rank=ntpr.to(dev),
+           num_tokens_per_rdma_rank=bad.to(dev), is_token_in_rank=ir.to(dev))
+    ir_bad, ntpr_bad = ir.clone(), ntpr.clone()
+    if rank == 0:  # token 0 also to the last rank (or not): the row no longer matches its ids
+        was = bool(ir_bad[0, WORLD - 1])
+        ir_bad[0, WORLD - 1] = not was
+        ntpr_bad[WORLD - 1] += -1 if was else 1
+    ntprr_bad = torch.stack([ir_bad[:, j * NVL_DOMAIN:(j + 1) * NVL_DOMAIN].any(dim=1).sum() for j in range(NODES)]).to(torch.int32)
+    expect("is_token_in_rank row", "is_token_in_rank", num_tokens_per_rank=ntpr_bad.to(dev), num_tokens_per_rdma_rank=ntprr_bad.to(dev),
+           is_token_in_rank=ir_bad.to(dev))
+    good = dict(num_tokens_per_rank=ntpr.to(dev), num_tokens_per_rdma_rank=ntprr.to(dev), is_token_in_rank=ir.to(dev))
+    recv_x, _, _, _, handle, _ = buf.dispatch(x.to(dev), **{**kw, **good})
+    combined, _, _ = buf.combine(recv_x, handle)
+    want = x.float() * (idx >= 0).view(6, 2, 1).any(dim=1).float() * ir.sum(dim=1, keepdim=True).float()
+    if not torch.equal(combined.float().cpu(), want.to(torch.bfloat16).float()):
+        errs.append("dispatch + combine after the errors differ from x times the ranks it went to")
+    return errs
+
+
 def timing(rank, gpu_buf, deep_ep_rs) -> dict:
     """DeepEP's benchmark shape with half its tokens (2048, hidden 7168, top-8 of 256 experts): the
     combine of 4096 tokens needs more than the third of this test's window it may use."""
@@ -214,7 +260,7 @@ def worker(rank, port, out_dir, count, first, do_timing):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     import deep_ep_rs
     group = dist.group.WORLD
-    result = dict(rank=rank, configs=0, passed=0, rows=0, failures=[], graph=None, timing=None, error=None)
+    result = dict(rank=rank, configs=0, passed=0, rows=0, failures=[], graph=None, errors=None, timing=None, error=None)
     try:
         cpu_buf = deep_ep_rs.Buffer(group, NVL_BYTES_CPU, RDMA_BYTES, device="cpu", backend="cpu", explicitly_destroy=True)
         if DRY:
@@ -228,6 +274,7 @@ def worker(rank, port, out_dir, count, first, do_timing):
         all_ran = tally_configs(result, cases, lambda case: run_config(case, rank, cpu_buf, gpu_buf, deep_ep_rs), short,
                                 lambda i, case: i)
         if all_ran:
+            result["errors"] = errors_test(rank, gpu_buf, "cpu" if DRY else "cuda")
             if not DRY:
                 try:
                     result["graph"] = graph_test(rank, cpu_buf, gpu_buf)
@@ -252,7 +299,7 @@ def test_internode_matches_cpu_backend():
     first = int(os.environ.get("DEEP_EP_INTERNODE_GPU_SEED", "50000"))
     do_timing = os.environ.get("DEEP_EP_TIMING", "") == "1"
     out_dir = os.environ.get("DEEP_EP_TEST_LOG") or tempfile.mkdtemp(prefix="deep_ep_internode_gpu_")
-    out_dir = os.path.join(out_dir, "internode-2x2")
+    out_dir = os.path.join(out_dir, f"internode-{LAYOUT}")
     os.makedirs(out_dir, exist_ok=True)
     t0 = time.time()
     mp.spawn(worker, args=(_free_port(), out_dir, count, first, do_timing), nprocs=WORLD, join=True)
@@ -260,12 +307,12 @@ def test_internode_matches_cpu_backend():
     for r in range(WORLD):
         with open(os.path.join(out_dir, f"rank{r}.json")) as f:
             results.append(json.load(f))
-    print(f"\n[{'dry' if DRY else gpu_backend()} backend, 2 nodes x 2 GPUs] {time.time() - t0:.1f} s")
+    print(f"\n[{'dry' if DRY else gpu_backend()} backend, {NODES} nodes x {NVL_DOMAIN} ranks] {time.time() - t0:.1f} s")
     for res in results:
         print(f"  rank {res['rank']}: {res['passed']}/{res['configs']} configs passed, {len(res['failures'])} failed, {res['rows']} rows received")
         for fail in res["failures"][:8]:
             print(f"    config {fail['index']} {fail['cfg']}: {fail['errors']}")
-        for e in (res["graph"] or [])[:8]:
+        for e in (res["graph"] or [])[:8] + (res["errors"] or [])[:8]:
             print(f"    {e}")
         if res["error"]:
             print(f"    error: {res['error']}")
@@ -274,5 +321,6 @@ def test_internode_matches_cpu_backend():
             print(f"  timing rank 0, {sms} SMs (us, wall per call): {t}")
     assert all(r["error"] is None for r in results)
     assert all(not r["graph"] for r in results), "CUDA graph replays differ (see above)"
+    assert all(not r["errors"] for r in results), "bad-input cases (see above)"
     assert all(r["configs"] == count and r["passed"] == count for r in results), "configurations failed (see above)"
     assert count < 100 or sum(r["rows"] for r in results) > 10 * count, "tokens must really move"

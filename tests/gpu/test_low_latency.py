@@ -22,7 +22,9 @@ one device command).
 Layouts: 2 and 4 ranks in one NVLink domain, and 4 ranks as 2 emulated nodes x 2 GPUs ("2x2":
 DEEP_EP_NVL_DOMAIN_SIZE=2, DEEP_EP_RDMA_TRANSPORT=lsa), where the kernels reach the ranks of the other
 "node" through the transport seam (docs/INTERNODE.md, "Internode LL") and must still equal the CPU
-backend bit for bit (LL results do not depend on the topology). `-k 2x2` runs that layout alone.
+backend bit for bit (LL results do not depend on the topology). `-k 2x2` runs that layout alone;
+"4x1" makes every rank its own node (every peer through the seam; docs/RANKS.md); "2x8" and "4x4"
+are buffers of 16 ranks (with the ipc provider, on one GPU: docs/RANKS.md step 6).
 
 Environment: DEEP_EP_LL_CONFIGS, DEEP_EP_LL_SEED, DEEP_EP_LL_REPLAYS, DEEP_EP_LL_BYTES (LL bytes
 per buffer, default 512 MiB; it bounds T * hidden * experts), DEEP_EP_TEST_LOG (directory for per-rank JSON results),
@@ -354,7 +356,8 @@ def worker(rank, num_ranks, port, out_dir, count, seed, replays, domain=0):
     finish_rank(out_dir, rank, result)
 
 
-@pytest.mark.parametrize("num_ranks,domain", [(1, 0), (2, 0), (4, 0), (4, 2)], ids=["1", "2", "4", "2x2"])
+@pytest.mark.parametrize("num_ranks,domain", [(1, 0), (2, 0), (4, 0), (4, 2), (4, 1), (16, 8), (16, 4)],
+                         ids=["1", "2", "4", "2x2", "4x1", "2x8", "4x4"])
 def test_low_latency_matches_cpu_backend(num_ranks, domain):
     if not DRY:
         _spawn.need_gpus(num_ranks)

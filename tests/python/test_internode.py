@@ -24,7 +24,7 @@ from _harness import env_var
 NVL_BYTES = 16 << 20
 RDMA_BYTES = 1 << 20
 CASES = int(os.environ.get("DEEP_EP_INTERNODE_CASES", "40"))
-LAYOUTS = [(4, 2), (8, 4), (8, 2)]  # (world, ranks per NVLink domain)
+LAYOUTS = [(4, 2), (8, 4), (8, 2), (4, 1)]  # (world, ranks per NVLink domain)
 BF16 = torch.bfloat16
 
 

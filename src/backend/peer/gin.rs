@@ -202,7 +202,7 @@ impl GinPlan {
 /// Sizes the GIN resources of a buffer: contexts = independent senders (local experts for LL; one
 /// for normal mode, whose kernels put everything on context 0) capped at 4 unless
 /// `DEEP_EP_GIN_CONTEXTS` says otherwise, `DEEP_EP_GIN_COMMS` communicators, the
-/// `SEAM_SIGNALS` (16) of the normal-mode kernels or one signal per count (LL).
+/// `SEAM_SIGNALS` (64) of the normal-mode kernels or one signal per count (LL).
 pub fn plan(w: Workload, k: &GinKnobs) -> Result<GinPlan> {
     let (units, signals) = match w {
         Workload::Normal { num_rdma_ranks } => {
@@ -435,17 +435,17 @@ mod tests {
     #[test]
     fn normal_plan_covers_the_kernels_signal_ids_on_one_context() {
         use crate::kernels::internode::{MAX_NODES, SEAM_SIGNALS};
-        // The kernels (internode.cuh) put and signal on context 0 only: one context, 16 signals.
+        // The kernels (internode.cuh) put and signal on context 0 only: one context, 64 signals.
         let p = plan(Workload::Normal { num_rdma_ranks: 4 }, &GinKnobs::default()).unwrap();
-        assert_eq!((p.num_comms, p.contexts_per_comm, p.qps_per_peer(), p.signals), (1, 1, 1, 16));
+        assert_eq!((p.num_comms, p.contexts_per_comm, p.qps_per_peer(), p.signals), (1, 1, 1, 64));
         let r = p.requirements();
-        assert_eq!((r.gin_context_count, r.gin_signal_count, r.gin_force_enable, r.lsa_barrier_count), (1, 16, 1, 1));
-        // The ids of internode.cuh: kSigBar (0) + source node, kSigStep (8) + source node, for
-        // every node count up to kMaxNodes, all distinct and inside the plan.
+        assert_eq!((r.gin_context_count, r.gin_signal_count, r.gin_force_enable, r.lsa_barrier_count), (1, 64, 1, 1));
+        // The ids of internode.cuh: kSigBar (0) + source node, kSigStep (32) + source node, for
+        // every node count up to DEK_IN_MAX_NODES (32), all distinct and inside the plan.
         let mut ids = HashSet::new();
         for node in 0..MAX_NODES {
             assert_eq!(ht(0, HtSignal::Barrier, node), node);
-            assert_eq!(ht(0, HtSignal::Step, node), 8 + node);
+            assert_eq!(ht(0, HtSignal::Step, node), 32 + node);
             for kind in [HtSignal::Barrier, HtSignal::Step] {
                 let s = ht(0, kind, node);
                 assert!(s < p.signals && ids.insert(s), "{kind:?} node {node} -> {s}");
@@ -460,7 +460,7 @@ mod tests {
             plan(Workload::Normal { num_rdma_ranks: 2 }, &knobs(&[("DEEP_EP_GIN_CONTEXTS", "2")]).unwrap()).unwrap().contexts_per_comm,
             2
         );
-        assert!(plan(Workload::Normal { num_rdma_ranks: 9 }, &GinKnobs::default()).is_err());
+        assert!(plan(Workload::Normal { num_rdma_ranks: MAX_NODES + 1 }, &GinKnobs::default()).is_err());
     }
 
     #[test]
@@ -508,7 +508,7 @@ mod tests {
         let p = buffer_plan(&gin, 4, 2, true).unwrap().unwrap();
         assert_eq!((p.num_comms, p.contexts_per_comm, p.signals), (1, 4, SIGNALS + SEAM_SIGNALS + BARRIER_SIGNALS));
         let r = p.requirements();
-        assert_eq!((r.gin_context_count, r.gin_signal_count, r.gin_force_enable), (4, 8192 + 16 + 8, 1));
+        assert_eq!((r.gin_context_count, r.gin_signal_count, r.gin_force_enable), (4, 8192 + 64 + 32, 1));
         // Normal-mode ops of an LL buffer: past every LL id (which the LL kernels reset), inside the plan.
         for node in 0..MAX_NODES {
             for kind in [HtSignal::Barrier, HtSignal::Step] {

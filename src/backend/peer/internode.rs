@@ -53,10 +53,11 @@ fn align(v: usize, a: usize) -> usize {
     v.div_ceil(a) * a
 }
 
-/// Bytes of one RDMA-leg token record (`internode.cuh`, `record`): row, scales, int64 top-k ids,
-/// weights, then 16 bytes of source token and routing bits, each part 16-aligned.
-pub fn record_bytes(row_bytes: usize, scales: usize, topk: usize) -> usize {
-    align(row_bytes, 16) + align(4 * scales, 16) + align(8 * topk, 16) + align(4 * topk, 16) + 16
+/// Bytes of one RDMA-leg token record (`internode.cuh`, `record`) of a buffer over `rr` nodes:
+/// row, scales, int64 top-k ids, weights, then the source token (i32) and a routing byte per node,
+/// each part 16-aligned.
+pub fn record_bytes(row_bytes: usize, scales: usize, topk: usize, rr: usize) -> usize {
+    align(row_bytes, 16) + align(4 * scales, 16) + align(8 * topk, 16) + align(4 * topk, 16) + align(4 + rr, 16)
 }
 
 /// Bytes of one exchange block (`internode.cuh`): header, per-node counts and, for dispatch, the
@@ -150,11 +151,7 @@ impl PeerBackend {
         let nr = self.info.num_ranks;
         let net = self.ht_net(op)?;
         // GIN: the descriptor in this rank's own window (written, and checked to fit, at creation).
-        let net_ptr = if net.kind == NET_GIN {
-            (ctx.peer_base[ctx.rank as usize] as *const u8).wrapping_add(net.desc_off).cast()
-        } else {
-            std::ptr::null()
-        };
+        let net_ptr = if net.kind == NET_GIN { (ctx.own_base() as *const u8).wrapping_add(net.desc_off).cast() } else { std::ptr::null() };
         let mut lsa = LsaDesc {
             peer_base: [std::ptr::null_mut(); MAX_LSA_PEERS],
             rank: ctx.rank,
@@ -213,7 +210,7 @@ impl PeerBackend {
         );
         crate::ensure!(b.x.is_contiguous(), DISPATCH, "x must be contiguous on the nccl backend");
         let blk = block_bytes(g.rr, g.d, g.c, el, true);
-        let rec = record_bytes(rb, s, kk);
+        let rec = record_bytes(rb, s, kk, g.rr);
         let ex_end = g.ex_end(blk);
         let mid = ex_end + (g.data_end.saturating_sub(ex_end) / 2) / 128 * 128;
         self.capacity(DISPATCH, "staging this rank's tokens", align(ex_end + 4 * n * g.rr, 128) + n * rec, mid)?;
@@ -374,7 +371,7 @@ impl InternodeMode for PeerBackend {
             "internal: outputs do not have {rows} rows"
         );
         let blk = block_bytes(g.rr, g.d, g.c, 0, true);
-        let rec = record_bytes(rb, s, 0);
+        let rec = record_bytes(rb, s, 0, g.rr);
         let ex_end = g.ex_end(blk);
         let mid = ex_end + (g.data_end.saturating_sub(ex_end) / 2) / 128 * 128;
         self.capacity(CACHED, "staging this rank's tokens", align(ex_end + 4 * n * g.rr, 128) + n * rec, mid)?;
@@ -456,9 +453,12 @@ mod tests {
     #[test]
     fn sizes_follow_the_kernel_layout() {
         // bf16 hidden 200 (400 bytes), no scales, top-9: 400 + 0 + 80 + 48 + 16.
-        assert_eq!(record_bytes(400, 0, 9), 400 + 80 + 48 + 16);
+        assert_eq!(record_bytes(400, 0, 9, 2), 400 + 80 + 48 + 16);
         // FP8 hidden 208 with 1 scale, top-1.
-        assert_eq!(record_bytes(208, 1, 1), 208 + 16 + 16 + 16 + 16);
+        assert_eq!(record_bytes(208, 1, 1, 4), 208 + 16 + 16 + 16 + 16);
+        // The meta grows past 12 nodes: 4 + 13 bytes -> 32, and 4 + 32 -> 48.
+        assert_eq!(record_bytes(400, 0, 9, 13), 400 + 80 + 48 + 32);
+        assert_eq!(record_bytes(400, 0, 9, 32), 400 + 80 + 48 + 48);
         // 2 nodes x 2, 3 channels, 4 local experts: 4 + 2 + 3 + 6 + 8 = 23 ints -> 96 bytes.
         assert_eq!(block_bytes(2, 2, 3, 4, true), 96);
         assert_eq!(block_bytes(2, 2, 3, 0, false), 32);
@@ -471,9 +471,12 @@ mod tests {
         // InArgs (with net, net_kind, sig_base at the end) has the size of dek_in_args_t.
         k::check_struct_size("test").expect("dek_in_args_t and InArgs differ");
         assert_eq!(std::mem::size_of::<InArgs>() % 8, 0);
-        // The GinNet slot is in the internode control area, after what the kernels use (kCtrlEnd
-        // = 77824), and the descriptor fits it (as it fits the LL seam's DESC_BYTES).
-        const { assert!(NET_OFF >= k::CTRL_OFF + 77824 && NET_OFF + k::NET_BYTES <= k::CTRL_OFF + k::CTRL_BYTES && NET_OFF % 128 == 0) };
+        // The GinNet slot is in the internode control area, after what the kernels use (kCtrlEnd:
+        // 16 KiB, then two [R, C] and two [Rr, C] i32 tables sized for the maxima), and the
+        // descriptor fits it (as it fits the LL seam's DESC_BYTES).
+        use crate::kernels::intranode::MAX_CHANNELS;
+        const CTRL_END: usize = k::CTRL_OFF + 16384 + 2 * 4 * (k::MAX_RANKS + k::MAX_NODES) * MAX_CHANNELS;
+        const { assert!(NET_OFF >= CTRL_END && NET_OFF + k::NET_BYTES <= k::CTRL_OFF + k::CTRL_BYTES && NET_OFF % 128 == 0) };
         let l = crate::kernels::transport::gin_net_layout();
         assert!(l.bytes > 0 && l.bytes <= k::NET_BYTES.min(super::super::ll_seam::DESC_BYTES) && l.align <= 8, "{l:?}");
     }
@@ -483,7 +486,7 @@ mod tests {
         use crate::backend::peer::gin::{buffer_plan, GinKnobs};
         use crate::backend::peer::signals::{ht, HtSignal};
         use crate::kernels::internode::MAX_NODES;
-        // No GIN device comm: the LSA emulation, ids from 0 in the emulation's table of 32.
+        // No GIN device comm: the LSA emulation, ids from 0 in the emulation's table.
         let lsa = ht_net("op", false, false, None).unwrap();
         assert_eq!(lsa, HtNet { kind: NET_LSA, desc_off: 0, sig_base: 0 });
         assert_eq!(ht_net("op", false, true, Some(4096)).unwrap(), lsa);
@@ -494,7 +497,7 @@ mod tests {
             assert_eq!(n.kind, NET_GIN);
             // Normal-mode buffers: the slot written at creation; LL buffers: their LL seam's.
             assert_eq!(n.desc_off, desc.unwrap_or(NET_OFF));
-            // Every id the kernels use (sig_base + kSigBar/kSigStep + node, node < 8) lies inside
+            // Every id the kernels use (sig_base + kSigBar/kSigStep + node, node < MAX_NODES) lies inside
             // the signals the buffer asks NCCL for; in LL buffers after every LL seam id.
             for rr in 2..=MAX_NODES {
                 let plan = buffer_plan(&gin, rr * 2, rr, ll).unwrap().expect("a GIN plan");

@@ -51,7 +51,7 @@ use crate::backend::{
 use crate::config::BUFFER_ALIGNMENT;
 use crate::error::{Error, Result};
 use crate::kernels::host_mask::SHRINK_WORD;
-use crate::kernels::intranode::{self, err, site, CONTROL_BYTES, MAX_RANKS};
+use crate::kernels::intranode::{self, err, site, CONTROL_BYTES};
 use crate::kernels::low_latency::{self as k, LlArgs};
 use crate::op_names::{
     CLEAN_LOW_LATENCY_BUFFER as OP_CLEAN, GET_NEXT_LOW_LATENCY_COMBINE_BUFFER as OP_NEXT, LOW_LATENCY_COMBINE as OP_COMBINE,
@@ -184,7 +184,7 @@ impl PeerBackend {
                 "internal: seam area outside the window of {} bytes",
                 self.window.bytes()
             );
-            net = (self.window.ctx().peer_base[self.info.rank] as *const u8).wrapping_add(seam.layout.desc_off).cast();
+            net = (self.window.ctx().own_base() as *const u8).wrapping_add(seam.layout.desc_off).cast();
             shadow_off = seam.layout.shadow_off as u64;
             nvl_domain = seam.nvl_domain as i32;
             net_kind = seam.kind;
@@ -451,7 +451,7 @@ impl LowLatencyMode for PeerBackend {
             (self.info.num_ranks as i64, (g.num_experts / self.info.num_ranks) as i64, a.num_max_tokens as i64, a.hidden as i64);
         let (rt, m) = (r * t, h + h / 128 * 2);
         let off = a.ll_off + 2 * a.signal_bytes + self.ll.next_half as u64 * a.send_bytes;
-        let base = self.window.ctx().peer_base[self.info.rank] as *mut u8;
+        let base = self.window.ctx().own_base() as *mut u8;
         let ptr = base.wrapping_add(off as usize);
         // The view may outlive the buffer (torch's stable ABI gives no deleter to tell us).
         self.window.keep_memory();
@@ -464,7 +464,7 @@ impl LowLatencyMode for PeerBackend {
 
     fn ll_update_mask(&mut self, rank: usize, masked: bool) -> Result<()> {
         self.mask.set(rank, masked as i32);
-        self.mask_seen.set(self.mask_bits());
+        self.mask_seen.set(self.masked_ranks());
         self.ll_sync_mask(crate::op_names::LOW_LATENCY_UPDATE_MASK_BUFFER)
     }
 
@@ -473,8 +473,8 @@ impl LowLatencyMode for PeerBackend {
     }
 
     fn ll_clean_mask(&mut self) -> Result<()> {
-        (0..MAX_RANKS).for_each(|r| self.mask.set(r, 0));
-        self.mask_seen.set(0);
+        (0..self.info.num_ranks).for_each(|r| self.mask.set(r, 0));
+        self.mask_seen.set(Default::default());
         self.ll_sync_mask(crate::op_names::LOW_LATENCY_CLEAN_MASK_BUFFER)
     }
 

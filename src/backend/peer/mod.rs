@@ -22,14 +22,15 @@
 //! Ordering rule: all ops of one buffer must be ordered on the GPU (one stream, or streams joined
 //! by events), as with DeepEP's comm stream: barrier epochs live on the device.
 //!
-//! Rank masking (LL): the mask and the shrink flag live in a host-mapped `int32_t[16]` block
-//! ([`HostMask`], layout in `kernels::host_mask`): words 0..8 = rank masked, word 8 = shrink mode.
+//! Rank masking (LL): the mask and the shrink flag live in a host-mapped `int32_t` block
+//! ([`HostMask`], layout in `kernels::host_mask`): a word per rank (1 = masked), then the
+//! shrink-mode word.
 //! LL kernels read a device copy of the mask words ([`PeerBackend::ll_mask_device_ptr`], in the
 //! window's control area) that every mask update rewrites (reading host-mapped memory from every
 //! block crossed PCIe: 10-50x slower LL ops, measured); graph replays read it too, so mask updates
 //! need no re-capture. The kernels apply the
 //! mask as the CPU backend (no sends to a masked rank, no waits for it, its experts dropped). In
-//! shrink mode (word 8, passed to the kernels as `shrink_mask`) an LL receive wait that reaches
+//! shrink mode (`SHRINK_WORD`, passed to the kernels as `shrink_mask`) an LL receive wait that reaches
 //! its deadline masks the peer in both copies and goes on without it, as DeepEP and the CPU
 //! backend do; the next LL call logs the newly masked ranks. Without shrink mode the wait
 //! raises the timeout (naming the rank) and the buffer becomes unusable.
@@ -44,7 +45,7 @@ pub mod signals;
 
 use super::{Backend, BackendKind, BufferInfo, CreateArgs, UNIQUE_ID_BYTES};
 use crate::error::{Error, Result};
-use crate::kernels::host_mask::HostMask;
+use crate::kernels::host_mask::{HostMask, RankSet};
 use crate::kernels::intranode::MAX_RANKS;
 use crate::sys::nccl;
 use crate::tensor::Device;
@@ -64,7 +65,7 @@ pub struct PeerBackend {
     mask: HostMask,
     /// Mask bits the host knows of (set by the mask ops or already reported): a bit beyond them
     /// is a rank that shrink mode masked in a kernel, logged once at the next LL call.
-    mask_seen: std::cell::Cell<u32>,
+    mask_seen: std::cell::Cell<RankSet>,
     /// Internode LL: how the kernels reach peers outside this rank's NVLink domain.
     seam: Option<ll_seam::Seam>,
 }
@@ -85,8 +86,7 @@ fn split_setup(
 ) -> Result<()> {
     use crate::kernels::global_barrier;
     let ctx = window.ctx();
-    let n = ctx.num_ranks as usize;
-    let own: Vec<usize> = (0..n).filter(|&p| !ctx.peer_base[p].is_null()).collect();
+    let own = ctx.addressed_ranks();
     let domain: Vec<usize> = topo.nvl_peers().collect();
     crate::ensure!(
         own == domain && ctx.nvl_ranks as usize == topo.num_nvl_ranks(),
@@ -133,8 +133,23 @@ impl PeerBackend {
             return Err(Error::invalid(OP, format!("the {} backend needs a CUDA device, got {}", kind.name(), a.device)));
         };
         crate::ensure!(a.num_ranks > 0 && a.rank < a.num_ranks, OP, "rank {} out of range for {} ranks", a.rank, a.num_ranks);
+        // More than 8 ranks: an internode buffer (NVLink domains of at most 8), up to 256 ranks in
+        // 32 domains (docs/RANKS.md); refused here, before any rank waits in NCCL's init for peers.
         if a.num_ranks > MAX_RANKS {
-            return Err(Error::NotImplemented { op: OP, backend: kind.name(), feature: "buffers of more than 8 ranks (internode)" });
+            if kind == BackendKind::Nvshmem {
+                return Err(Error::NotImplemented { op: OP, backend: kind.name(), feature: "buffers of more than 8 ranks (internode)" });
+            }
+            let max = crate::kernels::internode::MAX_RANKS;
+            crate::ensure!(a.num_ranks <= max, OP, "{} ranks: a buffer has at most {max}", a.num_ranks);
+            let lsa_max = crate::kernels::transport::MAX_LSA_PEERS;
+            let gin = gin::GinKnobs::from_env()?.transport == Some(gin::RdmaTransport::Gin);
+            crate::ensure!(
+                gin || a.num_ranks <= lsa_max,
+                OP,
+                "{} ranks: the LSA emulation of the RDMA leg (DEEP_EP_RDMA_TRANSPORT unset or lsa) reaches at most {lsa_max} ranks, \
+                 all on one machine; across machines set DEEP_EP_RDMA_TRANSPORT=gin",
+                a.num_ranks
+            );
         }
         crate::kernels::low_latency::check_struct_size(OP)?;
         let timeout = crate::settings::timeout(OP)?;
@@ -255,7 +270,15 @@ impl PeerBackend {
         }
         let info = BufferInfo::from_args(a, kind);
         let mask = HostMask::new(OP)?;
-        Ok(PeerBackend { info, window, timeout, ll: ll_state::LlState::default(), mask, mask_seen: std::cell::Cell::new(0), seam })
+        Ok(PeerBackend {
+            info,
+            window,
+            timeout,
+            ll: ll_state::LlState::default(),
+            mask,
+            mask_seen: std::cell::Cell::new(RankSet::default()),
+            seam,
+        })
     }
 
     /// A fresh unique id ([`UNIQUE_ID_BYTES`] bytes) of `kind`'s provider from one rank
@@ -269,28 +292,29 @@ impl PeerBackend {
         }
     }
 
-    /// Device pointer of the LL kernels' copy of the rank mask (`int32_t[MAX_RANKS]`, 1 = masked,
+    /// Device pointer of the LL kernels' copy of the rank mask (`int32_t[MASK_RANKS]`, 1 = masked,
     /// at `LL_MASK_OFF` of this rank's window, zero at creation), for the LL kernels' arguments.
     pub fn ll_mask_device_ptr(&self) -> *mut std::ffi::c_void {
-        let base = self.window.ctx().peer_base[self.info.rank] as *mut u8;
+        let base = self.window.ctx().own_base() as *mut u8;
         base.wrapping_add(crate::kernels::low_latency::LL_MASK_OFF).cast()
     }
 
     /// Rewrites the kernels' device copy of the mask from the host-mapped block (synchronous).
     fn ll_sync_mask(&self, op: &'static str) -> Result<()> {
-        self.mask.copy_to_device(op, self.ll_mask_device_ptr(), MAX_RANKS)
+        self.mask.copy_to_device(op, self.ll_mask_device_ptr(), self.info.num_ranks)
     }
 
-    /// The mask words as bits (bit r = rank r masked).
-    fn mask_bits(&self) -> u32 {
-        (0..self.info.num_ranks).filter(|&r| self.mask.get(r) != 0).fold(0, |b, r| b | 1 << r)
+    /// The masked ranks of the buffer.
+    fn masked_ranks(&self) -> RankSet {
+        self.mask.masked(self.info.num_ranks)
     }
 
     /// Logs the ranks a kernel masked in shrink mode since the last look (once each).
     fn report_shrink(&self, op: &'static str) {
-        let (now, seen) = (self.mask_bits(), self.mask_seen.get());
-        if now & !seen != 0 {
-            let ranks: Vec<usize> = (0..self.info.num_ranks).filter(|&r| (now & !seen) >> r & 1 != 0).collect();
+        let (now, seen) = (self.masked_ranks(), self.mask_seen.get());
+        let new = now.minus(&seen);
+        if !new.is_empty() {
+            let ranks = new.ranks();
             crate::log_warn!(
                 Some(self.info.rank),
                 "{op}: rank(s) {ranks:?} did not arrive within {} ms; shrink mode masked them",

@@ -43,7 +43,7 @@ pub fn ht_base(low_latency_mode: bool) -> usize {
     }
 }
 
-/// Signal id the normal-mode kernels use for `kind` from source node `node` (< 8), with the
+/// Signal id the normal-mode kernels use for `kind` from source node `node` (< `MAX_NODES`), with the
 /// buffer's `base` ([`ht_base`]); on context 0.
 pub fn ht(base: usize, kind: HtSignal, node: usize) -> usize {
     use crate::kernels::internode::{SIG_BAR, SIG_STEP};

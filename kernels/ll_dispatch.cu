@@ -260,9 +260,11 @@ __device__ __forceinline__ void dispatch_send(const Ctx& c, const Args& a) {
     *reinterpret_cast<uint32_t*>(cnt) = static_cast<uint32_t>(s_rct[d]);
     if (!far) put_fmt(c, a, 0, d, fmt_dispatch(a));
   }
-  fence_acq_rel_sys();
+  // The seam's puts read the staged counts written above by other threads; on NVLink alone, the
+  // fence each signalling thread makes after the barrier orders them (cumulativity).
+  if (a.net != nullptr) fence_acq_rel_sys();
   __syncthreads();
-  for (int d = warp; d < R && warp < kDstWarps; d += kDstWarps) {  // warp per remote d: its count and index rows, then its signals
+  for (int d = warp; a.net != nullptr && d < R && warp < kDstWarps; d += kDstWarps) {  // warp per remote d: its count and index rows, then its signals
     if (!remote(c, a, d) || s_mask[d]) continue;
     put_to<Net>(c, a, d, recv + 4 * c.rank, stage + a.stage_cnt_off + 4 * d, 4, lane);
     for (int l = 0; l < El; ++l) {
@@ -278,20 +280,24 @@ __device__ __forceinline__ void dispatch_send(const Ctx& c, const Args& a) {
     }
     flush_net<Net>(c, a, lane);
   }
+  // The NVLink signals: one fence per thread, after the barrier (cumulative over every store of
+  // the block it made this thread see), then relaxed system stores: the release pattern once per
+  // thread instead of a release store (a fence of its own) per signal, which warp 0 ran twice in
+  // a row for E > 256 (bench/LL_PROFILE.md section 11).
+  if (tid < E) fence_acq_rel_sys();
+  const uint64_t sig = sig_off(a, a.half) + static_cast<uint64_t>(c.rank) * 4;
   for (int e = tid; e < E; e += kSendThreads) {
     const int d = e / El;
     if (s_mask[d]) continue;  // nothing goes to a masked rank
     const int cnt = s_total[e];
     if (cnt > T) report(c, DEK_IC_ERR_OVERFLOW, d, DEK_IC_SITE_LL_DISPATCH, cnt, T);
     if (remote(c, a, d)) continue;  // signalled above
-    uint32_t* word = at<uint32_t>(window(c, d), sig_off(a, a.half) + static_cast<uint64_t>((e % El) * R + c.rank) * 4);
-    raise_to<Net>(c, a, d, word, kSeamDispatch, a.half, e % El, tag(s_seq, static_cast<uint32_t>(min(cnt, T))));
+    st_relaxed_sys_u32(at<uint32_t>(window(c, d), sig + static_cast<uint64_t>((e % El) * R) * 4), tag(s_seq, static_cast<uint32_t>(min(cnt, T))));
   }
   __syncthreads();
-  if (tid == 0) {
+  if (tid == 0) {  // read by the next call's kernels: the kernel boundary orders these stores
     *at<volatile int>(local(c), kLlCalls) = static_cast<int>(s_seq);
     *at<volatile unsigned int>(local(c), kLlDone) = 0;
-    __threadfence();
   }
 }
 

@@ -93,15 +93,18 @@ __device__ __forceinline__ void combine_send(const Ctx& c, const Args& a) {
   __syncthreads();
   if (tid == 0 && !dead) {
     if (l == 0 && !remote(c, a, s)) put_fmt(c, a, 1, s, fmt_combine((a.flags & DEK_LL_FLAG_LOGFMT) != 0, false));
-    fence_acq_rel_sys();  // one cumulative fence per block (see dispatch_send in ll_dispatch.cu)
+    // One cumulative fence per block (see dispatch_send in ll_dispatch.cu) before a seam signal;
+    // an NVLink signal is a release store of this thread, the same fence.
+    if (remote(c, a, s)) fence_acq_rel_sys();
     uint32_t* word = at<uint32_t>(peer, sig_off(a, a.half) + static_cast<uint64_t>(c.rank * El + l) * 4);
     raise_to<Net>(c, a, s, word, kSeamCombine, a.half, l, tag(s_seq, 0));
   }
   finish_send(c, s_seq);
 }
 
-// Partial combine: block (s, y) takes messages y, y+gridDim.y, ... that source rank s sent in the
-// dispatch (dispatch_half): thread j owns channels 8j..8j+7 of the row bf16(sum over the message's
+// Partial combine: block (s, y) takes work items y, y+gridDim.y, ... (a message that source rank s
+// sent in the dispatch (dispatch_half), or a slice of its channels when there are fewer messages
+// than blocks): thread j owns channels 8j..8j+7 of the row bf16(sum over the message's
 // entries in order of fma(y, w, acc)) (crate: f32::mul_add) and stores it to s at (rank, token).
 // The last block to finish signals word rank*E_l on every unmasked source rank. For a source s
 // outside the NVLink domain the row is staged in the payload of the message it answers (no longer
@@ -124,7 +127,15 @@ __device__ __forceinline__ void combine_send_partial(const Ctx& c, const Args& a
   char* dst = window(c, s) + dst_off;
   // Rows of zero-copy buffers are M bf16 long: 16-byte loads only when M*2 is a multiple of 16.
   const bool vec = !a.zero_copy || (M * 2) % 16 == 0;
-  for (uint32_t m = blockIdx.y; m < nm; m += gridDim.y) {
+  // Work item w: message w / P, unit slice w % P. With fewer messages than blocks, a message's H/8
+  // units are split over P blocks (one round of row loads per thread instead of up to 8 in one
+  // block, which set the 1-token time: bench/LL_PROFILE.md section 11). A seam source keeps
+  // whole messages (warp 0 puts the row).
+  const int U = H / 8;
+  const uint32_t P = seam || nm == 0 ? 1u : max(1u, min(gridDim.y / nm, static_cast<uint32_t>((U + kLlThreads - 1) / kLlThreads)));
+  for (uint32_t w = blockIdx.y; w < nm * P; w += gridDim.y) {
+    const uint32_t m = w / P;
+    const int u_lo = static_cast<int>(static_cast<uint64_t>(w % P) * U / P), u_hi = static_cast<int>(static_cast<uint64_t>(w % P + 1) * U / P);
     const char* msg = me + drecv + a.msgs_off + (static_cast<uint64_t>(s) * T + m) * a.msg_bytes;
     if (tid == 0) {
       const int4 hdr = __ldcg(reinterpret_cast<const int4*>(msg));
@@ -149,8 +160,8 @@ __device__ __forceinline__ void combine_send_partial(const Ctx& c, const Args& a
       if (vec) {
         // kJ channel units x kQ rows loaded before any is summed: the kernel is bound by loads in
         // flight, not by bytes (one 16-byte load per thread in flight took ~3x the wire time).
-        constexpr int kJ = 2, kQ = 4;
-        for (int j0 = tid; j0 < H / 8; j0 += kJ * kLlThreads) {
+        constexpr int kJ = 1, kQ = 8;
+        for (int j0 = u_lo + tid; j0 < u_hi; j0 += kJ * kLlThreads) {
           float acc[kJ][8];
 #pragma unroll
           for (int i = 0; i < kJ; ++i) {
@@ -168,7 +179,7 @@ __device__ __forceinline__ void combine_send_partial(const Ctx& c, const Args& a
               for (int i = 0; i < kJ; ++i) {
                 const int j = j0 + i * kLlThreads;
                 int4 v = make_int4(0, 0, 0, 0);
-                if (row >= 0 && j < H / 8) v = __ldcg(y + j);
+                if (row >= 0 && j < u_hi) v = __ldcg(y + j);
                 wv[q][i][0] = static_cast<uint32_t>(v.x), wv[q][i][1] = static_cast<uint32_t>(v.y);
                 wv[q][i][2] = static_cast<uint32_t>(v.z), wv[q][i][3] = static_cast<uint32_t>(v.w);
               }
@@ -183,11 +194,11 @@ __device__ __forceinline__ void combine_send_partial(const Ctx& c, const Args& a
 #pragma unroll
           for (int i = 0; i < kJ; ++i) {
             const int j = j0 + i * kLlThreads;
-            if (j < H / 8) reinterpret_cast<int4*>(out_row)[j] = pack_bf16x8(acc[i]);
+            if (j < u_hi) reinterpret_cast<int4*>(out_row)[j] = pack_bf16x8(acc[i]);
           }
         }
       } else {
-        for (int j = tid; j < H / 8; j += kLlThreads) {
+        for (int j = u_lo + tid; j < u_hi; j += kLlThreads) {
           float acc[8];
 #pragma unroll
           for (int u = 0; u < 8; ++u) acc[u] = 0.0f;

@@ -114,11 +114,15 @@ __device__ bool begin_send(const Ctx& c, const Args& a, int kind, uint32_t* s_se
   if (threadIdx.x == 0) {
     *s_skip = timed_out(c);
     *s_seq = next_seq(static_cast<uint32_t>(ld_volatile(at<int>(local(c), kLlCalls))));
-    if (!*s_skip && blockIdx.x == 0 && blockIdx.y == 0) {
+    // Written whatever happens (the op allocates it uninitialised: no memset node per call); a
+    // skipped send leaves kind -1, which no receive accepts.
+    if (blockIdx.x == 0 && blockIdx.y == 0) {
       a.recv_state[0] = a.half;
       a.recv_state[1] = *s_seq;
       a.recv_state[2] = a.flags;
-      a.recv_state[3] = kind;
+      a.recv_state[3] = *s_skip ? -1 : kind;
+    }
+    if (!*s_skip && blockIdx.x == 0 && blockIdx.y == 0) {
       if (kind == DEK_LL_KIND_COMBINE) {
         uint64_t* fp = at<uint64_t>(local(c), kLlRouting);
         const bool known = a.routing_half == 0 || a.routing_half == 1;

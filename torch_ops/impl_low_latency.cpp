@@ -76,7 +76,8 @@ LlOutputs dispatch_send(int64_t handle, const Tensor& x, const Tensor& topk_idx,
   out.recv_count = empty_like_dev(x, {el}, ScalarType::Int);
   out.src_info = alloc({el, rows}, ScalarType::Int);
   out.layout_range = empty_like_dev(x, {el, r}, ScalarType::Long);
-  out.recv_state = zeros_like_dev(x, {DEEP_EP_LL_STATE_LEN}, ScalarType::Long);
+  // Written by the send kernel's block 0 on every call (kernels/low_latency.cuh begin_send).
+  out.recv_state = alloc({DEEP_EP_LL_STATE_LEN}, ScalarType::Long);
   auto ro = out.raw_outputs();
   check(deep_ep_ll_dispatch_send(handle, &p, &rx, &ri, &rw, &rc, &rs, &ro));
   return out;
@@ -127,7 +128,9 @@ Tensor combine_send(int64_t handle, const Tensor& x, const Tensor& src_info, con
   auto p = params(t, x.dim() == 3 ? x.size(2) : 128, e, x.device());
   p.use_logfmt = use_logfmt;
   p.zero_copy = zero_copy;
-  auto state = zeros_like_dev(x, {DEEP_EP_LL_STATE_LEN}, ScalarType::Long);
+  // Written by the send kernel on every call, as the dispatch's (no memset node on GPUs).
+  auto state = x.is_cpu() ? zeros_like_dev(x, {DEEP_EP_LL_STATE_LEN}, ScalarType::Long)
+                          : empty_like_dev(x, {DEEP_EP_LL_STATE_LEN}, ScalarType::Long);
   auto rx = raw(x), rsi = raw(src_info), rlr = raw(layout_range), rst = raw(state);
   check(deep_ep_ll_combine_send(handle, &p, &rx, &rsi, &rlr, &rst));
   return state;

@@ -377,16 +377,21 @@ __device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a) {
       continue;
     }
     const char* msg = me + recv + a.msgs_off + (static_cast<uint64_t>(s) * T + m) * a.msg_bytes;
+    // The header and the row's first loads go out together (both addresses depend on m only): one
+    // memory latency per row less in the chain (bench/LL_PROFILE.md section 11). A header of
+    // another geometry is reported after its row was copied into the row's own place in recv_x:
+    // a raising call's outputs are unspecified, and nothing outside them is written. (Scales
+    // loaded ahead too made the kernel spill: it stays at 128 registers for both phases.)
     const int4 hdr = __ldcg(reinterpret_cast<const int4*>(msg));
+    const float* si = reinterpret_cast<const float*>(msg + kMsgMeta + H);
+    const int64_t row = l * RT + i;
+    warp_copy(static_cast<char*>(a.recv_x) + row * xrow_bytes, msg + kMsgMeta, xrow_bytes, lane);
     if (hdr.y != H || hdr.z != T || hdr.w != a.num_experts) {
       if (lane == 0) report(c, DEK_IC_ERR_MISMATCH, s, DEK_IC_SITE_LL_DISPATCH, hdr.y, H);
       continue;
     }
-    const int64_t row = l * RT + i;
     if (lane == 0) a.src_info[row] = hdr.x;
-    warp_copy(static_cast<char*>(a.recv_x) + row * xrow_bytes, msg + kMsgMeta, xrow_bytes, lane);
     if (!a.use_fp8) continue;
-    const float* si = reinterpret_cast<const float*>(msg + kMsgMeta + H);
     const int64_t sbase = l * a.scale_stride[0] + i * a.scale_stride[1];
     if (a.use_ue8m0) {
       for (int p = lane; p < S / 4; p += 32) {

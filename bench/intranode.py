@@ -80,7 +80,7 @@ def baseline(x, is_in_rank, world, iters):
     return timed(dispatch, iters), timed(combine, iters), recv.shape[0]
 
 
-def run_case(buf, args, tokens, num_sms, rank, world):
+def run_case(buf, args, tokens, num_sms, rank, world, v1=None, naive=True):
     torch.manual_seed(1000 + rank)
     h, k, e = args.hidden, args.topk, args.experts
     x = torch.randn(tokens, h, dtype=torch.bfloat16, device="cuda")
@@ -111,10 +111,16 @@ def run_case(buf, args, tokens, num_sms, rank, world):
     x8 = (x8[0], x8[1].T.contiguous().T)
     both("dispatch", "fp8", lambda: buf.dispatch(x8, handle=handle, config=cfg), bf16_bytes * (1 + 4 / 128) / 2)
     both("combine", "bf16", lambda: buf.combine(recv_x, handle, config=ccfg), bf16_bytes)
-    bd, bc, brecv = baseline(x, in_rank, world, args.iters)
-    # The baseline waits on the host for its counts inside every call: pipelined == synced.
-    row("dispatch", "bf16", bd, brecv * h * 2, impl="torch_all_to_all", sms=None)
-    row("combine", "bf16", bc, brecv * h * 2, impl="torch_all_to_all", sms=None)
+    if v1 is not None:  # DeepEP V1 on the same inputs, each op at its best chunk size (bench/deepep_v1.py)
+        for op, dtype, times, chunk in v1.rows(timed, args.iters, x, x8, topk_idx, topk_w, e, num_sms):
+            nbytes = bf16_bytes * (1 + 4 / 128) / 2 if dtype == "fp8" else bf16_bytes
+            row(op, dtype, times, nbytes, impl="deepep_v1", timing="pipelined")
+            rows[-1]["nvl_chunk"] = chunk
+    if naive:
+        bd, bc, brecv = baseline(x, in_rank, world, args.iters)
+        # The baseline waits on the host for its counts inside every call: pipelined == synced.
+        row("dispatch", "bf16", bd, brecv * h * 2, impl="torch_all_to_all", sms=None)
+        row("combine", "bf16", bc, brecv * h * 2, impl="torch_all_to_all", sms=None)
     return rows
 
 
@@ -131,24 +137,39 @@ def main():
     p.add_argument("--nvl-bytes", type=int, default=2_000_000_000)
     p.add_argument("--out", default="")
     p.add_argument("--plot", default="")
+    p.add_argument("--baseline", choices=["deepep_v1"], nargs="*", default=[],
+                   help="also time DeepEP V1 (PYTHONPATH must give the real deep_ep) on the same inputs")
     args = p.parse_args()
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     buf = deep_ep_rs.Buffer(dist.new_group(list(range(world))), args.nvl_bytes, 0, explicitly_destroy=True)
+    v1 = None
+    if "deepep_v1" in args.baseline:
+        from deepep_v1 import HT
+        v1 = HT(dist.new_group(list(range(world))), args.nvl_bytes)
     rows = []
     for tokens in args.tokens:
-        for sms in args.sms:
-            rows += run_case(buf, args, tokens, sms, rank, world)
+        for i, sms in enumerate(args.sms):
+            rows += run_case(buf, args, tokens, sms, rank, world, v1=v1, naive=i == 0)
     buf.destroy()
+    if v1 is not None:
+        v1.destroy()
     if rank == 0:
-        print(f"{'op':>14} {'impl':>17} {'dtype':>5} {'tokens':>6} {'sms':>4} {'timing':>9} {'us':>9} {'GB/s':>7}  ratio vs naive")
+        print(f"{'op':>14} {'impl':>17} {'dtype':>5} {'tokens':>6} {'sms':>4} {'timing':>9} {'us':>9} {'GB/s':>7}  vs naive  vs V1 best")
         base = {(r["op"], r["tokens"]): r["us_median"] for r in rows if r["impl"] == "torch_all_to_all"}
+        v1_best = {}
+        for r in rows:
+            if r["impl"] == "deepep_v1":
+                k = (r["op"], r["dtype"], r["tokens"])
+                v1_best[k] = min(v1_best.get(k, 1e30), r["us_median"])
         for r in rows:
             ref = base.get((r["op"].replace("_sync", ""), r["tokens"]))
-            ratio = f"{ref / r['us_median']:.2f}x" if ref and r["impl"] == "deep_ep" else ""
+            ratio = f"{ref / r['us_median']:.2f}x" if ref and r["impl"] != "torch_all_to_all" else ""
+            vb = v1_best.get((r["op"], r["dtype"], r["tokens"]))
+            vr = f"{vb / r['us_median']:.2f}x" if vb and r["impl"] == "deep_ep" and r["timing"] == "pipelined" else ""
             print(f"{r['op']:>14} {r['impl']:>17} {r['dtype']:>5} {r['tokens']:>6} {str(r['sms']):>4} {r['timing']:>9} {r['us_median']:>9.1f} "
-                  f"{r['logical_gbps']:>7.1f}  {ratio}")
+                  f"{r['logical_gbps']:>7.1f}  {ratio:>8}  {vr:>8}")
         if args.out:
             write_record(args.out, "bench/intranode.py", world, rows)
         if args.plot:

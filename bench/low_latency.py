@@ -85,7 +85,7 @@ def split_time(send, iters):
     return slowest(ts[len(ts) // 2]), slowest(tr[len(tr) // 2])
 
 
-def run_case(buf, args, n, rank, world):
+def run_case(buf, args, n, rank, world, v1=None):
     torch.manual_seed(1000 + rank)
     h, k, e = args.hidden, args.topk, args.experts
     t = max(n, 1)
@@ -139,12 +139,51 @@ def run_case(buf, args, n, rank, world):
     hp = fresh()
     c_send, c_recv = split_time(lambda: comb(hp, True)[2], args.iters)
     row("combine", "bf16", timed(lambda: comb(hp), args.iters)[0], bf16_bytes, send_us=c_send, recv_us=c_recv, combine="partial")
+    # A whole eager step (dispatch FP8 -> combine), each timed with a host sync before it, so the host
+    # work of both calls is on the critical path (what prefill or an uncaptured decode pays).
+    row("dispatch+combine", "fp8/bf16", timed(lambda: comb(disp(True)[2]), args.iters)[0], fp8_bytes + bf16_bytes, combine="partial")
+    row("dispatch+combine", "fp8/bf16", timed(lambda: comb(disp(True)[2]), args.iters, pipelined=True)[0], fp8_bytes + bf16_bytes,
+        combine="partial", timing="pipelined")
+    if v1 is not None:
+        v1_rows(v1, args, x, idx, w, fp8_bytes, bf16_bytes, row)
     in_rank = torch.zeros(n, world, dtype=torch.bool, device="cuda")
     in_rank.scatter_(1, idx // (e // world), True)
     bd, bc, _ = baseline(x, in_rank, world, args.iters)
     row("dispatch", "bf16", bd[0], bf16_bytes, impl="torch_all_to_all")
     row("combine", "bf16", bc[0], bf16_bytes, impl="torch_all_to_all")
     return rows
+
+
+def v1_rows(v1, args, x, idx, w, fp8_bytes, bf16_bytes, row):
+    """DeepEP V1's low-latency dispatch (FP8) and combine (its per-expert rows) on the same inputs:
+    graph replays, eager calls and the eager step, as for this library. Rows go through `row`;
+    DeepEP's LL buffer is sized for the first --tokens value only, so only that one gets them."""
+    y = v1.dispatch(x, idx, use_fp8=False)[0].clone()
+    out = torch.empty(x.size(0), x.size(1), dtype=torch.bfloat16, device="cuda")
+
+    def disp():
+        return v1.dispatch(x, idx)
+
+    def comb(hd):
+        return v1.combine(y, idx, w, hd, out=out)
+
+    def two(f):
+        return lambda: (f(), f())
+
+    kw = dict(impl="deepep_v1")
+    row("dispatch", "fp8", graph_time(two(disp), 2, args.replays), fp8_bytes, graph=True, **kw)
+    hd = disp()[2]
+    torch.cuda.synchronize()
+    row("combine", "bf16", graph_time(two(lambda: comb(hd)), 2, args.replays), bf16_bytes, graph=True, combine="rows", **kw)
+    row("dispatch+combine", "fp8/bf16", graph_time(lambda: comb(disp()[2]), 1, args.replays), fp8_bytes + bf16_bytes, graph=True,
+        combine="rows", **kw)
+    row("dispatch", "fp8", timed(disp, args.iters)[0], fp8_bytes, **kw)
+    hd = disp()[2]
+    torch.cuda.synchronize()
+    row("combine", "bf16", timed(lambda: comb(hd), args.iters)[0], bf16_bytes, combine="rows", **kw)
+    row("dispatch+combine", "fp8/bf16", timed(lambda: comb(disp()[2]), args.iters)[0], fp8_bytes + bf16_bytes, combine="rows", **kw)
+    row("dispatch+combine", "fp8/bf16", timed(lambda: comb(disp()[2]), args.iters, pipelined=True)[0], fp8_bytes + bf16_bytes,
+        combine="rows", timing="pipelined", **kw)
 
 
 def main():
@@ -157,23 +196,31 @@ def main():
     p.add_argument("--replays", type=int, default=200)
     p.add_argument("--out", default="")
     p.add_argument("--plot", default="")
+    p.add_argument("--baseline", choices=["deepep_v1"], nargs="*", default=[],
+                   help="also time DeepEP V1 (PYTHONPATH must give the real deep_ep) on the same inputs")
     args = p.parse_args()
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     size = deep_ep_rs.Buffer.get_low_latency_rdma_size_hint(max(args.tokens), args.hidden, world, args.experts)
     buf = deep_ep_rs.Buffer(dist.new_group(list(range(world))), 0, size, low_latency_mode=True, explicitly_destroy=True)
+    v1s = {}
+    if "deepep_v1" in args.baseline:
+        from deepep_v1 import LL
+        v1s = {n: LL(dist.new_group(list(range(world))), max(n, 1), args.hidden, args.experts) for n in args.tokens[:1]}
     rows = []
     for n in args.tokens:
-        rows += run_case(buf, args, n, rank, world)
+        rows += run_case(buf, args, n, rank, world, v1=v1s.get(n))
     buf.destroy()
+    for v in v1s.values():
+        v.destroy()
     if rank == 0:
-        print(f"{'op':>17} {'impl':>17} {'dtype':>8} {'combine':>8} {'tokens':>6} {'graph':>5} {'us':>8} {'send':>6} {'recv':>6} {'GB/s':>7}  vs naive")
+        print(f"{'op':>17} {'impl':>17} {'dtype':>8} {'combine':>8} {'tokens':>6} {'graph':>5} {'timing':>9} {'us':>8} {'send':>6} {'recv':>6} {'GB/s':>7}  vs naive")
         base = {(r["op"], r["tokens"]): r["us_median"] for r in rows if r["impl"] == "torch_all_to_all"}
         for r in rows:
             ref = base.get((r["op"], r["tokens"]))
-            ratio = f"{ref / r['us_median']:.1f}x" if ref and r["impl"] == "deep_ep" else ""
-            print(f"{r['op']:>17} {r['impl']:>17} {r['dtype']:>8} {r.get('combine', ''):>8} {r['tokens']:>6} {str(r['graph']):>5} {r['us_median']:>8.1f} "
+            ratio = f"{ref / r['us_median']:.1f}x" if ref and r["impl"] != "torch_all_to_all" else ""
+            print(f"{r['op']:>17} {r['impl']:>17} {r['dtype']:>8} {r.get('combine', ''):>8} {r['tokens']:>6} {str(r['graph']):>5} {r.get('timing', 'synced'):>9} {r['us_median']:>8.1f} "
                   f"{r.get('send_us', 0):>6.1f} {r.get('recv_us', 0):>6.1f} {r['logical_gbps']:>7.1f}  {ratio}")
         if args.out:
             write_record(args.out, "bench/low_latency.py", world, rows)

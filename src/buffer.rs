@@ -72,6 +72,30 @@ fn resolve(op: &'static str, handle: i64, r: &Registry) -> Result<i64> {
     })
 }
 
+/// This process's id without a system call per op (glibc no longer caches getpid, and a syscall
+/// costs microseconds in some sandboxes): read once, and re-read in a forked child through an
+/// atfork handler, so the owning-process check of every op stays exact.
+fn current_pid() -> u32 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static PID: AtomicU32 = AtomicU32::new(0);
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    extern "C" fn forked_child() {
+        PID.store(0, Ordering::Relaxed);
+    }
+    HOOK.call_once(|| {
+        // SAFETY: registers a handler that only stores to an atomic (async-signal-safe).
+        unsafe { libc::pthread_atfork(None, None, Some(forked_child)) };
+    });
+    match PID.load(Ordering::Relaxed) {
+        0 => {
+            let pid = std::process::id();
+            PID.store(pid, Ordering::Relaxed);
+            pid
+        }
+        pid => pid,
+    }
+}
+
 fn registry() -> &'static Mutex<Registry> {
     static R: OnceLock<Mutex<Registry>> = OnceLock::new();
     R.get_or_init(|| Mutex::new(Registry { next: 1, ..Default::default() }))
@@ -93,7 +117,7 @@ pub fn create(kind: BackendKind, args: &CreateArgs) -> Result<i64> {
     let h = r.next;
     r.next += 1;
     let info = b.info().clone();
-    r.live.insert(h, Entry { backend: Arc::new(Mutex::new(b)), pid: std::process::id(), info, poisoned: Arc::new(Mutex::new(None)) });
+    r.live.insert(h, Entry { backend: Arc::new(Mutex::new(b)), pid: current_pid(), info, poisoned: Arc::new(Mutex::new(None)) });
     crate::log_info!(
         Some(args.rank),
         "created buffer {h}: backend {}, device {}, {} ranks, num_nvl_bytes {}, num_rdma_bytes {}, low_latency_mode {}",
@@ -115,7 +139,7 @@ type LiveBuffer = (Arc<Mutex<Box<dyn Backend>>>, Arc<Mutex<Option<String>>>);
 fn owned_entry<'a>(op: &'static str, handle: i64, r: &'a Registry) -> Result<(i64, &'a Entry)> {
     let handle = resolve(op, handle, r)?;
     match r.live.get(&handle) {
-        Some(e) if e.pid != std::process::id() => Err(forked(op, handle, e.pid)),
+        Some(e) if e.pid != current_pid() => Err(forked(op, handle, e.pid)),
         Some(e) => Ok((handle, e)),
         None => Err(missing(op, handle, r)),
     }

@@ -128,22 +128,12 @@ torch.library.register_autograd("deep_ep::combine", _combine_backward, setup_con
 # The low-latency ops mutate their stats arguments, so torch.library.register_autograd refuses
 # them; without an autograd kernel torch only warns that they "may lead to silently incorrect
 # behavior" and gives their outputs a grad_fn whose backward leaves the inputs' .grad at None.
-# They have no backward (decode only): an Autograd kernel that runs them below autograd makes their
-# outputs plain tensors, so a backward through them fails at once in torch ("does not require
-# grad") instead of computing nothing.
+# They have no backward (decode only): a fallthrough at the Autograd key skips autograd in the
+# dispatcher itself (no Python on the call path), so their outputs are plain tensors and a
+# backward through them fails at once in torch ("does not require grad") instead of computing
+# nothing.
 _below_autograd = torch.library.Library("deep_ep", "IMPL")
-
-
-def _no_grad_kernel(op):
-    fn = getattr(ops, op).default
-
-    def kernel(*args, **kwargs):
-        with torch._C._AutoDispatchBelowAutograd():
-            return fn(*args, **kwargs)
-
-    _below_autograd.impl(op, kernel, "Autograd")
-
 
 for _op in ("low_latency_dispatch", "low_latency_combine", "low_latency_dispatch_send", "low_latency_dispatch_recv",
             "low_latency_combine_send", "low_latency_combine_recv"):
-    _no_grad_kernel(_op)
+    _below_autograd.impl(_op, torch.library.fallthrough_kernel, "Autograd")

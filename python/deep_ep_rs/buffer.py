@@ -51,6 +51,31 @@ def _nvl_domain_size() -> int:
     return int(v) if v else 8
 
 
+class _Inline:
+    """The body runs on the current stream; on exit the op's (absent) event goes to `result`."""
+
+    __slots__ = ("result",)
+
+    def __init__(self, result: list):
+        self.result = result
+
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        self.result.append(EventOverlap(None))
+        return False
+
+
+def _no_autograd(*tensors):
+    """Skips the op's (Python) autograd kernel when no input needs a gradient, as in inference
+    and under no_grad: the op then costs no Python round trip in torch's dispatcher. Under
+    torch.compile, or when a gradient is needed, the op goes through autograd as registered."""
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
+        return contextlib.nullcontext()
+    return torch._C._AutoDispatchBelowAutograd()
+
+
 def slot_handle(slot: int) -> int:
     """The handle that names slot `slot` in whichever process runs it: `-(slot + 1)`."""
     assert isinstance(slot, int) and 0 <= slot < (1 << 20), f"slot must be in [0, 2^20), got {slot}"
@@ -214,16 +239,22 @@ class Buffer:
         raise NotImplementedError("deep_ep_rs.Buffer.get_local_buffer_tensor is not supported")
 
     # ---- stream handling (DeepEP semantics) ---------------------------------------------------
-    @contextlib.contextmanager
     def _on_comm_stream(self, previous_event: Optional[EventOverlap], async_finish: bool, allocate_on_comm_stream: bool, result: list):
         """Runs the body on the comm stream after `previous_event` (or the current stream), then
-        either makes the current stream wait or returns an event through `result`."""
+        either makes the current stream wait or returns an event through `result`.
+
+        Without `previous_event` and `async_finish` (the common call), the comm stream would wait
+        for the current stream and the current stream for it right after: the same order as
+        running on the current stream, which is what happens then (no stream switch, no events:
+        the host path stays short)."""
         if allocate_on_comm_stream:
             assert previous_event is not None and async_finish, "allocate_on_comm_stream requires previous_event and async_finish"
-        if self._comm_stream is None:
-            yield
-            result.append(EventOverlap(None))
-            return
+        if self._comm_stream is None or (previous_event is None and not async_finish):
+            return _Inline(result)
+        return self._comm_stream_scope(previous_event, async_finish, result)
+
+    @contextlib.contextmanager
+    def _comm_stream_scope(self, previous_event: Optional[EventOverlap], async_finish: bool, result: list):
         compute = torch.cuda.current_stream(self.device)
         if previous_event is not None and previous_event.event is not None and previous_event.event.event is not None:
             self._comm_stream.wait_event(previous_event.event.event)
@@ -281,9 +312,10 @@ class Buffer:
         assert num_tokens_per_rank is not None and is_token_in_rank is not None and num_tokens_per_expert is not None, \
             "dispatch needs the layout tensors (get_dispatch_layout) or a handle"
         with self._on_comm_stream(previous_event, async_finish, allocate_on_comm_stream, ev):
-            (recv_x, recv_s, recv_idx, recv_w, per_expert, rpm, cpm, rcpm, src_idx, send_head) = ops.dispatch(
-                self.handle, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
-                num_tokens_per_expert, expert_alignment, num_worst_tokens, config.to_list())
+            with _no_autograd(x, x_scales, topk_weights):
+                (recv_x, recv_s, recv_idx, recv_w, per_expert, rpm, cpm, rcpm, src_idx, send_head) = ops.dispatch(
+                    self.handle, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+                    num_tokens_per_expert, expert_alignment, num_worst_tokens, config.to_list())
         new_handle = (rpm, cpm, rcpm, src_idx, is_token_in_rank, send_head)
         out_x = (recv_x, recv_s) if x_scales is not None else recv_x
         per_expert_list = per_expert.tolist() if num_worst_tokens == 0 else []
@@ -305,8 +337,9 @@ class Buffer:
         rpm, cpm, rcpm, src_idx, in_rank, send_head = handle
         ev: list = []
         with self._on_comm_stream(previous_event, async_finish, allocate_on_comm_stream, ev):
-            out, out_w = ops.combine(self.handle, x, topk_weights, bias_0, bias_1, rpm, cpm, rcpm, src_idx, in_rank, send_head,
-                                     config.to_list())
+            with _no_autograd(x, topk_weights, bias_0, bias_1):
+                out, out_w = ops.combine(self.handle, x, topk_weights, bias_0, bias_1, rpm, cpm, rcpm, src_idx, in_rank, send_head,
+                                         config.to_list())
         event = self._keep_alive(ev[0], (x, topk_weights, bias_0, bias_1, out, out_w) + tuple(handle))
         return out, (out_w if topk_weights is not None else None), event
 

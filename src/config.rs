@@ -3,8 +3,8 @@
 
 use crate::error::{Error, Result};
 
-/// Length of every unique id (NCCL's `ncclUniqueId` is 128 bytes; the CPU id is padded to it).
-pub const UNIQUE_ID_BYTES: usize = 128;
+/// Length of every unique id (defined with the declarations it must match, in `sys`).
+pub use crate::sys::UNIQUE_ID_BYTES;
 
 /// Normal-mode kernel configuration. Crosses the op boundary as `int[5]` in this field order.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]

@@ -42,6 +42,7 @@ pub mod op_names;
 pub mod ops;
 pub mod reference;
 pub mod settings;
+pub mod shm;
 pub mod sys;
 pub mod tensor;
 pub mod tensor_host;

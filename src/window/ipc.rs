@@ -21,12 +21,12 @@
 //! is still bounded by `DEEP_EP_TIMEOUT_MS`.
 
 use super::peer_window::{PeerWindow, WindowArgs};
-use crate::backend::cpu::shared;
-use crate::backend::cpu::shm::{self, Region, Segment};
 use crate::error::{Error, Result};
 use crate::kernels::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream};
 use crate::kernels::layout::check;
 use crate::kernels::transport::MAX_LSA_PEERS;
+use crate::shm::rendezvous;
+use crate::shm::{self, Region, Segment};
 use crate::sys::kernels::*;
 use crate::window::lsa_team::PeerMap;
 use std::ffi::c_void;
@@ -60,7 +60,7 @@ const FAILED: u64 = 2;
 
 /// A fresh unique id: prefix + random name, zero-padded to 128 bytes (host only, no GPU needed).
 pub fn unique_id() -> Vec<u8> {
-    shared::make_unique_id("ipc")
+    rendezvous::make_unique_id("ipc")
 }
 
 /// A random token of this process: equal tokens = ranks in one process (threads), whose
@@ -68,15 +68,15 @@ pub fn unique_id() -> Vec<u8> {
 /// containers sharing a GPU.
 fn process_token() -> u64 {
     static TOKEN: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *TOKEN.get_or_init(|| (shared::random_u128() as u64) | 1)
+    *TOKEN.get_or_init(|| (rendezvous::random_u128() as u64) | 1)
 }
 
 fn name_from_id(id: &[u8]) -> Result<String> {
-    shared::name_from_id(OP, "ipc", id)
+    rendezvous::name_from_id(OP, "ipc", id)
 }
 
 /// The host side of the buffer's rendezvous: one record per rank in shared memory
-/// (`cpu::shared::segment`: anonymous by default) and a barrier over their epoch words, every wait bounded
+/// (`shm::rendezvous::segment`: anonymous by default) and a barrier over their epoch words, every wait bounded
 /// by the timeout and naming the missing ranks.
 pub struct Rendezvous {
     seg: Segment,
@@ -88,7 +88,7 @@ pub struct Rendezvous {
 
 impl Rendezvous {
     fn open(unique_id: &[u8], rank: usize, num_ranks: usize, timeout: Duration) -> Result<Rendezvous> {
-        let seg = crate::backend::cpu::shared::segment(OP, &name_from_id(unique_id)?, rank, num_ranks, SLOT * MAX_LSA_PEERS, timeout)?;
+        let seg = rendezvous::segment(OP, &name_from_id(unique_id)?, rank, num_ranks, SLOT * MAX_LSA_PEERS, timeout)?;
         Ok(Rendezvous { seg, rank, num_ranks, epoch: 0, timeout })
     }
 

@@ -2,7 +2,7 @@
 //! (or threads) of one machine. It is the reference the GPU kernels are tested against and what
 //! runs where there is no GPU.
 //!
-//! Segment layout (one shared mapping per buffer, `shared::segment`):
+//! Segment layout (one shared mapping per buffer, `crate::shm::rendezvous::segment`):
 //! `[control: barrier slots | create records][rank 0: HT area | LL area][rank 1: ...]...`
 //! Normal-mode ops *publish* into the caller's own HT area, meet at a barrier, then *pull* from
 //! peers (`ht.rs`). Low-latency ops *push* into the receiver's LL area and raise epoch-tagged
@@ -12,12 +12,10 @@ pub(crate) mod ht;
 pub(crate) mod internode;
 pub(crate) mod ll;
 mod ll_state;
-pub mod shared;
-pub mod shm;
 
 use super::{Backend, BackendKind, BufferInfo, CreateArgs};
 use crate::error::{Error, Result, WaitEnd};
-use shm::{Region, Segment};
+use crate::shm::{self, rendezvous, Region, Segment};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -69,10 +67,10 @@ impl Drop for CpuBackend {
 impl CpuBackend {
     /// A fresh rendezvous id: prefix + random name, zero-padded to [`crate::config::UNIQUE_ID_BYTES`].
     pub fn unique_id() -> Vec<u8> {
-        shared::make_unique_id("cpu")
+        rendezvous::make_unique_id("cpu")
     }
 
-    /// Collective: every rank maps the same shared memory (`shared::segment`) and checks that all
+    /// Collective: every rank maps the same shared memory (`crate::shm::rendezvous::segment`) and checks that all
     /// ranks asked for the same buffer; a named file loses its name once every rank has it.
     pub fn create(a: &CreateArgs) -> Result<CpuBackend> {
         const OP: &str = crate::op_names::CREATE_BUFFER;
@@ -84,13 +82,13 @@ impl CpuBackend {
             "the cpu backend works on CPU tensors; device {} needs the nccl backend",
             a.device
         );
-        let name = shared::name_from_id(OP, "cpu", a.unique_id)?;
+        let name = rendezvous::name_from_id(OP, "cpu", a.unique_id)?;
         let ht_bytes = align_up(a.num_nvl_bytes, ALIGN);
         let ll_bytes = align_up(a.num_rdma_bytes, ALIGN);
         let region_bytes = ht_bytes + ll_bytes;
         let total = CONTROL_BYTES + a.num_ranks * region_bytes;
         let timeout = crate::settings::timeout(OP)?;
-        let seg = shared::segment(OP, &name, a.rank, a.num_ranks, total, timeout)?;
+        let seg = rendezvous::segment(OP, &name, a.rank, a.num_ranks, total, timeout)?;
         let mut b = CpuBackend {
             info: BufferInfo::from_args(a, BackendKind::Cpu),
             seg: Some(seg),

@@ -1,7 +1,11 @@
-//! Mappings of shared memory for the CPU backend: one `mmap` per buffer, shared by all ranks of
-//! one machine (`shared.rs` says whose memory and how ranks find it). This module and `shared.rs`
-//! hold all of the CPU backend's `unsafe`: mapping, descriptor passing, raw copies and atomics at
-//! offsets. Everything above uses bounds-checked [`Region`]s.
+//! Shared memory of the ranks of one machine, below every user of it (the CPU backend's
+//! buffers, the ipc window provider's host rendezvous): mappings ([`Segment`], bounds-checked
+//! [`Region`]s), bounded host waits ([`wait_until`]) and, in [`rendezvous`], how ranks find
+//! one buffer's memory (unique ids, rank 0's memfd over a Unix socket, or named files). This
+//! module and `rendezvous.rs` hold all of that `unsafe`: mapping, descriptor passing, raw
+//! copies and atomics at offsets. Everything above uses bounds-checked [`Region`]s.
+
+pub mod rendezvous;
 
 use crate::error::{Error, Result};
 use std::ffi::CString;

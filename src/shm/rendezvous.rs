@@ -7,7 +7,7 @@
 //! the container's) memory instead. Ranks must share a network namespace (any processes of one
 //! host or container do); `DEEP_EP_SHM_DIR` selects named files in a folder instead.
 
-use super::shm::{self, Segment};
+use super::{self as shm, Segment};
 use crate::error::{Error, Result};
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};

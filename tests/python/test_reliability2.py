@@ -200,7 +200,7 @@ def test_low_latency_combine_of_the_fp8_tuple_raises_the_dtype_error(ops, deep_e
         idx = torch.tensor([[0, 1], [1, -1], [0, -1]])
         recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, t, e, use_fp8=True)
         assert isinstance(recv, tuple)
-        with pytest.raises(RuntimeError, match=r"deep_ep::low_latency_combine: x must be bfloat16 .*got float8_e4m3fn"):
+        with pytest.raises(RuntimeError, match=r"deep_ep::low_latency_combine: x must be torch.bfloat16 on cpu, got torch.float8_e4m3fn"):
             buf.low_latency_combine(recv, idx, torch.ones((3, 2)), handle)
     finally:
         buf.destroy()

@@ -45,10 +45,9 @@ def _default_device() -> torch.device:
 
 
 def _nvl_domain_size() -> int:
-    """Ranks per NVLink domain: DEEP_EP_NVL_DOMAIN_SIZE (validated by the library at buffer
-    creation), default 8."""
-    v = os.environ.get("DEEP_EP_NVL_DOMAIN_SIZE", "").strip()
-    return int(v) if v else 8
+    """Ranks per NVLink domain: DEEP_EP_NVL_DOMAIN_SIZE (default 8), parsed by the library (its one
+    parser; a malformed value raises, naming the variable)."""
+    return int(ops.nvl_domain_size())
 
 
 def slot_handle(slot: int) -> int:

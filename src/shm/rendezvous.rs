@@ -61,16 +61,10 @@ const REQUEST_WAIT: Duration = Duration::from_secs(1);
 /// `DEEP_EP_SHM_DIR` set, a named file in that folder that every rank opens (for ranks that do not
 /// share a network namespace), removed by the caller once every rank has mapped it.
 pub fn segment(op: &'static str, name: &str, rank: usize, num_ranks: usize, len: usize, timeout: Duration) -> Result<Segment> {
-    match crate::settings::shm_dir() {
+    match crate::settings::shm_dir_checked(op)? {
         None => rendezvous(op, name, rank, num_ranks, len, timeout),
         Some(dir) => {
             // Never younger than twice the default deadline: another job on the machine may wait longer.
-            crate::ensure!(
-                std::path::Path::new(&dir).is_dir(),
-                op,
-                "DEEP_EP_SHM_DIR={dir:?} is not a folder: set it to an existing writable folder shared by the ranks, or unset it \
-                 for anonymous memory (the default)"
-            );
             remove_stale_files(&dir, 2 * timeout.max(Duration::from_millis(crate::settings::DEFAULT_TIMEOUT_MS)));
             Segment::open(op, &format!("{dir}/deep_ep_{name}"), len).map_err(|e| match e {
                 Error::Os { op, what, source } => Error::Os { op, what: format!("{what} (in DEEP_EP_SHM_DIR={dir:?})"), source },

@@ -216,7 +216,7 @@ mod tests {
         assert!(c.rdma_buffer_size_hint(512, 4, 2) > 0);
         assert_eq!(c.rdma_buffer_size_hint(512, 4, 2), c.rdma_buffer_size_hint(512, 16, 8)); // 2 domains either way
         assert!(c.nvl_buffer_size_hint(512, 4, 2) < c.nvl_buffer_size_hint(512, 4, 8));
-        let two_peers = 10 * 2 * ((2 * 2 + 3) * 4 + 256 * (512 + 128 * 16)); // channels x peers x (heads + ring)
+        let two_peers: usize = 10 * 2 * ((2 * 2 + 3) * 4 + 256 * (512 + 128 * 16)); // channels x peers x (heads + ring)
         assert_eq!(c.nvl_buffer_size_hint(512, 4, 2), two_peers.div_ceil(128) * 128);
     }
 

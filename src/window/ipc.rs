@@ -354,7 +354,7 @@ mod tests {
     #[test]
     fn the_rendezvous_names_the_rank_that_failed_a_step() {
         let id = unique_id();
-        let t = Duration::from_millis(2000);
+        let t = Duration::from_secs(120); // never reached: every wait here ends when the peer answers
         let peer = std::thread::spawn({
             let id = id.clone();
             move || {
@@ -378,10 +378,12 @@ mod tests {
             move || Rendezvous::open(&id, 1, 3, t).and_then(|mut r| r.barrier(OP, "to allocate its window")).map_err(|e| e.to_string())
         });
         // Rank 2 never comes: rank 0 names it while handing out the memory, rank 1 (served) names
-        // it at the first barrier, with rank 0, which gave up.
+        // it at the first barrier, with rank 0, which gave up. On a loaded machine rank 1 may come
+        // after rank 0 gave up: rank 0 then names it too, and rank 1 names rank 0.
         let e0 = Rendezvous::open(&id, 0, 3, t).err().expect("rank 2 never came").to_string();
-        assert!(e0.contains("[2]") && e0.contains("handing the buffer memory"), "{e0}");
+        assert!((e0.contains("[2]") || e0.contains("[1, 2]")) && e0.contains("handing the buffer memory"), "{e0}");
         let e1 = came.join().unwrap().unwrap_err();
-        assert!(e1.contains("[0, 2]") && e1.contains("to allocate its window"), "{e1}");
+        let served = e1.contains("[0, 2]") && e1.contains("to allocate its window");
+        assert!(served || (e1.contains("[0]") && e1.contains("receiving the buffer memory from rank 0")), "{e1}");
     }
 }

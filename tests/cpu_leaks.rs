@@ -42,7 +42,9 @@ fn cycle(num_ranks: usize, registry: bool) {
             let id = id.clone();
             std::thread::spawn(move || {
                 if registry {
-                    let h = deep_ep::ops::create_buffer(&args(&id, rank, num_ranks, 1 << 20), "cpu").expect("create_buffer");
+                    let a = args(&id, rank, num_ranks, 1 << 20);
+                    let (r, n, nvl, rdma) = (a.rank as i64, a.num_ranks as i64, a.num_nvl_bytes as i64, a.num_rdma_bytes as i64);
+                    let h = deep_ep::ops::create_buffer(&id, r, n, a.device, nvl, rdma, a.low_latency_mode, "cpu").expect("create_buffer");
                     assert_eq!(deep_ep::ops::buffer_info(h, "deep_ep::buffer_info").expect("buffer_info")[0], rank as i64);
                     deep_ep::ops::destroy_buffer(h).expect("destroy_buffer");
                     let e = deep_ep::ops::buffer_info(h, "deep_ep::buffer_info").expect_err("destroyed handle");

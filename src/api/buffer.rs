@@ -1,9 +1,10 @@
 //! The `extern "C"` functions declared in `csrc/deep_ep_capi.h`. Each one converts its raw
-//! arguments into [`TensorRef`]s and backend argument structs, calls `crate::ops`, and turns
-//! every error and every panic into a nonzero status plus a thread-local message, so nothing
-//! unwinds into C++.
+//! arguments into plain values ([`TensorRef`]s, the tensor groups of `crate::op_io`, integers),
+//! calls `crate::ops` (which alone checks them, builds the backends' argument structs and calls
+//! the backend), and turns every error and every panic into a nonzero status plus a
+//! thread-local message, so nothing unwinds into C++.
 
-use crate::backend::{CreateArgs, UNIQUE_ID_BYTES};
+use crate::config::UNIQUE_ID_BYTES;
 use crate::error::{Error, Result};
 use crate::ops;
 use crate::tensor::{DType, Device, TensorRef, MAX_DIMS};
@@ -142,25 +143,10 @@ pub unsafe extern "C" fn deep_ep_create_buffer(
     handle: *mut i64,
 ) -> c_int {
     guard(|| {
-        const OP: &str = crate::op_names::CREATE_BUFFER;
-        crate::ensure!(rank >= 0 && num_ranks >= 1, OP, "rank ({rank}) must be >= 0 and num_ranks ({num_ranks}) >= 1");
-        crate::ensure!(
-            num_nvl_bytes >= 0 && num_rdma_bytes >= 0,
-            OP,
-            "buffer sizes must be >= 0, got {num_nvl_bytes} and {num_rdma_bytes}"
-        );
-        crate::ensure!(unique_id_len >= 0, OP, "unique_id length must be >= 0");
+        crate::ensure!(unique_id_len >= 0, crate::op_names::CREATE_BUFFER, "unique_id length must be >= 0");
         let id = std::slice::from_raw_parts(unique_id, unique_id_len as usize);
-        let args = CreateArgs {
-            unique_id: id,
-            rank: rank as usize,
-            num_ranks: num_ranks as usize,
-            device: Device::from_raw(device),
-            num_nvl_bytes: num_nvl_bytes as usize,
-            num_rdma_bytes: num_rdma_bytes as usize,
-            low_latency_mode: low_latency_mode != 0,
-        };
-        *handle = ops::create_buffer(&args, &str_arg(backend))?;
+        let ll = low_latency_mode != 0;
+        *handle = ops::create_buffer(id, rank, num_ranks, Device::from_raw(device), num_nvl_bytes, num_rdma_bytes, ll, &str_arg(backend))?;
         Ok(())
     })
 }

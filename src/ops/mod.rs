@@ -21,16 +21,34 @@ pub fn get_unique_id(backend_name: &str, device: Device) -> Result<Vec<u8>> {
     backend::registry::unique_id(kind)
 }
 
-/// `deep_ep::create_buffer` (collective).
-pub fn create_buffer(args: &CreateArgs, backend_name: &str) -> Result<i64> {
+/// `deep_ep::create_buffer` (collective): a buffer of `num_ranks` ranks on `device` with
+/// `num_nvl_bytes` of normal-mode and `num_rdma_bytes` of RDMA / low-latency memory, from the
+/// `unique_id` one rank's [`get_unique_id`] made; returns its handle. `backend_name` "" =
+/// `DEEP_EP_BACKEND` or the device's default.
+#[allow(clippy::too_many_arguments)]
+pub fn create_buffer(
+    unique_id: &[u8],
+    rank: i64,
+    num_ranks: i64,
+    device: Device,
+    num_nvl_bytes: i64,
+    num_rdma_bytes: i64,
+    low_latency_mode: bool,
+    backend_name: &str,
+) -> Result<i64> {
     const OP: &str = crate::op_names::CREATE_BUFFER;
-    crate::ensure!(
-        args.unique_id.len() == UNIQUE_ID_BYTES,
-        OP,
-        "unique_id must have {UNIQUE_ID_BYTES} bytes, got {}",
-        args.unique_id.len()
-    );
-    crate::ensure!(args.num_ranks >= 1, OP, "num_ranks must be >= 1, got {}", args.num_ranks);
+    crate::ensure!(rank >= 0 && num_ranks >= 1, OP, "rank ({rank}) must be >= 0 and num_ranks ({num_ranks}) >= 1");
+    crate::ensure!(num_nvl_bytes >= 0 && num_rdma_bytes >= 0, OP, "buffer sizes must be >= 0, got {num_nvl_bytes} and {num_rdma_bytes}");
+    crate::ensure!(unique_id.len() == UNIQUE_ID_BYTES, OP, "unique_id must have {UNIQUE_ID_BYTES} bytes, got {}", unique_id.len());
+    let args = CreateArgs {
+        unique_id,
+        rank: rank as usize,
+        num_ranks: num_ranks as usize,
+        device,
+        num_nvl_bytes: num_nvl_bytes as usize,
+        num_rdma_bytes: num_rdma_bytes as usize,
+        low_latency_mode,
+    };
     crate::ensure!(args.rank < args.num_ranks, OP, "rank {} out of range for num_ranks {}", args.rank, args.num_ranks);
     crate::ensure!(
         args.num_nvl_bytes % 128 == 0 && args.num_rdma_bytes % 128 == 0,
@@ -46,7 +64,7 @@ pub fn create_buffer(args: &CreateArgs, backend_name: &str) -> Result<i64> {
         crate::topology::check_buffer_sizes(&t, args.num_nvl_bytes, args.num_rdma_bytes, args.low_latency_mode)?;
     }
     let kind = BackendKind::select(OP, backend_name, args.device)?;
-    buffer::create(kind, args)
+    buffer::create(kind, &args)
 }
 
 /// `deep_ep::destroy_buffer` (collective).
@@ -216,7 +234,11 @@ pub fn buffer_size_hint(config: &[i64], hidden_bytes: i64, num_ranks: i64, rdma:
     let c = crate::config::Config::from_slice(op, config)?;
     crate::ensure!(hidden_bytes > 0 && num_ranks > 0, op, "hidden_bytes ({hidden_bytes}) and num_ranks ({num_ranks}) must be positive");
     let (h, r, d) = (hidden_bytes as usize, num_ranks as usize, crate::topology::nvl_domain_size(op)?);
-    crate::ensure!(r <= d || r % d == 0, op, "num_ranks must be <= {d} or a multiple of {d} (DEEP_EP_NVL_DOMAIN_SIZE={d}), got {r}");
+    crate::ensure!(
+        r <= d || r % d == 0,
+        op,
+        "num_ranks must be <= {d} or a multiple of {d}, got {r} (NVLink domains of DEEP_EP_NVL_DOMAIN_SIZE={d} ranks)"
+    );
     // An upper bound of either formula in f64, so that no size wraps around in usize or i64.
     let (ch, t) = (c.num_channels() as f64, c.num_max_nvl_chunked_recv_tokens.max(c.num_max_rdma_chunked_recv_tokens) as f64);
     let bound = ch * r as f64 * (t * (2.0 * h as f64 + 4096.0) + 64.0);

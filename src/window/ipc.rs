@@ -347,7 +347,7 @@ mod tests {
         assert_ne!(a, b);
         let n = name_from_id(&a).unwrap();
         assert!(n.starts_with("ipc_") && n != name_from_id(&b).unwrap(), "{n}");
-        let e = name_from_id(&crate::backend::cpu::CpuBackend::unique_id()).unwrap_err().to_string();
+        let e = name_from_id(&rendezvous::make_unique_id("cpu")).unwrap_err().to_string();
         assert!(e.contains("unique_id was not made by get_unique_id('ipc')"), "{e}");
     }
 

@@ -56,7 +56,8 @@ wheel-test: wheel
 	  'import deep_ep_rs, torch; print("wheel:", deep_ep_rs.__file__, deep_ep_rs.library_path(), "torch", torch.__version__)'
 	env -u PYTHONPATH -u DEEP_EP_LIBRARY DEEP_EP_TEST_INSTALLED=1 $(WHEEL_VENV)/bin/python -m pytest tests/python -q
 
-# No import circles between files of src/ (scripts/import_graph.py), cargo fmt and clippy (clippy runs build.rs, so it needs the venv; the dev profile keeps its
+# No import circles between files of src/ and no broken layer rule (scripts/import_graph.py: window/ and sys/
+# never import backend/, api/ never a backend type), cargo fmt and clippy (clippy runs build.rs, so it needs the venv; the dev profile keeps its
 # build-script outputs apart from the release build's, so the two do not rebuild each other).
 lint: deps
 	python3 scripts/import_graph.py --check

@@ -62,10 +62,21 @@ int deep_ep_buffer_info(int64_t handle, const char* op, int64_t* out);
 
 // ---- size hints and config (local, pure) -------------------------------------------------------
 // config[5] = num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv. which: 0 = NVLink hint, 1 = RDMA hint.
+// Both size for NVLink domains of DEEP_EP_NVL_DOMAIN_SIZE ranks (an invalid value is an error).
 int deep_ep_buffer_size_hint(const int64_t* config, int64_t config_len, int64_t hidden_bytes, int64_t num_ranks, int32_t which,
                              int64_t* out);
 int deep_ep_low_latency_rdma_size_hint(int64_t num_max_dispatch_tokens_per_rank, int64_t hidden, int64_t num_ranks,
                                        int64_t num_experts, int64_t* out);
+
+// ---- settings (local, pure) ---------------------------------------------------------------------
+// Ranks per NVLink domain: DEEP_EP_NVL_DOMAIN_SIZE (unset or empty: 8; anything but the digits of
+// 1..8 is an error naming the variable). The library's one parser of it.
+int deep_ep_nvl_domain_size(int64_t* out);
+// The settings a buffer created now on `device` (-1 = CPU, else a CUDA index) would read
+// (DEEP_EP_BACKEND, DEEP_EP_TIMEOUT_MS, DEEP_EP_NVL_DOMAIN_SIZE, DEEP_EP_SHM_DIR), checked as
+// create_buffer checks them: the error is the one create_buffer would raise. On success `out`
+// (`out_len` bytes) holds a NUL-terminated one-line summary of what they select.
+int deep_ep_check_environment(int32_t device, char* out, int64_t out_len);
 
 // ---- layout (local) -------------------------------------------------------------------------
 // Validates topk_idx before outputs are allocated.

@@ -4,7 +4,6 @@
 //! unchanged through combine, check both against the expected result, and destroy the buffer.
 //!
 //! `cargo run --release --example rank_threads` (CPU backend; no GPU needed).
-use deep_ep::backend::CreateArgs;
 use deep_ep::config::{default_combine_config, default_dispatch_config, low_latency_rdma_size_hint};
 use deep_ep::host::{self, HostTensor};
 use deep_ep::layout::dispatch_layout;
@@ -29,18 +28,11 @@ fn x_values(rank: usize) -> Vec<f64> {
 fn run_rank(rank: usize, id: Vec<u8>) -> deep_ep::Result<String> {
     let dispatch_cfg = default_dispatch_config(RANKS, 20).expect("config for 2 ranks");
     let combine_cfg = default_combine_config(RANKS, 20).expect("config for 2 ranks");
-    let nvl = dispatch_cfg.nvl_buffer_size_hint(HIDDEN * 2, RANKS).max(combine_cfg.nvl_buffer_size_hint(HIDDEN * 2, RANKS));
+    let d = deep_ep::ops::nvl_domain_size()?; // DEEP_EP_NVL_DOMAIN_SIZE, default 8
+    let nvl = dispatch_cfg.nvl_buffer_size_hint(HIDDEN * 2, RANKS, d).max(combine_cfg.nvl_buffer_size_hint(HIDDEN * 2, RANKS, d));
     let rdma = low_latency_rdma_size_hint(TOKENS, HIDDEN, RANKS, EXPERTS).div_ceil(128) * 128;
-    let args = CreateArgs {
-        unique_id: &id,
-        rank,
-        num_ranks: RANKS,
-        device: Device::Cpu,
-        num_nvl_bytes: nvl,
-        num_rdma_bytes: rdma,
-        low_latency_mode: true,
-    };
-    let handle = deep_ep::ops::create_buffer(&args, "cpu")?; // collective: waits for the other rank
+    // Collective: waits for the other rank.
+    let handle = deep_ep::ops::create_buffer(&id, rank as i64, RANKS as i64, Device::Cpu, nvl as i64, rdma as i64, true, "cpu")?;
     let info = deep_ep::ops::buffer_info(handle, "example")?;
     assert_eq!((info[0], info[1]), (rank as i64, RANKS as i64));
 

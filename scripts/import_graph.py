@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""File-level import graph of the crate's src/ tree, and its import cycles.
+"""File-level import graph of the crate's src/ tree, its import cycles and its layer rules.
 
 Usage:
     python3 scripts/import_graph.py [--check] [--dot] [--edges] [--all-lines]
@@ -8,8 +8,10 @@ Usage:
 Prints the number of files and edges, then every import cycle: each strongly connected
 component (SCC) of more than one file, with the two-file circles (A <-> B) inside it, one
 shortest cycle through it, and the `use`/path lines (file:line) behind every edge inside it.
-`--check` exits with status 1 when there is any cycle (0 otherwise; without `--check` the exit
-status is always 0). `--dot` prints Graphviz instead (edges inside cycles in red).
+Then every edge that breaks a layer rule (`LAYER_RULES`: which folders of src/ may not import
+which; docs/DESIGN.md "Layers"), with its lines.
+`--check` exits with status 1 when there is any cycle or any broken layer rule (0 otherwise;
+without `--check` the exit status is always 0). `--dot` prints Graphviz instead (edges inside cycles in red).
 `--edges` also lists every edge with its first source line.
 
 Standard library only; no cargo, no rustc. How it works:
@@ -528,6 +530,27 @@ def parse_use_tree(toks: list[Tok]) -> list[tuple[list[str], str | None, bool]]:
 
 
 # --------------------------------------------------------------------------------------------
+# Layer rules (docs/DESIGN.md "Layers"): files under the first path may not import files under
+# (or named) any of the second. Paths are relative to src/; a folder ends with "/".
+
+LAYER_RULES: list[tuple[str, tuple[str, ...], str]] = [
+    ("window/", ("backend/",), "window providers sit below the backends (shared memory lives in shm/)"),
+    ("sys/", ("backend/", "config.rs"), "declarations depend on nothing above them (UNIQUE_ID_BYTES lives in sys/)"),
+    ("api/", ("backend/",), "the C surface hands plain values to ops; ops alone builds the backends' argument types"),
+]
+
+
+def layer_violations(edges) -> list[tuple[str, str, str]]:
+    """(importing file, imported file, why) of every edge a rule forbids."""
+    out = []
+    for a, b in sorted(edges):
+        for under, banned, why in LAYER_RULES:
+            if a.startswith(under) and any(b == x or (x.endswith("/") and b.startswith(x)) for x in banned):
+                out.append((a, b, why))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
 # Graph algorithms
 
 
@@ -619,7 +642,7 @@ def main() -> int:
     here = os.path.dirname(os.path.abspath(__file__))
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--src", default=os.path.join(here, "..", "src"), help="crate src/ directory")
-    ap.add_argument("--check", action="store_true", help="exit 1 if there is any import cycle")
+    ap.add_argument("--check", action="store_true", help="exit 1 if there is any import cycle or broken layer rule")
     ap.add_argument("--dot", action="store_true", help="print Graphviz (cycle edges in red)")
     ap.add_argument("--edges", action="store_true", help="also list every edge")
     ap.add_argument("--all-lines", action="store_true", help="every source line of each cycle edge (default: 3)")
@@ -688,7 +711,7 @@ def main() -> int:
             red = a in in_cycle and in_cycle.get(a) == in_cycle.get(b)
             print(f'  "{a}" -> "{b}"{" [color=red]" if red else ""};')
         print("}")
-        return 1 if (args.check and comps) else 0
+        return 1 if (args.check and (comps or layer_violations(edges))) else 0
 
     print(f"import graph of {os.path.relpath(crate.src)}: "
           f"{len(nodes)} files, {len(edges)} edges"
@@ -724,12 +747,22 @@ def main() -> int:
             if len(evs) > len(shown):
                 print(f"        ... {len(evs) - len(shown)} more (--all-lines)")
 
+    broken = layer_violations(edges)
+    print(f"\nlayer rules: {len(LAYER_RULES)}, broken by {len(broken)} edge(s)")
+    for a, b, why in broken:
+        print(f"  src/{a} -> src/{b}: {why}")
+        evs = edges[(a, b)]
+        for ev in (evs if args.all_lines else evs[:3]):
+            print(f"        {fmt_ev(ev)}")
+        if not args.all_lines and len(evs) > 3:
+            print(f"        ... {len(evs) - 3} more (--all-lines)")
+
     if args.edges:
         print("\nall edges:")
         for (a, b) in sorted(edges):
             print(f"  {a} -> {b}    [{fmt_ev(edges[(a, b)][0])}{' +%d' % (len(edges[(a, b)]) - 1) if len(edges[(a, b)]) > 1 else ''}]")
 
-    return 1 if (args.check and comps) else 0
+    return 1 if (args.check and (comps or broken)) else 0
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
 
 use crate::error::{Error, Result};
 
-/// Length of every unique id (NCCL's `ncclUniqueId` is 128 bytes; the CPU id is padded to it).
-pub const UNIQUE_ID_BYTES: usize = 128;
+/// Length of every unique id (defined with the declarations it must match, in `sys`).
+pub use crate::sys::UNIQUE_ID_BYTES;
 
 /// Normal-mode kernel configuration. Crosses the op boundary as `int[5]` in this field order.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -76,24 +76,27 @@ impl Config {
     }
 
     /// DeepEP's `get_nvl_buffer_size_hint(hidden_bytes, num_ranks)` (NVSHMEM-less build:
-    /// no SourceMeta term), generous in top-k (128) and scales (128) per token.
-    pub fn nvl_buffer_size_hint(&self, hidden_bytes: usize, num_ranks: usize) -> usize {
+    /// no SourceMeta term), generous in top-k (128) and scales (128) per token, for ranks in
+    /// NVLink domains of `nvl_domain` (DeepEP's `NUM_MAX_NVL_PEERS`, 8 unless
+    /// `DEEP_EP_NVL_DOMAIN_SIZE` says otherwise): the buffer holds one domain's peers.
+    pub fn nvl_buffer_size_hint(&self, hidden_bytes: usize, num_ranks: usize, nvl_domain: usize) -> usize {
         let c = self.num_channels();
-        let rn = num_ranks.min(MAX_NVL_PEERS);
-        let rr = (num_ranks / MAX_NVL_PEERS).max(1);
+        let rn = num_ranks.min(nvl_domain);
+        let rr = (num_ranks / nvl_domain).max(1);
         let t = self.num_max_nvl_chunked_recv_tokens;
         let bytes =
             c * rn * (2 * rr + 3) * 4 + c * rn * t * hidden_bytes + c * rn * t * 128 * 8 + c * rn * t * 128 * 4 + c * rn * t * 128 * 4;
         bytes.div_ceil(BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT
     }
 
-    /// DeepEP's `get_rdma_buffer_size_hint`: 0 within one NVLink domain.
-    pub fn rdma_buffer_size_hint(&self, hidden_bytes: usize, num_ranks: usize) -> usize {
-        if num_ranks <= MAX_NVL_PEERS {
+    /// DeepEP's `get_rdma_buffer_size_hint` for ranks in NVLink domains of `nvl_domain`: 0 within
+    /// one domain, else sized for the `num_ranks / nvl_domain` domains.
+    pub fn rdma_buffer_size_hint(&self, hidden_bytes: usize, num_ranks: usize, nvl_domain: usize) -> usize {
+        if num_ranks <= nvl_domain {
             return 0;
         }
         let c = self.num_channels();
-        let rr = num_ranks / MAX_NVL_PEERS;
+        let rr = num_ranks / nvl_domain;
         let t = self.num_max_rdma_chunked_recv_tokens;
         let bytes = c * rr * (8 * 2 + 2) * 2 * 4
             + c * rr * t * hidden_bytes * 2
@@ -202,7 +205,19 @@ mod tests {
         // DeepEP's worked NVL hints include an 8-byte SourceMeta term only present with
         // NVSHMEM; ours omit it: 335,709,824 - 20/2*8*256*8.
         let c = Config::new(20, 6, 256, 6, 128).unwrap();
-        assert_eq!(c.nvl_buffer_size_hint(7168 * 2, 8), 335_709_824 - 10 * 8 * 256 * 8);
+        assert_eq!(c.nvl_buffer_size_hint(7168 * 2, 8, MAX_NVL_PEERS), 335_709_824 - 10 * 8 * 256 * 8);
+    }
+
+    #[test]
+    fn hints_size_for_the_nvlink_domain() {
+        let c = Config::new(20, 6, 256, 6, 128).unwrap();
+        // 4 ranks as 2 domains of 2: an RDMA area, and NVL room for the 2 peers of a domain.
+        assert_eq!(c.rdma_buffer_size_hint(512, 4, 8), 0);
+        assert!(c.rdma_buffer_size_hint(512, 4, 2) > 0);
+        assert_eq!(c.rdma_buffer_size_hint(512, 4, 2), c.rdma_buffer_size_hint(512, 16, 8)); // 2 domains either way
+        assert!(c.nvl_buffer_size_hint(512, 4, 2) < c.nvl_buffer_size_hint(512, 4, 8));
+        let two_peers: usize = 10 * 2 * ((2 * 2 + 3) * 4 + 256 * (512 + 128 * 16)); // channels x peers x (heads + ring)
+        assert_eq!(c.nvl_buffer_size_hint(512, 4, 2), two_peers.div_ceil(128) * 128);
     }
 
     #[test]

@@ -6,10 +6,10 @@
 //! Only CPU buffers (backend "cpu"): GPU buffers need device memory, which torch provides.
 //! Every op here is a collective of the buffer's ranks except [`get_dispatch_layout`].
 
-use crate::backend::{CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, Handle as RawHandle};
 use crate::config::Config;
 use crate::numerics::bf16;
-use crate::ops::{self, LayoutOutputs};
+use crate::op_io::{CombineOutputs, DispatchOutputs, Handle as RawHandle};
+use crate::ops::{self, CombineInputs, DispatchRequest, LayoutOutputs};
 use crate::tensor::{DType, Device, TensorRef};
 use crate::Result;
 
@@ -182,8 +182,7 @@ pub fn dispatch(
     layout: &Layout,
     config: Config,
 ) -> Result<Dispatched> {
-    let num_experts = layout.num_tokens_per_expert.numel();
-    let args = DispatchArgs {
+    let args = DispatchRequest {
         x: x.view(),
         x_scales: None,
         topk_idx: Some(topk_idx.view()),
@@ -191,10 +190,9 @@ pub fn dispatch(
         num_tokens_per_rank: layout.num_tokens_per_rank.view(),
         is_token_in_rank: layout.is_token_in_rank.view(),
         num_tokens_per_expert: layout.num_tokens_per_expert.view(),
-        num_experts,
         expert_alignment: 1,
         num_worst_tokens: 0,
-        config,
+        config: config.to_array(),
         stream: std::ptr::null_mut(),
     };
     let plan = ops::dispatch_prepare(buffer, &args)?;
@@ -234,18 +232,12 @@ pub fn dispatch(
 /// Collective. `x [rows, H]` bf16 in dispatch order -> `[N, H]` bf16, the unweighted fp32 sum
 /// over the ranks each token went to (ascending rank order).
 pub fn combine(buffer: i64, x: &HostTensor, handle: &DispatchHandle, config: Config) -> Result<HostTensor> {
-    let args = CombineArgs {
-        x: x.view(),
-        topk_weights: None,
-        bias_0: None,
-        bias_1: None,
-        handle: handle.raw(),
-        config,
-        stream: std::ptr::null_mut(),
-    };
-    ops::check_combine(buffer, &args)?;
+    let inputs = CombineInputs { x: x.view(), topk_weights: None, bias_0: None, bias_1: None };
+    let config = config.to_array();
+    ops::combine(buffer, inputs, handle.raw(), &config, std::ptr::null_mut(), None)?;
     let n = handle.send_head.sizes()[0] as usize;
     let mut combined = HostTensor::zeros(x.dtype(), &[n, x.sizes()[1] as usize]);
-    ops::combine(buffer, &args, &CombineOutputs { combined_x: combined.view_mut(), combined_topk_weights: None })?;
+    let out = CombineOutputs { combined_x: combined.view_mut(), combined_topk_weights: None };
+    ops::combine(buffer, inputs, handle.raw(), &config, std::ptr::null_mut(), Some(&out))?;
     Ok(combined)
 }

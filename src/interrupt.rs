@@ -5,6 +5,13 @@
 //! with `dlsym`, so the library links no Python and a C++ or Rust host, which has none, is never
 //! affected), consumes it and sets it again (`PyErr_SetInterrupt`), so the wait returns an error
 //! and Python raises `KeyboardInterrupt` as soon as the op has returned.
+//!
+//! Only the process's main thread looks: CPython delivers SIGINT there alone, so another thread
+//! could never see the flag, and taking the GIL from it is harmful. At interpreter exit, a
+//! daemon thread that asks for the GIL is ended by CPython with `pthread_exit`, whose forced
+//! unwind would reach the C seam's `catch_unwind` (`api::buffer::guard`) and abort the process
+//! ("FATAL: exception not rethrown"). Nothing here may start such an unwind: a forced unwind
+//! must never be caught, and the library has no way to let one pass through its seam.
 
 use std::ffi::{c_int, c_void, CStr};
 use std::sync::OnceLock;
@@ -50,14 +57,26 @@ fn python() -> Option<&'static Python> {
     .as_ref()
 }
 
+/// Whether the calling thread is the process's main thread (the one CPython runs its signal
+/// handlers on, and the one that finalises the interpreter).
+fn on_main_thread() -> bool {
+    // SAFETY: gettid and getpid take no arguments and cannot fail.
+    unsafe { libc::syscall(libc::SYS_gettid) == libc::getpid() as libc::c_long }
+}
+
 /// Whether the user asked to interrupt (SIGINT seen by the Python interpreter of this process).
-/// Only the main thread sees it (Python handles signals there). The flag is set again before
+/// Answered on the main thread only (Python handles signals there; see the module docs for why
+/// other threads must not take the GIL); elsewhere always false. The flag is set again before
 /// returning true, so Python still raises `KeyboardInterrupt` once the op returns.
 pub fn requested() -> bool {
+    if !on_main_thread() {
+        return false;
+    }
     let Some(py) = python() else { return false };
-    // SAFETY: the CPython calls are made only while the interpreter is initialised and not
-    // finalising; PyGILState_Ensure/Release pair up on this thread (re-entrant when the thread
-    // already holds the GIL), and PyOS_InterruptOccurred needs the GIL, which is held around it.
+    // SAFETY: the CPython calls are made only on the main thread (which CPython never ends),
+    // while the interpreter is initialised and not finalising; PyGILState_Ensure/Release pair up
+    // on this thread (re-entrant when it already holds the GIL), and PyOS_InterruptOccurred needs
+    // the GIL, which is held around it.
     unsafe {
         if (py.is_initialized)() == 0 || py.is_finalizing.is_some_and(|f| f() != 0) {
             return false;

@@ -5,15 +5,19 @@
 //! whose `libdeep_ep.so` registers `torch.ops.deep_ep.*` when loaded.
 //!
 //! Layers, dependencies pointing down (see `docs/DESIGN.md`):
-//! - [`api`]: the `extern "C"` surface that `torch_ops/` (the only torch-aware code) calls.
-//! - [`ops`]: validation of every op's arguments, then a call into the buffer's backend;
-//!   [`buffer`]: the registry that maps the integer handles seen by torch to backends.
+//! - [`api`]: the `extern "C"` surface that `torch_ops/` (the only torch-aware code) calls; it
+//!   hands plain values to `ops`.
+//! - [`ops`]: validation of every op's arguments, the backends' argument structs built from
+//!   them, then a call into the buffer's backend; [`buffer`]: the registry that maps the integer
+//!   handles seen by torch to backends.
 //! - [`backend`]: the [`backend::Backend`] trait; `cpu` (shared memory, the reference semantics)
 //!   and `peer` (the NVLink peer-window backend behind backends `nccl`, `nvshmem` and `ipc`).
 //! - `window`: where a peer-window buffer's memory comes from (NCCL, NVSHMEM, CUDA IPC).
+//! - [`shm`]: host memory shared by the ranks of one machine and their rendezvous (the CPU
+//!   backend's buffers, the ipc provider's host side).
 //! - `kernels`: the host side of `kernels/*.cu` (launchers, the window context).
 //! - [`sys`]: generated declarations of the kernels' C API and of NCCL.
-//! - [`tensor`], [`config`], [`layout`], [`numerics`], [`topology`], [`op_names`]: torch-free
+//! - [`tensor`], [`op_io`], [`config`], [`layout`], [`numerics`], [`topology`], [`op_names`]: torch-free
 //!   types and math; [`reference`]: a single-process reference of every op, for tests; [`host`]:
 //!   owned CPU tensors and safe normal-mode op wrappers for Rust programs without torch.
 //!
@@ -38,10 +42,12 @@ pub mod kernels;
 pub mod layout;
 pub mod log;
 pub mod numerics;
+pub mod op_io;
 pub mod op_names;
 pub mod ops;
 pub mod reference;
 pub mod settings;
+pub mod shm;
 pub mod sys;
 pub mod tensor;
 pub mod tensor_host;

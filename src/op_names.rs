@@ -10,6 +10,8 @@ pub const BUFFER_INFO: &str = "deep_ep::buffer_info";
 pub const BUILD_INFO: &str = "deep_ep::build_info";
 /// `torch.ops.deep_ep.cached_dispatch`.
 pub const CACHED_DISPATCH: &str = "deep_ep::cached_dispatch";
+/// `torch.ops.deep_ep.check_environment`.
+pub const CHECK_ENVIRONMENT: &str = "deep_ep::check_environment";
 /// `torch.ops.deep_ep.clean_low_latency_buffer`.
 pub const CLEAN_LOW_LATENCY_BUFFER: &str = "deep_ep::clean_low_latency_buffer";
 /// `torch.ops.deep_ep.combine`.
@@ -56,6 +58,8 @@ pub const LOW_LATENCY_SET_SHRINK: &str = "deep_ep::low_latency_set_shrink";
 pub const LOW_LATENCY_UPDATE_MASK_BUFFER: &str = "deep_ep::low_latency_update_mask_buffer";
 /// `torch.ops.deep_ep.nvl_buffer_size_hint`.
 pub const NVL_BUFFER_SIZE_HINT: &str = "deep_ep::nvl_buffer_size_hint";
+/// `torch.ops.deep_ep.nvl_domain_size`.
+pub const NVL_DOMAIN_SIZE: &str = "deep_ep::nvl_domain_size";
 /// `torch.ops.deep_ep.rdma_buffer_size_hint`.
 pub const RDMA_BUFFER_SIZE_HINT: &str = "deep_ep::rdma_buffer_size_hint";
 /// `torch.ops.deep_ep.wait_stats`.

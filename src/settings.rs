@@ -29,6 +29,18 @@ pub fn shm_dir() -> Option<String> {
     std::env::var("DEEP_EP_SHM_DIR").ok().filter(|d| !d.is_empty())
 }
 
+/// [`shm_dir`], refused (naming op `op`) when it is set but not a folder.
+pub fn shm_dir_checked(op: &'static str) -> crate::error::Result<Option<String>> {
+    let Some(dir) = shm_dir() else { return Ok(None) };
+    crate::ensure!(
+        std::path::Path::new(&dir).is_dir(),
+        op,
+        "DEEP_EP_SHM_DIR={dir:?} is not a folder: set it to an existing writable folder shared by the ranks, or unset it \
+         for anonymous memory (the default)"
+    );
+    Ok(Some(dir))
+}
+
 /// `DEEP_EP_INTRANODE_DISPATCH`: `pull` (default) or `push`, the data path of the nccl backend's
 /// intranode (cached) dispatch; read once per process. All ranks must use the same (a mismatch
 /// is reported as ranks running different ops). An unknown value keeps the default and says so.

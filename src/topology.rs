@@ -107,21 +107,31 @@ impl Topology {
     }
 }
 
-/// Parses `DEEP_EP_NVL_DOMAIN_SIZE` (`None` or blank = [`DEFAULT_NVL_DOMAIN_SIZE`]).
-pub fn parse_nvl_domain_size(value: Option<&str>) -> Result<usize> {
-    const OP: &str = crate::op_names::CREATE_BUFFER;
-    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else {
+/// Parses `DEEP_EP_NVL_DOMAIN_SIZE` for op `op`: unset or empty = [`DEFAULT_NVL_DOMAIN_SIZE`],
+/// else exactly the decimal digits of a size in `1..=8`. The library's one parser of it (the
+/// Python package asks `deep_ep::nvl_domain_size`): anything else (`+1`, ` 2`, `abc`, `0`,
+/// `08`) is an error naming the variable, never a silent default, so every layer sees one value.
+pub fn parse_nvl_domain_size(op: &'static str, value: Option<&str>) -> Result<usize> {
+    let Some(v) = value.filter(|v| !v.is_empty()) else {
         return Ok(DEFAULT_NVL_DOMAIN_SIZE);
     };
+    let digits = v.bytes().all(|b| b.is_ascii_digit()) && !v.starts_with('0');
     match v.parse::<usize>() {
-        Ok(d) if (1..=MAX_NVL_PEERS).contains(&d) => Ok(d),
-        _ => Err(Error::invalid(OP, format!("{NVL_DOMAIN_ENV} must be an integer in 1..={MAX_NVL_PEERS}, got {v:?}"))),
+        Ok(d) if digits && (1..=MAX_NVL_PEERS).contains(&d) => Ok(d),
+        _ => Err(Error::invalid(
+            op,
+            format!(
+                "{NVL_DOMAIN_ENV}={v:?} is not a whole number in 1..={MAX_NVL_PEERS} (digits only, e.g. 4); unset it for the \
+                 default {DEFAULT_NVL_DOMAIN_SIZE}"
+            ),
+        )),
     }
 }
 
-/// `DEEP_EP_NVL_DOMAIN_SIZE` of the environment, validated.
-pub fn nvl_domain_size() -> Result<usize> {
-    parse_nvl_domain_size(std::env::var(NVL_DOMAIN_ENV).ok().as_deref())
+/// `DEEP_EP_NVL_DOMAIN_SIZE` of the environment, validated ([`parse_nvl_domain_size`]); errors
+/// name `op`.
+pub fn nvl_domain_size(op: &'static str) -> Result<usize> {
+    parse_nvl_domain_size(op, std::env::var(NVL_DOMAIN_ENV).ok().as_deref())
 }
 
 /// DeepEP's buffer-size rules that depend on the topology (`Buffer::Buffer` asserts), so a
@@ -220,12 +230,15 @@ mod tests {
 
     #[test]
     fn domain_size_from_the_environment_value() {
-        assert_eq!(parse_nvl_domain_size(None).unwrap(), 8);
-        assert_eq!(parse_nvl_domain_size(Some(" ")).unwrap(), 8);
-        assert_eq!(parse_nvl_domain_size(Some("2")).unwrap(), 2);
-        let e = parse_nvl_domain_size(Some("16")).unwrap_err().to_string();
-        assert!(e.contains("DEEP_EP_NVL_DOMAIN_SIZE must be an integer in 1..=8, got \"16\""), "{e}");
-        assert!(parse_nvl_domain_size(Some("two")).is_err());
+        let p = |v| parse_nvl_domain_size("test", v);
+        assert_eq!(p(None).unwrap(), 8);
+        assert_eq!(p(Some("")).unwrap(), 8);
+        assert_eq!(p(Some("2")).unwrap(), 2);
+        assert_eq!(p(Some("8")).unwrap(), 8);
+        for bad in ["16", "0", "+1", " 2", "2 ", "abc", "-1", "08", "2.0", "0x2", " ", "\u{661}"] {
+            let e = p(Some(bad)).unwrap_err().to_string();
+            assert!(e.starts_with(&format!("test: DEEP_EP_NVL_DOMAIN_SIZE={bad:?} is not a whole number in 1..=8")), "{e}");
+        }
     }
 
     #[test]

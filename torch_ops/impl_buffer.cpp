@@ -62,6 +62,19 @@ int64_t ll_hint(int64_t t, int64_t hidden, int64_t num_ranks, int64_t num_expert
 
 std::string build_info() { return std::string(deep_ep_build_info()); }
 
+int64_t nvl_domain_size() {
+  int64_t out = 0;
+  check(deep_ep_nvl_domain_size(&out));
+  return out;
+}
+
+std::string check_environment(Device device) {
+  int32_t dev = device.type() == DeviceType::CUDA ? (device.index() >= 0 ? device.index() : 0) : -1;
+  char out[512] = {0};
+  check(deep_ep_check_environment(dev, out, sizeof(out)));
+  return std::string(out);
+}
+
 void ll_update_mask(int64_t handle, int64_t rank, bool mask) { check(deep_ep_ll_mask(handle, 0, rank, mask ? 1 : 0, nullptr, 0)); }
 
 void ll_query_mask(int64_t handle, Tensor mask_status) {
@@ -100,6 +113,8 @@ STABLE_TORCH_LIBRARY_IMPL(deep_ep, CompositeExplicitAutograd, m) {
   m.impl("rdma_buffer_size_hint", TORCH_BOX(&deep_ep_ops::rdma_hint));
   m.impl("low_latency_rdma_size_hint", TORCH_BOX(&deep_ep_ops::ll_hint));
   m.impl("build_info", TORCH_BOX(&deep_ep_ops::build_info));
+  m.impl("nvl_domain_size", TORCH_BOX(&deep_ep_ops::nvl_domain_size));
+  m.impl("check_environment", TORCH_BOX(&deep_ep_ops::check_environment));
   m.impl("low_latency_update_mask_buffer", TORCH_BOX(&deep_ep_ops::ll_update_mask));
   m.impl("low_latency_query_mask_buffer", TORCH_BOX(&deep_ep_ops::ll_query_mask));
   m.impl("low_latency_clean_mask_buffer", TORCH_BOX(&deep_ep_ops::ll_clean_mask));

@@ -29,6 +29,11 @@ STABLE_TORCH_LIBRARY(deep_ep, m) {
   m.def("low_latency_rdma_size_hint(int num_max_dispatch_tokens_per_rank, int hidden, int num_ranks, int num_experts) -> int");
   // JSON object describing this build of the library (python -m deep_ep_rs.diagnose prints it).
   m.def("build_info() -> str");
+  // Ranks per NVLink domain: DEEP_EP_NVL_DOMAIN_SIZE through the library's one parser (default 8).
+  m.def("nvl_domain_size() -> int");
+  // Checks the settings a buffer created now on `device` would read, raising create_buffer's error;
+  // returns a one-line summary (python -m deep_ep_rs.diagnose prints it).
+  m.def("check_environment(Device device) -> str");
 
   // Local. topk_idx [N,K] int32/int64 (-1 = none) -> tokens per rank [R] i32, per node [R/D] i32
   // (empty when R <= D, D = DEEP_EP_NVL_DOMAIN_SIZE, default 8), per expert [E] i32, is_token_in_rank [N,R] bool.

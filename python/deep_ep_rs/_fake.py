@@ -5,7 +5,6 @@ the data, so it is a dynamic size; everything else is static. Ops whose shapes d
 buffer (its rank count) read it through buffer_info outside fake mode: it is a host-side lookup.
 """
 import functools
-import os
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
@@ -60,9 +59,11 @@ def _device(handle: int) -> torch.device:
 
 
 def _domain() -> int:
-    """Ranks per NVLink domain (DEEP_EP_NVL_DOMAIN_SIZE, default 8; the library validates it)."""
-    v = os.environ.get("DEEP_EP_NVL_DOMAIN_SIZE", "").strip()
-    return int(v) if v.isdigit() and 1 <= int(v) <= 8 else 8
+    """Ranks per NVLink domain (DEEP_EP_NVL_DOMAIN_SIZE, default 8), from the library's one parser:
+    a malformed value raises here, while tracing, as the real op would, instead of tracing a shape
+    the op will not produce."""
+    with unset_fake_temporarily():
+        return int(ops.nvl_domain_size.default())
 
 
 def _rows_of(t, rows, x, absent_dtype):
@@ -80,9 +81,10 @@ def _received(x, x_scales, topk_idx, topk_weights, rows):
 def _layout(topk_idx, num_experts, num_ranks):
     n = topk_idx.shape[0]
     i32 = torch.int32
+    d = _domain()
     return (
         topk_idx.new_empty((num_ranks,), dtype=i32),
-        topk_idx.new_empty((num_ranks // _domain() if num_ranks > _domain() else 0,), dtype=i32),
+        topk_idx.new_empty((num_ranks // d if num_ranks > d else 0,), dtype=i32),
         topk_idx.new_empty((num_experts,), dtype=i32),
         topk_idx.new_empty((n, num_ranks), dtype=torch.bool),
     )

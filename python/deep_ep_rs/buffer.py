@@ -45,10 +45,9 @@ def _default_device() -> torch.device:
 
 
 def _nvl_domain_size() -> int:
-    """Ranks per NVLink domain: DEEP_EP_NVL_DOMAIN_SIZE (validated by the library at buffer
-    creation), default 8."""
-    v = os.environ.get("DEEP_EP_NVL_DOMAIN_SIZE", "").strip()
-    return int(v) if v else 8
+    """Ranks per NVLink domain: DEEP_EP_NVL_DOMAIN_SIZE (default 8), parsed by the library (its one
+    parser; a malformed value raises, naming the variable)."""
+    return int(ops.nvl_domain_size())
 
 
 class _Inline:
@@ -143,8 +142,10 @@ class Buffer:
         """Releases the buffer (requires explicitly_destroy=True, as DeepEP)."""
         assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
         if self._handle is not None:
-            h, self._handle = self._handle, None
-            ops.destroy_buffer(h)
+            # Forgotten only once the library has released it: a refusal (another thread is
+            # inside an op of this buffer) leaves the buffer usable and destroyable later.
+            ops.destroy_buffer(self._handle)
+            self._handle = None
 
     def __del__(self):
         h = getattr(self, "_handle", None)
@@ -155,6 +156,13 @@ class Buffer:
                 ops.destroy_buffer(h)
             except Exception:  # interpreter shutdown: nothing more to do
                 pass
+
+    def __copy__(self):
+        raise TypeError("deep_ep_rs.Buffer cannot be copied: a copy would share the buffer's handle, and whichever object "
+                        "went first would destroy the buffer under the other; pass the Buffer object itself around")
+
+    def __deepcopy__(self, memo):
+        self.__copy__()
 
     def is_available(self) -> bool:
         return self._handle is not None
@@ -452,6 +460,9 @@ class Buffer:
         """Returns (combined_x [N, H] bf16 = Σ_k w_k·y_k, event, hook). `num_tokens`: as in
         low_latency_dispatch (the same tensor); output rows at or past it are zero."""
         assert not (async_finish and return_recv_hook), "async_finish and return_recv_hook are mutually exclusive"
+        if isinstance(x, (tuple, list)) and x and isinstance(x[0], torch.Tensor):
+            # The (recv_x, scales) pair of an FP8 dispatch: the op names the dtype it refuses.
+            x = x[0]
         src_info, layout_range, t, hidden, e = handle
         if out is None:
             out = torch.empty((topk_idx.size(0), hidden), dtype=torch.bfloat16, device=x.device)

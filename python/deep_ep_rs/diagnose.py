@@ -6,10 +6,11 @@ torch it was built against), torch and CUDA versions and whether they match the 
 version, CUDA major version, a driver new enough for the library's CUDA runtime), the driver and
 NVLink topology
 (nvidia-smi, if present), peer access between GPUs, the NCCL torch loaded against the one the
-library was built for, the environment variables that change behaviour, then runs a self-test
+library was built for, the environment variables that change behaviour and whether a Buffer
+would accept them (an invalid setting fails the report), then runs a self-test
 (normal and low-latency dispatch/combine, checked exactly) on 2 CPU ranks and, when GPUs are
 present, across the local GPUs (a backend that does not implement it yet is reported, not
-failed). Exit code 0 when every self-test that ran passed.
+failed). Exit code 0 when the settings are valid and every self-test that ran passed.
 """
 import argparse
 import json
@@ -254,10 +255,20 @@ def main(argv=None) -> int:
     print("environment: " + ("none of DEEP_EP_*, NCCL_*, TORCH_SYMM_MEM_*, NVSHMEM_* set" if not env else ""))
     for k, v in env:
         print(f"  {k}={v}")
-    if args.no_self_test:
-        return 0
-
+    # The settings every Buffer reads at creation, checked by the library's own code (the
+    # self-test below picks its backend explicitly, so it would pass whatever they say).
     failed = False
+    for label, dev in [("cpu buffers", torch.device("cpu"))] + ([("cuda buffers", torch.device("cuda", 0))] if cuda else []):
+        try:
+            print(f"settings ({label}): OK: {torch.ops.deep_ep.check_environment(dev)}")
+        except RuntimeError as e:
+            print(f"settings ({label}): FAILED: {str(e).splitlines()[0]}")
+            failed = True
+    if args.no_self_test:
+        if failed:
+            print("result: FAILED")
+        return 1 if failed else 0
+
     status, detail = self_test(2, "cpu", args.timeout)
     print(f"self-test cpu (2 ranks): {status.upper() if status != 'ok' else 'OK'}: {detail}")
     failed |= status != "ok"

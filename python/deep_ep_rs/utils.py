@@ -33,11 +33,13 @@ class Config:
                 self.num_max_rdma_chunked_send_tokens, self.num_max_rdma_chunked_recv_tokens]
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """Bytes of NVLink buffer this config needs for `hidden_bytes` per token."""
+        """Bytes of NVLink buffer this config needs for `hidden_bytes` per token: room for the peers
+        of one NVLink domain (DEEP_EP_NVL_DOMAIN_SIZE ranks, default 8; read by the library)."""
         return int(torch.ops.deep_ep.nvl_buffer_size_hint(self.to_list(), hidden_bytes, num_ranks))
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """Bytes of RDMA buffer this config needs (0 within one NVLink domain)."""
+        """Bytes of RDMA buffer this config needs: 0 when `num_ranks` fit in one NVLink domain
+        (DEEP_EP_NVL_DOMAIN_SIZE ranks, default 8), else sized for the domains they span."""
         return int(torch.ops.deep_ep.rdma_buffer_size_hint(self.to_list(), hidden_bytes, num_ranks))
 
     def __repr__(self) -> str:

@@ -1,10 +1,10 @@
 //! The `extern "C"` functions declared in `csrc/deep_ep_capi.h`. Each one converts its raw
-//! arguments into [`TensorRef`]s and backend argument structs, calls `crate::ops`, and turns
-//! every error and every panic into a nonzero status plus a thread-local message, so nothing
-//! unwinds into C++.
+//! arguments into plain values ([`TensorRef`]s, the tensor groups of `crate::op_io`, integers),
+//! calls `crate::ops` (which alone checks them, builds the backends' argument structs and calls
+//! the backend), and turns every error and every panic into a nonzero status plus a
+//! thread-local message, so nothing unwinds into C++.
 
-use crate::backend::{CreateArgs, UNIQUE_ID_BYTES};
-use crate::config::{self, Config};
+use crate::config::UNIQUE_ID_BYTES;
 use crate::error::{Error, Result};
 use crate::ops;
 use crate::tensor::{DType, Device, TensorRef, MAX_DIMS};
@@ -143,25 +143,10 @@ pub unsafe extern "C" fn deep_ep_create_buffer(
     handle: *mut i64,
 ) -> c_int {
     guard(|| {
-        const OP: &str = crate::op_names::CREATE_BUFFER;
-        crate::ensure!(rank >= 0 && num_ranks >= 1, OP, "rank ({rank}) must be >= 0 and num_ranks ({num_ranks}) >= 1");
-        crate::ensure!(
-            num_nvl_bytes >= 0 && num_rdma_bytes >= 0,
-            OP,
-            "buffer sizes must be >= 0, got {num_nvl_bytes} and {num_rdma_bytes}"
-        );
-        crate::ensure!(unique_id_len >= 0, OP, "unique_id length must be >= 0");
+        crate::ensure!(unique_id_len >= 0, crate::op_names::CREATE_BUFFER, "unique_id length must be >= 0");
         let id = std::slice::from_raw_parts(unique_id, unique_id_len as usize);
-        let args = CreateArgs {
-            unique_id: id,
-            rank: rank as usize,
-            num_ranks: num_ranks as usize,
-            device: Device::from_raw(device),
-            num_nvl_bytes: num_nvl_bytes as usize,
-            num_rdma_bytes: num_rdma_bytes as usize,
-            low_latency_mode: low_latency_mode != 0,
-        };
-        *handle = ops::create_buffer(&args, &str_arg(backend))?;
+        let ll = low_latency_mode != 0;
+        *handle = ops::create_buffer(id, rank, num_ranks, Device::from_raw(device), num_nvl_bytes, num_rdma_bytes, ll, &str_arg(backend))?;
         Ok(())
     })
 }
@@ -228,28 +213,9 @@ pub unsafe extern "C" fn deep_ep_buffer_size_hint(
     out: *mut i64,
 ) -> c_int {
     guard(|| {
-        let op = if which == 0 { crate::op_names::NVL_BUFFER_SIZE_HINT } else { crate::op_names::RDMA_BUFFER_SIZE_HINT };
-        let c = Config::from_slice(op, std::slice::from_raw_parts(cfg, len.max(0) as usize))?;
-        crate::ensure!(hidden_bytes > 0 && num_ranks > 0, op, "hidden_bytes ({hidden_bytes}) and num_ranks ({num_ranks}) must be positive");
-        let (h, r) = (hidden_bytes as usize, num_ranks as usize);
-        crate::ensure!(r <= 8 || r % 8 == 0, op, "num_ranks must be <= 8 or a multiple of 8, got {r}");
-        // An upper bound of either formula in f64, so that no size wraps around in usize or i64.
-        let (ch, t) = (c.num_channels() as f64, c.num_max_nvl_chunked_recv_tokens.max(c.num_max_rdma_chunked_recv_tokens) as f64);
-        let bound = ch * r as f64 * (t * (2.0 * h as f64 + 4096.0) + 64.0);
-        ensure_hint_fits(op, bound, &format!("hidden_bytes {h}, num_ranks {r}, config {c:?}"))?;
-        *out = if which == 0 { c.nvl_buffer_size_hint(h, r) } else { c.rdma_buffer_size_hint(h, r) } as i64;
+        *out = ops::buffer_size_hint(std::slice::from_raw_parts(cfg, len.max(0) as usize), hidden_bytes, num_ranks, which != 0)?;
         Ok(())
     })
-}
-
-/// Size hints are computed in `usize` and returned as `i64`: arguments whose hint could exceed
-/// 2^62 bytes (4 EiB, far beyond any machine) are refused instead of wrapping to a small or
-/// negative number.
-fn ensure_hint_fits(op: &'static str, bound: f64, args: &str) -> crate::error::Result<()> {
-    if bound.is_finite() && bound < (1u64 << 62) as f64 {
-        return Ok(());
-    }
-    Err(crate::error::Error::invalid(op, format!("arguments too large: the size hint would exceed 2^62 bytes ({args})")))
 }
 
 /// See `deep_ep_low_latency_rdma_size_hint` in the header.
@@ -259,15 +225,34 @@ fn ensure_hint_fits(op: &'static str, bound: f64, args: &str) -> crate::error::R
 #[no_mangle]
 pub unsafe extern "C" fn deep_ep_low_latency_rdma_size_hint(t: i64, hidden: i64, num_ranks: i64, num_experts: i64, out: *mut i64) -> c_int {
     guard(|| {
-        const OP: &str = crate::op_names::LOW_LATENCY_RDMA_SIZE_HINT;
-        crate::ensure!(
-            t > 0 && hidden > 0 && num_ranks > 0 && num_experts > 0,
-            OP,
-            "all arguments must be positive, got ({t}, {hidden}, {num_ranks}, {num_experts})"
-        );
-        let bound = 8.0 * num_experts as f64 * t as f64 * (3.0 * hidden as f64 + 32.0) + 8.0 * num_experts as f64 + 512.0;
-        ensure_hint_fits(OP, bound, &format!("num_max_dispatch_tokens_per_rank {t}, hidden {hidden}, num_experts {num_experts}"))?;
-        *out = config::low_latency_rdma_size_hint(t as usize, hidden as usize, num_ranks as usize, num_experts as usize) as i64;
+        *out = ops::low_latency_rdma_size_hint(t, hidden, num_ranks, num_experts)?;
+        Ok(())
+    })
+}
+
+/// See `deep_ep_nvl_domain_size` in the header.
+///
+/// # Safety
+/// `out` is writable.
+#[no_mangle]
+pub unsafe extern "C" fn deep_ep_nvl_domain_size(out: *mut i64) -> c_int {
+    guard(|| {
+        *out = ops::nvl_domain_size()? as i64;
+        Ok(())
+    })
+}
+
+/// See `deep_ep_check_environment` in the header.
+///
+/// # Safety
+/// `out` points to `out_len` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn deep_ep_check_environment(device: i32, out: *mut c_char, out_len: i64) -> c_int {
+    guard(|| {
+        let summary = ops::check_environment(Device::from_raw(device))?;
+        let n = summary.len().min((out_len.max(1) - 1) as usize);
+        std::ptr::copy_nonoverlapping(summary.as_ptr() as *const c_char, out, n);
+        *out.add(n) = 0;
         Ok(())
     })
 }

@@ -2,13 +2,10 @@
 
 use crate::api::buffer::{check_size, guard, opt_tensor, tensor, RawTensor};
 use crate::api::modes::{dispatch_args_as, RawDispatchArgs};
-use crate::backend::internode::{
-    InternodeCachedDispatchArgs, InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutputs, InternodeHandle, InternodePlan,
-};
-use crate::backend::{CombineOutputs, DispatchPlan};
-use crate::config::Config;
 use crate::error::Result;
-use crate::ops;
+use crate::op_io::{CombineOutputs, DispatchPlan, InternodeDispatchOutputs, InternodeHandle, InternodePlan};
+use crate::ops::{self, CombineInputs, DispatchRequest};
+use crate::tensor::TensorRef;
 use std::ffi::{c_int, c_void};
 
 const DISPATCH: &str = crate::op_names::INTERNODE_DISPATCH;
@@ -60,11 +57,8 @@ unsafe fn handle_of(op: &'static str, h: &RawInternodeHandle) -> Result<Internod
     })
 }
 
-unsafe fn args_of(args: *const RawDispatchArgs, per_rdma: *const RawTensor) -> Result<InternodeDispatchArgs> {
-    Ok(InternodeDispatchArgs {
-        base: dispatch_args_as(DISPATCH, args)?,
-        num_tokens_per_rdma_rank: tensor(DISPATCH, "num_tokens_per_rdma_rank", per_rdma)?,
-    })
+unsafe fn args_of(args: *const RawDispatchArgs, per_rdma: *const RawTensor) -> Result<(DispatchRequest, TensorRef)> {
+    Ok((dispatch_args_as(DISPATCH, args)?, tensor(DISPATCH, "num_tokens_per_rdma_rank", per_rdma)?))
 }
 
 /// See `deep_ep_internode_dispatch_prepare` in the header.
@@ -81,8 +75,8 @@ pub unsafe extern "C" fn deep_ep_internode_dispatch_prepare(
     per_expert_len: i64,
 ) -> c_int {
     guard(|| {
-        let a = args_of(args, num_tokens_per_rdma_rank)?;
-        let p = ops::internode_dispatch_prepare(handle, &a)?;
+        let (a, per_rdma) = args_of(args, num_tokens_per_rdma_rank)?;
+        let p = ops::internode_dispatch_prepare(handle, &a, per_rdma)?;
         let pe = std::slice::from_raw_parts_mut(per_expert, per_expert_len.max(0) as usize);
         crate::ensure!(
             pe.len() == p.plan.num_recv_tokens_per_expert.len(),
@@ -119,7 +113,7 @@ pub unsafe extern "C" fn deep_ep_internode_dispatch_finish(
 ) -> c_int {
     const OP: &str = DISPATCH;
     guard(|| {
-        let a = args_of(args, num_tokens_per_rdma_rank)?;
+        let (a, per_rdma) = args_of(args, num_tokens_per_rdma_rank)?;
         let p = &*plan;
         check_size(OP, p.size, std::mem::size_of::<RawInternodePlan>())?;
         let plan = InternodePlan {
@@ -139,7 +133,7 @@ pub unsafe extern "C" fn deep_ep_internode_dispatch_finish(
             recv_topk_weights: opt_tensor(OP, "recv_topk_weights", &d[3])?,
             handle: handle_of(OP, &*h)?,
         };
-        ops::internode_dispatch_finish(handle, &a, &plan, &o)
+        ops::internode_dispatch_finish(handle, &a, per_rdma, &plan, &o)
     })
 }
 
@@ -159,17 +153,13 @@ pub unsafe extern "C" fn deep_ep_internode_cached_dispatch(
     recv_x_scales: *const RawTensor,
 ) -> c_int {
     guard(|| {
-        let a = InternodeCachedDispatchArgs {
-            x: tensor(CACHED, "x", x)?,
-            x_scales: opt_tensor(CACHED, "x_scales", x_scales)?,
-            handle: handle_of(CACHED, &*h)?,
-            config: Config::from_slice(CACHED, std::slice::from_raw_parts(config, 5))?,
-            stream,
+        let recv = match opt_tensor(CACHED, "recv_x", recv_x)? {
+            None => None,
+            Some(rx) => Some((rx, opt_tensor(CACHED, "recv_x_scales", recv_x_scales)?)),
         };
-        match opt_tensor(CACHED, "recv_x", recv_x)? {
-            None => ops::check_cached_dispatch(handle, &a),
-            Some(rx) => ops::internode_cached_dispatch(handle, &a, &rx, opt_tensor(CACHED, "recv_x_scales", recv_x_scales)?.as_ref()),
-        }
+        let (x, x_scales) = (tensor(CACHED, "x", x)?, opt_tensor(CACHED, "x_scales", x_scales)?);
+        let config = std::slice::from_raw_parts(config, 5);
+        ops::internode_cached_dispatch(handle, x, x_scales, handle_of(CACHED, &*h)?, config, stream, recv)
     })
 }
 
@@ -190,23 +180,20 @@ pub unsafe extern "C" fn deep_ep_internode_combine(
 ) -> c_int {
     guard(|| {
         let i = std::slice::from_raw_parts(inputs, 4);
-        let a = InternodeCombineArgs {
+        let inputs = CombineInputs {
             x: tensor(COMBINE, "x", &i[0])?,
             topk_weights: opt_tensor(COMBINE, "topk_weights", &i[1])?,
             bias_0: opt_tensor(COMBINE, "bias_0", &i[2])?,
             bias_1: opt_tensor(COMBINE, "bias_1", &i[3])?,
-            handle: handle_of(COMBINE, &*h)?,
-            config: Config::from_slice(COMBINE, std::slice::from_raw_parts(config, 5))?,
-            stream,
         };
-        match opt_tensor(COMBINE, "combined_x", combined_x)? {
-            None => ops::check_combine(handle, &a),
-            Some(cx) => ops::internode_combine(
-                handle,
-                &a,
-                &CombineOutputs { combined_x: cx, combined_topk_weights: opt_tensor(COMBINE, "combined_topk_weights", combined_w)? },
-            ),
-        }
+        let out = match opt_tensor(COMBINE, "combined_x", combined_x)? {
+            None => None,
+            Some(cx) => {
+                Some(CombineOutputs { combined_x: cx, combined_topk_weights: opt_tensor(COMBINE, "combined_topk_weights", combined_w)? })
+            }
+        };
+        let config = std::slice::from_raw_parts(config, 5);
+        ops::internode_combine(handle, inputs, handle_of(COMBINE, &*h)?, config, stream, out.as_ref())
     })
 }
 

@@ -1,13 +1,11 @@
-//! C API of the normal-mode and low-latency ops (continuation of `capi.rs`).
+//! C API of the normal-mode and low-latency ops (continuation of `buffer.rs`): C structs become
+//! plain values (`ops::DispatchRequest`, `ops::LlParams`, the tensor groups of `crate::op_io`)
+//! that `ops` checks and turns into the backends' arguments.
 
 use crate::api::buffer::{check_size, guard, opt_tensor, tensor, RawTensor};
-use crate::backend::{
-    CachedDispatchArgs, CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, DispatchPlan, Handle, LlCombineRecvArgs,
-    LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlRowsArgs, LlStats,
-};
-use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::ops;
+use crate::op_io::{CombineOutputs, DispatchOutputs, DispatchPlan, Handle, LlDispatchOutputs, LlStats};
+use crate::ops::{self, CombineInputs, DispatchRequest, LlParams};
 use crate::tensor::TensorRef;
 use std::ffi::{c_int, c_void};
 
@@ -124,37 +122,25 @@ unsafe fn handle_of(op: &'static str, h: &RawHandle) -> Result<Handle> {
     })
 }
 
-unsafe fn dispatch_args(a: *const RawDispatchArgs) -> Result<DispatchArgs> {
+unsafe fn dispatch_args(a: *const RawDispatchArgs) -> Result<DispatchRequest> {
     dispatch_args_as(crate::op_names::DISPATCH, a)
 }
 
 /// Converts `deep_ep_dispatch_args_t` for op `op`.
-pub(crate) unsafe fn dispatch_args_as(op: &'static str, a: *const RawDispatchArgs) -> Result<DispatchArgs> {
-    #[allow(non_snake_case)]
-    let OP = op;
+pub(crate) unsafe fn dispatch_args_as(op: &'static str, a: *const RawDispatchArgs) -> Result<DispatchRequest> {
     let a = &*a;
-    check_size(OP, a.size, std::mem::size_of::<RawDispatchArgs>())?;
-    crate::ensure!(
-        a.expert_alignment >= 1 && a.expert_alignment <= ops::MAX_EXPERT_ALIGNMENT as i64,
-        OP,
-        "expert_alignment must be in 1..={} (aligned counts are int32), got {}",
-        ops::MAX_EXPERT_ALIGNMENT,
-        a.expert_alignment
-    );
-    crate::ensure!(a.num_worst_tokens >= 0, OP, "num_worst_tokens must be >= 0, got {}", a.num_worst_tokens);
-    let ntpe = tensor(OP, "num_tokens_per_expert", &a.num_tokens_per_expert)?;
-    Ok(DispatchArgs {
-        x: tensor(OP, "x", &a.x)?,
-        x_scales: opt_tensor(OP, "x_scales", &a.x_scales)?,
-        topk_idx: opt_tensor(OP, "topk_idx", &a.topk_idx)?,
-        topk_weights: opt_tensor(OP, "topk_weights", &a.topk_weights)?,
-        num_tokens_per_rank: tensor(OP, "num_tokens_per_rank", &a.num_tokens_per_rank)?,
-        is_token_in_rank: tensor(OP, "is_token_in_rank", &a.is_token_in_rank)?,
-        num_experts: if ntpe.ndim() == 1 { ntpe.size(0) } else { 0 },
-        num_tokens_per_expert: ntpe,
-        expert_alignment: a.expert_alignment as usize,
-        num_worst_tokens: a.num_worst_tokens as usize,
-        config: Config::from_slice(OP, &a.config)?,
+    check_size(op, a.size, std::mem::size_of::<RawDispatchArgs>())?;
+    Ok(DispatchRequest {
+        x: tensor(op, "x", &a.x)?,
+        x_scales: opt_tensor(op, "x_scales", &a.x_scales)?,
+        topk_idx: opt_tensor(op, "topk_idx", &a.topk_idx)?,
+        topk_weights: opt_tensor(op, "topk_weights", &a.topk_weights)?,
+        num_tokens_per_rank: tensor(op, "num_tokens_per_rank", &a.num_tokens_per_rank)?,
+        is_token_in_rank: tensor(op, "is_token_in_rank", &a.is_token_in_rank)?,
+        num_tokens_per_expert: tensor(op, "num_tokens_per_expert", &a.num_tokens_per_expert)?,
+        expert_alignment: a.expert_alignment,
+        num_worst_tokens: a.num_worst_tokens,
+        config: a.config,
         stream: a.stream,
     })
 }
@@ -241,17 +227,12 @@ pub unsafe extern "C" fn deep_ep_cached_dispatch(
     guard(|| {
         let r = &*args;
         check_size(OP, r.size, std::mem::size_of::<RawCachedDispatchArgs>())?;
-        let a = CachedDispatchArgs {
-            x: tensor(OP, "x", &r.x)?,
-            x_scales: opt_tensor(OP, "x_scales", &r.x_scales)?,
-            handle: handle_of(OP, &r.handle)?,
-            config: Config::from_slice(OP, &r.config)?,
-            stream: r.stream,
+        let recv = match opt_tensor(OP, "recv_x", recv_x)? {
+            None => None,
+            Some(rx) => Some((rx, opt_tensor(OP, "recv_x_scales", recv_x_scales)?)),
         };
-        match opt_tensor(OP, "recv_x", recv_x)? {
-            None => ops::check_cached_dispatch(handle, &a),
-            Some(rx) => ops::cached_dispatch(handle, &a, &rx, opt_tensor(OP, "recv_x_scales", recv_x_scales)?.as_ref()),
-        }
+        let (x, x_scales) = (tensor(OP, "x", &r.x)?, opt_tensor(OP, "x_scales", &r.x_scales)?);
+        ops::cached_dispatch(handle, x, x_scales, handle_of(OP, &r.handle)?, &r.config, r.stream, recv)
     })
 }
 
@@ -270,44 +251,36 @@ pub unsafe extern "C" fn deep_ep_combine(
     guard(|| {
         let r = &*args;
         check_size(OP, r.size, std::mem::size_of::<RawCombineArgs>())?;
-        let a = CombineArgs {
+        let inputs = CombineInputs {
             x: tensor(OP, "x", &r.x)?,
             topk_weights: opt_tensor(OP, "topk_weights", &r.topk_weights)?,
             bias_0: opt_tensor(OP, "bias_0", &r.bias_0)?,
             bias_1: opt_tensor(OP, "bias_1", &r.bias_1)?,
-            handle: handle_of(OP, &r.handle)?,
-            config: Config::from_slice(OP, &r.config)?,
-            stream: r.stream,
         };
-        match opt_tensor(OP, "combined_x", combined_x)? {
-            None => ops::check_combine(handle, &a),
-            Some(cx) => ops::combine(
-                handle,
-                &a,
-                &CombineOutputs { combined_x: cx, combined_topk_weights: opt_tensor(OP, "combined_topk_weights", combined_w)? },
-            ),
-        }
+        let out = match opt_tensor(OP, "combined_x", combined_x)? {
+            None => None,
+            Some(cx) => {
+                Some(CombineOutputs { combined_x: cx, combined_topk_weights: opt_tensor(OP, "combined_topk_weights", combined_w)? })
+            }
+        };
+        ops::combine(handle, inputs, handle_of(OP, &r.handle)?, &r.config, r.stream, out.as_ref())
     })
 }
 
-unsafe fn ll_params(op: &'static str, p: *const RawLlParams) -> Result<(LlGeometry, LlDispatchOptions, &'static RawLlParams)> {
+unsafe fn ll_params(op: &'static str, p: *const RawLlParams) -> Result<LlParams> {
     let p = &*p;
     check_size(op, p.size, std::mem::size_of::<RawLlParams>())?;
-    crate::ensure!(
-        p.num_max_dispatch_tokens_per_rank > 0 && p.hidden > 0 && p.num_experts > 0,
-        op,
-        "num_max_dispatch_tokens_per_rank ({}), hidden ({}) and num_experts ({}) must be positive",
-        p.num_max_dispatch_tokens_per_rank,
-        p.hidden,
-        p.num_experts
-    );
-    let g = LlGeometry {
-        num_max_dispatch_tokens_per_rank: p.num_max_dispatch_tokens_per_rank as usize,
-        hidden: p.hidden as usize,
-        num_experts: p.num_experts as usize,
-    };
-    let o = LlDispatchOptions { use_fp8: p.use_fp8 != 0, round_scale: p.round_scale != 0, use_ue8m0: p.use_ue8m0 != 0 };
-    Ok((g, o, p))
+    Ok(LlParams {
+        num_max_dispatch_tokens_per_rank: p.num_max_dispatch_tokens_per_rank,
+        hidden: p.hidden,
+        num_experts: p.num_experts,
+        use_fp8: p.use_fp8 != 0,
+        round_scale: p.round_scale != 0,
+        use_ue8m0: p.use_ue8m0 != 0,
+        use_logfmt: p.use_logfmt != 0,
+        zero_copy: p.zero_copy != 0,
+        stream: p.stream,
+    })
 }
 
 unsafe fn ll_stats(op: &'static str, cumulative: *const RawTensor, wait: *const RawTensor) -> Result<LlStats> {
@@ -347,16 +320,11 @@ pub unsafe extern "C" fn deep_ep_ll_dispatch_send(
 ) -> c_int {
     const OP: &str = crate::op_names::LOW_LATENCY_DISPATCH;
     guard(|| {
-        let (g, o, raw) = ll_params(OP, p)?;
-        let a = LlDispatchSendArgs {
-            x: tensor(OP, "x", x)?,
-            topk_idx: tensor(OP, "topk_idx", topk_idx)?,
-            topk_weights: opt_tensor(OP, "topk_weights", topk_weights)?,
-        };
-        if out.is_null() {
-            return ops::check_low_latency_dispatch(handle, &g, &o, &a, &ll_stats(OP, cumulative, wait)?);
-        }
-        ops::low_latency_dispatch_send(handle, &g, &o, &a, &ll_outputs(OP, &*out)?, raw.stream)
+        let p = ll_params(OP, p)?;
+        let (x, topk_idx, topk_weights) =
+            (tensor(OP, "x", x)?, tensor(OP, "topk_idx", topk_idx)?, opt_tensor(OP, "topk_weights", topk_weights)?);
+        let out = if out.is_null() { None } else { Some(ll_outputs(OP, &*out)?) };
+        ops::low_latency_dispatch_send(handle, &p, x, topk_idx, topk_weights, &ll_stats(OP, cumulative, wait)?, out.as_ref())
     })
 }
 
@@ -374,11 +342,11 @@ pub unsafe extern "C" fn deep_ep_ll_dispatch_recv(
 ) -> c_int {
     const OP: &str = crate::op_names::LOW_LATENCY_DISPATCH;
     guard(|| {
-        let (g, o, raw) = ll_params(OP, p)?;
+        let p = ll_params(OP, p)?;
         if out.is_null() {
             return Err(Error::invalid(OP, "outputs are required"));
         }
-        ops::low_latency_dispatch_recv(handle, &g, &o, &ll_outputs(OP, &*out)?, &ll_stats(OP, cumulative, wait)?, raw.stream)
+        ops::low_latency_dispatch_recv(handle, &p, &ll_outputs(OP, &*out)?, &ll_stats(OP, cumulative, wait)?)
     })
 }
 
@@ -397,16 +365,10 @@ pub unsafe extern "C" fn deep_ep_ll_combine_send(
 ) -> c_int {
     const OP: &str = crate::op_names::LOW_LATENCY_COMBINE;
     guard(|| {
-        let (g, _, raw) = ll_params(OP, p)?;
-        let a = LlCombineSendArgs {
-            x: tensor(OP, "x", x)?,
-            src_info: tensor(OP, "src_info", src_info)?,
-            layout_range: tensor(OP, "layout_range", layout_range)?,
-            use_logfmt: raw.use_logfmt != 0,
-            zero_copy: raw.zero_copy != 0,
-            recv_state: tensor(OP, "recv_state", recv_state)?,
-        };
-        ops::low_latency_combine_send(handle, &g, &a, raw.stream)
+        let p = ll_params(OP, p)?;
+        let (x, src_info) = (tensor(OP, "x", x)?, tensor(OP, "src_info", src_info)?);
+        let (layout_range, recv_state) = (tensor(OP, "layout_range", layout_range)?, tensor(OP, "recv_state", recv_state)?);
+        ops::low_latency_combine_send(handle, &p, x, src_info, layout_range, recv_state)
     })
 }
 
@@ -426,14 +388,11 @@ pub unsafe extern "C" fn deep_ep_ll_combine_recv(
 ) -> c_int {
     const OP: &str = crate::op_names::LOW_LATENCY_COMBINE;
     guard(|| {
-        let (g, _, raw) = ll_params(OP, p)?;
-        let a = LlCombineRecvArgs {
-            topk_idx: tensor(OP, "topk_idx", topk_idx)?,
-            topk_weights: tensor(OP, "topk_weights", topk_weights)?,
-            recv_state: tensor(OP, "recv_state", recv_state)?,
-            out: tensor(OP, "out", out)?,
-        };
-        ops::low_latency_combine_recv(handle, &g, &a, &ll_stats(OP, std::ptr::null(), wait)?, raw.stream)
+        let p = ll_params(OP, p)?;
+        let (topk_idx, topk_weights) = (tensor(OP, "topk_idx", topk_idx)?, tensor(OP, "topk_weights", topk_weights)?);
+        let (recv_state, out) = (tensor(OP, "recv_state", recv_state)?, tensor(OP, "out", out)?);
+        let wait = ll_stats(OP, std::ptr::null(), wait)?.wait_recv_cost_stats;
+        ops::low_latency_combine_recv(handle, &p, topk_idx, topk_weights, recv_state, out, wait)
     })
 }
 
@@ -452,12 +411,9 @@ pub unsafe extern "C" fn deep_ep_ll_mask_rows(
 ) -> c_int {
     let op = if which == 0 { crate::op_names::LOW_LATENCY_DISPATCH } else { crate::op_names::LOW_LATENCY_COMBINE };
     guard(|| {
-        let a = LlRowsArgs {
-            topk_idx: tensor(op, "topk_idx", topk_idx)?,
-            num_tokens: tensor(op, "num_tokens", num_tokens)?,
-            out: tensor(op, "out", out)?,
-        };
-        ops::low_latency_mask_rows(handle, op, &a, stream)
+        let (topk_idx, num_tokens, out) =
+            (tensor(op, "topk_idx", topk_idx)?, tensor(op, "num_tokens", num_tokens)?, tensor(op, "out", out)?);
+        ops::low_latency_mask_rows(handle, op, topk_idx, num_tokens, out, stream)
     })
 }
 
@@ -467,10 +423,7 @@ pub unsafe extern "C" fn deep_ep_ll_mask_rows(
 /// Pointers from the shim.
 #[no_mangle]
 pub unsafe extern "C" fn deep_ep_ll_clean(handle: i64, p: *const RawLlParams) -> c_int {
-    guard(|| {
-        let (g, _, raw) = ll_params(crate::op_names::CLEAN_LOW_LATENCY_BUFFER, p)?;
-        ops::clean_low_latency_buffer(handle, &g, raw.stream)
-    })
+    guard(|| ops::clean_low_latency_buffer(handle, &ll_params(crate::op_names::CLEAN_LOW_LATENCY_BUFFER, p)?))
 }
 
 /// See `deep_ep_ll_next_combine_buffer` in the header.
@@ -480,8 +433,8 @@ pub unsafe extern "C" fn deep_ep_ll_clean(handle: i64, p: *const RawLlParams) ->
 #[no_mangle]
 pub unsafe extern "C" fn deep_ep_ll_next_combine_buffer(handle: i64, p: *const RawLlParams, view: *mut RawTensor) -> c_int {
     guard(|| {
-        let (g, _, _) = ll_params(crate::op_names::GET_NEXT_LOW_LATENCY_COMBINE_BUFFER, p)?;
-        let t: TensorRef = ops::next_low_latency_combine_buffer(handle, &g)?;
+        let p = ll_params(crate::op_names::GET_NEXT_LOW_LATENCY_COMBINE_BUFFER, p)?;
+        let t: TensorRef = ops::next_low_latency_combine_buffer(handle, &p)?;
         *view = raw_of(&t);
         Ok(())
     })

@@ -91,7 +91,8 @@ impl BufferInfo {
             num_rdma_bytes: a.num_rdma_bytes,
             low_latency_mode: a.low_latency_mode,
             backend,
-            nvl_domain_size: crate::topology::nvl_domain_size().unwrap_or(crate::topology::DEFAULT_NVL_DOMAIN_SIZE),
+            nvl_domain_size: crate::topology::nvl_domain_size(crate::op_names::CREATE_BUFFER)
+                .unwrap_or(crate::topology::DEFAULT_NVL_DOMAIN_SIZE),
         }
     }
 }

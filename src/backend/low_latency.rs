@@ -6,6 +6,8 @@ use crate::config::{low_latency_rdma_size_hint, LowLatencyLayout};
 use crate::error::Result;
 use crate::tensor::TensorRef;
 
+pub use crate::op_io::{LlDispatchOutputs, LlStats};
+
 /// Static geometry shared by the low-latency ops of one call.
 #[derive(Copy, Clone, Debug)]
 pub struct LlGeometry {
@@ -166,32 +168,6 @@ pub struct LlDispatchSendArgs {
     pub topk_idx: TensorRef,
     /// `[N, K]` float32, optional (lets a backend reduce combine traffic; not required).
     pub topk_weights: Option<TensorRef>,
-}
-
-/// Low-latency dispatch outputs (static shapes; E_l = E / R). Allocated by the send op,
-/// filled by the recv op.
-pub struct LlDispatchOutputs {
-    /// `[E_l, R*T, H]` bf16, or float8_e4m3fn with scales.
-    pub recv_x: TensorRef,
-    /// float32 `[E_l, R*T, H/128]` or int32 `[E_l, R*T, H/512]` (UE8M0), column-major in the
-    /// last two dims (token stride 1).
-    pub recv_x_scales: Option<TensorRef>,
-    /// `[E_l]` int32 valid rows per local expert.
-    pub recv_count: TensorRef,
-    /// `[E_l, R*T]` int32: source token index of each row.
-    pub src_info: TensorRef,
-    /// `[E_l, R]` int64: `(begin << 32) | count` per source rank.
-    pub layout_range: TensorRef,
-    /// `[LL_STATE_LEN]` int64, written by send, read by recv.
-    pub recv_state: TensorRef,
-}
-
-/// Monitoring tensors the LL recv phases add to (mutated in place).
-pub struct LlStats {
-    /// `[E_l]` int32: += received tokens per local expert (dispatch only).
-    pub cumulative_local_expert_recv_stats: Option<TensorRef>,
-    /// `[R]` int64: += time waited per source rank (ns on CPU, cycles on GPU).
-    pub wait_recv_cost_stats: Option<TensorRef>,
 }
 
 /// Low-latency combine send-phase inputs.

@@ -1,16 +1,17 @@
 //! Internode normal-mode ops (DeepEP's `internode_dispatch` / `internode_combine`): validation
 //! and backend calls. Shapes and the handle: [`crate::backend::internode`].
 
-use super::normal::{check_cached_dispatch, check_combine, check_dispatch_args, check_is_token_in_rank, RoutingHandle};
-use crate::backend::internode::{
-    InternodeCachedDispatchArgs, InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutputs, InternodeHandle, InternodePlan,
-    NVL_HEAD_COLUMNS, SOURCE_META_BYTES,
+use super::normal::{
+    cached_args, check_cached_dispatch, check_combine, check_dispatch_args, check_is_token_in_rank, combine_args, CombineInputs,
+    DispatchRequest, RoutingHandle,
 };
-use crate::backend::{BufferInfo, CombineOutputs};
+use crate::backend::internode::{InternodeDispatchArgs, NVL_HEAD_COLUMNS, SOURCE_META_BYTES};
+use crate::backend::BufferInfo;
 use crate::buffer;
 use crate::config::Config;
 use crate::error::Result;
-use crate::tensor::{DType, TensorRef};
+use crate::op_io::{CombineOutputs, InternodeDispatchOutputs, InternodeHandle, InternodePlan};
+use crate::tensor::{DType, Stream, TensorRef};
 
 const DISPATCH: &str = crate::op_names::INTERNODE_DISPATCH;
 const CACHED: &str = crate::op_names::INTERNODE_CACHED_DISPATCH;
@@ -85,9 +86,16 @@ impl RoutingHandle for InternodeHandle {
     }
 }
 
+/// The backend's arguments of an internode dispatch: the intranode ones plus
+/// `num_tokens_per_rdma_rank [Rr]` int32.
+fn dispatch_args(r: &DispatchRequest, num_tokens_per_rdma_rank: TensorRef) -> Result<InternodeDispatchArgs> {
+    Ok(InternodeDispatchArgs { base: r.args(DISPATCH)?, num_tokens_per_rdma_rank })
+}
+
 /// Validates an internode dispatch and runs its first half (collective; host sync unless
 /// `num_worst_tokens > 0`).
-pub fn internode_dispatch_prepare(handle: i64, a: &InternodeDispatchArgs) -> Result<InternodePlan> {
+pub fn internode_dispatch_prepare(handle: i64, r: &DispatchRequest, num_tokens_per_rdma_rank: TensorRef) -> Result<InternodePlan> {
+    let a = dispatch_args(r, num_tokens_per_rdma_rank)?;
     buffer::with(DISPATCH, handle, |b| {
         let info = b.info().clone();
         let rr = num_rdma_ranks(DISPATCH, &info)?;
@@ -97,28 +105,51 @@ pub fn internode_dispatch_prepare(handle: i64, a: &InternodeDispatchArgs) -> Res
             .on(&[DType::Int32], info.device)?
             .shape(&[("num_rdma_ranks", Some(rr))])?
             .contiguous()?;
-        b.internode_dispatch_prepare(a)
+        b.internode_dispatch_prepare(&a)
     })
 }
 
-/// Second half of an internode dispatch into outputs allocated from `plan` (collective).
-pub fn internode_dispatch_finish(handle: i64, a: &InternodeDispatchArgs, plan: &InternodePlan, o: &InternodeDispatchOutputs) -> Result<()> {
-    buffer::with(DISPATCH, handle, |b| b.internode_dispatch_finish(a, plan, o))
+/// Second half of an internode dispatch into outputs allocated from `plan` (collective; the
+/// per-expert counts of `plan` are not read).
+pub fn internode_dispatch_finish(
+    handle: i64,
+    r: &DispatchRequest,
+    num_tokens_per_rdma_rank: TensorRef,
+    plan: &InternodePlan,
+    o: &InternodeDispatchOutputs,
+) -> Result<()> {
+    let a = dispatch_args(r, num_tokens_per_rdma_rank)?;
+    buffer::with(DISPATCH, handle, |b| b.internode_dispatch_finish(&a, plan, o))
 }
 
-/// Internode dispatch reusing a handle (collective, no host sync on GPUs).
+/// Internode dispatch reusing a handle (collective, no host sync on GPUs) into `recv`; `recv`
+/// absent: only the checks (made before the outputs are allocated).
 pub fn internode_cached_dispatch(
     handle: i64,
-    a: &InternodeCachedDispatchArgs,
-    recv_x: &TensorRef,
-    recv_x_scales: Option<&TensorRef>,
+    x: TensorRef,
+    x_scales: Option<TensorRef>,
+    h: InternodeHandle,
+    config: &[i64],
+    stream: Stream,
+    recv: Option<(TensorRef, Option<TensorRef>)>,
 ) -> Result<()> {
-    check_cached_dispatch(handle, a)?;
-    buffer::with(CACHED, handle, |b| b.internode_cached_dispatch(a, recv_x, recv_x_scales))
+    let a = cached_args(CACHED, x, x_scales, h, config, stream)?;
+    check_cached_dispatch(handle, &a)?;
+    let Some((recv_x, recv_x_scales)) = recv else { return Ok(()) };
+    buffer::with(CACHED, handle, |b| b.internode_cached_dispatch(&a, &recv_x, recv_x_scales.as_ref()))
 }
 
-/// Internode combine (collective).
-pub fn internode_combine(handle: i64, a: &InternodeCombineArgs, o: &CombineOutputs) -> Result<()> {
-    check_combine(handle, a)?;
-    buffer::with(COMBINE, handle, |b| b.internode_combine(a, o))
+/// Internode combine (collective) into `out`; `out` absent: only the checks.
+pub fn internode_combine(
+    handle: i64,
+    inputs: CombineInputs,
+    h: InternodeHandle,
+    config: &[i64],
+    stream: Stream,
+    out: Option<&CombineOutputs>,
+) -> Result<()> {
+    let a = combine_args(COMBINE, inputs, h, config, stream)?;
+    check_combine(handle, &a)?;
+    let Some(o) = out else { return Ok(()) };
+    buffer::with(COMBINE, handle, |b| b.internode_combine(&a, o))
 }

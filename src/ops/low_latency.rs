@@ -1,13 +1,14 @@
-//! Low-latency ops: validation and backend calls. Shapes are static: T tokens per rank at most,
-//! E experts, R ranks, E_l = E / R local experts, H hidden.
+//! Low-latency ops: validation, the backend's argument structs built from the plain values the
+//! C surface hands over ([`LlParams`], tensors), and the backend calls. Shapes are static: T
+//! tokens per rank at most, E experts, R ranks, E_l = E / R local experts, H hidden.
 
 use crate::backend::{
-    BufferInfo, LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlRowsArgs,
-    LlStats, Stream, LL_STATE_LEN,
+    BufferInfo, LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchSendArgs, LlGeometry, LlRowsArgs, LL_STATE_LEN,
 };
 use crate::buffer;
 use crate::error::Result;
-use crate::tensor::{DType, TensorRef};
+use crate::op_io::{LlDispatchOutputs, LlStats};
+use crate::tensor::{DType, Stream, TensorRef};
 
 /// Op names, shared with the backends' error messages.
 pub(crate) const DISPATCH: &str = crate::op_names::LOW_LATENCY_DISPATCH;
@@ -17,6 +18,46 @@ pub(crate) const NEXT: &str = crate::op_names::GET_NEXT_LOW_LATENCY_COMBINE_BUFF
 
 /// Most top-k entries per token in low-latency mode.
 pub const MAX_LL_TOPK: usize = 32;
+
+/// The scalars of a low-latency call (`deep_ep_ll_params_t`) as plain values, unchecked: the
+/// geometry, the format flags and the stream. Ops checks them and builds the backend's
+/// [`LlGeometry`] and [`LlDispatchOptions`].
+#[derive(Copy, Clone)]
+pub struct LlParams {
+    /// T: most tokens any rank dispatches in one call.
+    pub num_max_dispatch_tokens_per_rank: i64,
+    pub hidden: i64,
+    pub num_experts: i64,
+    pub use_fp8: bool,
+    pub round_scale: bool,
+    pub use_ue8m0: bool,
+    pub use_logfmt: bool,
+    pub zero_copy: bool,
+    pub stream: Stream,
+}
+
+impl LlParams {
+    /// The call geometry (op `op`): every size positive.
+    fn geometry(&self, op: &'static str) -> Result<LlGeometry> {
+        crate::ensure!(
+            self.num_max_dispatch_tokens_per_rank > 0 && self.hidden > 0 && self.num_experts > 0,
+            op,
+            "num_max_dispatch_tokens_per_rank ({}), hidden ({}) and num_experts ({}) must be positive",
+            self.num_max_dispatch_tokens_per_rank,
+            self.hidden,
+            self.num_experts
+        );
+        Ok(LlGeometry {
+            num_max_dispatch_tokens_per_rank: self.num_max_dispatch_tokens_per_rank as usize,
+            hidden: self.hidden as usize,
+            num_experts: self.num_experts as usize,
+        })
+    }
+
+    fn options(&self) -> LlDispatchOptions {
+        LlDispatchOptions { use_fp8: self.use_fp8, round_scale: self.round_scale, use_ue8m0: self.use_ue8m0 }
+    }
+}
 
 fn check_geometry(op: &'static str, g: &LlGeometry, info: &BufferInfo) -> Result<()> {
     crate::ensure!(info.low_latency_mode, op, "the buffer was created with low_latency_mode=False");
@@ -80,13 +121,7 @@ fn check_stats(op: &'static str, s: &LlStats, info: &BufferInfo, num_local_exper
 }
 
 /// Validates a low-latency dispatch (call before allocating the static outputs).
-pub fn check_low_latency_dispatch(
-    handle: i64,
-    g: &LlGeometry,
-    o: &LlDispatchOptions,
-    a: &LlDispatchSendArgs,
-    stats: &LlStats,
-) -> Result<()> {
+fn check_low_latency_dispatch(handle: i64, g: &LlGeometry, o: &LlDispatchOptions, a: &LlDispatchSendArgs, stats: &LlStats) -> Result<()> {
     buffer::with(DISPATCH, handle, |b| {
         let info = b.info().clone();
         check_geometry(DISPATCH, g, &info)?;
@@ -150,37 +185,37 @@ fn check_dispatch_outputs(out: &LlDispatchOutputs, g: &LlGeometry, o: &LlDispatc
     Ok(())
 }
 
-/// LL dispatch send phase into caller-allocated outputs (not yet valid until the recv phase).
+/// LL dispatch send phase into caller-allocated outputs (not yet valid until the recv phase);
+/// `out` absent: only the checks of the whole dispatch (`stats` included), made before the
+/// outputs are allocated.
 pub fn low_latency_dispatch_send(
     handle: i64,
-    g: &LlGeometry,
-    o: &LlDispatchOptions,
-    a: &LlDispatchSendArgs,
-    out: &LlDispatchOutputs,
-    stream: Stream,
+    p: &LlParams,
+    x: TensorRef,
+    topk_idx: TensorRef,
+    topk_weights: Option<TensorRef>,
+    stats: &LlStats,
+    out: Option<&LlDispatchOutputs>,
 ) -> Result<()> {
-    check_low_latency_dispatch(handle, g, o, a, &LlStats { cumulative_local_expert_recv_stats: None, wait_recv_cost_stats: None })?;
+    let (g, o) = (p.geometry(DISPATCH)?, p.options());
+    let a = LlDispatchSendArgs { x, topk_idx, topk_weights };
+    let Some(out) = out else { return check_low_latency_dispatch(handle, &g, &o, &a, stats) };
+    check_low_latency_dispatch(handle, &g, &o, &a, &LlStats { cumulative_local_expert_recv_stats: None, wait_recv_cost_stats: None })?;
     buffer::with(DISPATCH, handle, |b| {
-        check_dispatch_outputs(out, g, o, &b.info().clone())?;
-        b.ll_dispatch_send(g, o, a, out, stream)
+        check_dispatch_outputs(out, &g, &o, &b.info().clone())?;
+        b.ll_dispatch_send(&g, &o, &a, out, p.stream)
     })
 }
 
 /// LL dispatch recv phase: waits for all sources and fills `out`.
-pub fn low_latency_dispatch_recv(
-    handle: i64,
-    g: &LlGeometry,
-    o: &LlDispatchOptions,
-    out: &LlDispatchOutputs,
-    stats: &LlStats,
-    stream: Stream,
-) -> Result<()> {
+pub fn low_latency_dispatch_recv(handle: i64, p: &LlParams, out: &LlDispatchOutputs, stats: &LlStats) -> Result<()> {
+    let (g, o) = (p.geometry(DISPATCH)?, p.options());
     buffer::with(DISPATCH, handle, |b| {
         let info = b.info().clone();
-        check_geometry(DISPATCH, g, &info)?;
-        check_dispatch_outputs(out, g, o, &info)?;
+        check_geometry(DISPATCH, &g, &info)?;
+        check_dispatch_outputs(out, &g, &o, &info)?;
         check_stats(DISPATCH, stats, &info, g.num_experts / info.num_ranks)?;
-        b.ll_dispatch_recv(g, o, out, stats, stream)
+        b.ll_dispatch_recv(&g, &o, out, stats, p.stream)
     })
 }
 
@@ -212,28 +247,50 @@ fn check_combine_layout(
         .done()
 }
 
-/// LL combine send phase (collective in sequence with the recv phase).
-pub fn low_latency_combine_send(handle: i64, g: &LlGeometry, a: &LlCombineSendArgs, stream: Stream) -> Result<()> {
+/// LL combine send phase (collective in sequence with the recv phase): `x [E_l, R*T, H]` bf16
+/// expert outputs in the dispatch's layout (`src_info`, `layout_range`); writes `recv_state`.
+pub fn low_latency_combine_send(
+    handle: i64,
+    p: &LlParams,
+    x: TensorRef,
+    src_info: TensorRef,
+    layout_range: TensorRef,
+    recv_state: TensorRef,
+) -> Result<()> {
+    let g = p.geometry(COMBINE)?;
+    let a = LlCombineSendArgs { x, src_info, layout_range, use_logfmt: p.use_logfmt, zero_copy: p.zero_copy, recv_state };
     buffer::with(COMBINE, handle, |b| {
         let info = b.info().clone();
-        check_geometry(COMBINE, g, &info)?;
+        check_geometry(COMBINE, &g, &info)?;
         crate::ensure!(!(a.zero_copy && a.use_logfmt), COMBINE, "zero_copy and use_logfmt cannot be combined");
-        check_combine_layout(Some(&a.x), &a.src_info, &a.layout_range, g, &info)?;
+        check_combine_layout(Some(&a.x), &a.src_info, &a.layout_range, &g, &info)?;
         a.recv_state
             .check(COMBINE, "recv_state")
             .on(&[DType::Int64], info.device)?
             .shape(&[("state", Some(LL_STATE_LEN))])?
             .contiguous()?;
-        b.ll_combine_send(g, a, stream)
+        b.ll_combine_send(&g, &a, p.stream)
     })
 }
 
-/// LL combine recv phase: waits and reduces into `a.out`.
-pub fn low_latency_combine_recv(handle: i64, g: &LlGeometry, a: &LlCombineRecvArgs, stats: &LlStats, stream: Stream) -> Result<()> {
+/// LL combine recv phase: waits and reduces into `out [N, H]` bf16 with this rank's `topk_idx`
+/// and `topk_weights`; `wait` = `combine_wait_recv_cost_stats`.
+pub fn low_latency_combine_recv(
+    handle: i64,
+    p: &LlParams,
+    topk_idx: TensorRef,
+    topk_weights: TensorRef,
+    recv_state: TensorRef,
+    out: TensorRef,
+    wait: Option<TensorRef>,
+) -> Result<()> {
+    let g = p.geometry(COMBINE)?;
+    let a = LlCombineRecvArgs { topk_idx, topk_weights, recv_state, out };
+    let stats = LlStats { cumulative_local_expert_recv_stats: None, wait_recv_cost_stats: wait };
     buffer::with(COMBINE, handle, |b| {
         let info = b.info().clone();
-        check_geometry(COMBINE, g, &info)?;
-        let n = check_topk(COMBINE, &a.topk_idx, Some(&a.topk_weights), g, &info)?;
+        check_geometry(COMBINE, &g, &info)?;
+        let n = check_topk(COMBINE, &a.topk_idx, Some(&a.topk_weights), &g, &info)?;
         a.out
             .check(COMBINE, "out")
             .on(&[DType::BFloat16], info.device)?
@@ -244,20 +301,27 @@ pub fn low_latency_combine_recv(handle: i64, g: &LlGeometry, a: &LlCombineRecvAr
             .on(&[DType::Int64], info.device)?
             .shape(&[("state", Some(LL_STATE_LEN))])?
             .contiguous()?;
-        crate::ensure!(stats.cumulative_local_expert_recv_stats.is_none(), COMBINE, "internal: combine takes no cumulative stats");
-        check_stats(COMBINE, stats, &info, g.num_experts / info.num_ranks)?;
-        b.ll_combine_recv(g, a, stats, stream)
+        check_stats(COMBINE, &stats, &info, g.num_experts / info.num_ranks)?;
+        b.ll_combine_recv(&g, &a, &stats, p.stream)
     })
 }
 
 /// The optional `num_tokens` argument of `low_latency_dispatch` / `low_latency_combine` (`op`,
-/// either op name): writes `a.out` = `a.topk_idx` with the rows at or past the int32 device scalar
-/// `a.num_tokens` set to −1, which the op then passes to the backend instead of `topk_idx`, so
+/// either op name): writes `out` = `topk_idx` with the rows at or past the int32 device scalar
+/// `num_tokens` set to −1, which the op then passes to the backend instead of `topk_idx`, so
 /// that one captured CUDA graph serves any real batch. Local (no peer involved), on `stream`,
 /// no host sync on CUDA backends (see [`crate::backend::Backend::ll_mask_rows`] for the range
 /// check). Call after the op's own validation of `topk_idx`.
-pub fn low_latency_mask_rows(handle: i64, op: &'static str, a: &LlRowsArgs, stream: Stream) -> Result<()> {
+pub fn low_latency_mask_rows(
+    handle: i64,
+    op: &'static str,
+    topk_idx: TensorRef,
+    num_tokens: TensorRef,
+    out: TensorRef,
+    stream: Stream,
+) -> Result<()> {
     crate::ensure!(op == DISPATCH || op == COMBINE, op, "internal: num_tokens belongs to low_latency_dispatch or low_latency_combine");
+    let a = LlRowsArgs { topk_idx, num_tokens, out };
     buffer::with(op, handle, |b| {
         let info = b.info().clone();
         crate::ensure!(info.low_latency_mode, op, "the buffer was created with low_latency_mode=False");
@@ -287,23 +351,25 @@ pub fn low_latency_mask_rows(handle: i64, op: &'static str, a: &LlRowsArgs, stre
             op,
             "internal: the effective topk_idx must not alias topk_idx"
         );
-        b.ll_mask_rows(op, a, stream)
+        b.ll_mask_rows(op, &a, stream)
     })
 }
 
 /// `deep_ep::clean_low_latency_buffer` (collective).
-pub fn clean_low_latency_buffer(handle: i64, g: &LlGeometry, stream: Stream) -> Result<()> {
+pub fn clean_low_latency_buffer(handle: i64, p: &LlParams) -> Result<()> {
+    let g = p.geometry(CLEAN)?;
     buffer::with(CLEAN, handle, |b| {
-        check_geometry(CLEAN, g, &b.info().clone())?;
-        b.clean_low_latency_buffer(g, stream)
+        check_geometry(CLEAN, &g, &b.info().clone())?;
+        b.clean_low_latency_buffer(&g, p.stream)
     })
 }
 
 /// `deep_ep::get_next_low_latency_combine_buffer` (local): a bf16 view into the buffer.
-pub fn next_low_latency_combine_buffer(handle: i64, g: &LlGeometry) -> Result<TensorRef> {
+pub fn next_low_latency_combine_buffer(handle: i64, p: &LlParams) -> Result<TensorRef> {
+    let g = p.geometry(NEXT)?;
     buffer::with(NEXT, handle, |b| {
-        check_geometry(NEXT, g, &b.info().clone())?;
-        b.next_low_latency_combine_buffer(g)
+        check_geometry(NEXT, &g, &b.info().clone())?;
+        b.next_low_latency_combine_buffer(&g)
     })
 }
 

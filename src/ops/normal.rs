@@ -1,10 +1,12 @@
-//! Normal-mode (high-throughput) ops: validation and backend calls.
+//! Normal-mode (high-throughput) ops: validation, the backend's argument structs built from
+//! the plain values the C surface and `host` hand over, and the backend calls.
 
-use crate::backend::{BufferInfo, CachedDispatchArgs, CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, DispatchPlan, Handle};
+use crate::backend::{BufferInfo, CachedDispatchArgs, CombineArgs, DispatchArgs};
 use crate::buffer;
 use crate::config::Config;
 use crate::error::Result;
-use crate::tensor::{DType, TensorRef};
+use crate::op_io::{CombineOutputs, DispatchOutputs, DispatchPlan, Handle};
+use crate::tensor::{DType, Stream, TensorRef};
 
 const DISPATCH: &str = crate::op_names::DISPATCH;
 const CACHED: &str = crate::op_names::CACHED_DISPATCH;
@@ -112,12 +114,67 @@ fn check_handle(op: &'static str, h: &Handle, info: &BufferInfo, num_channels: u
         .done()
 }
 
+/// The inputs of a non-cached dispatch (`deep_ep_dispatch_args_t`) as plain values, unchecked:
+/// what the C surface and `host` hand over. Ops checks them and builds the backend's
+/// [`DispatchArgs`].
+#[derive(Copy, Clone)]
+pub struct DispatchRequest {
+    /// `[N, H]` bf16, or float8_e4m3fn with `x_scales`.
+    pub x: TensorRef,
+    /// `[N, S]` float32 or int32; only with FP8 `x`.
+    pub x_scales: Option<TensorRef>,
+    /// `[N, K]` int32 or int64 expert ids (−1 = none); given with `topk_weights`.
+    pub topk_idx: Option<TensorRef>,
+    /// `[N, K]` float32.
+    pub topk_weights: Option<TensorRef>,
+    /// `[R]` int32, `[N, R]` bool and `[E]` int32 from `get_dispatch_layout`.
+    pub num_tokens_per_rank: TensorRef,
+    pub is_token_in_rank: TensorRef,
+    pub num_tokens_per_expert: TensorRef,
+    /// Per-expert counts rounded up to this (1..=[`MAX_EXPERT_ALIGNMENT`]).
+    pub expert_alignment: i64,
+    /// 0: exact receive count (host sync); > 0: this many output rows, no host sync.
+    pub num_worst_tokens: i64,
+    /// `[num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv]` (DeepEP's `Config`).
+    pub config: [i64; 5],
+    pub stream: Stream,
+}
+
+impl DispatchRequest {
+    /// The backend's arguments, after the checks that need no buffer (op `op`).
+    pub(super) fn args(&self, op: &'static str) -> Result<DispatchArgs> {
+        crate::ensure!(
+            (1..=MAX_EXPERT_ALIGNMENT as i64).contains(&self.expert_alignment),
+            op,
+            "expert_alignment must be in 1..={MAX_EXPERT_ALIGNMENT} (aligned counts are int32), got {}",
+            self.expert_alignment
+        );
+        crate::ensure!(self.num_worst_tokens >= 0, op, "num_worst_tokens must be >= 0, got {}", self.num_worst_tokens);
+        let ntpe = self.num_tokens_per_expert;
+        Ok(DispatchArgs {
+            x: self.x,
+            x_scales: self.x_scales,
+            topk_idx: self.topk_idx,
+            topk_weights: self.topk_weights,
+            num_tokens_per_rank: self.num_tokens_per_rank,
+            is_token_in_rank: self.is_token_in_rank,
+            num_experts: if ntpe.ndim() == 1 { ntpe.size(0) } else { 0 },
+            num_tokens_per_expert: ntpe,
+            expert_alignment: self.expert_alignment as usize,
+            num_worst_tokens: self.num_worst_tokens as usize,
+            config: Config::from_slice(op, &self.config)?,
+            stream: self.stream,
+        })
+    }
+}
+
 /// Validates a dispatch and runs its first half (collective; host sync unless worst-case).
-pub fn dispatch_prepare(handle: i64, a: &DispatchArgs) -> Result<DispatchPlan> {
+pub fn dispatch_prepare(handle: i64, r: &DispatchRequest) -> Result<DispatchPlan> {
+    let a = r.args(DISPATCH)?;
     buffer::with(DISPATCH, handle, |b| {
         let info = b.info().clone();
-        check_dispatch_args(DISPATCH, a, &info)?;
-        b.dispatch_prepare(a)
+        check_dispatch_args(DISPATCH, &a, &info)?;
+        b.dispatch_prepare(&a)
     })
 }
 
@@ -180,14 +237,28 @@ pub(super) fn check_dispatch_args(op: &'static str, a: &DispatchArgs, info: &Buf
     }
 }
 
-/// Second half of a dispatch into outputs allocated from `plan` (collective).
-pub fn dispatch_finish(handle: i64, a: &DispatchArgs, plan: &DispatchPlan, o: &DispatchOutputs) -> Result<()> {
-    buffer::with(DISPATCH, handle, |b| b.dispatch_finish(a, plan, o))
+/// Second half of a dispatch into outputs allocated from `plan` (collective; only
+/// `num_recv_tokens` and `num_rows` of `plan` are read).
+pub fn dispatch_finish(handle: i64, r: &DispatchRequest, plan: &DispatchPlan, o: &DispatchOutputs) -> Result<()> {
+    let a = r.args(DISPATCH)?;
+    buffer::with(DISPATCH, handle, |b| b.dispatch_finish(&a, plan, o))
+}
+
+/// The arguments of a cached dispatch with routing handle `h` (op `op`).
+pub(super) fn cached_args<H>(
+    op: &'static str,
+    x: TensorRef,
+    x_scales: Option<TensorRef>,
+    h: H,
+    config: &[i64],
+    stream: Stream,
+) -> Result<CachedDispatchArgs<H>> {
+    Ok(CachedDispatchArgs { x, x_scales, handle: h, config: Config::from_slice(op, config)?, stream })
 }
 
 /// Validates a cached dispatch, intranode or internode (call before allocating `[rows, H]`
 /// outputs).
-pub fn check_cached_dispatch<H: RoutingHandle>(handle: i64, a: &CachedDispatchArgs<H>) -> Result<()> {
+pub(super) fn check_cached_dispatch<H: RoutingHandle>(handle: i64, a: &CachedDispatchArgs<H>) -> Result<()> {
     let op = H::OPS.0;
     buffer::with(op, handle, |b| {
         let info = b.info().clone();
@@ -198,14 +269,52 @@ pub fn check_cached_dispatch<H: RoutingHandle>(handle: i64, a: &CachedDispatchAr
     })
 }
 
-/// Dispatch reusing a handle (collective, no host sync on GPUs).
-pub fn cached_dispatch(handle: i64, a: &CachedDispatchArgs, recv_x: &TensorRef, recv_x_scales: Option<&TensorRef>) -> Result<()> {
-    check_cached_dispatch(handle, a)?;
-    buffer::with(CACHED, handle, |b| b.cached_dispatch(a, recv_x, recv_x_scales))
+/// Dispatch reusing a handle (collective, no host sync on GPUs) into `recv = (recv_x [rows, H],
+/// recv_x_scales [rows, S])`; `recv` absent: only the checks (made before the outputs are
+/// allocated).
+pub fn cached_dispatch(
+    handle: i64,
+    x: TensorRef,
+    x_scales: Option<TensorRef>,
+    h: Handle,
+    config: &[i64],
+    stream: Stream,
+    recv: Option<(TensorRef, Option<TensorRef>)>,
+) -> Result<()> {
+    let a = cached_args(CACHED, x, x_scales, h, config, stream)?;
+    check_cached_dispatch(handle, &a)?;
+    let Some((recv_x, recv_x_scales)) = recv else { return Ok(()) };
+    buffer::with(CACHED, handle, |b| b.cached_dispatch(&a, &recv_x, recv_x_scales.as_ref()))
+}
+
+/// The arguments of a combine with routing handle `h` (op `op`): `inputs` = `x`,
+/// `topk_weights`, `bias_0`, `bias_1` (`x` required).
+pub(super) fn combine_args<H>(op: &'static str, inputs: CombineInputs, h: H, config: &[i64], stream: Stream) -> Result<CombineArgs<H>> {
+    Ok(CombineArgs {
+        x: inputs.x,
+        topk_weights: inputs.topk_weights,
+        bias_0: inputs.bias_0,
+        bias_1: inputs.bias_1,
+        handle: h,
+        config: Config::from_slice(op, config)?,
+        stream,
+    })
+}
+
+/// The data inputs of a combine (normal or internode).
+#[derive(Copy, Clone)]
+pub struct CombineInputs {
+    /// `[rows, H]` bf16 in dispatch receive order.
+    pub x: TensorRef,
+    /// `[rows, K]` float32, summed back like `x`.
+    pub topk_weights: Option<TensorRef>,
+    /// `[N, H]` bf16, added first.
+    pub bias_0: Option<TensorRef>,
+    pub bias_1: Option<TensorRef>,
 }
 
 /// Validates a combine, intranode or internode (call before allocating `[N, H]` outputs).
-pub fn check_combine<H: RoutingHandle>(handle: i64, a: &CombineArgs<H>) -> Result<()> {
+pub(super) fn check_combine<H: RoutingHandle>(handle: i64, a: &CombineArgs<H>) -> Result<()> {
     let op = H::OPS.1;
     buffer::with(op, handle, |b| {
         let info = b.info().clone();
@@ -245,8 +354,11 @@ pub(crate) fn check_combine_payload(
     Ok(())
 }
 
-/// Normal-mode combine (collective).
-pub fn combine(handle: i64, a: &CombineArgs, o: &CombineOutputs) -> Result<()> {
-    check_combine(handle, a)?;
-    buffer::with(COMBINE, handle, |b| b.combine(a, o))
+/// Normal-mode combine (collective) into `out`; `out` absent: only the checks (made before
+/// the outputs are allocated).
+pub fn combine(handle: i64, inputs: CombineInputs, h: Handle, config: &[i64], stream: Stream, out: Option<&CombineOutputs>) -> Result<()> {
+    let a = combine_args(COMBINE, inputs, h, config, stream)?;
+    check_combine(handle, &a)?;
+    let Some(o) = out else { return Ok(()) };
+    buffer::with(COMBINE, handle, |b| b.combine(&a, o))
 }

@@ -14,6 +14,12 @@ pub mod nccl;
 #[cfg(feature = "nvshmem")]
 pub mod nvshmem;
 
+/// Bytes of every unique id on the wire (`DEEP_EP_UNIQUE_ID_BYTES` in `csrc/deep_ep_capi.h`):
+/// NCCL's `ncclUniqueId` and NVSHMEM's `nvshmemx_uniqueid_t` are 128 bytes, and the CPU and ipc
+/// rendezvous ids are padded to it. Here, with the declarations it must match, so that they
+/// depend on nothing; `crate::config` re-exports it.
+pub const UNIQUE_ID_BYTES: usize = 128;
+
 /// The library a loader test opens: `$env`, else `<home>/lib/<file>` of the build's install
 /// (`home` from build.rs); `None`, said on stderr so the test reads as skipped, when neither exists.
 #[cfg(test)]

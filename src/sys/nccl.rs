@@ -25,7 +25,7 @@ pub const DEFAULT_LIBRARY: &str = "libnccl.so.2";
 const OP: &str = "deep_ep::nccl";
 
 // The unique id crosses torch as the backend-independent 128-byte id; the device API needs 2.28+.
-const _: () = assert!(std::mem::size_of::<ncclUniqueId>() == crate::config::UNIQUE_ID_BYTES);
+const _: () = assert!(std::mem::size_of::<ncclUniqueId>() == super::UNIQUE_ID_BYTES);
 const _: () = assert!(NCCL_HEADER_VERSION_CODE >= 22800, "NCCL headers older than 2.28 lack the device API");
 
 static LIB: OnceLock<&'static NcclLib> = OnceLock::new();

@@ -59,7 +59,7 @@ struct InitAttr {
 }
 
 // The headers' own static_asserts.
-const _: () = assert!(std::mem::size_of::<UniqueId>() == 128 && std::mem::size_of::<UniqueId>() == crate::config::UNIQUE_ID_BYTES);
+const _: () = assert!(std::mem::size_of::<UniqueId>() == 128 && std::mem::size_of::<UniqueId>() == super::UNIQUE_ID_BYTES);
 const _: () = assert!(std::mem::size_of::<UniqueIdArgs>() == 24);
 const _: () = assert!(std::mem::size_of::<InitArgs>() == 128);
 const _: () = assert!(std::mem::size_of::<InitAttr>() == 144);

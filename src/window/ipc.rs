@@ -21,12 +21,12 @@
 //! is still bounded by `DEEP_EP_TIMEOUT_MS`.
 
 use super::peer_window::{PeerWindow, WindowArgs};
-use crate::backend::cpu::shared;
-use crate::backend::cpu::shm::{self, Region, Segment};
 use crate::error::{Error, Result};
 use crate::kernels::intranode::{self, Ctx, DeviceGuard, HostStatus, Stream};
 use crate::kernels::layout::check;
 use crate::kernels::transport::MAX_LSA_PEERS;
+use crate::shm::rendezvous;
+use crate::shm::{self, Region, Segment};
 use crate::sys::kernels::*;
 use crate::window::lsa_team::PeerMap;
 use std::ffi::c_void;
@@ -60,7 +60,7 @@ const FAILED: u64 = 2;
 
 /// A fresh unique id: prefix + random name, zero-padded to 128 bytes (host only, no GPU needed).
 pub fn unique_id() -> Vec<u8> {
-    shared::make_unique_id("ipc")
+    rendezvous::make_unique_id("ipc")
 }
 
 /// A random token of this process: equal tokens = ranks in one process (threads), whose
@@ -68,15 +68,15 @@ pub fn unique_id() -> Vec<u8> {
 /// containers sharing a GPU.
 fn process_token() -> u64 {
     static TOKEN: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *TOKEN.get_or_init(|| (shared::random_u128() as u64) | 1)
+    *TOKEN.get_or_init(|| (rendezvous::random_u128() as u64) | 1)
 }
 
 fn name_from_id(id: &[u8]) -> Result<String> {
-    shared::name_from_id(OP, "ipc", id)
+    rendezvous::name_from_id(OP, "ipc", id)
 }
 
 /// The host side of the buffer's rendezvous: one record per rank in shared memory
-/// (`cpu::shared::segment`: anonymous by default) and a barrier over their epoch words, every wait bounded
+/// (`shm::rendezvous::segment`: anonymous by default) and a barrier over their epoch words, every wait bounded
 /// by the timeout and naming the missing ranks.
 pub struct Rendezvous {
     seg: Segment,
@@ -88,7 +88,7 @@ pub struct Rendezvous {
 
 impl Rendezvous {
     fn open(unique_id: &[u8], rank: usize, num_ranks: usize, timeout: Duration) -> Result<Rendezvous> {
-        let seg = crate::backend::cpu::shared::segment(OP, &name_from_id(unique_id)?, rank, num_ranks, SLOT * MAX_LSA_PEERS, timeout)?;
+        let seg = rendezvous::segment(OP, &name_from_id(unique_id)?, rank, num_ranks, SLOT * MAX_LSA_PEERS, timeout)?;
         Ok(Rendezvous { seg, rank, num_ranks, epoch: 0, timeout })
     }
 
@@ -347,14 +347,14 @@ mod tests {
         assert_ne!(a, b);
         let n = name_from_id(&a).unwrap();
         assert!(n.starts_with("ipc_") && n != name_from_id(&b).unwrap(), "{n}");
-        let e = name_from_id(&crate::backend::cpu::CpuBackend::unique_id()).unwrap_err().to_string();
+        let e = name_from_id(&rendezvous::make_unique_id("cpu")).unwrap_err().to_string();
         assert!(e.contains("unique_id was not made by get_unique_id('ipc')"), "{e}");
     }
 
     #[test]
     fn the_rendezvous_names_the_rank_that_failed_a_step() {
         let id = unique_id();
-        let t = Duration::from_millis(2000);
+        let t = Duration::from_secs(120); // never reached: every wait here ends when the peer answers
         let peer = std::thread::spawn({
             let id = id.clone();
             move || {
@@ -378,10 +378,12 @@ mod tests {
             move || Rendezvous::open(&id, 1, 3, t).and_then(|mut r| r.barrier(OP, "to allocate its window")).map_err(|e| e.to_string())
         });
         // Rank 2 never comes: rank 0 names it while handing out the memory, rank 1 (served) names
-        // it at the first barrier, with rank 0, which gave up.
+        // it at the first barrier, with rank 0, which gave up. On a loaded machine rank 1 may come
+        // after rank 0 gave up: rank 0 then names it too, and rank 1 names rank 0.
         let e0 = Rendezvous::open(&id, 0, 3, t).err().expect("rank 2 never came").to_string();
-        assert!(e0.contains("[2]") && e0.contains("handing the buffer memory"), "{e0}");
+        assert!((e0.contains("[2]") || e0.contains("[1, 2]")) && e0.contains("handing the buffer memory"), "{e0}");
         let e1 = came.join().unwrap().unwrap_err();
-        assert!(e1.contains("[0, 2]") && e1.contains("to allocate its window"), "{e1}");
+        let served = e1.contains("[0, 2]") && e1.contains("to allocate its window");
+        assert!(served || (e1.contains("[0]") && e1.contains("receiving the buffer memory from rank 0")), "{e1}");
     }
 }

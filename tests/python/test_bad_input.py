@@ -6,6 +6,7 @@ correct dispatch/cached dispatch/combine runs and is checked against the referen
 2-rank run where both ranks pass the same bad inputs (and one-sided content errors, which the CPU
 backend raises on all ranks) and then continue correctly.
 """
+import os
 import re
 
 import pytest
@@ -566,8 +567,23 @@ def test_large_expert_alignment_rounds_up(ops, shared_buffer):
 # for *_send/*_recv): the C seam is shared by the fused and the split ops.
 
 FAMILY = {"low_latency_dispatch_send": "low_latency_dispatch", "low_latency_dispatch_recv": "low_latency_dispatch",
-          "low_latency_combine_send": "low_latency_combine", "low_latency_combine_recv": "low_latency_combine"}
+          "low_latency_combine_send": "low_latency_combine", "low_latency_combine_recv": "low_latency_combine",
+          # it raises the error create_buffer would raise with these settings
+          "check_environment": "create_buffer"}
 CPU = torch.device("cpu")
+
+
+def _with_env(name, value, fn, *args):
+    """fn(*args) with environment variable `name` set to `value` (restored afterwards)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return fn(*args)
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
 
 
 @pytest.fixture(scope="module")
@@ -665,6 +681,11 @@ EXTRA_CASES = [
      lambda c: c.ops.rdma_buffer_size_hint(CFG20, 1024, 12)),
     ("ll-hint-zero-hidden", "low_latency_rdma_size_hint", r"all arguments must be positive",
      lambda c: c.ops.low_latency_rdma_size_hint(4, 0, 1, 8)),
+    # settings
+    ("nvl-domain-size-plus-one", "nvl_domain_size", r'DEEP_EP_NVL_DOMAIN_SIZE="\+1" is not a whole number in 1..=8',
+     lambda c: _with_env("DEEP_EP_NVL_DOMAIN_SIZE", "+1", c.ops.nvl_domain_size)),
+    ("check-environment-unknown-backend", "check_environment", r"unknown backend 'bogus' \(from DEEP_EP_BACKEND\)",
+     lambda c: _with_env("DEEP_EP_BACKEND", "bogus", c.ops.check_environment, CPU)),
     # normal mode: shapes, dtypes, contiguity
     ("dispatch-topk-3d", "dispatch", r"topk_idx must have shape", lambda c: c.n.d(idx=c.n.idx.view(N, K, 1))),
     ("dispatch-scales-1d", "dispatch", r"x_scales must have shape", lambda c: c.n.d(x=_fp8(c.n), scales=torch.ones((N,)))),

@@ -15,6 +15,8 @@ EXPECTED = {
     "rdma_buffer_size_hint": "rdma_buffer_size_hint(int[] config, int hidden_bytes, int num_ranks) -> int",
     "low_latency_rdma_size_hint": "low_latency_rdma_size_hint(int num_max_dispatch_tokens_per_rank, int hidden, int num_ranks, int num_experts) -> int",
     "build_info": "build_info() -> str",
+    "nvl_domain_size": "nvl_domain_size() -> int",
+    "check_environment": "check_environment(Device device) -> str",
     "get_dispatch_layout": "get_dispatch_layout(Tensor topk_idx, int num_experts, int num_ranks) -> "
                            "(Tensor num_tokens_per_rank, Tensor num_tokens_per_rdma_rank, Tensor num_tokens_per_expert, Tensor is_token_in_rank)",
     "dispatch": "dispatch(int handle, Tensor x, Tensor? x_scales, Tensor? topk_idx, Tensor? topk_weights, Tensor num_tokens_per_rank, "
@@ -127,6 +129,7 @@ def test_ops_have_real_cpu_kernels(deep_ep):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"deep_ep::{name}", "CPU"), name
     for name in ["get_unique_id", "create_buffer", "destroy_buffer", "buffer_info", "nvl_buffer_size_hint", "rdma_buffer_size_hint",
                  "low_latency_rdma_size_hint", "clean_low_latency_buffer", "get_next_low_latency_combine_buffer", "build_info",
+                 "nvl_domain_size", "check_environment",
                  "low_latency_update_mask_buffer", "low_latency_query_mask_buffer", "low_latency_clean_mask_buffer",
                  "low_latency_set_shrink", "wait_stats"]:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"deep_ep::{name}", "CompositeExplicitAutograd"), name

@@ -6,12 +6,12 @@
 //! on all ranks and they stay in step; then each rank *pulls* what it receives from the peers'
 //! areas; a final barrier keeps areas stable until every peer has read them.
 
-use super::shm::Region;
 use super::CpuBackend;
 use crate::backend::{CachedDispatchArgs, CombineArgs, CombineOutputs, DispatchArgs, DispatchOutputs, DispatchPlan, Handle, NormalMode};
 use crate::error::{Error, Result};
 use crate::layout;
 use crate::numerics::bf16;
+use crate::shm::Region;
 use crate::tensor::TensorRef;
 
 pub(super) const HEADER_BYTES: usize = 4096;

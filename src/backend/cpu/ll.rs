@@ -37,7 +37,6 @@
 
 use super::ht::Kind;
 use super::ll_state::LlState;
-use super::shm::{self, Region};
 use super::CpuBackend;
 use crate::backend::{
     LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlRowsArgs, LlStats,
@@ -46,6 +45,7 @@ use crate::backend::{
 use crate::config::LowLatencyLayout;
 use crate::error::{Error, Result};
 use crate::numerics::{bf16, fp8, logfmt};
+use crate::shm::{self, Region};
 use crate::tensor::{DType, Device, TensorRef};
 use std::sync::atomic::Ordering;
 use std::time::Duration;

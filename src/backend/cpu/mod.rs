@@ -2,7 +2,7 @@
 //! (or threads) of one machine. It is the reference the GPU kernels are tested against and what
 //! runs where there is no GPU.
 //!
-//! Segment layout (one shared mapping per buffer, `shared::segment`):
+//! Segment layout (one shared mapping per buffer, `crate::shm::rendezvous::segment`):
 //! `[control: barrier slots | create records][rank 0: HT area | LL area][rank 1: ...]...`
 //! Normal-mode ops *publish* into the caller's own HT area, meet at a barrier, then *pull* from
 //! peers (`ht.rs`). Low-latency ops *push* into the receiver's LL area and raise epoch-tagged
@@ -12,12 +12,10 @@ pub(crate) mod ht;
 pub(crate) mod internode;
 pub(crate) mod ll;
 mod ll_state;
-pub mod shared;
-pub mod shm;
 
 use super::{Backend, BackendKind, BufferInfo, CreateArgs};
 use crate::error::{Error, Result, WaitEnd};
-use shm::{Region, Segment};
+use crate::shm::{self, rendezvous, Region, Segment};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -69,12 +67,19 @@ impl Drop for CpuBackend {
 impl CpuBackend {
     /// A fresh rendezvous id: prefix + random name, zero-padded to [`crate::config::UNIQUE_ID_BYTES`].
     pub fn unique_id() -> Vec<u8> {
-        shared::make_unique_id("cpu")
+        rendezvous::make_unique_id("cpu")
     }
 
-    /// Collective: every rank maps the same shared memory (`shared::segment`) and checks that all
-    /// ranks asked for the same buffer; a named file loses its name once every rank has it.
+    /// Collective: every rank maps the same shared memory (`crate::shm::rendezvous::segment`) and
+    /// checks that all ranks asked for the same buffer; a named file loses its name once every
+    /// rank has it. Every wait is bounded by `DEEP_EP_TIMEOUT_MS`.
     pub fn create(a: &CreateArgs) -> Result<CpuBackend> {
+        Self::create_with_timeout(a, crate::settings::timeout(crate::op_names::CREATE_BUFFER)?)
+    }
+
+    /// [`Self::create`] with the deadline of every wait given, not read from the environment
+    /// (tests: a process-wide variable would change the deadline of every test running beside).
+    pub fn create_with_timeout(a: &CreateArgs, timeout: Duration) -> Result<CpuBackend> {
         const OP: &str = crate::op_names::CREATE_BUFFER;
         crate::ensure!(a.num_ranks >= 1 && a.num_ranks <= MAX_RANKS, OP, "num_ranks must be in 1..={MAX_RANKS}, got {}", a.num_ranks);
         crate::ensure!(a.rank < a.num_ranks, OP, "rank {} out of range for {} ranks", a.rank, a.num_ranks);
@@ -84,13 +89,12 @@ impl CpuBackend {
             "the cpu backend works on CPU tensors; device {} needs the nccl backend",
             a.device
         );
-        let name = shared::name_from_id(OP, "cpu", a.unique_id)?;
+        let name = rendezvous::name_from_id(OP, "cpu", a.unique_id)?;
         let ht_bytes = align_up(a.num_nvl_bytes, ALIGN);
         let ll_bytes = align_up(a.num_rdma_bytes, ALIGN);
         let region_bytes = ht_bytes + ll_bytes;
         let total = CONTROL_BYTES + a.num_ranks * region_bytes;
-        let timeout = crate::settings::timeout(OP)?;
-        let seg = shared::segment(OP, &name, a.rank, a.num_ranks, total, timeout)?;
+        let seg = rendezvous::segment(OP, &name, a.rank, a.num_ranks, total, timeout)?;
         let mut b = CpuBackend {
             info: BufferInfo::from_args(a, BackendKind::Cpu),
             seg: Some(seg),
@@ -277,32 +281,54 @@ mod tests {
         hs.into_iter().for_each(|h| h.join().unwrap());
     }
 
+    /// Deadline of waits that must succeed: far beyond any scheduling delay of a loaded machine
+    /// (a wait that succeeds returns as soon as the peers arrive, so it costs nothing).
+    const NEVER: Duration = Duration::from_secs(120);
+    /// Deadline of waits that must time out (only a rank that never comes is missing).
+    const SHORT: Duration = Duration::from_millis(300);
+
+    /// The barrier epoch rank `p` has published.
+    fn epoch_of(b: &CpuBackend, p: usize) -> u64 {
+        b.control().atomic_u64(BARRIER_OFF + p * SLOT).load(Ordering::Acquire)
+    }
+
     #[test]
     fn masked_barriers_skip_a_dead_rank_and_shrink_mode_masks_it() {
         let id = CpuBackend::unique_id();
-        std::env::set_var("DEEP_EP_TIMEOUT_MS", "300");
         let mut all: Vec<CpuBackend> = std::thread::scope(|s| {
             let hs: Vec<_> = (0..3)
                 .map(|r| {
                     let id = id.clone();
-                    s.spawn(move || CpuBackend::create(&args(&id, r, 3, 4096)).unwrap())
+                    s.spawn(move || CpuBackend::create_with_timeout(&args(&id, r, 3, 4096), NEVER).unwrap())
                 })
                 .collect();
             hs.into_iter().map(|h| h.join().unwrap()).collect()
         });
         let _dead = all.pop().unwrap(); // rank 2 never takes part again
+                                        // Rank 1 enters every barrier that must time out first, and rank 0 only once rank 1 has
+                                        // arrived: rank 0's short wait then misses rank 2 alone, however late either thread runs.
+                                        // Rank 1 may see rank 0 late on a loaded machine, so only rank 0's verdicts are exact.
         type Outcome = (Result<()>, Result<()>, Result<()>, Vec<bool>, Vec<[i64; 2]>);
         let res: Vec<Outcome> = std::thread::scope(|s| {
             let hs: Vec<_> = all
                 .iter_mut()
                 .map(|b| {
                     s.spawn(move || {
+                        let follow = |b: &CpuBackend| {
+                            while b.info.rank == 0 && epoch_of(b, 1) <= b.epoch {
+                                std::thread::yield_now();
+                            }
+                        };
                         b.wait_stats(true).unwrap(); // forget the rendezvous
                         b.ll_update_mask(2, true).unwrap();
+                        b.timeout = NEVER; // rank 2 is masked: only live ranks are waited for
                         let masked = b.barrier_among("test", "masked", true);
+                        b.timeout = SHORT;
+                        follow(b);
                         let ht = b.barrier_among("test", "normal mode ignores the mask", false);
                         b.ll_clean_mask().unwrap();
                         b.ll_set_shrink(true).unwrap();
+                        follow(b);
                         let shrink = b.barrier_among("test", "shrink", true);
                         (masked, ht, shrink, b.ll_mask(), b.wait_stats(true).unwrap())
                     })
@@ -313,26 +339,28 @@ mod tests {
         for (rank, (masked, ht, shrink, mask, waits)) in res.into_iter().enumerate() {
             assert!(masked.is_ok(), "{masked:?}");
             let e = ht.unwrap_err().to_string();
-            assert!(e.contains("waiting for rank(s) [2]"), "{e}");
+            assert!(e.contains(if rank == 0 { "waiting for rank(s) [2]" } else { "2]" }), "{e}");
             assert!(shrink.is_ok(), "{shrink:?}");
-            assert_eq!(mask, vec![false, false, true], "shrink mode masks the rank that did not arrive");
-            let peer = 1 - rank;
-            assert!(waits[peer][0] == 3 && waits[rank] == [0, 0] && waits[2][0] == 0, "{waits:?}");
+            assert!(mask[2], "shrink mode masks the rank that did not arrive: {mask:?}");
+            assert!(waits[rank] == [0, 0] && waits[2][0] == 0, "{waits:?}");
+            if rank == 0 {
+                assert_eq!(mask, vec![false, false, true], "shrink mode masks only the rank that did not arrive");
+                assert_eq!(waits[1][0], 3, "{waits:?}");
+            }
         }
     }
 
     #[test]
     fn mismatched_sizes_are_reported_and_missing_rank_times_out() {
-        std::env::set_var("DEEP_EP_TIMEOUT_MS", "300");
         let id = CpuBackend::unique_id();
         let id2 = id.clone();
-        let t = std::thread::spawn(move || CpuBackend::create(&args(&id2, 1, 2, 1 << 13)).err().map(|e| e.to_string()));
-        let e0 = CpuBackend::create(&args(&id, 0, 2, 1 << 12)).err().unwrap().to_string();
+        let t = std::thread::spawn(move || CpuBackend::create_with_timeout(&args(&id2, 1, 2, 1 << 13), NEVER).err().map(|e| e.to_string()));
+        let e0 = CpuBackend::create_with_timeout(&args(&id, 0, 2, 1 << 12), NEVER).err().unwrap().to_string();
         let e1 = t.join().unwrap().unwrap();
         assert!(e0.contains("rank 1 created the buffer"), "{e0}");
         assert!(e1.contains("rank 0 created the buffer"), "{e1}");
         let id = CpuBackend::unique_id();
-        let e = CpuBackend::create(&args(&id, 0, 2, 4096)).err().unwrap().to_string();
+        let e = CpuBackend::create_with_timeout(&args(&id, 0, 2, 4096), SHORT).err().unwrap().to_string();
         assert!(e.contains("waiting for rank(s) [1]"), "{e}");
         assert!(CpuBackend::create(&args(b"nonsense", 0, 1, 0)).is_err());
     }

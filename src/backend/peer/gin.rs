@@ -367,7 +367,7 @@ fn unavailable_on(plan: &GinPlan, k: &GinKnobs, rank: usize, on: &str, why: &str
 pub fn self_test_stride(enabled: Option<&str>, nvl_domain: Option<&str>, rank: usize, num_ranks: usize) -> Result<Option<usize>> {
     let d = match enabled.map(str::trim) {
         None | Some("") | Some("0") => return Ok(None),
-        Some("1") => crate::topology::parse_nvl_domain_size(nvl_domain)?,
+        Some("1") => crate::topology::parse_nvl_domain_size(OP, nvl_domain)?,
         Some(v) => match v.parse::<usize>() {
             Ok(n) if n >= 2 => n,
             _ => return Err(Error::invalid(OP, format!("DEEP_EP_TRANSPORT_SELFTEST must be 0, 1 or a node size >= 2, got {v:?}"))),

@@ -154,7 +154,7 @@ impl PeerBackend {
         crate::kernels::low_latency::check_struct_size(OP)?;
         let timeout = crate::settings::timeout(OP)?;
         // Internode LL (ranks over several NVLink domains): the seam's area after the LL area.
-        let topo = crate::topology::Topology::new(OP, a.rank, a.num_ranks, crate::topology::nvl_domain_size()?)?;
+        let topo = crate::topology::Topology::new(OP, a.rank, a.num_ranks, crate::topology::nvl_domain_size(OP)?)?;
         let knobs = gin::GinKnobs::from_env()?;
         let net_kind = ll_seam::select(knobs.transport, &topo, a.low_latency_mode);
         // Internode over NCCL GIN (LL and normal mode): a GIN device comm on the buffer's
@@ -163,7 +163,7 @@ impl PeerBackend {
         let seam_bytes = net_kind.map_or(0, |_| ll_seam::SeamLayout::extra_bytes(a.num_rdma_bytes));
         let mut data_bytes =
             a.num_nvl_bytes + ll_state::extra_window_bytes(a.num_nvl_bytes, a.num_rdma_bytes, a.low_latency_mode) + seam_bytes;
-        let d = crate::topology::nvl_domain_size()?;
+        let d = crate::topology::nvl_domain_size(OP)?;
         if a.num_ranks > d && !a.low_latency_mode {
             // Internode normal mode: its control area (after the transport self-test's) and the
             // RDMA area next to the NVLink one (internode.rs lays out the whole data area).

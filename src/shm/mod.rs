@@ -1,7 +1,11 @@
-//! Mappings of shared memory for the CPU backend: one `mmap` per buffer, shared by all ranks of
-//! one machine (`shared.rs` says whose memory and how ranks find it). This module and `shared.rs`
-//! hold all of the CPU backend's `unsafe`: mapping, descriptor passing, raw copies and atomics at
-//! offsets. Everything above uses bounds-checked [`Region`]s.
+//! Shared memory of the ranks of one machine, below every user of it (the CPU backend's
+//! buffers, the ipc window provider's host rendezvous): mappings ([`Segment`], bounds-checked
+//! [`Region`]s), bounded host waits ([`wait_until`]) and, in [`rendezvous`], how ranks find
+//! one buffer's memory (unique ids, rank 0's memfd over a Unix socket, or named files). This
+//! module and `rendezvous.rs` hold all of that `unsafe`: mapping, descriptor passing, raw
+//! copies and atomics at offsets. Everything above uses bounds-checked [`Region`]s.
+
+pub mod rendezvous;
 
 use crate::error::{Error, Result};
 use std::ffi::CString;
@@ -13,10 +17,33 @@ pub use crate::tensor_host::Pod;
 /// A mapping of a buffer's shared memory. Unmapped on drop. Named files (`DEEP_EP_SHM_DIR`)
 /// are unlinked as soon as every rank has mapped them; anonymous memory has no name at all.
 pub struct Segment {
+    /// The buffer's first byte (past the file header of a named file).
     ptr: *mut u8,
+    /// The buffer's bytes.
     len: usize,
+    /// Bytes mapped before `ptr`: [`FILE_HEADER`] for a named file, else 0.
+    head: usize,
     /// The file's path (named files only).
     path: Option<String>,
+}
+
+/// First bytes of every named shared-memory file the library makes: what tells its own files
+/// from anyone else's when stale ones are removed (`rendezvous::remove_stale_files`).
+const FILE_MAGIC: &[u8; 16] = b"deep_ep shm v1\n\0";
+/// Bytes before the buffer in a named file: the magic, in a page of its own so that the buffer
+/// stays page-aligned.
+const FILE_HEADER: usize = 4096;
+
+/// Whether `path` is a regular file (not followed through a link) that starts with the
+/// library's magic. Never blocks (a FIFO is opened non-blocking) and never errs: false instead.
+pub fn is_own_file(path: &std::path::Path) -> bool {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let Ok(mut f) = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK).open(path) else {
+        return false;
+    };
+    let mut head = [0u8; FILE_MAGIC.len()];
+    f.metadata().is_ok_and(|m| m.is_file()) && f.read_exact(&mut head).is_ok() && &head == FILE_MAGIC
 }
 
 /// Maps `len` bytes of the shared-memory descriptor `fd` (`what` names it in errors).
@@ -28,7 +55,7 @@ pub fn map_fd(op: &'static str, fd: &std::os::fd::OwnedFd, len: usize, what: &st
     if ptr == libc::MAP_FAILED {
         return Err(os_err(op, format!("mmap {len} bytes of {what}")));
     }
-    Ok(Segment { ptr: ptr as *mut u8, len, path: None })
+    Ok(Segment { ptr: ptr as *mut u8, len, head: 0, path: None })
 }
 
 // The mapping is process-wide memory; access is coordinated by the backend's protocol.
@@ -44,31 +71,17 @@ fn shm_full_message(path: &str, len: usize) -> String {
     )
 }
 
-/// Removes `deep_ep_*` files in `dir` not modified for `age`. A file exists only while its
-/// buffer is being created (every rank removes the name once all have mapped it), and creation
-/// gives up after the timeout, so such a file was left by ranks killed during creation (SIGKILL,
-/// SIGTERM in the rendezvous). Called at every creation; other users' files and errors are ignored.
-pub fn remove_stale_files(dir: &str, age: Duration) {
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
-    let now = std::time::SystemTime::now();
-    for e in entries.flatten() {
-        let stale = e.file_name().to_str().is_some_and(|n| n.starts_with("deep_ep_"))
-            && e.metadata().ok().and_then(|m| m.modified().ok()).and_then(|t| now.duration_since(t).ok()).is_some_and(|d| d > age);
-        if stale {
-            let _ = std::fs::remove_file(e.path());
-        }
-    }
-}
-
 fn os_err(op: &'static str, what: String) -> Error {
     Error::Os { op, what, source: std::io::Error::last_os_error() }
 }
 
 impl Segment {
-    /// Opens (creating if needed) the file `path` and maps `len` bytes of it, all reserved now.
-    /// Every rank calls this with the same `len`.
+    /// Opens (creating if needed) the file `path` and maps `len` bytes of it, all reserved now,
+    /// after a header that marks the file as the library's ([`is_own_file`]). Every rank calls
+    /// this with the same `len`.
     pub fn open(op: &'static str, path: &str, len: usize) -> Result<Segment> {
         let cpath = CString::new(path).map_err(|_| Error::invalid(op, "shared-memory path contains NUL"))?;
+        let total = len + FILE_HEADER;
         // SAFETY: plain libc calls on a NUL-terminated path; every result is checked.
         unsafe {
             let fd = libc::open(cpath.as_ptr(), libc::O_RDWR | libc::O_CREAT | libc::O_CLOEXEC, 0o600);
@@ -81,28 +94,36 @@ impl Segment {
                 return Err(os_err(op, format!("fstat {path}")));
             }
             // Grow only: a concurrent rank may have sized it already (same len by contract).
-            if (st.st_size as usize) < len && libc::ftruncate(fd, len as libc::off_t) != 0 {
-                let e = os_err(op, format!("ftruncate {path} to {len} bytes"));
+            if (st.st_size as usize) < total && libc::ftruncate(fd, total as libc::off_t) != 0 {
+                let e = os_err(op, format!("ftruncate {path} to {total} bytes"));
                 libc::close(fd);
                 libc::unlink(cpath.as_ptr()); // the buffer cannot be made: leave no file behind
                 return Err(e);
             }
             // Reserve every page now: a sparse file on a filesystem too small for it (Docker's
             // 64 MB /dev/shm) would otherwise raise SIGBUS in every rank at the first large op.
-            let rc = libc::posix_fallocate(fd, 0, len as libc::off_t);
+            let rc = libc::posix_fallocate(fd, 0, total as libc::off_t);
             if rc != 0 {
                 libc::close(fd);
                 libc::unlink(cpath.as_ptr());
                 return Err(Error::Os { op, what: shm_full_message(path, len), source: std::io::Error::from_raw_os_error(rc) });
             }
-            let ptr = libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0);
+            // Every rank writes the same bytes: which one comes first does not matter.
+            let wrote = libc::pwrite(fd, FILE_MAGIC.as_ptr() as *const libc::c_void, FILE_MAGIC.len(), 0);
+            if wrote != FILE_MAGIC.len() as isize {
+                let e = os_err(op, format!("write the header of {path}"));
+                libc::close(fd);
+                libc::unlink(cpath.as_ptr());
+                return Err(e);
+            }
+            let ptr = libc::mmap(std::ptr::null_mut(), total, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0);
             libc::close(fd);
             if ptr == libc::MAP_FAILED {
-                let e = os_err(op, format!("mmap {len} bytes of {path}"));
+                let e = os_err(op, format!("mmap {total} bytes of {path}"));
                 libc::unlink(cpath.as_ptr()); // the buffer cannot be made: leave no file behind
                 return Err(e);
             }
-            Ok(Segment { ptr: ptr as *mut u8, len, path: Some(path.to_string()) })
+            Ok(Segment { ptr: (ptr as *mut u8).add(FILE_HEADER), len, head: FILE_HEADER, path: Some(path.to_string()) })
         }
     }
 
@@ -141,8 +162,8 @@ impl Segment {
 
 impl Drop for Segment {
     fn drop(&mut self) {
-        // SAFETY: ptr/len are exactly what mmap returned.
-        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
+        // SAFETY: ptr - head and len + head are exactly what mmap returned.
+        unsafe { libc::munmap(self.ptr.sub(self.head) as *mut libc::c_void, self.len + self.head) };
     }
 }
 

@@ -7,8 +7,8 @@
 //! the container's) memory instead. Ranks must share a network namespace (any processes of one
 //! host or container do); `DEEP_EP_SHM_DIR` selects named files in a folder instead.
 
-use super::shm::{self, Segment};
-use crate::error::{Error, Result};
+use super::{self as shm, Segment};
+use crate::error::{Error, Result, WaitEnd};
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::time::{Duration, Instant};
@@ -61,21 +61,44 @@ const REQUEST_WAIT: Duration = Duration::from_secs(1);
 /// `DEEP_EP_SHM_DIR` set, a named file in that folder that every rank opens (for ranks that do not
 /// share a network namespace), removed by the caller once every rank has mapped it.
 pub fn segment(op: &'static str, name: &str, rank: usize, num_ranks: usize, len: usize, timeout: Duration) -> Result<Segment> {
-    match crate::settings::shm_dir() {
+    match crate::settings::shm_dir_checked(op)? {
         None => rendezvous(op, name, rank, num_ranks, len, timeout),
         Some(dir) => {
             // Never younger than twice the default deadline: another job on the machine may wait longer.
-            crate::ensure!(
-                std::path::Path::new(&dir).is_dir(),
-                op,
-                "DEEP_EP_SHM_DIR={dir:?} is not a folder: set it to an existing writable folder shared by the ranks, or unset it \
-                 for anonymous memory (the default)"
-            );
-            shm::remove_stale_files(&dir, 2 * timeout.max(Duration::from_millis(crate::settings::DEFAULT_TIMEOUT_MS)));
+            remove_stale_files(&dir, 2 * timeout.max(Duration::from_millis(crate::settings::DEFAULT_TIMEOUT_MS)));
             Segment::open(op, &format!("{dir}/deep_ep_{name}"), len).map_err(|e| match e {
                 Error::Os { op, what, source } => Error::Os { op, what: format!("{what} (in DEEP_EP_SHM_DIR={dir:?})"), source },
                 e => e,
             })
+        }
+    }
+}
+
+/// Whether `file` is a name [`segment`] gives a file: `deep_ep_<kind>_<32 hex digits>`, the
+/// kind in lowercase letters and the digits of an id [`make_unique_id`] made.
+fn is_own_file_name(file: &str) -> bool {
+    let Some((kind, hex)) = file.strip_prefix("deep_ep_").and_then(|rest| rest.split_once('_')) else { return false };
+    !kind.is_empty()
+        && kind.bytes().all(|b| b.is_ascii_lowercase())
+        && hex.len() == 32
+        && hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+/// Removes the library's files in `dir` not modified for `age`: named as [`segment`] names
+/// them and starting with its header ([`shm::is_own_file`]); anything else, whatever its name,
+/// is the user's and stays. A file exists only while its buffer is being created (every rank
+/// removes the name once all have mapped it), and creation gives up after the timeout, so such
+/// a file was left by ranks killed during creation (SIGKILL, SIGTERM in the rendezvous). Called
+/// at every creation; errors are ignored.
+pub fn remove_stale_files(dir: &str, age: Duration) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let now = std::time::SystemTime::now();
+    for e in entries.flatten() {
+        let stale = e.file_name().to_str().is_some_and(is_own_file_name)
+            && e.metadata().ok().and_then(|m| m.modified().ok()).and_then(|t| now.duration_since(t).ok()).is_some_and(|d| d > age)
+            && shm::is_own_file(&e.path());
+        if stale {
+            let _ = std::fs::remove_file(e.path());
         }
     }
 }
@@ -188,18 +211,20 @@ fn serve(op: &'static str, name: &str, num_ranks: usize, len: usize, timeout: Du
         return Err(os_err(op, "listen".into()));
     }
     let start = Instant::now();
+    let mut checked = start;
     let mut served = vec![false; num_ranks];
     served[0] = true;
     while served.iter().any(|s| !s) {
         let left = timeout.saturating_sub(start.elapsed());
-        if left.is_zero() {
-            return Err(Error::Timeout {
-                op,
-                rank: 0,
-                peers: (0..num_ranks).filter(|&p| !served[p]).collect(),
-                timeout_ms: timeout.as_millis() as u64,
-                what: "rendezvous: handing the buffer memory to every rank".into(),
-            });
+        let end = if left.is_zero() {
+            Some(WaitEnd::TimedOut)
+        } else {
+            crate::interrupt::requested_during(&mut checked).then_some(WaitEnd::Interrupted)
+        };
+        if let Some(end) = end {
+            let missing = (0..num_ranks).filter(|&p| !served[p]).collect();
+            let what = "rendezvous: handing the buffer memory to every rank".to_string();
+            return Err(Error::wait_ended(end, op, 0, missing, timeout.as_millis() as u64, what));
         }
         let mut pfd = libc::pollfd { fd: sock.as_raw_fd(), events: libc::POLLIN, revents: 0 };
         // SAFETY: one valid pollfd.
@@ -271,13 +296,20 @@ fn send_fd(conn: &OwnedFd, fd: &OwnedFd, payload: &[u8; 8]) -> bool {
 
 fn receive(op: &'static str, name: &str, rank: usize, timeout: Duration) -> Result<Segment> {
     let start = Instant::now();
+    let mut checked = start;
     let (addr, addr_len) = address(name);
-    let never = || Error::Timeout {
-        op,
-        rank,
-        peers: vec![0],
-        timeout_ms: timeout.as_millis() as u64,
-        what: "rendezvous: receiving the buffer memory from rank 0".into(),
+    // Every wait below (rank 0 not listening yet, or not answering) ends by the deadline or
+    // Ctrl-C, as every other host wait does.
+    let ended = |checked: &mut Instant| {
+        if start.elapsed() >= timeout {
+            Some(WaitEnd::TimedOut)
+        } else {
+            crate::interrupt::requested_during(checked).then_some(WaitEnd::Interrupted)
+        }
+    };
+    let error = |end| {
+        let what = "rendezvous: receiving the buffer memory from rank 0".to_string();
+        Error::wait_ended(end, op, rank, vec![0], timeout.as_millis() as u64, what)
     };
     loop {
         let sock = socket(op)?;
@@ -290,19 +322,40 @@ fn receive(op: &'static str, name: &str, rank: usize, timeout: Duration) -> Resu
             req[4..].copy_from_slice(&(rank as u32).to_le_bytes());
             // SAFETY: valid socket and buffer.
             let sent = unsafe { libc::send(sock.as_raw_fd(), req.as_ptr() as *const libc::c_void, 8, libc::MSG_NOSIGNAL) } == 8;
-            if let Some((fd, len)) = sent.then(|| recv_fd(&sock)).flatten() {
-                return shm::map_fd(op, &fd, len, "anonymous buffer memory from rank 0");
+            if sent {
+                // Rank 0 answers at once; wait for it in slices so that Ctrl-C is seen meanwhile.
+                loop {
+                    if let Some(end) = ended(&mut checked) {
+                        return Err(error(end));
+                    }
+                    let mut pfd = libc::pollfd { fd: sock.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+                    // SAFETY: one valid pollfd.
+                    let n = unsafe { libc::poll(&mut pfd, 1, crate::interrupt::CHECK_EVERY.as_millis() as i32) };
+                    if n > 0 {
+                        break;
+                    }
+                    if n < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+                        break; // recvmsg below reports the connection's state
+                    }
+                }
+                if let Some((fd, len)) = recv_fd(op, rank, &sock)? {
+                    return shm::map_fd(op, &fd, len, "anonymous buffer memory from rank 0");
+                }
             }
         }
         // Rank 0 not listening yet (or gone): try again until the deadline.
-        if start.elapsed() >= timeout {
-            return Err(never());
+        if let Some(end) = ended(&mut checked) {
+            return Err(error(end));
         }
         std::thread::sleep(Duration::from_millis(1));
     }
 }
 
-fn recv_fd(conn: &OwnedFd) -> Option<(OwnedFd, usize)> {
+/// Receives rank 0's answer: the memory's descriptor and its length; `None` for a connection
+/// that ended without one (try again). A descriptor the kernel could not give this process
+/// (`MSG_CTRUNC`: no free descriptor) is an error here, on the rank that lacks it, instead of a
+/// timeout that would blame rank 0.
+fn recv_fd(op: &'static str, rank: usize, conn: &OwnedFd) -> Result<Option<(OwnedFd, usize)>> {
     let mut payload = [0u8; 8];
     let mut iov = libc::iovec { iov_base: payload.as_mut_ptr() as *mut libc::c_void, iov_len: 8 };
     let mut control = fd_control();
@@ -310,15 +363,84 @@ fn recv_fd(conn: &OwnedFd) -> Option<(OwnedFd, usize)> {
     // SAFETY: valid socket; MSG_CMSG_CLOEXEC keeps the received descriptor out of exec'd children.
     let n = unsafe { libc::recvmsg(conn.as_raw_fd(), &mut msg, libc::MSG_WAITALL | libc::MSG_CMSG_CLOEXEC) };
     if n != 8 {
-        return None;
+        return Ok(None);
     }
     // SAFETY: the kernel filled msg; the header is checked before its data is read.
-    unsafe {
+    let fd = unsafe {
         let cm = libc::CMSG_FIRSTHDR(&msg);
         if cm.is_null() || (*cm).cmsg_level != libc::SOL_SOCKET || (*cm).cmsg_type != libc::SCM_RIGHTS {
-            return None;
+            None
+        } else {
+            Some(OwnedFd::from_raw_fd(std::ptr::read_unaligned(libc::CMSG_DATA(cm) as *const libc::c_int)))
         }
-        let fd = std::ptr::read_unaligned(libc::CMSG_DATA(cm) as *const libc::c_int);
-        Some((OwnedFd::from_raw_fd(fd), u64::from_le_bytes(payload) as usize))
+    };
+    if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+        // A descriptor that did arrive despite the truncation is closed by dropping it.
+        drop(fd);
+        // SAFETY: getrlimit fills the struct it is given.
+        let mut lim: libc::rlimit = unsafe { std::mem::zeroed() };
+        let limit = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0 { lim.rlim_cur.to_string() } else { "?".into() };
+        return Err(Error::Os {
+            op,
+            what: format!(
+                "rank {rank} could not receive the buffer memory from rank 0: the kernel dropped its file descriptor \
+                 (MSG_CTRUNC) because this process has no free file descriptor (open files limit {limit}, `ulimit -n`); \
+                 raise the limit or close files"
+            ),
+            source: std::io::Error::from_raw_os_error(libc::EMFILE),
+        });
+    }
+    Ok(fd.map(|fd| (fd, u64::from_le_bytes(payload) as usize)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file_of(kind: &str) -> String {
+        format!("deep_ep_{}", name_from_id("test", kind, &make_unique_id(kind)).unwrap())
+    }
+
+    #[test]
+    fn own_file_names_are_exactly_the_ones_segment_makes() {
+        assert!(is_own_file_name(&file_of("cpu")) && is_own_file_name(&file_of("ipc")));
+        let hex = "0123456789abcdef".repeat(2);
+        for other in [
+            "deep_ep_notes.txt".to_string(),
+            "deep_ep_".to_string(),
+            format!("deep_ep__{hex}"),
+            format!("deep_ep_cpu_{}", &hex[1..]),
+            format!("deep_ep_cpu_{hex}0"),
+            format!("deep_ep_cpu_{}", hex.to_uppercase()),
+            format!("deep_ep_cpu_{hex}.bak"),
+            format!("deep_ep_Cpu_{hex}"),
+            format!("xdeep_ep_cpu_{hex}"),
+        ] {
+            assert!(!is_own_file_name(&other), "{other}");
+        }
+    }
+
+    #[test]
+    fn stale_files_removed_are_only_the_librarys_own() {
+        let dir = std::env::temp_dir().join(format!("deep_ep_stale_test_{:x}", random_u128()));
+        std::fs::create_dir(&dir).unwrap();
+        let d = dir.to_str().unwrap();
+        let own = format!("{d}/{}", file_of("cpu"));
+        Segment::open("test", &own, 4096).unwrap(); // a file left behind by ranks killed in the rendezvous
+        let lookalike = format!("{d}/{}", file_of("cpu")); // the name pattern, the user's content
+        std::fs::write(&lookalike, b"user data").unwrap();
+        let user = format!("{d}/deep_ep_notes.txt");
+        std::fs::write(&user, b"notes").unwrap();
+        let old = std::time::SystemTime::now() - Duration::from_secs(3600);
+        for f in [&own, &lookalike, &user] {
+            std::fs::File::options().write(true).open(f).unwrap().set_modified(old).unwrap();
+        }
+        remove_stale_files(d, Duration::from_secs(7200)); // younger than the age: all stay
+        assert!([&own, &lookalike, &user].iter().all(|f| std::path::Path::new(f).exists()));
+        remove_stale_files(d, Duration::from_secs(60));
+        assert!(!std::path::Path::new(&own).exists());
+        assert_eq!(std::fs::read(&lookalike).unwrap(), b"user data");
+        assert_eq!(std::fs::read(&user).unwrap(), b"notes");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -185,13 +185,26 @@ def _expand_maps(key: torch.Tensor, counts_all: torch.Tensor, num_topk: int, ali
     return slot, source[:num_rows_out]
 
 
+_FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+             if hasattr(torch, n))
+
+
+def _as_bits(t: torch.Tensor) -> torch.Tensor:
+    """FP8 tensors as uint8 (torch has no masked_fill/index_select kernels for them; bits move as is)."""
+    return t.view(torch.uint8) if t.dtype in _FP8 else t
+
+
+def _zero_rows(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """t with the rows where `mask` [rows] holds set to zero."""
+    return _as_bits(t).masked_fill(mask.view((-1,) + (1,) * (t.dim() - 1)), 0).view(t.dtype)
+
+
 def _gather_rows(t: torch.Tensor, index: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
     """t[index] with the rows where `pad` holds set to zero (index entries there are ignored)."""
     if t.shape[0] == 0:
         return t.new_zeros((index.shape[0],) + tuple(t.shape[1:]))
-    out = t.index_select(0, index.clamp(min=0))
-    mask = pad.view((-1,) + (1,) * (t.dim() - 1))
-    return out.masked_fill(mask, 0)
+    out = _as_bits(t).index_select(0, index.clamp(min=0)).view(t.dtype)
+    return _zero_rows(out, pad)
 
 
 def _tma_aligned_col_major(sf: torch.Tensor) -> torch.Tensor:
@@ -514,8 +527,8 @@ class ElasticBuffer:
         real = None
         if worst > 0:  # rows past the received ones: zero (the GPU leaves them unspecified), ids -1
             real = src_idx >= 0
-            recv_x = recv_x.masked_fill(~real.unsqueeze(1), 0)
-            recv_sf = recv_sf.masked_fill(~real.unsqueeze(1), 0) if recv_sf is not None else None
+            recv_x = _zero_rows(recv_x, ~real)
+            recv_sf = _zero_rows(recv_sf, ~real) if recv_sf is not None else None
             recv_idx = recv_idx.masked_fill(~real.unsqueeze(1), -1)
         if recv_w is not None:
             recv_w = recv_w.masked_fill(recv_idx < 0, 0)
@@ -572,8 +585,8 @@ class ElasticBuffer:
                                               self._dispatch_config)
         recv_sf = recv_sf if sf is not None else None
         if handle.real_rows is not None:
-            recv_x = recv_x.masked_fill(~handle.real_rows.unsqueeze(1), 0)
-            recv_sf = recv_sf.masked_fill(~handle.real_rows.unsqueeze(1), 0) if recv_sf is not None else None
+            recv_x = _zero_rows(recv_x, ~handle.real_rows)
+            recv_sf = _zero_rows(recv_sf, ~handle.real_rows) if recv_sf is not None else None
         recv_w = None
         if topk_weights is not None:
             recv_w = cached_dispatch_rows_f32(buf.handle, topk_weights, rpm, cpm, rcpm, src_idx, in_rank, send_head,

@@ -189,21 +189,24 @@ _FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8
              if hasattr(torch, n))
 
 
-def _as_bits(t: torch.Tensor) -> torch.Tensor:
-    """FP8 tensors as uint8 (torch has no masked_fill/index_select kernels for them; bits move as is)."""
-    return t.view(torch.uint8) if t.dtype in _FP8 else t
-
-
 def _zero_rows(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """t with the rows where `mask` [rows] holds set to zero."""
-    return _as_bits(t).masked_fill(mask.view((-1,) + (1,) * (t.dim() - 1)), 0).view(t.dtype)
+    """t with the rows where `mask` [rows] holds set to zero. FP8 rows move as uint8 bits (torch
+    has no masked_fill/index_select kernels for FP8); other dtypes stay differentiable (a
+    `view(dtype)` would cut the graph)."""
+    m = mask.view((-1,) + (1,) * (t.dim() - 1))
+    if t.dtype in _FP8:
+        return t.view(torch.uint8).masked_fill(m, 0).view(t.dtype)
+    return t.masked_fill(m, 0)
 
 
 def _gather_rows(t: torch.Tensor, index: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
     """t[index] with the rows where `pad` holds set to zero (index entries there are ignored)."""
     if t.shape[0] == 0:
         return t.new_zeros((index.shape[0],) + tuple(t.shape[1:]))
-    out = _as_bits(t).index_select(0, index.clamp(min=0)).view(t.dtype)
+    if t.dtype in _FP8:
+        out = t.view(torch.uint8).index_select(0, index.clamp(min=0)).view(t.dtype)
+    else:
+        out = t.index_select(0, index.clamp(min=0))
     return _zero_rows(out, pad)
 
 

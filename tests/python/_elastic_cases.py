@@ -205,3 +205,171 @@ def _expert_rows(c, rows, recv_idx, recv_w, handle, rank, el):
     for e in range(el):
         gate = gate + torch.where(recv_idx == e, recv_w, torch.zeros_like(recv_w)).sum(dim=1) * expert_scale(rank * el + e)
     return (rows.float() * gate.unsqueeze(1)).to(torch.bfloat16)
+
+
+# ---- a MoE layer on ElasticBuffer: autograd and torch.compile ------------------------------------
+AG_HIDDEN, AG_TOPK, AG_EXPERTS_PER_RANK, AG_T = 64, 2, 2, 24
+
+
+def moe_params(world, seed=0):
+    """(router [H, E] f32, every expert's weight [E, H, H] bf16), the same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    e = AG_EXPERTS_PER_RANK * world
+    router = torch.randn((AG_HIDDEN, e), generator=g) / 8
+    w_all = (torch.randn((e, AG_HIDDEN, AG_HIDDEN), generator=g) / 8).to(torch.bfloat16)
+    return router, w_all
+
+
+class TitanDispatch(torch.autograd.Function):
+    """torchtitan's wiring (torchtitan/distributed/deepep/deepep.py, V2): the forward dispatches,
+    the backward is a combine of the gradients with the handle (grad of the weights through the
+    combine's topk_weights)."""
+
+    @staticmethod
+    def forward(ctx, x, topk_idx, topk_weights, buf, num_experts, expand, sync):
+        recv_x, recv_idx, recv_w, handle, _ = buf.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
+                                                           num_max_tokens_per_rank=AG_T, do_expand=expand, do_cpu_sync=sync)
+        ctx.buf, ctx.handle, ctx.dtype = buf, handle, x.dtype
+        if recv_idx is not None:
+            ctx.mark_non_differentiable(recv_idx)
+        return recv_x, recv_idx, recv_w, handle
+
+    @staticmethod
+    def backward(ctx, grad_recv_x, grad_recv_idx, grad_recv_w, grad_handle):
+        grad_x, grad_w, _ = ctx.buf.combine(grad_recv_x.to(torch.bfloat16).contiguous(), handle=ctx.handle,
+                                            topk_weights=grad_recv_w.float().contiguous() if grad_recv_w is not None else None)
+        return grad_x.to(ctx.dtype), None, grad_w, None, None, None, None
+
+
+class TitanCombine(torch.autograd.Function):
+    """torchtitan's wiring: the backward is a dispatch of the gradient with the cached handle
+    (do_cpu_sync=False, num_sms from the handle)."""
+
+    @staticmethod
+    def forward(ctx, y, buf, handle):
+        combined, _, event = buf.combine(y, handle=handle, topk_weights=None, async_with_compute_stream=True)
+        event.current_stream_wait()
+        ctx.buf, ctx.handle = buf, handle
+        return combined
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_y, _, _, _, _ = ctx.buf.dispatch(grad.contiguous(), handle=ctx.handle, num_sms=ctx.handle.num_sms, do_cpu_sync=False)
+        return grad_y, None, None
+
+
+def moe_forward(buf, world, rank, x, router, w_local, expand, sync, wrap):
+    """router -> dispatch -> experts (weighted per row) -> combine, on this rank's experts."""
+    el = AG_EXPERTS_PER_RANK
+    scores = torch.softmax(x.float() @ router, dim=-1)
+    topk_w, topk_idx = torch.topk(scores, AG_TOPK, dim=-1)
+    if wrap:
+        recv_x, recv_idx, recv_w, handle = TitanDispatch.apply(x, topk_idx, topk_w, buf, el * world, expand, sync)
+    else:
+        recv_x, recv_idx, recv_w, handle, _ = buf.dispatch(x, topk_idx=topk_idx, topk_weights=topk_w, num_experts=el * world,
+                                                           num_max_tokens_per_rank=AG_T, do_expand=expand, do_cpu_sync=sync)
+    out = torch.zeros((recv_x.shape[0], AG_HIDDEN), dtype=torch.float32, device=x.device)
+    if expand:  # row m belongs to expert e when start_e <= m < psum_e (device-side, no host sync)
+        m = torch.arange(recv_x.shape[0], device=x.device)
+        psum = handle.psum_num_recv_tokens_per_expert.long()
+        start = torch.cat([psum.new_zeros(1), psum[:-1]])  # alignment 1
+        for e in range(el):
+            inside = ((m >= start[e]) & (m < psum[e])).float().unsqueeze(1)
+            out = out + inside * (recv_x @ w_local[e]).float()
+        out = out * recv_w.unsqueeze(1)
+    else:
+        for e in range(el):
+            gate = torch.where(recv_idx == e, recv_w, torch.zeros_like(recv_w)).sum(dim=-1, keepdim=True)
+            out = out + gate * (recv_x @ w_local[e]).float()
+    y = out.to(torch.bfloat16)
+    if wrap:
+        return TitanCombine.apply(y, buf, handle)
+    return buf.combine(y, handle)[0]
+
+
+def moe_reference(xs, routers, w_all):
+    """The layer in plain fp32 torch on the full problem (one router copy per rank)."""
+    outs = []
+    for x, router in zip(xs, routers):
+        scores = torch.softmax(x.float() @ router, dim=-1)
+        topk_w, topk_idx = torch.topk(scores, AG_TOPK, dim=-1)
+        y = torch.einsum("nh,nkhj->nkj", x.float(), w_all.float()[topk_idx])
+        outs.append((topk_w.unsqueeze(-1) * y).sum(dim=1))
+    return outs
+
+
+def _inputs(rank, n, seed):
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    return torch.randn((n, AG_HIDDEN), generator=g).to(torch.bfloat16), torch.randn((n, AG_HIDDEN), generator=g)
+
+
+def rel_err(a, b):
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def moe_autograd(rank, world, dev):
+    """One training step of the layer in every layout / sync mode, wired as torchtitan does and
+    through ElasticBuffer's own autograd: output and gradients of x, router and expert weights
+    against plain fp32 torch on the gathered problem (bf16 accuracy)."""
+    import deep_ep_rs
+
+    dev = torch.device(dev)
+    buf = deep_ep_rs.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=AG_T, hidden=AG_HIDDEN, num_topk=AG_TOPK,
+                                   explicitly_destroy=True)
+    ns = [(17 + 5 * s) % 20 + 4 for s in range(world)]
+    router0, w_all0 = moe_params(world)
+    lo = rank * AG_EXPERTS_PER_RANK
+    ins = [_inputs(s, ns[s], 1) for s in range(world)]
+    xr = [i[0].float().requires_grad_() for i in ins]
+    rr = [router0.clone().requires_grad_() for _ in range(world)]
+    wr = w_all0.float().requires_grad_()
+    ref_out = moe_reference(xr, rr, wr)
+    sum((o * i[1]).sum() for o, i in zip(ref_out, ins)).backward()
+    errs = {}
+    for expand, sync, wrap in itertools.product((False, True), (True, False), (True, False)):
+        name = f"expand={expand} sync={sync} {'torchtitan' if wrap else 'native'}"
+        x = ins[rank][0].to(dev).clone().requires_grad_()  # clone: .to() of a CPU tensor to the CPU is the tensor itself
+        router = router0.to(dev).clone().requires_grad_()
+        w_local = w_all0[lo:lo + AG_EXPERTS_PER_RANK].to(dev).clone().requires_grad_()
+        out = moe_forward(buf, world, rank, x, router, w_local, expand, sync, wrap)
+        (out.float() * ins[rank][1].to(dev)).sum().backward()
+        e = {"out": rel_err(out, ref_out[rank]), "x": rel_err(x.grad, xr[rank].grad), "router": rel_err(router.grad, rr[rank].grad),
+             "w": rel_err(w_local.grad, wr.grad[lo:lo + AG_EXPERTS_PER_RANK])}
+        errs[name] = e
+    buf.destroy()
+    # checked after every collective ran, so a failing rank does not leave its peers waiting
+    bad = {k: v for k, v in errs.items() if not all(x < 1e-2 for x in v.values())}
+    assert not bad, f"relative errors over 1e-2: {bad}"
+    return errs
+
+
+def moe_compile(rank, world, dev, backend="aot_eager", expands=(False, True)):
+    """The layer without CPU sync (worst-case outputs, device-side counts) compiled with
+    fullgraph=True (a graph break raises) equals eager, in both layouts."""
+    import torch._dynamo
+
+    import deep_ep_rs
+
+    dev = torch.device(dev)
+    torch._dynamo.reset()
+    buf = deep_ep_rs.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=AG_T, hidden=AG_HIDDEN, num_topk=AG_TOPK,
+                                   explicitly_destroy=True)
+    router0, w_all0 = moe_params(world)
+    lo = rank * AG_EXPERTS_PER_RANK
+    router, w_local = router0.to(dev), w_all0[lo:lo + AG_EXPERTS_PER_RANK].to(dev)
+    done = {}
+    with torch.no_grad():
+        for expand in expands:
+            def layer(x):
+                return moe_forward(buf, world, rank, x, router, w_local, expand, False, False)
+
+            compiled = torch.compile(layer, fullgraph=True, backend=backend)
+            for seed in (2, 3):
+                x = _inputs(rank, AG_T, seed)[0].to(dev)
+                want = layer(x)
+                got = compiled(x)
+                assert got.shape == want.shape and torch.equal(got, want), f"expand={expand} seed={seed}: compiled != eager"
+            done[f"expand={expand}"] = True
+    buf.destroy()
+    return done

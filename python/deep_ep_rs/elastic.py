@@ -102,15 +102,18 @@ class EPHandle:
     layout entry i is expert i's start plus its real count),
     `num_unaligned_recv_tokens_per_expert` (int32 [E_l]). V2's kernel-private fields
     (`recv_src_metadata`, `dst_buffer_slot_idx`, `token_metadata_at_forward`,
-    `channel_linked_list`) are None: the V1 handle and the expansion maps stand in for them.
+    `channel_linked_list`) are None: the V1 handle and the expansion maps (keyword-only fields)
+    stand in for them.
     """
 
-    def __init__(self, *, do_expand: bool, num_experts: int, expert_alignment: int, num_max_tokens_per_rank: int,
-                 num_sms: int, topk_idx: torch.Tensor, num_recv_tokens: int, num_expanded_tokens: int,
-                 num_recv_tokens_per_expert_list: List[int], psum_num_recv_tokens_per_scaleup_rank: torch.Tensor,
-                 psum_num_recv_tokens_per_expert: torch.Tensor, num_unaligned_recv_tokens_per_expert: torch.Tensor,
-                 layout: Tuple[torch.Tensor, ...], recv_topk_idx: Optional[torch.Tensor], real_rows: Optional[torch.Tensor],
-                 expand_slot: Optional[torch.Tensor], expand_source: Optional[torch.Tensor], num_topk: int):
+    def __init__(self, do_expand: bool, num_experts: int, expert_alignment: int, num_max_tokens_per_rank: int, num_sms: int,
+                 topk_idx: torch.Tensor, num_recv_tokens: int, num_expanded_tokens: int, num_recv_tokens_per_expert_list: List[int],
+                 psum_num_recv_tokens_per_scaleup_rank: torch.Tensor, psum_num_recv_tokens_per_expert: torch.Tensor,
+                 num_unaligned_recv_tokens_per_expert: torch.Tensor, recv_src_metadata: Optional[torch.Tensor] = None,
+                 dst_buffer_slot_idx: Optional[torch.Tensor] = None, token_metadata_at_forward: Optional[torch.Tensor] = None,
+                 channel_linked_list: Optional[torch.Tensor] = None, *, layout: Tuple[torch.Tensor, ...] = (),
+                 recv_topk_idx: Optional[torch.Tensor] = None, real_rows: Optional[torch.Tensor] = None,
+                 expand_slot: Optional[torch.Tensor] = None, expand_source: Optional[torch.Tensor] = None, num_topk: int = 0):
         self.do_expand = do_expand
         self.num_experts = num_experts
         self.expert_alignment = expert_alignment
@@ -123,10 +126,10 @@ class EPHandle:
         self.psum_num_recv_tokens_per_scaleup_rank = psum_num_recv_tokens_per_scaleup_rank
         self.psum_num_recv_tokens_per_expert = psum_num_recv_tokens_per_expert
         self.num_unaligned_recv_tokens_per_expert = num_unaligned_recv_tokens_per_expert
-        self.recv_src_metadata = None
-        self.dst_buffer_slot_idx = None
-        self.token_metadata_at_forward = None
-        self.channel_linked_list = None
+        self.recv_src_metadata = recv_src_metadata
+        self.dst_buffer_slot_idx = dst_buffer_slot_idx
+        self.token_metadata_at_forward = token_metadata_at_forward
+        self.channel_linked_list = channel_linked_list
         self.cached_recv_src_metadata_before_sort = None
         # The V1 handle (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
         # recv_src_idx, is_token_in_rank, send_head), the local top-k ids of the received rows,
@@ -138,6 +141,13 @@ class EPHandle:
         self.expand_slot = expand_slot
         self.expand_source = expand_source
         self.num_topk = num_topk
+
+    def deterministic_sort(self, do_cpu_sync: bool, is_cached_dispatch: bool, recv_x: torch.Tensor,
+                           recv_sf: Optional[torch.Tensor], recv_topk_idx: Optional[torch.Tensor],
+                           recv_topk_weights: Optional[torch.Tensor], channel_linked_list: Optional[torch.Tensor]) -> None:
+        """V2 sorts its received rows by source token when `deterministic=True`; the rows here are
+        always in that order (source rank, then token; experts' blocks likewise), so there is
+        nothing to do."""
 
     @property
     def num_local_experts(self) -> int:
@@ -523,8 +533,10 @@ class ElasticBuffer:
         k = topk_idx.shape[1]
         worst = 0 if do_cpu_sync else r * t_max
         ntpr, _, ntpe, in_rank = ops.get_dispatch_layout(topk_idx, num_experts, r)
+        # The V1 op takes top-k ids and weights together; V2's weights are optional.
+        w_in = topk_weights if topk_weights is not None else torch.zeros(topk_idx.shape, dtype=torch.float32, device=topk_idx.device)
         (recv_x, recv_sf, recv_idx, recv_w, per_expert, rpm, cpm, rcpm, src_idx, send_head) = ops.dispatch(
-            self._buffer().handle, x, sf, topk_idx, topk_weights, ntpr, in_rank, ntpe, 1, worst, self._dispatch_config)
+            self._buffer().handle, x, sf, topk_idx, w_in, ntpr, in_rank, ntpe, 1, worst, self._dispatch_config)
         recv_sf = recv_sf if sf is not None else None
         recv_w = recv_w if topk_weights is not None else None
         real = None
@@ -555,12 +567,9 @@ class ElasticBuffer:
             stats.add_(counts.to(stats.dtype))
         layout = (rpm, cpm, rcpm, src_idx, in_rank, send_head)
         new_handle = EPHandle(
-            do_expand=do_expand, num_experts=num_experts, expert_alignment=alignment, num_max_tokens_per_rank=t_max,
-            num_sms=num_sms, topk_idx=topk_idx.clone() if do_handle_copy else topk_idx, num_recv_tokens=rows,
-            num_expanded_tokens=num_expanded, num_recv_tokens_per_expert_list=aligned_host,
-            psum_num_recv_tokens_per_scaleup_rank=rpm[:, me].contiguous(),
-            psum_num_recv_tokens_per_expert=psum_expert.to(torch.int32),
-            num_unaligned_recv_tokens_per_expert=counts.to(torch.int32), layout=layout, recv_topk_idx=recv_idx, real_rows=real,
+            do_expand, num_experts, alignment, t_max, num_sms, topk_idx.clone() if do_handle_copy else topk_idx, rows,
+            num_expanded, aligned_host, rpm[:, me].contiguous(), psum_expert.to(torch.int32), counts.to(torch.int32),
+            layout=layout, recv_topk_idx=recv_idx, real_rows=real,
             expand_slot=slot, expand_source=source, num_topk=k)
         if do_expand:
             recv_x, recv_sf, recv_w = self._expand(new_handle, recv_x, recv_sf, recv_w)

@@ -79,7 +79,7 @@ def _configs(world):
         el = rng.choice([2, 3])
         out.append(dict(index=i, expand=expand, alignment=alignment, sync=sync, fp8=fp8, k=min(rng.choice([1, 2, 3]), el * world),
                         el=el, t_max=24, ns=[rng.choice([0, 1, 7, 19, 24]) for _ in range(world)],
-                        bias=["none", "one", "two"][i % 3], idx64=i % 2 == 0, tma=fp8 and i % 4 == 1))
+                        bias=["none", "one", "two"][i % 3], idx64=i % 2 == 0, tma=fp8 and i % 4 == 1, zero_padding=i % 3 == 0))
     out[0]["ns"] = [0] * world  # nobody sends anything
     return out
 
@@ -109,7 +109,7 @@ def dispatch_combine(rank, world, dev, deterministic=False):
         recv_x, recv_idx, recv_w, handle, event = buf.dispatch(
             xin, topk_idx=idx, topk_weights=w, cumulative_local_expert_recv_stats=stats, num_experts=num_experts,
             num_max_tokens_per_rank=c["t_max"], expert_alignment=c["alignment"], do_cpu_sync=c["sync"], do_expand=c["expand"],
-            do_zero_padding=True, use_tma_aligned_col_major_sf=c["tma"])
+            do_zero_padding=c["zero_padding"], use_tma_aligned_col_major_sf=c["tma"])  # padding is zero either way
         event.current_stream_wait()
         _check_dispatch(tag, c, world, el, recv_x, recv_idx, recv_w, handle, want, stats)
 
@@ -373,3 +373,16 @@ def moe_compile(rank, world, dev, backend="aot_eager", expands=(False, True)):
             done[f"expand={expand}"] = True
     buf.destroy()
     return done
+
+
+def multi_domain_refused(rank, world, dev):
+    """Ranks spanning several NVLink domains (here: domains of one rank) are refused at construction."""
+    import deep_ep_rs
+    from _harness import env_var
+
+    with env_var("DEEP_EP_NVL_DOMAIN_SIZE", 1):
+        try:
+            deep_ep_rs.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=8, hidden=HIDDEN)
+        except NotImplementedError as e:
+            return str(e)
+    return "no error"

@@ -214,3 +214,25 @@ def test_engram_pp_agrs_raise_not_implemented_naming_themselves(deep_ep, group, 
 def test_static_hints_of_missing_features_raise(deep_ep, method, args):
     with pytest.raises(NotImplementedError, match=method):
         getattr(deep_ep.ElasticBuffer, method)(*args)
+
+
+def test_ranks_spanning_several_nvlink_domains_are_refused(rank_pool):
+    out = rank_pool(2).run(_elastic_cases.multi_domain_refused, "cpu")
+    assert all("span 2 NVLink domains" in o for o in out), out
+
+
+def test_combine_rounds_each_ranks_partial_to_bf16(deep_ep, group):
+    """allow_multiple_reduction=False is accepted but the combine still sums a token's rows of one
+    rank in fp32, rounds that partial to bf16, then adds the bias (V2 with it False rounds once, at
+    the end): rows 1 and 2^-8 with bias 2^-8 give 1 here, 1 + 2^-7 there."""
+    buf = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=4, hidden=128, num_topk=2, allow_multiple_reduction=False,
+                                explicitly_destroy=True)
+    x = torch.ones((1, 128), dtype=torch.bfloat16)
+    recv_x, _, _, handle, _ = buf.dispatch(x, topk_idx=torch.tensor([[0, 1]]), num_experts=2, do_expand=True)
+    y = recv_x.clone()
+    y[1] = 2.0 ** -8
+    out, _, _ = buf.combine(y, handle, bias=torch.full((1, 128), 2.0 ** -8, dtype=torch.bfloat16))
+    assert torch.equal(out, torch.ones((1, 128), dtype=torch.bfloat16))
+    single = (torch.tensor(1.0) + 2.0 ** -8 + 2.0 ** -8).to(torch.bfloat16)
+    assert float(single) == 1.0 + 2.0 ** -7  # what one final rounding would give
+    buf.destroy()

@@ -430,8 +430,10 @@ class ElasticBuffer:
         `previous_event` (or the current stream), returning an event when asynchronous (the
         current stream waits otherwise). Under torch.compile everything runs on the current
         stream and the event is empty."""
+        if torch.compiler.is_compiling() or (previous_event is None and not async_with_compute_stream):
+            return fn(), EventOverlap(None)
         comm = self._buffer().get_comm_stream()
-        if comm is None or torch.compiler.is_compiling() or (previous_event is None and not async_with_compute_stream):
+        if comm is None:
             return fn(), EventOverlap(None)
         compute = torch.cuda.current_stream(self._buffer().device)
         prev = previous_event.event if isinstance(previous_event, EventOverlap) else previous_event

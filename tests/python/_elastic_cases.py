@@ -84,10 +84,15 @@ def _configs(world):
     return out
 
 
-def dispatch_combine(rank, world, dev, deterministic=False):
+def dispatch_combine(rank, world, dev, deterministic=False, async_mode=False):
     """Every layout/sync/FP8/alignment combination: dispatch, handle fields, cumulative stats,
-    cached dispatch with new data and weights, combine with bias and weights, against the reference."""
+    cached dispatch with new data and weights, combine with bias and weights, against the reference.
+    `async_mode`: every call waits on a captured event, runs asynchronously on the communication
+    stream (allocating there) and is waited for through the returned event (CPU: no events)."""
     import deep_ep_rs
+
+    def ev_kw():
+        return dict(previous_event=buf.capture(), async_with_compute_stream=True, allocate_on_comm_stream=True) if async_mode else {}
 
     dev = torch.device(dev)
     group = dist.group.WORLD
@@ -109,7 +114,7 @@ def dispatch_combine(rank, world, dev, deterministic=False):
         recv_x, recv_idx, recv_w, handle, event = buf.dispatch(
             xin, topk_idx=idx, topk_weights=w, cumulative_local_expert_recv_stats=stats, num_experts=num_experts,
             num_max_tokens_per_rank=c["t_max"], expert_alignment=c["alignment"], do_cpu_sync=c["sync"], do_expand=c["expand"],
-            do_zero_padding=c["zero_padding"], use_tma_aligned_col_major_sf=c["tma"])  # padding is zero either way
+            do_zero_padding=c["zero_padding"], use_tma_aligned_col_major_sf=c["tma"], **ev_kw())  # padding is zero either way
         event.current_stream_wait()
         _check_dispatch(tag, c, world, el, recv_x, recv_idx, recv_w, handle, want, stats)
 
@@ -119,7 +124,8 @@ def dispatch_combine(rank, world, dev, deterministic=False):
                              sfs=[fp8_pair(i[0])[1] for i in ins2] if c["fp8"] else None)
         x2 = ins2[rank][0].to(dev)
         rx2, ri2, rw2, h2, ev2 = buf.dispatch(fp8_pair(x2) if c["fp8"] else x2, topk_weights=w, handle=handle,
-                                              cumulative_local_expert_recv_stats=stats, use_tma_aligned_col_major_sf=c["tma"])
+                                              cumulative_local_expert_recv_stats=stats, use_tma_aligned_col_major_sf=c["tma"],
+                                              **ev_kw())
         ev2.current_stream_wait()
         assert h2 is handle, f"{tag}: a cached dispatch returns its handle"
         _check_dispatch(tag + " (cached)", c, world, el, rx2, ri2, rw2, handle, want2, stats, cached=True)
@@ -134,7 +140,7 @@ def dispatch_combine(rank, world, dev, deterministic=False):
         elif c["bias"] == "two":
             bias = (torch.full((n, HIDDEN), -1.0, dtype=torch.bfloat16, device=dev),
                     torch.full((n, HIDDEN), 0.5, dtype=torch.bfloat16, device=dev))
-        combined, combined_w, event = buf.combine(y, handle, topk_weights=recv_w, bias=bias)
+        combined, combined_w, event = buf.combine(y, handle, topk_weights=recv_w, bias=bias, **ev_kw())
         event.current_stream_wait()
         cpu_bias = tuple(b.cpu() for b in bias) if isinstance(bias, tuple) else (bias.cpu() if bias is not None else None)
         _eq(f"{tag}: combined_x", combined, expected_combine(xs[rank], idxs[rank], ws[rank], num_experts, world, cpu_bias))
@@ -344,9 +350,10 @@ def moe_autograd(rank, world, dev):
     return errs
 
 
-def moe_compile(rank, world, dev, backend="aot_eager", expands=(False, True)):
+def moe_compile(rank, world, dev, backend="aot_eager", expands=(False, True), exact=True):
     """The layer without CPU sync (worst-case outputs, device-side counts) compiled with
-    fullgraph=True (a graph break raises) equals eager, in both layouts."""
+    fullgraph=True (a graph break raises) equals eager, in both layouts. `exact=False`: to bf16
+    accuracy (inductor's own router softmax and matmul kernels may round differently from eager)."""
     import torch._dynamo
 
     import deep_ep_rs
@@ -369,7 +376,11 @@ def moe_compile(rank, world, dev, backend="aot_eager", expands=(False, True)):
                 x = _inputs(rank, AG_T, seed)[0].to(dev)
                 want = layer(x)
                 got = compiled(x)
-                assert got.shape == want.shape and torch.equal(got, want), f"expand={expand} seed={seed}: compiled != eager"
+                assert got.shape == want.shape, f"expand={expand} seed={seed}: shape {tuple(got.shape)}"
+                if exact:
+                    assert torch.equal(got, want), f"expand={expand} seed={seed}: compiled != eager"
+                else:
+                    torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2, msg=lambda m: f"expand={expand} seed={seed}: {m}")
             done[f"expand={expand}"] = True
     buf.destroy()
     return done

@@ -28,6 +28,13 @@ def test_dispatch_combine_match_reference(rank_pool, world):
     assert all(len(o["configs"]) == 16 for o in out), out
 
 
+def test_event_arguments_on_cpu_buffers(rank_pool):
+    """previous_event / async_with_compute_stream / allocate_on_comm_stream on every call: CPU
+    buffers finish before returning and give empty events (the GPU twin checks the streams)."""
+    out = rank_pool(2).run(_elastic_cases.dispatch_combine, "cpu", async_mode=True)
+    assert all(len(o["configs"]) == 16 for o in out), out
+
+
 def test_deterministic_mode_gives_the_reference_order(rank_pool):
     """deterministic=True: the same outputs, in V2's deterministic order (sorted by source token)."""
     out = rank_pool(2).run(_elastic_cases.dispatch_combine, "cpu", deterministic=True)

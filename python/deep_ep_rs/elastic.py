@@ -437,7 +437,7 @@ class ElasticBuffer:
             return fn(), EventOverlap(None)
         compute = torch.cuda.current_stream(self._buffer().device)
         prev = previous_event.event if isinstance(previous_event, EventOverlap) else previous_event
-        cuda_event = getattr(prev, "event", None) if prev is not None else None
+        cuda_event = prev if isinstance(prev, torch.cuda.Event) else getattr(prev, "event", None)
         if cuda_event is not None:
             comm.wait_event(cuda_event)
         else:

@@ -22,7 +22,6 @@ adjoint pairs they expect, in both layouts.
 Differences from DeepEP V2 are listed in README.md ("DeepEP V2") and docs/V2.md.
 """
 import contextlib
-import math
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch

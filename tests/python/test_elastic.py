@@ -13,6 +13,7 @@
 The GPU twin: tests/gpu/test_elastic_gpu.py.
 """
 import inspect
+
 import pytest
 import torch
 import torch.distributed as dist

@@ -1,7 +1,9 @@
 """deep_ep_rs: DeepEP-compatible expert-parallel dispatch/combine on torch.ops.deep_ep.
 
 Importing loads libdeep_ep.so (which registers the ops) and the fake kernels. `Buffer`,
-`Config`, `EventOverlap`, `EventHandle` and `topk_idx_t` mirror DeepEP V1; `install_as_deep_ep()`
+`Config`, `EventOverlap`, `EventHandle` and `topk_idx_t` mirror DeepEP V1; `ElasticBuffer`,
+`EPHandle`, `get_physical_domain_size` and `get_logical_domain_size` mirror DeepEP V2's API on the
+same machinery (elastic.py, docs/V2.md); `install_as_deep_ep()`
 makes `import deep_ep` (and every `deep_ep.<submodule>`) resolve to this package, for frameworks
 written against DeepEP. Users who want only the ops: `torch.ops.load_library(deep_ep_rs.library_path())`.
 """
@@ -21,6 +23,7 @@ from . import _fake  # noqa: E402,F401
 from . import _autograd  # noqa: E402,F401  (dispatch <-> combine backward)
 from . import utils  # noqa: E402
 from .buffer import Buffer, slot_handle  # noqa: E402
+from .elastic import ElasticBuffer, EPHandle, get_logical_domain_size, get_physical_domain_size  # noqa: E402
 from .utils import Config, EventHandle, EventOverlap  # noqa: E402
 
 __version__ = "0.1.0"
@@ -59,6 +62,7 @@ def _cpp_module() -> types.ModuleType:
 
 def install_as_deep_ep() -> None:
     """Makes `import deep_ep`, `from deep_ep import Buffer, Config, EventOverlap`,
+    `from deep_ep import ElasticBuffer, EPHandle` (DeepEP V2),
     `from deep_ep.utils import EventHandle, EventOverlap`, `import deep_ep.buffer` (any submodule)
     and `from deep_ep_cpp import Config` resolve to this package's own objects. Idempotent."""
     this = sys.modules[__name__]
@@ -77,4 +81,5 @@ def library_path() -> str:
     return _lib.load()
 
 
-__all__ = ["Buffer", "Config", "EventOverlap", "EventHandle", "topk_idx_t", "install_as_deep_ep", "library_path", "slot_handle"]
+__all__ = ["Buffer", "Config", "EventOverlap", "EventHandle", "topk_idx_t", "install_as_deep_ep", "library_path", "slot_handle",
+           "ElasticBuffer", "EPHandle", "get_physical_domain_size", "get_logical_domain_size"]

@@ -1,5 +1,5 @@
 """Config and EventOverlap, with DeepEP V1's names, arguments and defaults."""
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
@@ -65,7 +65,9 @@ class EventHandle:
 
 
 class EventOverlap:
-    """An optional event plus tensors kept alive until it is waited on (DeepEP V1).
+    """An optional event plus tensors kept alive until it is waited on (DeepEP V1), with DeepEP
+    V2's additions: `current_stream_wait(release_handle=...)`, a hook run after the wait
+    (`register_hook_after_wait`) and `with event(release_handle=True):`.
 
     CPU buffers finish every op before returning, so their events are None.
     """
@@ -73,20 +75,39 @@ class EventOverlap:
     def __init__(self, event: Optional[EventHandle] = None, extra_tensors: Optional[Tuple[Any, ...]] = None):
         self.event = event
         self.extra_tensors = extra_tensors
+        self.hook_after_wait: Optional[Callable] = None
+        self._release_handle_by_call = False
 
-    def current_stream_wait(self) -> None:
+    def current_stream_wait(self, release_handle: bool = False) -> None:
         """Makes the current stream wait for the event. CPU buffers finish before returning,
         so their event is None and there is nothing to wait for (DeepEP asserts instead;
-        accepting it lets DeepEP code run unchanged on the CPU backend)."""
+        accepting it lets DeepEP code run unchanged on the CPU backend). Then runs the hook
+        registered with `register_hook_after_wait`, if any; `release_handle` drops the event."""
         if self.event is not None:
             self.event.current_stream_wait()
+        if self.hook_after_wait is not None:
+            hook, self.hook_after_wait = self.hook_after_wait, None
+            hook()
+        if release_handle:
+            self.event = None
+
+    def register_hook_after_wait(self, hook_after_wait: Callable) -> None:
+        """A callable run once by the next `current_stream_wait` (DeepEP V2)."""
+        assert self.hook_after_wait is None, "A hook is already registered on this `EventOverlap`"
+        self.hook_after_wait = hook_after_wait
+
+    def __call__(self, release_handle: bool = False) -> "EventOverlap":
+        """`with event(release_handle=True):` (DeepEP V2): the exit waits, then drops the event."""
+        self._release_handle_by_call = release_handle
+        return self
 
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, exc_val, exc_tb):
-        if self.event is not None:
-            self.event.current_stream_wait()
+        if self.event is not None or self.hook_after_wait is not None:
+            self.current_stream_wait(release_handle=self._release_handle_by_call)
+        self._release_handle_by_call = False
 
 
 def check_nvlink_connections(group) -> None:

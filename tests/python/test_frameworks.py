@@ -32,6 +32,7 @@ ALIASING = textwrap.dedent("""
     deep_ep_rs.install_as_deep_ep()
     import deep_ep
     from deep_ep import Buffer, Config, EventOverlap, topk_idx_t
+    from deep_ep import ElasticBuffer, EPHandle, get_physical_domain_size, get_logical_domain_size  # DeepEP V2
     from deep_ep.utils import EventHandle, EventOverlap as UtilsEventOverlap, check_nvlink_connections
     import deep_ep.buffer
     import deep_ep.utils as du
@@ -44,7 +45,10 @@ ALIASING = textwrap.dedent("""
     assert deep_ep.buffer is deep_ep_rs.buffer and du is deep_ep_rs.utils
     assert deep_ep.diagnose is sys.modules["deep_ep_rs.diagnose"]
     assert deep_ep.buffer.Buffer is Buffer
-    for name in ("deep_ep.utils", "deep_ep.buffer", "deep_ep.diagnose"):
+    import deep_ep.elastic
+    assert ElasticBuffer is deep_ep_rs.ElasticBuffer is deep_ep.elastic.ElasticBuffer and EPHandle is deep_ep_rs.EPHandle
+    assert get_physical_domain_size is deep_ep_rs.get_physical_domain_size and get_logical_domain_size is deep_ep_rs.elastic.get_logical_domain_size
+    for name in ("deep_ep.utils", "deep_ep.buffer", "deep_ep.diagnose", "deep_ep.elastic"):
         assert sys.modules[name] is sys.modules["deep_ep_rs" + name[len("deep_ep"):]], name
     assert isinstance(deep_ep_rs.Buffer.capture(), EventOverlap)
     assert isinstance(EventOverlap(EventHandle()), deep_ep_rs.utils.EventOverlap)

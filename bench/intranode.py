@@ -182,8 +182,9 @@ def write_record(path, script, world, rows):
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     env = {"date": datetime.date.today().isoformat(), "git_commit": commit or "unknown",
            "command": "torchrun --nproc-per-node %d %s %s" % (world, script, " ".join(sys.argv[1:])),
-           "device": torch.cuda.get_device_name(), "num_gpus": world, "torch": torch.__version__,
-           "nccl": ".".join(map(str, torch.cuda.nccl.version())), "rows": rows}
+           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "num_gpus": world,
+           "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
+           "rows": rows}
     with open(path, "w") as f:
         json.dump(env, f, indent=1)
 

@@ -266,3 +266,64 @@ def test_diagnose_reports_valid_settings():
     assert p.returncode == 0, p.stdout + p.stderr
     line = next(line for line in p.stdout.splitlines() if line.startswith("settings (cpu buffers): "))
     assert "OK" in line and "backend cpu" in line and "NVLink domain 2" in line, line
+
+
+# ---- 1: a call abandoned by a timed-out rank is never delivered to a late peer ------------------
+def abandoned_call_worker(rank, world, shrink):
+    """Both ranks run LL step 0; rank 1 then sleeps past rank 0's deadline, so rank 0's step 1
+    times out (raises, or masks rank 1 in shrink mode and completes). Rank 1's next call pairs
+    with rank 0's given-up call; it must raise instead of taking rank 0's step-1 tokens."""
+    import deep_ep_rs
+    import torch.distributed as dist
+
+    t, h, e = 4, 128, 2 * world
+    old = os.environ.get("DEEP_EP_TIMEOUT_MS")
+    os.environ["DEEP_EP_TIMEOUT_MS"] = "1000"  # read at buffer creation
+    try:
+        size = deep_ep_rs.Buffer.get_low_latency_rdma_size_hint(t, h, world, e)
+        buf = deep_ep_rs.Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, device="cpu", explicitly_destroy=True,
+                                enable_shrink=shrink)
+    finally:
+        if old is None:
+            os.environ.pop("DEEP_EP_TIMEOUT_MS", None)
+        else:
+            os.environ["DEEP_EP_TIMEOUT_MS"] = old
+    g = torch.Generator().manual_seed(rank)
+
+    def step(s):
+        x = torch.full((t, h), float(10 * s + rank + 1)).to(torch.bfloat16)
+        idx = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(t)])
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, t, e, use_fp8=False)
+        out, _, _ = buf.low_latency_combine(recv, idx, torch.ones(t, 2), handle)
+        return out
+
+    step(0)
+    outcome = "ok"
+    try:
+        if rank == 1:
+            time.sleep(2.5)
+            step(2)
+        else:
+            step(1)
+    except RuntimeError as err:
+        outcome = str(err)
+    dist.barrier()
+    try:
+        buf.destroy()
+    except RuntimeError:
+        pass
+    return outcome
+
+
+@pytest.mark.lowlatency
+@pytest.mark.parametrize("shrink", [False, True], ids=["raise", "shrink"])
+def test_a_late_rank_never_receives_a_call_its_peer_gave_up(rank_pool, shrink):
+    res = rank_pool(2).run(abandoned_call_worker, shrink)
+    # Rank 0 timed out in step 1: it raises, or (shrink) masks rank 1 and completes the step.
+    if shrink:
+        assert res[0] == "ok", res[0]
+    else:
+        assert "timed out" in res[0] and "rank 0" in res[0], res[0]
+    # Rank 1's third call (step 0 was calls 1 and 2) pairs with rank 0's given-up call 3: refused, naming rank 0 and the call.
+    assert "rank 0 gave up its low-latency call 3" in res[1], res[1]
+    assert "this rank's call 3 (a dispatch)" in res[1], res[1]

@@ -27,6 +27,15 @@
 //! Data is written with plain copies before the signal's release store; waits load with
 //! acquire.
 //!
+//! # Abandoned calls
+//! A rank whose receive times out gives its call up (it raises, or in shrink mode masks the
+//! missing ranks and goes on). Its messages of that call may already lie in a late peer's area,
+//! with the tag the peer's same-numbered call expects. So before it raises or masks, it rewrites
+//! every word it set in that call, at the ranks it gives up on (shrink) or at every peer (raise),
+//! to the call's *abandoned* tag (count field `0xffff`). A receive that finds it raises, naming
+//! the rank and the call, whatever the mask: tokens of a call their sender gave up are never
+//! delivered. A receive that finished before the rewrite got a whole call: that is not lost data.
+//!
 //! # Geometry changes
 //! Where the signal words lie depends on `(T, H, E)`. When a send uses another geometry than
 //! the previous LL call, a fast peer's new signals could land on words a slow peer still waits
@@ -37,6 +46,7 @@
 
 use super::ht::Kind;
 use super::ll_state::LlState;
+use super::ll_tags::{abandoned, abandoned_error, arrived, sig_load, sig_store, tag, KIND_COMBINE, KIND_DISPATCH};
 use super::CpuBackend;
 use crate::backend::{
     LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlRowsArgs, LlStats,
@@ -54,8 +64,6 @@ use crate::op_names::{
     CLEAN_LOW_LATENCY_BUFFER as OP_CLEAN, GET_NEXT_LOW_LATENCY_COMBINE_BUFFER as OP_NEXT, LOW_LATENCY_COMBINE as OP_COMBINE,
     LOW_LATENCY_DISPATCH as OP_DISPATCH,
 };
-const KIND_DISPATCH: i64 = 1;
-const KIND_COMBINE: i64 = 2;
 /// Combine's `recv_state` flag (dispatch's are `LlDispatchOptions::flags`).
 const FLAG_LOGFMT: i64 = 8;
 /// `recv_state` flag: the dispatch used the deduplicated wire format / the combine sent one
@@ -136,27 +144,6 @@ pub(crate) fn format_name(code: i32) -> String {
         return "use_fp8=False (BF16)".into();
     }
     format!("use_fp8=True, round_scale={}, use_ue8m0={}", code & 2 != 0, code & 4 != 0)
-}
-
-fn tag(seq: u32, count: usize) -> u32 {
-    ((seq & 0xffff) << 16) | (count as u32 + 1)
-}
-
-/// The count a word carries if it holds call `seq`'s tag.
-fn arrived(v: u32, seq: u32) -> Option<usize> {
-    (v >> 16 == seq & 0xffff && v & 0xffff != 0).then(|| (v & 0xffff) as usize - 1)
-}
-
-/// Release-stores 32-bit signal word `w` of the array at `base` (an RMW of its 64-bit word,
-/// so two senders sharing it never clobber each other).
-fn sig_store(reg: &Region, base: usize, w: usize, v: u32) {
-    let shift = 32 * (w % 2);
-    let a = reg.atomic_u64(base + 8 * (w / 2));
-    let _ = a.fetch_update(Ordering::Release, Ordering::Relaxed, |old| Some((old & !(0xffff_ffffu64 << shift)) | ((v as u64) << shift)));
-}
-
-fn sig_load(reg: &Region, base: usize, w: usize) -> u32 {
-    (shm::load_acquire(reg.atomic_u64(base + 8 * (w / 2))) >> (32 * (w % 2))) as u32
 }
 
 fn write_state(t: &TensorRef, half: usize, seq: u32, flags: i64, kind: i64) {
@@ -246,6 +233,11 @@ impl CpuBackend {
             Err(end) => end,
         };
         let missing = peers();
+        // Shrink mode goes on without the missing ranks: only they must not take this call's
+        // messages; a raise (timeout or Ctrl-C) gives the call up towards everyone.
+        let all: Vec<usize> = (0..self.info.num_ranks).filter(|&p| p != self.info.rank).collect();
+        let masks = self.shrink && end == crate::error::WaitEnd::TimedOut;
+        self.ll_abandon(if masks { &missing } else { &all });
         if self.shrink && end == crate::error::WaitEnd::TimedOut {
             crate::log_warn!(
                 Some(self.info.rank),
@@ -384,6 +376,7 @@ impl LowLatencyMode for CpuBackend {
     ) -> Result<()> {
         let geo = self.ll_geo(OP_DISPATCH, g)?;
         let (half, seq, flags) = self.ll_read_state(OP_DISPATCH, &out.recv_state, KIND_DISPATCH)?;
+        self.ll.receiving = Some((KIND_DISPATCH, geo.sig(half), seq));
         crate::ensure!(
             flags & !FLAG_DEDUP == o.flags(),
             OP_DISPATCH,
@@ -425,10 +418,16 @@ impl LowLatencyMode for CpuBackend {
                                 sig_load(&mine, sig, w)
                             )
                         },
-                        || arrived(sig_load(&mine, sig, w), seq).is_some(),
+                        || {
+                            let v = sig_load(&mine, sig, w);
+                            arrived(v, seq).is_some() || abandoned(v, seq)
+                        },
                         || vec![src],
                     )?
                 };
+                if d.is_some() && abandoned(sig_load(&mine, sig, w), seq) {
+                    return Err(abandoned_error(OP_DISPATCH, self.info.rank, src, seq, "a dispatch"));
+                }
                 let Some(d) = d else {
                     layout_range[l * r + src] = (begin as i64) << 32;
                     continue;
@@ -640,6 +639,7 @@ impl LowLatencyMode for CpuBackend {
     fn ll_combine_recv(&mut self, g: &LlGeometry, a: &LlCombineRecvArgs, stats: &LlStats, _s: Stream) -> Result<()> {
         let geo = self.ll_geo(OP_COMBINE, g)?;
         let (half, seq, flags) = self.ll_read_state(OP_COMBINE, &a.recv_state, KIND_COMBINE)?;
+        self.ll.receiving = Some((KIND_COMBINE, geo.sig(half), seq));
         let logfmt = flags & FLAG_LOGFMT != 0;
         let (r, el, t, h) = (geo.r, geo.el, geo.t, geo.h);
         // Partial sums: one word (and one row per token) per expert rank.
@@ -660,7 +660,13 @@ impl LowLatencyMode for CpuBackend {
         crate::layout::check_expert_ids(OP_COMBINE, &idx, k, geo.e)?;
         let mine = self.ll_region(self.info.rank);
         let sig = geo.sig(half);
-        let missing = |s: usize| (s * el..s * el + words).any(|w| arrived(sig_load(&mine, sig, w), seq).is_none());
+        let missing = |s: usize| {
+            (s * el..s * el + words).any(|w| {
+                let v = sig_load(&mine, sig, w);
+                arrived(v, seq).is_none() && !abandoned(v, seq)
+            })
+        };
+        let gave_up = |s: usize| (s * el..s * el + words).any(|w| abandoned(sig_load(&mine, sig, w), seq));
         let mut waited = vec![0u64; r];
         for (s, waited_s) in waited.iter_mut().enumerate() {
             if self.mask[s] {
@@ -673,6 +679,9 @@ impl LowLatencyMode for CpuBackend {
                 || !missing(s),
                 || (0..r).filter(|&p| !mask[p] && missing(p)).collect(),
             )?;
+            if d.is_some() && gave_up(s) {
+                return Err(abandoned_error(OP_COMBINE, self.info.rank, s, seq, "a combine"));
+            }
             if let Some(d) = d {
                 *waited_s = d.as_nanos() as u64;
                 self.waits[s][0] += 1;

@@ -34,6 +34,9 @@ pub struct LlState {
     /// With the weights' fingerprint when the combine sends partial sums (made with the weights
     /// the dispatch carried: other weights at the combine would silently not be used).
     pub(super) combine_routing: [Option<(u64, Option<u64>)>; 2],
+    /// The receive in progress, for a timeout that gives its call up: (kind, offset of its half's
+    /// signal words, call number).
+    pub(super) receiving: Option<(i64, usize, u32)>,
 }
 
 impl LlState {

@@ -12,6 +12,7 @@ pub(crate) mod ht;
 pub(crate) mod internode;
 pub(crate) mod ll;
 mod ll_state;
+mod ll_tags;
 
 use super::{Backend, BackendKind, BufferInfo, CreateArgs};
 use crate::error::{Error, Result, WaitEnd};

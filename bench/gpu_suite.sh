@@ -62,6 +62,9 @@ step rank_mask 60 python3 -m pytest -q -rs tests/gpu/test_rank_mask_gpu.py
 step ll_count 150 env DEEP_EP_LL_COUNT_REPLAYS=${LL_COUNT_REPLAYS:-50} python3 -m pytest -q -rs tests/gpu/test_ll_device_count.py
 step transport 60 python3 -m pytest -q -rs tests/gpu/test_transport_selftest.py
 step compile_cuda 120 python3 -m pytest -q -rs tests/gpu/test_compile_cuda.py
+# DeepEP V2's ElasticBuffer at 2 and 4 ranks (graphs without CPU sync, inductor, the frameworks' V2 paths)
+step elastic 240 python3 -m pytest -q -rs tests/gpu/test_elastic_gpu.py
+step frameworks 150 python3 -m pytest -q -rs tests/gpu/test_frameworks_gpu.py
 step bench_ll 60 torchrun --nproc-per-node 4 bench/low_latency.py --tokens 128 --out "$out/low-latency.json"
 step bench_intranode 75 torchrun --nproc-per-node 4 bench/intranode.py --sms ${BENCH_SMS:-20 24} --iters 15 --out "$out/intranode.json"
 # the price of the device-side input checks and of the fused combine: the same bench three times

@@ -313,8 +313,9 @@ class Buffer:
             assert topk_idx is None and topk_weights is None, "cached dispatch takes no topk_idx/topk_weights"
             rpm, cpm, rcpm, src_idx, in_rank, send_head = handle
             with self._on_comm_stream(previous_event, async_finish, allocate_on_comm_stream, ev):
-                recv_x, recv_s = ops.cached_dispatch(self.handle, x, x_scales, rpm, cpm, rcpm, src_idx, in_rank, send_head,
-                                                     config.to_list())
+                with _no_autograd(x, x_scales):
+                    recv_x, recv_s = ops.cached_dispatch(self.handle, x, x_scales, rpm, cpm, rcpm, src_idx, in_rank, send_head,
+                                                         config.to_list())
             out_x = (recv_x, recv_s) if x_scales is not None else recv_x
             return out_x, None, None, None, None, self._keep_alive(ev[0], (x, x_scales, recv_x, recv_s) + tuple(handle))
         assert num_tokens_per_rank is not None and is_token_in_rank is not None and num_tokens_per_expert is not None, \
@@ -376,15 +377,17 @@ class Buffer:
             assert topk_idx is None and topk_weights is None, "cached dispatch takes no topk_idx/topk_weights"
             assert len(handle) == 10, "internode_dispatch needs the 10-tensor internode handle"
             with self._on_comm_stream(previous_event, async_finish, allocate_on_comm_stream, ev):
-                recv_x, recv_s = ops.internode_cached_dispatch(self.handle, x, x_scales, *handle, config.to_list())
+                with _no_autograd(x, x_scales):
+                    recv_x, recv_s = ops.internode_cached_dispatch(self.handle, x, x_scales, *handle, config.to_list())
             out_x = (recv_x, recv_s) if x_scales is not None else recv_x
             return out_x, None, None, None, None, self._keep_alive(ev[0], (x, x_scales, recv_x, recv_s) + tuple(handle))
         assert num_tokens_per_rank is not None and num_tokens_per_rdma_rank is not None and is_token_in_rank is not None \
             and num_tokens_per_expert is not None, "internode_dispatch needs the layout tensors (get_dispatch_layout) or a handle"
         with self._on_comm_stream(previous_event, async_finish, allocate_on_comm_stream, ev):
-            (recv_x, recv_s, recv_idx, recv_w, per_expert, *rest) = ops.internode_dispatch(
-                self.handle, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_rdma_rank,
-                is_token_in_rank, num_tokens_per_expert, expert_alignment, num_worst_tokens, config.to_list())
+            with _no_autograd(x, x_scales, topk_weights):
+                (recv_x, recv_s, recv_idx, recv_w, per_expert, *rest) = ops.internode_dispatch(
+                    self.handle, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                    is_token_in_rank, num_tokens_per_expert, expert_alignment, num_worst_tokens, config.to_list())
         new_handle = (is_token_in_rank, *rest)
         out_x = (recv_x, recv_s) if x_scales is not None else recv_x
         per_expert_list = per_expert.tolist() if num_worst_tokens == 0 else []
@@ -404,7 +407,8 @@ class Buffer:
         assert len(handle) == 10, "internode_combine needs the 10-tensor internode handle"
         ev: list = []
         with self._on_comm_stream(previous_event, async_finish, allocate_on_comm_stream, ev):
-            out, out_w = ops.internode_combine(self.handle, x, topk_weights, bias_0, bias_1, *handle, config.to_list())
+            with _no_autograd(x, topk_weights, bias_0, bias_1):
+                out, out_w = ops.internode_combine(self.handle, x, topk_weights, bias_0, bias_1, *handle, config.to_list())
         event = self._keep_alive(ev[0], (x, topk_weights, bias_0, bias_1, out, out_w) + tuple(handle))
         return out, (out_w if topk_weights is not None else None), event
 

@@ -244,7 +244,28 @@ class Buffer:
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> torch.Tensor:
-        raise NotImplementedError("deep_ep_rs.Buffer.get_local_buffer_tensor is not supported")
+        """This rank's part of the buffer as a `dtype` tensor (DeepEP V1): a view, not a copy, of the
+        NVLink part (`num_nvl_bytes`) or, with `use_rdma_buffer`, the RDMA / low-latency part
+        (`num_rdma_bytes`), from byte `offset` on (a multiple of the element size; DeepEP's offset
+        counts bytes too). Without `size`: 1-D, `(part bytes - offset) // element size` elements
+        (DeepEP returns `part bytes // element size` from the offset, past the end when the offset
+        is not 0); with `size`, its first `size.numel()` elements viewed as `size`.
+
+        The view lives in the buffer's memory: it keeps this Buffer object alive (so garbage
+        collection never releases the buffer under it), and `destroy()` invalidates it (do not use
+        it afterwards). Writing into it while an op of the buffer is in flight on any rank gives
+        undefined results (as in DeepEP). Between steps (every rank's last combine finished, no
+        rank's next op started, e.g. a `dist.barrier()` after the reset) zeroing it resets the
+        buffer: vLLM's `get_local_buffer_tensor(torch.int8, use_rdma_buffer=True).zero_()`; the next
+        low-latency and normal-mode calls run as on a new buffer (docs/OPS.md)."""
+        t = ops.get_local_buffer_tensor(self.handle, dtype, int(offset), bool(use_rdma_buffer))
+        if size is not None:
+            size = torch.Size(size if isinstance(size, (tuple, list, torch.Size)) else (size,))
+            assert t.numel() >= size.numel(), \
+                f"get_local_buffer_tensor: size {tuple(size)} needs {size.numel()} elements, the part holds {t.numel()} from offset {offset}"
+            t = t[:size.numel()].view(size)
+        t._deep_ep_buffer = self  # the buffer outlives every view of it that is still referenced
+        return t
 
     # ---- stream handling (DeepEP semantics) ---------------------------------------------------
     def _on_comm_stream(self, previous_event: Optional[EventOverlap], async_finish: bool, allocate_on_comm_stream: bool, result: list):

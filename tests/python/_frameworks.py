@@ -12,6 +12,8 @@
 - `vllm`: vLLM's all2all managers: buffers built with keyword arguments through a weak-valued
   cache, `Buffer.set_num_sms`, configs only for DeepEP's rank counts, `event.event is not None`,
   LL with `out=`, mask query/clean, `explicitly_destroy` teardown.
+- `vllm_clean_buffers`: vLLM's fault-tolerance reset, `get_local_buffer_tensor(torch.int8,
+  use_rdma_buffer=True).zero_()` between LL steps (and the NVLink part between normal-mode ones).
 - `zero_copy`: `get_next_low_latency_combine_buffer` then `low_latency_combine(zero_copy=True)`.
 
 Every worker returns a dict of what it checked; an `AssertionError` names what failed. Inputs are
@@ -412,6 +414,70 @@ def vllm(rank, world, dev, default_device):
         return {"ht_rows": int(recv_x.shape[0]), "ll_rows": int(expert_num_tokens.sum())}
 
 
+def vllm_clean_buffers(rank, world, dev, default_device):
+    """vLLM's fault-tolerance reset (`clean_buffers`): LL steps, then
+    `get_local_buffer_tensor(torch.int8, use_rdma_buffer=True).zero_()` on every rank and a group
+    barrier, then LL steps again that must give the same results (BF16, FP8, top-k weights carried
+    by the dispatch, receive hooks); the NVLink part zeroed the same way between normal-mode
+    round trips of the same (AUTO) buffer."""
+    dev = torch.device(dev)
+    with deepep_defaults(default_device):
+        deep_ep = deep_ep_module()
+        group, t_max, num_experts, n = dist.group.WORLD, 16, 4 * world, 13
+        rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(t_max, HIDDEN, world, num_experts)
+        buf = deep_ep.Buffer(group, num_nvl_bytes=1 << 22, num_rdma_bytes=rdma, low_latency_mode=True,
+                             num_qps_per_rank=num_experts // world, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False,
+                             explicitly_destroy=True, enable_shrink=False)
+        x, x_ll = tokens(rank, n, dev), tokens(rank, n, dev, ids=False)
+        idx, w = routing(rank, n, num_experts, dev)
+        valid = (idx.cpu() >= 0).to(torch.float32).sum(dim=1, keepdim=True) * 0.5
+        want_ll = (x_ll.float().cpu() * valid).to(torch.bfloat16)
+
+        def ll_steps():
+            out = {}
+            for use_fp8, carry_weights, hook in ((False, False, False), (True, False, True), (False, True, False)):
+                recv, count, handle, _, h = buf.low_latency_dispatch(x_ll, idx, t_max, num_experts, use_fp8=use_fp8,
+                                                                     return_recv_hook=hook, topk_weights=w if carry_weights else None)
+                if h is not None:
+                    h()
+                y = (recv[0].float() * recv[1].repeat_interleave(128, dim=2)).to(torch.bfloat16) if use_fp8 else recv
+                combined, _, h = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=hook)
+                if h is not None:
+                    h()
+                assert torch.equal(combined.cpu(), want_ll), f"LL fp8={use_fp8} weights={carry_weights}"
+                out[(use_fp8, carry_weights)] = int(count.sum())
+            return out
+
+        def normal_round_trip():
+            ntpr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
+            recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=ntpr,
+                                                      is_token_in_rank=in_rank, num_tokens_per_expert=ntpe)
+            check_normal_recv(recv_x, rank, world, gather(idx.cpu(), world), num_experts, n)
+            combined, _, _ = buf.combine(recv_x, handle)
+            assert torch.equal(combined.cpu(), expect_combined(x, idx, num_experts, world, 1.0)), "normal round trip"
+            return int(recv_x.shape[0])
+
+        counts = [ll_steps()]
+        rows = [normal_round_trip()]
+        for reset in range(2):
+            # vLLM's clean_buffers on every rank, then the group meets before any rank's next op.
+            raw = buf.get_local_buffer_tensor(torch.int8, use_rdma_buffer=True)
+            assert raw.dtype == torch.int8 and raw.shape == (rdma,) and raw.device == dev, (raw.dtype, raw.shape, raw.device)
+            assert bool(raw.any()), "the LL part holds the earlier calls' signals and messages"
+            raw.zero_()
+            del raw
+            nvl = buf.get_local_buffer_tensor(torch.int32, use_rdma_buffer=False)
+            assert nvl.shape == ((1 << 22) // 4,) and nvl.device == dev
+            nvl.fill_(-1 if reset else 0)  # any content: normal-mode ops stage afresh every call
+            del nvl
+            dist.barrier(group)
+            counts.append(ll_steps())
+            rows.append(normal_round_trip())
+        assert all(c == counts[0] for c in counts) and all(r == rows[0] for r in rows), (counts, rows)
+        buf.destroy()
+        return {"ll_rows": counts[0][(False, False)], "ht_rows": rows[0], "resets": 2}
+
+
 # ---- zero-copy combine (DeepEP's test_low_latency) ------------------------------------------------
 def zero_copy(rank, world, dev, default_device):
     dev = torch.device(dev)
@@ -434,4 +500,5 @@ def zero_copy(rank, world, dev, default_device):
         return {"rows": int(count.sum())}
 
 
-WORKERS = {"megatron": megatron, "sglang_normal": sglang_normal, "sglang_ll": sglang_ll, "vllm": vllm, "zero_copy": zero_copy}
+WORKERS = {"megatron": megatron, "sglang_normal": sglang_normal, "sglang_ll": sglang_ll, "vllm": vllm,
+           "vllm_clean_buffers": vllm_clean_buffers, "zero_copy": zero_copy}

@@ -59,6 +59,14 @@ int deep_ep_bind_buffer_slot(int64_t handle, int64_t slot);
 // out[7] = rank, num_ranks, device, num_nvl_bytes, num_rdma_bytes, low_latency_mode, backend (0 cpu, 1 nccl, 2 nvshmem, 3 ipc).
 // `op` names the calling op in errors (NULL: "deep_ep::buffer_info").
 int deep_ep_buffer_info(int64_t handle, const char* op, int64_t* out);
+/* Local. This rank's part of the buffer as raw memory (DeepEP's get_local_buffer_tensor): the
+ * normal-mode (NVLink) part of num_nvl_bytes or, with use_rdma_buffer != 0, the RDMA / low-latency
+ * part of num_rdma_bytes, from byte `offset` on: *data = its address + offset, *numel =
+ * (part bytes - offset) / element_bytes, *device as deep_ep_tensor_t.device. offset must be in
+ * [0, part bytes] and a multiple of element_bytes (1, 2, 4, 8 or 16); dtype_name (NULL ok) names
+ * the element type in errors. The memory stays the buffer's: valid until the buffer is destroyed. */
+int deep_ep_get_local_buffer(int64_t handle, int32_t use_rdma_buffer, int64_t offset, int64_t element_bytes, const char* dtype_name,
+                             void** data, int64_t* numel, int32_t* device);
 
 // ---- size hints and config (local, pure) -------------------------------------------------------
 // config[5] = num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv. which: 0 = NVLink hint, 1 = RDMA hint.

@@ -24,6 +24,8 @@ pub const DESTROY_BUFFER: &str = "deep_ep::destroy_buffer";
 pub const DISPATCH: &str = "deep_ep::dispatch";
 /// `torch.ops.deep_ep.get_dispatch_layout`.
 pub const GET_DISPATCH_LAYOUT: &str = "deep_ep::get_dispatch_layout";
+/// `torch.ops.deep_ep.get_local_buffer_tensor`.
+pub const GET_LOCAL_BUFFER_TENSOR: &str = "deep_ep::get_local_buffer_tensor";
 /// `torch.ops.deep_ep.get_next_low_latency_combine_buffer`.
 pub const GET_NEXT_LOW_LATENCY_COMBINE_BUFFER: &str = "deep_ep::get_next_low_latency_combine_buffer";
 /// `torch.ops.deep_ep.get_unique_id`.

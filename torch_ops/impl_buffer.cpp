@@ -1,5 +1,5 @@
-// Buffer lifecycle, size hints, rank masking and wait statistics. These take no device tensors, so they are registered for
-// CompositeExplicitAutograd (any device, no autograd).
+// Buffer lifecycle, the local buffer view, size hints, rank masking and wait statistics. These take no device tensors, so
+// they are registered for CompositeExplicitAutograd (any device, no autograd).
 #include "common.h"
 
 namespace deep_ep_ops {
@@ -40,6 +40,23 @@ void bind_buffer_slot(int64_t handle, int64_t slot) { check(deep_ep_bind_buffer_
 std::vector<int64_t> buffer_info_op(int64_t handle) {
   auto b = buffer_info(handle, "deep_ep::buffer_info");
   return std::vector<int64_t>(b.v, b.v + 7);
+}
+
+// A non-owning view (from_blob, no deleter: the stable ABI before torch 2.11 has none) of this
+// rank's part of the buffer; the memory stays the buffer's, so destroying the buffer invalidates
+// it (the Python Buffer keeps itself alive through the tensors it hands out).
+Tensor get_local_buffer_tensor(int64_t handle, ScalarType dtype, int64_t offset, bool use_rdma_buffer) {
+  const char* op = "deep_ep::get_local_buffer_tensor";
+  auto info = buffer_info(handle, op);
+  const auto shim_dtype = torch::stable::detail::to<int32_t>(torch::stable::detail::from(dtype));
+  const int64_t element_bytes = static_cast<int64_t>(aoti_torch_dtype_element_size(shim_dtype));
+  const std::string name = dtype_name(dtype);
+  void* data = nullptr;
+  int64_t numel = 0;
+  int32_t device = -1;
+  check(deep_ep_get_local_buffer(handle, use_rdma_buffer ? 1 : 0, offset, element_bytes, name.c_str(), &data, &numel, &device));
+  Device dev = device >= 0 ? Device(DeviceType::CUDA, static_cast<int8_t>(device)) : info.device();
+  return torch::stable::from_blob(data, {numel}, {1}, dev, dtype);
 }
 
 int64_t nvl_hint(const IntList& config, int64_t hidden_bytes, int64_t num_ranks) {
@@ -109,6 +126,7 @@ STABLE_TORCH_LIBRARY_IMPL(deep_ep, CompositeExplicitAutograd, m) {
   m.impl("destroy_buffer", TORCH_BOX(&deep_ep_ops::destroy_buffer));
   m.impl("bind_buffer_slot", TORCH_BOX(&deep_ep_ops::bind_buffer_slot));
   m.impl("buffer_info", TORCH_BOX(&deep_ep_ops::buffer_info_op));
+  m.impl("get_local_buffer_tensor", TORCH_BOX(&deep_ep_ops::get_local_buffer_tensor));
   m.impl("nvl_buffer_size_hint", TORCH_BOX(&deep_ep_ops::nvl_hint));
   m.impl("rdma_buffer_size_hint", TORCH_BOX(&deep_ep_ops::rdma_hint));
   m.impl("low_latency_rdma_size_hint", TORCH_BOX(&deep_ep_ops::ll_hint));

@@ -23,6 +23,12 @@ STABLE_TORCH_LIBRARY(deep_ep, m) {
   m.def("bind_buffer_slot(int handle, int slot) -> ()");
   // [rank, num_ranks, device, num_nvl_bytes, num_rdma_bytes, low_latency_mode, backend(0 cpu,1 nccl,2 nvshmem, 3 ipc)].
   m.def("buffer_info(int handle) -> int[]");
+  // Local. DeepEP's get_local_buffer_tensor: this rank's part of the buffer as a 1-D `dtype` view of
+  // (part bytes - offset) / element size elements, from byte `offset` (a multiple of the element size):
+  // the NVLink part (num_nvl_bytes) or, with use_rdma_buffer, the RDMA / low-latency part
+  // (num_rdma_bytes). Not a copy: valid while the buffer lives; writes while no op of the buffer
+  // is in flight only (docs/OPS.md).
+  m.def("get_local_buffer_tensor(int handle, ScalarType dtype, int offset=0, bool use_rdma_buffer=False) -> Tensor");
   // DeepEP's Config.get_nvl_buffer_size_hint / get_rdma_buffer_size_hint and the LL RDMA hint (bytes).
   m.def("nvl_buffer_size_hint(int[] config, int hidden_bytes, int num_ranks) -> int");
   m.def("rdma_buffer_size_hint(int[] config, int hidden_bytes, int num_ranks) -> int");

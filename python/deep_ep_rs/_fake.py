@@ -203,6 +203,15 @@ def _ll_next(handle, t, hidden, e):
     return torch.empty_strided((e // r, r * t, hidden), (r * t * m, m, 1), dtype=torch.bfloat16, device=_device(handle))
 
 
+@_fake("get_local_buffer_tensor")
+def _local_buffer(handle, dtype, offset=0, use_rdma_buffer=False):
+    with unset_fake_temporarily():
+        info = [int(v) for v in ops.buffer_info.default(handle)]
+    nbytes = info[4] if use_rdma_buffer else info[3]
+    itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
+    return torch.empty((max(nbytes - offset, 0) // itemsize,), dtype=dtype, device=_device(handle))
+
+
 @_fake("low_latency_query_mask_buffer")
 def _ll_query_mask(handle, mask_status):
     return None

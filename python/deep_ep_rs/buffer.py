@@ -86,6 +86,76 @@ def _opt(t: torch.Tensor) -> Optional[torch.Tensor]:
     return None if t.dim() == 1 and t.numel() == 0 else t
 
 
+def _check_overlap(device: torch.device, num_ranks: int, handle: Tuple, packed_recv_count: Optional[torch.Tensor],
+                   comp_signal: Optional[torch.Tensor], block_m: int, threshold: int, src_signals: Optional[torch.Tensor],
+                   expect: int) -> None:
+    """`low_latency_combine(overlap=True)`: the producer of the combine's input (SGLang's down
+    GEMM) raises signals as it finishes parts of it. Hopper (`comp_signal`): int32
+    `[E_l * ceil(R*T / block_m)]`, entry `l * ceil(R*T / block_m) + b` reaches `threshold` once rows
+    `[b * block_m, (b + 1) * block_m)` of local expert `l` are written; the rows of `l` are
+    `packed_recv_count[l]` (the dispatch's recv_count). Blackwell (`src_signals`): one word per
+    local expert, reaching `src_signal_expect_value` once all of its rows are written. A threshold
+    (expected value) <= 0 asks for no wait (DeepEP: always satisfied).
+
+    The combine here sends after the whole producer, never block by block. On CPU buffers that is
+    what program order gives (tensors are computed before the call returns), so every signal the
+    combine would wait for must already be raised: one that is not will never come, and is raised
+    as an error instead of combining unwritten rows. On GPU buffers the combine's stream is only
+    ordered after the GEMM's start (SGLang's wait_event is the GEMM's start event), so waiting for
+    the signals needs a device-side wait (a kernel change, to be measured on a GPU): a call that
+    asks for one raises NotImplementedError."""
+    _, layout_range, t, _, e = handle
+    el = e // num_ranks
+    if src_signals is not None:
+        waits = int(expect) > 0
+    elif comp_signal is not None:
+        waits = int(threshold) > 0
+    else:
+        raise ValueError("low_latency_combine(overlap=True) needs comp_signal (Hopper: with packed_recv_count, block_m, threshold) "
+                         "or src_signals (Blackwell: with src_signal_expect_value)")
+    if device.type != "cpu":
+        if waits:
+            raise NotImplementedError(
+                "deep_ep_rs.Buffer.low_latency_combine(overlap=True) with a signal to wait for (threshold / src_signal_expect_value "
+                "> 0) is not implemented on GPU buffers: the combine would read the expert outputs before the GEMM signals them. "
+                "Run without single-batch overlap (SGLang: leave --enable-single-batch-overlap off)")
+        return
+    rows = [int(v) for v in (layout_range.to(torch.int64) & 0xFFFFFFFF).sum(dim=1).tolist()]  # the dispatch's recv_count
+    if src_signals is not None:
+        assert src_signals.dim() == 1 and src_signals.numel() >= el, \
+            f"src_signals must hold one word per local expert ({el}), got shape {tuple(src_signals.shape)}"
+        if not waits:
+            return
+        sig = src_signals[:el].to(torch.int64).tolist()
+        for l, (r, v) in enumerate(zip(rows, sig)):
+            if r > 0 and v < expect:
+                raise RuntimeError(f"low_latency_combine(overlap=True): src_signals[{l}] = {v} < src_signal_expect_value = {expect} "
+                                   f"for local expert {l} ({r} rows): on a CPU buffer the producer has run before the call, so this "
+                                   "signal will never come")
+        return
+    assert packed_recv_count is not None and packed_recv_count.dtype == torch.int32 and packed_recv_count.shape == (el,), \
+        f"overlap=True with comp_signal needs packed_recv_count, int32 [{el}] (the dispatch's recv_count)"
+    assert packed_recv_count.tolist() == rows, \
+        f"packed_recv_count {packed_recv_count.tolist()} is not the recv_count {rows} of the dispatch of this handle"
+    block_m, threshold = int(block_m), int(threshold)
+    assert block_m > 0, f"block_m must be positive, got {block_m}"
+    per_expert = -(-num_ranks * t // block_m)
+    assert comp_signal.dtype == torch.int32 and comp_signal.numel() >= el * per_expert, \
+        f"comp_signal must be int32 with num_local_experts * ceil(num_ranks * T / block_m) = {el * per_expert} entries, got " \
+        f"{comp_signal.dtype} of shape {tuple(comp_signal.shape)}"
+    if not waits:
+        return
+    sig = comp_signal.reshape(-1)[:el * per_expert].view(el, per_expert)
+    for l, r in enumerate(rows):
+        blocks = -(-r // block_m)
+        late = (sig[l, :blocks] < threshold).nonzero()
+        if late.numel():
+            b = int(late[0, 0])
+            raise RuntimeError(f"low_latency_combine(overlap=True): comp_signal of local expert {l}, block {b} (rows "
+                               f"[{b * block_m}, {min(r, (b + 1) * block_m)})) is {int(sig[l, b])} < threshold = {threshold}: on a CPU "
+                               "buffer the producer has run before the call, so this signal will never come")
+
+
 class Buffer:
     """A communication buffer for expert-parallel dispatch and combine (DeepEP V1 API).
 
@@ -244,7 +314,28 @@ class Buffer:
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> torch.Tensor:
-        raise NotImplementedError("deep_ep_rs.Buffer.get_local_buffer_tensor is not supported")
+        """This rank's part of the buffer as a `dtype` tensor (DeepEP V1): a view, not a copy, of the
+        NVLink part (`num_nvl_bytes`) or, with `use_rdma_buffer`, the RDMA / low-latency part
+        (`num_rdma_bytes`), from byte `offset` on (a multiple of the element size; DeepEP's offset
+        counts bytes too). Without `size`: 1-D, `(part bytes - offset) // element size` elements
+        (DeepEP returns `part bytes // element size` from the offset, past the end when the offset
+        is not 0); with `size`, its first `size.numel()` elements viewed as `size`.
+
+        The view lives in the buffer's memory: it keeps this Buffer object alive (so garbage
+        collection never releases the buffer under it), and `destroy()` invalidates it (do not use
+        it afterwards). Writing into it while an op of the buffer is in flight on any rank gives
+        undefined results (as in DeepEP). Between steps (every rank's last combine finished, no
+        rank's next op started, e.g. a `dist.barrier()` after the reset) zeroing it resets the
+        buffer: vLLM's `get_local_buffer_tensor(torch.int8, use_rdma_buffer=True).zero_()`; the next
+        low-latency and normal-mode calls run as on a new buffer (docs/OPS.md)."""
+        t = ops.get_local_buffer_tensor(self.handle, dtype, int(offset), bool(use_rdma_buffer))
+        if size is not None:
+            size = torch.Size(size if isinstance(size, (tuple, list, torch.Size)) else (size,))
+            assert t.numel() >= size.numel(), \
+                f"get_local_buffer_tensor: size {tuple(size)} needs {size.numel()} elements, the part holds {t.numel()} from offset {offset}"
+            t = t[:size.numel()].view(size)
+        t._deep_ep_buffer = self  # the buffer outlives every view of it that is still referenced
+        return t
 
     # ---- stream handling (DeepEP semantics) ---------------------------------------------------
     def _on_comm_stream(self, previous_event: Optional[EventOverlap], async_finish: bool, allocate_on_comm_stream: bool, result: list):
@@ -460,13 +551,31 @@ class Buffer:
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
                             return_recv_hook: bool = False, out: Optional[torch.Tensor] = None,
                             combine_wait_recv_cost_stats: Optional[torch.Tensor] = None,
-                            num_tokens: Optional[torch.Tensor] = None):
+                            num_tokens: Optional[torch.Tensor] = None, overlap: bool = False,
+                            packed_recv_count: Optional[torch.Tensor] = None, comp_signal: Optional[torch.Tensor] = None,
+                            block_m: int = 64, threshold: int = 0, num_sms: int = 0,
+                            src_signals: Optional[torch.Tensor] = None, src_signal_expect_value: int = 0):
         """Returns (combined_x [N, H] bf16 = Σ_k w_k·y_k, event, hook). `num_tokens`: as in
-        low_latency_dispatch (the same tensor); output rows at or past it are zero."""
+        low_latency_dispatch (the same tensor); output rows at or past it are zero.
+
+        Single-batch overlap (SGLang's SBO, DeepEP's overlap combine): `overlap`, with Hopper's
+        `packed_recv_count`, `comp_signal`, `block_m`, `threshold`, `num_sms` or Blackwell's
+        `src_signals`, `src_signal_expect_value`. DeepEP starts sending an expert's rows block by
+        block as the down GEMM raises their signals; here the combine never starts early, it sends
+        after the whole GEMM (same results). Without `overlap` the arguments are ignored, as in
+        DeepEP. With `overlap` (see `_check_overlap`): CPU buffers check that every signal the
+        combine would wait for is raised (ops on CPU tensors run in program order, so the GEMM is
+        done) and raise if not; GPU buffers raise NotImplementedError when a signal wait is asked
+        for, since SGLang orders the combine after the GEMM's start only, and waiting for the
+        signals needs a kernel change not made yet (README, compatibility table). `num_sms` is
+        accepted, no effect (the LL grids are sized by the library)."""
         assert not (async_finish and return_recv_hook), "async_finish and return_recv_hook are mutually exclusive"
         if isinstance(x, (tuple, list)) and x and isinstance(x[0], torch.Tensor):
             # The (recv_x, scales) pair of an FP8 dispatch: the op names the dtype it refuses.
             x = x[0]
+        if overlap:
+            _check_overlap(self.device, self.group_size, handle, packed_recv_count, comp_signal, block_m, threshold, src_signals,
+                           src_signal_expect_value)
         src_info, layout_range, t, hidden, e = handle
         if out is None:
             out = torch.empty((topk_idx.size(0), hidden), dtype=torch.bfloat16, device=x.device)

@@ -176,6 +176,31 @@ pub unsafe extern "C" fn deep_ep_buffer_info(handle: i64, op: *const c_char, out
     })
 }
 
+/// See `deep_ep_get_local_buffer` in the header.
+///
+/// # Safety
+/// `data`, `numel` and `device` are writable; `dtype_name` is NULL or a C string.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn deep_ep_get_local_buffer(
+    handle: i64,
+    use_rdma_buffer: i32,
+    offset: i64,
+    element_bytes: i64,
+    dtype_name: *const c_char,
+    data: *mut *mut c_void,
+    numel: *mut i64,
+    device: *mut i32,
+) -> c_int {
+    guard(|| {
+        let v = ops::get_local_buffer(handle, use_rdma_buffer != 0, offset, element_bytes, &str_arg(dtype_name))?;
+        *data = v.ptr as *mut c_void;
+        *numel = v.numel;
+        *device = v.device.to_raw();
+        Ok(())
+    })
+}
+
 /// Maps a caller-supplied op name onto the static names errors carry.
 fn op_name(name: &str) -> &'static str {
     const KNOWN: &[&str] = &[
@@ -190,6 +215,7 @@ fn op_name(name: &str) -> &'static str {
         crate::op_names::LOW_LATENCY_COMBINE_RECV,
         crate::op_names::CLEAN_LOW_LATENCY_BUFFER,
         crate::op_names::GET_NEXT_LOW_LATENCY_COMBINE_BUFFER,
+        crate::op_names::GET_LOCAL_BUFFER_TENSOR,
         crate::op_names::LOW_LATENCY_QUERY_MASK_BUFFER,
         crate::op_names::WAIT_STATS,
         crate::op_names::INTERNODE_DISPATCH,

@@ -44,6 +44,22 @@ pub trait Backend: NormalMode + InternodeMode + LowLatencyMode + Send {
     /// total time spent until `p` arrived (the own row stays zero). Backends whose waits run on the GPU answer
     /// [`Error::NotImplemented`].
     fn wait_stats(&mut self, reset: bool) -> Result<Vec<[i64; 2]>>;
+
+    /// This rank's part of the buffer as raw memory, local (DeepEP's `get_local_buffer_tensor`):
+    /// the normal-mode (NVLink) part of `num_nvl_bytes` or, with `rdma`, the RDMA / low-latency
+    /// part of `num_rdma_bytes`. The memory stays the buffer's: it is valid until the buffer is
+    /// destroyed, and nothing keeps it beyond that. A part the backend does not hold answers
+    /// [`Error::NotImplemented`].
+    fn local_region(&mut self, rdma: bool) -> Result<LocalRegion>;
+}
+
+/// A backend's own memory handed out as a view ([`Backend::local_region`]): `bytes` bytes at
+/// `ptr` on `device`, at least 128-byte aligned.
+#[derive(Copy, Clone, Debug)]
+pub struct LocalRegion {
+    pub ptr: *mut u8,
+    pub bytes: usize,
+    pub device: crate::tensor::Device,
 }
 
 /// Normal mode (high-throughput) within one NVLink domain.

@@ -93,6 +93,38 @@ pub fn buffer_info(handle: i64, op: &'static str) -> Result<[i64; 7]> {
     ])
 }
 
+/// A view of this rank's part of a buffer ([`get_local_buffer`]): `numel` elements at `ptr`.
+#[derive(Copy, Clone, Debug)]
+pub struct LocalBufferView {
+    pub ptr: *mut u8,
+    pub numel: i64,
+    pub device: Device,
+}
+
+/// `deep_ep::get_local_buffer_tensor` (local): this rank's normal-mode (NVLink) part of the buffer
+/// (`num_nvl_bytes`) or, with `use_rdma_buffer`, its RDMA / low-latency part (`num_rdma_bytes`),
+/// from byte `offset` on, as `(size - offset) / element_bytes` elements of `element_bytes`
+/// (`dtype` names them in errors). `offset` must lie in `[0, size]` and be a multiple of the
+/// element size. The memory stays the buffer's (valid until it is destroyed).
+pub fn get_local_buffer(handle: i64, use_rdma_buffer: bool, offset: i64, element_bytes: i64, dtype: &str) -> Result<LocalBufferView> {
+    const OP: &str = crate::op_names::GET_LOCAL_BUFFER_TENSOR;
+    crate::ensure!(
+        matches!(element_bytes, 1 | 2 | 4 | 8 | 16),
+        OP,
+        "dtype {dtype} has an element size of {element_bytes} bytes (expected 1, 2, 4, 8 or 16)"
+    );
+    let part = if use_rdma_buffer { "RDMA part (num_rdma_bytes)" } else { "NVLink part (num_nvl_bytes)" };
+    let region = buffer::with(OP, handle, |b| b.local_region(use_rdma_buffer))?;
+    let size = region.bytes as i64;
+    crate::ensure!((0..=size).contains(&offset), OP, "offset ({offset}) must be in [0, {size}], the bytes of this rank's {part}");
+    crate::ensure!(
+        offset % element_bytes == 0,
+        OP,
+        "offset ({offset}) must be a multiple of {element_bytes} bytes, the element size of {dtype} (offset counts bytes, as in DeepEP)"
+    );
+    Ok(LocalBufferView { ptr: region.ptr.wrapping_add(offset as usize), numel: (size - offset) / element_bytes, device: region.device })
+}
+
 /// Outputs of `get_dispatch_layout`, caller-allocated: `[R]`, `[R/8]` (absent when R ≤ 8),
 /// `[E]` int32 and `[N, R]` bool, on the device of `topk_idx`.
 pub struct LayoutOutputs {

@@ -15,7 +15,7 @@ EXPECTED_OPS = ["get_unique_id", "create_buffer", "destroy_buffer", "bind_buffer
                 "low_latency_combine", "low_latency_combine_send", "low_latency_combine_recv", "clean_low_latency_buffer",
                 "get_next_low_latency_combine_buffer", "nvl_buffer_size_hint", "rdma_buffer_size_hint", "low_latency_rdma_size_hint",
                 "low_latency_update_mask_buffer", "low_latency_query_mask_buffer", "low_latency_clean_mask_buffer",
-                "low_latency_set_shrink", "wait_stats"]
+                "low_latency_set_shrink", "wait_stats", "get_local_buffer_tensor"]
 
 
 def test_ops_registered():

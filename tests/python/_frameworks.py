@@ -9,9 +9,13 @@
 - `sglang_normal` / `sglang_ll`: SGLang's DeepEP dispatchers: one buffer sized by the max of the
   config hints and the LL hint, `Buffer.capture()` events, int64 ids, BF16 and FP8 tuples, LL with
   receive hooks, `clean_low_latency_buffer` when switching modes on one (AUTO) buffer.
+- `sglang_sbo`: SGLang's single-batch overlap: `low_latency_combine(overlap=True, ...)` with the down
+  GEMM's signals (Hopper and Blackwell argument sets), results equal to the combine without it.
 - `vllm`: vLLM's all2all managers: buffers built with keyword arguments through a weak-valued
   cache, `Buffer.set_num_sms`, configs only for DeepEP's rank counts, `event.event is not None`,
   LL with `out=`, mask query/clean, `explicitly_destroy` teardown.
+- `vllm_clean_buffers`: vLLM's fault-tolerance reset, `get_local_buffer_tensor(torch.int8,
+  use_rdma_buffer=True).zero_()` between LL steps (and the NVLink part between normal-mode ones).
 - `zero_copy`: `get_next_low_latency_combine_buffer` then `low_latency_combine(zero_copy=True)`.
 
 Every worker returns a dict of what it checked; an `AssertionError` names what failed. Inputs are
@@ -334,6 +338,106 @@ def sglang_ll(rank, world, dev, default_device):
         return done
 
 
+def sglang_sbo(rank, world, dev, default_device):
+    """SGLang's single-batch overlap (`_combine_core` with `CombineOverlapArgs`): the LL combine gets
+    `overlap=True` and the down GEMM's signals, Hopper's (`packed_recv_count`, `comp_signal`,
+    `block_m`, `threshold`, `num_sms`) or Blackwell's (`src_signals`, `src_signal_expect_value`),
+    inside `torch.cuda.stream(alt_stream)` after `alt_stream.wait_event(wait_event)` on GPUs. The
+    "GEMM" here raises every signal once its output is written; results must be those of the combine
+    without overlap, bit for bit. A signal that is not raised is an error on CPU buffers (it can
+    never come), on every rank alike, and the buffer goes on. GPU buffers refuse a signal wait
+    (NotImplementedError): the twin checks that and the no-wait forms."""
+    dev = torch.device(dev)
+    with deepep_defaults(default_device):
+        deep_ep = deep_ep_module()
+        from deep_ep import Buffer
+
+        group, t_max, num_experts, n = dist.group.WORLD, 16, 4 * world, 11
+        el = num_experts // world
+        buffer = Buffer(group, 0, Buffer.get_low_latency_rdma_size_hint(t_max, HIDDEN, world, num_experts), low_latency_mode=True,
+                        num_qps_per_rank=el, explicitly_destroy=True)
+        x = tokens(rank, n, dev, ids=False)
+        idx, w = routing(rank, n, num_experts, dev)
+        want = (x.float().cpu() * ((idx.cpu() >= 0).to(torch.float32).sum(dim=1, keepdim=True) * 0.5)).to(torch.bfloat16)
+        block_m, n_blocks = 64, HIDDEN // 128  # DeepGEMM: threshold = ceil(N / block_n)
+        per_expert = -(-world * t_max // block_m)
+        compute_num_sms, communicate_num_sms = 100, 32
+        alt_stream = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
+
+        def step(overlap_args, return_recv_hook=True):
+            recv, packed_recv_count, handle, _, hook = buffer.low_latency_dispatch(
+                x, idx, t_max, num_experts, use_fp8=False, async_finish=False, return_recv_hook=return_recv_hook)
+            if hook is not None:
+                hook()
+            start = torch.cuda.Event() if alt_stream is not None else None
+            if start is not None:
+                start.record()
+            y = recv * 2  # the down GEMM
+            kwargs = overlap_args(packed_recv_count, handle)
+            if kwargs.get("_raise", True):  # the GEMM raises its signals as it finishes (all of them here)
+                if kwargs.get("comp_signal") is not None:
+                    for l, r in enumerate(packed_recv_count.tolist()):
+                        kwargs["comp_signal"][l * per_expert:l * per_expert + -(-r // block_m)] = kwargs["threshold"]
+                if kwargs.get("src_signals") is not None:
+                    kwargs["src_signals"][:] = kwargs["src_signal_expect_value"]
+            kwargs.pop("_raise", None)
+            ctx = contextlib.nullcontext()
+            if alt_stream is not None and kwargs.get("overlap"):
+                alt_stream.wait_event(start)  # SGLang: the GEMM's start event, not its end
+                ctx = torch.cuda.stream(alt_stream)
+            with ctx:
+                combined, event, hook = buffer.low_latency_combine(x=y, topk_idx=idx, topk_weights=w, handle=handle,
+                                                                    async_finish=not return_recv_hook,
+                                                                    return_recv_hook=return_recv_hook, **kwargs)
+            if hook is not None:
+                hook()
+            if event is not None and event.event is not None:
+                event.current_stream_wait()
+            if alt_stream is not None:
+                torch.cuda.current_stream().wait_stream(alt_stream)
+            return (combined.float() / 2).to(torch.bfloat16).cpu()
+
+        hopper = lambda thr: lambda count, handle: dict(  # noqa: E731
+            overlap=True, packed_recv_count=count, comp_signal=torch.zeros(el * per_expert, dtype=torch.int32, device=dev),
+            block_m=block_m, threshold=thr, num_sms=communicate_num_sms)
+        blackwell = lambda value: lambda count, handle: dict(  # noqa: E731
+            overlap=True, src_signals=torch.zeros(el, dtype=torch.uint32, device=dev), src_signal_expect_value=value)
+        cases = {"no overlap args": lambda count, handle: {},
+                 "overlap=False (args ignored)": lambda count, handle: dict(overlap=False, packed_recv_count=count, num_sms=32,
+                                                                            _raise=False),
+                 "hopper, threshold 0 (no wait)": hopper(0), "blackwell, expect 0 (no wait)": blackwell(0)}
+        waiting = {"hopper": hopper(n_blocks), "blackwell": blackwell(compute_num_sms)}
+        done = {}
+        for name, args in cases.items():
+            got = step(args)
+            assert torch.equal(got, want), f"{name}: combine differs from the reference"
+            done[name] = True
+        for name, args in waiting.items():
+            if dev.type == "cuda":
+                try:
+                    step(args)
+                except NotImplementedError as e:
+                    assert "not implemented on GPU buffers" in str(e), e
+                    done[name] = "NotImplementedError"
+                    continue
+                raise AssertionError(f"{name}: a GPU buffer must refuse a signal wait")
+            for hook in (True, False):
+                got = step(args, return_recv_hook=hook)
+                assert torch.equal(got, want), f"{name} (hook={hook}): overlap combine differs from the one without"
+            # The GEMM never raised its signals: an error on every rank, before anything is sent.
+            unraised = lambda count, handle, a=args: dict(a(count, handle), _raise=False)  # noqa: E731
+            try:
+                step(unraised)
+            except RuntimeError as e:
+                assert "will never come" in str(e), e
+            else:
+                raise AssertionError(f"{name}: unraised signals must raise on a CPU buffer")
+            done[name] = True
+        assert torch.equal(step(cases["no overlap args"]), want), "the buffer goes on after the refused combines"
+        buffer.destroy()
+        return done
+
+
 # ---- vLLM (all2all managers) ------------------------------------------------------------------------
 class _Cache:
     """vLLM's handle cache: weak values keyed on the sorted keyword arguments."""
@@ -412,6 +516,70 @@ def vllm(rank, world, dev, default_device):
         return {"ht_rows": int(recv_x.shape[0]), "ll_rows": int(expert_num_tokens.sum())}
 
 
+def vllm_clean_buffers(rank, world, dev, default_device):
+    """vLLM's fault-tolerance reset (`clean_buffers`): LL steps, then
+    `get_local_buffer_tensor(torch.int8, use_rdma_buffer=True).zero_()` on every rank and a group
+    barrier, then LL steps again that must give the same results (BF16, FP8, top-k weights carried
+    by the dispatch, receive hooks); the NVLink part zeroed the same way between normal-mode
+    round trips of the same (AUTO) buffer."""
+    dev = torch.device(dev)
+    with deepep_defaults(default_device):
+        deep_ep = deep_ep_module()
+        group, t_max, num_experts, n = dist.group.WORLD, 16, 4 * world, 13
+        rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(t_max, HIDDEN, world, num_experts)
+        buf = deep_ep.Buffer(group, num_nvl_bytes=1 << 22, num_rdma_bytes=rdma, low_latency_mode=True,
+                             num_qps_per_rank=num_experts // world, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False,
+                             explicitly_destroy=True, enable_shrink=False)
+        x, x_ll = tokens(rank, n, dev), tokens(rank, n, dev, ids=False)
+        idx, w = routing(rank, n, num_experts, dev)
+        valid = (idx.cpu() >= 0).to(torch.float32).sum(dim=1, keepdim=True) * 0.5
+        want_ll = (x_ll.float().cpu() * valid).to(torch.bfloat16)
+
+        def ll_steps():
+            out = {}
+            for use_fp8, carry_weights, hook in ((False, False, False), (True, False, True), (False, True, False)):
+                recv, count, handle, _, h = buf.low_latency_dispatch(x_ll, idx, t_max, num_experts, use_fp8=use_fp8,
+                                                                     return_recv_hook=hook, topk_weights=w if carry_weights else None)
+                if h is not None:
+                    h()
+                y = (recv[0].float() * recv[1].repeat_interleave(128, dim=2)).to(torch.bfloat16) if use_fp8 else recv
+                combined, _, h = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=hook)
+                if h is not None:
+                    h()
+                assert torch.equal(combined.cpu(), want_ll), f"LL fp8={use_fp8} weights={carry_weights}"
+                out[(use_fp8, carry_weights)] = int(count.sum())
+            return out
+
+        def normal_round_trip():
+            ntpr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
+            recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=ntpr,
+                                                      is_token_in_rank=in_rank, num_tokens_per_expert=ntpe)
+            check_normal_recv(recv_x, rank, world, gather(idx.cpu(), world), num_experts, n)
+            combined, _, _ = buf.combine(recv_x, handle)
+            assert torch.equal(combined.cpu(), expect_combined(x, idx, num_experts, world, 1.0)), "normal round trip"
+            return int(recv_x.shape[0])
+
+        counts = [ll_steps()]
+        rows = [normal_round_trip()]
+        for reset in range(2):
+            # vLLM's clean_buffers on every rank, then the group meets before any rank's next op.
+            raw = buf.get_local_buffer_tensor(torch.int8, use_rdma_buffer=True)
+            assert raw.dtype == torch.int8 and raw.shape == (rdma,) and raw.device == dev, (raw.dtype, raw.shape, raw.device)
+            assert bool(raw.any()), "the LL part holds the earlier calls' signals and messages"
+            raw.zero_()
+            del raw
+            nvl = buf.get_local_buffer_tensor(torch.int32, use_rdma_buffer=False)
+            assert nvl.shape == ((1 << 22) // 4,) and nvl.device == dev
+            nvl.fill_(-1 if reset else 0)  # any content: normal-mode ops stage afresh every call
+            del nvl
+            dist.barrier(group)
+            counts.append(ll_steps())
+            rows.append(normal_round_trip())
+        assert all(c == counts[0] for c in counts) and all(r == rows[0] for r in rows), (counts, rows)
+        buf.destroy()
+        return {"ll_rows": counts[0][(False, False)], "ht_rows": rows[0], "resets": 2}
+
+
 # ---- zero-copy combine (DeepEP's test_low_latency) ------------------------------------------------
 def zero_copy(rank, world, dev, default_device):
     dev = torch.device(dev)
@@ -434,4 +602,5 @@ def zero_copy(rank, world, dev, default_device):
         return {"rows": int(count.sum())}
 
 
-WORKERS = {"megatron": megatron, "sglang_normal": sglang_normal, "sglang_ll": sglang_ll, "vllm": vllm, "zero_copy": zero_copy}
+WORKERS = {"megatron": megatron, "sglang_normal": sglang_normal, "sglang_ll": sglang_ll, "vllm": vllm,
+           "vllm_clean_buffers": vllm_clean_buffers, "sglang_sbo": sglang_sbo, "zero_copy": zero_copy}

@@ -11,6 +11,7 @@ EXPECTED = {
     "destroy_buffer": "destroy_buffer(int handle) -> ()",
     "bind_buffer_slot": "bind_buffer_slot(int handle, int slot) -> ()",
     "buffer_info": "buffer_info(int handle) -> int[]",
+    "get_local_buffer_tensor": "get_local_buffer_tensor(int handle, ScalarType dtype, int offset=0, bool use_rdma_buffer=False) -> Tensor",
     "nvl_buffer_size_hint": "nvl_buffer_size_hint(int[] config, int hidden_bytes, int num_ranks) -> int",
     "rdma_buffer_size_hint": "rdma_buffer_size_hint(int[] config, int hidden_bytes, int num_ranks) -> int",
     "low_latency_rdma_size_hint": "low_latency_rdma_size_hint(int num_max_dispatch_tokens_per_rank, int hidden, int num_ranks, int num_experts) -> int",
@@ -82,7 +83,7 @@ EXPECTED = {
 FAKE_OPS = ["get_dispatch_layout", "dispatch", "cached_dispatch", "combine", "internode_dispatch", "internode_cached_dispatch",
             "internode_combine", "low_latency_dispatch", "low_latency_dispatch_send",
             "low_latency_dispatch_recv", "low_latency_combine", "low_latency_combine_send", "low_latency_combine_recv",
-            "get_next_low_latency_combine_buffer", "low_latency_query_mask_buffer", "wait_stats"]
+            "get_next_low_latency_combine_buffer", "get_local_buffer_tensor", "low_latency_query_mask_buffer", "wait_stats"]
 
 # Collective ops must never be dropped by graph passes (deep_ep_rs._fake marks them side-effecting).
 SIDE_EFFECT_OPS = ["dispatch", "cached_dispatch", "combine", "internode_dispatch", "internode_cached_dispatch", "internode_combine",
@@ -127,7 +128,8 @@ def test_ops_have_real_cpu_kernels(deep_ep):
     for name in ["get_dispatch_layout", "dispatch", "cached_dispatch", "combine", "low_latency_dispatch", "low_latency_dispatch_send",
                  "low_latency_dispatch_recv", "low_latency_combine", "low_latency_combine_send", "low_latency_combine_recv"]:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"deep_ep::{name}", "CPU"), name
-    for name in ["get_unique_id", "create_buffer", "destroy_buffer", "buffer_info", "nvl_buffer_size_hint", "rdma_buffer_size_hint",
+    for name in ["get_unique_id", "create_buffer", "destroy_buffer", "buffer_info", "get_local_buffer_tensor", "nvl_buffer_size_hint",
+                 "rdma_buffer_size_hint",
                  "low_latency_rdma_size_hint", "clean_low_latency_buffer", "get_next_low_latency_combine_buffer", "build_info",
                  "nvl_domain_size", "check_environment",
                  "low_latency_update_mask_buffer", "low_latency_query_mask_buffer", "low_latency_clean_mask_buffer",

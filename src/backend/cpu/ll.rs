@@ -562,6 +562,25 @@ impl LowLatencyMode for CpuBackend {
         let src_ptr = a.src_info.data_ptr() as usize;
         let partial = crate::backend::ll_weighted_dispatch_half(&self.ll.dispatch, src_ptr)
             .and_then(|hd| g.wire(r).filter(|w| w.partial_fits && !a.use_logfmt).map(|w| (hd, w)));
+        if let Some((hd, _)) = partial {
+            // Partial sums read the dispatch's messages back from the receive half. A reset of the
+            // LL part between the dispatch and this combine (get_local_buffer_tensor(...).zero_())
+            // erased them: every source with rows has at least one message, so raise (on every
+            // rank that reset, before anything is sent) instead of sending zeros.
+            let mine = self.ll_region(me);
+            for s in (0..r).filter(|&s| !self.mask[s]) {
+                let rows: usize = (0..el).map(|l| range(l, s).1).sum();
+                let mut nm = [0u32];
+                mine.read::<u32>(geo.recv(hd) + LlWire::count_off(s), &mut nm);
+                crate::ensure!(
+                    rows == 0 || nm[0] > 0,
+                    OP_COMBINE,
+                    "the dispatch of this handle received {rows} rows from rank {s}, but its messages are no longer in the buffer \
+                     (was the low-latency part overwritten, e.g. zeroed through get_local_buffer_tensor, between the dispatch and \
+                     this combine? reset it only between steps)"
+                );
+            }
+        }
         self.ll_enter_geometry(OP_COMBINE, &geo)?;
         let (half, seq) = self.ll_begin_send();
         self.ll.route_combine(half, src_ptr, partial.is_some());

@@ -220,6 +220,16 @@ impl Backend for CpuBackend {
         }
         Ok(out)
     }
+
+    /// This rank's HT area or LL area of the shared mapping (page-aligned; the part's exact
+    /// size, not its page-rounded one). Not kept beyond the buffer: unlike a zero-copy combine
+    /// view, a view of it must not be used after the buffer is destroyed (the mapping goes).
+    fn local_region(&mut self, rdma: bool) -> Result<super::LocalRegion> {
+        let me = self.info.rank;
+        let (region, bytes) =
+            if rdma { (self.ll_region(me), self.info.num_rdma_bytes) } else { (self.ht_region(me), self.info.num_nvl_bytes) };
+        Ok(super::LocalRegion { ptr: region.ptr_at(0), bytes, device: self.info.device })
+    }
 }
 
 #[cfg(test)]

@@ -346,6 +346,46 @@ impl Backend for PeerBackend {
             "per-peer host wait statistics (waits run on the GPU; use the LL *_wait_recv_cost_stats tensors)",
         ))
     }
+
+    /// The parts of this rank's window the ops use for data: the normal-mode data area (from the
+    /// end of the control area; on an internode buffer from the end of the internode control
+    /// area, see `internode.rs`) and the LL area (`ll_off`, see `low_latency.rs`). An internode
+    /// normal-mode buffer's RDMA part is the `num_rdma_bytes` after the NVLink part of its one
+    /// data area; an LL buffer over several domains ends its NVLink part where the LL area
+    /// starts. Not kept beyond the buffer (no `keep_memory`: a view must not outlive it).
+    fn local_region(&mut self, rdma: bool) -> Result<super::LocalRegion> {
+        const OP: &str = crate::op_names::GET_LOCAL_BUFFER_TENSOR;
+        use crate::config::BUFFER_ALIGNMENT;
+        use crate::kernels::intranode::CONTROL_BYTES;
+        let (nvl, rdma_bytes) = (self.info.num_nvl_bytes, self.info.num_rdma_bytes);
+        let internode = self.info.num_ranks > self.info.nvl_domain_size;
+        let ll_off = CONTROL_BYTES + nvl.div_ceil(BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT;
+        let in_data = crate::kernels::internode::CTRL_OFF + crate::kernels::internode::CTRL_BYTES;
+        let (off, bytes) = match (rdma, internode, self.info.low_latency_mode) {
+            (false, false, _) => (CONTROL_BYTES, nvl),
+            (false, true, false) => (in_data, nvl),
+            (false, true, true) => (in_data, (CONTROL_BYTES + nvl).saturating_sub(in_data)),
+            (true, _, true) => (ll_off, rdma_bytes),
+            (true, true, false) => (in_data + nvl, rdma_bytes),
+            (true, false, false) if rdma_bytes == 0 => (CONTROL_BYTES, 0),
+            (true, false, false) => {
+                return Err(ni(
+                    self.info.backend,
+                    OP,
+                    "the RDMA part of a normal-mode buffer within one NVLink domain (its window holds no num_rdma_bytes: \
+                     create it with low_latency_mode=True, or num_rdma_bytes=0)",
+                ))
+            }
+        };
+        crate::ensure!(
+            off + bytes <= self.window.bytes(),
+            OP,
+            "internal: the buffer's part [{off}, +{bytes}) lies outside its window of {} bytes",
+            self.window.bytes()
+        );
+        let ptr = (self.window.ctx().own_base() as *mut u8).wrapping_add(off);
+        Ok(super::LocalRegion { ptr, bytes, device: self.info.device })
+    }
 }
 
 #[cfg(test)]

@@ -28,13 +28,7 @@
 //! acquire.
 //!
 //! # Abandoned calls
-//! A rank whose receive times out gives its call up (it raises, or in shrink mode masks the
-//! missing ranks and goes on). Its messages of that call may already lie in a late peer's area,
-//! with the tag the peer's same-numbered call expects. So before it raises or masks, it rewrites
-//! every word it set in that call, at the ranks it gives up on (shrink) or at every peer (raise),
-//! to the call's *abandoned* tag (count field `0xffff`). A receive that finds it raises, naming
-//! the rank and the call, whatever the mask: tokens of a call their sender gave up are never
-//! delivered. A receive that finished before the rewrite got a whole call: that is not lost data.
+//! A call a rank gave up (its receive timed out) is never delivered to a late peer: `ll_tags.rs`.
 //!
 //! # Geometry changes
 //! Where the signal words lie depends on `(T, H, E)`. When a send uses another geometry than

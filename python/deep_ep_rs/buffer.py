@@ -511,9 +511,14 @@ class Buffer:
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
                              round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
                              return_recv_hook: bool = False, topk_weights: Optional[torch.Tensor] = None,
-                             num_tokens: Optional[torch.Tensor] = None):
+                             num_tokens: Optional[torch.Tensor] = None, x_global_scale: Optional[torch.Tensor] = None,
+                             use_nvfp4: bool = False, use_ue8m0_for_sf: bool = False):
         """Returns (recv_x [or (recv_x, scales)], recv_count, handle, event, hook); handle =
         (src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts).
+
+        `x_global_scale`, `use_nvfp4`, `use_ue8m0_for_sf`: the NVFP4 dispatch of DeepEP's
+        forks, which SGLang and vLLM call when configured for it (docs/NVFP4.md). Accepted by
+        name; `use_nvfp4=True` raises NotImplementedError (not implemented on any backend yet).
 
         `num_tokens` (extension, default None = every row of x is real): int32 tensor of shape []
         or [1] on x's device holding the real batch n; rows of x / topk_idx at or past n are not
@@ -527,6 +532,10 @@ class Buffer:
         over ranks ascending in fp32 (less traffic; one more BF16 rounding per rank than the
         per-expert sum, within DeepEP's combine tolerance). That combine then uses THESE weights:
         pass the same `topk_weights` to low_latency_combine. Both backends agree bit for bit."""
+        if use_nvfp4:
+            raise NotImplementedError(
+                "deep_ep_rs.Buffer.low_latency_dispatch: use_nvfp4=True (NVFP4 dispatch, docs/NVFP4.md) is not implemented on "
+                "any backend yet; dispatch FP8 or BF16 instead (vLLM: VLLM_DEEPEPLL_NVFP4_DISPATCH=0)")
         assert not (async_finish and return_recv_hook), "async_finish and return_recv_hook are mutually exclusive"
         t, e = num_max_dispatch_tokens_per_rank, num_experts
         if return_recv_hook:

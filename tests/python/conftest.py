@@ -47,7 +47,7 @@ else:
 os.environ.setdefault("DEEP_EP_TIMEOUT_MS", "20000")
 os.environ.setdefault("DEEP_EP_BACKEND", "cpu")
 
-from _harness import RankPool  # noqa: E402
+from _harness import RankPool, free_port  # noqa: E402
 
 NOT_IMPLEMENTED = re.compile(r"not implemented.*yet", re.S)
 
@@ -81,6 +81,20 @@ def ops(deep_ep):
 
 
 _POOLS = {}
+
+
+@pytest.fixture(scope="module")
+def group():
+    """A one-rank gloo process group (the Buffer constructors need one), started once per module
+    unless the test process already has a default group."""
+    import torch.distributed as dist
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield dist.group.WORLD
+    if started:
+        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="session")

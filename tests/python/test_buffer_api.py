@@ -8,19 +8,7 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from _harness import free_port
-
-
-@pytest.fixture(scope="module")
-def group():
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield dist.group.WORLD
-    if started:
-        dist.destroy_process_group()
 
 
 @pytest.fixture

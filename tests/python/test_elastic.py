@@ -16,11 +16,9 @@ import inspect
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import _elastic_cases
 import _frameworks_v2
-from _harness import free_port
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -125,16 +123,6 @@ def test_ephandle_takes_v2s_fields_in_order(deep_ep):
     params = list(inspect.signature(deep_ep.EPHandle.__init__).parameters.values())
     assert [p.name for p in params[1:len(V2_HANDLE_FIELDS) + 1]] == V2_HANDLE_FIELDS
     assert all(p.kind == p.KEYWORD_ONLY for p in params[len(V2_HANDLE_FIELDS) + 1:]), "extensions are keyword-only"
-
-
-@pytest.fixture(scope="module")
-def group():
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield dist.group.WORLD
-    if started:
-        dist.destroy_process_group()
 
 
 def test_attributes_hints_and_helpers(deep_ep, group):

@@ -33,13 +33,12 @@ so every result is exact and compared bit for bit (the gradients of routing scor
 the hidden dimension in bf16 by the frameworks' own code, to bf16 accuracy).
 """
 import itertools
-import weakref
 
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
-from _frameworks import HIDDEN, deep_ep_module, deepep_defaults, gather, tokens
+from _frameworks import HIDDEN, _Cache, deep_ep_module, deepep_defaults, gather, tokens
 
 
 def scale_of(e):
@@ -360,19 +359,6 @@ def sglang(rank, world, dev, default_device):
 
 
 # ---- vLLM (DeepEPV2All2AllManager + DeepEPV2PrepareAndFinalize) ---------------------------------------
-class _Cache:
-    def __init__(self):
-        self._cache = weakref.WeakValueDictionary()
-
-    def get_or_create(self, kwargs, func):
-        key = tuple(sorted((k, v) for k, v in kwargs.items()))
-        h = self._cache.get(key)
-        if h is None:
-            h = func(**kwargs)
-            self._cache[key] = h
-        return h
-
-
 def vllm(rank, world, dev, default_device):
     dev = torch.device(dev)
     with deepep_defaults(default_device):

@@ -207,18 +207,7 @@ def test_opcheck_with_grad(ops, buffer1, worst):
 def two_rank_worker(rank, world):
     import torch.distributed as dist
 
-    def all_gather(t):
-        sizes = [torch.zeros((1,), dtype=torch.int64) for _ in range(world)]
-        dist.all_gather(sizes, torch.tensor([t.shape[0]]))
-        m = int(max(s.item() for s in sizes))
-        pad = torch.cat([t.float(), t.new_zeros((m - t.shape[0],) + tuple(t.shape[1:])).float()])
-        outs = [torch.empty_like(pad) for _ in range(world)]
-        dist.all_gather(outs, pad)
-        return [o[:int(s.item())].to(t.dtype) for o, s in zip(outs, sizes)]
-
-    def all_reduce(t):
-        dist.all_reduce(t)
-        return t
+    all_gather, all_reduce = gloo_collectives(world)
 
     buf = deep_ep_rs.Buffer(dist.group.WORLD, 1 << 22, 0, device="cpu", explicitly_destroy=True)
     try:

@@ -33,9 +33,14 @@ pub(super) fn arrived(v: u32, seq: u32) -> Option<usize> {
     (v >> 16 == seq & 0xffff && v & 0xffff != 0 && v & 0xffff != ABANDONED).then(|| (v & 0xffff) as usize - 1)
 }
 
+/// The tag of call `seq` given up by its sender.
+fn abandoned_tag(seq: u32) -> u32 {
+    ((seq & 0xffff) << 16) | ABANDONED
+}
+
 /// Whether a word holds the tag of call `seq` given up by its sender.
 pub(super) fn abandoned(v: u32, seq: u32) -> bool {
-    v == ((seq & 0xffff) << 16) | ABANDONED
+    v == abandoned_tag(seq)
 }
 
 /// The error of a receive that found call `seq` of rank `src` given up.
@@ -71,7 +76,7 @@ impl CpuBackend {
         let Some((_, _, e)) = self.ll.geometry else { return };
         let (r, me) = (self.info.num_ranks, self.info.rank);
         let el = e / r;
-        let tag = ((seq & 0xffff) << 16) | ABANDONED;
+        let tag = abandoned_tag(seq);
         for &d in peers.iter().filter(|&&d| d != me && d < r) {
             let region = self.ll_region(d);
             for l in 0..el {

@@ -369,10 +369,13 @@ def sglang_sbo(rank, world, dev, default_device):
                 x, idx, t_max, num_experts, use_fp8=False, async_finish=False, return_recv_hook=return_recv_hook)
             if hook is not None:
                 hook()
-            start = torch.cuda.Event() if alt_stream is not None else None
-            if start is not None:
-                start.record()
             y = recv * 2  # the down GEMM
+            # SGLang records this event at the GEMM's start and lets the signals cover the rest;
+            # GPU buffers refuse a signal wait, so the forms that run there are ordered after the
+            # whole GEMM (as without overlap), which is what the event here gives.
+            done = torch.cuda.Event() if alt_stream is not None else None
+            if done is not None:
+                done.record()
             kwargs = overlap_args(packed_recv_count, handle)
             if kwargs.get("_raise", True):  # the GEMM raises its signals as it finishes (all of them here)
                 if kwargs.get("comp_signal") is not None:
@@ -383,7 +386,7 @@ def sglang_sbo(rank, world, dev, default_device):
             kwargs.pop("_raise", None)
             ctx = contextlib.nullcontext()
             if alt_stream is not None and kwargs.get("overlap"):
-                alt_stream.wait_event(start)  # SGLang: the GEMM's start event, not its end
+                alt_stream.wait_event(done)
                 ctx = torch.cuda.stream(alt_stream)
             with ctx:
                 combined, event, hook = buffer.low_latency_combine(x=y, topk_idx=idx, topk_weights=w, handle=handle,

@@ -23,8 +23,8 @@ from intranode import per_token_cast_to_fp8
 
 
 def short_name(key):
-    """Our kernels' mangled names end in `<length><name>_kernel...`; keep `<name>_kernel`."""
-    m = re.search(r"(?<![A-Za-z])([a-z][a-z_]*_kernel)", key) if "deep_ep" in key else None
+    """Our kernels are `[void ]deep_ep::<ns>::<name><template args>(<params>)`; keep `<ns>::<name>`."""
+    m = re.search(r"deep_ep::((?:\w+::)*\w+)", key)
     return m.group(1) if m else key[:70]
 
 
@@ -114,7 +114,7 @@ def main():
         results["ll_dispatch_bf16" + tag] = kernel_table(lambda: buf.low_latency_dispatch(lx, lidx, m, e, use_fp8=False, topk_weights=lw), args.iters, graph)
         # Partial sums need the messages of the dispatch that made the handle (the latest one of
         # its buffer half), so this entry times a BF16 dispatch + combine pair; its table lists
-        # both ops' kernels (each op's send and receive halves are launches of one kernel, ll_dispatch / ll_combine).
+        # both ops' kernels (each op's send and receive halves are launches of one kernel, ll::dispatch / ll::combine).
         def pair():
             _, _, h2, _, _ = buf.low_latency_dispatch(lx, lidx, m, e, use_fp8=False, topk_weights=lw)
             buf.low_latency_combine(y, lidx, lw, h2, out=out)

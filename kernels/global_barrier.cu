@@ -65,7 +65,9 @@ __device__ bool barrier(const Ctx& c, const Net& net, int signal_base, uint64_t 
   return __all_sync(0xffffffffu, ok);
 }
 
-__global__ void __launch_bounds__(32) barrier_kernel(const __grid_constant__ Ctx c, int site) {
+}  // namespace
+
+__global__ void __launch_bounds__(32) global_barrier(const __grid_constant__ Ctx c, int site) {
   // A buffer with a timed-out barrier waits for nobody any more (as the intranode barrier); the
   // host raises the recorded timeout.
   if (ld_volatile(at<const int>(local(c), ic::kScrTimedOut)) != 0) return;
@@ -86,8 +88,6 @@ __global__ void __launch_bounds__(32) barrier_kernel(const __grid_constant__ Ctx
     ic::report(c, DEK_IC_ERR_MISMATCH, c.rank, site, h.net_kind, 0);  // never set up: a host bug
   }
 }
-
-}  // namespace
 }  // namespace gb
 }  // namespace deep_ep
 
@@ -95,7 +95,7 @@ extern "C" int dek_gb_barrier(const dek_ic_ctx_t* ctx, int site, void* stream) {
   using namespace deep_ep;
   if (!ic::ctx_domain_ok(ctx) || ctx->nvl_ranks == 0 || ctx->num_ranks / ctx->nvl_ranks > gb::kMaxDomains)
     return cudaErrorInvalidValue;
-  gb::barrier_kernel<<<1, 32, 0, as_stream(stream)>>>(*ctx, site);
+  gb::global_barrier<<<1, 32, 0, as_stream(stream)>>>(*ctx, site);
   return cudaGetLastError();
 }
 

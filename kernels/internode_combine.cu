@@ -14,8 +14,10 @@ namespace {
 // One combine partial: bf16 row, then (16-aligned) the fp32 weights.
 __device__ __forceinline__ uint64_t c_weights_in_rec(const Args& a) { return align16(a.row_bytes); }
 
+}  // namespace
+
 template <class Net>
-__global__ void __launch_bounds__(256) c_begin_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
+__global__ void __launch_bounds__(256) combine_begin(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
   if (timed_out(c)) return;
   const Geo g = geo(c, a);
   const auto t = Seam<Net>::at(a);
@@ -50,7 +52,7 @@ __global__ void __launch_bounds__(256) c_begin_kernel(const __grid_constant__ Ct
   if (good) exchange(c, t, g, a, site);
 }
 
-__global__ void __launch_bounds__(kThreads) c_stage_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
+__global__ void __launch_bounds__(kThreads) combine_stage(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
   if (ic::op_cancelled(c)) return;
   const Geo g = geo(c, a);
   char* me = local(c);
@@ -67,10 +69,12 @@ __global__ void __launch_bounds__(kThreads) c_stage_kernel(const __grid_constant
   }
 }
 
-__global__ void __launch_bounds__(32) c_nodebar_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
+__global__ void __launch_bounds__(32) combine_node_barrier(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
   if (timed_out(c) || op_bad(c)) return;
   node_barrier(c, geo(c, a), DEK_IC_SITE_IN_COMBINE_DATA);
 }
+
+namespace {
 
 __device__ __forceinline__ float lo_f(uint32_t w) { return ic::bf16_to_f32(w & 0xffffu); }
 __device__ __forceinline__ float hi_f(uint32_t w) { return ic::bf16_to_f32(w >> 16); }
@@ -84,8 +88,10 @@ __device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4 v) {
   }
 }
 
+}  // namespace
+
 template <class Net>
-__global__ void __launch_bounds__(kThreads) c_forward_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
+__global__ void __launch_bounds__(kThreads) combine_forward(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
   if (ic::op_cancelled(c)) return;
   const Geo g = geo(c, a);
   const auto t = Seam<Net>::at(a);
@@ -161,7 +167,7 @@ __global__ void __launch_bounds__(kThreads) c_forward_kernel(const __grid_consta
   if (warp == 0) t.flush(lane);
 }
 
-__global__ void __launch_bounds__(kThreads) c_final_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
+__global__ void __launch_bounds__(kThreads) combine_final(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
   if (ic::op_cancelled(c)) return;
   const Geo g = geo(c, a);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -232,15 +238,13 @@ __global__ void __launch_bounds__(kThreads) c_final_kernel(const __grid_constant
   }
 }
 
-}  // namespace
-
 int launch_combine(const Ctx& c, const Args& a, int step, cudaStream_t s) {
   switch (step) {
-    case DEK_IN_C_BEGIN: DEEP_EP_IN_LAUNCH(c_begin_kernel, 1, 256, s, c, a); break;
-    case DEK_IN_C_STAGE: c_stage_kernel<<<a.num_blocks, kThreads, 0, s>>>(c, a); break;
-    case DEK_IN_C_NODEBAR: c_nodebar_kernel<<<1, 32, 0, s>>>(c, a); break;
-    case DEK_IN_C_FORWARD: DEEP_EP_IN_LAUNCH(c_forward_kernel, a.num_blocks, kThreads, s, c, a); break;
-    case DEK_IN_C_FINAL: c_final_kernel<<<a.num_blocks, kThreads, 0, s>>>(c, a); break;
+    case DEK_IN_C_BEGIN: DEEP_EP_IN_LAUNCH(combine_begin, 1, 256, s, c, a); break;
+    case DEK_IN_C_STAGE: combine_stage<<<a.num_blocks, kThreads, 0, s>>>(c, a); break;
+    case DEK_IN_C_NODEBAR: combine_node_barrier<<<1, 32, 0, s>>>(c, a); break;
+    case DEK_IN_C_FORWARD: DEEP_EP_IN_LAUNCH(combine_forward, a.num_blocks, kThreads, s, c, a); break;
+    case DEK_IN_C_FINAL: combine_final<<<a.num_blocks, kThreads, 0, s>>>(c, a); break;
     default: return cudaErrorInvalidValue;
   }
   return static_cast<int>(cudaGetLastError());

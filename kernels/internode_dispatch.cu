@@ -25,7 +25,9 @@ __device__ __forceinline__ bool in_node(const unsigned char* ir, int R, int D, i
   return false;
 }
 
-__global__ void __launch_bounds__(kThreads) send_side_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
+}  // namespace
+
+__global__ void __launch_bounds__(kThreads) dispatch_send_side(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
   if (timed_out(c)) return;
   const Geo g = geo(c, a);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -95,7 +97,7 @@ __global__ void __launch_bounds__(kThreads) send_side_kernel(const __grid_consta
 }
 
 template <class Net>
-__global__ void __launch_bounds__(256) notify_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
+__global__ void __launch_bounds__(256) dispatch_notify(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
   if (timed_out(c)) return;
   const Geo g = geo(c, a);
   const auto t = Seam<Net>::at(a);
@@ -201,7 +203,7 @@ __global__ void __launch_bounds__(256) notify_kernel(const __grid_constant__ Ctx
 }
 
 template <class Net>
-__global__ void __launch_bounds__(kThreads) rdma_send_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
+__global__ void __launch_bounds__(kThreads) dispatch_rdma_send(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
   if (ic::op_cancelled(c)) return;
   const Geo g = geo(c, a);
   const auto t = Seam<Net>::at(a);
@@ -265,7 +267,7 @@ __global__ void __launch_bounds__(kThreads) rdma_send_kernel(const __grid_consta
 
 // Seam step of dispatch (node barrier after) and combine (none).
 template <class Net>
-__global__ void __launch_bounds__(32) step_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
+__global__ void __launch_bounds__(32) seam_step(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
   if (timed_out(c) || op_bad(c)) return;
   const Geo g = geo(c, a);
   const auto t = Seam<Net>::at(a);
@@ -274,8 +276,10 @@ __global__ void __launch_bounds__(32) step_kernel(const __grid_constant__ Ctx c,
   if (a.node_barrier) node_barrier(c, g, site);
 }
 
+namespace {
+
 // The local ranks of node `node` that record `rec` goes to (bit m = local rank m; written by
-// rdma_send_kernel, read by the forwarders' node and by the receivers).
+// dispatch_rdma_send, read by the forwarders' node and by the receivers).
 __device__ __forceinline__ int node_bits(const char* rec, const Rec& r, int node) {
   return __ldcg(reinterpret_cast<const unsigned char*>(rec + r.meta + 4) + node);
 }
@@ -310,7 +314,9 @@ __device__ void receive_row(const Ctx& c, const Geo& g, const Args& a, const Rec
   }
 }
 
-__global__ void __launch_bounds__(kThreads) nvl_recv_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
+}  // namespace
+
+__global__ void __launch_bounds__(kThreads) dispatch_nvl_recv(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
   if (ic::op_cancelled(c)) return;
   const Geo g = geo(c, a);
   const int lane = threadIdx.x & 31;
@@ -390,6 +396,8 @@ __global__ void __launch_bounds__(kThreads) nvl_recv_kernel(const __grid_constan
   for (int64_t b = tid; b < g.R; b += nt) a.recv_gbl_rps[b] = at<const int>(me, kRecvGblRps)[b];
 }
 
+namespace {
+
 bool args_ok(const Ctx* c, const Args* a) {
   if (!ic::ctx_domain_ok(c) || a == nullptr || (c->nvl_ranks != 0 && c->nvl_ranks != a->nvl_size)) return false;
   const int R = c->num_ranks;
@@ -422,11 +430,11 @@ extern "C" int dek_in_launch(const dek_ic_ctx_t* ctx, const dek_in_args_t* args,
   if (!args_ok(ctx, args)) return cudaErrorInvalidValue;
   const cudaStream_t s = deep_ep::as_stream(stream);
   switch (step) {
-    case DEK_IN_SEND_SIDE: send_side_kernel<<<1, kThreads, 0, s>>>(*ctx, *args); break;
-    case DEK_IN_NOTIFY: DEEP_EP_IN_LAUNCH(notify_kernel, 1, 256, s, *ctx, *args); break;
-    case DEK_IN_RDMA_SEND: DEEP_EP_IN_LAUNCH(rdma_send_kernel, args->num_blocks, kThreads, s, *ctx, *args); break;
-    case DEK_IN_STEP: DEEP_EP_IN_LAUNCH(step_kernel, 1, 32, s, *ctx, *args); break;
-    case DEK_IN_NVL_RECV: nvl_recv_kernel<<<args->num_blocks, kThreads, 0, s>>>(*ctx, *args); break;
+    case DEK_IN_SEND_SIDE: dispatch_send_side<<<1, kThreads, 0, s>>>(*ctx, *args); break;
+    case DEK_IN_NOTIFY: DEEP_EP_IN_LAUNCH(dispatch_notify, 1, 256, s, *ctx, *args); break;
+    case DEK_IN_RDMA_SEND: DEEP_EP_IN_LAUNCH(dispatch_rdma_send, args->num_blocks, kThreads, s, *ctx, *args); break;
+    case DEK_IN_STEP: DEEP_EP_IN_LAUNCH(seam_step, 1, 32, s, *ctx, *args); break;
+    case DEK_IN_NVL_RECV: dispatch_nvl_recv<<<args->num_blocks, kThreads, 0, s>>>(*ctx, *args); break;
     default: return launch_combine(*ctx, *args, step, s);
   }
   return static_cast<int>(cudaGetLastError());

@@ -157,7 +157,7 @@ __device__ bool wait_epoch(const Ctx& c, const uint64_t* slot, uint64_t e, int p
 
 // ---- copies ----------------------------------------------------------------------------------
 // One warp copies `bytes` from `src` to `dst`: common.cuh's warp_copy16 with kU loads in flight
-// per lane (pull_kernel uses more); bytes one by one when either side is not 16-byte aligned.
+// per lane (pull_dispatch uses more); bytes one by one when either side is not 16-byte aligned.
 constexpr int kUnroll = 8;
 template <int kU = kUnroll>
 __device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t bytes, int lane) {

@@ -68,7 +68,9 @@ __device__ __forceinline__ bool ids_reach(const dek_ic_check_args_t& a, int64_t 
   return false;
 }
 
-__global__ void __launch_bounds__(kCheckThreads) check_kernel(const __grid_constant__ Ctx c, const __grid_constant__ dek_ic_check_args_t a) {
+}  // namespace
+
+__global__ void __launch_bounds__(kCheckThreads) check_inputs(const __grid_constant__ Ctx c, const __grid_constant__ dek_ic_check_args_t a) {
   __shared__ unsigned long long s_hash;
   __shared__ int s_cnt[DEK_IN_MAX_RANKS];
   __shared__ bool s_last;
@@ -226,8 +228,6 @@ __global__ void __launch_bounds__(kCheckThreads) check_kernel(const __grid_const
   for (int i = 0; i < 16; ++i) words[i] = 0;
   for (int d = 0; d < R; ++d) cnt[d] = 0;
 }
-
-}  // namespace
 }  // namespace ic
 }  // namespace deep_ep
 
@@ -239,6 +239,6 @@ extern "C" int dek_ic_check(const dek_ic_ctx_t* ctx, const dek_ic_check_args_t* 
       args->num_channels < 1 || args->num_channels > kMaxChannels || (args->num_tokens > 0 && args->is_token_in_rank == nullptr) ||
       (args->topk_idx != nullptr && (args->num_experts < ctx->num_ranks || args->num_experts % ctx->num_ranks != 0)))
     return cudaErrorInvalidValue;
-  check_kernel<<<args->num_blocks, kCheckThreads, 0, as_stream(stream)>>>(*ctx, *args);
+  check_inputs<<<args->num_blocks, kCheckThreads, 0, as_stream(stream)>>>(*ctx, *args);
   return cudaGetLastError();
 }

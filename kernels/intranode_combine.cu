@@ -3,11 +3,11 @@
 // ranks they came from, and every rank reduces its tokens from its own window.
 //
 // Split path (two kernels around the data barrier, DEEP_EP_INTRANODE_COMBINE=split):
-// push_kernel (K1) one warp per received row, written into the window of the rank it came from
-// (remote 16-byte stores). combine_kernel (K3): one warp per token of this rank.
+// push_combine (K1) one warp per received row, written into the window of the rank it came from
+// (remote 16-byte stores). reduce_combine (K3): one warp per token of this rank.
 //
 // Fused path (the default; one kernel after the start barrier, no data barrier):
-// combine_fused_kernel overlaps the NVLink push with the local reduce. A data barrier made the
+// fused_combine overlaps the NVLink push with the local reduce. A data barrier made the
 // reduce (~190 us at 20 SMs, SM-bound) wait for the whole push (~530 us, NVLink-bound); here the
 // reduce of a channel starts as soon as every peer has pushed that channel. The rows a rank pushes
 // back to source s for channel ch are one contiguous range of x (dispatch receive order: source,
@@ -185,12 +185,14 @@ __device__ __forceinline__ int64_t row_pos(int in, int cp, int sh, const int64_t
   return pos >= 0 && pos < s_count[lane] ? pos : -1;
 }
 
+}  // namespace
+
 // ---- split path -------------------------------------------------------------------------------
 // K1 of combine: this rank's received rows go back into the windows of the ranks they came from.
 // kT: threads per block, kThreads or 1024 (DEEP_EP_INTRANODE_COMBINE_THREADS: twice the warps
 // storing over NVLink per SM, to measure whether the push rate follows the number of warps).
 template <int kT>
-__global__ void __launch_bounds__(kT) push_kernel(const __grid_constant__ Ctx c, const __grid_constant__ dek_ic_push_args_t a) {
+__global__ void __launch_bounds__(kT) push_combine(const __grid_constant__ Ctx c, const __grid_constant__ dek_ic_push_args_t a) {
   __shared__ int s_rpm[kMaxRanks * kMaxRanks];
   __shared__ int64_t s_base[kMaxRanks];    // s_base[s]: where this rank's rows start in s's window
   __shared__ uint64_t s_woff[kMaxRanks];   // weights offset in s's window
@@ -243,7 +245,7 @@ __global__ void __launch_bounds__(kT) push_kernel(const __grid_constant__ Ctx c,
 // K3 of combine, kR >= num_ranks (register arrays sized for 2, 4 or 8 ranks). Reads only this
 // rank's window, where every rank pushed its rows.
 template <int kR>
-__global__ void __launch_bounds__(kThreads) combine_kernel(const __grid_constant__ Ctx c, const __grid_constant__ dek_ic_combine_args_t a) {
+__global__ void __launch_bounds__(kThreads) reduce_combine(const __grid_constant__ Ctx c, const __grid_constant__ dek_ic_combine_args_t a) {
   __shared__ int64_t s_base[kMaxRanks];  // s_base[d]: where rank d's rows start in this window
   __shared__ int64_t s_count[kMaxRanks];
   __shared__ uint64_t s_woff;
@@ -286,6 +288,8 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const __grid_constant
     reduce_token<kR>(a, n, src, wsrc, b0_aligned, b1_aligned, lane);
   }
 }
+
+namespace {
 
 // ---- fused path ----------------------------------------------------------------------------
 constexpr int kPushRows = 8;      // rows per push unit: one flat copy of up to 8 rows (112 KiB at 7168)
@@ -446,8 +450,10 @@ __device__ void reduce_rows(const Ctx& c, const dek_ic_push_args_t& p, const dek
   }
 }
 
+}  // namespace
+
 template <int kR, int kU>
-__global__ void __launch_bounds__(kThreads) combine_fused_kernel(const __grid_constant__ Ctx c, const __grid_constant__ dek_ic_push_args_t p,
+__global__ void __launch_bounds__(kThreads) fused_combine(const __grid_constant__ Ctx c, const __grid_constant__ dek_ic_push_args_t p,
                                                                  const __grid_constant__ dek_ic_combine_args_t a) {
   __shared__ int s_rpm[kMaxRanks * kMaxRanks];
   __shared__ int64_t s_base[kMaxRanks];   // where this rank's rows start in s's window
@@ -478,8 +484,6 @@ __global__ void __launch_bounds__(kThreads) combine_fused_kernel(const __grid_co
   }
   reduce_rows<kR>(c, p, a, s_rpm, s_rbase, s_count, epoch, lane);
 }
-
-}  // namespace
 }  // namespace ic
 }  // namespace deep_ep
 
@@ -510,14 +514,14 @@ extern "C" int dek_ic_combine_fused(const dek_ic_ctx_t* ctx, const dek_ic_push_a
   const cudaStream_t s = as_stream(stream);
   const bool deep = push->push_unroll >= 16;
   if (ctx->num_ranks <= 2) {
-    if (deep) combine_fused_kernel<2, 16><<<blocks, kThreads, 0, s>>>(*ctx, *push, *args);
-    else combine_fused_kernel<2, 8><<<blocks, kThreads, 0, s>>>(*ctx, *push, *args);
+    if (deep) fused_combine<2, 16><<<blocks, kThreads, 0, s>>>(*ctx, *push, *args);
+    else fused_combine<2, 8><<<blocks, kThreads, 0, s>>>(*ctx, *push, *args);
   } else if (ctx->num_ranks <= 4) {
-    if (deep) combine_fused_kernel<4, 16><<<blocks, kThreads, 0, s>>>(*ctx, *push, *args);
-    else combine_fused_kernel<4, 8><<<blocks, kThreads, 0, s>>>(*ctx, *push, *args);
+    if (deep) fused_combine<4, 16><<<blocks, kThreads, 0, s>>>(*ctx, *push, *args);
+    else fused_combine<4, 8><<<blocks, kThreads, 0, s>>>(*ctx, *push, *args);
   } else {
-    if (deep) combine_fused_kernel<8, 16><<<blocks, kThreads, 0, s>>>(*ctx, *push, *args);
-    else combine_fused_kernel<8, 8><<<blocks, kThreads, 0, s>>>(*ctx, *push, *args);
+    if (deep) fused_combine<8, 16><<<blocks, kThreads, 0, s>>>(*ctx, *push, *args);
+    else fused_combine<8, 8><<<blocks, kThreads, 0, s>>>(*ctx, *push, *args);
   }
   return cudaGetLastError();
 }
@@ -526,16 +530,16 @@ extern "C" int dek_ic_combine_push(const dek_ic_ctx_t* ctx, const dek_ic_push_ar
   if (!ctx_ok(ctx) || args == nullptr || args->num_blocks < 1 || args->num_rows < 0 || args->layout.row_bytes < 0 ||
       args->layout.num_topk < 0 || (args->num_rows > 0 && args->x == nullptr) || args->rank_prefix_matrix == nullptr)
     return cudaErrorInvalidValue;
-  if (args->threads >= 1024) push_kernel<1024><<<args->num_blocks, 1024, 0, as_stream(stream)>>>(*ctx, *args);
-  else push_kernel<kThreads><<<args->num_blocks, kThreads, 0, as_stream(stream)>>>(*ctx, *args);
+  if (args->threads >= 1024) push_combine<1024><<<args->num_blocks, 1024, 0, as_stream(stream)>>>(*ctx, *args);
+  else push_combine<kThreads><<<args->num_blocks, kThreads, 0, as_stream(stream)>>>(*ctx, *args);
   return cudaGetLastError();
 }
 
 extern "C" int dek_ic_combine(const dek_ic_ctx_t* ctx, const dek_ic_combine_args_t* args, void* stream) {
   if (!ctx_ok(ctx) || !combine_args_ok(args)) return cudaErrorInvalidValue;
   const cudaStream_t s = as_stream(stream);
-  if (ctx->num_ranks <= 2) combine_kernel<2><<<args->num_blocks, kThreads, 0, s>>>(*ctx, *args);
-  else if (ctx->num_ranks <= 4) combine_kernel<4><<<args->num_blocks, kThreads, 0, s>>>(*ctx, *args);
-  else combine_kernel<8><<<args->num_blocks, kThreads, 0, s>>>(*ctx, *args);
+  if (ctx->num_ranks <= 2) reduce_combine<2><<<args->num_blocks, kThreads, 0, s>>>(*ctx, *args);
+  else if (ctx->num_ranks <= 4) reduce_combine<4><<<args->num_blocks, kThreads, 0, s>>>(*ctx, *args);
+  else reduce_combine<8><<<args->num_blocks, kThreads, 0, s>>>(*ctx, *args);
   return cudaGetLastError();
 }

@@ -4,7 +4,7 @@
 // is read with L2-only loads (__ldcg); nothing here waits on anything. (The combine kernels are in
 // intranode_combine.cu.)
 //
-// pull_kernel (dispatch, cached dispatch): one warp per task of kTaskTokens consecutive tokens of
+// pull_dispatch (dispatch, cached dispatch): one warp per task of kTaskTokens consecutive tokens of
 // one source; lanes read the tokens' send_head entries for this rank, compute their destination
 // rows, and the warp copies the selected rows one after the other (16-byte loads, kPullUnroll = 16
 // in flight per lane by default, the row's scales / top-k words loaded before its data).
@@ -34,13 +34,15 @@ constexpr int kTaskTokens = 8;
 // pull is bound by bytes in flight, not by the link: bench/NOTES.md, session 4).
 constexpr int kPullUnroll = 16;
 
+}  // namespace
+
 // kU: 16-byte loads in flight per lane of a row copy (kPullUnroll = 16, or 8; 8 or 4 with 1024
 // threads, where 16 spills; DEEP_EP_INTRANODE_PULL_UNROLL). kT: threads per
 // block, kThreads or 1024 (DEEP_EP_INTRANODE_PULL_THREADS: twice the warps per SM at a
 // 64-register cap; measured so far: the NVLink rate follows the number of warps with copies in
 // flight rather than their depth, bench/NOTES.md).
 template <int kU, int kT>
-__global__ void __launch_bounds__(kT) pull_kernel(const __grid_constant__ Ctx c, const __grid_constant__ dek_ic_pull_args_t a) {
+__global__ void __launch_bounds__(kT) pull_dispatch(const __grid_constant__ Ctx c, const __grid_constant__ dek_ic_pull_args_t a) {
   __shared__ Layout s_layout[kMaxRanks];
   __shared__ int64_t s_task_start[kMaxRanks + 1];
   if (op_cancelled(c)) return;
@@ -165,8 +167,6 @@ __global__ void __launch_bounds__(kT) pull_kernel(const __grid_constant__ Ctx c,
     }
   }
 }
-
-}  // namespace
 }  // namespace ic
 }  // namespace deep_ep
 
@@ -180,12 +180,12 @@ extern "C" int dek_ic_pull(const dek_ic_ctx_t* ctx, const dek_ic_pull_args_t* ar
   const cudaStream_t s = as_stream(stream);
   if (args->threads >= 1024) {
     // No unroll 16 here: at 64 registers it spills ~750 bytes (unroll 0 or 16 -> 8).
-    if (args->unroll > 0 && args->unroll <= 4) pull_kernel<4, 1024><<<args->num_blocks, 1024, 0, s>>>(*ctx, *args);
-    else pull_kernel<8, 1024><<<args->num_blocks, 1024, 0, s>>>(*ctx, *args);
+    if (args->unroll > 0 && args->unroll <= 4) pull_dispatch<4, 1024><<<args->num_blocks, 1024, 0, s>>>(*ctx, *args);
+    else pull_dispatch<8, 1024><<<args->num_blocks, 1024, 0, s>>>(*ctx, *args);
   } else {
     // 0 = the default, kPullUnroll; 4 is only offered with 1024 threads (-> 8 here).
-    if (args->unroll == 0 || args->unroll >= 16) pull_kernel<kPullUnroll, kThreads><<<args->num_blocks, kThreads, 0, s>>>(*ctx, *args);
-    else pull_kernel<8, kThreads><<<args->num_blocks, kThreads, 0, s>>>(*ctx, *args);
+    if (args->unroll == 0 || args->unroll >= 16) pull_dispatch<kPullUnroll, kThreads><<<args->num_blocks, kThreads, 0, s>>>(*ctx, *args);
+    else pull_dispatch<8, kThreads><<<args->num_blocks, kThreads, 0, s>>>(*ctx, *args);
   }
   return cudaGetLastError();
 }

@@ -1,6 +1,6 @@
 // intranode_push.cu: push model of the intranode normal-mode dispatch (deep_ep_kernels.h).
 //
-// dispatch_push_kernel (K3, after the notify / data barrier; the op's last kernel). Each block's
+// push_dispatch (K3, after the notify / data barrier; the op's last kernel). Each block's
 // warps are split: the first 16 - copy_warps push, the others copy out.
 // Push warps: units of kPushTokens consecutive tokens of one channel, channels ascending (so
 // channels complete in order), one warp per unit. Per token, lane d < R finds the token's output
@@ -62,8 +62,10 @@ __device__ __noinline__ void push_side(const dek_ic_dispatch_push_args_t& a, con
 
 __device__ void copy_out(const Ctx& c, const dek_ic_pull_args_t& a, int cw, int num_cw, uint64_t epoch);
 
+}  // namespace
+
 template <int kR>
-__global__ void __launch_bounds__(kThreads) dispatch_push_kernel(const __grid_constant__ Ctx c,
+__global__ void __launch_bounds__(kThreads) push_dispatch(const __grid_constant__ Ctx c,
                                                                  const __grid_constant__ dek_ic_dispatch_push_args_t a,
                                                                  const __grid_constant__ dek_ic_pull_args_t p) {
   __shared__ RecvArea s_area[kMaxRanks];
@@ -215,6 +217,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_push_kernel(const __grid_co
   }
 }
 
+namespace {
+
 // Copy warp cw of num_cw: receive area -> outputs, channel by channel as the senders complete them;
 // also the padding rows and the handle outputs (no wait).
 __device__ void copy_out(const Ctx& c, const dek_ic_pull_args_t& a, int cw, int num_cw, uint64_t epoch) {
@@ -229,7 +233,7 @@ __device__ void copy_out(const Ctx& c, const dek_ic_pull_args_t& a, int cw, int 
   const int64_t gtid = static_cast<int64_t>(cw) * 32 + lane, threads = static_cast<int64_t>(num_cw) * 32;
   const RecvArea A = recv_area(peer_local(c), me);
 
-  // Handle outputs (dispatch), as pull_kernel.
+  // Handle outputs (dispatch), as pull_dispatch.
   if (a.rank_prefix_matrix != nullptr) {
     for (int64_t i = gtid; i < R * R; i += threads) a.rank_prefix_matrix[i] = rpm[i];
   }
@@ -330,8 +334,8 @@ extern "C" int dek_ic_dispatch_push(const dek_ic_ctx_t* ctx, const dek_ic_dispat
   int blocks = 0;
   DEEP_EP_TRY(resident_grid(ctx, args->num_blocks, &blocks));
   const cudaStream_t s = as_stream(stream);
-  if (ctx->num_ranks <= 2) dispatch_push_kernel<2><<<blocks, kThreads, 0, s>>>(*ctx, *args, *out);
-  else if (ctx->num_ranks <= 4) dispatch_push_kernel<4><<<blocks, kThreads, 0, s>>>(*ctx, *args, *out);
-  else dispatch_push_kernel<8><<<blocks, kThreads, 0, s>>>(*ctx, *args, *out);
+  if (ctx->num_ranks <= 2) push_dispatch<2><<<blocks, kThreads, 0, s>>>(*ctx, *args, *out);
+  else if (ctx->num_ranks <= 4) push_dispatch<4><<<blocks, kThreads, 0, s>>>(*ctx, *args, *out);
+  else push_dispatch<8><<<blocks, kThreads, 0, s>>>(*ctx, *args, *out);
   return cudaGetLastError();
 }

@@ -22,7 +22,9 @@ __device__ __forceinline__ bool same_op(const Layout& a, const Layout& b) {
          a.num_experts == b.num_experts && a.num_channels == b.num_channels && (a.recv_off != 0) == (b.recv_off != 0);
 }
 
-__global__ void __launch_bounds__(kSyncThreads) sync_kernel(const __grid_constant__ Ctx c, const __grid_constant__ dek_ic_sync_args_t a) {
+}  // namespace
+
+__global__ void __launch_bounds__(kSyncThreads) sync_barrier(const __grid_constant__ Ctx c, const __grid_constant__ dek_ic_sync_args_t a) {
   __shared__ uint64_t s_epoch;
   __shared__ int s_skip, s_failed, s_bad;
   __shared__ int s_counts[kMaxRanks][kMaxRanks];  // s_counts[s][d]: tokens rank s sends to d
@@ -145,6 +147,8 @@ __global__ void __launch_bounds__(kSyncThreads) sync_kernel(const __grid_constan
   }
 }
 
+namespace {
+
 // crate::layout::send_side for destination d: one warp per channel scans its tokens 32 at a
 // time (ballot prefix), then one thread turns the channel counts into the inclusive prefix.
 __device__ void send_side(const Ctx& c, const dek_ic_stage_args_t& a, int d, int* s_channel_counts) {
@@ -178,7 +182,9 @@ __device__ void send_side(const Ctx& c, const dek_ic_stage_args_t& a, int d, int
   __syncthreads();
 }
 
-__global__ void __launch_bounds__(kThreads) stage_kernel(const __grid_constant__ Ctx c, const __grid_constant__ dek_ic_stage_args_t a) {
+}  // namespace
+
+__global__ void __launch_bounds__(kThreads) stage_inputs(const __grid_constant__ Ctx c, const __grid_constant__ dek_ic_stage_args_t a) {
   __shared__ int s_channel_counts[kMaxChannels];
   const Layout& L = a.layout;
   char* me = peer_local(c);
@@ -236,9 +242,7 @@ __global__ void __launch_bounds__(kThreads) stage_kernel(const __grid_constant__
   for (int64_t t = tid >> 5; t < rows; t += warps) warp_copy(x_dst + t * L.row_bytes, x_src + t * L.row_bytes, L.row_bytes, lane);
 }
 
-__global__ void clear_error_kernel(const __grid_constant__ Ctx c) { *at<int>(local(c), kScrError) = 0; }
-
-}  // namespace
+__global__ void clear_error(const __grid_constant__ Ctx c) { *at<int>(local(c), kScrError) = 0; }
 }  // namespace ic
 }  // namespace deep_ep
 
@@ -248,7 +252,7 @@ using namespace deep_ep::ic;
 extern "C" int dek_ic_sync(const dek_ic_ctx_t* ctx, const dek_ic_sync_args_t* args, void* stream) {
   if (!ctx_ok(ctx) || args == nullptr || args->num_local_experts < 0 || args->num_local_experts > DEK_IC_MAX_LOCAL_EXPERTS)
     return cudaErrorInvalidValue;
-  sync_kernel<<<1, kSyncThreads, 0, as_stream(stream)>>>(*ctx, *args);
+  sync_barrier<<<1, kSyncThreads, 0, as_stream(stream)>>>(*ctx, *args);
   return cudaGetLastError();
 }
 
@@ -257,13 +261,13 @@ extern "C" int dek_ic_stage(const dek_ic_ctx_t* ctx, const dek_ic_stage_args_t* 
       args->layout.num_channels > kMaxChannels || args->layout.num_tokens < 0 || args->layout.row_bytes < 0 ||
       (args->layout.num_tokens > 0 && args->layout.off[DEK_IC_SEC_X] != 0 && args->x == nullptr))
     return cudaErrorInvalidValue;
-  stage_kernel<<<args->num_blocks, kThreads, 0, as_stream(stream)>>>(*ctx, *args);
+  stage_inputs<<<args->num_blocks, kThreads, 0, as_stream(stream)>>>(*ctx, *args);
   return cudaGetLastError();
 }
 
 extern "C" int dek_ic_clear_error(const dek_ic_ctx_t* ctx, void* stream) {
   if (!ctx_domain_ok(ctx)) return cudaErrorInvalidValue;  // local: internode buffers too
-  clear_error_kernel<<<1, 1, 0, as_stream(stream)>>>(*ctx);
+  clear_error<<<1, 1, 0, as_stream(stream)>>>(*ctx);
   return cudaGetLastError();
 }
 

@@ -13,6 +13,18 @@
 #include "common.cuh"
 
 namespace deep_ep {
+namespace layout {
+
+// The kernels' arguments: a type of their signature, so it has external linkage as they do.
+struct LayoutArgs {
+  int num_tokens, num_topk, num_ranks, num_experts, num_nodes;
+  int nvl_domain;  // ranks per node (DEEP_EP_NVL_DOMAIN_SIZE): node of rank r = r / nvl_domain
+  int* num_tokens_per_rank;
+  int* num_tokens_per_rdma_rank;
+  int* num_tokens_per_expert;
+  bool* is_token_in_rank;
+};
+
 namespace {
 
 // Tuned on an H200 (N = 4096, K = 8, E = 256): 256 threads x 4 groups per warp beat 512 or 1024
@@ -30,15 +42,6 @@ __device__ __forceinline__ int expert_at(const IdxT* p, int num_experts) {
   const IdxT v = __ldg(p);
   return (v >= 0 && v < static_cast<IdxT>(num_experts)) ? static_cast<int>(v) : -1;
 }
-
-struct LayoutArgs {
-  int num_tokens, num_topk, num_ranks, num_experts, num_nodes;
-  int nvl_domain;  // ranks per node (DEEP_EP_NVL_DOMAIN_SIZE): node of rank r = r / nvl_domain
-  int* num_tokens_per_rank;
-  int* num_tokens_per_rdma_rank;
-  int* num_tokens_per_expert;
-  bool* is_token_in_rank;
-};
 
 // Counter arrays the token loops add to: shared (flushed later) or the outputs themselves.
 struct Counters {
@@ -128,12 +131,14 @@ __device__ __forceinline__ void layout_tokens_thread(const IdxT* __restrict__ to
   }
 }
 
+}  // namespace
+
 // kSmem: counters in shared memory, flushed once per block (stored directly when the grid is
 // one block, else added with global atomics to zeroed outputs). Otherwise global atomics only.
 // Both are template parameters so every atomic has a statically known address space.
 template <typename IdxT, bool kSmem, bool kWarp>
 __global__ void __launch_bounds__(kLayoutThreads)
-dispatch_layout_kernel(const IdxT* __restrict__ topk_idx, LayoutArgs a) {
+dispatch_layout(const IdxT* __restrict__ topk_idx, LayoutArgs a) {
   extern __shared__ int smem_counters[];
   const int num_counters = a.num_experts + a.num_ranks + a.num_nodes;
   Counters c{a.num_tokens_per_expert, a.num_tokens_per_rank, a.num_tokens_per_rdma_rank};
@@ -166,25 +171,28 @@ dispatch_layout_kernel(const IdxT* __restrict__ topk_idx, LayoutArgs a) {
 
 // Zeroes the count outputs before a multi-block launch adds into them (one launch instead of
 // three memsets).
-__global__ void zero_counts_kernel(LayoutArgs a) {
+__global__ void zero_counts(LayoutArgs a) {
   for (int i = threadIdx.x; i < a.num_ranks; i += blockDim.x) a.num_tokens_per_rank[i] = 0;
   for (int i = threadIdx.x; i < a.num_nodes; i += blockDim.x) a.num_tokens_per_rdma_rank[i] = 0;
   for (int i = threadIdx.x; i < a.num_experts; i += blockDim.x) a.num_tokens_per_expert[i] = 0;
 }
+
+namespace {
 
 template <typename IdxT>
 cudaError_t launch_layout(const void* topk_idx, const LayoutArgs& a, bool smem, bool warp, dim3 grid,
                           size_t shared, cudaStream_t s) {
   const IdxT* idx = static_cast<const IdxT*>(topk_idx);
   const dim3 block(kLayoutThreads);
-  if (smem && warp) dispatch_layout_kernel<IdxT, true, true><<<grid, block, shared, s>>>(idx, a);
-  if (smem && !warp) dispatch_layout_kernel<IdxT, true, false><<<grid, block, shared, s>>>(idx, a);
-  if (!smem && warp) dispatch_layout_kernel<IdxT, false, true><<<grid, block, 0, s>>>(idx, a);
-  if (!smem && !warp) dispatch_layout_kernel<IdxT, false, false><<<grid, block, 0, s>>>(idx, a);
+  if (smem && warp) dispatch_layout<IdxT, true, true><<<grid, block, shared, s>>>(idx, a);
+  if (smem && !warp) dispatch_layout<IdxT, true, false><<<grid, block, shared, s>>>(idx, a);
+  if (!smem && warp) dispatch_layout<IdxT, false, true><<<grid, block, 0, s>>>(idx, a);
+  if (!smem && !warp) dispatch_layout<IdxT, false, false><<<grid, block, 0, s>>>(idx, a);
   return cudaGetLastError();
 }
 
 }  // namespace
+}  // namespace layout
 }  // namespace deep_ep
 
 extern "C" int dek_dispatch_layout(const void* topk_idx, int topk_idx_is_int64,
@@ -194,6 +202,7 @@ extern "C" int dek_dispatch_layout(const void* topk_idx, int topk_idx_is_int64,
                                               int* num_tokens_per_expert,
                                               bool* is_token_in_rank, int nvl_domain, void* stream) {
   using namespace deep_ep;
+  using namespace deep_ep::layout;
   if (num_tokens < 0 || num_topk < 0 || num_ranks <= 0 || num_experts < 0 || nvl_domain < 1 ||
       num_experts % num_ranks != 0 || (num_ranks > nvl_domain && num_ranks % nvl_domain != 0))
     return cudaErrorInvalidValue;
@@ -215,7 +224,7 @@ extern "C" int dek_dispatch_layout(const void* topk_idx, int topk_idx_is_int64,
   const LayoutArgs a{num_tokens, num_topk, num_ranks, num_experts, num_nodes, nvl_domain, num_tokens_per_rank,
                      num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank};
   if (!(in_smem && blocks == 1)) {  // only a one-block launch with shared counters stores directly
-    zero_counts_kernel<<<1, 1024, 0, s>>>(a);
+    zero_counts<<<1, 1024, 0, s>>>(a);
     DEEP_EP_TRY(cudaGetLastError());
     if (num_tokens == 0) return cudaSuccess;  // nothing else to write
   }

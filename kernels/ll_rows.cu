@@ -8,14 +8,17 @@
 #include "common.cuh"
 
 namespace deep_ep {
+namespace ll {
 namespace {
 
 constexpr int kRowsThreads = 256;
 constexpr int64_t kRowsMaxBlocks = 1024;
 
+}  // namespace
+
 template <typename IdxT>
-__global__ void __launch_bounds__(kRowsThreads) ll_mask_rows_kernel(const IdxT* __restrict__ in, IdxT* __restrict__ out,
-                                                                  int64_t num_rows, int num_topk, const int32_t* num_tokens) {
+__global__ void __launch_bounds__(kRowsThreads) mask_num_tokens(const IdxT* __restrict__ in, IdxT* __restrict__ out, int64_t num_rows,
+                                                                int num_topk, const int32_t* num_tokens) {
   // Clamped, not trapped: an out-of-range count cannot be reported without a host sync.
   int64_t n = *num_tokens;
   n = n < 0 ? 0 : (n > num_rows ? num_rows : n);
@@ -25,22 +28,22 @@ __global__ void __launch_bounds__(kRowsThreads) ll_mask_rows_kernel(const IdxT* 
     out[i] = i < limit ? in[i] : static_cast<IdxT>(-1);
 }
 
-}  // namespace
+}  // namespace ll
 }  // namespace deep_ep
 
 extern "C" int dek_ll_mask_rows(const void* topk_idx, int topk_idx_is_int64, int64_t num_rows, int num_topk,
                                            const int32_t* num_tokens, void* out, void* stream) {
-  using namespace deep_ep;
+  using namespace deep_ep::ll;
   if (topk_idx == nullptr || out == nullptr || num_tokens == nullptr || num_rows < 0 || num_topk <= 0) return cudaErrorInvalidValue;
   const int64_t total = num_rows * num_topk;
   if (total == 0) return cudaSuccess;
   const int64_t blocks = std::min((total + kRowsThreads - 1) / kRowsThreads, kRowsMaxBlocks);
   auto s = static_cast<cudaStream_t>(stream);
   if (topk_idx_is_int64) {
-    ll_mask_rows_kernel<int64_t><<<static_cast<int>(blocks), kRowsThreads, 0, s>>>(static_cast<const int64_t*>(topk_idx),
+    mask_num_tokens<int64_t><<<static_cast<int>(blocks), kRowsThreads, 0, s>>>(static_cast<const int64_t*>(topk_idx),
                                                                                    static_cast<int64_t*>(out), num_rows, num_topk, num_tokens);
   } else {
-    ll_mask_rows_kernel<int32_t><<<static_cast<int>(blocks), kRowsThreads, 0, s>>>(static_cast<const int32_t*>(topk_idx),
+    mask_num_tokens<int32_t><<<static_cast<int>(blocks), kRowsThreads, 0, s>>>(static_cast<const int32_t*>(topk_idx),
                                                                                    static_cast<int32_t*>(out), num_rows, num_topk, num_tokens);
   }
   return static_cast<int>(cudaGetLastError());

@@ -456,12 +456,14 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
   }
 }
 
+}  // namespace
+
 // ---- the kernel ------------------------------------------------------------------------------
 // One kernel for every half of the combine, chosen by `phase` (as DeepEP's): profilers and
 // benchmarks that look kernels up by name find exactly one `combine` (docs/OPS.md, "Kernel
 // names"). Send (per-expert rows or partial sums): kLlThreads per block; receive: kReduceThreads.
 template <class Net>
-__global__ void __launch_bounds__(kReduceThreads) ll_combine(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
+__global__ void __launch_bounds__(kReduceThreads) combine(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
   if (phase == DEK_LL_PHASE_SEND) {
     if (a.partial) {
       combine_send_partial<Net>(c, a);
@@ -474,7 +476,7 @@ __global__ void __launch_bounds__(kReduceThreads) ll_combine(const __grid_consta
 }
 
 template <class Net>
-__global__ void ll_zero_signals_kernel(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
+__global__ void clean_signals(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
   uint32_t* w = at<uint32_t>(local(c), a.ll_off);
   const uint64_t i0 = blockIdx.x * blockDim.x + threadIdx.x, step = gridDim.x * blockDim.x;
   for (uint64_t i = i0; i < a.signal_bytes / 2; i += step) w[i] = 0;
@@ -490,6 +492,8 @@ __global__ void ll_zero_signals_kernel(const __grid_constant__ Ctx c, const __gr
     for (uint64_t i = i0; i < n; i += step) t.reset_signal(static_cast<int>(i));
   }
 }
+
+namespace {
 
 // The launch of an LL kernel on the seam of `a` (the LSA instance also serves intranode buffers).
 #define DEEP_EP_LL_LAUNCH(kernel, grid, block, a, ...)                                     \
@@ -525,10 +529,10 @@ extern "C" int dek_ll_combine_send(const dek_ic_ctx_t* ctx, const dek_ll_args_t*
   if (args->partial) {
     // Blocks (source rank, y): ~2 per SM in all; each takes every gridDim.y-th message.
     const int y = args->num_blocks > ctx->num_ranks ? args->num_blocks / ctx->num_ranks : 1;
-    DEEP_EP_LL_LAUNCH(ll_combine, dim3(ctx->num_ranks, y), kLlThreads, args, *ctx, *args, DEK_LL_PHASE_SEND);
+    DEEP_EP_LL_LAUNCH(deep_ep::ll::combine, dim3(ctx->num_ranks, y), kLlThreads, args, *ctx, *args, DEK_LL_PHASE_SEND);
     return static_cast<int>(cudaGetLastError());
   }
-  DEEP_EP_LL_LAUNCH(ll_combine, dim3(el, ctx->num_ranks), kLlThreads, args, *ctx, *args, DEK_LL_PHASE_SEND);
+  DEEP_EP_LL_LAUNCH(deep_ep::ll::combine, dim3(el, ctx->num_ranks), kLlThreads, args, *ctx, *args, DEK_LL_PHASE_SEND);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -538,13 +542,13 @@ extern "C" int dek_ll_combine_recv(const dek_ic_ctx_t* ctx, const dek_ll_args_t*
     return static_cast<int>(cudaErrorInvalidValue);
   // With no token the receive still waits for every word (the call completes for every rank).
   const int blocks = args->num_tokens < 1 ? 1 : (args->num_tokens < args->num_blocks ? args->num_tokens : args->num_blocks);
-  DEEP_EP_LL_LAUNCH(ll_combine, blocks, kReduceThreads, args, *ctx, *args, DEK_LL_PHASE_RECV);
+  DEEP_EP_LL_LAUNCH(deep_ep::ll::combine, blocks, kReduceThreads, args, *ctx, *args, DEK_LL_PHASE_RECV);
   return static_cast<int>(cudaGetLastError());
 }
 
 extern "C" int dek_ll_zero_signals(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream) {
   if (!ll_ok(ctx, args)) return static_cast<int>(cudaErrorInvalidValue);
-  DEEP_EP_LL_LAUNCH(ll_zero_signals_kernel, 16, 256, args, *ctx, *args);
+  DEEP_EP_LL_LAUNCH(deep_ep::ll::clean_signals, 16, 256, args, *ctx, *args);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -18,15 +18,21 @@ namespace {
 using DevCommCreateFn = ncclResult_t (*)(ncclComm_t, const ncclDevCommRequirements_t*, ncclDevComm_t*);
 using DevCommDestroyFn = ncclResult_t (*)(ncclComm_t, const ncclDevComm_t*);
 
+}  // namespace
+
+namespace deep_ep {
+namespace window {
+
 // LSA pointers by LSA rank: ncclGetPeerPointer would take world ranks but is only defined inside
 // the LSA team (it assumes the team is the world ranks around this one), which on a cluster is
 // the node, not the buffer.
-__global__ void lsa_bases_kernel(ncclWindow_t window, int lsa_size, void** out) {
+__global__ void nccl_lsa_bases(ncclWindow_t window, int lsa_size, void** out) {
   const int i = threadIdx.x;
   if (i < lsa_size) out[i] = ncclGetLsaPointer(window, 0, i);
 }
 
-}  // namespace
+}  // namespace window
+}  // namespace deep_ep
 
 extern "C" size_t dek_nccl_devcomm_bytes(void) { return sizeof(ncclDevComm); }
 
@@ -58,7 +64,7 @@ extern "C" int dek_nccl_window_lsa_bases(void* window, int lsa_size, void** base
   if (window == nullptr || base == nullptr || lsa_size < 1 || lsa_size > 1024) return cudaErrorInvalidValue;
   void** dev = nullptr;
   DEEP_EP_TRY(cudaMalloc(&dev, sizeof(void*) * lsa_size));
-  lsa_bases_kernel<<<1, lsa_size>>>(static_cast<ncclWindow_t>(window), lsa_size, dev);
+  deep_ep::window::nccl_lsa_bases<<<1, lsa_size>>>(static_cast<ncclWindow_t>(window), lsa_size, dev);
   cudaError_t st = cudaGetLastError();
   if (st == cudaSuccess) st = cudaMemcpy(base, dev, sizeof(void*) * lsa_size, cudaMemcpyDeviceToHost);
   const cudaError_t freed = cudaFree(dev);

@@ -14,17 +14,17 @@ namespace {
 
 using DevCommCreateFn = ncclResult_t (*)(ncclComm_t, const ncclDevCommRequirements_t*, ncclDevComm_t*);
 
-__global__ void ping_lsa_kernel(const __grid_constant__ dek_tp_lsa_t d, const dek_tp_ping_t a) {
+}  // namespace
+
+__global__ void ping_lsa(const __grid_constant__ dek_tp_lsa_t d, const dek_tp_ping_t a) {
   const LsaTransport t(d, a.context);
   ping(t, a);
 }
 
-__global__ void ping_gin_kernel(const __grid_constant__ ncclDevComm comm, ncclWindow_t win, const dek_tp_ping_t a) {
+__global__ void ping_gin(const __grid_constant__ ncclDevComm comm, ncclWindow_t win, const dek_tp_ping_t a) {
   const GinTransport t(comm, win, a.context);
   ping(t, a);
 }
-
-}  // namespace
 }  // namespace tp
 }  // namespace deep_ep
 
@@ -41,7 +41,7 @@ extern "C" int dek_tp_ping_lsa(const dek_tp_lsa_t* lsa, const dek_tp_ping_t* arg
   for (int p = 0; p < lsa->num_ranks; ++p) {
     if (lsa->peer_base[p] == nullptr) return cudaErrorInvalidValue;
   }
-  ping_lsa_kernel<<<1, 32, 0, deep_ep::as_stream(stream)>>>(*lsa, *args);
+  ping_lsa<<<1, 32, 0, deep_ep::as_stream(stream)>>>(*lsa, *args);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -55,7 +55,7 @@ extern "C" int dek_tp_ping_gin(const void* devcomm, size_t devcomm_bytes, void* 
   if (comm.ginContextCount < 1 || comm.nRanks != args->num_ranks || comm.rank != args->rank ||
       args->signal + args->num_ranks / args->rail_stride > comm.ginSignalCount)
     return cudaErrorInvalidValue;
-  ping_gin_kernel<<<1, 32, 0, deep_ep::as_stream(stream)>>>(comm, static_cast<ncclWindow_t>(window), *args);
+  ping_gin<<<1, 32, 0, deep_ep::as_stream(stream)>>>(comm, static_cast<ncclWindow_t>(window), *args);
   return static_cast<int>(cudaGetLastError());
 }
 

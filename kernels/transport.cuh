@@ -193,15 +193,6 @@ class GinTransport {
   ncclGin gin_;
 };
 
-// ---- seam descriptors: what a kernel finds at a `net` pointer (device memory, written by the host
-// at buffer creation) and turns into a transport of a given context -------------------------------
-struct LsaNet {
-  dek_tp_lsa_t d;
-  __device__ LsaTransport at(int context) const { return LsaTransport(d, context); }
-  __device__ int contexts() const { return d.num_contexts; }
-  // Distinct signal tables: at(u) for u < units() visits each once (one communicator).
-  __device__ int units() const { return d.num_contexts; }
-};
 // The (communicator, context) that routing unit `unit` (a sender: rank, channel, local expert) uses
 // among `comms` communicators of `contexts` contexts each: g = unit mod (comms x contexts), comm =
 // g / contexts, context = g mod contexts; consecutive units fill one communicator's contexts first.
@@ -213,6 +204,20 @@ __host__ __device__ __forceinline__ void gin_route(int unit, int comms, int cont
   *context = static_cast<int>(g % static_cast<unsigned>(contexts));
 }
 
+}  // namespace
+
+// ---- seam descriptors: what a kernel finds at a `net` pointer (device memory, written by the host
+// at buffer creation) and turns into a transport of a given context -------------------------------
+// Outside the anonymous namespace: kernels are templates over them, and a kernel instantiated with a
+// type of internal linkage gets internal linkage itself (profilers then show `__nv_static_...`
+// names, docs/OPS.md "Kernel names").
+struct LsaNet {
+  dek_tp_lsa_t d;
+  __device__ LsaTransport at(int context) const { return LsaTransport(d, context); }
+  __device__ int contexts() const { return d.num_contexts; }
+  // Distinct signal tables: at(u) for u < units() visits each once (one communicator).
+  __device__ int units() const { return d.num_contexts; }
+};
 // One GIN communicator of a buffer: its device comm (by value) and the buffer's window registered
 // on it (every communicator registers the same memory).
 struct GinComm {
@@ -239,6 +244,5 @@ struct GinNet {
   __device__ int units() const { return num_comms * num_contexts; }
 };
 
-}  // namespace
 }  // namespace tp
 }  // namespace deep_ep

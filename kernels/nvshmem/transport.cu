@@ -109,10 +109,14 @@ struct NvshmemNet {
   __device__ int units() const { return d.num_contexts; }
 };
 
-__global__ void ping_nvshmem_kernel(const __grid_constant__ dek_tp_nvshmem_t d, const dek_tp_ping_t a) {
+}  // namespace
+
+__global__ void ping_nvshmem(const __grid_constant__ dek_tp_nvshmem_t d, const dek_tp_ping_t a) {
   const NvshmemTransport t(d, a.context);
   ping(t, a);
 }
+
+namespace {
 
 using CuFuncGetModuleFn = CUresult (*)(CUmodule*, CUfunction);
 using CuModuleFn = int (*)(CUmodule);
@@ -120,7 +124,7 @@ using CuModuleFn = int (*)(CUmodule);
 // The CUDA module (current context) holding this unit's kernels and NVSHMEM's device state.
 int own_module(CUmodule* out) {
   cudaFunction_t f = nullptr;
-  cudaError_t e = cudaGetFuncBySymbol(&f, reinterpret_cast<const void*>(ping_nvshmem_kernel));
+  cudaError_t e = cudaGetFuncBySymbol(&f, reinterpret_cast<const void*>(ping_nvshmem));
   if (e != cudaSuccess) return 1000 + static_cast<int>(e);
   void* fn = nullptr;
   cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
@@ -175,6 +179,6 @@ extern "C" int dek_tp_ping_nvshmem(const dek_tp_nvshmem_t* net, const dek_tp_pin
       args->src_off + args->bytes > net->window_bytes ||
       args->dst_off + args->bytes * (args->num_ranks / args->rail_stride) > net->window_bytes)
     return cudaErrorInvalidValue;
-  ping_nvshmem_kernel<<<1, 32, 0, deep_ep::as_stream(stream)>>>(*net, *args);
+  ping_nvshmem<<<1, 32, 0, deep_ep::as_stream(stream)>>>(*net, *args);
   return static_cast<int>(cudaGetLastError());
 }

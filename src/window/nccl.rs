@@ -483,7 +483,7 @@ mod tests {
                 for unit in 0..100 {
                     assert_eq!(device_gin_route(unit, comms, contexts), route(unit, comms, contexts), "unit {unit}, {comms} x {contexts}");
                 }
-                // ll_zero_signals_kernel resets at(u) for u < units() = comms x contexts.
+                // deep_ep::ll::clean_signals resets at(u) for u < units() = comms x contexts.
                 let pairs: std::collections::HashSet<_> = (0..comms * contexts).map(|u| device_gin_route(u, comms, contexts)).collect();
                 assert_eq!(pairs.len(), comms * contexts);
                 assert!(pairs.iter().all(|&(k, c)| k < comms && c < contexts));

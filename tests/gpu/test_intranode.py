@@ -322,7 +322,8 @@ def timing(rank, num_ranks, gpu_buf, deep_ep_rs) -> dict:
     return res
 
 
-KERNELS = ["sync_kernel", "stage_kernel", "pull_kernel", "dispatch_push_kernel", "copy_out_kernel", "push_kernel", "combine_kernel", "dispatch_layout_kernel"]
+KERNELS = ["sync_barrier", "stage_inputs", "check_inputs", "pull_dispatch", "push_dispatch", "fused_combine", "push_combine", "reduce_combine",
+           "dispatch_layout"]
 
 
 def wall_us(fn, iters=10) -> float:

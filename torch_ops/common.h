@@ -221,8 +221,31 @@ inline Tensor allocate(const IntList& shape, ScalarType dtype, const Device& dev
   }
 }
 
+// Uninitialised tensor of `shape` and `strides` on `device`, straight from the C shim's
+// empty_strided (one allocator call: new_empty goes through the dispatcher twice, new_empty then
+// empty, and a transposed view a third time; the host path of every op pays each hop).
+inline Tensor empty_strided_on(const IntList& shape, const IntList& strides, ScalarType dtype, const Device& device) {
+  return allocate(shape, dtype, device, [&] {
+    const int32_t shim_dtype = torch::stable::detail::to<int32_t>(torch::stable::detail::from(dtype));
+    const int32_t device_type = device.type() == DeviceType::CUDA ? aoti_torch_device_type_cuda() : aoti_torch_device_type_cpu();
+    AtenTensorHandle h = nullptr;
+    TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(static_cast<int64_t>(shape.size()), shape.data(), strides.data(), shim_dtype,
+                                                    device_type, device.type() == DeviceType::CUDA ? device.index() : 0, &h));
+    return Tensor(h);
+  });
+}
+
+// Row-major strides of `shape`.
+inline IntList contiguous_strides(const IntList& shape) {
+  IntList st(shape.size(), 1);
+  for (size_t i = shape.size(); i-- > 1;) st[i - 1] = st[i] * (shape[i] > 1 ? shape[i] : 1);
+  return st;
+}
+
 inline Tensor empty_like_dev(const Tensor& like, const IntList& shape, ScalarType dtype) {
-  return allocate(shape, dtype, like.device(), [&] { return torch::stable::new_empty(like, shape, dtype); });
+  const Device d = like.device();
+  if (d.type() == DeviceType::CUDA || d.type() == DeviceType::CPU) return empty_strided_on(shape, contiguous_strides(shape), dtype, d);
+  return allocate(shape, dtype, d, [&] { return torch::stable::new_empty(like, shape, dtype); });
 }
 inline Tensor zeros_like_dev(const Tensor& like, const IntList& shape, ScalarType dtype) {
   return allocate(shape, dtype, like.device(), [&] { return torch::stable::new_zeros(like, shape, dtype); });

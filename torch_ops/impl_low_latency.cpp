@@ -67,9 +67,10 @@ LlOutputs dispatch_send(int64_t handle, const Tensor& x, const Tensor& topk_idx,
   LlOutputs out;
   out.recv_x = alloc({el, rows, h}, use_fp8 ? ScalarType::Float8_e4m3fn : ScalarType::BFloat16);
   if (use_fp8) {
-    // Column-major in the last two dims, as DeepEP: allocated [E_l, S, R*T] and transposed.
-    out.recv_x_scales = use_ue8m0 ? transpose(alloc({el, h / 512, rows}, ScalarType::Int), 1, 2)
-                                  : transpose(alloc({el, h / 128, rows}, ScalarType::Float), 1, 2);
+    // Column-major in the last two dims, as DeepEP: [E_l, R*T, S] with strides [S*R*T, 1, R*T].
+    const int64_t s = use_ue8m0 ? h / 512 : h / 128;
+    const ScalarType st = use_ue8m0 ? ScalarType::Int : ScalarType::Float;
+    out.recv_x_scales = x.is_cpu() ? transpose(alloc({el, s, rows}, st), 1, 2) : empty_strided_on({el, rows, s}, {s * rows, 1, rows}, st, x.device());
   } else {
     out.recv_x_scales = none_like(x, ScalarType::Float);
   }

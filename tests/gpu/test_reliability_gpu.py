@@ -1,8 +1,11 @@
 """The reliability classes of tests/python/test_reliability.py on one GPU (nccl backend, one rank):
 a forked child using its parent's buffer, an output too large to allocate, GPU memory exhausted at
-buffer creation (the process keeps working), an invalid DEEP_EP_TIMEOUT_MS. Each case must end in a
-clear error, never a crash."""
+buffer creation (the process keeps working), an invalid DEEP_EP_TIMEOUT_MS; and at two ranks (two
+GPUs, or one with ipc) the interpreter ending while a daemon thread waits inside `dispatch`
+(test_reliability2.py's item 5). Each case must end in a clear error or a clean exit, never a
+crash."""
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -102,3 +105,54 @@ def test_invalid_timeout_env_on_gpu(value):
             print("ERR", str(e)[:300])
     """, DEEP_EP_TIMEOUT_MS=value)
     assert "DEEP_EP_TIMEOUT_MS" in out and "not a whole number" in out, out
+
+
+# Issue 34 item 5 on a GPU buffer: the interpreter of rank 0 ends while a daemon thread of it waits
+# inside `dispatch` (on the host, for the receive count its peer never lets the GPU compute). The
+# process must exit cleanly (no "FATAL: exception not rethrown", no SIGABRT). Two processes: on two
+# GPUs with nccl, or on one GPU with ipc.
+EXIT_RANK = textwrap.dedent("""
+    import os, sys, threading, time, torch, torch.distributed as dist, deep_ep_rs
+    rank, port = int(sys.argv[1]), int(sys.argv[2])
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    buf = deep_ep_rs.Buffer(dist.group.WORLD, 1 << 24)
+    dist.barrier()
+    if rank == 1:  # never dispatches: rank 0's dispatch waits for it
+        print("READY", flush=True)
+        time.sleep(30)
+        sys.exit(0)
+    x = torch.ones((8, 256), dtype=torch.bfloat16, device="cuda")
+    idx = torch.tensor([[0, 1]] * 8, device="cuda")
+
+    def waits_for_rank_1():
+        ntpr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(idx, 2)
+        buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe,
+                     topk_idx=idx, topk_weights=torch.ones((8, 2), device="cuda"))
+
+    t = threading.Thread(target=waits_for_rank_1, daemon=True)
+    t.start()
+    time.sleep(1.0)
+    print("EXITING with the thread inside dispatch:", t.is_alive(), flush=True)
+""")
+
+
+def test_interpreter_exit_with_a_daemon_thread_inside_a_gpu_op_does_not_abort(tmp_path):
+    script = tmp_path / "exit_rank.py"
+    script.write_text(EXIT_RANK)
+    tests_python = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python")
+    env = dict(ENV, DEEP_EP_TIMEOUT_MS="60000", DEEP_EP_BACKEND="nccl" if torch.cuda.device_count() >= 2 else "ipc",
+               PYTHONPATH=os.pathsep.join(filter(None, [tests_python, os.environ.get("PYTHONPATH")])))
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        port = so.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for r in range(2)]
+    try:
+        out0, err0 = procs[0].communicate(timeout=120)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert "EXITING with the thread inside dispatch: True" in out0, out0 + err0[-4000:]
+    assert procs[0].returncode == 0 and "FATAL" not in err0, f"rank 0 exit {procs[0].returncode} (SIGABRT is -6)\n{err0[-4000:]}"

@@ -5,13 +5,14 @@ GPUs, or one with ipc) the interpreter ending while a daemon thread waits inside
 (test_reliability2.py's item 5). Each case must end in a clear error or a clean exit, never a
 crash."""
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
+
+import _spawn
 
 ENV = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
 PRELUDE = textwrap.dedent("""
@@ -140,12 +141,11 @@ EXIT_RANK = textwrap.dedent("""
 def test_interpreter_exit_with_a_daemon_thread_inside_a_gpu_op_does_not_abort(tmp_path):
     script = tmp_path / "exit_rank.py"
     script.write_text(EXIT_RANK)
+    _spawn.need_gpus(2)  # records the rank count: gpu_backend() is ipc when both ranks share a GPU
     tests_python = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python")
-    env = dict(ENV, DEEP_EP_TIMEOUT_MS="60000", DEEP_EP_BACKEND="nccl" if torch.cuda.device_count() >= 2 else "ipc",
+    env = dict(ENV, DEEP_EP_TIMEOUT_MS="60000", DEEP_EP_BACKEND=_spawn.gpu_backend(),
                PYTHONPATH=os.pathsep.join(filter(None, [tests_python, os.environ.get("PYTHONPATH")])))
-    with socket.socket() as so:
-        so.bind(("127.0.0.1", 0))
-        port = so.getsockname()[1]
+    port = _spawn._free_port()
     procs = [subprocess.Popen([sys.executable, str(script), str(r), str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=env) for r in range(2)]
     try:

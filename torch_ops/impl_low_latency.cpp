@@ -67,7 +67,8 @@ LlOutputs dispatch_send(int64_t handle, const Tensor& x, const Tensor& topk_idx,
   LlOutputs out;
   out.recv_x = alloc({el, rows, h}, use_fp8 ? ScalarType::Float8_e4m3fn : ScalarType::BFloat16);
   if (use_fp8) {
-    // Column-major in the last two dims, as DeepEP: [E_l, R*T, S] with strides [S*R*T, 1, R*T].
+    // Column-major in the last two dims, as DeepEP: [E_l, R*T, S] with strides [S*R*T, 1, R*T]. CPU
+    // outputs are zero-filled (`alloc`), so there the scales stay a transposed zeroed tensor.
     const int64_t s = use_ue8m0 ? h / 512 : h / 128;
     const ScalarType st = use_ue8m0 ? ScalarType::Int : ScalarType::Float;
     out.recv_x_scales = x.is_cpu() ? transpose(alloc({el, s, rows}, st), 1, 2) : empty_strided_on({el, rows, s}, {s * rows, 1, rows}, st, x.device());

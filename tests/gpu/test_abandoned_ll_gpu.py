@@ -18,6 +18,7 @@ import torch
 import _spawn
 
 DRY = os.environ.get("DEEP_EP_GPU_DRY", "") == "1"
+SUPPORTS_DRY = True
 
 
 def _late_peer(rank, world, shrink):

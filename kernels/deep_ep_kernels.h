@@ -137,6 +137,7 @@ int dek_cuda_stream_synchronize(void* stream);
 #define DEK_IC_ERR_STALE_INTERNODE 14 /* internode handle: value (computed) != limit (handle) at entry extra (see dek_in_args_t) */
 #define DEK_IC_ERR_LL_FORMAT 15  /* LL: source error_rank sent with another format word extra (0 flags, 1 hidden, 2 T, 3 E): value theirs, limit mine */
 #define DEK_IC_ERR_LL_ROUTING 16 /* LL combine receive: topk_idx (extra 0) or, with partial sums, topk_weights (extra 1) [value, limit] are not its dispatch's */
+#define DEK_IC_ERR_LL_ABANDONED 17 /* LL receive: source error_rank gave up call error_value (16 bits) that this receive pairs with (its abandoned tag) */
 
 /* Host-mapped status block (cudaHostAllocMapped), written by kernels, read and cleared by the host. */
 typedef struct {
@@ -625,7 +626,14 @@ size_t dek_in_args_bytes(void);
  * backend. Rank mask (`mask`, host-mapped, read at every launch): nothing is sent to a masked
  * rank, no wait is made for it (its dispatch counts are 0) and top-k entries of its experts are
  * dropped (as the CPU backend). Waits are bounded by timeout_ns and report DEK_IC_ERR_TIMEOUT
- * with the rank waited for; DEK_IC_ERR_OVERFLOW (an expert selected more than T times:
+ * with the rank waited for. Abandoned calls: a receive whose wait passes its deadline gives its call
+ * up before it raises (or, in shrink mode, masks the rank): every signal its send of that call set
+ * at the peers (shrink: at the masked rank) is rewritten to the call's abandoned tag
+ * (seq & 0xffff) << 16 | 0xffff, which is never a count (T <= DEK_LL_MAX_TOKENS); a receive that
+ * finds it reports DEK_IC_ERR_LL_ABANDONED naming the source and the call, whatever the mask, and
+ * delivers nothing (as the CPU backend, src/backend/cpu/ll_tags.rs); like a timeout, it leaves the
+ * buffer unusable (its calls are out of step with the peers');
+ * DEK_IC_ERR_OVERFLOW (an expert selected more than T times:
  * error_value = selections, error_limit = T) and DEK_IC_ERR_MISMATCH (a message with another
  * geometry, or a receive whose recv_state does not come from a matching send) are reported the
  * same way.
@@ -638,6 +646,7 @@ size_t dek_in_args_bytes(void);
 #define DEK_LL_MSG_META 160   /* bytes of a dispatch message before its payload */
 #define DEK_LL_MAX_EXPERTS 2048
 #define DEK_LL_MAX_TOPK 16
+#define DEK_LL_MAX_TOKENS 65533 /* num_max_dispatch_tokens_per_rank: a tag's count field holds count + 1 < 0xffff (the abandoned mark) */
 #define DEK_LL_FLAG_PARTIAL 32 /* combine recv_state flag: partial sums were sent */
 #define DEK_LL_FLAG_LOGFMT 8  /* combine: rows travel as LogFMT-10 (recv_state flag) */
 /* The device copy of the rank mask (1 = masked) is at DEK_LL_MASK_OFF (rank tables, above); the

@@ -95,7 +95,10 @@ __device__ void report(const Ctx& c, int code, int about_rank, int site, int val
   bool first;
   if (code == DEK_IC_ERR_TIMEOUT) {
     atomicExch(at<int>(local(c), kScrTimedOut), 1);
-    first = atomicExch(err, code) != DEK_IC_ERR_TIMEOUT;
+    // A peer that gave the call up (LL) is why this rank waits in vain: that stays the error.
+    const int prev = atomicCAS(err, 0, code);
+    if (prev == DEK_IC_ERR_LL_ABANDONED) return;
+    first = prev == 0 || (prev != DEK_IC_ERR_TIMEOUT && atomicExch(err, code) != DEK_IC_ERR_TIMEOUT);
   } else {
     first = atomicCAS(err, 0, code) == 0;
   }

@@ -328,8 +328,10 @@ __device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a) {
   for (int s = tid; s < R && tid < kWaiters; s += kWaiters) {
     const long long t0 = clock64();
     uint32_t v = 0;
+    bool gave_up = false;
     const uint32_t* word = at<const uint32_t>(me, sig_off(a, s_half) + static_cast<uint64_t>(l * R + s) * 4);
-    const int got = rank_masked(a, s) ? 0 : wait_from<Net>(c, a, s, word, kSeamDispatch, s_half, l, s_seq, DEK_IC_SITE_LL_DISPATCH, &v);
+    const int got = rank_masked(a, s) ? 0 : wait_from<Net>(c, a, s, word, kSeamDispatch, s_half, l, s_seq, DEK_IC_SITE_LL_DISPATCH, &v, &gave_up);
+    if (gave_up) abandon_call<Net>(c, a, kSeamDispatch, s_half, s_seq, a.shrink_mask != nullptr ? s : -1, false);
     if (got == 0) {
       s_cnt[s] = 0;  // a masked source (or, in shrink mode, one that timed out) counts as sending nothing
     } else if (got > 0) {

@@ -365,8 +365,10 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
     if (s_partial && w % El != 0) continue;  // partial: one word per expert rank
     const long long t0 = clock64();
     uint32_t v = 0;
+    bool gave_up = false;
     const int got = wait_from<Net>(c, a, w / El, at<const uint32_t>(me, sig_off(a, s_half) + static_cast<uint64_t>(w) * 4), kSeamCombine, s_half,
-                                   w % El, s_seq, DEK_IC_SITE_LL_COMBINE, &v);
+                                   w % El, s_seq, DEK_IC_SITE_LL_COMBINE, &v, &gave_up);
+    if (gave_up) abandon_call<Net>(c, a, kSeamCombine, s_half, s_seq, a.shrink_mask != nullptr ? w / El : -1, s_partial != 0);
     if (got < 0) {
       s_ok = 0;
       break;

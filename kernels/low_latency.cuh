@@ -102,6 +102,15 @@ __device__ __forceinline__ uint32_t next_seq(uint32_t calls) {
   return s;
 }
 __device__ __forceinline__ uint32_t tag(uint32_t seq, uint32_t count) { return ((seq & 0xffffu) << 16) | (count + 1); }
+// Count field of the tag of a call its sender gave up (deep_ep_kernels.h, "Abandoned calls"; the
+// CPU backend's ll_tags.rs): never a count, as T <= DEK_LL_MAX_TOKENS keeps count + 1 below it.
+constexpr uint32_t kAbandoned = 0xffffu;
+__device__ __forceinline__ uint32_t abandoned_tag(uint32_t seq) { return ((seq & 0xffffu) << 16) | kAbandoned; }
+// What a signal value says about call `seq`: 1 = its tag arrived, -1 = its sender gave it up, 0 = neither.
+__device__ __forceinline__ int tag_state(uint32_t v, uint32_t seq) {
+  if ((v >> 16) != (seq & 0xffffu) || (v & 0xffffu) == 0) return 0;
+  return (v & 0xffffu) == kAbandoned ? -1 : 1;
+}
 __device__ __forceinline__ bool timed_out(const Ctx& c) { return ld_volatile(at<int>(local(c), kScrTimedOut)) != 0; }
 
 __device__ __forceinline__ int64_t topk_at(const Args& a, int64_t j) {
@@ -155,33 +164,54 @@ __device__ __forceinline__ bool rank_masked(const Args& a, int r) {
 }
 
 // Shrink mode: marks rank r dead in the kernels' device copy and in the host-mapped block (which
-// the mask query reads), so this and every later LL call skips it.
-__device__ void mask_rank(const Args& a, int r) {
-  if (a.mask != nullptr) *reinterpret_cast<volatile int32_t*>(const_cast<int32_t*>(a.mask) + r) = 1;
+// the mask query reads), so this and every later LL call skips it. True for the one thread that
+// masked it first (it gives the call up at r: abandon_call).
+__device__ bool mask_rank(const Args& a, int r) {
+  const bool first = a.mask == nullptr || atomicExch(const_cast<int32_t*>(a.mask) + r, 1) == 0;
   *reinterpret_cast<volatile int32_t*>(a.shrink_mask + r) = 1;
   __threadfence_system();
+  return first;
+}
+
+// The end of a wait whose deadline passed (waiting for `about_rank`, last value seen `v`): shrink
+// mode masks the rank (0), else the buffer times out (reported: -1). *gave_up: this thread decided
+// first (masked the rank, or timed the buffer out), so it gives the call up (abandon_call).
+__device__ int wait_deadline(const Ctx& c, const Args& a, int about_rank, int site, int v, int limit, bool* gave_up) {
+  if (a.shrink_mask != nullptr) {
+    *gave_up = mask_rank(a, about_rank);
+    return 0;
+  }
+  *gave_up = atomicCAS(at<int>(local(c), kScrTimedOut), 0, 1) == 0;
+  report(c, DEK_IC_ERR_TIMEOUT, about_rank, site, v, limit);
+  return -1;
+}
+
+// A wait found call `seq`'s abandoned tag from `about_rank` (reported whatever the mask: the
+// tokens of a call their sender gave up are never delivered). Sticky like a timeout: this rank's
+// calls are out of step with its peers', so later calls skip and the host keeps the error.
+__device__ int wait_abandoned(const Ctx& c, int about_rank, uint32_t seq, int site) {
+  atomicExch(at<int>(local(c), kScrTimedOut), 1);
+  report(c, DEK_IC_ERR_LL_ABANDONED, about_rank, site, static_cast<int>(seq & 0xffffu), 0);
+  return -1;
 }
 
 // Waits until `word` holds a tag of call `seq` sent by `about_rank`: 1 = arrived (*value set);
 // 0 = the rank is masked (shrink mode: by this wait at its deadline, or meanwhile by another
-// block's); -1 = timed out (reported, the buffer is unusable; shrink mode off).
-__device__ int wait_tag(const Ctx& c, const Args& a, const uint32_t* word, uint32_t seq, int about_rank, int site, uint32_t* value) {
+// block's); -1 = timed out (reported, the buffer is unusable; shrink mode off) or the sender gave
+// the call up (DEK_IC_ERR_LL_ABANDONED). *gave_up as wait_deadline.
+__device__ int wait_tag(const Ctx& c, const Args& a, const uint32_t* word, uint32_t seq, int about_rank, int site, uint32_t* value,
+                        bool* gave_up) {
   const uint64_t start = globaltimer();
   for (uint32_t polls = 1;; ++polls) {
     const uint32_t v = ld_acquire_sys_u32(word);
-    if ((v >> 16) == (seq & 0xffffu) && (v & 0xffffu) != 0) {
+    const int st = tag_state(v, seq);
+    if (st > 0) {
       *value = v;
       return 1;
     }
+    if (st < 0) return wait_abandoned(c, about_rank, seq, site);
     if (a.shrink_mask != nullptr && polls % 64 == 0 && rank_masked(a, about_rank)) return 0;
-    if (globaltimer() - start > c.timeout_ns) {
-      if (a.shrink_mask != nullptr) {
-        mask_rank(a, about_rank);
-        return 0;
-      }
-      report(c, DEK_IC_ERR_TIMEOUT, about_rank, site, static_cast<int>(v), 0);
-      return -1;
-    }
+    if (globaltimer() - start > c.timeout_ns) return wait_deadline(c, a, about_rank, site, static_cast<int>(v), 0, gave_up);
   }
 }
 
@@ -217,7 +247,7 @@ bool ll_ok(const Ctx* c, const Args* a) {
   if (!ctx_domain_ok(c) || a == nullptr) return false;
   // A ctx without the other domains' windows needs the seam for them (same domain size).
   if (c->nvl_ranks != 0 && (a->net == nullptr || a->nvl_domain != c->nvl_ranks)) return false;
-  if (a->num_max_tokens < 1 || a->num_max_tokens > 0xfffe || a->hidden < 128 || a->hidden % 128 != 0) return false;
+  if (a->num_max_tokens < 1 || a->num_max_tokens > DEK_LL_MAX_TOKENS || a->hidden < 128 || a->hidden % 128 != 0) return false;
   if (a->num_experts < c->num_ranks || a->num_experts % c->num_ranks != 0 || a->half < 0 || a->half > 1) return false;
   if (a->num_topk < 0 || a->num_topk > kMaxLlTopk || a->num_tokens < 0 || a->num_tokens > a->num_max_tokens) return false;
   const uint64_t end = a->ll_off + 2 * (a->signal_bytes + a->send_bytes + a->recv_bytes);
@@ -360,27 +390,48 @@ __device__ void raise_to(const Ctx& c, const Args& a, int d, uint32_t* word, int
 // as wait_tag: 1 arrived, 0 src masked (shrink mode), -1 timed out (reported, naming src).
 template <class Net>
 __device__ int wait_from(const Ctx& c, const Args& a, int src, const uint32_t* word, int kind, int half, int l, uint32_t seq, int site,
-                         uint32_t* value) {
-  if (!remote(c, a, src)) return wait_tag(c, a, word, seq, src, site, value);
+                         uint32_t* value, bool* gave_up) {
+  *gave_up = false;
+  if (!remote(c, a, src)) return wait_tag(c, a, word, seq, src, site, value, gave_up);
   const auto t = net_of<Net>(a).at(src);
   const int sig = seam_signal(a, c.num_ranks, kind, half, l, src);
   const uint64_t start = globaltimer();
   for (uint32_t polls = 1;; ++polls) {
     const uint64_t v = t.read_signal(sig);
-    if ((v >> 32) == 0 && ((v >> 16) & 0xffffu) == (seq & 0xffffu) && (v & 0xffffu) != 0) {
+    const int st = (v >> 32) == 0 ? tag_state(static_cast<uint32_t>(v), seq) : 0;
+    if (st > 0) {
       *value = static_cast<uint32_t>(v);
       return 1;
     }
+    if (st < 0) return wait_abandoned(c, src, seq, site);
     if (a.shrink_mask != nullptr && polls % 64 == 0 && rank_masked(a, src)) return 0;
     if (globaltimer() - start > c.timeout_ns) {
-      if (a.shrink_mask != nullptr) {
-        mask_rank(a, src);
-        return 0;
-      }
-      report(c, DEK_IC_ERR_TIMEOUT, src, site, static_cast<int>(v), static_cast<int>(seq & 0xffffu));
-      return -1;
+      return wait_deadline(c, a, src, site, static_cast<int>(v), static_cast<int>(seq & 0xffffu), gave_up);
     }
   }
+}
+
+// Gives call `seq` (kind kSeamDispatch or kSeamCombine, half `half`) up after this rank's receive
+// of it timed out: every signal this rank's send of that call set at rank `only` (shrink mode: the
+// rank it masked) or at every unmasked peer (only < 0: the buffer timed out) now holds the call's
+// abandoned tag, so a late peer whose same-numbered call pairs with it raises instead of taking
+// its tokens (deep_ep_kernels.h, "Abandoned calls"). Dispatch: word l*R + rank of every local
+// expert l of the peer; combine: words rank*E_l + l (partial sums: l = 0 only). One thread: the
+// one that gave the call up (wait_from's *gave_up), so the seam signals' shadows have one writer.
+template <class Net>
+__device__ void abandon_call(const Ctx& c, const Args& a, int kind, int half, uint32_t seq, int only, bool partial) {
+  const int R = c.num_ranks, El = a.num_experts / R, me = c.rank;
+  const uint32_t v = abandoned_tag(seq);
+  for (int d = 0; d < R; ++d) {
+    if (d == me || (only >= 0 && d != only) || (only < 0 && rank_masked(a, d))) continue;
+    char* peer = window(c, d);  // NULL outside the domain: raise_to signals through the seam
+    const int words = kind == kSeamDispatch ? El : (partial ? 1 : El);
+    for (int l = 0; l < words; ++l) {
+      const uint64_t w = kind == kSeamDispatch ? static_cast<uint64_t>(l) * R + me : static_cast<uint64_t>(me) * El + l;
+      uint32_t* word = peer != nullptr ? at<uint32_t>(peer, sig_off(a, half) + w * 4) : nullptr;
+      raise_to<Net>(c, a, d, word, kind, half, l, v);
+    }
+  }  // no flush: signals only (the seam's flush is warp-collective and this is one thread)
 }
 
 // Host side: the seam fields of an LL call (none when net is NULL).

@@ -22,8 +22,23 @@ pub struct LlGeometry {
 pub const LL_STATE_LEN: usize = 4;
 
 /// Most tokens per rank in one low-latency call, on every backend: receive counts travel as
-/// `count + 1` in 16 bits.
-pub const LL_MAX_TOKENS: usize = 0xfffe;
+/// `count + 1` in 16 bits, below `0xffff`, the count field of an abandoned call's tag
+/// (`DEK_LL_MAX_TOKENS` of the kernels).
+pub const LL_MAX_TOKENS: usize = 0xfffd;
+
+/// The error of a low-latency receive that found call `seq` (its low 16 bits) of rank `src` given
+/// up by its sender (a wait of `src` timed out: it raised, or masked a peer in shrink mode), on
+/// every backend: `what` names this rank's call ("a dispatch", "a combine").
+pub fn abandoned_error(op: &'static str, me: usize, src: usize, seq: u32, what: &str) -> crate::error::Error {
+    crate::error::Error::invalid(
+        op,
+        format!(
+            "rank {src} gave up its low-latency call {seq} (it timed out waiting for a peer and raised, or masked that peer in \
+             shrink mode), and this rank's call {seq} ({what}) pairs with it: the ranks' low-latency calls are out of step, so \
+             rank {me} refuses the tokens of a call their sender abandoned (recreate the buffer, or have every rank run the same calls)"
+        ),
+    )
+}
 
 impl LlGeometry {
     /// The checks every backend makes before it touches its low-latency area: LL mode, experts a

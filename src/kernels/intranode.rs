@@ -99,6 +99,8 @@ pub mod err {
     pub const LL_FORMAT: i32 = crate::sys::kernels::DEK_IC_ERR_LL_FORMAT as i32;
     /// LL combine receive: its topk_idx `[value, limit]` is not the one its dispatch routed with.
     pub const LL_ROUTING: i32 = crate::sys::kernels::DEK_IC_ERR_LL_ROUTING as i32;
+    /// LL receive: source `rank` gave up call `value` (its low 16 bits), which this receive pairs with.
+    pub const LL_ABANDONED: i32 = crate::sys::kernels::DEK_IC_ERR_LL_ABANDONED as i32;
 }
 
 /// `dek_ic_ctx_t`: the buffer as kernels see it. `peer_base` holds the window base of every

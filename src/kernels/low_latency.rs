@@ -17,6 +17,9 @@ pub const NET_GIN: i32 = DEK_LL_NET_GIN as i32;
 /// Kind words of `recv_state` (`DEEP_EP_LL_KIND_*`).
 pub const KIND_DISPATCH: i32 = DEK_LL_KIND_DISPATCH as i32;
 pub const KIND_COMBINE: i32 = DEK_LL_KIND_COMBINE as i32;
+/// Most tokens per rank the LL kernels take: a tag's count field holds count + 1 below `0xffff`,
+/// the mark of an abandoned call.
+pub const MAX_TOKENS: usize = DEK_LL_MAX_TOKENS as usize;
 
 /// `dek_ll_args_t`: one struct for the five LL launches (unused fields null / 0).
 pub type LlArgs = dek_ll_args_t;

@@ -62,10 +62,11 @@ impl LlParams {
 fn check_geometry(op: &'static str, g: &LlGeometry, info: &BufferInfo) -> Result<()> {
     crate::ensure!(info.low_latency_mode, op, "the buffer was created with low_latency_mode=False");
     let r = info.num_ranks;
+    let t_max = crate::backend::low_latency::LL_MAX_TOKENS;
     crate::ensure!(
-        g.num_max_dispatch_tokens_per_rank >= 1,
+        (1..=t_max).contains(&g.num_max_dispatch_tokens_per_rank),
         op,
-        "num_max_dispatch_tokens_per_rank must be >= 1, got {}",
+        "num_max_dispatch_tokens_per_rank ({}) must be in 1..={t_max}",
         g.num_max_dispatch_tokens_per_rank
     );
     crate::ensure!(

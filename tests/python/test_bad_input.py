@@ -412,6 +412,8 @@ LL_CASES = [
     ("ll-topk-rows", r"\bx has 3 tokens but topk_idx has 2", lambda h: ll_dispatch(h, idx_rows=2)),
     ("ll-topk-float", r"topk_idx must be torch\.int32 or torch\.int64", lambda h: ll_dispatch(h, idx=torch.zeros((3, 2)))),
     ("ll-rdma-bytes-too-small", r"num_rdma_bytes", lambda h: ll_dispatch(h, t=64)),
+    # count + 1 travels in 16 bits below 0xffff, the count field of an abandoned call's tag
+    ("ll-tokens-past-the-tag", r"num_max_dispatch_tokens_per_rank \(65534\) must be in 1\.\.=65533", lambda h: ll_dispatch(h, t=65534)),
     ("ll-stats-dtype", r"cumulative_local_expert_recv_stats must be torch\.int32", lambda h: ll_dispatch(h, stats=torch.zeros((E_LL,), dtype=torch.int64))),
     ("ll-combine-zero-copy-logfmt", r"zero_copy and use_logfmt cannot be combined",
      lambda h: torch.ops.deep_ep.low_latency_combine(h, torch.zeros((E_LL, T_LL, H_LL), dtype=torch.bfloat16), torch.zeros((3, 2), dtype=torch.int64),

@@ -269,20 +269,23 @@ def test_diagnose_reports_valid_settings():
 
 
 # ---- 1: a call abandoned by a timed-out rank is never delivered to a late peer ------------------
-def abandoned_call_worker(rank, world, shrink):
+def abandoned_call_worker(rank, world, shrink, device="cpu"):
     """Both ranks run LL step 0; rank 1 then sleeps past rank 0's deadline, so rank 0's step 1
     times out (raises, or masks rank 1 in shrink mode and completes). Rank 1's next call pairs
-    with rank 0's given-up call; it must raise instead of taking rank 0's step-1 tokens."""
+    with rank 0's given-up call; it must raise instead of taking rank 0's step-1 tokens.
+    On a GPU (`device` cuda:N, tests/gpu/test_abandoned_ll_gpu.py) the kernels' errors surface at
+    the buffer's next call, so each rank then synchronises and runs one more step."""
     import deep_ep_rs
     import torch.distributed as dist
 
+    gpu = device != "cpu"
     t, h, e = 4, 128, 2 * world
     old = os.environ.get("DEEP_EP_TIMEOUT_MS")
     os.environ["DEEP_EP_TIMEOUT_MS"] = "1000"  # read at buffer creation
     try:
         size = deep_ep_rs.Buffer.get_low_latency_rdma_size_hint(t, h, world, e)
-        buf = deep_ep_rs.Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, device="cpu", explicitly_destroy=True,
-                                enable_shrink=shrink)
+        buf = deep_ep_rs.Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, explicitly_destroy=True, enable_shrink=shrink,
+                                **({} if gpu else {"device": "cpu"}))
     finally:
         if old is None:
             os.environ.pop("DEEP_EP_TIMEOUT_MS", None)
@@ -291,13 +294,16 @@ def abandoned_call_worker(rank, world, shrink):
     g = torch.Generator().manual_seed(rank)
 
     def step(s):
-        x = torch.full((t, h), float(10 * s + rank + 1)).to(torch.bfloat16)
-        idx = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(t)])
+        x = torch.full((t, h), float(10 * s + rank + 1)).to(torch.bfloat16).to(device)
+        idx = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(t)]).to(device)
         recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, t, e, use_fp8=False)
-        out, _, _ = buf.low_latency_combine(recv, idx, torch.ones(t, 2), handle)
+        out, _, _ = buf.low_latency_combine(recv, idx, torch.ones(t, 2, device=device), handle)
         return out
 
     step(0)
+    if gpu:
+        torch.cuda.synchronize()
+        dist.barrier()
     outcome = "ok"
     try:
         if rank == 1:
@@ -305,6 +311,10 @@ def abandoned_call_worker(rank, world, shrink):
             step(2)
         else:
             step(1)
+        if gpu:
+            torch.cuda.synchronize()
+            time.sleep(1.5)  # a combine receive left waiting reaches its deadline too
+            step(3)  # reports what the kernels of the steps before found
     except RuntimeError as err:
         outcome = str(err)
     dist.barrier()

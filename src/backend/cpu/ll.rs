@@ -40,11 +40,11 @@
 
 use super::ht::Kind;
 use super::ll_state::LlState;
-use super::ll_tags::{abandoned, abandoned_error, arrived, sig_load, sig_store, tag, KIND_COMBINE, KIND_DISPATCH};
+use super::ll_tags::{abandoned, arrived, sig_load, sig_store, tag, KIND_COMBINE, KIND_DISPATCH};
 use super::CpuBackend;
 use crate::backend::{
-    LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlRowsArgs, LlStats,
-    LlWire, LowLatencyMode, Stream, LL_MSG_META, LL_STATE_LEN, LL_WIRE_MAX_TOPK,
+    low_latency::abandoned_error, LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs,
+    LlGeometry, LlRowsArgs, LlStats, LlWire, LowLatencyMode, Stream, LL_MSG_META, LL_STATE_LEN, LL_WIRE_MAX_TOPK,
 };
 use crate::config::LowLatencyLayout;
 use crate::error::{Error, Result};

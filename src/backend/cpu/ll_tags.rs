@@ -11,7 +11,6 @@
 //! delivered. A receive that finished before the rewrite got a whole call: that is not lost data.
 
 use super::CpuBackend;
-use crate::error::Error;
 use crate::shm::{self, Region};
 use std::sync::atomic::Ordering;
 
@@ -41,18 +40,6 @@ fn abandoned_tag(seq: u32) -> u32 {
 /// Whether a word holds the tag of call `seq` given up by its sender.
 pub(super) fn abandoned(v: u32, seq: u32) -> bool {
     v == abandoned_tag(seq)
-}
-
-/// The error of a receive that found call `seq` of rank `src` given up.
-pub(super) fn abandoned_error(op: &'static str, me: usize, src: usize, seq: u32, what: &str) -> Error {
-    Error::invalid(
-        op,
-        format!(
-            "rank {src} gave up its low-latency call {seq} (it timed out waiting for a peer and raised, or masked that peer in \
-             shrink mode), and this rank's call {seq} ({what}) pairs with it: the ranks' low-latency calls are out of step, so \
-             rank {me} refuses the tokens of a call their sender abandoned (recreate the buffer, or have every rank run the same calls)"
-        ),
-    )
 }
 
 /// Release-stores 32-bit signal word `w` of the array at `base` (an RMW of its 64-bit word,

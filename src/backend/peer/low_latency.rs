@@ -58,6 +58,9 @@ use crate::op_names::{
     LOW_LATENCY_DISPATCH as OP_DISPATCH,
 };
 use crate::tensor::{DType, TensorRef};
+
+// The kernels refuse what the backends' one check lets through otherwise.
+const _: () = assert!(crate::backend::low_latency::LL_MAX_TOKENS == k::MAX_TOKENS);
 /// Combine `recv_state` flag: partial sums were sent (`DEK_LL_FLAG_PARTIAL`).
 const FLAG_PARTIAL: i32 = 32;
 /// Combine `recv_state` flag: rows travel as LogFMT-10 (`DEK_LL_FLAG_LOGFMT`; the CPU
@@ -223,7 +226,8 @@ impl PeerBackend {
         }
         let Some(e) = self.window.status().error() else { return Ok(()) };
         let where_ = site::name(e.site);
-        if e.code != err::TIMEOUT {
+        // A timeout and a peer's abandoned call leave the buffer unusable: their error stays.
+        if e.code != err::TIMEOUT && e.code != err::LL_ABANDONED {
             self.window.status().clear_error();
             // SAFETY: launch contract: no pointer argument; it writes this rank's control area.
             unsafe { intranode::clear_error(op, self.window.ctx(), stream) }?;
@@ -241,6 +245,10 @@ impl PeerBackend {
                 e.rank, e.value, e.limit
             )),
             err::LL_FORMAT => ll_format_error(op, e),
+            err::LL_ABANDONED => {
+                let what = if e.site == site::LL_COMBINE { "a combine" } else { "a dispatch" };
+                crate::backend::low_latency::abandoned_error(op, self.info.rank, e.rank.max(0) as usize, e.value as u32, what)
+            }
             err::LL_ROUTING if e.extra == 1 => Error::invalid(op, format!(
                 "topk_weights differ from the ones the dispatch of this handle carried (found by the receive of the previous \
                  low-latency combine, [{}, {}]; its output is wrong): its expert ranks summed with those (partial sums), so pass \

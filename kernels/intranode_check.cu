@@ -70,7 +70,9 @@ __device__ __forceinline__ bool ids_reach(const dek_ic_check_args_t& a, int64_t 
 
 }  // namespace
 
-__global__ void __launch_bounds__(kCheckThreads) check_inputs(const __grid_constant__ Ctx c, const __grid_constant__ dek_ic_check_args_t a) {
+// The checks of dek_ic_check with the grid and block of whatever kernel calls it (every block of
+// the grid must call it once, as its last work: the grid's last block to finish writes the result).
+__device__ void run_checks(const Ctx& c, const dek_ic_check_args_t& a) {
   __shared__ unsigned long long s_hash;
   __shared__ int s_cnt[DEK_IN_MAX_RANKS];
   __shared__ bool s_last;
@@ -228,6 +230,10 @@ __global__ void __launch_bounds__(kCheckThreads) check_inputs(const __grid_const
   for (int i = 0; i < 16; ++i) words[i] = 0;
   for (int d = 0; d < R; ++d) cnt[d] = 0;
 }
+
+__global__ void __launch_bounds__(kCheckThreads) check_inputs(const __grid_constant__ Ctx c, const __grid_constant__ dek_ic_check_args_t a) {
+  run_checks(c, a);
+}
 }  // namespace ic
 }  // namespace deep_ep
 
@@ -235,10 +241,7 @@ using namespace deep_ep;
 using namespace deep_ep::ic;
 
 extern "C" int dek_ic_check(const dek_ic_ctx_t* ctx, const dek_ic_check_args_t* args, void* stream) {
-  if (!ctx_domain_ok(ctx) || args == nullptr || args->num_blocks < 1 || args->num_tokens < 0 || args->num_topk < 0 ||
-      args->num_channels < 1 || args->num_channels > kMaxChannels || (args->num_tokens > 0 && args->is_token_in_rank == nullptr) ||
-      (args->topk_idx != nullptr && (args->num_experts < ctx->num_ranks || args->num_experts % ctx->num_ranks != 0)))
-    return cudaErrorInvalidValue;
+  if (!ctx_domain_ok(ctx) || args == nullptr || args->num_blocks < 1 || !check_args_ok(ctx, *args)) return cudaErrorInvalidValue;
   check_inputs<<<args->num_blocks, kCheckThreads, 0, as_stream(stream)>>>(*ctx, *args);
   return cudaGetLastError();
 }

@@ -293,9 +293,5 @@ cudaError_t resident_grid(const Ctx* c, int want, int* blocks) {
 }
 
 }  // namespace
-
-// The input checks of dek_ic_check (intranode_check.cu), run by the check kernel and, folded in, by
-// the stage kernel (dek_ic_stage_args_t::run_check): external, one definition for both .cu files.
-__device__ void run_checks(const dek_ic_ctx_t& c, const dek_ic_check_args_t& a);
 }  // namespace ic
 }  // namespace deep_ep

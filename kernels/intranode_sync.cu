@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "intranode.cuh"
+#include "intranode_check.cuh"
 
 namespace deep_ep {
 namespace ic {

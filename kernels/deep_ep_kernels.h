@@ -300,6 +300,11 @@ typedef struct {
   const int32_t* num_tokens_per_expert; /* [E] */
   const bool* is_token_in_rank;         /* [N, R] */
   const int32_t* send_head;             /* [N, R] */
+  /* run_check 1: the stage kernel also runs the input checks of `check` (dek_ic_check's work, its
+   * num_blocks ignored) after staging, one launch instead of two. */
+  dek_ic_check_args_t check;
+  int32_t run_check;
+  int32_t reserved;
 } dek_ic_stage_args_t;
 int dek_ic_stage(const dek_ic_ctx_t* ctx, const dek_ic_stage_args_t* args, void* stream);
 

@@ -273,6 +273,13 @@ bool ctx_domain_ok(const Ctx* c) {
 }
 bool ctx_ok(const Ctx* c) { return ctx_domain_ok(c) && c->nvl_ranks == 0; }
 
+// Host side: the arguments of the input checks (dek_ic_check, or folded into the stage kernel).
+bool check_args_ok(const Ctx* c, const dek_ic_check_args_t& a) {
+  return a.num_tokens >= 0 && a.num_topk >= 0 && a.num_channels >= 1 && a.num_channels <= kMaxChannels &&
+         (a.num_tokens == 0 || a.is_token_in_rank != nullptr) &&
+         (a.topk_idx == nullptr || (a.num_experts >= c->num_ranks && a.num_experts % c->num_ranks == 0));
+}
+
 // Host side: the grid of a kernel whose blocks wait for each other, so all must be resident at
 // once (one per SM at 512 threads): `want` capped at the SM count (ctx->num_sms, queried once per
 // buffer; asked of the device when it is unknown). The work split does not depend on it.

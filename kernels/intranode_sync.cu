@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "intranode.cuh"
+#include "intranode_check.cuh"
 
 namespace deep_ep {
 namespace ic {
@@ -240,6 +241,9 @@ __global__ void __launch_bounds__(kThreads) stage_inputs(const __grid_constant__
   char* x_dst = me + L.off[DEK_IC_SEC_X];
   const char* x_src = static_cast<const char*>(a.x);
   for (int64_t t = tid >> 5; t < rows; t += warps) warp_copy(x_dst + t * L.row_bytes, x_src + t * L.row_bytes, L.row_bytes, lane);
+  // The input checks, folded in (their result goes to the header slot block 0 wrote above: the
+  // grid's last block writes it after every block, block 0 included, took its ticket).
+  if (a.run_check) run_checks(c, a.check);
 }
 
 __global__ void clear_error(const __grid_constant__ Ctx c) { *at<int>(local(c), kScrError) = 0; }
@@ -259,7 +263,8 @@ extern "C" int dek_ic_sync(const dek_ic_ctx_t* ctx, const dek_ic_sync_args_t* ar
 extern "C" int dek_ic_stage(const dek_ic_ctx_t* ctx, const dek_ic_stage_args_t* args, void* stream) {
   if (!ctx_ok(ctx) || args == nullptr || args->num_blocks < 1 || args->layout.num_channels < 1 ||
       args->layout.num_channels > kMaxChannels || args->layout.num_tokens < 0 || args->layout.row_bytes < 0 ||
-      (args->layout.num_tokens > 0 && args->layout.off[DEK_IC_SEC_X] != 0 && args->x == nullptr))
+      (args->layout.num_tokens > 0 && args->layout.off[DEK_IC_SEC_X] != 0 && args->x == nullptr) ||
+      (args->run_check && !check_args_ok(ctx, args->check)))
     return cudaErrorInvalidValue;
   stage_inputs<<<args->num_blocks, kThreads, 0, as_stream(stream)>>>(*ctx, *args);
   return cudaGetLastError();

@@ -332,6 +332,20 @@ impl NormalMode for PeerBackend {
         }
         self.barrier(DISPATCH, SyncArgs { site: site::DISPATCH_START, op_start: 1, ..Default::default() }, a.stream)?;
         let (scales, scale_stride0, scale_stride1) = if pull { scales_of(a.x_scales.as_ref()) } else { (std::ptr::null(), 0, 0) };
+        let check = CheckArgs {
+            topk_idx: opt_ptr(a.topk_idx.as_ref()),
+            topk_is_int64: is_int64(a.topk_idx.as_ref()),
+            num_blocks: check_blocks(&a.config, n, nr * c),
+            num_tokens_per_rank: ptr(&a.num_tokens_per_rank),
+            num_tokens_per_expert: ptr(&a.num_tokens_per_expert),
+            is_token_in_rank: ptr(&a.is_token_in_rank),
+            num_tokens: n as i64,
+            num_topk: k as i64,
+            num_experts: e as i64,
+            num_channels: c as i64,
+            ..Default::default()
+        };
+        // The input checks run inside the stage kernel (one launch).
         let stage = StageArgs {
             layout,
             x: ptr(&a.x),
@@ -345,24 +359,12 @@ impl NormalMode for PeerBackend {
             num_tokens_per_rank: ptr(&a.num_tokens_per_rank),
             num_tokens_per_expert: ptr(&a.num_tokens_per_expert),
             is_token_in_rank: ptr(&a.is_token_in_rank),
+            check,
+            run_check: crate::settings::check_inputs() as i32,
             ..Default::default()
         };
         // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
         unsafe { intranode::stage(DISPATCH, self.window.ctx(), &stage, a.stream) }?;
-        let checks = CheckArgs {
-            topk_idx: opt_ptr(a.topk_idx.as_ref()),
-            topk_is_int64: is_int64(a.topk_idx.as_ref()),
-            num_blocks: check_blocks(&a.config, n, nr * c),
-            num_tokens_per_rank: ptr(&a.num_tokens_per_rank),
-            num_tokens_per_expert: ptr(&a.num_tokens_per_expert),
-            is_token_in_rank: ptr(&a.is_token_in_rank),
-            num_tokens: n as i64,
-            num_topk: k as i64,
-            num_experts: e as i64,
-            num_channels: c as i64,
-            ..Default::default()
-        };
-        self.check_inputs(DISPATCH, checks, a.stream)?;
         let notify = SyncArgs {
             site: site::DISPATCH_NOTIFY,
             op_start: 0,
@@ -484,6 +486,8 @@ impl NormalMode for PeerBackend {
         };
         self.barrier(CACHED, SyncArgs { site: site::CACHED_START, op_start: 1, ..Default::default() }, a.stream)?;
         let (scales, scale_stride0, scale_stride1) = scales_of(a.x_scales.as_ref());
+        // The handle's checks run inside the stage kernel (one launch).
+        let (check, run_check) = (self.handle_checks(&a.handle, &a.config, c), crate::settings::check_inputs() as i32);
         let stage = if pull {
             StageArgs {
                 layout,
@@ -493,15 +497,16 @@ impl NormalMode for PeerBackend {
                 scale_stride1,
                 num_blocks: i32_of(a.config.num_sms),
                 send_head: ptr(&a.handle.send_head),
+                check,
+                run_check,
                 ..Default::default()
             }
         } else {
             // Header only.
-            StageArgs { layout, num_blocks: i32_of(a.config.num_sms), ..Default::default() }
+            StageArgs { layout, num_blocks: i32_of(a.config.num_sms), check, run_check, ..Default::default() }
         };
         // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
         unsafe { intranode::stage(CACHED, self.window.ctx(), &stage, a.stream) }?;
-        self.check_inputs(CACHED, self.handle_checks(&a.handle, &a.config, c), a.stream)?;
         self.barrier(CACHED, SyncArgs { site: site::CACHED_DATA, gather: 1, ..Default::default() }, a.stream)?;
         let pull = PullArgs {
             recv_x: recv_x.data_ptr().cast(),

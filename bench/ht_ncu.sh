@@ -12,7 +12,16 @@ if [ "${1:-}" = "--rank" ]; then  # one rank under torchrun: ncu for rank 0, the
   if [ "${LOCAL_RANK:-0}" = 0 ]; then
     # NCU_SET=detailed (or basic) and NCU_SOURCE=no make a report that profiles and exports in a
     # fraction of the full set's time.
-    exec "$NCU" --profile-from-start off --set "${NCU_SET:-full}" --import-source "${NCU_SOURCE:-yes}" --source-folders "$(dirname "$0")/../kernels" \
+    # ncu refuses --source-folders without --import-source yes.
+    src=(--import-source no)
+    [ "${NCU_SOURCE:-yes}" = yes ] && src=(--import-source yes --source-folders "$(dirname "$0")/../kernels")
+    # NCU_METRICS (comma-separated) replaces the section set; with few enough counters ncu needs one
+    # pass, so no kernel is replayed: a replayed barrier or flag wait hangs, its peers having moved on
+    # (2026-11-27: the second sync_barrier under --set detailed). NCU_KERNEL: a regex of kernel names.
+    what=(--set "${NCU_SET:-full}")
+    [ -n "${NCU_METRICS:-}" ] && what=(--metrics "$NCU_METRICS" --cache-control none --clock-control none)
+    [ -n "${NCU_KERNEL:-}" ] && what+=(--kernel-name "regex:$NCU_KERNEL")
+    exec "$NCU" --profile-from-start off "${what[@]}" "${src[@]}" \
       -f -o "$out/ht" "$py" "$(dirname "$0")/ht_ncu.py" "$@"
   fi
   exec "$py" "$(dirname "$0")/ht_ncu.py" "$@"

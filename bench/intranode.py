@@ -144,6 +144,7 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     buf = deep_ep_rs.Buffer(dist.new_group(list(range(world))), args.nvl_bytes, 0, explicitly_destroy=True)
+    backend = buf.memory_report()["backend"]  # DEEP_EP_BACKEND picks the window provider: recorded with the rows
     v1 = None
     if "deepep_v1" in args.baseline:
         from deepep_v1 import HT
@@ -171,20 +172,21 @@ def main():
             print(f"{r['op']:>14} {r['impl']:>17} {r['dtype']:>5} {r['tokens']:>6} {str(r['sms']):>4} {r['timing']:>9} {r['us_median']:>9.1f} "
                   f"{r['logical_gbps']:>7.1f}  {ratio:>8}  {vr:>8}")
         if args.out:
-            write_record(args.out, "bench/intranode.py", world, rows)
+            write_record(args.out, "bench/intranode.py", world, rows, backend=backend)
         if args.plot:
             plot(rows, args.plot)
     dist.destroy_process_group()
 
 
-def write_record(path, script, world, rows):
-    """Writes the JSON record of a bench run (date, commit, command, device, versions, rows); rank 0 only."""
+def write_record(path, script, world, rows, backend=None):
+    """Writes the JSON record of a bench run (date, commit, command, device, versions, this library's
+    backend when given, rows); rank 0 only."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     env = {"date": datetime.date.today().isoformat(), "git_commit": commit or "unknown",
            "command": "torchrun --nproc-per-node %d %s %s" % (world, script, " ".join(sys.argv[1:])),
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "num_gpus": world,
            "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
-           "rows": rows}
+           **({"backend": backend} if backend else {}), "rows": rows}
     with open(path, "w") as f:
         json.dump(env, f, indent=1)
 

@@ -191,6 +191,7 @@ typedef struct {
   uint32_t size;
   int64_t num_max_dispatch_tokens_per_rank, hidden, num_experts;
   int32_t use_fp8, round_scale, use_ue8m0;  // dispatch
+  int32_t use_nvfp4;                         // dispatch: NVFP4 payload (docs/NVFP4.md), excludes use_fp8
   int32_t use_logfmt, zero_copy;            // combine
   void* stream;
 } deep_ep_ll_params_t;
@@ -200,9 +201,13 @@ typedef struct {
   deep_ep_tensor_t recv_x, recv_x_scales, recv_count, src_info, layout_range, recv_state;
 } deep_ep_ll_dispatch_outputs_t;
 
-// out == NULL: validate only (x, topk_idx, topk_weights, stats).
+// out == NULL: validate only (x, topk_idx, topk_weights, x_global_scale, stats). x_global_scale (NULL
+// or an undefined tensor unless p->use_nvfp4): float32 on x's device, its first element NVFP4's global scale.
+// NVFP4 outputs: recv_x uint8 [E_l, R*T, H/2] (two E2M1 per byte, low nibble first), recv_x_scales
+// float8_e4m3fn [E_l, ceil(R*T/128), H/64, 512] (tiles [32, 4, 4]: the 128x4 swizzle of docs/NVFP4.md).
 int deep_ep_ll_dispatch_send(int64_t handle, const deep_ep_ll_params_t* p, const deep_ep_tensor_t* x, const deep_ep_tensor_t* topk_idx,
-                             const deep_ep_tensor_t* topk_weights, const deep_ep_tensor_t* cumulative_local_expert_recv_stats,
+                             const deep_ep_tensor_t* topk_weights, const deep_ep_tensor_t* x_global_scale,
+                             const deep_ep_tensor_t* cumulative_local_expert_recv_stats,
                              const deep_ep_tensor_t* wait_recv_cost_stats, const deep_ep_ll_dispatch_outputs_t* out);
 int deep_ep_ll_dispatch_recv(int64_t handle, const deep_ep_ll_params_t* p, const deep_ep_ll_dispatch_outputs_t* out,
                              const deep_ep_tensor_t* cumulative_local_expert_recv_stats, const deep_ep_tensor_t* wait_recv_cost_stats);

@@ -462,7 +462,6 @@ int dek_gb_barrier(const dek_ic_ctx_t* ctx, int site, void* stream);
 /* Layout constants, for the Rust mirror's check (see global_barrier.cu). */
 size_t dek_gb_layout(int which);
 
-
 /* ---------------------------------------------------------------------------------------------
  * Internode normal mode (kernels/internode_*.cu, kernels/internode.cuh): DeepEP's two-level
  * forwarding over the same window. R ranks in Rr = R / D NVLink domains ("nodes") of D ranks; rank

@@ -45,16 +45,25 @@ Tensor effective_topk_idx(int64_t handle, int32_t which, const Tensor& topk_idx,
   return eff;
 }
 
+// The format flags of a dispatch (use_fp8, round_scale, use_ue8m0, use_nvfp4) in the params.
+struct LlFormat {
+  bool use_fp8, round_scale, use_ue8m0, use_nvfp4;
+  void set(deep_ep_ll_params_t& p) const {
+    p.use_fp8 = use_fp8;
+    p.round_scale = round_scale;
+    p.use_ue8m0 = use_ue8m0;
+    p.use_nvfp4 = use_nvfp4;
+  }
+};
+
 // Validates, allocates the static outputs, runs the send phase.
 LlOutputs dispatch_send(int64_t handle, const Tensor& x, const Tensor& topk_idx, const optional<Tensor>& topk_weights,
-                        const optional<Tensor>& cumulative, const optional<Tensor>& wait, int64_t t, int64_t e, bool use_fp8,
-                        bool round_scale, bool use_ue8m0, const optional<Tensor>& num_tokens) {
+                        const optional<Tensor>& cumulative, const optional<Tensor>& wait, int64_t t, int64_t e, const LlFormat& f,
+                        const optional<Tensor>& num_tokens, const optional<Tensor>& x_global_scale) {
   auto p = params(t, x.dim() == 2 ? x.size(1) : 128, e, x.device());
-  p.use_fp8 = use_fp8;
-  p.round_scale = round_scale;
-  p.use_ue8m0 = use_ue8m0;
-  auto rx = raw(x), ri = raw(topk_idx), rw = raw(topk_weights), rc = raw(cumulative), rs = raw(wait);
-  check(deep_ep_ll_dispatch_send(handle, &p, &rx, &ri, &rw, &rc, &rs, nullptr));
+  f.set(p);
+  auto rx = raw(x), ri = raw(topk_idx), rw = raw(topk_weights), rg = raw(x_global_scale), rc = raw(cumulative), rs = raw(wait);
+  check(deep_ep_ll_dispatch_send(handle, &p, &rx, &ri, &rw, &rg, &rc, &rs, nullptr));
   // x and topk_idx are valid here; the masked copy replaces topk_idx for the send.
   Tensor eff = effective_topk_idx(handle, 0, topk_idx, num_tokens);
   ri = raw(eff);
@@ -65,14 +74,21 @@ LlOutputs dispatch_send(int64_t handle, const Tensor& x, const Tensor& topk_idx,
   auto alloc = [&](const IntList& shape, ScalarType t) { return x.is_cpu() ? zeros_like_dev(x, shape, t) : empty_like_dev(x, shape, t); };
   using torch::stable::transpose;
   LlOutputs out;
-  out.recv_x = alloc({el, rows, h}, use_fp8 ? ScalarType::Float8_e4m3fn : ScalarType::BFloat16);
-  if (use_fp8) {
+  if (f.use_nvfp4) {
+    // Physical layouts of DeepEP's NVFP4 dispatch (docs/NVFP4.md); the Python layer returns its
+    // permuted views. Scales: [E_l, 128-row tiles, 4-column tiles, 512] (a tile is [32, 4, 4]).
+    out.recv_x = alloc({el, rows, h / 2}, ScalarType::Byte);
+    out.recv_x_scales = alloc({el, (rows + 127) / 128, h / 64, 512}, ScalarType::Float8_e4m3fn);
+  } else {
+    out.recv_x = alloc({el, rows, h}, f.use_fp8 ? ScalarType::Float8_e4m3fn : ScalarType::BFloat16);
+  }
+  if (f.use_fp8) {
     // Column-major in the last two dims, as DeepEP: [E_l, R*T, S] with strides [S*R*T, 1, R*T]. CPU
     // outputs are zero-filled (`alloc`), so there the scales stay a transposed zeroed tensor.
-    const int64_t s = use_ue8m0 ? h / 512 : h / 128;
-    const ScalarType st = use_ue8m0 ? ScalarType::Int : ScalarType::Float;
+    const int64_t s = f.use_ue8m0 ? h / 512 : h / 128;
+    const ScalarType st = f.use_ue8m0 ? ScalarType::Int : ScalarType::Float;
     out.recv_x_scales = x.is_cpu() ? transpose(alloc({el, s, rows}, st), 1, 2) : empty_strided_on({el, rows, s}, {s * rows, 1, rows}, st, x.device());
-  } else {
+  } else if (!f.use_nvfp4) {
     out.recv_x_scales = none_like(x, ScalarType::Float);
   }
   out.recv_count = empty_like_dev(x, {el}, ScalarType::Int);
@@ -81,17 +97,16 @@ LlOutputs dispatch_send(int64_t handle, const Tensor& x, const Tensor& topk_idx,
   // Written by the send kernel's block 0 on every call (kernels/low_latency.cuh begin_send).
   out.recv_state = alloc({DEEP_EP_LL_STATE_LEN}, ScalarType::Long);
   auto ro = out.raw_outputs();
-  check(deep_ep_ll_dispatch_send(handle, &p, &rx, &ri, &rw, &rc, &rs, &ro));
+  check(deep_ep_ll_dispatch_send(handle, &p, &rx, &ri, &rw, &rg, &rc, &rs, &ro));
   return out;
 }
 
 void dispatch_recv(int64_t handle, const LlOutputs& out, const optional<Tensor>& cumulative, const optional<Tensor>& wait, int64_t t,
-                   int64_t e, bool use_fp8, bool round_scale, bool use_ue8m0) {
+                   int64_t e, const LlFormat& f) {
   const auto& rx = out.recv_x;
-  auto p = params(t, rx.dim() == 3 ? rx.size(2) : 128, e, rx.device());
-  p.use_fp8 = use_fp8;
-  p.round_scale = round_scale;
-  p.use_ue8m0 = use_ue8m0;
+  // recv_x holds H/2 bytes per row with NVFP4.
+  auto p = params(t, rx.dim() == 3 ? rx.size(2) * (f.use_nvfp4 ? 2 : 1) : 128, e, rx.device());
+  f.set(p);
   auto ro = out.raw_outputs();
   auto rc = raw(cumulative), rs = raw(wait);
   check(deep_ep_ll_dispatch_recv(handle, &p, &ro, &rc, &rs));
@@ -100,29 +115,33 @@ void dispatch_recv(int64_t handle, const LlOutputs& out, const optional<Tensor>&
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> low_latency_dispatch(int64_t handle, const Tensor& x, const Tensor& topk_idx,
                                                                        const optional<Tensor>& topk_weights, const optional<Tensor>& cumulative,
                                                                        const optional<Tensor>& wait, int64_t t, int64_t e, bool use_fp8,
-                                                                       bool round_scale, bool use_ue8m0, const optional<Tensor>& num_tokens) {
+                                                                       bool round_scale, bool use_ue8m0, const optional<Tensor>& num_tokens,
+                                                                       bool use_nvfp4, const optional<Tensor>& x_global_scale) {
   DeviceScope guard(x.device());
-  auto out = dispatch_send(handle, x, topk_idx, topk_weights, cumulative, wait, t, e, use_fp8, round_scale, use_ue8m0, num_tokens);
-  dispatch_recv(handle, out, cumulative, wait, t, e, use_fp8, round_scale, use_ue8m0);
+  const LlFormat f{use_fp8, round_scale, use_ue8m0, use_nvfp4};
+  auto out = dispatch_send(handle, x, topk_idx, topk_weights, cumulative, wait, t, e, f, num_tokens, x_global_scale);
+  dispatch_recv(handle, out, cumulative, wait, t, e, f);
   return {out.recv_x, out.recv_x_scales, out.recv_count, out.src_info, out.layout_range};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> low_latency_dispatch_send(int64_t handle, const Tensor& x, const Tensor& topk_idx,
                                                                                      const optional<Tensor>& topk_weights, int64_t t, int64_t e,
                                                                                      bool use_fp8, bool round_scale, bool use_ue8m0,
-                                                                                     const optional<Tensor>& num_tokens) {
+                                                                                     const optional<Tensor>& num_tokens, bool use_nvfp4,
+                                                                                     const optional<Tensor>& x_global_scale) {
   DeviceScope guard(x.device());
-  auto o = dispatch_send(handle, x, topk_idx, topk_weights, std::nullopt, std::nullopt, t, e, use_fp8, round_scale, use_ue8m0, num_tokens);
+  const LlFormat f{use_fp8, round_scale, use_ue8m0, use_nvfp4};
+  auto o = dispatch_send(handle, x, topk_idx, topk_weights, std::nullopt, std::nullopt, t, e, f, num_tokens, x_global_scale);
   return {o.recv_x, o.recv_x_scales, o.recv_count, o.src_info, o.layout_range, o.recv_state};
 }
 
 void low_latency_dispatch_recv(int64_t handle, const Tensor& recv_state, const Tensor& recv_x, const Tensor& recv_x_scales,
                                const Tensor& recv_count, const Tensor& src_info, const Tensor& layout_range,
                                const optional<Tensor>& cumulative, const optional<Tensor>& wait, int64_t t, int64_t e, bool use_fp8,
-                               bool round_scale, bool use_ue8m0) {
+                               bool round_scale, bool use_ue8m0, bool use_nvfp4) {
   DeviceScope guard(recv_x.device());
   LlOutputs out{recv_x, recv_x_scales, recv_count, src_info, layout_range, recv_state};
-  dispatch_recv(handle, out, cumulative, wait, t, e, use_fp8, round_scale, use_ue8m0);
+  dispatch_recv(handle, out, cumulative, wait, t, e, LlFormat{use_fp8, round_scale, use_ue8m0, use_nvfp4});
 }
 
 Tensor combine_send(int64_t handle, const Tensor& x, const Tensor& src_info, const Tensor& layout_range, int64_t t, int64_t e,

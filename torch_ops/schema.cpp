@@ -102,6 +102,9 @@ STABLE_TORCH_LIBRARY(deep_ep, m) {
   // Collective, low-latency. x [N,H] bf16 (N <= T), topk_idx [N,K] -> recv_x [E_l,R*T,H] (fp8 or bf16),
   // recv_x_scales (f32 [E_l,R*T,S] or UE8M0 i32 [E_l,R*T,H/512], column-major; empty for bf16),
   // recv_count [E_l] i32, src_info [E_l,R*T] i32, layout_range [E_l,R] i64 ((begin<<32)|count).
+  // use_nvfp4 (with x_global_scale, float32, first element used; use_fp8 False): recv_x uint8 [E_l,R*T,H/2] and
+  // recv_x_scales float8_e4m3fn [E_l,ceil(R*T/128),H/64,512] (tiles of [32,4,4]), DeepEP's NVFP4 layouts
+  // (docs/NVFP4.md).
   // The optional stats are added to in place. num_tokens (int32 [] or [1] on x's device, optional): the
   // real number of rows; rows of x/topk_idx at or past it are not routed (as if topk_idx were -1), so
   // one captured CUDA graph serves any batch <= N. Read on the device (no host sync); a value outside
@@ -110,20 +113,21 @@ STABLE_TORCH_LIBRARY(deep_ep, m) {
       "low_latency_dispatch(int handle, Tensor x, Tensor topk_idx, Tensor? topk_weights, "
       "Tensor(a!)? cumulative_local_expert_recv_stats, Tensor(b!)? dispatch_wait_recv_cost_stats, "
       "int num_max_dispatch_tokens_per_rank, int num_experts, bool use_fp8, bool round_scale, bool use_ue8m0, "
-      "Tensor? num_tokens=None) -> (Tensor recv_x, Tensor recv_x_scales, Tensor recv_count, Tensor src_info, Tensor layout_range)");
+      "Tensor? num_tokens=None, bool use_nvfp4=False, Tensor? x_global_scale=None) -> "
+      "(Tensor recv_x, Tensor recv_x_scales, Tensor recv_count, Tensor src_info, Tensor layout_range)");
   // Send phase of low_latency_dispatch: outputs are allocated but valid only after
   // low_latency_dispatch_recv(recv_state, ...). recv_state is i64 [4]. num_tokens as in low_latency_dispatch.
   m.def(
       "low_latency_dispatch_send(int handle, Tensor x, Tensor topk_idx, Tensor? topk_weights, "
       "int num_max_dispatch_tokens_per_rank, int num_experts, bool use_fp8, bool round_scale, bool use_ue8m0, "
-      "Tensor? num_tokens=None) -> "
+      "Tensor? num_tokens=None, bool use_nvfp4=False, Tensor? x_global_scale=None) -> "
       "(Tensor recv_x, Tensor recv_x_scales, Tensor recv_count, Tensor src_info, Tensor layout_range, Tensor recv_state)");
   // Receive phase: waits for every source and fills the send phase's outputs in place.
   m.def(
       "low_latency_dispatch_recv(int handle, Tensor recv_state, Tensor(a!) recv_x, Tensor(b!) recv_x_scales, Tensor(c!) recv_count, "
       "Tensor(d!) src_info, Tensor(e!) layout_range, Tensor(f!)? cumulative_local_expert_recv_stats, "
       "Tensor(g!)? dispatch_wait_recv_cost_stats, int num_max_dispatch_tokens_per_rank, int num_experts, bool use_fp8, "
-      "bool round_scale, bool use_ue8m0) -> ()");
+      "bool round_scale, bool use_ue8m0, bool use_nvfp4=False) -> ()");
   // Collective, low-latency. x [E_l,R*T,H] bf16 expert outputs; topk_idx/topk_weights [N,K] are this
   // rank's original routing; out [N,H] bf16 = Σ_k w_k·y_k (fp32, ascending k) is written in place.
   // num_tokens as in low_latency_dispatch (pass the same one): out rows at or past it are zero.

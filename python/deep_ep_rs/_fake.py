@@ -153,9 +153,14 @@ def _internode_combine(handle, x, topk_weights, bias_0, bias_1, is_token_in_rank
     return x.new_empty((n, x.shape[1])), _rows_of(topk_weights, n, x, torch.float32)
 
 
-def _ll_outputs(handle, x, t, e, use_fp8, use_ue8m0):
+def _ll_outputs(handle, x, t, e, use_fp8, use_ue8m0, use_nvfp4=False):
     r = _num_ranks(handle)
     el, rows, h = e // r, r * t, x.shape[1]
+    if use_nvfp4:  # physical NVFP4 layouts (docs/NVFP4.md)
+        recv_x = x.new_empty((el, rows, h // 2), dtype=torch.uint8)
+        scales = x.new_empty((el, (rows + 127) // 128, h // 64, 512), dtype=torch.float8_e4m3fn)
+        return (recv_x, scales, x.new_empty((el,), dtype=torch.int32), x.new_empty((el, rows), dtype=torch.int32),
+                x.new_empty((el, r), dtype=torch.int64))
     recv_x = x.new_empty((el, rows, h), dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16)
     if use_fp8:
         cols, dt = (h // 512, torch.int32) if use_ue8m0 else (h // 128, torch.float32)
@@ -167,17 +172,20 @@ def _ll_outputs(handle, x, t, e, use_fp8, use_ue8m0):
 
 
 @_fake("low_latency_dispatch")
-def _ll_dispatch(handle, x, topk_idx, topk_weights, cumulative, wait, t, e, use_fp8, round_scale, use_ue8m0, num_tokens=None):
-    return _ll_outputs(handle, x, t, e, use_fp8, use_ue8m0)
+def _ll_dispatch(handle, x, topk_idx, topk_weights, cumulative, wait, t, e, use_fp8, round_scale, use_ue8m0, num_tokens=None,
+                 use_nvfp4=False, x_global_scale=None):
+    return _ll_outputs(handle, x, t, e, use_fp8, use_ue8m0, use_nvfp4)
 
 
 @_fake("low_latency_dispatch_send")
-def _ll_dispatch_send(handle, x, topk_idx, topk_weights, t, e, use_fp8, round_scale, use_ue8m0, num_tokens=None):
-    return _ll_outputs(handle, x, t, e, use_fp8, use_ue8m0) + (x.new_empty((LL_STATE_LEN,), dtype=torch.int64),)
+def _ll_dispatch_send(handle, x, topk_idx, topk_weights, t, e, use_fp8, round_scale, use_ue8m0, num_tokens=None, use_nvfp4=False,
+                      x_global_scale=None):
+    return _ll_outputs(handle, x, t, e, use_fp8, use_ue8m0, use_nvfp4) + (x.new_empty((LL_STATE_LEN,), dtype=torch.int64),)
 
 
 @_fake("low_latency_dispatch_recv")
-def _ll_dispatch_recv(handle, state, recv_x, scales, count, src_info, layout_range, cumulative, wait, t, e, use_fp8, round_scale, use_ue8m0):
+def _ll_dispatch_recv(handle, state, recv_x, scales, count, src_info, layout_range, cumulative, wait, t, e, use_fp8, round_scale, use_ue8m0,
+                      use_nvfp4=False):
     return None
 
 

@@ -516,9 +516,13 @@ class Buffer:
         """Returns (recv_x [or (recv_x, scales)], recv_count, handle, event, hook); handle =
         (src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts).
 
-        `x_global_scale`, `use_nvfp4`, `use_ue8m0_for_sf`: the NVFP4 dispatch of DeepEP's
-        forks, which SGLang and vLLM call when configured for it (docs/NVFP4.md). Accepted by
-        name; `use_nvfp4=True` raises NotImplementedError (not implemented on any backend yet).
+        `use_nvfp4=True` (with `use_fp8=False` and `x_global_scale`, a float32 tensor whose first
+        element is the global scale S): the NVFP4 dispatch of DeepEP's forks, which SGLang and vLLM
+        call when configured for it (docs/NVFP4.md). recv_x is then the tuple (packed uint8 view
+        [R*T, H/2, E_l], two E2M1 values per byte, low nibble first; float8_e4m3fn scales view
+        [32, 4, ceil(R*T/128), 4, H/64, E_l] in the 128x4 swizzle), the views DeepEP's forks
+        return; x ~ e2m1 * scale / S. CPU buffers only so far (GPU buffers raise);
+        `use_ue8m0_for_sf=True` raises NotImplementedError.
 
         `num_tokens` (extension, default None = every row of x is real): int32 tensor of shape []
         or [1] on x's device holding the real batch n; rows of x / topk_idx at or past n are not
@@ -532,28 +536,34 @@ class Buffer:
         over ranks ascending in fp32 (less traffic; one more BF16 rounding per rank than the
         per-expert sum, within DeepEP's combine tolerance). That combine then uses THESE weights:
         pass the same `topk_weights` to low_latency_combine. Both backends agree bit for bit."""
-        if use_nvfp4:
+        if use_ue8m0_for_sf:
             raise NotImplementedError(
-                "deep_ep_rs.Buffer.low_latency_dispatch: use_nvfp4=True (NVFP4 dispatch, docs/NVFP4.md) is not implemented on "
-                "any backend yet; dispatch FP8 or BF16 instead (vLLM: VLLM_DEEPEPLL_NVFP4_DISPATCH=0)")
+                "deep_ep_rs.Buffer.low_latency_dispatch: use_ue8m0_for_sf=True (UE8M0 NVFP4 scales) is not implemented "
+                "(docs/NVFP4.md: DeepEP's own output for it is inconsistent); use E4M3 scales (the default)")
         assert not (async_finish and return_recv_hook), "async_finish and return_recv_hook are mutually exclusive"
         t, e = num_max_dispatch_tokens_per_rank, num_experts
+        if not use_nvfp4:
+            x_global_scale = None  # DeepEP's forks ignore it then; the op refuses a scale without NVFP4
         if return_recv_hook:
             recv_x, scales, count, src_info, layout_range, state = ops.low_latency_dispatch_send(
-                self.handle, x, topk_idx, topk_weights, t, e, use_fp8, round_scale, use_ue8m0, num_tokens)
+                self.handle, x, topk_idx, topk_weights, t, e, use_fp8, round_scale, use_ue8m0, num_tokens, use_nvfp4,
+                x_global_scale)
 
             def hook():
                 ops.low_latency_dispatch_recv(self.handle, state, recv_x, scales, count, src_info, layout_range,
                                               cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, t, e, use_fp8,
-                                              round_scale, use_ue8m0)
+                                              round_scale, use_ue8m0, use_nvfp4)
         else:
             hook = None
             recv_x, scales, count, src_info, layout_range = ops.low_latency_dispatch(
                 self.handle, x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, t, e,
-                use_fp8, round_scale, use_ue8m0, num_tokens)
+                use_fp8, round_scale, use_ue8m0, num_tokens, use_nvfp4, x_global_scale)
         handle = (src_info, layout_range, t, x.size(1), e)
-        event = EventOverlap(EventHandle(), (x, topk_idx, recv_x, scales, count, src_info, layout_range)) \
+        event = EventOverlap(EventHandle(), (x, topk_idx, recv_x, scales, count, src_info, layout_range, x_global_scale)) \
             if async_finish and x.is_cuda else EventOverlap(None)
+        if use_nvfp4:  # DeepEP's views: data (R*T, H/2, E_l), scales (32, 4, rm, 4, rk, E_l)
+            el, rm, rk, _ = scales.shape
+            return (recv_x.permute(1, 2, 0), scales.view(el, rm, rk, 32, 4, 4).permute(3, 4, 1, 5, 2, 0)), count, handle, event, hook
         return ((recv_x, scales) if use_fp8 else recv_x), count, handle, event, hook
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: Tuple,

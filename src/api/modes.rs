@@ -5,7 +5,7 @@
 use crate::api::buffer::{check_size, guard, opt_tensor, tensor, RawTensor};
 use crate::error::{Error, Result};
 use crate::op_io::{CombineOutputs, DispatchOutputs, DispatchPlan, Handle, LlDispatchOutputs, LlStats};
-use crate::ops::{self, CombineInputs, DispatchRequest, LlParams};
+use crate::ops::{self, CombineInputs, DispatchRequest, LlDispatchSendArgs, LlParams};
 use crate::tensor::TensorRef;
 use std::ffi::{c_int, c_void};
 
@@ -94,6 +94,7 @@ pub struct RawLlParams {
     use_fp8: i32,
     round_scale: i32,
     use_ue8m0: i32,
+    use_nvfp4: i32,
     use_logfmt: i32,
     zero_copy: i32,
     stream: *mut c_void,
@@ -277,6 +278,7 @@ unsafe fn ll_params(op: &'static str, p: *const RawLlParams) -> Result<LlParams>
         use_fp8: p.use_fp8 != 0,
         round_scale: p.round_scale != 0,
         use_ue8m0: p.use_ue8m0 != 0,
+        use_nvfp4: p.use_nvfp4 != 0,
         use_logfmt: p.use_logfmt != 0,
         zero_copy: p.zero_copy != 0,
         stream: p.stream,
@@ -314,6 +316,7 @@ pub unsafe extern "C" fn deep_ep_ll_dispatch_send(
     x: *const RawTensor,
     topk_idx: *const RawTensor,
     topk_weights: *const RawTensor,
+    x_global_scale: *const RawTensor,
     cumulative: *const RawTensor,
     wait: *const RawTensor,
     out: *const RawLlDispatchOutputs,
@@ -321,10 +324,14 @@ pub unsafe extern "C" fn deep_ep_ll_dispatch_send(
     const OP: &str = crate::op_names::LOW_LATENCY_DISPATCH;
     guard(|| {
         let p = ll_params(OP, p)?;
-        let (x, topk_idx, topk_weights) =
-            (tensor(OP, "x", x)?, tensor(OP, "topk_idx", topk_idx)?, opt_tensor(OP, "topk_weights", topk_weights)?);
+        let a = LlDispatchSendArgs {
+            x: tensor(OP, "x", x)?,
+            topk_idx: tensor(OP, "topk_idx", topk_idx)?,
+            topk_weights: opt_tensor(OP, "topk_weights", topk_weights)?,
+            x_global_scale: opt_tensor(OP, "x_global_scale", x_global_scale)?,
+        };
         let out = if out.is_null() { None } else { Some(ll_outputs(OP, &*out)?) };
-        ops::low_latency_dispatch_send(handle, &p, x, topk_idx, topk_weights, &ll_stats(OP, cumulative, wait)?, out.as_ref())
+        ops::low_latency_dispatch_send(handle, &p, a, &ll_stats(OP, cumulative, wait)?, out.as_ref())
     })
 }
 

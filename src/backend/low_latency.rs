@@ -165,13 +165,15 @@ pub struct LlDispatchOptions {
     pub use_fp8: bool,
     pub round_scale: bool,
     pub use_ue8m0: bool,
+    /// NVFP4 payload (`crate::numerics::nvfp4`); excludes `use_fp8`.
+    pub use_nvfp4: bool,
 }
 
 impl LlDispatchOptions {
     /// The options as the flag bits a send records in `recv_state` and its receive checks
-    /// (fp8 = 1, round_scale = 2, use_ue8m0 = 4).
+    /// (fp8 = 1, round_scale = 2, use_ue8m0 = 4, nvfp4 = 64).
     pub fn flags(&self) -> i64 {
-        self.use_fp8 as i64 | (self.round_scale as i64) << 1 | (self.use_ue8m0 as i64) << 2
+        self.use_fp8 as i64 | (self.round_scale as i64) << 1 | (self.use_ue8m0 as i64) << 2 | (self.use_nvfp4 as i64) << 6
     }
 }
 
@@ -183,6 +185,9 @@ pub struct LlDispatchSendArgs {
     pub topk_idx: TensorRef,
     /// `[N, K]` float32, optional (lets a backend reduce combine traffic; not required).
     pub topk_weights: Option<TensorRef>,
+    /// float32 on x's device, contiguous, its first element NVFP4's global scale `S` (with
+    /// `use_nvfp4` only).
+    pub x_global_scale: Option<TensorRef>,
 }
 
 /// Low-latency combine send-phase inputs.

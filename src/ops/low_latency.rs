@@ -2,9 +2,8 @@
 //! C surface hands over ([`LlParams`], tensors), and the backend calls. Shapes are static: T
 //! tokens per rank at most, E experts, R ranks, E_l = E / R local experts, H hidden.
 
-use crate::backend::{
-    BufferInfo, LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchSendArgs, LlGeometry, LlRowsArgs, LL_STATE_LEN,
-};
+pub use crate::backend::LlDispatchSendArgs;
+use crate::backend::{BufferInfo, LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlGeometry, LlRowsArgs, LL_STATE_LEN};
 use crate::buffer;
 use crate::error::Result;
 use crate::op_io::{LlDispatchOutputs, LlStats};
@@ -31,6 +30,8 @@ pub struct LlParams {
     pub use_fp8: bool,
     pub round_scale: bool,
     pub use_ue8m0: bool,
+    /// NVFP4 dispatch payload (docs/NVFP4.md); needs `x_global_scale` and `use_fp8 = false`.
+    pub use_nvfp4: bool,
     pub use_logfmt: bool,
     pub zero_copy: bool,
     pub stream: Stream,
@@ -55,7 +56,7 @@ impl LlParams {
     }
 
     fn options(&self) -> LlDispatchOptions {
-        LlDispatchOptions { use_fp8: self.use_fp8, round_scale: self.round_scale, use_ue8m0: self.use_ue8m0 }
+        LlDispatchOptions { use_fp8: self.use_fp8, round_scale: self.round_scale, use_ue8m0: self.use_ue8m0, use_nvfp4: self.use_nvfp4 }
     }
 }
 
@@ -140,18 +141,41 @@ fn check_low_latency_dispatch(handle: i64, g: &LlGeometry, o: &LlDispatchOptions
             g.hidden
         );
         crate::ensure!(o.use_fp8 || (!o.round_scale && !o.use_ue8m0), DISPATCH, "round_scale/use_ue8m0 only apply with use_fp8=True");
+        check_nvfp4(o, a.x_global_scale.as_ref(), &info)?;
         check_stats(DISPATCH, stats, &info, g.num_experts / info.num_ranks)
     })
+}
+
+/// The NVFP4 arguments: `use_nvfp4` excludes `use_fp8` (as DeepEP's forks assert) and needs the
+/// global scale, a contiguous float32 tensor on the buffer's device whose first element is `S`
+/// (DeepEP's kernel reads `*x_global_scale`; callers pass a scalar or a per-expert vector of equal
+/// values). The value is read where the payload is made, not here: no host sync.
+fn check_nvfp4(o: &LlDispatchOptions, scale: Option<&TensorRef>, info: &BufferInfo) -> Result<()> {
+    if !o.use_nvfp4 {
+        crate::ensure!(scale.is_none(), DISPATCH, "x_global_scale only applies with use_nvfp4=True");
+        return Ok(());
+    }
+    crate::ensure!(!o.use_fp8, DISPATCH, "use_nvfp4=True needs use_fp8=False (one payload format per dispatch)");
+    let Some(s) = scale else {
+        return Err(crate::error::Error::invalid(DISPATCH, "use_nvfp4=True needs x_global_scale (a float32 scalar tensor)"));
+    };
+    s.check(DISPATCH, "x_global_scale").on(&[DType::Float32], info.device)?.contiguous()?;
+    crate::ensure!(s.numel() >= 1, DISPATCH, "x_global_scale is empty: its first element is the global scale");
+    Ok(())
 }
 
 fn check_dispatch_outputs(out: &LlDispatchOutputs, g: &LlGeometry, o: &LlDispatchOptions, info: &BufferInfo) -> Result<()> {
     let (r, dev) = (info.num_ranks, info.device);
     let (el, rows) = (g.num_experts / r, r * g.num_max_dispatch_tokens_per_rank);
-    let xdt = if o.use_fp8 { DType::Float8E4m3 } else { DType::BFloat16 };
+    let (xdt, cols) = match (o.use_fp8, o.use_nvfp4) {
+        (true, _) => (DType::Float8E4m3, g.hidden),
+        (false, true) => (DType::UInt8, g.hidden / 2),
+        _ => (DType::BFloat16, g.hidden),
+    };
     out.recv_x
         .check(DISPATCH, "recv_x")
         .on(&[xdt], dev)?
-        .shape(&[("num_local_experts", Some(el)), ("rows", Some(rows)), ("hidden", Some(g.hidden))])?
+        .shape(&[("num_local_experts", Some(el)), ("rows", Some(rows)), ("hidden", Some(cols))])?
         .contiguous()?;
     out.recv_count.check(DISPATCH, "recv_count").on(&[DType::Int32], dev)?.shape(&[("num_local_experts", Some(el))])?.contiguous()?;
     out.src_info
@@ -165,6 +189,16 @@ fn check_dispatch_outputs(out: &LlDispatchOutputs, g: &LlGeometry, o: &LlDispatc
         .shape(&[("num_local_experts", Some(el)), ("num_ranks", Some(r))])?
         .contiguous()?;
     out.recv_state.check(DISPATCH, "recv_state").on(&[DType::Int64], dev)?.shape(&[("state", Some(LL_STATE_LEN))])?.contiguous()?;
+    if o.use_nvfp4 {
+        let s = out.recv_x_scales.as_ref();
+        crate::ensure!(s.is_some(), DISPATCH, "recv_x_scales is required with use_nvfp4");
+        let (rm, rk) = crate::numerics::nvfp4::scale_tiles(rows, g.hidden);
+        s.unwrap()
+            .check(DISPATCH, "recv_x_scales")
+            .on(&[DType::Float8E4m3], dev)?
+            .shape(&[("num_local_experts", Some(el)), ("row_tiles", Some(rm)), ("col_tiles", Some(rk)), ("tile_bytes", Some(512))])?
+            .contiguous()?;
+    }
     if o.use_fp8 {
         let s = out.recv_x_scales.as_ref();
         crate::ensure!(s.is_some(), DISPATCH, "recv_x_scales is required with use_fp8");
@@ -192,14 +226,11 @@ fn check_dispatch_outputs(out: &LlDispatchOutputs, g: &LlGeometry, o: &LlDispatc
 pub fn low_latency_dispatch_send(
     handle: i64,
     p: &LlParams,
-    x: TensorRef,
-    topk_idx: TensorRef,
-    topk_weights: Option<TensorRef>,
+    a: LlDispatchSendArgs,
     stats: &LlStats,
     out: Option<&LlDispatchOutputs>,
 ) -> Result<()> {
     let (g, o) = (p.geometry(DISPATCH)?, p.options());
-    let a = LlDispatchSendArgs { x, topk_idx, topk_weights };
     let Some(out) = out else { return check_low_latency_dispatch(handle, &g, &o, &a, stats) };
     check_low_latency_dispatch(handle, &g, &o, &a, &LlStats { cumulative_local_expert_recv_stats: None, wait_recv_cost_stats: None })?;
     buffer::with(DISPATCH, handle, |b| {

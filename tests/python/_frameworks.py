@@ -605,5 +605,66 @@ def zero_copy(rank, world, dev, default_device):
         return {"rows": int(count.sum())}
 
 
+def nvfp4(rank, world, dev, default_device):
+    """SGLang's and vLLM's NVFP4 low-latency dispatch (the DeepEP forks' `use_nvfp4`, docs/NVFP4.md):
+    the global scale all-reduced with MIN as the fork's test builds it; SGLang passes use_fp8=False
+    and async_finish; vLLM return_recv_hook=True, then permutes the data view back to (L, M, H/2)
+    and keeps the 6-D scales view. Every received row's bytes and scales equal the torch reference
+    of its source token; the combine of the handle takes BF16 expert outputs as before."""
+    import _reference as ref
+    dev = torch.device(dev)
+    with deepep_defaults(default_device):
+        deep_ep_module()
+        from deep_ep import Buffer
+
+        group, t_max, num_experts = dist.group.WORLD, 16, 4 * world
+        el = num_experts // world
+        buffer = Buffer(group, 0, Buffer.get_low_latency_rdma_size_hint(t_max, HIDDEN, world, num_experts), low_latency_mode=True,
+                        num_qps_per_rank=el)
+        sizes = [11 if r == 0 else 7 for r in range(world)]
+        xs = [(tokens(r, sizes[r], "cpu", ids=False).float() * (0.3 + 0.2 * r)).to(torch.bfloat16) for r in range(world)]
+        x = xs[rank].to(dev)
+        idx, w = routing(rank, sizes[rank], num_experts, dev)
+        gs = torch.tensor([448.0 * 6.0], dtype=torch.float32, device=dev) / x.float().abs().max()
+        dist.all_reduce(gs, op=dist.ReduceOp.MIN)
+        s = float(gs)
+        want = [ref.nvfp4_quantize(xr, s) for xr in xs]
+        done = {}
+        for caller in ("sglang", "vllm"):
+            if caller == "sglang":
+                recv, count, handle, event, hook = buffer.low_latency_dispatch(
+                    x, idx, t_max, num_experts, use_fp8=False, use_nvfp4=True, x_global_scale=gs, async_finish=True,
+                    return_recv_hook=False)
+                event.current_stream_wait()
+                q, scales = recv[0].permute(2, 0, 1), recv[1]
+            else:
+                recv, count, handle, event, hook = buffer.low_latency_dispatch(
+                    x, idx, t_max, num_experts, use_fp8=False, round_scale=False, use_ue8m0=False, use_nvfp4=True,
+                    x_global_scale=gs, async_finish=False, return_recv_hook=True)
+                hook()
+                q, scales = recv[0].permute(2, 0, 1), recv[1]  # vLLM's _do_quant
+                assert q.is_contiguous() and 2 * q.shape[2] == HIDDEN and scales.dim() == 6
+            unsw = ref.nvfp4_unswizzle(scales.cpu().view(torch.uint8))
+            src_info, layout_range = handle[0].cpu(), handle[1].cpu()
+            y = torch.zeros((el, world * t_max, HIDDEN), dtype=torch.bfloat16, device="cpu")
+            for l in range(el):
+                for src in range(world):
+                    begin, n = int(layout_range[l, src]) >> 32, int(layout_range[l, src]) & 0xFFFFFFFF
+                    for r in range(begin, begin + n):
+                        tok = int(src_info[l, r])
+                        assert torch.equal(q[l, r].cpu(), want[src][0][tok]), f"{caller}: expert {l} row {r} (rank {src} token {tok})"
+                        assert torch.equal(unsw[l, r, :HIDDEN // 16], want[src][1][tok]), f"{caller}: scales of expert {l} row {r}"
+                        y[l, r] = ref.nvfp4_dequantize(q[l, r].cpu().unsqueeze(0), unsw[l, r, :HIDDEN // 16].unsqueeze(0), s)[0]
+            combined, _, _ = buffer.low_latency_combine(y.to(dev), idx, w, handle)
+            deq = ref.nvfp4_dequantize(want[rank][0], want[rank][1], s).to(torch.bfloat16).float()
+            expect = (idx.cpu() >= 0).float().sum(dim=1, keepdim=True) * 0.5 * deq
+            assert torch.allclose(combined.float().cpu(), expect, rtol=1e-2, atol=1e-3), f"{caller}: combine of an NVFP4 handle"
+            done[caller] = int(count.sum())
+        buffer.destroy() if buffer.explicitly_destroy else None
+        del buffer, handle, hook
+        gc.collect()
+        return done
+
+
 WORKERS = {"megatron": megatron, "sglang_normal": sglang_normal, "sglang_ll": sglang_ll, "vllm": vllm,
-           "vllm_clean_buffers": vllm_clean_buffers, "sglang_sbo": sglang_sbo, "zero_copy": zero_copy}
+           "vllm_clean_buffers": vllm_clean_buffers, "sglang_sbo": sglang_sbo, "zero_copy": zero_copy, "nvfp4": nvfp4}

@@ -303,3 +303,50 @@ def ll_combine_f64(x_deq: torch.Tensor, topk_idx: torch.Tensor, topk_weights: to
             if g >= 0:
                 out[t] += float(topk_weights[t, k]) * expert_fn(g, x_deq[t:t + 1])[0].double()
     return out
+
+
+# ---- NVFP4 low-latency dispatch (docs/NVFP4.md, "this library") ----------------------------------
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
+    """f32 -> E2M1 codes (uint8): round to nearest even, saturate at 6, sign in bit 3, NaN -> 0."""
+    a = v.abs()
+    bounds = [(0.25, True), (0.75, False), (1.25, True), (1.75, False), (2.5, True), (3.5, False), (5.0, True)]
+    mag = torch.zeros_like(v, dtype=torch.uint8)
+    for b, tie_down in bounds:  # a tie at an even code's boundary stays below it
+        mag += (a > b if tie_down else a >= b).to(torch.uint8)
+    code = mag | (torch.signbit(v).to(torch.uint8) << 3)
+    return torch.where(torch.isnan(v), torch.zeros_like(code), code)
+
+
+def nvfp4_quantize(x: torch.Tensor, global_scale: float):
+    """x [N, H] bf16 -> (packed uint8 [N, H/2], scales uint8 [N, H/16]) with IEEE f32 maths:
+    sf = e4m3(S * (amax / 6)), out = S / f32(sf), q = e2m1(x * out). S * amax / 6 must stay <= 448
+    (torch's e4m3 conversion does not saturate)."""
+    n, h = x.shape
+    xf = x.float().view(n, h // 16, 16)
+    s = torch.tensor(global_scale, dtype=torch.float32, device=x.device)
+    amax = xf.abs().amax(dim=-1)
+    sf = (s * (amax / 6.0)).to(torch.float8_e4m3fn)
+    sfv = sf.float()
+    out = torch.where(sfv != 0, s / sfv, torch.zeros_like(sfv))
+    codes = e2m1_codes(xf * out.unsqueeze(-1)).view(n, h)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return packed, sf.view(torch.uint8)
+
+
+def nvfp4_unswizzle(scales: torch.Tensor) -> torch.Tensor:
+    """DeepEP's scales view (32, 4, rm, 4, rk, L) -> [L, rm*128, rk*4] row-major (its test's
+    recover_swizzled_scales, per expert)."""
+    _, _, rm, _, rk, el = scales.shape
+    phys = scales.permute(5, 2, 4, 0, 1, 3)  # (L, rm, rk, 32, 4, 4)
+    return phys.permute(0, 1, 4, 3, 2, 5).reshape(el, rm * 128, rk * 4)
+
+
+def nvfp4_dequantize(packed: torch.Tensor, scales: torch.Tensor, global_scale: float) -> torch.Tensor:
+    """packed [rows, H/2] uint8 and scales [rows, H/16] (e4m3 bytes) -> f32 [rows, H]."""
+    lo, hi = (packed & 15).long(), (packed >> 4).long()
+    vals = torch.stack([E2M1_VALUES[lo], E2M1_VALUES[hi]], dim=-1).reshape(packed.shape[0], -1)
+    sf = scales.view(torch.float8_e4m3fn).float() / global_scale
+    return vals * sf.repeat_interleave(16, dim=1)

@@ -96,16 +96,3 @@ def test_gpu_buffers_refuse_a_signal_wait():
     # Nothing to wait for (threshold / expected value <= 0, DeepEP's "always satisfied"): accepted.
     assert _check_overlap(cuda, 1, handle, None, torch.zeros(8, dtype=torch.int32), 64, 0, None, 0) is None
     assert _check_overlap(cuda, 1, handle, None, None, 64, 5, torch.zeros(8, dtype=torch.uint32), 0) is None
-
-
-def test_nvfp4_dispatch_arguments_are_accepted_and_nvfp4_is_refused_clearly(ll):
-    """SGLang and vLLM pass `use_nvfp4` / `x_global_scale` (DeepEP forks' NVFP4 dispatch,
-    docs/NVFP4.md) when configured for it: the names are accepted (off: the plain dispatch), and
-    NVFP4 itself raises a clear NotImplementedError instead of a TypeError."""
-    x = torch.ones((3, H), dtype=torch.bfloat16)
-    idx = torch.tensor([[0, 1], [1, -1], [0, -1]])
-    gs = torch.ones(1, dtype=torch.float32)
-    _, count, _, _, _ = ll.low_latency_dispatch(x, idx, T, E, use_fp8=False, use_nvfp4=False, x_global_scale=gs)
-    assert count.tolist() == [2, 2] + [0] * (E - 2)
-    with pytest.raises(NotImplementedError, match=r"use_nvfp4=True \(NVFP4 dispatch, docs/NVFP4.md\) is not implemented"):
-        ll.low_latency_dispatch(x, idx, T, E, use_fp8=False, use_nvfp4=True, x_global_scale=gs)

@@ -181,6 +181,24 @@ def test_low_latency_dispatch(ops, ll_buffer, mode):
 
 
 @pytest.mark.lowlatency
+def test_low_latency_dispatch_nvfp4(ops, ll_buffer):
+    """use_nvfp4 (docs/NVFP4.md): uint8 values and float8 swizzled scales, through every util."""
+    x, idx, w = ll_inputs(seed=3)
+    scale = torch.tensor(448.0 * 6.0) / x.float().abs().max()
+    for util in ALL_UTILS:
+        buf = ll_buffer()
+        args = (buf, x, idx, w, torch.zeros((E,), dtype=torch.int32), None, T, E, False, False, False, None, True, scale)
+        ll_or_skip(ops.low_latency_dispatch.default, *args)
+        check(ops.low_latency_dispatch.default, args, (util,))
+    for util in SEND_UTILS:
+        buf = ll_buffer()
+        send_args = (buf, x, idx, w, T, E, False, False, False, None, True, scale)
+        out = ll_or_skip(ops.low_latency_dispatch_send.default, *send_args)
+        ops.low_latency_dispatch_recv.default(buf, out[5], *out[:5], None, None, T, E, False, False, False, True)
+        check(ops.low_latency_dispatch_send.default, send_args, (util,))
+
+
+@pytest.mark.lowlatency
 @pytest.mark.parametrize("mode", ["bf16", "fp8"])
 def test_low_latency_dispatch_send_recv(ops, ll_buffer, mode):
     use_fp8, round_scale, ue8m0 = LL_MODES[mode]

@@ -39,6 +39,7 @@
 //! across a geometry change is not supported.)
 
 use super::ht::Kind;
+use super::ll_payload::{format_code, format_name, nvfp4_bytes, nvfp4_cast, nvfp4_place};
 use super::ll_state::LlState;
 use super::ll_tags::{abandoned, arrived, sig_load, sig_store, tag, KIND_COMBINE, KIND_DISPATCH};
 use super::CpuBackend;
@@ -122,22 +123,6 @@ fn read_meta(reg: &Region, off: usize) -> (i32, [i32; 4], Vec<(usize, usize, f32
     reg.read::<f32>(off + 32 + 4 * LL_WIRE_MAX_TOPK, &mut w);
     let entries = ent.iter().zip(&w).map(|(&v, &wt)| ((v >> 16) as usize, (v & 0xffff) as usize, wt)).collect();
     (hdr[0], [hdr[0], hdr[1], hdr[2], hdr[3]], entries)
-}
-
-/// The payload format of an LL dispatch (FP8 flags), as carried in its messages: 0 = BF16.
-fn format_code(o: &LlDispatchOptions) -> i32 {
-    if o.use_fp8 {
-        1 | (o.round_scale as i32) << 1 | (o.use_ue8m0 as i32) << 2
-    } else {
-        0
-    }
-}
-
-pub(crate) fn format_name(code: i32) -> String {
-    if code & 1 == 0 {
-        return "use_fp8=False (BF16)".into();
-    }
-    format!("use_fp8=True, round_scale={}, use_ue8m0={}", code & 2 != 0, code & 4 != 0)
 }
 
 fn write_state(t: &TensorRef, half: usize, seq: u32, flags: i64, kind: i64) {
@@ -291,6 +276,8 @@ impl LowLatencyMode for CpuBackend {
         let mut nmsg = vec![0usize; geo.r];
         let mut per: Vec<Vec<(usize, usize, f32)>> = vec![Vec::new(); geo.r];
         let (mut q, mut si) = (vec![0u8; h], vec![0f32; geo.s]);
+        let mut q4 = vec![0u8; if o.use_nvfp4 { nvfp4_bytes(h) } else { 0 }];
+        let gscale = a.x_global_scale.as_ref().and_then(|s| s.cpu_slice::<f32>().first().copied()).unwrap_or(1.0);
         for tok in 0..n {
             let sel = &idx[tok * k..(tok + 1) * k];
             if sel.iter().all(|&e| e < 0) {
@@ -299,11 +286,15 @@ impl LowLatencyMode for CpuBackend {
             let row = &x[tok * h..(tok + 1) * h];
             if o.use_fp8 {
                 fp8::ll_cast_token(row, o.round_scale, &mut q, &mut si);
+            } else if o.use_nvfp4 {
+                nvfp4_cast(row, gscale, &mut q4);
             }
             let write_payload = |reg: &Region, off: usize| {
                 if o.use_fp8 {
                     reg.write::<u8>(off, &q);
                     reg.write::<f32>(off + h, &si);
+                } else if o.use_nvfp4 {
+                    reg.write::<u8>(off, &q4);
                 } else {
                     reg.write::<u16>(off, row);
                 }
@@ -384,8 +375,12 @@ impl LowLatencyMode for CpuBackend {
         let recv_count = out.recv_count.cpu_slice_mut::<i32>();
         let src_info = out.src_info.cpu_slice_mut::<i32>();
         let layout_range = out.layout_range.cpu_slice_mut::<i64>();
-        let (x16, x8) =
-            if o.use_fp8 { (&mut [][..], out.recv_x.cpu_slice_mut::<u8>()) } else { (out.recv_x.cpu_slice_mut::<u16>(), &mut [][..]) };
+        let (x16, x8) = if o.use_fp8 || o.use_nvfp4 {
+            (&mut [][..], out.recv_x.cpu_slice_mut::<u8>())
+        } else {
+            (out.recv_x.cpu_slice_mut::<u16>(), &mut [][..])
+        };
+        let sf4 = out.recv_x_scales.as_ref().filter(|_| o.use_nvfp4).map_or(&mut [][..], |s| s.cpu_slice_mut::<u8>());
         let scales = out.recv_x_scales.as_ref().filter(|_| o.use_fp8);
         let (sf, su, st) = match scales {
             Some(sc) if o.use_ue8m0 => (&mut [][..], sc.cpu_dense_storage_mut::<i32>(), sc.strides().to_vec()),
@@ -477,11 +472,15 @@ impl LowLatencyMode for CpuBackend {
                     if their_fmt != format_code(o) {
                         self.ll.geometry = Some((0, 0, 0));
                         return Err(Error::invalid(OP_DISPATCH, format!(
-                            "rank {src} dispatched with {}, this rank receives with {}: every rank must pass the same use_fp8, round_scale and use_ue8m0",
+                            "rank {src} dispatched with {}, this rank receives with {}: every rank must pass the same use_fp8, round_scale, use_ue8m0 and use_nvfp4",
                             format_name(their_fmt), format_name(format_code(o))
                         )));
                     }
                     src_info[row] = hdr[0];
+                    if o.use_nvfp4 {
+                        nvfp4_place(&mine, payload, h, l, begin + i, rt, x8, sf4);
+                        continue;
+                    }
                     if !o.use_fp8 {
                         mine.read::<u16>(payload, &mut x16[row * h..(row + 1) * h]);
                         continue;

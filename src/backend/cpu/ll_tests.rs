@@ -59,7 +59,7 @@ impl Case {
         LlGeometry { num_max_dispatch_tokens_per_rank: self.t, hidden: self.h, num_experts: self.e }
     }
     fn opts(&self) -> LlDispatchOptions {
-        LlDispatchOptions { use_fp8: self.fp8, round_scale: self.round_scale, use_ue8m0: self.ue8m0 }
+        LlDispatchOptions { use_fp8: self.fp8, round_scale: self.round_scale, use_ue8m0: self.ue8m0, use_nvfp4: false }
     }
 }
 
@@ -259,7 +259,7 @@ fn run_rank(c: Case, id: Vec<u8>, rank: usize, inputs: Vec<Input>) -> Vec<RankRo
         for &i in &grp {
             let n = inputs[i].idx.len() / c.k;
             let x = tr(&mut bufs[i].x, DType::BFloat16, &[n, h]);
-            let send = LlDispatchSendArgs { x, topk_idx: idx_t[i], topk_weights: None };
+            let send = LlDispatchSendArgs { x, topk_idx: idx_t[i], topk_weights: None, x_global_scale: None };
             if grp == [1] {
                 // DeepEP's test dispatches twice in some rounds, so dispatch and combine both
                 // visit both halves; the extra result is dropped.
@@ -481,8 +481,12 @@ fn small_buffer_bad_ids_and_missing_peer_are_reported() {
     assert!(e.contains(&format!("needs {need} bytes")) && e.contains("num_rdma_bytes = 4096"), "{e}");
     let mut b = spec(low_latency_rdma_size_hint(4, 128, 1, 2), &CpuBackend::unique_id(), 0, 1);
     let (mut x, mut idx, mut d) = (vec![0u16; 128], vec![5i64], Disp::new(&c));
-    let send =
-        LlDispatchSendArgs { x: tr(&mut x, DType::BFloat16, &[1, 128]), topk_idx: tr(&mut idx, DType::Int64, &[1, 1]), topk_weights: None };
+    let send = LlDispatchSendArgs {
+        x: tr(&mut x, DType::BFloat16, &[1, 128]),
+        topk_idx: tr(&mut idx, DType::Int64, &[1, 1]),
+        topk_weights: None,
+        x_global_scale: None,
+    };
     let e = b.ll_dispatch_send(&g, &o, &send, &d.outputs(&c), null).err().unwrap().to_string();
     assert!(e.contains("topk_idx[0, 0] = 5 is not an expert id"), "{e}");
     // A rank that never sends: the receiver times out naming it.
@@ -499,8 +503,12 @@ fn small_buffer_bad_ids_and_missing_peer_are_reported() {
     b.timeout = Duration::from_millis(200);
     let mut d = Disp::new(&c);
     idx[0] = 1;
-    let send =
-        LlDispatchSendArgs { x: tr(&mut x, DType::BFloat16, &[1, 128]), topk_idx: tr(&mut idx, DType::Int64, &[1, 1]), topk_weights: None };
+    let send = LlDispatchSendArgs {
+        x: tr(&mut x, DType::BFloat16, &[1, 128]),
+        topk_idx: tr(&mut idx, DType::Int64, &[1, 1]),
+        topk_weights: None,
+        x_global_scale: None,
+    };
     b.ll_dispatch_send(&c.geo(), &o, &send, &d.outputs(&c), null).unwrap();
     let stats = LlStats { cumulative_local_expert_recv_stats: None, wait_recv_cost_stats: None };
     match b.ll_dispatch_recv(&c.geo(), &o, &d.outputs(&c), &stats, null) {

@@ -50,14 +50,16 @@ EXPECTED = {
     "low_latency_dispatch": "low_latency_dispatch(int handle, Tensor x, Tensor topk_idx, Tensor? topk_weights, "
                             "Tensor(a!)? cumulative_local_expert_recv_stats, Tensor(b!)? dispatch_wait_recv_cost_stats, "
                             "int num_max_dispatch_tokens_per_rank, int num_experts, bool use_fp8, bool round_scale, bool use_ue8m0, "
-                            "Tensor? num_tokens=None) -> (Tensor recv_x, Tensor recv_x_scales, Tensor recv_count, Tensor src_info, Tensor layout_range)",
+                            "Tensor? num_tokens=None, bool use_nvfp4=False, Tensor? x_global_scale=None) -> "
+                            "(Tensor recv_x, Tensor recv_x_scales, Tensor recv_count, Tensor src_info, Tensor layout_range)",
     "low_latency_dispatch_send": "low_latency_dispatch_send(int handle, Tensor x, Tensor topk_idx, Tensor? topk_weights, "
                                  "int num_max_dispatch_tokens_per_rank, int num_experts, bool use_fp8, bool round_scale, bool use_ue8m0, "
-                                 "Tensor? num_tokens=None) -> (Tensor recv_x, Tensor recv_x_scales, Tensor recv_count, Tensor src_info, Tensor layout_range, Tensor recv_state)",
+                                 "Tensor? num_tokens=None, bool use_nvfp4=False, Tensor? x_global_scale=None) -> "
+                                 "(Tensor recv_x, Tensor recv_x_scales, Tensor recv_count, Tensor src_info, Tensor layout_range, Tensor recv_state)",
     "low_latency_dispatch_recv": "low_latency_dispatch_recv(int handle, Tensor recv_state, Tensor(a!) recv_x, Tensor(b!) recv_x_scales, "
                                  "Tensor(c!) recv_count, Tensor(d!) src_info, Tensor(e!) layout_range, Tensor(f!)? cumulative_local_expert_recv_stats, "
                                  "Tensor(g!)? dispatch_wait_recv_cost_stats, int num_max_dispatch_tokens_per_rank, int num_experts, bool use_fp8, "
-                                 "bool round_scale, bool use_ue8m0) -> ()",
+                                 "bool round_scale, bool use_ue8m0, bool use_nvfp4=False) -> ()",
     "low_latency_combine": "low_latency_combine(int handle, Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor src_info, Tensor layout_range, "
                            "Tensor(a!) out, Tensor(b!)? combine_wait_recv_cost_stats, int num_max_dispatch_tokens_per_rank, int num_experts, "
                            "bool use_logfmt, bool zero_copy, Tensor? num_tokens=None) -> ()",

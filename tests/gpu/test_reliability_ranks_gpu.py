@@ -59,7 +59,7 @@ def _format_worker(rank, world, flags):
 def test_low_latency_format_flags_differing_across_ranks_raise_on_gpu(flags):
     out = [o["ok"] for o in _spawn.run(_format_worker, 2, flags)]
     for r, msg in enumerate(out):
-        assert "every rank must pass the same use_fp8, round_scale and use_ue8m0" in msg and f"rank {1 - r}" in msg, (r, msg)
+        assert "every rank must pass the same use_fp8, round_scale, use_ue8m0 and use_nvfp4" in msg and f"rank {1 - r}" in msg, (r, msg)
 
 
 def _geometry_worker(rank, world):

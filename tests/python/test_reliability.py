@@ -317,7 +317,7 @@ def _ll_format_worker(rank, world, flags):
 def test_low_latency_format_flags_differing_across_ranks_raise(rank_pool, flags):
     out = rank_pool(2).run(_ll_format_worker, flags)
     for r, msg in enumerate(out):
-        assert "every rank must pass the same use_fp8, round_scale and use_ue8m0" in msg, (r, msg)
+        assert "every rank must pass the same use_fp8, round_scale, use_ue8m0 and use_nvfp4" in msg, (r, msg)
 
 
 def test_low_latency_combine_with_another_topk_idx_raises(ops):

@@ -119,7 +119,7 @@ fn ll_format_error(op: &'static str, e: crate::kernels::intranode::KernelError) 
     let what = if e.site == site::LL_DISPATCH { "dispatch" } else { "combine" };
     let text = match (e.extra, e.site == site::LL_DISPATCH) {
         (0, true) => format!(
-            "rank {src} dispatched with {}, this rank received with {}: every rank must pass the same use_fp8, round_scale and use_ue8m0",
+            "rank {src} dispatched with {}, this rank received with {}: every rank must pass the same use_fp8, round_scale, use_ue8m0 and use_nvfp4",
             crate::backend::cpu::ll_payload::format_name(theirs & 0xff),
             crate::backend::cpu::ll_payload::format_name(mine & 0xff)
         ),

@@ -32,6 +32,17 @@ MODES = {"store-rr": 0, "store-one": 1, "load-rr": 2}
 
 
 @triton.jit
+def _store_to(p0, p1, p2, d, off, x):
+    """x into peer d's buffer (p0, p1 or p2) at off."""
+    if d == 0:
+        tl.store(p0 + off, x)
+    elif d == 1:
+        tl.store(p1 + off, x)
+    else:
+        tl.store(p2 + off, x)
+
+
+@triton.jit
 def _probe(local, p0, p1, p2, n_chunks, n_peers, spread, ITERS: tl.constexpr, CHUNK: tl.constexpr, MODE: tl.constexpr):
     """Chunk c (of CHUNK int32) of this rank's traffic: peer c % n_peers (MODE 0, 2) or, MODE 1,
     only the chunks of this CTA's peer pid % n_peers; at offset (c // n_peers) * spread there.
@@ -49,13 +60,7 @@ def _probe(local, p0, p1, p2, n_chunks, n_peers, spread, ITERS: tl.constexpr, CH
             if j < per_peer:
                 src = local + (j * n_peers + d).to(tl.int64) * CHUNK + offs
                 dst_off = j.to(tl.int64) * spread + offs
-                x = tl.load(src)
-                if d == 0:
-                    tl.store(p0 + dst_off, x)
-                elif d == 1:
-                    tl.store(p1 + dst_off, x)
-                else:
-                    tl.store(p2 + dst_off, x)
+                _store_to(p0, p1, p2, d, dst_off, tl.load(src))
     else:
         for i in range(0, ITERS):
             c = pid + i * nprog
@@ -64,13 +69,7 @@ def _probe(local, p0, p1, p2, n_chunks, n_peers, spread, ITERS: tl.constexpr, CH
                 peer_off = (c // n_peers).to(tl.int64) * spread + offs
                 loc = local + c.to(tl.int64) * CHUNK + offs
                 if MODE == 0:
-                    x = tl.load(loc)
-                    if d == 0:
-                        tl.store(p0 + peer_off, x)
-                    elif d == 1:
-                        tl.store(p1 + peer_off, x)
-                    else:
-                        tl.store(p2 + peer_off, x)
+                    _store_to(p0, p1, p2, d, peer_off, tl.load(loc))
                 else:
                     if d == 0:
                         x = tl.load(p0 + peer_off)

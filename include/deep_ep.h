@@ -47,9 +47,13 @@
 //           collective; fp32, one bf16 partial per NVLink domain, domains ascending
 //   low_latency_dispatch(int handle, Tensor x [N,H] bf16, Tensor topk_idx [N,K], Tensor? topk_weights,
 //            Tensor(a!)? cumulative_local_expert_recv_stats, Tensor(b!)? dispatch_wait_recv_cost_stats,
-//            int T, int num_experts, bool use_fp8, bool round_scale, bool use_ue8m0, Tensor? num_tokens=None)
+//            int T, int num_experts, bool use_fp8, bool round_scale, bool use_ue8m0, Tensor? num_tokens=None,
+//            bool use_nvfp4=False, Tensor? x_global_scale=None)
 //       -> (recv_x [E_l,R*T,H], recv_x_scales, recv_count [E_l] i32, src_info [E_l,R*T] i32,
 //           layout_range [E_l,R] i64)                                                   collective
+//            use_nvfp4 (with x_global_scale, float32, element 0 = S; use_fp8 false; cpu backend so
+//            far): recv_x uint8 [E_l,R*T,H/2], recv_x_scales float8_e4m3fn [E_l,ceil(R*T/128),H/64,512]
+//            (docs/NVFP4.md section 9)
 //            num_tokens: int32 [] or [1] on x's device, the real rows n <= N; rows >= n are not
 //            routed (as if topk_idx were -1), read on the device: one captured graph serves any
 //            batch. Out of 0..=N: raises on CPU buffers, clamped on CUDA buffers.
@@ -195,9 +199,11 @@ inline LowLatencyDispatchResult low_latency_dispatch(int64_t buffer, const Tenso
                                                      int64_t num_experts, bool use_fp8 = false, const OptTensor& topk_weights = std::nullopt,
                                                      const OptTensor& num_tokens = std::nullopt) {
   using R = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
+  // A typed call passes every argument of the schema, defaulted ones included (use_nvfp4, x_global_scale).
   auto r = op<R(int64_t, const Tensor&, const Tensor&, const OptTensor&, const OptTensor&, const OptTensor&, int64_t, int64_t, bool, bool,
-                bool, const OptTensor&)>("low_latency_dispatch")
-               .call(buffer, x, topk_idx, topk_weights, std::nullopt, std::nullopt, t, num_experts, use_fp8, false, false, num_tokens);
+                bool, const OptTensor&, bool, const OptTensor&)>("low_latency_dispatch")
+               .call(buffer, x, topk_idx, topk_weights, std::nullopt, std::nullopt, t, num_experts, use_fp8, false, false, num_tokens, false,
+                     std::nullopt);
   return {std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r), std::get<4>(r)};
 }
 

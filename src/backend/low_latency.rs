@@ -26,6 +26,27 @@ pub const LL_STATE_LEN: usize = 4;
 /// (`DEK_LL_MAX_TOKENS` of the kernels).
 pub const LL_MAX_TOKENS: usize = 0xfffd;
 
+/// What a receive says when rank `src` dispatched with payload format `theirs` and this rank
+/// `receives` ("receives" as it finds it, "received" when a kernel found it) with `mine`, on every
+/// backend. Formats: the bits the CPU backend's messages and the kernels' `fmt_dispatch` carry,
+/// 1 FP8, 2 round_scale, 4 use_ue8m0, 8 NVFP4.
+pub fn dispatch_format_mismatch(src: impl std::fmt::Display, theirs: i32, mine: i32, receives: &str) -> String {
+    let name = |code: i32| {
+        if code & 8 != 0 {
+            "use_nvfp4=True (NVFP4)".to_string()
+        } else if code & 1 == 0 {
+            "use_fp8=False (BF16)".to_string()
+        } else {
+            format!("use_fp8=True, round_scale={}, use_ue8m0={}", code & 2 != 0, code & 4 != 0)
+        }
+    };
+    format!(
+        "rank {src} dispatched with {}, this rank {receives} with {}: every rank must pass the same use_fp8, round_scale, use_ue8m0 and use_nvfp4",
+        name(theirs),
+        name(mine)
+    )
+}
+
 /// The error of a low-latency receive that found call `seq` (its low 16 bits) of rank `src` given
 /// up by its sender (a wait of `src` timed out: it raised, or masked a peer in shrink mode), on
 /// every backend: `what` names this rank's call ("a dispatch", "a combine").

@@ -39,13 +39,14 @@
 //! across a geometry change is not supported.)
 
 use super::ht::Kind;
-use super::ll_payload::{format_code, format_name, nvfp4_bytes, nvfp4_cast, nvfp4_place};
+use super::ll_payload::{format_code, nvfp4_bytes, nvfp4_cast, nvfp4_place};
 use super::ll_state::LlState;
 use super::ll_tags::{abandoned, arrived, sig_load, sig_store, tag, KIND_COMBINE, KIND_DISPATCH};
 use super::CpuBackend;
 use crate::backend::{
-    low_latency::abandoned_error, LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs,
-    LlGeometry, LlRowsArgs, LlStats, LlWire, LowLatencyMode, Stream, LL_MSG_META, LL_STATE_LEN, LL_WIRE_MAX_TOPK,
+    low_latency::{abandoned_error, dispatch_format_mismatch},
+    LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlDispatchOutputs, LlDispatchSendArgs, LlGeometry, LlRowsArgs, LlStats,
+    LlWire, LowLatencyMode, Stream, LL_MSG_META, LL_STATE_LEN, LL_WIRE_MAX_TOPK,
 };
 use crate::config::LowLatencyLayout;
 use crate::error::{Error, Result};
@@ -381,6 +382,7 @@ impl LowLatencyMode for CpuBackend {
             (out.recv_x.cpu_slice_mut::<u16>(), &mut [][..])
         };
         let sf4 = out.recv_x_scales.as_ref().filter(|_| o.use_nvfp4).map_or(&mut [][..], |s| s.cpu_slice_mut::<u8>());
+        let mut sf4_row = vec![0u8; if o.use_nvfp4 { h / crate::numerics::nvfp4::BLOCK } else { 0 }];
         let scales = out.recv_x_scales.as_ref().filter(|_| o.use_fp8);
         let (sf, su, st) = match scales {
             Some(sc) if o.use_ue8m0 => (&mut [][..], sc.cpu_dense_storage_mut::<i32>(), sc.strides().to_vec()),
@@ -471,14 +473,11 @@ impl LowLatencyMode for CpuBackend {
                     }
                     if their_fmt != format_code(o) {
                         self.ll.geometry = Some((0, 0, 0));
-                        return Err(Error::invalid(OP_DISPATCH, format!(
-                            "rank {src} dispatched with {}, this rank receives with {}: every rank must pass the same use_fp8, round_scale, use_ue8m0 and use_nvfp4",
-                            format_name(their_fmt), format_name(format_code(o))
-                        )));
+                        return Err(Error::invalid(OP_DISPATCH, dispatch_format_mismatch(src, their_fmt, format_code(o), "receives")));
                     }
                     src_info[row] = hdr[0];
                     if o.use_nvfp4 {
-                        nvfp4_place(&mine, payload, h, l, begin + i, rt, x8, sf4);
+                        nvfp4_place(&mine, payload, h, l, begin + i, rt, x8, sf4, &mut sf4_row);
                         continue;
                     }
                     if !o.use_fp8 {

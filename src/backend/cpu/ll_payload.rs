@@ -7,7 +7,8 @@ use crate::numerics::nvfp4;
 use crate::shm::Region;
 
 /// The payload format of an LL dispatch, as carried in its messages: 0 = BF16, bit 0 = FP8
-/// (bit 1 round_scale, bit 2 use_ue8m0), 8 = NVFP4.
+/// (bit 1 round_scale, bit 2 use_ue8m0), 8 = NVFP4 (named by
+/// `backend::low_latency::dispatch_format_mismatch`).
 pub(super) fn format_code(o: &LlDispatchOptions) -> i32 {
     if o.use_fp8 {
         1 | (o.round_scale as i32) << 1 | (o.use_ue8m0 as i32) << 2
@@ -16,17 +17,6 @@ pub(super) fn format_code(o: &LlDispatchOptions) -> i32 {
     } else {
         0
     }
-}
-
-/// How a format code reads in an error message.
-pub(crate) fn format_name(code: i32) -> String {
-    if code & 8 != 0 {
-        return "use_nvfp4=True (NVFP4)".into();
-    }
-    if code & 1 == 0 {
-        return "use_fp8=False (BF16)".into();
-    }
-    format!("use_fp8=True, round_scale={}, use_ue8m0={}", code & 2 != 0, code & 4 != 0)
 }
 
 /// Bytes of one NVFP4 token on the wire: H/2 packed values, then H/16 scales in hidden order.
@@ -42,14 +32,24 @@ pub(super) fn nvfp4_cast(row: &[u16], global_scale: f32, out: &mut [u8]) {
 }
 
 /// Copies the NVFP4 payload at `off` of `reg` into row `t` of local expert `l`: the packed values
-/// into `recv_x` (`[E_l, rows, H/2]` bytes), the scales into their swizzled places in `scales`
-/// (`[E_l, rm, rk, 512]` bytes, a tile being `[32, 4, 4]`).
+/// into `recv_x` (`[E_l, rows, H/2]` bytes), the scales (through `sf`, H/16 bytes of scratch the
+/// caller keeps across rows) into their swizzled places in `scales` (`[E_l, rm, rk, 512]` bytes, a
+/// tile being `[32, 4, 4]`).
 #[allow(clippy::too_many_arguments)]
-pub(super) fn nvfp4_place(reg: &Region, off: usize, h: usize, l: usize, t: usize, rows: usize, recv_x: &mut [u8], scales: &mut [u8]) {
+pub(super) fn nvfp4_place(
+    reg: &Region,
+    off: usize,
+    h: usize,
+    l: usize,
+    t: usize,
+    rows: usize,
+    recv_x: &mut [u8],
+    scales: &mut [u8],
+    sf: &mut [u8],
+) {
     let half = h / 2;
     reg.read::<u8>(off, &mut recv_x[(l * rows + t) * half..(l * rows + t + 1) * half]);
-    let mut sf = vec![0u8; h / nvfp4::BLOCK];
-    reg.read::<u8>(off + half, &mut sf);
+    reg.read::<u8>(off + half, sf);
     let (rm, rk) = nvfp4::scale_tiles(rows, h);
     let base = l * rm * rk * 512;
     for (j, &v) in sf.iter().enumerate() {

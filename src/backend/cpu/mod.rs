@@ -11,7 +11,7 @@
 pub(crate) mod ht;
 pub(crate) mod internode;
 pub(crate) mod ll;
-pub(crate) mod ll_payload;
+mod ll_payload;
 mod ll_state;
 mod ll_tags;
 

@@ -118,11 +118,7 @@ fn ll_format_error(op: &'static str, e: crate::kernels::intranode::KernelError) 
     let (src, theirs, mine) = (e.rank, e.value, e.limit);
     let what = if e.site == site::LL_DISPATCH { "dispatch" } else { "combine" };
     let text = match (e.extra, e.site == site::LL_DISPATCH) {
-        (0, true) => format!(
-            "rank {src} dispatched with {}, this rank received with {}: every rank must pass the same use_fp8, round_scale, use_ue8m0 and use_nvfp4",
-            crate::backend::cpu::ll_payload::format_name(theirs & 0xff),
-            crate::backend::cpu::ll_payload::format_name(mine & 0xff)
-        ),
+        (0, true) => crate::backend::low_latency::dispatch_format_mismatch(src, theirs & 0xff, mine & 0xff, "received"),
         (0, false) => {
             let name = |f: i32| format!("use_logfmt={}, partial sums={}", f & 1 != 0, f & 2 != 0);
             format!(

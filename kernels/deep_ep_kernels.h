@@ -59,15 +59,13 @@ int dek_dispatch_layout(const void* topk_idx, int topk_idx_is_int64, int num_tok
 int dek_ll_mask_rows(const void* topk_idx, int topk_idx_is_int64, int64_t num_rows, int num_topk,
                                 const int32_t* num_tokens, void* out, void* stream);
 
-/* Static name of a cudaError_t ("cudaErrorInvalidValue"); never NULL. Needs no device. */
+/* Static name ("cudaErrorInvalidValue") and description ("invalid argument") of a cudaError_t;
+ * never NULL. Need no device. */
 const char* dek_cuda_error_name(int status);
-
-/* Static description of a cudaError_t ("invalid argument"); never NULL. Needs no device. */
 const char* dek_cuda_error_string(int status);
 
 /* [OUT host] count: number of visible CUDA devices (cudaGetDeviceCount). */
 int dek_cuda_device_count(int* count);
-
 /* Small runtime helpers (tests and host-side plumbing). Synchronous unless named _async. */
 int dek_cuda_set_device(int device);
 int dek_cuda_malloc(void** ptr, size_t bytes);
@@ -664,12 +662,14 @@ typedef struct {
   int32_t num_max_tokens, hidden, num_experts, half; /* T, H, E; half used by a send */
   int32_t use_fp8, round_scale, use_ue8m0, flags;    /* flags: recorded / checked in recv_state */
   int32_t zero_copy, num_tokens, num_topk, topk_is_int64; /* N: tokens of x / out */
+  int32_t use_nvfp4, reserved; /* dispatch: NVFP4 payload (docs/NVFP4.md section 9), use_fp8 0 */
   const void* x;             /* dispatch: [N, H] bf16; combine: [E_l, R*T, H] bf16 (contiguous) */
   const void* topk_idx;      /* [N, K] int32/int64 */
   const float* topk_weights; /* [N, K] (combine receive) */
+  const float* x_global_scale; /* dispatch with use_nvfp4: element 0 is the global scale S */
   int64_t* recv_state;       /* [4] int64 */
-  void* recv_x;              /* [E_l, R*T, H] bf16 or E4M3 */
-  void* recv_scales;         /* [E_l, R*T, S] f32 or [E_l, R*T, S/4] int32 (UE8M0), strides below */
+  void* recv_x;              /* [E_l, R*T, H] bf16 or E4M3, or [E_l, R*T, H/2] bytes (NVFP4) */
+  void* recv_scales;         /* [E_l, R*T, S] f32, [E_l, R*T, S/4] int32 (UE8M0; strides below) or NVFP4's [E_l, rm, rk, 512] */
   int64_t scale_stride[3];
   int32_t* recv_count;       /* [E_l] */
   int32_t* src_info;         /* [E_l, R*T] */

@@ -38,6 +38,31 @@ __device__ __forceinline__ uint32_t cast_group_fp8(uint2 v, bool round_scale, fl
   return e4m3(f[0] * scale) | (e4m3(f[1] * scale) << 8) | (e4m3(f[2] * scale) << 16) | (e4m3(f[3] * scale) << 24);
 }
 
+// ---- NVFP4 (crate::numerics::nvfp4, docs/NVFP4.md section 9: IEEE maths, the CPU backend's bits) --
+// E2M1 code of v: nearest even over {0, .5, 1, 1.5, 2, 3, 4, 6}, saturating at 6, sign in bit 3,
+// NaN -> 0 (Hopper has no cvt.e2m1x2; these are the CPU backend's thresholds).
+__device__ __forceinline__ uint32_t e2m1(float v) {
+  const float a = fabsf(v);
+  const uint32_t m = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
+  return v != v ? 0u : m | ((__float_as_uint(v) >> 28) & 8u);
+}
+
+// One lane's part of the NVFP4 cast of one 128-channel group: `v` holds channels 4*lane..4*lane+3,
+// lanes 4q..4q+3 one 16-value block. Returns the lane's 4 codes in 16 bits (channel 2k in the low
+// nibble of byte k), `sf` the block's E4M3 scale byte. S = the global scale.
+__device__ __forceinline__ uint32_t cast_group_nvfp4(uint2 v, float s, uint32_t* sf) {
+  const float f[4] = {bf16_to_f32(v.x & 0xffffu), bf16_to_f32(v.x >> 16), bf16_to_f32(v.y & 0xffffu), bf16_to_f32(v.y >> 16)};
+  float amax = 0.0f;  // fmaxf skips NaN, as the CPU backend's fold from 0
+#pragma unroll
+  for (int i = 0; i < 4; ++i) amax = fmaxf(amax, fabsf(f[i]));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+  *sf = e4m3(__fmul_rn(s, __fdiv_rn(amax, 6.0f)));
+  const float sv = __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(*sf), __NV_E4M3)));  // exact
+  const float out = sv != 0.0f ? __fdiv_rn(s, sv) : 0.0f;
+  return e2m1(__fmul_rn(f[0], out)) | e2m1(__fmul_rn(f[1], out)) << 4 | e2m1(__fmul_rn(f[2], out)) << 8 | e2m1(__fmul_rn(f[3], out)) << 12;
+}
+
 // ---- dispatch send ------------------------------------------------------------------------------
 // Block b owns tokens [b*per, (b+1)*per). Every block first counts, in shared memory, the
 // selections of each expert over all tokens (s_total, for the signals) and over the tokens before
@@ -49,7 +74,7 @@ __device__ __forceinline__ uint32_t cast_group_fp8(uint2 v, bool round_scale, fl
 // NVLink domain (internode) gets the same bytes by seam puts from the staging area of the send half
 // (deep_ep_kernels.h): per token its meta and the payload (staged once for all remote
 // destinations), at the end its count, index rows and signals.
-template <class Net>
+template <class Net, bool kFp4>
 __device__ __forceinline__ void dispatch_send(const Ctx& c, const Args& a) {
   __shared__ uint32_t s_seq;
   __shared__ int s_skip, s_last, s_ndst, s_any_far;
@@ -119,6 +144,7 @@ __device__ __forceinline__ void dispatch_send(const Ctx& c, const Args& a) {
   const uint64_t stage = send_off(a, a.half), pay_stride = a.msg_bytes - kMsgMeta;
   const int gpw = (S + kSendWarps - 1) / kSendWarps, g_lo = min(S, warp * gpw), g_hi = min(S, g_lo + gpw);
   constexpr int kBatch = 8;
+  const float gscale = kFp4 ? __ldg(a.x_global_scale) : 0.0f;
   bool put_any = false;  // this warp put to a remote destination (flushed at the end)
   for (int tok = t_begin; tok < t_end; ++tok) {
     // Warp 0 routes the token, lane k its selection k (was thread 0 alone, with the other warps
@@ -202,6 +228,13 @@ __device__ __forceinline__ void dispatch_send(const Ctx& c, const Args& a) {
         for (int u = 0; u < kBatch; ++u) {
           if (g0 + u < g_hi) q[u] = cast_group_fp8(v[u], a.round_scale != 0, &inv[u]);
         }
+      } else if (kFp4) {  // codes in q, the block's scale byte in inv's bits
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          uint32_t sf = 0;
+          if (g0 + u < g_hi) q[u] = cast_group_nvfp4(v[u], gscale, &sf);
+          inv[u] = __uint_as_float(sf);
+        }
       }
       for (int i = -1; i < ndst; ++i) {  // i = -1: the staged payload of the remote destinations
         char* pay;
@@ -220,6 +253,9 @@ __device__ __forceinline__ void dispatch_send(const Ctx& c, const Args& a) {
           if (a.use_fp8) {
             *reinterpret_cast<uint32_t*>(pay + g * 128 + lane * 4) = q[u];
             if (lane == 0) *reinterpret_cast<float*>(pay + H + g * 4) = inv[u];
+          } else if (kFp4) {  // H/2 bytes of codes, then H/16 scale bytes (the CPU backend's wire)
+            *reinterpret_cast<uint16_t*>(pay + g * 64 + lane * 2) = static_cast<uint16_t>(q[u]);
+            if (lane % 4 == 0) *reinterpret_cast<uint8_t*>(pay + H / 2 + g * 8 + lane / 4) = static_cast<uint8_t>(__float_as_uint(inv[u]));
           } else {
             *reinterpret_cast<uint2*>(pay + g * 256 + lane * 8) = v[u];
           }
@@ -233,7 +269,9 @@ __device__ __forceinline__ void dispatch_send(const Ctx& c, const Args& a) {
         if (!remote(c, a, d)) continue;
         const uint64_t dst = msgs + static_cast<uint64_t>(c.rank * T + s_msg[i]) * a.msg_bytes;
         put_to<Net>(c, a, d, dst, stage + a.stage_meta_off + static_cast<uint64_t>(d * T + s_msg[i]) * kMsgMeta, kMsgMeta, lane);
-        const uint64_t pay = a.use_fp8 ? (static_cast<uint64_t>(H) + H / 32 + 15) / 16 * 16 : 2 * static_cast<uint64_t>(H);
+        const uint64_t pay = a.use_fp8     ? (static_cast<uint64_t>(H) + H / 32 + 15) / 16 * 16
+                             : kFp4        ? (static_cast<uint64_t>(H) / 2 + H / 16 + 15) / 16 * 16
+                                           : 2 * static_cast<uint64_t>(H);
         put_to<Net>(c, a, d, dst + kMsgMeta, stage + static_cast<uint64_t>(tok) * pay_stride, pay, lane);
         put_any = true;
       }
@@ -305,7 +343,7 @@ __device__ __forceinline__ void dispatch_send(const Ctx& c, const Args& a) {
 // Block (l, y): waits for the R counts of local expert l (not for masked sources: count 0), then
 // warps y*4+w, stepping by gridDim.y*4, copy the rows (sources ascending, then slot order): row
 // (l, s, slot) is message idx[l][s][slot] of source s.
-template <class Net>
+template <class Net, bool kFp4>
 __device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a) {
   __shared__ int s_ok, s_half;
   __shared__ uint32_t s_seq;
@@ -361,7 +399,7 @@ __device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a) {
     }
   }
   const uint64_t recv = recv_off(a, s_half);
-  const int64_t xrow_bytes = a.use_fp8 ? H : 2 * static_cast<int64_t>(H);
+  const int64_t xrow_bytes = a.use_fp8 ? H : kFp4 ? H / 2 : 2 * static_cast<int64_t>(H);
   for (int i = y * kLlWarps + warp; i < total; i += gridDim.y * kLlWarps) {
     int s = 0;  // the first source whose rows reach past i (binary search over the prefix)
     for (int hi = R - 1; s < hi;) {
@@ -393,6 +431,14 @@ __device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a) {
       continue;
     }
     if (lane == 0) a.src_info[row] = hdr.x;
+    if (kFp4) {  // scale j of row i at its place in the expert's 128x4 swizzle (nvfp4::scale_offset)
+      const unsigned char* sb = reinterpret_cast<const unsigned char*>(msg + kMsgMeta + H / 2);
+      const int rk = H / 64;
+      unsigned char* dst = static_cast<unsigned char*>(a.recv_scales) + static_cast<int64_t>(l) * ((RT + 127) / 128) * rk * 512 +
+                           static_cast<int64_t>(i / 128) * rk * 512 + (i % 32) * 16 + ((i % 128) / 32) * 4;
+      for (int j = lane; j < H / 16; j += 32) dst[(j / 4) * 512 + j % 4] = __ldcg(sb + j);
+      continue;
+    }
     if (!a.use_fp8) continue;
     const int64_t sbase = l * a.scale_stride[0] + i * a.scale_stride[1];
     if (a.use_ue8m0) {
@@ -414,13 +460,29 @@ __device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a) {
 // One kernel for both halves, the half chosen by `phase` (as DeepEP's): profilers and benchmarks
 // that look kernels up by name find exactly one `dispatch` (docs/OPS.md, "Kernel names").
 // Send: kSendThreads per block; receive: kLlThreads.
-template <class Net>
+// kFp4: the NVFP4 payload (a.use_nvfp4), an instantiation of its own so that its registers do not
+// weigh on the FP8 / BF16 kernels (128 -> 148 when one kernel held all three).
+template <class Net, bool kFp4>
 __global__ void __launch_bounds__(kSendThreads) dispatch(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
   if (phase == DEK_LL_PHASE_SEND) {
-    dispatch_send<Net>(c, a);
+    dispatch_send<Net, kFp4>(c, a);
   } else {
-    dispatch_recv<Net>(c, a);
+    dispatch_recv<Net, kFp4>(c, a);
   }
+}
+
+// `dispatch` for the Net and payload of `args`.
+int launch_dispatch(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, dim3 grid, int threads, void* stream, int phase) {
+  const bool gin = args->net != nullptr && args->net_kind == DEK_LL_NET_GIN, fp4 = args->use_nvfp4 != 0;
+  const cudaStream_t s = as_stream(stream);
+  if (gin) {
+    if (fp4) dispatch<GinNet, true><<<grid, threads, 0, s>>>(*ctx, *args, phase);
+    else dispatch<GinNet, false><<<grid, threads, 0, s>>>(*ctx, *args, phase);
+  } else {
+    if (fp4) dispatch<LsaNet, true><<<grid, threads, 0, s>>>(*ctx, *args, phase);
+    else dispatch<LsaNet, false><<<grid, threads, 0, s>>>(*ctx, *args, phase);
+  }
+  return static_cast<int>(cudaGetLastError());
 }
 }  // namespace ll
 }  // namespace deep_ep
@@ -431,29 +493,20 @@ extern "C" int dek_ll_dispatch_send(const dek_ic_ctx_t* ctx, const dek_ll_args_t
   if (!ll_ok(ctx, args) || args->recv_state == nullptr || (args->num_tokens > 0 && (args->x == nullptr || args->topk_idx == nullptr)))
     return static_cast<int>(cudaErrorInvalidValue);
   if (args->num_experts > kMaxLlExperts || args->num_topk > kMaxLlTopk) return static_cast<int>(cudaErrorInvalidValue);
+  if (args->use_nvfp4 && (args->use_fp8 || args->x_global_scale == nullptr)) return static_cast<int>(cudaErrorInvalidValue);
   // Blocks of one or a few tokens, all resident (8 per SM by threads); at least one signals.
   const int blocks = args->num_tokens < 1 ? 1 : (args->num_tokens < args->num_blocks ? args->num_tokens : args->num_blocks);
-  if (args->net != nullptr && args->net_kind == DEK_LL_NET_GIN) {
-    deep_ep::ll::dispatch<GinNet><<<blocks, kSendThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args, DEK_LL_PHASE_SEND);
-  } else {
-    deep_ep::ll::dispatch<LsaNet><<<blocks, kSendThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args, DEK_LL_PHASE_SEND);
-  }
-  return static_cast<int>(cudaGetLastError());
+  return launch_dispatch(ctx, args, dim3(blocks), kSendThreads, stream, DEK_LL_PHASE_SEND);
 }
 
 extern "C" int dek_ll_dispatch_recv(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream) {
   if (!ll_ok(ctx, args) || args->recv_state == nullptr || args->recv_x == nullptr || args->recv_count == nullptr ||
-      args->src_info == nullptr || args->layout_range == nullptr || (args->use_fp8 && args->recv_scales == nullptr))
+      args->src_info == nullptr || args->layout_range == nullptr || ((args->use_fp8 || args->use_nvfp4) && args->recv_scales == nullptr))
     return static_cast<int>(cudaErrorInvalidValue);
   const int el = args->num_experts / ctx->num_ranks;
   // At most num_blocks blocks (rounded down to whole columns): they are sized to be resident at
   // once, and one block more than fits costs a second wave (288 x 2 = 576 > 528 on 132 SMs).
   const int y = args->num_blocks > el ? args->num_blocks / el : 1;
-  if (args->net != nullptr && args->net_kind == DEK_LL_NET_GIN) {
-    deep_ep::ll::dispatch<GinNet><<<dim3(el, y), kLlThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args, DEK_LL_PHASE_RECV);
-  } else {
-    deep_ep::ll::dispatch<LsaNet><<<dim3(el, y), kLlThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args, DEK_LL_PHASE_RECV);
-  }
-  return static_cast<int>(cudaGetLastError());
+  return launch_dispatch(ctx, args, dim3(el, y), kLlThreads, stream, DEK_LL_PHASE_RECV);
 }
 

@@ -301,7 +301,7 @@ __device__ __forceinline__ bool remote(const Ctx& c, const Args& a, int d) {
 
 // Format flags of a dispatch (crate::backend::cpu::ll::format_code's bits) and of a combine.
 __device__ __forceinline__ uint32_t fmt_dispatch(const Args& a) {
-  return kFmtSet | (a.use_fp8 ? 1u | (a.round_scale ? 2u : 0u) | (a.use_ue8m0 ? 4u : 0u) : 0u);
+  return kFmtSet | (a.use_fp8 ? 1u | (a.round_scale ? 2u : 0u) | (a.use_ue8m0 ? 4u : 0u) : 0u) | (a.use_nvfp4 ? 8u : 0u);
 }
 __device__ __forceinline__ uint32_t fmt_combine(bool logfmt, bool partial) { return kFmtSet | (logfmt ? 1u : 0u) | (partial ? 2u : 0u); }
 

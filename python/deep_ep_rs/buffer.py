@@ -521,7 +521,7 @@ class Buffer:
         call when configured for it (docs/NVFP4.md). recv_x is then the tuple (packed uint8 view
         [R*T, H/2, E_l], two E2M1 values per byte, low nibble first; float8_e4m3fn scales view
         [32, 4, ceil(R*T/128), 4, H/64, E_l] in the 128x4 swizzle), the views DeepEP's forks
-        return; x ~ e2m1 * scale / S. CPU buffers only so far (GPU buffers raise);
+        return; x ~ e2m1 * scale / S. The GPU kernels are new (docs/NVFP4.md section 9);
         `use_ue8m0_for_sf=True` raises NotImplementedError.
 
         `num_tokens` (extension, default None = every row of x is real): int32 tensor of shape []

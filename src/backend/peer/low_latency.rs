@@ -301,18 +301,6 @@ impl PeerBackend {
     }
 }
 
-/// NVFP4 runs on the cpu backend only so far: the GPU kernels do not have its payload yet
-/// (docs/NVFP4.md says what is missing).
-fn refuse_nvfp4(o: &LlDispatchOptions) -> Result<()> {
-    crate::ensure!(
-        !o.use_nvfp4,
-        OP_DISPATCH,
-        "use_nvfp4=True is implemented on the cpu backend only so far, not in the GPU kernels (docs/NVFP4.md); dispatch FP8 or BF16 \
-         on GPU buffers (vLLM: VLLM_DEEPEPLL_NVFP4_DISPATCH=0)"
-    );
-    Ok(())
-}
-
 // The streams are handed to CUDA, never dereferenced here (an invalid one is CUDA's error).
 #[allow(clippy::not_unsafe_ptr_arg_deref)]
 impl LowLatencyMode for PeerBackend {
@@ -324,7 +312,6 @@ impl LowLatencyMode for PeerBackend {
         out: &LlDispatchOutputs,
         stream: Stream,
     ) -> Result<()> {
-        refuse_nvfp4(o)?;
         self.check_ll_pending(OP_DISPATCH, stream)?;
         let mut a = self.ll_args(OP_DISPATCH, g)?;
         let n = s.x.size(0);
@@ -340,6 +327,7 @@ impl LowLatencyMode for PeerBackend {
         a.use_fp8 = o.use_fp8 as i32;
         a.round_scale = o.round_scale as i32;
         a.use_ue8m0 = o.use_ue8m0 as i32;
+        a.use_nvfp4 = o.use_nvfp4 as i32;
         a.flags = o.flags() as i32;
         a.num_tokens = n as i32;
         a.num_topk = k as i32;
@@ -347,6 +335,7 @@ impl LowLatencyMode for PeerBackend {
         a.x = ptr(&s.x);
         a.topk_idx = ptr(&s.topk_idx);
         a.topk_weights = opt_ptr(s.topk_weights.as_ref());
+        a.x_global_scale = opt_ptr(s.x_global_scale.as_ref());
         a.recv_state = ptr(&out.recv_state);
         a.num_blocks = self.ll_grid().send;
         self.ll_begin_send(OP_DISPATCH, &mut a, stream)?;
@@ -366,18 +355,21 @@ impl LowLatencyMode for PeerBackend {
         st: &LlStats,
         stream: Stream,
     ) -> Result<()> {
-        refuse_nvfp4(o)?;
         self.check_ll_pending(OP_DISPATCH, stream)?;
         let mut a = self.ll_args(OP_DISPATCH, g)?;
         a.use_fp8 = o.use_fp8 as i32;
         a.round_scale = o.round_scale as i32;
         a.use_ue8m0 = o.use_ue8m0 as i32;
+        a.use_nvfp4 = o.use_nvfp4 as i32;
         a.flags = o.flags() as i32;
         aligned(OP_DISPATCH, "recv_x", &out.recv_x)?;
         a.recv_x = ptr(&out.recv_x);
         if let Some(sc) = out.recv_x_scales.as_ref().filter(|_| o.use_fp8) {
             a.recv_scales = ptr(sc);
             a.scale_stride = [sc.strides()[0], sc.strides()[1], sc.strides()[2]];
+        }
+        if let Some(sc) = out.recv_x_scales.as_ref().filter(|_| o.use_nvfp4) {
+            a.recv_scales = ptr(sc); // contiguous [E_l, rm, rk, 512] bytes (checked by crate::ops)
         }
         a.recv_count = ptr(&out.recv_count);
         a.src_info = ptr(&out.src_info);

@@ -19,7 +19,8 @@ import os
 import torch
 import torch.distributed as dist
 
-import deep_ep_rs
+import importlib
+
 from intranode import per_token_cast_to_fp8  # bench/intranode.py's cast, so both profile the same inputs
 
 
@@ -34,7 +35,10 @@ def main():
     p.add_argument("--combine-cfg", type=int, nargs=4, default=[9, 256, 6, 128])
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--nvl-bytes", type=int, default=2_000_000_000)
+    p.add_argument("--impl", choices=["deep_ep_rs", "deep_ep"], default="deep_ep_rs",
+                   help="deep_ep: DeepEP V1's own Buffer (PYTHONPATH of its build) on the same calls")
     args = p.parse_args()
+    lib = importlib.import_module(args.impl)
     cuda = torch.cuda.is_available()
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1)) if cuda else torch.device("cpu")
@@ -42,13 +46,14 @@ def main():
         torch.cuda.set_device(dev)
     dist.init_process_group("gloo")
     nvl = args.nvl_bytes if cuda else min(args.nvl_bytes, 1 << 30)
-    buf = deep_ep_rs.Buffer(dist.group.WORLD, nvl, 0, explicitly_destroy=True, device=dev)
+    extra = {"device": dev} if args.impl == "deep_ep_rs" else {}  # DeepEP V1 takes the current device
+    buf = lib.Buffer(dist.group.WORLD, nvl, 0, explicitly_destroy=True, **extra)
     torch.manual_seed(1000 + rank)
     n, h, k, e = args.tokens, args.hidden, args.topk, args.experts
     x = torch.randn(n, h, dtype=torch.bfloat16, device=dev)
     idx = (torch.randn(n, e, device=dev).abs() + 1).topk(k, dim=-1, sorted=False).indices
     w = torch.rand(n, k, device=dev)
-    cfg, ccfg = deep_ep_rs.Config(args.sms, *args.dispatch_cfg), deep_ep_rs.Config(args.sms, *args.combine_cfg)
+    cfg, ccfg = lib.Config(args.sms, *args.dispatch_cfg), lib.Config(args.sms, *args.combine_cfg)
     ntpr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(idx, e)
     recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank,
                                               num_tokens_per_expert=ntpe, config=cfg)
@@ -81,7 +86,7 @@ def main():
     buf.destroy()
     dist.destroy_process_group()
     if rank == 0:
-        print(f"ht_ncu: profiled dispatch BF16, dispatch FP8, combine at {world} ranks, {n} tokens, {args.sms} SMs ({recv_x.shape[0]} rows received)")
+        print(f"ht_ncu: {args.impl}: profiled dispatch BF16, dispatch FP8, combine at {world} ranks, {n} tokens, {args.sms} SMs ({recv_x.shape[0]} rows received)")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ peers through torch's symmetric memory, with a Triton kernel of --warps warps pe
   fused combine's push does);
 - `store-one`: stores; CTA p writes only to peer p % (R-1) (DeepEP's senders: one destination per
   warp group);
-- `load-rr`:   loads from peer c % (R-1) into local memory (the pull dispatch).
+- `load-rr`:   loads from peer c % (R-1) into local memory (the pull dispatch);
+- `ce-copy`:   no SMs: one cudaMemcpyAsync per peer (torch `copy_` into the peer's mapped memory,
+  a stream per peer), the copy engines' rate for the same bytes (--ctas does not apply; run once).
 
 `--spread` places consecutive chunks of one peer --spread-mb MB apart (a 2 GB window's spread)
 instead of back to back. Reports GB/s out (stores) or in (loads) per GPU, the slowest rank's
@@ -29,6 +31,7 @@ import triton
 import triton.language as tl
 
 MODES = {"store-rr": 0, "store-one": 1, "load-rr": 2}
+CE = "ce-copy"
 
 
 @triton.jit
@@ -115,7 +118,7 @@ def main():
     p.add_argument("--ctas", type=int, nargs="+", default=[8, 16, 20, 24, 32, 64])
     p.add_argument("--warps", type=int, default=16)
     p.add_argument("--chunk-kb", type=int, default=16)
-    p.add_argument("--modes", nargs="+", default=list(MODES))
+    p.add_argument("--modes", nargs="+", default=list(MODES) + [CE])
     p.add_argument("--spread-mb", type=float, default=0.0, help="distance of a peer's consecutive chunks (0: back to back)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", default="")
@@ -146,10 +149,24 @@ def main():
     peers = [r for r in range(world) if r != rank]
     # peer r's region for this rank (stores) / this rank's region at peer r (loads: the same place)
     views = [hdl.get_remote_tensor(r, (world * area,), torch.int32)[rank * area:(rank + 1) * area] for r in peers]
+    streams = [torch.cuda.Stream(device=dev) for _ in peers]
+    per = per_peer * chunk
+
+    def copy_engines():
+        """One copy per peer, each on its own stream, joined back into the current one."""
+        cur = torch.cuda.current_stream()
+        for i, st in enumerate(streams):
+            st.wait_stream(cur)
+            with torch.cuda.stream(st):
+                views[i][:per].copy_(local[i * per:(i + 1) * per])
+        for st in streams:
+            cur.wait_stream(st)
+
     rows = []
     for mode in args.modes:
-        for ctas in args.ctas:
-            launch(local, views, n_chunks, spread, chunk, mode, ctas, args.warps)  # warm-up, compile
+        for ctas in ([0] if mode == CE else args.ctas):
+            run = copy_engines if mode == CE else (lambda: launch(local, views, n_chunks, spread, chunk, mode, ctas, args.warps))
+            run()  # warm-up, compile
             torch.cuda.synchronize()
             times = []
             for _ in range(args.iters):
@@ -157,7 +174,7 @@ def main():
                 torch.cuda.synchronize()
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
-                launch(local, views, n_chunks, spread, chunk, mode, ctas, args.warps)
+                run()
                 b.record()
                 torch.cuda.synchronize()
                 times.append(a.elapsed_time(b) * 1e3)

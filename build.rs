@@ -552,7 +552,7 @@ fn build_nvshmem_device(
 }
 
 /// Generates the Rust declarations of the kernels' C launch API (`kernels/deep_ep_kernels.h` and
-/// the `transport_api.h` it includes: argument structs, launchers, constants) into
+/// the `transport_api.h` and `logfmt_api.h` it includes: argument structs, launchers, constants) into
 /// `$OUT_DIR/kernels_sys.rs`, included by `src/sys/kernels.rs`: one source for both languages.
 #[cfg(feature = "cuda")]
 fn kernel_bindings(kernels_dir: &Path, clang: &Clang, out_dir: &Path) -> Result<(), String> {

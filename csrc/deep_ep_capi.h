@@ -211,8 +211,21 @@ int deep_ep_ll_dispatch_send(int64_t handle, const deep_ep_ll_params_t* p, const
                              const deep_ep_tensor_t* wait_recv_cost_stats, const deep_ep_ll_dispatch_outputs_t* out);
 int deep_ep_ll_dispatch_recv(int64_t handle, const deep_ep_ll_params_t* p, const deep_ep_ll_dispatch_outputs_t* out,
                              const deep_ep_tensor_t* cumulative_local_expert_recv_stats, const deep_ep_tensor_t* wait_recv_cost_stats);
+// Single-batch overlap of a combine send (SGLang's SBO): row r of local expert l is sent once
+// signal[l * ceil(R*T / block_m) + r / block_m] >= threshold (int32 on the buffer's device, raised by
+// the producer of x as it writes those rows; threshold <= 0: no wait). CPU buffers: every signal of a
+// received row must already be raised (error otherwise). num_sms > 0: the send spins on at most 4 *
+// num_sms blocks of 128 threads, leaving the producer its SMs.
+typedef struct {
+  uint32_t size;
+  deep_ep_tensor_t signal;
+  int64_t block_m, threshold, num_sms;
+} deep_ep_ll_overlap_t;
+
+// overlap: NULL for a plain combine.
 int deep_ep_ll_combine_send(int64_t handle, const deep_ep_ll_params_t* p, const deep_ep_tensor_t* x, const deep_ep_tensor_t* src_info,
-                            const deep_ep_tensor_t* layout_range, const deep_ep_tensor_t* recv_state);
+                            const deep_ep_tensor_t* layout_range, const deep_ep_tensor_t* recv_state,
+                            const deep_ep_ll_overlap_t* overlap);
 int deep_ep_ll_combine_recv(int64_t handle, const deep_ep_ll_params_t* p, const deep_ep_tensor_t* topk_idx,
                             const deep_ep_tensor_t* topk_weights, const deep_ep_tensor_t* recv_state, const deep_ep_tensor_t* out,
                             const deep_ep_tensor_t* wait_recv_cost_stats);

@@ -60,8 +60,10 @@
 //   low_latency_combine(int handle, Tensor x [E_l,R*T,H] bf16, Tensor topk_idx, Tensor topk_weights,
 //            Tensor src_info, Tensor layout_range, Tensor(a!) out [N,H] bf16,
 //            Tensor(b!)? combine_wait_recv_cost_stats, int T, int num_experts, bool use_logfmt,
-//            bool zero_copy, Tensor? num_tokens=None) -> ()
-//            collective; out = Σ_k w_k·y_k (fp32, ascending k); out rows >= num_tokens are zero
+//            bool zero_copy, Tensor? num_tokens=None, Tensor? comp_signal=None, int block_m=64,
+//            int threshold=0, int num_sms=0) -> ()
+//            collective; out = Σ_k w_k·y_k (fp32, ascending k); out rows >= num_tokens are zero;
+//            comp_signal...: single-batch overlap (rows sent as the producer's signals reach threshold)
 //   low_latency_dispatch_send / _recv, low_latency_combine_send / _recv: the two phases of the
 //            above (hook style); clean_low_latency_buffer(int handle, int T, int hidden, int E);
 //   get_next_low_latency_combine_buffer(int handle, int T, int hidden, int E) -> Tensor
@@ -212,9 +214,11 @@ inline LowLatencyDispatchResult low_latency_dispatch(int64_t buffer, const Tenso
 inline void low_latency_combine(int64_t buffer, const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
                                 const LowLatencyDispatchResult& d, const Tensor& out, int64_t t, int64_t num_experts,
                                 const OptTensor& num_tokens = std::nullopt) {
+  // A typed call passes every argument of the schema, defaulted ones included (the overlap arguments).
   op<void(int64_t, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptTensor&, int64_t, int64_t,
-          bool, bool, const OptTensor&)>("low_latency_combine")
-      .call(buffer, x, topk_idx, topk_weights, d.src_info, d.layout_range, out, std::nullopt, t, num_experts, false, false, num_tokens);
+          bool, bool, const OptTensor&, const OptTensor&, int64_t, int64_t, int64_t)>("low_latency_combine")
+      .call(buffer, x, topk_idx, topk_weights, d.src_info, d.layout_range, out, std::nullopt, t, num_experts, false, false, num_tokens,
+            std::nullopt, 64, 0, 0);
 }
 
 }  // namespace deep_ep

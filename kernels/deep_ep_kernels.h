@@ -18,6 +18,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "logfmt_api.h"
 #include "transport_api.h"
 
 #ifdef __cplusplus
@@ -169,6 +170,7 @@ typedef struct {
 #define DEK_IC_SITE_IN_DISPATCH_DATA 16 /* internode (cached) dispatch: the RDMA-leg data wait */
 #define DEK_IC_SITE_IN_COMBINE 17 /* internode combine: start barrier and count exchange */
 #define DEK_IC_SITE_IN_COMBINE_DATA 18 /* internode combine: node barrier before the forwarders, partials wait */
+#define DEK_IC_SITE_LL_SIGNAL 19 /* low-latency combine send (overlap): waiting for the producer's comp_signal */
 
 /* The buffer as kernels see it. peer_base holds the ranks of this rank's NVLink domain, world
  * rank r at slot r % DEK_IC_MAX_RANKS (the at most DEK_IC_MAX_RANKS consecutive ranks of a domain
@@ -651,9 +653,8 @@ size_t dek_in_args_bytes(void);
 #define DEK_LL_MAX_TOKENS 65533 /* num_max_dispatch_tokens_per_rank: a tag's count field holds count + 1 < 0xffff (the abandoned mark) */
 #define DEK_LL_FLAG_PARTIAL 32 /* combine recv_state flag: partial sums were sent */
 #define DEK_LL_FLAG_LOGFMT 8  /* combine: rows travel as LogFMT-10 (recv_state flag) */
-/* The device copy of the rank mask (1 = masked) is at DEK_LL_MASK_OFF (rank tables, above); the
- * host rewrites it at every mask update (host-mapped reads from every block would cross PCIe:
- * measured 10-50x slower LL ops). */
+/* The rank mask (1 = masked): a device copy at DEK_LL_MASK_OFF, rewritten by the host at every mask
+ * update (host-mapped reads from every block would cross PCIe: 10-50x slower LL ops). */
 #define DEK_LL_KIND_COMBINE 2
 typedef struct {
   uint64_t ll_off;                          /* byte offset of the LL area in every window */
@@ -662,7 +663,7 @@ typedef struct {
   int32_t num_max_tokens, hidden, num_experts, half; /* T, H, E; half used by a send */
   int32_t use_fp8, round_scale, use_ue8m0, flags;    /* flags: recorded / checked in recv_state */
   int32_t zero_copy, num_tokens, num_topk, topk_is_int64; /* N: tokens of x / out */
-  int32_t use_nvfp4, reserved; /* dispatch: NVFP4 payload (docs/NVFP4.md section 9), use_fp8 0 */
+  int32_t use_nvfp4, signal_threshold; /* dispatch: NVFP4 payload (docs/NVFP4.md section 9); combine send: see signal */
   const void* x;             /* dispatch: [N, H] bf16; combine: [E_l, R*T, H] bf16 (contiguous) */
   const void* topk_idx;      /* [N, K] int32/int64 */
   const float* topk_weights; /* [N, K] (combine receive) */
@@ -697,6 +698,11 @@ typedef struct {
    * partial rows in the payload of the dispatch message they answer. Signals to remote peers are seam signals
    * ((kind * 2 + half) * E_l + l) * R + src (kind 0 dispatch, 1 combine; GinPlan::ll_signal) on
    * context src, raised by an add that makes their value the same tag an NVLink word would hold. */
+  /* Combine send with overlap (SGLang's single-batch overlap, docs/OPS.md): row r of local expert l is
+   * sent once signal[l * signal_blocks + r / signal_block_m] >= signal_threshold (the producer, e.g.
+   * the down GEMM, raises it when those rows are written); signal_grid > 0 caps the send blocks. */
+  const int32_t* signal;
+  int32_t signal_block_m, signal_blocks, signal_grid, signal_pad;
   const void* net;           /* seam descriptor in this rank's window (LsaNet / GinNet, low_latency.cuh) or NULL */
   uint64_t shadow_off;       /* u64 [4 * E] in this rank's window: the value it last gave each remote signal */
   uint64_t stage_meta_off, stage_idx_off, stage_cnt_off; /* dispatch staging, in a send half */
@@ -728,15 +734,6 @@ int dek_ll_combine_send(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void
  * partial row), d unmasked with an expert in the token's top-k; LogFMT: the decoded values in
  * place of y). */
 int dek_ll_combine_recv(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream);
-/* LogFMT-10 on the host with the functions the combine kernels run on the device
- * (kernels/logfmt.cu; values: src/numerics/logfmt.rs). A row x [hidden] bf16 (hidden % 128 == 0,
- * at most 131072) is encoded into slot [hidden/128*4 + 2*hidden] bytes (meta then payload, the
- * crate's slot layout; unused bytes zero); decode_accumulate does acc[i] = fma(value_i, weight,
- * acc[i]) over a slot; math: out[i] = log2_det(in[i]) (fn 0) or exp2_det(in[i]) (fn 1). Return 0,
- * or -1 on bad arguments. No GPU needed. */
-int dek_logfmt_encode_row_host(const uint16_t* x, int hidden, uint8_t* slot);
-int dek_logfmt_decode_accumulate_host(const uint8_t* slot, int hidden, float weight, float* acc);
-int dek_logfmt_math_host(int fn, const float* in, float* out, int64_t n);
 /* Zeroes this rank's signal words of both halves (between two barriers on the host side), and
  * with a seam its seam signals [0, 4E) of every context and their shadows. */
 int dek_ll_zero_signals(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream);

@@ -21,8 +21,11 @@ constexpr int kChunk = 1024;
 // combine: payloads [E_l][R*T] of 2H bytes from its start, then meta words [E_l][R*T][S]) and puts
 // the chunk's payload and meta words to the offsets of s that the NVLink stores would reach. The
 // payload put covers whole 256-byte groups: bytes 160.. of a cast group are not part of the layout.
-template <class Net>
-__device__ void ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l, int64_t b, int64_t cnt, int warp, int lane) {
+__device__ bool wait_signal(const Ctx& c, const Args& a, int l, int64_t row);
+
+// Returns false when a signal wait (Args::signal) failed: the rest is not sent.
+template <class Net, bool kSig>
+__device__ bool ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l, int64_t b, int64_t cnt, int warp, int lane) {
   __shared__ __align__(16) uint8_t s_pack[kLlWarps][logfmt::kCastGroupBytes];
   const int R = c.num_ranks, El = a.num_experts / R, T = a.num_max_tokens, H = a.hidden, S = H / 128;
   const int64_t RT = static_cast<int64_t>(R) * T;
@@ -32,8 +35,15 @@ __device__ void ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l
   const uint64_t pay = recv_off(a, a.half) + static_cast<uint64_t>(a.num_experts) * T * S * 4 + ge * T * 2 * H;
   const bool far = remote(c, a, s);
   char* const dst = window(c, far ? c.rank : s);
+  int64_t ready = -1;
   for (int64_t it = warp; it < cnt * nch; it += kLlWarps) {
     const int64_t row = b + it / nch;
+    if (kSig && row / a.signal_block_m != ready) {
+      const bool ok = __shfl_sync(0xffffffffu, lane == 0 ? wait_signal(c, a, l, row) : false, 0);
+      __syncwarp();  // lane 0's acquire orders the warp's loads of the rows after the producer's writes
+      if (!ok) return false;
+      ready = row / a.signal_block_m;
+    }
     const int c0 = static_cast<int>(it % nch) * chunk, c1 = min(H, c0 + chunk), ng = (c1 - c0) / 128;
     const int tok = a.src_info[l * RT + row];
     if (tok < 0 || tok >= T) continue;
@@ -52,18 +62,59 @@ __device__ void ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l
       put_to<Net>(c, a, s, m_off, m_at, 4 * static_cast<uint64_t>(ng), lane);
     }
   }
+  return true;
 }
 
-// Block (l, s): pushes rows layout_range[l][s] of local expert l back to source rank s, keyed by
-// (global expert, source token), then signals word s_global = rank*E_l + l on rank s. A source
-// outside the NVLink domain gets each row by a seam put from its zero-copy slot (send_to), or with
-// LogFMT each encoded chunk by puts from the send half (ll_combine_send_logfmt).
-template <class Net>
+// Overlap (Args::signal): waits until the producer of the combine's input raised the signal of row
+// `row` of local expert l (>= signal_threshold). The GEMM runs on this GPU meanwhile, so the wait
+// polls one word; false: the buffer timed out here or earlier (reported: nothing more is sent and
+// no receiver is signalled, so the peers' waits name this rank) or the op was cancelled.
+__device__ __noinline__ bool wait_signal(const Ctx& c, const Args& a, int l, int64_t row) {
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(a.signal + static_cast<int64_t>(l) * a.signal_blocks + row / a.signal_block_m);
+  const uint64_t start = globaltimer();
+  for (uint32_t polls = 0;; ++polls) {
+    const int v = static_cast<int>(ld_acquire_sys_u32(w));
+    if (v >= a.signal_threshold) return true;
+    // Not op_cancelled: it holds a block barrier, and one thread (lane 0, or an entry's thread) waits here.
+    if (polls % 64 == 63 && (timed_out(c) || ld_volatile(at<int>(local(c), kScrOpBad)) != 0)) return false;
+    if (globaltimer() - start > c.timeout_ns) {
+      atomicCAS(at<int>(local(c), kScrTimedOut), 0, 1);
+      report(c, DEK_IC_ERR_TIMEOUT, c.rank, DEK_IC_SITE_LL_SIGNAL, v, a.signal_threshold);
+      return false;
+    }
+  }
+}
+
+// Rows [b, b + cnt) of local expert l to source rank s: as combine_send. With Args::signal a warp
+// waits for each GEMM block of rows before sending from it; false: a wait failed (wait_signal).
+template <class Net, bool kSig>
+__device__ __forceinline__ bool combine_send_rows(const Ctx& c, const Args& a, int l, int s, uint32_t seq);
+
+// Item (l, s) of the grid ((E_l, R) blocks, or with Args::signal_grid at most that many blocks,
+// each taking items l + E_l*s in turn): pushes rows layout_range[l][s] of local expert l back to
+// source rank s, keyed by (global expert, source token), then signals word s_global = rank*E_l + l
+// on rank s. A source outside the NVLink domain gets each row by a seam put from its zero-copy slot
+// (send_to), or with LogFMT each encoded chunk by puts from the send half (ll_combine_send_logfmt).
+template <class Net, bool kSig>
 __device__ __forceinline__ void combine_send(const Ctx& c, const Args& a) {
   __shared__ uint32_t s_seq;
   __shared__ int s_skip;
   if (!begin_send(c, a, DEK_LL_KIND_COMBINE, &s_seq, &s_skip)) return;
-  const int l = blockIdx.x, s = blockIdx.y, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  if constexpr (kSig) {
+    const int El = a.num_experts / c.num_ranks;
+    const int blocks = gridDim.x * gridDim.y;
+    for (int w = blockIdx.y * gridDim.x + blockIdx.x; w < El * c.num_ranks; w += blocks) {
+      if (!combine_send_rows<Net, true>(c, a, w % El, w / El, s_seq)) break;
+    }
+  } else {
+    combine_send_rows<Net, false>(c, a, blockIdx.x, blockIdx.y, s_seq);
+  }
+  finish_send(c, s_seq);
+}
+
+template <class Net, bool kSig>
+__device__ __forceinline__ bool combine_send_rows(const Ctx& c, const Args& a, int l, int s, uint32_t seq) {
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int R = c.num_ranks, El = a.num_experts / R, T = a.num_max_tokens, H = a.hidden;
   const int64_t RT = static_cast<int64_t>(R) * T, M = H + H / 128 * 2;
   const int64_t lr = a.layout_range[l * R + s];
@@ -74,13 +125,21 @@ __device__ __forceinline__ void combine_send(const Ctx& c, const Args& a) {
   if (dead) cnt = 0;
   char* peer = window(c, s);
   const uint64_t dst_base = recv_off(a, a.half) + static_cast<uint64_t>(c.rank * El + l) * T * (2 * static_cast<uint64_t>(H));
+  bool ok = true;
   if (a.flags & DEK_LL_FLAG_LOGFMT) {
-    ll_combine_send_logfmt<Net>(c, a, s, l, b, cnt, warp, lane);
+    ok = ll_combine_send_logfmt<Net, kSig>(c, a, s, l, b, cnt, warp, lane);
     cnt = 0;  // every row went out as LogFMT: nothing left for the BF16 loop
   }
   const int nchunks = (H + kChunk - 1) / kChunk;
+  int64_t ready = -1;  // the GEMM block of rows this warp last found signalled
   for (int64_t it = warp; it < cnt * nchunks; it += kLlWarps) {
     const int64_t row = b + it / nchunks;
+    if (kSig && row / a.signal_block_m != ready) {
+      ok = __shfl_sync(0xffffffffu, lane == 0 ? wait_signal(c, a, l, row) : false, 0);
+      __syncwarp();  // lane 0's acquire orders the warp's loads of the rows after the producer's writes
+      if (!ok) break;
+      ready = row / a.signal_block_m;
+    }
     const int c0 = static_cast<int>(it % nchunks) * kChunk, c1 = min(H, c0 + kChunk);
     const int tok = a.src_info[l * RT + row];
     if (tok < 0 || tok >= T) continue;
@@ -90,16 +149,21 @@ __device__ __forceinline__ void combine_send(const Ctx& c, const Args& a) {
                  2 * static_cast<int64_t>(c1 - c0), lane);
   }
   flush_net<Net>(c, a, lane);
-  __syncthreads();
-  if (tid == 0 && !dead) {
+  // A failed signal wait (any warp) leaves the item unsignalled: its receiver times out naming this rank.
+  if constexpr (kSig) {
+    ok = __syncthreads_and(ok);
+  } else {
+    __syncthreads();
+  }
+  if (tid == 0 && !dead && ok) {
     if (l == 0 && !remote(c, a, s)) put_fmt(c, a, 1, s, fmt_combine((a.flags & DEK_LL_FLAG_LOGFMT) != 0, false));
     // One cumulative fence per block (see dispatch_send in ll_dispatch.cu) before a seam signal;
     // an NVLink signal is a release store of this thread, the same fence.
     if (remote(c, a, s)) fence_acq_rel_sys();
     uint32_t* word = at<uint32_t>(peer, sig_off(a, a.half) + static_cast<uint64_t>(c.rank * El + l) * 4);
-    raise_to<Net>(c, a, s, word, kSeamCombine, a.half, l, tag(s_seq, 0));
+    raise_to<Net>(c, a, s, word, kSeamCombine, a.half, l, tag(seq, 0));
   }
-  finish_send(c, s_seq);
+  return ok;
 }
 
 // Partial combine: block (s, y) takes work items y, y+gridDim.y, ... (a message that source rank s
@@ -109,7 +173,7 @@ __device__ __forceinline__ void combine_send(const Ctx& c, const Args& a) {
 // The last block to finish signals word rank*E_l on every unmasked source rank. For a source s
 // outside the NVLink domain the row is staged in the payload of the message it answers (no longer
 // read: the dispatch receive copied it) and put by warp 0.
-template <class Net>
+template <class Net, bool kSig>
 __device__ __forceinline__ void combine_send_partial(const Ctx& c, const Args& a) {
   __shared__ uint32_t s_seq;
   __shared__ int s_skip, s_last, s_n, s_tok;
@@ -133,6 +197,7 @@ __device__ __forceinline__ void combine_send_partial(const Ctx& c, const Args& a
   // whole messages (warp 0 puts the row).
   const int U = H / 8;
   const uint32_t P = seam || nm == 0 ? 1u : max(1u, min(gridDim.y / nm, static_cast<uint32_t>((U + kLlThreads - 1) / kLlThreads)));
+  bool failed = false;
   for (uint32_t w = blockIdx.y; w < nm * P; w += gridDim.y) {
     const uint32_t m = w / P;
     const int u_lo = static_cast<int>(static_cast<uint64_t>(w % P) * U / P), u_hi = static_cast<int>(static_cast<uint64_t>(w % P + 1) * U / P);
@@ -153,8 +218,12 @@ __device__ __forceinline__ void combine_send_partial(const Ctx& c, const Args& a
       s_row[tid] = l < El && slot < cnt && b + slot < RT ? l * RT + b + slot : -1;
       s_w[tid] = __ldcg(reinterpret_cast<const float*>(msg + 32 + 4 * kMaxLlTopk) + tid);
       if (s_row[tid] < 0) report(c, DEK_IC_ERR_MISMATCH, s, DEK_IC_SITE_LL_COMBINE, slot, static_cast<int>(cnt));
+      // Overlap: each entry's thread waits for its row's GEMM block (the barrier below orders the
+      // block's loads of the rows after these acquires).
+      else if (kSig && !wait_signal(c, a, l, b + slot)) failed = true;
     }
-    __syncthreads();
+    // A failed signal wait: nothing more is sent and no rank is signalled (their waits name this rank).
+    if (kSig ? __syncthreads_or(failed) : (__syncthreads(), false)) break;
     if (s_tok >= 0) {
       char* out_row = seam ? const_cast<char*>(msg) + kMsgMeta : dst + static_cast<uint64_t>(s_tok) * 2 * H;
       if (vec) {
@@ -231,13 +300,15 @@ __device__ __forceinline__ void combine_send_partial(const Ctx& c, const Args& a
   }
   __syncthreads();
   if (!s_last) return;
+  // A failed signal wait of any block timed the buffer out (or the op was cancelled): no signals.
+  const bool give_up = kSig && op_cancelled(c);  // timed out or cancelled (one barrier: every thread of the block)
   constexpr int kSignallers = rank_workers(kLlThreads);  // threads signalling the ranks, each R / kSignallers
   for (int d = tid; d < R && tid < kSignallers; d += kSignallers) {
-    if (!rank_masked(a, d) && !remote(c, a, d)) put_fmt(c, a, 1, d, fmt_combine(false, true));
+    if (!give_up && !rank_masked(a, d) && !remote(c, a, d)) put_fmt(c, a, 1, d, fmt_combine(false, true));
   }
   fence_acq_rel_sys();
   for (int d = tid; d < R && tid < kSignallers; d += kSignallers) {
-    if (rank_masked(a, d)) continue;
+    if (give_up || rank_masked(a, d)) continue;
     raise_to<Net>(c, a, d, at<uint32_t>(window(c, d), sig_off(a, a.half) + static_cast<uint64_t>(c.rank * El) * 4), kSeamCombine, a.half, 0, tag(s_seq, 0));
   }
   __syncthreads();
@@ -464,15 +535,17 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
 // One kernel for every half of the combine, chosen by `phase` (as DeepEP's): profilers and
 // benchmarks that look kernels up by name find exactly one `combine` (docs/OPS.md, "Kernel
 // names"). Send (per-expert rows or partial sums): kLlThreads per block; receive: kReduceThreads.
-template <class Net>
-__global__ void __launch_bounds__(kReduceThreads) combine(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
+// kSig: the send waits for the producer's signals (overlap, Args::signal), its own instantiation
+// so that the plain combine keeps its registers; it only sends (kLlThreads, no 512-thread register cap).
+template <class Net, bool kSig>
+__global__ void __launch_bounds__(kSig ? kLlThreads : kReduceThreads) combine(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
   if (phase == DEK_LL_PHASE_SEND) {
     if (a.partial) {
-      combine_send_partial<Net>(c, a);
+      combine_send_partial<Net, kSig>(c, a);
     } else {
-      combine_send<Net>(c, a);
+      combine_send<Net, kSig>(c, a);
     }
-  } else {
+  } else if constexpr (!kSig) {
     combine_recv<Net>(c, a);
   }
 }
@@ -496,6 +569,19 @@ __global__ void clean_signals(const __grid_constant__ Ctx c, const __grid_consta
 }
 
 namespace {
+
+// The combine on the seam of `a`, with the signal waits (overlap) or without.
+void launch_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* a, dim3 grid, int threads, int phase, void* stream) {
+  const cudaStream_t st = deep_ep::as_stream(stream);
+  const bool gin = a->net != nullptr && a->net_kind == DEK_LL_NET_GIN, sig = a->signal != nullptr && phase == DEK_LL_PHASE_SEND;
+  if (gin) {
+    if (sig) combine<GinNet, true><<<grid, threads, 0, st>>>(*ctx, *a, phase);
+    else combine<GinNet, false><<<grid, threads, 0, st>>>(*ctx, *a, phase);
+  } else {
+    if (sig) combine<LsaNet, true><<<grid, threads, 0, st>>>(*ctx, *a, phase);
+    else combine<LsaNet, false><<<grid, threads, 0, st>>>(*ctx, *a, phase);
+  }
+}
 
 // The launch of an LL kernel on the seam of `a` (the LSA instance also serves intranode buffers).
 #define DEEP_EP_LL_LAUNCH(kernel, grid, block, a, ...)                                     \
@@ -528,13 +614,19 @@ extern "C" int dek_ll_combine_send(const dek_ic_ctx_t* ctx, const dek_ll_args_t*
     if (args->partial || args->zero_copy || et * (4 * s + 2 * static_cast<uint64_t>(args->hidden)) > args->recv_bytes || et * s % 4 != 0)
       return static_cast<int>(cudaErrorInvalidValue);
   }
+  if (args->signal != nullptr && (args->signal_block_m < 1 || args->signal_blocks < 1 || args->signal_grid < 0))
+    return static_cast<int>(cudaErrorInvalidValue);
+  // Overlap: signal_grid > 0 caps the blocks, which spin while the producer runs beside them.
+  const int cap = args->signal != nullptr && args->signal_grid > 0 ? args->signal_grid : 0;
   if (args->partial) {
     // Blocks (source rank, y): ~2 per SM in all; each takes every gridDim.y-th message.
-    const int y = args->num_blocks > ctx->num_ranks ? args->num_blocks / ctx->num_ranks : 1;
-    DEEP_EP_LL_LAUNCH(deep_ep::ll::combine, dim3(ctx->num_ranks, y), kLlThreads, args, *ctx, *args, DEK_LL_PHASE_SEND);
+    const int blocks = cap > 0 && cap < args->num_blocks ? cap : args->num_blocks;
+    const int y = blocks > ctx->num_ranks ? blocks / ctx->num_ranks : 1;
+    launch_combine(ctx, args, dim3(ctx->num_ranks, y), kLlThreads, DEK_LL_PHASE_SEND, stream);
     return static_cast<int>(cudaGetLastError());
   }
-  DEEP_EP_LL_LAUNCH(deep_ep::ll::combine, dim3(el, ctx->num_ranks), kLlThreads, args, *ctx, *args, DEK_LL_PHASE_SEND);
+  const dim3 grid = cap > 0 && cap < el * ctx->num_ranks ? dim3(cap) : dim3(el, ctx->num_ranks);
+  launch_combine(ctx, args, grid, kLlThreads, DEK_LL_PHASE_SEND, stream);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -544,7 +636,7 @@ extern "C" int dek_ll_combine_recv(const dek_ic_ctx_t* ctx, const dek_ll_args_t*
     return static_cast<int>(cudaErrorInvalidValue);
   // With no token the receive still waits for every word (the call completes for every rank).
   const int blocks = args->num_tokens < 1 ? 1 : (args->num_tokens < args->num_blocks ? args->num_tokens : args->num_blocks);
-  DEEP_EP_LL_LAUNCH(deep_ep::ll::combine, blocks, kReduceThreads, args, *ctx, *args, DEK_LL_PHASE_RECV);
+  launch_combine(ctx, args, blocks, kReduceThreads, DEK_LL_PHASE_RECV, stream);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -144,8 +144,14 @@ void low_latency_dispatch_recv(int64_t handle, const Tensor& recv_state, const T
   dispatch_recv(handle, out, cumulative, wait, t, e, LlFormat{use_fp8, round_scale, use_ue8m0, use_nvfp4});
 }
 
+// Single-batch overlap arguments of a combine send (deep_ep_ll_overlap_t; comp_signal None: none).
+struct LlOverlap {
+  const optional<Tensor>& comp_signal;
+  int64_t block_m, threshold, num_sms;
+};
+
 Tensor combine_send(int64_t handle, const Tensor& x, const Tensor& src_info, const Tensor& layout_range, int64_t t, int64_t e,
-                    bool use_logfmt, bool zero_copy) {
+                    bool use_logfmt, bool zero_copy, const LlOverlap& ov) {
   auto p = params(t, x.dim() == 3 ? x.size(2) : 128, e, x.device());
   p.use_logfmt = use_logfmt;
   p.zero_copy = zero_copy;
@@ -153,7 +159,10 @@ Tensor combine_send(int64_t handle, const Tensor& x, const Tensor& src_info, con
   auto state = x.is_cpu() ? zeros_like_dev(x, {DEEP_EP_LL_STATE_LEN}, ScalarType::Long)
                           : empty_like_dev(x, {DEEP_EP_LL_STATE_LEN}, ScalarType::Long);
   auto rx = raw(x), rsi = raw(src_info), rlr = raw(layout_range), rst = raw(state);
-  check(deep_ep_ll_combine_send(handle, &p, &rx, &rsi, &rlr, &rst));
+  deep_ep_ll_overlap_t o{};
+  const bool overlap = ov.comp_signal.has_value();
+  if (overlap) o = deep_ep_ll_overlap_t{sizeof(deep_ep_ll_overlap_t), raw(*ov.comp_signal), ov.block_m, ov.threshold, ov.num_sms};
+  check(deep_ep_ll_combine_send(handle, &p, &rx, &rsi, &rlr, &rst, overlap ? &o : nullptr));
   return state;
 }
 
@@ -166,18 +175,20 @@ void combine_recv(int64_t handle, const Tensor& state, const Tensor& topk_idx, c
 
 void low_latency_combine(int64_t handle, const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights, const Tensor& src_info,
                          const Tensor& layout_range, const Tensor& out, const optional<Tensor>& wait, int64_t t, int64_t e, bool use_logfmt,
-                         bool zero_copy, const optional<Tensor>& num_tokens) {
+                         bool zero_copy, const optional<Tensor>& num_tokens, const optional<Tensor>& comp_signal, int64_t block_m,
+                         int64_t threshold, int64_t num_sms) {
   DeviceScope guard(x.device());
   // Rows past num_tokens are not routed: their output rows become zero. Checked before the send.
   Tensor eff = effective_topk_idx(handle, 1, topk_idx, num_tokens);
-  auto state = combine_send(handle, x, src_info, layout_range, t, e, use_logfmt, zero_copy);
+  auto state = combine_send(handle, x, src_info, layout_range, t, e, use_logfmt, zero_copy, LlOverlap{comp_signal, block_m, threshold, num_sms});
   combine_recv(handle, state, eff, topk_weights, out, wait, t, x.size(2), e);
 }
 
 Tensor low_latency_combine_send(int64_t handle, const Tensor& x, const Tensor& src_info, const Tensor& layout_range, int64_t t, int64_t e,
-                                bool use_logfmt, bool zero_copy) {
+                                bool use_logfmt, bool zero_copy, const optional<Tensor>& comp_signal, int64_t block_m, int64_t threshold,
+                                int64_t num_sms) {
   DeviceScope guard(x.device());
-  return combine_send(handle, x, src_info, layout_range, t, e, use_logfmt, zero_copy);
+  return combine_send(handle, x, src_info, layout_range, t, e, use_logfmt, zero_copy, LlOverlap{comp_signal, block_m, threshold, num_sms});
 }
 
 void low_latency_combine_recv(int64_t handle, const Tensor& state, const Tensor& topk_idx, const Tensor& topk_weights, const Tensor& out,

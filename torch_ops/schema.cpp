@@ -131,14 +131,21 @@ STABLE_TORCH_LIBRARY(deep_ep, m) {
   // Collective, low-latency. x [E_l,R*T,H] bf16 expert outputs; topk_idx/topk_weights [N,K] are this
   // rank's original routing; out [N,H] bf16 = Σ_k w_k·y_k (fp32, ascending k) is written in place.
   // num_tokens as in low_latency_dispatch (pass the same one): out rows at or past it are zero.
+  // comp_signal, block_m, threshold, num_sms: single-batch overlap, as low_latency_combine_send.
   m.def(
       "low_latency_combine(int handle, Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor src_info, Tensor layout_range, "
       "Tensor(a!) out, Tensor(b!)? combine_wait_recv_cost_stats, int num_max_dispatch_tokens_per_rank, int num_experts, "
-      "bool use_logfmt, bool zero_copy, Tensor? num_tokens=None) -> ()");
-  // Send phase of low_latency_combine; returns recv_state i64 [4] for the receive phase.
+      "bool use_logfmt, bool zero_copy, Tensor? num_tokens=None, Tensor? comp_signal=None, int block_m=64, int threshold=0, "
+      "int num_sms=0) -> ()");
+  // Send phase of low_latency_combine; returns recv_state i64 [4] for the receive phase. comp_signal
+  // (int32 [E_l*ceil(R*T/block_m)] on x's device; single-batch overlap): row r of local expert l is sent
+  // once comp_signal[l*ceil(R*T/block_m) + r/block_m] >= threshold (> 0; else no wait); the producer of x
+  // raises them, on another stream. num_sms > 0 caps the blocks that wait (4 per SM). CPU buffers: every
+  // signal of a received row must be raised already. Trailing, defaulted: older artifacts still load.
   m.def(
       "low_latency_combine_send(int handle, Tensor x, Tensor src_info, Tensor layout_range, int num_max_dispatch_tokens_per_rank, "
-      "int num_experts, bool use_logfmt, bool zero_copy) -> Tensor");
+      "int num_experts, bool use_logfmt, bool zero_copy, Tensor? comp_signal=None, int block_m=64, int threshold=0, "
+      "int num_sms=0) -> Tensor");
   // Receive phase of low_latency_combine (num_tokens as there).
   m.def(
       "low_latency_combine_recv(int handle, Tensor recv_state, Tensor topk_idx, Tensor topk_weights, Tensor(a!) out, "

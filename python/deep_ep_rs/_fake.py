@@ -190,12 +190,14 @@ def _ll_dispatch_recv(handle, state, recv_x, scales, count, src_info, layout_ran
 
 
 @_fake("low_latency_combine")
-def _ll_combine(handle, x, topk_idx, topk_weights, src_info, layout_range, out, wait, t, e, use_logfmt, zero_copy, num_tokens=None):
+def _ll_combine(handle, x, topk_idx, topk_weights, src_info, layout_range, out, wait, t, e, use_logfmt, zero_copy, num_tokens=None,
+                comp_signal=None, block_m=64, threshold=0, num_sms=0):
     return None
 
 
 @_fake("low_latency_combine_send")
-def _ll_combine_send(handle, x, src_info, layout_range, t, e, use_logfmt, zero_copy):
+def _ll_combine_send(handle, x, src_info, layout_range, t, e, use_logfmt, zero_copy, comp_signal=None, block_m=64, threshold=0,
+                     num_sms=0):
     return x.new_empty((LL_STATE_LEN,), dtype=torch.int64)
 
 

@@ -86,74 +86,44 @@ def _opt(t: torch.Tensor) -> Optional[torch.Tensor]:
     return None if t.dim() == 1 and t.numel() == 0 else t
 
 
-def _check_overlap(device: torch.device, num_ranks: int, handle: Tuple, packed_recv_count: Optional[torch.Tensor],
-                   comp_signal: Optional[torch.Tensor], block_m: int, threshold: int, src_signals: Optional[torch.Tensor],
-                   expect: int) -> None:
+def _overlap_args(device: torch.device, num_ranks: int, handle: Tuple, packed_recv_count: Optional[torch.Tensor],
+                  comp_signal: Optional[torch.Tensor], block_m: int, threshold: int, num_sms: int, src_signals: Optional[torch.Tensor],
+                  expect: int) -> Tuple[Optional[torch.Tensor], int, int, int]:
     """`low_latency_combine(overlap=True)`: the producer of the combine's input (SGLang's down
-    GEMM) raises signals as it finishes parts of it. Hopper (`comp_signal`): int32
-    `[E_l * ceil(R*T / block_m)]`, entry `l * ceil(R*T / block_m) + b` reaches `threshold` once rows
-    `[b * block_m, (b + 1) * block_m)` of local expert `l` are written; the rows of `l` are
+    GEMM) raises signals as it finishes parts of it, on another stream. Hopper (`comp_signal`):
+    int32 `[E_l * ceil(R*T / block_m)]`, entry `l * ceil(R*T / block_m) + b` reaches `threshold` once
+    rows `[b * block_m, (b + 1) * block_m)` of local expert `l` are written; the rows of `l` are
     `packed_recv_count[l]` (the dispatch's recv_count). Blackwell (`src_signals`): one word per
-    local expert, reaching `src_signal_expect_value` once all of its rows are written. A threshold
-    (expected value) <= 0 asks for no wait (DeepEP: always satisfied).
+    local expert, reaching `src_signal_expect_value` once all of its rows are written (passed on as
+    one block of R*T rows per expert). A threshold (expected value) <= 0 asks for no wait (DeepEP:
+    always satisfied). Returns the op's (comp_signal, block_m, threshold, num_sms).
 
-    The combine here sends after the whole producer, never block by block. On CPU buffers that is
-    what program order gives (tensors are computed before the call returns), so every signal the
-    combine would wait for must already be raised: one that is not will never come, and is raised
-    as an error instead of combining unwritten rows. On GPU buffers the combine's stream is only
-    ordered after the GEMM's start (SGLang's wait_event is the GEMM's start event), so waiting for
-    the signals needs a device-side wait (a kernel change, to be measured on a GPU): a call that
-    asks for one raises NotImplementedError."""
+    GPU buffers: the combine's send waits on the device, each warp for the block of rows it sends
+    next, so rows go out as the GEMM finishes them (kernels/low_latency.cu). CPU buffers: ops on CPU
+    tensors run in program order (the GEMM is done), so the op raises for a signal not raised (it
+    can never come) instead of combining unwritten rows."""
     _, layout_range, t, _, e = handle
     el = e // num_ranks
     if src_signals is not None:
-        waits = int(expect) > 0
-    elif comp_signal is not None:
-        waits = int(threshold) > 0
-    else:
-        raise ValueError("low_latency_combine(overlap=True) needs comp_signal (Hopper: with packed_recv_count, block_m, threshold) "
-                         "or src_signals (Blackwell: with src_signal_expect_value)")
-    if device.type != "cpu":
-        if waits:
-            raise NotImplementedError(
-                "deep_ep_rs.Buffer.low_latency_combine(overlap=True) with a signal to wait for (threshold / src_signal_expect_value "
-                "> 0) is not implemented on GPU buffers: the combine would read the expert outputs before the GEMM signals them. "
-                "Run without single-batch overlap (SGLang: leave --enable-single-batch-overlap off)")
-        return
-    rows = [int(v) for v in (layout_range.to(torch.int64) & 0xFFFFFFFF).sum(dim=1).tolist()]  # the dispatch's recv_count
-    if src_signals is not None:
         assert src_signals.dim() == 1 and src_signals.numel() >= el, \
             f"src_signals must hold one word per local expert ({el}), got shape {tuple(src_signals.shape)}"
-        if not waits:
-            return
-        sig = src_signals[:el].to(torch.int64).tolist()
-        for l, (r, v) in enumerate(zip(rows, sig)):
-            if r > 0 and v < expect:
-                raise RuntimeError(f"low_latency_combine(overlap=True): src_signals[{l}] = {v} < src_signal_expect_value = {expect} "
-                                   f"for local expert {l} ({r} rows): on a CPU buffer the producer has run before the call, so this "
-                                   "signal will never come")
-        return
+        assert src_signals.dtype in (torch.int32, torch.uint32), f"src_signals must be int32 or uint32, got {src_signals.dtype}"
+        return src_signals.view(torch.int32), num_ranks * t, int(expect), int(num_sms)
+    if comp_signal is None:
+        raise ValueError("low_latency_combine(overlap=True) needs comp_signal (Hopper: with packed_recv_count, block_m, threshold) "
+                         "or src_signals (Blackwell: with src_signal_expect_value)")
     assert packed_recv_count is not None and packed_recv_count.dtype == torch.int32 and packed_recv_count.shape == (el,), \
         f"overlap=True with comp_signal needs packed_recv_count, int32 [{el}] (the dispatch's recv_count)"
-    assert packed_recv_count.tolist() == rows, \
-        f"packed_recv_count {packed_recv_count.tolist()} is not the recv_count {rows} of the dispatch of this handle"
-    block_m, threshold = int(block_m), int(threshold)
-    assert block_m > 0, f"block_m must be positive, got {block_m}"
-    per_expert = -(-num_ranks * t // block_m)
+    if device.type == "cpu":  # GPU buffers: no host sync per call
+        rows = [int(v) for v in (layout_range.to(torch.int64) & 0xFFFFFFFF).sum(dim=1).tolist()]
+        assert packed_recv_count.tolist() == rows, \
+            f"packed_recv_count {packed_recv_count.tolist()} is not the recv_count {rows} of the dispatch of this handle"
+    assert int(block_m) > 0, f"block_m must be positive, got {block_m}"
+    per_expert = -(-num_ranks * t // int(block_m))
     assert comp_signal.dtype == torch.int32 and comp_signal.numel() >= el * per_expert, \
         f"comp_signal must be int32 with num_local_experts * ceil(num_ranks * T / block_m) = {el * per_expert} entries, got " \
         f"{comp_signal.dtype} of shape {tuple(comp_signal.shape)}"
-    if not waits:
-        return
-    sig = comp_signal.reshape(-1)[:el * per_expert].view(el, per_expert)
-    for l, r in enumerate(rows):
-        blocks = -(-r // block_m)
-        late = (sig[l, :blocks] < threshold).nonzero()
-        if late.numel():
-            b = int(late[0, 0])
-            raise RuntimeError(f"low_latency_combine(overlap=True): comp_signal of local expert {l}, block {b} (rows "
-                               f"[{b * block_m}, {min(r, (b + 1) * block_m)})) is {int(sig[l, b])} < threshold = {threshold}: on a CPU "
-                               "buffer the producer has run before the call, so this signal will never come")
+    return comp_signal.reshape(-1), min(int(block_m), num_ranks * t), int(threshold), int(num_sms)
 
 
 class Buffer:
@@ -579,27 +549,24 @@ class Buffer:
 
         Single-batch overlap (SGLang's SBO, DeepEP's overlap combine): `overlap`, with Hopper's
         `packed_recv_count`, `comp_signal`, `block_m`, `threshold`, `num_sms` or Blackwell's
-        `src_signals`, `src_signal_expect_value`. DeepEP starts sending an expert's rows block by
-        block as the down GEMM raises their signals; here the combine never starts early, it sends
-        after the whole GEMM (same results). Without `overlap` the arguments are ignored, as in
-        DeepEP. With `overlap` (see `_check_overlap`): CPU buffers check that every signal the
-        combine would wait for is raised (ops on CPU tensors run in program order, so the GEMM is
-        done) and raise if not; GPU buffers raise NotImplementedError when a signal wait is asked
-        for, since SGLang orders the combine after the GEMM's start only, and waiting for the
-        signals needs a kernel change not made yet (README, compatibility table). `num_sms` is
-        accepted, no effect (the LL grids are sized by the library)."""
+        `src_signals`, `src_signal_expect_value`. As DeepEP, the combine sends an expert's rows block
+        by block as the down GEMM raises their signals (GPU buffers: waits on the device, see
+        `_overlap_args`; CPU buffers: a signal not raised is an error, the GEMM having run). Without
+        `overlap` the arguments are ignored, as in DeepEP. `num_sms` > 0 caps the blocks that wait
+        (four 128-thread blocks per SM) so that the GEMM keeps the rest."""
         assert not (async_finish and return_recv_hook), "async_finish and return_recv_hook are mutually exclusive"
         if isinstance(x, (tuple, list)) and x and isinstance(x[0], torch.Tensor):
             # The (recv_x, scales) pair of an FP8 dispatch: the op names the dtype it refuses.
             x = x[0]
+        ov = (None, 64, 0, 0)
         if overlap:
-            _check_overlap(self.device, self.group_size, handle, packed_recv_count, comp_signal, block_m, threshold, src_signals,
-                           src_signal_expect_value)
+            ov = _overlap_args(self.device, self.group_size, handle, packed_recv_count, comp_signal, block_m, threshold, num_sms,
+                               src_signals, src_signal_expect_value)
         src_info, layout_range, t, hidden, e = handle
         if out is None:
             out = torch.empty((topk_idx.size(0), hidden), dtype=torch.bfloat16, device=x.device)
         if return_recv_hook:
-            state = ops.low_latency_combine_send(self.handle, x, src_info, layout_range, t, e, use_logfmt, zero_copy)
+            state = ops.low_latency_combine_send(self.handle, x, src_info, layout_range, t, e, use_logfmt, zero_copy, *ov)
 
             def hook():
                 ops.low_latency_combine_recv(self.handle, state, topk_idx, topk_weights, out, combine_wait_recv_cost_stats, t,
@@ -607,7 +574,7 @@ class Buffer:
         else:
             hook = None
             ops.low_latency_combine(self.handle, x, topk_idx, topk_weights, src_info, layout_range, out,
-                                    combine_wait_recv_cost_stats, t, e, use_logfmt, zero_copy, num_tokens)
+                                    combine_wait_recv_cost_stats, t, e, use_logfmt, zero_copy, num_tokens, *ov)
         event = EventOverlap(EventHandle(), (x, topk_idx, topk_weights, src_info, layout_range, out)) \
             if async_finish and x.is_cuda else EventOverlap(None)
         return out, event, hook

@@ -5,7 +5,7 @@
 use crate::api::buffer::{check_size, guard, opt_tensor, tensor, RawTensor};
 use crate::error::{Error, Result};
 use crate::op_io::{CombineOutputs, DispatchOutputs, DispatchPlan, Handle, LlDispatchOutputs, LlStats};
-use crate::ops::{self, CombineInputs, DispatchRequest, LlDispatchSendArgs, LlParams};
+use crate::ops::{self, CombineInputs, DispatchRequest, LlDispatchSendArgs, LlOverlap, LlParams};
 use crate::tensor::TensorRef;
 use std::ffi::{c_int, c_void};
 
@@ -110,6 +110,16 @@ pub struct RawLlDispatchOutputs {
     src_info: RawTensor,
     layout_range: RawTensor,
     recv_state: RawTensor,
+}
+
+/// `deep_ep_ll_overlap_t`.
+#[repr(C)]
+pub struct RawLlOverlap {
+    size: u32,
+    signal: RawTensor,
+    block_m: i64,
+    threshold: i64,
+    num_sms: i64,
 }
 
 unsafe fn handle_of(op: &'static str, h: &RawHandle) -> Result<Handle> {
@@ -369,13 +379,22 @@ pub unsafe extern "C" fn deep_ep_ll_combine_send(
     src_info: *const RawTensor,
     layout_range: *const RawTensor,
     recv_state: *const RawTensor,
+    overlap: *const RawLlOverlap,
 ) -> c_int {
     const OP: &str = crate::op_names::LOW_LATENCY_COMBINE;
     guard(|| {
         let p = ll_params(OP, p)?;
         let (x, src_info) = (tensor(OP, "x", x)?, tensor(OP, "src_info", src_info)?);
         let (layout_range, recv_state) = (tensor(OP, "layout_range", layout_range)?, tensor(OP, "recv_state", recv_state)?);
-        ops::low_latency_combine_send(handle, &p, x, src_info, layout_range, recv_state)
+        let overlap = match overlap.as_ref() {
+            None => None,
+            Some(o) => {
+                check_size(OP, o.size, std::mem::size_of::<RawLlOverlap>())?;
+                let signal = tensor(OP, "comp_signal", &o.signal)?;
+                Some(LlOverlap { signal, block_m: o.block_m, threshold: o.threshold, num_sms: o.num_sms })
+            }
+        };
+        ops::low_latency_combine_send(handle, &p, x, src_info, layout_range, recv_state, overlap)
     })
 }
 

@@ -222,6 +222,52 @@ pub struct LlCombineSendArgs {
     pub zero_copy: bool,
     /// `[LL_STATE_LEN]` int64, written here.
     pub recv_state: TensorRef,
+    /// Single-batch overlap: the producer's signals the send waits for (None: no wait).
+    pub signal: Option<LlSignal>,
+}
+
+/// The signals of an overlapped LL combine (SGLang's single-batch overlap): row `r` of local expert
+/// `l` is ready once `signal[l * blocks + r / block_m] >= threshold` (int32, on the buffer's device,
+/// raised by the producer of the combine's input, e.g. the down GEMM, as it finishes those rows).
+pub struct LlSignal {
+    /// int32, at least `E_l * blocks` elements, contiguous.
+    pub signal: TensorRef,
+    /// Rows per signal, `1..=R*T`; `blocks = ceil(R*T / block_m)`.
+    pub block_m: usize,
+    /// The value a signal reaches when its rows are written (> 0; a call without a wait has no `LlSignal`).
+    pub threshold: i32,
+    /// Most blocks the send may use while it waits (0: its usual grid), so that the producer keeps SMs.
+    pub max_blocks: usize,
+}
+
+impl LlSignal {
+    /// Signals per local expert.
+    pub fn blocks(&self, g: &LlGeometry, num_ranks: usize) -> usize {
+        (num_ranks * g.num_max_dispatch_tokens_per_rank).div_ceil(self.block_m)
+    }
+
+    /// On the cpu backend, where ops on CPU tensors run in program order (the producer is done):
+    /// an error naming the first signal of a received row that is not raised, since it never
+    /// will be. `layout_range` `[E_l, R]` as the dispatch wrote it.
+    pub fn check_raised(&self, op: &'static str, g: &LlGeometry, num_ranks: usize, layout_range: &[i64]) -> Result<()> {
+        let (sig, blocks) = (self.signal.cpu_slice::<i32>(), self.blocks(g, num_ranks));
+        for (l, ranges) in layout_range.chunks(num_ranks).enumerate() {
+            let rows: usize = ranges.iter().map(|v| (v & 0xffff_ffff) as usize).sum();
+            for b in 0..rows.div_ceil(self.block_m) {
+                let v = sig[l * blocks + b];
+                crate::ensure!(
+                    v >= self.threshold,
+                    op,
+                    "the overlap signal of local expert {l}, block {b} (rows [{}, {})) is {v} < threshold = {}: on a CPU buffer the \
+                     producer has run before the call, so this signal will never come (comp_signal / src_signals)",
+                    b * self.block_m,
+                    rows.min((b + 1) * self.block_m),
+                    self.threshold
+                );
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Inputs of [`Backend::ll_mask_rows`]: the real token count of an LL call as a device scalar.

@@ -49,7 +49,7 @@ pub mod site {
         LL_GEOMETRY = DEK_IC_SITE_LL_GEOMETRY, LL_DISPATCH = DEK_IC_SITE_LL_DISPATCH, LL_COMBINE = DEK_IC_SITE_LL_COMBINE,
         COMBINE_RECV = DEK_IC_SITE_COMBINE_RECV, IN_DISPATCH = DEK_IC_SITE_IN_DISPATCH,
         IN_DISPATCH_DATA = DEK_IC_SITE_IN_DISPATCH_DATA, IN_COMBINE = DEK_IC_SITE_IN_COMBINE,
-        IN_COMBINE_DATA = DEK_IC_SITE_IN_COMBINE_DATA,
+        IN_COMBINE_DATA = DEK_IC_SITE_IN_COMBINE_DATA, LL_SIGNAL = DEK_IC_SITE_LL_SIGNAL,
     }
 
     /// Human name of a site.
@@ -73,6 +73,7 @@ pub mod site {
             IN_DISPATCH_DATA => "the RDMA-leg wait of internode (cached) dispatch",
             IN_COMBINE => "the start barrier of internode combine",
             IN_COMBINE_DATA => "the node barrier or partials wait of internode combine",
+            LL_SIGNAL => "the send of low_latency_combine(overlap=True) waiting for a comp_signal of this rank's producer (never raised)",
             _ => "an unknown barrier",
         }
     }

@@ -3,7 +3,7 @@
 //! tokens per rank at most, E experts, R ranks, E_l = E / R local experts, H hidden.
 
 pub use crate::backend::LlDispatchSendArgs;
-use crate::backend::{BufferInfo, LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlGeometry, LlRowsArgs, LL_STATE_LEN};
+use crate::backend::{BufferInfo, LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlGeometry, LlRowsArgs, LlSignal, LL_STATE_LEN};
 use crate::buffer;
 use crate::error::Result;
 use crate::op_io::{LlDispatchOutputs, LlStats};
@@ -279,8 +279,52 @@ fn check_combine_layout(
         .done()
 }
 
+/// The overlap arguments of an LL combine send as plain values, unchecked (`deep_ep_ll_overlap_t`):
+/// SGLang's single-batch overlap. `threshold <= 0` asks for no wait (the call is a plain combine).
+pub struct LlOverlap {
+    /// int32 `[E_l * ceil(R*T / block_m)]` (or more) on the buffer's device: the producer's signals.
+    pub signal: TensorRef,
+    /// Rows per signal, `1..=R*T`.
+    pub block_m: i64,
+    /// A row is ready once its signal is `>= threshold`.
+    pub threshold: i64,
+    /// SMs the send may spin on while it waits (0: no cap): four 128-thread blocks per SM.
+    pub num_sms: i64,
+}
+
+/// The checked [`LlSignal`] of `o` (None when there is nothing to wait for).
+fn overlap_signal(o: Option<LlOverlap>, g: &LlGeometry, info: &BufferInfo) -> Result<Option<LlSignal>> {
+    let Some(o) = o else { return Ok(None) };
+    let rt = info.num_ranks * g.num_max_dispatch_tokens_per_rank;
+    crate::ensure!(
+        o.block_m >= 1 && o.block_m as usize <= rt,
+        COMBINE,
+        "block_m must be in 1..=num_ranks * num_max_dispatch_tokens_per_rank ({rt}), got {}",
+        o.block_m
+    );
+    crate::ensure!(o.num_sms >= 0, COMBINE, "num_sms must be >= 0, got {}", o.num_sms);
+    crate::ensure!(o.threshold <= i32::MAX as i64, COMBINE, "threshold must fit int32, got {}", o.threshold);
+    let s = LlSignal {
+        signal: o.signal,
+        block_m: o.block_m as usize,
+        threshold: o.threshold as i32,
+        max_blocks: (o.num_sms as usize).saturating_mul(4),
+    };
+    let need = g.num_experts / info.num_ranks * s.blocks(g, info.num_ranks);
+    s.signal.check(COMBINE, "comp_signal").on(&[DType::Int32], info.device)?.contiguous()?;
+    let n = s.signal.numel();
+    crate::ensure!(
+        n >= need,
+        COMBINE,
+        "comp_signal must hold num_local_experts * ceil(num_ranks * T / block_m) = {need} int32 signals, got {n}"
+    );
+    Ok((o.threshold > 0).then_some(s))
+}
+
 /// LL combine send phase (collective in sequence with the recv phase): `x [E_l, R*T, H]` bf16
 /// expert outputs in the dispatch's layout (`src_info`, `layout_range`); writes `recv_state`.
+/// `overlap`: rows are sent as the producer's signals say they are written ([`LlOverlap`]).
+#[allow(clippy::too_many_arguments)]
 pub fn low_latency_combine_send(
     handle: i64,
     p: &LlParams,
@@ -288,12 +332,14 @@ pub fn low_latency_combine_send(
     src_info: TensorRef,
     layout_range: TensorRef,
     recv_state: TensorRef,
+    overlap: Option<LlOverlap>,
 ) -> Result<()> {
     let g = p.geometry(COMBINE)?;
-    let a = LlCombineSendArgs { x, src_info, layout_range, use_logfmt: p.use_logfmt, zero_copy: p.zero_copy, recv_state };
     buffer::with(COMBINE, handle, |b| {
         let info = b.info().clone();
         check_geometry(COMBINE, &g, &info)?;
+        let signal = overlap_signal(overlap, &g, &info)?;
+        let a = LlCombineSendArgs { x, src_info, layout_range, use_logfmt: p.use_logfmt, zero_copy: p.zero_copy, recv_state, signal };
         crate::ensure!(!(a.zero_copy && a.use_logfmt), COMBINE, "zero_copy and use_logfmt cannot be combined");
         check_combine_layout(Some(&a.x), &a.src_info, &a.layout_range, &g, &info)?;
         a.recv_state

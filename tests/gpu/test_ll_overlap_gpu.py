@@ -56,18 +56,19 @@ def _worker(rank, world, seed):
             per = -(-world * T // block_m)
             counts = count.tolist()
             y = torch.full_like(recv, float("nan"))  # unwritten rows: NaN until the GEMM writes them
+            # The signals are zeroed before the GEMM starts (as SGLang's are): a tensor allocated
+            # after the event would hold stale memory, maybe raised values, when the combine reads it.
+            sig = torch.zeros(el * per, dtype=torch.int32, device=dev) if form == "hopper" else torch.zeros(el, dtype=torch.uint32, device=dev)
             start = torch.cuda.Event() if alt is not None else None
             if start is not None:
                 start.record()
                 torch.cuda._sleep(3_000_000)  # the GEMM is still running when the combine starts
             torch.mul(recv, 3, out=y)
             if form == "hopper":
-                sig = torch.zeros(el * per, dtype=torch.int32, device=dev)
                 for l, r in enumerate(counts):
                     sig[l * per:l * per + -(-r // block_m)] = 5  # DeepGEMM: ceil(N / block_n) tiles per block
                 kw = dict(packed_recv_count=count, comp_signal=sig, block_m=block_m, threshold=5, num_sms=sms)
             else:
-                sig = torch.zeros(el, dtype=torch.uint32, device=dev)
                 sig.fill_(7)
                 kw = dict(src_signals=sig, src_signal_expect_value=7)
             ctx = torch.cuda.stream(alt) if alt is not None else contextlib.nullcontext()

@@ -90,9 +90,11 @@ def test_every_listed_kernel_is_in_the_library(kernels):
 
 
 def test_low_latency_ops_have_one_kernel_each(kernels):
-    """As DeepEP: one kernel per LL op (both halves), per seam instantiation."""
+    """As DeepEP: one kernel per LL op (both halves), per seam and variant instantiation (dispatch:
+    NVFP4 or not; combine: single-batch-overlap waits or not), all under the op's one name."""
     names = [d for d in kernels["demangled"] if _qualified(d).startswith("deep_ep::ll::")]
+    want = ["deep_ep::tp::GinNet, false", "deep_ep::tp::GinNet, true", "deep_ep::tp::LsaNet, false", "deep_ep::tp::LsaNet, true"]
     for op in ("dispatch", "combine"):
         hits = sorted(d for d in names if _qualified(d) == f"deep_ep::ll::{op}")
-        assert [re.search(r"<([^>]*)>", h).group(1) for h in hits] == ["deep_ep::tp::GinNet", "deep_ep::tp::LsaNet"], hits
+        assert [re.search(r"<([^>]*)>", h).group(1) for h in hits] == want, hits
         assert all("dispatch" not in h for h in hits) if op == "combine" else all("combine" not in h for h in hits), hits

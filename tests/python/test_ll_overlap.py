@@ -1,7 +1,7 @@
 """`Buffer.low_latency_combine`'s single-batch-overlap arguments (SGLang's SBO; DeepEP's overlap
-combine) at one CPU rank: the names and defaults, what is checked, and the GPU guard (called
-directly, no GPU needed). The call sequence at 2 and 4 ranks: `sglang_sbo` in
-tests/python/_frameworks.py (test_frameworks.py)."""
+combine) at one CPU rank: the names and defaults, what is checked, the op's own checks (torch ops
+called directly). The call sequence at 2 and 4 ranks: `sglang_sbo` in tests/python/_frameworks.py
+(test_frameworks.py); the device-side waits: tests/gpu/test_ll_overlap_gpu.py."""
 import inspect
 
 import pytest
@@ -64,11 +64,11 @@ BAD = [
      lambda c, per: dict(packed_recv_count=c, comp_signal=torch.ones(7, dtype=torch.int32), threshold=1)),
     ("block-m-zero", AssertionError, r"block_m must be positive, got 0",
      lambda c, per: dict(packed_recv_count=c, comp_signal=_signals(c, per, 64, 1), block_m=0, threshold=1)),
-    ("comp-signal-not-raised", RuntimeError, r"comp_signal of local expert \d+, block 0 .* is 1 < threshold = 2: .* will never come",
+    ("comp-signal-not-raised", RuntimeError, r"overlap signal of local expert \d+, block 0 .* is 1 < threshold = 2: .* will never come",
      lambda c, per: dict(packed_recv_count=c, comp_signal=_signals(c, per, 64, 1), threshold=2)),
     ("src-signals-short", AssertionError, r"src_signals must hold one word per local expert \(8\)",
      lambda c, per: dict(src_signals=torch.ones(3, dtype=torch.uint32), src_signal_expect_value=1)),
-    ("src-signals-not-raised", RuntimeError, r"src_signals\[\d+\] = 0 < src_signal_expect_value = 1 .* will never come",
+    ("src-signals-not-raised", RuntimeError, r"overlap signal of local expert \d+, block 0 .* is 0 < threshold = 1: .* will never come",
      lambda c, per: dict(src_signals=torch.zeros(E, dtype=torch.uint32), src_signal_expect_value=1)),
 ]
 
@@ -83,16 +83,34 @@ def test_bad_overlap_arguments_then_the_buffer_goes_on(ll, case):
     assert torch.equal(got, x), "overlap=False ignores the overlap arguments, as DeepEP"
 
 
-def test_gpu_buffers_refuse_a_signal_wait():
-    """Checked without a GPU: the guard is host code before any launch."""
-    from deep_ep_rs.buffer import _check_overlap
+OP_BAD = [
+    ("block-m-zero", r"block_m must be in 1..=num_ranks \* num_max_dispatch_tokens_per_rank \(8\), got 0", dict(block_m=0)),
+    ("block-m-over-rows", r"block_m must be in 1..=.* got 9", dict(block_m=9)),
+    ("signal-short", r"comp_signal must hold num_local_experts \* ceil\(num_ranks \* T / block_m\) = 16 int32 signals, got 15",
+     dict(block_m=4, sig=torch.ones(15, dtype=torch.int32))),
+    ("signal-int64", r"comp_signal must be torch.int32 on cpu, got torch.int64", dict(sig=torch.ones(64, dtype=torch.int64))),
+    ("num-sms-negative", r"num_sms must be >= 0, got -1", dict(num_sms=-1)),
+    ("threshold-over-int32", r"threshold must fit int32, got 4294967296", dict(threshold=1 << 32)),
+]
 
-    handle = (None, None, T, H, E)  # a GPU buffer's check reads no tensor of the handle
-    cuda = torch.device("cuda", 0)
-    with pytest.raises(NotImplementedError, match=r"overlap=True\) with a signal to wait for .* not implemented on GPU buffers"):
-        _check_overlap(cuda, 1, handle, None, torch.zeros(8, dtype=torch.int32), 64, 1, None, 0)
-    with pytest.raises(NotImplementedError, match="single-batch overlap"):
-        _check_overlap(cuda, 1, handle, None, None, 64, 0, torch.zeros(8, dtype=torch.uint32), 32)
-    # Nothing to wait for (threshold / expected value <= 0, DeepEP's "always satisfied"): accepted.
-    assert _check_overlap(cuda, 1, handle, None, torch.zeros(8, dtype=torch.int32), 64, 0, None, 0) is None
-    assert _check_overlap(cuda, 1, handle, None, None, 64, 5, torch.zeros(8, dtype=torch.uint32), 0) is None
+
+@pytest.mark.parametrize("case", OP_BAD, ids=[c[0] for c in OP_BAD])
+def test_the_ops_check_the_overlap_arguments(ll, case):
+    """The torch ops (what TorchScript / AOTI artifacts call) check what the Python layer does not."""
+    _, regex, kw = case
+    ops = torch.ops.deep_ep
+    x, idx, w, recv, count, handle = _dispatched(ll)
+    src_info, layout_range, t, _, e = handle
+    sig = kw.get("sig", torch.full((E * T,), 1, dtype=torch.int32))
+    args = (sig, kw.get("block_m", 1), kw.get("threshold", 1), kw.get("num_sms", 0))
+    with pytest.raises(RuntimeError, match=regex):
+        ops.low_latency_combine_send(ll.handle, recv, src_info, layout_range, t, e, False, False, *args)
+    out = torch.empty_like(x)
+    with pytest.raises(RuntimeError, match=regex):
+        ops.low_latency_combine(ll.handle, recv, idx, w, src_info, layout_range, out, None, t, e, False, False, None, *args)
+    got, _, _ = ll.low_latency_combine(recv, idx, w, handle)
+    assert torch.equal(got, x), "the buffer goes on"
+    # Raised signals: the op combines as without them (num_sms of any size: a cap, saturating).
+    ops.low_latency_combine(ll.handle, recv, idx, w, src_info, layout_range, out, None, t, e, False, False, None,
+                            torch.full((E * T,), 1, dtype=torch.int32), 1, 1, 1 << 62)
+    assert torch.equal(out, x)

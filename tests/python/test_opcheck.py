@@ -244,6 +244,12 @@ def test_low_latency_combine_send_recv(ops, ll_buffer):
         x, idx, w, recv_x, src_info, layout_range = _ll_dispatched(ops, buf)
         send_args = (buf, recv_x, src_info, layout_range, T, E, False, False)
         check(ops.low_latency_combine_send.default, send_args, (util,))
+        # Single-batch overlap: the producer's signals, all raised (a CPU buffer's producer is done).
+        buf = ll_buffer()
+        x, idx, w, recv_x, src_info, layout_range = _ll_dispatched(ops, buf)
+        sig = torch.ones(recv_x.shape[0] * recv_x.shape[1], dtype=torch.int32)
+        check(ops.low_latency_combine_send.default, send_args[:1] + (recv_x, src_info, layout_range) + send_args[4:] + (sig, 1, 1, 0),
+              (util,))
     for util in ALL_UTILS[:3]:  # see the module docstring
         buf = ll_buffer()
         x, idx, w, recv_x, src_info, layout_range = _ll_dispatched(ops, buf)

@@ -62,9 +62,11 @@ EXPECTED = {
                                  "bool round_scale, bool use_ue8m0, bool use_nvfp4=False) -> ()",
     "low_latency_combine": "low_latency_combine(int handle, Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor src_info, Tensor layout_range, "
                            "Tensor(a!) out, Tensor(b!)? combine_wait_recv_cost_stats, int num_max_dispatch_tokens_per_rank, int num_experts, "
-                           "bool use_logfmt, bool zero_copy, Tensor? num_tokens=None) -> ()",
+                           "bool use_logfmt, bool zero_copy, Tensor? num_tokens=None, Tensor? comp_signal=None, int block_m=64, "
+                           "int threshold=0, int num_sms=0) -> ()",
     "low_latency_combine_send": "low_latency_combine_send(int handle, Tensor x, Tensor src_info, Tensor layout_range, "
-                                "int num_max_dispatch_tokens_per_rank, int num_experts, bool use_logfmt, bool zero_copy) -> Tensor",
+                                "int num_max_dispatch_tokens_per_rank, int num_experts, bool use_logfmt, bool zero_copy, "
+                                "Tensor? comp_signal=None, int block_m=64, int threshold=0, int num_sms=0) -> Tensor",
     "low_latency_combine_recv": "low_latency_combine_recv(int handle, Tensor recv_state, Tensor topk_idx, Tensor topk_weights, Tensor(a!) out, "
                                 "Tensor(b!)? combine_wait_recv_cost_stats, int num_max_dispatch_tokens_per_rank, int hidden, int num_experts, "
                                 "Tensor? num_tokens=None) -> ()",

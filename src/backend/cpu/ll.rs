@@ -549,6 +549,7 @@ impl LowLatencyMode for CpuBackend {
                 }
             }
         }
+        a.signal.as_ref().map_or(Ok(()), |sig| sig.check_raised(OP_COMBINE, g, r, layout_range))?;
         let x = if a.zero_copy { &[][..] } else { a.x.cpu_slice::<u16>() };
         // Partial sums when this handle's dispatch sent weights in the deduplicated format.
         let src_ptr = a.src_info.data_ptr() as usize;

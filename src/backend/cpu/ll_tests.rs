@@ -313,6 +313,7 @@ fn run_rank(c: Case, id: Vec<u8>, rank: usize, inputs: Vec<Input>) -> Vec<RankRo
                 use_logfmt: c.logfmt,
                 zero_copy: c.zero_copy,
                 recv_state: tr(&mut state, DType::Int64, &[LL_STATE_LEN]),
+                signal: None,
             };
             b.ll_combine_send(&g, &args, null).unwrap();
             states.push((i, state));

@@ -412,6 +412,14 @@ impl LowLatencyMode for PeerBackend {
         // against it (`DEEP_EP_CHECK_INPUTS=0` skips the check).
         let routed = crate::backend::ll_dispatch_half(&self.ll.dispatch, src_ptr).filter(|_| crate::settings::check_inputs());
         a.routing_half = routed.map_or(-1, |h| h as i32);
+        // Overlap: the send's warps wait on the device for the producer's signals (kernels/low_latency.cu).
+        if let Some(sig) = &s.signal {
+            a.signal = sig.signal.data_ptr() as *const i32;
+            a.signal_block_m = sig.block_m as i32;
+            a.signal_blocks = sig.blocks(g, self.info.num_ranks) as i32;
+            a.signal_threshold = sig.threshold;
+            a.signal_grid = sig.max_blocks.min(i32::MAX as usize) as i32;
+        }
         self.ll_begin_send(OP_COMBINE, &mut a, stream)?;
         // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
         unsafe { k::combine_send(OP_COMBINE, self.window.ctx(), &a, stream) }

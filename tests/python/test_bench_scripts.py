@@ -1,6 +1,6 @@
 """The host-path benchmark tools run on the CPU backend (their self-check mode), so they do not rot
 between device runs: bench/host_overhead.py, bench/host_profile.py, bench/deepep_v1.py's loader,
-bench/nvlink_probe.py's kernel (Triton's CPU interpreter)."""
+bench/nvlink_probe.py's kernel and bench/ll_overlap.py's GEMM stand-in (Triton's CPU interpreter)."""
 import json
 import os
 import subprocess
@@ -64,13 +64,16 @@ def test_deepep_v1_baseline_says_how_to_get_deepep():
         pytest.skip("the real DeepEP is importable here")
 
 
-def test_nvlink_probe_addressing_on_the_cpu_interpreter():
-    """bench/nvlink_probe.py's Triton kernel under TRITON_INTERPRET=1: every chunk lands at its
-    peer's place (store-rr, store-one, back to back and spread) and the loads read the right ones."""
+@pytest.mark.parametrize("script", ["nvlink_probe.py", "ll_overlap.py"])
+def test_triton_kernels_on_the_cpu_interpreter(script):
+    """Under TRITON_INTERPRET=1: bench/nvlink_probe.py's kernel puts every chunk at its peer's place
+    (store-rr, store-one, back to back and spread) and its loads read the right ones;
+    bench/ll_overlap.py's GEMM stand-in doubles every row of every tile and raises each tile's
+    signal once."""
     triton = pytest.importorskip("triton")
     if not triton.__version__.startswith("3.6"):  # the interpreter's limits differ between releases
         pytest.skip(f"checked with the toolchain's Triton 3.6 (docs/TOOLCHAIN.md), found {triton.__version__}")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, str(BENCH / "nvlink_probe.py"), "--self-check"], capture_output=True, text=True, env=env,
+    r = subprocess.run([sys.executable, str(BENCH / script), "--self-check"], capture_output=True, text=True, env=env,
                        cwd=BENCH, timeout=300)
     assert r.returncode == 0 and "self-check: ok" in r.stdout, r.stdout + r.stderr

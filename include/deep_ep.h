@@ -210,15 +210,19 @@ inline LowLatencyDispatchResult low_latency_dispatch(int64_t buffer, const Tenso
 }
 
 /// Collective, low-latency: writes out [N,H] bf16 = Σ_k w_k·y_k in place (rows >= num_tokens: zero;
-/// pass the dispatch's num_tokens).
+/// pass the dispatch's num_tokens). Single-batch overlap: comp_signal (int32
+/// [E_l*ceil(R*T/block_m)] on x's device, zeroed before the producer of x starts) makes the send
+/// wait on the device for comp_signal[l*ceil(R*T/block_m) + r/block_m] >= threshold (> 0) before
+/// row r of local expert l; num_sms > 0 caps the waiting blocks (see the schema above).
 inline void low_latency_combine(int64_t buffer, const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
                                 const LowLatencyDispatchResult& d, const Tensor& out, int64_t t, int64_t num_experts,
-                                const OptTensor& num_tokens = std::nullopt) {
-  // A typed call passes every argument of the schema, defaulted ones included (the overlap arguments).
+                                const OptTensor& num_tokens = std::nullopt, const OptTensor& comp_signal = std::nullopt,
+                                int64_t block_m = 64, int64_t threshold = 0, int64_t num_sms = 0) {
+  // A typed call passes every argument of the schema, defaulted ones included.
   op<void(int64_t, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptTensor&, int64_t, int64_t,
           bool, bool, const OptTensor&, const OptTensor&, int64_t, int64_t, int64_t)>("low_latency_combine")
       .call(buffer, x, topk_idx, topk_weights, d.src_info, d.layout_range, out, std::nullopt, t, num_experts, false, false, num_tokens,
-            std::nullopt, 64, 0, 0);
+            comp_signal, block_m, threshold, num_sms);
 }
 
 }  // namespace deep_ep

@@ -206,6 +206,17 @@ int run_rank(const Args& a) {
               rank, "LL combined with num_tokens");
       if (rank == 0) std::printf("LL decode step with num_tokens=%lld of %d: ok\n", static_cast<long long>(m), n);
     }
+    {
+      // Single-batch overlap: the send waits for the producer's signals, one per row here
+      // (block_m 1), all raised since the producer (the scaling above) has run.
+      auto ld = deep_ep::low_latency_dispatch(buf, x, topk, n, e);
+      auto y = (ld.recv_x.to(at::kFloat) * scale).to(at::kBFloat16);
+      auto sig = at::ones({static_cast<int64_t>(el) * world * n}, at::TensorOptions().dtype(at::kInt).device(dev));
+      at::Tensor ov = at::empty({n, h}, x.options());
+      deep_ep::low_latency_combine(buf, y, topk, weights, ld, ov, n, e, std::nullopt, sig, /*block_m=*/1, /*threshold=*/1);
+      require(at::allclose(ov.cpu().to(at::kFloat), want.to(at::kFloat), 1e-2, 1e-2), rank, "LL combined with overlap signals");
+      if (rank == 0) std::printf("LL combine with single-batch-overlap signals: ok\n");
+    }
     double eager_us = time_us(decode, a.iters, sync);
     if (rank == 0) std::printf("LL decode step (eager): ok, %.1f us/iter\n", eager_us);
 #ifdef DEEP_EP_EXAMPLE_CUDA

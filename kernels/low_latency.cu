@@ -14,6 +14,35 @@ namespace {
 constexpr int kChunk = 1024;
 
 // ---- combine ----------------------------------------------------------------------------------
+// Overlap (Args::signal): waits until the producer of the combine's input raised the signal of row
+// `row` of local expert l (>= signal_threshold). The GEMM runs on this GPU meanwhile, so the wait
+// polls one word; false: the buffer timed out here or earlier (reported: nothing more is sent and
+// no receiver is signalled, so the peers' waits name this rank) or the op was cancelled.
+__device__ __noinline__ bool wait_signal(const Ctx& c, const Args& a, int l, int64_t row) {
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(a.signal + static_cast<int64_t>(l) * a.signal_blocks + row / a.signal_block_m);
+  const uint64_t start = globaltimer();
+  for (uint32_t polls = 0;; ++polls) {
+    const int v = static_cast<int>(ld_acquire_sys_u32(w));
+    if (v >= a.signal_threshold) return true;
+    // Not op_cancelled: it holds a block barrier, and one thread (lane 0, or an entry's thread) waits here.
+    if (polls % 64 == 63 && (timed_out(c) || ld_volatile(at<int>(local(c), kScrOpBad)) != 0)) return false;
+    if (globaltimer() - start > c.timeout_ns) {
+      report(c, DEK_IC_ERR_TIMEOUT, c.rank, DEK_IC_SITE_LL_SIGNAL, v, a.signal_threshold);
+      return false;
+    }
+  }
+}
+
+// One warp before sending row `row` of local expert l (Args::signal): lane 0 waits when the row
+// starts a GEMM block the warp has not seen signalled yet (*ready). false: the wait failed.
+__device__ __forceinline__ bool warp_rows_ready(const Ctx& c, const Args& a, int l, int64_t row, int lane, int64_t* ready) {
+  if (row / a.signal_block_m == *ready) return true;
+  const bool ok = __shfl_sync(0xffffffffu, lane == 0 ? wait_signal(c, a, l, row) : false, 0);
+  __syncwarp();  // lane 0's acquire orders the warp's loads of the rows after the producer's writes
+  *ready = row / a.signal_block_m;
+  return ok;
+}
+
 // LogFMT rows [b, b + cnt) of local expert l to rank s (combine send, flags DEK_LL_FLAG_LOGFMT):
 // one warp per (row, chunk) encodes into the LogFMT layout of logfmt.cuh at global expert
 // rank*E_l + l, source token. A rank s outside the NVLink domain is not written through a pointer:
@@ -21,8 +50,6 @@ constexpr int kChunk = 1024;
 // combine: payloads [E_l][R*T] of 2H bytes from its start, then meta words [E_l][R*T][S]) and puts
 // the chunk's payload and meta words to the offsets of s that the NVLink stores would reach. The
 // payload put covers whole 256-byte groups: bytes 160.. of a cast group are not part of the layout.
-__device__ bool wait_signal(const Ctx& c, const Args& a, int l, int64_t row);
-
 // Returns false when a signal wait (Args::signal) failed: the rest is not sent.
 template <class Net, bool kSig>
 __device__ bool ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l, int64_t b, int64_t cnt, int warp, int lane) {
@@ -38,12 +65,7 @@ __device__ bool ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l
   int64_t ready = -1;
   for (int64_t it = warp; it < cnt * nch; it += kLlWarps) {
     const int64_t row = b + it / nch;
-    if (kSig && row / a.signal_block_m != ready) {
-      const bool ok = __shfl_sync(0xffffffffu, lane == 0 ? wait_signal(c, a, l, row) : false, 0);
-      __syncwarp();  // lane 0's acquire orders the warp's loads of the rows after the producer's writes
-      if (!ok) return false;
-      ready = row / a.signal_block_m;
-    }
+    if (kSig && !warp_rows_ready(c, a, l, row, lane, &ready)) return false;
     const int c0 = static_cast<int>(it % nch) * chunk, c1 = min(H, c0 + chunk), ng = (c1 - c0) / 128;
     const int tok = a.src_info[l * RT + row];
     if (tok < 0 || tok >= T) continue;
@@ -65,53 +87,12 @@ __device__ bool ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l
   return true;
 }
 
-// Overlap (Args::signal): waits until the producer of the combine's input raised the signal of row
-// `row` of local expert l (>= signal_threshold). The GEMM runs on this GPU meanwhile, so the wait
-// polls one word; false: the buffer timed out here or earlier (reported: nothing more is sent and
-// no receiver is signalled, so the peers' waits name this rank) or the op was cancelled.
-__device__ __noinline__ bool wait_signal(const Ctx& c, const Args& a, int l, int64_t row) {
-  const uint32_t* w = reinterpret_cast<const uint32_t*>(a.signal + static_cast<int64_t>(l) * a.signal_blocks + row / a.signal_block_m);
-  const uint64_t start = globaltimer();
-  for (uint32_t polls = 0;; ++polls) {
-    const int v = static_cast<int>(ld_acquire_sys_u32(w));
-    if (v >= a.signal_threshold) return true;
-    // Not op_cancelled: it holds a block barrier, and one thread (lane 0, or an entry's thread) waits here.
-    if (polls % 64 == 63 && (timed_out(c) || ld_volatile(at<int>(local(c), kScrOpBad)) != 0)) return false;
-    if (globaltimer() - start > c.timeout_ns) {
-      atomicCAS(at<int>(local(c), kScrTimedOut), 0, 1);
-      report(c, DEK_IC_ERR_TIMEOUT, c.rank, DEK_IC_SITE_LL_SIGNAL, v, a.signal_threshold);
-      return false;
-    }
-  }
-}
-
-// Rows [b, b + cnt) of local expert l to source rank s: as combine_send. With Args::signal a warp
-// waits for each GEMM block of rows before sending from it; false: a wait failed (wait_signal).
-template <class Net, bool kSig>
-__device__ __forceinline__ bool combine_send_rows(const Ctx& c, const Args& a, int l, int s, uint32_t seq);
-
-// Item (l, s) of the grid ((E_l, R) blocks, or with Args::signal_grid at most that many blocks,
-// each taking items l + E_l*s in turn): pushes rows layout_range[l][s] of local expert l back to
-// source rank s, keyed by (global expert, source token), then signals word s_global = rank*E_l + l
-// on rank s. A source outside the NVLink domain gets each row by a seam put from its zero-copy slot
-// (send_to), or with LogFMT each encoded chunk by puts from the send half (ll_combine_send_logfmt).
-template <class Net, bool kSig>
-__device__ __forceinline__ void combine_send(const Ctx& c, const Args& a) {
-  __shared__ uint32_t s_seq;
-  __shared__ int s_skip;
-  if (!begin_send(c, a, DEK_LL_KIND_COMBINE, &s_seq, &s_skip)) return;
-  if constexpr (kSig) {
-    const int El = a.num_experts / c.num_ranks;
-    const int blocks = gridDim.x * gridDim.y;
-    for (int w = blockIdx.y * gridDim.x + blockIdx.x; w < El * c.num_ranks; w += blocks) {
-      if (!combine_send_rows<Net, true>(c, a, w % El, w / El, s_seq)) break;
-    }
-  } else {
-    combine_send_rows<Net, false>(c, a, blockIdx.x, blockIdx.y, s_seq);
-  }
-  finish_send(c, s_seq);
-}
-
+// Item (l, s) of the per-expert combine send: pushes rows layout_range[l][s] of local expert l
+// back to source rank s, keyed by (global expert, source token), then signals word s_global =
+// rank*E_l + l on rank s. A source outside the NVLink domain gets each row by a seam put from its
+// zero-copy slot (send_to), or with LogFMT each encoded chunk by puts from the send half
+// (ll_combine_send_logfmt). With Args::signal a warp waits for each GEMM block of rows before
+// sending from it (warp_rows_ready); false: a wait failed.
 template <class Net, bool kSig>
 __device__ __forceinline__ bool combine_send_rows(const Ctx& c, const Args& a, int l, int s, uint32_t seq) {
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -134,12 +115,7 @@ __device__ __forceinline__ bool combine_send_rows(const Ctx& c, const Args& a, i
   int64_t ready = -1;  // the GEMM block of rows this warp last found signalled
   for (int64_t it = warp; it < cnt * nchunks; it += kLlWarps) {
     const int64_t row = b + it / nchunks;
-    if (kSig && row / a.signal_block_m != ready) {
-      ok = __shfl_sync(0xffffffffu, lane == 0 ? wait_signal(c, a, l, row) : false, 0);
-      __syncwarp();  // lane 0's acquire orders the warp's loads of the rows after the producer's writes
-      if (!ok) break;
-      ready = row / a.signal_block_m;
-    }
+    if (kSig && !(ok = warp_rows_ready(c, a, l, row, lane, &ready))) break;
     const int c0 = static_cast<int>(it % nchunks) * kChunk, c1 = min(H, c0 + kChunk);
     const int tok = a.src_info[l * RT + row];
     if (tok < 0 || tok >= T) continue;
@@ -164,6 +140,25 @@ __device__ __forceinline__ bool combine_send_rows(const Ctx& c, const Args& a, i
     raise_to<Net>(c, a, s, word, kSeamCombine, a.half, l, tag(seq, 0));
   }
   return ok;
+}
+
+// The per-expert combine send: (E_l, R) blocks, item (blockIdx.x, blockIdx.y) each, or with
+// Args::signal_grid at most that many blocks, each taking items l + E_l*s in turn.
+template <class Net, bool kSig>
+__device__ __forceinline__ void combine_send(const Ctx& c, const Args& a) {
+  __shared__ uint32_t s_seq;
+  __shared__ int s_skip;
+  if (!begin_send(c, a, DEK_LL_KIND_COMBINE, &s_seq, &s_skip)) return;
+  if constexpr (kSig) {
+    const int El = a.num_experts / c.num_ranks;
+    const int blocks = gridDim.x * gridDim.y;
+    for (int w = blockIdx.y * gridDim.x + blockIdx.x; w < El * c.num_ranks; w += blocks) {
+      if (!combine_send_rows<Net, true>(c, a, w % El, w / El, s_seq)) break;
+    }
+  } else {
+    combine_send_rows<Net, false>(c, a, blockIdx.x, blockIdx.y, s_seq);
+  }
+  finish_send(c, s_seq);
 }
 
 // Partial combine: block (s, y) takes work items y, y+gridDim.y, ... (a message that source rank s

@@ -118,6 +118,17 @@ def make_buffer1(ops, num_nvl_bytes=1 << 24, num_rdma_bytes=0, low_latency_mode=
     return int(ops.create_buffer(uid, 0, 1, torch.device("cpu"), num_nvl_bytes, num_rdma_bytes, low_latency_mode, "cpu"))
 
 
+@pytest.fixture(scope="module")
+def ll(deep_ep, group, request):
+    """A one-rank low-latency `Buffer` sized for the requesting module's constants T (tokens per
+    rank), H (hidden) and E (experts), destroyed after the module."""
+    m = request.module
+    b = deep_ep.Buffer(group, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(m.T, m.H, 1, m.E), low_latency_mode=True,
+                       explicitly_destroy=True)
+    yield b
+    b.destroy()
+
+
 @pytest.fixture
 def buffer1(ops):
     h = make_buffer1(ops)

@@ -8,15 +8,7 @@ import pytest
 import torch
 
 
-T, H, E = 8, 256, 8
-
-
-@pytest.fixture(scope="module")
-def ll(deep_ep, group):
-    b = deep_ep.Buffer(group, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, 1, E), low_latency_mode=True,
-                       explicitly_destroy=True)
-    yield b
-    b.destroy()
+T, H, E = 8, 256, 8  # also the size of conftest.py's one-rank `ll` buffer
 
 
 def test_names_and_defaults_are_deepeps(deep_ep):

@@ -7,15 +7,7 @@ import torch
 
 import _reference as ref
 
-T, H, E = 8, 256, 8
-
-
-@pytest.fixture(scope="module")
-def ll(deep_ep, group):
-    b = deep_ep.Buffer(group, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, 1, E), low_latency_mode=True,
-                       explicitly_destroy=True)
-    yield b
-    b.destroy()
+T, H, E = 8, 256, 8  # also the size of conftest.py's one-rank `ll` buffer
 
 
 def _inputs(seed=0, n=6):

@@ -5,7 +5,10 @@ with the GPU idle before it (synchronised) and without waiting for the GPU after
     torchrun --nproc-per-node 4 bench/host_overhead.py --baseline deepep_v1 --out ...
 
 Rows (`"mode": "host"`): `us_median` / `us_p10` / `us_p90` of `--samples` calls per op, slowest rank's
-median. `impl`: `deep_ep` (the `Buffer` methods, what frameworks call), `deep_ep_raw` (the
+median. The host's speed drifts by up to 2x between runs (bench/NOTES.md, session 15), so every
+(op, impl) is timed in `--rounds` rounds taking turns with the others, all buffers alive at once:
+a slow spell then hits both libraries alike. `ratio_vs_v1` (this library / DeepEP, < 1 is better)
+is the median over rounds of the per-round ratio. `impl`: `deep_ep` (the `Buffer` methods, what frameworks call), `deep_ep_raw` (the
 `torch.ops.deep_ep.*` op alone, from the same prepared arguments: the Python wrapper's share is
 the difference), `deepep_v1` (DeepEP V1's `Buffer`, same inputs; its normal mode needs >= 2
 ranks), `torch` (reference points: an empty CUDA tensor, one elementwise kernel).
@@ -31,11 +34,8 @@ from intranode import per_token_cast_to_fp8, write_record  # noqa: E402
 ops = torch.ops.deep_ep
 
 
-def host_us(fn, samples, sync):
-    """[median, p10, p90] µs of host time per call of `fn` (GPU idle before each call)."""
-    for _ in range(10):
-        fn()
-    sync()
+def host_samples(fn, samples, sync):
+    """Sorted µs of host time of `samples` calls of `fn` (GPU idle before each call)."""
     ts = []
     for _ in range(samples):
         sync()
@@ -44,7 +44,7 @@ def host_us(fn, samples, sync):
         ts.append((time.perf_counter_ns() - t0) / 1e3)
     sync()
     ts.sort()
-    return [ts[len(ts) // 2], ts[len(ts) // 10], ts[(len(ts) * 9) // 10]]
+    return ts
 
 
 def slowest(vals, dev):
@@ -53,9 +53,114 @@ def slowest(vals, dev):
     return t.tolist()
 
 
+def setup_ll(add, teardown, args, dev, group, world, cuda, sync):
+    """The low-latency rows (a function of its own: each section's lambdas keep their own inputs)."""
+    h = args.hidden
+    t, e, k = args.ll_tokens, 288, 8
+    x = torch.randn(t, h, dtype=torch.bfloat16, device=dev)
+    idx = (torch.randn(t, e, device=dev).abs() + 1).topk(k, dim=-1).indices
+    w = torch.rand(t, k, device=dev)
+    size = deep_ep_rs.Buffer.get_low_latency_rdma_size_hint(t, h, world, e)
+    ll = deep_ep_rs.Buffer(group, 0, size, low_latency_mode=True, explicitly_destroy=True, device=dev)
+    recv, count, hd, _, _ = ll.low_latency_dispatch(x, idx, t, e, use_fp8=False)
+    y = recv.clone()
+    out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
+    sync()
+    add("low_latency_dispatch", "deep_ep", lambda: ll.low_latency_dispatch(x, idx, t, e, use_fp8=True), tokens=t)
+    add("low_latency_dispatch", "deep_ep_raw", lambda: ops.low_latency_dispatch(ll.handle, x, idx, None, None, None, t, e, True, False,
+                                                                                False, None), tokens=t)
+    hd = ll.low_latency_dispatch(x, idx, t, e, use_fp8=True)[2]
+    add("low_latency_combine", "deep_ep", lambda: ll.low_latency_combine(y, idx, w, hd, out=out), tokens=t)
+    src_info, layout_range = hd[0], hd[1]
+    add("low_latency_combine", "deep_ep_raw", lambda: ops.low_latency_combine(ll.handle, y, idx, w, src_info, layout_range, out, None, t,
+                                                                              e, False, False, None), tokens=t)
+    add("low_latency_step", "deep_ep", lambda: ll.low_latency_combine(y, idx, w, ll.low_latency_dispatch(x, idx, t, e)[2], out=out),
+        tokens=t)
+    teardown.append(ll.destroy)
+    if "deepep_v1" in args.baseline and cuda:
+        from deepep_v1 import LL
+        v1 = LL(group, t, h, e)
+        y1 = v1.dispatch(x, idx, use_fp8=False)[0].clone()
+        sync()
+        add("low_latency_dispatch", "deepep_v1", lambda: v1.dispatch(x, idx), tokens=t)
+        hd1 = v1.dispatch(x, idx)[2]
+        add("low_latency_combine", "deepep_v1", lambda: v1.combine(y1, idx, w, hd1, out=out), tokens=t)
+        add("low_latency_step", "deepep_v1", lambda: v1.combine(y1, idx, w, v1.dispatch(x, idx)[2], out=out), tokens=t)
+        teardown.append(v1.destroy)
+
+
+
+def setup_ht(add, teardown, args, dev, group, world, cuda, sync):
+    """The normal-mode rows."""
+    h = args.hidden
+    n, e, k = args.ht_tokens, 256, 8
+    x = torch.randn(n, h, dtype=torch.bfloat16, device=dev)
+    idx = (torch.randn(n, e, device=dev).abs() + 1).topk(k, dim=-1, sorted=False).indices
+    w = torch.rand(n, k, device=dev)
+    x8 = per_token_cast_to_fp8(x)
+    x8 = (x8[0], x8[1].T.contiguous().T)
+    nvl = min(2_000_000_000, 1 << 30) if not cuda else 2_000_000_000
+    ht = deep_ep_rs.Buffer(group, nvl, 0, explicitly_destroy=True, device=dev)
+    cfg, ccfg = deep_ep_rs.Config(args.sms, 6, 256, 6, 128), deep_ep_rs.Config(args.sms, 9, 256, 6, 128)
+    ntpr, _, ntpe, in_rank, _ = ht.get_dispatch_layout(idx, e)
+    kw = dict(num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe, config=cfg)
+    recv_x, _, _, _, handle, _ = ht.dispatch(x, topk_idx=idx, topk_weights=w, **kw)
+    sync()
+    add("get_dispatch_layout", "deep_ep", lambda: ht.get_dispatch_layout(idx, e), tokens=n)
+    add("dispatch", "deep_ep", lambda: ht.dispatch(x, topk_idx=idx, topk_weights=w, **kw), tokens=n, waits_for_gpu=True)
+    add("cached_dispatch_bf16", "deep_ep", lambda: ht.dispatch(x, handle=handle, config=cfg), tokens=n)
+    add("cached_dispatch_fp8", "deep_ep", lambda: ht.dispatch(x8, handle=handle, config=cfg), tokens=n)
+    add("combine", "deep_ep", lambda: ht.combine(recv_x, handle, config=ccfg), tokens=n)
+    c = cfg.to_list()
+    add("cached_dispatch_bf16", "deep_ep_raw", lambda: ops.cached_dispatch(ht.handle, x, None, *handle, c), tokens=n)
+    add("combine", "deep_ep_raw", lambda: ops.combine(ht.handle, recv_x, None, None, None, *handle, ccfg.to_list()), tokens=n)
+    teardown.append(ht.destroy)
+    if "deepep_v1" in args.baseline and cuda and world >= 2:
+        from deepep_v1 import HT
+        v1 = HT(group, 2_000_000_000)
+        dcfg, dccfg = v1.dep.Config(args.sms, 6, 256, 6, 128), v1.dep.Config(args.sms, 9, 256, 6, 128)
+        ntpr1, _, ntpe1, in_rank1, _ = v1.buf.get_dispatch_layout(idx, e)
+        kw1 = dict(num_tokens_per_rank=ntpr1, is_token_in_rank=in_rank1, num_tokens_per_expert=ntpe1, config=dcfg)
+        rx1, _, _, _, h1, _ = v1.buf.dispatch(x, topk_idx=idx, topk_weights=w, **kw1)
+        sync()
+        add("get_dispatch_layout", "deepep_v1", lambda: v1.buf.get_dispatch_layout(idx, e), tokens=n)
+        add("dispatch", "deepep_v1", lambda: v1.buf.dispatch(x, topk_idx=idx, topk_weights=w, **kw1), tokens=n, waits_for_gpu=True)
+        add("cached_dispatch_bf16", "deepep_v1", lambda: v1.buf.dispatch(x, handle=h1, config=dcfg), tokens=n)
+        add("cached_dispatch_fp8", "deepep_v1", lambda: v1.buf.dispatch(x8, handle=h1, config=dcfg), tokens=n)
+        add("combine", "deepep_v1", lambda: v1.buf.combine(rx1, h1, config=dccfg), tokens=n)
+        teardown.append(v1.destroy)
+
+
+
+def timed_rounds(entries, args, sync, dev, world):
+    """Rows of every (op, impl), timed in `args.rounds` rounds taking turns."""
+    rounds = max(1, args.rounds)
+    per = max(1, args.samples // rounds)
+    samples = [[] for _ in entries]
+    medians = [[] for _ in entries]
+    for _ in range(rounds):
+        for i, (_, _, fn, _) in enumerate(entries):
+            ts = host_samples(fn, per, sync)
+            samples[i] += ts
+            medians[i].append(ts[len(ts) // 2])
+    rows = []
+    for i, (op, impl, _, extra) in enumerate(entries):
+        ts = sorted(samples[i])
+        t = slowest([ts[len(ts) // 2], ts[len(ts) // 10], ts[(len(ts) * 9) // 10]] + medians[i], dev)
+        rows.append({"op": op, "mode": "host", "impl": impl, "ranks": world, "us_median": t[0], "us_p10": t[1], "us_p90": t[2],
+                     "round_medians": t[3:], "rounds": rounds, "device": str(dev), **extra})
+    for r in rows:  # this library / DeepEP per round (same slow spells), median over rounds
+        ref = next((q for q in rows if q["impl"] == "deepep_v1" and q["op"] == r["op"]), None)
+        if ref and r["impl"] in ("deep_ep", "deep_ep_raw"):
+            ratios = sorted(a / b for a, b in zip(r["round_medians"], ref["round_medians"]))
+            r["ratio_vs_v1"] = ratios[len(ratios) // 2]
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--samples", type=int, default=200)
+    p.add_argument("--samples", type=int, default=200, help="calls timed per (op, impl), over all rounds")
+    p.add_argument("--rounds", type=int, default=5, help="rounds taking turns between (op, impl) pairs")
     p.add_argument("--ll-tokens", type=int, default=128)
     p.add_argument("--ht-tokens", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=7168)
@@ -80,7 +185,9 @@ def main():
         def sync():
             pass
     group = dist.new_group(list(range(world)))
-    rows = []
+
+    entries = []  # (op, impl, fn, extra), timed in rounds after every buffer is set up
+    teardown = []
 
     def add(op, impl, fn, **extra):
         if args.ops and op not in args.ops and f"{op}:{impl}" not in args.ops:
@@ -92,94 +199,28 @@ def main():
                     fn()
                 sync()
             return
-        t = slowest(host_us(fn, args.samples, sync), dev)
-        rows.append({"op": op, "mode": "host", "impl": impl, "ranks": world, "us_median": t[0], "us_p10": t[1], "us_p90": t[2],
-                     "device": str(dev), **extra})
+        for _ in range(10):  # warm: allocator blocks, lazy loads
+            fn()
+        sync()
+        entries.append((op, impl, fn, extra))
 
     torch.manual_seed(rank)
-    h = args.hidden
     # ---- reference points: what torch itself costs per call
     a = torch.zeros(1024, device=dev)
     add("torch.empty", "torch", lambda: torch.empty(1024, device=dev))
     add("add_", "torch", lambda: a.add_(1.0))
 
-    # ---- low latency
-    t, e, k = args.ll_tokens, 288, 8
-    x = torch.randn(t, h, dtype=torch.bfloat16, device=dev)
-    idx = (torch.randn(t, e, device=dev).abs() + 1).topk(k, dim=-1).indices
-    w = torch.rand(t, k, device=dev)
-    size = deep_ep_rs.Buffer.get_low_latency_rdma_size_hint(t, h, world, e)
-    ll = deep_ep_rs.Buffer(group, 0, size, low_latency_mode=True, explicitly_destroy=True, device=dev)
-    recv, count, hd, _, _ = ll.low_latency_dispatch(x, idx, t, e, use_fp8=False)
-    y = recv.clone()
-    out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
-    sync()
-    add("low_latency_dispatch", "deep_ep", lambda: ll.low_latency_dispatch(x, idx, t, e, use_fp8=True), tokens=t)
-    add("low_latency_dispatch", "deep_ep_raw", lambda: ops.low_latency_dispatch(ll.handle, x, idx, None, None, None, t, e, True, False,
-                                                                                False, None), tokens=t)
-    hd = ll.low_latency_dispatch(x, idx, t, e, use_fp8=True)[2]
-    add("low_latency_combine", "deep_ep", lambda: ll.low_latency_combine(y, idx, w, hd, out=out), tokens=t)
-    src_info, layout_range = hd[0], hd[1]
-    add("low_latency_combine", "deep_ep_raw", lambda: ops.low_latency_combine(ll.handle, y, idx, w, src_info, layout_range, out, None, t,
-                                                                              e, False, False, None), tokens=t)
-    add("low_latency_step", "deep_ep", lambda: ll.low_latency_combine(y, idx, w, ll.low_latency_dispatch(x, idx, t, e)[2], out=out),
-        tokens=t)
-    ll.destroy()
-    if "deepep_v1" in args.baseline and cuda:
-        from deepep_v1 import LL
-        v1 = LL(group, t, h, e)
-        y1 = v1.dispatch(x, idx, use_fp8=False)[0].clone()
-        sync()
-        add("low_latency_dispatch", "deepep_v1", lambda: v1.dispatch(x, idx), tokens=t)
-        hd1 = v1.dispatch(x, idx)[2]
-        add("low_latency_combine", "deepep_v1", lambda: v1.combine(y1, idx, w, hd1, out=out), tokens=t)
-        add("low_latency_step", "deepep_v1", lambda: v1.combine(y1, idx, w, v1.dispatch(x, idx)[2], out=out), tokens=t)
-        v1.destroy()
+    setup_ll(add, teardown, args, dev, group, world, cuda, sync)
+    setup_ht(add, teardown, args, dev, group, world, cuda, sync)
 
-    # ---- normal mode
-    n, e = args.ht_tokens, 256
-    x = torch.randn(n, h, dtype=torch.bfloat16, device=dev)
-    idx = (torch.randn(n, e, device=dev).abs() + 1).topk(k, dim=-1, sorted=False).indices
-    w = torch.rand(n, k, device=dev)
-    x8 = per_token_cast_to_fp8(x)
-    x8 = (x8[0], x8[1].T.contiguous().T)
-    nvl = min(2_000_000_000, 1 << 30) if not cuda else 2_000_000_000
-    ht = deep_ep_rs.Buffer(group, nvl, 0, explicitly_destroy=True, device=dev)
-    cfg, ccfg = deep_ep_rs.Config(args.sms, 6, 256, 6, 128), deep_ep_rs.Config(args.sms, 9, 256, 6, 128)
-    ntpr, _, ntpe, in_rank, _ = ht.get_dispatch_layout(idx, e)
-    kw = dict(num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe, config=cfg)
-    recv_x, _, _, _, handle, _ = ht.dispatch(x, topk_idx=idx, topk_weights=w, **kw)
-    sync()
-    add("get_dispatch_layout", "deep_ep", lambda: ht.get_dispatch_layout(idx, e), tokens=n)
-    add("dispatch", "deep_ep", lambda: ht.dispatch(x, topk_idx=idx, topk_weights=w, **kw), tokens=n, waits_for_gpu=True)
-    add("cached_dispatch_bf16", "deep_ep", lambda: ht.dispatch(x, handle=handle, config=cfg), tokens=n)
-    add("cached_dispatch_fp8", "deep_ep", lambda: ht.dispatch(x8, handle=handle, config=cfg), tokens=n)
-    add("combine", "deep_ep", lambda: ht.combine(recv_x, handle, config=ccfg), tokens=n)
-    c = cfg.to_list()
-    add("cached_dispatch_bf16", "deep_ep_raw", lambda: ops.cached_dispatch(ht.handle, x, None, *handle, c), tokens=n)
-    add("combine", "deep_ep_raw", lambda: ops.combine(ht.handle, recv_x, None, None, None, *handle, ccfg.to_list()), tokens=n)
-    ht.destroy()
-    if "deepep_v1" in args.baseline and cuda and world >= 2:
-        from deepep_v1 import HT
-        v1 = HT(group, 2_000_000_000)
-        dcfg, dccfg = v1.dep.Config(args.sms, 6, 256, 6, 128), v1.dep.Config(args.sms, 9, 256, 6, 128)
-        ntpr1, _, ntpe1, in_rank1, _ = v1.buf.get_dispatch_layout(idx, e)
-        kw1 = dict(num_tokens_per_rank=ntpr1, is_token_in_rank=in_rank1, num_tokens_per_expert=ntpe1, config=dcfg)
-        rx1, _, _, _, h1, _ = v1.buf.dispatch(x, topk_idx=idx, topk_weights=w, **kw1)
-        sync()
-        add("get_dispatch_layout", "deepep_v1", lambda: v1.buf.get_dispatch_layout(idx, e), tokens=n)
-        add("dispatch", "deepep_v1", lambda: v1.buf.dispatch(x, topk_idx=idx, topk_weights=w, **kw1), tokens=n, waits_for_gpu=True)
-        add("cached_dispatch_bf16", "deepep_v1", lambda: v1.buf.dispatch(x, handle=h1, config=dcfg), tokens=n)
-        add("cached_dispatch_fp8", "deepep_v1", lambda: v1.buf.dispatch(x8, handle=h1, config=dcfg), tokens=n)
-        add("combine", "deepep_v1", lambda: v1.buf.combine(rx1, h1, config=dccfg), tokens=n)
-        v1.destroy()
+    rows = timed_rounds(entries, args, sync, dev, world)
+    for f in teardown:
+        f()
 
     if rank == 0:
-        ours = {r["op"]: r["us_median"] for r in rows if r["impl"] == "deep_ep"}
-        print(f"{'op':>22} {'impl':>12} {'median us':>10} {'p10':>7} {'p90':>7}  vs V1")
+        print(f"{'op':>22} {'impl':>12} {'median us':>10} {'p10':>7} {'p90':>7}  ours/V1 (per-round median)")
         for r in rows:
-            ref = next((q["us_median"] for q in rows if q["impl"] == "deepep_v1" and q["op"] == r["op"]), None)
-            vs = f"{ref / r['us_median']:.2f}x" if ref and r["impl"] == "deep_ep" and r["op"] in ours else ""
+            vs = f"{r['ratio_vs_v1']:.2f}" if "ratio_vs_v1" in r else ""
             print(f"{r['op']:>22} {r['impl']:>12} {r['us_median']:>10.1f} {r['us_p10']:>7.1f} {r['us_p90']:>7.1f}  {vs}")
         if args.out:
             write_record(args.out, "bench/host_overhead.py", world, rows)

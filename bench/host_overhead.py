@@ -169,8 +169,12 @@ def main():
     p.add_argument("--ops", nargs="*", default=[], help="only these rows, by op or op:impl (default: all)")
     p.add_argument("--loop", type=float, default=0.0,
                    help="seconds: call each selected op in a loop this long instead of timing it (for a sampling profiler)")
+    p.add_argument("--phases", default="", help="PREFIX: the library writes the host time of each phase of its ops' bodies to "
+                   "PREFIX.<pid>.json at exit (DEEP_EP_HOST_PHASES; bench/host_phases.py reads them)")
     p.add_argument("--out", default="")
     args = p.parse_args()
+    if args.phases:
+        os.environ["DEEP_EP_HOST_PHASES"] = args.phases  # read at the first op call
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

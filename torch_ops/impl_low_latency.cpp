@@ -1,6 +1,7 @@
 // Low-latency ops. Output shapes are static (E_l, R*T, H), so they are allocated here once the
 // library has validated the inputs; the split send/recv ops let Python build DeepEP's hook.
 #include "common.h"
+#include "phases.h"
 
 namespace deep_ep_ops {
 namespace {
@@ -56,19 +57,25 @@ struct LlFormat {
   }
 };
 
-// Validates, allocates the static outputs, runs the send phase.
+// Validates, allocates the static outputs, runs the send phase. clk: the host phases of a whole
+// dispatch (nullptr for the split op).
 LlOutputs dispatch_send(int64_t handle, const Tensor& x, const Tensor& topk_idx, const optional<Tensor>& topk_weights,
                         const optional<Tensor>& cumulative, const optional<Tensor>& wait, int64_t t, int64_t e, const LlFormat& f,
-                        const optional<Tensor>& num_tokens, const optional<Tensor>& x_global_scale) {
+                        const optional<Tensor>& num_tokens, const optional<Tensor>& x_global_scale, phases::Clock* clk = nullptr) {
+  auto mark = [clk](int i, const char* name) {
+    if (clk != nullptr) clk->mark(i, name);
+  };
   auto p = params(t, x.dim() == 2 ? x.size(1) : 128, e, x.device());
   f.set(p);
   auto rx = raw(x), ri = raw(topk_idx), rw = raw(topk_weights), rg = raw(x_global_scale), rc = raw(cumulative), rs = raw(wait);
   check(deep_ep_ll_dispatch_send(handle, &p, &rx, &ri, &rw, &rg, &rc, &rs, nullptr));
+  mark(0, "validate");
   // x and topk_idx are valid here; the masked copy replaces topk_idx for the send.
   Tensor eff = effective_topk_idx(handle, 0, topk_idx, num_tokens);
   ri = raw(eff);
 
   const int64_t r = buffer_info(handle, "deep_ep::low_latency_dispatch").num_ranks(), el = e / r, rows = r * t, h = x.size(1);
+  mark(1, "num_tokens+info");
   // Rows past recv_count are unspecified (DeepEP); on the CPU reference they are zero so that
   // results are a pure function of the inputs. GPUs skip the extra memset.
   auto alloc = [&](const IntList& shape, ScalarType t) { return x.is_cpu() ? zeros_like_dev(x, shape, t) : empty_like_dev(x, shape, t); };
@@ -96,8 +103,10 @@ LlOutputs dispatch_send(int64_t handle, const Tensor& x, const Tensor& topk_idx,
   out.layout_range = empty_like_dev(x, {el, r}, ScalarType::Long);
   // Written by the send kernel's block 0 on every call (kernels/low_latency.cuh begin_send).
   out.recv_state = alloc({DEEP_EP_LL_STATE_LEN}, ScalarType::Long);
+  mark(2, "alloc");
   auto ro = out.raw_outputs();
   check(deep_ep_ll_dispatch_send(handle, &p, &rx, &ri, &rw, &rg, &rc, &rs, &ro));
+  mark(3, "send");
   return out;
 }
 
@@ -117,10 +126,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> low_latency_dispatch(int64_t 
                                                                        const optional<Tensor>& wait, int64_t t, int64_t e, bool use_fp8,
                                                                        bool round_scale, bool use_ue8m0, const optional<Tensor>& num_tokens,
                                                                        bool use_nvfp4, const optional<Tensor>& x_global_scale) {
+  phases::Clock clk(phases::kLlDispatch);
   DeviceScope guard(x.device());
   const LlFormat f{use_fp8, round_scale, use_ue8m0, use_nvfp4};
-  auto out = dispatch_send(handle, x, topk_idx, topk_weights, cumulative, wait, t, e, f, num_tokens, x_global_scale);
+  auto out = dispatch_send(handle, x, topk_idx, topk_weights, cumulative, wait, t, e, f, num_tokens, x_global_scale, &clk);
   dispatch_recv(handle, out, cumulative, wait, t, e, f);
+  clk.mark(4, "recv");
   return {out.recv_x, out.recv_x_scales, out.recv_count, out.src_info, out.layout_range};
 }
 
@@ -151,18 +162,20 @@ struct LlOverlap {
 };
 
 Tensor combine_send(int64_t handle, const Tensor& x, const Tensor& src_info, const Tensor& layout_range, int64_t t, int64_t e,
-                    bool use_logfmt, bool zero_copy, const LlOverlap& ov) {
+                    bool use_logfmt, bool zero_copy, const LlOverlap& ov, phases::Clock* clk = nullptr) {
   auto p = params(t, x.dim() == 3 ? x.size(2) : 128, e, x.device());
   p.use_logfmt = use_logfmt;
   p.zero_copy = zero_copy;
   // Written by the send kernel on every call, as the dispatch's (no memset node on GPUs).
   auto state = x.is_cpu() ? zeros_like_dev(x, {DEEP_EP_LL_STATE_LEN}, ScalarType::Long)
                           : empty_like_dev(x, {DEEP_EP_LL_STATE_LEN}, ScalarType::Long);
+  if (clk != nullptr) clk->mark(1, "alloc");
   auto rx = raw(x), rsi = raw(src_info), rlr = raw(layout_range), rst = raw(state);
   deep_ep_ll_overlap_t o{};
   const bool overlap = ov.comp_signal.has_value();
   if (overlap) o = deep_ep_ll_overlap_t{sizeof(deep_ep_ll_overlap_t), raw(*ov.comp_signal), ov.block_m, ov.threshold, ov.num_sms};
   check(deep_ep_ll_combine_send(handle, &p, &rx, &rsi, &rlr, &rst, overlap ? &o : nullptr));
+  if (clk != nullptr) clk->mark(2, "send");
   return state;
 }
 
@@ -177,11 +190,15 @@ void low_latency_combine(int64_t handle, const Tensor& x, const Tensor& topk_idx
                          const Tensor& layout_range, const Tensor& out, const optional<Tensor>& wait, int64_t t, int64_t e, bool use_logfmt,
                          bool zero_copy, const optional<Tensor>& num_tokens, const optional<Tensor>& comp_signal, int64_t block_m,
                          int64_t threshold, int64_t num_sms) {
+  phases::Clock clk(phases::kLlCombine);
   DeviceScope guard(x.device());
   // Rows past num_tokens are not routed: their output rows become zero. Checked before the send.
   Tensor eff = effective_topk_idx(handle, 1, topk_idx, num_tokens);
-  auto state = combine_send(handle, x, src_info, layout_range, t, e, use_logfmt, zero_copy, LlOverlap{comp_signal, block_m, threshold, num_sms});
+  clk.mark(0, "num_tokens");
+  auto state =
+      combine_send(handle, x, src_info, layout_range, t, e, use_logfmt, zero_copy, LlOverlap{comp_signal, block_m, threshold, num_sms}, &clk);
   combine_recv(handle, state, eff, topk_weights, out, wait, t, x.size(2), e);
+  clk.mark(3, "recv");
 }
 
 Tensor low_latency_combine_send(int64_t handle, const Tensor& x, const Tensor& src_info, const Tensor& layout_range, int64_t t, int64_t e,

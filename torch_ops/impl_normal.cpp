@@ -2,6 +2,7 @@
 // the Rust side routes on the buffer's backend and the tensors' device. Outputs are allocated
 // here after the library has validated the inputs.
 #include "common.h"
+#include "phases.h"
 
 namespace deep_ep_ops {
 namespace {
@@ -9,9 +10,11 @@ namespace {
 using std::optional;
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> get_dispatch_layout(const Tensor& topk_idx, int64_t num_experts, int64_t num_ranks) {
+  phases::Clock clk(phases::kLayout);
   current_op() = "deep_ep::get_dispatch_layout";  // a buffer-less op: errors below it name it
   auto ti = raw(topk_idx);
   check(deep_ep_check_dispatch_layout(&ti, num_experts, num_ranks));
+  clk.mark(0, "validate");
   DeviceScope guard(topk_idx.device());
   const auto i32 = ScalarType::Int;
   int64_t n = topk_idx.size(0);
@@ -22,7 +25,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> get_dispatch_layout(const Tensor& top
   auto per_expert = empty_like_dev(topk_idx, {num_experts}, i32);
   auto in_rank = empty_like_dev(topk_idx, {n, num_ranks}, ScalarType::Bool);
   auto a = raw(per_rank), b = num_rdma > 0 ? raw(per_rdma) : absent(), c = raw(per_expert), d = raw(in_rank);
+  clk.mark(1, "alloc");
   check(deep_ep_get_dispatch_layout(&ti, num_experts, num_ranks, &a, &b, &c, &d, stream_for(topk_idx.device())));
+  clk.mark(2, "launch");
   return {per_rank, per_rdma, per_expert, in_rank};
 }
 
@@ -87,6 +92,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
 std::tuple<Tensor, Tensor> cached_dispatch(int64_t handle, const Tensor& x, const optional<Tensor>& x_scales, const Tensor& rpm,
                                            const Tensor& cpm, const Tensor& rcpm, const Tensor& src_idx, const Tensor& in_rank,
                                            const Tensor& send_head, const IntList& config) {
+  phases::Clock clk(phases::kCachedDispatch);
   DeviceScope guard(x.device());
   deep_ep_cached_dispatch_args_t args{};
   args.size = sizeof(args);
@@ -95,19 +101,24 @@ std::tuple<Tensor, Tensor> cached_dispatch(int64_t handle, const Tensor& x, cons
   args.handle = raw_handle(rpm, cpm, rcpm, src_idx, in_rank, send_head);
   fill_config(args.config, config, "deep_ep::cached_dispatch");
   args.stream = stream_for(x.device());
+  clk.mark(0, "args");
   check(deep_ep_cached_dispatch(handle, &args, nullptr, nullptr));
+  clk.mark(1, "validate");
   const int64_t rows = src_idx.size(0);
   Tensor recv_x = empty_like_dev(x, {rows, x.size(1)}, x.scalar_type());
   Tensor recv_scales = rows_like(x_scales, rows, x, ScalarType::Float);
   auto rx = raw(recv_x);
   auto rs = raw_if(x_scales, recv_scales);
+  clk.mark(2, "alloc");
   check(deep_ep_cached_dispatch(handle, &args, &rx, &rs));
+  clk.mark(3, "launch");
   return {recv_x, recv_scales};
 }
 
 std::tuple<Tensor, Tensor> combine(int64_t handle, const Tensor& x, const optional<Tensor>& topk_weights, const optional<Tensor>& bias_0,
                                    const optional<Tensor>& bias_1, const Tensor& rpm, const Tensor& cpm, const Tensor& rcpm,
                                    const Tensor& src_idx, const Tensor& in_rank, const Tensor& send_head, const IntList& config) {
+  phases::Clock clk(phases::kCombine);
   DeviceScope guard(x.device());
   deep_ep_combine_args_t args{};
   args.size = sizeof(args);
@@ -118,13 +129,17 @@ std::tuple<Tensor, Tensor> combine(int64_t handle, const Tensor& x, const option
   args.handle = raw_handle(rpm, cpm, rcpm, src_idx, in_rank, send_head);
   fill_config(args.config, config, "deep_ep::combine");
   args.stream = stream_for(x.device());
+  clk.mark(0, "args");
   check(deep_ep_combine(handle, &args, nullptr, nullptr));
+  clk.mark(1, "validate");
   const int64_t n = send_head.size(0);
   Tensor out = empty_like_dev(x, {n, x.size(1)}, x.scalar_type());
   Tensor out_w = rows_like(topk_weights, n, x, ScalarType::Float);
   auto ro = raw(out);
   auto rw = raw_if(topk_weights, out_w);
+  clk.mark(2, "alloc");
   check(deep_ep_combine(handle, &args, &ro, &rw));
+  clk.mark(3, "launch");
   return {out, out_w};
 }
 

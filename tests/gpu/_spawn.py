@@ -44,15 +44,17 @@ def _free_port() -> int:
 GPU_BACKENDS = ("nccl", "nvshmem", "ipc")
 
 
-def gpu_backend() -> str:
-    """The GPU backend under test (see the module docstring)."""
+def gpu_backend(world: int = 0) -> str:
+    """The GPU backend under test (see the module docstring) for `world` ranks; 0: the rank count
+    need_gpus recorded (children inherit it). A parent that builds a run's env before calling
+    `run` passes `world`: the recorded count is still the previous test's then."""
     for var in ("DEEP_EP_TEST_BACKEND", "DEEP_EP_BACKEND"):
         name = os.environ.get(var, "")
         if name in GPU_BACKENDS:
             return name
         if name and var == "DEEP_EP_TEST_BACKEND":
             raise ValueError(f"DEEP_EP_TEST_BACKEND must be one of {GPU_BACKENDS}, got {name!r}")
-    world = int(os.environ.get("DEEP_EP_TEST_WORLD", "1"))
+    world = world or int(os.environ.get("DEEP_EP_TEST_WORLD", "1"))
     return "ipc" if 0 < torch.cuda.device_count() < world else "nccl"
 
 

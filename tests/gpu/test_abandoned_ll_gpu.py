@@ -30,9 +30,7 @@ def _late_peer(rank, world, shrink):
 
 @pytest.mark.parametrize("shrink", [False, True], ids=["raise", "shrink"])
 def test_a_late_rank_never_receives_a_call_its_peer_gave_up_gpu(shrink):
-    if not DRY:
-        _spawn.need_gpus(2)
-    env = {} if DRY else {"DEEP_EP_BACKEND": _spawn.gpu_backend()}
+    env = {} if DRY else {"DEEP_EP_BACKEND": _spawn.gpu_backend(2)}
     out = [r["ok"] for r in _spawn.run(_late_peer, 2, shrink, env=env, dry=DRY)]
     # Rank 0 timed out in step 1: it raises, or (shrink) masks rank 1 and completes the step (and
     # the one after it, without rank 1).

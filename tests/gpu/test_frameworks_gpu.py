@@ -22,7 +22,7 @@ def _entry(rank, world, name):
 
 @pytest.mark.parametrize("name", sorted(_frameworks.WORKERS))
 def test_framework_call_path_one_gpu(name):
-    out = _spawn.run(_entry, 1, name, env={"DEEP_EP_BACKEND": _spawn.gpu_backend()})
+    out = _spawn.run(_entry, 1, name, env={"DEEP_EP_BACKEND": _spawn.gpu_backend(1)})
     assert out[0] and out[0]["ok"], out
 
 
@@ -59,7 +59,7 @@ def _kernel_names(rank, world):
 
 
 def test_profiler_finds_one_dispatch_and_one_combine_kernel():
-    out = _spawn.run(_kernel_names, 1, env={"DEEP_EP_BACKEND": _spawn.gpu_backend()})
+    out = _spawn.run(_kernel_names, 1, env={"DEEP_EP_BACKEND": _spawn.gpu_backend(1)})
     for mode, keys in out[0]["ok"].items():
         for word in ("dispatch", "combine"):
             hits = [k for k in keys if word in k]

@@ -49,8 +49,7 @@ def _names(rank, world):
 
 @pytest.mark.parametrize("world", [1, 4])
 def test_profiler_names_are_deep_eps(world):
-    _spawn.need_gpus(world)  # records the rank count first: ipc when the ranks share a GPU
-    out = _spawn.run(_names, world, env={"DEEP_EP_BACKEND": _spawn.gpu_backend()})
+    out = _spawn.run(_names, world, env={"DEEP_EP_BACKEND": _spawn.gpu_backend(world)})
     for rank, r in enumerate(out):
         keys = r["ok"]
         ours = [k for k in keys if "deep_ep" in k]

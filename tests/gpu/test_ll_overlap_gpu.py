@@ -91,7 +91,7 @@ def _worker(rank, world, seed):
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_overlap_combine_waits_for_the_gemm_on_the_device(world):
-    env = {"DEEP_EP_TIMEOUT_MS": "30000", **({} if DRY else {"DEEP_EP_BACKEND": _spawn.gpu_backend()})}
+    env = {"DEEP_EP_TIMEOUT_MS": "30000", **({} if DRY else {"DEEP_EP_BACKEND": _spawn.gpu_backend(world)})}
     rows = [r["ok"] for r in _spawn.run(_worker, world, 11, env=env, dry=DRY)]
     assert all(r > 0 for r in rows), rows
 
@@ -122,5 +122,5 @@ def _never_raised(rank, world):
 def test_a_signal_never_raised_times_out_with_an_error():
     if DRY:
         pytest.skip("GPU buffers only (CPU buffers raise before sending: tests/python/test_ll_overlap.py)")
-    out = _spawn.run(_never_raised, 1, env={"DEEP_EP_BACKEND": _spawn.gpu_backend(), "DEEP_EP_TIMEOUT_MS": "2000"})
+    out = _spawn.run(_never_raised, 1, env={"DEEP_EP_BACKEND": _spawn.gpu_backend(1), "DEEP_EP_TIMEOUT_MS": "2000"})
     assert out[0]["ok"] == 1

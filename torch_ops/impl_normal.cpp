@@ -102,7 +102,10 @@ std::tuple<Tensor, Tensor> cached_dispatch(int64_t handle, const Tensor& x, cons
   fill_config(args.config, config, "deep_ep::cached_dispatch");
   args.stream = stream_for(x.device());
   clk.mark(0, "args");
-  check(deep_ep_cached_dispatch(handle, &args, nullptr, nullptr));
+  // The launching call validates everything; a validation-only call first only where the outputs'
+  // shapes cannot be read off the arguments (it raises the error that names them).
+  if (!(x.dim() == 2 && src_idx.dim() == 1 && (!x_scales || x_scales->dim() == 2)))
+    check(deep_ep_cached_dispatch(handle, &args, nullptr, nullptr));
   clk.mark(1, "validate");
   const int64_t rows = src_idx.size(0);
   Tensor recv_x = empty_like_dev(x, {rows, x.size(1)}, x.scalar_type());
@@ -130,7 +133,9 @@ std::tuple<Tensor, Tensor> combine(int64_t handle, const Tensor& x, const option
   fill_config(args.config, config, "deep_ep::combine");
   args.stream = stream_for(x.device());
   clk.mark(0, "args");
-  check(deep_ep_combine(handle, &args, nullptr, nullptr));
+  // As cached_dispatch: one validating call where the outputs' shapes can be read off the arguments.
+  if (!(x.dim() == 2 && send_head.dim() == 2 && (!topk_weights || topk_weights->dim() == 2)))
+    check(deep_ep_combine(handle, &args, nullptr, nullptr));
   clk.mark(1, "validate");
   const int64_t n = send_head.size(0);
   Tensor out = empty_like_dev(x, {n, x.size(1)}, x.scalar_type());

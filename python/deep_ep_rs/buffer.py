@@ -66,13 +66,24 @@ class _Inline:
         return False
 
 
+_NULL = contextlib.nullcontext()
+_below_autograd = torch._C._AutoDispatchBelowAutograd
+_is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+
+
 def _no_autograd(*tensors):
     """Skips the op's (Python) autograd kernel when no input needs a gradient, as in inference
     and under no_grad: the op then costs no Python round trip in torch's dispatcher. Under
-    torch.compile, or when a gradient is needed, the op goes through autograd as registered."""
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
-        return contextlib.nullcontext()
-    return torch._C._AutoDispatchBelowAutograd()
+    torch.compile, or when a gradient is needed, the op goes through autograd as registered.
+    (Every call of a normal-mode op pays this check: bound names and a plain loop.)"""
+    if _is_compiling():
+        return _NULL
+    if _grad_enabled():
+        for t in tensors:
+            if t is not None and t.requires_grad:
+                return _NULL
+    return _below_autograd()
 
 
 def slot_handle(slot: int) -> int:

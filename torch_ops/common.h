@@ -10,10 +10,7 @@
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
-#include <map>
-#include <mutex>
 #include <optional>
-#include <utility>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -270,24 +267,9 @@ inline Tensor empty_on(const IntList& shape, ScalarType dtype, const Device& dev
 }
 
 // Empty tensor standing for an absent optional output.
-inline Tensor none_like(const Tensor& like, ScalarType dtype) {
-  const Device d = like.device();
-  if (d.type() != DeviceType::CUDA) return empty_like_dev(like, {0}, dtype);
-  // On GPUs a fresh view of one empty tensor per (device, dtype), made once: an allocator call
-  // (one dispatcher hop, ~2-3 µs of host time on the GPU machines) per absent output is not.
-  // Never freed: a static torch tensor would outlive CUDA at exit.
-  static std::mutex m;
-  static auto* cache = new std::map<std::pair<int, int>, Tensor>();
-  std::pair<int, int> key{d.index(), static_cast<int>(dtype)};
-  Tensor base;
-  {
-    std::lock_guard<std::mutex> lock(m);
-    auto it = cache->find(key);
-    if (it == cache->end()) it = cache->emplace(key, empty_like_dev(like, {0}, dtype)).first;
-    base = it->second;
-  }
-  return carve(base, {0}, 0);
-}
+// (Not a view of one cached empty tensor: two absent outputs of one call would then alias, which
+// torch's schema check refuses.)
+inline Tensor none_like(const Tensor& like, ScalarType dtype) { return empty_like_dev(like, {0}, dtype); }
 
 // An optional output with one row per output row: [rows, t.size(1)] in t's dtype when its
 // optional input t is given, else the empty placeholder of an absent output (`absent_dtype`).

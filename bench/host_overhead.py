@@ -9,8 +9,9 @@ median. The host's speed drifts by up to 2x between runs (bench/NOTES.md, sessio
 (op, impl) is timed in `--rounds` rounds taking turns with the others, all buffers alive at once:
 a slow spell then hits both libraries alike. `ratio_vs_v1` (this library / DeepEP, < 1 is better)
 is the median over rounds of the per-round ratio. `impl`: `deep_ep` (the `Buffer` methods, what frameworks call), `deep_ep_raw` (the
-`torch.ops.deep_ep.*` op alone, from the same prepared arguments: the Python wrapper's share is
-the difference), `deepep_v1` (DeepEP V1's `Buffer`, same inputs; its normal mode needs >= 2
+`torch.ops.deep_ep.*` op alone, from the same prepared arguments, below autograd as the `Buffer`
+methods call it: the Python wrapper's share is the difference; `buffer_info`: the crossing into
+the library for one int argument), `deepep_v1` (DeepEP V1's `Buffer`, same inputs; its normal mode needs >= 2
 ranks), `torch` (reference points: an empty CUDA tensor, one elementwise kernel).
 `dispatch` (not cached) waits on the host for the receive counts in both libraries (DeepEP's
 design), so its host time includes GPU time; every other op returns without waiting.
@@ -112,8 +113,18 @@ def setup_ht(add, teardown, args, dev, group, world, cuda, sync):
     add("cached_dispatch_fp8", "deep_ep", lambda: ht.dispatch(x8, handle=handle, config=cfg), tokens=n)
     add("combine", "deep_ep", lambda: ht.combine(recv_x, handle, config=ccfg), tokens=n)
     c = cfg.to_list()
-    add("cached_dispatch_bf16", "deep_ep_raw", lambda: ops.cached_dispatch(ht.handle, x, None, *handle, c), tokens=n)
-    add("combine", "deep_ep_raw", lambda: ops.combine(ht.handle, recv_x, None, None, None, *handle, ccfg.to_list()), tokens=n)
+    below = torch._C._AutoDispatchBelowAutograd  # as the Buffer methods call them (no Python autograd kernel)
+
+    def raw_dispatch():
+        with below():
+            ops.cached_dispatch(ht.handle, x, None, *handle, c)
+
+    def raw_combine():
+        with below():
+            ops.combine(ht.handle, recv_x, None, None, None, *handle, c)
+
+    add("cached_dispatch_bf16", "deep_ep_raw", raw_dispatch, tokens=n)
+    add("combine", "deep_ep_raw", raw_combine, tokens=n)
     teardown.append(ht.destroy)
     if "deepep_v1" in args.baseline and cuda and world >= 2:
         from deepep_v1 import HT
@@ -213,6 +224,10 @@ def main():
     a = torch.zeros(1024, device=dev)
     add("torch.empty", "torch", lambda: torch.empty(1024, device=dev))
     add("add_", "torch", lambda: a.add_(1.0))
+    # The dispatcher crossing alone: a library op with one int argument and no tensor.
+    probe = deep_ep_rs.Buffer(group, 1 << 20, 0, explicitly_destroy=True, device=dev)
+    add("buffer_info", "deep_ep_raw", lambda: ops.buffer_info(probe.handle))
+    teardown.append(probe.destroy)
 
     setup_ll(add, teardown, args, dev, group, world, cuda, sync)
     setup_ht(add, teardown, args, dev, group, world, cuda, sync)

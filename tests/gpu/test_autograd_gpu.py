@@ -38,8 +38,7 @@ def _env(world, d):
     if DRY:
         env["DEEP_EP_BACKEND"] = "cpu"
     else:
-        _spawn.need_gpus(world)  # records the rank count first: the backend choice (ipc when ranks share a GPU) sees it
-        env["DEEP_EP_BACKEND"] = _spawn.gpu_backend()
+        env["DEEP_EP_BACKEND"] = _spawn.gpu_backend(world)
     if world > d:
         env["DEEP_EP_RDMA_TRANSPORT"] = "lsa"
     return env

@@ -23,9 +23,8 @@ import _frameworks_v2  # noqa: E402
 
 
 def _env(world):
-    """Records the rank count first, so the backend choice (ipc when ranks share a GPU) sees it."""
-    _spawn.need_gpus(world)
-    return {"DEEP_EP_BACKEND": _spawn.gpu_backend()}
+    """The backend for `world` ranks (ipc when they share a GPU)."""
+    return {"DEEP_EP_BACKEND": _spawn.gpu_backend(world)}
 
 
 def _dev(rank):

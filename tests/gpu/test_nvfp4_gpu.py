@@ -84,6 +84,6 @@ def _worker(rank, world, seed):
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_nvfp4_dispatch_on_gpu_matches_the_cpu_backend(world):
-    env = {} if DRY else {"DEEP_EP_BACKEND": _spawn.gpu_backend()}
+    env = {} if DRY else {"DEEP_EP_BACKEND": _spawn.gpu_backend(world)}
     rows = [r["ok"] for r in _spawn.run(_worker, world, 7, env=env, dry=DRY)]
     assert all(r > 0 for r in rows), rows

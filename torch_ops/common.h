@@ -243,16 +243,6 @@ inline IntList contiguous_strides(const IntList& shape) {
   return st;
 }
 
-// A contiguous view of `shape` into `base`'s storage, `offset` elements of its dtype in: one
-// allocation serving an output and scratch the op does not return (no dispatcher hop).
-inline Tensor carve(const Tensor& base, const IntList& shape, int64_t offset) {
-  const IntList strides = contiguous_strides(shape);
-  AtenTensorHandle h = nullptr;
-  TORCH_ERROR_CODE_CHECK(
-      aoti_torch__reinterpret_tensor(base.get(), static_cast<int64_t>(shape.size()), shape.data(), strides.data(), offset, &h));
-  return Tensor(h);
-}
-
 inline Tensor empty_like_dev(const Tensor& like, const IntList& shape, ScalarType dtype) {
   const Device d = like.device();
   if (d.type() == DeviceType::CUDA || d.type() == DeviceType::CPU) return empty_strided_on(shape, contiguous_strides(shape), dtype, d);
@@ -261,14 +251,21 @@ inline Tensor empty_like_dev(const Tensor& like, const IntList& shape, ScalarTyp
 inline Tensor zeros_like_dev(const Tensor& like, const IntList& shape, ScalarType dtype) {
   return allocate(shape, dtype, like.device(), [&] { return torch::stable::new_zeros(like, shape, dtype); });
 }
+// Outputs allocated before the library has validated the arguments they are sized from (one
+// validating call instead of two) stay below this size; larger ones wait for a validation-only
+// call first, so that a wrong argument cannot ask for a huge allocation before its error.
+constexpr double kAllocBeforeCheckBytes = 1 << 30;
+inline bool small_output(int64_t rows, int64_t cols, int64_t elem) {
+  return static_cast<double>(rows) * static_cast<double>(cols) * static_cast<double>(elem) <= kAllocBeforeCheckBytes;
+}
+
 // Uninitialised tensor on `device`.
 inline Tensor empty_on(const IntList& shape, ScalarType dtype, const Device& device) {
   return allocate(shape, dtype, device, [&] { return torch::stable::empty(shape, dtype, std::nullopt, device); });
 }
 
-// Empty tensor standing for an absent optional output.
-// (Not a view of one cached empty tensor: two absent outputs of one call would then alias, which
-// torch's schema check refuses.)
+// Empty tensor standing for an absent optional output. (Not a view of one cached empty tensor:
+// two absent outputs of one call would then alias, which torch's schema check refuses.)
 inline Tensor none_like(const Tensor& like, ScalarType dtype) { return empty_like_dev(like, {0}, dtype); }
 
 // An optional output with one row per output row: [rows, t.size(1)] in t's dtype when its

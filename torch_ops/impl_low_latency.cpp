@@ -58,11 +58,10 @@ struct LlFormat {
 };
 
 // Validates, allocates the static outputs, runs the send phase. clk: the host phases of a whole
-// dispatch (nullptr for the split op, whose caller keeps recv_state: `whole` false).
+// dispatch (nullptr for the split op).
 LlOutputs dispatch_send(int64_t handle, const Tensor& x, const Tensor& topk_idx, const optional<Tensor>& topk_weights,
                         const optional<Tensor>& cumulative, const optional<Tensor>& wait, int64_t t, int64_t e, const LlFormat& f,
-                        const optional<Tensor>& num_tokens, const optional<Tensor>& x_global_scale, bool whole,
-                        phases::Clock* clk = nullptr) {
+                        const optional<Tensor>& num_tokens, const optional<Tensor>& x_global_scale, phases::Clock* clk = nullptr) {
   auto mark = [clk](int i, const char* name) {
     if (clk != nullptr) clk->mark(i, name);
   };
@@ -72,10 +71,12 @@ LlOutputs dispatch_send(int64_t handle, const Tensor& x, const Tensor& topk_idx,
   const BufferInfo info = buffer_info(handle, "deep_ep::low_latency_dispatch");
   const int64_t r = info.num_ranks();
   // The library validates once, in the launching call, when the outputs' sizes are ones a valid
-  // call can ask for (recv_x, at most 2 bytes per channel, fits the buffer's bytes); otherwise, and
-  // before the masked copy of topk_idx (num_tokens), a validation-only call raises the clear error.
-  const bool plausible = !num_tokens.has_value() && x.dim() == 2 && x.size(1) > 0 && t > 0 && e > 0 && r > 0 && e % r == 0 &&
-                         e / r <= info.num_rdma_bytes() / (2 * x.size(1)) / (r * t);
+  // call can ask for (recv_x, at most 2 bytes per channel, fits the buffer's bytes; t bounded first
+  // so that r * t cannot overflow); otherwise, and before the masked copy of topk_idx (num_tokens),
+  // a validation-only call raises the clear error.
+  const int64_t bytes = info.num_rdma_bytes();
+  const bool plausible = !num_tokens.has_value() && x.dim() == 2 && x.size(1) > 0 && t > 0 && t <= bytes && e > 0 && r > 0 &&
+                         r <= (1 << 20) && e % r == 0 && e / r <= bytes / (2 * x.size(1)) / (r * t);
   if (!plausible) check(deep_ep_ll_dispatch_send(handle, &p, &rx, &ri, &rw, &rg, &rc, &rs, nullptr));
   mark(0, "validate");
   // x and topk_idx are valid here; the masked copy replaces topk_idx for the send.
@@ -108,17 +109,10 @@ LlOutputs dispatch_send(int64_t handle, const Tensor& x, const Tensor& topk_idx,
   }
   out.recv_count = empty_like_dev(x, {el}, ScalarType::Int);
   out.src_info = alloc({el, rows}, ScalarType::Int);
-  // recv_state: written by the send kernel's block 0 on every call (kernels/low_latency.cuh
-  // begin_send). A whole dispatch does not return it: on GPUs it then shares layout_range's
-  // allocation (one allocator call fewer).
-  if (whole && !x.is_cpu()) {
-    Tensor both = empty_like_dev(x, {el * r + DEEP_EP_LL_STATE_LEN}, ScalarType::Long);
-    out.layout_range = carve(both, {el, r}, 0);
-    out.recv_state = carve(both, {DEEP_EP_LL_STATE_LEN}, el * r);
-  } else {
-    out.layout_range = empty_like_dev(x, {el, r}, ScalarType::Long);
-    out.recv_state = alloc({DEEP_EP_LL_STATE_LEN}, ScalarType::Long);
-  }
+  out.layout_range = empty_like_dev(x, {el, r}, ScalarType::Long);
+  // Written by the send kernel's block 0 on every call (kernels/low_latency.cuh begin_send).
+  // (Carving it out of layout_range's allocation saved nothing measurable: bench/NOTES.md, session 18.)
+  out.recv_state = alloc({DEEP_EP_LL_STATE_LEN}, ScalarType::Long);
   mark(2, "alloc");
   auto ro = out.raw_outputs();
   check(deep_ep_ll_dispatch_send(handle, &p, &rx, &ri, &rw, &rg, &rc, &rs, &ro));
@@ -145,7 +139,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> low_latency_dispatch(int64_t 
   phases::Clock clk(phases::kLlDispatch);
   DeviceScope guard(x.device());
   const LlFormat f{use_fp8, round_scale, use_ue8m0, use_nvfp4};
-  auto out = dispatch_send(handle, x, topk_idx, topk_weights, cumulative, wait, t, e, f, num_tokens, x_global_scale, true, &clk);
+  auto out = dispatch_send(handle, x, topk_idx, topk_weights, cumulative, wait, t, e, f, num_tokens, x_global_scale, &clk);
   dispatch_recv(handle, out, cumulative, wait, t, e, f);
   clk.mark(4, "recv");
   return {out.recv_x, out.recv_x_scales, out.recv_count, out.src_info, out.layout_range};
@@ -158,7 +152,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> low_latency_dispatch_
                                                                                      const optional<Tensor>& x_global_scale) {
   DeviceScope guard(x.device());
   const LlFormat f{use_fp8, round_scale, use_ue8m0, use_nvfp4};
-  auto o = dispatch_send(handle, x, topk_idx, topk_weights, std::nullopt, std::nullopt, t, e, f, num_tokens, x_global_scale, false);
+  auto o = dispatch_send(handle, x, topk_idx, topk_weights, std::nullopt, std::nullopt, t, e, f, num_tokens, x_global_scale);
   return {o.recv_x, o.recv_x_scales, o.recv_count, o.src_info, o.layout_range, o.recv_state};
 }
 

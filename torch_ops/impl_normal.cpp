@@ -103,8 +103,8 @@ std::tuple<Tensor, Tensor> cached_dispatch(int64_t handle, const Tensor& x, cons
   args.stream = stream_for(x.device());
   clk.mark(0, "args");
   // The launching call validates everything; a validation-only call first only where the outputs'
-  // shapes cannot be read off the arguments (it raises the error that names them).
-  if (!(x.dim() == 2 && src_idx.dim() == 1 && (!x_scales || x_scales->dim() == 2)))
+  // shapes cannot be read off the arguments, or are large (common.h, small_output).
+  if (!(x.dim() == 2 && src_idx.dim() == 1 && (!x_scales || x_scales->dim() == 2) && small_output(src_idx.size(0), x.size(1), 2)))
     check(deep_ep_cached_dispatch(handle, &args, nullptr, nullptr));
   clk.mark(1, "validate");
   const int64_t rows = src_idx.size(0);
@@ -134,7 +134,7 @@ std::tuple<Tensor, Tensor> combine(int64_t handle, const Tensor& x, const option
   args.stream = stream_for(x.device());
   clk.mark(0, "args");
   // As cached_dispatch: one validating call where the outputs' shapes can be read off the arguments.
-  if (!(x.dim() == 2 && send_head.dim() == 2 && (!topk_weights || topk_weights->dim() == 2)))
+  if (!(x.dim() == 2 && send_head.dim() == 2 && (!topk_weights || topk_weights->dim() == 2) && small_output(send_head.size(0), x.size(1), 2)))
     check(deep_ep_combine(handle, &args, nullptr, nullptr));
   clk.mark(1, "validate");
   const int64_t n = send_head.size(0);

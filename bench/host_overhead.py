@@ -12,7 +12,8 @@ is the median over rounds of the per-round ratio. `impl`: `deep_ep` (the `Buffer
 `torch.ops.deep_ep.*` op alone, from the same prepared arguments, below autograd as the `Buffer`
 methods call it: the Python wrapper's share is the difference; `buffer_info`: the crossing into
 the library for one int argument), `deepep_v1` (DeepEP V1's `Buffer`, same inputs; its normal mode needs >= 2
-ranks), `torch` (reference points: an empty CUDA tensor, one elementwise kernel).
+ranks), `torch` (reference points: an empty CUDA tensor, one elementwise kernel, one bare kernel
+launch through pybind: `cuda_launch`).
 `dispatch` (not cached) waits on the host for the receive counts in both libraries (DeepEP's
 design), so its host time includes GPU time; every other op returns without waiting.
 Shapes: LL 128 tokens x 7168, top-8 of 288 experts (FP8 dispatch, BF16 combine); normal mode
@@ -224,6 +225,8 @@ def main():
     a = torch.zeros(1024, device=dev)
     add("torch.empty", "torch", lambda: torch.empty(1024, device=dev))
     add("add_", "torch", lambda: a.add_(1.0))
+    if cuda:  # one kernel launch through pybind, no dispatcher: what a launch costs this host
+        add("cuda_launch", "torch", lambda: torch._C._cuda_sleep(1))
     # The dispatcher crossing alone: a library op with one int argument and no tensor.
     probe = deep_ep_rs.Buffer(group, 1 << 20, 0, explicitly_destroy=True, device=dev)
     add("buffer_info", "deep_ep_raw", lambda: ops.buffer_info(probe.handle))

@@ -33,6 +33,25 @@ def test_host_overhead_writes_a_row_per_op(tmp_path):
     assert all(row["us_median"] > 0 and row["us_p10"] <= row["us_median"] <= row["us_p90"] for row in rows)
 
 
+def test_host_phases_reads_what_the_library_writes(tmp_path):
+    """DEEP_EP_HOST_PHASES makes the library write its phase table at exit (torch_ops/phases.h);
+    bench/host_phases.py turns it into µs per call and the part outside the body."""
+    prefix = tmp_path / "ph"
+    out = tmp_path / "host.json"
+    r = subprocess.run([sys.executable, str(BENCH / "host_overhead.py"), "--samples", "3", "--ops", "low_latency_combine", "--phases",
+                        str(prefix), "--out", str(out)], env=_env(29742), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    tables = [json.loads(p.read_text()) for p in tmp_path.glob("ph.*.json")]
+    assert len(tables) == 1, list(tmp_path.iterdir())
+    names = [name for name, ns, n in tables[0]["low_latency_combine"]]
+    assert names == ["num_tokens", "alloc", "send", "recv", "return"], names
+    assert all(n > 0 for _, _, n in tables[0]["low_latency_combine"])
+    r = subprocess.run([sys.executable, str(BENCH / "host_phases.py"), str(prefix), "--host", str(out)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "== low_latency_combine" in r.stdout and "outside the body" in r.stdout, r.stdout
+
+
 def test_host_profile_folds_only_the_timed_call(tmp_path):
     raw = tmp_path / "prof.txt"
     inside = "main (host_overhead.py:1);main.<locals>.add (host_overhead.py:92);<lambda> (host_overhead.py:155)"

@@ -91,7 +91,6 @@ def setup_ll(add, teardown, args, dev, group, world, cuda, sync):
         teardown.append(v1.destroy)
 
 
-
 def setup_ht(add, teardown, args, dev, group, world, cuda, sync):
     """The normal-mode rows."""
     h = args.hidden
@@ -141,7 +140,6 @@ def setup_ht(add, teardown, args, dev, group, world, cuda, sync):
         add("cached_dispatch_fp8", "deepep_v1", lambda: v1.buf.dispatch(x8, handle=h1, config=dcfg), tokens=n)
         add("combine", "deepep_v1", lambda: v1.buf.combine(rx1, h1, config=dccfg), tokens=n)
         teardown.append(v1.destroy)
-
 
 
 def timed_rounds(entries, args, sync, dev, world):

@@ -1,5 +1,6 @@
-// Low-latency ops. Output shapes are static (E_l, R*T, H), so they are allocated here once the
-// library has validated the inputs; the split send/recv ops let Python build DeepEP's hook.
+// Low-latency ops. Output shapes are static (E_l, R*T, H), so they are allocated here, before the
+// launching call validates the inputs when the shapes are plausible (dispatch_send); the split
+// send/recv ops let Python build DeepEP's hook.
 #include "common.h"
 #include "phases.h"
 
@@ -62,9 +63,6 @@ struct LlFormat {
 LlOutputs dispatch_send(int64_t handle, const Tensor& x, const Tensor& topk_idx, const optional<Tensor>& topk_weights,
                         const optional<Tensor>& cumulative, const optional<Tensor>& wait, int64_t t, int64_t e, const LlFormat& f,
                         const optional<Tensor>& num_tokens, const optional<Tensor>& x_global_scale, phases::Clock* clk = nullptr) {
-  auto mark = [clk](int i, const char* name) {
-    if (clk != nullptr) clk->mark(i, name);
-  };
   auto p = params(t, x.dim() == 2 ? x.size(1) : 128, e, x.device());
   f.set(p);
   auto rx = raw(x), ri = raw(topk_idx), rw = raw(topk_weights), rg = raw(x_global_scale), rc = raw(cumulative), rs = raw(wait);
@@ -78,13 +76,13 @@ LlOutputs dispatch_send(int64_t handle, const Tensor& x, const Tensor& topk_idx,
   const bool plausible = !num_tokens.has_value() && x.dim() == 2 && x.size(1) > 0 && t > 0 && t <= bytes && e > 0 && r > 0 &&
                          r <= (1 << 20) && e % r == 0 && e / r <= bytes / (2 * x.size(1)) / (r * t);
   if (!plausible) check(deep_ep_ll_dispatch_send(handle, &p, &rx, &ri, &rw, &rg, &rc, &rs, nullptr));
-  mark(0, "validate");
+  phases::mark(clk, 0, "validate");
   // x and topk_idx are valid here; the masked copy replaces topk_idx for the send.
   Tensor eff = effective_topk_idx(handle, 0, topk_idx, num_tokens);
   ri = raw(eff);
 
   const int64_t el = e / r, rows = r * t, h = x.size(1);
-  mark(1, "num_tokens+info");
+  phases::mark(clk, 1, "num_tokens+info");
   // Rows past recv_count are unspecified (DeepEP); on the CPU reference they are zero so that
   // results are a pure function of the inputs. GPUs skip the extra memset.
   auto alloc = [&](const IntList& shape, ScalarType t) { return x.is_cpu() ? zeros_like_dev(x, shape, t) : empty_like_dev(x, shape, t); };
@@ -113,10 +111,10 @@ LlOutputs dispatch_send(int64_t handle, const Tensor& x, const Tensor& topk_idx,
   // Written by the send kernel's block 0 on every call (kernels/low_latency.cuh begin_send).
   // (Carving it out of layout_range's allocation saved nothing measurable: bench/NOTES.md, session 18.)
   out.recv_state = alloc({DEEP_EP_LL_STATE_LEN}, ScalarType::Long);
-  mark(2, "alloc");
+  phases::mark(clk, 2, "alloc");
   auto ro = out.raw_outputs();
   check(deep_ep_ll_dispatch_send(handle, &p, &rx, &ri, &rw, &rg, &rc, &rs, &ro));
-  mark(3, "send");
+  phases::mark(clk, 3, "send");
   return out;
 }
 
@@ -179,13 +177,13 @@ Tensor combine_send(int64_t handle, const Tensor& x, const Tensor& src_info, con
   // Written by the send kernel on every call, as the dispatch's (no memset node on GPUs).
   auto state = x.is_cpu() ? zeros_like_dev(x, {DEEP_EP_LL_STATE_LEN}, ScalarType::Long)
                           : empty_like_dev(x, {DEEP_EP_LL_STATE_LEN}, ScalarType::Long);
-  if (clk != nullptr) clk->mark(1, "alloc");
+  phases::mark(clk, 1, "alloc");
   auto rx = raw(x), rsi = raw(src_info), rlr = raw(layout_range), rst = raw(state);
   deep_ep_ll_overlap_t o{};
   const bool overlap = ov.comp_signal.has_value();
   if (overlap) o = deep_ep_ll_overlap_t{sizeof(deep_ep_ll_overlap_t), raw(*ov.comp_signal), ov.block_m, ov.threshold, ov.num_sms};
   check(deep_ep_ll_combine_send(handle, &p, &rx, &rsi, &rlr, &rst, overlap ? &o : nullptr));
-  if (clk != nullptr) clk->mark(2, "send");
+  phases::mark(clk, 2, "send");
   return state;
 }
 

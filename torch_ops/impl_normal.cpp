@@ -1,6 +1,7 @@
 // get_dispatch_layout and the normal-mode ops. One implementation serves CPU and CUDA tensors:
 // the Rust side routes on the buffer's backend and the tensors' device. Outputs are allocated
-// here after the library has validated the inputs.
+// here: after the library has validated the inputs, or (cached dispatch, combine) before the one
+// launching call that validates them when their shapes can be read off the arguments and are small.
 #include "common.h"
 #include "phases.h"
 

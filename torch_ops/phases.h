@@ -102,4 +102,10 @@ class Clock {
   uint64_t last_ = 0;
 };
 
+// `c->mark(phase, name)` where a helper shared by a timed op and an untimed one (the split LL
+// ops) gets no clock (nullptr).
+inline void mark(Clock* c, int phase, const char* name) {
+  if (c != nullptr) c->mark(phase, name);
+}
+
 }  // namespace deep_ep_ops::phases

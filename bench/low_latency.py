@@ -157,7 +157,7 @@ def run_case(buf, args, n, rank, world, v1=None):
 def v1_rows(v1, args, x, idx, w, fp8_bytes, bf16_bytes, row):
     """DeepEP V1's low-latency dispatch (FP8) and combine (its per-expert rows) on the same inputs:
     graph replays, eager calls and the eager step, as for this library. Rows go through `row`;
-    DeepEP's LL buffer is sized for the first --tokens value only, so only that one gets them."""
+    DeepEP's LL buffer is sized for the largest --tokens value, as this library's."""
     y = v1.dispatch(x, idx, use_fp8=False)[0].clone()
     out = torch.empty(x.size(0), x.size(1), dtype=torch.bfloat16, device="cuda")
 
@@ -204,16 +204,16 @@ def main():
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     size = deep_ep_rs.Buffer.get_low_latency_rdma_size_hint(max(args.tokens), args.hidden, world, args.experts)
     buf = deep_ep_rs.Buffer(dist.new_group(list(range(world))), 0, size, low_latency_mode=True, explicitly_destroy=True)
-    v1s = {}
+    v1 = None
     if "deepep_v1" in args.baseline:
         from deepep_v1 import LL
-        v1s = {n: LL(dist.new_group(list(range(world))), max(n, 1), args.hidden, args.experts) for n in args.tokens[:1]}
+        v1 = LL(dist.new_group(list(range(world))), max(max(args.tokens), 1), args.hidden, args.experts)
     rows = []
     for n in args.tokens:
-        rows += run_case(buf, args, n, rank, world, v1=v1s.get(n))
+        rows += run_case(buf, args, n, rank, world, v1=v1)
     buf.destroy()
-    for v in v1s.values():
-        v.destroy()
+    if v1 is not None:
+        v1.destroy()
     if rank == 0:
         print(f"{'op':>17} {'impl':>17} {'dtype':>8} {'combine':>8} {'tokens':>6} {'graph':>5} {'timing':>9} {'us':>8} {'send':>6} {'recv':>6} {'GB/s':>7}  vs naive")
         base = {(r["op"], r["tokens"]): r["us_median"] for r in rows if r["impl"] == "torch_all_to_all"}

@@ -209,6 +209,13 @@ int deep_ep_ll_dispatch_send(int64_t handle, const deep_ep_ll_params_t* p, const
                              const deep_ep_tensor_t* topk_weights, const deep_ep_tensor_t* x_global_scale,
                              const deep_ep_tensor_t* cumulative_local_expert_recv_stats,
                              const deep_ep_tensor_t* wait_recv_cost_stats, const deep_ep_ll_dispatch_outputs_t* out);
+// A whole dispatch (no hook): the arguments of deep_ep_ll_dispatch_send (out required), validated
+// once, then send and receive, in one kernel launch where the backend can (DEEP_EP_LL_LAUNCH);
+// out->recv_state may be left unwritten.
+int deep_ep_ll_dispatch(int64_t handle, const deep_ep_ll_params_t* p, const deep_ep_tensor_t* x, const deep_ep_tensor_t* topk_idx,
+                        const deep_ep_tensor_t* topk_weights, const deep_ep_tensor_t* x_global_scale,
+                        const deep_ep_tensor_t* cumulative_local_expert_recv_stats, const deep_ep_tensor_t* wait_recv_cost_stats,
+                        const deep_ep_ll_dispatch_outputs_t* out);
 int deep_ep_ll_dispatch_recv(int64_t handle, const deep_ep_ll_params_t* p, const deep_ep_ll_dispatch_outputs_t* out,
                              const deep_ep_tensor_t* cumulative_local_expert_recv_stats, const deep_ep_tensor_t* wait_recv_cost_stats);
 // Single-batch overlap of a combine send (SGLang's SBO): row r of local expert l is sent once

@@ -647,6 +647,7 @@ size_t dek_in_args_bytes(void);
  * of the same kernel, as DeepEP's, so profilers list one `dispatch` and one `combine`). */
 #define DEK_LL_PHASE_SEND 1
 #define DEK_LL_PHASE_RECV 2
+#define DEK_LL_PHASE_BOTH 3 /* send, then receive in the same blocks (dek_ll_dispatch) */
 #define DEK_LL_MSG_META 160   /* bytes of a dispatch message before its payload */
 #define DEK_LL_MAX_EXPERTS 2048
 #define DEK_LL_MAX_TOPK 16
@@ -722,6 +723,8 @@ int dek_ll_dispatch_send(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, voi
  * (through the index table) into recv_x / scales / src_info, writes recv_count and layout_range,
  * adds the stats. */
 int dek_ll_dispatch_recv(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream);
+/* Both phases in one launch of num_blocks blocks (no recv_state): for a grid resident at once. */
+int dek_ll_dispatch(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream);
 /* Send phase of a combine: one block per (local expert, source rank) pushes the rows of
  * layout_range back to the source rank at (global expert, src token), then signals. With
  * `partial`: blocks (source rank, y) sum each message of the dispatch (dispatch_half) over its

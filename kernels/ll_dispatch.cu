@@ -74,8 +74,9 @@ __device__ __forceinline__ uint32_t cast_group_nvfp4(uint2 v, float s, uint32_t*
 // NVLink domain (internode) gets the same bytes by seam puts from the staging area of the send half
 // (deep_ep_kernels.h): per token its meta and the payload (staged once for all remote
 // destinations), at the end its count, index rows and signals.
+// Returns false when the buffer timed out (nothing sent); *seq: this call's number.
 template <class Net, bool kFp4>
-__device__ __forceinline__ void dispatch_send(const Ctx& c, const Args& a) {
+__device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint32_t* seq) {
   __shared__ uint32_t s_seq;
   __shared__ int s_skip, s_last, s_ndst, s_any_far;
   __shared__ int s_before[kMaxLlExperts], s_total[kMaxLlExperts];
@@ -86,7 +87,8 @@ __device__ __forceinline__ void dispatch_send(const Ctx& c, const Args& a) {
   __shared__ uint32_t s_ent[kMaxLlTopk][kMaxLlTopk];
   __shared__ float s_w[kMaxLlTopk][kMaxLlTopk];
   __shared__ unsigned long long s_fp[kSendWarps], s_fpw[kSendWarps];  // block 0: per-warp shares of the routing fingerprints (kLlRouting)
-  if (!begin_send(c, a, DEK_LL_KIND_DISPATCH, &s_seq, &s_skip)) return;
+  if (!begin_send(c, a, DEK_LL_KIND_DISPATCH, &s_seq, &s_skip)) return false;
+  *seq = s_seq;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int R = c.num_ranks, E = a.num_experts, El = E / R, T = a.num_max_tokens, H = a.hidden, S = H / 128;
   const int N = a.num_tokens, K = a.num_topk;
@@ -288,7 +290,7 @@ __device__ __forceinline__ void dispatch_send(const Ctx& c, const Args& a) {
     s_last = atomicAdd(at<unsigned int>(local(c), kLlDone), 1u) == gridDim.x - 1;
   }
   __syncthreads();
-  if (!s_last) return;
+  if (!s_last) return true;
   fence_acq_rel_sys();
   // Message counts (read by a partial combine) before the signals (remote: staged).
   for (int d = tid; d < R && tid < rank_workers(kSendThreads); d += rank_workers(kSendThreads)) {
@@ -337,44 +339,39 @@ __device__ __forceinline__ void dispatch_send(const Ctx& c, const Args& a) {
     *at<volatile int>(local(c), kLlCalls) = static_cast<int>(s_seq);
     *at<volatile unsigned int>(local(c), kLlDone) = 0;
   }
+  return true;
 }
 
 // ---- dispatch receive ---------------------------------------------------------------------------
-// Block (l, y): waits for the R counts of local expert l (not for masked sources: count 0), then
-// warps y*4+w, stepping by gridDim.y*4, copy the rows (sources ascending, then slot order): row
-// (l, s, slot) is message idx[l][s][slot] of source s.
-template <class Net, bool kFp4>
-__device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a) {
-  __shared__ int s_ok, s_half;
-  __shared__ uint32_t s_seq;
+// Column (l, y) of Y: waits for the R counts of local expert l (not for masked sources: count 0),
+// then warps y*W+w (W warps per block), stepping by Y*W, copy the rows (sources ascending, then
+// slot order): row (l, s, slot) is message idx[l][s][slot] of source s. Returns false when the
+// block gives up (reported). Generic in the block size: the receive launch runs kLlThreads, the
+// one-launch dispatch the send's kSendThreads.
+template <class Net, bool kFp4, int kThreads>
+__device__ __forceinline__ bool dispatch_recv_column(const Ctx& c, const Args& a, int l, int y, int Y, int half, uint32_t seq) {
+  constexpr int kWarps = kThreads / 32;
+  __shared__ int s_ok;
   __shared__ int s_cnt[kMaxLlRanks], s_begin[kMaxLlRanks + 1];
-  const int l = blockIdx.x, y = blockIdx.y, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int R = c.num_ranks, T = a.num_max_tokens, H = a.hidden, S = H / 128;
   const int64_t RT = static_cast<int64_t>(R) * T;
-  if (tid == 0) {
-    int h = 0;
-    uint32_t q = 0;
-    int fl = 0;
-    s_ok = read_state(c, a, DEK_LL_KIND_DISPATCH, true, DEK_IC_SITE_LL_DISPATCH, &h, &q, &fl);
-    s_half = h;
-    s_seq = q;
-  }
+  if (tid == 0) s_ok = 1;
   __syncthreads();
-  if (!s_ok) return;
   char* me = local(c);
-  constexpr int kWaiters = rank_workers(kLlThreads);  // threads waiting for sources, each for R / kWaiters
+  constexpr int kWaiters = rank_workers(kThreads);  // threads waiting for sources, each for R / kWaiters
   for (int s = tid; s < R && tid < kWaiters; s += kWaiters) {
     const long long t0 = clock64();
     uint32_t v = 0;
     bool gave_up = false;
-    const uint32_t* word = at<const uint32_t>(me, sig_off(a, s_half) + static_cast<uint64_t>(l * R + s) * 4);
-    const int got = rank_masked(a, s) ? 0 : wait_from<Net>(c, a, s, word, kSeamDispatch, s_half, l, s_seq, DEK_IC_SITE_LL_DISPATCH, &v, &gave_up);
-    if (gave_up) abandon_call<Net>(c, a, kSeamDispatch, s_half, s_seq, a.shrink_mask != nullptr ? s : -1, false);
+    const uint32_t* word = at<const uint32_t>(me, sig_off(a, half) + static_cast<uint64_t>(l * R + s) * 4);
+    const int got = rank_masked(a, s) ? 0 : wait_from<Net>(c, a, s, word, kSeamDispatch, half, l, seq, DEK_IC_SITE_LL_DISPATCH, &v, &gave_up);
+    if (gave_up) abandon_call<Net>(c, a, kSeamDispatch, half, seq, a.shrink_mask != nullptr ? s : -1, false);
     if (got == 0) {
       s_cnt[s] = 0;  // a masked source (or, in shrink mode, one that timed out) counts as sending nothing
     } else if (got > 0) {
       s_cnt[s] = min(static_cast<int>(v & 0xffffu) - 1, T);
-      if (l == 0 && y == 0 && !remote(c, a, s) && !fmt_agrees(c, a, 0, s_half, s, fmt_dispatch(a), DEK_IC_SITE_LL_DISPATCH)) s_ok = 0;
+      if (l == 0 && y == 0 && !remote(c, a, s) && !fmt_agrees(c, a, 0, half, s, fmt_dispatch(a), DEK_IC_SITE_LL_DISPATCH)) s_ok = 0;
       if (y == 0 && a.wait_stats != nullptr) {
         atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + s), static_cast<unsigned long long>(clock64() - t0));
       }
@@ -384,7 +381,7 @@ __device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a) {
     }
   }
   __syncthreads();
-  if (!s_ok) return;
+  if (!s_ok) return false;
   if (tid == 0) {
     s_begin[0] = 0;
     for (int s = 0; s < R; ++s) s_begin[s + 1] = s_begin[s] + s_cnt[s];
@@ -392,15 +389,15 @@ __device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a) {
   __syncthreads();
   const int total = s_begin[R];
   if (y == 0) {
-    for (int s = tid; s < R; s += kLlThreads) a.layout_range[l * R + s] = (static_cast<int64_t>(s_begin[s]) << 32) | s_cnt[s];
+    for (int s = tid; s < R; s += kThreads) a.layout_range[l * R + s] = (static_cast<int64_t>(s_begin[s]) << 32) | s_cnt[s];
     if (tid == 0) {
       a.recv_count[l] = total;
       if (a.cumulative != nullptr) a.cumulative[l] += total;
     }
   }
-  const uint64_t recv = recv_off(a, s_half);
+  const uint64_t recv = recv_off(a, half);
   const int64_t xrow_bytes = a.use_fp8 ? H : kFp4 ? H / 2 : 2 * static_cast<int64_t>(H);
-  for (int i = y * kLlWarps + warp; i < total; i += gridDim.y * kLlWarps) {
+  for (int i = y * kWarps + warp; i < total; i += Y * kWarps) {
     int s = 0;  // the first source whose rows reach past i (binary search over the prefix)
     for (int hi = R - 1; s < hi;) {
       const int mid = (s + hi) / 2;
@@ -452,6 +449,25 @@ __device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a) {
       for (int g = lane; g < S; g += 32) static_cast<float*>(a.recv_scales)[sbase + g * a.scale_stride[2]] = __ldcg(si + g);
     }
   }
+  __syncthreads();  // s_cnt, s_begin and s_ok are rewritten by the block's next column
+  return true;
+}
+
+// The receive launch: block (l, y) of grid (E_l, Y) is column (l, y), the call's half and number
+// from recv_state (written by the send launch).
+template <class Net, bool kFp4>
+__device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a) {
+  __shared__ int s_ok, s_half;
+  __shared__ uint32_t s_seq;
+  if (threadIdx.x == 0) {
+    int h = 0, fl = 0;
+    uint32_t q = 0;
+    s_ok = read_state(c, a, DEK_LL_KIND_DISPATCH, true, DEK_IC_SITE_LL_DISPATCH, &h, &q, &fl);
+    s_half = h;
+    s_seq = q;
+  }
+  __syncthreads();
+  if (s_ok) dispatch_recv_column<Net, kFp4, kLlThreads>(c, a, blockIdx.x, blockIdx.y, gridDim.y, s_half, s_seq);
 }
 
 }  // namespace
@@ -459,15 +475,23 @@ __device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a) {
 // ---- the kernel ------------------------------------------------------------------------------
 // One kernel for both halves, the half chosen by `phase` (as DeepEP's): profilers and benchmarks
 // that look kernels up by name find exactly one `dispatch` (docs/OPS.md, "Kernel names").
-// Send: kSendThreads per block; receive: kLlThreads.
+// Send: kSendThreads per block; receive: kLlThreads. DEK_LL_PHASE_BOTH (no hook): every block
+// sends its tokens, then receives columns b, b + G, ... of the E_l x Y columns with its
+// kSendThreads, the call's half and number its own (no recv_state): one launch fewer per call,
+// for a grid resident at once (the launcher's caller's condition).
 // kFp4: the NVFP4 payload (a.use_nvfp4), an instantiation of its own so that its registers do not
 // weigh on the FP8 / BF16 kernels (128 -> 148 when one kernel held all three).
 template <class Net, bool kFp4>
-__global__ void __launch_bounds__(kSendThreads) dispatch(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
-  if (phase == DEK_LL_PHASE_SEND) {
-    dispatch_send<Net, kFp4>(c, a);
-  } else {
+__global__ void __launch_bounds__(kSendThreads, 2) dispatch(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
+  if (phase == DEK_LL_PHASE_RECV) {
     dispatch_recv<Net, kFp4>(c, a);
+    return;
+  }
+  uint32_t seq = 0;
+  if (!dispatch_send<Net, kFp4>(c, a, &seq) || phase != DEK_LL_PHASE_BOTH) return;
+  const int el = a.num_experts / c.num_ranks, blocks = static_cast<int>(gridDim.x), y_count = blocks > el ? blocks / el : 1;
+  for (int col = blockIdx.x; col < el * y_count; col += blocks) {
+    if (!dispatch_recv_column<Net, kFp4, kSendThreads>(c, a, col % el, col / el, y_count, a.half, seq)) return;
   }
 }
 
@@ -489,20 +513,29 @@ int launch_dispatch(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, dim3 gri
 
 using namespace deep_ep::ll;
 
+namespace {
+// The send's arguments (recv_state: written for the receive launch; the one-launch call has none).
+bool send_args_ok(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, bool need_state) {
+  return ll_ok(ctx, args) && (args->recv_state != nullptr || !need_state) &&
+         (args->num_tokens == 0 || (args->x != nullptr && args->topk_idx != nullptr)) && args->num_experts <= kMaxLlExperts &&
+         args->num_topk <= kMaxLlTopk && (!args->use_nvfp4 || (!args->use_fp8 && args->x_global_scale != nullptr));
+}
+// The receive's outputs.
+bool recv_args_ok(const dek_ll_args_t* args) {
+  return args->recv_x != nullptr && args->recv_count != nullptr && args->src_info != nullptr && args->layout_range != nullptr &&
+         ((!args->use_fp8 && !args->use_nvfp4) || args->recv_scales != nullptr);
+}
+}  // namespace
+
 extern "C" int dek_ll_dispatch_send(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream) {
-  if (!ll_ok(ctx, args) || args->recv_state == nullptr || (args->num_tokens > 0 && (args->x == nullptr || args->topk_idx == nullptr)))
-    return static_cast<int>(cudaErrorInvalidValue);
-  if (args->num_experts > kMaxLlExperts || args->num_topk > kMaxLlTopk) return static_cast<int>(cudaErrorInvalidValue);
-  if (args->use_nvfp4 && (args->use_fp8 || args->x_global_scale == nullptr)) return static_cast<int>(cudaErrorInvalidValue);
+  if (!send_args_ok(ctx, args, true)) return static_cast<int>(cudaErrorInvalidValue);
   // Blocks of one or a few tokens, all resident (8 per SM by threads); at least one signals.
   const int blocks = args->num_tokens < 1 ? 1 : (args->num_tokens < args->num_blocks ? args->num_tokens : args->num_blocks);
   return launch_dispatch(ctx, args, dim3(blocks), kSendThreads, stream, DEK_LL_PHASE_SEND);
 }
 
 extern "C" int dek_ll_dispatch_recv(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream) {
-  if (!ll_ok(ctx, args) || args->recv_state == nullptr || args->recv_x == nullptr || args->recv_count == nullptr ||
-      args->src_info == nullptr || args->layout_range == nullptr || ((args->use_fp8 || args->use_nvfp4) && args->recv_scales == nullptr))
-    return static_cast<int>(cudaErrorInvalidValue);
+  if (!ll_ok(ctx, args) || args->recv_state == nullptr || !recv_args_ok(args)) return static_cast<int>(cudaErrorInvalidValue);
   const int el = args->num_experts / ctx->num_ranks;
   // At most num_blocks blocks (rounded down to whole columns): they are sized to be resident at
   // once, and one block more than fits costs a second wave (288 x 2 = 576 > 528 on 132 SMs).
@@ -510,3 +543,8 @@ extern "C" int dek_ll_dispatch_recv(const dek_ic_ctx_t* ctx, const dek_ll_args_t
   return launch_dispatch(ctx, args, dim3(el, y), kLlThreads, stream, DEK_LL_PHASE_RECV);
 }
 
+extern "C" int dek_ll_dispatch(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream) {
+  if (!send_args_ok(ctx, args, false) || !recv_args_ok(args)) return static_cast<int>(cudaErrorInvalidValue);
+  // num_blocks blocks of kSendThreads, every one resident at once (the caller's send grid).
+  return launch_dispatch(ctx, args, dim3(args->num_blocks < 1 ? 1 : args->num_blocks), kSendThreads, stream, DEK_LL_PHASE_BOTH);
+}

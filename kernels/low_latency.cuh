@@ -124,8 +124,8 @@ __device__ bool begin_send(const Ctx& c, const Args& a, int kind, uint32_t* s_se
     *s_skip = timed_out(c);
     *s_seq = next_seq(static_cast<uint32_t>(ld_volatile(at<int>(local(c), kLlCalls))));
     // Written whatever happens (the op allocates it uninitialised: no memset node per call); a
-    // skipped send leaves kind -1, which no receive accepts.
-    if (blockIdx.x == 0 && blockIdx.y == 0) {
+    // skipped send leaves kind -1, which no receive accepts. NULL: a one-launch dispatch.
+    if (blockIdx.x == 0 && blockIdx.y == 0 && a.recv_state != nullptr) {
       a.recv_state[0] = a.half;
       a.recv_state[1] = *s_seq;
       a.recv_state[2] = a.flags;

@@ -75,6 +75,15 @@ pub fn intranode_combine_fused() -> bool {
     *FUSED.get_or_init(|| two_way_knob("DEEP_EP_INTRANODE_COMBINE", "fused", "split"))
 }
 
+/// `DEEP_EP_LL_LAUNCH`: `one` (default: a whole low-latency dispatch, no hook, runs its send and
+/// receive in one kernel launch where its grid is resident at once: one rank on the GPU, no peer
+/// behind the seam) or `two` (a send launch, then a receive launch, as with a hook); read once per
+/// process. Same results; ranks may differ.
+pub fn ll_one_launch() -> bool {
+    static ONE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ONE.get_or_init(|| two_way_knob("DEEP_EP_LL_LAUNCH", "one", "two"))
+}
+
 /// `DEEP_EP_INTRANODE_REDUCE_WARPS`: warps of each 16-warp block of the fused combine kernel that
 /// start reducing while the others push (1..15, default 4; push warps join the reduce when their
 /// rows are out); read once.

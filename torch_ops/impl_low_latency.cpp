@@ -58,11 +58,12 @@ struct LlFormat {
   }
 };
 
-// Validates, allocates the static outputs, runs the send phase. clk: the host phases of a whole
-// dispatch (nullptr for the split op).
+// Validates, allocates the static outputs, runs the send phase, or with `whole` the whole dispatch
+// (deep_ep_ll_dispatch: one library call, one launch where the backend can). clk: the host phases
+// of a whole dispatch (nullptr for the split op).
 LlOutputs dispatch_send(int64_t handle, const Tensor& x, const Tensor& topk_idx, const optional<Tensor>& topk_weights,
                         const optional<Tensor>& cumulative, const optional<Tensor>& wait, int64_t t, int64_t e, const LlFormat& f,
-                        const optional<Tensor>& num_tokens, const optional<Tensor>& x_global_scale, phases::Clock* clk = nullptr) {
+                        const optional<Tensor>& num_tokens, const optional<Tensor>& x_global_scale, bool whole, phases::Clock* clk = nullptr) {
   auto p = params(t, x.dim() == 2 ? x.size(1) : 128, e, x.device());
   f.set(p);
   auto rx = raw(x), ri = raw(topk_idx), rw = raw(topk_weights), rg = raw(x_global_scale), rc = raw(cumulative), rs = raw(wait);
@@ -113,8 +114,9 @@ LlOutputs dispatch_send(int64_t handle, const Tensor& x, const Tensor& topk_idx,
   out.recv_state = alloc({DEEP_EP_LL_STATE_LEN}, ScalarType::Long);
   phases::mark(clk, 2, "alloc");
   auto ro = out.raw_outputs();
-  check(deep_ep_ll_dispatch_send(handle, &p, &rx, &ri, &rw, &rg, &rc, &rs, &ro));
-  phases::mark(clk, 3, "send");
+  check(whole ? deep_ep_ll_dispatch(handle, &p, &rx, &ri, &rw, &rg, &rc, &rs, &ro)
+              : deep_ep_ll_dispatch_send(handle, &p, &rx, &ri, &rw, &rg, &rc, &rs, &ro));
+  phases::mark(clk, 3, whole ? "dispatch" : "send");
   return out;
 }
 
@@ -137,9 +139,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> low_latency_dispatch(int64_t 
   phases::Clock clk(phases::kLlDispatch);
   DeviceScope guard(x.device());
   const LlFormat f{use_fp8, round_scale, use_ue8m0, use_nvfp4};
-  auto out = dispatch_send(handle, x, topk_idx, topk_weights, cumulative, wait, t, e, f, num_tokens, x_global_scale, &clk);
-  dispatch_recv(handle, out, cumulative, wait, t, e, f);
-  clk.mark(4, "recv");
+  auto out = dispatch_send(handle, x, topk_idx, topk_weights, cumulative, wait, t, e, f, num_tokens, x_global_scale, true, &clk);
   return {out.recv_x, out.recv_x_scales, out.recv_count, out.src_info, out.layout_range};
 }
 
@@ -150,7 +150,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> low_latency_dispatch_
                                                                                      const optional<Tensor>& x_global_scale) {
   DeviceScope guard(x.device());
   const LlFormat f{use_fp8, round_scale, use_ue8m0, use_nvfp4};
-  auto o = dispatch_send(handle, x, topk_idx, topk_weights, std::nullopt, std::nullopt, t, e, f, num_tokens, x_global_scale);
+  auto o = dispatch_send(handle, x, topk_idx, topk_weights, std::nullopt, std::nullopt, t, e, f, num_tokens, x_global_scale, false);
   return {o.recv_x, o.recv_x_scales, o.recv_count, o.src_info, o.layout_range, o.recv_state};
 }
 

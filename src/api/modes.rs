@@ -345,6 +345,39 @@ pub unsafe extern "C" fn deep_ep_ll_dispatch_send(
     })
 }
 
+/// See `deep_ep_ll_dispatch` in the header.
+///
+/// # Safety
+/// Pointers from the shim.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn deep_ep_ll_dispatch(
+    handle: i64,
+    p: *const RawLlParams,
+    x: *const RawTensor,
+    topk_idx: *const RawTensor,
+    topk_weights: *const RawTensor,
+    x_global_scale: *const RawTensor,
+    cumulative: *const RawTensor,
+    wait: *const RawTensor,
+    out: *const RawLlDispatchOutputs,
+) -> c_int {
+    const OP: &str = crate::op_names::LOW_LATENCY_DISPATCH;
+    guard(|| {
+        let p = ll_params(OP, p)?;
+        let a = LlDispatchSendArgs {
+            x: tensor(OP, "x", x)?,
+            topk_idx: tensor(OP, "topk_idx", topk_idx)?,
+            topk_weights: opt_tensor(OP, "topk_weights", topk_weights)?,
+            x_global_scale: opt_tensor(OP, "x_global_scale", x_global_scale)?,
+        };
+        if out.is_null() {
+            return Err(Error::invalid(OP, "outputs are required"));
+        }
+        ops::low_latency_dispatch(handle, &p, a, &ll_stats(OP, cumulative, wait)?, &ll_outputs(OP, &*out)?)
+    })
+}
+
 /// See `deep_ep_ll_dispatch_recv` in the header.
 ///
 /// # Safety

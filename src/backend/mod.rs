@@ -125,6 +125,21 @@ pub trait LowLatencyMode {
         stream: Stream,
     ) -> Result<()>;
 
+    /// A whole LL dispatch (send, then receive): `out.recv_state` may be left unwritten. Backends
+    /// that can run both phases in one launch override this; the default runs the two phases.
+    fn ll_dispatch(
+        &mut self,
+        g: &LlGeometry,
+        o: &LlDispatchOptions,
+        args: &LlDispatchSendArgs,
+        out: &LlDispatchOutputs,
+        stats: &LlStats,
+        stream: Stream,
+    ) -> Result<()> {
+        self.ll_dispatch_send(g, o, args, out, stream)?;
+        self.ll_dispatch_recv(g, o, out, stats, stream)
+    }
+
     /// LL combine, send phase: push expert outputs back to their source ranks.
     fn ll_combine_send(&mut self, g: &LlGeometry, args: &LlCombineSendArgs, stream: Stream) -> Result<()>;
 

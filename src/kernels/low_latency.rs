@@ -38,6 +38,9 @@ crate::kernels::intranode::launchers! {
     dispatch_send(a: &LlArgs) => dek_ll_dispatch_send, "low-latency dispatch send kernel launch";
     /// Receive phase of an LL dispatch.
     dispatch_recv(a: &LlArgs) => dek_ll_dispatch_recv, "low-latency dispatch receive kernel launch";
+    /// Both phases of an LL dispatch in one launch of `a.num_blocks` blocks, all of which must be
+    /// resident at once (no `recv_state`).
+    dispatch(a: &LlArgs) => dek_ll_dispatch, "low-latency dispatch kernel launch";
     /// Send phase of an LL combine.
     combine_send(a: &LlArgs) => dek_ll_combine_send, "low-latency combine send kernel launch";
     /// Receive phase of an LL combine.

@@ -239,6 +239,17 @@ pub fn low_latency_dispatch_send(
     })
 }
 
+/// A whole LL dispatch (no hook): validates once, then the backend's send and receive (one launch
+/// where it can); `out.recv_state` may be left unwritten.
+pub fn low_latency_dispatch(handle: i64, p: &LlParams, a: LlDispatchSendArgs, stats: &LlStats, out: &LlDispatchOutputs) -> Result<()> {
+    let (g, o) = (p.geometry(DISPATCH)?, p.options());
+    check_low_latency_dispatch(handle, &g, &o, &a, stats)?;
+    buffer::with(DISPATCH, handle, |b| {
+        check_dispatch_outputs(out, &g, &o, &b.info().clone())?;
+        b.ll_dispatch(&g, &o, &a, out, stats, p.stream)
+    })
+}
+
 /// LL dispatch recv phase: waits for all sources and fills `out`.
 pub fn low_latency_dispatch_recv(handle: i64, p: &LlParams, out: &LlDispatchOutputs, stats: &LlStats) -> Result<()> {
     let (g, o) = (p.geometry(DISPATCH)?, p.options());

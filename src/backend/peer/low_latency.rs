@@ -112,6 +112,34 @@ fn aligned(op: &'static str, name: &str, t: &TensorRef) -> Result<()> {
     Ok(())
 }
 
+/// A dispatch's format flags.
+fn ll_format(a: &mut LlArgs, o: &LlDispatchOptions) {
+    a.use_fp8 = o.use_fp8 as i32;
+    a.round_scale = o.round_scale as i32;
+    a.use_ue8m0 = o.use_ue8m0 as i32;
+    a.use_nvfp4 = o.use_nvfp4 as i32;
+    a.flags = o.flags() as i32;
+}
+
+/// A dispatch receive's outputs and stats.
+fn ll_recv_outputs(a: &mut LlArgs, o: &LlDispatchOptions, out: &LlDispatchOutputs, st: &LlStats) -> Result<()> {
+    aligned(OP_DISPATCH, "recv_x", &out.recv_x)?;
+    a.recv_x = ptr(&out.recv_x);
+    if let Some(sc) = out.recv_x_scales.as_ref().filter(|_| o.use_fp8) {
+        a.recv_scales = ptr(sc);
+        a.scale_stride = [sc.strides()[0], sc.strides()[1], sc.strides()[2]];
+    }
+    if let Some(sc) = out.recv_x_scales.as_ref().filter(|_| o.use_nvfp4) {
+        a.recv_scales = ptr(sc); // contiguous [E_l, rm, rk, 512] bytes (checked by crate::ops)
+    }
+    a.recv_count = ptr(&out.recv_count);
+    a.src_info = ptr(&out.src_info);
+    a.layout_range = ptr(&out.layout_range);
+    a.cumulative = opt_ptr(st.cumulative_local_expert_recv_stats.as_ref());
+    a.wait_stats = opt_ptr(st.wait_recv_cost_stats.as_ref());
+    Ok(())
+}
+
 /// The message of a format mismatch a receive kernel found (`err::LL_FORMAT`): another rank sent
 /// with other flags or another geometry. Found after the data moved, so raised at the next call.
 fn ll_format_error(op: &'static str, e: crate::kernels::intranode::KernelError) -> Error {
@@ -214,6 +242,39 @@ impl PeerBackend {
         })
     }
 
+    /// A dispatch's send arguments after the checks that need this buffer (half not yet taken).
+    fn ll_dispatch_args(&self, g: &LlGeometry, o: &LlDispatchOptions, s: &LlDispatchSendArgs, stream: Stream) -> Result<LlArgs> {
+        self.check_ll_pending(OP_DISPATCH, stream)?;
+        let mut a = self.ll_args(OP_DISPATCH, g)?;
+        let n = s.x.size(0);
+        let k = if s.topk_idx.ndim() == 2 { s.topk_idx.size(1) } else { 0 };
+        crate::ensure!(
+            n <= g.num_max_dispatch_tokens_per_rank,
+            OP_DISPATCH,
+            "x has {n} tokens, more than num_max_dispatch_tokens_per_rank ({})",
+            g.num_max_dispatch_tokens_per_rank
+        );
+        crate::ensure!(k <= 16, OP_DISPATCH, "num_topk must be <= 16 on the nccl backend, got {k}");
+        aligned(OP_DISPATCH, "x", &s.x)?;
+        ll_format(&mut a, o);
+        a.num_tokens = n as i32;
+        a.num_topk = k as i32;
+        a.topk_is_int64 = (s.topk_idx.dtype == DType::Int64) as i32;
+        a.x = ptr(&s.x);
+        a.topk_idx = ptr(&s.topk_idx);
+        a.topk_weights = opt_ptr(s.topk_weights.as_ref());
+        a.x_global_scale = opt_ptr(s.x_global_scale.as_ref());
+        a.num_blocks = self.ll_grid().send;
+        Ok(a)
+    }
+
+    /// What a launched dispatch send leaves for the combine of its handle.
+    fn ll_dispatch_sent(&mut self, a: &LlArgs, s: &LlDispatchSendArgs, out: &LlDispatchOutputs) {
+        self.ll.dispatches += 1;
+        self.ll.dispatch[a.half as usize] = Some((out.src_info.data_ptr() as usize, s.topk_weights.is_some(), self.ll.dispatches));
+        self.ll.received[a.half as usize] = false;
+    }
+
     /// Raises an error a kernel recorded earlier; non-timeout errors are cleared so the buffer
     /// stays usable.
     fn check_ll_pending(&self, op: &'static str, stream: Stream) -> Result<()> {
@@ -312,38 +373,12 @@ impl LowLatencyMode for PeerBackend {
         out: &LlDispatchOutputs,
         stream: Stream,
     ) -> Result<()> {
-        self.check_ll_pending(OP_DISPATCH, stream)?;
-        let mut a = self.ll_args(OP_DISPATCH, g)?;
-        let n = s.x.size(0);
-        let k = if s.topk_idx.ndim() == 2 { s.topk_idx.size(1) } else { 0 };
-        crate::ensure!(
-            n <= g.num_max_dispatch_tokens_per_rank,
-            OP_DISPATCH,
-            "x has {n} tokens, more than num_max_dispatch_tokens_per_rank ({})",
-            g.num_max_dispatch_tokens_per_rank
-        );
-        crate::ensure!(k <= 16, OP_DISPATCH, "num_topk must be <= 16 on the nccl backend, got {k}");
-        aligned(OP_DISPATCH, "x", &s.x)?;
-        a.use_fp8 = o.use_fp8 as i32;
-        a.round_scale = o.round_scale as i32;
-        a.use_ue8m0 = o.use_ue8m0 as i32;
-        a.use_nvfp4 = o.use_nvfp4 as i32;
-        a.flags = o.flags() as i32;
-        a.num_tokens = n as i32;
-        a.num_topk = k as i32;
-        a.topk_is_int64 = (s.topk_idx.dtype == DType::Int64) as i32;
-        a.x = ptr(&s.x);
-        a.topk_idx = ptr(&s.topk_idx);
-        a.topk_weights = opt_ptr(s.topk_weights.as_ref());
-        a.x_global_scale = opt_ptr(s.x_global_scale.as_ref());
+        let mut a = self.ll_dispatch_args(g, o, s, stream)?;
         a.recv_state = ptr(&out.recv_state);
-        a.num_blocks = self.ll_grid().send;
         self.ll_begin_send(OP_DISPATCH, &mut a, stream)?;
         // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
         unsafe { k::dispatch_send(OP_DISPATCH, self.window.ctx(), &a, stream) }?;
-        self.ll.dispatches += 1;
-        self.ll.dispatch[a.half as usize] = Some((out.src_info.data_ptr() as usize, s.topk_weights.is_some(), self.ll.dispatches));
-        self.ll.received[a.half as usize] = false;
+        self.ll_dispatch_sent(&a, s, out);
         Ok(())
     }
 
@@ -357,28 +392,37 @@ impl LowLatencyMode for PeerBackend {
     ) -> Result<()> {
         self.check_ll_pending(OP_DISPATCH, stream)?;
         let mut a = self.ll_args(OP_DISPATCH, g)?;
-        a.use_fp8 = o.use_fp8 as i32;
-        a.round_scale = o.round_scale as i32;
-        a.use_ue8m0 = o.use_ue8m0 as i32;
-        a.use_nvfp4 = o.use_nvfp4 as i32;
-        a.flags = o.flags() as i32;
-        aligned(OP_DISPATCH, "recv_x", &out.recv_x)?;
-        a.recv_x = ptr(&out.recv_x);
-        if let Some(sc) = out.recv_x_scales.as_ref().filter(|_| o.use_fp8) {
-            a.recv_scales = ptr(sc);
-            a.scale_stride = [sc.strides()[0], sc.strides()[1], sc.strides()[2]];
-        }
-        if let Some(sc) = out.recv_x_scales.as_ref().filter(|_| o.use_nvfp4) {
-            a.recv_scales = ptr(sc); // contiguous [E_l, rm, rk, 512] bytes (checked by crate::ops)
-        }
-        a.recv_count = ptr(&out.recv_count);
-        a.src_info = ptr(&out.src_info);
-        a.layout_range = ptr(&out.layout_range);
+        ll_format(&mut a, o);
+        ll_recv_outputs(&mut a, o, out, st)?;
         a.recv_state = ptr(&out.recv_state);
-        a.cumulative = opt_ptr(st.cumulative_local_expert_recv_stats.as_ref());
-        a.wait_stats = opt_ptr(st.wait_recv_cost_stats.as_ref());
         // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
         unsafe { k::dispatch_recv(OP_DISPATCH, self.window.ctx(), &a, stream) }?;
+        crate::backend::ll_mark_received(&self.ll.dispatch, &mut self.ll.received, out.src_info.data_ptr() as usize);
+        Ok(())
+    }
+
+    /// One launch (`DEEP_EP_LL_LAUNCH`) where the send grid is resident at once: this rank alone on
+    /// its GPU (ranks sharing one under MPS could fill it with spinning blocks) and no peer behind
+    /// the seam. The send grid is 2 blocks per SM of 256 threads, the most 128 registers allow.
+    fn ll_dispatch(
+        &mut self,
+        g: &LlGeometry,
+        o: &LlDispatchOptions,
+        s: &LlDispatchSendArgs,
+        out: &LlDispatchOutputs,
+        st: &LlStats,
+        stream: Stream,
+    ) -> Result<()> {
+        if self.window.ranks_on_gpu() > 1 || self.seam.is_some() || !crate::settings::ll_one_launch() {
+            self.ll_dispatch_send(g, o, s, out, stream)?;
+            return self.ll_dispatch_recv(g, o, out, st, stream);
+        }
+        let mut a = self.ll_dispatch_args(g, o, s, stream)?;
+        ll_recv_outputs(&mut a, o, out, st)?;
+        self.ll_begin_send(OP_DISPATCH, &mut a, stream)?;
+        // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
+        unsafe { k::dispatch(OP_DISPATCH, self.window.ctx(), &a, stream) }?;
+        self.ll_dispatch_sent(&a, s, out);
         crate::backend::ll_mark_received(&self.ll.dispatch, &mut self.ll.received, out.src_info.data_ptr() as usize);
         Ok(())
     }

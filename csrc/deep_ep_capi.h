@@ -236,6 +236,13 @@ int deep_ep_ll_combine_send(int64_t handle, const deep_ep_ll_params_t* p, const 
 int deep_ep_ll_combine_recv(int64_t handle, const deep_ep_ll_params_t* p, const deep_ep_tensor_t* topk_idx,
                             const deep_ep_tensor_t* topk_weights, const deep_ep_tensor_t* recv_state, const deep_ep_tensor_t* out,
                             const deep_ep_tensor_t* wait_recv_cost_stats);
+// A whole combine (no hook): the arguments of deep_ep_ll_combine_send and _recv, validated once,
+// then send and receive, in one kernel launch where the backend can (DEEP_EP_LL_LAUNCH); recv_state
+// may be left unwritten.
+int deep_ep_ll_combine(int64_t handle, const deep_ep_ll_params_t* p, const deep_ep_tensor_t* x, const deep_ep_tensor_t* src_info,
+                       const deep_ep_tensor_t* layout_range, const deep_ep_ll_overlap_t* overlap, const deep_ep_tensor_t* topk_idx,
+                       const deep_ep_tensor_t* topk_weights, const deep_ep_tensor_t* recv_state, const deep_ep_tensor_t* out,
+                       const deep_ep_tensor_t* wait_recv_cost_stats);
 // Local. The optional num_tokens (int32 [] or [1] on the buffer's device) of an LL dispatch
 // (which = 0) or combine (which = 1): out [N,K] (dtype of topk_idx, not aliasing it) = topk_idx
 // with rows >= num_tokens set to -1. The op then passes out as its topk_idx. On CUDA: one kernel

@@ -644,18 +644,18 @@ size_t dek_in_args_bytes(void);
  * ------------------------------------------------------------------------------------------- */
 #define DEK_LL_KIND_DISPATCH 1
 /* Phase argument of the one LL dispatch kernel and the one LL combine kernel (each half is a launch
- * of the same kernel, as DeepEP's, so profilers list one `dispatch` and one `combine`). */
+ * of the same kernel, as DeepEP's, so profilers list one `dispatch` and one `combine`); BOTH: send,
+ * then receive in the same blocks (dek_ll_dispatch, dek_ll_combine). */
 #define DEK_LL_PHASE_SEND 1
 #define DEK_LL_PHASE_RECV 2
-#define DEK_LL_PHASE_BOTH 3 /* send, then receive in the same blocks (dek_ll_dispatch) */
+#define DEK_LL_PHASE_BOTH 3
 #define DEK_LL_MSG_META 160   /* bytes of a dispatch message before its payload */
 #define DEK_LL_MAX_EXPERTS 2048
 #define DEK_LL_MAX_TOPK 16
 #define DEK_LL_MAX_TOKENS 65533 /* num_max_dispatch_tokens_per_rank: a tag's count field holds count + 1 < 0xffff (the abandoned mark) */
 #define DEK_LL_FLAG_PARTIAL 32 /* combine recv_state flag: partial sums were sent */
 #define DEK_LL_FLAG_LOGFMT 8  /* combine: rows travel as LogFMT-10 (recv_state flag) */
-/* The rank mask (1 = masked): a device copy at DEK_LL_MASK_OFF, rewritten by the host at every mask
- * update (host-mapped reads from every block would cross PCIe: 10-50x slower LL ops). */
+/* The rank mask (1 = masked): a device copy at DEK_LL_MASK_OFF, rewritten by the host at every mask update (host-mapped reads from every block would cross PCIe: 10-50x slower LL ops). */
 #define DEK_LL_KIND_COMBINE 2
 typedef struct {
   uint64_t ll_off;                          /* byte offset of the LL area in every window */
@@ -669,7 +669,7 @@ typedef struct {
   const void* topk_idx;      /* [N, K] int32/int64 */
   const float* topk_weights; /* [N, K] (combine receive) */
   const float* x_global_scale; /* dispatch with use_nvfp4: element 0 is the global scale S */
-  int64_t* recv_state;       /* [4] int64 */
+  int64_t* recv_state;       /* [4] int64 (NULL in a DEK_LL_PHASE_BOTH launch) */
   void* recv_x;              /* [E_l, R*T, H] bf16 or E4M3, or [E_l, R*T, H/2] bytes (NVFP4) */
   void* recv_scales;         /* [E_l, R*T, S] f32, [E_l, R*T, S/4] int32 (UE8M0; strides below) or NVFP4's [E_l, rm, rk, 512] */
   int64_t scale_stride[3];
@@ -680,15 +680,13 @@ typedef struct {
   int64_t* wait_stats;       /* [R] += cycles waited per source, or NULL */
   uint16_t* out;             /* combine: [N, H] bf16 */
   const int32_t* mask;       /* rank mask (device copy at DEK_LL_MASK_OFF of this rank's window) or NULL */
-  int32_t* shrink_mask;      /* shrink mode: the host-mapped mask block; a receive wait that times out
-                              * sets the peer's word here and in `mask` and goes on without it
-                              * (instead of failing). NULL: shrink mode off */
+  int32_t* shrink_mask;      /* shrink mode: the host-mapped mask block; a receive wait that times out sets the
+                              * peer's word here and in `mask` and goes on without it (not failing). NULL: off */
   int32_t num_blocks;
   int32_t partial;           /* combine send: one partial sum per (token, expert rank) */
   int32_t dispatch_half;     /* combine send with partial: the half holding the dispatch's messages */
-  int32_t routing_half;      /* combine send: the half of this handle's dispatch (its routing fingerprint
-                              * goes with the combine, whose receive compares its topk_idx with it:
-                              * DEK_IC_ERR_LL_ROUTING); -1: unknown, no check */
+  int32_t routing_half;      /* combine send: the half of this handle's dispatch (its routing fingerprint goes with
+                              * the combine, whose receive compares its topk_idx: DEK_IC_ERR_LL_ROUTING); -1: none */
   /* Internode (docs/INTERNODE.md "Internode LL"): peers outside this rank's NVLink domain are
    * reached through the transport seam (kernels/transport.cuh). net == NULL: every peer by NVLink
    * stores (intranode). Remote messages are staged in this rank's own window first (GIN sends only
@@ -723,7 +721,7 @@ int dek_ll_dispatch_send(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, voi
  * (through the index table) into recv_x / scales / src_info, writes recv_count and layout_range,
  * adds the stats. */
 int dek_ll_dispatch_recv(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream);
-/* Both phases in one launch of num_blocks blocks (no recv_state): for a grid resident at once. */
+/* Both phases in one launch of num_blocks blocks (no recv_state), all resident at once. */
 int dek_ll_dispatch(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream);
 /* Send phase of a combine: one block per (local expert, source rank) pushes the rows of
  * layout_range back to the source rank at (global expert, src token), then signals. With
@@ -737,6 +735,8 @@ int dek_ll_combine_send(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void
  * partial row), d unmasked with an expert in the token's top-k; LogFMT: the decoded values in
  * place of y). */
 int dek_ll_combine_recv(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream);
+/* Both phases in one launch of 128-thread blocks, all resident: E (rows) or num_blocks (partial); not LogFMT, signal, seam. */
+int dek_ll_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream);
 /* Zeroes this rank's signal words of both halves (between two barriers on the host side), and
  * with a seam its seam signals [0, 4E) of every context and their shadows. */
 int dek_ll_zero_signals(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream);

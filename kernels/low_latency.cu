@@ -2,6 +2,7 @@
 // Protocol: deep_ep_kernels.h ("Low-latency mode"); helpers: low_latency.cuh.
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "logfmt.cuh"
 #include "low_latency.cuh"
@@ -142,41 +143,52 @@ __device__ __forceinline__ bool combine_send_rows(const Ctx& c, const Args& a, i
   return ok;
 }
 
-// The per-expert combine send: (E_l, R) blocks, item (blockIdx.x, blockIdx.y) each, or with
-// Args::signal_grid at most that many blocks, each taking items l + E_l*s in turn.
+// The per-expert combine send: block b of (E_l, R) blocks (the grid, or a 1-D one of E blocks)
+// takes item (b % E_l, b / E_l); with Args::signal_grid at most that many blocks, each taking
+// items l + E_l*s in turn. Returns false when the buffer timed out (nothing sent); *seq: the
+// call's number.
 template <class Net, bool kSig>
-__device__ __forceinline__ void combine_send(const Ctx& c, const Args& a) {
+__device__ __forceinline__ bool combine_send(const Ctx& c, const Args& a, uint32_t* seq) {
   __shared__ uint32_t s_seq;
   __shared__ int s_skip;
-  if (!begin_send(c, a, DEK_LL_KIND_COMBINE, &s_seq, &s_skip)) return;
-  if constexpr (kSig) {
-    const int El = a.num_experts / c.num_ranks;
-    const int blocks = gridDim.x * gridDim.y;
-    for (int w = blockIdx.y * gridDim.x + blockIdx.x; w < El * c.num_ranks; w += blocks) {
-      if (!combine_send_rows<Net, true>(c, a, w % El, w / El, s_seq)) break;
+  if (!begin_send(c, a, DEK_LL_KIND_COMBINE, &s_seq, &s_skip)) return false;
+  *seq = s_seq;
+  const int El = a.num_experts / c.num_ranks, lin = blockIdx.y * gridDim.x + blockIdx.x;
+  // Without signals there are E blocks, one item each: both forms take the same items. The loop
+  // keeps the LSA kernel free of register spills, the single item the GIN one (ptxas -v, sm_90).
+  if constexpr (kSig || std::is_same_v<Net, LsaNet>) {
+    for (int w = lin; w < El * c.num_ranks; w += gridDim.x * gridDim.y) {
+      if (!combine_send_rows<Net, kSig>(c, a, w % El, w / El, s_seq)) break;
     }
   } else {
-    combine_send_rows<Net, false>(c, a, blockIdx.x, blockIdx.y, s_seq);
+    combine_send_rows<Net, false>(c, a, lin % El, lin / El, s_seq);
   }
   finish_send(c, s_seq);
+  return true;
 }
 
-// Partial combine: block (s, y) takes work items y, y+gridDim.y, ... (a message that source rank s
+// Partial combine: block (s, y) of (R, Y) (block b of a 1-D grid: (b % R, b / R), Y = blocks / R)
+// takes work items y, y+Y, ... (a message that source rank s
 // sent in the dispatch (dispatch_half), or a slice of its channels when there are fewer messages
 // than blocks): thread j owns channels 8j..8j+7 of the row bf16(sum over the message's
 // entries in order of fma(y, w, acc)) (crate: f32::mul_add) and stores it to s at (rank, token).
 // The last block to finish signals word rank*E_l on every unmasked source rank. For a source s
 // outside the NVLink domain the row is staged in the payload of the message it answers (no longer
 // read: the dispatch receive copied it) and put by warp 0.
+// Returns false when the buffer timed out (nothing sent); *seq: the call's number. Not inlined:
+// inlined beside the one-launch receive it made the kernel spill (266 bytes).
 template <class Net, bool kSig>
-__device__ __forceinline__ void combine_send_partial(const Ctx& c, const Args& a) {
+__device__ __noinline__ bool combine_send_partial(const Ctx& c, const Args& a, uint32_t* seq) {
   __shared__ uint32_t s_seq;
   __shared__ int s_skip, s_last, s_n, s_tok;
   __shared__ int64_t s_row[kMaxLlTopk];
   __shared__ float s_w[kMaxLlTopk];
-  if (!begin_send(c, a, DEK_LL_KIND_COMBINE, &s_seq, &s_skip)) return;
-  const int s = blockIdx.x, tid = threadIdx.x;
+  if (!begin_send(c, a, DEK_LL_KIND_COMBINE, &s_seq, &s_skip)) return false;
+  *seq = s_seq;
   const int R = c.num_ranks, El = a.num_experts / R, T = a.num_max_tokens, H = a.hidden;
+  const uint32_t blocks = gridDim.x * gridDim.y, lin = blockIdx.y * gridDim.x + blockIdx.x;
+  const int s = static_cast<int>(lin % R), tid = threadIdx.x;
+  const uint32_t y = lin / R, Y = blocks / R;  // blocks past R * Y (a 1-D grid) only count themselves done
   const int64_t RT = static_cast<int64_t>(R) * T, M = H + H / 128 * 2;
   const char* me = local(c);
   const uint64_t drecv = recv_off(a, a.dispatch_half);
@@ -191,9 +203,9 @@ __device__ __forceinline__ void combine_send_partial(const Ctx& c, const Args& a
   // block, which set the 1-token time: bench/LL_PROFILE.md section 11). A seam source keeps
   // whole messages (warp 0 puts the row).
   const int U = H / 8;
-  const uint32_t P = seam || nm == 0 ? 1u : max(1u, min(gridDim.y / nm, static_cast<uint32_t>((U + kLlThreads - 1) / kLlThreads)));
+  const uint32_t P = seam || nm == 0 ? 1u : max(1u, min(Y / nm, static_cast<uint32_t>((U + kLlThreads - 1) / kLlThreads)));
   bool failed = false;
-  for (uint32_t w = blockIdx.y; w < nm * P; w += gridDim.y) {
+  for (uint32_t w = y; y < Y && w < nm * P; w += Y) {
     const uint32_t m = w / P;
     const int u_lo = static_cast<int>(static_cast<uint64_t>(w % P) * U / P), u_hi = static_cast<int>(static_cast<uint64_t>(w % P + 1) * U / P);
     const char* msg = me + drecv + a.msgs_off + (static_cast<uint64_t>(s) * T + m) * a.msg_bytes;
@@ -291,10 +303,10 @@ __device__ __forceinline__ void combine_send_partial(const Ctx& c, const Args& a
   __syncthreads();
   if (tid == 0) {
     fence_acq_rel_sys();  // one cumulative fence per block (see dispatch_send in ll_dispatch.cu)
-    s_last = atomicAdd(at<unsigned int>(local(c), kLlDone), 1u) == gridDim.x * gridDim.y - 1;
+    s_last = atomicAdd(at<unsigned int>(local(c), kLlDone), 1u) == blocks - 1;
   }
   __syncthreads();
-  if (!s_last) return;
+  if (!s_last) return true;
   // A failed signal wait of any block timed the buffer out (or the op was cancelled): no signals.
   const bool give_up = kSig && op_cancelled(c);  // timed out or cancelled (one barrier: every thread of the block)
   constexpr int kSignallers = rank_workers(kLlThreads);  // threads signalling the ranks, each R / kSignallers
@@ -312,6 +324,7 @@ __device__ __forceinline__ void combine_send_partial(const Ctx& c, const Args& a
     *at<volatile unsigned int>(local(c), kLlDone) = 0;
     __threadfence();
   }
+  return true;
 }
 
 // LogFMT reduction of token `tok` (combine receive, blockDim = kReduceThreads): per pass of 32
@@ -398,43 +411,35 @@ __device__ void check_routing(const Ctx& c, const Args& a, int half) {
   }
 }
 
-// Every block waits for all E words (partial: the R words d*E_l), then reduces tokens blockIdx.x,
-// +gridDim.x, ...: thread j owns channels 8j..8j+7: acc = fma(y_k, w_k, acc) over k in order
-// (crate: f32::mul_add); partial: acc += the partial row of each expert rank d ascending that
-// holds one of the token's (unmasked) experts.
+// Every block waits for all E words (partial: the R words d*E_l) of call `seq` on `half`, then
+// reduces work items blockIdx.x, +gridDim.x, ...: item w = slice w % P of token w / P (P blocks
+// share a token when there are more blocks than tokens: a 1-token combine is not one block's
+// loads; P = 1 for LogFMT and for the receive launch, which has at most one block per token);
+// thread j of a slice owns channels 8j..8j+7: acc = fma(y_k, w_k, acc) over k in order (crate:
+// f32::mul_add); partial: acc += the partial row of each expert rank d ascending that holds one of
+// the token's (unmasked) experts.
 template <class Net>
-__device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
-  __shared__ int s_ok, s_half, s_partial, s_logfmt, s_npart;
-  __shared__ uint32_t s_seq;
+__device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a, int half, uint32_t seq, bool partial, bool logfmt) {
+  __shared__ int s_ok, s_npart;
   __shared__ unsigned long long s_wait[kMaxLlRanks];
   __shared__ int64_t s_e[kMaxLlTopk];
   __shared__ float s_w[kMaxLlTopk];
   __shared__ int s_part[kMaxLlTopk];  // partial sums: the token's distinct expert ranks, ascending
   const int tid = threadIdx.x, R = c.num_ranks, El = a.num_experts / R, E = a.num_experts, T = a.num_max_tokens, H = a.hidden;
   const int K = a.num_topk;
-  if (tid == 0) {
-    int h = 0;
-    uint32_t q = 0;
-    int fl = 0;
-    s_ok = read_state(c, a, DEK_LL_KIND_COMBINE, false, DEK_IC_SITE_LL_COMBINE, &h, &q, &fl);
-    s_half = h;
-    s_seq = q;
-    s_partial = (fl & DEK_LL_FLAG_PARTIAL) != 0;
-    s_logfmt = (fl & DEK_LL_FLAG_LOGFMT) != 0;
-  }
+  if (tid == 0) s_ok = 1;
   for (int d = tid; d < R; d += blockDim.x) s_wait[d] = 0;
   __syncthreads();
-  if (!s_ok) return;
   char* me = local(c);
   for (int w = tid; w < E; w += blockDim.x) {
     if (rank_masked(a, w / El)) continue;  // a masked rank returns nothing and is not waited for
-    if (s_partial && w % El != 0) continue;  // partial: one word per expert rank
+    if (partial && w % El != 0) continue;  // partial: one word per expert rank
     const long long t0 = clock64();
     uint32_t v = 0;
     bool gave_up = false;
-    const int got = wait_from<Net>(c, a, w / El, at<const uint32_t>(me, sig_off(a, s_half) + static_cast<uint64_t>(w) * 4), kSeamCombine, s_half,
-                                   w % El, s_seq, DEK_IC_SITE_LL_COMBINE, &v, &gave_up);
-    if (gave_up) abandon_call<Net>(c, a, kSeamCombine, s_half, s_seq, a.shrink_mask != nullptr ? w / El : -1, s_partial != 0);
+    const int got = wait_from<Net>(c, a, w / El, at<const uint32_t>(me, sig_off(a, half) + static_cast<uint64_t>(w) * 4), kSeamCombine, half,
+                                   w % El, seq, DEK_IC_SITE_LL_COMBINE, &v, &gave_up);
+    if (gave_up) abandon_call<Net>(c, a, kSeamCombine, half, seq, a.shrink_mask != nullptr ? w / El : -1, partial);
     if (got < 0) {
       s_ok = 0;
       break;
@@ -443,19 +448,22 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
     // Only when asked: a 64-bit shared atomicMax is a compare-and-swap loop on one word.
     if (a.wait_stats != nullptr) atomicMax(&s_wait[w / El], static_cast<unsigned long long>(clock64() - t0));
     if (blockIdx.x == 0 && w % El == 0 && !remote(c, a, w / El) &&
-        !fmt_agrees(c, a, 1, s_half, w / El, fmt_combine(s_logfmt != 0, s_partial != 0), DEK_IC_SITE_LL_COMBINE)) {
+        !fmt_agrees(c, a, 1, half, w / El, fmt_combine(logfmt, partial), DEK_IC_SITE_LL_COMBINE)) {
       s_ok = 0;
     }
   }
   __syncthreads();
   if (!s_ok) return;
-  if (blockIdx.x == 0) check_routing(c, a, s_half);
+  if (blockIdx.x == 0) check_routing(c, a, half);
   for (int d = tid; blockIdx.x == 0 && d < R && a.wait_stats != nullptr; d += blockDim.x) {
     atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + d), s_wait[d]);
   }
-  const char* recv = me + recv_off(a, s_half);
+  const char* recv = me + recv_off(a, half);
   const uint64_t row_bytes = 2 * static_cast<uint64_t>(H);
-  for (int tok = blockIdx.x; tok < a.num_tokens; tok += gridDim.x) {
+  const int U = H / 8, N = a.num_tokens, blocks = static_cast<int>(gridDim.x);
+  const int P = logfmt || N < 1 ? 1 : max(1, min(blocks / N, static_cast<int>((U + blockDim.x - 1) / blockDim.x)));
+  for (int item = blockIdx.x; item < N * P; item += blocks) {
+    const int tok = item / P, u_lo = (item % P) * U / P, u_hi = (item % P + 1) * U / P;
     if (tid < 32) {  // warp 0, lane k: selection k (K <= kMaxLlTopk <= 32)
       int64_t e = -1;
       if (tid < K) {
@@ -472,8 +480,8 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
       if (tid == 0) s_npart = part.count;
     }
     __syncthreads();
-    if (s_partial) {
-      for (int j = tid; j < H / 8; j += blockDim.x) {
+    if (partial) {
+      for (int j = u_lo + tid; j < u_hi; j += blockDim.x) {
         float acc[8];
 #pragma unroll
         for (int u = 0; u < 8; ++u) acc[u] = 0.0f;
@@ -492,11 +500,11 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
       __syncthreads();  // s_e, s_w, s_part are rewritten for the next token
       continue;
     }
-    if (s_logfmt) {
+    if (logfmt) {
       ll_combine_recv_logfmt(a, recv, tok, s_e, s_w);
       continue;
     }
-    for (int j = tid; j < H / 8; j += blockDim.x) {
+    for (int j = u_lo + tid; j < u_hi; j += blockDim.x) {
       float acc[8];
 #pragma unroll
       for (int u = 0; u < 8; ++u) acc[u] = 0.0f;
@@ -524,6 +532,23 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
   }
 }
 
+// The receive launch: the call's half, number and format from recv_state (written by the send).
+template <class Net>
+__device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
+  __shared__ int s_ok, s_half, s_flags;
+  __shared__ uint32_t s_seq;
+  if (threadIdx.x == 0) {
+    int h = 0, fl = 0;
+    uint32_t q = 0;
+    s_ok = read_state(c, a, DEK_LL_KIND_COMBINE, false, DEK_IC_SITE_LL_COMBINE, &h, &q, &fl);
+    s_half = h;
+    s_seq = q;
+    s_flags = fl;
+  }
+  __syncthreads();
+  if (s_ok) combine_recv_tokens<Net>(c, a, s_half, s_seq, (s_flags & DEK_LL_FLAG_PARTIAL) != 0, (s_flags & DEK_LL_FLAG_LOGFMT) != 0);
+}
+
 }  // namespace
 
 // ---- the kernel ------------------------------------------------------------------------------
@@ -532,16 +557,18 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
 // names"). Send (per-expert rows or partial sums): kLlThreads per block; receive: kReduceThreads.
 // kSig: the send waits for the producer's signals (overlap, Args::signal), its own instantiation
 // so that the plain combine keeps its registers; it only sends (kLlThreads, no 512-thread register cap).
+// DEK_LL_PHASE_BOTH (no hook, no overlap, not LogFMT): every block of a 1-D grid of kLlThreads
+// sends, then reduces work items with the call's half and number its own (no recv_state).
 template <class Net, bool kSig>
 __global__ void __launch_bounds__(kSig ? kLlThreads : kReduceThreads) combine(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
-  if (phase == DEK_LL_PHASE_SEND) {
-    if (a.partial) {
-      combine_send_partial<Net, kSig>(c, a);
-    } else {
-      combine_send<Net, kSig>(c, a);
-    }
-  } else if constexpr (!kSig) {
-    combine_recv<Net>(c, a);
+  if (phase == DEK_LL_PHASE_RECV) {
+    if constexpr (!kSig) combine_recv<Net>(c, a);
+    return;
+  }
+  uint32_t seq = 0;
+  const bool sent = a.partial ? combine_send_partial<Net, kSig>(c, a, &seq) : combine_send<Net, kSig>(c, a, &seq);
+  if constexpr (!kSig && std::is_same_v<Net, LsaNet>) {  // never over a seam (the launcher refuses one)
+    if (sent && phase == DEK_LL_PHASE_BOTH) combine_recv_tokens<Net>(c, a, a.half, seq, a.partial != 0, false);
   }
 }
 
@@ -632,6 +659,17 @@ extern "C" int dek_ll_combine_recv(const dek_ic_ctx_t* ctx, const dek_ll_args_t*
   // With no token the receive still waits for every word (the call completes for every rank).
   const int blocks = args->num_tokens < 1 ? 1 : (args->num_tokens < args->num_blocks ? args->num_tokens : args->num_blocks);
   launch_combine(ctx, args, blocks, kReduceThreads, DEK_LL_PHASE_RECV, stream);
+  return static_cast<int>(cudaGetLastError());
+}
+
+extern "C" int dek_ll_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream) {
+  if (!ll_ok(ctx, args) || args->src_info == nullptr || args->layout_range == nullptr || (!args->zero_copy && args->x == nullptr) ||
+      (args->num_tokens > 0 && (args->out == nullptr || args->topk_idx == nullptr || args->topk_weights == nullptr)) ||
+      (args->flags & DEK_LL_FLAG_LOGFMT) != 0 || args->signal != nullptr || args->net != nullptr)
+    return static_cast<int>(cudaErrorInvalidValue);
+  // The send grid as one dimension: E blocks (per-expert rows), or num_blocks (partial sums).
+  const int blocks = args->partial ? (args->num_blocks > ctx->num_ranks ? args->num_blocks : ctx->num_ranks) : args->num_experts;
+  launch_combine(ctx, args, dim3(blocks), kLlThreads, DEK_LL_PHASE_BOTH, stream);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -167,23 +167,33 @@ void low_latency_dispatch_recv(int64_t handle, const Tensor& recv_state, const T
 struct LlOverlap {
   const optional<Tensor>& comp_signal;
   int64_t block_m, threshold, num_sms;
+  // The C argument (NULL without comp_signal), kept in *o.
+  const deep_ep_ll_overlap_t* raw_in(deep_ep_ll_overlap_t* o) const {
+    if (!comp_signal.has_value()) return nullptr;
+    *o = deep_ep_ll_overlap_t{sizeof(deep_ep_ll_overlap_t), raw(*comp_signal), block_m, threshold, num_sms};
+    return o;
+  }
 };
 
-Tensor combine_send(int64_t handle, const Tensor& x, const Tensor& src_info, const Tensor& layout_range, int64_t t, int64_t e,
-                    bool use_logfmt, bool zero_copy, const LlOverlap& ov, phases::Clock* clk = nullptr) {
+// The params and the recv_state of a combine: the state is written by the send kernel on every
+// call, as the dispatch's (no memset node on GPUs), or left unwritten by a one-launch combine.
+deep_ep_ll_params_t combine_params(const Tensor& x, int64_t t, int64_t e, bool use_logfmt, bool zero_copy) {
   auto p = params(t, x.dim() == 3 ? x.size(2) : 128, e, x.device());
   p.use_logfmt = use_logfmt;
   p.zero_copy = zero_copy;
-  // Written by the send kernel on every call, as the dispatch's (no memset node on GPUs).
-  auto state = x.is_cpu() ? zeros_like_dev(x, {DEEP_EP_LL_STATE_LEN}, ScalarType::Long)
-                          : empty_like_dev(x, {DEEP_EP_LL_STATE_LEN}, ScalarType::Long);
-  phases::mark(clk, 1, "alloc");
+  return p;
+}
+Tensor combine_state(const Tensor& x) {
+  return x.is_cpu() ? zeros_like_dev(x, {DEEP_EP_LL_STATE_LEN}, ScalarType::Long) : empty_like_dev(x, {DEEP_EP_LL_STATE_LEN}, ScalarType::Long);
+}
+
+Tensor combine_send(int64_t handle, const Tensor& x, const Tensor& src_info, const Tensor& layout_range, int64_t t, int64_t e,
+                    bool use_logfmt, bool zero_copy, const LlOverlap& ov) {
+  auto p = combine_params(x, t, e, use_logfmt, zero_copy);
+  auto state = combine_state(x);
   auto rx = raw(x), rsi = raw(src_info), rlr = raw(layout_range), rst = raw(state);
   deep_ep_ll_overlap_t o{};
-  const bool overlap = ov.comp_signal.has_value();
-  if (overlap) o = deep_ep_ll_overlap_t{sizeof(deep_ep_ll_overlap_t), raw(*ov.comp_signal), ov.block_m, ov.threshold, ov.num_sms};
-  check(deep_ep_ll_combine_send(handle, &p, &rx, &rsi, &rlr, &rst, overlap ? &o : nullptr));
-  phases::mark(clk, 2, "send");
+  check(deep_ep_ll_combine_send(handle, &p, &rx, &rsi, &rlr, &rst, ov.raw_in(&o)));
   return state;
 }
 
@@ -194,6 +204,7 @@ void combine_recv(int64_t handle, const Tensor& state, const Tensor& topk_idx, c
   check(deep_ep_ll_combine_recv(handle, &p, &ri, &rw, &rst, &ro, &rs));
 }
 
+// One library call (deep_ep_ll_combine): both phases validated first, one launch where the backend can.
 void low_latency_combine(int64_t handle, const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights, const Tensor& src_info,
                          const Tensor& layout_range, const Tensor& out, const optional<Tensor>& wait, int64_t t, int64_t e, bool use_logfmt,
                          bool zero_copy, const optional<Tensor>& num_tokens, const optional<Tensor>& comp_signal, int64_t block_m,
@@ -203,10 +214,15 @@ void low_latency_combine(int64_t handle, const Tensor& x, const Tensor& topk_idx
   // Rows past num_tokens are not routed: their output rows become zero. Checked before the send.
   Tensor eff = effective_topk_idx(handle, 1, topk_idx, num_tokens);
   clk.mark(0, "num_tokens");
-  auto state =
-      combine_send(handle, x, src_info, layout_range, t, e, use_logfmt, zero_copy, LlOverlap{comp_signal, block_m, threshold, num_sms}, &clk);
-  combine_recv(handle, state, eff, topk_weights, out, wait, t, x.size(2), e);
-  clk.mark(3, "recv");
+  auto p = combine_params(x, t, e, use_logfmt, zero_copy);
+  auto state = combine_state(x);
+  clk.mark(1, "alloc");
+  auto rx = raw(x), rsi = raw(src_info), rlr = raw(layout_range), rst = raw(state);
+  auto ri = raw(eff), rw = raw(topk_weights), ro = raw(out), rs = raw(wait);
+  deep_ep_ll_overlap_t o{};
+  const LlOverlap ov{comp_signal, block_m, threshold, num_sms};
+  check(deep_ep_ll_combine(handle, &p, &rx, &rsi, &rlr, ov.raw_in(&o), &ri, &rw, &rst, &ro, &rs));
+  clk.mark(2, "combine");
 }
 
 Tensor low_latency_combine_send(int64_t handle, const Tensor& x, const Tensor& src_info, const Tensor& layout_range, int64_t t, int64_t e,

@@ -5,7 +5,7 @@
 use crate::api::buffer::{check_size, guard, opt_tensor, tensor, RawTensor};
 use crate::error::{Error, Result};
 use crate::op_io::{CombineOutputs, DispatchOutputs, DispatchPlan, Handle, LlDispatchOutputs, LlStats};
-use crate::ops::{self, CombineInputs, DispatchRequest, LlDispatchSendArgs, LlOverlap, LlParams};
+use crate::ops::{self, CombineInputs, DispatchRequest, LlCombineInputs, LlCombineRecvArgs, LlDispatchSendArgs, LlOverlap, LlParams};
 use crate::tensor::TensorRef;
 use std::ffi::{c_int, c_void};
 
@@ -314,6 +314,14 @@ unsafe fn ll_outputs(op: &'static str, o: &RawLlDispatchOutputs) -> Result<LlDis
     })
 }
 
+/// The overlap arguments of a combine send (NULL: none).
+unsafe fn ll_overlap(op: &'static str, overlap: *const RawLlOverlap) -> Result<Option<LlOverlap>> {
+    let Some(o) = overlap.as_ref() else { return Ok(None) };
+    check_size(op, o.size, std::mem::size_of::<RawLlOverlap>())?;
+    let signal = tensor(op, "comp_signal", &o.signal)?;
+    Ok(Some(LlOverlap { signal, block_m: o.block_m, threshold: o.threshold, num_sms: o.num_sms }))
+}
+
 /// See `deep_ep_ll_dispatch_send` in the header.
 ///
 /// # Safety
@@ -419,15 +427,41 @@ pub unsafe extern "C" fn deep_ep_ll_combine_send(
         let p = ll_params(OP, p)?;
         let (x, src_info) = (tensor(OP, "x", x)?, tensor(OP, "src_info", src_info)?);
         let (layout_range, recv_state) = (tensor(OP, "layout_range", layout_range)?, tensor(OP, "recv_state", recv_state)?);
-        let overlap = match overlap.as_ref() {
-            None => None,
-            Some(o) => {
-                check_size(OP, o.size, std::mem::size_of::<RawLlOverlap>())?;
-                let signal = tensor(OP, "comp_signal", &o.signal)?;
-                Some(LlOverlap { signal, block_m: o.block_m, threshold: o.threshold, num_sms: o.num_sms })
-            }
-        };
+        let overlap = ll_overlap(OP, overlap)?;
         ops::low_latency_combine_send(handle, &p, x, src_info, layout_range, recv_state, overlap)
+    })
+}
+
+/// See `deep_ep_ll_combine` in the header.
+///
+/// # Safety
+/// Pointers from the shim.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn deep_ep_ll_combine(
+    handle: i64,
+    p: *const RawLlParams,
+    x: *const RawTensor,
+    src_info: *const RawTensor,
+    layout_range: *const RawTensor,
+    overlap: *const RawLlOverlap,
+    topk_idx: *const RawTensor,
+    topk_weights: *const RawTensor,
+    recv_state: *const RawTensor,
+    out: *const RawTensor,
+    wait: *const RawTensor,
+) -> c_int {
+    const OP: &str = crate::op_names::LOW_LATENCY_COMBINE;
+    guard(|| {
+        let p = ll_params(OP, p)?;
+        let (x, src_info) = (tensor(OP, "x", x)?, tensor(OP, "src_info", src_info)?);
+        let (layout_range, recv_state) = (tensor(OP, "layout_range", layout_range)?, tensor(OP, "recv_state", recv_state)?);
+        let overlap = ll_overlap(OP, overlap)?;
+        let (topk_idx, topk_weights, out) =
+            (tensor(OP, "topk_idx", topk_idx)?, tensor(OP, "topk_weights", topk_weights)?, tensor(OP, "out", out)?);
+        let wait = ll_stats(OP, std::ptr::null(), wait)?.wait_recv_cost_stats;
+        let recv = LlCombineRecvArgs { topk_idx, topk_weights, recv_state, out };
+        ops::low_latency_combine(handle, &p, LlCombineInputs { x, src_info, layout_range, recv_state }, overlap, recv, wait)
     })
 }
 

@@ -146,6 +146,20 @@ pub trait LowLatencyMode {
     /// LL combine, recv phase: wait and reduce Σ_k w_k·y_k in fp32 into `out`.
     fn ll_combine_recv(&mut self, g: &LlGeometry, args: &LlCombineRecvArgs, stats: &LlStats, stream: Stream) -> Result<()>;
 
+    /// A whole LL combine (send, then receive): the `recv_state`s may be left unwritten. Backends
+    /// that can run both phases in one launch override this; the default runs the two phases.
+    fn ll_combine(
+        &mut self,
+        g: &LlGeometry,
+        send: &LlCombineSendArgs,
+        recv: &LlCombineRecvArgs,
+        stats: &LlStats,
+        stream: Stream,
+    ) -> Result<()> {
+        self.ll_combine_send(g, send, stream)?;
+        self.ll_combine_recv(g, recv, stats, stream)
+    }
+
     /// Local, not collective: writes `args.out` = `args.topk_idx` with the rows at or past the
     /// device scalar `args.num_tokens` set to −1 (not routed), so that one static-shape LL call
     /// (one captured CUDA graph) serves any real batch `n ≤ N`. CUDA backends launch on `stream`

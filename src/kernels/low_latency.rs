@@ -45,6 +45,9 @@ crate::kernels::intranode::launchers! {
     combine_send(a: &LlArgs) => dek_ll_combine_send, "low-latency combine send kernel launch";
     /// Receive phase of an LL combine.
     combine_recv(a: &LlArgs) => dek_ll_combine_recv, "low-latency combine receive kernel launch";
+    /// Both phases of an LL combine in one launch (BF16 rows or partial sums, no signal, no seam),
+    /// every block resident at once (no `recv_state`).
+    combine(a: &LlArgs) => dek_ll_combine, "low-latency combine kernel launch";
     /// Zeroes this rank's LL signal words of both halves (2 * signal_bytes of its own window at
     /// ll_off, checked on the C side).
     zero_signals(a: &LlArgs) => dek_ll_zero_signals, "low-latency signal reset kernel launch";

@@ -2,8 +2,8 @@
 //! C surface hands over ([`LlParams`], tensors), and the backend calls. Shapes are static: T
 //! tokens per rank at most, E experts, R ranks, E_l = E / R local experts, H hidden.
 
-pub use crate::backend::LlDispatchSendArgs;
-use crate::backend::{BufferInfo, LlCombineRecvArgs, LlCombineSendArgs, LlDispatchOptions, LlGeometry, LlRowsArgs, LlSignal, LL_STATE_LEN};
+use crate::backend::{BufferInfo, LlCombineSendArgs, LlDispatchOptions, LlGeometry, LlRowsArgs, LlSignal, LL_STATE_LEN};
+pub use crate::backend::{LlCombineRecvArgs, LlDispatchSendArgs};
 use crate::buffer;
 use crate::error::Result;
 use crate::op_io::{LlDispatchOutputs, LlStats};
@@ -347,19 +347,54 @@ pub fn low_latency_combine_send(
 ) -> Result<()> {
     let g = p.geometry(COMBINE)?;
     buffer::with(COMBINE, handle, |b| {
-        let info = b.info().clone();
-        check_geometry(COMBINE, &g, &info)?;
-        let signal = overlap_signal(overlap, &g, &info)?;
-        let a = LlCombineSendArgs { x, src_info, layout_range, use_logfmt: p.use_logfmt, zero_copy: p.zero_copy, recv_state, signal };
-        crate::ensure!(!(a.zero_copy && a.use_logfmt), COMBINE, "zero_copy and use_logfmt cannot be combined");
-        check_combine_layout(Some(&a.x), &a.src_info, &a.layout_range, &g, &info)?;
-        a.recv_state
-            .check(COMBINE, "recv_state")
-            .on(&[DType::Int64], info.device)?
-            .shape(&[("state", Some(LL_STATE_LEN))])?
-            .contiguous()?;
+        let a = combine_send_args(p, &g, &b.info().clone(), LlCombineInputs { x, src_info, layout_range, recv_state }, overlap)?;
         b.ll_combine_send(&g, &a, p.stream)
     })
+}
+
+/// The tensors of an LL combine's send phase (unchecked).
+pub struct LlCombineInputs {
+    /// `[E_l, R*T, H]` bf16 expert outputs (ignored with `zero_copy`).
+    pub x: TensorRef,
+    /// `[E_l, R*T]` int32, from the dispatch.
+    pub src_info: TensorRef,
+    /// `[E_l, R]` int64, from the dispatch.
+    pub layout_range: TensorRef,
+    /// `[LL_STATE_LEN]` int64, written by the send (left unwritten by a one-launch combine).
+    pub recv_state: TensorRef,
+}
+
+fn combine_send_args(
+    p: &LlParams,
+    g: &LlGeometry,
+    info: &BufferInfo,
+    t: LlCombineInputs,
+    overlap: Option<LlOverlap>,
+) -> Result<LlCombineSendArgs> {
+    check_geometry(COMBINE, g, info)?;
+    let signal = overlap_signal(overlap, g, info)?;
+    let LlCombineInputs { x, src_info, layout_range, recv_state } = t;
+    let a = LlCombineSendArgs { x, src_info, layout_range, use_logfmt: p.use_logfmt, zero_copy: p.zero_copy, recv_state, signal };
+    crate::ensure!(!(a.zero_copy && a.use_logfmt), COMBINE, "zero_copy and use_logfmt cannot be combined");
+    check_combine_layout(Some(&a.x), &a.src_info, &a.layout_range, g, info)?;
+    check_state(&a.recv_state, info)?;
+    Ok(a)
+}
+
+fn check_state(recv_state: &TensorRef, info: &BufferInfo) -> Result<()> {
+    recv_state.check(COMBINE, "recv_state").on(&[DType::Int64], info.device)?.shape(&[("state", Some(LL_STATE_LEN))])?.contiguous()?.done()
+}
+
+fn check_combine_recv(g: &LlGeometry, info: &BufferInfo, a: &LlCombineRecvArgs, stats: &LlStats) -> Result<()> {
+    check_geometry(COMBINE, g, info)?;
+    let n = check_topk(COMBINE, &a.topk_idx, Some(&a.topk_weights), g, info)?;
+    a.out
+        .check(COMBINE, "out")
+        .on(&[DType::BFloat16], info.device)?
+        .shape(&[("num_tokens", Some(n)), ("hidden", Some(g.hidden))])?
+        .contiguous()?;
+    check_state(&a.recv_state, info)?;
+    check_stats(COMBINE, stats, info, g.num_experts / info.num_ranks)
 }
 
 /// LL combine recv phase: waits and reduces into `out [N, H]` bf16 with this rank's `topk_idx`
@@ -377,21 +412,28 @@ pub fn low_latency_combine_recv(
     let a = LlCombineRecvArgs { topk_idx, topk_weights, recv_state, out };
     let stats = LlStats { cumulative_local_expert_recv_stats: None, wait_recv_cost_stats: wait };
     buffer::with(COMBINE, handle, |b| {
-        let info = b.info().clone();
-        check_geometry(COMBINE, &g, &info)?;
-        let n = check_topk(COMBINE, &a.topk_idx, Some(&a.topk_weights), &g, &info)?;
-        a.out
-            .check(COMBINE, "out")
-            .on(&[DType::BFloat16], info.device)?
-            .shape(&[("num_tokens", Some(n)), ("hidden", Some(g.hidden))])?
-            .contiguous()?;
-        a.recv_state
-            .check(COMBINE, "recv_state")
-            .on(&[DType::Int64], info.device)?
-            .shape(&[("state", Some(LL_STATE_LEN))])?
-            .contiguous()?;
-        check_stats(COMBINE, &stats, &info, g.num_experts / info.num_ranks)?;
+        check_combine_recv(&g, &b.info().clone(), &a, &stats)?;
         b.ll_combine_recv(&g, &a, &stats, p.stream)
+    })
+}
+
+/// A whole LL combine (no hook): validates the send's and the receive's arguments, then the
+/// backend's send and receive (one launch where it can); `recv_state` may be left unwritten.
+pub fn low_latency_combine(
+    handle: i64,
+    p: &LlParams,
+    send: LlCombineInputs,
+    overlap: Option<LlOverlap>,
+    recv: LlCombineRecvArgs,
+    wait: Option<TensorRef>,
+) -> Result<()> {
+    let g = p.geometry(COMBINE)?;
+    let stats = LlStats { cumulative_local_expert_recv_stats: None, wait_recv_cost_stats: wait };
+    buffer::with(COMBINE, handle, |b| {
+        let info = b.info().clone();
+        let a = combine_send_args(p, &g, &info, send, overlap)?;
+        check_combine_recv(&g, &info, &recv, &stats)?;
+        b.ll_combine(&g, &a, &recv, &stats, p.stream)
     })
 }
 

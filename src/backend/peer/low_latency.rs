@@ -140,6 +140,28 @@ fn ll_recv_outputs(a: &mut LlArgs, o: &LlDispatchOptions, out: &LlDispatchOutput
     Ok(())
 }
 
+/// A combine receive's arguments.
+fn ll_combine_recv_args(a: &mut LlArgs, g: &LlGeometry, r: &LlCombineRecvArgs, st: &LlStats) -> Result<()> {
+    let n = r.out.size(0);
+    let k = if r.topk_idx.ndim() == 2 { r.topk_idx.size(1) } else { 0 };
+    crate::ensure!(
+        n <= g.num_max_dispatch_tokens_per_rank,
+        OP_COMBINE,
+        "out has {n} tokens, more than num_max_dispatch_tokens_per_rank ({})",
+        g.num_max_dispatch_tokens_per_rank
+    );
+    crate::ensure!(k <= 16, OP_COMBINE, "num_topk must be <= 16 on the nccl backend, got {k}");
+    aligned(OP_COMBINE, "out", &r.out)?;
+    a.num_tokens = n as i32;
+    a.num_topk = k as i32;
+    a.topk_is_int64 = (r.topk_idx.dtype == DType::Int64) as i32;
+    a.topk_idx = ptr(&r.topk_idx);
+    a.topk_weights = ptr(&r.topk_weights);
+    a.out = ptr(&r.out);
+    a.wait_stats = opt_ptr(st.wait_recv_cost_stats.as_ref());
+    Ok(())
+}
+
 /// The message of a format mismatch a receive kernel found (`err::LL_FORMAT`): another rank sent
 /// with other flags or another geometry. Found after the data moved, so raised at the next call.
 fn ll_format_error(op: &'static str, e: crate::kernels::intranode::KernelError) -> Error {
@@ -265,6 +287,47 @@ impl PeerBackend {
         a.topk_weights = opt_ptr(s.topk_weights.as_ref());
         a.x_global_scale = opt_ptr(s.x_global_scale.as_ref());
         a.num_blocks = self.ll_grid().send;
+        Ok(a)
+    }
+
+    /// A combine's send arguments after the checks that need this buffer (half not yet taken;
+    /// partial sums when the handle's dispatch carried weights).
+    fn ll_combine_args(&self, g: &LlGeometry, s: &LlCombineSendArgs, stream: Stream) -> Result<LlArgs> {
+        self.check_ll_pending(OP_COMBINE, stream)?;
+        crate::backend::ll_check_received(OP_COMBINE, &self.ll.dispatch, &self.ll.received, s.src_info.data_ptr() as usize)?;
+        let mut a = self.ll_args(OP_COMBINE, g)?;
+        a.zero_copy = s.zero_copy as i32;
+        if !s.zero_copy {
+            aligned(OP_COMBINE, "x", &s.x)?;
+            a.x = ptr(&s.x);
+        }
+        a.src_info = ptr(&s.src_info);
+        a.layout_range = ptr(&s.layout_range);
+        // LogFMT rows per expert (`kernels/logfmt.cuh`), never partial sums (as the CPU backend).
+        if s.use_logfmt {
+            a.flags = FLAG_LOGFMT;
+        }
+        // Partial sums when this handle's dispatch carried top-k weights (as the CPU backend).
+        let src_ptr = s.src_info.data_ptr() as usize;
+        let fits = !s.use_logfmt && g.wire(self.info.num_ranks).is_some_and(|w| w.partial_fits);
+        if let Some(hd) = crate::backend::ll_weighted_dispatch_half(&self.ll.dispatch, src_ptr).filter(|_| fits) {
+            a.partial = 1;
+            a.dispatch_half = hd as i32;
+            a.flags = FLAG_PARTIAL;
+            a.num_blocks = self.ll_grid().partial;
+        }
+        // The dispatch's routing fingerprint goes with the combine; its receive checks topk_idx
+        // against it (`DEEP_EP_CHECK_INPUTS=0` skips the check).
+        let routed = crate::backend::ll_dispatch_half(&self.ll.dispatch, src_ptr).filter(|_| crate::settings::check_inputs());
+        a.routing_half = routed.map_or(-1, |h| h as i32);
+        // Overlap: the send's warps wait on the device for the producer's signals (kernels/low_latency.cu).
+        if let Some(sig) = &s.signal {
+            a.signal = sig.signal.data_ptr() as *const i32;
+            a.signal_block_m = sig.block_m as i32;
+            a.signal_blocks = sig.blocks(g, self.info.num_ranks) as i32;
+            a.signal_threshold = sig.threshold;
+            a.signal_grid = sig.max_blocks.min(i32::MAX as usize) as i32;
+        }
         Ok(a)
     }
 
@@ -428,42 +491,8 @@ impl LowLatencyMode for PeerBackend {
     }
 
     fn ll_combine_send(&mut self, g: &LlGeometry, s: &LlCombineSendArgs, stream: Stream) -> Result<()> {
-        self.check_ll_pending(OP_COMBINE, stream)?;
-        crate::backend::ll_check_received(OP_COMBINE, &self.ll.dispatch, &self.ll.received, s.src_info.data_ptr() as usize)?;
-        let mut a = self.ll_args(OP_COMBINE, g)?;
-        a.zero_copy = s.zero_copy as i32;
-        if !s.zero_copy {
-            aligned(OP_COMBINE, "x", &s.x)?;
-            a.x = ptr(&s.x);
-        }
-        a.src_info = ptr(&s.src_info);
-        a.layout_range = ptr(&s.layout_range);
+        let mut a = self.ll_combine_args(g, s, stream)?;
         a.recv_state = ptr(&s.recv_state);
-        // LogFMT rows per expert (`kernels/logfmt.cuh`), never partial sums (as the CPU backend).
-        if s.use_logfmt {
-            a.flags = FLAG_LOGFMT;
-        }
-        // Partial sums when this handle's dispatch carried top-k weights (as the CPU backend).
-        let src_ptr = s.src_info.data_ptr() as usize;
-        let fits = !s.use_logfmt && g.wire(self.info.num_ranks).is_some_and(|w| w.partial_fits);
-        if let Some(hd) = crate::backend::ll_weighted_dispatch_half(&self.ll.dispatch, src_ptr).filter(|_| fits) {
-            a.partial = 1;
-            a.dispatch_half = hd as i32;
-            a.flags = FLAG_PARTIAL;
-            a.num_blocks = self.ll_grid().partial;
-        }
-        // The dispatch's routing fingerprint goes with the combine; its receive checks topk_idx
-        // against it (`DEEP_EP_CHECK_INPUTS=0` skips the check).
-        let routed = crate::backend::ll_dispatch_half(&self.ll.dispatch, src_ptr).filter(|_| crate::settings::check_inputs());
-        a.routing_half = routed.map_or(-1, |h| h as i32);
-        // Overlap: the send's warps wait on the device for the producer's signals (kernels/low_latency.cu).
-        if let Some(sig) = &s.signal {
-            a.signal = sig.signal.data_ptr() as *const i32;
-            a.signal_block_m = sig.block_m as i32;
-            a.signal_blocks = sig.blocks(g, self.info.num_ranks) as i32;
-            a.signal_threshold = sig.threshold;
-            a.signal_grid = sig.max_blocks.min(i32::MAX as usize) as i32;
-        }
         self.ll_begin_send(OP_COMBINE, &mut a, stream)?;
         // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
         unsafe { k::combine_send(OP_COMBINE, self.window.ctx(), &a, stream) }
@@ -472,27 +501,33 @@ impl LowLatencyMode for PeerBackend {
     fn ll_combine_recv(&mut self, g: &LlGeometry, r: &LlCombineRecvArgs, st: &LlStats, stream: Stream) -> Result<()> {
         self.check_ll_pending(OP_COMBINE, stream)?;
         let mut a = self.ll_args(OP_COMBINE, g)?;
-        let n = r.out.size(0);
-        let k = if r.topk_idx.ndim() == 2 { r.topk_idx.size(1) } else { 0 };
-        crate::ensure!(
-            n <= g.num_max_dispatch_tokens_per_rank,
-            OP_COMBINE,
-            "out has {n} tokens, more than num_max_dispatch_tokens_per_rank ({})",
-            g.num_max_dispatch_tokens_per_rank
-        );
-        crate::ensure!(k <= 16, OP_COMBINE, "num_topk must be <= 16 on the nccl backend, got {k}");
-        aligned(OP_COMBINE, "out", &r.out)?;
-        a.num_tokens = n as i32;
-        a.num_topk = k as i32;
-        a.topk_is_int64 = (r.topk_idx.dtype == DType::Int64) as i32;
-        a.topk_idx = ptr(&r.topk_idx);
-        a.topk_weights = ptr(&r.topk_weights);
+        ll_combine_recv_args(&mut a, g, r, st)?;
         a.recv_state = ptr(&r.recv_state);
-        a.out = ptr(&r.out);
-        a.wait_stats = opt_ptr(st.wait_recv_cost_stats.as_ref());
         a.num_blocks = self.ll_grid().reduce;
         // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
         unsafe { k::combine_recv(OP_COMBINE, self.window.ctx(), &a, stream) }
+    }
+
+    /// One launch (`DEEP_EP_LL_LAUNCH`) as the dispatch's, for BF16 rows or partial sums without
+    /// overlap signals, where the send grid is resident at once beside nothing else of this GPU's:
+    /// E blocks of 128 threads (rows: at most 4 per SM, the most 128 registers allow) or the partial
+    /// grid (2 per SM, at least one per rank).
+    fn ll_combine(&mut self, g: &LlGeometry, s: &LlCombineSendArgs, r: &LlCombineRecvArgs, st: &LlStats, stream: Stream) -> Result<()> {
+        let mut a = self.ll_combine_args(g, s, stream)?;
+        let sms = self.window.ctx().num_sms.max(1) as usize;
+        let resident = if a.partial != 0 { self.info.num_ranks <= a.num_blocks as usize } else { g.num_experts <= 4 * sms };
+        let one = resident && !s.use_logfmt && s.signal.is_none() && self.window.ranks_on_gpu() == 1 && self.seam.is_none();
+        if !one || !crate::settings::ll_one_launch() {
+            a.recv_state = ptr(&s.recv_state);
+            self.ll_begin_send(OP_COMBINE, &mut a, stream)?;
+            // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
+            unsafe { k::combine_send(OP_COMBINE, self.window.ctx(), &a, stream) }?;
+            return self.ll_combine_recv(g, r, st, stream);
+        }
+        ll_combine_recv_args(&mut a, g, r, st)?;
+        self.ll_begin_send(OP_COMBINE, &mut a, stream)?;
+        // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
+        unsafe { k::combine(OP_COMBINE, self.window.ctx(), &a, stream) }
     }
 
     fn clean_low_latency_buffer(&mut self, g: &LlGeometry, stream: Stream) -> Result<()> {

@@ -2,7 +2,6 @@
 // Protocol: deep_ep_kernels.h ("Low-latency mode"); helpers: low_latency.cuh.
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 
 #include "logfmt.cuh"
 #include "low_latency.cuh"
@@ -154,14 +153,12 @@ __device__ __forceinline__ bool combine_send(const Ctx& c, const Args& a, uint32
   if (!begin_send(c, a, DEK_LL_KIND_COMBINE, &s_seq, &s_skip)) return false;
   *seq = s_seq;
   const int El = a.num_experts / c.num_ranks, lin = blockIdx.y * gridDim.x + blockIdx.x;
-  // Without signals there are E blocks, one item each: both forms take the same items. The loop
-  // keeps the LSA kernel free of register spills, the single item the GIN one (ptxas -v, sm_90).
-  if constexpr (kSig || std::is_same_v<Net, LsaNet>) {
+  if constexpr (kSig) {
     for (int w = lin; w < El * c.num_ranks; w += gridDim.x * gridDim.y) {
-      if (!combine_send_rows<Net, kSig>(c, a, w % El, w / El, s_seq)) break;
+      if (!combine_send_rows<Net, true>(c, a, w % El, w / El, s_seq)) break;
     }
   } else {
-    combine_send_rows<Net, false>(c, a, lin % El, lin / El, s_seq);
+    combine_send_rows<Net, false>(c, a, lin % El, lin / El, s_seq);  // E blocks: one item each
   }
   finish_send(c, s_seq);
   return true;
@@ -175,10 +172,9 @@ __device__ __forceinline__ bool combine_send(const Ctx& c, const Args& a, uint32
 // The last block to finish signals word rank*E_l on every unmasked source rank. For a source s
 // outside the NVLink domain the row is staged in the payload of the message it answers (no longer
 // read: the dispatch receive copied it) and put by warp 0.
-// Returns false when the buffer timed out (nothing sent); *seq: the call's number. Not inlined:
-// inlined beside the one-launch receive it made the kernel spill (266 bytes).
+// Returns false when the buffer timed out (nothing sent); *seq: the call's number.
 template <class Net, bool kSig>
-__device__ __noinline__ bool combine_send_partial(const Ctx& c, const Args& a, uint32_t* seq) {
+__device__ __forceinline__ bool combine_send_partial(const Ctx& c, const Args& a, uint32_t* seq) {
   __shared__ uint32_t s_seq;
   __shared__ int s_skip, s_last, s_n, s_tok;
   __shared__ int64_t s_row[kMaxLlTopk];
@@ -557,18 +553,22 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
 // names"). Send (per-expert rows or partial sums): kLlThreads per block; receive: kReduceThreads.
 // kSig: the send waits for the producer's signals (overlap, Args::signal), its own instantiation
 // so that the plain combine keeps its registers; it only sends (kLlThreads, no 512-thread register cap).
-// DEK_LL_PHASE_BOTH (no hook, no overlap, not LogFMT): every block of a 1-D grid of kLlThreads
-// sends, then reduces work items with the call's half and number its own (no recv_state).
-template <class Net, bool kSig>
-__global__ void __launch_bounds__(kSig ? kLlThreads : kReduceThreads) combine(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
-  if (phase == DEK_LL_PHASE_RECV) {
+// kBoth (DEK_LL_PHASE_BOTH: no hook, no overlap, not LogFMT, no seam): every block of a 1-D grid
+// of kLlThreads sends, then reduces work items with the call's half and number its own (no
+// recv_state). An instantiation of its own: beside the two-launch code in one kernel its registers
+// spilled (266 bytes), and the way out (the partial send not inlined: its `a` then read through a
+// generic pointer) made the partial combine 40 % slower at 128 tokens (bench/NOTES.md, session 19).
+template <class Net, bool kSig, bool kBoth = false>
+__global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kReduceThreads, kBoth ? 3 : 1)
+    combine(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
+  if (!kBoth && phase == DEK_LL_PHASE_RECV) {
     if constexpr (!kSig) combine_recv<Net>(c, a);
     return;
   }
   uint32_t seq = 0;
   const bool sent = a.partial ? combine_send_partial<Net, kSig>(c, a, &seq) : combine_send<Net, kSig>(c, a, &seq);
-  if constexpr (!kSig && std::is_same_v<Net, LsaNet>) {  // never over a seam (the launcher refuses one)
-    if (sent && phase == DEK_LL_PHASE_BOTH) combine_recv_tokens<Net>(c, a, a.half, seq, a.partial != 0, false);
+  if constexpr (kBoth) {
+    if (sent) combine_recv_tokens<Net>(c, a, a.half, seq, a.partial != 0, false);
   }
 }
 
@@ -669,7 +669,7 @@ extern "C" int dek_ll_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args
     return static_cast<int>(cudaErrorInvalidValue);
   // The send grid as one dimension: E blocks (per-expert rows), or num_blocks (partial sums).
   const int blocks = args->partial ? (args->num_blocks > ctx->num_ranks ? args->num_blocks : ctx->num_ranks) : args->num_experts;
-  launch_combine(ctx, args, dim3(blocks), kLlThreads, DEK_LL_PHASE_BOTH, stream);
+  combine<LsaNet, false, true><<<blocks, kLlThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args, DEK_LL_PHASE_BOTH);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -91,10 +91,15 @@ def test_every_listed_kernel_is_in_the_library(kernels):
 
 def test_low_latency_ops_have_one_kernel_each(kernels):
     """As DeepEP: one kernel per LL op (both halves), per seam and variant instantiation (dispatch:
-    NVFP4 or not; combine: single-batch-overlap waits or not), all under the op's one name."""
+    NVFP4 or not; combine: single-batch-overlap waits or not, and the one-launch form, NVLink
+    only), all under the op's one name."""
     names = [d for d in kernels["demangled"] if _qualified(d).startswith("deep_ep::ll::")]
-    want = ["deep_ep::tp::GinNet, false", "deep_ep::tp::GinNet, true", "deep_ep::tp::LsaNet, false", "deep_ep::tp::LsaNet, true"]
+    want = {
+        "dispatch": ["deep_ep::tp::GinNet, false", "deep_ep::tp::GinNet, true", "deep_ep::tp::LsaNet, false", "deep_ep::tp::LsaNet, true"],
+        "combine": ["deep_ep::tp::GinNet, false, false", "deep_ep::tp::GinNet, true, false", "deep_ep::tp::LsaNet, false, false",
+                    "deep_ep::tp::LsaNet, false, true", "deep_ep::tp::LsaNet, true, false"],
+    }
     for op in ("dispatch", "combine"):
         hits = sorted(d for d in names if _qualified(d) == f"deep_ep::ll::{op}")
-        assert [re.search(r"<([^>]*)>", h).group(1) for h in hits] == want, hits
+        assert [re.search(r"<([^>]*)>", h).group(1) for h in hits] == want[op], hits
         assert all("dispatch" not in h for h in hits) if op == "combine" else all("combine" not in h for h in hits), hits

@@ -510,12 +510,12 @@ impl LowLatencyMode for PeerBackend {
 
     /// One launch (`DEEP_EP_LL_LAUNCH`) as the dispatch's, for BF16 rows or partial sums without
     /// overlap signals, where the send grid is resident at once beside nothing else of this GPU's:
-    /// E blocks of 128 threads (rows: at most 4 per SM, the most 128 registers allow) or the partial
-    /// grid (2 per SM, at least one per rank).
+    /// E blocks of 128 threads (rows: at most 3 per SM, what the kernel's 156 registers allow) or
+    /// the partial grid (2 per SM, at least one per rank).
     fn ll_combine(&mut self, g: &LlGeometry, s: &LlCombineSendArgs, r: &LlCombineRecvArgs, st: &LlStats, stream: Stream) -> Result<()> {
         let mut a = self.ll_combine_args(g, s, stream)?;
         let sms = self.window.ctx().num_sms.max(1) as usize;
-        let resident = if a.partial != 0 { self.info.num_ranks <= a.num_blocks as usize } else { g.num_experts <= 4 * sms };
+        let resident = if a.partial != 0 { self.info.num_ranks <= a.num_blocks as usize } else { g.num_experts <= 3 * sms };
         let one = resident && !s.use_logfmt && s.signal.is_none() && self.window.ranks_on_gpu() == 1 && self.seam.is_none();
         if !one || !crate::settings::ll_one_launch() {
             a.recv_state = ptr(&s.recv_state);

@@ -322,6 +322,22 @@ unsafe fn ll_overlap(op: &'static str, overlap: *const RawLlOverlap) -> Result<O
     Ok(Some(LlOverlap { signal, block_m: o.block_m, threshold: o.threshold, num_sms: o.num_sms }))
 }
 
+/// The inputs of a dispatch's send.
+unsafe fn ll_send_args(
+    op: &'static str,
+    x: *const RawTensor,
+    topk_idx: *const RawTensor,
+    topk_weights: *const RawTensor,
+    x_global_scale: *const RawTensor,
+) -> Result<LlDispatchSendArgs> {
+    Ok(LlDispatchSendArgs {
+        x: tensor(op, "x", x)?,
+        topk_idx: tensor(op, "topk_idx", topk_idx)?,
+        topk_weights: opt_tensor(op, "topk_weights", topk_weights)?,
+        x_global_scale: opt_tensor(op, "x_global_scale", x_global_scale)?,
+    })
+}
+
 /// See `deep_ep_ll_dispatch_send` in the header.
 ///
 /// # Safety
@@ -342,12 +358,7 @@ pub unsafe extern "C" fn deep_ep_ll_dispatch_send(
     const OP: &str = crate::op_names::LOW_LATENCY_DISPATCH;
     guard(|| {
         let p = ll_params(OP, p)?;
-        let a = LlDispatchSendArgs {
-            x: tensor(OP, "x", x)?,
-            topk_idx: tensor(OP, "topk_idx", topk_idx)?,
-            topk_weights: opt_tensor(OP, "topk_weights", topk_weights)?,
-            x_global_scale: opt_tensor(OP, "x_global_scale", x_global_scale)?,
-        };
+        let a = ll_send_args(OP, x, topk_idx, topk_weights, x_global_scale)?;
         let out = if out.is_null() { None } else { Some(ll_outputs(OP, &*out)?) };
         ops::low_latency_dispatch_send(handle, &p, a, &ll_stats(OP, cumulative, wait)?, out.as_ref())
     })
@@ -373,12 +384,7 @@ pub unsafe extern "C" fn deep_ep_ll_dispatch(
     const OP: &str = crate::op_names::LOW_LATENCY_DISPATCH;
     guard(|| {
         let p = ll_params(OP, p)?;
-        let a = LlDispatchSendArgs {
-            x: tensor(OP, "x", x)?,
-            topk_idx: tensor(OP, "topk_idx", topk_idx)?,
-            topk_weights: opt_tensor(OP, "topk_weights", topk_weights)?,
-            x_global_scale: opt_tensor(OP, "x_global_scale", x_global_scale)?,
-        };
+        let a = ll_send_args(OP, x, topk_idx, topk_weights, x_global_scale)?;
         if out.is_null() {
             return Err(Error::invalid(OP, "outputs are required"));
         }

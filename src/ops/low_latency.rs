@@ -347,7 +347,9 @@ pub fn low_latency_combine_send(
 ) -> Result<()> {
     let g = p.geometry(COMBINE)?;
     buffer::with(COMBINE, handle, |b| {
-        let a = combine_send_args(p, &g, &b.info().clone(), LlCombineInputs { x, src_info, layout_range, recv_state }, overlap)?;
+        let info = b.info().clone();
+        check_geometry(COMBINE, &g, &info)?;
+        let a = combine_send_args(p, &g, &info, LlCombineInputs { x, src_info, layout_range, recv_state }, overlap)?;
         b.ll_combine_send(&g, &a, p.stream)
     })
 }
@@ -364,6 +366,7 @@ pub struct LlCombineInputs {
     pub recv_state: TensorRef,
 }
 
+/// The send's arguments, checked (the geometry already is).
 fn combine_send_args(
     p: &LlParams,
     g: &LlGeometry,
@@ -371,7 +374,6 @@ fn combine_send_args(
     t: LlCombineInputs,
     overlap: Option<LlOverlap>,
 ) -> Result<LlCombineSendArgs> {
-    check_geometry(COMBINE, g, info)?;
     let signal = overlap_signal(overlap, g, info)?;
     let LlCombineInputs { x, src_info, layout_range, recv_state } = t;
     let a = LlCombineSendArgs { x, src_info, layout_range, use_logfmt: p.use_logfmt, zero_copy: p.zero_copy, recv_state, signal };
@@ -385,8 +387,8 @@ fn check_state(recv_state: &TensorRef, info: &BufferInfo) -> Result<()> {
     recv_state.check(COMBINE, "recv_state").on(&[DType::Int64], info.device)?.shape(&[("state", Some(LL_STATE_LEN))])?.contiguous()?.done()
 }
 
+/// The receive's arguments (the geometry already checked).
 fn check_combine_recv(g: &LlGeometry, info: &BufferInfo, a: &LlCombineRecvArgs, stats: &LlStats) -> Result<()> {
-    check_geometry(COMBINE, g, info)?;
     let n = check_topk(COMBINE, &a.topk_idx, Some(&a.topk_weights), g, info)?;
     a.out
         .check(COMBINE, "out")
@@ -412,7 +414,9 @@ pub fn low_latency_combine_recv(
     let a = LlCombineRecvArgs { topk_idx, topk_weights, recv_state, out };
     let stats = LlStats { cumulative_local_expert_recv_stats: None, wait_recv_cost_stats: wait };
     buffer::with(COMBINE, handle, |b| {
-        check_combine_recv(&g, &b.info().clone(), &a, &stats)?;
+        let info = b.info().clone();
+        check_geometry(COMBINE, &g, &info)?;
+        check_combine_recv(&g, &info, &a, &stats)?;
         b.ll_combine_recv(&g, &a, &stats, p.stream)
     })
 }
@@ -431,6 +435,7 @@ pub fn low_latency_combine(
     let stats = LlStats { cumulative_local_expert_recv_stats: None, wait_recv_cost_stats: wait };
     buffer::with(COMBINE, handle, |b| {
         let info = b.info().clone();
+        check_geometry(COMBINE, &g, &info)?;
         let a = combine_send_args(p, &g, &info, send, overlap)?;
         check_combine_recv(&g, &info, &recv, &stats)?;
         b.ll_combine(&g, &a, &recv, &stats, p.stream)

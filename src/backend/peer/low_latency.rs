@@ -140,22 +140,29 @@ fn ll_recv_outputs(a: &mut LlArgs, o: &LlDispatchOptions, out: &LlDispatchOutput
     Ok(())
 }
 
-/// A combine receive's arguments.
-fn ll_combine_recv_args(a: &mut LlArgs, g: &LlGeometry, r: &LlCombineRecvArgs, st: &LlStats) -> Result<()> {
-    let n = r.out.size(0);
-    let k = if r.topk_idx.ndim() == 2 { r.topk_idx.size(1) } else { 0 };
+/// The token rows (`rows`, named `name`: x or out) and top-k of a dispatch send or combine receive
+/// into `a`, after this backend's bounds on them.
+fn ll_tokens(a: &mut LlArgs, op: &'static str, g: &LlGeometry, name: &str, rows: &TensorRef, topk_idx: &TensorRef) -> Result<()> {
+    let n = rows.size(0);
+    let k = if topk_idx.ndim() == 2 { topk_idx.size(1) } else { 0 };
     crate::ensure!(
         n <= g.num_max_dispatch_tokens_per_rank,
-        OP_COMBINE,
-        "out has {n} tokens, more than num_max_dispatch_tokens_per_rank ({})",
+        op,
+        "{name} has {n} tokens, more than num_max_dispatch_tokens_per_rank ({})",
         g.num_max_dispatch_tokens_per_rank
     );
-    crate::ensure!(k <= 16, OP_COMBINE, "num_topk must be <= 16 on the nccl backend, got {k}");
-    aligned(OP_COMBINE, "out", &r.out)?;
+    crate::ensure!(k <= 16, op, "num_topk must be <= 16 on the nccl backend, got {k}");
+    aligned(op, name, rows)?;
     a.num_tokens = n as i32;
     a.num_topk = k as i32;
-    a.topk_is_int64 = (r.topk_idx.dtype == DType::Int64) as i32;
-    a.topk_idx = ptr(&r.topk_idx);
+    a.topk_is_int64 = (topk_idx.dtype == DType::Int64) as i32;
+    a.topk_idx = ptr(topk_idx);
+    Ok(())
+}
+
+/// A combine receive's arguments.
+fn ll_combine_recv_args(a: &mut LlArgs, g: &LlGeometry, r: &LlCombineRecvArgs, st: &LlStats) -> Result<()> {
+    ll_tokens(a, OP_COMBINE, g, "out", &r.out, &r.topk_idx)?;
     a.topk_weights = ptr(&r.topk_weights);
     a.out = ptr(&r.out);
     a.wait_stats = opt_ptr(st.wait_recv_cost_stats.as_ref());
@@ -268,22 +275,9 @@ impl PeerBackend {
     fn ll_dispatch_args(&self, g: &LlGeometry, o: &LlDispatchOptions, s: &LlDispatchSendArgs, stream: Stream) -> Result<LlArgs> {
         self.check_ll_pending(OP_DISPATCH, stream)?;
         let mut a = self.ll_args(OP_DISPATCH, g)?;
-        let n = s.x.size(0);
-        let k = if s.topk_idx.ndim() == 2 { s.topk_idx.size(1) } else { 0 };
-        crate::ensure!(
-            n <= g.num_max_dispatch_tokens_per_rank,
-            OP_DISPATCH,
-            "x has {n} tokens, more than num_max_dispatch_tokens_per_rank ({})",
-            g.num_max_dispatch_tokens_per_rank
-        );
-        crate::ensure!(k <= 16, OP_DISPATCH, "num_topk must be <= 16 on the nccl backend, got {k}");
-        aligned(OP_DISPATCH, "x", &s.x)?;
+        ll_tokens(&mut a, OP_DISPATCH, g, "x", &s.x, &s.topk_idx)?;
         ll_format(&mut a, o);
-        a.num_tokens = n as i32;
-        a.num_topk = k as i32;
-        a.topk_is_int64 = (s.topk_idx.dtype == DType::Int64) as i32;
         a.x = ptr(&s.x);
-        a.topk_idx = ptr(&s.topk_idx);
         a.topk_weights = opt_ptr(s.topk_weights.as_ref());
         a.x_global_scale = opt_ptr(s.x_global_scale.as_ref());
         a.num_blocks = self.ll_grid().send;
@@ -329,6 +323,14 @@ impl PeerBackend {
             a.signal_grid = sig.max_blocks.min(i32::MAX as usize) as i32;
         }
         Ok(a)
+    }
+
+    /// The send launch of a combine from its arguments (`ll_combine_args`).
+    fn ll_combine_send_launch(&mut self, mut a: LlArgs, s: &LlCombineSendArgs, stream: Stream) -> Result<()> {
+        a.recv_state = ptr(&s.recv_state);
+        self.ll_begin_send(OP_COMBINE, &mut a, stream)?;
+        // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
+        unsafe { k::combine_send(OP_COMBINE, self.window.ctx(), &a, stream) }
     }
 
     /// What a launched dispatch send leaves for the combine of its handle.
@@ -491,11 +493,8 @@ impl LowLatencyMode for PeerBackend {
     }
 
     fn ll_combine_send(&mut self, g: &LlGeometry, s: &LlCombineSendArgs, stream: Stream) -> Result<()> {
-        let mut a = self.ll_combine_args(g, s, stream)?;
-        a.recv_state = ptr(&s.recv_state);
-        self.ll_begin_send(OP_COMBINE, &mut a, stream)?;
-        // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
-        unsafe { k::combine_send(OP_COMBINE, self.window.ctx(), &a, stream) }
+        let a = self.ll_combine_args(g, s, stream)?;
+        self.ll_combine_send_launch(a, s, stream)
     }
 
     fn ll_combine_recv(&mut self, g: &LlGeometry, r: &LlCombineRecvArgs, st: &LlStats, stream: Stream) -> Result<()> {
@@ -518,10 +517,7 @@ impl LowLatencyMode for PeerBackend {
         let resident = if a.partial != 0 { self.info.num_ranks <= a.num_blocks as usize } else { g.num_experts <= 3 * sms };
         let one = resident && !s.use_logfmt && s.signal.is_none() && self.window.ranks_on_gpu() == 1 && self.seam.is_none();
         if !one || !crate::settings::ll_one_launch() {
-            a.recv_state = ptr(&s.recv_state);
-            self.ll_begin_send(OP_COMBINE, &mut a, stream)?;
-            // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
-            unsafe { k::combine_send(OP_COMBINE, self.window.ctx(), &a, stream) }?;
+            self.ll_combine_send_launch(a, s, stream)?;
             return self.ll_combine_recv(g, r, st, stream);
         }
         ll_combine_recv_args(&mut a, g, r, st)?;

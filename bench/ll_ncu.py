@@ -1,12 +1,16 @@
-"""The low-latency kernels of one rank under Nsight Compute (issue 21's per-instruction account).
+"""The low-latency kernels of rank 0 under Nsight Compute (issue 21's and issue 30's per-instruction account).
 
-    bench/ll_ncu.sh OUT_DIR            # on the device: ncu over this script, reports into OUT_DIR
+    bench/ll_ncu.sh OUT_DIR [PYTHON] [RANKS] [-- ARGS]   # on the device: ncu over rank 0, reports into OUT_DIR
 
-One process, one rank (torch.distributed over a file store), DeepEP's decode shape (hidden 7168,
-top-8 of 288 experts): for each token count in --tokens, --warmup calls of FP8 dispatch and BF16
-combine (rows and partial sums), then the profiled region (torch.cuda.profiler start/stop, so
-`ncu --profile-from-start off` sees only it): one dispatch send + recv, one combine with rows and
-one with partial sums, each preceded by an NVTX range naming the case (`ll/<op>/<tokens>`).
+One process per rank (torchrun: RANK / WORLD_SIZE / LOCAL_RANK; without them one rank over a file
+store), DeepEP's decode shape (hidden 7168, top-8 of 288 experts). `--impl ours` profiles this
+library, `--impl deep_ep` DeepEP V1 on the same inputs (PYTHONPATH must give the real deep_ep). For
+each token count in --tokens, --warmup calls of FP8 dispatch and BF16 combine (rows; ours also
+partial sums), then the profiled region (torch.cuda.profiler start/stop, so `ncu
+--profile-from-start off` sees only it): one FP8 dispatch and the combines, each in an NVTX range
+naming the case (`ll/<op>/<tokens>`). The other ranks run the same calls unprofiled: rank 0's
+kernels are serialised by ncu, so its peers' messages have arrived when its receive runs, and the
+profile is rank 0's own path (its sends, its signals, its copies).
 """
 import argparse
 import contextlib
@@ -16,29 +20,43 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-import deep_ep_rs
-
 
 def main():
     p = argparse.ArgumentParser()
+    p.add_argument("--impl", choices=["ours", "deep_ep"], default="ours")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 128])
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--experts", type=int, default=288)
     p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--num-max", type=int, default=0,
+                   help="num_max_dispatch_tokens_per_rank (default: the largest --tokens; DeepEP needs ranks * it % 4 == 0)")
     args = p.parse_args()
     # Without a GPU the same calls run on the cpu backend (a check of this script, nothing profiled).
-    dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    dev_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if "RANK" in os.environ:
+        dist.init_process_group("nccl" if dev_type == "cuda" else "gloo")
+    else:
+        store = os.path.join(tempfile.mkdtemp(), "store")
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if dev_type == "cuda" else torch.device("cpu")
     if dev.type == "cuda":
-        torch.cuda.set_device(0)
-    store = os.path.join(tempfile.mkdtemp(), "store")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    h, k, e, tmax = args.hidden, args.topk, args.experts, max(args.tokens)
-    buf = deep_ep_rs.Buffer(dist.group.WORLD, 0, deep_ep_rs.Buffer.get_low_latency_rdma_size_hint(tmax, h, 1, e),
-                            low_latency_mode=True, explicitly_destroy=True, device=dev)
+        torch.cuda.set_device(dev)
+    h, k, e, tmax = args.hidden, args.topk, args.experts, max(args.num_max, max(args.tokens))
+    group = dist.new_group(list(range(world)))
+    if args.impl == "deep_ep":
+        from deepep_v1 import LL
+        v1 = LL(group, tmax, h, e)
+        buf, destroy = v1.buf, v1.destroy
+    else:
+        import deep_ep_rs
+        buf = deep_ep_rs.Buffer(group, 0, deep_ep_rs.Buffer.get_low_latency_rdma_size_hint(tmax, h, world, e),
+                                low_latency_mode=True, explicitly_destroy=True, device=dev)
+        destroy = buf.destroy
     cases = []
     for n in args.tokens:
-        g = torch.Generator(device=dev).manual_seed(n)
+        g = torch.Generator(device=dev).manual_seed(1000 * n + rank)
         x = torch.randn(n, h, dtype=torch.bfloat16, device=dev, generator=g)
         idx = (torch.randn(n, e, device=dev, generator=g).abs() + 1).topk(k, dim=-1).indices
         w = torch.rand(n, k, device=dev, generator=g)
@@ -49,13 +67,14 @@ def main():
         def rng(name):
             return torch.cuda.nvtx.range(f"ll/{name}/{n}") if mark and dev.type == "cuda" else contextlib.nullcontext()
         with rng("dispatch_fp8"):
-            recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, n, e, use_fp8=True)
+            recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, tmax, e, use_fp8=True)
         y = recv[0].float().to(torch.bfloat16) if isinstance(recv, tuple) else recv
         with rng("combine_rows"):
             buf.low_latency_combine(y, idx, w, handle, out=out)
-        _, _, handle_w, _, _ = buf.low_latency_dispatch(x, idx, n, e, use_fp8=False, topk_weights=w)
-        with rng("combine_partial"):
-            buf.low_latency_combine(y, idx, w, handle_w, out=out)
+        if args.impl == "ours":
+            _, _, handle_w, _, _ = buf.low_latency_dispatch(x, idx, tmax, e, use_fp8=False, topk_weights=w)
+            with rng("combine_partial"):
+                buf.low_latency_combine(y, idx, w, handle_w, out=out)
 
     for _ in range(args.warmup):
         for c in cases:
@@ -63,15 +82,19 @@ def main():
     cuda = dev.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
+    dist.barrier()
+    if cuda:
         torch.cuda.profiler.start()
     for c in cases:
         step(*c, mark=True)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.profiler.stop()
-    buf.destroy()
+    dist.barrier()
+    destroy()
     dist.destroy_process_group()
-    print("ll_ncu: profiled", [c[0] for c in cases], "tokens")
+    if rank == 0:
+        print(f"ll_ncu: {args.impl} profiled", [c[0] for c in cases], f"tokens at {world} ranks")
 
 
 if __name__ == "__main__":

@@ -1,29 +1,53 @@
 #!/usr/bin/env bash
-# Nsight Compute over the low-latency kernels at one rank (bench/ll_ncu.py): the full section set
-# with source-level warp-state sampling, then CSV pages for the account in bench/NOTES.md.
-#   bench/ll_ncu.sh OUT_DIR [PYTHON]     (on the device; the wheel or PYTHONPATH must give deep_ep_rs)
+# Nsight Compute over the low-latency kernels of rank 0 (bench/ll_ncu.py), the other ranks running
+# the same calls unprofiled.
+#   bench/ll_ncu.sh OUT_DIR [PYTHON] [RANKS] [ll_ncu.py ARGS...]   (on the device; the wheel or
+#   PYTHONPATH must give deep_ep_rs, and deep_ep for --impl deep_ep)
+# RANKS defaults to 1. NCU_SET (default full) picks the section set; NCU_METRICS (comma-separated)
+# replaces it, and with few enough counters ncu needs one pass, so no kernel is replayed (a replayed
+# wait can hang once its peers moved on). NCU_SOURCE=no skips the source import. NCU_KERNEL: a
+# regex of kernel names (default both LL kernels); NCU_COUNT: profile only the first N matches (a
+# multi-pass profile of the combine at several ranks hangs: its replays wait for peers that moved on).
 # Writes OUT_DIR/ll.ncu-rep (open in the Nsight Compute UI), details.csv (every metric of every
-# kernel launch), raw.csv (stall-reason counters) and source-<kernel>.csv (per-SASS-line samples,
+# kernel launch), raw.csv (stall-reason counters), source-<kernel>.csv (per-SASS-line samples,
 # where this ncu can print them), and ncu.log.
 set -u
-out=${1:?usage: bench/ll_ncu.sh OUT_DIR [PYTHON]}
+here=$(cd "$(dirname "$0")" && pwd)
+if [ "${1:-}" = "--rank" ]; then  # one rank under torchrun: ncu for rank 0, the script for the others
+  shift
+  out=$1 py=$2
+  shift 2
+  if [ "${LOCAL_RANK:-0}" = 0 ]; then
+    src=(--import-source no)
+    [ "${NCU_SOURCE:-yes}" = yes ] && src=(--import-source yes --source-folders "$here/../kernels")
+    what=(--set "${NCU_SET:-full}")
+    [ -n "${NCU_METRICS:-}" ] && what=(--metrics "$NCU_METRICS")
+    # The LL kernels of both libraries are named dispatch / combine (function name, no namespace).
+    [ -n "${NCU_COUNT:-}" ] && what+=(--launch-count "$NCU_COUNT")
+    exec "$NCU" --profile-from-start off --kernel-name regex:"${NCU_KERNEL:-^(dispatch|combine)\$}" "${what[@]}" "${src[@]}" \
+      -f -o "$out/ll" "$py" "$here/ll_ncu.py" "$@"
+  fi
+  exec "$py" "$here/ll_ncu.py" "$@"
+fi
+out=${1:?usage: bench/ll_ncu.sh OUT_DIR [PYTHON] [RANKS] [ll_ncu.py ARGS...]}
 py=${2:-python3}
+ranks=${3:-1}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-here=$(cd "$(dirname "$0")" && pwd)
+# ncu serialises rank 0's kernels; its peers wait at their receives meanwhile.
+export DEEP_EP_TIMEOUT_MS=${DEEP_EP_TIMEOUT_MS:-600000}
 . "$here/ncu_lib.sh"
-ncu=$(ncu_bin)
-[ -n "$ncu" ] || { echo "ll_ncu: no ncu on this machine" | tee "$out/ncu.log"; exit 1; }
-# ll_dispatch / ll_combine: one kernel each, the phase is an argument (send, recv).
-"$ncu" --profile-from-start off --kernel-name regex:'ll_(dispatch|combine)' --set full \
-  --import-source yes --source-folders "$here/../kernels" -f -o "$out/ll" \
-  "$py" "$here/ll_ncu.py" "${@:3}" >"$out/ncu.log" 2>&1
+NCU=$(ncu_bin)
+[ -n "$NCU" ] || { echo "ll_ncu: no ncu on this machine" | tee "$out/ncu.log"; exit 1; }
+export NCU
+"$py" -m torch.distributed.run --nproc-per-node "$ranks" --master-port "${NCU_PORT:-29555}" --no-python \
+  bash "$here/ll_ncu.sh" --rank "$out" "$py" "${@:4}" >"$out/ncu.log" 2>&1
 rc=$?
-echo "ll_ncu: ncu rc=$rc" | tee -a "$out/ncu.log"
+echo "ll_ncu: rc=$rc at $ranks ranks" | tee -a "$out/ncu.log"
 [ -f "$out/ll.ncu-rep" ] || exit 1
-ncu_pages "$ncu" "$out/ll.ncu-rep" "$out"
-for k in ll_dispatch ll_combine; do
-  "$ncu" --import "$out/ll.ncu-rep" --page source --csv --kernel-name regex:"$k" --print-source sass \
+ncu_pages "$NCU" "$out/ll.ncu-rep" "$out"
+for k in dispatch combine; do
+  "$NCU" --import "$out/ll.ncu-rep" --page source --csv --kernel-name regex:"^$k\$" --print-source sass \
     >"$out/source-$k.csv" 2>>"$out/ncu.log" || echo "ll_ncu: no source page for $k" >>"$out/ncu.log"
 done
 ls -la "$out" | tee -a "$out/ncu.log"

@@ -211,7 +211,7 @@ int deep_ep_ll_dispatch_send(int64_t handle, const deep_ep_ll_params_t* p, const
                              const deep_ep_tensor_t* wait_recv_cost_stats, const deep_ep_ll_dispatch_outputs_t* out);
 // A whole dispatch (no hook): the arguments of deep_ep_ll_dispatch_send (out required), validated
 // once, then send and receive, in one kernel launch where the backend can (DEEP_EP_LL_LAUNCH);
-// out->recv_state may be left unwritten.
+// out->recv_state may be left unwritten, or absent (the buffer's own then carries a two-launch call).
 int deep_ep_ll_dispatch(int64_t handle, const deep_ep_ll_params_t* p, const deep_ep_tensor_t* x, const deep_ep_tensor_t* topk_idx,
                         const deep_ep_tensor_t* topk_weights, const deep_ep_tensor_t* x_global_scale,
                         const deep_ep_tensor_t* cumulative_local_expert_recv_stats, const deep_ep_tensor_t* wait_recv_cost_stats,
@@ -238,7 +238,7 @@ int deep_ep_ll_combine_recv(int64_t handle, const deep_ep_ll_params_t* p, const 
                             const deep_ep_tensor_t* wait_recv_cost_stats);
 // A whole combine (no hook): the arguments of deep_ep_ll_combine_send and _recv, validated once,
 // then send and receive, in one kernel launch where the backend can (DEEP_EP_LL_LAUNCH); recv_state
-// may be left unwritten.
+// may be left unwritten, or NULL / absent (the buffer's own then carries a two-launch call).
 int deep_ep_ll_combine(int64_t handle, const deep_ep_ll_params_t* p, const deep_ep_tensor_t* x, const deep_ep_tensor_t* src_info,
                        const deep_ep_tensor_t* layout_range, const deep_ep_ll_overlap_t* overlap, const deep_ep_tensor_t* topk_idx,
                        const deep_ep_tensor_t* topk_weights, const deep_ep_tensor_t* recv_state, const deep_ep_tensor_t* out,

@@ -643,12 +643,12 @@ size_t dek_in_args_bytes(void);
  * same way.
  * ------------------------------------------------------------------------------------------- */
 #define DEK_LL_KIND_DISPATCH 1
-/* Phase argument of the one LL dispatch kernel and the one LL combine kernel (each half is a launch
- * of the same kernel, as DeepEP's, so profilers list one `dispatch` and one `combine`); BOTH: send,
- * then receive in the same blocks (dek_ll_dispatch, dek_ll_combine). */
+/* Phase argument of the one LL dispatch kernel and the one LL combine kernel (each half is a launch of the same kernel, as
+ * DeepEP's, so profilers list one `dispatch` and one `combine`); BOTH: send, then receive in the same blocks (dek_ll_dispatch). */
 #define DEK_LL_PHASE_SEND 1
 #define DEK_LL_PHASE_RECV 2
 #define DEK_LL_PHASE_BOTH 3
+#define DEK_LL_OWN_STATE_OFF (DEK_IC_CONTROL_BYTES - 768) /* local int64 [2][4]: the recv_state of a whole LL dispatch / combine given none */
 #define DEK_LL_MSG_META 160   /* bytes of a dispatch message before its payload */
 #define DEK_LL_MAX_EXPERTS 2048
 #define DEK_LL_MAX_TOPK 16

@@ -142,6 +142,17 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
     words[4 + a.half] = a.topk_weights != nullptr ? routing_seal(shares_sum_u64(s_fpw, kSendWarps), N, K) : 0;
   }
   const uint64_t recv = recv_off(a, a.half), msgs = recv + a.msgs_off;
+  // NVLink only: every block counted every rank's messages, so block 0 stores the message counts
+  // (read by a partial combine) and the format words now, ordered before the signals by its ticket
+  // fence, instead of the last block between two fences after the ticket (one system fence fewer
+  // on the critical path). With a seam the last block still writes them (staged for the puts).
+  if (blockIdx.x == 0 && a.net == nullptr) {
+    for (int d = tid; d < R; d += kSendThreads) {
+      if (s_mask[d]) continue;
+      *reinterpret_cast<uint32_t*>(window(c, d) + recv + 4 * c.rank) = static_cast<uint32_t>(s_rct[d]);
+      put_fmt(c, a, 0, d, fmt_dispatch(a));
+    }
+  }
   // Staging of remote messages (send half of this call): payload of token tok at tok * pay_stride.
   const uint64_t stage = send_off(a, a.half), pay_stride = a.msg_bytes - kMsgMeta;
   const int gpw = (S + kSendWarps - 1) / kSendWarps, g_lo = min(S, warp * gpw), g_hi = min(S, g_lo + gpw);
@@ -291,19 +302,20 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
   }
   __syncthreads();
   if (!s_last) return true;
-  fence_acq_rel_sys();
-  // Message counts (read by a partial combine) before the signals (remote: staged).
-  for (int d = tid; d < R && tid < rank_workers(kSendThreads); d += rank_workers(kSendThreads)) {
-    if (s_mask[d]) continue;
-    const bool far = remote(c, a, d);
-    char* cnt = far ? local(c) + stage + a.stage_cnt_off + 4 * d : window(c, d) + recv + 4 * c.rank;
-    *reinterpret_cast<uint32_t*>(cnt) = static_cast<uint32_t>(s_rct[d]);
-    if (!far) put_fmt(c, a, 0, d, fmt_dispatch(a));
+  if (a.net != nullptr) {
+    fence_acq_rel_sys();
+    // Message counts (read by a partial combine) before the signals (remote: staged).
+    for (int d = tid; d < R && tid < rank_workers(kSendThreads); d += rank_workers(kSendThreads)) {
+      if (s_mask[d]) continue;
+      const bool far = remote(c, a, d);
+      char* cnt = far ? local(c) + stage + a.stage_cnt_off + 4 * d : window(c, d) + recv + 4 * c.rank;
+      *reinterpret_cast<uint32_t*>(cnt) = static_cast<uint32_t>(s_rct[d]);
+      if (!far) put_fmt(c, a, 0, d, fmt_dispatch(a));
+    }
+    // The seam's puts read the staged counts written above by other threads.
+    fence_acq_rel_sys();
+    __syncthreads();
   }
-  // The seam's puts read the staged counts written above by other threads; on NVLink alone, the
-  // fence each signalling thread makes after the barrier orders them (cumulativity).
-  if (a.net != nullptr) fence_acq_rel_sys();
-  __syncthreads();
   for (int d = warp; a.net != nullptr && d < R && warp < kDstWarps; d += kDstWarps) {  // warp per remote d: its count and index rows, then its signals
     if (!remote(c, a, d) || s_mask[d]) continue;
     put_to<Net>(c, a, d, recv + 4 * c.rank, stage + a.stage_cnt_off + 4 * d, 4, lane);
@@ -321,9 +333,10 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
     flush_net<Net>(c, a, lane);
   }
   // The NVLink signals: one fence per thread, after the barrier (cumulative over every store of
-  // the block it made this thread see), then relaxed system stores: the release pattern once per
-  // thread instead of a release store (a fence of its own) per signal, which warp 0 ran twice in
-  // a row for E > 256 (bench/LL_PROFILE.md section 11).
+  // the block it made this thread see, and over the other blocks' stores that the ticket showed
+  // thread 0), then relaxed system stores: the release pattern once per thread instead of a
+  // release store (a fence of its own) per signal, which warp 0 ran twice in a row for E > 256
+  // (bench/LL_PROFILE.md section 11).
   if (tid < E) fence_acq_rel_sys();
   const uint64_t sig = sig_off(a, a.half) + static_cast<uint64_t>(c.rank) * 4;
   for (int e = tid; e < E; e += kSendThreads) {

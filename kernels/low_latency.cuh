@@ -64,6 +64,7 @@ constexpr uint32_t kFmtSet = 0x100;  // a written slot (a zeroed one never match
 // the ids, 1 for the weights), as the CPU backend.
 constexpr size_t kLlRouting = kLlCalls + 128;
 static_assert(kLlRouting % 8 == 0 && kLlRouting + 64 <= DEK_IC_CONTROL_BYTES, "LL routing fingerprints");
+static_assert(DEK_LL_OWN_STATE_OFF >= kLlRouting + 64 && DEK_LL_OWN_STATE_OFF + 64 <= DEK_IC_CONTROL_BYTES, "LL own recv_state");
 
 // One top-k entry's share of a routing fingerprint: entry j (= token * K + k) holding expert id e.
 // The fingerprint is the sum over entries (any thread order gives the same) sealed with N and K.

@@ -115,6 +115,7 @@ pub struct InternodeDispatchOutputs {
 
 /// Low-latency dispatch outputs (static shapes; E_l = E / R). Allocated by the send op,
 /// filled by the recv op.
+#[derive(Clone, Copy)]
 pub struct LlDispatchOutputs {
     /// `[E_l, R*T, H]` bf16, or float8_e4m3fn with scales.
     pub recv_x: TensorRef,
@@ -127,8 +128,9 @@ pub struct LlDispatchOutputs {
     pub src_info: TensorRef,
     /// `[E_l, R]` int64: `(begin << 32) | count` per source rank.
     pub layout_range: TensorRef,
-    /// `[LL_STATE_LEN]` (4) int64, written by send, read by recv.
-    pub recv_state: TensorRef,
+    /// `[LL_STATE_LEN]` (4) int64, written by send, read by recv. `None` only in a whole
+    /// dispatch: the backend's own (`LowLatencyMode::ll_own_state`) where it needs one.
+    pub recv_state: Option<TensorRef>,
 }
 
 /// Monitoring tensors the LL recv phases add to (mutated in place).

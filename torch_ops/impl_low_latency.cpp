@@ -29,7 +29,7 @@ struct LlOutputs {
     o.recv_count = raw(recv_count);
     o.src_info = raw(src_info);
     o.layout_range = raw(layout_range);
-    o.recv_state = raw(recv_state);
+    o.recv_state = recv_state.defined() ? raw(recv_state) : absent();
     return o;
   }
 };
@@ -109,9 +109,9 @@ LlOutputs dispatch_send(int64_t handle, const Tensor& x, const Tensor& topk_idx,
   out.recv_count = empty_like_dev(x, {el}, ScalarType::Int);
   out.src_info = alloc({el, rows}, ScalarType::Int);
   out.layout_range = empty_like_dev(x, {el, r}, ScalarType::Long);
-  // Written by the send kernel's block 0 on every call (kernels/low_latency.cuh begin_send).
-  // (Carving it out of layout_range's allocation saved nothing measurable: bench/NOTES.md, session 18.)
-  out.recv_state = alloc({DEEP_EP_LL_STATE_LEN}, ScalarType::Long);
+  // Written by the send kernel's block 0 on every call (kernels/low_latency.cuh begin_send). A whole
+  // dispatch passes none: its one launch needs none, its two launches use the buffer's own.
+  if (!whole) out.recv_state = alloc({DEEP_EP_LL_STATE_LEN}, ScalarType::Long);
   phases::mark(clk, 2, "alloc");
   auto ro = out.raw_outputs();
   check(whole ? deep_ep_ll_dispatch(handle, &p, &rx, &ri, &rw, &rg, &rc, &rs, &ro)
@@ -175,8 +175,8 @@ struct LlOverlap {
   }
 };
 
-// The params and the recv_state of a combine: the state is written by the send kernel on every
-// call, as the dispatch's (no memset node on GPUs), or left unwritten by a one-launch combine.
+// The params and the recv_state of a split combine: the state is written by the send kernel on
+// every call, as the dispatch's (no memset node on GPUs). A whole combine passes none.
 deep_ep_ll_params_t combine_params(const Tensor& x, int64_t t, int64_t e, bool use_logfmt, bool zero_copy) {
   auto p = params(t, x.dim() == 3 ? x.size(2) : 128, e, x.device());
   p.use_logfmt = use_logfmt;
@@ -215,14 +215,12 @@ void low_latency_combine(int64_t handle, const Tensor& x, const Tensor& topk_idx
   Tensor eff = effective_topk_idx(handle, 1, topk_idx, num_tokens);
   clk.mark(0, "num_tokens");
   auto p = combine_params(x, t, e, use_logfmt, zero_copy);
-  auto state = combine_state(x);
-  clk.mark(1, "alloc");
-  auto rx = raw(x), rsi = raw(src_info), rlr = raw(layout_range), rst = raw(state);
+  auto rx = raw(x), rsi = raw(src_info), rlr = raw(layout_range), rst = absent();
   auto ri = raw(eff), rw = raw(topk_weights), ro = raw(out), rs = raw(wait);
   deep_ep_ll_overlap_t o{};
   const LlOverlap ov{comp_signal, block_m, threshold, num_sms};
   check(deep_ep_ll_combine(handle, &p, &rx, &rsi, &rlr, ov.raw_in(&o), &ri, &rw, &rst, &ro, &rs));
-  clk.mark(2, "combine");
+  clk.mark(1, "combine");
 }
 
 Tensor low_latency_combine_send(int64_t handle, const Tensor& x, const Tensor& src_info, const Tensor& layout_range, int64_t t, int64_t e,

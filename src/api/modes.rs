@@ -302,7 +302,8 @@ unsafe fn ll_stats(op: &'static str, cumulative: *const RawTensor, wait: *const 
     })
 }
 
-unsafe fn ll_outputs(op: &'static str, o: &RawLlDispatchOutputs) -> Result<LlDispatchOutputs> {
+/// `whole`: a whole dispatch's outputs, whose recv_state may be absent.
+unsafe fn ll_outputs(op: &'static str, o: &RawLlDispatchOutputs, whole: bool) -> Result<LlDispatchOutputs> {
     check_size(op, o.size, std::mem::size_of::<RawLlDispatchOutputs>())?;
     Ok(LlDispatchOutputs {
         recv_x: tensor(op, "recv_x", &o.recv_x)?,
@@ -310,7 +311,7 @@ unsafe fn ll_outputs(op: &'static str, o: &RawLlDispatchOutputs) -> Result<LlDis
         recv_count: tensor(op, "recv_count", &o.recv_count)?,
         src_info: tensor(op, "src_info", &o.src_info)?,
         layout_range: tensor(op, "layout_range", &o.layout_range)?,
-        recv_state: tensor(op, "recv_state", &o.recv_state)?,
+        recv_state: if whole { opt_tensor(op, "recv_state", &o.recv_state)? } else { Some(tensor(op, "recv_state", &o.recv_state)?) },
     })
 }
 
@@ -359,7 +360,7 @@ pub unsafe extern "C" fn deep_ep_ll_dispatch_send(
     guard(|| {
         let p = ll_params(OP, p)?;
         let a = ll_send_args(OP, x, topk_idx, topk_weights, x_global_scale)?;
-        let out = if out.is_null() { None } else { Some(ll_outputs(OP, &*out)?) };
+        let out = if out.is_null() { None } else { Some(ll_outputs(OP, &*out, false)?) };
         ops::low_latency_dispatch_send(handle, &p, a, &ll_stats(OP, cumulative, wait)?, out.as_ref())
     })
 }
@@ -388,7 +389,7 @@ pub unsafe extern "C" fn deep_ep_ll_dispatch(
         if out.is_null() {
             return Err(Error::invalid(OP, "outputs are required"));
         }
-        ops::low_latency_dispatch(handle, &p, a, &ll_stats(OP, cumulative, wait)?, &ll_outputs(OP, &*out)?)
+        ops::low_latency_dispatch(handle, &p, a, &ll_stats(OP, cumulative, wait)?, &ll_outputs(OP, &*out, true)?)
     })
 }
 
@@ -410,7 +411,7 @@ pub unsafe extern "C" fn deep_ep_ll_dispatch_recv(
         if out.is_null() {
             return Err(Error::invalid(OP, "outputs are required"));
         }
-        ops::low_latency_dispatch_recv(handle, &p, &ll_outputs(OP, &*out)?, &ll_stats(OP, cumulative, wait)?)
+        ops::low_latency_dispatch_recv(handle, &p, &ll_outputs(OP, &*out, false)?, &ll_stats(OP, cumulative, wait)?)
     })
 }
 
@@ -461,7 +462,7 @@ pub unsafe extern "C" fn deep_ep_ll_combine(
     guard(|| {
         let p = ll_params(OP, p)?;
         let (x, src_info) = (tensor(OP, "x", x)?, tensor(OP, "src_info", src_info)?);
-        let (layout_range, recv_state) = (tensor(OP, "layout_range", layout_range)?, tensor(OP, "recv_state", recv_state)?);
+        let (layout_range, recv_state) = (tensor(OP, "layout_range", layout_range)?, opt_tensor(OP, "recv_state", recv_state)?);
         let overlap = ll_overlap(OP, overlap)?;
         let (topk_idx, topk_weights, out) =
             (tensor(OP, "topk_idx", topk_idx)?, tensor(OP, "topk_weights", topk_weights)?, tensor(OP, "out", out)?);

@@ -212,6 +212,7 @@ pub struct LlDispatchSendArgs {
 }
 
 /// Low-latency combine send-phase inputs.
+#[derive(Clone, Copy)]
 pub struct LlCombineSendArgs {
     /// `[E_l, R*T, H]` bf16 expert outputs in dispatch layout (ignored with `zero_copy`).
     pub x: TensorRef,
@@ -220,8 +221,9 @@ pub struct LlCombineSendArgs {
     pub use_logfmt: bool,
     /// The caller already wrote `x` into `next_low_latency_combine_buffer`.
     pub zero_copy: bool,
-    /// `[LL_STATE_LEN]` int64, written here.
-    pub recv_state: TensorRef,
+    /// `[LL_STATE_LEN]` int64, written here. `None` only in a whole combine: the backend's own
+    /// (`LowLatencyMode::ll_own_state`) where it needs one.
+    pub recv_state: Option<TensorRef>,
     /// Single-batch overlap: the producer's signals the send waits for (None: no wait).
     pub signal: Option<LlSignal>,
 }
@@ -229,6 +231,7 @@ pub struct LlCombineSendArgs {
 /// The signals of an overlapped LL combine (SGLang's single-batch overlap): row `r` of local expert
 /// `l` is ready once `signal[l * blocks + r / block_m] >= threshold` (int32, on the buffer's device,
 /// raised by the producer of the combine's input, e.g. the down GEMM, as it finishes those rows).
+#[derive(Clone, Copy)]
 pub struct LlSignal {
     /// int32, at least `E_l * blocks` elements, contiguous.
     pub signal: TensorRef,
@@ -281,11 +284,13 @@ pub struct LlRowsArgs {
 }
 
 /// Low-latency combine recv-phase inputs; `out [N, H]` bf16 is written.
+#[derive(Clone, Copy)]
 pub struct LlCombineRecvArgs {
     /// `[N, K]` int32 or int64: this rank's original global expert ids.
     pub topk_idx: TensorRef,
     /// `[N, K]` float32.
     pub topk_weights: TensorRef,
-    pub recv_state: TensorRef,
+    /// The send's state (`None` only in a whole combine, as [`LlCombineSendArgs::recv_state`]).
+    pub recv_state: Option<TensorRef>,
     pub out: TensorRef,
 }

@@ -136,8 +136,7 @@ pub trait LowLatencyMode {
         stats: &LlStats,
         stream: Stream,
     ) -> Result<()> {
-        self.ll_dispatch_send(g, o, args, out, stream)?;
-        self.ll_dispatch_recv(g, o, out, stats, stream)
+        ll_dispatch_in_two(self, g, o, args, out, stats, stream)
     }
 
     /// LL combine, send phase: push expert outputs back to their source ranks.
@@ -145,6 +144,13 @@ pub trait LowLatencyMode {
 
     /// LL combine, recv phase: wait and reduce Σ_k w_k·y_k in fp32 into `out`.
     fn ll_combine_recv(&mut self, g: &LlGeometry, args: &LlCombineRecvArgs, stats: &LlStats, stream: Stream) -> Result<()>;
+
+    /// Backend-owned `[LL_STATE_LEN]` int64 on the buffer's device, contiguous: the `recv_state`
+    /// of a whole LL dispatch (`combine` false) or combine (true) whose caller passed none, so
+    /// that a whole op allocates nothing for a state its one launch does not use (its two-launch
+    /// form passes it from the send to the receive). One per kind, reused by the next whole call
+    /// of that kind in stream order; valid while the buffer lives.
+    fn ll_own_state(&mut self, combine: bool) -> TensorRef;
 
     /// A whole LL combine (send, then receive): the `recv_state`s may be left unwritten. Backends
     /// that can run both phases in one launch override this; the default runs the two phases.
@@ -156,8 +162,7 @@ pub trait LowLatencyMode {
         stats: &LlStats,
         stream: Stream,
     ) -> Result<()> {
-        self.ll_combine_send(g, send, stream)?;
-        self.ll_combine_recv(g, recv, stats, stream)
+        ll_combine_in_two(self, g, send, recv, stats, stream)
     }
 
     /// Local, not collective: writes `args.out` = `args.topk_idx` with the rows at or past the
@@ -191,6 +196,38 @@ pub trait LowLatencyMode {
     /// Shrink mode (DeepEP's `enable_shrink`), local: when on, an LL wait (or an LL barrier)
     /// that times out masks the ranks that did not arrive and goes on instead of raising.
     fn ll_set_shrink(&mut self, enable: bool) -> Result<()>;
+}
+
+/// A whole LL dispatch as its two phases (send, then receive), through the backend's own
+/// `recv_state` when the caller passed none: [`LowLatencyMode::ll_dispatch`]'s default, and the
+/// fallback of a backend that overrides it.
+pub fn ll_dispatch_in_two<B: LowLatencyMode + ?Sized>(
+    b: &mut B,
+    g: &LlGeometry,
+    o: &LlDispatchOptions,
+    args: &LlDispatchSendArgs,
+    out: &LlDispatchOutputs,
+    stats: &LlStats,
+    stream: Stream,
+) -> Result<()> {
+    let out = &LlDispatchOutputs { recv_state: out.recv_state.or_else(|| Some(b.ll_own_state(false))), ..*out };
+    b.ll_dispatch_send(g, o, args, out, stream)?;
+    b.ll_dispatch_recv(g, o, out, stats, stream)
+}
+
+/// A whole LL combine as its two phases, one `recv_state` (the caller's, else the backend's own)
+/// carrying the send to the receive: [`LowLatencyMode::ll_combine`]'s default and fallback.
+pub fn ll_combine_in_two<B: LowLatencyMode + ?Sized>(
+    b: &mut B,
+    g: &LlGeometry,
+    send: &LlCombineSendArgs,
+    recv: &LlCombineRecvArgs,
+    stats: &LlStats,
+    stream: Stream,
+) -> Result<()> {
+    let state = send.recv_state.or(recv.recv_state).or_else(|| Some(b.ll_own_state(true)));
+    b.ll_combine_send(g, &LlCombineSendArgs { recv_state: state, ..*send }, stream)?;
+    b.ll_combine_recv(g, &LlCombineRecvArgs { recv_state: state, ..*recv }, stats, stream)
 }
 
 pub use crate::config::UNIQUE_ID_BYTES;

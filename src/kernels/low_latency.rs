@@ -8,6 +8,9 @@ use crate::sys::kernels::*;
 /// Offset of the device copy of the LL rank mask in every window (`DEK_LL_MASK_OFF`):
 /// `int32 [MAX_RANKS]` in the control area.
 pub const LL_MASK_OFF: usize = DEK_LL_MASK_OFF as usize;
+/// Offset in this rank's control area of the int64 `[2][4]` recv_states of whole LL ops given none
+/// (`Backend::ll_own_state`; written and read by this rank's kernels only).
+pub const OWN_STATE_OFF: usize = DEK_LL_OWN_STATE_OFF as usize;
 
 /// `net_kind` of [`LlArgs`]: the LSA emulation of the RDMA leg (`DEK_LL_NET_LSA`).
 pub const NET_LSA: i32 = DEK_LL_NET_LSA as i32;

@@ -188,7 +188,9 @@ fn check_dispatch_outputs(out: &LlDispatchOutputs, g: &LlGeometry, o: &LlDispatc
         .on(&[DType::Int64], dev)?
         .shape(&[("num_local_experts", Some(el)), ("num_ranks", Some(r))])?
         .contiguous()?;
-    out.recv_state.check(DISPATCH, "recv_state").on(&[DType::Int64], dev)?.shape(&[("state", Some(LL_STATE_LEN))])?.contiguous()?;
+    if let Some(s) = &out.recv_state {
+        s.check(DISPATCH, "recv_state").on(&[DType::Int64], dev)?.shape(&[("state", Some(LL_STATE_LEN))])?.contiguous()?;
+    }
     if o.use_nvfp4 {
         let s = out.recv_x_scales.as_ref();
         crate::ensure!(s.is_some(), DISPATCH, "recv_x_scales is required with use_nvfp4");
@@ -240,7 +242,7 @@ pub fn low_latency_dispatch_send(
 }
 
 /// A whole LL dispatch (no hook): validates once, then the backend's send and receive (one launch
-/// where it can); `out.recv_state` may be left unwritten.
+/// where it can); `out.recv_state` may be left unwritten, or absent (the backend's own).
 pub fn low_latency_dispatch(handle: i64, p: &LlParams, a: LlDispatchSendArgs, stats: &LlStats, out: &LlDispatchOutputs) -> Result<()> {
     let (g, o) = (p.geometry(DISPATCH)?, p.options());
     check_low_latency_dispatch(handle, &g, &o, &a, stats)?;
@@ -349,7 +351,7 @@ pub fn low_latency_combine_send(
     buffer::with(COMBINE, handle, |b| {
         let info = b.info().clone();
         check_geometry(COMBINE, &g, &info)?;
-        let a = combine_send_args(p, &g, &info, LlCombineInputs { x, src_info, layout_range, recv_state }, overlap)?;
+        let a = combine_send_args(p, &g, &info, LlCombineInputs { x, src_info, layout_range, recv_state: Some(recv_state) }, overlap)?;
         b.ll_combine_send(&g, &a, p.stream)
     })
 }
@@ -362,8 +364,9 @@ pub struct LlCombineInputs {
     pub src_info: TensorRef,
     /// `[E_l, R]` int64, from the dispatch.
     pub layout_range: TensorRef,
-    /// `[LL_STATE_LEN]` int64, written by the send (left unwritten by a one-launch combine).
-    pub recv_state: TensorRef,
+    /// `[LL_STATE_LEN]` int64, written by the send (left unwritten by a one-launch combine); `None`
+    /// only in a whole combine (the backend's own where it needs one).
+    pub recv_state: Option<TensorRef>,
 }
 
 /// The send's arguments, checked (the geometry already is).
@@ -383,8 +386,9 @@ fn combine_send_args(
     Ok(a)
 }
 
-fn check_state(recv_state: &TensorRef, info: &BufferInfo) -> Result<()> {
-    recv_state.check(COMBINE, "recv_state").on(&[DType::Int64], info.device)?.shape(&[("state", Some(LL_STATE_LEN))])?.contiguous()?.done()
+fn check_state(recv_state: &Option<TensorRef>, info: &BufferInfo) -> Result<()> {
+    let Some(s) = recv_state else { return Ok(()) };
+    s.check(COMBINE, "recv_state").on(&[DType::Int64], info.device)?.shape(&[("state", Some(LL_STATE_LEN))])?.contiguous()?.done()
 }
 
 /// The receive's arguments (the geometry already checked).
@@ -411,7 +415,7 @@ pub fn low_latency_combine_recv(
     wait: Option<TensorRef>,
 ) -> Result<()> {
     let g = p.geometry(COMBINE)?;
-    let a = LlCombineRecvArgs { topk_idx, topk_weights, recv_state, out };
+    let a = LlCombineRecvArgs { topk_idx, topk_weights, recv_state: Some(recv_state), out };
     let stats = LlStats { cumulative_local_expert_recv_stats: None, wait_recv_cost_stats: wait };
     buffer::with(COMBINE, handle, |b| {
         let info = b.info().clone();
@@ -422,7 +426,8 @@ pub fn low_latency_combine_recv(
 }
 
 /// A whole LL combine (no hook): validates the send's and the receive's arguments, then the
-/// backend's send and receive (one launch where it can); `recv_state` may be left unwritten.
+/// backend's send and receive (one launch where it can); `recv_state` may be left unwritten, or
+/// absent (the backend's own).
 pub fn low_latency_combine(
     handle: i64,
     p: &LlParams,

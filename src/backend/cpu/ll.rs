@@ -40,7 +40,7 @@
 
 use super::ht::Kind;
 use super::ll_payload::{format_code, nvfp4_bytes, nvfp4_cast, nvfp4_place};
-use super::ll_state::LlState;
+use super::ll_state::{write_state, LlState};
 use super::ll_tags::{abandoned, arrived, sig_load, sig_store, tag, KIND_COMBINE, KIND_DISPATCH};
 use super::CpuBackend;
 use crate::backend::{
@@ -126,10 +126,6 @@ fn read_meta(reg: &Region, off: usize) -> (i32, [i32; 4], Vec<(usize, usize, f32
     (hdr[0], [hdr[0], hdr[1], hdr[2], hdr[3]], entries)
 }
 
-fn write_state(t: &TensorRef, half: usize, seq: u32, flags: i64, kind: i64) {
-    t.cpu_slice_mut::<i64>()[..LL_STATE_LEN].copy_from_slice(&[half as i64, seq as i64, flags, kind]);
-}
-
 impl CpuBackend {
     /// Geometry of an LL call, checking what depends on this buffer: LL mode and capacity.
     fn ll_geo(&self, op: &'static str, g: &LlGeometry) -> Result<Geo> {
@@ -180,8 +176,8 @@ impl CpuBackend {
     }
 
     /// `(half, seq, flags)` from a send op's `recv_state`, checked against this buffer.
-    fn ll_read_state(&self, op: &'static str, st: &TensorRef, kind: i64) -> Result<(usize, u32, i64)> {
-        let v = st.cpu_slice::<i64>();
+    fn ll_read_state(&self, op: &'static str, st: &Option<TensorRef>, kind: i64) -> Result<(usize, u32, i64)> {
+        let v = st.as_ref().ok_or_else(|| Error::invalid(op, "internal: a receive without recv_state"))?.cpu_slice::<i64>();
         crate::ensure!(v.len() >= LL_STATE_LEN, op, "recv_state must hold {LL_STATE_LEN} int64, got {}", v.len());
         let what = if kind == KIND_DISPATCH { "low_latency_dispatch_send" } else { "low_latency_combine_send" };
         crate::ensure!(
@@ -762,6 +758,10 @@ impl LowLatencyMode for CpuBackend {
         let ptr = self.ll_region(self.info.rank).ptr_at(geo.send(self.ll.next_half));
         let (rt, m) = ((geo.r * geo.t) as i64, geo.m as i64);
         Ok(TensorRef::new(ptr, DType::BFloat16, Device::Cpu, &[geo.el as i64, rt, geo.h as i64], &[rt * m, m, 1]))
+    }
+
+    fn ll_own_state(&mut self, combine: bool) -> TensorRef {
+        TensorRef::new(self.own_state[combine as usize].as_mut_ptr().cast(), DType::Int64, Device::Cpu, &[LL_STATE_LEN as i64], &[1])
     }
 
     fn ll_mask_rows(&mut self, op: &'static str, a: &LlRowsArgs, _s: Stream) -> Result<()> {

@@ -104,3 +104,11 @@ fn routing_fingerprint(idx: &[i64], k: usize) -> u64 {
 fn weights_fingerprint(w: &[f32]) -> u64 {
     fnv1a([w.len() as i64, 1].into_iter().chain(w.iter().map(|v| v.to_bits() as i64))) ^ 0x5bd1_e995
 }
+
+/// Writes a send's `[half, seq, flags, kind]` into its `recv_state` (a whole op passes the
+/// backend's own to its send: never absent here).
+pub(super) fn write_state(t: &Option<crate::tensor::TensorRef>, half: usize, seq: u32, flags: i64, kind: i64) {
+    if let Some(t) = t {
+        t.cpu_slice_mut::<i64>()[..crate::backend::LL_STATE_LEN].copy_from_slice(&[half as i64, seq as i64, flags, kind]);
+    }
+}

@@ -153,7 +153,7 @@ impl Disp {
             recv_count: tr(&mut self.count, DType::Int32, &[el as usize]),
             src_info: tr(&mut self.src, DType::Int32, &[el as usize, rt as usize]),
             layout_range: tr(&mut self.range, DType::Int64, &[el as usize, c.r]),
-            recv_state: tr(&mut self.state, DType::Int64, &[LL_STATE_LEN]),
+            recv_state: Some(tr(&mut self.state, DType::Int64, &[LL_STATE_LEN])),
         }
     }
 
@@ -312,7 +312,7 @@ fn run_rank(c: Case, id: Vec<u8>, rank: usize, inputs: Vec<Input>) -> Vec<RankRo
                 layout_range: tr(&mut d.range, DType::Int64, &[el, c.r]),
                 use_logfmt: c.logfmt,
                 zero_copy: c.zero_copy,
-                recv_state: tr(&mut state, DType::Int64, &[LL_STATE_LEN]),
+                recv_state: Some(tr(&mut state, DType::Int64, &[LL_STATE_LEN])),
                 signal: None,
             };
             b.ll_combine_send(&g, &args, null).unwrap();
@@ -323,7 +323,7 @@ fn run_rank(c: Case, id: Vec<u8>, rank: usize, inputs: Vec<Input>) -> Vec<RankRo
             let args = LlCombineRecvArgs {
                 topk_idx: idx_t[i],
                 topk_weights: tr(&mut bufs[i].w, DType::Float32, &[n, c.k]),
-                recv_state: tr(&mut state, DType::Int64, &[LL_STATE_LEN]),
+                recv_state: Some(tr(&mut state, DType::Int64, &[LL_STATE_LEN])),
                 out: tr(&mut combined[i], DType::BFloat16, &[n, h]),
             };
             let stats =

@@ -53,6 +53,8 @@ pub struct CpuBackend {
     pub(crate) shrink: bool,
     /// Per peer: `[waits, ns]` spent in host waits until that peer arrived (`wait_stats`).
     pub(crate) waits: Vec<[i64; 2]>,
+    /// `ll_own_state`: the recv_state of a whole LL dispatch `[0]` and combine `[1]` given none.
+    pub(crate) own_state: Box<[[i64; crate::backend::LL_STATE_LEN]; 2]>,
 }
 
 impl Drop for CpuBackend {
@@ -110,6 +112,7 @@ impl CpuBackend {
             mask: vec![false; a.num_ranks],
             shrink: false,
             waits: vec![[0, 0]; a.num_ranks],
+            own_state: Box::new([[0; crate::backend::LL_STATE_LEN]; 2]),
         };
         let record = [1u64, a.num_ranks as u64, a.num_nvl_bytes as u64, a.num_rdma_bytes as u64, a.low_latency_mode as u64];
         b.control().write(RECORD_OFF + a.rank * SLOT, &record);

@@ -327,7 +327,7 @@ impl PeerBackend {
 
     /// The send launch of a combine from its arguments (`ll_combine_args`).
     fn ll_combine_send_launch(&mut self, mut a: LlArgs, s: &LlCombineSendArgs, stream: Stream) -> Result<()> {
-        a.recv_state = ptr(&s.recv_state);
+        a.recv_state = opt_ptr(s.recv_state.as_ref());
         self.ll_begin_send(OP_COMBINE, &mut a, stream)?;
         // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
         unsafe { k::combine_send(OP_COMBINE, self.window.ctx(), &a, stream) }
@@ -439,7 +439,7 @@ impl LowLatencyMode for PeerBackend {
         stream: Stream,
     ) -> Result<()> {
         let mut a = self.ll_dispatch_args(g, o, s, stream)?;
-        a.recv_state = ptr(&out.recv_state);
+        a.recv_state = opt_ptr(out.recv_state.as_ref());
         self.ll_begin_send(OP_DISPATCH, &mut a, stream)?;
         // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
         unsafe { k::dispatch_send(OP_DISPATCH, self.window.ctx(), &a, stream) }?;
@@ -459,7 +459,7 @@ impl LowLatencyMode for PeerBackend {
         let mut a = self.ll_args(OP_DISPATCH, g)?;
         ll_format(&mut a, o);
         ll_recv_outputs(&mut a, o, out, st)?;
-        a.recv_state = ptr(&out.recv_state);
+        a.recv_state = opt_ptr(out.recv_state.as_ref());
         // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
         unsafe { k::dispatch_recv(OP_DISPATCH, self.window.ctx(), &a, stream) }?;
         crate::backend::ll_mark_received(&self.ll.dispatch, &mut self.ll.received, out.src_info.data_ptr() as usize);
@@ -479,8 +479,7 @@ impl LowLatencyMode for PeerBackend {
         stream: Stream,
     ) -> Result<()> {
         if self.window.ranks_on_gpu() > 1 || self.seam.is_some() || !crate::settings::ll_one_launch() {
-            self.ll_dispatch_send(g, o, s, out, stream)?;
-            return self.ll_dispatch_recv(g, o, out, st, stream);
+            return crate::backend::ll_dispatch_in_two(self, g, o, s, out, st, stream);
         }
         let mut a = self.ll_dispatch_args(g, o, s, stream)?;
         ll_recv_outputs(&mut a, o, out, st)?;
@@ -501,7 +500,7 @@ impl LowLatencyMode for PeerBackend {
         self.check_ll_pending(OP_COMBINE, stream)?;
         let mut a = self.ll_args(OP_COMBINE, g)?;
         ll_combine_recv_args(&mut a, g, r, st)?;
-        a.recv_state = ptr(&r.recv_state);
+        a.recv_state = opt_ptr(r.recv_state.as_ref());
         a.num_blocks = self.ll_grid().reduce;
         // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
         unsafe { k::combine_recv(OP_COMBINE, self.window.ctx(), &a, stream) }
@@ -517,8 +516,9 @@ impl LowLatencyMode for PeerBackend {
         let resident = if a.partial != 0 { self.info.num_ranks <= a.num_blocks as usize } else { g.num_experts <= 3 * sms };
         let one = resident && !s.use_logfmt && s.signal.is_none() && self.window.ranks_on_gpu() == 1 && self.seam.is_none();
         if !one || !crate::settings::ll_one_launch() {
-            self.ll_combine_send_launch(a, s, stream)?;
-            return self.ll_combine_recv(g, r, st, stream);
+            let state = s.recv_state.or(r.recv_state).or_else(|| Some(self.ll_own_state(true)));
+            self.ll_combine_send_launch(a, &LlCombineSendArgs { recv_state: state, ..*s }, stream)?;
+            return self.ll_combine_recv(g, &LlCombineRecvArgs { recv_state: state, ..*r }, st, stream);
         }
         ll_combine_recv_args(&mut a, g, r, st)?;
         self.ll_begin_send(OP_COMBINE, &mut a, stream)?;
@@ -549,6 +549,13 @@ impl LowLatencyMode for PeerBackend {
         // The view may outlive the buffer (torch's stable ABI gives no deleter to tell us).
         self.window.keep_memory();
         Ok(TensorRef::new(ptr, DType::BFloat16, self.info.device, &[el, rt, h], &[rt * m, m, 1]))
+    }
+
+    /// In this rank's control area (`DEK_LL_OWN_STATE_OFF`), so that CUDA graphs capture a fixed address.
+    fn ll_own_state(&mut self, combine: bool) -> TensorRef {
+        let off = k::OWN_STATE_OFF + combine as usize * crate::backend::LL_STATE_LEN * 8;
+        let ptr = (self.window.ctx().own_base() as *mut u8).wrapping_add(off);
+        TensorRef::new(ptr, DType::Int64, self.info.device, &[crate::backend::LL_STATE_LEN as i64], &[1])
     }
 
     fn ll_mask_rows(&mut self, op: &'static str, a: &LlRowsArgs, s: Stream) -> Result<()> {

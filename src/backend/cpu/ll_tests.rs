@@ -251,6 +251,8 @@ fn run_rank(c: Case, id: Vec<u8>, rank: usize, inputs: Vec<Input>) -> Vec<RankRo
     // Rounds run one after another, or (split) all dispatches in flight at once.
     let groups: Vec<Vec<usize>> = if c.split { vec![(0..inputs.len()).collect()] } else { (0..inputs.len()).map(|i| vec![i]).collect() };
     let mut combined: Vec<Vec<u16>> = inputs.iter().map(|i| vec![0xffff; i.idx.len() / c.k * h]).collect();
+    // Rounds run as whole ops (no recv_state: the backend's own), the others as split calls.
+    let whole = |i: usize| !c.split && i % 2 == 1;
     for grp in groups {
         if grp == [2] {
             // Cleaning mid-sequence resets halves and sequence numbers on every rank.
@@ -268,9 +270,19 @@ fn run_rank(c: Case, id: Vec<u8>, rank: usize, inputs: Vec<Input>) -> Vec<RankRo
                 let none = LlStats { cumulative_local_expert_recv_stats: None, wait_recv_cost_stats: None };
                 b.ll_dispatch_recv(&g, &o, &extra.outputs(&c), &none, null).unwrap();
             }
+            if whole(i) {
+                // A whole dispatch given no recv_state: the backend's own carries send to receive.
+                let stats = LlStats {
+                    cumulative_local_expert_recv_stats: Some(tr(&mut cum, DType::Int32, &[el])),
+                    wait_recv_cost_stats: Some(tr(&mut wait, DType::Int64, &[c.r])),
+                };
+                b.ll_dispatch(&g, &o, &send, &LlDispatchOutputs { recv_state: None, ..disps[i].outputs(&c) }, &stats, null).unwrap();
+                disps[i].state.copy_from_slice(&b.own_state[0]); // for the (half, call) check below
+                continue;
+            }
             b.ll_dispatch_send(&g, &o, &send, &disps[i].outputs(&c), null).unwrap();
         }
-        for &i in grp.iter().rev() {
+        for &i in grp.iter().rev().filter(|&&i| !whole(i)) {
             let stats = LlStats {
                 cumulative_local_expert_recv_stats: Some(tr(&mut cum, DType::Int32, &[el])),
                 wait_recv_cost_stats: Some(tr(&mut wait, DType::Int64, &[c.r])),
@@ -315,6 +327,20 @@ fn run_rank(c: Case, id: Vec<u8>, rank: usize, inputs: Vec<Input>) -> Vec<RankRo
                 recv_state: Some(tr(&mut state, DType::Int64, &[LL_STATE_LEN])),
                 signal: None,
             };
+            if whole(i) {
+                // A whole combine given no recv_state (the backend's own).
+                let n = inputs[i].idx.len() / c.k;
+                let recv = LlCombineRecvArgs {
+                    topk_idx: idx_t[i],
+                    topk_weights: tr(&mut bufs[i].w, DType::Float32, &[n, c.k]),
+                    recv_state: None,
+                    out: tr(&mut combined[i], DType::BFloat16, &[n, h]),
+                };
+                let stats =
+                    LlStats { cumulative_local_expert_recv_stats: None, wait_recv_cost_stats: Some(tr(&mut wait, DType::Int64, &[c.r])) };
+                b.ll_combine(&g, &LlCombineSendArgs { recv_state: None, ..args }, &recv, &stats, null).unwrap();
+                continue;
+            }
             b.ll_combine_send(&g, &args, null).unwrap();
             states.push((i, state));
         }

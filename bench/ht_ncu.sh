@@ -4,27 +4,11 @@
 #   bench/ht_ncu.sh OUT_DIR [PYTHON] [RANKS]   (on the device; the wheel or PYTHONPATH must give deep_ep_rs)
 # RANKS defaults to the GPU count. Writes OUT_DIR/ht.ncu-rep, details.csv (every metric of every
 # kernel of the profiled region), raw.csv (stall-reason counters, durations, grids), and ncu.log.
+# NCU_SET, NCU_METRICS, NCU_SOURCE, NCU_KERNEL, NCU_COUNT: as in ncu_lib.sh's ncu_rank.
 set -u
 if [ "${1:-}" = "--rank" ]; then  # one rank under torchrun: ncu for rank 0, the script for the others
-  shift
-  out=$1 py=$2
-  shift 2
-  if [ "${LOCAL_RANK:-0}" = 0 ]; then
-    # NCU_SET=detailed (or basic) and NCU_SOURCE=no make a report that profiles and exports in a
-    # fraction of the full set's time.
-    # ncu refuses --source-folders without --import-source yes.
-    src=(--import-source no)
-    [ "${NCU_SOURCE:-yes}" = yes ] && src=(--import-source yes --source-folders "$(dirname "$0")/../kernels")
-    # NCU_METRICS (comma-separated) replaces the section set; with few enough counters ncu needs one
-    # pass, so no kernel is replayed: a replayed barrier or flag wait hangs, its peers having moved on
-    # (2026-11-27: the second sync_barrier under --set detailed). NCU_KERNEL: a regex of kernel names.
-    what=(--set "${NCU_SET:-full}")
-    [ -n "${NCU_METRICS:-}" ] && what=(--metrics "$NCU_METRICS" --cache-control none --clock-control none)
-    [ -n "${NCU_KERNEL:-}" ] && what+=(--kernel-name "regex:$NCU_KERNEL")
-    exec "$NCU" --profile-from-start off "${what[@]}" "${src[@]}" \
-      -f -o "$out/ht" "$py" "$(dirname "$0")/ht_ncu.py" "$@"
-  fi
-  exec "$py" "$(dirname "$0")/ht_ncu.py" "$@"
+  . "$(dirname "$0")/ncu_lib.sh"
+  ncu_rank "$2/ht" "$(dirname "$0")/ht_ncu.py" "$3" "${@:4}"
 fi
 out=${1:?usage: bench/ht_ncu.sh OUT_DIR [PYTHON] [RANKS]}
 py=${2:-python3}

@@ -3,31 +3,18 @@
 # the same calls unprofiled.
 #   bench/ll_ncu.sh OUT_DIR [PYTHON] [RANKS] [ll_ncu.py ARGS...]   (on the device; the wheel or
 #   PYTHONPATH must give deep_ep_rs, and deep_ep for --impl deep_ep)
-# RANKS defaults to 1. NCU_SET (default full) picks the section set; NCU_METRICS (comma-separated)
-# replaces it, and with few enough counters ncu needs one pass, so no kernel is replayed (a replayed
-# wait can hang once its peers moved on). NCU_SOURCE=no skips the source import. NCU_KERNEL: a
-# regex of kernel names (default both LL kernels); NCU_COUNT: profile only the first N matches (a
-# multi-pass profile of the combine at several ranks hangs: its replays wait for peers that moved on).
+# RANKS defaults to 1. NCU_SET, NCU_METRICS, NCU_SOURCE, NCU_KERNEL (default: both LL kernels) and
+# NCU_COUNT as in ncu_lib.sh's ncu_rank. At several ranks a multi-pass profile hung after rank 0's
+# replays in session 20 (dispatch and combine): there, a one-pass NCU_METRICS list.
 # Writes OUT_DIR/ll.ncu-rep (open in the Nsight Compute UI), details.csv (every metric of every
 # kernel launch), raw.csv (stall-reason counters), source-<kernel>.csv (per-SASS-line samples,
 # where this ncu can print them), and ncu.log.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 if [ "${1:-}" = "--rank" ]; then  # one rank under torchrun: ncu for rank 0, the script for the others
-  shift
-  out=$1 py=$2
-  shift 2
-  if [ "${LOCAL_RANK:-0}" = 0 ]; then
-    src=(--import-source no)
-    [ "${NCU_SOURCE:-yes}" = yes ] && src=(--import-source yes --source-folders "$here/../kernels")
-    what=(--set "${NCU_SET:-full}")
-    [ -n "${NCU_METRICS:-}" ] && what=(--metrics "$NCU_METRICS")
-    # The LL kernels of both libraries are named dispatch / combine (function name, no namespace).
-    [ -n "${NCU_COUNT:-}" ] && what+=(--launch-count "$NCU_COUNT")
-    exec "$NCU" --profile-from-start off --kernel-name regex:"${NCU_KERNEL:-^(dispatch|combine)\$}" "${what[@]}" "${src[@]}" \
-      -f -o "$out/ll" "$py" "$here/ll_ncu.py" "$@"
-  fi
-  exec "$py" "$here/ll_ncu.py" "$@"
+  . "$here/ncu_lib.sh"
+  # The LL kernels of both libraries are named dispatch / combine (function name, no namespace).
+  NCU_KERNEL=${NCU_KERNEL:-'^(dispatch|combine)$'} ncu_rank "$2/ll" "$here/ll_ncu.py" "$3" "${@:4}"
 fi
 out=${1:?usage: bench/ll_ncu.sh OUT_DIR [PYTHON] [RANKS] [ll_ncu.py ARGS...]}
 py=${2:-python3}

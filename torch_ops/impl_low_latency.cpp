@@ -175,22 +175,20 @@ struct LlOverlap {
   }
 };
 
-// The params and the recv_state of a split combine: the state is written by the send kernel on
-// every call, as the dispatch's (no memset node on GPUs). A whole combine passes none.
+// The params of a combine (split or whole).
 deep_ep_ll_params_t combine_params(const Tensor& x, int64_t t, int64_t e, bool use_logfmt, bool zero_copy) {
   auto p = params(t, x.dim() == 3 ? x.size(2) : 128, e, x.device());
   p.use_logfmt = use_logfmt;
   p.zero_copy = zero_copy;
   return p;
 }
-Tensor combine_state(const Tensor& x) {
-  return x.is_cpu() ? zeros_like_dev(x, {DEEP_EP_LL_STATE_LEN}, ScalarType::Long) : empty_like_dev(x, {DEEP_EP_LL_STATE_LEN}, ScalarType::Long);
-}
 
+// The split send: its recv_state is written by the send kernel on every call, as the dispatch's (no
+// memset node on GPUs). A whole combine passes none.
 Tensor combine_send(int64_t handle, const Tensor& x, const Tensor& src_info, const Tensor& layout_range, int64_t t, int64_t e,
                     bool use_logfmt, bool zero_copy, const LlOverlap& ov) {
   auto p = combine_params(x, t, e, use_logfmt, zero_copy);
-  auto state = combine_state(x);
+  auto state = x.is_cpu() ? zeros_like_dev(x, {DEEP_EP_LL_STATE_LEN}, ScalarType::Long) : empty_like_dev(x, {DEEP_EP_LL_STATE_LEN}, ScalarType::Long);
   auto rx = raw(x), rsi = raw(src_info), rlr = raw(layout_range), rst = raw(state);
   deep_ep_ll_overlap_t o{};
   check(deep_ep_ll_combine_send(handle, &p, &rx, &rsi, &rlr, &rst, ov.raw_in(&o)));

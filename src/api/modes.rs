@@ -315,6 +315,21 @@ unsafe fn ll_outputs(op: &'static str, o: &RawLlDispatchOutputs, whole: bool) ->
     })
 }
 
+/// The tensors of a combine's send, in the order they are checked; `whole`: a whole combine's,
+/// whose recv_state may be absent.
+unsafe fn ll_combine_inputs(
+    op: &'static str,
+    x: *const RawTensor,
+    src_info: *const RawTensor,
+    layout_range: *const RawTensor,
+    recv_state: *const RawTensor,
+    whole: bool,
+) -> Result<LlCombineInputs> {
+    let (x, src_info, layout_range) = (tensor(op, "x", x)?, tensor(op, "src_info", src_info)?, tensor(op, "layout_range", layout_range)?);
+    let recv_state = if whole { opt_tensor(op, "recv_state", recv_state)? } else { Some(tensor(op, "recv_state", recv_state)?) };
+    Ok(LlCombineInputs { x, src_info, layout_range, recv_state })
+}
+
 /// The overlap arguments of a combine send (NULL: none).
 unsafe fn ll_overlap(op: &'static str, overlap: *const RawLlOverlap) -> Result<Option<LlOverlap>> {
     let Some(o) = overlap.as_ref() else { return Ok(None) };
@@ -432,10 +447,8 @@ pub unsafe extern "C" fn deep_ep_ll_combine_send(
     const OP: &str = crate::op_names::LOW_LATENCY_COMBINE;
     guard(|| {
         let p = ll_params(OP, p)?;
-        let (x, src_info) = (tensor(OP, "x", x)?, tensor(OP, "src_info", src_info)?);
-        let (layout_range, recv_state) = (tensor(OP, "layout_range", layout_range)?, tensor(OP, "recv_state", recv_state)?);
-        let overlap = ll_overlap(OP, overlap)?;
-        ops::low_latency_combine_send(handle, &p, x, src_info, layout_range, recv_state, overlap)
+        let send = ll_combine_inputs(OP, x, src_info, layout_range, recv_state, false)?;
+        ops::low_latency_combine_send(handle, &p, send, ll_overlap(OP, overlap)?)
     })
 }
 
@@ -461,14 +474,13 @@ pub unsafe extern "C" fn deep_ep_ll_combine(
     const OP: &str = crate::op_names::LOW_LATENCY_COMBINE;
     guard(|| {
         let p = ll_params(OP, p)?;
-        let (x, src_info) = (tensor(OP, "x", x)?, tensor(OP, "src_info", src_info)?);
-        let (layout_range, recv_state) = (tensor(OP, "layout_range", layout_range)?, opt_tensor(OP, "recv_state", recv_state)?);
+        let send = ll_combine_inputs(OP, x, src_info, layout_range, recv_state, true)?;
         let overlap = ll_overlap(OP, overlap)?;
         let (topk_idx, topk_weights, out) =
             (tensor(OP, "topk_idx", topk_idx)?, tensor(OP, "topk_weights", topk_weights)?, tensor(OP, "out", out)?);
         let wait = ll_stats(OP, std::ptr::null(), wait)?.wait_recv_cost_stats;
-        let recv = LlCombineRecvArgs { topk_idx, topk_weights, recv_state, out };
-        ops::low_latency_combine(handle, &p, LlCombineInputs { x, src_info, layout_range, recv_state }, overlap, recv, wait)
+        let recv = LlCombineRecvArgs { topk_idx, topk_weights, recv_state: send.recv_state, out };
+        ops::low_latency_combine(handle, &p, send, overlap, recv, wait)
     })
 }
 

@@ -215,8 +215,14 @@ pub fn ll_dispatch_in_two<B: LowLatencyMode + ?Sized>(
     b.ll_dispatch_recv(g, o, out, stats, stream)
 }
 
-/// A whole LL combine as its two phases, one `recv_state` (the caller's, else the backend's own)
-/// carrying the send to the receive: [`LowLatencyMode::ll_combine`]'s default and fallback.
+/// The one `recv_state` that carries a whole LL combine's send to its receive when it runs as two
+/// launches: the caller's, else the backend's own.
+pub fn ll_combine_state<B: LowLatencyMode + ?Sized>(b: &mut B, send: &LlCombineSendArgs, recv: &LlCombineRecvArgs) -> Option<TensorRef> {
+    send.recv_state.or(recv.recv_state).or_else(|| Some(b.ll_own_state(true)))
+}
+
+/// A whole LL combine as its two phases, through [`ll_combine_state`]:
+/// [`LowLatencyMode::ll_combine`]'s default.
 pub fn ll_combine_in_two<B: LowLatencyMode + ?Sized>(
     b: &mut B,
     g: &LlGeometry,
@@ -225,7 +231,7 @@ pub fn ll_combine_in_two<B: LowLatencyMode + ?Sized>(
     stats: &LlStats,
     stream: Stream,
 ) -> Result<()> {
-    let state = send.recv_state.or(recv.recv_state).or_else(|| Some(b.ll_own_state(true)));
+    let state = ll_combine_state(b, send, recv);
     b.ll_combine_send(g, &LlCombineSendArgs { recv_state: state, ..*send }, stream)?;
     b.ll_combine_recv(g, &LlCombineRecvArgs { recv_state: state, ..*recv }, stats, stream)
 }

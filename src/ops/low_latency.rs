@@ -337,21 +337,14 @@ fn overlap_signal(o: Option<LlOverlap>, g: &LlGeometry, info: &BufferInfo) -> Re
 /// LL combine send phase (collective in sequence with the recv phase): `x [E_l, R*T, H]` bf16
 /// expert outputs in the dispatch's layout (`src_info`, `layout_range`); writes `recv_state`.
 /// `overlap`: rows are sent as the producer's signals say they are written ([`LlOverlap`]).
-#[allow(clippy::too_many_arguments)]
-pub fn low_latency_combine_send(
-    handle: i64,
-    p: &LlParams,
-    x: TensorRef,
-    src_info: TensorRef,
-    layout_range: TensorRef,
-    recv_state: TensorRef,
-    overlap: Option<LlOverlap>,
-) -> Result<()> {
+/// `send.recv_state` is required here.
+pub fn low_latency_combine_send(handle: i64, p: &LlParams, send: LlCombineInputs, overlap: Option<LlOverlap>) -> Result<()> {
+    crate::ensure!(send.recv_state.is_some(), COMBINE, "recv_state is required");
     let g = p.geometry(COMBINE)?;
     buffer::with(COMBINE, handle, |b| {
         let info = b.info().clone();
         check_geometry(COMBINE, &g, &info)?;
-        let a = combine_send_args(p, &g, &info, LlCombineInputs { x, src_info, layout_range, recv_state: Some(recv_state) }, overlap)?;
+        let a = combine_send_args(p, &g, &info, send, overlap)?;
         b.ll_combine_send(&g, &a, p.stream)
     })
 }

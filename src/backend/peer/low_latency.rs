@@ -516,7 +516,8 @@ impl LowLatencyMode for PeerBackend {
         let resident = if a.partial != 0 { self.info.num_ranks <= a.num_blocks as usize } else { g.num_experts <= 3 * sms };
         let one = resident && !s.use_logfmt && s.signal.is_none() && self.window.ranks_on_gpu() == 1 && self.seam.is_none();
         if !one || !crate::settings::ll_one_launch() {
-            let state = s.recv_state.or(r.recv_state).or_else(|| Some(self.ll_own_state(true)));
+            // Two launches from the send arguments already made (ll_combine_in_two would make them again).
+            let state = crate::backend::ll_combine_state(self, s, r);
             self.ll_combine_send_launch(a, &LlCombineSendArgs { recv_state: state, ..*s }, stream)?;
             return self.ll_combine_recv(g, &LlCombineRecvArgs { recv_state: state, ..*r }, st, stream);
         }

@@ -70,7 +70,7 @@ def setup_ll(add, teardown, args, dev, group, world, cuda, sync):
     sync()
     add("low_latency_dispatch", "deep_ep", lambda: ll.low_latency_dispatch(x, idx, t, e, use_fp8=True), tokens=t)
     add("low_latency_dispatch", "deep_ep_raw", lambda: ops.low_latency_dispatch(ll.handle, x, idx, None, None, None, t, e, True, False,
-                                                                                False, None), tokens=t)
+                                                                                False), tokens=t)
     hd = ll.low_latency_dispatch(x, idx, t, e, use_fp8=True)[2]
     add("low_latency_combine", "deep_ep", lambda: ll.low_latency_combine(y, idx, w, hd, out=out), tokens=t)
     src_info, layout_range = hd[0], hd[1]

@@ -13,7 +13,8 @@ import glob
 import json
 
 RAW_ROW = {"low_latency_dispatch": "low_latency_dispatch", "low_latency_combine": "low_latency_combine",
-           "cached_dispatch": "cached_dispatch_bf16", "combine": "combine", "get_dispatch_layout": "get_dispatch_layout"}
+           "cached_dispatch": "cached_dispatch_bf16", "combine": "combine", "get_dispatch_layout": "get_dispatch_layout",
+           "dispatch": "dispatch"}
 
 
 def main():

@@ -171,6 +171,7 @@ typedef struct {
 #define DEK_IC_SITE_IN_COMBINE 17 /* internode combine: start barrier and count exchange */
 #define DEK_IC_SITE_IN_COMBINE_DATA 18 /* internode combine: node barrier before the forwarders, partials wait */
 #define DEK_IC_SITE_LL_SIGNAL 19 /* low-latency combine send (overlap): waiting for the producer's comp_signal */
+#define DEK_IC_SITE_DISPATCH_DATA 20 /* pull dispatch: rows staged after the notify (the host waits for counts only) */
 
 /* The buffer as kernels see it. peer_base holds the ranks of this rank's NVLink domain, world
  * rank r at slot r % DEK_IC_MAX_RANKS (the at most DEK_IC_MAX_RANKS consecutive ranks of a domain
@@ -200,12 +201,12 @@ typedef struct {
 #define DEK_IC_SEC_TOPK 6          /* [N, K] int64 global expert ids */
 #define DEK_IC_SEC_WEIGHTS 7       /* [N, K] float32 */
 #define DEK_IC_NUM_SECTIONS 8
-
-/* Op kinds in a layout. */
+/* Op kinds in a layout; the parts of a staging (dek_ic_stage_args_t::parts). */
 #define DEK_IC_KIND_DISPATCH 1
 #define DEK_IC_KIND_CACHED 2
 #define DEK_IC_KIND_COMBINE 3
-
+#define DEK_IC_STAGE_META 1 /* (0: all) */
+#define DEK_IC_STAGE_ROWS 2
 /* What one rank stages: copied into its window header, read by peers (<= 256 bytes). */
 typedef struct {
   int64_t kind;
@@ -283,10 +284,9 @@ typedef struct {
 } dek_ic_check_args_t;
 int dek_ic_check(const dek_ic_ctx_t* ctx, const dek_ic_check_args_t* args, void* stream);
 
-/* K1: stage this rank's inputs into its own window at layout.off and write the layout header.
- * Present inputs are copied (scales from any strides to row-major, top-k ids widened to int64);
- * for a dispatch layout, send_head [N, R] and channel_prefix_matrix [R, C] are computed from
- * is_token_in_rank (crate::layout::send_side); with send_head (cached), it is copied. */
+/* K1: stage this rank's inputs into its own window at layout.off and write the layout header: inputs
+ * copied (scales from any strides to row-major, top-k ids as int64); a dispatch's send_head [N, R], cpm [R, C]
+ * computed from is_token_in_rank (crate::layout::send_side); with send_head (cached), it is copied. */
 typedef struct {
   dek_ic_layout_t layout;
   const void* x;               /* [N, row_bytes] contiguous */
@@ -304,7 +304,7 @@ typedef struct {
    * num_blocks ignored) after staging, one launch instead of two. */
   dek_ic_check_args_t check;
   int32_t run_check;
-  int32_t reserved;
+  int32_t parts; /* 0: all; DEK_IC_STAGE_META (header, counts, send side, checks), then _ROWS (the rest; no-op if cancelled) */
 } dek_ic_stage_args_t;
 int dek_ic_stage(const dek_ic_ctx_t* ctx, const dek_ic_stage_args_t* args, void* stream);
 

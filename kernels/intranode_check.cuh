@@ -105,6 +105,10 @@ __device__ __forceinline__ void run_checks(const Ctx& c, const dek_ic_check_args
         long long ids[kCheckUnroll];
 #pragma unroll
         for (int u = 0; u < kCheckUnroll; ++u) ids[u] = j0 + u >= k ? -1 : id_at(a, t, j0 + u);
+        // Each valid id's is_token_in_rank entry, all in flight before any is used.
+        unsigned reached = 0;  // bit u: id u is invalid or its rank is selected
+#pragma unroll
+        for (int u = 0; u < kCheckUnroll; ++u) reached |= (ids[u] < 0 || ids[u] >= E || in_rank[t * R + ids[u] / el] != 0) << u;
 #pragma unroll
         for (int u = 0; u < kCheckUnroll; ++u) {
           const long long e = ids[u];
@@ -114,7 +118,7 @@ __device__ __forceinline__ void run_checks(const Ctx& c, const dek_ic_check_args
           } else if (e >= 0) {
             h += id_hash(e);
             const int64_t d = e / el;
-            covered = covered && in_rank[t * R + d] != 0;
+            covered = covered && ((reached >> u) & 1u);
             bool first = true;  // no earlier valid id of the token has this rank
             for (int64_t j = 0; j < j0 + u && first; ++j) {
               const long long f = id_at(a, t, j);
@@ -137,13 +141,16 @@ __device__ __forceinline__ void run_checks(const Ctx& c, const dek_ic_check_args
     if (a.num_tokens_per_expert != nullptr) {
       for (int64_t e = tid; e < E; e += threads) h -= static_cast<unsigned long long>(a.num_tokens_per_expert[e]) * id_hash(e);
     }
-    atomicAdd(&s_hash, h);
+    // One shared atomic per warp, not per thread (512 on one address).
+    for (int o = 16; o > 0; o >>= 1) h += __shfl_xor_sync(0xffffffffu, h, o);
+    if (lane == 0) atomicAdd(&s_hash, h);
   }
 
   // ---- B: per (destination, channel) ----
   const int64_t per = tokens_per_channel(n, C);
   const int64_t warps = threads >> 5;
-  for (int64_t pair = tid >> 5; pair < R * C; pair += warps) {
+  // From the grid's last warp down: the warps past the tokens of phase A walk the channels beside it.
+  for (int64_t pair = warps - 1 - (tid >> 5); pair < R * C; pair += warps) {
     const int d = static_cast<int>(pair / C);
     const int64_t ch = pair % C;
     const int64_t start = min(per * ch, n), end = min(start + per, n);

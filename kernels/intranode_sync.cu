@@ -65,15 +65,19 @@ __global__ void __launch_bounds__(kSyncThreads) sync_barrier(const __grid_consta
     __threadfence_system();  // this rank's staged data before the signal (belt and braces)
     st_release_sys(at<uint64_t>(peer_window(c, p), kBarrierOff + c.rank * kSlotBytes), s_epoch);
     if (!wait_epoch(c, at<const uint64_t>(me, kBarrierOff + p * kSlotBytes), s_epoch, p, a.site)) atomicExch(&s_failed, 1);
-    if (a.gather && !s_failed) {
-      // The peer's layout, read by the thread that acquired its signal.
-      const uint64_t* src = at<const uint64_t>(peer_window(c, p), header_slot(s_epoch));
-      uint64_t* dst = at<uint64_t>(me, kScrHeaders + static_cast<size_t>(p) * DEK_IC_LAYOUT_BYTES);
-      for (int i = 0; i < DEK_IC_LAYOUT_BYTES / 8; ++i) dst[i] = ld_volatile(src + i);
-    }
   }
   __syncthreads();
   if (s_failed || !a.gather) return;
+  // The peers' layouts, a word per thread: each peer's signal was acquired above by the thread that
+  // waited for it, and the block barrier orders these loads after that. (One thread reading a
+  // peer's 32 words in turn paid 32 NVLink round trips: ~30 µs of every gathering barrier.)
+  constexpr int kWords = DEK_IC_LAYOUT_BYTES / 8;
+  for (int i = tid; i < R * kWords; i += blockDim.x) {
+    const int p = i / kWords, w = i % kWords;
+    const uint64_t* src = at<const uint64_t>(peer_window(c, p), header_slot(s_epoch));
+    at<uint64_t>(me, kScrHeaders + static_cast<size_t>(p) * DEK_IC_LAYOUT_BYTES)[w] = ld_volatile(src + w);
+  }
+  __syncthreads();
 
   const Layout& mine = scratch_layout(c, c.rank);
   if (tid < R && !same_op(scratch_layout(c, tid), mine)) {
@@ -132,12 +136,17 @@ __global__ void __launch_bounds__(kSyncThreads) sync_barrier(const __grid_consta
   volatile dek_ic_host_status_t* h = c.host_status;
   const int el = a.num_local_experts;
   const int64_t align = a.expert_alignment > 0 ? a.expert_alignment : 1;
+  auto peer_count = [&](int s, int i) {
+    return ld_volatile(at<const int>(peer_window(c, s), scratch_layout(c, s).off[DEK_IC_SEC_COUNTS_EXPERT]) + c.rank * el + i);
+  };
   for (int i = tid; i < el; i += blockDim.x) {
     int64_t sum = 0;
-    for (int s = 0; s < R; ++s) {
-      const int* per_expert = at<const int>(peer_window(c, s), scratch_layout(c, s).off[DEK_IC_SEC_COUNTS_EXPERT]);
-      sum += ld_volatile(per_expert + c.rank * el + i);
+    int s = 0;
+    for (; s + 4 <= R; s += 4) {  // four NVLink loads in flight, not one round trip per peer
+      const int v0 = peer_count(s, i), v1 = peer_count(s + 1, i), v2 = peer_count(s + 2, i), v3 = peer_count(s + 3, i);
+      sum += static_cast<int64_t>(v0) + v1 + v2 + v3;
     }
+    for (; s < R; ++s) sum += peer_count(s, i);
     h->per_expert[i] = static_cast<int32_t>((sum + align - 1) / align * align);
   }
   __syncthreads();
@@ -190,32 +199,42 @@ __global__ void __launch_bounds__(kThreads) stage_inputs(const __grid_constant__
   const Layout& L = a.layout;
   char* me = peer_local(c);
   const int R = c.num_ranks;
-  if (blockIdx.x == 0 && threadIdx.x < DEK_IC_LAYOUT_BYTES / 8) {
-    const uint64_t* words = reinterpret_cast<const uint64_t*>(&L);
-    uint64_t* dst = at<uint64_t>(me, next_header_slot(c));  // gathered by the op's data barrier
-    dst[threadIdx.x] = threadIdx.x < sizeof(Layout) / 8 ? words[threadIdx.x] : 0;
-  }
-  if (L.kind == DEK_IC_KIND_DISPATCH) {  // also with no tokens: the prefix matrix must be zeros
-    for (int d = blockIdx.x; d < R; d += gridDim.x) send_side(c, a, d, s_channel_counts);
-  }
-
+  // A pull dispatch stages in two launches: META before its notify barrier, so that the host
+  // waits for the receive counts only, then ROWS (after that barrier, which may have cancelled
+  // the op: then nothing is written).
+  const bool meta = a.parts != DEK_IC_STAGE_ROWS, rows_part = a.parts != DEK_IC_STAGE_META;
+  if (!meta && op_cancelled(c)) return;
   const int64_t n = L.num_tokens, k = L.num_topk, s = L.num_scales;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  // Push dispatch: this op's per-channel counters of pushed tokens.
-  for (int64_t i = tid; i < L.num_channels; i += threads) at<int>(me, kScrChanDone)[i] = 0;
-  if (a.num_tokens_per_rank != nullptr) {
-    int* dst = at<int>(me, L.off[DEK_IC_SEC_COUNTS_RANK]);
-    for (int64_t i = tid; i < R; i += threads) dst[i] = a.num_tokens_per_rank[i];
+  if (meta) {
+    if (blockIdx.x == 0 && threadIdx.x < DEK_IC_LAYOUT_BYTES / 8) {
+      const uint64_t* words = reinterpret_cast<const uint64_t*>(&L);
+      uint64_t* dst = at<uint64_t>(me, next_header_slot(c));  // gathered by the op's data (or notify) barrier
+      dst[threadIdx.x] = threadIdx.x < sizeof(Layout) / 8 ? words[threadIdx.x] : 0;
+    }
+    if (L.kind == DEK_IC_KIND_DISPATCH) {  // also with no tokens: the prefix matrix must be zeros
+      for (int d = blockIdx.x; d < R; d += gridDim.x) send_side(c, a, d, s_channel_counts);
+    }
+    // Push dispatch: this op's per-channel counters of pushed tokens.
+    for (int64_t i = tid; i < L.num_channels; i += threads) at<int>(me, kScrChanDone)[i] = 0;
+    if (a.num_tokens_per_rank != nullptr) {
+      int* dst = at<int>(me, L.off[DEK_IC_SEC_COUNTS_RANK]);
+      for (int64_t i = tid; i < R; i += threads) dst[i] = a.num_tokens_per_rank[i];
+    }
+    if (a.num_tokens_per_expert != nullptr) {
+      int* dst = at<int>(me, L.off[DEK_IC_SEC_COUNTS_EXPERT]);
+      for (int64_t i = tid; i < L.num_experts; i += threads) dst[i] = a.num_tokens_per_expert[i];
+    }
+    if (a.send_head != nullptr) {
+      int* dst = at<int>(me, L.off[DEK_IC_SEC_SEND_HEAD]);
+      for (int64_t i = tid; i < n * R; i += threads) dst[i] = a.send_head[i];
+    }
+    // The input checks, folded in (their result goes to the header slot block 0 wrote above: the
+    // grid's last block writes it after every block, block 0 included, took its ticket).
+    if (a.run_check) run_checks(c, a.check);
   }
-  if (a.num_tokens_per_expert != nullptr) {
-    int* dst = at<int>(me, L.off[DEK_IC_SEC_COUNTS_EXPERT]);
-    for (int64_t i = tid; i < L.num_experts; i += threads) dst[i] = a.num_tokens_per_expert[i];
-  }
-  if (a.send_head != nullptr) {
-    int* dst = at<int>(me, L.off[DEK_IC_SEC_SEND_HEAD]);
-    for (int64_t i = tid; i < n * R; i += threads) dst[i] = a.send_head[i];
-  }
+  if (!rows_part) return;
   if (a.topk_idx != nullptr) {
     int64_t* dst = at<int64_t>(me, L.off[DEK_IC_SEC_TOPK]);
     for (int64_t i = tid; i < n * k; i += threads) {
@@ -241,9 +260,6 @@ __global__ void __launch_bounds__(kThreads) stage_inputs(const __grid_constant__
   char* x_dst = me + L.off[DEK_IC_SEC_X];
   const char* x_src = static_cast<const char*>(a.x);
   for (int64_t t = tid >> 5; t < rows; t += warps) warp_copy(x_dst + t * L.row_bytes, x_src + t * L.row_bytes, L.row_bytes, lane);
-  // The input checks, folded in (their result goes to the header slot block 0 wrote above: the
-  // grid's last block writes it after every block, block 0 included, took its ticket).
-  if (a.run_check) run_checks(c, a.check);
 }
 
 __global__ void clear_error(const __grid_constant__ Ctx c) { *at<int>(local(c), kScrError) = 0; }
@@ -264,7 +280,7 @@ extern "C" int dek_ic_stage(const dek_ic_ctx_t* ctx, const dek_ic_stage_args_t* 
   if (!ctx_ok(ctx) || args == nullptr || args->num_blocks < 1 || args->layout.num_channels < 1 ||
       args->layout.num_channels > kMaxChannels || args->layout.num_tokens < 0 || args->layout.row_bytes < 0 ||
       (args->layout.num_tokens > 0 && args->layout.off[DEK_IC_SEC_X] != 0 && args->x == nullptr) ||
-      (args->run_check && !check_args_ok(ctx, args->check)))
+      (args->run_check && !check_args_ok(ctx, args->check)) || args->parts < 0 || args->parts > DEK_IC_STAGE_ROWS)
     return cudaErrorInvalidValue;
   stage_inputs<<<args->num_blocks, kThreads, 0, as_stream(stream)>>>(*ctx, *args);
   return cudaGetLastError();

@@ -41,6 +41,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
     int64_t handle, const Tensor& x, const optional<Tensor>& x_scales, const optional<Tensor>& topk_idx,
     const optional<Tensor>& topk_weights, const Tensor& num_tokens_per_rank, const Tensor& is_token_in_rank,
     const Tensor& num_tokens_per_expert, int64_t expert_alignment, int64_t num_worst_tokens, const IntList& config) {
+  phases::Clock clk(phases::kDispatch);
   DeviceScope guard(x.device());
   deep_ep_dispatch_args_t args{};
   args.size = sizeof(args);
@@ -62,7 +63,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
   auto per_expert = empty_on({num_local}, ScalarType::Int, Device(DeviceType::CPU));
   deep_ep_dispatch_plan_t plan{};
   plan.size = sizeof(plan);
+  clk.mark(0, "args");
   check(deep_ep_dispatch_prepare(handle, &args, &plan, static_cast<int32_t*>(per_expert.data_ptr()), num_local));
+  clk.mark(1, "prepare+wait");
 
   // Inputs are validated from here on.
   const int64_t rows = plan.num_rows, n = x.size(0), r = info.num_ranks(), c = config[0] / 2;
@@ -85,7 +88,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
   out.recv_channel_prefix_matrix = raw(rcpm);
   out.recv_src_idx = raw(src_idx);
   out.send_head = raw(send_head);
+  clk.mark(2, "alloc");
   check(deep_ep_dispatch_finish(handle, &args, &plan, &out));
+  clk.mark(3, "finish");
   if (num_worst_tokens > 0) per_expert = empty_on({0}, ScalarType::Int, Device(DeviceType::CPU));
   return {recv_x, recv_scales, recv_idx, recv_w, per_expert, rpm, cpm, rcpm, src_idx, send_head};
 }

@@ -18,9 +18,9 @@
 
 namespace deep_ep_ops::phases {
 
-enum Op : int { kLlDispatch, kLlCombine, kLayout, kCachedDispatch, kCombine, kNumOps };
+enum Op : int { kLlDispatch, kLlCombine, kLayout, kCachedDispatch, kCombine, kDispatch, kNumOps };
 inline constexpr const char* kOpNames[kNumOps] = {"low_latency_dispatch", "low_latency_combine", "get_dispatch_layout", "cached_dispatch",
-                                                  "combine"};
+                                                  "combine", "dispatch"};
 inline constexpr int kMaxPhases = 8;
 
 class Table {

@@ -39,6 +39,11 @@ pub mod kind {
     }
 }
 
+/// Parts of a staging ([`StageArgs`]`::parts`; 0 stages everything).
+pub mod stage_parts {
+    crate::kernels::c_consts! { i32; META = DEK_IC_STAGE_META, ROWS = DEK_IC_STAGE_ROWS, }
+}
+
 /// Barrier sites (`DEEP_EP_IC_SITE_*`), for messages.
 pub mod site {
     crate::kernels::c_consts! { i32;
@@ -49,7 +54,7 @@ pub mod site {
         LL_GEOMETRY = DEK_IC_SITE_LL_GEOMETRY, LL_DISPATCH = DEK_IC_SITE_LL_DISPATCH, LL_COMBINE = DEK_IC_SITE_LL_COMBINE,
         COMBINE_RECV = DEK_IC_SITE_COMBINE_RECV, IN_DISPATCH = DEK_IC_SITE_IN_DISPATCH,
         IN_DISPATCH_DATA = DEK_IC_SITE_IN_DISPATCH_DATA, IN_COMBINE = DEK_IC_SITE_IN_COMBINE,
-        IN_COMBINE_DATA = DEK_IC_SITE_IN_COMBINE_DATA, LL_SIGNAL = DEK_IC_SITE_LL_SIGNAL,
+        IN_COMBINE_DATA = DEK_IC_SITE_IN_COMBINE_DATA, LL_SIGNAL = DEK_IC_SITE_LL_SIGNAL, DISPATCH_DATA = DEK_IC_SITE_DISPATCH_DATA,
     }
 
     /// Human name of a site.
@@ -57,6 +62,7 @@ pub mod site {
         match site {
             DISPATCH_START => "the start barrier of dispatch",
             DISPATCH_NOTIFY => "the notify barrier of dispatch",
+            DISPATCH_DATA => "the data barrier of dispatch",
             CACHED_START => "the start barrier of cached_dispatch",
             CACHED_DATA => "the data barrier of cached_dispatch",
             COMBINE_START => "the start barrier of combine",

@@ -11,6 +11,11 @@
 //!   counts into host-mapped memory);
 //! - K3 `pull`: this rank reads what it receives from the peers' windows.
 //!
+//! A (not cached) pull dispatch splits K1 so that the host, which waits for the receive counts,
+//! does not wait for the copy of every row: K1 stages the counts and send side only (`META`), K2
+//! notifies, then K1' stages the rows (`ROWS`, nothing if K2 cancelled the op) and a plain data
+//! barrier K2' precedes K3 (six launches; the host reads the counts while K1' copies).
+//!
 //! Push model of (cached) dispatch: K1 stages only the small send side (no copy of x), and K3 is
 //! `dispatch_push`: every rank reads its rows of x once and stores them (with scales, top-k ids
 //! rewritten to the receiver's local ids, weights, source index) at their final output rows into
@@ -59,8 +64,8 @@ use crate::backend::{CachedDispatchArgs, CombineArgs, CombineOutputs, DispatchAr
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::kernels::intranode::{
-    self, err, kind, sec, site, CheckArgs, CombineArgs as KCombine, DispatchPushArgs, KernelError, Layout, PullArgs, PushArgs, StageArgs,
-    SyncArgs, CONTROL_BYTES, MAX_CHANNELS, NUM_SECTIONS,
+    self, err, kind, sec, site, stage_parts, CheckArgs, CombineArgs as KCombine, DispatchPushArgs, KernelError, Layout, PullArgs, PushArgs,
+    StageArgs, SyncArgs, CONTROL_BYTES, MAX_CHANNELS, NUM_SECTIONS,
 };
 use crate::tensor::{DType, TensorRef};
 use std::ffi::c_void;
@@ -361,6 +366,9 @@ impl NormalMode for PeerBackend {
             is_token_in_rank: ptr(&a.is_token_in_rank),
             check,
             run_check: crate::settings::check_inputs() as i32,
+            // Pull: the counts first, the rows after the notify barrier, so that the host waits
+            // for the receive counts and not for the copy of every row.
+            parts: if pull { stage_parts::META } else { 0 },
             ..Default::default()
         };
         // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
@@ -376,6 +384,12 @@ impl NormalMode for PeerBackend {
             ..Default::default()
         };
         self.barrier(DISPATCH, notify, a.stream)?;
+        if pull {
+            let rows = StageArgs { parts: stage_parts::ROWS, run_check: 0, ..stage };
+            // SAFETY: as the stage launch above (the same arguments).
+            unsafe { intranode::stage(DISPATCH, self.window.ctx(), &rows, a.stream) }?;
+            self.barrier(DISPATCH, SyncArgs { site: site::DISPATCH_DATA, ..Default::default() }, a.stream)?;
+        }
         if !host_counts {
             // Receive counts stay on the device (the pull kernel reads them there).
             return Ok(DispatchPlan { num_recv_tokens: 0, num_rows: a.num_worst_tokens, num_recv_tokens_per_expert: vec![0; el] });

@@ -555,18 +555,10 @@ class Buffer:
             hook = None
             op = ops.low_latency_dispatch if _is_compiling() else _LL_DISPATCH
             # Trailing arguments at their schema defaults are left out: each costs ~0.15-0.6 µs to cross.
-            if use_nvfp4:
-                recv_x, scales, count, src_info, layout_range = op(
-                    self.handle, x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, t,
-                    e, use_fp8, round_scale, use_ue8m0, num_tokens, use_nvfp4, x_global_scale)
-            elif num_tokens is not None:
-                recv_x, scales, count, src_info, layout_range = op(
-                    self.handle, x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, t,
-                    e, use_fp8, round_scale, use_ue8m0, num_tokens)
-            else:
-                recv_x, scales, count, src_info, layout_range = op(
-                    self.handle, x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, t,
-                    e, use_fp8, round_scale, use_ue8m0)
+            tail = (num_tokens, use_nvfp4, x_global_scale) if use_nvfp4 else () if num_tokens is None else (num_tokens,)
+            recv_x, scales, count, src_info, layout_range = op(
+                self.handle, x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, t, e,
+                use_fp8, round_scale, use_ue8m0, *tail)
         handle = (src_info, layout_range, t, x.size(1), e)
         event = EventOverlap(EventHandle(), (x, topk_idx, recv_x, scales, count, src_info, layout_range, x_global_scale)) \
             if async_finish and x.is_cuda else EventOverlap(None)
@@ -614,15 +606,9 @@ class Buffer:
             hook = None
             op = ops.low_latency_combine if _is_compiling() else _LL_COMBINE
             # Trailing arguments at their schema defaults are left out (as in low_latency_dispatch).
-            if overlap:
-                op(self.handle, x, topk_idx, topk_weights, src_info, layout_range, out, combine_wait_recv_cost_stats, t, e, use_logfmt,
-                   zero_copy, num_tokens, *ov)
-            elif num_tokens is not None:
-                op(self.handle, x, topk_idx, topk_weights, src_info, layout_range, out, combine_wait_recv_cost_stats, t, e, use_logfmt,
-                   zero_copy, num_tokens)
-            else:
-                op(self.handle, x, topk_idx, topk_weights, src_info, layout_range, out, combine_wait_recv_cost_stats, t, e, use_logfmt,
-                   zero_copy)
+            tail = (num_tokens, *ov) if overlap else () if num_tokens is None else (num_tokens,)
+            op(self.handle, x, topk_idx, topk_weights, src_info, layout_range, out, combine_wait_recv_cost_stats, t, e, use_logfmt,
+               zero_copy, *tail)
         event = EventOverlap(EventHandle(), (x, topk_idx, topk_weights, src_info, layout_range, out)) \
             if async_finish and x.is_cuda else EventOverlap(None)
         return out, event, hook

@@ -283,6 +283,8 @@ typedef struct {
   int64_t num_rows;                     /* handle: rows of recv_src_idx (cached) / x (combine) */
 } dek_ic_check_args_t;
 int dek_ic_check(const dek_ic_ctx_t* ctx, const dek_ic_check_args_t* args, void* stream);
+/* The checks, then dek_ic_sync(args) run by the check grid's last block (the fused combine's start). */
+int dek_ic_check_sync(const dek_ic_ctx_t* ctx, const dek_ic_check_args_t* check, const dek_ic_sync_args_t* args, void* stream);
 
 /* K1: stage this rank's inputs into its own window at layout.off and write the layout header: inputs
  * copied (scales from any strides to row-major, top-k ids as int64); a dispatch's send_head [N, R], cpm [R, C]
@@ -752,8 +754,7 @@ size_t dek_ll_gin_net_build(const void* const* devcomms, size_t devcomm_bytes, v
 /* Layout of GinNet: sizeof (which = 0), alignof (1), offset of c[0].win (2), stride of c[] (3),
  * offset of num_comms (4), of num_contexts (5), capacity of c[] (6). */
 size_t dek_ll_gin_net_layout(int which);
-/* The (communicator, context) of routing unit `unit` with `comms` x `contexts` (transport.cuh
- * gin_route, as the device computes it). */
+/* The (communicator, context) of routing unit `unit` with `comms` x `contexts` (transport.cuh gin_route). */
 void dek_ll_gin_route(int unit, int comms, int contexts, int* comm, int* context);
 
 /* ---- NCCL device-API glue (kernels/nccl_glue.cu). NCCL is dlopen'ed by Rust: the function
@@ -792,7 +793,6 @@ int dek_cuda_pci_id(int device, unsigned long long* id);
 int dek_cuda_stream_create(void** stream);
 int dek_cuda_stream_destroy(void* stream);
 int dek_cuda_device_synchronize(void);
-
 #ifdef __cplusplus
 }
 #endif

@@ -71,10 +71,56 @@ __device__ __forceinline__ bool ids_reach(const dek_ic_check_args_t& a, int64_t 
   return false;
 }
 
+// Phase C, by thread 0 of the grid's last block: the per-rank counts, then the first failure in
+// the cpu backend's order, into the header slot of the next barrier; the scratch zeroed.
+__device__ __noinline__ void check_verdict(const Ctx& c, const dek_ic_check_args_t& a, CheckScratch* scr, int* cnt) {
+  const int R = c.num_ranks;
+  const int64_t E = a.num_experts, C = a.num_channels;
+
+  // ---- C: the last block: per-rank counts, then the first failure in the cpu backend's order ----
+  __threadfence();
+  volatile CheckScratch* v = scr;
+  const volatile int* vcnt = cnt;
+  const unsigned flags = v->flags;
+  int code = 0, value = 0, limit = 0, extra = 0;
+  const int* rpm = a.rank_prefix_matrix;
+  for (int d = 0; d < R && code == 0; ++d) {
+    const int got = vcnt[d];
+    if (rpm == nullptr && a.num_tokens_per_rank != nullptr && a.num_tokens_per_rank[d] != got) {
+      code = DEK_IC_ERR_NTPR, value = a.num_tokens_per_rank[d], limit = got, extra = d;
+    } else if (rpm != nullptr) {
+      const int want = rpm[c.rank * R + d] - (c.rank > 0 ? rpm[(c.rank - 1) * R + d] : 0);
+      if (want != got) code = DEK_IC_ERR_STALE_COUNTS, value = got, limit = want, extra = d;
+    }
+  }
+  if (code == 0 && (flags & kBadId)) {
+    code = DEK_IC_ERR_EXPERT_ID, value = clamp32(v->bad_id), limit = clamp32(E);
+  } else if (code == 0 && a.topk_idx != nullptr && a.num_tokens_per_expert != nullptr && v->hash != 0) {
+    code = DEK_IC_ERR_NTPE;
+  } else if (code == 0 && (flags & kBadInRank)) {
+    code = DEK_IC_ERR_IN_RANK, value = v->bad_in_rank - 1, extra = v->bad_in_rank_d;
+  } else if (code == 0 && rpm != nullptr && rpm[(R - 1) * R + c.rank] > a.num_rows) {
+    code = DEK_IC_ERR_STALE_ROWS, value = rpm[(R - 1) * R + c.rank], limit = clamp32(a.num_rows);
+  } else if (code == 0 && (flags & kBadSendHead)) {
+    code = DEK_IC_ERR_STALE_SEND_HEAD, value = v->bad_send_head - 1, extra = v->bad_send_head_d;
+  } else if (code == 0 && (flags & kBadCpm)) {
+    const int i = v->bad_cpm - 1;
+    code = DEK_IC_ERR_STALE_CPM, value = static_cast<int>(i % C), extra = static_cast<int>(i / C);
+  }
+  // Into the header slot of the next barrier: the one that gathers this op's header (the data
+  // barrier, or the fused combine's start barrier, whose publish keeps these words).
+  int* out = at<int>(local(c), next_header_slot(c) + DEK_IC_CHECK_OFF);
+  out[0] = code, out[1] = value, out[2] = limit, out[3] = extra;
+  // Ready for the next op (stream-ordered after this kernel).
+  unsigned long long* words = reinterpret_cast<unsigned long long*>(scr);
+  for (int i = 0; i < 16; ++i) words[i] = 0;
+  for (int d = 0; d < R; ++d) cnt[d] = 0;
+}
+
 // The checks of dek_ic_check with the grid and block of whatever kernel calls it (every block of
 // the grid must call it once, as its last work: the grid's last block to finish writes the result).
 // Internal and inlined into each caller, so it takes that kernel's register budget.
-__device__ __forceinline__ void run_checks(const Ctx& c, const dek_ic_check_args_t& a) {
+__device__ __forceinline__ bool run_checks(const Ctx& c, const dek_ic_check_args_t& a) {
   __shared__ unsigned long long s_hash;
   __shared__ int s_cnt[DEK_IN_MAX_RANKS];
   __shared__ bool s_last;
@@ -198,46 +244,10 @@ __device__ __forceinline__ void run_checks(const Ctx& c, const dek_ic_check_args
   __syncthreads();
   if (threadIdx.x == 0) s_last = atomicAdd(&scr->ticket, 1u) == gridDim.x - 1;
   __syncthreads();
-  if (!s_last || threadIdx.x != 0) return;
-
-  // ---- C: the last block: per-rank counts, then the first failure in the cpu backend's order ----
-  __threadfence();
-  volatile CheckScratch* v = scr;
-  const volatile int* vcnt = cnt;
-  const unsigned flags = v->flags;
-  int code = 0, value = 0, limit = 0, extra = 0;
-  const int* rpm = a.rank_prefix_matrix;
-  for (int d = 0; d < R && code == 0; ++d) {
-    const int got = vcnt[d];
-    if (rpm == nullptr && a.num_tokens_per_rank != nullptr && a.num_tokens_per_rank[d] != got) {
-      code = DEK_IC_ERR_NTPR, value = a.num_tokens_per_rank[d], limit = got, extra = d;
-    } else if (rpm != nullptr) {
-      const int want = rpm[c.rank * R + d] - (c.rank > 0 ? rpm[(c.rank - 1) * R + d] : 0);
-      if (want != got) code = DEK_IC_ERR_STALE_COUNTS, value = got, limit = want, extra = d;
-    }
-  }
-  if (code == 0 && (flags & kBadId)) {
-    code = DEK_IC_ERR_EXPERT_ID, value = clamp32(v->bad_id), limit = clamp32(E);
-  } else if (code == 0 && a.topk_idx != nullptr && a.num_tokens_per_expert != nullptr && v->hash != 0) {
-    code = DEK_IC_ERR_NTPE;
-  } else if (code == 0 && (flags & kBadInRank)) {
-    code = DEK_IC_ERR_IN_RANK, value = v->bad_in_rank - 1, extra = v->bad_in_rank_d;
-  } else if (code == 0 && rpm != nullptr && rpm[(R - 1) * R + c.rank] > a.num_rows) {
-    code = DEK_IC_ERR_STALE_ROWS, value = rpm[(R - 1) * R + c.rank], limit = clamp32(a.num_rows);
-  } else if (code == 0 && (flags & kBadSendHead)) {
-    code = DEK_IC_ERR_STALE_SEND_HEAD, value = v->bad_send_head - 1, extra = v->bad_send_head_d;
-  } else if (code == 0 && (flags & kBadCpm)) {
-    const int i = v->bad_cpm - 1;
-    code = DEK_IC_ERR_STALE_CPM, value = static_cast<int>(i % C), extra = static_cast<int>(i / C);
-  }
-  // Into the header slot of the next barrier: the one that gathers this op's header (the data
-  // barrier, or the fused combine's start barrier, whose publish keeps these words).
-  int* out = at<int>(local(c), next_header_slot(c) + DEK_IC_CHECK_OFF);
-  out[0] = code, out[1] = value, out[2] = limit, out[3] = extra;
-  // Ready for the next op (stream-ordered after this kernel).
-  unsigned long long* words = reinterpret_cast<unsigned long long*>(scr);
-  for (int i = 0; i < 16; ++i) words[i] = 0;
-  for (int d = 0; d < R; ++d) cnt[d] = 0;
+  if (!s_last) return false;
+  if (threadIdx.x == 0) check_verdict(c, a, scr, cnt);
+  __syncthreads();  // the verdict before whatever the last block does next (check_sync: the barrier)
+  return true;
 }
 
 }  // namespace

@@ -25,7 +25,8 @@ __device__ __forceinline__ bool same_op(const Layout& a, const Layout& b) {
 
 }  // namespace
 
-__global__ void __launch_bounds__(kSyncThreads) sync_barrier(const __grid_constant__ Ctx c, const __grid_constant__ dek_ic_sync_args_t a) {
+// The barrier (and its gather and notify), run by one whole block of kSyncThreads threads.
+__device__ __forceinline__ void sync_body(const Ctx& c, const dek_ic_sync_args_t& a) {
   __shared__ uint64_t s_epoch;
   __shared__ int s_skip, s_failed, s_bad;
   __shared__ int s_counts[kMaxRanks][kMaxRanks];  // s_counts[s][d]: tokens rank s sends to d
@@ -157,6 +158,19 @@ __global__ void __launch_bounds__(kSyncThreads) sync_barrier(const __grid_consta
   }
 }
 
+__global__ void __launch_bounds__(kSyncThreads) sync_barrier(const __grid_constant__ Ctx c, const __grid_constant__ dek_ic_sync_args_t a) {
+  sync_body(c, a);
+}
+
+// The input checks, then, in the grid's last block to finish them, the barrier that gathers their
+// verdict (the fused combine's start barrier): one launch instead of two. Only the last block
+// waits for the peers, so the grid need not be resident at once.
+__global__ void __launch_bounds__(kCheckThreads) check_sync(const __grid_constant__ Ctx c, const __grid_constant__ dek_ic_check_args_t chk,
+                                                            const __grid_constant__ dek_ic_sync_args_t a) {
+  static_assert(kCheckThreads == kSyncThreads, "the last check block runs the barrier");
+  if (run_checks(c, chk)) sync_body(c, a);
+}
+
 namespace {
 
 // crate::layout::send_side for destination d: one warp per channel scans its tokens 32 at a
@@ -273,6 +287,14 @@ extern "C" int dek_ic_sync(const dek_ic_ctx_t* ctx, const dek_ic_sync_args_t* ar
   if (!ctx_ok(ctx) || args == nullptr || args->num_local_experts < 0 || args->num_local_experts > DEK_IC_MAX_LOCAL_EXPERTS)
     return cudaErrorInvalidValue;
   sync_barrier<<<1, kSyncThreads, 0, as_stream(stream)>>>(*ctx, *args);
+  return cudaGetLastError();
+}
+
+extern "C" int dek_ic_check_sync(const dek_ic_ctx_t* ctx, const dek_ic_check_args_t* check, const dek_ic_sync_args_t* args, void* stream) {
+  if (!ctx_ok(ctx) || check == nullptr || args == nullptr || check->num_blocks < 1 || !check_args_ok(ctx, *check) ||
+      args->num_local_experts < 0 || args->num_local_experts > DEK_IC_MAX_LOCAL_EXPERTS)
+    return cudaErrorInvalidValue;
+  check_sync<<<check->num_blocks, kCheckThreads, 0, as_stream(stream)>>>(*ctx, *check, *args);
   return cudaGetLastError();
 }
 

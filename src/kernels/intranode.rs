@@ -232,6 +232,9 @@ launchers! {
     /// combine's start barrier), which raises what they find on every rank. The kernel only reads
     /// the inputs and writes this rank's control area.
     check_inputs(args: &CheckArgs) => dek_ic_check, "intranode input-check kernel launch";
+    /// The input checks, then the barrier `args` in the check grid's last block (the fused
+    /// combine's start barrier in the same launch).
+    check_sync(check: &CheckArgs, args: &SyncArgs) => dek_ic_check_sync, "intranode check + barrier kernel launch";
 }
 
 /// Zeroes this rank's whole window (`ctx.window_bytes` at its own peer pointer): the control

@@ -230,20 +230,17 @@ typedef struct {
   int64_t recv_limit;
 } dek_ic_layout_t;
 
-/* K0 / K2: barrier (one block). With gather, copies every peer's layout into scratch after the
- * barrier and flags a mismatch (kind, row bytes, scales, top-k, experts, channels) as an error
- * that stops this op's data kernels. With notify (dispatch), also computes the
- * rank_prefix_matrix, this rank's receiver channel starts and (write_host_counts) the receive
- * count and per-local-expert counts rounded up to expert_alignment into the host block, and
- * flags any rank whose receive count exceeds its num_worst_tokens. op_start resets the per-op
- * error flag. With gather, a peer's nonzero input-check result (dek_ic_check) is raised the
- * same way, about that peer. With publish, `layout` is written into this rank's header before the
- * signal (so the same barrier gathers it: the fused combine's start barrier, which has no stage
- * kernel before it); the header's check result is kept when keep_check (the check kernel wrote it
- * before this barrier) and zeroed otherwise. zero_counters zeroes the fused combine's local
- * counters. A barrier whose peers do not arrive
- * within timeout_ns records DEK_IC_ERR_TIMEOUT and returns; after that every barrier and data
- * kernel of the buffer returns at once. */
+/* K0 / K2: barrier (one block). With gather, copies every peer's layout into scratch after the barrier
+ * and flags a mismatch (kind, row bytes, scales, top-k, experts, channels), or a peer's nonzero
+ * input-check result (dek_ic_check), as an error that stops this op's data kernels. With notify
+ * (dispatch), also computes the rank_prefix_matrix, this rank's receiver channel starts and
+ * (write_host_counts) the receive count and per-local-expert counts rounded up to expert_alignment
+ * into the host block, and flags any rank whose receive count exceeds its num_worst_tokens. op_start
+ * resets the per-op error flag. With publish, `layout` is written into this rank's header before the
+ * signal (the fused combine's start barrier: no stage kernel before it); its check result is kept
+ * when keep_check, else zeroed. zero_counters zeroes the fused combine's local counters. A barrier
+ * whose peers do not arrive within timeout_ns records DEK_IC_ERR_TIMEOUT; then every barrier and
+ * data kernel of the buffer returns at once. */
 typedef struct {
   int32_t site, op_start, gather, notify, write_host_counts;
   int32_t expert_alignment, num_local_experts;
@@ -307,6 +304,10 @@ typedef struct {
   dek_ic_check_args_t check;
   int32_t run_check;
   int32_t parts; /* 0: all; DEK_IC_STAGE_META (header, counts, send side, checks), then _ROWS (the rest; no-op if cancelled) */
+  /* then_sync 1: the grid's last block to finish runs dek_ic_sync(sync) after every block's stores
+   * (also when a cancelled ROWS part staged nothing): the barrier without a launch of its own. */
+  int32_t then_sync;
+  dek_ic_sync_args_t sync;
 } dek_ic_stage_args_t;
 int dek_ic_stage(const dek_ic_ctx_t* ctx, const dek_ic_stage_args_t* args, void* stream);
 
@@ -771,7 +772,6 @@ int dek_nccl_devcomm_destroy(void* destroy_fn, void* comm, const void* devcomm);
 /* [OUT host] base[i] = ncclGetLsaPointer(window, 0, i) for the LSA team ranks i < lsa_size
  * (synchronous): the windows this GPU can address, LSA rank order. */
 int dek_nccl_window_lsa_bases(void* window, int lsa_size, void** base);
-
 /* More runtime helpers (host plumbing). */
 int dek_cuda_get_device(int* device);
 int dek_cuda_sm_count(int device, int* sms); /* multiprocessors of `device` */

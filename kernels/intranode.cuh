@@ -35,7 +35,8 @@ constexpr size_t kScrChanDone = kScrRcpm + kMaxRanks * kMaxChannels * 4;      //
 constexpr size_t kScrChanFlags = kScrChanDone + kMaxChannels * 4;            // [R, C] u64, push dispatch
 constexpr size_t kScrCheck = kScrChanFlags + kMaxRanks * kMaxChannels * 8;  // input checks (intranode_check.cu)
 constexpr size_t kScrCombineNext = kScrCheck + 128;                          // int, fused combine
-constexpr size_t kScrEnd = kScrCombineNext + 128;
+constexpr size_t kScrStageTicket = kScrCombineNext + 128;                    // unsigned, stage_inputs with then_sync
+constexpr size_t kScrEnd = kScrStageTicket + 128;
 // Fused combine: rows pushed per (destination, channel), [R, kMaxChannels] int. Aliases the notify's
 // rcpm: a combine has no notify, and this rank's readers of the previous op's rcpm finished before
 // the combine's start barrier (stream order), which zeroes these counters.

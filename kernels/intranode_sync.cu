@@ -206,9 +206,9 @@ __device__ void send_side(const Ctx& c, const dek_ic_stage_args_t& a, int d, int
   __syncthreads();
 }
 
-}  // namespace
 
-__global__ void __launch_bounds__(kThreads) stage_inputs(const __grid_constant__ Ctx c, const __grid_constant__ dek_ic_stage_args_t a) {
+// The staging of stage_inputs (every block; see dek_ic_stage).
+__device__ __forceinline__ void stage_body(const Ctx& c, const dek_ic_stage_args_t& a) {
   __shared__ int s_channel_counts[kMaxChannels];
   const Layout& L = a.layout;
   char* me = peer_local(c);
@@ -276,6 +276,41 @@ __global__ void __launch_bounds__(kThreads) stage_inputs(const __grid_constant__
   for (int64_t t = tid >> 5; t < rows; t += warps) warp_copy(x_dst + t * L.row_bytes, x_src + t * L.row_bytes, L.row_bytes, lane);
 }
 
+// Whether this block is the grid's last to get here (every block calls it once): each thread's
+// stores are fenced before the block takes its ticket, and the last block fences after it, so
+// what the grid stored is ordered before what the last block does next (the threadfence
+// reduction pattern; the barrier then fences at system scope before it signals the peers).
+__device__ __forceinline__ bool grid_last(const Ctx& c) {
+  __shared__ bool s_last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned int* ticket = at<unsigned int>(local(c), kScrStageTicket);
+    s_last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    if (s_last) *ticket = 0;  // every block has taken its ticket: ready for the next launch
+    __threadfence();
+  }
+  __syncthreads();
+  return s_last;
+}
+
+// Not inlined: inside the staging it made the staging spill (4 bytes at 64 registers, ptxas -v);
+// out of line the staging spills nothing and the barrier, which waits on NVLink round trips,
+// keeps the 4 bytes and reads its arguments through a pointer.
+__device__ __noinline__ void stage_then_sync(const Ctx& c, const dek_ic_sync_args_t& a) {
+  if (grid_last(c)) sync_body(c, a);
+}
+
+}  // namespace
+
+// With then_sync, the grid's last block runs the barrier that follows the staging (the notify or
+// data barrier): one launch instead of two. Only that block waits for the peers, so the grid need
+// not be resident at once; sync_body strides over blockDim.x, so 512 threads run it as 256 do.
+__global__ void __launch_bounds__(kThreads) stage_inputs(const __grid_constant__ Ctx c, const __grid_constant__ dek_ic_stage_args_t a) {
+  stage_body(c, a);
+  if (a.then_sync) stage_then_sync(c, a.sync);
+}
+
 __global__ void clear_error(const __grid_constant__ Ctx c) { *at<int>(local(c), kScrError) = 0; }
 }  // namespace ic
 }  // namespace deep_ep
@@ -302,7 +337,8 @@ extern "C" int dek_ic_stage(const dek_ic_ctx_t* ctx, const dek_ic_stage_args_t* 
   if (!ctx_ok(ctx) || args == nullptr || args->num_blocks < 1 || args->layout.num_channels < 1 ||
       args->layout.num_channels > kMaxChannels || args->layout.num_tokens < 0 || args->layout.row_bytes < 0 ||
       (args->layout.num_tokens > 0 && args->layout.off[DEK_IC_SEC_X] != 0 && args->x == nullptr) ||
-      (args->run_check && !check_args_ok(ctx, args->check)) || args->parts < 0 || args->parts > DEK_IC_STAGE_ROWS)
+      (args->run_check && !check_args_ok(ctx, args->check)) || args->parts < 0 || args->parts > DEK_IC_STAGE_ROWS ||
+      (args->then_sync && (args->sync.num_local_experts < 0 || args->sync.num_local_experts > DEK_IC_MAX_LOCAL_EXPERTS)))
     return cudaErrorInvalidValue;
   stage_inputs<<<args->num_blocks, kThreads, 0, as_stream(stream)>>>(*ctx, *args);
   return cudaGetLastError();

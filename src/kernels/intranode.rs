@@ -214,7 +214,8 @@ pub(crate) use launchers;
 launchers! {
     /// K0/K2: barrier, optionally gather + notify (one block).
     sync(args: &SyncArgs) => dek_ic_sync, "intranode barrier kernel launch";
-    /// K1: stage this rank's inputs into its own window.
+    /// K1: stage this rank's inputs into its own window; with `then_sync`, the barrier
+    /// `args.sync` after it in the same launch (run by the grid's last block).
     stage(args: &StageArgs) => dek_ic_stage, "intranode stage kernel launch";
     /// K3 of (cached) dispatch.
     pull(args: &PullArgs) => dek_ic_pull, "intranode pull kernel launch";

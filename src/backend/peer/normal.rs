@@ -369,26 +369,28 @@ impl NormalMode for PeerBackend {
             // Pull: the counts first, the rows after the notify barrier, so that the host waits
             // for the receive counts and not for the copy of every row.
             parts: if pull { stage_parts::META } else { 0 },
+            // The notify barrier in the same launch (the stage grid's last block runs it).
+            then_sync: 1,
+            sync: SyncArgs {
+                site: site::DISPATCH_NOTIFY,
+                op_start: 0,
+                gather: 1,
+                notify: 1,
+                write_host_counts: host_counts as i32,
+                expert_alignment: i32_of(a.expert_alignment),
+                num_local_experts: i32_of(el),
+                ..Default::default()
+            },
             ..Default::default()
         };
         // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
         unsafe { intranode::stage(DISPATCH, self.window.ctx(), &stage, a.stream) }?;
-        let notify = SyncArgs {
-            site: site::DISPATCH_NOTIFY,
-            op_start: 0,
-            gather: 1,
-            notify: 1,
-            write_host_counts: host_counts as i32,
-            expert_alignment: i32_of(a.expert_alignment),
-            num_local_experts: i32_of(el),
-            ..Default::default()
-        };
-        self.barrier(DISPATCH, notify, a.stream)?;
         if pull {
-            let rows = StageArgs { parts: stage_parts::ROWS, run_check: 0, ..stage };
+            // The rows, then the data barrier in the same launch.
+            let sync = SyncArgs { site: site::DISPATCH_DATA, ..Default::default() };
+            let rows = StageArgs { parts: stage_parts::ROWS, run_check: 0, sync, ..stage };
             // SAFETY: as the stage launch above (the same arguments).
             unsafe { intranode::stage(DISPATCH, self.window.ctx(), &rows, a.stream) }?;
-            self.barrier(DISPATCH, SyncArgs { site: site::DISPATCH_DATA, ..Default::default() }, a.stream)?;
         }
         if !host_counts {
             // Receive counts stay on the device (the pull kernel reads them there).
@@ -519,9 +521,10 @@ impl NormalMode for PeerBackend {
             // Header only.
             StageArgs { layout, num_blocks: i32_of(a.config.num_sms), check, run_check, ..Default::default() }
         };
+        // The data barrier in the same launch (the stage grid's last block runs it).
+        let stage = StageArgs { then_sync: 1, sync: SyncArgs { site: site::CACHED_DATA, gather: 1, ..Default::default() }, ..stage };
         // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
         unsafe { intranode::stage(CACHED, self.window.ctx(), &stage, a.stream) }?;
-        self.barrier(CACHED, SyncArgs { site: site::CACHED_DATA, gather: 1, ..Default::default() }, a.stream)?;
         let pull = PullArgs {
             recv_x: recv_x.data_ptr().cast(),
             recv_scales: opt_ptr_mut(recv_scales),

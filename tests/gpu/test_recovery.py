@@ -151,7 +151,9 @@ def ll_recovery_worker(rank, world):
         assert re.search(rf"waiting for rank\(s\) \[{FAIL}\]", msg), msg
         assert out["raise_s"] < TIMEOUT_MS / 1000 + 8, out["raise_s"]
     else:
-        assert re.search(r"waiting for rank\(s\) \[[0-2]\]", msg), msg
+        # The late rank either times out waiting for its peers, or, where their marks of the
+        # call they gave up arrived first, refuses that call (DEK_IC_ERR_LL_ABANDONED).
+        assert re.search(r"waiting for rank\(s\) \[[0-2]\]|rank [0-2] gave up its low-latency call", msg), msg
     with pytest.raises(RuntimeError, match=r"unusable"):
         _ll_roundtrip(buf, rank, 5, check=False)
     out["destroy_s"] = _destroy_s(buf)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import deep_ep_rs  # noqa: E402
-from intranode import per_token_cast_to_fp8, write_record  # noqa: E402
+from intranode import ht_first_dispatch, ht_inputs, per_token_cast_to_fp8, write_record  # noqa: E402
 
 ops = torch.ops.deep_ep
 
@@ -95,17 +95,12 @@ def setup_ht(add, teardown, args, dev, group, world, cuda, sync):
     """The normal-mode rows."""
     h = args.hidden
     n, e, k = args.ht_tokens, 256, 8
-    x = torch.randn(n, h, dtype=torch.bfloat16, device=dev)
-    idx = (torch.randn(n, e, device=dev).abs() + 1).topk(k, dim=-1, sorted=False).indices
-    w = torch.rand(n, k, device=dev)
+    x, idx, w = ht_inputs(n, h, e, k, dev)
     x8 = per_token_cast_to_fp8(x)
     x8 = (x8[0], x8[1].T.contiguous().T)
     nvl = min(2_000_000_000, 1 << 30) if not cuda else 2_000_000_000
     ht = deep_ep_rs.Buffer(group, nvl, 0, explicitly_destroy=True, device=dev)
-    cfg, ccfg = deep_ep_rs.Config(args.sms, 6, 256, 6, 128), deep_ep_rs.Config(args.sms, 9, 256, 6, 128)
-    ntpr, _, ntpe, in_rank, _ = ht.get_dispatch_layout(idx, e)
-    kw = dict(num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe, config=cfg)
-    recv_x, _, _, _, handle, _ = ht.dispatch(x, topk_idx=idx, topk_weights=w, **kw)
+    cfg, ccfg, kw, recv_x, handle = ht_first_dispatch(ht, deep_ep_rs.Config, x, idx, w, e, args.sms)
     sync()
     add("get_dispatch_layout", "deep_ep", lambda: ht.get_dispatch_layout(idx, e), tokens=n)
     add("dispatch", "deep_ep", lambda: ht.dispatch(x, topk_idx=idx, topk_weights=w, **kw), tokens=n, waits_for_gpu=True)
@@ -129,10 +124,7 @@ def setup_ht(add, teardown, args, dev, group, world, cuda, sync):
     if "deepep_v1" in args.baseline and cuda and world >= 2:
         from deepep_v1 import HT
         v1 = HT(group, 2_000_000_000)
-        dcfg, dccfg = v1.dep.Config(args.sms, 6, 256, 6, 128), v1.dep.Config(args.sms, 9, 256, 6, 128)
-        ntpr1, _, ntpe1, in_rank1, _ = v1.buf.get_dispatch_layout(idx, e)
-        kw1 = dict(num_tokens_per_rank=ntpr1, is_token_in_rank=in_rank1, num_tokens_per_expert=ntpe1, config=dcfg)
-        rx1, _, _, _, h1, _ = v1.buf.dispatch(x, topk_idx=idx, topk_weights=w, **kw1)
+        dcfg, dccfg, kw1, rx1, h1 = ht_first_dispatch(v1.buf, v1.dep.Config, x, idx, w, e, args.sms)
         sync()
         add("get_dispatch_layout", "deepep_v1", lambda: v1.buf.get_dispatch_layout(idx, e), tokens=n)
         add("dispatch", "deepep_v1", lambda: v1.buf.dispatch(x, topk_idx=idx, topk_weights=w, **kw1), tokens=n, waits_for_gpu=True)

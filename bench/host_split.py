@@ -21,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import deep_ep_rs  # noqa: E402
+from intranode import ht_first_dispatch, ht_inputs, init_cuda_ranks  # noqa: E402
 
 ops = torch.ops.deep_ep
 
@@ -42,21 +43,12 @@ def main():
     p.add_argument("--samples", type=int, default=300)
     p.add_argument("--out", default="")
     args = p.parse_args()
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-    torch.cuda.set_device(dev)
-    group = dist.new_group(list(range(world)))
+    rank, world, dev, group = init_cuda_ranks()
     torch.manual_seed(rank)
     n, h, e, k = 4096, 7168, 256, 8
-    x = torch.randn(n, h, dtype=torch.bfloat16, device=dev)
-    idx = (torch.randn(n, e, device=dev).abs() + 1).topk(k, dim=-1, sorted=False).indices
-    w = torch.rand(n, k, device=dev)
+    x, idx, w = ht_inputs(n, h, e, k, dev)
     ht = deep_ep_rs.Buffer(group, 2_000_000_000, 0, explicitly_destroy=True)
-    cfg, ccfg = deep_ep_rs.Config(20, 6, 256, 6, 128), deep_ep_rs.Config(20, 9, 256, 6, 128)
-    ntpr, _, ntpe, in_rank, _ = ht.get_dispatch_layout(idx, e)
-    recv_x, _, _, _, handle, _ = ht.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank,
-                                             num_tokens_per_expert=ntpe, config=cfg)
+    cfg, ccfg, _, recv_x, handle = ht_first_dispatch(ht, deep_ep_rs.Config, x, idx, w, e, 20)
     c, cc = cfg.to_list(), ccfg.to_list()
     below = torch._C._AutoDispatchBelowAutograd
     keep = []

@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import deep_ep_rs  # noqa: E402
-from intranode import per_token_cast_to_fp8  # noqa: E402
+from intranode import ht_first_dispatch, ht_inputs, init_cuda_ranks, per_token_cast_to_fp8  # noqa: E402
 
 
 def trace(name, fn, calls):
@@ -59,11 +59,7 @@ def main():
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--out", default="")
     args = p.parse_args()
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-    torch.cuda.set_device(dev)
-    group = dist.new_group(list(range(world)))
+    rank, world, dev, group = init_cuda_ranks()
     h, t, e, k = 7168, 128, 288, 8
     x = torch.randn(t, h, dtype=torch.bfloat16, device=dev)
     idx = (torch.randn(t, e, device=dev).abs() + 1).topk(k, dim=-1).indices
@@ -77,16 +73,11 @@ def main():
     rows.append(trace("low_latency_combine", lambda: ll.low_latency_combine(y, idx, w, hd, out=out), args.calls))
     ll.destroy()
     n, e = 4096, 256
-    x = torch.randn(n, h, dtype=torch.bfloat16, device=dev)
-    idx = (torch.randn(n, e, device=dev).abs() + 1).topk(k, dim=-1, sorted=False).indices
-    w = torch.rand(n, k, device=dev)
+    x, idx, w = ht_inputs(n, h, e, k, dev)
     x8 = per_token_cast_to_fp8(x)
     x8 = (x8[0], x8[1].T.contiguous().T)
     ht = deep_ep_rs.Buffer(group, 2_000_000_000, 0, explicitly_destroy=True)
-    cfg, ccfg = deep_ep_rs.Config(20, 6, 256, 6, 128), deep_ep_rs.Config(20, 9, 256, 6, 128)
-    ntpr, _, ntpe, in_rank, _ = ht.get_dispatch_layout(idx, e)
-    recv_x, _, _, _, handle, _ = ht.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank,
-                                             num_tokens_per_expert=ntpe, config=cfg)
+    cfg, ccfg, _, recv_x, handle = ht_first_dispatch(ht, deep_ep_rs.Config, x, idx, w, e, 20)
     rows.append(trace("get_dispatch_layout", lambda: ht.get_dispatch_layout(idx, e), args.calls))
     rows.append(trace("cached_dispatch_bf16", lambda: ht.dispatch(x, handle=handle, config=cfg), args.calls))
     rows.append(trace("combine", lambda: ht.combine(recv_x, handle, config=ccfg), args.calls))

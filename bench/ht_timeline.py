@@ -19,6 +19,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import deep_ep_rs  # noqa: E402
+from intranode import ht_first_dispatch, ht_inputs, init_cuda_ranks  # noqa: E402
 
 
 def timeline(name, fn, calls):
@@ -60,22 +61,13 @@ def main():
     p.add_argument("--baseline", choices=["deepep_v1"], nargs="*", default=[])
     p.add_argument("--out", default="")
     args = p.parse_args()
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-    torch.cuda.set_device(dev)
-    group = dist.new_group(list(range(world)))
+    rank, world, dev, group = init_cuda_ranks()
     torch.manual_seed(rank)
     n, h, e, k = args.tokens, args.hidden, 256, 8
-    x = torch.randn(n, h, dtype=torch.bfloat16, device=dev)
-    idx = (torch.randn(n, e, device=dev).abs() + 1).topk(k, dim=-1, sorted=False).indices
-    w = torch.rand(n, k, device=dev)
+    x, idx, w = ht_inputs(n, h, e, k, dev)
     out = []
     ht = deep_ep_rs.Buffer(group, 2_000_000_000, 0, explicitly_destroy=True)
-    cfg, ccfg = deep_ep_rs.Config(args.sms, 6, 256, 6, 128), deep_ep_rs.Config(args.sms, 9, 256, 6, 128)
-    ntpr, _, ntpe, in_rank, _ = ht.get_dispatch_layout(idx, e)
-    kw = dict(num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe, config=cfg)
-    recv_x, _, _, _, handle, _ = ht.dispatch(x, topk_idx=idx, topk_weights=w, **kw)
+    cfg, ccfg, kw, recv_x, handle = ht_first_dispatch(ht, deep_ep_rs.Config, x, idx, w, e, args.sms)
     out.append(dict(impl="deep_ep", **timeline("dispatch", lambda: ht.dispatch(x, topk_idx=idx, topk_weights=w, **kw), args.calls)))
     out.append(dict(impl="deep_ep", **timeline("cached_dispatch_bf16", lambda: ht.dispatch(x, handle=handle, config=cfg), args.calls)))
     out.append(dict(impl="deep_ep", **timeline("combine", lambda: ht.combine(recv_x, handle, config=ccfg), args.calls)))
@@ -83,10 +75,7 @@ def main():
     if "deepep_v1" in args.baseline:
         from deepep_v1 import HT
         v1 = HT(group, 2_000_000_000)
-        dcfg, dccfg = v1.dep.Config(args.sms, 6, 256, 6, 128), v1.dep.Config(args.sms, 9, 256, 6, 128)
-        ntpr1, _, ntpe1, in_rank1, _ = v1.buf.get_dispatch_layout(idx, e)
-        kw1 = dict(num_tokens_per_rank=ntpr1, is_token_in_rank=in_rank1, num_tokens_per_expert=ntpe1, config=dcfg)
-        rx1, _, _, _, h1, _ = v1.buf.dispatch(x, topk_idx=idx, topk_weights=w, **kw1)
+        dcfg, dccfg, kw1, rx1, h1 = ht_first_dispatch(v1.buf, v1.dep.Config, x, idx, w, e, args.sms)
         out.append(dict(impl="deepep_v1", **timeline("dispatch", lambda: v1.buf.dispatch(x, topk_idx=idx, topk_weights=w, **kw1),
                                                      args.calls)))
         out.append(dict(impl="deepep_v1", **timeline("cached_dispatch_bf16", lambda: v1.buf.dispatch(x, handle=h1, config=dcfg),

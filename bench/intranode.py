@@ -191,6 +191,34 @@ def write_record(path, script, world, rows, backend=None):
         json.dump(env, f, indent=1)
 
 
+def init_cuda_ranks():
+    """NCCL process group over torchrun's ranks: (rank, world, this rank's GPU, a group of all ranks)."""
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(dev)
+    return rank, world, dev, dist.new_group(list(range(world)))
+
+
+def ht_inputs(n, h, e, k, dev):
+    """The host benches' normal-mode inputs: x [n, h] BF16, topk_idx [n, k] (distinct experts of
+    e), topk_weights [n, k] float."""
+    x = torch.randn(n, h, dtype=torch.bfloat16, device=dev)
+    idx = (torch.randn(n, e, device=dev).abs() + 1).topk(k, dim=-1, sorted=False).indices
+    return x, idx, torch.rand(n, k, device=dev)
+
+
+def ht_first_dispatch(buf, config_cls, x, idx, w, e, sms):
+    """Dispatch and combine configs (DeepEP's defaults at `sms` SMs, from `config_cls`: this
+    library's or DeepEP's `Config`), the layout keywords of a dispatch, and the first dispatch's
+    recv_x and handle, on `buf` (either library's `Buffer`: the same API)."""
+    cfg, ccfg = config_cls(sms, 6, 256, 6, 128), config_cls(sms, 9, 256, 6, 128)
+    ntpr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(idx, e)
+    kw = dict(num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe, config=cfg)
+    recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **kw)
+    return cfg, ccfg, kw, recv_x, handle
+
+
 def plot(rows, path):
     import matplotlib
     matplotlib.use("Agg")

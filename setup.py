@@ -46,6 +46,19 @@ class BuildWithCargo(build_py):
         dst = Path(self.build_lib) / "deep_ep_rs"
         dst.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / "target" / "release" / "libdeep_ep.so", dst / "libdeep_ep.so")
+        (dst / "BUILD_COMMIT").write_text(build_commit() + "\n")
+
+
+def build_commit():
+    """The checkout's short commit the library is built from, "+dirty" when tracked files differ
+    from it, "unknown" outside a git checkout: what bench records name as the measured build."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 class NativeDistribution(Distribution):

@@ -178,11 +178,20 @@ def main():
     dist.destroy_process_group()
 
 
+def library_commit():
+    """The commit the loaded deep_ep_rs was built from (its wheel's BUILD_COMMIT, written by
+    setup.py), or None for a library built otherwise (cargo alone)."""
+    f = os.path.join(os.path.dirname(os.path.abspath(deep_ep_rs.__file__)), "BUILD_COMMIT")
+    return open(f).read().strip() if os.path.exists(f) else None
+
+
 def write_record(path, script, world, rows, backend=None):
     """Writes the JSON record of a bench run (date, commit, command, device, versions, this library's
-    backend when given, rows); rank 0 only."""
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    env = {"date": datetime.date.today().isoformat(), "git_commit": commit or "unknown",
+    backend when given, rows); rank 0 only. `git_commit` is the measured library's build commit
+    where its wheel says it, else the checkout's; `bench_commit` is the checkout's (the scripts)."""
+    checkout = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+    commit = library_commit() or checkout
+    env = {"date": datetime.date.today().isoformat(), "git_commit": commit, "bench_commit": checkout,
            "command": "torchrun --nproc-per-node %d %s %s" % (world, script, " ".join(sys.argv[1:])),
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "num_gpus": world,
            "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,

@@ -31,6 +31,12 @@ def test_host_overhead_writes_a_row_per_op(tmp_path):
     assert got == {("low_latency_combine", "deep_ep"), ("low_latency_combine", "deep_ep_raw"), ("cached_dispatch_bf16", "deep_ep"),
                    ("cached_dispatch_bf16", "deep_ep_raw"), ("combine", "deep_ep"), ("combine", "deep_ep_raw")}
     assert all(row["us_median"] > 0 and row["us_p10"] <= row["us_median"] <= row["us_p90"] for row in rows)
+    # The record names the measured library's build (its wheel's BUILD_COMMIT) and the scripts' checkout.
+    rec = json.loads(out.read_text())
+    if os.environ.get("DEEP_EP_TEST_INSTALLED") == "1":
+        import deep_ep_rs
+        assert rec["git_commit"] == (Path(deep_ep_rs.__file__).parent / "BUILD_COMMIT").read_text().strip()
+    assert rec["git_commit"] and rec["bench_commit"]
 
 
 def test_host_phases_reads_what_the_library_writes(tmp_path):

@@ -78,6 +78,9 @@ def setup_ll(add, teardown, args, dev, group, world, cuda, sync):
                                                                               e, False, False, None), tokens=t)
     add("low_latency_step", "deep_ep", lambda: ll.low_latency_combine(y, idx, w, ll.low_latency_dispatch(x, idx, t, e)[2], out=out),
         tokens=t)
+    # Without `out` (callers that let the combine allocate its output): this library's Python layer
+    # allocates it, DeepEP's C++ does.
+    add("low_latency_combine_alloc", "deep_ep", lambda: ll.low_latency_combine(y, idx, w, hd), tokens=t)
     teardown.append(ll.destroy)
     if "deepep_v1" in args.baseline and cuda:
         from deepep_v1 import LL
@@ -87,6 +90,7 @@ def setup_ll(add, teardown, args, dev, group, world, cuda, sync):
         add("low_latency_dispatch", "deepep_v1", lambda: v1.dispatch(x, idx), tokens=t)
         hd1 = v1.dispatch(x, idx)[2]
         add("low_latency_combine", "deepep_v1", lambda: v1.combine(y1, idx, w, hd1, out=out), tokens=t)
+        add("low_latency_combine_alloc", "deepep_v1", lambda: v1.combine(y1, idx, w, hd1), tokens=t)
         add("low_latency_step", "deepep_v1", lambda: v1.combine(y1, idx, w, v1.dispatch(x, idx)[2], out=out), tokens=t)
         teardown.append(v1.destroy)
 

@@ -76,8 +76,6 @@ __device__ __forceinline__ bool ids_reach(const dek_ic_check_args_t& a, int64_t 
 __device__ __noinline__ void check_verdict(const Ctx& c, const dek_ic_check_args_t& a, CheckScratch* scr, int* cnt) {
   const int R = c.num_ranks;
   const int64_t E = a.num_experts, C = a.num_channels;
-
-  // ---- C: the last block: per-rank counts, then the first failure in the cpu backend's order ----
   __threadfence();
   volatile CheckScratch* v = scr;
   const volatile int* vcnt = cnt;

@@ -25,7 +25,8 @@ __device__ __forceinline__ bool same_op(const Layout& a, const Layout& b) {
 
 }  // namespace
 
-// The barrier (and its gather and notify), run by one whole block of kSyncThreads threads.
+// The barrier (and its gather and notify), run by one whole block of at least num_ranks threads
+// (its loops stride over blockDim.x: sync_barrier's 256, stage_inputs' 512).
 __device__ __forceinline__ void sync_body(const Ctx& c, const dek_ic_sync_args_t& a) {
   __shared__ uint64_t s_epoch;
   __shared__ int s_skip, s_failed, s_bad;
@@ -205,7 +206,6 @@ __device__ void send_side(const Ctx& c, const dek_ic_stage_args_t& a, int d, int
   }
   __syncthreads();
 }
-
 
 // The staging of stage_inputs (every block; see dek_ic_stage).
 __device__ __forceinline__ void stage_body(const Ctx& c, const dek_ic_stage_args_t& a) {

@@ -585,14 +585,15 @@ impl NormalMode for PeerBackend {
             off,
             ..Default::default()
         };
-        let fused = crate::settings::intranode_combine_fused();
-        // Fused: the input checks run first (the start barrier runs in the check grid's last block:
-        // one launch) and write their result into the header slot of the start barrier, which also publishes and gathers the layouts (op check; keep_check leaves
-        // the check result in place), raises any rank's failed check on every rank (the fused
-        // kernel then returns at once everywhere) and zeroes the kernel's counters. Split: the push
-        // kernel writes the header, the checks follow it, the data barrier raises them.
+        let (fused, checked) = (crate::settings::intranode_combine_fused(), crate::settings::check_inputs());
+        // Fused: the input checks run first and write their result into the header slot of the
+        // start barrier (run by the check grid's last block: one launch), which also publishes and
+        // gathers the layouts (op check; keep_check leaves the check result in place), raises any
+        // rank's failed check on every rank (the fused kernel then returns at once everywhere) and
+        // zeroes the kernel's counters. Split: the push kernel writes the header, the checks follow
+        // it, the data barrier raises them.
         let start = if fused {
-            let keep_check = crate::settings::check_inputs() as i32;
+            let keep_check = checked as i32;
             SyncArgs {
                 site: site::COMBINE_START,
                 op_start: 1,
@@ -606,7 +607,7 @@ impl NormalMode for PeerBackend {
         } else {
             SyncArgs { site: site::COMBINE_START, op_start: 1, ..Default::default() }
         };
-        if fused && crate::settings::check_inputs() {
+        if fused && checked {
             // One launch: the checks, then the start barrier in the check grid's last block.
             let checks = self.handle_checks(&a.handle, &a.config, c);
             // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.

@@ -164,6 +164,53 @@ __device__ __forceinline__ bool combine_send(const Ctx& c, const Args& a, uint32
   return true;
 }
 
+// Thread tid's channel units [u_lo, u_hi) of a partial-sum row: out = bf16(sum over the n rows
+// in order of fma(y, w, acc)). kJ units x kQ rows are loaded before any is summed: the send is
+// bound by loads in flight, not by bytes (one 16-byte load per thread in flight took ~3x the wire
+// time). Every unit's sum runs in the same order whatever kQ and kJ: the result is bit-exact.
+// rows: the base of the rows (row r at rows + r * row_bytes, 16-byte aligned); row[q] < 0: skipped.
+template <int kQ, int kJ>
+__device__ __forceinline__ void partial_units(const Ctx& c, const Args& a, int u_lo, int u_hi, int n, const int64_t* row, const float* w,
+                                              char* out_row) {
+  const int64_t M = a.hidden + a.hidden / 128 * 2;
+  for (int j0 = u_lo + static_cast<int>(threadIdx.x); j0 < u_hi; j0 += kJ * kLlThreads) {
+    float acc[kJ][8];
+#pragma unroll
+    for (int i = 0; i < kJ; ++i) {
+#pragma unroll
+      for (int u = 0; u < 8; ++u) acc[i][u] = 0.0f;
+    }
+    for (int q0 = 0; q0 < n; q0 += kQ) {
+      uint32_t wv[kQ][kJ][4];
+#pragma unroll
+      for (int q = 0; q < kQ; ++q) {
+        const int64_t r = q0 + q < n ? row[q0 + q] : -1;
+        const int4* y = reinterpret_cast<const int4*>(a.zero_copy ? local(c) + send_off(a, a.half) + r * M * 2
+                                                                  : reinterpret_cast<const char*>(static_cast<const uint16_t*>(a.x) + r * a.hidden));
+#pragma unroll
+        for (int i = 0; i < kJ; ++i) {
+          const int j = j0 + i * kLlThreads;
+          int4 v = make_int4(0, 0, 0, 0);
+          if (r >= 0 && j < u_hi) v = __ldcg(y + j);
+          wv[q][i][0] = static_cast<uint32_t>(v.x), wv[q][i][1] = static_cast<uint32_t>(v.y);
+          wv[q][i][2] = static_cast<uint32_t>(v.z), wv[q][i][3] = static_cast<uint32_t>(v.w);
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < kQ; ++q) {
+        if (q0 + q >= n || row[q0 + q] < 0) continue;
+#pragma unroll
+        for (int i = 0; i < kJ; ++i) fma_bf16x8(acc[i], wv[q][i], w[q0 + q]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kJ; ++i) {
+      const int j = j0 + i * kLlThreads;
+      if (j < u_hi) reinterpret_cast<int4*>(out_row)[j] = pack_bf16x8(acc[i]);
+    }
+  }
+}
+
 // Partial combine: block (s, y) of (R, Y) (block b of a 1-D grid: (b % R, b / R), Y = blocks / R)
 // takes work items y, y+Y, ... (a message that source rank s
 // sent in the dispatch (dispatch_half), or a slice of its channels when there are fewer messages
@@ -172,8 +219,9 @@ __device__ __forceinline__ bool combine_send(const Ctx& c, const Args& a, uint32
 // The last block to finish signals word rank*E_l on every unmasked source rank. For a source s
 // outside the NVLink domain the row is staged in the payload of the message it answers (no longer
 // read: the dispatch receive copied it) and put by warp 0.
+// kWide (the one-launch kernel): messages of at most 4 entries load 2 or 4 units per thread at once.
 // Returns false when the buffer timed out (nothing sent); *seq: the call's number.
-template <class Net, bool kSig>
+template <class Net, bool kSig, bool kWide>
 __device__ __forceinline__ bool combine_send_partial(const Ctx& c, const Args& a, uint32_t* seq) {
   __shared__ uint32_t s_seq;
   __shared__ int s_skip, s_last, s_n, s_tok;
@@ -230,44 +278,13 @@ __device__ __forceinline__ bool combine_send_partial(const Ctx& c, const Args& a
     if (s_tok >= 0) {
       char* out_row = seam ? const_cast<char*>(msg) + kMsgMeta : dst + static_cast<uint64_t>(s_tok) * 2 * H;
       if (vec) {
-        // kJ channel units x kQ rows loaded before any is summed: the kernel is bound by loads in
-        // flight, not by bytes (one 16-byte load per thread in flight took ~3x the wire time).
-        constexpr int kJ = 1, kQ = 8;
-        for (int j0 = u_lo + tid; j0 < u_hi; j0 += kJ * kLlThreads) {
-          float acc[kJ][8];
-#pragma unroll
-          for (int i = 0; i < kJ; ++i) {
-#pragma unroll
-            for (int u = 0; u < 8; ++u) acc[i][u] = 0.0f;
-          }
-          for (int q0 = 0; q0 < s_n; q0 += kQ) {
-            uint32_t wv[kQ][kJ][4];
-#pragma unroll
-            for (int q = 0; q < kQ; ++q) {
-              const int64_t row = q0 + q < s_n ? s_row[q0 + q] : -1;
-              const int4* y = reinterpret_cast<const int4*>(a.zero_copy ? me + send_off(a, a.half) + row * M * 2
-                                                                        : reinterpret_cast<const char*>(static_cast<const uint16_t*>(a.x) + row * H));
-#pragma unroll
-              for (int i = 0; i < kJ; ++i) {
-                const int j = j0 + i * kLlThreads;
-                int4 v = make_int4(0, 0, 0, 0);
-                if (row >= 0 && j < u_hi) v = __ldcg(y + j);
-                wv[q][i][0] = static_cast<uint32_t>(v.x), wv[q][i][1] = static_cast<uint32_t>(v.y);
-                wv[q][i][2] = static_cast<uint32_t>(v.z), wv[q][i][3] = static_cast<uint32_t>(v.w);
-              }
-            }
-#pragma unroll
-            for (int q = 0; q < kQ; ++q) {
-              if (q0 + q >= s_n || s_row[q0 + q] < 0) continue;
-#pragma unroll
-              for (int i = 0; i < kJ; ++i) fma_bf16x8(acc[i], wv[q][i], s_w[q0 + q]);
-            }
-          }
-#pragma unroll
-          for (int i = 0; i < kJ; ++i) {
-            const int j = j0 + i * kLlThreads;
-            if (j < u_hi) reinterpret_cast<int4*>(out_row)[j] = pack_bf16x8(acc[i]);
-          }
+        // One launch (kWide): fewer entries leave loads for more units (bench/NOTES.md, session 23).
+        if (kWide && s_n <= 2) {
+          partial_units<2, 4>(c, a, u_lo, u_hi, s_n, s_row, s_w, out_row);
+        } else if (kWide && s_n <= 4) {
+          partial_units<4, 2>(c, a, u_lo, u_hi, s_n, s_row, s_w, out_row);
+        } else {
+          partial_units<8, 1>(c, a, u_lo, u_hi, s_n, s_row, s_w, out_row);
         }
       } else {
         for (int j = u_lo + tid; j < u_hi; j += kLlThreads) {
@@ -566,7 +583,7 @@ __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kRedu
     return;
   }
   uint32_t seq = 0;
-  const bool sent = a.partial ? combine_send_partial<Net, kSig>(c, a, &seq) : combine_send<Net, kSig>(c, a, &seq);
+  const bool sent = a.partial ? combine_send_partial<Net, kSig, kBoth>(c, a, &seq) : combine_send<Net, kSig>(c, a, &seq);
   if constexpr (kBoth) {
     if (sent) combine_recv_tokens<Net>(c, a, a.half, seq, a.partial != 0, false);
   }

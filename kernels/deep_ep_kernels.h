@@ -13,11 +13,9 @@
  */
 #ifndef DEEP_EP_KERNELS_H
 #define DEEP_EP_KERNELS_H
-
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
-
 #include "logfmt_api.h"
 #include "transport_api.h"
 
@@ -305,8 +303,10 @@ typedef struct {
   int32_t run_check;
   int32_t parts; /* 0: all; DEK_IC_STAGE_META (header, counts, send side, checks), then _ROWS (the rest; no-op if cancelled) */
   /* then_sync 1: the grid's last block to finish runs dek_ic_sync(sync) after every block's stores
-   * (also when a cancelled ROWS part staged nothing): the barrier without a launch of its own. */
-  int32_t then_sync;
+   * (also when a cancelled ROWS part staged nothing): the barrier without a launch of its own.
+   * start_site != 0: first the op's start barrier (dek_ic_sync at that site with op_start), run by
+   * the first block to arrive while the others wait: no start barrier launch of its own. */
+  int32_t then_sync, start_site;
   dek_ic_sync_args_t sync;
 } dek_ic_stage_args_t;
 int dek_ic_stage(const dek_ic_ctx_t* ctx, const dek_ic_stage_args_t* args, void* stream);

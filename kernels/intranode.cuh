@@ -36,6 +36,9 @@ constexpr size_t kScrChanFlags = kScrChanDone + kMaxChannels * 4;            // 
 constexpr size_t kScrCheck = kScrChanFlags + kMaxRanks * kMaxChannels * 8;  // input checks (intranode_check.cu)
 constexpr size_t kScrCombineNext = kScrCheck + 128;                          // int, fused combine
 constexpr size_t kScrStageTicket = kScrCombineNext + 128;                    // unsigned, stage_inputs with then_sync
+constexpr size_t kScrStageArrive = kScrStageTicket + 4;                      // unsigned, stage_inputs with start_site
+constexpr size_t kScrStageGo = kScrStageTicket + 8;                          // int: the start barrier has passed
+constexpr size_t kScrStageDepart = kScrStageTicket + 12;                     // unsigned
 constexpr size_t kScrEnd = kScrStageTicket + 128;
 // Fused combine: rows pushed per (destination, channel), [R, kMaxChannels] int. Aliases the notify's
 // rcpm: a combine has no notify, and this rank's readers of the previous op's rcpm finished before

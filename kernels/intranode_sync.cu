@@ -301,12 +301,51 @@ __device__ __noinline__ void stage_then_sync(const Ctx& c, const dek_ic_sync_arg
   if (grid_last(c)) sync_body(c, a);
 }
 
+// The op's start barrier (site `site`, op_start) at the head of the staging: the first block to
+// arrive runs it (that block is running, so no residency of the others is assumed) while the
+// others wait for its go word; it sets the word also when the barrier timed out (then every later
+// barrier and data kernel returns at once), so their wait is bounded by its timeout. The last
+// block to leave resets the words for the next launch. Not inlined, as stage_then_sync; the
+// barrier's arguments live in shared memory (a local struct would go to the stack).
+__device__ __noinline__ void stage_start(const Ctx& c, int site) {
+  __shared__ dek_ic_sync_args_t s_args;
+  __shared__ bool s_lead;
+  char* me = local(c);
+  const int tid = threadIdx.x;
+  if (tid == 0) s_lead = atomicAdd(at<unsigned int>(me, kScrStageArrive), 1u) == 0;
+  __syncthreads();
+  if (s_lead) {
+    for (int i = tid; i < static_cast<int>(sizeof(s_args) / 4); i += blockDim.x) reinterpret_cast<int*>(&s_args)[i] = 0;
+    __syncthreads();
+    if (tid == 0) s_args.site = site, s_args.op_start = 1;
+    __syncthreads();
+    sync_body(c, s_args);
+    __syncthreads();
+    if (tid == 0) {
+      __threadfence();  // the barrier's acquires before the go word (the threadfence pattern)
+      *at<volatile int>(me, kScrStageGo) = 1;
+    }
+  } else if (tid == 0) {
+    while (ld_volatile(at<const int>(me, kScrStageGo)) == 0) __nanosleep(32);
+    __threadfence();  // the go word before this block's stores
+  }
+  __syncthreads();
+  if (tid == 0 && atomicAdd(at<unsigned int>(me, kScrStageDepart), 1u) == gridDim.x - 1) {
+    *at<volatile unsigned int>(me, kScrStageArrive) = 0;  // every block is past the go word
+    *at<volatile int>(me, kScrStageGo) = 0;
+    *at<volatile unsigned int>(me, kScrStageDepart) = 0;
+  }
+}
+
 }  // namespace
 
-// With then_sync, the grid's last block runs the barrier that follows the staging (the notify or
-// data barrier): one launch instead of two. Only that block waits for the peers, so the grid need
-// not be resident at once; sync_body strides over blockDim.x, so 512 threads run it as 256 do.
-__global__ void __launch_bounds__(kThreads) stage_inputs(const __grid_constant__ Ctx c, const __grid_constant__ dek_ic_stage_args_t a) {
+// With start_site, the op's start barrier runs at the head of the launch (stage_start); with
+// then_sync, the grid's last block runs the barrier that follows the staging (the notify or data
+// barrier). Each saves a launch. Only one block waits for the peers, so the grid need not be
+// resident at once; sync_body strides over blockDim.x, so 512 threads run it as 256 do. One block
+// per SM: at the default 64 registers the two barrier calls made the row loop spill.
+__global__ void __launch_bounds__(kThreads, 1) stage_inputs(const __grid_constant__ Ctx c, const __grid_constant__ dek_ic_stage_args_t a) {
+  if (a.start_site != 0) stage_start(c, a.start_site);
   stage_body(c, a);
   if (a.then_sync) stage_then_sync(c, a.sync);
 }

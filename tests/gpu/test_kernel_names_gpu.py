@@ -14,7 +14,7 @@ import _spawn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
-EXPECTED = ["deep_ep::layout::dispatch_layout", "deep_ep::ic::sync_barrier", "deep_ep::ic::stage_inputs", "deep_ep::ic::pull_dispatch",
+EXPECTED = ["deep_ep::layout::dispatch_layout", "deep_ep::ic::check_sync", "deep_ep::ic::stage_inputs", "deep_ep::ic::pull_dispatch",
             "deep_ep::ic::fused_combine", "deep_ep::ll::dispatch", "deep_ep::ll::combine"]
 
 

@@ -335,7 +335,6 @@ impl NormalMode for PeerBackend {
         if host_counts {
             self.window.status().set_recv_count(-1);
         }
-        self.barrier(DISPATCH, SyncArgs { site: site::DISPATCH_START, op_start: 1, ..Default::default() }, a.stream)?;
         let (scales, scale_stride0, scale_stride1) = if pull { scales_of(a.x_scales.as_ref()) } else { (std::ptr::null(), 0, 0) };
         let check = CheckArgs {
             topk_idx: opt_ptr(a.topk_idx.as_ref()),
@@ -369,7 +368,9 @@ impl NormalMode for PeerBackend {
             // Pull: the counts first, the rows after the notify barrier, so that the host waits
             // for the receive counts and not for the copy of every row.
             parts: if pull { stage_parts::META } else { 0 },
-            // The notify barrier in the same launch (the stage grid's last block runs it).
+            // The start barrier at the head of the launch (the first block to arrive runs it) and
+            // the notify barrier at its end (the last block): one launch for the three.
+            start_site: site::DISPATCH_START,
             then_sync: 1,
             sync: SyncArgs {
                 site: site::DISPATCH_NOTIFY,
@@ -388,7 +389,7 @@ impl NormalMode for PeerBackend {
         if pull {
             // The rows, then the data barrier in the same launch.
             let sync = SyncArgs { site: site::DISPATCH_DATA, ..Default::default() };
-            let rows = StageArgs { parts: stage_parts::ROWS, run_check: 0, sync, ..stage };
+            let rows = StageArgs { parts: stage_parts::ROWS, run_check: 0, start_site: 0, sync, ..stage };
             // SAFETY: as the stage launch above (the same arguments).
             unsafe { intranode::stage(DISPATCH, self.window.ctx(), &rows, a.stream) }?;
         }
@@ -500,7 +501,6 @@ impl NormalMode for PeerBackend {
             recv_limit: rows as i64,
             ..Default::default()
         };
-        self.barrier(CACHED, SyncArgs { site: site::CACHED_START, op_start: 1, ..Default::default() }, a.stream)?;
         let (scales, scale_stride0, scale_stride1) = scales_of(a.x_scales.as_ref());
         // The handle's checks run inside the stage kernel (one launch).
         let (check, run_check) = (self.handle_checks(&a.handle, &a.config, c), crate::settings::check_inputs() as i32);
@@ -521,8 +521,10 @@ impl NormalMode for PeerBackend {
             // Header only.
             StageArgs { layout, num_blocks: i32_of(a.config.num_sms), check, run_check, ..Default::default() }
         };
-        // The data barrier in the same launch (the stage grid's last block runs it).
-        let stage = StageArgs { then_sync: 1, sync: SyncArgs { site: site::CACHED_DATA, gather: 1, ..Default::default() }, ..stage };
+        // The start barrier at the head of the launch and the data barrier at its end: the cached
+        // dispatch is this launch and the pull (or push), as DeepEP's two.
+        let sync = SyncArgs { site: site::CACHED_DATA, gather: 1, ..Default::default() };
+        let stage = StageArgs { start_site: site::CACHED_START, then_sync: 1, sync, ..stage };
         // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
         unsafe { intranode::stage(CACHED, self.window.ctx(), &stage, a.stream) }?;
         let pull = PullArgs {

@@ -179,9 +179,14 @@ def main():
 
 
 def library_commit():
-    """The commit the loaded deep_ep_rs was built from (its wheel's BUILD_COMMIT, written by
-    setup.py), or None for a library built otherwise (cargo alone)."""
-    f = os.path.join(os.path.dirname(os.path.abspath(deep_ep_rs.__file__)), "BUILD_COMMIT")
+    """The commit the loaded library was built from: the BUILD_COMMIT (written by setup.py) beside
+    the libdeep_ep.so in use ($DEEP_EP_LIBRARY pointing into an unpacked wheel, or the package's
+    own copy), or None for a library built otherwise (cargo alone). Not the package's: with
+    $DEEP_EP_LIBRARY the Python package may come from another tree (session 23's records named the
+    checkout's commit for every wheel that way)."""
+    from deep_ep_rs import _lib
+
+    f = os.path.join(os.path.dirname(os.path.abspath(_lib.library_path())), "BUILD_COMMIT")
     return open(f).read().strip() if os.path.exists(f) else None
 
 

@@ -39,6 +39,19 @@ def test_host_overhead_writes_a_row_per_op(tmp_path):
     assert rec["git_commit"] and rec["bench_commit"]
 
 
+def test_record_names_the_build_of_the_library_in_use(tmp_path, monkeypatch):
+    """A device run points DEEP_EP_LIBRARY into an unpacked wheel while the Python package comes
+    from the checkout: the record's commit is the BUILD_COMMIT beside that library."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import intranode
+
+    (tmp_path / "BUILD_COMMIT").write_text("abc1234\n")
+    monkeypatch.setenv("DEEP_EP_LIBRARY", str(tmp_path / "libdeep_ep.so"))
+    assert intranode.library_commit() == "abc1234"
+    monkeypatch.setenv("DEEP_EP_LIBRARY", str(tmp_path / "cargo" / "libdeep_ep.so"))
+    assert intranode.library_commit() is None
+
+
 def test_host_phases_reads_what_the_library_writes(tmp_path):
     """DEEP_EP_HOST_PHASES makes the library write its phase table at exit (torch_ops/phases.h);
     bench/host_phases.py turns it into µs per call and the part outside the body."""
@@ -102,3 +115,21 @@ def test_triton_kernels_on_the_cpu_interpreter(script):
     r = subprocess.run([sys.executable, str(BENCH / script), "--self-check"], capture_output=True, text=True, env=env,
                        cwd=BENCH, timeout=300)
     assert r.returncode == 0 and "self-check: ok" in r.stdout, r.stdout + r.stderr
+
+
+def test_ll_stamps_summarises_the_instrument_lines():
+    """bench/ll_stamps.py reads the lines of the ll-stamps instrument build (one GPU timer per rank)."""
+    sys.path.insert(0, str(BENCH))
+    import ll_stamps
+
+    text = "\n".join([
+        "noise",
+        "llst rank 0 block 0 seq 16 t0 1000000 d1 1000 d2 2000 d3 -1 d4 -1 d5 2500 d6 6000 d7 7000",
+        "llst rank 0 block 5 seq 16 t0 1000500 d1 900 d2 1000 d3 2500 d4 3000 d5 3100 d6 5000 d7 5500",
+        "llst rank 1 block 0 seq 16 t0 9000000 d1 1000 d2 2000 d3 3000 d4 3500 d5 3600 d6 5000 d7 6000",
+    ])
+    res = ll_stamps.summary(ll_stamps.parse(text))
+    assert res[0]["block0_d6"] == 6.0 and res[0]["sig_d4"] == 3.0
+    assert res[0]["sig_start_after_block0"] == 0.5 and res[0]["signals_out_after_block0_start"] == 3.5
+    assert res[0]["counts_seen_after_own_signals"] == 2.5
+    assert res[1]["counts_seen_after_own_signals"] == 1.5  # block 0 signalled itself

@@ -434,6 +434,9 @@ fn build_kernels(dir: &Path, cuda: &Cuda, nccl_home: &Path, archs: &[String], cu
         // Loops over ranks and nodes run on one warp (docs/RANKS.md), so few ranks take many turns.
         b.define("DEEP_EP_TEST_RANK_STRIDE", "1");
     }
+    if feature("ll-stamps") {
+        b.define("DEEP_EP_LL_STAMPS", "1");
+    }
     b.files(&sources).try_compile("deep_ep_kernels").map_err(|e| format!("nvcc failed on kernels/*.cu: {e}"))?;
 
     println!("cargo:rustc-link-search=native={}", cuda.lib_dir.display());

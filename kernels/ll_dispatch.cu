@@ -4,6 +4,9 @@
 #include <cuda_fp8.h>
 
 #include <cstdint>
+#ifdef DEEP_EP_LL_STAMPS
+#include <cstdio>
+#endif
 
 #include "low_latency.cuh"
 
@@ -89,6 +92,7 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
   __shared__ unsigned long long s_fp[kSendWarps], s_fpw[kSendWarps];  // block 0: per-warp shares of the routing fingerprints (kLlRouting)
   if (!begin_send(c, a, DEK_LL_KIND_DISPATCH, &s_seq, &s_skip)) return false;
   *seq = s_seq;
+  LL_STAMP(1);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int R = c.num_ranks, E = a.num_experts, El = E / R, T = a.num_max_tokens, H = a.hidden, S = H / 128;
   const int N = a.num_tokens, K = a.num_topk;
@@ -296,12 +300,14 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
   // fence per block, after the barrier: a fence is cumulative, so thread 0's orders every store
   // the barrier made it see (the grid-sync pattern) without 256 fences waiting on NVLink each.
   __syncthreads();
+  LL_STAMP(2);
   if (tid == 0) {
     fence_acq_rel_sys();
     s_last = atomicAdd(at<unsigned int>(local(c), kLlDone), 1u) == gridDim.x - 1;
   }
   __syncthreads();
   if (!s_last) return true;
+  LL_STAMP(3);
   if (a.net != nullptr) {
     fence_acq_rel_sys();
     // Message counts (read by a partial combine) before the signals (remote: staged).
@@ -348,6 +354,7 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
     st_relaxed_sys_u32(at<uint32_t>(window(c, d), sig + static_cast<uint64_t>((e % El) * R) * 4), tag(s_seq, static_cast<uint32_t>(min(cnt, T))));
   }
   __syncthreads();
+  LL_STAMP(4);
   if (tid == 0) {  // read by the next call's kernels: the kernel boundary orders these stores
     *at<volatile int>(local(c), kLlCalls) = static_cast<int>(s_seq);
     *at<volatile unsigned int>(local(c), kLlDone) = 0;
@@ -394,6 +401,7 @@ __device__ __forceinline__ bool dispatch_recv_column(const Ctx& c, const Args& a
     }
   }
   __syncthreads();
+  LL_STAMP(6);
   if (!s_ok) return false;
   if (tid == 0) {
     s_begin[0] = 0;
@@ -501,11 +509,29 @@ __global__ void __launch_bounds__(kSendThreads, 2) dispatch(const __grid_constan
     return;
   }
   uint32_t seq = 0;
+#ifdef DEEP_EP_LL_STAMPS
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < 8; ++i) ll_stamps()[i] = 0;
+  }
+  LL_STAMP(0);
+#endif
   if (!dispatch_send<Net, kFp4>(c, a, &seq) || phase != DEK_LL_PHASE_BOTH) return;
+  LL_STAMP(5);
   const int el = a.num_experts / c.num_ranks, blocks = static_cast<int>(gridDim.x), y_count = blocks > el ? blocks / el : 1;
   for (int col = blockIdx.x; col < el * y_count; col += blocks) {
     if (!dispatch_recv_column<Net, kFp4, kSendThreads>(c, a, col % el, col / el, y_count, a.half, seq)) return;
   }
+#ifdef DEEP_EP_LL_STAMPS
+  __syncthreads();
+  const unsigned long long* t = ll_stamps();
+  // Block 0 (the token's block at 1 token) and the block that signalled (stamp 3 set), every 16th call.
+  if (threadIdx.x == 0 && (blockIdx.x == 0 || t[3] != 0) && seq % 16 == 0) {
+    printf("llst rank %d block %d seq %u t0 %llu d1 %lld d2 %lld d3 %lld d4 %lld d5 %lld d6 %lld d7 %lld\n", c.rank, blockIdx.x, seq, t[0],
+           static_cast<long long>(t[1] - t[0]), static_cast<long long>(t[2] - t[0]), t[3] ? static_cast<long long>(t[3] - t[0]) : -1LL,
+           t[4] ? static_cast<long long>(t[4] - t[0]) : -1LL, static_cast<long long>(t[5] - t[0]), static_cast<long long>(t[6] - t[0]),
+           static_cast<long long>(globaltimer() - t[0]));
+  }
+#endif
 }
 
 // `dispatch` for the Net and payload of `args`.

@@ -36,6 +36,19 @@ constexpr int kSendThreads = 256;
 constexpr int kSendWarps = kSendThreads / 32;
 constexpr int kMaxLlRanks = DEK_IN_MAX_RANKS;  // per-rank tables of the LL kernels (docs/RANKS.md)
 constexpr int kDstWarps = rank_workers(kSendWarps);  // dispatch send: warps taking turns over destinations
+// Instrument (cargo feature ll-stamps, bench/ll_stamps.py): thread 0 of a block writes the
+// %globaltimer into stamp i of its block (shared memory); ll_stamps_print prints them. Compiled
+// out otherwise.
+__device__ __forceinline__ unsigned long long* ll_stamps() {
+  __shared__ unsigned long long s_stamps[8];
+  return s_stamps;
+}
+#ifdef DEEP_EP_LL_STAMPS
+#define LL_STAMP(i) (threadIdx.x == 0 ? (void)(ll_stamps()[i] = globaltimer()) : (void)0)
+#else
+#define LL_STAMP(i) ((void)0)
+#endif
+
 // Most experts of a dispatch send (two int histograms of E in shared memory).
 constexpr int kMaxLlExperts = DEK_LL_MAX_EXPERTS;
 // LL words of the control area's scratch (local only): the call counter and the "blocks done"

@@ -221,6 +221,19 @@ void low_latency_combine(int64_t handle, const Tensor& x, const Tensor& topk_idx
   clk.mark(1, "combine");
 }
 
+// low_latency_combine_alloc: out allocated here, [min(N, T), H] (a topk_idx of more than T rows is
+// refused by the checks before anything is written; T caps what a wrong one can allocate).
+Tensor low_latency_combine_alloc(int64_t handle, const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights, const Tensor& src_info,
+                                 const Tensor& layout_range, const optional<Tensor>& wait, int64_t t, int64_t e, bool use_logfmt,
+                                 bool zero_copy, const optional<Tensor>& num_tokens, const optional<Tensor>& comp_signal, int64_t block_m,
+                                 int64_t threshold, int64_t num_sms) {
+  const int64_t n = topk_idx.dim() == 2 ? std::min(topk_idx.size(0), std::max<int64_t>(t, 0)) : 0;
+  Tensor out = empty_like_dev(x, {n, x.dim() == 3 ? x.size(2) : 0}, ScalarType::BFloat16);
+  low_latency_combine(handle, x, topk_idx, topk_weights, src_info, layout_range, out, wait, t, e, use_logfmt, zero_copy, num_tokens,
+                      comp_signal, block_m, threshold, num_sms);
+  return out;
+}
+
 Tensor low_latency_combine_send(int64_t handle, const Tensor& x, const Tensor& src_info, const Tensor& layout_range, int64_t t, int64_t e,
                                 bool use_logfmt, bool zero_copy, const optional<Tensor>& comp_signal, int64_t block_m, int64_t threshold,
                                 int64_t num_sms) {
@@ -260,6 +273,7 @@ Tensor get_next_low_latency_combine_buffer(int64_t handle, int64_t t, int64_t hi
   m.impl("low_latency_dispatch_send", TORCH_BOX(&deep_ep_ops::low_latency_dispatch_send));           \
   m.impl("low_latency_dispatch_recv", TORCH_BOX(&deep_ep_ops::low_latency_dispatch_recv));           \
   m.impl("low_latency_combine", TORCH_BOX(&deep_ep_ops::low_latency_combine));                       \
+  m.impl("low_latency_combine_alloc", TORCH_BOX(&deep_ep_ops::low_latency_combine_alloc));           \
   m.impl("low_latency_combine_send", TORCH_BOX(&deep_ep_ops::low_latency_combine_send));             \
   m.impl("low_latency_combine_recv", TORCH_BOX(&deep_ep_ops::low_latency_combine_recv));
 

@@ -137,6 +137,12 @@ STABLE_TORCH_LIBRARY(deep_ep, m) {
       "Tensor(a!) out, Tensor(b!)? combine_wait_recv_cost_stats, int num_max_dispatch_tokens_per_rank, int num_experts, "
       "bool use_logfmt, bool zero_copy, Tensor? num_tokens=None, Tensor? comp_signal=None, int block_m=64, int threshold=0, "
       "int num_sms=0) -> ()");
+  // low_latency_combine allocating out (not given): returns it, [min(N, T), H] bf16 with H = x.size(2), rows
+  // past num_tokens zero (one allocator call in C++ instead of a torch.empty from Python).
+  m.def(
+      "low_latency_combine_alloc(int handle, Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor src_info, Tensor layout_range, "
+      "Tensor(b!)? combine_wait_recv_cost_stats, int num_max_dispatch_tokens_per_rank, int num_experts, bool use_logfmt, "
+      "bool zero_copy, Tensor? num_tokens=None, Tensor? comp_signal=None, int block_m=64, int threshold=0, int num_sms=0) -> Tensor");
   // Send phase of low_latency_combine; returns recv_state i64 [4] for the receive phase. comp_signal
   // (int32 [E_l*ceil(R*T/block_m)] on x's device; single-batch overlap): row r of local expert l is sent
   // once comp_signal[l*ceil(R*T/block_m) + r/block_m] >= threshold (> 0; else no wait); the producer of x

@@ -283,6 +283,6 @@ torch.library.register_autograd("deep_ep::internode_combine", _internode_combine
 # nothing.
 _below_autograd = torch.library.Library("deep_ep", "IMPL")
 
-for _op in ("low_latency_dispatch", "low_latency_combine", "low_latency_dispatch_send", "low_latency_dispatch_recv",
-            "low_latency_combine_send", "low_latency_combine_recv"):
+for _op in ("low_latency_dispatch", "low_latency_combine", "low_latency_combine_alloc", "low_latency_dispatch_send",
+            "low_latency_dispatch_recv", "low_latency_combine_send", "low_latency_combine_recv"):
     _below_autograd.impl(_op, torch.library.fallthrough_kernel, "Autograd")

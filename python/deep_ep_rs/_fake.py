@@ -195,6 +195,12 @@ def _ll_combine(handle, x, topk_idx, topk_weights, src_info, layout_range, out, 
     return None
 
 
+@_fake("low_latency_combine_alloc")
+def _ll_combine_alloc(handle, x, topk_idx, topk_weights, src_info, layout_range, wait, t, e, use_logfmt, zero_copy, num_tokens=None,
+                      comp_signal=None, block_m=64, threshold=0, num_sms=0):
+    return x.new_empty((min(topk_idx.size(0), t), x.size(-1)), dtype=torch.bfloat16)
+
+
 @_fake("low_latency_combine_send")
 def _ll_combine_send(handle, x, src_info, layout_range, t, e, use_logfmt, zero_copy, comp_signal=None, block_m=64, threshold=0,
                      num_sms=0):
@@ -236,8 +242,8 @@ def _wait_stats(handle, reset=False):
 # neither may the local ops that change the rank mask.
 for _name in ("dispatch", "cached_dispatch", "combine", "internode_dispatch", "internode_cached_dispatch", "internode_combine",
               "low_latency_dispatch", "low_latency_dispatch_send",
-              "low_latency_dispatch_recv", "low_latency_combine", "low_latency_combine_send", "low_latency_combine_recv",
-              "clean_low_latency_buffer", "low_latency_update_mask_buffer", "low_latency_query_mask_buffer",
+              "low_latency_dispatch_recv", "low_latency_combine", "low_latency_combine_alloc", "low_latency_combine_send",
+              "low_latency_combine_recv", "clean_low_latency_buffer", "low_latency_update_mask_buffer", "low_latency_query_mask_buffer",
               "low_latency_clean_mask_buffer", "low_latency_set_shrink", "bind_buffer_slot"):
     try:
         torch.fx.node.has_side_effect(getattr(ops, _name).default)

@@ -82,6 +82,7 @@ def _direct(name: str):
 
 _LL_DISPATCH = _direct("low_latency_dispatch")
 _LL_COMBINE = _direct("low_latency_combine")
+_LL_COMBINE_ALLOC = _direct("low_latency_combine_alloc")
 _LAYOUT = _direct("get_dispatch_layout")
 _DISPATCH = _direct("dispatch")
 _CACHED_DISPATCH = _direct("cached_dispatch")
@@ -594,9 +595,9 @@ class Buffer:
             ov = _overlap_args(self.device, self.group_size, handle, packed_recv_count, comp_signal, block_m, threshold, num_sms,
                                src_signals, src_signal_expect_value)
         src_info, layout_range, t, hidden, e = handle
-        if out is None:
-            out = torch.empty((topk_idx.size(0), hidden), dtype=torch.bfloat16, device=x.device)
         if return_recv_hook:
+            if out is None:
+                out = torch.empty((topk_idx.size(0), hidden), dtype=torch.bfloat16, device=x.device)
             state = ops.low_latency_combine_send(self.handle, x, src_info, layout_range, t, e, use_logfmt, zero_copy, *ov)
 
             def hook():
@@ -607,8 +608,15 @@ class Buffer:
             op = ops.low_latency_combine if _is_compiling() else _LL_COMBINE
             # Trailing arguments at their schema defaults are left out (as in low_latency_dispatch).
             tail = (num_tokens, *ov) if overlap else () if num_tokens is None else (num_tokens,)
-            op(self.handle, x, topk_idx, topk_weights, src_info, layout_range, out, combine_wait_recv_cost_stats, t, e, use_logfmt,
-               zero_copy, *tail)
+            if out is None:
+                # The op allocates `out` itself (one allocator call in C++, not a torch.empty from
+                # Python: bench/NOTES.md, session 23).
+                op = ops.low_latency_combine_alloc if _is_compiling() else _LL_COMBINE_ALLOC
+                out = op(self.handle, x, topk_idx, topk_weights, src_info, layout_range, combine_wait_recv_cost_stats, t, e, use_logfmt,
+                         zero_copy, *tail)
+            else:
+                op(self.handle, x, topk_idx, topk_weights, src_info, layout_range, out, combine_wait_recv_cost_stats, t, e, use_logfmt,
+                   zero_copy, *tail)
         event = EventOverlap(EventHandle(), (x, topk_idx, topk_weights, src_info, layout_range, out)) \
             if async_finish and x.is_cuda else EventOverlap(None)
         return out, event, hook

@@ -238,6 +238,26 @@ def test_low_latency_combine(ops, ll_buffer, logfmt):
 
 
 @pytest.mark.lowlatency
+def test_low_latency_combine_alloc(ops, ll_buffer):
+    """The combine that allocates its output: opcheck, and the same bits as low_latency_combine into
+    a given out."""
+    for util in ALL_UTILS:
+        buf = ll_buffer()
+        x, idx, w, recv_x, src_info, layout_range = _ll_dispatched(ops, buf)
+        args = (buf, recv_x, idx, w, src_info, layout_range, torch.zeros((1,), dtype=torch.int64), T, E, False, False)
+        check(ops.low_latency_combine_alloc.default, args, (util,))
+    buf = ll_buffer()
+    x, idx, w, recv_x, src_info, layout_range = _ll_dispatched(ops, buf, seed=3)
+    got = ops.low_latency_combine_alloc.default(buf, recv_x, idx, w, src_info, layout_range, None, T, E, False, False)
+    assert got.shape == (x.shape[0], H) and got.dtype == torch.bfloat16
+    buf = ll_buffer()
+    x, idx, w, recv_x, src_info, layout_range = _ll_dispatched(ops, buf, seed=3)
+    out = torch.empty((x.shape[0], H), dtype=torch.bfloat16)
+    ops.low_latency_combine.default(buf, recv_x, idx, w, src_info, layout_range, out, None, T, E, False, False)
+    assert torch.equal(got, out)
+
+
+@pytest.mark.lowlatency
 def test_low_latency_combine_send_recv(ops, ll_buffer):
     for util in SEND_UTILS:
         buf = ll_buffer()

@@ -64,6 +64,10 @@ EXPECTED = {
                            "Tensor(a!) out, Tensor(b!)? combine_wait_recv_cost_stats, int num_max_dispatch_tokens_per_rank, int num_experts, "
                            "bool use_logfmt, bool zero_copy, Tensor? num_tokens=None, Tensor? comp_signal=None, int block_m=64, "
                            "int threshold=0, int num_sms=0) -> ()",
+    "low_latency_combine_alloc": "low_latency_combine_alloc(int handle, Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor src_info, "
+                                 "Tensor layout_range, Tensor(b!)? combine_wait_recv_cost_stats, int num_max_dispatch_tokens_per_rank, "
+                                 "int num_experts, bool use_logfmt, bool zero_copy, Tensor? num_tokens=None, Tensor? comp_signal=None, "
+                                 "int block_m=64, int threshold=0, int num_sms=0) -> Tensor",
     "low_latency_combine_send": "low_latency_combine_send(int handle, Tensor x, Tensor src_info, Tensor layout_range, "
                                 "int num_max_dispatch_tokens_per_rank, int num_experts, bool use_logfmt, bool zero_copy, "
                                 "Tensor? comp_signal=None, int block_m=64, int threshold=0, int num_sms=0) -> Tensor",
@@ -86,13 +90,15 @@ EXPECTED = {
 # the remaining ops take and return no tensors.
 FAKE_OPS = ["get_dispatch_layout", "dispatch", "cached_dispatch", "combine", "internode_dispatch", "internode_cached_dispatch",
             "internode_combine", "low_latency_dispatch", "low_latency_dispatch_send",
-            "low_latency_dispatch_recv", "low_latency_combine", "low_latency_combine_send", "low_latency_combine_recv",
+            "low_latency_dispatch_recv", "low_latency_combine", "low_latency_combine_alloc", "low_latency_combine_send",
+            "low_latency_combine_recv",
             "get_next_low_latency_combine_buffer", "get_local_buffer_tensor", "low_latency_query_mask_buffer", "wait_stats"]
 
 # Collective ops must never be dropped by graph passes (deep_ep_rs._fake marks them side-effecting).
 SIDE_EFFECT_OPS = ["dispatch", "cached_dispatch", "combine", "internode_dispatch", "internode_cached_dispatch", "internode_combine",
                    "low_latency_dispatch", "low_latency_dispatch_send",
-                   "low_latency_dispatch_recv", "low_latency_combine", "low_latency_combine_send", "low_latency_combine_recv",
+                   "low_latency_dispatch_recv", "low_latency_combine", "low_latency_combine_alloc", "low_latency_combine_send",
+            "low_latency_combine_recv",
                    "clean_low_latency_buffer", "low_latency_update_mask_buffer", "low_latency_query_mask_buffer",
                    "low_latency_clean_mask_buffer", "low_latency_set_shrink"]
 

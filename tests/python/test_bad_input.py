@@ -570,6 +570,7 @@ def test_large_expert_alignment_rounds_up(ops, shared_buffer):
 
 FAMILY = {"low_latency_dispatch_send": "low_latency_dispatch", "low_latency_dispatch_recv": "low_latency_dispatch",
           "low_latency_combine_send": "low_latency_combine", "low_latency_combine_recv": "low_latency_combine",
+          "low_latency_combine_alloc": "low_latency_combine",
           # it raises the error create_buffer would raise with these settings
           "check_environment": "create_buffer"}
 CPU = torch.device("cpu")
@@ -626,6 +627,10 @@ class LLCtx:
                                      self.src if src is None else src, self.lr, self.out if out is None else out, None, T_LL, E_LL,
                                      logfmt, zero_copy)
 
+    def combine_alloc(self, h=None, w=None, x=None):
+        return self.ops.low_latency_combine_alloc(self.h if h is None else h, self.rx if x is None else x, self.idx, self.w if w is None else w,
+                                                  self.src, self.lr, None, T_LL, E_LL, False, False)
+
     def combine_send(self, h=None, logfmt=False, zero_copy=False):
         return self.ops.low_latency_combine_send(self.h if h is None else h, self.rx, self.src, self.lr, T_LL, E_LL, logfmt, zero_copy)
 
@@ -658,6 +663,7 @@ EXTRA_CASES = [
     ("destroyed-ll-dispatch-recv", "low_latency_dispatch_recv", DESTROYED, lambda c: c.recv(c.st, h=c.dead)),
     ("destroyed-ll-combine", "low_latency_combine", DESTROYED, lambda c: c.combine(h=c.dead)),
     ("destroyed-ll-combine-send", "low_latency_combine_send", DESTROYED, lambda c: c.combine_send(h=c.dead)),
+    ("destroyed-ll-combine-alloc", "low_latency_combine_alloc", DESTROYED, lambda c: c.combine_alloc(h=c.dead)),
     ("destroyed-ll-combine-recv", "low_latency_combine_recv", DESTROYED, lambda c: c.combine_recv(c.st, h=c.dead)),
     ("destroyed-clean", "clean_low_latency_buffer", DESTROYED, lambda c: c.ops.clean_low_latency_buffer(c.dead, T_LL, H_LL, E_LL)),
     ("destroyed-next-combine-buffer", "get_next_low_latency_combine_buffer", DESTROYED,
@@ -733,6 +739,9 @@ EXTRA_CASES = [
      lambda c: c.combine(out=torch.empty((3, H_LL + 128), dtype=torch.bfloat16))),
     ("ll-combine-weights-dtype", "low_latency_combine", r"topk_weights must be torch\.float32", lambda c: c.combine(w=c.w.double())),
     ("ll-combine-src-info-dtype", "low_latency_combine", r"src_info must be torch\.int32", lambda c: c.combine(src=c.src.long())),
+    ("ll-combine-alloc-weights-dtype", "low_latency_combine_alloc", r"topk_weights must be torch\.float32",
+     lambda c: c.combine_alloc(w=c.w.double())),
+    ("ll-combine-alloc-x-2d", "low_latency_combine_alloc", r"x must have shape \[num_local_experts=8", lambda c: c.combine_alloc(x=c.rx[0])),
     ("ll-combine-send-zero-copy-logfmt", "low_latency_combine_send", r"zero_copy and use_logfmt cannot be combined",
      lambda c: c.combine_send(logfmt=True, zero_copy=True)),
     ("ll-combine-recv-dispatch-state", "low_latency_combine_recv", r"was not produced by low_latency_combine_send",

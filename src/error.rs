@@ -21,6 +21,12 @@ pub enum Error {
     #[error("{op}: interrupted (SIGINT) on rank {rank} while waiting for rank(s) {peers:?} ({what})")]
     Interrupted { op: &'static str, rank: usize, peers: Vec<usize>, what: String },
 
+    /// A peer gave up a collective call that this rank's call pairs with (its wait timed out, or
+    /// it masked this rank): the ranks' calls are out of step for good, so the buffer must be
+    /// recreated, as after a timeout (the peers' buffers are already unusable or masked this rank).
+    #[error("{op}: {msg}")]
+    OutOfStep { op: &'static str, msg: String },
+
     /// The requested feature exists in the API but is not built for this backend yet.
     #[error("{op}: {feature} is not implemented on the {backend} backend yet")]
     NotImplemented { op: &'static str, backend: &'static str, feature: &'static str },
@@ -51,7 +57,7 @@ impl Error {
     /// Whether the error leaves the buffer's shared state out of step across ranks
     /// (a timed-out collective): such a buffer must be destroyed and created again.
     pub fn poisons_buffer(&self) -> bool {
-        matches!(self, Error::Timeout { .. } | Error::Interrupted { .. })
+        matches!(self, Error::Timeout { .. } | Error::Interrupted { .. } | Error::OutOfStep { .. })
     }
 
     /// The error of a wait for `peers` that ended by `end` (timed out or interrupted).

@@ -49,16 +49,18 @@ pub fn dispatch_format_mismatch(src: impl std::fmt::Display, theirs: i32, mine: 
 
 /// The error of a low-latency receive that found call `seq` (its low 16 bits) of rank `src` given
 /// up by its sender (a wait of `src` timed out: it raised, or masked a peer in shrink mode), on
-/// every backend: `what` names this rank's call ("a dispatch", "a combine").
+/// every backend: `what` names this rank's call ("a dispatch", "a combine"). It poisons the buffer
+/// ([`crate::error::Error::OutOfStep`]): the peer's buffer timed out (or masked this rank), so no
+/// later call, the collective destroy included, would find it.
 pub fn abandoned_error(op: &'static str, me: usize, src: usize, seq: u32, what: &str) -> crate::error::Error {
-    crate::error::Error::invalid(
+    crate::error::Error::OutOfStep {
         op,
-        format!(
+        msg: format!(
             "rank {src} gave up its low-latency call {seq} (it timed out waiting for a peer and raised, or masked that peer in \
              shrink mode), and this rank's call {seq} ({what}) pairs with it: the ranks' low-latency calls are out of step, so \
-             rank {me} refuses the tokens of a call their sender abandoned (recreate the buffer, or have every rank run the same calls)"
+             rank {me} refuses the tokens of a call their sender abandoned (recreate the buffer)"
         ),
-    )
+    }
 }
 
 impl LlGeometry {

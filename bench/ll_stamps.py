@@ -2,18 +2,22 @@
 build (cargo feature `ll-stamps`: `cargo build --release --features ll-stamps`). Every 16th call,
 block 0 (at 1 token the block holding the token) and the block that signals print one line each:
 
-    llst rank R block B seq Q t0 T d1 .. d7      (ns after that block's kernel entry t0)
+    llst rank R block B seq Q t0 T d1 .. d11      (ns after that block's kernel entry t0; -1: not reached)
 
-  d1 begin_send done (call number, state checks)   d5 the send returned (receive starts)
-  d2 the block's tokens stored (before its ticket)  d6 this block's column saw every count
-  d3 the ticket said last (signalling block only)   d7 the block's rows copied (kernel end)
-  d4 signals stored (signalling block only)
+  d8  the mask read (first block barrier)           d1  begin_send done (call number, state checks)
+  d9  every selection counted (second barrier)      d10 block 0's message counts stored to the peers
+  d11 the block's first token routed (warp 0)        d2  the block's tokens stored (before its ticket)
+  d3  the ticket said last (signalling block only)  d4  signals stored (signalling block only)
+  d5  the send returned (receive starts)            d6  this block's column saw every count
+  d7  the block's rows copied (kernel end)
 
-Run the benchmark with that library and give this script its output:
+(The order in the kernel: d1, d8, d9, d10, d11, d2, d3, d4, d5, d6, d7.) The runtime writes a
+device printf in pieces, so the ranks' outputs interleave on a shared stdout: give each rank its
+own file (torchrun --redirects) and this script every file:
 
-    DEEP_EP_LIBRARY=<instrument build>/libdeep_ep.so torchrun --nproc-per-node 2 \\
-        bench/low_latency.py --tokens 1 > stamps.log 2>&1
-    python3 bench/ll_stamps.py stamps.log
+    DEEP_EP_LIBRARY=<instrument build>/libdeep_ep.so torchrun --nproc-per-node 2 --log-dir LOGS \
+        --redirects 1 bench/low_latency.py --tokens 1
+    python3 bench/ll_stamps.py LOGS/*/attempt_0/*/stdout.log
 
 Prints per rank the median of each stamp of block 0 and of the signalling block, the start skew
 between them, and how long block 0's column waited for the peers' counts after this rank's own
@@ -23,16 +27,17 @@ import statistics
 import sys
 from collections import defaultdict
 
-LINE = re.compile(r"llst rank (\d+) block (\d+) seq (\d+) t0 (\d+) d1 (-?\d+) d2 (-?\d+) d3 (-?\d+) d4 (-?\d+) d5 (-?\d+) d6 (-?\d+) d7 (-?\d+)")
+LINE = re.compile(r"llst rank (\d+) block (\d+) seq (\d+) t0 (\d+)((?: d\d+ -?\d+)+)")
 
 
 def parse(text):
     """{(rank, seq): {"first": stamps of block 0, "sig": stamps of the signalling block}}."""
     calls = defaultdict(dict)
     for m in LINE.finditer(text):
-        rank, block, seq, t0, *d = (int(v) for v in m.groups())
-        st = {"block": block, "t0": t0, **{f"d{i + 1}": v for i, v in enumerate(d)}}
-        if d[2] >= 0:  # d3: this block took the last ticket and signalled
+        rank, block, seq, t0 = (int(v) for v in m.groups()[:4])
+        pairs = m.group(5).split()
+        st = {"block": block, "t0": t0, **{pairs[i]: int(pairs[i + 1]) for i in range(0, len(pairs), 2)}}
+        if st.get("d3", -1) >= 0:  # this block took the last ticket and signalled
             calls[(rank, seq)]["sig"] = st
         if block == 0:
             calls[(rank, seq)]["first"] = st
@@ -48,8 +53,9 @@ def summary(calls):
             continue
         med = lambda f: round(statistics.median(f(v) for v in rows) / 1000, 2)  # noqa: E731
         res = {"calls": len(rows)}
-        for k in ("d1", "d2", "d5", "d6", "d7"):
-            res[f"block0_{k}"] = med(lambda v, k=k: v["first"][k])
+        for k in ("d1", "d8", "d9", "d10", "d11", "d2", "d5", "d6", "d7"):
+            if all(k in v["first"] for v in rows):
+                res[f"block0_{k}"] = med(lambda v, k=k: v["first"][k])
         for k in ("d2", "d3", "d4"):
             res[f"sig_{k}"] = med(lambda v, k=k: v["sig"][k])
         res["sig_start_after_block0"] = med(lambda v: v["sig"]["t0"] - v["first"]["t0"])
@@ -60,7 +66,7 @@ def summary(calls):
 
 
 def main():
-    text = open(sys.argv[1]).read() if len(sys.argv) > 1 else sys.stdin.read()
+    text = "\n".join(open(f).read() for f in sys.argv[1:]) if len(sys.argv) > 1 else sys.stdin.read()
     for rank, res in summary(parse(text)).items():
         print(f"rank {rank}: " + ", ".join(f"{k} {v}" for k, v in res.items()))
 

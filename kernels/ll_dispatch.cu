@@ -104,6 +104,7 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
     s_mask[d] = rank_masked(a, d);
   }
   __syncthreads();
+  LL_STAMP(8);
   uint64_t fp = 0, fpw = 0;  // block 0: this thread's shares of the fingerprints of topk_idx and topk_weights
   // One top-k entry per lane (was one token per thread, whose serial 16-way loop was the largest
   // part of a 1-token send: bench/LL_PROFILE.md section 2). A token's entries sit in one aligned
@@ -140,6 +141,7 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
   }
   if (blockIdx.x == 0) warp_shares_u64(fp, fpw, s_fp, s_fpw);  // uniform in the block: every lane takes part
   __syncthreads();
+  LL_STAMP(9);
   if (blockIdx.x == 0 && tid == 0) {
     uint64_t* words = at<uint64_t>(local(c), kLlRouting);
     words[a.half] = routing_seal(shares_sum_u64(s_fp, kSendWarps), N, K);
@@ -157,6 +159,7 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
       put_fmt(c, a, 0, d, fmt_dispatch(a));
     }
   }
+  LL_STAMP(10);
   // Staging of remote messages (send half of this call): payload of token tok at tok * pay_stride.
   const uint64_t stage = send_off(a, a.half), pay_stride = a.msg_bytes - kMsgMeta;
   const int gpw = (S + kSendWarps - 1) / kSendWarps, g_lo = min(S, warp * gpw), g_hi = min(S, g_lo + gpw);
@@ -209,6 +212,7 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
       }
     }
     __syncthreads();
+    if (tok == t_begin) LL_STAMP(11);
     const int ndst = s_ndst;
     // Warp i (taking turns): the meta of destination i's message and its index entries.
     for (int i = warp; i < ndst && warp < kDstWarps; i += kDstWarps) {
@@ -511,7 +515,7 @@ __global__ void __launch_bounds__(kSendThreads, 2) dispatch(const __grid_constan
   uint32_t seq = 0;
 #ifdef DEEP_EP_LL_STAMPS
   if (threadIdx.x == 0) {
-    for (int i = 0; i < 8; ++i) ll_stamps()[i] = 0;
+    for (int i = 0; i < 12; ++i) ll_stamps()[i] = 0;
   }
   LL_STAMP(0);
 #endif
@@ -526,10 +530,11 @@ __global__ void __launch_bounds__(kSendThreads, 2) dispatch(const __grid_constan
   const unsigned long long* t = ll_stamps();
   // Block 0 (the token's block at 1 token) and the block that signalled (stamp 3 set), every 16th call.
   if (threadIdx.x == 0 && (blockIdx.x == 0 || t[3] != 0) && seq % 16 == 0) {
-    printf("llst rank %d block %d seq %u t0 %llu d1 %lld d2 %lld d3 %lld d4 %lld d5 %lld d6 %lld d7 %lld\n", c.rank, blockIdx.x, seq, t[0],
-           static_cast<long long>(t[1] - t[0]), static_cast<long long>(t[2] - t[0]), t[3] ? static_cast<long long>(t[3] - t[0]) : -1LL,
-           t[4] ? static_cast<long long>(t[4] - t[0]) : -1LL, static_cast<long long>(t[5] - t[0]), static_cast<long long>(t[6] - t[0]),
-           static_cast<long long>(globaltimer() - t[0]));
+    auto d = [&](int i) { return t[i] ? static_cast<long long>(t[i] - t[0]) : -1LL; };
+    // The runtime writes a printf in pieces: give each rank its own stdout (bench/ll_stamps.py).
+    printf("llst rank %d block %d seq %u t0 %llu d1 %lld d2 %lld d3 %lld d4 %lld d5 %lld d6 %lld d7 %lld d8 %lld d9 %lld d10 %lld d11 %lld\n",
+           c.rank, blockIdx.x, seq, t[0], d(1), d(2), d(3), d(4), d(5), d(6), static_cast<long long>(globaltimer() - t[0]), d(8), d(9),
+           d(10), d(11));
   }
 #endif
 }

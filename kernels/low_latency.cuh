@@ -40,7 +40,7 @@ constexpr int kDstWarps = rank_workers(kSendWarps);  // dispatch send: warps tak
 // %globaltimer into stamp i of its block (shared memory); ll_stamps_print prints them. Compiled
 // out otherwise.
 __device__ __forceinline__ unsigned long long* ll_stamps() {
-  __shared__ unsigned long long s_stamps[8];
+  __shared__ unsigned long long s_stamps[12];
   return s_stamps;
 }
 #ifdef DEEP_EP_LL_STAMPS

@@ -515,7 +515,7 @@ __global__ void __launch_bounds__(kSendThreads, 2) dispatch(const __grid_constan
   uint32_t seq = 0;
 #ifdef DEEP_EP_LL_STAMPS
   if (threadIdx.x == 0) {
-    for (int i = 0; i < 12; ++i) ll_stamps()[i] = 0;
+    for (int i = 0; i < kLlStamps; ++i) ll_stamps()[i] = 0;
   }
   LL_STAMP(0);
 #endif

@@ -168,7 +168,8 @@ __device__ __forceinline__ bool combine_send(const Ctx& c, const Args& a, uint32
 // in order of fma(y, w, acc)). kJ units x kQ rows are loaded before any is summed: the send is
 // bound by loads in flight, not by bytes (one 16-byte load per thread in flight took ~3x the wire
 // time). Every unit's sum runs in the same order whatever kQ and kJ: the result is bit-exact.
-// rows: the base of the rows (row r at rows + r * row_bytes, 16-byte aligned); row[q] < 0: skipped.
+// row[q]: the q-th entry's row (a zero-copy slot of M bf16, or a row of x; 16-byte aligned), < 0:
+// skipped; w[q] its weight.
 template <int kQ, int kJ>
 __device__ __forceinline__ void partial_units(const Ctx& c, const Args& a, int u_lo, int u_hi, int n, const int64_t* row, const float* w,
                                               char* out_row) {

@@ -37,10 +37,11 @@ constexpr int kSendWarps = kSendThreads / 32;
 constexpr int kMaxLlRanks = DEK_IN_MAX_RANKS;  // per-rank tables of the LL kernels (docs/RANKS.md)
 constexpr int kDstWarps = rank_workers(kSendWarps);  // dispatch send: warps taking turns over destinations
 // Instrument (cargo feature ll-stamps, bench/ll_stamps.py): thread 0 of a block writes the
-// %globaltimer into stamp i of its block (shared memory); ll_stamps_print prints them. Compiled
-// out otherwise.
+// %globaltimer into stamp i < kLlStamps of its block (shared memory); the dispatch kernel prints
+// them at its end. Compiled out otherwise.
+constexpr int kLlStamps = 12;
 __device__ __forceinline__ unsigned long long* ll_stamps() {
-  __shared__ unsigned long long s_stamps[12];
+  __shared__ unsigned long long s_stamps[kLlStamps];
   return s_stamps;
 }
 #ifdef DEEP_EP_LL_STAMPS

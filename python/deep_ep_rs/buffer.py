@@ -605,7 +605,6 @@ class Buffer:
                                              hidden, e, num_tokens)
         else:
             hook = None
-            op = ops.low_latency_combine if _is_compiling() else _LL_COMBINE
             # Trailing arguments at their schema defaults are left out (as in low_latency_dispatch).
             tail = (num_tokens, *ov) if overlap else () if num_tokens is None else (num_tokens,)
             if out is None:
@@ -615,6 +614,7 @@ class Buffer:
                 out = op(self.handle, x, topk_idx, topk_weights, src_info, layout_range, combine_wait_recv_cost_stats, t, e, use_logfmt,
                          zero_copy, *tail)
             else:
+                op = ops.low_latency_combine if _is_compiling() else _LL_COMBINE
                 op(self.handle, x, topk_idx, topk_weights, src_info, layout_range, out, combine_wait_recv_cost_stats, t, e, use_logfmt,
                    zero_copy, *tail)
         event = EventOverlap(EventHandle(), (x, topk_idx, topk_weights, src_info, layout_range, out)) \

@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "ll_combine_spread.cuh"
 #include "logfmt.cuh"
 #include "low_latency.cuh"
 
@@ -160,6 +161,19 @@ __device__ __forceinline__ bool combine_send(const Ctx& c, const Args& a, uint32
   } else {
     combine_send_rows<Net, false>(c, a, lin % El, lin / El, s_seq);  // E blocks: one item each
   }
+  finish_send(c, s_seq);
+  return true;
+}
+
+// The per-expert combine send of a one-launch call: its rows spread over the grid's warps
+// (ll_combine_spread.cuh). Returns false when the buffer timed out (nothing sent).
+template <class Net>
+__device__ __forceinline__ bool combine_send_spread(const Ctx& c, const Args& a, uint32_t* seq) {
+  __shared__ uint32_t s_seq;
+  __shared__ int s_skip;
+  if (!begin_send(c, a, DEK_LL_KIND_COMBINE, &s_seq, &s_skip)) return false;
+  *seq = s_seq;
+  combine_send_rows_spread<Net, kChunk>(c, a, s_seq);
   finish_send(c, s_seq);
   return true;
 }
@@ -584,7 +598,14 @@ __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kRedu
     return;
   }
   uint32_t seq = 0;
-  const bool sent = a.partial ? combine_send_partial<Net, kSig, kBoth>(c, a, &seq) : combine_send<Net, kSig>(c, a, &seq);
+  bool sent;
+  if (a.partial) {
+    sent = combine_send_partial<Net, kSig, kBoth>(c, a, &seq);
+  } else if constexpr (kBoth) {
+    sent = combine_send_spread<Net>(c, a, &seq);
+  } else {
+    sent = combine_send<Net, kSig>(c, a, &seq);
+  }
   if constexpr (kBoth) {
     if (sent) combine_recv_tokens<Net>(c, a, a.half, seq, a.partial != 0, false);
   }

@@ -1,0 +1,153 @@
+// ll_combine_spread.cuh: the per-expert (rows) send of the one-launch LL combine, its rows spread
+// evenly over every warp of the grid. The two-launch send (low_latency.cu, combine_send_rows) gives
+// each (expert, source) item one block of 4 warps, so the heaviest expert's block sets the send's
+// time (bench/LL_PROFILE.md 11.6: ~10 rows x 7 chunks on 4 warps, 15 of the 31.8 us at 128 tokens
+// on one rank). Here the grid's warps split the (row, chunk) units of all items in item order, and
+// per-item completion counters say which warp finished an item: that warp signals it.
+#pragma once
+
+#include <cstdint>
+
+#include "low_latency.cuh"
+
+namespace deep_ep {
+namespace ll {
+namespace {
+
+// Local scratch of the control area: u32 [DEK_LL_MAX_EXPERTS] units done per item (l*R + s) of the
+// current call, back to 0 once the item is signalled (zeroed with the window at creation).
+constexpr size_t kLlItemDone = (DEK_IC_RANK_TABLES_END + 127) / 128 * 128;
+static_assert(kLlItemDone + 4 * static_cast<size_t>(kMaxLlExperts) <= DEK_GB_OFF, "item counters overlap the barrier area");
+
+// Rows of item i = l*R + s to send (layout_range[l][s]): 0 for a masked source, or for a range no
+// dispatch of this geometry makes (the host checks shapes); *b: its first row of expert l.
+__device__ __forceinline__ int spread_item_rows(const Ctx& c, const Args& a, int i, int64_t* b) {
+  const int R = c.num_ranks, T = a.num_max_tokens;
+  const int64_t lr = __ldg(a.layout_range + i);
+  *b = lr >> 32;
+  const int64_t cnt = lr & 0xffffffffLL;
+  if (*b < 0 || cnt > T || *b + cnt > static_cast<int64_t>(R) * T || rank_masked(a, i % R)) return 0;
+  return static_cast<int>(cnt);
+}
+
+// The last i with pre[i] <= r (pre ascending, pre[0] = 0 <= r): the non-empty item holding row r.
+__device__ __forceinline__ int spread_find(const int* pre, int n, int64_t r) {
+  int lo = 0, hi = n;  // pre[lo] <= r < pre[hi] (pre[n] = every row > r)
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (pre[mid] <= r) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+// The rows combine send of a one-launch call (no hook, no overlap, no LogFMT, no seam: NVLink
+// stores only). Units are (row, chunk of kSpreadChunk channels) of the items in order i = l*R + s;
+// global warp w takes units [U*w/W, U*(w+1)/W). After its units a warp fences once (cumulative
+// over its lanes' stores, the grid-sync pattern) and adds, per item it touched, its units to the
+// item's counter; the warp whose add completes an item fences again and signals word rank*E_l + l
+// on source s (tag(seq, 0)), after the format words for l = 0. An item with no rows is signalled
+// at once by one thread of the grid. Same bytes at the same places as combine_send_rows.
+template <class Net, int kSpreadChunk>
+__device__ __forceinline__ void combine_send_rows_spread(const Ctx& c, const Args& a, uint32_t seq) {
+  __shared__ int s_pre[kMaxLlExperts + 1];  // rows of the items before item i
+  __shared__ int s_warp[kLlWarps];
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int R = c.num_ranks, E = a.num_experts, El = E / R, T = a.num_max_tokens, H = a.hidden;
+  const int64_t RT = static_cast<int64_t>(R) * T, M = H + H / 128 * 2;
+  const int nchunks = (H + kSpreadChunk - 1) / kSpreadChunk;
+  // Block-wide exclusive scan of the items' rows: thread tid owns items [i0, i1).
+  const int per = (E + kLlThreads - 1) / kLlThreads, i0 = min(E, tid * per), i1 = min(E, i0 + per);
+  int mine = 0;
+  for (int i = i0; i < i1; ++i) {
+    int64_t b;
+    mine += spread_item_rows(c, a, i, &b);
+  }
+  int incl = mine;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += v;
+  }
+  if (lane == 31) s_warp[warp] = incl;
+  __syncthreads();
+  int run = incl - mine;
+  for (int w = 0; w < warp; ++w) run += s_warp[w];
+  if (tid == 0) s_pre[0] = 0;
+  for (int i = i0; i < i1; ++i) {
+    int64_t b;
+    run += spread_item_rows(c, a, i, &b);  // the loads of the first pass, again (L1)
+    s_pre[i + 1] = run;
+  }
+  __syncthreads();
+  // Items without rows: signalled now (nothing of theirs to order before the word but the format
+  // words, which the release store orders).
+  for (int i = blockIdx.x * kLlThreads + tid; i < E; i += gridDim.x * kLlThreads) {
+    const int l = i / R, s = i % R;
+    if (s_pre[i + 1] != s_pre[i] || rank_masked(a, s)) continue;
+    if (l == 0) put_fmt(c, a, 1, s, fmt_combine(false, false));
+    raise_to<Net>(c, a, s, at<uint32_t>(window(c, s), sig_off(a, a.half) + static_cast<uint64_t>(c.rank * El + l) * 4), kSeamCombine,
+                     a.half, l, tag(seq, 0));
+  }
+  const int64_t U = static_cast<int64_t>(s_pre[E]) * nchunks, W = static_cast<int64_t>(gridDim.x) * kLlWarps;
+  const int64_t gw = static_cast<int64_t>(blockIdx.x) * kLlWarps + warp;
+  const int64_t u0 = U * gw / W, u1 = U * (gw + 1) / W;
+  if (u0 >= u1) return;
+  // Lane j loads the source token of the warp's unit u0 + j ahead (one latency for up to 32 units).
+  int tok_ahead = -1;
+  if (u0 + lane < u1) {
+    const int64_t r = (u0 + lane) / nchunks;
+    const int i = spread_find(s_pre, E, r);
+    int64_t b;
+    spread_item_rows(c, a, i, &b);
+    tok_ahead = __ldg(a.src_info + static_cast<int64_t>(i / R) * RT + b + (r - s_pre[i]));
+  }
+  int i = spread_find(s_pre, E, u0 / nchunks);
+  const int i_first = i;
+  int64_t b = 0;
+  spread_item_rows(c, a, i, &b);
+  for (int64_t u = u0; u < u1; ++u) {
+    const int64_t r = u / nchunks;
+    while (r >= s_pre[i + 1]) {
+      ++i;
+      if (s_pre[i + 1] > s_pre[i]) spread_item_rows(c, a, i, &b);
+    }
+    const int l = i / R, s = i % R;
+    const int64_t row = b + (r - s_pre[i]);
+    const int tok = u - u0 < 32 ? __shfl_sync(0xffffffffu, tok_ahead, static_cast<int>(u - u0)) : __ldg(a.src_info + l * RT + row);
+    if (tok < 0 || tok >= T) continue;
+    const int c0 = static_cast<int>(u % nchunks) * kSpreadChunk, c1 = min(H, c0 + kSpreadChunk);
+    const uint64_t slot = send_off(a, a.half) + (l * RT + row) * M * 2;  // the zero-copy slot
+    const uint16_t* src = a.zero_copy ? reinterpret_cast<const uint16_t*>(local(c) + slot) : static_cast<const uint16_t*>(a.x) + (l * RT + row) * H;
+    const uint64_t dst = recv_off(a, a.half) + static_cast<uint64_t>(c.rank * El + l) * T * (2 * static_cast<uint64_t>(H)) +
+                         (static_cast<uint64_t>(tok) * H + c0) * 2;
+    warp_copy(window(c, s) + dst, src + c0, 2 * static_cast<int64_t>(c1 - c0), lane);
+  }
+  const int i_last = i;
+  __syncwarp();
+  if (lane == 0) fence_acq_rel_sys();
+  __syncwarp();
+  // Lane j: item i_first + j (, + 32, ...): this warp's units of it, then the completion test.
+  unsigned int* done = at<unsigned int>(local(c), kLlItemDone);
+  for (int k = i_first + lane; k <= i_last; k += 32) {
+    const int64_t lo = static_cast<int64_t>(s_pre[k]) * nchunks, hi = static_cast<int64_t>(s_pre[k + 1]) * nchunks;
+    const int64_t n = min(hi, u1) - max(lo, u0);
+    if (n <= 0) continue;
+    const unsigned int total = static_cast<unsigned int>(hi - lo);
+    if (atomicAdd(done + k, static_cast<unsigned int>(n)) + static_cast<unsigned int>(n) != total) continue;
+    // This lane completed item k: every other warp's units of it are ordered before its add (fence,
+    // then add); the fence below orders them, and the format words, before the signal.
+    const int l = k / R, s = k % R;
+    done[k] = 0;
+    if (l == 0) put_fmt(c, a, 1, s, fmt_combine(false, false));
+    fence_acq_rel_sys();
+    st_relaxed_sys_u32(at<uint32_t>(window(c, s), sig_off(a, a.half) + static_cast<uint64_t>(c.rank * El + l) * 4), tag(seq, 0));
+  }
+}
+
+}  // namespace
+}  // namespace ll
+}  // namespace deep_ep

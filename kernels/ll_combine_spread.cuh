@@ -19,17 +19,6 @@ namespace {
 constexpr size_t kLlItemDone = (DEK_IC_RANK_TABLES_END + 127) / 128 * 128;
 static_assert(kLlItemDone + 4 * static_cast<size_t>(kMaxLlExperts) <= DEK_GB_OFF, "item counters overlap the barrier area");
 
-// Rows of item i = l*R + s to send (layout_range[l][s]): 0 for a masked source, or for a range no
-// dispatch of this geometry makes (the host checks shapes); *b: its first row of expert l.
-__device__ __forceinline__ int spread_item_rows(const Ctx& c, const Args& a, int i, int64_t* b) {
-  const int R = c.num_ranks, T = a.num_max_tokens;
-  const int64_t lr = __ldg(a.layout_range + i);
-  *b = lr >> 32;
-  const int64_t cnt = lr & 0xffffffffLL;
-  if (*b < 0 || cnt > T || *b + cnt > static_cast<int64_t>(R) * T || rank_masked(a, i % R)) return 0;
-  return static_cast<int>(cnt);
-}
-
 // The last i with pre[i] <= r (pre ascending, pre[0] = 0 <= r): the non-empty item holding row r.
 __device__ __forceinline__ int spread_find(const int* pre, int n, int64_t r) {
   int lo = 0, hi = n;  // pre[lo] <= r < pre[hi] (pre[n] = every row > r)
@@ -54,17 +43,37 @@ __device__ __forceinline__ int spread_find(const int* pre, int n, int64_t r) {
 template <class Net, int kSpreadChunk>
 __device__ __forceinline__ void combine_send_rows_spread(const Ctx& c, const Args& a, uint32_t seq) {
   __shared__ int s_pre[kMaxLlExperts + 1];  // rows of the items before item i
+  __shared__ int s_beg[kMaxLlExperts];      // item i's first row of its expert
+  __shared__ int s_dead[kMaxLlRanks];       // the rank mask
   __shared__ int s_warp[kLlWarps];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int R = c.num_ranks, E = a.num_experts, El = E / R, T = a.num_max_tokens, H = a.hidden;
   const int64_t RT = static_cast<int64_t>(R) * T, M = H + H / 128 * 2;
   const int nchunks = (H + kSpreadChunk - 1) / kSpreadChunk;
-  // Block-wide exclusive scan of the items' rows: thread tid owns items [i0, i1).
+  // Thread tid owns items [i0, i1): every load of the scan is issued before any is used (one
+  // memory latency: a chain of them per item cost ~5 us at one token, session 24).
+  constexpr int kPer = (kMaxLlExperts + kLlThreads - 1) / kLlThreads;
   const int per = (E + kLlThreads - 1) / kLlThreads, i0 = min(E, tid * per), i1 = min(E, i0 + per);
+  for (int d = tid; d < R; d += kLlThreads) s_dead[d] = rank_masked(a, d);
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int i = i0 + j;
+    if (i < i1) {
+      const int64_t lr = __ldg(a.layout_range + i);
+      const int64_t b = lr >> 32, cnt = lr & 0xffffffffLL;  // refused below unless 0 <= b, cnt <= T, b + cnt <= R*T
+      s_beg[i] = b > INT32_MAX ? -1 : static_cast<int>(b);
+      s_pre[i + 1] = cnt > INT32_MAX ? INT32_MAX : static_cast<int>(cnt);
+    }
+  }
+  __syncthreads();
+  // Rows of item i = l*R + s to send: 0 for a masked source, or for a range no dispatch of this
+  // geometry makes (the host checks shapes).
   int mine = 0;
   for (int i = i0; i < i1; ++i) {
-    int64_t b;
-    mine += spread_item_rows(c, a, i, &b);
+    const int64_t b = s_beg[i], cnt = s_pre[i + 1];
+    const int n = b < 0 || cnt > T || b + cnt > RT || s_dead[i % R] ? 0 : static_cast<int>(cnt);
+    s_pre[i + 1] = n;
+    mine += n;
   }
   int incl = mine;
 #pragma unroll
@@ -77,17 +86,13 @@ __device__ __forceinline__ void combine_send_rows_spread(const Ctx& c, const Arg
   int run = incl - mine;
   for (int w = 0; w < warp; ++w) run += s_warp[w];
   if (tid == 0) s_pre[0] = 0;
-  for (int i = i0; i < i1; ++i) {
-    int64_t b;
-    run += spread_item_rows(c, a, i, &b);  // the loads of the first pass, again (L1)
-    s_pre[i + 1] = run;
-  }
+  for (int i = i0; i < i1; ++i) s_pre[i + 1] = run += s_pre[i + 1];
   __syncthreads();
   // Items without rows: signalled now (nothing of theirs to order before the word but the format
   // words, which the release store orders).
   for (int i = blockIdx.x * kLlThreads + tid; i < E; i += gridDim.x * kLlThreads) {
     const int l = i / R, s = i % R;
-    if (s_pre[i + 1] != s_pre[i] || rank_masked(a, s)) continue;
+    if (s_pre[i + 1] != s_pre[i] || s_dead[s]) continue;
     if (l == 0) put_fmt(c, a, 1, s, fmt_combine(false, false));
     raise_to<Net>(c, a, s, at<uint32_t>(window(c, s), sig_off(a, a.half) + static_cast<uint64_t>(c.rank * El + l) * 4), kSeamCombine,
                      a.half, l, tag(seq, 0));
@@ -101,22 +106,15 @@ __device__ __forceinline__ void combine_send_rows_spread(const Ctx& c, const Arg
   if (u0 + lane < u1) {
     const int64_t r = (u0 + lane) / nchunks;
     const int i = spread_find(s_pre, E, r);
-    int64_t b;
-    spread_item_rows(c, a, i, &b);
-    tok_ahead = __ldg(a.src_info + static_cast<int64_t>(i / R) * RT + b + (r - s_pre[i]));
+    tok_ahead = __ldg(a.src_info + static_cast<int64_t>(i / R) * RT + s_beg[i] + (r - s_pre[i]));
   }
   int i = spread_find(s_pre, E, u0 / nchunks);
   const int i_first = i;
-  int64_t b = 0;
-  spread_item_rows(c, a, i, &b);
   for (int64_t u = u0; u < u1; ++u) {
     const int64_t r = u / nchunks;
-    while (r >= s_pre[i + 1]) {
-      ++i;
-      if (s_pre[i + 1] > s_pre[i]) spread_item_rows(c, a, i, &b);
-    }
+    while (r >= s_pre[i + 1]) ++i;
     const int l = i / R, s = i % R;
-    const int64_t row = b + (r - s_pre[i]);
+    const int64_t row = s_beg[i] + (r - s_pre[i]);
     const int tok = u - u0 < 32 ? __shfl_sync(0xffffffffu, tok_ahead, static_cast<int>(u - u0)) : __ldg(a.src_info + l * RT + row);
     if (tok < 0 || tok >= T) continue;
     const int c0 = static_cast<int>(u % nchunks) * kSpreadChunk, c1 = min(H, c0 + kSpreadChunk);

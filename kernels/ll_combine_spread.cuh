@@ -43,37 +43,26 @@ __device__ __forceinline__ int spread_find(const int* pre, int n, int64_t r) {
 template <class Net, int kSpreadChunk>
 __device__ __forceinline__ void combine_send_rows_spread(const Ctx& c, const Args& a, uint32_t seq) {
   __shared__ int s_pre[kMaxLlExperts + 1];  // rows of the items before item i
-  __shared__ int s_beg[kMaxLlExperts];      // item i's first row of its expert
-  __shared__ int s_dead[kMaxLlRanks];       // the rank mask
   __shared__ int s_warp[kLlWarps];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int R = c.num_ranks, E = a.num_experts, El = E / R, T = a.num_max_tokens, H = a.hidden;
   const int64_t RT = static_cast<int64_t>(R) * T, M = H + H / 128 * 2;
   const int nchunks = (H + kSpreadChunk - 1) / kSpreadChunk;
-  // Thread tid owns items [i0, i1): every load of the scan is issued before any is used (one
-  // memory latency: a chain of them per item cost ~5 us at one token, session 24).
+  // Thread tid owns items [i0, i1), its loads issued together (one memory latency: a chain of
+  // them per item cost ~5 us at one token, session 24). Rows of item i = l*R + s to send: 0 for a
+  // masked source, or for a range no dispatch of this geometry makes (the host checks shapes).
   constexpr int kPer = (kMaxLlExperts + kLlThreads - 1) / kLlThreads;
   const int per = (E + kLlThreads - 1) / kLlThreads, i0 = min(E, tid * per), i1 = min(E, i0 + per);
-  for (int d = tid; d < R; d += kLlThreads) s_dead[d] = rank_masked(a, d);
+  int mine = 0;
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
     const int i = i0 + j;
     if (i < i1) {
-      const int64_t lr = __ldg(a.layout_range + i);
-      const int64_t b = lr >> 32, cnt = lr & 0xffffffffLL;  // refused below unless 0 <= b, cnt <= T, b + cnt <= R*T
-      s_beg[i] = b > INT32_MAX ? -1 : static_cast<int>(b);
-      s_pre[i + 1] = cnt > INT32_MAX ? INT32_MAX : static_cast<int>(cnt);
+      const int64_t lr = __ldg(a.layout_range + i), b = lr >> 32, cnt = lr & 0xffffffffLL;
+      const int n = b < 0 || cnt > T || b + cnt > RT || rank_masked(a, i % R) ? 0 : static_cast<int>(cnt);
+      s_pre[i + 1] = n;
+      mine += n;
     }
-  }
-  __syncthreads();
-  // Rows of item i = l*R + s to send: 0 for a masked source, or for a range no dispatch of this
-  // geometry makes (the host checks shapes).
-  int mine = 0;
-  for (int i = i0; i < i1; ++i) {
-    const int64_t b = s_beg[i], cnt = s_pre[i + 1];
-    const int n = b < 0 || cnt > T || b + cnt > RT || s_dead[i % R] ? 0 : static_cast<int>(cnt);
-    s_pre[i + 1] = n;
-    mine += n;
   }
   int incl = mine;
 #pragma unroll
@@ -92,7 +81,7 @@ __device__ __forceinline__ void combine_send_rows_spread(const Ctx& c, const Arg
   // words, which the release store orders).
   for (int i = blockIdx.x * kLlThreads + tid; i < E; i += gridDim.x * kLlThreads) {
     const int l = i / R, s = i % R;
-    if (s_pre[i + 1] != s_pre[i] || s_dead[s]) continue;
+    if (s_pre[i + 1] != s_pre[i] || rank_masked(a, s)) continue;
     if (l == 0) put_fmt(c, a, 1, s, fmt_combine(false, false));
     raise_to<Net>(c, a, s, at<uint32_t>(window(c, s), sig_off(a, a.half) + static_cast<uint64_t>(c.rank * El + l) * 4), kSeamCombine,
                      a.half, l, tag(seq, 0));
@@ -101,23 +90,33 @@ __device__ __forceinline__ void combine_send_rows_spread(const Ctx& c, const Arg
   const int64_t gw = static_cast<int64_t>(blockIdx.x) * kLlWarps + warp;
   const int64_t u0 = U * gw / W, u1 = U * (gw + 1) / W;
   if (u0 >= u1) return;
-  // Lane j loads the source token of the warp's unit u0 + j ahead (one latency for up to 32 units).
+  // The warp's units cover rows r_first..: lane j loads the source token of row r_first + j ahead
+  // (one latency for up to 32 rows); the loop copies each row's run of units in one warp_copy
+  // (consecutive chunks of a row are contiguous: more loads in flight than a chunk at a time).
+  const int64_t r_first = u0 / nchunks;
   int tok_ahead = -1;
-  if (u0 + lane < u1) {
-    const int64_t r = (u0 + lane) / nchunks;
+  if (r_first + lane <= (u1 - 1) / nchunks) {
+    const int64_t r = r_first + lane;
     const int i = spread_find(s_pre, E, r);
-    tok_ahead = __ldg(a.src_info + static_cast<int64_t>(i / R) * RT + s_beg[i] + (r - s_pre[i]));
+    tok_ahead = __ldg(a.src_info + static_cast<int64_t>(i / R) * RT + (__ldg(a.layout_range + i) >> 32) + (r - s_pre[i]));
   }
-  int i = spread_find(s_pre, E, u0 / nchunks);
+  int i = spread_find(s_pre, E, r_first);
   const int i_first = i;
-  for (int64_t u = u0; u < u1; ++u) {
-    const int64_t r = u / nchunks;
-    while (r >= s_pre[i + 1]) ++i;
+  int64_t b = __ldg(a.layout_range + i) >> 32;  // item i's first row of its expert (checked by the scan)
+  for (int64_t u = u0; u < u1;) {
+    const int64_t r = u / nchunks, v = min(u1, (r + 1) * nchunks);  // units [u, v) of row r
+    if (r >= s_pre[i + 1]) {
+      do {
+        ++i;
+      } while (r >= s_pre[i + 1]);
+      b = __ldg(a.layout_range + i) >> 32;
+    }
     const int l = i / R, s = i % R;
-    const int64_t row = s_beg[i] + (r - s_pre[i]);
-    const int tok = u - u0 < 32 ? __shfl_sync(0xffffffffu, tok_ahead, static_cast<int>(u - u0)) : __ldg(a.src_info + l * RT + row);
+    const int64_t row = b + (r - s_pre[i]);
+    const int tok = r - r_first < 32 ? __shfl_sync(0xffffffffu, tok_ahead, static_cast<int>(r - r_first)) : __ldg(a.src_info + l * RT + row);
+    const int c0 = static_cast<int>(u - r * nchunks) * kSpreadChunk, c1 = min(H, static_cast<int>(v - r * nchunks) * kSpreadChunk);
+    u = v;
     if (tok < 0 || tok >= T) continue;
-    const int c0 = static_cast<int>(u % nchunks) * kSpreadChunk, c1 = min(H, c0 + kSpreadChunk);
     const uint64_t slot = send_off(a, a.half) + (l * RT + row) * M * 2;  // the zero-copy slot
     const uint16_t* src = a.zero_copy ? reinterpret_cast<const uint16_t*>(local(c) + slot) : static_cast<const uint16_t*>(a.x) + (l * RT + row) * H;
     const uint64_t dst = recv_off(a, a.half) + static_cast<uint64_t>(c.rank * El + l) * T * (2 * static_cast<uint64_t>(H)) +

@@ -13,6 +13,12 @@ namespace {
 
 // Channels one warp of the combine send moves per work item (2 KiB of BF16).
 constexpr int kChunk = 1024;
+// The one-launch rows combine with its send spread over every warp (ll_combine_spread.cuh): the
+// launcher's choice from kSpreadMinSelections top-k selections of this rank's tokens on. Below, the
+// scan and the completion counters cost more than the heaviest expert's block (bench/NOTES.md,
+// session 24: +3 us at 1-32 tokens on one rank, -2 to -4 at 128).
+constexpr int kPhaseBothSpread = DEK_LL_PHASE_BOTH + 1;
+constexpr int64_t kSpreadMinSelections = 512;
 
 // ---- combine ----------------------------------------------------------------------------------
 // Overlap (Args::signal): waits until the producer of the combine's input raised the signal of row
@@ -602,7 +608,7 @@ __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kRedu
   if (a.partial) {
     sent = combine_send_partial<Net, kSig, kBoth>(c, a, &seq);
   } else if constexpr (kBoth) {
-    sent = combine_send_spread<Net>(c, a, &seq);
+    sent = phase == kPhaseBothSpread ? combine_send_spread<Net>(c, a, &seq) : combine_send<Net, kSig>(c, a, &seq);
   } else {
     sent = combine_send<Net, kSig>(c, a, &seq);
   }
@@ -708,7 +714,8 @@ extern "C" int dek_ll_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args
     return static_cast<int>(cudaErrorInvalidValue);
   // The send grid as one dimension: E blocks (per-expert rows), or num_blocks (partial sums).
   const int blocks = args->partial ? (args->num_blocks > ctx->num_ranks ? args->num_blocks : ctx->num_ranks) : args->num_experts;
-  combine<LsaNet, false, true><<<blocks, kLlThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args, DEK_LL_PHASE_BOTH);
+  const bool spread = !args->partial && static_cast<int64_t>(args->num_tokens) * args->num_topk >= kSpreadMinSelections;
+  combine<LsaNet, false, true><<<blocks, kLlThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args, spread ? kPhaseBothSpread : DEK_LL_PHASE_BOTH);
   return static_cast<int>(cudaGetLastError());
 }
 

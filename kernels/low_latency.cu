@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "ll_combine_spread.cuh"
 #include "logfmt.cuh"
 #include "low_latency.cuh"
 
@@ -12,6 +13,11 @@ namespace {
 
 // Channels one warp of the combine send moves per work item (2 KiB of BF16).
 constexpr int kChunk = 1024;
+// The one-launch rows combine with its send spread over every warp (ll_combine_spread.cuh): the
+// launcher's choice from kSpreadMinSelections top-k selections of this rank's tokens on. Below, the
+// scan and the completion counters cost more than the heaviest expert's block (bench/NOTES.md,
+// session 24, one rank: +3 us at 1-32 tokens, +1.5 at 64, -1.5 at 96, -6 at 128).
+constexpr int64_t kSpreadMinSelections = 768;
 
 // ---- combine ----------------------------------------------------------------------------------
 // Overlap (Args::signal): waits until the producer of the combine's input raised the signal of row
@@ -160,6 +166,19 @@ __device__ __forceinline__ bool combine_send(const Ctx& c, const Args& a, uint32
   } else {
     combine_send_rows<Net, false>(c, a, lin % El, lin / El, s_seq);  // E blocks: one item each
   }
+  finish_send(c, s_seq);
+  return true;
+}
+
+// The per-expert combine send of a one-launch call: its rows spread over the grid's warps
+// (ll_combine_spread.cuh). Returns false when the buffer timed out (nothing sent).
+template <class Net>
+__device__ __forceinline__ bool combine_send_spread(const Ctx& c, const Args& a, uint32_t* seq) {
+  __shared__ uint32_t s_seq;
+  __shared__ int s_skip;
+  if (!begin_send(c, a, DEK_LL_KIND_COMBINE, &s_seq, &s_skip)) return false;
+  *seq = s_seq;
+  combine_send_rows_spread<Net, kChunk>(c, a, s_seq);
   finish_send(c, s_seq);
   return true;
 }
@@ -576,7 +595,7 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
 // recv_state). An instantiation of its own: beside the two-launch code in one kernel its registers
 // spilled (266 bytes), and the way out (the partial send not inlined: its `a` then read through a
 // generic pointer) made the partial combine 40 % slower at 128 tokens (bench/NOTES.md, session 19).
-template <class Net, bool kSig, bool kBoth = false>
+template <class Net, bool kSig, bool kBoth = false, bool kSpread = false>
 __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kReduceThreads, kBoth ? 3 : 1)
     combine(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
   if (!kBoth && phase == DEK_LL_PHASE_RECV) {
@@ -584,7 +603,12 @@ __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kRedu
     return;
   }
   uint32_t seq = 0;
-  const bool sent = a.partial ? combine_send_partial<Net, kSig, kBoth>(c, a, &seq) : combine_send<Net, kSig>(c, a, &seq);
+  bool sent;
+  if constexpr (kSpread) {  // an instantiation of its own: the other one-launch paths keep their code
+    sent = combine_send_spread<Net>(c, a, &seq);
+  } else {
+    sent = a.partial ? combine_send_partial<Net, kSig, kBoth>(c, a, &seq) : combine_send<Net, kSig>(c, a, &seq);
+  }
   if constexpr (kBoth) {
     if (sent) combine_recv_tokens<Net>(c, a, a.half, seq, a.partial != 0, false);
   }
@@ -687,7 +711,11 @@ extern "C" int dek_ll_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args
     return static_cast<int>(cudaErrorInvalidValue);
   // The send grid as one dimension: E blocks (per-expert rows), or num_blocks (partial sums).
   const int blocks = args->partial ? (args->num_blocks > ctx->num_ranks ? args->num_blocks : ctx->num_ranks) : args->num_experts;
-  combine<LsaNet, false, true><<<blocks, kLlThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args, DEK_LL_PHASE_BOTH);
+  if (!args->partial && static_cast<int64_t>(args->num_tokens) * args->num_topk >= kSpreadMinSelections) {
+    combine<LsaNet, false, true, true><<<blocks, kLlThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args, DEK_LL_PHASE_BOTH);
+  } else {
+    combine<LsaNet, false, true><<<blocks, kLlThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args, DEK_LL_PHASE_BOTH);
+  }
   return static_cast<int>(cudaGetLastError());
 }
 

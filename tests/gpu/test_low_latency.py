@@ -10,7 +10,8 @@ valid rows bitwise (both backends receive per (expert, source) in increasing tok
 combined output bitwise. Random configurations (default 200 per rank count): tokens 0..T with 0
 and 1, T up to 1500, hidden 2048/4096/5120/7168/8192 and 2176, top-k 1..9 with -1 entries, 8..288
 experts, int32/int64 ids, BF16 / FP8 / FP8 round_scale / FP8 UE8M0, combine fused, with hooks,
-zero-copy or into a caller-supplied out, with or without LogFMT (not with zero-copy; its expert
+zero-copy or into a caller-supplied out, after a dispatch with top-k weights (partial sums) or
+without (DeepEP's call, DEEP_EP_LL_ROWS of the configurations, default 0.4: per-expert rows), with or without LogFMT (not with zero-copy; its expert
 outputs are scaled per 128-channel group, with zeros, subnormals and tiny values, so that most
 chunks are cast and some travel raw), dispatch with hooks, and two dispatches in flight.
 Then CUDA graphs of a whole decode step (dispatch -> expert -> combine), without and with hooks,
@@ -30,6 +31,7 @@ Environment: DEEP_EP_LL_CONFIGS, DEEP_EP_LL_SEED, DEEP_EP_LL_REPLAYS, DEEP_EP_LL
 per buffer, default 512 MiB; it bounds T * hidden * experts), DEEP_EP_TEST_LOG (directory for per-rank JSON results),
 DEEP_EP_LL_SECONDS (stop the random configurations after this many seconds; all that ran must pass),
 DEEP_EP_LL_LOGFMT (share of the configurations without zero-copy that combine with LogFMT, default 0.35),
+DEEP_EP_LL_ROWS (share of the configurations whose dispatch has no top-k weights, default 0.4),
 DEEP_EP_INTRANODE_DRY=1 (a second CPU buffer stands in for the GPU one; no graph).
 
 LogFMT over the seam: in the 2x2 layout every rank counts its passed LogFMT configurations and the
@@ -65,6 +67,7 @@ MODES = {"bf16": (False, False, False), "fp8": (True, False, False), "fp8-round"
 COMBINES = ["fused", "hook", "zero_copy", "out"]
 LL_BYTES = int(os.environ.get("DEEP_EP_LL_BYTES", str(1 << 29)))
 LOGFMT_SHARE = float(os.environ.get("DEEP_EP_LL_LOGFMT", "0.35"))
+ROWS_SHARE = float(os.environ.get("DEEP_EP_LL_ROWS", "0.4"))
 
 
 def hint(t, h, r, e):
@@ -75,8 +78,10 @@ def hint(t, h, r, e):
 def make_configs(num_ranks: int, count: int, seed: int) -> list:
     """The same list on every rank."""
     rng = random.Random(seed * 1000 + num_ranks + 17)
-    # LogFMT draws from a generator of its own, so the other fields stay those of earlier runs.
+    # LogFMT draws from a generator of its own, so the other fields stay those of earlier runs;
+    # so does the dispatch without top-k weights (DeepEP's call: the per-expert rows combine).
     lf_rng = random.Random(seed * 1000 + num_ranks + 4242)
+    rows_rng = random.Random(seed * 1000 + num_ranks + 5151)
     cfgs = []
     while len(cfgs) < count:
         i = len(cfgs)
@@ -94,6 +99,7 @@ def make_configs(num_ranks: int, count: int, seed: int) -> list:
                    combine=rng.choice(COMBINES), dispatch_hook=rng.random() < 0.3, two_in_flight=rng.random() < 0.15,
                    stats=rng.random() < 0.7)
         cfg["logfmt"] = cfg["combine"] != "zero_copy" and lf_rng.random() < LOGFMT_SHARE
+        cfg["dispatch_weights"] = rows_rng.random() >= ROWS_SHARE
         if i == 0:
             cfg["tokens"] = [0] * num_ranks
         if i == 1:
@@ -157,7 +163,7 @@ def one_dispatch(buf, dev, x, idx, w, t, e, mode, hook, stats):
     cum, wait = stats
     rx, count, handle, _, h = buf.low_latency_dispatch(dev(x), dev(idx), t, e, cumulative_local_expert_recv_stats=cum,
                                                        dispatch_wait_recv_cost_stats=wait, use_fp8=use_fp8, round_scale=rs,
-                                                       use_ue8m0=ue, return_recv_hook=hook, topk_weights=dev(w))
+                                                       use_ue8m0=ue, return_recv_hook=hook, topk_weights=None if w is None else dev(w))
     return rx, count, handle, h
 
 
@@ -177,6 +183,7 @@ def run_config(cfg, rank, num_ranks, cpu_buf, gpu_buf, domain=0, info=None) -> l
     n = cfg["tokens"][rank]
     fp8 = MODES[cfg["mode"]][0]
     x, idx, w = make_inputs(g, n, hidden, k, e, cfg["minus_one"], cfg["idx64"])
+    dw = w if cfg.get("dispatch_weights", True) else None  # None: the dispatch DeepEP has (rows combine)
     x2, idx2, w2 = make_inputs(g, n, hidden, k, e, cfg["minus_one"], cfg["idx64"])
     if info is not None:
         info["seam_rows"] = seam_rows(idx, el, rank, domain)  # the combine answers the dispatch of (x, idx)
@@ -191,8 +198,8 @@ def run_config(cfg, rank, num_ranks, cpu_buf, gpu_buf, domain=0, info=None) -> l
         stats = (dev(torch.zeros(el, dtype=torch.int32)), dev(torch.zeros(num_ranks, dtype=torch.int64))) if cfg["stats"] else (None, None)
         out = {}
         if cfg["two_in_flight"]:
-            a = one_dispatch(buf, dev, x, idx, w, t, e, cfg["mode"], True, (None, None))
-            b = one_dispatch(buf, dev, x2, idx2, w2, t, e, cfg["mode"], True, (None, None))
+            a = one_dispatch(buf, dev, x, idx, dw, t, e, cfg["mode"], True, (None, None))
+            b = one_dispatch(buf, dev, x2, idx2, w2 if dw is not None else None, t, e, cfg["mode"], True, (None, None))
             a[3]()
             b[3]()
             # A third send would reuse A's half: every rank must have received A first.
@@ -201,7 +208,7 @@ def run_config(cfg, rank, num_ranks, cpu_buf, gpu_buf, domain=0, info=None) -> l
             out["second"] = b
             d = a
         else:
-            d = one_dispatch(buf, dev, x, idx, w, t, e, cfg["mode"], cfg["dispatch_hook"], stats)
+            d = one_dispatch(buf, dev, x, idx, dw, t, e, cfg["mode"], cfg["dispatch_hook"], stats)
             if d[3] is not None:
                 d[3]()
         rx, count, handle, _ = d

@@ -5,7 +5,7 @@ with the GPU idle before it (synchronised) and without waiting for the GPU after
     torchrun --nproc-per-node 4 bench/host_overhead.py --baseline deepep_v1 --out ...
 
 Rows (`"mode": "host"`): `us_median` / `us_p10` / `us_p90` of `--samples` calls per op, slowest rank's
-median. The host's speed drifts by up to 2x between runs (bench/NOTES.md, session 15), so every
+median. The host's speed drifts by up to 2x between runs (bench/NOTES-2026-11-27.md, session 15), so every
 (op, impl) is timed in `--rounds` rounds taking turns with the others, all buffers alive at once:
 a slow spell then hits both libraries alike. `ratio_vs_v1` (this library / DeepEP, < 1 is better)
 is the median over rounds of the per-round ratio. `impl`: `deep_ep` (the `Buffer` methods, what frameworks call), `deep_ep_raw` (the

@@ -451,7 +451,8 @@ __device__ void check_routing(const Ctx& c, const Args& a, int half) {
 // thread j of a slice owns channels 8j..8j+7: acc = fma(y_k, w_k, acc) over k in order (crate:
 // f32::mul_add); partial: acc += the partial row of each expert rank d ascending that holds one of
 // the token's (unmasked) experts.
-template <class Net>
+// kRowBatch: rows' loads in flight per thread before their FMAs (per-expert rows).
+template <class Net, int kRowBatch = 4>
 __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a, int half, uint32_t seq, bool partial, bool logfmt) {
   __shared__ int s_ok, s_npart;
   __shared__ unsigned long long s_wait[kMaxLlRanks];
@@ -543,7 +544,6 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
       for (int u = 0; u < 8; ++u) acc[u] = 0.0f;
       // kRowBatch rows' loads in flight before their FMAs (each load used at once made K serial
       // latencies); the FMAs keep the order k = 0, 1, ... so the sums are unchanged.
-      constexpr int kRowBatch = 4;
       for (int k0 = 0; k0 < K; k0 += kRowBatch) {
         int4 v[kRowBatch];
 #pragma unroll
@@ -594,7 +594,7 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
 // of kLlThreads sends, then reduces work items with the call's half and number its own (no
 // recv_state). An instantiation of its own: beside the two-launch code in one kernel its registers
 // spilled (266 bytes), and the way out (the partial send not inlined: its `a` then read through a
-// generic pointer) made the partial combine 40 % slower at 128 tokens (bench/NOTES.md, session 19).
+// generic pointer) made the partial combine 40 % slower at 128 tokens (bench/NOTES-2026-11-28.md, session 19).
 template <class Net, bool kSig, bool kBoth = false, bool kSpread = false>
 __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kReduceThreads, kBoth ? 3 : 1)
     combine(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
@@ -609,7 +609,9 @@ __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kRedu
   } else {
     sent = a.partial ? combine_send_partial<Net, kSig, kBoth>(c, a, &seq) : combine_send<Net, kSig>(c, a, &seq);
   }
-  if constexpr (kBoth) {
+  if constexpr (kSpread) {  // rows only, at 102 registers: every top-8 row's load in flight at once
+    if (sent) combine_recv_tokens<Net, 8>(c, a, a.half, seq, false, false);
+  } else if constexpr (kBoth) {
     if (sent) combine_recv_tokens<Net>(c, a, a.half, seq, a.partial != 0, false);
   }
 }
@@ -714,7 +716,10 @@ extern "C" int dek_ll_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args
   // One rank only until the spread send has run with peers (it signals them as the per-item send
   // does, but no GPU run has had several GPUs since it was written: bench/PENDING.md).
   if (ctx->num_ranks == 1 && !args->partial && static_cast<int64_t>(args->num_tokens) * args->num_topk >= kSpreadMinSelections) {
-    combine<LsaNet, false, true, true><<<blocks, kLlThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args, DEK_LL_PHASE_BOTH);
+    // Its work does not follow the grid: 3 blocks per SM, all resident (109 registers: 4 would fit;
+    // the caller checked E <= 3 x SMs for the E-block grid).
+    const int spread_blocks = ctx->num_sms > 0 && 3 * ctx->num_sms > blocks ? 3 * ctx->num_sms : blocks;
+    combine<LsaNet, false, true, true><<<spread_blocks, kLlThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args, DEK_LL_PHASE_BOTH);
   } else {
     combine<LsaNet, false, true><<<blocks, kLlThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args, DEK_LL_PHASE_BOTH);
   }

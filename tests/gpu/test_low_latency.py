@@ -11,14 +11,15 @@ combined output bitwise. Random configurations (default 200 per rank count): tok
 and 1, T up to 1500, hidden 2048/4096/5120/7168/8192 and 2176, top-k 1..9 with -1 entries, 8..288
 experts, int32/int64 ids, BF16 / FP8 / FP8 round_scale / FP8 UE8M0, combine fused, with hooks,
 zero-copy or into a caller-supplied out, after a dispatch with top-k weights (partial sums) or
-without (DeepEP's call, DEEP_EP_LL_ROWS of the configurations, default 0.4: per-expert rows), with or without LogFMT (not with zero-copy; its expert
-outputs are scaled per 128-channel group, with zeros, subnormals and tiny values, so that most
-chunks are cast and some travel raw), dispatch with hooks, and two dispatches in flight.
-Then CUDA graphs of a whole decode step (dispatch -> expert -> combine), without and with hooks,
-are captured once and replayed DEEP_EP_LL_REPLAYS times (default 1000) with fresh inputs; every
-DEEP_EP_LL_CHECK_EVERY-th replay (default 10; 1 = all) and the last are checked against the CPU
-backend (its LL ops cost ~0.1 s per step, which made checking all 2 x 1000 replays too slow for
-one device command).
+without (DeepEP's call, DEEP_EP_LL_ROWS of the configurations, default 0.4: per-expert rows), with
+or without LogFMT (not with zero-copy; its expert outputs are scaled per 128-channel group, with
+zeros, subnormals and tiny values, so that most chunks are cast and some travel raw), dispatch with
+hooks, and two dispatches in flight. Then CUDA graphs of a whole decode step (dispatch -> expert ->
+combine), without and with hooks, and one without top-k weights at the dispatch (the rows combine,
+as SGLang captures it), are captured once and replayed DEEP_EP_LL_REPLAYS times (default 1000) with
+fresh inputs; every DEEP_EP_LL_CHECK_EVERY-th replay (default 10; 1 = all) and the last are checked
+against the CPU backend (its LL ops cost ~0.1 s per step, which made checking all 2 x 1000 replays
+too slow for one device command).
 
 Layouts: 2 and 4 ranks in one NVLink domain, and 4 ranks as 2 emulated nodes x 2 GPUs ("2x2":
 DEEP_EP_NVL_DOMAIN_SIZE=2, DEEP_EP_RDMA_TRANSPORT=lsa), where the kernels reach the ranks of the other
@@ -241,10 +242,12 @@ def run_config(cfg, rank, num_ranks, cpu_buf, gpu_buf, domain=0, info=None) -> l
     return errs
 
 
-def graph_test(rank, num_ranks, cpu_buf, gpu_buf, replays: int, hooks: bool) -> list:
+def graph_test(rank, num_ranks, cpu_buf, gpu_buf, replays: int, hooks: bool, rows: bool = False) -> list:
     """dispatch -> stand-in expert (per-expert scalar multiply, exact on both sides) -> combine,
-    captured once, replayed with fresh x / ids / weights, every replay checked."""
-    n, t, hidden, e, k = 24, 32, 2048, 8 * num_ranks, 4
+    captured once, replayed with fresh x / ids / weights, every replay checked. rows: the dispatch
+    without top-k weights (DeepEP's call, as SGLang captures it: the per-expert rows combine), at
+    192 tokens x top-4 (768 selections: the spread rows send of a one-launch combine)."""
+    n, t, hidden, e, k = (192, 192, 2048, 8 * num_ranks, 4) if rows else (24, 32, 2048, 8 * num_ranks, 4)
     el = e // num_ranks
     x = torch.zeros(n, hidden, dtype=torch.bfloat16, device="cuda")
     idx = torch.zeros(n, k, dtype=torch.int64, device="cuda")
@@ -253,13 +256,14 @@ def graph_test(rank, num_ranks, cpu_buf, gpu_buf, replays: int, hooks: bool) -> 
     gscale = scale.cuda()
 
     def fill(step):
-        g = torch.Generator().manual_seed(77777 * (step + 1) + rank + (500000 if hooks else 0))
+        g = torch.Generator().manual_seed(77777 * (step + 1) + rank + (500000 if hooks else 0) + (900000 if rows else 0))
         xc, ic, wc = make_inputs(g, n, hidden, k, e, 0.1, True)
         x.copy_(xc), idx.copy_(ic), w.copy_(wc)
         return xc, ic, wc
 
     def body():
-        rx, count, handle, _, h = gpu_buf.low_latency_dispatch(x, idx, t, e, use_fp8=False, return_recv_hook=hooks, topk_weights=w)
+        rx, count, handle, _, h = gpu_buf.low_latency_dispatch(x, idx, t, e, use_fp8=False, return_recv_hook=hooks,
+                                                               topk_weights=None if rows else w)
         if h is not None:
             h()
         y = rx * gscale
@@ -281,14 +285,14 @@ def graph_test(rank, num_ranks, cpu_buf, gpu_buf, replays: int, hooks: bool) -> 
         graph.replay()
         if step % every != 0 and step != replays:
             continue  # fresh inputs every replay; the CPU reference (~0.1 s a call) runs on a sample
-        crx, ccount, chandle, _, _ = cpu_buf.low_latency_dispatch(xc, ic, t, e, use_fp8=False, topk_weights=wc)
+        crx, ccount, chandle, _, _ = cpu_buf.low_latency_dispatch(xc, ic, t, e, use_fp8=False, topk_weights=None if rows else wc)
         cout, _, _ = cpu_buf.low_latency_combine(crx * scale, ic, wc, chandle)
         torch.cuda.synchronize()
         e1 = cmp_dispatch("graph", ((rx, None), count, handle), ((crx, None), ccount, chandle), False, el)
         e1 += diff("graph combined_x", out, cout)
         errs += [f"replay {step}: {m}" for m in e1]
         if rank == 0 and step % 250 == 0:
-            print(f"graph (hooks={hooks}) {num_ranks} ranks: {step} replays checked, {len(errs)} errors", flush=True)
+            print(f"graph (hooks={hooks}, rows={rows}) {num_ranks} ranks: {step} replays checked, {len(errs)} errors", flush=True)
         if len(errs) > 10:
             break
     del graph
@@ -305,7 +309,8 @@ def worker(rank, num_ranks, port, out_dir, count, seed, replays, domain=0):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
     import deep_ep_rs
     group = dist.group.WORLD
-    result = dict(rank=rank, num_ranks=num_ranks, domain=domain, configs=0, passed=0, failures=[], seconds=0.0, graph=None, graph_hooks=None, error=None,
+    result = dict(rank=rank, num_ranks=num_ranks, domain=domain, configs=0, passed=0, failures=[], seconds=0.0, graph=None, graph_hooks=None, graph_rows=None,
+                  error=None,
                   logfmt=0, logfmt_tokens=0, logfmt_seam_rows=0)
     try:
         cpu_buf = deep_ep_rs.Buffer(group, 0, LL_BYTES, low_latency_mode=True, device="cpu", backend="cpu", explicitly_destroy=True)
@@ -354,6 +359,7 @@ def worker(rank, num_ranks, port, out_dir, count, seed, replays, domain=0):
             t0 = time.perf_counter()
             result["graph"] = graph_test(rank, num_ranks, cpu_buf, gpu_buf, replays, hooks=False)
             result["graph_hooks"] = graph_test(rank, num_ranks, cpu_buf, gpu_buf, replays, hooks=True)
+            result["graph_rows"] = graph_test(rank, num_ranks, cpu_buf, gpu_buf, replays, hooks=False, rows=True)
             result["graph_seconds"] = time.perf_counter() - t0
         if not stopped:
             gpu_buf.destroy()
@@ -382,7 +388,8 @@ def test_low_latency_matches_cpu_backend(num_ranks, domain):
     lines = []
     for r in results:
         layout = f"{num_ranks // domain}x{domain}" if domain else f"1x{num_ranks}"
-        lines.append(f"{gpu_backend()} {layout} rank {r['rank']}: {r['passed']}/{r['configs']} configs passed in {r['seconds']:.1f} s, graph ({r.get('graph_seconds', 0):.1f} s) errors {r['graph']}, hook graph errors {r['graph_hooks']}; "
+        lines.append(f"{gpu_backend()} {layout} rank {r['rank']}: {r['passed']}/{r['configs']} configs passed in {r['seconds']:.1f} s, graph ({r.get('graph_seconds', 0):.1f} s) errors {r['graph']}, hook graph errors {r['graph_hooks']}, "
+                     f"rows graph errors {r['graph_rows']}; "
                      f"LogFMT: {r['logfmt']} configs, {r['logfmt_seam_rows']} rows through the seam")
         if r["error"]:
             lines.append(r["error"])
@@ -394,6 +401,6 @@ def test_low_latency_matches_cpu_backend(num_ranks, domain):
         limited = float(os.environ.get("DEEP_EP_LL_SECONDS", "0")) > 0
         assert r["configs"] >= 1 and r["passed"] == r["configs"] and (limited or r["configs"] == count), "\n".join(lines)
         if not DRY:
-            assert r["graph"] == [] and r["graph_hooks"] == [], "\n".join(lines)
+            assert r["graph"] == [] and r["graph_hooks"] == [] and r["graph_rows"] == [], "\n".join(lines)
     if domain and sum(r["logfmt_tokens"] for r in results) >= 64:
         assert sum(r["logfmt_seam_rows"] for r in results) > 0, "LogFMT configurations ran but no row crossed the seam\n" + "\n".join(lines)

@@ -35,11 +35,12 @@ __device__ __forceinline__ int spread_find(const int* pre, int n, int64_t r) {
 
 // The rows combine send of a one-launch call (no hook, no overlap, no LogFMT, no seam: NVLink
 // stores only). Units are (row, chunk of kSpreadChunk channels) of the items in order i = l*R + s;
-// global warp w takes units [U*w/W, U*(w+1)/W). After its units a warp fences once (cumulative
-// over its lanes' stores, the grid-sync pattern) and adds, per item it touched, its units to the
-// item's counter; the warp whose add completes an item fences again and signals word rank*E_l + l
-// on source s (tag(seq, 0)), after the format words for l = 0. An item with no rows is signalled
-// at once by one thread of the grid. Same bytes at the same places as combine_send_rows.
+// global warp w takes units [U*w/W, U*(w+1)/W). After its units a warp adds, per item it touched
+// (one lane each, after a fence: cumulative over the warp's stores, the grid-sync pattern), its
+// units to the item's counter; the lane whose add completes an item fences again and signals
+// word rank*E_l + l on source s (tag(seq, 0)), after the format words for l = 0. An item with no
+// rows is signalled at once by one thread of the grid. Same bytes at the same places as
+// combine_send_rows.
 template <class Net, int kSpreadChunk>
 __device__ __forceinline__ void combine_send_rows_spread(const Ctx& c, const Args& a, uint32_t seq) {
   __shared__ int s_pre[kMaxLlExperts + 1];  // rows of the items before item i
@@ -125,9 +126,10 @@ __device__ __forceinline__ void combine_send_rows_spread(const Ctx& c, const Arg
   }
   const int i_last = i;
   __syncwarp();
-  if (lane == 0) fence_acq_rel_sys();
-  __syncwarp();
-  // Lane j: item i_first + j (, + 32, ...): this warp's units of it, then the completion test.
+  // Lane j: item i_first + j (, + 32, ...): this warp's units of it, then the completion test. Each
+  // lane that adds fences first (its release: the fence and the add in one thread; cumulative
+  // over the other lanes' stores, which the warp barrier ordered before it).
+  if (i_first + lane <= i_last) fence_acq_rel_sys();
   unsigned int* done = at<unsigned int>(local(c), kLlItemDone);
   for (int k = i_first + lane; k <= i_last; k += 32) {
     const int64_t lo = static_cast<int64_t>(s_pre[k]) * nchunks, hi = static_cast<int64_t>(s_pre[k + 1]) * nchunks;

@@ -87,7 +87,7 @@ int dek_cuda_stream_synchronize(void* stream);
  *   [4096, CONTROL)    local scratch: sticky timeout flag, first error, per-op "bad" flag, barrier
  *                      epoch, gathered peer layouts, rank_prefix_matrix, receiver channel starts;
  *                      near its end the global barrier's area (DEK_GB_OFF) and the LL scratch
- *   [DEK_IC_RANK_TABLES_OFF, ...)  per-world-rank tables sized for DEK_IN_MAX_RANKS (below)
+ *   [DEK_IC_RANK_TABLES_OFF, ...)  per-world-rank tables (below), then kLlItemDone (ll_combine_spread.cuh)
  *   [CONTROL, ...)     staged sections at the offsets of this rank's layout
  * Every function below is asynchronous on `stream`, launches only kernels (CUDA-graph
  * capturable) and returns a cudaError_t as int.

@@ -594,7 +594,8 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
 // of kLlThreads sends, then reduces work items with the call's half and number its own (no
 // recv_state). An instantiation of its own: beside the two-launch code in one kernel its registers
 // spilled (266 bytes), and the way out (the partial send not inlined: its `a` then read through a
-// generic pointer) made the partial combine 40 % slower at 128 tokens (bench/NOTES-2026-11-28.md, session 19).
+// generic pointer) made the partial combine 40 % slower at 128 tokens (bench/NOTES-2026-11-28.md,
+// session 19).
 template <class Net, bool kSig, bool kBoth = false, bool kSpread = false>
 __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kReduceThreads, kBoth ? 3 : 1)
     combine(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
@@ -603,15 +604,14 @@ __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kRedu
     return;
   }
   uint32_t seq = 0;
-  bool sent;
-  if constexpr (kSpread) {  // an instantiation of its own: the other one-launch paths keep their code
-    sent = combine_send_spread<Net>(c, a, &seq);
-  } else {
-    sent = a.partial ? combine_send_partial<Net, kSig, kBoth>(c, a, &seq) : combine_send<Net, kSig>(c, a, &seq);
+  if constexpr (kSpread) {
+    // Rows only, an instantiation of its own (109 registers; the other one-launch paths keep their
+    // code): its receive has every top-8 row's load in flight at once.
+    if (combine_send_spread<Net>(c, a, &seq)) combine_recv_tokens<Net, 8>(c, a, a.half, seq, false, false);
+    return;
   }
-  if constexpr (kSpread) {  // rows only, at 102 registers: every top-8 row's load in flight at once
-    if (sent) combine_recv_tokens<Net, 8>(c, a, a.half, seq, false, false);
-  } else if constexpr (kBoth) {
+  const bool sent = a.partial ? combine_send_partial<Net, kSig, kBoth>(c, a, &seq) : combine_send<Net, kSig>(c, a, &seq);
+  if constexpr (kBoth) {
     if (sent) combine_recv_tokens<Net>(c, a, a.half, seq, a.partial != 0, false);
   }
 }

@@ -150,35 +150,25 @@ __device__ __forceinline__ bool combine_send_rows(const Ctx& c, const Args& a, i
 
 // The per-expert combine send: block b of (E_l, R) blocks (the grid, or a 1-D one of E blocks)
 // takes item (b % E_l, b / E_l); with Args::signal_grid at most that many blocks, each taking
-// items l + E_l*s in turn. Returns false when the buffer timed out (nothing sent); *seq: the
-// call's number.
-template <class Net, bool kSig>
+// items l + E_l*s in turn; kSpread (a one-launch call): the items' rows spread over the grid's
+// warps (ll_combine_spread.cuh), whatever the grid. Returns false when the buffer timed out
+// (nothing sent); *seq: the call's number.
+template <class Net, bool kSig, bool kSpread = false>
 __device__ __forceinline__ bool combine_send(const Ctx& c, const Args& a, uint32_t* seq) {
   __shared__ uint32_t s_seq;
   __shared__ int s_skip;
   if (!begin_send(c, a, DEK_LL_KIND_COMBINE, &s_seq, &s_skip)) return false;
   *seq = s_seq;
   const int El = a.num_experts / c.num_ranks, lin = blockIdx.y * gridDim.x + blockIdx.x;
-  if constexpr (kSig) {
+  if constexpr (kSpread) {
+    combine_send_rows_spread<Net, kChunk>(c, a, s_seq);
+  } else if constexpr (kSig) {
     for (int w = lin; w < El * c.num_ranks; w += gridDim.x * gridDim.y) {
       if (!combine_send_rows<Net, true>(c, a, w % El, w / El, s_seq)) break;
     }
   } else {
     combine_send_rows<Net, false>(c, a, lin % El, lin / El, s_seq);  // E blocks: one item each
   }
-  finish_send(c, s_seq);
-  return true;
-}
-
-// The per-expert combine send of a one-launch call: its rows spread over the grid's warps
-// (ll_combine_spread.cuh). Returns false when the buffer timed out (nothing sent).
-template <class Net>
-__device__ __forceinline__ bool combine_send_spread(const Ctx& c, const Args& a, uint32_t* seq) {
-  __shared__ uint32_t s_seq;
-  __shared__ int s_skip;
-  if (!begin_send(c, a, DEK_LL_KIND_COMBINE, &s_seq, &s_skip)) return false;
-  *seq = s_seq;
-  combine_send_rows_spread<Net, kChunk>(c, a, s_seq);
   finish_send(c, s_seq);
   return true;
 }
@@ -607,7 +597,7 @@ __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kRedu
   if constexpr (kSpread) {
     // Rows only, an instantiation of its own (109 registers; the other one-launch paths keep their
     // code): its receive has every top-8 row's load in flight at once.
-    if (combine_send_spread<Net>(c, a, &seq)) combine_recv_tokens<Net, 8>(c, a, a.half, seq, false, false);
+    if (combine_send<Net, false, true>(c, a, &seq)) combine_recv_tokens<Net, 8>(c, a, a.half, seq, false, false);
     return;
   }
   const bool sent = a.partial ? combine_send_partial<Net, kSig, kBoth>(c, a, &seq) : combine_send<Net, kSig>(c, a, &seq);

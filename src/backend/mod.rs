@@ -306,6 +306,10 @@ mod tests {
         // Small hidden: one expert per rank leaves no room for the messages, two no room for
         // the partial rows (the combine then sends per-expert rows); at 7168 one expert fits.
         assert!(g(128, 128, 8).wire(8).is_none());
+        // One expert per rank: below hidden 7168 the messages never fit, from 7168 they always do
+        // (the LL GPU suite's configuration generator skips the former).
+        assert!(g(1, 5120, 16).wire(16).is_none() && g(1500, 5120, 16).wire(16).is_none());
+        assert!(g(1, 7168, 16).wire(16).is_some() && g(1500, 8192, 16).wire(16).is_some());
         assert!(!g(128, 128, 16).wire(8).unwrap().partial_fits);
         assert!(!g(128, 7168, 8).wire(8).unwrap().partial_fits);
         assert!(g(128, 7168, 24).wire(8).unwrap().partial_fits);

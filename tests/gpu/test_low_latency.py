@@ -91,6 +91,11 @@ def make_configs(num_ranks: int, count: int, seed: int) -> list:
         t = rng.choice(TS)
         if hint(t, hidden, num_ranks, experts) > LL_BYTES:
             continue
+        # One expert per rank (16 ranks, 16 experts) below hidden 7168: the nccl backend's
+        # deduplicated messages do not fit in DeepEP's receive region and the dispatch refuses
+        # it by design (unit test `wire_layout_fits_deepeps_receive_half`).
+        if experts == num_ranks and hidden < 7168:
+            continue
         mode = rng.choice([m for m in MODES if m != "fp8-ue8m0" or hidden % 512 == 0])
         def tokens():
             u = rng.random()

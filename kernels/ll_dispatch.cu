@@ -77,9 +77,10 @@ __device__ __forceinline__ uint32_t cast_group_nvfp4(uint2 v, float s, uint32_t*
 // NVLink domain (internode) gets the same bytes by seam puts from the staging area of the send half
 // (deep_ep_kernels.h): per token its meta and the payload (staged once for all remote
 // destinations), at the end its count, index rows and signals.
-// Returns false when the buffer timed out (nothing sent); *seq: this call's number.
+// Returns false when the buffer timed out (nothing sent); *seq: this call's number; *mask: the
+// block's copy of the rank mask (shared memory), read once at its start.
 template <class Net, bool kFp4>
-__device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint32_t* seq) {
+__device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint32_t* seq, const int** mask) {
   __shared__ uint32_t s_seq;
   __shared__ int s_skip, s_last, s_ndst, s_any_far;
   __shared__ int s_before[kMaxLlExperts], s_total[kMaxLlExperts];
@@ -90,6 +91,7 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
   __shared__ uint32_t s_ent[kMaxLlTopk][kMaxLlTopk];
   __shared__ float s_w[kMaxLlTopk][kMaxLlTopk];
   __shared__ unsigned long long s_fp[kSendWarps], s_fpw[kSendWarps];  // block 0: per-warp shares of the routing fingerprints (kLlRouting)
+  *mask = s_mask;
   if (!begin_send(c, a, DEK_LL_KIND_DISPATCH, &s_seq, &s_skip)) return false;
   *seq = s_seq;
   LL_STAMP(1);
@@ -371,9 +373,11 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
 // then warps y*W+w (W warps per block), stepping by Y*W, copy the rows (sources ascending, then
 // slot order): row (l, s, slot) is message idx[l][s][slot] of source s. Returns false when the
 // block gives up (reported). Generic in the block size: the receive launch runs kLlThreads, the
-// one-launch dispatch the send's kSendThreads.
+// one-launch dispatch the send's kSendThreads. mask: the send's copy of the rank mask in this
+// block (one load fewer before the wait), or NULL (read it; shrink mode: a wait may change it).
 template <class Net, bool kFp4, int kThreads>
-__device__ __forceinline__ bool dispatch_recv_column(const Ctx& c, const Args& a, int l, int y, int Y, int half, uint32_t seq) {
+__device__ __forceinline__ bool dispatch_recv_column(const Ctx& c, const Args& a, int l, int y, int Y, int half, uint32_t seq,
+                                                     const int* mask) {
   constexpr int kWarps = kThreads / 32;
   __shared__ int s_ok;
   __shared__ int s_cnt[kMaxLlRanks], s_begin[kMaxLlRanks + 1];
@@ -389,7 +393,8 @@ __device__ __forceinline__ bool dispatch_recv_column(const Ctx& c, const Args& a
     uint32_t v = 0;
     bool gave_up = false;
     const uint32_t* word = at<const uint32_t>(me, sig_off(a, half) + static_cast<uint64_t>(l * R + s) * 4);
-    const int got = rank_masked(a, s) ? 0 : wait_from<Net>(c, a, s, word, kSeamDispatch, half, l, seq, DEK_IC_SITE_LL_DISPATCH, &v, &gave_up);
+    const bool dead = mask != nullptr ? mask[s] != 0 : rank_masked(a, s);
+    const int got = dead ? 0 : wait_from<Net>(c, a, s, word, kSeamDispatch, half, l, seq, DEK_IC_SITE_LL_DISPATCH, &v, &gave_up);
     if (gave_up) abandon_call<Net>(c, a, kSeamDispatch, half, seq, a.shrink_mask != nullptr ? s : -1, false);
     if (got == 0) {
       s_cnt[s] = 0;  // a masked source (or, in shrink mode, one that timed out) counts as sending nothing
@@ -492,7 +497,7 @@ __device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a) {
     s_seq = q;
   }
   __syncthreads();
-  if (s_ok) dispatch_recv_column<Net, kFp4, kLlThreads>(c, a, blockIdx.x, blockIdx.y, gridDim.y, s_half, s_seq);
+  if (s_ok) dispatch_recv_column<Net, kFp4, kLlThreads>(c, a, blockIdx.x, blockIdx.y, gridDim.y, s_half, s_seq, nullptr);
 }
 
 }  // namespace
@@ -519,11 +524,13 @@ __global__ void __launch_bounds__(kSendThreads, 2) dispatch(const __grid_constan
   }
   LL_STAMP(0);
 #endif
-  if (!dispatch_send<Net, kFp4>(c, a, &seq) || phase != DEK_LL_PHASE_BOTH) return;
+  const int* mask = nullptr;
+  if (!dispatch_send<Net, kFp4>(c, a, &seq, &mask) || phase != DEK_LL_PHASE_BOTH) return;
+  if (a.shrink_mask != nullptr) mask = nullptr;  // a wait may mask a rank during the call: read it each time
   LL_STAMP(5);
   const int el = a.num_experts / c.num_ranks, blocks = static_cast<int>(gridDim.x), y_count = blocks > el ? blocks / el : 1;
   for (int col = blockIdx.x; col < el * y_count; col += blocks) {
-    if (!dispatch_recv_column<Net, kFp4, kSendThreads>(c, a, col % el, col / el, y_count, a.half, seq)) return;
+    if (!dispatch_recv_column<Net, kFp4, kSendThreads>(c, a, col % el, col / el, y_count, a.half, seq, mask)) return;
   }
 #ifdef DEEP_EP_LL_STAMPS
   __syncthreads();

@@ -449,14 +449,20 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
   __shared__ int64_t s_e[kMaxLlTopk];
   __shared__ float s_w[kMaxLlTopk];
   __shared__ int s_part[kMaxLlTopk];  // partial sums: the token's distinct expert ranks, ascending
+  __shared__ int s_dead[kMaxLlRanks];  // the rank mask, read once (no shrink mode: it cannot change during the call)
   const int tid = threadIdx.x, R = c.num_ranks, El = a.num_experts / R, E = a.num_experts, T = a.num_max_tokens, H = a.hidden;
   const int K = a.num_topk;
+  const bool snap = a.shrink_mask == nullptr;  // shrink mode: a wait may mask a rank, read the mask each time
+  const auto masked = [&](int d) { return snap ? s_dead[d] != 0 : rank_masked(a, d); };
   if (tid == 0) s_ok = 1;
-  for (int d = tid; d < R; d += blockDim.x) s_wait[d] = 0;
+  for (int d = tid; d < R; d += blockDim.x) {
+    s_wait[d] = 0;
+    if (snap) s_dead[d] = rank_masked(a, d);
+  }
   __syncthreads();
   char* me = local(c);
   for (int w = tid; w < E; w += blockDim.x) {
-    if (rank_masked(a, w / El)) continue;  // a masked rank returns nothing and is not waited for
+    if (masked(w / El)) continue;  // a masked rank returns nothing and is not waited for
     if (partial && w % El != 0) continue;  // partial: one word per expert rank
     const long long t0 = clock64();
     uint32_t v = 0;
@@ -492,7 +498,7 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
       int64_t e = -1;
       if (tid < K) {
         e = topk_at(a, static_cast<int64_t>(tok) * K + tid);
-        if (e >= 0 && e < E && rank_masked(a, static_cast<int>(e / El))) e = -1;  // experts of masked ranks: dropped
+        if (e >= 0 && e < E && masked(static_cast<int>(e / El))) e = -1;  // experts of masked ranks: dropped
         s_e[tid] = e;
         s_w[tid] = a.topk_weights[static_cast<int64_t>(tok) * K + tid];
       }

@@ -726,20 +726,20 @@ int dek_ll_dispatch_send(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, voi
 int dek_ll_dispatch_recv(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream);
 /* Both phases in one launch of num_blocks blocks (no recv_state), all resident at once. */
 int dek_ll_dispatch(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream);
-/* Send phase of a combine: one block per (local expert, source rank) pushes the rows of
- * layout_range back to the source rank at (global expert, src token), then signals. With
- * `partial`: blocks (source rank, y) sum each message of the dispatch (dispatch_half) over its
- * entries with the weights it carried, push one bf16 row per (token, source rank); the last block
- * signals. With flags & DEK_LL_FLAG_LOGFMT (not with partial or zero_copy): each warp encodes one
- * chunk (1024 channels, 512 when H % 1024 != 0) of a row as LogFMT-10 into the LogFMT layout. */
+/* Send phase of a combine: one block per (local expert, source rank) pushes the rows of layout_range
+ * back to the source rank at (global expert, src token), then signals. `partial`: blocks (source rank, y) sum each
+ * message of the dispatch (dispatch_half) with its weights, push one bf16 row per (token, source rank); the last
+ * signals. flags & DEK_LL_FLAG_LOGFMT (not partial or zero_copy): a warp encodes a chunk (1024 channels, 512 when
+ * H % 1024 != 0) of a row as LogFMT-10 into the LogFMT layout. */
 int dek_ll_combine_send(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream);
 /* Receive phase: waits for all E words (partial: the R words d*E_l), out[n] = bf16(sum over k in
- * order of fma(y, w_k, acc)) (partial: bf16(sum over expert ranks d ascending of the fp32 of d's
- * partial row), d unmasked with an expert in the token's top-k; LogFMT: the decoded values in
- * place of y). */
+ * order of fma(y, w_k, acc)) (partial: bf16(sum over expert ranks d ascending of the fp32 of d's partial row),
+ * d unmasked with an expert in the token's top-k; LogFMT: the decoded values in place of y). */
 int dek_ll_combine_recv(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream);
 /* Both phases in one launch of 128-thread blocks, all resident: E (rows) or num_blocks (partial); not LogFMT, signal, seam. */
 int dek_ll_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream);
+/* dek_ll_combine at one rank (num_ranks == 1), each out row summed straight from y: no signal, no receive area. */
+int dek_ll_combine_local(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream);
 /* Zeroes this rank's signal words of both halves (between two barriers on the host side), and
  * with a seam its seam signals [0, 4E) of every context and their shadows. */
 int dek_ll_zero_signals(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream);

@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "ll_combine_local.cuh"
 #include "ll_combine_spread.cuh"
 #include "logfmt.cuh"
 #include "low_latency.cuh"
@@ -171,54 +172,6 @@ __device__ __forceinline__ bool combine_send(const Ctx& c, const Args& a, uint32
   }
   finish_send(c, s_seq);
   return true;
-}
-
-// Thread tid's channel units [u_lo, u_hi) of a partial-sum row: out = bf16(sum over the n rows
-// in order of fma(y, w, acc)). kJ units x kQ rows are loaded before any is summed: the send is
-// bound by loads in flight, not by bytes (one 16-byte load per thread in flight took ~3x the wire
-// time). Every unit's sum runs in the same order whatever kQ and kJ: the result is bit-exact.
-// row[q]: the q-th entry's row (a zero-copy slot of M bf16, or a row of x; 16-byte aligned), < 0:
-// skipped; w[q] its weight.
-template <int kQ, int kJ>
-__device__ __forceinline__ void partial_units(const Ctx& c, const Args& a, int u_lo, int u_hi, int n, const int64_t* row, const float* w,
-                                              char* out_row) {
-  const int64_t M = a.hidden + a.hidden / 128 * 2;
-  for (int j0 = u_lo + static_cast<int>(threadIdx.x); j0 < u_hi; j0 += kJ * kLlThreads) {
-    float acc[kJ][8];
-#pragma unroll
-    for (int i = 0; i < kJ; ++i) {
-#pragma unroll
-      for (int u = 0; u < 8; ++u) acc[i][u] = 0.0f;
-    }
-    for (int q0 = 0; q0 < n; q0 += kQ) {
-      uint32_t wv[kQ][kJ][4];
-#pragma unroll
-      for (int q = 0; q < kQ; ++q) {
-        const int64_t r = q0 + q < n ? row[q0 + q] : -1;
-        const int4* y = reinterpret_cast<const int4*>(a.zero_copy ? local(c) + send_off(a, a.half) + r * M * 2
-                                                                  : reinterpret_cast<const char*>(static_cast<const uint16_t*>(a.x) + r * a.hidden));
-#pragma unroll
-        for (int i = 0; i < kJ; ++i) {
-          const int j = j0 + i * kLlThreads;
-          int4 v = make_int4(0, 0, 0, 0);
-          if (r >= 0 && j < u_hi) v = __ldcg(y + j);
-          wv[q][i][0] = static_cast<uint32_t>(v.x), wv[q][i][1] = static_cast<uint32_t>(v.y);
-          wv[q][i][2] = static_cast<uint32_t>(v.z), wv[q][i][3] = static_cast<uint32_t>(v.w);
-        }
-      }
-#pragma unroll
-      for (int q = 0; q < kQ; ++q) {
-        if (q0 + q >= n || row[q0 + q] < 0) continue;
-#pragma unroll
-        for (int i = 0; i < kJ; ++i) fma_bf16x8(acc[i], wv[q][i], w[q0 + q]);
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kJ; ++i) {
-      const int j = j0 + i * kLlThreads;
-      if (j < u_hi) reinterpret_cast<int4*>(out_row)[j] = pack_bf16x8(acc[i]);
-    }
-  }
 }
 
 // Partial combine: block (s, y) of (R, Y) (block b of a 1-D grid: (b % R, b / R), Y = blocks / R)
@@ -407,33 +360,6 @@ __device__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok,
   }
 }
 
-// Block 0 of a combine receive: the fingerprint of its topk_idx (and, when the combine sent partial
-// sums, of its topk_weights) against the dispatch's the combine answers (kLlRouting [2 + half],
-// [6 + half]; 0 = unknown). Others would silently sum the wrong rows or weights: reported
-// (DEK_IC_ERR_LL_ROUTING, raised at the next call), as the CPU backend raises at once.
-__device__ void check_routing(const Ctx& c, const Args& a, int half) {
-  __shared__ unsigned long long s_fp[kReduceThreads / 32], s_fpw[kReduceThreads / 32];  // per-warp shares
-  const uint64_t want = ld_volatile(at<uint64_t>(local(c), kLlRouting) + 2 + half);
-  const uint64_t want_w = ld_volatile(at<uint64_t>(local(c), kLlRouting) + 6 + half);
-  if (want == 0) return;  // the same word for every thread: the branch is uniform
-  const int64_t nk = static_cast<int64_t>(a.num_tokens) * a.num_topk;
-  uint64_t h = 0, hw = 0;
-  for (int64_t j = threadIdx.x; j < nk; j += blockDim.x) {
-    h += routing_mix(j, topk_at(a, j));
-    if (want_w != 0) hw += routing_mix(j, __float_as_uint(a.topk_weights[j]));
-  }
-  warp_shares_u64(h, hw, s_fp, s_fpw);
-  __syncthreads();
-  if (threadIdx.x != 0) return;
-  h = shares_sum_u64(s_fp, blockDim.x / 32);
-  hw = shares_sum_u64(s_fpw, blockDim.x / 32);
-  if (routing_seal(h, a.num_tokens, a.num_topk) != want) {
-    report(c, DEK_IC_ERR_LL_ROUTING, c.rank, DEK_IC_SITE_LL_COMBINE, a.num_tokens, a.num_topk, 0);
-  } else if (want_w != 0 && routing_seal(hw, a.num_tokens, a.num_topk) != want_w) {
-    report(c, DEK_IC_ERR_LL_ROUTING, c.rank, DEK_IC_SITE_LL_COMBINE, a.num_tokens, a.num_topk, 1);
-  }
-}
-
 // Every block waits for all E words (partial: the R words d*E_l) of call `seq` on `half`, then
 // reduces work items blockIdx.x, +gridDim.x, ...: item w = slice w % P of token w / P (P blocks
 // share a token when there are more blocks than tokens: a 1-token combine is not one block's
@@ -592,11 +518,16 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
 // spilled (266 bytes), and the way out (the partial send not inlined: its `a` then read through a
 // generic pointer) made the partial combine 40 % slower at 128 tokens (bench/NOTES-2026-11-28.md,
 // session 19).
-template <class Net, bool kSig, bool kBoth = false, bool kSpread = false>
+// kLocal (one rank, dek_ll_combine_local): the sums straight from y (ll_combine_local.cuh).
+template <class Net, bool kSig, bool kBoth = false, bool kSpread = false, bool kLocal = false>
 __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kReduceThreads, kBoth ? 3 : 1)
     combine(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
   if (!kBoth && phase == DEK_LL_PHASE_RECV) {
     if constexpr (!kSig) combine_recv<Net>(c, a);
+    return;
+  }
+  if constexpr (kLocal) {
+    combine_local<Net>(c, a);
     return;
   }
   uint32_t seq = 0;
@@ -719,6 +650,21 @@ extern "C" int dek_ll_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args
   } else {
     combine<LsaNet, false, true><<<blocks, kLlThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args, DEK_LL_PHASE_BOTH);
   }
+  return static_cast<int>(cudaGetLastError());
+}
+
+extern "C" int dek_ll_combine_local(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream) {
+  if (!ll_ok(ctx, args) || ctx->num_ranks != 1 || args->src_info == nullptr || args->layout_range == nullptr ||
+      (!args->zero_copy && args->x == nullptr) ||
+      (args->num_tokens > 0 && (args->out == nullptr || args->topk_idx == nullptr || args->topk_weights == nullptr)) ||
+      (args->flags & DEK_LL_FLAG_LOGFMT) != 0 || args->signal != nullptr || args->net != nullptr)
+    return static_cast<int>(cudaErrorInvalidValue);
+  // A token's H/1024 slices on blocks of their own (8 rows' loads in flight per thread), at most
+  // 3 blocks per SM (the one-launch instantiations' bound).
+  const int64_t slices = static_cast<int64_t>(args->num_tokens) * ((args->hidden / 8 + kLlThreads - 1) / kLlThreads);
+  const int64_t cap = ctx->num_sms > 0 ? 3 * static_cast<int64_t>(ctx->num_sms) : 1;
+  const int blocks = static_cast<int>(slices < 1 ? 1 : slices < cap ? slices : cap);
+  combine<LsaNet, false, true, false, true><<<blocks, kLlThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args, DEK_LL_PHASE_BOTH);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -84,6 +84,14 @@ pub fn ll_one_launch() -> bool {
     *ONE.get_or_init(|| two_way_knob("DEEP_EP_LL_LAUNCH", "one", "two"))
 }
 
+/// `DEEP_EP_LL_LOCAL`: `direct` (default: a one-launch low-latency combine at one rank sums the
+/// expert outputs straight into `out`) or `peer` (it goes through the receive area as with peers);
+/// read once per process. Same results.
+pub fn ll_local() -> bool {
+    static DIRECT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *DIRECT.get_or_init(|| two_way_knob("DEEP_EP_LL_LOCAL", "direct", "peer"))
+}
+
 /// `DEEP_EP_INTRANODE_REDUCE_WARPS`: warps of each 16-warp block of the fused combine kernel that
 /// start reducing while the others push (1..15, default 4; push warps join the reduce when their
 /// rows are out); read once.

@@ -51,6 +51,9 @@ crate::kernels::intranode::launchers! {
     /// Both phases of an LL combine in one launch (BF16 rows or partial sums, no signal, no seam),
     /// every block resident at once (no `recv_state`).
     combine(a: &LlArgs) => dek_ll_combine, "low-latency combine kernel launch";
+    /// `combine` at one rank (`num_ranks == 1`): every output row summed straight from the expert
+    /// outputs (or the zero-copy slots), no signal and no receive area.
+    combine_local(a: &LlArgs) => dek_ll_combine_local, "low-latency one-rank combine kernel launch";
     /// Zeroes this rank's LL signal words of both halves (2 * signal_bytes of its own window at
     /// ll_off, checked on the C side).
     zero_signals(a: &LlArgs) => dek_ll_zero_signals, "low-latency signal reset kernel launch";

@@ -524,7 +524,13 @@ impl LowLatencyMode for PeerBackend {
         ll_combine_recv_args(&mut a, g, r, st)?;
         self.ll_begin_send(OP_COMBINE, &mut a, stream)?;
         // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
-        unsafe { k::combine(OP_COMBINE, self.window.ctx(), &a, stream) }
+        unsafe {
+            if self.info.num_ranks == 1 && crate::settings::ll_local() {
+                k::combine_local(OP_COMBINE, self.window.ctx(), &a, stream)
+            } else {
+                k::combine(OP_COMBINE, self.window.ctx(), &a, stream)
+            }
+        }
     }
 
     fn clean_low_latency_buffer(&mut self, g: &LlGeometry, stream: Stream) -> Result<()> {

@@ -715,17 +715,17 @@ typedef struct {
 #define DEK_LL_NET_GIN 2 /* NCCL GIN */
 /* Seam signals per rank the LL kernels use at most: 4 * DEK_LL_MAX_EXPERTS. */
 #define DEK_LL_SEAM_SIGNALS (4 * DEK_LL_MAX_EXPERTS)
-/* Send phase of a dispatch: blocks of one or a few tokens (at most num_blocks) count expert slots
- * and message slots in shared memory, push one message per (token, destination rank) (cast to
- * FP8 once when use_fp8) with its index entries; the last block signals every count. topk_weights
- * ([N, K] f32 or NULL) travel in the messages. */
+/* Send phase of a dispatch: blocks of one or a few tokens (at most num_blocks) count expert slots and message slots
+ * in shared memory, push one message per (token, destination rank) (cast to FP8 once when use_fp8) with its index
+ * entries; the last block signals every count. topk_weights ([N, K] f32 or NULL) travel in the messages. */
 int dek_ll_dispatch_send(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream);
-/* Receive phase: waits for every unmasked source's count of each local expert, copies the rows
- * (through the index table) into recv_x / scales / src_info, writes recv_count and layout_range,
- * adds the stats. */
+/* Receive phase: waits for every unmasked source's count of each local expert, copies the rows (through the index
+ * table) into recv_x / scales / src_info, writes recv_count and layout_range, adds the stats. */
 int dek_ll_dispatch_recv(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream);
 /* Both phases in one launch of num_blocks blocks (no recv_state), all resident at once. */
 int dek_ll_dispatch(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream);
+/* dek_ll_dispatch at one rank (num_ranks == 1, no seam): the send writes the outputs itself; no signal, no receive. */
+int dek_ll_dispatch_local(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream);
 /* Send phase of a combine: one block per (local expert, source rank) pushes the rows of layout_range
  * back to the source rank at (global expert, src token), then signals. `partial`: blocks (source rank, y) sum each
  * message of the dispatch (dispatch_half) with its weights, push one bf16 row per (token, source rank); the last

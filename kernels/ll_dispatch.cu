@@ -66,6 +66,62 @@ __device__ __forceinline__ uint32_t cast_group_nvfp4(uint2 v, float s, uint32_t*
   return e2m1(__fmul_rn(f[0], out)) | e2m1(__fmul_rn(f[1], out)) << 4 | e2m1(__fmul_rn(f[2], out)) << 8 | e2m1(__fmul_rn(f[3], out)) << 12;
 }
 
+// ---- one rank: the rows straight into the outputs --------------------------------------------------
+// One warp's cast groups [g0, min(g0 + kBatch, g_hi)) of the current token (v: the BF16 loads, q /
+// inv: the FP8 or NVFP4 codes and scales) stored into every kept selection's row (local expert l,
+// slot i) of recv_x and the scales, in the receive's layouts: FP8 scales f32 (or UE8M0 bytes of the
+// packed int32) at scale_stride, NVFP4 scale bytes in the 128x4 swizzle. R == 1: the rows of an
+// expert are its slots.
+template <bool kFp4, int kBatch>
+__device__ __forceinline__ void local_rows(const Args& a, int g0, int g_hi, int lane, int ndst, const int* n,
+                                           const uint32_t (*ent)[kMaxLlTopk], const uint2 (&v)[kBatch], const uint32_t (&q)[kBatch],
+                                           const float (&inv)[kBatch]) {
+  const int64_t T = a.num_max_tokens, H = a.hidden;
+  const int64_t row_bytes = a.use_fp8 ? H : kFp4 ? H / 2 : 2 * H;
+  for (int i = 0; i < ndst; ++i) {
+    for (int p = 0; p < n[i]; ++p) {
+      const uint32_t en = ent[i][p];
+      const int64_t l = en >> 16, slot = en & 0xffffu;
+      char* xr = static_cast<char*>(a.recv_x) + (l * T + slot) * row_bytes;
+      if (a.use_fp8) {
+        // The group's scale: f32 at g * stride, or byte g % 4 of the UE8M0 int32 at (g / 4) * stride.
+        char* sr = static_cast<char*>(a.recv_scales) + 4 * (l * a.scale_stride[0] + slot * a.scale_stride[1]);
+        const int64_t ss = 4 * a.scale_stride[2];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          const int g = g0 + u;
+          if (g >= g_hi) break;
+          *reinterpret_cast<uint32_t*>(xr + g * 128 + lane * 4) = q[u];
+          if (lane != 0) continue;
+          if (a.use_ue8m0) {
+            *reinterpret_cast<uint8_t*>(sr + (g / 4) * ss + g % 4) = static_cast<uint8_t>((__float_as_uint(inv[u]) >> 23) & 0xffu);
+          } else {
+            *reinterpret_cast<float*>(sr + g * ss) = inv[u];
+          }
+        }
+      } else if (kFp4) {  // H/2 bytes of codes; scale byte j = 8g + lane/4 at its swizzled place
+        const int64_t rk = H / 64;
+        unsigned char* sr = static_cast<unsigned char*>(a.recv_scales) + (l * ((T + 127) / 128) + slot / 128) * rk * 512 + (slot % 32) * 16 +
+                            ((slot % 128) / 32) * 4 + (lane / 4) % 4 + (lane / 16) * 512;
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          const int g = g0 + u;
+          if (g >= g_hi) break;
+          *reinterpret_cast<uint16_t*>(xr + g * 64 + lane * 2) = static_cast<uint16_t>(q[u]);
+          if (lane % 4 == 0) sr[g * 1024] = static_cast<uint8_t>(__float_as_uint(inv[u]));  // j / 4 = 2g + lane / 16
+        }
+      } else {
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          const int g = g0 + u;
+          if (g >= g_hi) break;
+          *reinterpret_cast<uint2*>(xr + g * 256 + lane * 8) = v[u];
+        }
+      }
+    }
+  }
+}
+
 // ---- dispatch send ------------------------------------------------------------------------------
 // Block b owns tokens [b*per, (b+1)*per). Every block first counts, in shared memory, the
 // selections of each expert over all tokens (s_total, for the signals) and over the tokens before
@@ -77,9 +133,13 @@ __device__ __forceinline__ uint32_t cast_group_nvfp4(uint2 v, float s, uint32_t*
 // NVLink domain (internode) gets the same bytes by seam puts from the staging area of the send half
 // (deep_ep_kernels.h): per token its meta and the payload (staged once for all remote
 // destinations), at the end its count, index rows and signals.
+// kLocal (one rank, dek_ll_dispatch_local): each selection's row goes straight into recv_x / the
+// scales at (local expert, slot), src_info is written beside the message meta, and block 0 writes
+// recv_count / layout_range / the stats from the counting pass: no payload in the message, no index
+// entry, no signal, no receive. The meta and the count word stay (a later partial combine reads them).
 // Returns false when the buffer timed out (nothing sent); *seq: this call's number; *mask: the
 // block's copy of the rank mask (shared memory), read once at its start.
-template <class Net, bool kFp4>
+template <class Net, bool kFp4, bool kLocal>
 __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint32_t* seq, const int** mask) {
   __shared__ uint32_t s_seq;
   __shared__ int s_skip, s_last, s_ndst, s_any_far;
@@ -148,6 +208,14 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
     uint64_t* words = at<uint64_t>(local(c), kLlRouting);
     words[a.half] = routing_seal(shares_sum_u64(s_fp, kSendWarps), N, K);
     words[4 + a.half] = a.topk_weights != nullptr ? routing_seal(shares_sum_u64(s_fpw, kSendWarps), N, K) : 0;
+  }
+  if (kLocal && blockIdx.x == 0) {  // the receive's outputs of one source (R == 1: E_l == E)
+    for (int e = tid; e < E; e += kSendThreads) {
+      const int n = min(s_total[e], T);
+      a.layout_range[e] = n;
+      a.recv_count[e] = n;
+      if (a.cumulative != nullptr) a.cumulative[e] += n;
+    }
   }
   const uint64_t recv = recv_off(a, a.half), msgs = recv + a.msgs_off;
   // NVLink only: every block counted every rank's messages, so block 0 stores the message counts
@@ -231,10 +299,14 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
         const uint32_t en = s_ent[i][lane];
         reinterpret_cast<uint32_t*>(msg + 32)[lane] = en;
         reinterpret_cast<float*>(msg + 32 + 4 * kMaxLlTopk)[lane] = s_w[i][lane];
-        const uint64_t w = (static_cast<uint64_t>((en >> 16) * R + c.rank) * T + (en & 0xffffu)) * 4;
-        uint32_t* entry = seam ? at<uint32_t>(local(c), stage + a.stage_idx_off + (static_cast<uint64_t>(d * El + (en >> 16)) * T + (en & 0xffffu)) * 4)
-                               : at<uint32_t>(base, recv + a.idx_off + w);
-        *entry = static_cast<uint32_t>(s_msg[i]);
+        if (kLocal) {
+          a.src_info[static_cast<int64_t>(en >> 16) * T + (en & 0xffffu)] = tok;
+        } else {
+          const uint64_t w = (static_cast<uint64_t>((en >> 16) * R + c.rank) * T + (en & 0xffffu)) * 4;
+          uint32_t* entry = seam ? at<uint32_t>(local(c), stage + a.stage_idx_off + (static_cast<uint64_t>(d * El + (en >> 16)) * T + (en & 0xffffu)) * 4)
+                                 : at<uint32_t>(base, recv + a.idx_off + w);
+          *entry = static_cast<uint32_t>(s_msg[i]);
+        }
       }
     }
     const uint16_t* row = static_cast<const uint16_t*>(a.x) + static_cast<int64_t>(tok) * H;
@@ -258,6 +330,10 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
           if (g0 + u < g_hi) q[u] = cast_group_nvfp4(v[u], gscale, &sf);
           inv[u] = __uint_as_float(sf);
         }
+      }
+      if (kLocal) {
+        local_rows<kFp4, kBatch>(a, g0, g_hi, lane, ndst, s_n, s_ent, v, q, inv);
+        continue;
       }
       for (int i = -1; i < ndst; ++i) {  // i = -1: the staged payload of the remote destinations
         char* pay;
@@ -349,14 +425,14 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
   // thread 0), then relaxed system stores: the release pattern once per thread instead of a
   // release store (a fence of its own) per signal, which warp 0 ran twice in a row for E > 256
   // (bench/LL_PROFILE.md section 11).
-  if (tid < E) fence_acq_rel_sys();
+  if (!kLocal && tid < E) fence_acq_rel_sys();
   const uint64_t sig = sig_off(a, a.half) + static_cast<uint64_t>(c.rank) * 4;
   for (int e = tid; e < E; e += kSendThreads) {
     const int d = e / El;
     if (s_mask[d]) continue;  // nothing goes to a masked rank
     const int cnt = s_total[e];
     if (cnt > T) report(c, DEK_IC_ERR_OVERFLOW, d, DEK_IC_SITE_LL_DISPATCH, cnt, T);
-    if (remote(c, a, d)) continue;  // signalled above
+    if (kLocal || remote(c, a, d)) continue;  // no peer (local); signalled above (remote)
     st_relaxed_sys_u32(at<uint32_t>(window(c, d), sig + static_cast<uint64_t>((e % El) * R) * 4), tag(s_seq, static_cast<uint32_t>(min(cnt, T))));
   }
   __syncthreads();
@@ -511,9 +587,11 @@ __device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a) {
 // for a grid resident at once (the launcher's caller's condition).
 // kFp4: the NVFP4 payload (a.use_nvfp4), an instantiation of its own so that its registers do not
 // weigh on the FP8 / BF16 kernels (128 -> 148 when one kernel held all three).
-template <class Net, bool kFp4>
-__global__ void __launch_bounds__(kSendThreads, 2) dispatch(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
-  if (phase == DEK_LL_PHASE_RECV) {
+// kLocal (one rank, dek_ll_dispatch_local): the send writes the outputs itself; there is no receive.
+// It runs no receive beside the send, so it need not be resident: 1 block per SM in the bound.
+template <class Net, bool kFp4, bool kLocal = false>
+__global__ void __launch_bounds__(kSendThreads, kLocal ? 1 : 2) dispatch(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
+  if (!kLocal && phase == DEK_LL_PHASE_RECV) {
     dispatch_recv<Net, kFp4>(c, a);
     return;
   }
@@ -525,7 +603,7 @@ __global__ void __launch_bounds__(kSendThreads, 2) dispatch(const __grid_constan
   LL_STAMP(0);
 #endif
   const int* mask = nullptr;
-  if (!dispatch_send<Net, kFp4>(c, a, &seq, &mask) || phase != DEK_LL_PHASE_BOTH) return;
+  if (!dispatch_send<Net, kFp4, kLocal>(c, a, &seq, &mask) || kLocal || phase != DEK_LL_PHASE_BOTH) return;
   if (a.shrink_mask != nullptr) mask = nullptr;  // a wait may mask a rank during the call: read it each time
   LL_STAMP(5);
   const int el = a.num_experts / c.num_ranks, blocks = static_cast<int>(gridDim.x), y_count = blocks > el ? blocks / el : 1;
@@ -598,4 +676,18 @@ extern "C" int dek_ll_dispatch(const dek_ic_ctx_t* ctx, const dek_ll_args_t* arg
   if (!send_args_ok(ctx, args, false) || !recv_args_ok(args)) return static_cast<int>(cudaErrorInvalidValue);
   // num_blocks blocks of kSendThreads, every one resident at once (the caller's send grid).
   return launch_dispatch(ctx, args, dim3(args->num_blocks < 1 ? 1 : args->num_blocks), kSendThreads, stream, DEK_LL_PHASE_BOTH);
+}
+
+extern "C" int dek_ll_dispatch_local(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream) {
+  if (ctx == nullptr || ctx->num_ranks != 1 || args == nullptr || args->net != nullptr || !send_args_ok(ctx, args, false) || !recv_args_ok(args))
+    return static_cast<int>(cudaErrorInvalidValue);
+  // Blocks of one or a few tokens (num_blocks: the send grid), at least one.
+  const int blocks = args->num_tokens < 1 ? 1 : (args->num_tokens < args->num_blocks ? args->num_tokens : args->num_blocks);
+  const cudaStream_t s = deep_ep::as_stream(stream);
+  if (args->use_nvfp4) {
+    dispatch<LsaNet, true, true><<<blocks, kSendThreads, 0, s>>>(*ctx, *args, DEK_LL_PHASE_BOTH);
+  } else {
+    dispatch<LsaNet, false, true><<<blocks, kSendThreads, 0, s>>>(*ctx, *args, DEK_LL_PHASE_BOTH);
+  }
+  return static_cast<int>(cudaGetLastError());
 }

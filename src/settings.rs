@@ -84,9 +84,9 @@ pub fn ll_one_launch() -> bool {
     *ONE.get_or_init(|| two_way_knob("DEEP_EP_LL_LAUNCH", "one", "two"))
 }
 
-/// `DEEP_EP_LL_LOCAL`: `direct` (default: a one-launch low-latency combine at one rank sums the
-/// expert outputs straight into `out`) or `peer` (it goes through the receive area as with peers);
-/// read once per process. Same results.
+/// `DEEP_EP_LL_LOCAL`: `direct` (default: at one rank a one-launch low-latency dispatch writes its
+/// outputs from the send, and a one-launch combine sums the expert outputs straight into `out`)
+/// or `peer` (both go through the receive area as with peers); read once per process. Same results.
 pub fn ll_local() -> bool {
     static DIRECT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *DIRECT.get_or_init(|| two_way_knob("DEEP_EP_LL_LOCAL", "direct", "peer"))

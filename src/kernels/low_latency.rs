@@ -44,6 +44,9 @@ crate::kernels::intranode::launchers! {
     /// Both phases of an LL dispatch in one launch of `a.num_blocks` blocks, all of which must be
     /// resident at once (no `recv_state`).
     dispatch(a: &LlArgs) => dek_ll_dispatch, "low-latency dispatch kernel launch";
+    /// `dispatch` at one rank (`num_ranks == 1`, no seam): the send writes recv_x, the scales,
+    /// src_info, layout_range, recv_count and the stats itself; no signal, no receive.
+    dispatch_local(a: &LlArgs) => dek_ll_dispatch_local, "low-latency one-rank dispatch kernel launch";
     /// Send phase of an LL combine.
     combine_send(a: &LlArgs) => dek_ll_combine_send, "low-latency combine send kernel launch";
     /// Receive phase of an LL combine.

@@ -91,11 +91,12 @@ def test_every_listed_kernel_is_in_the_library(kernels):
 
 def test_low_latency_ops_have_one_kernel_each(kernels):
     """As DeepEP: one kernel per LL op (both halves), per seam and variant instantiation (dispatch:
-    NVFP4 or not; combine: single-batch-overlap waits or not, and the one-launch forms, NVLink
+    NVFP4 or not, and the one-rank form; combine: single-batch-overlap waits or not, and the one-launch forms, NVLink
     only: the rows send spread over every warp or not, and the one-rank combine), all under the op's one name."""
     names = [d for d in kernels["demangled"] if _qualified(d).startswith("deep_ep::ll::")]
     want = {
-        "dispatch": ["deep_ep::tp::GinNet, false", "deep_ep::tp::GinNet, true", "deep_ep::tp::LsaNet, false", "deep_ep::tp::LsaNet, true"],
+        "dispatch": ["deep_ep::tp::GinNet, false, false", "deep_ep::tp::GinNet, true, false", "deep_ep::tp::LsaNet, false, false",
+                     "deep_ep::tp::LsaNet, false, true", "deep_ep::tp::LsaNet, true, false", "deep_ep::tp::LsaNet, true, true"],
         "combine": ["deep_ep::tp::GinNet, false, false, false, false", "deep_ep::tp::GinNet, true, false, false, false",
                     "deep_ep::tp::LsaNet, false, false, false, false", "deep_ep::tp::LsaNet, false, true, false, false",
                     "deep_ep::tp::LsaNet, false, true, false, true", "deep_ep::tp::LsaNet, false, true, true, false",

@@ -485,7 +485,13 @@ impl LowLatencyMode for PeerBackend {
         ll_recv_outputs(&mut a, o, out, st)?;
         self.ll_begin_send(OP_DISPATCH, &mut a, stream)?;
         // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
-        unsafe { k::dispatch(OP_DISPATCH, self.window.ctx(), &a, stream) }?;
+        unsafe {
+            if self.info.num_ranks == 1 && crate::settings::ll_local() {
+                k::dispatch_local(OP_DISPATCH, self.window.ctx(), &a, stream)
+            } else {
+                k::dispatch(OP_DISPATCH, self.window.ctx(), &a, stream)
+            }
+        }?;
         self.ll_dispatch_sent(&a, s, out);
         crate::backend::ll_mark_received(&self.ll.dispatch, &mut self.ll.received, out.src_info.data_ptr() as usize);
         Ok(())

@@ -84,19 +84,26 @@ __device__ __forceinline__ void local_rows(const Args& a, int g0, int g_hi, int 
       const int64_t l = en >> 16, slot = en & 0xffffu;
       char* xr = static_cast<char*>(a.recv_x) + (l * T + slot) * row_bytes;
       if (a.use_fp8) {
-        // The group's scale: f32 at g * stride, or byte g % 4 of the UE8M0 int32 at (g / 4) * stride.
-        char* sr = static_cast<char*>(a.recv_scales) + 4 * (l * a.scale_stride[0] + slot * a.scale_stride[1]);
-        const int64_t ss = 4 * a.scale_stride[2];
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
           const int g = g0 + u;
           if (g >= g_hi) break;
           *reinterpret_cast<uint32_t*>(xr + g * 128 + lane * 4) = q[u];
-          if (lane != 0) continue;
+        }
+        // Lane u stores group g0 + u's scale (the same in every lane): one store per lane instead of
+        // a batch of them in lane 0 (scattered: the scales are column-major). f32 at g * stride, or
+        // byte g % 4 of the UE8M0 int32 at (g / 4) * stride.
+        const int g = g0 + lane;
+        if (lane < kBatch && g < g_hi) {
+          float mine = inv[0];
+#pragma unroll
+          for (int u = 1; u < kBatch; ++u) mine = lane == u ? inv[u] : mine;
+          char* sr = static_cast<char*>(a.recv_scales) + 4 * (l * a.scale_stride[0] + slot * a.scale_stride[1]);
+          const int64_t ss = 4 * a.scale_stride[2];
           if (a.use_ue8m0) {
-            *reinterpret_cast<uint8_t*>(sr + (g / 4) * ss + g % 4) = static_cast<uint8_t>((__float_as_uint(inv[u]) >> 23) & 0xffu);
+            *reinterpret_cast<uint8_t*>(sr + (g / 4) * ss + g % 4) = static_cast<uint8_t>((__float_as_uint(mine) >> 23) & 0xffu);
           } else {
-            *reinterpret_cast<float*>(sr + g * ss) = inv[u];
+            *reinterpret_cast<float*>(sr + g * ss) = mine;
           }
         }
       } else if (kFp4) {  // H/2 bytes of codes; scale byte j = 8g + lane/4 at its swizzled place

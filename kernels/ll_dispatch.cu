@@ -338,32 +338,32 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
           inv[u] = __uint_as_float(sf);
         }
       }
-      if (kLocal) {
+      if constexpr (kLocal) {
         local_rows<kFp4, kBatch>(a, g0, g_hi, lane, ndst, s_n, s_ent, v, q, inv);
-        continue;
-      }
-      for (int i = -1; i < ndst; ++i) {  // i = -1: the staged payload of the remote destinations
-        char* pay;
-        if (i < 0) {
-          if (!s_any_far) continue;
-          pay = local(c) + stage + static_cast<uint64_t>(tok) * pay_stride;
-        } else {
-          const int d = s_dst[i];
-          if (remote(c, a, d)) continue;
-          pay = window(c, d) + msgs + static_cast<uint64_t>(c.rank * T + s_msg[i]) * a.msg_bytes + kMsgMeta;
-        }
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-          const int g = g0 + u;
-          if (g >= g_hi) break;
-          if (a.use_fp8) {
-            *reinterpret_cast<uint32_t*>(pay + g * 128 + lane * 4) = q[u];
-            if (lane == 0) *reinterpret_cast<float*>(pay + H + g * 4) = inv[u];
-          } else if (kFp4) {  // H/2 bytes of codes, then H/16 scale bytes (the CPU backend's wire)
-            *reinterpret_cast<uint16_t*>(pay + g * 64 + lane * 2) = static_cast<uint16_t>(q[u]);
-            if (lane % 4 == 0) *reinterpret_cast<uint8_t*>(pay + H / 2 + g * 8 + lane / 4) = static_cast<uint8_t>(__float_as_uint(inv[u]));
+      } else {
+        for (int i = -1; i < ndst; ++i) {  // i = -1: the staged payload of the remote destinations
+          char* pay;
+          if (i < 0) {
+            if (!s_any_far) continue;
+            pay = local(c) + stage + static_cast<uint64_t>(tok) * pay_stride;
           } else {
-            *reinterpret_cast<uint2*>(pay + g * 256 + lane * 8) = v[u];
+            const int d = s_dst[i];
+            if (remote(c, a, d)) continue;
+            pay = window(c, d) + msgs + static_cast<uint64_t>(c.rank * T + s_msg[i]) * a.msg_bytes + kMsgMeta;
+          }
+  #pragma unroll
+          for (int u = 0; u < kBatch; ++u) {
+            const int g = g0 + u;
+            if (g >= g_hi) break;
+            if (a.use_fp8) {
+              *reinterpret_cast<uint32_t*>(pay + g * 128 + lane * 4) = q[u];
+              if (lane == 0) *reinterpret_cast<float*>(pay + H + g * 4) = inv[u];
+            } else if (kFp4) {  // H/2 bytes of codes, then H/16 scale bytes (the CPU backend's wire)
+              *reinterpret_cast<uint16_t*>(pay + g * 64 + lane * 2) = static_cast<uint16_t>(q[u]);
+              if (lane % 4 == 0) *reinterpret_cast<uint8_t*>(pay + H / 2 + g * 8 + lane / 4) = static_cast<uint8_t>(__float_as_uint(inv[u]));
+            } else {
+              *reinterpret_cast<uint2*>(pay + g * 256 + lane * 8) = v[u];
+            }
           }
         }
       }

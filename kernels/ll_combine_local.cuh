@@ -62,14 +62,15 @@ __device__ __forceinline__ void partial_units(const Ctx& c, const Args& a, int u
   }
 }
 
-// Block 0 of a combine receive: the fingerprint of its topk_idx (and, when the combine sent partial
-// sums, of its topk_weights) against the dispatch's the combine answers (kLlRouting [2 + half],
-// [6 + half]; 0 = unknown). Others would silently sum the wrong rows or weights: reported
-// (DEK_IC_ERR_LL_ROUTING, raised at the next call), as the CPU backend raises at once.
-__device__ void check_routing(const Ctx& c, const Args& a, int half) {
+// One block of a combine receive: the fingerprint of its topk_idx (and, when the combine sent
+// partial sums, of its topk_weights) against the dispatch's the combine answers: routing words
+// id_word and w_word (kLlRouting; 0 = unknown, w_word < 0: no weights). Others would silently sum
+// the wrong rows or weights: reported (DEK_IC_ERR_LL_ROUTING, raised at the next call), as the CPU
+// backend raises at once.
+__device__ void check_routing_at(const Ctx& c, const Args& a, int id_word, int w_word) {
   __shared__ unsigned long long s_fp[kReduceThreads / 32], s_fpw[kReduceThreads / 32];  // per-warp shares
-  const uint64_t want = ld_volatile(at<uint64_t>(local(c), kLlRouting) + 2 + half);
-  const uint64_t want_w = ld_volatile(at<uint64_t>(local(c), kLlRouting) + 6 + half);
+  const uint64_t want = ld_volatile(at<uint64_t>(local(c), kLlRouting) + id_word);
+  const uint64_t want_w = w_word < 0 ? 0 : ld_volatile(at<uint64_t>(local(c), kLlRouting) + w_word);
   if (want == 0) return;  // the same word for every thread: the branch is uniform
   const int64_t nk = static_cast<int64_t>(a.num_tokens) * a.num_topk;
   uint64_t h = 0, hw = 0;
@@ -88,6 +89,9 @@ __device__ void check_routing(const Ctx& c, const Args& a, int half) {
     report(c, DEK_IC_ERR_LL_ROUTING, c.rank, DEK_IC_SITE_LL_COMBINE, a.num_tokens, a.num_topk, 1);
   }
 }
+
+// Block 0 of a combine receive: the copies its send made (kLlRouting [2 + half], [6 + half]).
+__device__ __forceinline__ void check_routing(const Ctx& c, const Args& a, int half) { check_routing_at(c, a, 2 + half, 6 + half); }
 
 // The row of y (l * R*T + row) holding token tok's selection of local expert l at one rank, or -1:
 // a binary search of the expert's src_info rows, which a dispatch at one rank writes in token order
@@ -119,8 +123,8 @@ __device__ __forceinline__ int64_t local_row(const Args& a, int l, int tok, int6
 // or the rank masked), then the block sums the rows in k order (partial_units: fma in f32, one BF16
 // rounding: the bits of the peer path's rows receive and of its one-rank partial sum, 0 +
 // bf16(acc)). Kept from the peer path: begin_send (a timed-out buffer skips, the call number, the
-// routing fingerprints the combine answers), block 0's routing check, finish_send (the call
-// counter). No signal, format word or receive area is touched.
+// routing fingerprints the combine answers), the routing check (by the last block), finish_send
+// (the call counter). No signal, format word or receive area is touched.
 template <class Net>
 __device__ __forceinline__ void combine_local(const Ctx& c, const Args& a) {
   __shared__ uint32_t s_seq;
@@ -128,7 +132,12 @@ __device__ __forceinline__ void combine_local(const Ctx& c, const Args& a) {
   __shared__ int64_t s_row[kMaxLlTopk];
   __shared__ float s_w[kMaxLlTopk];
   if (!begin_send(c, a, DEK_LL_KIND_COMBINE, &s_seq, &s_skip)) return;
-  if (blockIdx.x == 0) check_routing(c, a, a.half);
+  // The grid's last block checks the routing: the items end before it when N * P < the grid, so the
+  // check (two passes over N * K entries with weights) is off the critical path. It reads the
+  // dispatch's words themselves (what begin_send's block 0 copies to [2 + half], [6 + half]).
+  if (blockIdx.x == gridDim.x - 1 && (a.routing_half == 0 || a.routing_half == 1)) {
+    check_routing_at(c, a, a.routing_half, a.partial ? 4 + a.routing_half : -1);
+  }
   const int tid = threadIdx.x, K = a.num_topk, E = a.num_experts, H = a.hidden, N = a.num_tokens;
   const int64_t RT = a.num_max_tokens, M = H + H / 128 * 2;
   const bool dead = rank_masked(a, 0);

@@ -192,7 +192,7 @@ def library_commit():
 
 def write_record(path, script, world, rows, backend=None):
     """Writes the JSON record of a bench run (date, commit, command, device, versions, this library's
-    backend when given, rows); rank 0 only. `git_commit` is the measured library's build commit
+    backend when given, the DEEP_EP_* settings set, rows); rank 0 only. `git_commit` is the measured library's build commit
     where its wheel says it, else the checkout's; `bench_commit` is the checkout's (the scripts)."""
     checkout = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
     commit = library_commit() or checkout
@@ -200,7 +200,9 @@ def write_record(path, script, world, rows, backend=None):
            "command": "torchrun --nproc-per-node %d %s %s" % (world, script, " ".join(sys.argv[1:])),
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "num_gpus": world,
            "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
-           **({"backend": backend} if backend else {}), "rows": rows}
+           **({"backend": backend} if backend else {}),
+           # The library's settings in effect (README "Environment"; unset ones are at their defaults).
+           "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("DEEP_EP_")}, "rows": rows}
     with open(path, "w") as f:
         json.dump(env, f, indent=1)
 

@@ -409,3 +409,12 @@ def test_low_latency_matches_cpu_backend(num_ranks, domain):
             assert r["graph"] == [] and r["graph_hooks"] == [] and r["graph_rows"] == [], "\n".join(lines)
     if domain and sum(r["logfmt_tokens"] for r in results) >= 64:
         assert sum(r["logfmt_seam_rows"] for r in results) > 0, "LogFMT configurations ran but no row crossed the seam\n" + "\n".join(lines)
+
+
+def test_one_rank_peer_path_matches_cpu_backend(monkeypatch):
+    """The one-rank suite again on the peer path (`DEEP_EP_LL_LOCAL=peer`: the send through the
+    receive area, the spread rows send from 768 selections): the default one-rank forms write the
+    outputs directly, so without this run the peer kernels at one rank would go untested. The
+    spawned ranks inherit the setting (read once per process)."""
+    monkeypatch.setenv("DEEP_EP_LL_LOCAL", "peer")
+    test_low_latency_matches_cpu_backend(1, 0)

@@ -641,7 +641,8 @@ extern "C" int dek_ll_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args
   // The send grid as one dimension: E blocks (per-expert rows), or num_blocks (partial sums).
   const int blocks = args->partial ? (args->num_blocks > ctx->num_ranks ? args->num_blocks : ctx->num_ranks) : args->num_experts;
   // One rank only until the spread send has run with peers (it signals them as the per-item send
-  // does, but no GPU run has had several GPUs since it was written: bench/PENDING.md).
+  // does, but no GPU run has had several GPUs since it was written: bench/PENDING.md); at one rank
+  // it runs only when the library chose this peer path over dek_ll_combine_local (DEEP_EP_LL_LOCAL=peer).
   if (ctx->num_ranks == 1 && !args->partial && static_cast<int64_t>(args->num_tokens) * args->num_topk >= kSpreadMinSelections) {
     // Its work does not follow the grid: 3 blocks per SM, all resident (109 registers: 4 would fit;
     // the caller checked E <= 3 x SMs for the E-block grid).

@@ -192,8 +192,9 @@ def library_commit():
 
 def write_record(path, script, world, rows, backend=None):
     """Writes the JSON record of a bench run (date, commit, command, device, versions, this library's
-    backend when given, the DEEP_EP_* settings set, rows); rank 0 only. `git_commit` is the measured library's build commit
-    where its wheel says it, else the checkout's; `bench_commit` is the checkout's (the scripts)."""
+    backend when given, the DEEP_EP_* settings set, rows); rank 0 only. `git_commit` is the measured
+    library's build commit where its wheel says it, else the checkout's; `bench_commit` is the
+    checkout's (the scripts)."""
     checkout = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
     commit = library_commit() or checkout
     env = {"date": datetime.date.today().isoformat(), "git_commit": commit, "bench_commit": checkout,

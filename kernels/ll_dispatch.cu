@@ -351,7 +351,7 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
             if (remote(c, a, d)) continue;
             pay = window(c, d) + msgs + static_cast<uint64_t>(c.rank * T + s_msg[i]) * a.msg_bytes + kMsgMeta;
           }
-  #pragma unroll
+#pragma unroll
           for (int u = 0; u < kBatch; ++u) {
             const int g = g0 + u;
             if (g >= g_hi) break;
@@ -656,6 +656,10 @@ bool send_args_ok(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, bool need_
          (args->num_tokens == 0 || (args->x != nullptr && args->topk_idx != nullptr)) && args->num_experts <= kMaxLlExperts &&
          args->num_topk <= kMaxLlTopk && (!args->use_nvfp4 || (!args->use_fp8 && args->x_global_scale != nullptr));
 }
+// Send blocks of one or a few tokens (at most num_blocks, all resident), at least one.
+int token_blocks(const dek_ll_args_t* args) {
+  return args->num_tokens < 1 ? 1 : (args->num_tokens < args->num_blocks ? args->num_tokens : args->num_blocks);
+}
 // The receive's outputs.
 bool recv_args_ok(const dek_ll_args_t* args) {
   return args->recv_x != nullptr && args->recv_count != nullptr && args->src_info != nullptr && args->layout_range != nullptr &&
@@ -665,9 +669,8 @@ bool recv_args_ok(const dek_ll_args_t* args) {
 
 extern "C" int dek_ll_dispatch_send(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream) {
   if (!send_args_ok(ctx, args, true)) return static_cast<int>(cudaErrorInvalidValue);
-  // Blocks of one or a few tokens, all resident (8 per SM by threads); at least one signals.
-  const int blocks = args->num_tokens < 1 ? 1 : (args->num_tokens < args->num_blocks ? args->num_tokens : args->num_blocks);
-  return launch_dispatch(ctx, args, dim3(blocks), kSendThreads, stream, DEK_LL_PHASE_SEND);
+  // All resident (8 per SM by threads); at least one signals.
+  return launch_dispatch(ctx, args, dim3(token_blocks(args)), kSendThreads, stream, DEK_LL_PHASE_SEND);
 }
 
 extern "C" int dek_ll_dispatch_recv(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream) {
@@ -688,8 +691,7 @@ extern "C" int dek_ll_dispatch(const dek_ic_ctx_t* ctx, const dek_ll_args_t* arg
 extern "C" int dek_ll_dispatch_local(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream) {
   if (ctx == nullptr || ctx->num_ranks != 1 || args == nullptr || args->net != nullptr || !send_args_ok(ctx, args, false) || !recv_args_ok(args))
     return static_cast<int>(cudaErrorInvalidValue);
-  // Blocks of one or a few tokens (num_blocks: the send grid), at least one.
-  const int blocks = args->num_tokens < 1 ? 1 : (args->num_tokens < args->num_blocks ? args->num_tokens : args->num_blocks);
+  const int blocks = token_blocks(args);
   const cudaStream_t s = deep_ep::as_stream(stream);
   if (args->use_nvfp4) {
     dispatch<LsaNet, true, true><<<blocks, kSendThreads, 0, s>>>(*ctx, *args, DEK_LL_PHASE_BOTH);

@@ -633,11 +633,18 @@ extern "C" int dek_ll_combine_recv(const dek_ic_ctx_t* ctx, const dek_ll_args_t*
   return static_cast<int>(cudaGetLastError());
 }
 
+namespace {
+// The arguments of a one-launch combine (dek_ll_combine, dek_ll_combine_local): BF16 rows or partial
+// sums, no LogFMT, overlap signal or seam.
+bool one_launch_combine_ok(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args) {
+  return ll_ok(ctx, args) && args->src_info != nullptr && args->layout_range != nullptr && (args->zero_copy || args->x != nullptr) &&
+         (args->num_tokens <= 0 || (args->out != nullptr && args->topk_idx != nullptr && args->topk_weights != nullptr)) &&
+         (args->flags & DEK_LL_FLAG_LOGFMT) == 0 && args->signal == nullptr && args->net == nullptr;
+}
+}  // namespace
+
 extern "C" int dek_ll_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream) {
-  if (!ll_ok(ctx, args) || args->src_info == nullptr || args->layout_range == nullptr || (!args->zero_copy && args->x == nullptr) ||
-      (args->num_tokens > 0 && (args->out == nullptr || args->topk_idx == nullptr || args->topk_weights == nullptr)) ||
-      (args->flags & DEK_LL_FLAG_LOGFMT) != 0 || args->signal != nullptr || args->net != nullptr)
-    return static_cast<int>(cudaErrorInvalidValue);
+  if (!one_launch_combine_ok(ctx, args)) return static_cast<int>(cudaErrorInvalidValue);
   // The send grid as one dimension: E blocks (per-expert rows), or num_blocks (partial sums).
   const int blocks = args->partial ? (args->num_blocks > ctx->num_ranks ? args->num_blocks : ctx->num_ranks) : args->num_experts;
   // One rank only until the spread send has run with peers (it signals them as the per-item send
@@ -655,11 +662,7 @@ extern "C" int dek_ll_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args
 }
 
 extern "C" int dek_ll_combine_local(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream) {
-  if (!ll_ok(ctx, args) || ctx->num_ranks != 1 || args->src_info == nullptr || args->layout_range == nullptr ||
-      (!args->zero_copy && args->x == nullptr) ||
-      (args->num_tokens > 0 && (args->out == nullptr || args->topk_idx == nullptr || args->topk_weights == nullptr)) ||
-      (args->flags & DEK_LL_FLAG_LOGFMT) != 0 || args->signal != nullptr || args->net != nullptr)
-    return static_cast<int>(cudaErrorInvalidValue);
+  if (!one_launch_combine_ok(ctx, args) || ctx->num_ranks != 1) return static_cast<int>(cudaErrorInvalidValue);
   // A token's H/1024 slices on blocks of their own (8 rows' loads in flight per thread), at most
   // 3 blocks per SM (the one-launch instantiations' bound).
   const int64_t slices = static_cast<int64_t>(args->num_tokens) * ((args->hidden / 8 + kLlThreads - 1) / kLlThreads);

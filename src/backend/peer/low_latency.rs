@@ -193,6 +193,11 @@ fn ll_format_error(op: &'static str, e: crate::kernels::intranode::KernelError) 
 }
 
 impl PeerBackend {
+    /// Whether a one-launch LL op takes its one-rank form (`DEEP_EP_LL_LOCAL`): one rank, no peer.
+    fn ll_local_form(&self) -> bool {
+        self.info.num_ranks == 1 && crate::settings::ll_local()
+    }
+
     fn ll_grid(&self) -> LlGrid {
         LlGrid::new(self.window.ctx().num_sms, self.window.ranks_on_gpu())
     }
@@ -486,7 +491,7 @@ impl LowLatencyMode for PeerBackend {
         self.ll_begin_send(OP_DISPATCH, &mut a, stream)?;
         // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
         unsafe {
-            if self.info.num_ranks == 1 && crate::settings::ll_local() {
+            if self.ll_local_form() {
                 k::dispatch_local(OP_DISPATCH, self.window.ctx(), &a, stream)
             } else {
                 k::dispatch(OP_DISPATCH, self.window.ctx(), &a, stream)
@@ -531,7 +536,7 @@ impl LowLatencyMode for PeerBackend {
         self.ll_begin_send(OP_COMBINE, &mut a, stream)?;
         // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
         unsafe {
-            if self.info.num_ranks == 1 && crate::settings::ll_local() {
+            if self.ll_local_form() {
                 k::combine_local(OP_COMBINE, self.window.ctx(), &a, stream)
             } else {
                 k::combine(OP_COMBINE, self.window.ctx(), &a, stream)

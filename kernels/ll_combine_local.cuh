@@ -123,8 +123,8 @@ __device__ __forceinline__ int64_t local_row(const Args& a, int l, int tok, int6
 // or the rank masked), then the block sums the rows in k order (partial_units: fma in f32, one BF16
 // rounding: the bits of the peer path's rows receive and of its one-rank partial sum, 0 +
 // bf16(acc)). Kept from the peer path: begin_send (a timed-out buffer skips, the call number, the
-// routing fingerprints the combine answers), the routing check (by the last block), finish_send
-// (the call counter). No signal, format word or receive area is touched.
+// routing fingerprints the combine answers), the routing check (by the last block), the call
+// counter (block 0). No signal, format word or receive area is touched.
 template <class Net>
 __device__ __forceinline__ void combine_local(const Ctx& c, const Args& a) {
   __shared__ uint32_t s_seq;
@@ -178,7 +178,9 @@ __device__ __forceinline__ void combine_local(const Ctx& c, const Args& a) {
     }
     __syncthreads();  // s_row / s_w are rewritten for the next item
   }
-  finish_send(c, s_seq);
+  // The call counter, by block 0 with no ticket (as the one-rank dispatch: nothing of the local
+  // form reads s_seq, so a block that reads the counter after this store is harmless).
+  if (blockIdx.x == 0 && tid == 0) *at<volatile int>(local(c), kLlCalls) = static_cast<int>(s_seq);
 }
 
 }  // namespace

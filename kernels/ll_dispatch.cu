@@ -390,12 +390,19 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
   // the barrier made it see (the grid-sync pattern) without 256 fences waiting on NVLink each.
   __syncthreads();
   LL_STAMP(2);
-  if (tid == 0) {
-    fence_acq_rel_sys();
-    s_last = atomicAdd(at<unsigned int>(local(c), kLlDone), 1u) == gridDim.x - 1;
+  if constexpr (kLocal) {
+    // No peer waits for this call's stores and every block holds the whole count: block 0 runs
+    // the tail (reports, call counter) with no fence or ticket. Another block may still read the
+    // old counter in begin_send: its s_seq then differs, which nothing in the local form uses.
+    if (blockIdx.x != 0) return true;
+  } else {
+    if (tid == 0) {
+      fence_acq_rel_sys();
+      s_last = atomicAdd(at<unsigned int>(local(c), kLlDone), 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!s_last) return true;
   }
-  __syncthreads();
-  if (!s_last) return true;
   LL_STAMP(3);
   if (a.net != nullptr) {
     fence_acq_rel_sys();

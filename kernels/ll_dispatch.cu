@@ -458,6 +458,24 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
   return true;
 }
 
+// Instrument build: block 0 (the token's block at 1 token) and the block that signalled (stamp 3
+// set) print their stamps every 16th call (bench/ll_stamps.py); d7 is the print's own time.
+__device__ __forceinline__ void print_stamps(const Ctx& c, uint32_t seq) {
+#ifdef DEEP_EP_LL_STAMPS
+  __syncthreads();
+  const unsigned long long* t = ll_stamps();
+  if (threadIdx.x == 0 && (blockIdx.x == 0 || t[3] != 0) && seq % 16 == 0) {
+    auto d = [&](int i) { return t[i] ? static_cast<long long>(t[i] - t[0]) : -1LL; };
+    // The runtime writes a printf in pieces: give each rank its own stdout (bench/ll_stamps.py).
+    printf("llst rank %d block %d seq %u t0 %llu d1 %lld d2 %lld d3 %lld d4 %lld d5 %lld d6 %lld d7 %lld d8 %lld d9 %lld d10 %lld d11 %lld\n",
+           c.rank, blockIdx.x, seq, t[0], d(1), d(2), d(3), d(4), d(5), d(6), static_cast<long long>(globaltimer() - t[0]), d(8), d(9),
+           d(10), d(11));
+  }
+#else
+  (void)c, (void)seq;
+#endif
+}
+
 // ---- dispatch receive ---------------------------------------------------------------------------
 // Column (l, y) of Y: waits for the R counts of local expert l (not for masked sources: count 0),
 // then warps y*W+w (W warps per block), stepping by Y*W, copy the rows (sources ascending, then
@@ -617,25 +635,16 @@ __global__ void __launch_bounds__(kSendThreads, kLocal ? 1 : 2) dispatch(const _
   LL_STAMP(0);
 #endif
   const int* mask = nullptr;
-  if (!dispatch_send<Net, kFp4, kLocal>(c, a, &seq, &mask) || kLocal || phase != DEK_LL_PHASE_BOTH) return;
+  const bool sent = dispatch_send<Net, kFp4, kLocal>(c, a, &seq, &mask);
+  if (kLocal && sent) print_stamps(c, seq);  // the one-rank form ends at its send (block 0: its tail is d3, d4)
+  if (!sent || kLocal || phase != DEK_LL_PHASE_BOTH) return;
   if (a.shrink_mask != nullptr) mask = nullptr;  // a wait may mask a rank during the call: read it each time
   LL_STAMP(5);
   const int el = a.num_experts / c.num_ranks, blocks = static_cast<int>(gridDim.x), y_count = blocks > el ? blocks / el : 1;
   for (int col = blockIdx.x; col < el * y_count; col += blocks) {
     if (!dispatch_recv_column<Net, kFp4, kSendThreads>(c, a, col % el, col / el, y_count, a.half, seq, mask)) return;
   }
-#ifdef DEEP_EP_LL_STAMPS
-  __syncthreads();
-  const unsigned long long* t = ll_stamps();
-  // Block 0 (the token's block at 1 token) and the block that signalled (stamp 3 set), every 16th call.
-  if (threadIdx.x == 0 && (blockIdx.x == 0 || t[3] != 0) && seq % 16 == 0) {
-    auto d = [&](int i) { return t[i] ? static_cast<long long>(t[i] - t[0]) : -1LL; };
-    // The runtime writes a printf in pieces: give each rank its own stdout (bench/ll_stamps.py).
-    printf("llst rank %d block %d seq %u t0 %llu d1 %lld d2 %lld d3 %lld d4 %lld d5 %lld d6 %lld d7 %lld d8 %lld d9 %lld d10 %lld d11 %lld\n",
-           c.rank, blockIdx.x, seq, t[0], d(1), d(2), d(3), d(4), d(5), d(6), static_cast<long long>(globaltimer() - t[0]), d(8), d(9),
-           d(10), d(11));
-  }
-#endif
+  print_stamps(c, seq);
 }
 
 // `dispatch` for the Net and payload of `args`.

@@ -2,17 +2,19 @@
 build (cargo feature `ll-stamps`: `cargo build --release --features ll-stamps`). Every 16th call,
 block 0 (at 1 token the block holding the token) and the block that signals print one line each:
 
-    llst rank R block B seq Q t0 T d1 .. d11      (ns after that block's kernel entry t0; -1: not reached)
+    llst rank R block B seq Q t0 T d1 .. d14      (ns after that block's kernel entry t0; -1: not reached)
 
   d8  the mask read (first block barrier)           d1  begin_send done (call number, state checks)
   d9  every selection counted (second barrier)      d10 block 0's message counts stored to the peers
-  d11 the block's first token routed (warp 0)        d2  the block's tokens stored (before its ticket)
+  d11 the block's first token routed (warp 0)        d12 its meta written (warp 0)
+  d13 its first batch of x loaded and cast (warp 0)  d14 that batch stored (one-rank form, warp 0)
+  d2  the block's tokens stored (before its ticket)
   d3  the ticket said last (signalling block only)  d4  signals stored (signalling block only)
   d5  the send returned (receive starts)            d6  this block's column saw every count
   d7  the block's rows copied (kernel end)
 
-(The order in the kernel: d1, d8, d9, d10, d11, d2, d3, d4, d5, d6, d7.) The runtime writes a
-device printf in pieces, so the ranks' outputs interleave on a shared stdout: give each rank its
+(The order in the kernel: d1, d8, d9, d10, d11, d12, d13, d14, d2, d3, d4, d5, d6, d7.) The
+runtime writes a device printf in pieces, so the ranks' outputs interleave on a shared stdout: give each rank its
 own file (torchrun --redirects) and this script every file:
 
     DEEP_EP_LIBRARY=<instrument build>/libdeep_ep.so torchrun --nproc-per-node 2 --log-dir LOGS \
@@ -53,7 +55,7 @@ def summary(calls):
             continue
         med = lambda f: round(statistics.median(f(v) for v in rows) / 1000, 2)  # noqa: E731
         res = {"calls": len(rows)}
-        for k in ("d1", "d8", "d9", "d10", "d11", "d2", "d5", "d6", "d7"):
+        for k in ("d1", "d8", "d9", "d10", "d11", "d12", "d13", "d14", "d2", "d5", "d6", "d7"):
             if all(k in v["first"] for v in rows):
                 res[f"block0_{k}"] = med(lambda v, k=k: v["first"][k])
         for k in ("d2", "d3", "d4"):

@@ -316,6 +316,7 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
         }
       }
     }
+    if (tok == t_begin) LL_STAMP(12);
     const uint16_t* row = static_cast<const uint16_t*>(a.x) + static_cast<int64_t>(tok) * H;
     for (int g0 = g_lo; g0 < g_hi; g0 += kBatch) {
       uint2 v[kBatch];
@@ -338,8 +339,10 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
           inv[u] = __uint_as_float(sf);
         }
       }
+      if (tok == t_begin && g0 == g_lo) LL_STAMP_AFTER(13, a.use_fp8 ? q[0] : v[0].x);
       if constexpr (kLocal) {
         local_rows<kFp4, kBatch>(a, g0, g_hi, lane, ndst, s_n, s_ent, v, q, inv);
+        if (tok == t_begin && g0 == g_lo) LL_STAMP(14);
       } else {
         for (int i = -1; i < ndst; ++i) {  // i = -1: the staged payload of the remote destinations
           char* pay;
@@ -467,9 +470,10 @@ __device__ __forceinline__ void print_stamps(const Ctx& c, uint32_t seq) {
   if (threadIdx.x == 0 && (blockIdx.x == 0 || t[3] != 0) && seq % 16 == 0) {
     auto d = [&](int i) { return t[i] ? static_cast<long long>(t[i] - t[0]) : -1LL; };
     // The runtime writes a printf in pieces: give each rank its own stdout (bench/ll_stamps.py).
-    printf("llst rank %d block %d seq %u t0 %llu d1 %lld d2 %lld d3 %lld d4 %lld d5 %lld d6 %lld d7 %lld d8 %lld d9 %lld d10 %lld d11 %lld\n",
+    printf("llst rank %d block %d seq %u t0 %llu d1 %lld d2 %lld d3 %lld d4 %lld d5 %lld d6 %lld d7 %lld d8 %lld d9 %lld d10 %lld d11 %lld "
+           "d12 %lld d13 %lld d14 %lld\n",
            c.rank, blockIdx.x, seq, t[0], d(1), d(2), d(3), d(4), d(5), d(6), static_cast<long long>(globaltimer() - t[0]), d(8), d(9),
-           d(10), d(11));
+           d(10), d(11), d(12), d(13), d(14));
   }
 #else
   (void)c, (void)seq;

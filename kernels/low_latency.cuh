@@ -39,15 +39,24 @@ constexpr int kDstWarps = rank_workers(kSendWarps);  // dispatch send: warps tak
 // Instrument (cargo feature ll-stamps, bench/ll_stamps.py): thread 0 of a block writes the
 // %globaltimer into stamp i < kLlStamps of its block (shared memory); the dispatch kernel prints
 // them at its end. Compiled out otherwise.
-constexpr int kLlStamps = 12;
+constexpr int kLlStamps = 15;
 __device__ __forceinline__ unsigned long long* ll_stamps() {
   __shared__ unsigned long long s_stamps[kLlStamps];
   return s_stamps;
 }
 #ifdef DEEP_EP_LL_STAMPS
 #define LL_STAMP(i) (threadIdx.x == 0 ? (void)(ll_stamps()[i] = globaltimer()) : (void)0)
+// The same, once register r holds its value (an empty asm that reads it orders the timer after).
+#define LL_STAMP_AFTER(i, r)                 \
+  do {                                       \
+    if (threadIdx.x == 0) {                  \
+      asm volatile("" ::"r"(r));             \
+      ll_stamps()[i] = globaltimer();        \
+    }                                        \
+  } while (0)
 #else
 #define LL_STAMP(i) ((void)0)
+#define LL_STAMP_AFTER(i, r) ((void)0)
 #endif
 
 // Most experts of a dispatch send (two int histograms of E in shared memory).

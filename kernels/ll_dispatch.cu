@@ -3,6 +3,7 @@
 // Protocol: deep_ep_kernels.h ("Low-latency mode"); shared helpers: low_latency.cuh.
 #include <cuda_fp8.h>
 
+#include <algorithm>
 #include <cstdint>
 #ifdef DEEP_EP_LL_STAMPS
 #include <cstdio>
@@ -129,6 +130,10 @@ __device__ __forceinline__ void local_rows(const Args& a, int g0, int g_hi, int 
   }
 }
 
+// Blocks per token of the one-rank dispatch (its launcher gives N * P blocks when P > 1, else at
+// most N): a grid larger than the token count splits each token's groups over P blocks.
+__host__ __device__ __forceinline__ int local_split(int n, int blocks) { return n >= 1 && blocks > n ? blocks / n : 1; }
+
 // ---- dispatch send ------------------------------------------------------------------------------
 // Block b owns tokens [b*per, (b+1)*per). Every block first counts, in shared memory, the
 // selections of each expert over all tokens (s_total, for the signals) and over the tokens before
@@ -165,8 +170,11 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int R = c.num_ranks, E = a.num_experts, El = E / R, T = a.num_max_tokens, H = a.hidden, S = H / 128;
   const int N = a.num_tokens, K = a.num_topk;
-  const int per = (N + gridDim.x - 1) / gridDim.x;
-  const int t_begin = min(N, static_cast<int>(blockIdx.x) * per), t_end = min(N, t_begin + per);
+  // kLocal with more blocks than tokens (local_split): P blocks per token, block b the groups
+  // [S * (b % P) / P, S * (b % P + 1) / P) of token b / P. Otherwise the whole groups of `per` tokens.
+  const int P = kLocal ? local_split(N, static_cast<int>(gridDim.x)) : 1, slice = static_cast<int>(blockIdx.x) % P;
+  const int per = P > 1 ? 1 : (N + gridDim.x - 1) / gridDim.x;
+  const int t_begin = min(N, static_cast<int>(blockIdx.x) / P * per), t_end = min(N, t_begin + per);
   for (int e = tid; e < E; e += kSendThreads) s_before[e] = s_total[e] = 0;
   for (int d = tid; d < R; d += kSendThreads) {
     s_rc[d] = s_rct[d] = 0;
@@ -239,7 +247,8 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
   LL_STAMP(10);
   // Staging of remote messages (send half of this call): payload of token tok at tok * pay_stride.
   const uint64_t stage = send_off(a, a.half), pay_stride = a.msg_bytes - kMsgMeta;
-  const int gpw = (S + kSendWarps - 1) / kSendWarps, g_lo = min(S, warp * gpw), g_hi = min(S, g_lo + gpw);
+  const int s_lo = S * slice / P, s_hi = S * (slice + 1) / P;
+  const int gpw = (s_hi - s_lo + kSendWarps - 1) / kSendWarps, g_lo = min(s_hi, s_lo + warp * gpw), g_hi = min(s_hi, g_lo + gpw);
   constexpr int kBatch = 8;
   const float gscale = kFp4 ? __ldg(a.x_global_scale) : 0.0f;
   bool put_any = false;  // this warp put to a remote destination (flushed at the end)
@@ -292,7 +301,7 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
     if (tok == t_begin) LL_STAMP(11);
     const int ndst = s_ndst;
     // Warp i (taking turns): the meta of destination i's message and its index entries.
-    for (int i = warp; i < ndst && warp < kDstWarps; i += kDstWarps) {
+    for (int i = warp; i < ndst && warp < kDstWarps && slice == 0; i += kDstWarps) {  // one block per token
       const int d = s_dst[i], n = s_n[i];
       const bool seam = remote(c, a, d);  // staged: meta [d][slot], index rows [expert][slot]
       char* base = window(c, d);
@@ -711,7 +720,11 @@ extern "C" int dek_ll_dispatch(const dek_ic_ctx_t* ctx, const dek_ll_args_t* arg
 extern "C" int dek_ll_dispatch_local(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream) {
   if (ctx == nullptr || ctx->num_ranks != 1 || args == nullptr || args->net != nullptr || !send_args_ok(ctx, args, false) || !recv_args_ok(args))
     return static_cast<int>(cudaErrorInvalidValue);
-  const int blocks = token_blocks(args);
+  // A token's groups over P blocks while the send grid has room (P = 7 at 1 token and hidden 7168:
+  // one group per warp; bench/NOTES.md session 26): a token's cast and stores were one block's.
+  const int n = args->num_tokens, groups = args->hidden / 128;
+  const int p = n >= 1 ? std::min(args->num_blocks / n, groups / kSendWarps) : 1;
+  const int blocks = p > 1 ? n * p : token_blocks(args);
   const cudaStream_t s = deep_ep::as_stream(stream);
   if (args->use_nvfp4) {
     dispatch<LsaNet, true, true><<<blocks, kSendThreads, 0, s>>>(*ctx, *args, DEK_LL_PHASE_BOTH);

@@ -225,11 +225,17 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
     words[4 + a.half] = a.topk_weights != nullptr ? routing_seal(shares_sum_u64(s_fpw, kSendWarps), N, K) : 0;
   }
   if (kLocal && blockIdx.x == 0) {  // the receive's outputs of one source (R == 1: E_l == E)
+    // The tail of the peer form too (overflow reports, the call counter): no block waits for it.
     for (int e = tid; e < E; e += kSendThreads) {
       const int n = min(s_total[e], T);
       a.layout_range[e] = n;
       a.recv_count[e] = n;
       if (a.cumulative != nullptr) a.cumulative[e] += n;
+      if (s_total[e] > T && !s_mask[e / El]) report(c, DEK_IC_ERR_OVERFLOW, e / El, DEK_IC_SITE_LL_DISPATCH, s_total[e], T);
+    }
+    if (tid == 0) {  // read by the next call's kernels (begin_send): the kernel boundary orders it
+      *at<volatile int>(local(c), kLlCalls) = static_cast<int>(s_seq);
+      *at<volatile unsigned int>(local(c), kLlDone) = 0;
     }
   }
   const uint64_t recv = recv_off(a, a.half), msgs = recv + a.msgs_off;
@@ -397,24 +403,22 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
     __syncthreads();  // s_dst, s_n, s_ent, s_msg are rewritten for the next token
   }
   if (put_any) flush_net<Net>(c, a, lane);
+  // kLocal: block 0 ran the tail after the counting pass (no peer waits for this call's stores,
+  // and every block holds the whole count), so every block ends with its last token. A block that
+  // reads the counter in begin_send after block 0 stored it gets another s_seq, which nothing in
+  // the local form uses.
+  if (kLocal) return true;
   // Every block fences its stores and counts itself done; the last one signals every count. One
   // fence per block, after the barrier: a fence is cumulative, so thread 0's orders every store
   // the barrier made it see (the grid-sync pattern) without 256 fences waiting on NVLink each.
   __syncthreads();
   LL_STAMP(2);
-  if constexpr (kLocal) {
-    // No peer waits for this call's stores and every block holds the whole count: block 0 runs
-    // the tail (reports, call counter) with no fence or ticket. Another block may still read the
-    // old counter in begin_send: its s_seq then differs, which nothing in the local form uses.
-    if (blockIdx.x != 0) return true;
-  } else {
-    if (tid == 0) {
-      fence_acq_rel_sys();
-      s_last = atomicAdd(at<unsigned int>(local(c), kLlDone), 1u) == gridDim.x - 1;
-    }
-    __syncthreads();
-    if (!s_last) return true;
+  if (tid == 0) {
+    fence_acq_rel_sys();
+    s_last = atomicAdd(at<unsigned int>(local(c), kLlDone), 1u) == gridDim.x - 1;
   }
+  __syncthreads();
+  if (!s_last) return true;
   LL_STAMP(3);
   if (a.net != nullptr) {
     fence_acq_rel_sys();
@@ -633,9 +637,10 @@ __device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a) {
 // kFp4: the NVFP4 payload (a.use_nvfp4), an instantiation of its own so that its registers do not
 // weigh on the FP8 / BF16 kernels (128 -> 148 when one kernel held all three).
 // kLocal (one rank, dek_ll_dispatch_local): the send writes the outputs itself; there is no receive.
-// It runs no receive beside the send, so it need not be resident: 1 block per SM in the bound.
+// 2 blocks per SM in the bound for every form: the one-rank form's split grid (up to 264 blocks)
+// must fit in one wave.
 template <class Net, bool kFp4, bool kLocal = false>
-__global__ void __launch_bounds__(kSendThreads, kLocal ? 1 : 2) dispatch(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
+__global__ void __launch_bounds__(kSendThreads, 2) dispatch(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
   if (!kLocal && phase == DEK_LL_PHASE_RECV) {
     dispatch_recv<Net, kFp4>(c, a);
     return;

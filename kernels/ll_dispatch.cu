@@ -209,11 +209,25 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
         if (a.topk_weights != nullptr) fpw += routing_mix(j, __float_as_uint(a.topk_weights[j]));
       }
     }
-    // Lanes of the same token and rank (a key no other lane has when dropped).
-    const unsigned same = __match_any_sync(0xffffffffu, dest < 0 ? -1 - lane : (lane / kp) * kMaxLlRanks + dest);
-    if (dest >= 0 && (same & ((1u << lane) - 1u)) == 0) {
-      atomicAdd(&s_rct[dest], 1);
-      if (tok < t_begin) atomicAdd(&s_rc[dest], 1);
+    if constexpr (kLocal) {
+      // One rank: a token's message is its routed group's first lane; the warp's leaders are
+      // counted by ballots and added once (was a match and up to 8 atomics on the same word per
+      // warp and round: bench/NOTES.md session 26).
+      const int g0 = (lane / kp) * kp;
+      const unsigned routed = __ballot_sync(0xffffffffu, dest >= 0), group = kp >= 32 ? ~0u : ((1u << kp) - 1u) << g0;
+      const bool leader = dest >= 0 && (routed & group & ((1u << lane) - 1u)) == 0;
+      const unsigned leads = __ballot_sync(0xffffffffu, leader), early = __ballot_sync(0xffffffffu, leader && tok < t_begin);
+      if (lane == 0 && leads != 0) {
+        atomicAdd(&s_rct[0], __popc(leads));
+        if (early != 0) atomicAdd(&s_rc[0], __popc(early));
+      }
+    } else {
+      // Lanes of the same token and rank (a key no other lane has when dropped).
+      const unsigned same = __match_any_sync(0xffffffffu, dest < 0 ? -1 - lane : (lane / kp) * kMaxLlRanks + dest);
+      if (dest >= 0 && (same & ((1u << lane) - 1u)) == 0) {
+        atomicAdd(&s_rct[dest], 1);
+        if (tok < t_begin) atomicAdd(&s_rc[dest], 1);
+      }
     }
   }
   if (blockIdx.x == 0) warp_shares_u64(fp, fpw, s_fp, s_fpw);  // uniform in the block: every lane takes part
@@ -284,7 +298,8 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
       const int idx = dst.idx;  // the destination index of rank d
       const bool first_d = dst.first;
       const bool kept = routed && slot < T;  // overflow: reported by the last block, the selection is dropped
-      const unsigned same_d = __match_any_sync(0xffffffffu, kept ? d : -1 - lane);
+      // One rank: every kept lane goes to rank 0 (a ballot, not a match).
+      const unsigned same_d = kLocal ? __ballot_sync(0xffffffffu, kept) : __match_any_sync(0xffffffffu, kept ? d : -1 - lane);
       if (lane < kMaxLlTopk) s_n[lane] = 0;
       __syncwarp();
       if (kept) {

@@ -51,7 +51,12 @@ def summary(calls):
     out = {}
     for rank in sorted({r for r, _ in calls}):
         rows = [v for (r, _), v in calls.items() if r == rank and "first" in v and "sig" in v]
-        if not rows:
+        if not rows:  # the one-rank form: no block signals, block 0 alone
+            rows = [v for (r, _), v in calls.items() if r == rank and "first" in v]
+            if rows:
+                out[rank] = {"calls": len(rows), **{f"block0_{k}": round(statistics.median(v["first"][k] for v in rows) / 1000, 2)
+                                                    for k in ("d1", "d8", "d9", "d10", "d11", "d12", "d13", "d14", "d7")
+                                                    if all(k in v["first"] for v in rows)}}
             continue
         med = lambda f: round(statistics.median(f(v) for v in rows) / 1000, 2)  # noqa: E731
         res = {"calls": len(rows)}

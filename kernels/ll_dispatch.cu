@@ -297,7 +297,7 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
       const RankList dst = rank_list(routed, d);
       const int idx = dst.idx;  // the destination index of rank d
       const bool first_d = dst.first;
-      const bool kept = routed && slot < T;  // overflow: reported by the last block, the selection is dropped
+      const bool kept = routed && slot < T;  // overflow: reported by the last block (one rank: block 0), the selection is dropped
       // One rank: every kept lane goes to rank 0 (a ballot, not a match).
       const unsigned same_d = kLocal ? __ballot_sync(0xffffffffu, kept) : __match_any_sync(0xffffffffu, kept ? d : -1 - lane);
       if (lane < kMaxLlTopk) s_n[lane] = 0;
@@ -669,7 +669,7 @@ __global__ void __launch_bounds__(kSendThreads, 2) dispatch(const __grid_constan
 #endif
   const int* mask = nullptr;
   const bool sent = dispatch_send<Net, kFp4, kLocal>(c, a, &seq, &mask);
-  if (kLocal && sent) print_stamps(c, seq);  // the one-rank form ends at its send (block 0: its tail is d3, d4)
+  if (kLocal && sent) print_stamps(c, seq);  // the one-rank form ends at its send (block 0 prints; no d2-d6)
   if (!sent || kLocal || phase != DEK_LL_PHASE_BOTH) return;
   if (a.shrink_mask != nullptr) mask = nullptr;  // a wait may mask a rank during the call: read it each time
   LL_STAMP(5);

@@ -133,3 +133,7 @@ def test_ll_stamps_summarises_the_instrument_lines():
     assert res[0]["sig_start_after_block0"] == 0.5 and res[0]["signals_out_after_block0_start"] == 3.5
     assert res[0]["counts_seen_after_own_signals"] == 2.5
     assert res[1]["counts_seen_after_own_signals"] == 1.5  # block 0 signalled itself
+    # The one-rank form: no block signals, block 0 prints its payload stamps.
+    one = "llst rank 0 block 0 seq 32 t0 5 d1 300 d2 -1 d3 -1 d4 -1 d5 -1 d6 -1 d7 6000 d8 900 d9 2100 d10 2700 d11 3600 d12 4000 d13 4100 d14 5900"
+    res = ll_stamps.summary(ll_stamps.parse(one))
+    assert res[0]["calls"] == 1 and res[0]["block0_d13"] == 4.1 and res[0]["block0_d14"] == 5.9 and "sig_d4" not in res[0]

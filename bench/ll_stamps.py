@@ -50,19 +50,19 @@ def summary(calls):
     """Per rank: medians (µs) of block 0's stamps, the signalling block's, the skew and the wait."""
     out = {}
     for rank in sorted({r for r, _ in calls}):
-        rows = [v for (r, _), v in calls.items() if r == rank and "first" in v and "sig" in v]
-        if not rows:  # the one-rank form: no block signals, block 0 alone
-            rows = [v for (r, _), v in calls.items() if r == rank and "first" in v]
-            if rows:
-                out[rank] = {"calls": len(rows), **{f"block0_{k}": round(statistics.median(v["first"][k] for v in rows) / 1000, 2)
-                                                    for k in ("d1", "d8", "d9", "d10", "d11", "d12", "d13", "d14", "d7")
-                                                    if all(k in v["first"] for v in rows)}}
+        signalled = [v for (r, _), v in calls.items() if r == rank and "first" in v and "sig" in v]
+        # The one-rank form: no block signals, block 0 alone.
+        rows = signalled or [v for (r, _), v in calls.items() if r == rank and "first" in v]
+        if not rows:
             continue
         med = lambda f: round(statistics.median(f(v) for v in rows) / 1000, 2)  # noqa: E731
         res = {"calls": len(rows)}
         for k in ("d1", "d8", "d9", "d10", "d11", "d12", "d13", "d14", "d2", "d5", "d6", "d7"):
-            if all(k in v["first"] for v in rows):
+            if all(v["first"].get(k, -1) >= 0 for v in rows):  # printed and reached in every call
                 res[f"block0_{k}"] = med(lambda v, k=k: v["first"][k])
+        if not signalled:
+            out[rank] = res
+            continue
         for k in ("d2", "d3", "d4"):
             res[f"sig_{k}"] = med(lambda v, k=k: v["sig"][k])
         res["sig_start_after_block0"] = med(lambda v: v["sig"]["t0"] - v["first"]["t0"])

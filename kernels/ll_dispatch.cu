@@ -247,10 +247,7 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
       if (a.cumulative != nullptr) a.cumulative[e] += n;
       if (s_total[e] > T && !s_mask[e / El]) report(c, DEK_IC_ERR_OVERFLOW, e / El, DEK_IC_SITE_LL_DISPATCH, s_total[e], T);
     }
-    if (tid == 0) {  // read by the next call's kernels (begin_send): the kernel boundary orders it
-      *at<volatile int>(local(c), kLlCalls) = static_cast<int>(s_seq);
-      *at<volatile unsigned int>(local(c), kLlDone) = 0;
-    }
+    if (tid == 0) end_call(c, s_seq);
   }
   const uint64_t recv = recv_off(a, a.half), msgs = recv + a.msgs_off;
   // NVLink only: every block counted every rank's messages, so block 0 stores the message counts
@@ -482,10 +479,7 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
   }
   __syncthreads();
   LL_STAMP(4);
-  if (tid == 0) {  // read by the next call's kernels: the kernel boundary orders these stores
-    *at<volatile int>(local(c), kLlCalls) = static_cast<int>(s_seq);
-    *at<volatile unsigned int>(local(c), kLlDone) = 0;
-  }
+  if (tid == 0) end_call(c, s_seq);
   return true;
 }
 

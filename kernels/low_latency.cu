@@ -296,8 +296,7 @@ __device__ __forceinline__ bool combine_send_partial(const Ctx& c, const Args& a
   }
   __syncthreads();
   if (tid == 0) {
-    *at<volatile int>(local(c), kLlCalls) = static_cast<int>(s_seq);
-    *at<volatile unsigned int>(local(c), kLlDone) = 0;
+    end_call(c, s_seq);
     __threadfence();
   }
   return true;

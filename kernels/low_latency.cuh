@@ -168,6 +168,13 @@ __device__ bool begin_send(const Ctx& c, const Args& a, int kind, uint32_t* s_se
   return !*s_skip;
 }
 
+// The call's end (one thread of a send kernel): the call counter advanced to `seq` and the ticket
+// word reset, read by the next call's kernels (begin_send; the kernel boundary orders them).
+__device__ __forceinline__ void end_call(const Ctx& c, uint32_t seq) {
+  *at<volatile int>(local(c), kLlCalls) = static_cast<int>(seq);
+  *at<volatile unsigned int>(local(c), kLlDone) = 0;
+}
+
 // End of a send kernel: the last block to finish advances the call counter (every block read the
 // old value before counting itself done).
 __device__ void finish_send(const Ctx& c, uint32_t seq) {
@@ -175,8 +182,7 @@ __device__ void finish_send(const Ctx& c, uint32_t seq) {
     unsigned int* done = at<unsigned int>(local(c), kLlDone);
     __threadfence();
     if (atomicAdd(done, 1u) == gridDim.x * gridDim.y - 1) {
-      *at<volatile int>(local(c), kLlCalls) = static_cast<int>(seq);
-      *at<volatile unsigned int>(local(c), kLlDone) = 0;
+      end_call(c, seq);
       __threadfence();
     }
   }

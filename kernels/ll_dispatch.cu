@@ -130,8 +130,8 @@ __device__ __forceinline__ void local_rows(const Args& a, int g0, int g_hi, int 
   }
 }
 
-// Blocks per token of the one-rank dispatch (its launcher gives N * P blocks when P > 1, else at
-// most N): a grid larger than the token count splits each token's groups over P blocks.
+// Blocks per token of the one-rank dispatch (its launcher gives N * P token blocks when P > 1, else
+// at most N): more token blocks than tokens split each token's groups over P blocks.
 __host__ __device__ __forceinline__ int local_split(int n, int blocks) { return n >= 1 && blocks > n ? blocks / n : 1; }
 
 // ---- dispatch send ------------------------------------------------------------------------------
@@ -170,11 +170,17 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int R = c.num_ranks, E = a.num_experts, El = E / R, T = a.num_max_tokens, H = a.hidden, S = H / 128;
   const int N = a.num_tokens, K = a.num_topk;
-  // kLocal with more blocks than tokens (local_split): P blocks per token, block b the groups
-  // [S * (b % P) / P, S * (b % P + 1) / P) of token b / P. Otherwise the whole groups of `per` tokens.
-  const int P = kLocal ? local_split(N, static_cast<int>(gridDim.x)) : 1, slice = static_cast<int>(blockIdx.x) % P;
-  const int per = P > 1 ? 1 : (N + gridDim.x - 1) / gridDim.x;
-  const int t_begin = min(N, static_cast<int>(blockIdx.x) / P * per), t_end = min(N, t_begin + per);
+  // kLocal: block 0 is the count block (every count, the outputs that need them, the tail; no
+  // token) and token block b = blockIdx.x - 1 of NB counts only the tokens before its own (its
+  // slots). With more token blocks than tokens (local_split): P blocks per token, block b the
+  // groups [S * (b % P) / P, S * (b % P + 1) / P) of token b / P. Otherwise the whole groups of
+  // `per` tokens.
+  const int b = static_cast<int>(blockIdx.x) - (kLocal ? 1 : 0), NB = static_cast<int>(gridDim.x) - (kLocal ? 1 : 0);
+  const bool count_block = kLocal && b < 0;
+  const int P = kLocal ? local_split(N, NB) : 1, slice = kLocal && b >= 0 ? b % P : 0;
+  const int per = P > 1 ? 1 : (N + gridDim.x - (kLocal ? 2 : 1)) / (gridDim.x - (kLocal ? 1 : 0));  // ceil(N / NB)
+  const int t_begin = count_block ? N : min(N, b / P * per), t_end = min(N, t_begin + per);
+  const int n_count = kLocal && !count_block ? t_begin : N;  // the tokens this block counts
   for (int e = tid; e < E; e += kSendThreads) s_before[e] = s_total[e] = 0;
   for (int d = tid; d < R; d += kSendThreads) {
     s_rc[d] = s_rct[d] = 0;
@@ -189,7 +195,7 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
   // pair counts the token's message to that rank; counts are sums, the same in any order.
   const int kp = K <= 1 ? 1 : 1 << (32 - __clz(K - 1));
   const int per_warp = 32 / kp, k = lane % kp;
-  for (int t0 = warp * per_warp; t0 < N; t0 += kSendWarps * per_warp) {  // the same bounds for the whole warp
+  for (int t0 = warp * per_warp; t0 < n_count; t0 += kSendWarps * per_warp) {  // the same bounds for the whole warp
     const int tok = t0 + lane / kp;
     const bool entry = tok < N && k < K;
     const int64_t j = static_cast<int64_t>(tok) * K + k;
@@ -736,9 +742,11 @@ extern "C" int dek_ll_dispatch_local(const dek_ic_ctx_t* ctx, const dek_ll_args_
     return static_cast<int>(cudaErrorInvalidValue);
   // A token's groups over P blocks while the send grid has room (P = 7 at 1 token and hidden 7168:
   // one group per warp; bench/NOTES.md session 26): a token's cast and stores were one block's.
-  const int n = args->num_tokens, groups = args->hidden / 128;
-  const int p = n >= 1 ? std::min(args->num_blocks / n, groups / kSendWarps) : 1;
-  const int blocks = p > 1 ? n * p : token_blocks(args);
+  // Block 0 is the count block (no token): the token blocks fill the rest of the send grid, so
+  // that the whole grid fits in one wave.
+  const int n = args->num_tokens, groups = args->hidden / 128, room = std::max(1, args->num_blocks - 1);
+  const int p = n >= 1 ? std::min(room / n, groups / kSendWarps) : 1;
+  const int blocks = 1 + (p > 1 ? n * p : std::max(1, std::min(n, room)));
   const cudaStream_t s = deep_ep::as_stream(stream);
   if (args->use_nvfp4) {
     dispatch<LsaNet, true, true><<<blocks, kSendThreads, 0, s>>>(*ctx, *args, DEK_LL_PHASE_BOTH);

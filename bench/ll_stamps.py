@@ -21,8 +21,8 @@ own file (torchrun --redirects) and this script every file:
         --redirects 1 bench/low_latency.py --tokens 1
     python3 bench/ll_stamps.py LOGS/*/attempt_0/*/stdout.log
 
-Prints per rank the median of each stamp of block 0 and of the signalling block, the start skew
-between them, and how long block 0's column waited for the peers' counts after this rank's own
+Prints per rank the median of each stamp of block 0 and of the signalling block (at one rank:
+of block 0, the count block, and block 1, the first token block), the start skew between them, and how long block 0's column waited for the peers' counts after this rank's own
 signals were out (all on one GPU's timer; no cross-GPU clock is assumed)."""
 import re
 import statistics
@@ -43,6 +43,8 @@ def parse(text):
             calls[(rank, seq)]["sig"] = st
         if block == 0:
             calls[(rank, seq)]["first"] = st
+        elif block == 1 and st.get("d3", -1) < 0:  # the one-rank form's first token block
+            calls[(rank, seq)]["tok"] = st
     return calls
 
 
@@ -61,6 +63,14 @@ def summary(calls):
             if all(v["first"].get(k, -1) >= 0 for v in rows):  # printed and reached in every call
                 res[f"block0_{k}"] = med(lambda v, k=k: v["first"][k])
         if not signalled:
+            # The one-rank form's first token block (block 1: block 0 is the count block).
+            toks = [v for v in rows if "tok" in v]
+            if toks and len(toks) == len(rows):
+                tmed = lambda f: round(statistics.median(f(v) for v in toks) / 1000, 2)  # noqa: E731
+                res["tok_start_after_block0"] = tmed(lambda v: v["tok"]["t0"] - v["first"]["t0"])
+                for k in ("d1", "d8", "d9", "d11", "d12", "d13", "d14", "d7"):
+                    if all(v["tok"].get(k, -1) >= 0 for v in toks):
+                        res[f"tok_{k}"] = tmed(lambda v, k=k: v["tok"][k])
             out[rank] = res
             continue
         for k in ("d2", "d3", "d4"):

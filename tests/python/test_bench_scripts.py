@@ -137,3 +137,11 @@ def test_ll_stamps_summarises_the_instrument_lines():
     one = "llst rank 0 block 0 seq 32 t0 5 d1 300 d2 -1 d3 -1 d4 -1 d5 -1 d6 -1 d7 6000 d8 900 d9 2100 d10 2700 d11 3600 d12 4000 d13 4100 d14 5900"
     res = ll_stamps.summary(ll_stamps.parse(one))
     assert res[0]["calls"] == 1 and res[0]["block0_d13"] == 4.1 and res[0]["block0_d14"] == 5.9 and "sig_d4" not in res[0]
+    # With the count block (block 0 holds no token), block 1 prints the first token's stamps.
+    two = "\n".join([
+        "llst rank 0 block 0 seq 32 t0 1000 d1 300 d2 -1 d3 -1 d4 -1 d5 -1 d6 -1 d7 3000 d8 900 d9 2100 d10 2700 d11 -1 d12 -1 d13 -1 d14 -1",
+        "llst rank 0 block 1 seq 32 t0 1200 d1 300 d2 -1 d3 -1 d4 -1 d5 -1 d6 -1 d7 4000 d8 800 d9 900 d10 -1 d11 1500 d12 1900 d13 2500 d14 3500",
+    ])
+    res = ll_stamps.summary(ll_stamps.parse(two))
+    assert res[0]["tok_start_after_block0"] == 0.2 and res[0]["tok_d14"] == 3.5 and res[0]["tok_d7"] == 4.0
+    assert "block0_d11" not in res[0] and res[0]["block0_d10"] == 2.7

@@ -21,9 +21,10 @@ own file (torchrun --redirects) and this script every file:
         --redirects 1 bench/low_latency.py --tokens 1
     python3 bench/ll_stamps.py LOGS/*/attempt_0/*/stdout.log
 
-Prints per rank the median of each stamp of block 0 and of the signalling block (at one rank:
-of block 0, the count block, and block 1, the first token block), the start skew between them, and how long block 0's column waited for the peers' counts after this rank's own
-signals were out (all on one GPU's timer; no cross-GPU clock is assumed)."""
+Prints per rank the median of each stamp of block 0 and of the signalling block (at one rank: of
+block 0, the count block, block 1, the first token block, and the last token block), the start
+skew between them, and how long block 0's column waited for the peers' counts after this rank's
+own signals were out (all on one GPU's timer; no cross-GPU clock is assumed)."""
 import re
 import statistics
 import sys
@@ -43,8 +44,8 @@ def parse(text):
             calls[(rank, seq)]["sig"] = st
         if block == 0:
             calls[(rank, seq)]["first"] = st
-        elif block == 1 and st.get("d3", -1) < 0:  # the one-rank form's first token block
-            calls[(rank, seq)]["tok"] = st
+        elif st.get("d3", -1) < 0:  # the one-rank form's first (block 1) and last token blocks
+            calls[(rank, seq)]["tok" if block == 1 else "last"] = st
     return calls
 
 
@@ -71,6 +72,14 @@ def summary(calls):
                 for k in ("d1", "d8", "d9", "d11", "d12", "d13", "d14", "d7"):
                     if all(v["tok"].get(k, -1) >= 0 for v in toks):
                         res[f"tok_{k}"] = tmed(lambda v, k=k: v["tok"][k])
+            lasts = [v for v in rows if "last" in v]
+            if lasts and len(lasts) == len(rows):
+                lmed = lambda f: round(statistics.median(f(v) for v in lasts) / 1000, 2)  # noqa: E731
+                res["last_block"] = lmed(lambda v: v["last"]["block"] * 1000)
+                res["last_start_after_block0"] = lmed(lambda v: v["last"]["t0"] - v["first"]["t0"])
+                for k in ("d8", "d9", "d11", "d13", "d14", "d7"):
+                    if all(v["last"].get(k, -1) >= 0 for v in lasts):
+                        res[f"last_{k}"] = lmed(lambda v, k=k: v["last"][k])
             out[rank] = res
             continue
         for k in ("d2", "d3", "d4"):

@@ -490,13 +490,14 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
 }
 
 // Instrument build: block 0 (the token's block at 1 token; the count block at one rank), the block
-// that signalled (stamp 3 set) and, with `token_block`, the one-rank form's first token block
-// (block 1) print their stamps every 16th call (bench/ll_stamps.py); d7 is the print's own time.
+// that signalled (stamp 3 set) and, with `token_block`, the one-rank form's first and last token
+// blocks (block 1, and the last block, which counts the most tokens) print their stamps every 16th
+// call (bench/ll_stamps.py); d7 is the print's own time.
 __device__ __forceinline__ void print_stamps(const Ctx& c, uint32_t seq, bool token_block = false) {
 #ifdef DEEP_EP_LL_STAMPS
   __syncthreads();
   const unsigned long long* t = ll_stamps();
-  if (threadIdx.x == 0 && (blockIdx.x == 0 || t[3] != 0 || (token_block && blockIdx.x == 1)) && seq % 16 == 0) {
+  if (threadIdx.x == 0 && (blockIdx.x == 0 || t[3] != 0 || (token_block && (blockIdx.x == 1 || blockIdx.x == gridDim.x - 1))) && seq % 16 == 0) {
     auto d = [&](int i) { return t[i] ? static_cast<long long>(t[i] - t[0]) : -1LL; };
     // The runtime writes a printf in pieces: give each rank its own stdout (bench/ll_stamps.py).
     printf("llst rank %d block %d seq %u t0 %llu d1 %lld d2 %lld d3 %lld d4 %lld d5 %lld d6 %lld d7 %lld d8 %lld d9 %lld d10 %lld d11 %lld "
@@ -670,7 +671,7 @@ __global__ void __launch_bounds__(kSendThreads, 2) dispatch(const __grid_constan
 #endif
   const int* mask = nullptr;
   const bool sent = dispatch_send<Net, kFp4, kLocal>(c, a, &seq, &mask);
-  if (kLocal && sent) print_stamps(c, seq, true);  // the one-rank form ends at its send (blocks 0, 1 print; no d2-d6)
+  if (kLocal && sent) print_stamps(c, seq, true);  // the one-rank form ends at its send (blocks 0, 1, last print; no d2-d6)
   if (!sent || kLocal || phase != DEK_LL_PHASE_BOTH) return;
   if (a.shrink_mask != nullptr) mask = nullptr;  // a wait may mask a rank during the call: read it each time
   LL_STAMP(5);

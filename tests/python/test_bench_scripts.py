@@ -145,3 +145,6 @@ def test_ll_stamps_summarises_the_instrument_lines():
     res = ll_stamps.summary(ll_stamps.parse(two))
     assert res[0]["tok_start_after_block0"] == 0.2 and res[0]["tok_d14"] == 3.5 and res[0]["tok_d7"] == 4.0
     assert "block0_d11" not in res[0] and res[0]["block0_d10"] == 2.7
+    last = two + "\nllst rank 0 block 9 seq 32 t0 1300 d1 300 d2 -1 d3 -1 d4 -1 d5 -1 d6 -1 d7 6000 d8 800 d9 3900 d10 -1 d11 4500 d12 4700 d13 5000 d14 5800"
+    res = ll_stamps.summary(ll_stamps.parse(last))
+    assert res[0]["last_block"] == 9 and res[0]["last_start_after_block0"] == 0.3 and res[0]["last_d9"] == 3.9

@@ -294,11 +294,13 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
       const unsigned same_e = __match_any_sync(0xffffffffu, routed ? ei : -1 - lane);
       const int before = routed ? s_before[ei] : 0;
       const int slot = before + __popc(same_e & below);
+      if (tok == t_begin) LL_STAMP_AFTER(15, slot);
       __syncwarp();
       if (routed && (same_e & below) == 0) s_before[ei] = before + __popc(same_e);  // the group's first lane
       // A message to every routed rank, even if every selection for it overflows.
       const RankList dst = rank_list(routed, d);
       const int idx = dst.idx;  // the destination index of rank d
+      if (tok == t_begin) LL_STAMP_AFTER(16, idx);
       const bool first_d = dst.first;
       const bool kept = routed && slot < T;  // overflow: reported by the last block (one rank: block 0), the selection is dropped
       // One rank: every kept lane goes to rank 0 (a ballot, not a match).
@@ -320,6 +322,7 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
         s_ndst = dst.count;
         s_any_far = far_firsts != 0;
       }
+      if (tok == t_begin) LL_STAMP_AFTER(17, far_firsts);
     }
     __syncthreads();
     if (tok == t_begin) LL_STAMP(11);
@@ -501,9 +504,9 @@ __device__ __forceinline__ void print_stamps(const Ctx& c, uint32_t seq, bool to
     auto d = [&](int i) { return t[i] ? static_cast<long long>(t[i] - t[0]) : -1LL; };
     // The runtime writes a printf in pieces: give each rank its own stdout (bench/ll_stamps.py).
     printf("llst rank %d block %d seq %u t0 %llu d1 %lld d2 %lld d3 %lld d4 %lld d5 %lld d6 %lld d7 %lld d8 %lld d9 %lld d10 %lld d11 %lld "
-           "d12 %lld d13 %lld d14 %lld\n",
+           "d12 %lld d13 %lld d14 %lld d15 %lld d16 %lld d17 %lld\n",
            c.rank, blockIdx.x, seq, t[0], d(1), d(2), d(3), d(4), d(5), d(6), static_cast<long long>(globaltimer() - t[0]), d(8), d(9),
-           d(10), d(11), d(12), d(13), d(14));
+           d(10), d(11), d(12), d(13), d(14), d(15), d(16), d(17));
   }
 #else
   (void)c, (void)seq, (void)token_block;

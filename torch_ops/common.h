@@ -282,6 +282,20 @@ inline Tensor rows_like(const std::optional<Tensor>& t, int64_t rows, const Tens
 // The raw view of such an output: absent when its input was not given.
 inline deep_ep_tensor_t raw_if(const std::optional<Tensor>& given, const Tensor& out) { return given ? raw(out) : absent(); }
 
+// The outputs of a row gather (cached dispatch, combine; intranode and internode): [rows, H] like x
+// and, with `side` given ([*, K] scales or weights), its [rows, K] companion (else an empty f32
+// one), with their raw views for the C API.
+struct RowsOut {
+  Tensor x, side;
+  deep_ep_tensor_t raw_x, raw_side;
+};
+inline RowsOut rows_out(const Tensor& x, const std::optional<Tensor>& side, int64_t rows) {
+  RowsOut o{empty_like_dev(x, {rows, x.size(1)}, x.scalar_type()), rows_like(side, rows, x, ScalarType::Float), {}, {}};
+  o.raw_x = raw(o.x);
+  o.raw_side = raw_if(side, o.side);
+  return o;
+}
+
 inline bool present(const Tensor& t) { return t.defined() && t.dim() > 0 && !(t.dim() == 1 && t.size(0) == 0); }
 
 }  // namespace deep_ep_ops

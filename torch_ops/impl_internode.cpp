@@ -84,13 +84,9 @@ std::tuple<Tensor, Tensor> internode_cached_dispatch(int64_t handle, const Tenso
   auto h = raw_internode_handle(in_rank, rdma_cpm, gbl_cpm, recv_rdma_cpm, recv_rdma_rps, recv_gbl_cpm, recv_gbl_rps, recv_src_meta,
                                 send_rdma_head, send_nvl_head);
   check(deep_ep_internode_cached_dispatch(handle, &rx_in, &rs_in, &h, cfg, stream, nullptr, nullptr));
-  const int64_t rows = recv_src_meta.size(0);
-  Tensor recv_x = empty_like_dev(x, {rows, x.size(1)}, x.scalar_type());
-  Tensor recv_scales = rows_like(x_scales, rows, x, ScalarType::Float);
-  auto rx = raw(recv_x);
-  auto rs = raw_if(x_scales, recv_scales);
-  check(deep_ep_internode_cached_dispatch(handle, &rx_in, &rs_in, &h, cfg, stream, &rx, &rs));
-  return {recv_x, recv_scales};
+  auto recv = rows_out(x, x_scales, recv_src_meta.size(0));
+  check(deep_ep_internode_cached_dispatch(handle, &rx_in, &rs_in, &h, cfg, stream, &recv.raw_x, &recv.raw_side));
+  return {recv.x, recv.side};
 }
 
 std::tuple<Tensor, Tensor> internode_combine(int64_t handle, const Tensor& x, const optional<Tensor>& topk_weights, const optional<Tensor>& bias_0,
@@ -107,28 +103,21 @@ std::tuple<Tensor, Tensor> internode_combine(int64_t handle, const Tensor& x, co
   auto h = raw_internode_handle(in_rank, rdma_cpm, gbl_cpm, recv_rdma_cpm, recv_rdma_rps, recv_gbl_cpm, recv_gbl_rps, recv_src_meta,
                                 send_rdma_head, send_nvl_head);
   check(deep_ep_internode_combine(handle, inputs, &h, cfg, stream, nullptr, nullptr));
-  const int64_t n = in_rank.size(0);
-  Tensor out = empty_like_dev(x, {n, x.size(1)}, x.scalar_type());
-  Tensor out_w = rows_like(topk_weights, n, x, ScalarType::Float);
-  auto ro = raw(out);
-  auto rw = raw_if(topk_weights, out_w);
-  check(deep_ep_internode_combine(handle, inputs, &h, cfg, stream, &ro, &rw));
-  return {out, out_w};
+  auto out = rows_out(x, topk_weights, in_rank.size(0));
+  check(deep_ep_internode_combine(handle, inputs, &h, cfg, stream, &out.raw_x, &out.raw_side));
+  return {out.x, out.side};
 }
 
 }  // namespace
 }  // namespace deep_ep_ops
 
-STABLE_TORCH_LIBRARY_IMPL(deep_ep, CPU, m) {
-  m.impl("internode_dispatch", TORCH_BOX(&deep_ep_ops::internode_dispatch));
-  m.impl("internode_cached_dispatch", TORCH_BOX(&deep_ep_ops::internode_cached_dispatch));
+// The same kernels for both keys (the backend follows the tensors' device).
+#define DEEP_EP_INTERNODE_IMPLS(m)                                                           \
+  m.impl("internode_dispatch", TORCH_BOX(&deep_ep_ops::internode_dispatch));               \
+  m.impl("internode_cached_dispatch", TORCH_BOX(&deep_ep_ops::internode_cached_dispatch)); \
   m.impl("internode_combine", TORCH_BOX(&deep_ep_ops::internode_combine));
-}
 
+STABLE_TORCH_LIBRARY_IMPL(deep_ep, CPU, m) { DEEP_EP_INTERNODE_IMPLS(m) }
 #ifdef USE_CUDA
-STABLE_TORCH_LIBRARY_IMPL(deep_ep, CUDA, m) {
-  m.impl("internode_dispatch", TORCH_BOX(&deep_ep_ops::internode_dispatch));
-  m.impl("internode_cached_dispatch", TORCH_BOX(&deep_ep_ops::internode_cached_dispatch));
-  m.impl("internode_combine", TORCH_BOX(&deep_ep_ops::internode_combine));
-}
+STABLE_TORCH_LIBRARY_IMPL(deep_ep, CUDA, m) { DEEP_EP_INTERNODE_IMPLS(m) }
 #endif

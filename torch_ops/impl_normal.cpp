@@ -113,15 +113,11 @@ std::tuple<Tensor, Tensor> cached_dispatch(int64_t handle, const Tensor& x, cons
   if (!(x.dim() == 2 && src_idx.dim() == 1 && (!x_scales || x_scales->dim() == 2) && small_output(src_idx.size(0), x.size(1), 2)))
     check(deep_ep_cached_dispatch(handle, &args, nullptr, nullptr));
   clk.mark(1, "validate");
-  const int64_t rows = src_idx.size(0);
-  Tensor recv_x = empty_like_dev(x, {rows, x.size(1)}, x.scalar_type());
-  Tensor recv_scales = rows_like(x_scales, rows, x, ScalarType::Float);
-  auto rx = raw(recv_x);
-  auto rs = raw_if(x_scales, recv_scales);
+  auto recv = rows_out(x, x_scales, src_idx.size(0));
   clk.mark(2, "alloc");
-  check(deep_ep_cached_dispatch(handle, &args, &rx, &rs));
+  check(deep_ep_cached_dispatch(handle, &args, &recv.raw_x, &recv.raw_side));
   clk.mark(3, "launch");
-  return {recv_x, recv_scales};
+  return {recv.x, recv.side};
 }
 
 std::tuple<Tensor, Tensor> combine(int64_t handle, const Tensor& x, const optional<Tensor>& topk_weights, const optional<Tensor>& bias_0,
@@ -143,32 +139,24 @@ std::tuple<Tensor, Tensor> combine(int64_t handle, const Tensor& x, const option
   if (!(x.dim() == 2 && send_head.dim() == 2 && (!topk_weights || topk_weights->dim() == 2) && small_output(send_head.size(0), x.size(1), 2)))
     check(deep_ep_combine(handle, &args, nullptr, nullptr));
   clk.mark(1, "validate");
-  const int64_t n = send_head.size(0);
-  Tensor out = empty_like_dev(x, {n, x.size(1)}, x.scalar_type());
-  Tensor out_w = rows_like(topk_weights, n, x, ScalarType::Float);
-  auto ro = raw(out);
-  auto rw = raw_if(topk_weights, out_w);
+  auto out = rows_out(x, topk_weights, send_head.size(0));
   clk.mark(2, "alloc");
-  check(deep_ep_combine(handle, &args, &ro, &rw));
+  check(deep_ep_combine(handle, &args, &out.raw_x, &out.raw_side));
   clk.mark(3, "launch");
-  return {out, out_w};
+  return {out.x, out.side};
 }
 
 }  // namespace
 }  // namespace deep_ep_ops
 
-STABLE_TORCH_LIBRARY_IMPL(deep_ep, CPU, m) {
-  m.impl("get_dispatch_layout", TORCH_BOX(&deep_ep_ops::get_dispatch_layout));
-  m.impl("dispatch", TORCH_BOX(&deep_ep_ops::dispatch));
-  m.impl("cached_dispatch", TORCH_BOX(&deep_ep_ops::cached_dispatch));
+// The same kernels for both keys (the backend follows the tensors' device).
+#define DEEP_EP_NORMAL_IMPLS(m)                                                  \
+  m.impl("get_dispatch_layout", TORCH_BOX(&deep_ep_ops::get_dispatch_layout)); \
+  m.impl("dispatch", TORCH_BOX(&deep_ep_ops::dispatch));                       \
+  m.impl("cached_dispatch", TORCH_BOX(&deep_ep_ops::cached_dispatch));         \
   m.impl("combine", TORCH_BOX(&deep_ep_ops::combine));
-}
 
+STABLE_TORCH_LIBRARY_IMPL(deep_ep, CPU, m) { DEEP_EP_NORMAL_IMPLS(m) }
 #ifdef USE_CUDA
-STABLE_TORCH_LIBRARY_IMPL(deep_ep, CUDA, m) {
-  m.impl("get_dispatch_layout", TORCH_BOX(&deep_ep_ops::get_dispatch_layout));
-  m.impl("dispatch", TORCH_BOX(&deep_ep_ops::dispatch));
-  m.impl("cached_dispatch", TORCH_BOX(&deep_ep_ops::cached_dispatch));
-  m.impl("combine", TORCH_BOX(&deep_ep_ops::combine));
-}
+STABLE_TORCH_LIBRARY_IMPL(deep_ep, CUDA, m) { DEEP_EP_NORMAL_IMPLS(m) }
 #endif

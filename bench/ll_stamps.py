@@ -2,12 +2,12 @@
 build (cargo feature `ll-stamps`: `cargo build --release --features ll-stamps`). Every 16th call,
 block 0 (at 1 token the block holding the token) and the block that signals print one line each:
 
-    llst rank R block B seq Q t0 T d1 .. d17      (ns after that block's kernel entry t0; -1: not reached)
+    llst rank R block B seq Q t0 T d1 .. d18      (ns after that block's kernel entry t0; -1: not reached)
 
   d8  the mask read (first block barrier)           d1  begin_send done (call number, state checks)
   d9  every selection counted (second barrier)      d10 block 0's message counts stored to the peers
-  d15 warp 0 has the token's expert slots           d16 its destination list
-  d17 warp 0's routing done (before the barrier)
+  d18 warp 0 has the token's ids (set-up done)      d15 warp 0 has the token's expert slots
+  d16 its destination list                          d17 warp 0's routing done (before the barrier)
   d11 the block's first token routed (warp 0)        d12 its meta written (warp 0)
   d13 its first batch of x loaded and cast (warp 0)  d14 that batch stored (one-rank form, warp 0)
   d2  the block's tokens stored (before its ticket)
@@ -15,9 +15,9 @@ block 0 (at 1 token the block holding the token) and the block that signals prin
   d5  the send returned (receive starts)            d6  this block's column saw every count
   d7  the block's rows copied (kernel end)
 
-(The order in the kernel: d1, d8, d9, d10, d15, d16, d17, d11, d12, d13, d14, d2, d3, d4, d5, d6,
-d7.) The runtime writes a device printf in pieces, so the ranks' outputs interleave on a shared
-stdout: give each rank its own file (torchrun --redirects) and this script every file:
+(The order in the kernel: d1, d8, d9, d10, d18, d15, d16, d17, d11, d12, d13, d14, d2, d3, d4, d5,
+d6, d7.) The runtime writes a device printf in pieces, so the ranks' outputs interleave on a
+shared stdout: give each rank its own file (torchrun --redirects) and this script every file:
 
     DEEP_EP_LIBRARY=<instrument build>/libdeep_ep.so torchrun --nproc-per-node 2 --log-dir LOGS \
         --redirects 1 bench/low_latency.py --tokens 1
@@ -62,7 +62,7 @@ def summary(calls):
             continue
         med = lambda f: round(statistics.median(f(v) for v in rows) / 1000, 2)  # noqa: E731
         res = {"calls": len(rows)}
-        for k in ("d1", "d8", "d9", "d10", "d15", "d16", "d17", "d11", "d12", "d13", "d14", "d2", "d5", "d6", "d7"):
+        for k in ("d1", "d8", "d9", "d10", "d18", "d15", "d16", "d17", "d11", "d12", "d13", "d14", "d2", "d5", "d6", "d7"):
             if all(v["first"].get(k, -1) >= 0 for v in rows):  # printed and reached in every call
                 res[f"block0_{k}"] = med(lambda v, k=k: v["first"][k])
         if not signalled:
@@ -71,7 +71,7 @@ def summary(calls):
             if toks and len(toks) == len(rows):
                 tmed = lambda f: round(statistics.median(f(v) for v in toks) / 1000, 2)  # noqa: E731
                 res["tok_start_after_block0"] = tmed(lambda v: v["tok"]["t0"] - v["first"]["t0"])
-                for k in ("d1", "d8", "d9", "d15", "d16", "d17", "d11", "d12", "d13", "d14", "d7"):
+                for k in ("d1", "d8", "d9", "d18", "d15", "d16", "d17", "d11", "d12", "d13", "d14", "d7"):
                     if all(v["tok"].get(k, -1) >= 0 for v in toks):
                         res[f"tok_{k}"] = tmed(lambda v, k=k: v["tok"][k])
             lasts = [v for v in rows if "last" in v]
@@ -79,7 +79,7 @@ def summary(calls):
                 lmed = lambda f: round(statistics.median(f(v) for v in lasts) / 1000, 2)  # noqa: E731
                 res["last_block"] = lmed(lambda v: v["last"]["block"] * 1000)
                 res["last_start_after_block0"] = lmed(lambda v: v["last"]["t0"] - v["first"]["t0"])
-                for k in ("d8", "d9", "d15", "d17", "d11", "d13", "d14", "d7"):
+                for k in ("d8", "d9", "d18", "d15", "d17", "d11", "d13", "d14", "d7"):
                     if all(v["last"].get(k, -1) >= 0 for v in lasts):
                         res[f"last_{k}"] = lmed(lambda v, k=k: v["last"][k])
             out[rank] = res

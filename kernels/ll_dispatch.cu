@@ -287,6 +287,7 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
       const int64_t j = static_cast<int64_t>(tok) * K + lane;
       const int64_t e = lane < K ? topk_at(a, j) : -1;
       const float w = lane < K && a.topk_weights != nullptr ? a.topk_weights[j] : 0.0f;
+      if (tok == t_begin) LL_STAMP_AFTER(18, static_cast<uint32_t>(e));
       const bool in_range = e >= 0 && e < E;
       const int ei = in_range ? static_cast<int>(e) : 0, d = ei / El;
       const bool routed = in_range && !s_mask[d];  // not dropped (no expert, or a masked rank's)
@@ -504,9 +505,9 @@ __device__ __forceinline__ void print_stamps(const Ctx& c, uint32_t seq, bool to
     auto d = [&](int i) { return t[i] ? static_cast<long long>(t[i] - t[0]) : -1LL; };
     // The runtime writes a printf in pieces: give each rank its own stdout (bench/ll_stamps.py).
     printf("llst rank %d block %d seq %u t0 %llu d1 %lld d2 %lld d3 %lld d4 %lld d5 %lld d6 %lld d7 %lld d8 %lld d9 %lld d10 %lld d11 %lld "
-           "d12 %lld d13 %lld d14 %lld d15 %lld d16 %lld d17 %lld\n",
+           "d12 %lld d13 %lld d14 %lld d15 %lld d16 %lld d17 %lld d18 %lld\n",
            c.rank, blockIdx.x, seq, t[0], d(1), d(2), d(3), d(4), d(5), d(6), static_cast<long long>(globaltimer() - t[0]), d(8), d(9),
-           d(10), d(11), d(12), d(13), d(14), d(15), d(16), d(17));
+           d(10), d(11), d(12), d(13), d(14), d(15), d(16), d(17), d(18));
   }
 #else
   (void)c, (void)seq, (void)token_block;

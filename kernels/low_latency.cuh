@@ -39,7 +39,7 @@ constexpr int kDstWarps = rank_workers(kSendWarps);  // dispatch send: warps tak
 // Instrument (cargo feature ll-stamps, bench/ll_stamps.py): thread 0 of a block writes the
 // %globaltimer into stamp i < kLlStamps of its block (shared memory); the dispatch kernel prints
 // them at its end. Compiled out otherwise.
-constexpr int kLlStamps = 18;
+constexpr int kLlStamps = 19;
 __device__ __forceinline__ unsigned long long* ll_stamps() {
   __shared__ unsigned long long s_stamps[kLlStamps];
   return s_stamps;

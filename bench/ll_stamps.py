@@ -51,6 +51,18 @@ def parse(text):
     return calls
 
 
+def _us(rows, f):
+    """Median over the calls `rows` of f(call), ns -> µs."""
+    return round(statistics.median(f(v) for v in rows) / 1000, 2)
+
+
+def _block_stamps(res, rows, key, prefix, stamps):
+    """res[prefix + stamp]: the median of each stamp of block `key` printed and reached in every call."""
+    for k in stamps:
+        if all(v[key].get(k, -1) >= 0 for v in rows):
+            res[f"{prefix}_{k}"] = _us(rows, lambda v, k=k: v[key][k])
+
+
 def summary(calls):
     """Per rank: medians (µs) of block 0's stamps, the signalling block's, the skew and the wait."""
     out = {}
@@ -60,36 +72,27 @@ def summary(calls):
         rows = signalled or [v for (r, _), v in calls.items() if r == rank and "first" in v]
         if not rows:
             continue
-        med = lambda f: round(statistics.median(f(v) for v in rows) / 1000, 2)  # noqa: E731
         res = {"calls": len(rows)}
-        for k in ("d1", "d8", "d9", "d10", "d18", "d15", "d16", "d17", "d11", "d12", "d13", "d14", "d2", "d5", "d6", "d7"):
-            if all(v["first"].get(k, -1) >= 0 for v in rows):  # printed and reached in every call
-                res[f"block0_{k}"] = med(lambda v, k=k: v["first"][k])
+        _block_stamps(res, rows, "first", "block0",
+                      ("d1", "d8", "d9", "d10", "d18", "d15", "d16", "d17", "d11", "d12", "d13", "d14", "d2", "d5", "d6", "d7"))
+        out[rank] = res
         if not signalled:
-            # The one-rank form's first token block (block 1: block 0 is the count block).
-            toks = [v for v in rows if "tok" in v]
-            if toks and len(toks) == len(rows):
-                tmed = lambda f: round(statistics.median(f(v) for v in toks) / 1000, 2)  # noqa: E731
-                res["tok_start_after_block0"] = tmed(lambda v: v["tok"]["t0"] - v["first"]["t0"])
-                for k in ("d1", "d8", "d9", "d18", "d15", "d16", "d17", "d11", "d12", "d13", "d14", "d7"):
-                    if all(v["tok"].get(k, -1) >= 0 for v in toks):
-                        res[f"tok_{k}"] = tmed(lambda v, k=k: v["tok"][k])
-            lasts = [v for v in rows if "last" in v]
-            if lasts and len(lasts) == len(rows):
-                lmed = lambda f: round(statistics.median(f(v) for v in lasts) / 1000, 2)  # noqa: E731
-                res["last_block"] = lmed(lambda v: v["last"]["block"] * 1000)
-                res["last_start_after_block0"] = lmed(lambda v: v["last"]["t0"] - v["first"]["t0"])
-                for k in ("d8", "d9", "d18", "d15", "d17", "d11", "d13", "d14", "d7"):
-                    if all(v["last"].get(k, -1) >= 0 for v in lasts):
-                        res[f"last_{k}"] = lmed(lambda v, k=k: v["last"][k])
-            out[rank] = res
+            # The one-rank form's first and last token blocks (block 0 is the count block), when
+            # every call printed them.
+            if all("tok" in v for v in rows):
+                res["tok_start_after_block0"] = _us(rows, lambda v: v["tok"]["t0"] - v["first"]["t0"])
+                _block_stamps(res, rows, "tok", "tok", ("d1", "d8", "d9", "d18", "d15", "d16", "d17", "d11", "d12", "d13", "d14", "d7"))
+            if all("last" in v for v in rows):
+                res["last_block"] = statistics.median(v["last"]["block"] for v in rows)
+                res["last_start_after_block0"] = _us(rows, lambda v: v["last"]["t0"] - v["first"]["t0"])
+                _block_stamps(res, rows, "last", "last", ("d8", "d9", "d18", "d15", "d17", "d11", "d13", "d14", "d7"))
             continue
+        med = lambda f: _us(rows, f)  # noqa: E731
         for k in ("d2", "d3", "d4"):
             res[f"sig_{k}"] = med(lambda v, k=k: v["sig"][k])
         res["sig_start_after_block0"] = med(lambda v: v["sig"]["t0"] - v["first"]["t0"])
         res["signals_out_after_block0_start"] = med(lambda v: v["sig"]["t0"] + v["sig"]["d4"] - v["first"]["t0"])
         res["counts_seen_after_own_signals"] = med(lambda v: v["first"]["d6"] - (v["sig"]["t0"] + v["sig"]["d4"] - v["first"]["t0"]))
-        out[rank] = res
     return out
 
 

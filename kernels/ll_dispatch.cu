@@ -178,7 +178,8 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
   const int b = static_cast<int>(blockIdx.x) - (kLocal ? 1 : 0), NB = static_cast<int>(gridDim.x) - (kLocal ? 1 : 0);
   const bool count_block = kLocal && b < 0;
   const int P = kLocal ? local_split(N, NB) : 1, slice = kLocal && b >= 0 ? b % P : 0;
-  const int per = P > 1 ? 1 : (N + gridDim.x - (kLocal ? 2 : 1)) / (gridDim.x - (kLocal ? 1 : 0));  // ceil(N / NB)
+  // ceil(N / NB), in gridDim's unsigned arithmetic rather than NB's: the peer forms' PTX stays as it was.
+  const int per = P > 1 ? 1 : (N + gridDim.x - (kLocal ? 2 : 1)) / (gridDim.x - (kLocal ? 1 : 0));
   const int t_begin = count_block ? N : min(N, b / P * per), t_end = min(N, t_begin + per);
   const int n_count = kLocal && !count_block ? t_begin : N;  // the tokens this block counts
   for (int e = tid; e < E; e += kSendThreads) s_before[e] = s_total[e] = 0;

@@ -129,6 +129,27 @@ __device__ __forceinline__ bool op_cancelled(const Ctx& c) {
   return s_cancel != 0;
 }
 
+// Whether this block is the grid's last to take `ticket` (every block calls it once, after its
+// stores): each thread's stores are fenced before the block takes its ticket, and the last block
+// fences after it, so what the grid stored is ordered before what the last block does next (the
+// threadfence reduction pattern). `reset`: the last block zeroes the ticket for the next launch
+// (else its caller does, stream-ordered). The staging's barrier (intranode_sync.cu) and the checks'
+// verdict (intranode_check.cuh) run in the last block.
+__device__ __forceinline__ bool last_block(unsigned int* ticket, bool reset) {
+  __shared__ bool s_last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    s_last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    if (s_last) {
+      if (reset) *ticket = 0;  // every block has taken its ticket
+      __threadfence();
+    }
+  }
+  __syncthreads();
+  return s_last;
+}
+
 // ---- per-(sender, channel) flags (push dispatch, fused combine) -------------------------------
 // Flag (s, ch) in the window of `owner`: rank s has stored all its rows of channel ch there.
 __device__ __forceinline__ uint64_t* chan_flag(const Ctx& c, int owner, int s, int ch) {

@@ -121,7 +121,6 @@ __device__ __noinline__ void check_verdict(const Ctx& c, const dek_ic_check_args
 __device__ __forceinline__ bool run_checks(const Ctx& c, const dek_ic_check_args_t& a) {
   __shared__ unsigned long long s_hash;
   __shared__ int s_cnt[DEK_IN_MAX_RANKS];
-  __shared__ bool s_last;
   CheckScratch* scr = at<CheckScratch>(local(c), kScrCheck);
   int* cnt = at<int>(local(c), DEK_IC_CHECK_COUNTS_OFF);  // is_token_in_rank column counts [R]
   const int R = c.num_ranks, lane = threadIdx.x & 31;
@@ -238,11 +237,7 @@ __device__ __forceinline__ bool run_checks(const Ctx& c, const dek_ic_check_args
   __syncthreads();
   if (threadIdx.x == 0) atomicAdd(&scr->hash, s_hash);
   for (int d = threadIdx.x; d < R; d += blockDim.x) atomicAdd(&cnt[d], s_cnt[d]);
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) s_last = atomicAdd(&scr->ticket, 1u) == gridDim.x - 1;
-  __syncthreads();
-  if (!s_last) return false;
+  if (!last_block(&scr->ticket, false)) return false;  // check_verdict zeroes the scratch, the ticket too
   if (threadIdx.x == 0) check_verdict(c, a, scr, cnt);
   __syncthreads();  // the verdict before whatever the last block does next (check_sync: the barrier)
   return true;

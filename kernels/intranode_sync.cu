@@ -276,29 +276,11 @@ __device__ __forceinline__ void stage_body(const Ctx& c, const dek_ic_stage_args
   for (int64_t t = tid >> 5; t < rows; t += warps) warp_copy(x_dst + t * L.row_bytes, x_src + t * L.row_bytes, L.row_bytes, lane);
 }
 
-// Whether this block is the grid's last to get here (every block calls it once): each thread's
-// stores are fenced before the block takes its ticket, and the last block fences after it, so
-// what the grid stored is ordered before what the last block does next (the threadfence
-// reduction pattern; the barrier then fences at system scope before it signals the peers).
-__device__ __forceinline__ bool grid_last(const Ctx& c) {
-  __shared__ bool s_last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned int* ticket = at<unsigned int>(local(c), kScrStageTicket);
-    s_last = atomicAdd(ticket, 1u) == gridDim.x - 1;
-    if (s_last) *ticket = 0;  // every block has taken its ticket: ready for the next launch
-    __threadfence();
-  }
-  __syncthreads();
-  return s_last;
-}
-
 // Not inlined: inside the staging it made the staging spill (4 bytes at 64 registers, ptxas -v);
 // out of line the staging spills nothing and the barrier, which waits on NVLink round trips,
 // keeps the 4 bytes and reads its arguments through a pointer.
 __device__ __noinline__ void stage_then_sync(const Ctx& c, const dek_ic_sync_args_t& a) {
-  if (grid_last(c)) sync_body(c, a);
+  if (last_block(at<unsigned int>(local(c), kScrStageTicket), true)) sync_body(c, a);  // the barrier then fences at system scope
 }
 
 // The op's start barrier (site `site`, op_start) at the head of the staging: the first block to

@@ -320,6 +320,51 @@ cudaError_t resident_grid(const Ctx* c, int want, int* blocks) {
   return cudaSuccess;
 }
 
+// ---- dispatch outputs that the pull and the push model write alike ---------------------------
+// The handle outputs: this rank's notify results (rpm, rcpm) and its own staged send side
+// (channel prefix matrix, send head), over `threads` threads from thread `gtid`.
+__device__ __forceinline__ void write_handle_outputs(const Ctx& c, const dek_ic_pull_args_t& a, const Layout& me, const int* rpm,
+                                                     const int* rcpm, int64_t gtid, int64_t threads) {
+  const int R = c.num_ranks, C = static_cast<int>(me.num_channels);
+  if (a.rank_prefix_matrix != nullptr) {
+    for (int64_t i = gtid; i < R * R; i += threads) a.rank_prefix_matrix[i] = rpm[i];
+  }
+  if (a.recv_channel_prefix_matrix != nullptr) {
+    for (int64_t i = gtid; i < R * C; i += threads) a.recv_channel_prefix_matrix[i] = rcpm[i];
+  }
+  if (a.channel_prefix_matrix != nullptr) {
+    const int* cpm = at<const int>(peer_local(c), me.off[DEK_IC_SEC_CPM]);
+    for (int64_t i = gtid; i < R * C; i += threads) a.channel_prefix_matrix[i] = cpm[i];
+  }
+  if (a.send_head != nullptr) {
+    const int* sh = at<const int>(peer_local(c), me.off[DEK_IC_SEC_SEND_HEAD]);
+    for (int64_t i = gtid; i < me.num_tokens * R; i += threads) a.send_head[i] = sh[i];
+  }
+}
+
+// The worst-case padding rows [real_rows, num_rows): x and scales zero, ids and sources -1,
+// weights 0; warp `warp` of `warps` takes every warps-th row.
+__device__ __forceinline__ void pad_rows(const dek_ic_pull_args_t& a, const Layout& me, int64_t real_rows, int64_t warp, int64_t warps,
+                                         int lane) {
+  const int64_t rb = me.row_bytes, S = me.num_scales, K = me.num_topk;
+  char* recv_x = static_cast<char*>(a.recv_x);
+  uint32_t* recv_scales = static_cast<uint32_t*>(a.recv_scales);
+  for (int64_t row = real_rows + warp; row < a.num_rows; row += warps) {
+    warp_zero(recv_x + row * rb, rb, lane);
+    if (recv_scales != nullptr) {
+      for (int64_t j = lane; j < S; j += 32) recv_scales[row * S + j] = 0;
+    }
+    for (int64_t j = lane; j < K; j += 32) {
+      if (a.recv_topk_idx != nullptr) {
+        if (a.topk_is_int64) static_cast<int64_t*>(a.recv_topk_idx)[row * K + j] = -1;
+        else static_cast<int32_t*>(a.recv_topk_idx)[row * K + j] = -1;
+      }
+      if (a.recv_topk_weights != nullptr) a.recv_topk_weights[row * K + j] = 0.0f;
+    }
+    if (a.recv_src_idx != nullptr && lane == 0) a.recv_src_idx[row] = -1;
+  }
+}
+
 }  // namespace
 }  // namespace ic
 }  // namespace deep_ep

@@ -71,39 +71,11 @@ __global__ void __launch_bounds__(kT) pull_dispatch(const __grid_constant__ Ctx 
   const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t gwarp = gtid >> 5, warps = threads >> 5;
 
-  // Handle outputs (dispatch): this rank's notify results and its own staged send side.
-  if (a.rank_prefix_matrix != nullptr) {
-    for (int64_t i = gtid; i < R * R; i += threads) a.rank_prefix_matrix[i] = rpm[i];
-  }
-  if (a.recv_channel_prefix_matrix != nullptr) {
-    for (int64_t i = gtid; i < R * C; i += threads) a.recv_channel_prefix_matrix[i] = rcpm[i];
-  }
-  if (a.channel_prefix_matrix != nullptr) {
-    const int* cpm = at<const int>(peer_local(c), me.off[DEK_IC_SEC_CPM]);
-    for (int64_t i = gtid; i < R * C; i += threads) a.channel_prefix_matrix[i] = cpm[i];
-  }
-  if (a.send_head != nullptr) {
-    const int* sh = at<const int>(peer_local(c), me.off[DEK_IC_SEC_SEND_HEAD]);
-    for (int64_t i = gtid; i < me.num_tokens * R; i += threads) a.send_head[i] = sh[i];
-  }
+  write_handle_outputs(c, a, me, rpm, rcpm, gtid, threads);
 
   char* recv_x = static_cast<char*>(a.recv_x);
   uint32_t* recv_scales = static_cast<uint32_t*>(a.recv_scales);
-  // Worst-case padding rows.
-  for (int64_t row = real_rows + gwarp; row < a.num_rows; row += warps) {
-    warp_zero(recv_x + row * rb, rb, lane);
-    if (recv_scales != nullptr) {
-      for (int64_t j = lane; j < S; j += 32) recv_scales[row * S + j] = 0;
-    }
-    for (int64_t j = lane; j < K; j += 32) {
-      if (a.recv_topk_idx != nullptr) {
-        if (a.topk_is_int64) static_cast<int64_t*>(a.recv_topk_idx)[row * K + j] = -1;
-        else static_cast<int32_t*>(a.recv_topk_idx)[row * K + j] = -1;
-      }
-      if (a.recv_topk_weights != nullptr) a.recv_topk_weights[row * K + j] = 0.0f;
-    }
-    if (a.recv_src_idx != nullptr && lane == 0) a.recv_src_idx[row] = -1;
-  }
+  pad_rows(a, me, real_rows, gwarp, warps, lane);  // the worst-case padding rows
 
   // Received rows.
   const int64_t total = s_task_start[R];

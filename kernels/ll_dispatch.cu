@@ -134,6 +134,34 @@ __device__ __forceinline__ void local_rows(const Args& a, int g0, int g_hi, int 
 // at most N): more token blocks than tokens split each token's groups over P blocks.
 __host__ __device__ __forceinline__ int local_split(int n, int blocks) { return n >= 1 && blocks > n ? blocks / n : 1; }
 
+// The one-rank count block's work after the counting pass (block 0 of dek_ll_dispatch_local), out
+// of line so that the token blocks' path (set-up, routing, payload) is one contiguous stretch of
+// code instead of jumping over this (bench/NOTES.md session 27): the routing fingerprints, the
+// receive's outputs of the one source (R == 1: E_l == E) with the overflow reports, the call's end,
+// then the message count and the format words.
+__device__ __noinline__ void local_count_tail(const Ctx& c, const Args& a, const unsigned long long* s_fp, const unsigned long long* s_fpw,
+                                              const int* s_total, const int* s_mask, const int* s_rct, uint32_t seq) {
+  const int tid = threadIdx.x, E = a.num_experts, T = a.num_max_tokens, N = a.num_tokens, K = a.num_topk;
+  if (tid == 0) {
+    uint64_t* words = at<uint64_t>(local(c), kLlRouting);
+    words[a.half] = routing_seal(shares_sum_u64(s_fp, kSendWarps), N, K);
+    words[4 + a.half] = a.topk_weights != nullptr ? routing_seal(shares_sum_u64(s_fpw, kSendWarps), N, K) : 0;
+  }
+  for (int e = tid; e < E; e += kSendThreads) {
+    const int n = min(s_total[e], T);
+    a.layout_range[e] = n;
+    a.recv_count[e] = n;
+    if (a.cumulative != nullptr) a.cumulative[e] += n;
+    if (s_total[e] > T && !s_mask[0]) report(c, DEK_IC_ERR_OVERFLOW, 0, DEK_IC_SITE_LL_DISPATCH, s_total[e], T);
+  }
+  if (tid == 0) end_call(c, seq);
+  if (a.net == nullptr && tid == 0 && !s_mask[0]) {
+    *reinterpret_cast<uint32_t*>(window(c, 0) + recv_off(a, a.half) + 4 * c.rank) = static_cast<uint32_t>(s_rct[0]);
+    put_fmt(c, a, 0, 0, fmt_dispatch(a));
+  }
+  LL_STAMP(10);
+}
+
 // ---- dispatch send ------------------------------------------------------------------------------
 // Block b owns tokens [b*per, (b+1)*per). Every block first counts, in shared memory, the
 // selections of each expert over all tokens (s_total, for the signals) and over the tokens before
@@ -240,28 +268,21 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
   if (blockIdx.x == 0) warp_shares_u64(fp, fpw, s_fp, s_fpw);  // uniform in the block: every lane takes part
   __syncthreads();
   LL_STAMP(9);
-  if (blockIdx.x == 0 && tid == 0) {
+  if (kLocal && count_block) {
+    local_count_tail(c, a, s_fp, s_fpw, s_total, s_mask, s_rct, s_seq);
+    return true;
+  }
+  if (!kLocal && blockIdx.x == 0 && tid == 0) {
     uint64_t* words = at<uint64_t>(local(c), kLlRouting);
     words[a.half] = routing_seal(shares_sum_u64(s_fp, kSendWarps), N, K);
     words[4 + a.half] = a.topk_weights != nullptr ? routing_seal(shares_sum_u64(s_fpw, kSendWarps), N, K) : 0;
-  }
-  if (kLocal && blockIdx.x == 0) {  // the receive's outputs of one source (R == 1: E_l == E)
-    // The tail of the peer form too (overflow reports, the call counter): no block waits for it.
-    for (int e = tid; e < E; e += kSendThreads) {
-      const int n = min(s_total[e], T);
-      a.layout_range[e] = n;
-      a.recv_count[e] = n;
-      if (a.cumulative != nullptr) a.cumulative[e] += n;
-      if (s_total[e] > T && !s_mask[e / El]) report(c, DEK_IC_ERR_OVERFLOW, e / El, DEK_IC_SITE_LL_DISPATCH, s_total[e], T);
-    }
-    if (tid == 0) end_call(c, s_seq);
   }
   const uint64_t recv = recv_off(a, a.half), msgs = recv + a.msgs_off;
   // NVLink only: every block counted every rank's messages, so block 0 stores the message counts
   // (read by a partial combine) and the format words now, ordered before the signals by its ticket
   // fence, instead of the last block between two fences after the ticket (one system fence fewer
   // on the critical path). With a seam the last block still writes them (staged for the puts).
-  if (blockIdx.x == 0 && a.net == nullptr) {
+  if (!kLocal && blockIdx.x == 0 && a.net == nullptr) {
     for (int d = tid; d < R; d += kSendThreads) {
       if (s_mask[d]) continue;
       *reinterpret_cast<uint32_t*>(window(c, d) + recv + 4 * c.rank) = static_cast<uint32_t>(s_rct[d]);

@@ -688,6 +688,10 @@ __global__ void __launch_bounds__(kSendThreads, 2) dispatch(const __grid_constan
     dispatch_recv<Net, kFp4>(c, a);
     return;
   }
+  if constexpr (kLocal) {  // launched early (launch_pdl): wait for the kernel before, let the next one launch
+    pdl_wait();
+    pdl_trigger();
+  }
   uint32_t seq = 0;
 #ifdef DEEP_EP_LL_STAMPS
   if (threadIdx.x == 0) {
@@ -775,11 +779,6 @@ extern "C" int dek_ll_dispatch_local(const dek_ic_ctx_t* ctx, const dek_ll_args_
   const int n = args->num_tokens, groups = args->hidden / 128, room = std::max(1, args->num_blocks - 1);
   const int p = n >= 1 ? std::min(room / n, groups / kSendWarps) : 1;
   const int blocks = 1 + (p > 1 ? n * p : std::max(1, std::min(n, room)));
-  const cudaStream_t s = deep_ep::as_stream(stream);
-  if (args->use_nvfp4) {
-    dispatch<LsaNet, true, true><<<blocks, kSendThreads, 0, s>>>(*ctx, *args, DEK_LL_PHASE_BOTH);
-  } else {
-    dispatch<LsaNet, false, true><<<blocks, kSendThreads, 0, s>>>(*ctx, *args, DEK_LL_PHASE_BOTH);
-  }
-  return static_cast<int>(cudaGetLastError());
+  auto* kernel = args->use_nvfp4 ? dispatch<LsaNet, true, true> : dispatch<LsaNet, false, true>;
+  return launch_pdl(kernel, blocks, kSendThreads, deep_ep::as_stream(stream), *ctx, *args, static_cast<int>(DEK_LL_PHASE_BOTH));
 }

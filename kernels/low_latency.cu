@@ -525,7 +525,9 @@ __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kRedu
     if constexpr (!kSig) combine_recv<Net>(c, a);
     return;
   }
-  if constexpr (kLocal) {
+  if constexpr (kLocal) {  // launched early (launch_pdl): wait for the kernel before, let the next one launch
+    pdl_wait();
+    pdl_trigger();
     combine_local<Net>(c, a);
     return;
   }
@@ -667,8 +669,8 @@ extern "C" int dek_ll_combine_local(const dek_ic_ctx_t* ctx, const dek_ll_args_t
   const int64_t slices = static_cast<int64_t>(args->num_tokens) * ((args->hidden / 8 + kLlThreads - 1) / kLlThreads);
   const int64_t cap = ctx->num_sms > 0 ? 3 * static_cast<int64_t>(ctx->num_sms) : 1;
   const int blocks = static_cast<int>(slices < 1 ? 1 : slices < cap ? slices : cap);
-  combine<LsaNet, false, true, false, true><<<blocks, kLlThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args, DEK_LL_PHASE_BOTH);
-  return static_cast<int>(cudaGetLastError());
+  return launch_pdl(combine<LsaNet, false, true, false, true>, blocks, kLlThreads, deep_ep::as_stream(stream), *ctx, *args,
+                    static_cast<int>(DEK_LL_PHASE_BOTH));
 }
 
 extern "C" int dek_ll_zero_signals(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream) {

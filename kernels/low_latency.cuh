@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 
 #include "intranode.cuh"
 #include "transport.cuh"
@@ -58,6 +59,39 @@ __device__ __forceinline__ unsigned long long* ll_stamps() {
 #define LL_STAMP(i) ((void)0)
 #define LL_STAMP_AFTER(i, r) ((void)0)
 #endif
+
+// Programmatic dependent launch (the one-rank forms, launch_pdl): the kernel is launched before
+// the one ahead of it in the stream has finished; `pdl_wait` holds it until that grid has
+// completed and its stores are visible (so nothing may read or write global memory before it),
+// `pdl_trigger` lets the next such kernel be launched now, to wait in its own `pdl_wait`. Both
+// are no-ops in a kernel launched without the attribute, and before sm_90.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+// Launches `kernel` with programmatic stream serialization (its start overlaps the end of the
+// kernel before it; the kernel must begin with pdl_wait). Returns cudaGetLastError() as the
+// <<<>>> launches' callers do.
+template <class... P, class... A>
+inline int launch_pdl(void (*kernel)(P...), int blocks, int threads, cudaStream_t stream, A&&... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(blocks);
+  cfg.blockDim = dim3(threads);
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  (void)cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
+  return static_cast<int>(cudaGetLastError());
+}
 
 // Most experts of a dispatch send (two int histograms of E in shared memory).
 constexpr int kMaxLlExperts = DEK_LL_MAX_EXPERTS;

@@ -525,9 +525,11 @@ __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kRedu
     if constexpr (!kSig) combine_recv<Net>(c, a);
     return;
   }
-  if constexpr (kLocal) {  // launched early (launch_pdl): wait for the kernel before, let the next one launch
+  if constexpr (kLocal) {  // launched early (launch_pdl): wait for the kernel before
     pdl_wait();
-    pdl_trigger();
+    // Let the next kernel launch now, unless this grid fills its bound on every SM (3 x SMs: at
+    // 128 tokens the trigger cost 0.2 µs there and gained 0.25 below it, bench/NOTES.md session 28).
+    if (gridDim.x < 3u * static_cast<unsigned>(c.num_sms)) pdl_trigger();
     combine_local<Net>(c, a);
     return;
   }

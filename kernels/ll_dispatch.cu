@@ -67,6 +67,28 @@ __device__ __forceinline__ uint32_t cast_group_nvfp4(uint2 v, float s, uint32_t*
   return e2m1(__fmul_rn(f[0], out)) | e2m1(__fmul_rn(f[1], out)) << 4 | e2m1(__fmul_rn(f[2], out)) << 8 | e2m1(__fmul_rn(f[3], out)) << 12;
 }
 
+// The dispatch send's payload: groups [g0, min(g0 + kBatch, g_hi)) of token row `row` (lane's 4
+// channels of each) loaded into v and, for FP8 / NVFP4, cast into q and inv.
+template <bool kFp4, int kBatch>
+__device__ __forceinline__ void load_cast(const Args& a, const uint16_t* row, int g0, int g_hi, int lane, float gscale, uint2 (&v)[kBatch],
+                                          uint32_t (&q)[kBatch], float (&inv)[kBatch]) {
+#pragma unroll
+  for (int u = 0; u < kBatch; ++u)
+    if (g0 + u < g_hi) v[u] = __ldg(reinterpret_cast<const uint2*>(row + (g0 + u) * 128 + lane * 4));
+  if (a.use_fp8) {
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u)
+      if (g0 + u < g_hi) q[u] = cast_group_fp8(v[u], a.round_scale != 0, &inv[u]);
+  } else if (kFp4) {  // codes in q, the block's scale byte in inv's bits
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      uint32_t sf = 0;
+      if (g0 + u < g_hi) q[u] = cast_group_nvfp4(v[u], gscale, &sf);
+      inv[u] = __uint_as_float(sf);
+    }
+  }
+}
+
 // ---- one rank: the rows straight into the outputs --------------------------------------------------
 // One warp's cast groups [g0, min(g0 + kBatch, g_hi)) of the current token (v: the BF16 loads, q /
 // inv: the FP8 or NVFP4 codes and scales) stored into every kept selection's row (local expert l,
@@ -133,6 +155,8 @@ __device__ __forceinline__ void local_rows(const Args& a, int g0, int g_hi, int 
 // Blocks per token of the one-rank dispatch (its launcher gives N * P token blocks when P > 1, else
 // at most N): more token blocks than tokens split each token's groups over P blocks.
 __host__ __device__ __forceinline__ int local_split(int n, int blocks) { return n >= 1 && blocks > n ? blocks / n : 1; }
+// The one-rank dispatch's payload warps: warp 0 of a token block routes only.
+constexpr int kLocalPayWarps = kSendWarps - 1;
 
 // The one-rank count block's work after the counting pass (block 0 of dek_ll_dispatch_local), out
 // of line so that the token blocks' path (set-up, routing, payload) is one contiguous stretch of
@@ -293,11 +317,20 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
   // Staging of remote messages (send half of this call): payload of token tok at tok * pay_stride.
   const uint64_t stage = send_off(a, a.half), pay_stride = a.msg_bytes - kMsgMeta;
   const int s_lo = S * slice / P, s_hi = S * (slice + 1) / P;
-  const int gpw = (s_hi - s_lo + kSendWarps - 1) / kSendWarps, g_lo = min(s_hi, s_lo + warp * gpw), g_hi = min(s_hi, g_lo + gpw);
+  // kLocal: warp 0 routes only and warps 1.. carry the payload, loading and casting their first
+  // batch while warp 0 routes (the cast does not need the routing; bench/NOTES.md session 28).
+  constexpr int kPayWarps = kLocal ? kLocalPayWarps : kSendWarps;
+  const int pw = kLocal ? warp - 1 : warp;  // payload warp (-1: the one-rank form's routing warp)
+  const int gpw = (s_hi - s_lo + kPayWarps - 1) / kPayWarps, g_lo = kLocal && pw < 0 ? s_hi : min(s_hi, s_lo + pw * gpw), g_hi = min(s_hi, g_lo + gpw);
   constexpr int kBatch = 8;
   const float gscale = kFp4 ? __ldg(a.x_global_scale) : 0.0f;
   bool put_any = false;  // this warp put to a remote destination (flushed at the end)
+  uint2 v0[kBatch]; uint32_t q0[kBatch]; float inv0[kBatch];  // kLocal: the token's first batch, cast before the routing barrier
   for (int tok = t_begin; tok < t_end; ++tok) {
+    if constexpr (kLocal) {
+      const uint16_t* row = static_cast<const uint16_t*>(a.x) + static_cast<int64_t>(tok) * H;
+      if (g_lo < g_hi) load_cast<kFp4, kBatch>(a, row, g_lo, g_hi, lane, gscale, v0, q0, inv0);
+    }
     // Warp 0 routes the token, lane k its selection k (was thread 0 alone, with the other warps
     // waiting: the largest part of a 1-token send, bench/LL_PROFILE.md section 2). Same result as
     // taking the selections in order k = 0, 1, ...: an expert's slot counts its earlier selections
@@ -377,55 +410,38 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
     }
     if (tok == t_begin) LL_STAMP(12);
     const uint16_t* row = static_cast<const uint16_t*>(a.x) + static_cast<int64_t>(tok) * H;
-    for (int g0 = g_lo; g0 < g_hi; g0 += kBatch) {
+    for (int g0 = g_lo; kLocal && g0 < g_hi; g0 += kBatch) {  // the first batch is in (v0, q0, inv0)
+      if (g0 != g_lo) load_cast<kFp4, kBatch>(a, row, g0, g_hi, lane, gscale, v0, q0, inv0);
+      local_rows<kFp4, kBatch>(a, g0, g_hi, lane, ndst, s_n, s_ent, v0, q0, inv0);
+    }
+    for (int g0 = g_lo; !kLocal && g0 < g_hi; g0 += kBatch) {
       uint2 v[kBatch];
       uint32_t q[kBatch];
       float inv[kBatch];
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        if (g0 + u < g_hi) v[u] = __ldg(reinterpret_cast<const uint2*>(row + (g0 + u) * 128 + lane * 4));
-      }
-      if (a.use_fp8) {
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-          if (g0 + u < g_hi) q[u] = cast_group_fp8(v[u], a.round_scale != 0, &inv[u]);
-        }
-      } else if (kFp4) {  // codes in q, the block's scale byte in inv's bits
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-          uint32_t sf = 0;
-          if (g0 + u < g_hi) q[u] = cast_group_nvfp4(v[u], gscale, &sf);
-          inv[u] = __uint_as_float(sf);
-        }
-      }
+      load_cast<kFp4, kBatch>(a, row, g0, g_hi, lane, gscale, v, q, inv);
       if (tok == t_begin && g0 == g_lo) LL_STAMP_AFTER(13, a.use_fp8 ? q[0] : v[0].x);
-      if constexpr (kLocal) {
-        local_rows<kFp4, kBatch>(a, g0, g_hi, lane, ndst, s_n, s_ent, v, q, inv);
-        if (tok == t_begin && g0 == g_lo) LL_STAMP(14);
-      } else {
-        for (int i = -1; i < ndst; ++i) {  // i = -1: the staged payload of the remote destinations
-          char* pay;
-          if (i < 0) {
-            if (!s_any_far) continue;
-            pay = local(c) + stage + static_cast<uint64_t>(tok) * pay_stride;
-          } else {
-            const int d = s_dst[i];
-            if (remote(c, a, d)) continue;
-            pay = window(c, d) + msgs + static_cast<uint64_t>(c.rank * T + s_msg[i]) * a.msg_bytes + kMsgMeta;
-          }
+      for (int i = -1; i < ndst; ++i) {  // i = -1: the staged payload of the remote destinations
+        char* pay;
+        if (i < 0) {
+          if (!s_any_far) continue;
+          pay = local(c) + stage + static_cast<uint64_t>(tok) * pay_stride;
+        } else {
+          const int d = s_dst[i];
+          if (remote(c, a, d)) continue;
+          pay = window(c, d) + msgs + static_cast<uint64_t>(c.rank * T + s_msg[i]) * a.msg_bytes + kMsgMeta;
+        }
 #pragma unroll
-          for (int u = 0; u < kBatch; ++u) {
-            const int g = g0 + u;
-            if (g >= g_hi) break;
-            if (a.use_fp8) {
-              *reinterpret_cast<uint32_t*>(pay + g * 128 + lane * 4) = q[u];
-              if (lane == 0) *reinterpret_cast<float*>(pay + H + g * 4) = inv[u];
-            } else if (kFp4) {  // H/2 bytes of codes, then H/16 scale bytes (the CPU backend's wire)
-              *reinterpret_cast<uint16_t*>(pay + g * 64 + lane * 2) = static_cast<uint16_t>(q[u]);
-              if (lane % 4 == 0) *reinterpret_cast<uint8_t*>(pay + H / 2 + g * 8 + lane / 4) = static_cast<uint8_t>(__float_as_uint(inv[u]));
-            } else {
-              *reinterpret_cast<uint2*>(pay + g * 256 + lane * 8) = v[u];
-            }
+        for (int u = 0; u < kBatch; ++u) {
+          const int g = g0 + u;
+          if (g >= g_hi) break;
+          if (a.use_fp8) {
+            *reinterpret_cast<uint32_t*>(pay + g * 128 + lane * 4) = q[u];
+            if (lane == 0) *reinterpret_cast<float*>(pay + H + g * 4) = inv[u];
+          } else if (kFp4) {  // H/2 bytes of codes, then H/16 scale bytes (the CPU backend's wire)
+            *reinterpret_cast<uint16_t*>(pay + g * 64 + lane * 2) = static_cast<uint16_t>(q[u]);
+            if (lane % 4 == 0) *reinterpret_cast<uint8_t*>(pay + H / 2 + g * 8 + lane / 4) = static_cast<uint8_t>(__float_as_uint(inv[u]));
+          } else {
+            *reinterpret_cast<uint2*>(pay + g * 256 + lane * 8) = v[u];
           }
         }
       }
@@ -772,12 +788,12 @@ extern "C" int dek_ll_dispatch(const dek_ic_ctx_t* ctx, const dek_ll_args_t* arg
 extern "C" int dek_ll_dispatch_local(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream) {
   if (ctx == nullptr || ctx->num_ranks != 1 || args == nullptr || args->net != nullptr || !send_args_ok(ctx, args, false) || !recv_args_ok(args))
     return static_cast<int>(cudaErrorInvalidValue);
-  // A token's groups over P blocks while the send grid has room (P = 7 at 1 token and hidden 7168:
-  // one group per warp; bench/NOTES.md session 26): a token's cast and stores were one block's.
+  // A token's groups over P blocks while the send grid has room (P = 8 at 1 token and hidden 7168:
+  // one group per payload warp; bench/NOTES.md session 26): a token's cast and stores were one block's.
   // Block 0 is the count block (no token): the token blocks fill the rest of the send grid, so
   // that the whole grid fits in one wave.
   const int n = args->num_tokens, groups = args->hidden / 128, room = std::max(1, args->num_blocks - 1);
-  const int p = n >= 1 ? std::min(room / n, groups / kSendWarps) : 1;
+  const int p = n >= 1 ? std::min(room / n, groups / kLocalPayWarps) : 1;
   const int blocks = 1 + (p > 1 ? n * p : std::max(1, std::min(n, room)));
   auto* kernel = args->use_nvfp4 ? dispatch<LsaNet, true, true> : dispatch<LsaNet, false, true>;
   return launch_pdl(kernel, blocks, kSendThreads, deep_ep::as_stream(stream), *ctx, *args, static_cast<int>(DEK_LL_PHASE_BOTH));

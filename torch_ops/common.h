@@ -285,7 +285,7 @@ inline deep_ep_tensor_t raw_if(const std::optional<Tensor>& given, const Tensor&
 // The outputs of a row gather (cached dispatch, combine; intranode and internode): [rows, H] like x
 // and, with `side` given ([*, K] scales or weights), its [rows, K] companion (else an empty f32
 // one), with their raw views for the C API.
-struct RowsOut {
+struct __attribute__((visibility("hidden"))) RowsOut {  // hidden, as its torch fields are (DeviceScope too)
   Tensor x, side;
   deep_ep_tensor_t raw_x, raw_side;
 };

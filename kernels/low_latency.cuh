@@ -64,7 +64,9 @@ __device__ __forceinline__ unsigned long long* ll_stamps() {
 // the one ahead of it in the stream has finished; `pdl_wait` holds it until that grid has
 // completed and its stores are visible (so nothing may read or write global memory before it),
 // `pdl_trigger` lets the next such kernel be launched now, to wait in its own `pdl_wait`. Both
-// are no-ops in a kernel launched without the attribute, and before sm_90.
+// are no-ops in a kernel launched without the attribute, and before sm_90 (where the attribute
+// does nothing either). The library embeds SASS only (build.rs: code=sm_X, no PTX), so no GPU of
+// sm_90 or later runs a JIT of code compiled below it, which would launch early without the wait.
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");

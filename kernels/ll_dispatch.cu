@@ -158,6 +158,14 @@ __host__ __device__ __forceinline__ int local_split(int n, int blocks) { return 
 // The one-rank dispatch's payload warps: warp 0 of a token block routes only.
 constexpr int kLocalPayWarps = kSendWarps - 1;
 
+// Block 0's routing words of this call (the combine checks its ids and weights against them):
+// the sealed sums of the per-warp fingerprint shares of N tokens' K selections.
+__device__ __forceinline__ void seal_routing(const Ctx& c, const Args& a, const unsigned long long* fp, const unsigned long long* fpw, int N, int K) {
+  uint64_t* words = at<uint64_t>(local(c), kLlRouting);
+  words[a.half] = routing_seal(shares_sum_u64(fp, kSendWarps), N, K);
+  words[4 + a.half] = a.topk_weights != nullptr ? routing_seal(shares_sum_u64(fpw, kSendWarps), N, K) : 0;
+}
+
 // The one-rank count block's work after the counting pass (block 0 of dek_ll_dispatch_local), out
 // of line so that the token blocks' path (set-up, routing, payload) is one contiguous stretch of
 // code instead of jumping over this (bench/NOTES.md session 27): the routing fingerprints, the
@@ -165,12 +173,8 @@ constexpr int kLocalPayWarps = kSendWarps - 1;
 // then the message count and the format words.
 __device__ __noinline__ void local_count_tail(const Ctx& c, const Args& a, const unsigned long long* s_fp, const unsigned long long* s_fpw,
                                               const int* s_total, const int* s_mask, const int* s_rct, uint32_t seq) {
-  const int tid = threadIdx.x, E = a.num_experts, T = a.num_max_tokens, N = a.num_tokens, K = a.num_topk;
-  if (tid == 0) {
-    uint64_t* words = at<uint64_t>(local(c), kLlRouting);
-    words[a.half] = routing_seal(shares_sum_u64(s_fp, kSendWarps), N, K);
-    words[4 + a.half] = a.topk_weights != nullptr ? routing_seal(shares_sum_u64(s_fpw, kSendWarps), N, K) : 0;
-  }
+  const int tid = threadIdx.x, E = a.num_experts, T = a.num_max_tokens;
+  if (tid == 0) seal_routing(c, a, s_fp, s_fpw, a.num_tokens, a.num_topk);
   for (int e = tid; e < E; e += kSendThreads) {
     const int n = min(s_total[e], T);
     a.layout_range[e] = n;
@@ -296,11 +300,7 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
     local_count_tail(c, a, s_fp, s_fpw, s_total, s_mask, s_rct, s_seq);
     return true;
   }
-  if (!kLocal && blockIdx.x == 0 && tid == 0) {
-    uint64_t* words = at<uint64_t>(local(c), kLlRouting);
-    words[a.half] = routing_seal(shares_sum_u64(s_fp, kSendWarps), N, K);
-    words[4 + a.half] = a.topk_weights != nullptr ? routing_seal(shares_sum_u64(s_fpw, kSendWarps), N, K) : 0;
-  }
+  if (!kLocal && blockIdx.x == 0 && tid == 0) seal_routing(c, a, s_fp, s_fpw, N, K);
   const uint64_t recv = recv_off(a, a.half), msgs = recv + a.msgs_off;
   // NVLink only: every block counted every rank's messages, so block 0 stores the message counts
   // (read by a partial combine) and the format words now, ordered before the signals by its ticket

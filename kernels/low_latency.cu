@@ -519,7 +519,7 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
 // session 19).
 // kLocal (one rank, dek_ll_combine_local): the sums straight from y (ll_combine_local.cuh).
 template <class Net, bool kSig, bool kBoth = false, bool kSpread = false, bool kLocal = false>
-__global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kReduceThreads, kBoth ? 3 : 1)
+__global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kReduceThreads, kBoth ? kBothBlocksPerSm : 1)
     combine(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
   if (!kBoth && phase == DEK_LL_PHASE_RECV) {
     if constexpr (!kSig) combine_recv<Net>(c, a);
@@ -529,7 +529,7 @@ __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kRedu
     pdl_wait();
     // Let the next kernel launch now, unless this grid fills its bound on every SM (3 x SMs: at
     // 128 tokens the trigger cost 0.2 µs there and gained 0.25 below it, bench/NOTES.md session 28).
-    if (gridDim.x < 3u * static_cast<unsigned>(c.num_sms)) pdl_trigger();
+    if (gridDim.x < kBothBlocksPerSm * static_cast<unsigned>(c.num_sms)) pdl_trigger();
     combine_local<Net>(c, a);
     return;
   }
@@ -656,7 +656,7 @@ extern "C" int dek_ll_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args
   if (ctx->num_ranks == 1 && !args->partial && static_cast<int64_t>(args->num_tokens) * args->num_topk >= kSpreadMinSelections) {
     // Its work does not follow the grid: 3 blocks per SM, all resident (109 registers: 4 would fit;
     // the caller checked E <= 3 x SMs for the E-block grid).
-    const int spread_blocks = ctx->num_sms > 0 && 3 * ctx->num_sms > blocks ? 3 * ctx->num_sms : blocks;
+    const int spread_blocks = ctx->num_sms > 0 && kBothBlocksPerSm * ctx->num_sms > blocks ? kBothBlocksPerSm * ctx->num_sms : blocks;
     combine<LsaNet, false, true, true><<<spread_blocks, kLlThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args, DEK_LL_PHASE_BOTH);
   } else {
     combine<LsaNet, false, true><<<blocks, kLlThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args, DEK_LL_PHASE_BOTH);
@@ -669,7 +669,7 @@ extern "C" int dek_ll_combine_local(const dek_ic_ctx_t* ctx, const dek_ll_args_t
   // A token's H/1024 slices on blocks of their own (8 rows' loads in flight per thread), at most
   // 3 blocks per SM (the one-launch instantiations' bound).
   const int64_t slices = static_cast<int64_t>(args->num_tokens) * ((args->hidden / 8 + kLlThreads - 1) / kLlThreads);
-  const int64_t cap = ctx->num_sms > 0 ? 3 * static_cast<int64_t>(ctx->num_sms) : 1;
+  const int64_t cap = ctx->num_sms > 0 ? kBothBlocksPerSm * static_cast<int64_t>(ctx->num_sms) : 1;
   const int blocks = static_cast<int>(slices < 1 ? 1 : slices < cap ? slices : cap);
   return launch_pdl(combine<LsaNet, false, true, false, true>, blocks, kLlThreads, deep_ep::as_stream(stream), *ctx, *args,
                     static_cast<int>(DEK_LL_PHASE_BOTH));

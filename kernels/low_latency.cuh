@@ -31,6 +31,9 @@ namespace {
 // resident at once; the combine receive reduces with large blocks. The dispatch send uses
 // kSendThreads per block, one block per few tokens (the warps split a token's channels).
 constexpr int kLlThreads = 128;
+// Blocks per SM of the one-launch combines (their launch bound; the grids that must be resident are
+// capped at this many per SM).
+constexpr int kBothBlocksPerSm = 3;
 constexpr int kLlWarps = kLlThreads / 32;
 constexpr int kReduceThreads = 512;
 constexpr int kSendThreads = 256;

@@ -692,13 +692,11 @@ __device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a) {
 // must fit in one wave.
 template <class Net, bool kFp4, bool kLocal = false>
 __global__ void __launch_bounds__(kSendThreads, 2) dispatch(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
+  pdl_wait();  // one-launch forms: launched early (launch_pdl); wait for the kernel before, let the next one launch
+  pdl_trigger();
   if (!kLocal && phase == DEK_LL_PHASE_RECV) {
     dispatch_recv<Net, kFp4>(c, a);
     return;
-  }
-  if constexpr (kLocal) {  // launched early (launch_pdl): wait for the kernel before, let the next one launch
-    pdl_wait();
-    pdl_trigger();
   }
   uint32_t seq = 0;
 #ifdef DEEP_EP_LL_STAMPS
@@ -727,6 +725,8 @@ int launch_dispatch(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, dim3 gri
   if (gin) {
     if (fp4) dispatch<GinNet, true><<<grid, threads, 0, s>>>(*ctx, *args, phase);
     else dispatch<GinNet, false><<<grid, threads, 0, s>>>(*ctx, *args, phase);
+  } else if (phase == DEK_LL_PHASE_BOTH) {  // one launch over NVLink: early, as the one-rank form
+    return launch_pdl(fp4 ? dispatch<LsaNet, true> : dispatch<LsaNet, false>, static_cast<int>(grid.x), threads, s, *ctx, *args, phase);
   } else {
     if (fp4) dispatch<LsaNet, true><<<grid, threads, 0, s>>>(*ctx, *args, phase);
     else dispatch<LsaNet, false><<<grid, threads, 0, s>>>(*ctx, *args, phase);

@@ -529,7 +529,7 @@ __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kRedu
     pdl_wait();
     // Let the next kernel launch now, unless this grid fills its bound on every SM (3 x SMs: at
     // 128 tokens the trigger cost 0.2 µs there and gained 0.25 below it, bench/NOTES.md session 28).
-    if (gridDim.x < kBothBlocksPerSm * static_cast<unsigned>(c.num_sms)) pdl_trigger();
+    if (kLocal && gridDim.x < kBothBlocksPerSm * static_cast<unsigned>(c.num_sms)) pdl_trigger();  // cand29b: the peer forms never trigger
   }
   if constexpr (kLocal) {
     combine_local<Net>(c, a);

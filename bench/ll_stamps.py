@@ -9,8 +9,7 @@ block 0 (at 1 token the block holding the token) and the block that signals prin
   d18 warp 0 has the token's ids (set-up done)      d15 warp 0 has the token's expert slots
   d16 its destination list                          d17 warp 0's routing done (before the barrier)
   d11 the block's first token routed (warp 0)        d12 its meta written (warp 0)
-  d13 its first batch of x loaded and cast (warp 0: the peer forms; the one-rank form's warp 0 routes only)
-  d14 unused (was the one-rank form's first batch stored)
+  d13, d14 unused (were warp 0's first batch cast and stored: warp 0 now routes only)
   d2  the block's tokens stored (before its ticket)
   d3  the ticket said last (signalling block only)  d4  signals stored (signalling block only)
   d5  the send returned (receive starts)            d6  this block's column saw every count

@@ -155,8 +155,8 @@ __device__ __forceinline__ void local_rows(const Args& a, int g0, int g_hi, int 
 // Blocks per token of the one-rank dispatch (its launcher gives N * P token blocks when P > 1, else
 // at most N): more token blocks than tokens split each token's groups over P blocks.
 __host__ __device__ __forceinline__ int local_split(int n, int blocks) { return n >= 1 && blocks > n ? blocks / n : 1; }
-// The one-rank dispatch's payload warps: warp 0 of a token block routes only.
-constexpr int kLocalPayWarps = kSendWarps - 1;
+// The dispatch send's payload warps: warp 0 of a token block routes only.
+constexpr int kPayWarps = kSendWarps - 1;
 
 // Block 0's routing words of this call (the combine checks its ids and weights against them):
 // the sealed sums of the per-warp fingerprint shares of N tokens' K selections.
@@ -317,20 +317,17 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
   // Staging of remote messages (send half of this call): payload of token tok at tok * pay_stride.
   const uint64_t stage = send_off(a, a.half), pay_stride = a.msg_bytes - kMsgMeta;
   const int s_lo = S * slice / P, s_hi = S * (slice + 1) / P;
-  // kLocal: warp 0 routes only and warps 1.. carry the payload, loading and casting their first
-  // batch while warp 0 routes (the cast does not need the routing; bench/NOTES.md session 28).
-  constexpr int kPayWarps = kLocal ? kLocalPayWarps : kSendWarps;
-  const int pw = kLocal ? warp - 1 : warp;  // payload warp (-1: the one-rank form's routing warp)
-  const int gpw = (s_hi - s_lo + kPayWarps - 1) / kPayWarps, g_lo = kLocal && pw < 0 ? s_hi : min(s_hi, s_lo + pw * gpw), g_hi = min(s_hi, g_lo + gpw);
+  // Warp 0 routes only and warps 1.. carry the payload, loading and casting their first batch of
+  // each token while warp 0 routes (the cast does not need the routing; bench/NOTES.md session 28).
+  const int pw = warp - 1;  // payload warp (-1: the routing warp)
+  const int gpw = (s_hi - s_lo + kPayWarps - 1) / kPayWarps, g_lo = pw < 0 ? s_hi : min(s_hi, s_lo + pw * gpw), g_hi = min(s_hi, g_lo + gpw);
   constexpr int kBatch = 8;
   const float gscale = kFp4 ? __ldg(a.x_global_scale) : 0.0f;
   bool put_any = false;  // this warp put to a remote destination (flushed at the end)
-  uint2 v0[kBatch]; uint32_t q0[kBatch]; float inv0[kBatch];  // kLocal: the token's first batch, cast before the routing barrier
+  uint2 v[kBatch]; uint32_t q[kBatch]; float inv[kBatch];  // the current batch (a token's first: cast before the routing barrier)
   for (int tok = t_begin; tok < t_end; ++tok) {
-    if constexpr (kLocal) {
-      const uint16_t* row = static_cast<const uint16_t*>(a.x) + static_cast<int64_t>(tok) * H;
-      if (g_lo < g_hi) load_cast<kFp4, kBatch>(a, row, g_lo, g_hi, lane, gscale, v0, q0, inv0);
-    }
+    const uint16_t* row = static_cast<const uint16_t*>(a.x) + static_cast<int64_t>(tok) * H;
+    if (g_lo < g_hi) load_cast<kFp4, kBatch>(a, row, g_lo, g_hi, lane, gscale, v, q, inv);
     // Warp 0 routes the token, lane k its selection k (was thread 0 alone, with the other warps
     // waiting: the largest part of a 1-token send, bench/LL_PROFILE.md section 2). Same result as
     // taking the selections in order k = 0, 1, ...: an expert's slot counts its earlier selections
@@ -409,39 +406,34 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
       }
     }
     if (tok == t_begin) LL_STAMP(12);
-    const uint16_t* row = static_cast<const uint16_t*>(a.x) + static_cast<int64_t>(tok) * H;
-    for (int g0 = g_lo; kLocal && g0 < g_hi; g0 += kBatch) {  // the first batch is in (v0, q0, inv0)
-      if (g0 != g_lo) load_cast<kFp4, kBatch>(a, row, g0, g_hi, lane, gscale, v0, q0, inv0);
-      local_rows<kFp4, kBatch>(a, g0, g_hi, lane, ndst, s_n, s_ent, v0, q0, inv0);
-    }
-    for (int g0 = g_lo; !kLocal && g0 < g_hi; g0 += kBatch) {
-      uint2 v[kBatch];
-      uint32_t q[kBatch];
-      float inv[kBatch];
-      load_cast<kFp4, kBatch>(a, row, g0, g_hi, lane, gscale, v, q, inv);
-      if (tok == t_begin && g0 == g_lo) LL_STAMP_AFTER(13, a.use_fp8 ? q[0] : v[0].x);
-      for (int i = -1; i < ndst; ++i) {  // i = -1: the staged payload of the remote destinations
-        char* pay;
-        if (i < 0) {
-          if (!s_any_far) continue;
-          pay = local(c) + stage + static_cast<uint64_t>(tok) * pay_stride;
-        } else {
-          const int d = s_dst[i];
-          if (remote(c, a, d)) continue;
-          pay = window(c, d) + msgs + static_cast<uint64_t>(c.rank * T + s_msg[i]) * a.msg_bytes + kMsgMeta;
-        }
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-          const int g = g0 + u;
-          if (g >= g_hi) break;
-          if (a.use_fp8) {
-            *reinterpret_cast<uint32_t*>(pay + g * 128 + lane * 4) = q[u];
-            if (lane == 0) *reinterpret_cast<float*>(pay + H + g * 4) = inv[u];
-          } else if (kFp4) {  // H/2 bytes of codes, then H/16 scale bytes (the CPU backend's wire)
-            *reinterpret_cast<uint16_t*>(pay + g * 64 + lane * 2) = static_cast<uint16_t>(q[u]);
-            if (lane % 4 == 0) *reinterpret_cast<uint8_t*>(pay + H / 2 + g * 8 + lane / 4) = static_cast<uint8_t>(__float_as_uint(inv[u]));
+    for (int g0 = g_lo; g0 < g_hi; g0 += kBatch) {
+      if (g0 != g_lo) load_cast<kFp4, kBatch>(a, row, g0, g_hi, lane, gscale, v, q, inv);  // the first batch is in
+      if constexpr (kLocal) {
+        local_rows<kFp4, kBatch>(a, g0, g_hi, lane, ndst, s_n, s_ent, v, q, inv);
+      } else {
+        for (int i = -1; i < ndst; ++i) {  // i = -1: the staged payload of the remote destinations
+          char* pay;
+          if (i < 0) {
+            if (!s_any_far) continue;
+            pay = local(c) + stage + static_cast<uint64_t>(tok) * pay_stride;
           } else {
-            *reinterpret_cast<uint2*>(pay + g * 256 + lane * 8) = v[u];
+            const int d = s_dst[i];
+            if (remote(c, a, d)) continue;
+            pay = window(c, d) + msgs + static_cast<uint64_t>(c.rank * T + s_msg[i]) * a.msg_bytes + kMsgMeta;
+          }
+#pragma unroll
+          for (int u = 0; u < kBatch; ++u) {
+            const int g = g0 + u;
+            if (g >= g_hi) break;
+            if (a.use_fp8) {
+              *reinterpret_cast<uint32_t*>(pay + g * 128 + lane * 4) = q[u];
+              if (lane == 0) *reinterpret_cast<float*>(pay + H + g * 4) = inv[u];
+            } else if (kFp4) {  // H/2 bytes of codes, then H/16 scale bytes (the CPU backend's wire)
+              *reinterpret_cast<uint16_t*>(pay + g * 64 + lane * 2) = static_cast<uint16_t>(q[u]);
+              if (lane % 4 == 0) *reinterpret_cast<uint8_t*>(pay + H / 2 + g * 8 + lane / 4) = static_cast<uint8_t>(__float_as_uint(inv[u]));
+            } else {
+              *reinterpret_cast<uint2*>(pay + g * 256 + lane * 8) = v[u];
+            }
           }
         }
       }
@@ -700,13 +692,11 @@ __device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a) {
 // must fit in one wave.
 template <class Net, bool kFp4, bool kLocal = false>
 __global__ void __launch_bounds__(kSendThreads, 2) dispatch(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
+  pdl_wait();  // one-launch forms: launched early (launch_pdl); wait for the kernel before, let the next one launch
+  pdl_trigger();
   if (!kLocal && phase == DEK_LL_PHASE_RECV) {
     dispatch_recv<Net, kFp4>(c, a);
     return;
-  }
-  if constexpr (kLocal) {  // launched early (launch_pdl): wait for the kernel before, let the next one launch
-    pdl_wait();
-    pdl_trigger();
   }
   uint32_t seq = 0;
 #ifdef DEEP_EP_LL_STAMPS
@@ -735,6 +725,8 @@ int launch_dispatch(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, dim3 gri
   if (gin) {
     if (fp4) dispatch<GinNet, true><<<grid, threads, 0, s>>>(*ctx, *args, phase);
     else dispatch<GinNet, false><<<grid, threads, 0, s>>>(*ctx, *args, phase);
+  } else if (phase == DEK_LL_PHASE_BOTH) {  // one launch over NVLink: early, as the one-rank form
+    return launch_pdl(fp4 ? dispatch<LsaNet, true> : dispatch<LsaNet, false>, static_cast<int>(grid.x), threads, s, *ctx, *args, phase);
   } else {
     if (fp4) dispatch<LsaNet, true><<<grid, threads, 0, s>>>(*ctx, *args, phase);
     else dispatch<LsaNet, false><<<grid, threads, 0, s>>>(*ctx, *args, phase);
@@ -793,7 +785,7 @@ extern "C" int dek_ll_dispatch_local(const dek_ic_ctx_t* ctx, const dek_ll_args_
   // Block 0 is the count block (no token): the token blocks fill the rest of the send grid, so
   // that the whole grid fits in one wave.
   const int n = args->num_tokens, groups = args->hidden / 128, room = std::max(1, args->num_blocks - 1);
-  const int p = n >= 1 ? std::min(room / n, groups / kLocalPayWarps) : 1;
+  const int p = n >= 1 ? std::min(room / n, groups / kPayWarps) : 1;
   const int blocks = 1 + (p > 1 ? n * p : std::max(1, std::min(n, room)));
   auto* kernel = args->use_nvfp4 ? dispatch<LsaNet, true, true> : dispatch<LsaNet, false, true>;
   return launch_pdl(kernel, blocks, kSendThreads, deep_ep::as_stream(stream), *ctx, *args, static_cast<int>(DEK_LL_PHASE_BOTH));

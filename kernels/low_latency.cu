@@ -525,11 +525,15 @@ __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kRedu
     if constexpr (!kSig) combine_recv<Net>(c, a);
     return;
   }
-  if constexpr (kLocal) {  // launched early (launch_pdl): wait for the kernel before
+  if constexpr (kBoth) {  // the one-launch forms are launched early (launch_pdl): wait for the kernel before
     pdl_wait();
-    // Let the next kernel launch now, unless this grid fills its bound on every SM (3 x SMs: at
-    // 128 tokens the trigger cost 0.2 µs there and gained 0.25 below it, bench/NOTES.md session 28).
-    if (gridDim.x < kBothBlocksPerSm * static_cast<unsigned>(c.num_sms)) pdl_trigger();
+    // One rank: let the next kernel launch now, unless this grid fills its bound on every SM (3 x
+    // SMs: at 128 tokens the trigger cost 0.2 µs there and gained 0.25 below it, NOTES session 28).
+    // With peers never: the next kernel's early blocks slowed the 128-token receive by 0.35-0.6 µs
+    // (2 ranks, bench/NOTES.md session 29).
+    if (kLocal && gridDim.x < kBothBlocksPerSm * static_cast<unsigned>(c.num_sms)) pdl_trigger();
+  }
+  if constexpr (kLocal) {
     combine_local<Net>(c, a);
     return;
   }
@@ -650,18 +654,17 @@ extern "C" int dek_ll_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args
   if (!one_launch_combine_ok(ctx, args)) return static_cast<int>(cudaErrorInvalidValue);
   // The send grid as one dimension: E blocks (per-expert rows), or num_blocks (partial sums).
   const int blocks = args->partial ? (args->num_blocks > ctx->num_ranks ? args->num_blocks : ctx->num_ranks) : args->num_experts;
-  // One rank only until the spread send has run with peers (it signals them as the per-item send
-  // does, but no GPU run has had several GPUs since it was written: bench/PENDING.md); at one rank
-  // it runs only when the library chose this peer path over dek_ll_combine_local (DEEP_EP_LL_LOCAL=peer).
+  // One rank only: with a peer it was bit-exact but 1.2-1.4 µs slower at 128 tokens than the
+  // per-item send (2 ranks, bench/NOTES.md session 29); at one rank it runs only when the library
+  // chose this peer path over dek_ll_combine_local (DEEP_EP_LL_LOCAL=peer).
   if (ctx->num_ranks == 1 && !args->partial && static_cast<int64_t>(args->num_tokens) * args->num_topk >= kSpreadMinSelections) {
     // Its work does not follow the grid: 3 blocks per SM, all resident (109 registers: 4 would fit;
     // the caller checked E <= 3 x SMs for the E-block grid).
     const int spread_blocks = ctx->num_sms > 0 && kBothBlocksPerSm * ctx->num_sms > blocks ? kBothBlocksPerSm * ctx->num_sms : blocks;
-    combine<LsaNet, false, true, true><<<spread_blocks, kLlThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args, DEK_LL_PHASE_BOTH);
-  } else {
-    combine<LsaNet, false, true><<<blocks, kLlThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args, DEK_LL_PHASE_BOTH);
+    return launch_pdl(combine<LsaNet, false, true, true>, spread_blocks, kLlThreads, deep_ep::as_stream(stream), *ctx, *args,
+                      static_cast<int>(DEK_LL_PHASE_BOTH));
   }
-  return static_cast<int>(cudaGetLastError());
+  return launch_pdl(combine<LsaNet, false, true>, blocks, kLlThreads, deep_ep::as_stream(stream), *ctx, *args, static_cast<int>(DEK_LL_PHASE_BOTH));
 }
 
 extern "C" int dek_ll_combine_local(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream) {

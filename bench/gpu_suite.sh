@@ -86,11 +86,13 @@ step ipc_vs_nccl 300 bash -c 'for b in nccl ipc; do echo "--- backend $b"; DEEP_
 step ipc_suites_4 300 env DEEP_EP_TEST_BACKEND=ipc DEEP_EP_INTRANODE_CONFIGS=${INTRANODE_CONFIGS:-25} DEEP_EP_LL_CONFIGS=${LL_CONFIGS:-50} DEEP_EP_LL_REPLAYS=100 python3 -m pytest -q -rs tests/gpu/test_intranode.py "tests/gpu/test_low_latency.py::test_low_latency_matches_cpu_backend[4]"
 if [ "${SOAK_SCALE:-0.2}" = "1" ]; then
   step bad_input 90 python3 -m pytest -q -rs tests/gpu/test_bad_input_gpu.py
-  step reliability 120 python3 -m pytest -q -rs tests/gpu/test_recovery.py tests/gpu/test_rank_mask_gpu.py
+  step reliability 180 python3 -m pytest -q -rs tests/gpu/test_recovery.py tests/gpu/test_rank_mask_gpu.py tests/gpu/test_reliability_gpu.py tests/gpu/test_reliability_ranks_gpu.py
   step soak_full ${SOAK_LIMIT:-300} env DEEP_EP_SOAK_SCALE=1 python3 -m pytest -q -rs -s tests/gpu/test_soak.py
   cp "$tests_log/soak-summary.txt" "$out/" 2>/dev/null
 else
-  step reliability 180 env DEEP_EP_SOAK_SCALE=${SOAK_SCALE:-0.2} python3 -m pytest -q -rs tests/gpu/test_recovery.py tests/gpu/test_bad_input_gpu.py tests/gpu/test_soak.py tests/gpu/test_rank_mask_gpu.py
+  # test_reliability_ranks_gpu.py here runs on the nccl provider (one_gpu_check.sh runs it on ipc
+  # only, which is how its zero-copy view case went unrun on nccl until session 30).
+  step reliability 240 env DEEP_EP_SOAK_SCALE=${SOAK_SCALE:-0.2} python3 -m pytest -q -rs tests/gpu/test_recovery.py tests/gpu/test_bad_input_gpu.py tests/gpu/test_soak.py tests/gpu/test_rank_mask_gpu.py tests/gpu/test_reliability_gpu.py tests/gpu/test_reliability_ranks_gpu.py
 fi
 tar czf "$out/test-logs.tgz" -C "$tests_log" . 2>/dev/null
 echo "=== done" | tee -a "$log"

@@ -539,7 +539,7 @@ __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kRedu
   }
   uint32_t seq = 0;
   if constexpr (kSpread) {
-    // Rows only, an instantiation of its own (109 registers; the other one-launch paths keep their
+    // Rows only, an instantiation of its own (112 registers; the other one-launch paths keep their
     // code): its receive has every top-8 row's load in flight at once.
     if (combine_send<Net, false, true>(c, a, &seq)) combine_recv_tokens<Net, 8>(c, a, a.half, seq, false, false);
     return;
@@ -658,7 +658,7 @@ extern "C" int dek_ll_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args
   // per-item send (2 ranks, bench/NOTES.md session 29); at one rank it runs only when the library
   // chose this peer path over dek_ll_combine_local (DEEP_EP_LL_LOCAL=peer).
   if (ctx->num_ranks == 1 && !args->partial && static_cast<int64_t>(args->num_tokens) * args->num_topk >= kSpreadMinSelections) {
-    // Its work does not follow the grid: 3 blocks per SM, all resident (109 registers: 4 would fit;
+    // Its work does not follow the grid: 3 blocks per SM, all resident (112 registers: 4 would fit;
     // the caller checked E <= 3 x SMs for the E-block grid).
     const int spread_blocks = ctx->num_sms > 0 && kBothBlocksPerSm * ctx->num_sms > blocks ? kBothBlocksPerSm * ctx->num_sms : blocks;
     return launch_pdl(combine<LsaNet, false, true, true>, spread_blocks, kLlThreads, deep_ep::as_stream(stream), *ctx, *args,

@@ -519,7 +519,7 @@ impl LowLatencyMode for PeerBackend {
 
     /// One launch (`DEEP_EP_LL_LAUNCH`) as the dispatch's, for BF16 rows or partial sums without
     /// overlap signals, where the send grid is resident at once beside nothing else of this GPU's:
-    /// E blocks of 128 threads (rows: at most 3 per SM, what the kernel's 156 registers allow) or
+    /// E blocks of 128 threads (rows: at most 3 per SM, what the kernel's 159 registers allow) or
     /// the partial grid (2 per SM, at least one per rank).
     fn ll_combine(&mut self, g: &LlGeometry, s: &LlCombineSendArgs, r: &LlCombineRecvArgs, st: &LlStats, stream: Stream) -> Result<()> {
         let mut a = self.ll_combine_args(g, s, stream)?;

@@ -218,6 +218,12 @@ impl Window {
         self.keep_mem = true;
     }
 
+    /// See `PeerWindow::own_memory`: the `ncclMemAlloc` allocation, which `keep_memory` keeps
+    /// mapped (the LSA pointer in `ctx` is unmapped by the release).
+    pub fn own_memory(&self) -> *mut c_void {
+        self.mem
+    }
+
     /// The GIN device comm (byte copy of `ncclDevComm`) and the `ncclWindow_t` it reaches the
     /// window through, when the window was created with [`WindowArgs::gin`].
     pub fn gin(&self) -> Option<(&[u64], *mut c_void)> {
@@ -343,6 +349,7 @@ impl Drop for Window {
 super::peer_window::forward_peer_window!(
     Window,
     keep_memory() -> (),
+    own_memory() -> *mut std::ffi::c_void,
     lsa_bases() -> Vec<*mut std::ffi::c_void>,
     gin() -> Option<(&[u64], *mut std::ffi::c_void)>,
     gin_all() -> Vec<(&[u64], *mut std::ffi::c_void)>

@@ -56,6 +56,13 @@ pub trait PeerWindow: Send {
     /// tensor aliasing it (the zero-copy combine view) may outlive the buffer, and reading it must
     /// not fault. A provider that cannot keep it (nvshmem: its heap goes at finalize) ignores this.
     fn keep_memory(&mut self) {}
+    /// This rank's window as its own allocation maps it: what a tensor that may outlive the
+    /// buffer points into (with [`PeerWindow::keep_memory`]). Defaults to `ctx().own_base()`; the
+    /// nccl provider's kernels reach the window through an LSA mapping the release unmaps, so it
+    /// returns the `ncclMemAlloc` pointer instead (same bytes, a mapping that is kept).
+    fn own_memory(&self) -> *mut std::ffi::c_void {
+        self.ctx().own_base()
+    }
     /// The GIN device comm (byte copy of `ncclDevComm`) and the `ncclWindow_t` of this window on
     /// its communicator, when the provider created one (NCCL windows of internode buffers over GIN).
     fn gin(&self) -> Option<(&[u64], *mut std::ffi::c_void)> {

@@ -562,10 +562,10 @@ impl LowLatencyMode for PeerBackend {
             (self.info.num_ranks as i64, (g.num_experts / self.info.num_ranks) as i64, a.num_max_tokens as i64, a.hidden as i64);
         let (rt, m) = (r * t, h + h / 128 * 2);
         let off = a.ll_off + 2 * a.signal_bytes + self.ll.next_half as u64 * a.send_bytes;
-        let base = self.window.ctx().own_base() as *mut u8;
-        let ptr = base.wrapping_add(off as usize);
-        // The view may outlive the buffer (torch's stable ABI gives no deleter to tell us).
+        // The view may outlive the buffer (torch's stable ABI gives no deleter to tell us): it
+        // points into the window's own mapping, which `keep_memory` keeps.
         self.window.keep_memory();
+        let ptr = (self.window.own_memory() as *mut u8).wrapping_add(off as usize);
         Ok(TensorRef::new(ptr, DType::BFloat16, self.info.device, &[el, rt, h], &[rt * m, m, 1]))
     }
 

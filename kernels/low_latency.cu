@@ -94,13 +94,20 @@ __device__ bool ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l
   return true;
 }
 
+// The one-launch rows combine reads this rank's own rows where they are (x, or the zero-copy slot)
+// instead of copying them into its own receive half: the send leaves each own row's index
+// (l*R*T + row, int64) at the row's place, the receive resolves it (combine_recv_tokens, kOwn).
+// A zero-copy slot row is 2H + 4H/128 bytes: 16-byte aligned for the int4 loads when H % 512 == 0.
+__host__ __device__ __forceinline__ bool own_rows_direct(const Args& a) { return !a.zero_copy || a.hidden % 512 == 0; }
+
 // Item (l, s) of the per-expert combine send: pushes rows layout_range[l][s] of local expert l
 // back to source rank s, keyed by (global expert, source token), then signals word s_global =
 // rank*E_l + l on rank s. A source outside the NVLink domain gets each row by a seam put from its
 // zero-copy slot (send_to), or with LogFMT each encoded chunk by puts from the send half
 // (ll_combine_send_logfmt). With Args::signal a warp waits for each GEMM block of rows before
-// sending from it (warp_rows_ready); false: a wait failed.
-template <class Net, bool kSig>
+// sending from it (warp_rows_ready); false: a wait failed. kOwn (the one-launch kernel): for s =
+// this rank under own_rows_direct, only the rows' indices go to their places (no copy).
+template <class Net, bool kSig, bool kOwn = false>
 __device__ __forceinline__ bool combine_send_rows(const Ctx& c, const Args& a, int l, int s, uint32_t seq) {
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int R = c.num_ranks, El = a.num_experts / R, T = a.num_max_tokens, H = a.hidden;
@@ -117,6 +124,14 @@ __device__ __forceinline__ bool combine_send_rows(const Ctx& c, const Args& a, i
   if (a.flags & DEK_LL_FLAG_LOGFMT) {
     ok = ll_combine_send_logfmt<Net, kSig>(c, a, s, l, b, cnt, warp, lane);
     cnt = 0;  // every row went out as LogFMT: nothing left for the BF16 loop
+  }
+  if (kOwn && s == c.rank && own_rows_direct(a)) {
+    for (int64_t r = tid; r < cnt; r += blockDim.x) {
+      const int64_t row = b + r;
+      const int tok = a.src_info[l * RT + row];
+      if (tok >= 0 && tok < T) *at<int64_t>(peer, dst_base + static_cast<uint64_t>(tok) * 2 * H) = l * RT + row;
+    }
+    cnt = 0;  // ordered before the signal like the copies: the barrier below, then tid 0's release store
   }
   const int nchunks = (H + kChunk - 1) / kChunk;
   int64_t ready = -1;  // the GEMM block of rows this warp last found signalled
@@ -153,8 +168,8 @@ __device__ __forceinline__ bool combine_send_rows(const Ctx& c, const Args& a, i
 // takes item (b % E_l, b / E_l); with Args::signal_grid at most that many blocks, each taking
 // items l + E_l*s in turn; kSpread (a one-launch call): the items' rows spread over the grid's
 // warps (ll_combine_spread.cuh), whatever the grid. Returns false when the buffer timed out
-// (nothing sent); *seq: the call's number.
-template <class Net, bool kSig, bool kSpread = false>
+// (nothing sent); *seq: the call's number. kOwn: combine_send_rows' (the one-launch per-item send).
+template <class Net, bool kSig, bool kSpread = false, bool kOwn = false>
 __device__ __forceinline__ bool combine_send(const Ctx& c, const Args& a, uint32_t* seq) {
   __shared__ uint32_t s_seq;
   __shared__ int s_skip;
@@ -168,7 +183,7 @@ __device__ __forceinline__ bool combine_send(const Ctx& c, const Args& a, uint32
       if (!combine_send_rows<Net, true>(c, a, w % El, w / El, s_seq)) break;
     }
   } else {
-    combine_send_rows<Net, false>(c, a, lin % El, lin / El, s_seq);  // E blocks: one item each
+    combine_send_rows<Net, false, kOwn>(c, a, lin % El, lin / El, s_seq);  // E blocks: one item each
   }
   finish_send(c, s_seq);
   return true;
@@ -366,8 +381,11 @@ __device__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok,
 // thread j of a slice owns channels 8j..8j+7: acc = fma(y_k, w_k, acc) over k in order (crate:
 // f32::mul_add); partial: acc += the partial row of each expert rank d ascending that holds one of
 // the token's (unmasked) experts.
-// kRowBatch: rows' loads in flight per thread before their FMAs (per-expert rows).
-template <class Net, int kRowBatch = 4>
+// kRowBatch: rows' loads in flight per thread before their FMAs (per-expert rows). kOwn (the
+// one-launch kernel, rows, own_rows_direct): a selection of this rank's experts reads its row where
+// the send left it (its index at the row's place: x or the zero-copy slot; an index outside the
+// expert's rows drops the selection, so no stale word can send a load out of bounds).
+template <class Net, int kRowBatch = 4, bool kOwn = false>
 __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a, int half, uint32_t seq, bool partial, bool logfmt) {
   __shared__ int s_ok, s_npart;
   __shared__ unsigned long long s_wait[kMaxLlRanks];
@@ -375,6 +393,7 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
   __shared__ float s_w[kMaxLlTopk];
   __shared__ int s_part[kMaxLlTopk];  // partial sums: the token's distinct expert ranks, ascending
   __shared__ int s_dead[kMaxLlRanks];  // the rank mask, read once (no shrink mode: it cannot change during the call)
+  __shared__ const char* s_row[kOwn ? kMaxLlTopk : 1];  // kOwn: selection k's row
   const int tid = threadIdx.x, R = c.num_ranks, El = a.num_experts / R, E = a.num_experts, T = a.num_max_tokens, H = a.hidden;
   const int K = a.num_topk;
   const bool snap = a.shrink_mask == nullptr;  // shrink mode: a wait may mask a rank, read the mask each time
@@ -416,6 +435,9 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
   const char* recv = me + recv_off(a, half);
   const uint64_t row_bytes = 2 * static_cast<uint64_t>(H);
   const int U = H / 8, N = a.num_tokens, blocks = static_cast<int>(gridDim.x);
+  const bool own = kOwn && !partial && !logfmt && own_rows_direct(a);
+  const int64_t RT = static_cast<int64_t>(R) * T;
+  const uint64_t zc_row = 2 * static_cast<uint64_t>(H + H / 128 * 2);  // a zero-copy slot row's bytes
   const int P = logfmt || N < 1 ? 1 : max(1, min(blocks / N, static_cast<int>((U + blockDim.x - 1) / blockDim.x)));
   for (int item = blockIdx.x; item < N * P; item += blocks) {
     const int tok = item / P, u_lo = (item % P) * U / P, u_hi = (item % P + 1) * U / P;
@@ -424,6 +446,20 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
       if (tid < K) {
         e = topk_at(a, static_cast<int64_t>(tok) * K + tid);
         if (e >= 0 && e < E && masked(static_cast<int>(e / El))) e = -1;  // experts of masked ranks: dropped
+        if constexpr (kOwn) {
+          const char* row = nullptr;
+          if (e >= 0 && e < E) {
+            row = recv + static_cast<uint64_t>(e) * T * row_bytes + static_cast<uint64_t>(tok) * row_bytes;
+            if (own && e / El == c.rank) {
+              const int64_t idx = __ldcg(reinterpret_cast<const long long*>(row)), l = e % El;
+              const bool in = idx >= l * RT && idx < (l + 1) * RT;
+              row = !in ? nullptr : a.zero_copy ? me + send_off(a, half) + static_cast<uint64_t>(idx) * zc_row
+                                                : static_cast<const char*>(a.x) + static_cast<uint64_t>(idx) * row_bytes;
+              if (!in) e = -1;
+            }
+          }
+          s_row[tid] = row;
+        }
         s_e[tid] = e;
         s_w[tid] = a.topk_weights[static_cast<int64_t>(tok) * K + tid];
       }
@@ -470,7 +506,10 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
 #pragma unroll
         for (int u = 0; u < kRowBatch; ++u) {
           const int64_t e = k0 + u < K ? s_e[k0 + u] : -1;
-          if (e >= 0 && e < E) v[u] = __ldcg(reinterpret_cast<const int4*>(recv + (static_cast<uint64_t>(e) * T + tok) * row_bytes) + j);
+          if (e >= 0 && e < E) {
+            const char* row = kOwn ? s_row[k0 + u] : recv + (static_cast<uint64_t>(e) * T + tok) * row_bytes;
+            v[u] = __ldcg(reinterpret_cast<const int4*>(row) + j);
+          }
         }
 #pragma unroll
         for (int u = 0; u < kRowBatch; ++u) {
@@ -518,7 +557,9 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
 // generic pointer) made the partial combine 40 % slower at 128 tokens (bench/NOTES-2026-11-28.md,
 // session 19).
 // kLocal (one rank, dek_ll_combine_local): the sums straight from y (ll_combine_local.cuh).
-template <class Net, bool kSig, bool kBoth = false, bool kSpread = false, bool kLocal = false>
+// kOwn (with kBoth; rows from kSpreadMinSelections selections on, own_rows_direct): this rank's own
+// rows are reduced from where they are, not copied (combine_send_rows, combine_recv_tokens).
+template <class Net, bool kSig, bool kBoth = false, bool kSpread = false, bool kLocal = false, bool kOwn = false>
 __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kReduceThreads, kBoth ? kBothBlocksPerSm : 1)
     combine(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
   if (!kBoth && phase == DEK_LL_PHASE_RECV) {
@@ -542,6 +583,14 @@ __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kRedu
     // Rows only, an instantiation of its own (112 registers; the other one-launch paths keep their
     // code): its receive has every top-8 row's load in flight at once.
     if (combine_send<Net, false, true>(c, a, &seq)) combine_recv_tokens<Net, 8>(c, a, a.half, seq, false, false);
+    return;
+  }
+  if constexpr (kOwn) {
+    // Rows from kSpreadMinSelections selections on, an instantiation of its own: this rank's own
+    // rows are read where they are (own_rows_direct), not copied. Below that size the dependent
+    // index load per own selection cost 0.4-0.5 µs and, in the shared kernel, the partial combine
+    // 0.1-0.3 (2 ranks, bench/NOTES.md session 31).
+    if (combine_send<Net, false, false, true>(c, a, &seq)) combine_recv_tokens<Net, 4, true>(c, a, a.half, seq, false, false);
     return;
   }
   const bool sent = a.partial ? combine_send_partial<Net, kSig, kBoth>(c, a, &seq) : combine_send<Net, kSig>(c, a, &seq);
@@ -662,6 +711,10 @@ extern "C" int dek_ll_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args
     // the caller checked E <= 3 x SMs for the E-block grid).
     const int spread_blocks = ctx->num_sms > 0 && kBothBlocksPerSm * ctx->num_sms > blocks ? kBothBlocksPerSm * ctx->num_sms : blocks;
     return launch_pdl(combine<LsaNet, false, true, true>, spread_blocks, kLlThreads, deep_ep::as_stream(stream), *ctx, *args,
+                      static_cast<int>(DEK_LL_PHASE_BOTH));
+  }
+  if (!args->partial && own_rows_direct(*args) && static_cast<int64_t>(args->num_tokens) * args->num_topk >= kSpreadMinSelections) {
+    return launch_pdl(combine<LsaNet, false, true, false, false, true>, blocks, kLlThreads, deep_ep::as_stream(stream), *ctx, *args,
                       static_cast<int>(DEK_LL_PHASE_BOTH));
   }
   return launch_pdl(combine<LsaNet, false, true>, blocks, kLlThreads, deep_ep::as_stream(stream), *ctx, *args, static_cast<int>(DEK_LL_PHASE_BOTH));

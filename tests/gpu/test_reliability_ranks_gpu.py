@@ -102,6 +102,41 @@ def test_low_latency_combine_with_another_topk_idx_raises_on_gpu():
     assert all(s == 5 * H for _, s in out), out  # rows 0 and 2 through two experts, row 1 through one, weights 1
 
 
+def _combine_topk_many_worker(rank, world):
+    """128 tokens x top-8 (1024 selections): the rows combine that reads this rank's own rows in
+    place (the index the send leaves at each row's place, kernels/low_latency.cu `own_rows`). Given
+    another topk_idx, the receive looks up own (expert, token) pairs the dispatch never routed: the
+    words there are stale, and must be dropped (never a load out of bounds), the error raised, and
+    the buffer stay usable."""
+    import torch.distributed as dist
+
+    import deep_ep_rs
+
+    t, h, e, k = 128, 512, 8 * world, 8
+    dev = _spawn.device(rank)
+    buf = deep_ep_rs.Buffer(dist.group.WORLD, 0, deep_ep_rs.Buffer.get_low_latency_rdma_size_hint(t, h, world, e), low_latency_mode=True,
+                            device=dev, backend=_spawn.gpu_backend(), explicitly_destroy=True)
+    g = torch.Generator(device=dev).manual_seed(rank)
+    x = torch.ones((t, h), dtype=torch.bfloat16, device=dev)
+    idx = torch.rand(t, e, device=dev, generator=g).topk(k, dim=1).indices
+    other = (idx + 1) % e  # still distinct per token, mostly other (expert, token) pairs
+    w = torch.ones((t, k), device=dev)
+    recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, t, e, use_fp8=False)
+    bad = _try(lambda: buf.low_latency_combine(recv, other, w, handle), lambda: buf.low_latency_dispatch(x, idx, t, e, use_fp8=False))
+    recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, t, e, use_fp8=False)
+    good, _, _ = buf.low_latency_combine(recv, idx, w, handle)
+    torch.cuda.synchronize()
+    buf.destroy()
+    return bad, good.float().sum().item()
+
+
+def test_low_latency_combine_with_another_topk_idx_at_many_selections_raises_on_gpu():
+    out = [o["ok"] for o in _spawn.run(_combine_topk_many_worker, 2)]
+    for r, (bad, _) in enumerate(out):
+        assert "topk_idx differs from the one the dispatch of this handle routed with" in bad, (r, bad)
+    assert all(s == 128 * 8 * 512 for _, s in out), out  # every token through 8 experts, rows of ones, weights 1
+
+
 def _combine_weights_worker(rank, world):
     """A dispatch that carried top-k weights makes the combine send partial sums (when the format
     fits: hidden 2048, 16 experts a rank); a combine given other weights must raise."""

@@ -706,14 +706,15 @@ extern "C" int dek_ll_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args
   // One rank only: with a peer it was bit-exact but 1.2-1.4 µs slower at 128 tokens than the
   // per-item send (2 ranks, bench/NOTES.md session 29); at one rank it runs only when the library
   // chose this peer path over dek_ll_combine_local (DEEP_EP_LL_LOCAL=peer).
-  if (ctx->num_ranks == 1 && !args->partial && static_cast<int64_t>(args->num_tokens) * args->num_topk >= kSpreadMinSelections) {
+  const bool many = static_cast<int64_t>(args->num_tokens) * args->num_topk >= kSpreadMinSelections;
+  if (ctx->num_ranks == 1 && !args->partial && many) {
     // Its work does not follow the grid: 3 blocks per SM, all resident (112 registers: 4 would fit;
     // the caller checked E <= 3 x SMs for the E-block grid).
     const int spread_blocks = ctx->num_sms > 0 && kBothBlocksPerSm * ctx->num_sms > blocks ? kBothBlocksPerSm * ctx->num_sms : blocks;
     return launch_pdl(combine<LsaNet, false, true, true>, spread_blocks, kLlThreads, deep_ep::as_stream(stream), *ctx, *args,
                       static_cast<int>(DEK_LL_PHASE_BOTH));
   }
-  if (!args->partial && own_rows_direct(*args) && static_cast<int64_t>(args->num_tokens) * args->num_topk >= kSpreadMinSelections) {
+  if (!args->partial && own_rows_direct(*args) && many) {
     return launch_pdl(combine<LsaNet, false, true, false, false, true>, blocks, kLlThreads, deep_ep::as_stream(stream), *ctx, *args,
                       static_cast<int>(DEK_LL_PHASE_BOTH));
   }

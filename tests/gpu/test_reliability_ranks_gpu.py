@@ -19,12 +19,12 @@ import _spawn  # noqa: E402
 T, H = 8, 512
 
 
-def _buffer(rank, world, t=T, h=H):
+def _buffer(rank, world, t=T, h=H, e=None):
     import torch.distributed as dist
 
     import deep_ep_rs
 
-    e = 2 * world
+    e = e or 2 * world
     return deep_ep_rs.Buffer(dist.group.WORLD, 0, deep_ep_rs.Buffer.get_low_latency_rdma_size_hint(t, h, world, e), low_latency_mode=True,
                              device=_spawn.device(rank), backend=_spawn.gpu_backend(), explicitly_destroy=True), e
 
@@ -79,16 +79,31 @@ def test_low_latency_geometry_differing_across_ranks_raises_on_gpu():
         assert "every rank must pass the same" in msg and f"rank {1 - r}" in msg and "num_max_dispatch_tokens_per_rank" in msg, (r, msg)
 
 
-def _combine_topk_worker(rank, world):
-    buf, e = _buffer(rank, world)
+def _combine_topk_worker(rank, world, many=False):
+    """A combine given another topk_idx than its dispatch's must raise and leave the buffer usable.
+    many: 128 tokens x top-8 (1024 selections), where the rows combine reads this rank's own rows
+    in place (the index the send leaves at each row's place: kernels/low_latency.cu,
+    `own_rows_direct`, the `kOwn` instantiation); the other topk_idx makes the receive look up own
+    (expert, token) pairs the dispatch never routed, whose stale words must be dropped (never a
+    load out of bounds)."""
     dev = _spawn.device(rank)
-    x = torch.ones((3, H), dtype=torch.bfloat16, device=dev)
-    idx = torch.tensor([[0, 1], [2, -1], [3, 0]], device=dev)
-    w = torch.ones((3, 2), device=dev)
-    recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, e, use_fp8=False)
-    other = torch.tensor([[1, 0], [2, -1], [3, 0]], device=dev)
-    bad = _try(lambda: buf.low_latency_combine(recv, other, w, handle), lambda: buf.low_latency_dispatch(x, idx, T, e, use_fp8=False))
-    recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, e, use_fp8=False)
+    if many:
+        t, h, e = 128, 512, 8 * world
+        buf, _ = _buffer(rank, world, t=t, h=h, e=e)
+        g = torch.Generator(device=dev).manual_seed(rank)
+        x = torch.ones((t, h), dtype=torch.bfloat16, device=dev)
+        idx = torch.rand(t, e, device=dev, generator=g).topk(8, dim=1).indices
+        other = (idx + 1) % e  # still distinct per token, mostly other (expert, token) pairs
+    else:
+        t = T
+        buf, e = _buffer(rank, world)
+        x = torch.ones((3, H), dtype=torch.bfloat16, device=dev)
+        idx = torch.tensor([[0, 1], [2, -1], [3, 0]], device=dev)
+        other = torch.tensor([[1, 0], [2, -1], [3, 0]], device=dev)
+    w = torch.ones(idx.shape, device=dev)
+    recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, t, e, use_fp8=False)
+    bad = _try(lambda: buf.low_latency_combine(recv, other, w, handle), lambda: buf.low_latency_dispatch(x, idx, t, e, use_fp8=False))
+    recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, t, e, use_fp8=False)
     good, _, _ = buf.low_latency_combine(recv, idx, w, handle)
     torch.cuda.synchronize()
     buf.destroy()
@@ -102,36 +117,8 @@ def test_low_latency_combine_with_another_topk_idx_raises_on_gpu():
     assert all(s == 5 * H for _, s in out), out  # rows 0 and 2 through two experts, row 1 through one, weights 1
 
 
-def _combine_topk_many_worker(rank, world):
-    """128 tokens x top-8 (1024 selections): the rows combine that reads this rank's own rows in
-    place (the index the send leaves at each row's place, kernels/low_latency.cu `own_rows`). Given
-    another topk_idx, the receive looks up own (expert, token) pairs the dispatch never routed: the
-    words there are stale, and must be dropped (never a load out of bounds), the error raised, and
-    the buffer stay usable."""
-    import torch.distributed as dist
-
-    import deep_ep_rs
-
-    t, h, e, k = 128, 512, 8 * world, 8
-    dev = _spawn.device(rank)
-    buf = deep_ep_rs.Buffer(dist.group.WORLD, 0, deep_ep_rs.Buffer.get_low_latency_rdma_size_hint(t, h, world, e), low_latency_mode=True,
-                            device=dev, backend=_spawn.gpu_backend(), explicitly_destroy=True)
-    g = torch.Generator(device=dev).manual_seed(rank)
-    x = torch.ones((t, h), dtype=torch.bfloat16, device=dev)
-    idx = torch.rand(t, e, device=dev, generator=g).topk(k, dim=1).indices
-    other = (idx + 1) % e  # still distinct per token, mostly other (expert, token) pairs
-    w = torch.ones((t, k), device=dev)
-    recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, t, e, use_fp8=False)
-    bad = _try(lambda: buf.low_latency_combine(recv, other, w, handle), lambda: buf.low_latency_dispatch(x, idx, t, e, use_fp8=False))
-    recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, t, e, use_fp8=False)
-    good, _, _ = buf.low_latency_combine(recv, idx, w, handle)
-    torch.cuda.synchronize()
-    buf.destroy()
-    return bad, good.float().sum().item()
-
-
 def test_low_latency_combine_with_another_topk_idx_at_many_selections_raises_on_gpu():
-    out = [o["ok"] for o in _spawn.run(_combine_topk_many_worker, 2)]
+    out = [o["ok"] for o in _spawn.run(_combine_topk_worker, 2, True)]
     for r, (bad, _) in enumerate(out):
         assert "topk_idx differs from the one the dispatch of this handle routed with" in bad, (r, bad)
     assert all(s == 128 * 8 * 512 for _, s in out), out  # every token through 8 experts, rows of ones, weights 1

@@ -45,7 +45,9 @@ class BuildWithCargo(build_py):
         super().run()
         dst = Path(self.build_lib) / "deep_ep_rs"
         dst.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / "target" / "release" / "libdeep_ep.so", dst / "libdeep_ep.so")
+        # Where cargo put it: CARGO_TARGET_DIR (relative to the checkout) when set, else target/.
+        target = ROOT / os.environ.get("CARGO_TARGET_DIR", "target")
+        shutil.copy2(target / "release" / "libdeep_ep.so", dst / "libdeep_ep.so")
         (dst / "BUILD_COMMIT").write_text(build_commit() + "\n")
 
 

@@ -99,6 +99,12 @@ __device__ bool ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l
 // (l*R*T + row, int64) at the row's place, the receive resolves it (combine_recv_tokens, kOwn).
 // A zero-copy slot row is 2H + 4H/128 bytes: 16-byte aligned for the int4 loads when H % 512 == 0.
 __host__ __device__ __forceinline__ bool own_rows_direct(const Args& a) { return !a.zero_copy || a.hidden % 512 == 0; }
+// Where the rows-only one-launch kernel (kOwn) reads the own rows in place: from
+// kSpreadMinSelections selections on (below, the index load per own selection cost 0.4-0.5 µs at
+// 2 ranks, bench/NOTES.md session 31). Send and receive (the same rank) decide alike.
+__device__ __forceinline__ bool own_rows(const Args& a) {
+  return own_rows_direct(a) && static_cast<int64_t>(a.num_tokens) * a.num_topk >= kSpreadMinSelections;
+}
 
 // Item (l, s) of the per-expert combine send: pushes rows layout_range[l][s] of local expert l
 // back to source rank s, keyed by (global expert, source token), then signals word s_global =
@@ -125,7 +131,7 @@ __device__ __forceinline__ bool combine_send_rows(const Ctx& c, const Args& a, i
     ok = ll_combine_send_logfmt<Net, kSig>(c, a, s, l, b, cnt, warp, lane);
     cnt = 0;  // every row went out as LogFMT: nothing left for the BF16 loop
   }
-  if (kOwn && s == c.rank && own_rows_direct(a)) {
+  if (kOwn && s == c.rank && own_rows(a)) {
     for (int64_t r = tid; r < cnt; r += blockDim.x) {
       const int64_t row = b + r;
       const int tok = a.src_info[l * RT + row];
@@ -435,7 +441,7 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
   const char* recv = me + recv_off(a, half);
   const uint64_t row_bytes = 2 * static_cast<uint64_t>(H);
   const int U = H / 8, N = a.num_tokens, blocks = static_cast<int>(gridDim.x);
-  const bool own = kOwn && !partial && !logfmt && own_rows_direct(a);
+  const bool own = kOwn && !partial && !logfmt && own_rows(a);
   const int64_t RT = static_cast<int64_t>(R) * T;
   const uint64_t zc_row = 2 * static_cast<uint64_t>(H + H / 128 * 2);  // a zero-copy slot row's bytes
   const int P = logfmt || N < 1 ? 1 : max(1, min(blocks / N, static_cast<int>((U + blockDim.x - 1) / blockDim.x)));
@@ -590,7 +596,7 @@ __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kRedu
     // rows are read where they are (own_rows_direct), not copied. Below that size the dependent
     // index load per own selection cost 0.4-0.5 µs and, in the shared kernel, the partial combine
     // 0.1-0.3 (2 ranks, bench/NOTES.md session 31).
-    if (combine_send<Net, false, false, true>(c, a, &seq)) combine_recv_tokens<Net, 4, true>(c, a, a.half, seq, false, false);
+    if (combine_send<Net, false, false, true>(c, a, &seq)) combine_recv_tokens<Net, 8, true>(c, a, a.half, seq, false, false);
     return;
   }
   const bool sent = a.partial ? combine_send_partial<Net, kSig, kBoth>(c, a, &seq) : combine_send<Net, kSig>(c, a, &seq);
@@ -714,7 +720,7 @@ extern "C" int dek_ll_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args
     return launch_pdl(combine<LsaNet, false, true, true>, spread_blocks, kLlThreads, deep_ep::as_stream(stream), *ctx, *args,
                       static_cast<int>(DEK_LL_PHASE_BOTH));
   }
-  if (!args->partial && own_rows_direct(*args) && many) {
+  if (!args->partial) {
     return launch_pdl(combine<LsaNet, false, true, false, false, true>, blocks, kLlThreads, deep_ep::as_stream(stream), *ctx, *args,
                       static_cast<int>(DEK_LL_PHASE_BOTH));
   }

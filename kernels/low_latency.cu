@@ -566,8 +566,9 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
 // generic pointer) made the partial combine 40 % slower at 128 tokens (bench/NOTES-2026-11-28.md,
 // session 19).
 // kLocal (one rank, dek_ll_combine_local): the sums straight from y (ll_combine_local.cuh).
-// kOwn (with kBoth; rows from kSpreadMinSelections selections on, own_rows_direct): this rank's own
-// rows are reduced from where they are, not copied (combine_send_rows, combine_recv_tokens).
+// kOwn (with kBoth): the rows-only one-launch combine (dek_ll_combine's choice by selections): 8
+// rows' loads in flight per thread; from kSpreadMinSelections selections on (own_rows) this rank's
+// own rows are reduced from where they are, not copied (combine_send_rows, combine_recv_tokens).
 template <class Net, bool kSig, bool kBoth = false, bool kSpread = false, bool kLocal = false, bool kOwn = false>
 __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kReduceThreads, kBoth ? kBothBlocksPerSm : 1)
     combine(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
@@ -595,10 +596,9 @@ __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kRedu
     return;
   }
   if constexpr (kOwn) {
-    // Rows from kSpreadMinSelections selections on, an instantiation of its own: this rank's own
-    // rows are read where they are (own_rows_direct), not copied. Below that size the dependent
-    // index load per own selection cost 0.4-0.5 µs and, in the shared kernel, the partial combine
-    // 0.1-0.3 (2 ranks, bench/NOTES.md session 31).
+    // Rows only, an instantiation of its own (145 registers: room for a top-8 token's 8 row loads
+    // at once; in the shared kernel the own-rows code cost the partial combine 0.1-0.3 µs, 2 ranks,
+    // bench/NOTES.md session 31). Own rows in place only where own_rows says.
     if (combine_send<Net, false, false, true>(c, a, &seq)) combine_recv_tokens<Net, 8, true>(c, a, a.half, seq, false, false);
     return;
   }

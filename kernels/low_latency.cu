@@ -725,8 +725,7 @@ extern "C" int dek_ll_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args
   }
   // Rows: the rows-only kernel, but from kRowsSharedFrom to kSpreadMinSelections selections, where
   // it was 0.17 µs slower than the shared one at 32 tokens x top-8 (2 ranks, bench/NOTES.md session 31).
-  const int64_t selections = static_cast<int64_t>(args->num_tokens) * args->num_topk;
-  if (!args->partial && (selections < kRowsSharedFrom || selections >= kSpreadMinSelections)) {
+  if (!args->partial && (static_cast<int64_t>(args->num_tokens) * args->num_topk < kRowsSharedFrom || many)) {
     return launch_pdl(combine<LsaNet, false, true, false, false, true>, blocks, kLlThreads, deep_ep::as_stream(stream), *ctx, *args,
                       static_cast<int>(DEK_LL_PHASE_BOTH));
   }

@@ -157,6 +157,10 @@ __device__ __forceinline__ void local_rows(const Args& a, int g0, int g_hi, int 
 __host__ __device__ __forceinline__ int local_split(int n, int blocks) { return n >= 1 && blocks > n ? blocks / n : 1; }
 // The dispatch send's payload warps: warp 0 of a token block routes only.
 constexpr int kPayWarps = kSendWarps - 1;
+// Blocks per token of the split peer one-launch dispatch (kSplit), over at most `blocks`: one group per payload warp at most.
+__host__ __device__ __forceinline__ int peer_split(int n, int blocks, int groups) {
+  return n < 1 || blocks / n < 2 || groups / kPayWarps < 2 ? 1 : blocks / n < groups / kPayWarps ? blocks / n : groups / kPayWarps;
+}
 
 // Block 0's routing words of this call (the combine checks its ids and weights against them):
 // the sealed sums of the per-warp fingerprint shares of N tokens' K selections.
@@ -207,7 +211,7 @@ __device__ __noinline__ void local_count_tail(const Ctx& c, const Args& a, const
 // entry, no signal, no receive. The meta and the count word stay (a later partial combine reads them).
 // Returns false when the buffer timed out (nothing sent); *seq: this call's number; *mask: the
 // block's copy of the rank mask (shared memory), read once at its start.
-template <class Net, bool kFp4, bool kLocal>
+template <class Net, bool kFp4, bool kLocal, bool kSplit = false>
 __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint32_t* seq, const int** mask) {
   __shared__ uint32_t s_seq;
   __shared__ int s_skip, s_last, s_ndst, s_any_far;
@@ -228,12 +232,12 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
   const int N = a.num_tokens, K = a.num_topk;
   // kLocal: block 0 is the count block (every count, the outputs that need them, the tail; no
   // token) and token block b = blockIdx.x - 1 of NB counts only the tokens before its own (its
-  // slots). With more token blocks than tokens (local_split): P blocks per token, block b the
+  // slots). More token blocks than tokens (local_split; kSplit: peer_split): P per token, block b the
   // groups [S * (b % P) / P, S * (b % P + 1) / P) of token b / P. Otherwise the whole groups of
   // `per` tokens.
   const int b = static_cast<int>(blockIdx.x) - (kLocal ? 1 : 0), NB = static_cast<int>(gridDim.x) - (kLocal ? 1 : 0);
   const bool count_block = kLocal && b < 0;
-  const int P = kLocal ? local_split(N, NB) : 1, slice = kLocal && b >= 0 ? b % P : 0;
+  const int P = kLocal ? local_split(N, NB) : kSplit ? peer_split(N, min(NB, 64), S) : 1, slice = (kLocal || kSplit) && b >= 0 ? b % P : 0;
   // ceil(N / NB), in gridDim's unsigned arithmetic rather than NB's: the peer forms' PTX stays as it was.
   const int per = P > 1 ? 1 : (N + gridDim.x - (kLocal ? 2 : 1)) / (gridDim.x - (kLocal ? 1 : 0));
   const int t_begin = count_block ? N : min(N, b / P * per), t_end = min(N, t_begin + per);
@@ -688,9 +692,10 @@ __device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a) {
 // kFp4: the NVFP4 payload (a.use_nvfp4), an instantiation of its own so that its registers do not
 // weigh on the FP8 / BF16 kernels (128 -> 148 when one kernel held all three).
 // kLocal (one rank, dek_ll_dispatch_local): the send writes the outputs itself; there is no receive.
+// kSplit (NVLink one launch, FP8 / NVFP4, few tokens): a token's groups over peer_split blocks.
 // 2 blocks per SM in the bound for every form: the one-rank form's split grid (up to 264 blocks)
 // must fit in one wave.
-template <class Net, bool kFp4, bool kLocal = false>
+template <class Net, bool kFp4, bool kLocal = false, bool kSplit = false>
 __global__ void __launch_bounds__(kSendThreads, 2) dispatch(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
   pdl_wait();  // one-launch forms: launched early (launch_pdl); wait for the kernel before, let the next one launch
   pdl_trigger();
@@ -706,7 +711,7 @@ __global__ void __launch_bounds__(kSendThreads, 2) dispatch(const __grid_constan
   LL_STAMP(0);
 #endif
   const int* mask = nullptr;
-  const bool sent = dispatch_send<Net, kFp4, kLocal>(c, a, &seq, &mask);
+  const bool sent = dispatch_send<Net, kFp4, kLocal, kSplit>(c, a, &seq, &mask);
   if (kLocal && sent) print_stamps(c, seq, true);  // the one-rank form ends at its send (blocks 0, 1, last print; no d2-d6)
   if (!sent || kLocal || phase != DEK_LL_PHASE_BOTH) return;
   if (a.shrink_mask != nullptr) mask = nullptr;  // a wait may mask a rank during the call: read it each time
@@ -726,7 +731,10 @@ int launch_dispatch(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, dim3 gri
     if (fp4) dispatch<GinNet, true><<<grid, threads, 0, s>>>(*ctx, *args, phase);
     else dispatch<GinNet, false><<<grid, threads, 0, s>>>(*ctx, *args, phase);
   } else if (phase == DEK_LL_PHASE_BOTH) {  // one launch over NVLink: early, as the one-rank form
-    return launch_pdl(fp4 ? dispatch<LsaNet, true> : dispatch<LsaNet, false>, static_cast<int>(grid.x), threads, s, *ctx, *args, phase);
+    // A cast payload (FP8 / NVFP4) of few tokens: each token's groups over P blocks (kSplit).
+    const bool split = (fp4 || args->use_fp8) && peer_split(args->num_tokens, std::min<int>(grid.x, 64), args->hidden / 128) > 1;
+    auto* k = split ? (fp4 ? dispatch<LsaNet, true, false, true> : dispatch<LsaNet, false, false, true>) : fp4 ? dispatch<LsaNet, true> : dispatch<LsaNet, false>;
+    return launch_pdl(k, static_cast<int>(grid.x), threads, s, *ctx, *args, phase);
   } else {
     if (fp4) dispatch<LsaNet, true><<<grid, threads, 0, s>>>(*ctx, *args, phase);
     else dispatch<LsaNet, false><<<grid, threads, 0, s>>>(*ctx, *args, phase);

@@ -190,9 +190,13 @@ def library_commit():
     return open(f).read().strip() if os.path.exists(f) else None
 
 
+# Environment variables outside DEEP_EP_* that a record names when set.
+RECORDED_ENV = ("CUDA_MODULE_LOADING", "CUDA_LAUNCH_BLOCKING", "NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS", "TORCH_SYMM_MEM_DISABLE_MULTICAST")
+
+
 def write_record(path, script, world, rows, backend=None):
     """Writes the JSON record of a bench run (date, commit, command, device, versions, this library's
-    backend when given, the DEEP_EP_* settings set, rows); rank 0 only. `git_commit` is the measured
+    backend when given, the DEEP_EP_* and RECORDED_ENV settings set, rows); rank 0 only. `git_commit` is the measured
     library's build commit where its wheel says it, else the checkout's; `bench_commit` is the
     checkout's (the scripts)."""
     checkout = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
@@ -202,8 +206,10 @@ def write_record(path, script, world, rows, backend=None):
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "num_gpus": world,
            "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
            **({"backend": backend} if backend else {}),
-           # The library's settings in effect (README "Environment"; unset ones are at their defaults).
-           "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("DEEP_EP_")}, "rows": rows}
+           # The library's settings in effect (README "Environment"; unset ones are at their defaults), and
+           # the CUDA / NCCL ones a timing depends on (CUDA_MODULE_LOADING moved the 2-rank LL step at 128
+           # tokens by about 1 us, bench/NOTES.md session 32).
+           "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("DEEP_EP_") or k in RECORDED_ENV}, "rows": rows}
     with open(path, "w") as f:
         json.dump(env, f, indent=1)
 

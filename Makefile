@@ -61,6 +61,8 @@ wheel-test: wheel
 # build-script outputs apart from the release build's, so the two do not rebuild each other).
 lint: deps
 	python3 scripts/import_graph.py --check
+	@# Files <= 800 lines (STYLE): every tracked file but the measurement records under bench/results.
+	@git ls-files -z | grep -zv '^bench/results/' | xargs -0 wc -l | awk '$$2 != "total" && $$1 > 800 {print "over 800 lines:", $$2; bad = 1} END {exit bad}'
 	cargo fmt --check
 	cargo fmt --check --manifest-path $(TCH_DIR)/Cargo.toml
 	cargo clippy --all-targets -- -D warnings

@@ -19,8 +19,7 @@ constexpr int kChunk = 1024;
 // scan and the completion counters cost more than the heaviest expert's block (bench/NOTES.md,
 // session 24, one rank: +3 us at 1-32 tokens, +1.5 at 64, -1.5 at 96, -6 at 128).
 constexpr int64_t kSpreadMinSelections = 768;
-// The one-launch rows combine below kRowsSharedFrom selections and from kSpreadMinSelections on
-// takes the rows-only kernel (kOwn: 8 rows' loads in flight); in between the shared kernel.
+// One-launch rows combines of kRowsSharedFrom <= N·K < kSpreadMinSelections take the shared kernel, the rest kOwn's.
 constexpr int64_t kRowsSharedFrom = 256;
 
 // ---- combine ----------------------------------------------------------------------------------
@@ -723,8 +722,7 @@ extern "C" int dek_ll_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args
     return launch_pdl(combine<LsaNet, false, true, true>, spread_blocks, kLlThreads, deep_ep::as_stream(stream), *ctx, *args,
                       static_cast<int>(DEK_LL_PHASE_BOTH));
   }
-  // Rows: the rows-only kernel, but from kRowsSharedFrom to kSpreadMinSelections selections, where
-  // it was 0.17 µs slower than the shared one at 32 tokens x top-8 (2 ranks, bench/NOTES.md session 31).
+  // Rows: the rows-only kernel (8 loads in flight), not where it was 0.17 µs slower (session 31, 32 tokens x top-8).
   if (!args->partial && (static_cast<int64_t>(args->num_tokens) * args->num_topk < kRowsSharedFrom || many)) {
     return launch_pdl(combine<LsaNet, false, true, false, false, true>, blocks, kLlThreads, deep_ep::as_stream(stream), *ctx, *args,
                       static_cast<int>(DEK_LL_PHASE_BOTH));

@@ -5,7 +5,9 @@
 # ranks share it through ipc), and a summary.
 #   bench/ll_ab.sh OUT_DIR WHEEL_0 WHEEL_1 [WHEEL_2 ...]   (on the device; wheels from `make wheel`)
 # DEEPEP_V1=DIR (the importable package that deepep_v1_build.sh made, DEST/deepep_v1): DeepEP V1
-# timed in every bench process (--baseline deepep_v1). SUITE=0 skips the suite. Every step runs
+# timed in every bench process (--baseline deepep_v1). SUITE=0 skips the suite. HOST=1 adds
+# bench/host_overhead.py per build after the benches (DeepEP V1 too when DEEPEP_V1 is given;
+# HOST_ROUNDS, default 10). With 4 or more GPUs the suite adds the [2x2] case. Every step runs
 # under `timeout`; no step kills processes by name (a pattern can match the caller's own command).
 # Writes OUT_DIR/ab.log, OUT_DIR/<i>-<round>.json (bench/low_latency.py format) and
 # OUT_DIR/summary.txt (median over rounds of each row's median per build, and last minus first).
@@ -34,6 +36,13 @@ for round in $(seq 1 "${ROUNDS:-3}"); do
     echo "=== rc=$?" | tee -a "$log"
   done
 done
+# Host time per call of every build (issue 30's target 1), taking turns with DeepEP V1's in one run.
+[ "${HOST:-0}" = 1 ] && for side in "${!wheels[@]}"; do
+  echo "=== host $side" | tee -a "$log"
+  DEEP_EP_LIBRARY=$(lib $side) timeout 300 python3 -m torch.distributed.run --nproc-per-node "$np" --master-port $((29450 + side)) \
+    bench/host_overhead.py --samples 200 --rounds "${HOST_ROUNDS:-10}" ${DEEPEP_V1:+--baseline deepep_v1} --out "$out/host-$side.json" >>"$log" 2>&1
+  echo "=== rc=$?" | tee -a "$log"
+done
 # The last build against the CPU backend: 1 rank on nccl, 2 and 4 ranks (one GPU: sharing it on ipc).
 [ "${SUITE:-1}" = 0 ] || {
 echo "=== ll suite (build $last)" | tee -a "$log"
@@ -43,7 +52,8 @@ echo "=== rc=$? (1 rank)" | tee -a "$log"
 # One GPU: ipc (several ranks on it); several: the harness's choice (nccl while ranks <= GPUs).
 DEEP_EP_LIBRARY=$(lib $last) DEEP_EP_TEST_BACKEND=$([ "$np" -gt 1 ] || echo ipc) DEEP_EP_LL_CONFIGS=${AB_CONFIGS:-30} DEEP_EP_LL_REPLAYS=50 timeout 300 \
   python3 -m pytest -q -rs "tests/gpu/test_low_latency.py::test_low_latency_matches_cpu_backend[2]" \
-  "tests/gpu/test_low_latency.py::test_low_latency_matches_cpu_backend[4]" tests/gpu/test_reliability_ranks_gpu.py >>"$log" 2>&1
+  "tests/gpu/test_low_latency.py::test_low_latency_matches_cpu_backend[4]" $([ "$np" -ge 4 ] && echo "tests/gpu/test_low_latency.py::test_low_latency_matches_cpu_backend[2x2]") \
+  tests/gpu/test_reliability_ranks_gpu.py >>"$log" 2>&1
 echo "=== rc=$? (2 and 4 ranks, reliability)" | tee -a "$log"
 }
 python3 - "$out" "${#wheels[@]}" <<'EOF' | tee "$out/summary.txt"

@@ -595,9 +595,8 @@ __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kRedu
     return;
   }
   if constexpr (kOwn) {
-    // Rows only, an instantiation of its own (145 registers: room for a top-8 token's 8 row loads
-    // at once; in the shared kernel the own-rows code cost the partial combine 0.1-0.3 µs, 2 ranks,
-    // bench/NOTES.md session 31). Own rows in place only where own_rows says.
+    // Rows only, an instantiation of its own (145 registers: a top-8 token's 8 row loads at once; in the
+    // shared kernel the own-rows code cost the partial combine 0.1-0.3 µs, session 31). Own rows: own_rows.
     if (combine_send<Net, false, false, true>(c, a, &seq)) combine_recv_tokens<Net, 8, true>(c, a, a.half, seq, false, false);
     return;
   }
@@ -714,7 +713,8 @@ extern "C" int dek_ll_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args
   // One rank only: with a peer it was bit-exact but 1.2-1.4 µs slower at 128 tokens than the
   // per-item send (2 ranks, bench/NOTES.md session 29); at one rank it runs only when the library
   // chose this peer path over dek_ll_combine_local (DEEP_EP_LL_LOCAL=peer).
-  const bool many = static_cast<int64_t>(args->num_tokens) * args->num_topk >= kSpreadMinSelections;
+  const int64_t selections = static_cast<int64_t>(args->num_tokens) * args->num_topk;
+  const bool many = selections >= kSpreadMinSelections;
   if (ctx->num_ranks == 1 && !args->partial && many) {
     // Its work does not follow the grid: 3 blocks per SM, all resident (112 registers: 4 would fit;
     // the caller checked E <= 3 x SMs for the E-block grid).
@@ -723,7 +723,7 @@ extern "C" int dek_ll_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args
                       static_cast<int>(DEK_LL_PHASE_BOTH));
   }
   // Rows: the rows-only kernel (8 loads in flight), not where it was 0.17 µs slower (session 31, 32 tokens x top-8).
-  if (!args->partial && (static_cast<int64_t>(args->num_tokens) * args->num_topk < kRowsSharedFrom || many)) {
+  if (!args->partial && (selections < kRowsSharedFrom || many)) {
     return launch_pdl(combine<LsaNet, false, true, false, false, true>, blocks, kLlThreads, deep_ep::as_stream(stream), *ctx, *args,
                       static_cast<int>(DEK_LL_PHASE_BOTH));
   }

@@ -83,7 +83,7 @@ def _combine_topk_worker(rank, world, many=False):
     """A combine given another topk_idx than its dispatch's must raise and leave the buffer usable.
     many: 128 tokens x top-8 (1024 selections), where the rows combine reads this rank's own rows
     in place (the index the send leaves at each row's place: kernels/low_latency.cu,
-    `own_rows_direct`, the `kOwn` instantiation); the other topk_idx makes the receive look up own
+    `own_rows`, the `kOwn` instantiation); the other topk_idx makes the receive look up own
     (expert, token) pairs the dispatch never routed, whose stale words must be dropped (never a
     load out of bounds)."""
     dev = _spawn.device(rank)

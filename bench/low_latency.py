@@ -8,7 +8,8 @@ For each token count N (num_max_dispatch_tokens_per_rank = N; DeepEP's shape: 12
 top-8 of 288 experts, FP8 dispatch, BF16 combine):
 - `graph: true` rows: two calls (alternating buffer halves, as consecutive calls in a model)
   captured in one CUDA graph, replayed back to back; time per call = elapsed / (2 * replays);
-  `dispatch+combine` is one whole step (dispatch -> combine) per replay.
+  `dispatch+combine` is one whole step (dispatch -> combine) per replay: this library's with the
+  partial combine (dispatch with weights) and with rows (without: DeepEP's callers' step).
 - eager rows: CUDA events around each call, median; with `send_us` / `recv_us` from the hook
   split (send op timed, all ranks synchronised, then the receive hook timed: data already there).
 - `torch_all_to_all`: the naive baseline (counts exchange + all_to_all_single of deduplicated
@@ -134,6 +135,9 @@ def run_case(buf, args, n, rank, world, v1=None):
     row("combine", "bf16", graph_time(two(lambda: comb(hr)), 2, args.replays), bf16_bytes, graph=True, combine="rows")
     row("dispatch+combine", "fp8/bf16", graph_time(lambda: comb(disp(True)[2]), 1, args.replays), fp8_bytes + bf16_bytes, graph=True,
         combine="partial")
+    # The step DeepEP's callers run (their dispatch carries no weights): FP8 dispatch -> rows combine.
+    row("dispatch+combine", "fp8/bf16", graph_time(lambda: comb(disp(True, weights=False)[2]), 1, args.replays), fp8_bytes + bf16_bytes,
+        graph=True, combine="rows")
     d_send, d_recv = split_time(lambda: disp(True, True)[4], args.iters)
     row("dispatch", "fp8", timed(lambda: disp(True), args.iters)[0], fp8_bytes, send_us=d_send, recv_us=d_recv)
     hp = fresh()

@@ -148,3 +148,19 @@ def test_ll_stamps_summarises_the_instrument_lines():
     last = two + "\nllst rank 0 block 9 seq 32 t0 1300 d1 300 d2 -1 d3 -1 d4 -1 d5 -1 d6 -1 d7 6000 d8 800 d9 3900 d10 -1 d11 4500 d12 4700 d13 5000 d14 5800"
     res = ll_stamps.summary(ll_stamps.parse(last))
     assert res[0]["last_block"] == 9 and res[0]["last_start_after_block0"] == 0.3 and res[0]["last_d9"] == 3.9
+
+
+def test_ll_step_trace_summarises_replays():
+    """bench/ll_step_trace.py: per replay of a graph of two kernels, durations, the gap between them
+    and the boundary to the next replay (medians, µs)."""
+    sys.path.insert(0, str(BENCH))
+    import ll_step_trace
+
+    name = "void deep_ep::ll::dispatch<deep_ep::ll::LsaNet, false, false, false>(Ctx, Args, int)"
+    ks = []
+    for r in range(3):  # replays 30 µs apart: kernel A 10 µs, 1 µs gap, kernel B 12 µs
+        t = r * 30_000
+        ks += [(t, t + 10_000, name), (t + 11_000, t + 23_000, "void deep_ep::ll::combine<x>(y)")]
+    s = ll_step_trace.summarise(ks, 2)
+    assert s["kernels"] == ["ll::dispatch", "ll::combine"] and s["replays"] == 3
+    assert s["period_us"] == 30.0 and s["dur_us"] == [10.0, 12.0] and s["gap_us"] == [1.0] and s["boundary_us"] == 7.0

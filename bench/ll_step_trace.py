@@ -5,10 +5,11 @@ and one dispatch -> combine step, this library's and DeepEP V1's.
     torchrun --nproc-per-node 2 bench/ll_step_trace.py --tokens 1 8 128 [--baseline deepep_v1] --out X.json
 
 Shapes as bench/low_latency.py (hidden 7168, top-8 of 288 experts, FP8 dispatch, BF16 combine).
-Graphs per token count: `dispatch x2` (FP8 with weights), `combine x2` (partial and rows answering
+Graphs per token count: `dispatch x2` (FP8 with weights; `bf16 x2`, and `fp8+bf16`: two kernels
+taking turns against each alone), `combine x2` (partial and rows answering
 the latest dispatch), `step partial` (FP8 dispatch with weights -> partial combine) and `step rows`
-(FP8 dispatch without weights -> rows combine: what DeepEP's callers run); DeepEP V1: `dispatch
-x2`, `combine x2` (rows) and `step rows`. Per graph and rank: the replay period, each kernel's
+(FP8 dispatch without weights -> rows combine: what DeepEP's callers run); DeepEP V1: the three
+dispatch pairs, `combine x2` (rows) and `step rows`. Per graph and rank: the replay period, each kernel's
 duration and the gaps (kernel i's end to kernel i+1's start; `boundary`: the last kernel's end to
 the next replay's first start), medians over the replays. The profiler's own cost inflates gaps
 alike for both libraries: compare within a run, and use bench/low_latency.py for the times.
@@ -89,8 +90,8 @@ def cases(buf, v1, n, args):
     out = torch.empty(n, h, dtype=torch.bfloat16, device="cuda")
     t = max(n, 1)
 
-    def disp(weights=True):
-        return buf.low_latency_dispatch(x, idx, t, e, use_fp8=True, topk_weights=w if weights else None)
+    def disp(weights=True, fp8=True):
+        return buf.low_latency_dispatch(x, idx, t, e, use_fp8=fp8, topk_weights=w if weights else None)
 
     y = buf.low_latency_dispatch(x, idx, t, e, use_fp8=False)[0].clone()
 
@@ -110,6 +111,9 @@ def cases(buf, v1, n, args):
     # Factories: each is called right before its capture (a combine answers the latest dispatch).
     c = {
         ("deep_ep", "dispatch x2"): lambda: lambda: (disp(), disp()),
+        # Two instantiations taking turns against each alone (code the SMs must fetch again per call).
+        ("deep_ep", "dispatch bf16 x2"): lambda: lambda: (disp(fp8=False), disp(fp8=False)),
+        ("deep_ep", "dispatch fp8+bf16"): lambda: lambda: (disp(), disp(fp8=False)),
         ("deep_ep", "combine x2 partial"): lambda: twice(True),
         ("deep_ep", "combine x2 rows"): lambda: twice(False),
         ("deep_ep", "step partial"): lambda: lambda: comb(disp(True)[2]),
@@ -125,6 +129,8 @@ def cases(buf, v1, n, args):
             return lambda: (v1.combine(yv, idx, w, hv, out=outv), v1.combine(yv, idx, w, hv, out=outv))
 
         c[("deepep_v1", "dispatch x2")] = lambda: lambda: (v1.dispatch(x, idx), v1.dispatch(x, idx))
+        c[("deepep_v1", "dispatch bf16 x2")] = lambda: lambda: (v1.dispatch(x, idx, use_fp8=False), v1.dispatch(x, idx, use_fp8=False))
+        c[("deepep_v1", "dispatch fp8+bf16")] = lambda: lambda: (v1.dispatch(x, idx), v1.dispatch(x, idx, use_fp8=False))
         c[("deepep_v1", "combine x2 rows")] = v1_twice
         c[("deepep_v1", "step rows")] = lambda: lambda: v1.combine(yv, idx, w, v1.dispatch(x, idx)[2], out=outv)
     return c

@@ -93,8 +93,9 @@ __device__ __forceinline__ size_t next_header_slot(const Ctx& c) {
 // ---- errors ----------------------------------------------------------------------------------
 // Records an error in the device word and, for the first one since the host last cleared it,
 // in the host-mapped block (fields first, code last). A timeout also replaces an earlier
-// non-timeout error (it is what the host must see) and sets the sticky timeout flag.
-__device__ void report(const Ctx& c, int code, int about_rank, int site, int value, int limit, int extra = 0) {
+// non-timeout error (it is what the host must see) and sets the sticky timeout flag. Out of line: a
+// cold path, inlined at every site it spread the hot code (bench/NOTES.md session 33).
+__device__ __noinline__ void report(const Ctx& c, int code, int about_rank, int site, int value, int limit, int extra = 0) {
   int* err = at<int>(local(c), kScrError);
   bool first;
   if (code == DEK_IC_ERR_TIMEOUT) {

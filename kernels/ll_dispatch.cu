@@ -310,7 +310,7 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
   // (read by a partial combine) and the format words now, ordered before the signals by its ticket
   // fence, instead of the last block between two fences after the ticket (one system fence fewer
   // on the critical path). With a seam the last block still writes them (staged for the puts).
-  if (!kLocal && blockIdx.x == 0 && a.net == nullptr) {
+  if (!kLocal && blockIdx.x == 0 && !has_seam<Net>(a)) {
     for (int d = tid; d < R; d += kSendThreads) {
       if (s_mask[d]) continue;
       *reinterpret_cast<uint32_t*>(window(c, d) + recv + 4 * c.rank) = static_cast<uint32_t>(s_rct[d]);
@@ -374,7 +374,7 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
         s_dst[idx] = d;
         s_msg[idx] = s_rc[d]++;
       }
-      const unsigned far_firsts = __ballot_sync(0xffffffffu, first_d && remote(c, a, d));
+      const unsigned far_firsts = __ballot_sync(0xffffffffu, first_d && remote<Net>(c, a, d));
       if (lane == 0) {
         s_ndst = dst.count;
         s_any_far = far_firsts != 0;
@@ -387,7 +387,7 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
     // Warp i (taking turns): the meta of destination i's message and its index entries.
     for (int i = warp; i < ndst && warp < kDstWarps && slice == 0; i += kDstWarps) {  // one block per token
       const int d = s_dst[i], n = s_n[i];
-      const bool seam = remote(c, a, d);  // staged: meta [d][slot], index rows [expert][slot]
+      const bool seam = remote<Net>(c, a, d);  // staged: meta [d][slot], index rows [expert][slot]
       char* base = window(c, d);
       char* msg = seam ? local(c) + stage + a.stage_meta_off + static_cast<uint64_t>(d * T + s_msg[i]) * kMsgMeta
                        : base + msgs + static_cast<uint64_t>(c.rank * T + s_msg[i]) * a.msg_bytes;
@@ -422,7 +422,7 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
             pay = local(c) + stage + static_cast<uint64_t>(tok) * pay_stride;
           } else {
             const int d = s_dst[i];
-            if (remote(c, a, d)) continue;
+            if (remote<Net>(c, a, d)) continue;
             pay = window(c, d) + msgs + static_cast<uint64_t>(c.rank * T + s_msg[i]) * a.msg_bytes + kMsgMeta;
           }
 #pragma unroll
@@ -446,7 +446,7 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
       __syncthreads();
       for (int i = warp; i < ndst && warp < kDstWarps; i += kDstWarps) {
         const int d = s_dst[i];
-        if (!remote(c, a, d)) continue;
+        if (!remote<Net>(c, a, d)) continue;
         const uint64_t dst = msgs + static_cast<uint64_t>(c.rank * T + s_msg[i]) * a.msg_bytes;
         put_to<Net>(c, a, d, dst, stage + a.stage_meta_off + static_cast<uint64_t>(d * T + s_msg[i]) * kMsgMeta, kMsgMeta, lane);
         const uint64_t pay = a.use_fp8     ? (static_cast<uint64_t>(H) + H / 32 + 15) / 16 * 16
@@ -476,12 +476,12 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
   __syncthreads();
   if (!s_last) return true;
   LL_STAMP(3);
-  if (a.net != nullptr) {
+  if (has_seam<Net>(a)) {
     fence_acq_rel_sys();
     // Message counts (read by a partial combine) before the signals (remote: staged).
     for (int d = tid; d < R && tid < rank_workers(kSendThreads); d += rank_workers(kSendThreads)) {
       if (s_mask[d]) continue;
-      const bool far = remote(c, a, d);
+      const bool far = remote<Net>(c, a, d);
       char* cnt = far ? local(c) + stage + a.stage_cnt_off + 4 * d : window(c, d) + recv + 4 * c.rank;
       *reinterpret_cast<uint32_t*>(cnt) = static_cast<uint32_t>(s_rct[d]);
       if (!far) put_fmt(c, a, 0, d, fmt_dispatch(a));
@@ -490,8 +490,8 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
     fence_acq_rel_sys();
     __syncthreads();
   }
-  for (int d = warp; a.net != nullptr && d < R && warp < kDstWarps; d += kDstWarps) {  // warp per remote d: its count and index rows, then its signals
-    if (!remote(c, a, d) || s_mask[d]) continue;
+  for (int d = warp; has_seam<Net>(a) && d < R && warp < kDstWarps; d += kDstWarps) {  // warp per remote d: its count and index rows, then its signals
+    if (!remote<Net>(c, a, d) || s_mask[d]) continue;
     put_to<Net>(c, a, d, recv + 4 * c.rank, stage + a.stage_cnt_off + 4 * d, 4, lane);
     for (int l = 0; l < El; ++l) {
       const int n = min(s_total[d * El + l], T);
@@ -518,7 +518,7 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
     if (s_mask[d]) continue;  // nothing goes to a masked rank
     const int cnt = s_total[e];
     if (cnt > T) report(c, DEK_IC_ERR_OVERFLOW, d, DEK_IC_SITE_LL_DISPATCH, cnt, T);
-    if (kLocal || remote(c, a, d)) continue;  // no peer (local); signalled above (remote)
+    if (kLocal || remote<Net>(c, a, d)) continue;  // no peer (local); signalled above (remote)
     st_relaxed_sys_u32(at<uint32_t>(window(c, d), sig + static_cast<uint64_t>((e % El) * R) * 4), tag(s_seq, static_cast<uint32_t>(min(cnt, T))));
   }
   __syncthreads();
@@ -580,7 +580,7 @@ __device__ __forceinline__ bool dispatch_recv_column(const Ctx& c, const Args& a
       s_cnt[s] = 0;  // a masked source (or, in shrink mode, one that timed out) counts as sending nothing
     } else if (got > 0) {
       s_cnt[s] = min(static_cast<int>(v & 0xffffu) - 1, T);
-      if (l == 0 && y == 0 && !remote(c, a, s) && !fmt_agrees(c, a, 0, half, s, fmt_dispatch(a), DEK_IC_SITE_LL_DISPATCH)) s_ok = 0;
+      if (l == 0 && y == 0 && !remote<Net>(c, a, s) && !fmt_agrees(c, a, 0, half, s, fmt_dispatch(a), DEK_IC_SITE_LL_DISPATCH)) s_ok = 0;
       if (y == 0 && a.wait_stats != nullptr) {
         atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + s), static_cast<unsigned long long>(clock64() - t0));
       }
@@ -733,7 +733,7 @@ int launch_dispatch(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, dim3 gri
   } else if (phase == DEK_LL_PHASE_BOTH) {  // one launch over NVLink: early, as the one-rank form
     // A cast payload (FP8 / NVFP4) of few tokens: each token's groups over P blocks (kSplit).
     const bool split = (fp4 || args->use_fp8) && peer_split(args->num_tokens, std::min<int>(grid.x, 64), args->hidden / 128) > 1;
-    auto* k = split ? (fp4 ? dispatch<LsaNet, true, false, true> : dispatch<LsaNet, false, false, true>) : fp4 ? dispatch<LsaNet, true> : dispatch<LsaNet, false>;
+    auto* k = split ? (fp4 ? dispatch<NvlNet, true, false, true> : dispatch<NvlNet, false, false, true>) : fp4 ? dispatch<NvlNet, true> : dispatch<NvlNet, false>;
     return launch_pdl(k, static_cast<int>(grid.x), threads, s, *ctx, *args, phase);
   } else {
     if (fp4) dispatch<LsaNet, true><<<grid, threads, 0, s>>>(*ctx, *args, phase);
@@ -780,7 +780,7 @@ extern "C" int dek_ll_dispatch_recv(const dek_ic_ctx_t* ctx, const dek_ll_args_t
 }
 
 extern "C" int dek_ll_dispatch(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream) {
-  if (!send_args_ok(ctx, args, false) || !recv_args_ok(args)) return static_cast<int>(cudaErrorInvalidValue);
+  if (!send_args_ok(ctx, args, false) || !recv_args_ok(args) || args->net != nullptr) return static_cast<int>(cudaErrorInvalidValue);  // NvlNet
   // num_blocks blocks of kSendThreads, every one resident at once (the caller's send grid).
   return launch_dispatch(ctx, args, dim3(args->num_blocks < 1 ? 1 : args->num_blocks), kSendThreads, stream, DEK_LL_PHASE_BOTH);
 }
@@ -795,6 +795,6 @@ extern "C" int dek_ll_dispatch_local(const dek_ic_ctx_t* ctx, const dek_ll_args_
   const int n = args->num_tokens, groups = args->hidden / 128, room = std::max(1, args->num_blocks - 1);
   const int p = n >= 1 ? std::min(room / n, groups / kPayWarps) : 1;
   const int blocks = 1 + (p > 1 ? n * p : std::max(1, std::min(n, room)));
-  auto* kernel = args->use_nvfp4 ? dispatch<LsaNet, true, true> : dispatch<LsaNet, false, true>;
+  auto* kernel = args->use_nvfp4 ? dispatch<NvlNet, true, true> : dispatch<NvlNet, false, true>;
   return launch_pdl(kernel, blocks, kSendThreads, deep_ep::as_stream(stream), *ctx, *args, static_cast<int>(DEK_LL_PHASE_BOTH));
 }

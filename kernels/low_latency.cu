@@ -69,7 +69,7 @@ __device__ bool ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l
   const uint64_t ge = static_cast<uint64_t>(c.rank) * El + l;
   const uint64_t meta = recv_off(a, a.half) + ge * T * S * 4;
   const uint64_t pay = recv_off(a, a.half) + static_cast<uint64_t>(a.num_experts) * T * S * 4 + ge * T * 2 * H;
-  const bool far = remote(c, a, s);
+  const bool far = remote<Net>(c, a, s);
   char* const dst = window(c, far ? c.rank : s);
   int64_t ready = -1;
   for (int64_t it = warp; it < cnt * nch; it += kLlWarps) {
@@ -162,10 +162,10 @@ __device__ __forceinline__ bool combine_send_rows(const Ctx& c, const Args& a, i
     __syncthreads();
   }
   if (tid == 0 && !dead && ok) {
-    if (l == 0 && !remote(c, a, s)) put_fmt(c, a, 1, s, fmt_combine((a.flags & DEK_LL_FLAG_LOGFMT) != 0, false));
+    if (l == 0 && !remote<Net>(c, a, s)) put_fmt(c, a, 1, s, fmt_combine((a.flags & DEK_LL_FLAG_LOGFMT) != 0, false));
     // One cumulative fence per block (see dispatch_send in ll_dispatch.cu) before a seam signal;
     // an NVLink signal is a release store of this thread, the same fence.
-    if (remote(c, a, s)) fence_acq_rel_sys();
+    if (remote<Net>(c, a, s)) fence_acq_rel_sys();
     uint32_t* word = at<uint32_t>(peer, sig_off(a, a.half) + static_cast<uint64_t>(c.rank * El + l) * 4);
     raise_to<Net>(c, a, s, word, kSeamCombine, a.half, l, tag(seq, 0));
   }
@@ -224,7 +224,7 @@ __device__ __forceinline__ bool combine_send_partial(const Ctx& c, const Args& a
   const uint64_t drecv = recv_off(a, a.dispatch_half);
   const uint32_t nm = rank_masked(a, s) ? 0u : min(__ldcg(reinterpret_cast<const unsigned int*>(me + drecv) + s), static_cast<uint32_t>(T));
   const uint64_t dst_off = recv_off(a, a.half) + a.partial_off + static_cast<uint64_t>(c.rank) * T * 2 * H;
-  const bool seam = remote(c, a, s);
+  const bool seam = remote<Net>(c, a, s);
   char* dst = window(c, s) + dst_off;
   // Rows of zero-copy buffers are M bf16 long: 16-byte loads only when M*2 is a multiple of 16.
   const bool vec = !a.zero_copy || (M * 2) % 16 == 0;
@@ -310,7 +310,7 @@ __device__ __forceinline__ bool combine_send_partial(const Ctx& c, const Args& a
   const bool give_up = kSig && op_cancelled(c);  // timed out or cancelled (one barrier: every thread of the block)
   constexpr int kSignallers = rank_workers(kLlThreads);  // threads signalling the ranks, each R / kSignallers
   for (int d = tid; d < R && tid < kSignallers; d += kSignallers) {
-    if (!give_up && !rank_masked(a, d) && !remote(c, a, d)) put_fmt(c, a, 1, d, fmt_combine(false, true));
+    if (!give_up && !rank_masked(a, d) && !remote<Net>(c, a, d)) put_fmt(c, a, 1, d, fmt_combine(false, true));
   }
   fence_acq_rel_sys();
   for (int d = tid; d < R && tid < kSignallers; d += kSignallers) {
@@ -429,7 +429,7 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
     if (got == 0) continue;  // shrink mode masked the rank: its experts are dropped below
     // Only when asked: a 64-bit shared atomicMax is a compare-and-swap loop on one word.
     if (a.wait_stats != nullptr) atomicMax(&s_wait[w / El], static_cast<unsigned long long>(clock64() - t0));
-    if (blockIdx.x == 0 && w % El == 0 && !remote(c, a, w / El) &&
+    if (blockIdx.x == 0 && w % El == 0 && !remote<Net>(c, a, w / El) &&
         !fmt_agrees(c, a, 1, half, w / El, fmt_combine(logfmt, partial), DEK_IC_SITE_LL_COMBINE)) {
       s_ok = 0;
     }
@@ -611,7 +611,7 @@ __global__ void clean_signals(const __grid_constant__ Ctx c, const __grid_consta
   uint32_t* w = at<uint32_t>(local(c), a.ll_off);
   const uint64_t i0 = blockIdx.x * blockDim.x + threadIdx.x, step = gridDim.x * blockDim.x;
   for (uint64_t i = i0; i < a.signal_bytes / 2; i += step) w[i] = 0;
-  if (a.net == nullptr) return;
+  if (!has_seam<Net>(a)) return;
   // Seam signals this geometry uses (every communicator and context) and their shadows (the peers
   // do the same).
   const uint64_t n = 4ull * a.num_experts;
@@ -719,15 +719,15 @@ extern "C" int dek_ll_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args
     // Its work does not follow the grid: 3 blocks per SM, all resident (112 registers: 4 would fit;
     // the caller checked E <= 3 x SMs for the E-block grid).
     const int spread_blocks = ctx->num_sms > 0 && kBothBlocksPerSm * ctx->num_sms > blocks ? kBothBlocksPerSm * ctx->num_sms : blocks;
-    return launch_pdl(combine<LsaNet, false, true, true>, spread_blocks, kLlThreads, deep_ep::as_stream(stream), *ctx, *args,
+    return launch_pdl(combine<NvlNet, false, true, true>, spread_blocks, kLlThreads, deep_ep::as_stream(stream), *ctx, *args,
                       static_cast<int>(DEK_LL_PHASE_BOTH));
   }
   // Rows: the rows-only kernel (8 loads in flight), not where it was 0.17 µs slower (session 31, 32 tokens x top-8).
   if (!args->partial && (selections < kRowsSharedFrom || many)) {
-    return launch_pdl(combine<LsaNet, false, true, false, false, true>, blocks, kLlThreads, deep_ep::as_stream(stream), *ctx, *args,
+    return launch_pdl(combine<NvlNet, false, true, false, false, true>, blocks, kLlThreads, deep_ep::as_stream(stream), *ctx, *args,
                       static_cast<int>(DEK_LL_PHASE_BOTH));
   }
-  return launch_pdl(combine<LsaNet, false, true>, blocks, kLlThreads, deep_ep::as_stream(stream), *ctx, *args, static_cast<int>(DEK_LL_PHASE_BOTH));
+  return launch_pdl(combine<NvlNet, false, true>, blocks, kLlThreads, deep_ep::as_stream(stream), *ctx, *args, static_cast<int>(DEK_LL_PHASE_BOTH));
 }
 
 extern "C" int dek_ll_combine_local(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream) {
@@ -737,7 +737,7 @@ extern "C" int dek_ll_combine_local(const dek_ic_ctx_t* ctx, const dek_ll_args_t
   const int64_t slices = static_cast<int64_t>(args->num_tokens) * ((args->hidden / 8 + kLlThreads - 1) / kLlThreads);
   const int64_t cap = ctx->num_sms > 0 ? kBothBlocksPerSm * static_cast<int64_t>(ctx->num_sms) : 1;
   const int blocks = static_cast<int>(slices < 1 ? 1 : slices < cap ? slices : cap);
-  return launch_pdl(combine<LsaNet, false, true, false, true>, blocks, kLlThreads, deep_ep::as_stream(stream), *ctx, *args,
+  return launch_pdl(combine<NvlNet, false, true, false, true>, blocks, kLlThreads, deep_ep::as_stream(stream), *ctx, *args,
                     static_cast<int>(DEK_LL_PHASE_BOTH));
 }
 

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #include "intranode.cuh"
@@ -339,6 +340,7 @@ bool ll_ok(const Ctx* c, const Args* a) {
 // window, written at creation).
 using tp::GinNet;
 using tp::LsaNet;
+using tp::NvlNet;
 constexpr int kSeamDispatch = 0, kSeamCombine = 1;
 
 template <class Net>
@@ -363,9 +365,20 @@ __device__ __forceinline__ RankList rank_list(bool valid, int d) {
   return RankList{idx, first, __popc(firsts)};
 }
 
+// Whether the kernel has peers behind a seam (Args::net); never for NvlNet, whatever `a` says.
+template <class Net>
+__device__ __forceinline__ bool has_seam(const Args& a) {
+  if constexpr (std::is_same_v<Net, NvlNet>) {
+    return false;
+  } else {
+    return a.net != nullptr;
+  }
+}
+
 // Whether peer d lies outside this rank's NVLink domain.
+template <class Net>
 __device__ __forceinline__ bool remote(const Ctx& c, const Args& a, int d) {
-  return a.net != nullptr && d / a.nvl_domain != c.rank / a.nvl_domain;
+  return has_seam<Net>(a) && d / a.nvl_domain != c.rank / a.nvl_domain;
 }
 
 // Format flags of a dispatch (crate::backend::cpu::ll::format_code's bits) and of a combine.
@@ -420,7 +433,7 @@ __device__ __forceinline__ void put_to(const Ctx& c, const Args& a, int d, uint6
 // already lies there). The staged source must stay untouched until the warp's flush.
 template <class Net>
 __device__ void send_to(const Ctx& c, const Args& a, int d, uint64_t dst_off, const void* src, uint64_t stage_off, int64_t bytes, int lane) {
-  if (!remote(c, a, d)) {
+  if (!remote<Net>(c, a, d)) {
     warp_copy(window(c, d) + dst_off, src, bytes, lane);
     return;
   }
@@ -435,7 +448,7 @@ __device__ void send_to(const Ctx& c, const Args& a, int d, uint64_t dst_off, co
 // Sources of this warp's earlier puts may be reused (GIN); a no-op sync in the emulation.
 template <class Net>
 __device__ __forceinline__ void flush_net(const Ctx& c, const Args& a, int lane) {
-  if (a.net != nullptr) net_of<Net>(a).at(c.rank).flush(lane);
+  if (has_seam<Net>(a)) net_of<Net>(a).at(c.rank).flush(lane);
 }
 
 // One thread sets LL signal (kind, half, l) of peer d to tag v after every earlier store/put of
@@ -444,7 +457,7 @@ __device__ __forceinline__ void flush_net(const Ctx& c, const Args& a, int lane)
 // receiver finds exactly the tag, as in an NVLink word, and no signal is ever reset between calls.
 template <class Net>
 __device__ void raise_to(const Ctx& c, const Args& a, int d, uint32_t* word, int kind, int half, int l, uint32_t v) {
-  if (!remote(c, a, d)) {
+  if (!remote<Net>(c, a, d)) {
     st_release_sys_u32(word, v);
     return;
   }
@@ -461,7 +474,7 @@ template <class Net>
 __device__ int wait_from(const Ctx& c, const Args& a, int src, const uint32_t* word, int kind, int half, int l, uint32_t seq, int site,
                          uint32_t* value, bool* gave_up) {
   *gave_up = false;
-  if (!remote(c, a, src)) return wait_tag(c, a, word, seq, src, site, value, gave_up);
+  if (!remote<Net>(c, a, src)) return wait_tag(c, a, word, seq, src, site, value, gave_up);
   const auto t = net_of<Net>(a).at(src);
   const int sig = seam_signal(a, c.num_ranks, kind, half, l, src);
   const uint64_t start = globaltimer();
@@ -488,7 +501,7 @@ __device__ int wait_from(const Ctx& c, const Args& a, int src, const uint32_t* w
 // expert l of the peer; combine: words rank*E_l + l (partial sums: l = 0 only). One thread: the
 // one that gave the call up (wait_from's *gave_up), so the seam signals' shadows have one writer.
 template <class Net>
-__device__ void abandon_call(const Ctx& c, const Args& a, int kind, int half, uint32_t seq, int only, bool partial) {
+__device__ __noinline__ void abandon_call(const Ctx& c, const Args& a, int kind, int half, uint32_t seq, int only, bool partial) {
   const int R = c.num_ranks, El = a.num_experts / R, me = c.rank;
   const uint32_t v = abandoned_tag(seq);
   for (int d = 0; d < R; ++d) {

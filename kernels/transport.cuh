@@ -218,6 +218,11 @@ struct LsaNet {
   // Distinct signal tables: at(u) for u < units() visits each once (one communicator).
   __device__ int units() const { return d.num_contexts; }
 };
+// The NVLink-only LL kernels (one launch, one rank): their launchers refuse a seam (Args::net null),
+// so every seam test folds to false at compile time and none of the seam code is in them. Their code
+// is what an SM fetches again after any other kernel ran (an expert GEMM in a model's step):
+// bench/NOTES.md, session 33.
+struct NvlNet : LsaNet {};
 // One GIN communicator of a buffer: its device comm (by value) and the buffer's window registered
 // on it (every communicator registers the same memory).
 struct GinComm {

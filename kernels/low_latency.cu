@@ -129,9 +129,11 @@ __device__ __forceinline__ bool combine_send_rows(const Ctx& c, const Args& a, i
   char* peer = window(c, s);
   const uint64_t dst_base = recv_off(a, a.half) + static_cast<uint64_t>(c.rank * El + l) * T * (2 * static_cast<uint64_t>(H));
   bool ok = true;
-  if (a.flags & DEK_LL_FLAG_LOGFMT) {
-    ok = ll_combine_send_logfmt<Net, kSig>(c, a, s, l, b, cnt, warp, lane);
-    cnt = 0;  // every row went out as LogFMT: nothing left for the BF16 loop
+  if constexpr (!kNvlOnly<Net>) {  // the one-launch forms refuse LogFMT (one_launch_combine_ok)
+    if (a.flags & DEK_LL_FLAG_LOGFMT) {
+      ok = ll_combine_send_logfmt<Net, kSig>(c, a, s, l, b, cnt, warp, lane);
+      cnt = 0;  // every row went out as LogFMT: nothing left for the BF16 loop
+    }
   }
   if (kOwn && s == c.rank && own_rows(a)) {
     for (int64_t r = tid; r < cnt; r += blockDim.x) {
@@ -560,10 +562,8 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
 // so that the plain combine keeps its registers; it only sends (kLlThreads, no 512-thread register cap).
 // kBoth (DEK_LL_PHASE_BOTH: no hook, no overlap, not LogFMT, no seam): every block of a 1-D grid
 // of kLlThreads sends, then reduces work items with the call's half and number its own (no
-// recv_state). An instantiation of its own: beside the two-launch code in one kernel its registers
-// spilled (266 bytes), and the way out (the partial send not inlined: its `a` then read through a
-// generic pointer) made the partial combine 40 % slower at 128 tokens (bench/NOTES-2026-11-28.md,
-// session 19).
+// recv_state), over NvlNet. Its own instantiation: beside the two-launch code its registers spilled
+// and the way out made the partial combine 40 % slower at 128 tokens (NOTES-2026-11-28.md, s19).
 // kLocal (one rank, dek_ll_combine_local): the sums straight from y (ll_combine_local.cuh).
 // kOwn (with kBoth): the rows-only one-launch combine (dek_ll_combine's choice by selections): 8
 // rows' loads in flight per thread; from kSpreadMinSelections selections on (own_rows) this rank's

@@ -365,10 +365,15 @@ __device__ __forceinline__ RankList rank_list(bool valid, int d) {
   return RankList{idx, first, __popc(firsts)};
 }
 
+// NvlNet kernels are the one-launch and one-rank forms, whose launchers refuse a seam and LogFMT:
+// code for either is left out of them.
+template <class Net>
+constexpr bool kNvlOnly = std::is_same_v<Net, NvlNet>;
+
 // Whether the kernel has peers behind a seam (Args::net); never for NvlNet, whatever `a` says.
 template <class Net>
 __device__ __forceinline__ bool has_seam(const Args& a) {
-  if constexpr (std::is_same_v<Net, NvlNet>) {
+  if constexpr (kNvlOnly<Net>) {
     return false;
   } else {
     return a.net != nullptr;

@@ -152,8 +152,7 @@ __device__ __forceinline__ void local_rows(const Args& a, int g0, int g_hi, int 
   }
 }
 
-// Blocks per token of the one-rank dispatch (its launcher gives N * P token blocks when P > 1, else
-// at most N): more token blocks than tokens split each token's groups over P blocks.
+// Blocks per token of the one-rank dispatch (its launcher gives N * P token blocks when P > 1).
 __host__ __device__ __forceinline__ int local_split(int n, int blocks) { return n >= 1 && blocks > n ? blocks / n : 1; }
 // The dispatch send's payload warps: warp 0 of a token block routes only.
 constexpr int kPayWarps = kSendWarps - 1;
@@ -513,6 +512,7 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
   // (bench/LL_PROFILE.md section 11).
   if (!kLocal && tid < E) fence_acq_rel_sys();
   const uint64_t sig = sig_off(a, a.half) + static_cast<uint64_t>(c.rank) * 4;
+#pragma unroll 1
   for (int e = tid; e < E; e += kSendThreads) {
     const int d = e / El;
     if (s_mask[d]) continue;  // nothing goes to a masked rank
@@ -594,11 +594,13 @@ __device__ __forceinline__ bool dispatch_recv_column(const Ctx& c, const Args& a
   if (!s_ok) return false;
   if (tid == 0) {
     s_begin[0] = 0;
+#pragma unroll 1  // these loops over ranks and experts run once or twice per thread: unrolled, they spread the code (NOTES s33)
     for (int s = 0; s < R; ++s) s_begin[s + 1] = s_begin[s] + s_cnt[s];
   }
   __syncthreads();
   const int total = s_begin[R];
   if (y == 0) {
+#pragma unroll 1
     for (int s = tid; s < R; s += kThreads) a.layout_range[l * R + s] = (static_cast<int64_t>(s_begin[s]) << 32) | s_cnt[s];
     if (tid == 0) {
       a.recv_count[l] = total;
@@ -609,6 +611,7 @@ __device__ __forceinline__ bool dispatch_recv_column(const Ctx& c, const Args& a
   const int64_t xrow_bytes = a.use_fp8 ? H : kFp4 ? H / 2 : 2 * static_cast<int64_t>(H);
   for (int i = y * kWarps + warp; i < total; i += Y * kWarps) {
     int s = 0;  // the first source whose rows reach past i (binary search over the prefix)
+#pragma unroll 1
     for (int hi = R - 1; s < hi;) {
       const int mid = (s + hi) / 2;
       if (s_begin[mid + 1] > i) {
@@ -684,17 +687,14 @@ __device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a) {
 
 // ---- the kernel ------------------------------------------------------------------------------
 // One kernel for both halves, the half chosen by `phase` (as DeepEP's): profilers and benchmarks
-// that look kernels up by name find exactly one `dispatch` (docs/OPS.md, "Kernel names").
-// Send: kSendThreads per block; receive: kLlThreads. DEK_LL_PHASE_BOTH (no hook): every block
-// sends its tokens, then receives columns b, b + G, ... of the E_l x Y columns with its
-// kSendThreads, the call's half and number its own (no recv_state): one launch fewer per call,
-// for a grid resident at once (the launcher's caller's condition).
-// kFp4: the NVFP4 payload (a.use_nvfp4), an instantiation of its own so that its registers do not
-// weigh on the FP8 / BF16 kernels (128 -> 148 when one kernel held all three).
-// kLocal (one rank, dek_ll_dispatch_local): the send writes the outputs itself; there is no receive.
-// kSplit (NVLink one launch, FP8 / NVFP4, few tokens): a token's groups over peer_split blocks.
-// 2 blocks per SM in the bound for every form: the one-rank form's split grid (up to 264 blocks)
-// must fit in one wave.
+// find exactly one `dispatch` (docs/OPS.md, "Kernel names"). Send: kSendThreads per block; receive:
+// kLlThreads. DEK_LL_PHASE_BOTH (no hook; over NvlNet): every block sends its tokens, then receives
+// columns b, b + G, ... of the E_l x Y columns with its kSendThreads, the call's half and number its
+// own (no recv_state), for a grid resident at once (the launcher's caller's condition).
+// kFp4: the NVFP4 payload (a.use_nvfp4), its own instantiation (registers 128 -> 148 in one kernel).
+// kLocal (one rank, dek_ll_dispatch_local): the send writes the outputs, no receive. kSplit (NVLink
+// one launch, FP8 / NVFP4, few tokens): a token's groups over peer_split blocks.
+// 2 blocks per SM in the bound for every form: the one-rank split grid (<= 264 blocks) is one wave.
 template <class Net, bool kFp4, bool kLocal = false, bool kSplit = false>
 __global__ void __launch_bounds__(kSendThreads, 2) dispatch(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
   pdl_wait();  // one-launch forms: launched early (launch_pdl); wait for the kernel before, let the next one launch

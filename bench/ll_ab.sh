@@ -7,7 +7,8 @@
 # DEEPEP_V1=DIR (the importable package that deepep_v1_build.sh made, DEST/deepep_v1): DeepEP V1
 # timed in every bench process (--baseline deepep_v1). SUITE=0 skips the suite. HOST=1 adds
 # bench/host_overhead.py per build after the benches (DeepEP V1 too when DEEPEP_V1 is given;
-# HOST_ROUNDS, default 10). With 4 or more GPUs the suite adds the [2x2] case. Every step runs
+# HOST_ROUNDS, default 10). TRACE=1 adds bench/ll_step_trace.py per build (OUT_DIR/trace-<i>.json).
+# With 4 or more GPUs the suite adds the [2x2] case. Every step runs
 # under `timeout`; no step kills processes by name (a pattern can match the caller's own command).
 # Writes OUT_DIR/ab.log, OUT_DIR/<i>-<round>.json (bench/low_latency.py format) and
 # OUT_DIR/summary.txt (median over rounds of each row's median per build, and last minus first).
@@ -35,6 +36,13 @@ for round in $(seq 1 "${ROUNDS:-3}"); do
       bench/low_latency.py --tokens ${TOKENS:-1 128} ${DEEPEP_V1:+--baseline deepep_v1} --out "$out/$side-$round.json" >>"$log" 2>&1
     echo "=== rc=$?" | tee -a "$log"
   done
+done
+# TRACE=1: every kernel of every graph replay per build (bench/ll_step_trace.py: pairs, mixed pair, steps).
+[ "${TRACE:-0}" = 1 ] && for side in "${!wheels[@]}"; do
+  echo "=== trace $side" | tee -a "$log"
+  DEEP_EP_LIBRARY=$(lib $side) timeout 150 python3 -m torch.distributed.run --nproc-per-node "$np" --master-port $((29480 + side)) \
+    bench/ll_step_trace.py --tokens ${TOKENS:-1 128} ${DEEPEP_V1:+--baseline deepep_v1} --out "$out/trace-$side.json" >>"$log" 2>&1
+  echo "=== rc=$?" | tee -a "$log"
 done
 # Host time per call of every build (issue 30's target 1), taking turns with DeepEP V1's in one run.
 [ "${HOST:-0}" = 1 ] && for side in "${!wheels[@]}"; do

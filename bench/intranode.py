@@ -16,6 +16,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -188,6 +189,13 @@ def library_commit():
 
     f = os.path.join(os.path.dirname(os.path.abspath(_lib.library_path())), "BUILD_COMMIT")
     return open(f).read().strip() if os.path.exists(f) else None
+
+
+def short_name(key):
+    """Our kernels are `[void ]deep_ep::<ns>::<name><template args>(<params>)` (DeepEP's too); keep
+    `<ns>::<name>` (bench/profile.py, bench/ll_step_trace.py)."""
+    m = re.search(r"deep_ep::((?:\w+::)*\w+)", key)
+    return m.group(1) if m else key[:70]
 
 
 # Environment variables outside DEEP_EP_* that a record names when set.

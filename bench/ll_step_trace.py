@@ -16,7 +16,6 @@ alike for both libraries: compare within a run, and use bench/low_latency.py for
 """
 import argparse
 import os
-import re
 import statistics
 import sys
 
@@ -25,14 +24,8 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import deep_ep_rs  # noqa: E402
-from intranode import write_record  # noqa: E402
-
-
-def short(name):
-    """`<ns>::<kernel>` of a kernel's demangled name (ours and DeepEP's are both under deep_ep::)."""
-    m = re.search(r"deep_ep::((?:\w+::)*\w+)", name)
-    return m.group(1) if m else name[:60]
+from intranode import short_name, write_record  # noqa: E402
+from low_latency import capture, ll_inputs, ll_setup  # noqa: E402
 
 
 def kernels_of(prof):
@@ -51,7 +44,7 @@ def summarise(ks, per):
     reps = [ks[i * per:(i + 1) * per] for i in range(n)]
     med = lambda v: round(statistics.median(v) / 1e3, 3) if v else None  # noqa: E731
     return {
-        "kernels": [short(k[2]) for k in reps[0]] if reps else [],
+        "kernels": [short_name(k[2]) for k in reps[0]] if reps else [],
         "replays": n,
         "period_us": med([reps[i + 1][0][0] - reps[i][0][0] for i in range(n - 1)]),
         "dur_us": [med([r[j][1] - r[j][0] for r in reps]) for j in range(per)],
@@ -62,15 +55,7 @@ def summarise(ks, per):
 
 def trace(fn, replays):
     """Captures fn once and traces `replays` back-to-back replays: the kernel list and kernels per replay."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(10):
-        g.replay()
-    torch.cuda.synchronize()
-    dist.barrier()
+    g = capture(fn, warm=10)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             g.replay()
@@ -82,11 +67,8 @@ def trace(fn, replays):
 
 def cases(buf, v1, n, args):
     """{(impl, graph): factory} for token count n (inputs as bench/low_latency.py); factory() -> fn."""
-    torch.manual_seed(1000 + dist.get_rank())
-    h, k, e = args.hidden, args.topk, args.experts
-    x = torch.randn(n, h, dtype=torch.bfloat16, device="cuda")
-    idx = (torch.randn(n, e, device="cuda").abs() + 1).topk(k, dim=-1).indices
-    w = torch.rand(n, k, device="cuda")
+    h, e = args.hidden, args.experts
+    x, idx, w = ll_inputs(n, args, dist.get_rank())
     out = torch.empty(n, h, dtype=torch.bfloat16, device="cuda")
     t = max(n, 1)
 
@@ -146,15 +128,7 @@ def main():
     p.add_argument("--baseline", choices=["deepep_v1"], nargs="*", default=[])
     p.add_argument("--out", default="")
     args = p.parse_args()
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    size = deep_ep_rs.Buffer.get_low_latency_rdma_size_hint(max(args.tokens), args.hidden, world, args.experts)
-    buf = deep_ep_rs.Buffer(dist.new_group(list(range(world))), 0, size, low_latency_mode=True, explicitly_destroy=True)
-    v1 = None
-    if "deepep_v1" in args.baseline:
-        from deepep_v1 import LL
-        v1 = LL(dist.new_group(list(range(world))), max(max(args.tokens), 1), args.hidden, args.experts)
+    rank, world, buf, v1 = ll_setup(args)
     rows = []
     for n in args.tokens:
         for (impl, graph), make in cases(buf, v1, n, args).items():

@@ -39,17 +39,24 @@ def slowest(v):
     return t.item()
 
 
-def graph_time(fn, calls, replays):
-    """Captures `fn` (which issues `calls` ops) once, replays it back to back; us per op."""
+def capture(fn, warm=5):
+    """`fn` run once eagerly, then captured in a CUDA graph that is replayed `warm` times; every rank
+    synchronised after. Returns the graph."""
     fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    for _ in range(5):
+    for _ in range(warm):
         g.replay()
     torch.cuda.synchronize()
     dist.barrier()
+    return g
+
+
+def graph_time(fn, calls, replays):
+    """Captures `fn` (which issues `calls` ops) once, replays it back to back; us per op."""
+    g = capture(fn)
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     s.record()
     for _ in range(replays):
@@ -86,14 +93,34 @@ def split_time(send, iters):
     return slowest(ts[len(ts) // 2]), slowest(tr[len(tr) // 2])
 
 
-def run_case(buf, args, n, rank, world, v1=None):
+def ll_inputs(n, args, rank):
+    """This rank's inputs for n tokens (seeded by rank): x [n, hidden] BF16, topk_idx [n, topk] of
+    distinct experts, topk_weights [n, topk] FP32."""
     torch.manual_seed(1000 + rank)
+    x = torch.randn(n, args.hidden, dtype=torch.bfloat16, device="cuda")
+    scores = torch.randn(n, args.experts, device="cuda").abs() + 1
+    return x, scores.topk(args.topk, dim=-1).indices, torch.rand(n, args.topk, device="cuda")
+
+
+def ll_setup(args):
+    """NCCL process group over torchrun's ranks and the LL buffers for the largest of args.tokens:
+    (rank, world, this library's buffer, DeepEP V1's or None without --baseline deepep_v1)."""
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    size = deep_ep_rs.Buffer.get_low_latency_rdma_size_hint(max(args.tokens), args.hidden, world, args.experts)
+    buf = deep_ep_rs.Buffer(dist.new_group(list(range(world))), 0, size, low_latency_mode=True, explicitly_destroy=True)
+    v1 = None
+    if "deepep_v1" in args.baseline:
+        from deepep_v1 import LL
+        v1 = LL(dist.new_group(list(range(world))), max(max(args.tokens), 1), args.hidden, args.experts)
+    return rank, world, buf, v1
+
+
+def run_case(buf, args, n, rank, world, v1=None):
     h, k, e = args.hidden, args.topk, args.experts
     t = max(n, 1)
-    x = torch.randn(n, h, dtype=torch.bfloat16, device="cuda")
-    scores = torch.randn(n, e, device="cuda").abs() + 1
-    idx = scores.topk(k, dim=-1).indices
-    w = torch.rand(n, k, device="cuda")
+    x, idx, w = ll_inputs(n, args, rank)
     rows = []
 
     def row(op, dtype, us, pairs_bytes, impl="deep_ep", graph=False, **extra):
@@ -203,15 +230,7 @@ def main():
     p.add_argument("--baseline", choices=["deepep_v1"], nargs="*", default=[],
                    help="also time DeepEP V1 (PYTHONPATH must give the real deep_ep) on the same inputs")
     args = p.parse_args()
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    size = deep_ep_rs.Buffer.get_low_latency_rdma_size_hint(max(args.tokens), args.hidden, world, args.experts)
-    buf = deep_ep_rs.Buffer(dist.new_group(list(range(world))), 0, size, low_latency_mode=True, explicitly_destroy=True)
-    v1 = None
-    if "deepep_v1" in args.baseline:
-        from deepep_v1 import LL
-        v1 = LL(dist.new_group(list(range(world))), max(max(args.tokens), 1), args.hidden, args.experts)
+    rank, world, buf, v1 = ll_setup(args)
     rows = []
     for n in args.tokens:
         rows += run_case(buf, args, n, rank, world, v1=v1)

@@ -12,20 +12,13 @@ kernels; the kernel list shows where the device time goes (bench/NOTES.md uses i
 import argparse
 import json
 import os
-import re
 
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 import deep_ep_rs
-from intranode import per_token_cast_to_fp8
-
-
-def short_name(key):
-    """Our kernels are `[void ]deep_ep::<ns>::<name><template args>(<params>)`; keep `<ns>::<name>`."""
-    m = re.search(r"deep_ep::((?:\w+::)*\w+)", key)
-    return m.group(1) if m else key[:70]
+from intranode import per_token_cast_to_fp8, short_name
 
 
 def kernel_table(fn, iters, graph=False):

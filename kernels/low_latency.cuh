@@ -373,11 +373,7 @@ constexpr bool kNvlOnly = std::is_same_v<Net, NvlNet>;
 // Whether the kernel has peers behind a seam (Args::net); never for NvlNet, whatever `a` says.
 template <class Net>
 __device__ __forceinline__ bool has_seam(const Args& a) {
-  if constexpr (kNvlOnly<Net>) {
-    return false;
-  } else {
-    return a.net != nullptr;
-  }
+  return !kNvlOnly<Net> && a.net != nullptr;
 }
 
 // Whether peer d lies outside this rank's NVLink domain.

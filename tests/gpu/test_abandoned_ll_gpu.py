@@ -17,7 +17,7 @@ import torch
 
 import _spawn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+sys.path.append(str(Path(__file__).resolve().parents[1] / "python"))
 import test_reliability2 as cpu_tests  # noqa: E402
 
 DRY = os.environ.get("DEEP_EP_GPU_DRY", "") == "1"

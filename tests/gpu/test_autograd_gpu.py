@@ -24,7 +24,7 @@ import pytest
 
 import _spawn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+sys.path.append(str(Path(__file__).resolve().parents[1] / "python"))
 import test_autograd as cpu_tests  # noqa: E402
 
 DRY = os.environ.get("DEEP_EP_GPU_DRY", "") == "1"

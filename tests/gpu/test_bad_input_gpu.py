@@ -28,7 +28,7 @@ import pytest
 import torch
 
 PY = Path(__file__).resolve().parents[1] / "python"
-sys.path.insert(0, str(PY))
+sys.path.append(str(PY))
 
 
 def _import_cases():

@@ -17,7 +17,7 @@ import torch
 
 import _spawn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+sys.path.append(str(Path(__file__).resolve().parents[1] / "python"))
 import _elastic_cases  # noqa: E402
 import _frameworks_v2  # noqa: E402
 

@@ -11,7 +11,7 @@ import torch
 
 import _spawn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+sys.path.append(str(Path(__file__).resolve().parents[1] / "python"))
 import _frameworks  # noqa: E402
 
 

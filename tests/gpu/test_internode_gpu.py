@@ -39,7 +39,7 @@ import _spawn  # noqa: E402
 from _spawn import _free_port, finish_rank, gpu_backend, set_gpu_env, tally_configs
 from test_intranode import diff, wall_us  # shared by the GPU tests
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 from test_internode import make_case, rank_inputs  # noqa: E402
 
 LAYOUT = os.environ.get("DEEP_EP_INTERNODE_GPU_LAYOUT", "2x2")

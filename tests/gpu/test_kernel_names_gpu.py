@@ -12,7 +12,9 @@ import torch
 
 import _spawn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+# After tests/gpu: tests/python has its own test_low_latency.py, which must not shadow ours when
+# pytest collects both files in one run (spawned workers look their module up by name).
+sys.path.append(str(Path(__file__).resolve().parents[1] / "python"))
 
 EXPECTED = ["deep_ep::layout::dispatch_layout", "deep_ep::ic::check_sync", "deep_ep::ic::stage_inputs", "deep_ep::ic::pull_dispatch",
             "deep_ep::ic::fused_combine", "deep_ep::ll::dispatch", "deep_ep::ll::combine"]

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+sys.path.append(str(Path(__file__).resolve().parents[1] / "python"))
 
 import _mask_check as mc  # noqa: E402
 import _spawn  # noqa: E402

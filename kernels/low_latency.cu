@@ -568,7 +568,8 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
 // kOwn (with kBoth): the rows-only one-launch combine (dek_ll_combine's choice by selections): 8
 // rows' loads in flight per thread; from kSpreadMinSelections selections on (own_rows) this rank's
 // own rows are reduced from where they are, not copied (combine_send_rows, combine_recv_tokens).
-template <class Net, bool kSig, bool kBoth = false, bool kSpread = false, bool kLocal = false, bool kOwn = false>
+// kPartial (with kBoth): partial sums only, kBoth alone rows only: each form without the other's code.
+template <class Net, bool kSig, bool kBoth = false, bool kSpread = false, bool kLocal = false, bool kOwn = false, bool kPartial = false>
 __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kReduceThreads, kBoth ? kBothBlocksPerSm : 1)
     combine(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
   if (!kBoth && phase == DEK_LL_PHASE_RECV) {
@@ -600,10 +601,9 @@ __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kRedu
     if (combine_send<Net, false, false, true>(c, a, &seq)) combine_recv_tokens<Net, 8, true>(c, a, a.half, seq, false, false);
     return;
   }
-  const bool sent = a.partial ? combine_send_partial<Net, kSig, kBoth>(c, a, &seq) : combine_send<Net, kSig>(c, a, &seq);
-  if constexpr (kBoth) {
-    if (sent) combine_recv_tokens<Net>(c, a, a.half, seq, a.partial != 0, false);
-  }
+  const bool partial = kBoth ? kPartial : a.partial != 0;
+  const bool sent = partial ? combine_send_partial<Net, kSig, kBoth>(c, a, &seq) : combine_send<Net, kSig>(c, a, &seq);
+  if (kBoth && sent) combine_recv_tokens<Net>(c, a, a.half, seq, partial, false);
 }
 
 template <class Net>
@@ -727,7 +727,8 @@ extern "C" int dek_ll_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args
     return launch_pdl(combine<NvlNet, false, true, false, false, true>, blocks, kLlThreads, deep_ep::as_stream(stream), *ctx, *args,
                       static_cast<int>(DEK_LL_PHASE_BOTH));
   }
-  return launch_pdl(combine<NvlNet, false, true>, blocks, kLlThreads, deep_ep::as_stream(stream), *ctx, *args, static_cast<int>(DEK_LL_PHASE_BOTH));
+  return launch_pdl(args->partial ? combine<NvlNet, false, true, false, false, false, true> : combine<NvlNet, false, true>, blocks, kLlThreads,
+                    deep_ep::as_stream(stream), *ctx, *args, static_cast<int>(DEK_LL_PHASE_BOTH));
 }
 
 extern "C" int dek_ll_combine_local(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream) {

@@ -200,14 +200,13 @@ __device__ __forceinline__ bool combine_send(const Ctx& c, const Args& a, uint32
 }
 
 // Partial combine: block (s, y) of (R, Y) (block b of a 1-D grid: (b % R, b / R), Y = blocks / R)
-// takes work items y, y+Y, ... (a message that source rank s
-// sent in the dispatch (dispatch_half), or a slice of its channels when there are fewer messages
-// than blocks): thread j owns channels 8j..8j+7 of the row bf16(sum over the message's
-// entries in order of fma(y, w, acc)) (crate: f32::mul_add) and stores it to s at (rank, token).
+// takes work items y, y+Y, ... (a message that source rank s sent in the dispatch (dispatch_half),
+// or a slice of its channels when there are fewer messages than blocks): thread j owns channels
+// 8j..8j+7 of the row bf16(sum over the message's entries in order of fma(y, w, acc)) (crate:
+// f32::mul_add) and stores it to s at (rank, token).
 // The last block to finish signals word rank*E_l on every unmasked source rank. For a source s
 // outside the NVLink domain the row is staged in the payload of the message it answers (no longer
-// read: the dispatch receive copied it) and put by warp 0.
-// kWide (the one-launch kernel): messages of at most 4 entries load 2 or 4 units per thread at once.
+// read: the dispatch receive copied it) and put by warp 0. kWide (the one-launch kernel): messages of at most 4 entries load 2 or 4 units per thread at once.
 // Returns false when the buffer timed out (nothing sent); *seq: the call's number.
 template <class Net, bool kSig, bool kWide>
 __device__ __forceinline__ bool combine_send_partial(const Ctx& c, const Args& a, uint32_t* seq) {
@@ -228,6 +227,9 @@ __device__ __forceinline__ bool combine_send_partial(const Ctx& c, const Args& a
   const uint64_t dst_off = recv_off(a, a.half) + a.partial_off + static_cast<uint64_t>(c.rank) * T * 2 * H;
   const bool seam = remote<Net>(c, a, s);
   char* dst = window(c, s) + dst_off;
+  // The format words early (block (s, 0)), ordered by this block's fence below: not between the
+  // last block's ticket and its signals, where their NVLink stores held up the signals' fence.
+  if (y == 0 && tid == 0 && !seam && !rank_masked(a, s)) put_fmt(c, a, 1, s, fmt_combine(false, true));
   // Rows of zero-copy buffers are M bf16 long: 16-byte loads only when M*2 is a multiple of 16.
   const bool vec = !a.zero_copy || (M * 2) % 16 == 0;
   // Work item w: message w / P, unit slice w % P. With fewer messages than blocks, a message's H/8
@@ -311,9 +313,6 @@ __device__ __forceinline__ bool combine_send_partial(const Ctx& c, const Args& a
   // A failed signal wait of any block timed the buffer out (or the op was cancelled): no signals.
   const bool give_up = kSig && op_cancelled(c);  // timed out or cancelled (one barrier: every thread of the block)
   constexpr int kSignallers = rank_workers(kLlThreads);  // threads signalling the ranks, each R / kSignallers
-  for (int d = tid; d < R && tid < kSignallers; d += kSignallers) {
-    if (!give_up && !rank_masked(a, d) && !remote<Net>(c, a, d)) put_fmt(c, a, 1, d, fmt_combine(false, true));
-  }
   fence_acq_rel_sys();
   for (int d = tid; d < R && tid < kSignallers; d += kSignallers) {
     if (give_up || rank_masked(a, d)) continue;
@@ -558,8 +557,8 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
 // One kernel for every half of the combine, chosen by `phase` (as DeepEP's): profilers and
 // benchmarks that look kernels up by name find exactly one `combine` (docs/OPS.md, "Kernel
 // names"). Send (per-expert rows or partial sums): kLlThreads per block; receive: kReduceThreads.
-// kSig: the send waits for the producer's signals (overlap, Args::signal), its own instantiation
-// so that the plain combine keeps its registers; it only sends (kLlThreads, no 512-thread register cap).
+// kSig: the send waits for the producer's signals (overlap, Args::signal), its own instantiation so
+// the plain combine keeps its registers; it only sends (kLlThreads, no 512-thread register cap).
 // kBoth (DEK_LL_PHASE_BOTH: no hook, no overlap, not LogFMT, no seam): every block of a 1-D grid
 // of kLlThreads sends, then reduces work items with the call's half and number its own (no
 // recv_state), over NvlNet. Its own instantiation: beside the two-launch code its registers spilled
@@ -567,8 +566,8 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
 // kLocal (one rank, dek_ll_combine_local): the sums straight from y (ll_combine_local.cuh).
 // kOwn (with kBoth): the rows-only one-launch combine (dek_ll_combine's choice by selections): 8
 // rows' loads in flight per thread; from kSpreadMinSelections selections on (own_rows) this rank's
-// own rows are reduced from where they are, not copied (combine_send_rows, combine_recv_tokens).
-// kPartial (with kBoth): partial sums only, kBoth alone rows only: each form without the other's code.
+// own rows are reduced from where they are, not copied (combine_send_rows, combine_recv_tokens). kPartial
+// (with kBoth): partial sums only, kBoth alone rows only, each without the other's code (NOTES s34).
 template <class Net, bool kSig, bool kBoth = false, bool kSpread = false, bool kLocal = false, bool kOwn = false, bool kPartial = false>
 __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kReduceThreads, kBoth ? kBothBlocksPerSm : 1)
     combine(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {

@@ -330,87 +330,92 @@ __device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint3
   uint2 v[kBatch]; uint32_t q[kBatch]; float inv[kBatch];  // the current batch (a token's first: cast before the routing barrier)
   for (int tok = t_begin; tok < t_end; ++tok) {
     const uint16_t* row = static_cast<const uint16_t*>(a.x) + static_cast<int64_t>(tok) * H;
-    if (g_lo < g_hi) load_cast<kFp4, kBatch>(a, row, g_lo, g_hi, lane, gscale, v, q, inv);
-    // Warp 0 routes the token, lane k its selection k (was thread 0 alone, with the other warps
-    // waiting: the largest part of a 1-token send, bench/LL_PROFILE.md section 2). Same result as
-    // taking the selections in order k = 0, 1, ...: an expert's slot counts its earlier selections
-    // (of this token: the lanes below with the same expert), a destination's list keeps k order,
-    // and the destinations are the token's distinct ranks, ascending (the CPU backend's message
-    // order), each at the index of how many of them are smaller.
-    if (warp == 0) {
-      const unsigned below = (1u << lane) - 1u;
-      const int64_t j = static_cast<int64_t>(tok) * K + lane;
-      const int64_t e = lane < K ? topk_at(a, j) : -1;
-      const float w = lane < K && a.topk_weights != nullptr ? a.topk_weights[j] : 0.0f;
-      if (tok == t_begin) LL_STAMP_AFTER(18, static_cast<uint32_t>(e));
-      const bool in_range = e >= 0 && e < E;
-      const int ei = in_range ? static_cast<int>(e) : 0, d = ei / El;
-      const bool routed = in_range && !s_mask[d];  // not dropped (no expert, or a masked rank's)
-      // Lanes routed to the same expert: a key no other lane has when not routed.
-      const unsigned same_e = __match_any_sync(0xffffffffu, routed ? ei : -1 - lane);
-      const int before = routed ? s_before[ei] : 0;
-      const int slot = before + __popc(same_e & below);
-      if (tok == t_begin) LL_STAMP_AFTER(15, slot);
-      __syncwarp();
-      if (routed && (same_e & below) == 0) s_before[ei] = before + __popc(same_e);  // the group's first lane
-      // A message to every routed rank, even if every selection for it overflows.
-      const RankList dst = rank_list(routed, d);
-      const int idx = dst.idx;  // the destination index of rank d
-      if (tok == t_begin) LL_STAMP_AFTER(16, idx);
-      const bool first_d = dst.first;
-      const bool kept = routed && slot < T;  // overflow: reported by the last block (one rank: block 0), the selection is dropped
-      // One rank: every kept lane goes to rank 0 (a ballot, not a match).
-      const unsigned same_d = kLocal ? __ballot_sync(0xffffffffu, kept) : __match_any_sync(0xffffffffu, kept ? d : -1 - lane);
-      if (lane < kMaxLlTopk) s_n[lane] = 0;
-      __syncwarp();
-      if (kept) {
-        const int pos = __popc(same_d & below);
-        s_ent[idx][pos] = (static_cast<uint32_t>(ei % El) << 16) | static_cast<uint32_t>(slot);
-        s_w[idx][pos] = w;
-        if ((same_d & below) == 0) s_n[idx] = __popc(same_d);
-      }
-      if (first_d) {
-        s_dst[idx] = d;
-        s_msg[idx] = s_rc[d]++;
-      }
-      const unsigned far_firsts = __ballot_sync(0xffffffffu, first_d && remote<Net>(c, a, d));
-      if (lane == 0) {
-        s_ndst = dst.count;
-        s_any_far = far_firsts != 0;
-      }
-      if (tok == t_begin) LL_STAMP_AFTER(17, far_firsts);
-    }
-    __syncthreads();
-    if (tok == t_begin) LL_STAMP(11);
-    const int ndst = s_ndst;
-    // Warp i (taking turns): the meta of destination i's message and its index entries.
-    for (int i = warp; i < ndst && warp < kDstWarps && slice == 0; i += kDstWarps) {  // one block per token
-      const int d = s_dst[i], n = s_n[i];
-      const bool seam = remote<Net>(c, a, d);  // staged: meta [d][slot], index rows [expert][slot]
-      char* base = window(c, d);
-      char* msg = seam ? local(c) + stage + a.stage_meta_off + static_cast<uint64_t>(d * T + s_msg[i]) * kMsgMeta
-                       : base + msgs + static_cast<uint64_t>(c.rank * T + s_msg[i]) * a.msg_bytes;
-      if (lane == 0) {
-        *reinterpret_cast<int4*>(msg) = make_int4(tok, H, T, E);
-        *reinterpret_cast<int4*>(msg + 16) = make_int4(n, a.topk_weights != nullptr, 0, 0);
-      }
-      if (lane < n) {
-        const uint32_t en = s_ent[i][lane];
-        reinterpret_cast<uint32_t*>(msg + 32)[lane] = en;
-        reinterpret_cast<float*>(msg + 32 + 4 * kMaxLlTopk)[lane] = s_w[i][lane];
-        if (kLocal) {
-          a.src_info[static_cast<int64_t>(en >> 16) * T + (en & 0xffffu)] = tok;
-        } else {
-          const uint64_t w = (static_cast<uint64_t>((en >> 16) * R + c.rank) * T + (en & 0xffffu)) * 4;
-          uint32_t* entry = seam ? at<uint32_t>(local(c), stage + a.stage_idx_off + (static_cast<uint64_t>(d * El + (en >> 16)) * T + (en & 0xffffu)) * 4)
-                                 : at<uint32_t>(base, recv + a.idx_off + w);
-          *entry = static_cast<uint32_t>(s_msg[i]);
+    // One load_cast site (a second inlined copy was 14 % of the kernel, bench/NOTES.md session 34):
+    // pass 0 casts the token's first batch before the routing barrier, then routes.
+    int ndst = 0;  // the token's destinations (s_ndst after the routing barrier)
+    for (int g0 = g_lo;; g0 += kBatch) {
+      if (g0 < g_hi) load_cast<kFp4, kBatch>(a, row, g0, g_hi, lane, gscale, v, q, inv);
+      if (g0 == g_lo) {  // every warp: the barrier inside
+        // Warp 0 routes the token, lane k its selection k (was thread 0 alone, with the other warps
+        // waiting: the largest part of a 1-token send, bench/LL_PROFILE.md section 2). Same result as
+        // taking the selections in order k = 0, 1, ...: an expert's slot counts its earlier selections
+        // (of this token: the lanes below with the same expert), a destination's list keeps k order,
+        // and the destinations are the token's distinct ranks, ascending (the CPU backend's message
+        // order), each at the index of how many of them are smaller.
+        if (warp == 0) {
+          const unsigned below = (1u << lane) - 1u;
+          const int64_t j = static_cast<int64_t>(tok) * K + lane;
+          const int64_t e = lane < K ? topk_at(a, j) : -1;
+          const float w = lane < K && a.topk_weights != nullptr ? a.topk_weights[j] : 0.0f;
+          if (tok == t_begin) LL_STAMP_AFTER(18, static_cast<uint32_t>(e));
+          const bool in_range = e >= 0 && e < E;
+          const int ei = in_range ? static_cast<int>(e) : 0, d = ei / El;
+          const bool routed = in_range && !s_mask[d];  // not dropped (no expert, or a masked rank's)
+          // Lanes routed to the same expert: a key no other lane has when not routed.
+          const unsigned same_e = __match_any_sync(0xffffffffu, routed ? ei : -1 - lane);
+          const int before = routed ? s_before[ei] : 0;
+          const int slot = before + __popc(same_e & below);
+          if (tok == t_begin) LL_STAMP_AFTER(15, slot);
+          __syncwarp();
+          if (routed && (same_e & below) == 0) s_before[ei] = before + __popc(same_e);  // the group's first lane
+          // A message to every routed rank, even if every selection for it overflows.
+          const RankList dst = rank_list(routed, d);
+          const int idx = dst.idx;  // the destination index of rank d
+          if (tok == t_begin) LL_STAMP_AFTER(16, idx);
+          const bool first_d = dst.first;
+          const bool kept = routed && slot < T;  // overflow: reported by the last block (one rank: block 0), the selection is dropped
+          // One rank: every kept lane goes to rank 0 (a ballot, not a match).
+          const unsigned same_d = kLocal ? __ballot_sync(0xffffffffu, kept) : __match_any_sync(0xffffffffu, kept ? d : -1 - lane);
+          if (lane < kMaxLlTopk) s_n[lane] = 0;
+          __syncwarp();
+          if (kept) {
+            const int pos = __popc(same_d & below);
+            s_ent[idx][pos] = (static_cast<uint32_t>(ei % El) << 16) | static_cast<uint32_t>(slot);
+            s_w[idx][pos] = w;
+            if ((same_d & below) == 0) s_n[idx] = __popc(same_d);
+          }
+          if (first_d) {
+            s_dst[idx] = d;
+            s_msg[idx] = s_rc[d]++;
+          }
+          const unsigned far_firsts = __ballot_sync(0xffffffffu, first_d && remote<Net>(c, a, d));
+          if (lane == 0) {
+            s_ndst = dst.count;
+            s_any_far = far_firsts != 0;
+          }
+          if (tok == t_begin) LL_STAMP_AFTER(17, far_firsts);
         }
+        __syncthreads();
+        if (tok == t_begin) LL_STAMP(11);
+        ndst = s_ndst;
+        // Warp i (taking turns): the meta of destination i's message and its index entries.
+        for (int i = warp; i < ndst && warp < kDstWarps && slice == 0; i += kDstWarps) {  // one block per token
+          const int d = s_dst[i], n = s_n[i];
+          const bool seam = remote<Net>(c, a, d);  // staged: meta [d][slot], index rows [expert][slot]
+          char* base = window(c, d);
+          char* msg = seam ? local(c) + stage + a.stage_meta_off + static_cast<uint64_t>(d * T + s_msg[i]) * kMsgMeta
+                           : base + msgs + static_cast<uint64_t>(c.rank * T + s_msg[i]) * a.msg_bytes;
+          if (lane == 0) {
+            *reinterpret_cast<int4*>(msg) = make_int4(tok, H, T, E);
+            *reinterpret_cast<int4*>(msg + 16) = make_int4(n, a.topk_weights != nullptr, 0, 0);
+          }
+          if (lane < n) {
+            const uint32_t en = s_ent[i][lane];
+            reinterpret_cast<uint32_t*>(msg + 32)[lane] = en;
+            reinterpret_cast<float*>(msg + 32 + 4 * kMaxLlTopk)[lane] = s_w[i][lane];
+            if (kLocal) {
+              a.src_info[static_cast<int64_t>(en >> 16) * T + (en & 0xffffu)] = tok;
+            } else {
+              const uint64_t w = (static_cast<uint64_t>((en >> 16) * R + c.rank) * T + (en & 0xffffu)) * 4;
+              uint32_t* entry = seam ? at<uint32_t>(local(c), stage + a.stage_idx_off + (static_cast<uint64_t>(d * El + (en >> 16)) * T + (en & 0xffffu)) * 4)
+                                     : at<uint32_t>(base, recv + a.idx_off + w);
+              *entry = static_cast<uint32_t>(s_msg[i]);
+            }
+          }
+        }
+        if (tok == t_begin) LL_STAMP(12);
       }
-    }
-    if (tok == t_begin) LL_STAMP(12);
-    for (int g0 = g_lo; g0 < g_hi; g0 += kBatch) {
-      if (g0 != g_lo) load_cast<kFp4, kBatch>(a, row, g0, g_hi, lane, gscale, v, q, inv);  // the first batch is in
+      if (g0 >= g_hi) break;
       if constexpr (kLocal) {
         local_rows<kFp4, kBatch>(a, g0, g_hi, lane, ndst, s_n, s_ent, v, q, inv);
       } else {

@@ -1,6 +1,7 @@
 // ll_dispatch.cu: low-latency dispatch, send and receive kernels (deduplicated wire format: one
 // message per (token, destination rank), fanned out to the expert rows by the receiver).
-// Protocol: deep_ep_kernels.h ("Low-latency mode"); shared helpers: low_latency.cuh.
+// Protocol: deep_ep_kernels.h ("Low-latency mode"); shared helpers: low_latency.cuh; the send's
+// casts (FP8, NVFP4): ll_cast.cuh.
 #include <algorithm>
 #include <cstdint>
 #ifdef DEEP_EP_LL_STAMPS

@@ -12,8 +12,13 @@ namespace deep_ep {
 namespace ll {
 namespace {
 
-// Channels one warp of the combine send moves per work item (2 KiB of BF16).
+// Channels one warp of the spread combine send moves per work item (2 KiB of BF16).
 constexpr int kChunk = 1024;
+// Channels per work item of the per-item rows send (combine_send_rows): 8 KiB of BF16, one
+// warp_copy<16> round (16 loads in flight per lane). The send is latency-bound: the heaviest
+// item's block sets its time, in rounds (2 KiB items: rows combine 128 tokens +1.7 µs, 8 tokens
+// +0.8 at 2 ranks, bench/NOTES.md session 35).
+constexpr int kRowsChunk = 4096;
 // The one-launch rows combine with its send spread over every warp (ll_combine_spread.cuh): the
 // launcher's choice from kSpreadMinSelections top-k selections of this rank's tokens on. Below, the
 // scan and the completion counters cost more than the heaviest expert's block (bench/NOTES.md,
@@ -143,17 +148,17 @@ __device__ __forceinline__ bool combine_send_rows(const Ctx& c, const Args& a, i
     }
     cnt = 0;  // ordered before the signal like the copies: the barrier below, then tid 0's release store
   }
-  const int nchunks = (H + kChunk - 1) / kChunk;
+  const int nchunks = (H + kRowsChunk - 1) / kRowsChunk;
   int64_t ready = -1;  // the GEMM block of rows this warp last found signalled
   for (int64_t it = warp; it < cnt * nchunks; it += kLlWarps) {
     const int64_t row = b + it / nchunks;
     if (kSig && !(ok = warp_rows_ready(c, a, l, row, lane, &ready))) break;
-    const int c0 = static_cast<int>(it % nchunks) * kChunk, c1 = min(H, c0 + kChunk);
+    const int c0 = static_cast<int>(it % nchunks) * kRowsChunk, c1 = min(H, c0 + kRowsChunk);
     const int tok = a.src_info[l * RT + row];
     if (tok < 0 || tok >= T) continue;
     const uint64_t slot = send_off(a, a.half) + (l * RT + row) * M * 2;  // zero-copy slot: staging for the seam
     const uint16_t* src = a.zero_copy ? reinterpret_cast<const uint16_t*>(local(c) + slot) : static_cast<const uint16_t*>(a.x) + (l * RT + row) * H;
-    send_to<Net>(c, a, s, dst_base + (static_cast<uint64_t>(tok) * H + c0) * 2, src + c0, slot + 2 * static_cast<uint64_t>(c0),
+    send_to<Net, 16>(c, a, s, dst_base + (static_cast<uint64_t>(tok) * H + c0) * 2, src + c0, slot + 2 * static_cast<uint64_t>(c0),
                  2 * static_cast<int64_t>(c1 - c0), lane);
   }
   flush_net<Net>(c, a, lane);

@@ -432,10 +432,10 @@ __device__ __forceinline__ void put_to(const Ctx& c, const Args& a, int d, uint6
 // One warp sends `bytes` from `src` to peer d's window at dst_off: NVLink stores inside the domain;
 // outside, a seam put from this rank's window at stage_off (src is copied there first unless it
 // already lies there). The staged source must stay untouched until the warp's flush.
-template <class Net>
+template <class Net, int kU = kUnroll>
 __device__ void send_to(const Ctx& c, const Args& a, int d, uint64_t dst_off, const void* src, uint64_t stage_off, int64_t bytes, int lane) {
   if (!remote<Net>(c, a, d)) {
-    warp_copy(window(c, d) + dst_off, src, bytes, lane);
+    warp_copy<kU>(window(c, d) + dst_off, src, bytes, lane);
     return;
   }
   char* st = local(c) + stage_off;

@@ -3,7 +3,8 @@
 // each (expert, source) item one block of 4 warps, so the heaviest expert's block sets the send's
 // time (bench/LL_PROFILE.md 11.6: ~10 rows x 7 chunks on 4 warps, 15 of the 31.8 us at 128 tokens
 // on one rank). Here the grid's warps split the (row, chunk) units of all items in item order, and
-// per-item completion counters say which warp finished an item: that warp signals it.
+// per-item completion counters say which warp finished an item: that warp signals it. Also the
+// selection count where the one-launch rows forms change (kSpreadMinSelections) and own_rows.
 #pragma once
 
 #include <cstdint>
@@ -13,6 +14,25 @@
 namespace deep_ep {
 namespace ll {
 namespace {
+
+// The one-launch rows combine with its send spread over every warp: the launcher's choice from
+// kSpreadMinSelections top-k selections of this rank's tokens on (one rank only). Below, the scan
+// and the completion counters cost more than the heaviest expert's block (bench/NOTES.md, session
+// 24, one rank: +3 us at 1-32 tokens, +1.5 at 64, -1.5 at 96, -6 at 128). From there on, the
+// kOwn rows kernel reads this rank's own rows in place (own_rows) and runs a wider grid.
+constexpr int64_t kSpreadMinSelections = 768;
+
+// The one-launch rows combine reads this rank's own rows where they are (x, or the zero-copy slot)
+// instead of copying them into its own receive half: the send leaves each own row's index
+// (l*R*T + row, int64) at the row's place, the receive resolves it (combine_recv_tokens, kOwn).
+// A zero-copy slot row is 2H + 4H/128 bytes: 16-byte aligned for the int4 loads when H % 512 == 0.
+__host__ __device__ __forceinline__ bool own_rows_direct(const Args& a) { return !a.zero_copy || a.hidden % 512 == 0; }
+// Where the rows-only one-launch kernel (kOwn) reads the own rows in place: from
+// kSpreadMinSelections selections on (below, the index load per own selection cost 0.4-0.5 µs at
+// 2 ranks, bench/NOTES.md session 31). Send and receive (the same rank) decide alike.
+__device__ __forceinline__ bool own_rows(const Args& a) {
+  return own_rows_direct(a) && static_cast<int64_t>(a.num_tokens) * a.num_topk >= kSpreadMinSelections;
+}
 
 // Local scratch of the control area: u32 [DEK_LL_MAX_EXPERTS] units done per item (l*R + s) of the
 // current call, back to 0 once the item is signalled (zeroed with the window at creation).

@@ -19,11 +19,6 @@ constexpr int kChunk = 1024;
 // item's block sets its time, in rounds (2 KiB items: rows combine 128 tokens +1.7 µs, 8 tokens
 // +0.8 at 2 ranks, bench/NOTES.md session 35).
 constexpr int kRowsChunk = 4096;
-// The one-launch rows combine with its send spread over every warp (ll_combine_spread.cuh): the
-// launcher's choice from kSpreadMinSelections top-k selections of this rank's tokens on. Below, the
-// scan and the completion counters cost more than the heaviest expert's block (bench/NOTES.md,
-// session 24, one rank: +3 us at 1-32 tokens, +1.5 at 64, -1.5 at 96, -6 at 128).
-constexpr int64_t kSpreadMinSelections = 768;
 // One-launch rows combines of kRowsSharedFrom <= N·K < kSpreadMinSelections take the shared kernel, the rest kOwn's.
 constexpr int64_t kRowsSharedFrom = 256;
 
@@ -99,18 +94,6 @@ __device__ bool ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l
     }
   }
   return true;
-}
-
-// The one-launch rows combine reads this rank's own rows where they are (x, or the zero-copy slot)
-// instead of copying them into its own receive half: the send leaves each own row's index
-// (l*R*T + row, int64) at the row's place, the receive resolves it (combine_recv_tokens, kOwn).
-// A zero-copy slot row is 2H + 4H/128 bytes: 16-byte aligned for the int4 loads when H % 512 == 0.
-__host__ __device__ __forceinline__ bool own_rows_direct(const Args& a) { return !a.zero_copy || a.hidden % 512 == 0; }
-// Where the rows-only one-launch kernel (kOwn) reads the own rows in place: from
-// kSpreadMinSelections selections on (below, the index load per own selection cost 0.4-0.5 µs at
-// 2 ranks, bench/NOTES.md session 31). Send and receive (the same rank) decide alike.
-__device__ __forceinline__ bool own_rows(const Args& a) {
-  return own_rows_direct(a) && static_cast<int64_t>(a.num_tokens) * a.num_topk >= kSpreadMinSelections;
 }
 
 // Item (l, s) of the per-expert combine send: pushes rows layout_range[l][s] of local expert l
@@ -198,7 +181,8 @@ __device__ __forceinline__ bool combine_send(const Ctx& c, const Args& a, uint32
       if (!combine_send_rows<Net, true>(c, a, w % El, w / El, s_seq)) break;
     }
   } else {
-    combine_send_rows<Net, false, kOwn>(c, a, lin % El, lin / El, s_seq);  // E blocks: one item each
+    // E blocks: one item each; blocks past E (the kOwn kernel's wider grid) only receive.
+    if (!kOwn || lin < El * c.num_ranks) combine_send_rows<Net, false, kOwn>(c, a, lin % El, lin / El, s_seq);
   }
   finish_send(c, s_seq);
   return true;
@@ -600,7 +584,7 @@ __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kRedu
     return;
   }
   if constexpr (kOwn) {
-    // Rows only, an instantiation of its own (145 registers: a top-8 token's 8 row loads at once; in the
+    // Rows only, an instantiation of its own (140 registers: a top-8 token's 8 row loads at once; in the
     // shared kernel the own-rows code cost the partial combine 0.1-0.3 µs, session 31). Own rows: own_rows.
     if (combine_send<Net, false, false, true>(c, a, &seq)) combine_recv_tokens<Net, 8, true>(c, a, a.half, seq, false, false);
     return;
@@ -715,8 +699,9 @@ extern "C" int dek_ll_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args
   // The send grid as one dimension: E blocks (per-expert rows), or num_blocks (partial sums).
   const int blocks = args->partial ? (args->num_blocks > ctx->num_ranks ? args->num_blocks : ctx->num_ranks) : args->num_experts;
   // One rank only: with a peer it was bit-exact but 1.2-1.4 µs slower at 128 tokens than the
-  // per-item send (2 ranks, bench/NOTES.md session 29); at one rank it runs only when the library
-  // chose this peer path over dek_ll_combine_local (DEEP_EP_LL_LOCAL=peer).
+  // per-item send (2 ranks, bench/NOTES.md session 29; +4 with the own rows read in place, session
+  // 35); at one rank it runs only when the library chose this peer path over
+  // dek_ll_combine_local (DEEP_EP_LL_LOCAL=peer).
   const int64_t selections = static_cast<int64_t>(args->num_tokens) * args->num_topk;
   const bool many = selections >= kSpreadMinSelections;
   if (ctx->num_ranks == 1 && !args->partial && many) {
@@ -728,7 +713,10 @@ extern "C" int dek_ll_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args
   }
   // Rows: the rows-only kernel (8 loads in flight), not where it was 0.17 µs slower (session 31, 32 tokens x top-8).
   if (!args->partial && (selections < kRowsSharedFrom || many)) {
-    return launch_pdl(combine<NvlNet, false, true, false, false, true>, blocks, kLlThreads, deep_ep::as_stream(stream), *ctx, *args,
+    // From kSpreadMinSelections on, 3 blocks per SM (all resident) when E is fewer: the extra
+    // blocks only receive, so a token's reduce splits over more blocks (P = blocks / N).
+    const int wide = many && ctx->num_sms > 0 && kBothBlocksPerSm * ctx->num_sms > blocks ? kBothBlocksPerSm * ctx->num_sms : blocks;
+    return launch_pdl(combine<NvlNet, false, true, false, false, true>, wide, kLlThreads, deep_ep::as_stream(stream), *ctx, *args,
                       static_cast<int>(DEK_LL_PHASE_BOTH));
   }
   return launch_pdl(args->partial ? combine<NvlNet, false, true, false, false, false, true> : combine<NvlNet, false, true>, blocks, kLlThreads,

@@ -14,11 +14,15 @@ namespace {
 
 // Channels one warp of the spread combine send moves per work item (2 KiB of BF16).
 constexpr int kChunk = 1024;
-// Channels per work item of the per-item rows send (combine_send_rows): 8 KiB of BF16, one
-// warp_copy<16> round (16 loads in flight per lane). The send is latency-bound: the heaviest
-// item's block sets its time, in rounds (2 KiB items: rows combine 128 tokens +1.7 µs, 8 tokens
-// +0.8 at 2 ranks, bench/NOTES.md session 35).
-constexpr int kRowsChunk = 4096;
+// Channels per work item of the per-item rows send (combine_send_rows) of the one-launch kernels
+// (NvlNet): 8 KiB of BF16, one warp_copy<16> round (16 loads in flight per lane). The send is
+// latency-bound: the heaviest item's block sets its time, in rounds (2 KiB items: rows combine 128
+// tokens +1.7 µs, 8 tokens +0.8 at 2 ranks, bench/NOTES.md session 35). The two-launch kernels
+// (512 threads: 128 registers) keep 2 KiB items and 8 loads, which they hold without spilling.
+template <class Net>
+constexpr int kRowsChunk = kNvlOnly<Net> ? 4096 : kChunk;
+template <class Net>
+constexpr int kRowsLoads = kNvlOnly<Net> ? 16 : kUnroll;
 // One-launch rows combines of kRowsSharedFrom <= N·K < kSpreadMinSelections take the shared kernel, the rest kOwn's.
 constexpr int64_t kRowsSharedFrom = 256;
 
@@ -131,17 +135,17 @@ __device__ __forceinline__ bool combine_send_rows(const Ctx& c, const Args& a, i
     }
     cnt = 0;  // ordered before the signal like the copies: the barrier below, then tid 0's release store
   }
-  const int nchunks = (H + kRowsChunk - 1) / kRowsChunk;
+  const int nchunks = (H + kRowsChunk<Net> - 1) / kRowsChunk<Net>;
   int64_t ready = -1;  // the GEMM block of rows this warp last found signalled
   for (int64_t it = warp; it < cnt * nchunks; it += kLlWarps) {
     const int64_t row = b + it / nchunks;
     if (kSig && !(ok = warp_rows_ready(c, a, l, row, lane, &ready))) break;
-    const int c0 = static_cast<int>(it % nchunks) * kRowsChunk, c1 = min(H, c0 + kRowsChunk);
+    const int c0 = static_cast<int>(it % nchunks) * kRowsChunk<Net>, c1 = min(H, c0 + kRowsChunk<Net>);
     const int tok = a.src_info[l * RT + row];
     if (tok < 0 || tok >= T) continue;
     const uint64_t slot = send_off(a, a.half) + (l * RT + row) * M * 2;  // zero-copy slot: staging for the seam
     const uint16_t* src = a.zero_copy ? reinterpret_cast<const uint16_t*>(local(c) + slot) : static_cast<const uint16_t*>(a.x) + (l * RT + row) * H;
-    send_to<Net, 16>(c, a, s, dst_base + (static_cast<uint64_t>(tok) * H + c0) * 2, src + c0, slot + 2 * static_cast<uint64_t>(c0),
+    send_to<Net, kRowsLoads<Net>>(c, a, s, dst_base + (static_cast<uint64_t>(tok) * H + c0) * 2, src + c0, slot + 2 * static_cast<uint64_t>(c0),
                  2 * static_cast<int64_t>(c1 - c0), lane);
   }
   flush_net<Net>(c, a, lane);

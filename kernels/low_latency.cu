@@ -12,7 +12,7 @@ namespace deep_ep {
 namespace ll {
 namespace {
 
-// Channels one warp of the spread combine send moves per work item (2 KiB of BF16).
+// Channels one warp moves per work item in the spread send and the two-launch rows send (2 KiB of BF16).
 constexpr int kChunk = 1024;
 // Channels per work item of the per-item rows send (combine_send_rows) of the one-launch kernels
 // (NvlNet): 8 KiB of BF16, one warp_copy<16> round (16 loads in flight per lane). The send is

@@ -14,6 +14,8 @@ top-8 of 288 experts, FP8 dispatch, BF16 combine):
   split (send op timed, all ranks synchronised, then the receive hook timed: data already there).
 - `torch_all_to_all`: the naive baseline (counts exchange + all_to_all_single of deduplicated
   tokens, host sync), BF16 payload both ways, median per call.
+With `--hook`, `combine: rows+hook` is the rows step in hook mode (the send ops, then their receive
+hooks, in one graph): the two-launch kernels, for both libraries.
 `combine: partial` rows answer a dispatch that carried `topk_weights` (one partial sum per
 (token, expert rank) on the wire); `rows` answer one without (DeepEP's one row per (token,
 expert)). Every combine uses the handle of the latest dispatch (a combine whose dispatch half was
@@ -165,6 +167,15 @@ def run_case(buf, args, n, rank, world, v1=None):
     # The step DeepEP's callers run (their dispatch carries no weights): FP8 dispatch -> rows combine.
     row("dispatch+combine", "fp8/bf16", graph_time(lambda: comb(disp(True, weights=False)[2]), 1, args.replays), fp8_bytes + bf16_bytes,
         graph=True, combine="rows")
+    if args.hook:
+        # The same step in hook mode (send op, then its receive hook; SGLang's two-batch overlap
+        # captures it so): the two-launch kernels, which the rows above do not run.
+        def hook_step():
+            r = disp(True, hook=True, weights=False)
+            r[4]()
+            comb(r[2], hook=True)[2]()
+
+        row("dispatch+combine", "fp8/bf16", graph_time(hook_step, 1, args.replays), fp8_bytes + bf16_bytes, graph=True, combine="rows+hook")
     d_send, d_recv = split_time(lambda: disp(True, True)[4], args.iters)
     row("dispatch", "fp8", timed(lambda: disp(True), args.iters)[0], fp8_bytes, send_us=d_send, recv_us=d_recv)
     hp = fresh()
@@ -176,7 +187,7 @@ def run_case(buf, args, n, rank, world, v1=None):
     row("dispatch+combine", "fp8/bf16", timed(lambda: comb(disp(True)[2]), args.iters, pipelined=True)[0], fp8_bytes + bf16_bytes,
         combine="partial", timing="pipelined")
     if v1 is not None:
-        v1_rows(v1, args, x, idx, w, fp8_bytes, bf16_bytes, row)
+        v1_rows(v1, args, x, idx, w, fp8_bytes, bf16_bytes, row, hook=args.hook)
     in_rank = torch.zeros(n, world, dtype=torch.bool, device="cuda")
     in_rank.scatter_(1, idx // (e // world), True)
     bd, bc, _ = baseline(x, in_rank, world, args.iters)
@@ -185,10 +196,11 @@ def run_case(buf, args, n, rank, world, v1=None):
     return rows
 
 
-def v1_rows(v1, args, x, idx, w, fp8_bytes, bf16_bytes, row):
+def v1_rows(v1, args, x, idx, w, fp8_bytes, bf16_bytes, row, hook=False):
     """DeepEP V1's low-latency dispatch (FP8) and combine (its per-expert rows) on the same inputs:
-    graph replays, eager calls and the eager step, as for this library. Rows go through `row`;
-    DeepEP's LL buffer is sized for the largest --tokens value, as this library's."""
+    graph replays, eager calls and the eager step, as for this library (with `hook`, also the
+    step in hook mode). Rows go through `row`; DeepEP's LL buffer is sized for the largest
+    --tokens value, as this library's."""
     y = v1.dispatch(x, idx, use_fp8=False)[0].clone()
     out = torch.empty(x.size(0), x.size(1), dtype=torch.bfloat16, device="cuda")
 
@@ -208,6 +220,14 @@ def v1_rows(v1, args, x, idx, w, fp8_bytes, bf16_bytes, row):
     row("combine", "bf16", graph_time(two(lambda: comb(hd)), 2, args.replays), bf16_bytes, graph=True, combine="rows", **kw)
     row("dispatch+combine", "fp8/bf16", graph_time(lambda: comb(disp()[2]), 1, args.replays), fp8_bytes + bf16_bytes, graph=True,
         combine="rows", **kw)
+    if hook:
+        def hook_step():
+            r = v1.dispatch(x, idx, hook=True)
+            r[4]()
+            v1.combine(y, idx, w, r[2], hook=True, out=out)[2]()
+
+        row("dispatch+combine", "fp8/bf16", graph_time(hook_step, 1, args.replays), fp8_bytes + bf16_bytes, graph=True,
+            combine="rows+hook", **kw)
     row("dispatch", "fp8", timed(disp, args.iters)[0], fp8_bytes, **kw)
     hd = disp()[2]
     torch.cuda.synchronize()
@@ -229,6 +249,8 @@ def main():
     p.add_argument("--plot", default="")
     p.add_argument("--baseline", choices=["deepep_v1"], nargs="*", default=[],
                    help="also time DeepEP V1 (PYTHONPATH must give the real deep_ep) on the same inputs")
+    p.add_argument("--hook", action="store_true",
+                   help="also the step FP8 dispatch -> rows combine in hook mode (graph replays; both libraries)")
     args = p.parse_args()
     rank, world, buf, v1 = ll_setup(args)
     rows = []

@@ -199,7 +199,8 @@ __device__ __forceinline__ bool combine_send(const Ctx& c, const Args& a, uint32
 // f32::mul_add) and stores it to s at (rank, token).
 // The last block to finish signals word rank*E_l on every unmasked source rank. For a source s
 // outside the NVLink domain the row is staged in the payload of the message it answers (no longer
-// read: the dispatch receive copied it) and put by warp 0. kWide (the one-launch kernel): messages of at most 4 entries load 2 or 4 units per thread at once.
+// read: the dispatch receive copied it) and put by warp 0. kWide (the one-launch kernel): messages
+// of at most 4 entries load 2 or 4 units per thread at once.
 // Returns false when the buffer timed out (nothing sent); *seq: the call's number.
 template <class Net, bool kSig, bool kWide>
 __device__ __forceinline__ bool combine_send_partial(const Ctx& c, const Args& a, uint32_t* seq) {
@@ -696,6 +697,10 @@ bool one_launch_combine_ok(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args) {
          (args->num_tokens <= 0 || (args->out != nullptr && args->topk_idx != nullptr && args->topk_weights != nullptr)) &&
          (args->flags & DEK_LL_FLAG_LOGFMT) == 0 && args->signal == nullptr && args->net == nullptr;
 }
+// A one-launch grid of at least `blocks`, widened to kBothBlocksPerSm per SM (all resident).
+int resident_grid(const dek_ic_ctx_t* ctx, int blocks) {
+  return ctx->num_sms > 0 && kBothBlocksPerSm * ctx->num_sms > blocks ? kBothBlocksPerSm * ctx->num_sms : blocks;
+}
 }  // namespace
 
 extern "C" int dek_ll_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream) {
@@ -711,17 +716,15 @@ extern "C" int dek_ll_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args
   if (ctx->num_ranks == 1 && !args->partial && many) {
     // Its work does not follow the grid: 3 blocks per SM, all resident (112 registers: 4 would fit;
     // the caller checked E <= 3 x SMs for the E-block grid).
-    const int spread_blocks = ctx->num_sms > 0 && kBothBlocksPerSm * ctx->num_sms > blocks ? kBothBlocksPerSm * ctx->num_sms : blocks;
-    return launch_pdl(combine<NvlNet, false, true, true>, spread_blocks, kLlThreads, deep_ep::as_stream(stream), *ctx, *args,
+    return launch_pdl(combine<NvlNet, false, true, true>, resident_grid(ctx, blocks), kLlThreads, deep_ep::as_stream(stream), *ctx, *args,
                       static_cast<int>(DEK_LL_PHASE_BOTH));
   }
   // Rows: the rows-only kernel (8 loads in flight), not where it was 0.17 µs slower (session 31, 32 tokens x top-8).
   if (!args->partial && (selections < kRowsSharedFrom || many)) {
     // From kSpreadMinSelections on, 3 blocks per SM (all resident) when E is fewer: the extra
     // blocks only receive, so a token's reduce splits over more blocks (P = blocks / N).
-    const int wide = many && ctx->num_sms > 0 && kBothBlocksPerSm * ctx->num_sms > blocks ? kBothBlocksPerSm * ctx->num_sms : blocks;
-    return launch_pdl(combine<NvlNet, false, true, false, false, true>, wide, kLlThreads, deep_ep::as_stream(stream), *ctx, *args,
-                      static_cast<int>(DEK_LL_PHASE_BOTH));
+    return launch_pdl(combine<NvlNet, false, true, false, false, true>, many ? resident_grid(ctx, blocks) : blocks, kLlThreads,
+                      deep_ep::as_stream(stream), *ctx, *args, static_cast<int>(DEK_LL_PHASE_BOTH));
   }
   return launch_pdl(args->partial ? combine<NvlNet, false, true, false, false, false, true> : combine<NvlNet, false, true>, blocks, kLlThreads,
                     deep_ep::as_stream(stream), *ctx, *args, static_cast<int>(DEK_LL_PHASE_BOTH));

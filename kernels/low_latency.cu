@@ -18,9 +18,9 @@ constexpr int kChunk = 1024;
 // (NvlNet): 8 KiB of BF16, one warp_copy<16> round (16 loads in flight per lane). The send is
 // latency-bound: the heaviest item's block sets its time, in rounds (2 KiB items: rows combine 128
 // tokens +1.7 µs, 8 tokens +0.8 at 2 ranks, bench/NOTES.md session 35). The two-launch kernels
-// (512 threads: 128 registers) keep 2 KiB items and 8 loads, which they hold without spilling.
+// (512 threads: 128 registers) take 4 KiB items at 8 loads (one warp_copy round): 16 loads spilled.
 template <class Net>
-constexpr int kRowsChunk = kNvlOnly<Net> ? 4096 : kChunk;
+constexpr int kRowsChunk = kNvlOnly<Net> ? 4096 : 2 * kChunk;
 template <class Net>
 constexpr int kRowsLoads = kNvlOnly<Net> ? 16 : kUnroll;
 // One-launch rows combines of kRowsSharedFrom <= N·K < kSpreadMinSelections take the shared kernel, the rest kOwn's.

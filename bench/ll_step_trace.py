@@ -8,8 +8,9 @@ Shapes as bench/low_latency.py (hidden 7168, top-8 of 288 experts, FP8 dispatch,
 Graphs per token count: `dispatch x2` (FP8 with weights; `bf16 x2`, and `fp8+bf16`: two kernels
 taking turns against each alone), `combine x2` (partial and rows answering
 the latest dispatch), `step partial` (FP8 dispatch with weights -> partial combine) and `step rows`
-(FP8 dispatch without weights -> rows combine: what DeepEP's callers run); DeepEP V1: the three
-dispatch pairs, `combine x2` (rows) and `step rows`. Per graph and rank: the replay period, each kernel's
+(FP8 dispatch without weights -> rows combine: what DeepEP's callers run), `step rows+hook` (the
+same in hook mode: four kernels); DeepEP V1: the three dispatch pairs, `combine x2` (rows), `step
+rows` and `step rows+hook`. Per graph and rank: the replay period, each kernel's
 duration and the gaps (kernel i's end to kernel i+1's start; `boundary`: the last kernel's end to
 the next replay's first start), medians over the replays. The profiler's own cost inflates gaps
 alike for both libraries: compare within a run, and use bench/low_latency.py for the times.
@@ -85,6 +86,11 @@ def cases(buf, v1, n, args):
         torch.cuda.synchronize()
         return hd
 
+    def hook_step():
+        r = buf.low_latency_dispatch(x, idx, t, e, use_fp8=True, return_recv_hook=True)
+        r[4]()
+        buf.low_latency_combine(y, idx, w, r[2], out=out, return_recv_hook=True)[2]()
+
     def twice(weights):
         """Two combines answering a dispatch issued now (the latest one: partial with weights)."""
         hd = fresh(weights)
@@ -100,6 +106,8 @@ def cases(buf, v1, n, args):
         ("deep_ep", "combine x2 rows"): lambda: twice(False),
         ("deep_ep", "step partial"): lambda: lambda: comb(disp(True)[2]),
         ("deep_ep", "step rows"): lambda: lambda: comb(disp(False)[2]),
+        # Hook mode (SGLang's two-batch overlap): send op, its receive hook, for both ops.
+        ("deep_ep", "step rows+hook"): lambda: hook_step,
     }
     if v1 is not None:
         yv = v1.dispatch(x, idx, use_fp8=False)[0].clone()
@@ -115,6 +123,13 @@ def cases(buf, v1, n, args):
         c[("deepep_v1", "dispatch fp8+bf16")] = lambda: lambda: (v1.dispatch(x, idx), v1.dispatch(x, idx, use_fp8=False))
         c[("deepep_v1", "combine x2 rows")] = v1_twice
         c[("deepep_v1", "step rows")] = lambda: lambda: v1.combine(yv, idx, w, v1.dispatch(x, idx)[2], out=outv)
+
+        def v1_hook_step():
+            r = v1.dispatch(x, idx, hook=True)
+            r[4]()
+            v1.combine(yv, idx, w, r[2], hook=True, out=outv)[2]()
+
+        c[("deepep_v1", "step rows+hook")] = lambda: v1_hook_step
     return c
 
 

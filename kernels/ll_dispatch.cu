@@ -666,6 +666,9 @@ int launch_dispatch(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, dim3 gri
     const bool split = (fp4 || args->use_fp8) && peer_split(args->num_tokens, std::min<int>(grid.x, 64), args->hidden / 128) > 1;
     auto* k = split ? (fp4 ? dispatch<NvlNet, true, false, true> : dispatch<NvlNet, false, false, true>) : fp4 ? dispatch<NvlNet, true> : dispatch<NvlNet, false>;
     return launch_pdl(k, static_cast<int>(grid.x), threads, s, *ctx, *args, phase);
+  } else if (args->net == nullptr) {  // two launches (hook) over NVLink: the one-launch form's kernel, no seam code
+    if (fp4) dispatch<NvlNet, true><<<grid, threads, 0, s>>>(*ctx, *args, phase);
+    else dispatch<NvlNet, false><<<grid, threads, 0, s>>>(*ctx, *args, phase);
   } else {
     if (fp4) dispatch<LsaNet, true><<<grid, threads, 0, s>>>(*ctx, *args, phase);
     else dispatch<LsaNet, false><<<grid, threads, 0, s>>>(*ctx, *args, phase);

@@ -12,17 +12,14 @@ namespace deep_ep {
 namespace ll {
 namespace {
 
-// Channels one warp moves per work item in the spread send and the two-launch rows send (2 KiB of BF16).
+// Channels one warp moves per work item in the spread send (2 KiB of BF16).
 constexpr int kChunk = 1024;
-// Channels per work item of the per-item rows send (combine_send_rows) of the one-launch kernels
-// (NvlNet): 8 KiB of BF16, one warp_copy<16> round (16 loads in flight per lane). The send is
-// latency-bound: the heaviest item's block sets its time, in rounds (2 KiB items: rows combine 128
-// tokens +1.7 µs, 8 tokens +0.8 at 2 ranks, bench/NOTES.md session 35). The two-launch kernels
-// (512 threads: 128 registers) take 4 KiB items at 8 loads (one warp_copy round): 16 loads spilled.
-template <class Net>
-constexpr int kRowsChunk = kNvlOnly<Net> ? 4096 : 2 * kChunk;
-template <class Net>
-constexpr int kRowsLoads = kNvlOnly<Net> ? 16 : kUnroll;
+// Channels per item of the per-item rows send (combine_send_rows; latency-bound in rounds, NOTES s35):
+// one launch (kWide) 8 KiB, one warp_copy<16> round; two launches (128 registers: 16 spilled) 4 KiB, 8 loads.
+template <bool kWide>
+constexpr int kRowsChunk = kWide ? 4096 : 2 * kChunk;
+template <bool kWide>
+constexpr int kRowsLoads = kWide ? 16 : kUnroll;
 // One-launch rows combines of kRowsSharedFrom <= N·K < kSpreadMinSelections take the shared kernel, the rest kOwn's.
 constexpr int64_t kRowsSharedFrom = 256;
 
@@ -105,9 +102,9 @@ __device__ bool ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l
 // rank*E_l + l on rank s. A source outside the NVLink domain gets each row by a seam put from its
 // zero-copy slot (send_to), or with LogFMT each encoded chunk by puts from the send half
 // (ll_combine_send_logfmt). With Args::signal a warp waits for each GEMM block of rows before
-// sending from it (warp_rows_ready); false: a wait failed. kOwn (the one-launch kernel): for s =
-// this rank under own_rows_direct, only the rows' indices go to their places (no copy).
-template <class Net, bool kSig, bool kOwn = false>
+// sending from it (warp_rows_ready); false: a wait failed. kOwn (one launch): for s = this rank under
+// own_rows_direct, only the rows' indices go to their places (no copy). kWide: kRowsChunk's.
+template <class Net, bool kSig, bool kOwn = false, bool kWide = false>
 __device__ __forceinline__ bool combine_send_rows(const Ctx& c, const Args& a, int l, int s, uint32_t seq) {
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int R = c.num_ranks, El = a.num_experts / R, T = a.num_max_tokens, H = a.hidden;
@@ -121,7 +118,7 @@ __device__ __forceinline__ bool combine_send_rows(const Ctx& c, const Args& a, i
   char* peer = window(c, s);
   const uint64_t dst_base = recv_off(a, a.half) + static_cast<uint64_t>(c.rank * El + l) * T * (2 * static_cast<uint64_t>(H));
   bool ok = true;
-  if constexpr (!kNvlOnly<Net>) {  // the one-launch forms refuse LogFMT (one_launch_combine_ok)
+  if constexpr (!kNvlOnly<Net>) {  // NvlNet launchers refuse LogFMT (one_launch_combine_ok, launch_combine)
     if (a.flags & DEK_LL_FLAG_LOGFMT) {
       ok = ll_combine_send_logfmt<Net, kSig>(c, a, s, l, b, cnt, warp, lane);
       cnt = 0;  // every row went out as LogFMT: nothing left for the BF16 loop
@@ -135,17 +132,17 @@ __device__ __forceinline__ bool combine_send_rows(const Ctx& c, const Args& a, i
     }
     cnt = 0;  // ordered before the signal like the copies: the barrier below, then tid 0's release store
   }
-  const int nchunks = (H + kRowsChunk<Net> - 1) / kRowsChunk<Net>;
+  const int nchunks = (H + kRowsChunk<kWide> - 1) / kRowsChunk<kWide>;
   int64_t ready = -1;  // the GEMM block of rows this warp last found signalled
   for (int64_t it = warp; it < cnt * nchunks; it += kLlWarps) {
     const int64_t row = b + it / nchunks;
     if (kSig && !(ok = warp_rows_ready(c, a, l, row, lane, &ready))) break;
-    const int c0 = static_cast<int>(it % nchunks) * kRowsChunk<Net>, c1 = min(H, c0 + kRowsChunk<Net>);
+    const int c0 = static_cast<int>(it % nchunks) * kRowsChunk<kWide>, c1 = min(H, c0 + kRowsChunk<kWide>);
     const int tok = a.src_info[l * RT + row];
     if (tok < 0 || tok >= T) continue;
     const uint64_t slot = send_off(a, a.half) + (l * RT + row) * M * 2;  // zero-copy slot: staging for the seam
     const uint16_t* src = a.zero_copy ? reinterpret_cast<const uint16_t*>(local(c) + slot) : static_cast<const uint16_t*>(a.x) + (l * RT + row) * H;
-    send_to<Net, kRowsLoads<Net>>(c, a, s, dst_base + (static_cast<uint64_t>(tok) * H + c0) * 2, src + c0, slot + 2 * static_cast<uint64_t>(c0),
+    send_to<Net, kRowsLoads<kWide>>(c, a, s, dst_base + (static_cast<uint64_t>(tok) * H + c0) * 2, src + c0, slot + 2 * static_cast<uint64_t>(c0),
                  2 * static_cast<int64_t>(c1 - c0), lane);
   }
   flush_net<Net>(c, a, lane);
@@ -170,8 +167,8 @@ __device__ __forceinline__ bool combine_send_rows(const Ctx& c, const Args& a, i
 // takes item (b % E_l, b / E_l); with Args::signal_grid at most that many blocks, each taking
 // items l + E_l*s in turn; kSpread (a one-launch call): the items' rows spread over the grid's
 // warps (ll_combine_spread.cuh), whatever the grid. Returns false when the buffer timed out
-// (nothing sent); *seq: the call's number. kOwn: combine_send_rows' (the one-launch per-item send).
-template <class Net, bool kSig, bool kSpread = false, bool kOwn = false>
+// (nothing sent); *seq: the call's number. kOwn, kWide: combine_send_rows' (kWide: a one-launch kernel).
+template <class Net, bool kSig, bool kSpread = false, bool kOwn = false, bool kWide = false>
 __device__ __forceinline__ bool combine_send(const Ctx& c, const Args& a, uint32_t* seq) {
   __shared__ uint32_t s_seq;
   __shared__ int s_skip;
@@ -186,7 +183,7 @@ __device__ __forceinline__ bool combine_send(const Ctx& c, const Args& a, uint32
     }
   } else {
     // E blocks: one item each; blocks past E (the kOwn kernel's wider grid) only receive.
-    if (!kOwn || lin < El * c.num_ranks) combine_send_rows<Net, false, kOwn>(c, a, lin % El, lin / El, s_seq);
+    if (!kOwn || lin < El * c.num_ranks) combine_send_rows<Net, false, kOwn, kWide>(c, a, lin % El, lin / El, s_seq);
   }
   finish_send(c, s_seq);
   return true;
@@ -591,11 +588,11 @@ __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kRedu
   if constexpr (kOwn) {
     // Rows only, an instantiation of its own (140 registers: a top-8 token's 8 row loads at once; in the
     // shared kernel the own-rows code cost the partial combine 0.1-0.3 µs, session 31). Own rows: own_rows.
-    if (combine_send<Net, false, false, true>(c, a, &seq)) combine_recv_tokens<Net, 8, true>(c, a, a.half, seq, false, false);
+    if (combine_send<Net, false, false, true, true>(c, a, &seq)) combine_recv_tokens<Net, 8, true>(c, a, a.half, seq, false, false);
     return;
   }
   const bool partial = kBoth ? kPartial : a.partial != 0;
-  const bool sent = partial ? combine_send_partial<Net, kSig, kBoth>(c, a, &seq) : combine_send<Net, kSig>(c, a, &seq);
+  const bool sent = partial ? combine_send_partial<Net, kSig, kBoth>(c, a, &seq) : combine_send<Net, kSig, false, false, kBoth>(c, a, &seq);
   if (kBoth && sent) combine_recv_tokens<Net>(c, a, a.half, seq, partial, false);
 }
 
@@ -619,13 +616,16 @@ __global__ void clean_signals(const __grid_constant__ Ctx c, const __grid_consta
 
 namespace {
 
-// The combine on the seam of `a`, with the signal waits (overlap) or without.
+// The combine on the seam of `a` (none and no LogFMT: NvlNet), with the signal waits (overlap) or without.
 void launch_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* a, dim3 grid, int threads, int phase, void* stream) {
   const cudaStream_t st = deep_ep::as_stream(stream);
   const bool gin = a->net != nullptr && a->net_kind == DEK_LL_NET_GIN, sig = a->signal != nullptr && phase == DEK_LL_PHASE_SEND;
   if (gin) {
     if (sig) combine<GinNet, true><<<grid, threads, 0, st>>>(*ctx, *a, phase);
     else combine<GinNet, false><<<grid, threads, 0, st>>>(*ctx, *a, phase);
+  } else if (a->net == nullptr && (a->flags & DEK_LL_FLAG_LOGFMT) == 0) {
+    if (sig) combine<NvlNet, true><<<grid, threads, 0, st>>>(*ctx, *a, phase);
+    else combine<NvlNet, false><<<grid, threads, 0, st>>>(*ctx, *a, phase);
   } else {
     if (sig) combine<LsaNet, true><<<grid, threads, 0, st>>>(*ctx, *a, phase);
     else combine<LsaNet, false><<<grid, threads, 0, st>>>(*ctx, *a, phase);

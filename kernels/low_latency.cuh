@@ -365,8 +365,8 @@ __device__ __forceinline__ RankList rank_list(bool valid, int d) {
   return RankList{idx, first, __popc(firsts)};
 }
 
-// NvlNet kernels are the one-launch and one-rank forms, whose launchers refuse a seam and LogFMT:
-// code for either is left out of them.
+// NvlNet kernels are the one-launch, one-rank and seamless two-launch forms, whose launchers refuse
+// a seam and LogFMT: code for either is left out of them.
 template <class Net>
 constexpr bool kNvlOnly = std::is_same_v<Net, NvlNet>;
 

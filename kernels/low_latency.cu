@@ -16,10 +16,8 @@ namespace {
 constexpr int kChunk = 1024;
 // Channels per item of the per-item rows send (combine_send_rows; latency-bound in rounds, NOTES s35):
 // one launch (kWide) 8 KiB, one warp_copy<16> round; two launches (128 registers: 16 spilled) 4 KiB, 8 loads.
-template <bool kWide>
-constexpr int kRowsChunk = kWide ? 4096 : 2 * kChunk;
-template <bool kWide>
-constexpr int kRowsLoads = kWide ? 16 : kUnroll;
+template <bool kWide> constexpr int kRowsChunk = kWide ? 4096 : 2 * kChunk;
+template <bool kWide> constexpr int kRowsLoads = kWide ? 16 : kUnroll;
 // One-launch rows combines of kRowsSharedFrom <= N·K < kSpreadMinSelections take the shared kernel, the rest kOwn's.
 constexpr int64_t kRowsSharedFrom = 256;
 
@@ -377,7 +375,7 @@ __device__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok,
 // Every block waits for all E words (partial: the R words d*E_l) of call `seq` on `half`, then
 // reduces work items blockIdx.x, +gridDim.x, ...: item w = slice w % P of token w / P (P blocks
 // share a token when there are more blocks than tokens: a 1-token combine is not one block's
-// loads; P = 1 for LogFMT and for the receive launch, which has at most one block per token);
+// loads; P = 1 for LogFMT);
 // thread j of a slice owns channels 8j..8j+7: acc = fma(y_k, w_k, acc) over k in order (crate:
 // f32::mul_add); partial: acc += the partial row of each expert rank d ascending that holds one of
 // the token's (unmasked) experts.
@@ -428,7 +426,7 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
   }
   __syncthreads();
   if (!s_ok) return;
-  if (blockIdx.x == 0) check_routing(c, a, half);
+  if (blockIdx.x == gridDim.x - 1) check_routing(c, a, half);  // with N * P < the grid it has no item (combine_local's)
   for (int d = tid; blockIdx.x == 0 && d < R && a.wait_stats != nullptr; d += blockDim.x) {
     atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + d), s_wait[d]);
   }
@@ -539,7 +537,7 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
     s_flags = fl;
   }
   __syncthreads();
-  if (s_ok) combine_recv_tokens<Net>(c, a, s_half, s_seq, (s_flags & DEK_LL_FLAG_PARTIAL) != 0, (s_flags & DEK_LL_FLAG_LOGFMT) != 0);
+  if (s_ok) combine_recv_tokens<Net, 8>(c, a, s_half, s_seq, (s_flags & DEK_LL_FLAG_PARTIAL) != 0, (s_flags & DEK_LL_FLAG_LOGFMT) != 0);
 }
 
 }  // namespace
@@ -683,8 +681,10 @@ extern "C" int dek_ll_combine_recv(const dek_ic_ctx_t* ctx, const dek_ll_args_t*
   if (!ll_ok(ctx, args) || args->recv_state == nullptr || (args->num_tokens > 0 && (args->out == nullptr || args->topk_idx == nullptr ||
                                                                                   args->topk_weights == nullptr)))
     return static_cast<int>(cudaErrorInvalidValue);
-  // With no token the receive still waits for every word (the call completes for every rank).
-  const int blocks = args->num_tokens < 1 ? 1 : (args->num_tokens < args->num_blocks ? args->num_tokens : args->num_blocks);
+  // No token: it still waits for every word. A token's H/8 units over P blocks (one round of loads
+  // each) and a block for the routing check, within num_blocks (one per SM); LogFMT: P = 1.
+  const int64_t n = args->num_tokens, p = (args->flags & DEK_LL_FLAG_LOGFMT) ? 1 : (args->hidden / 8 + kReduceThreads - 1) / kReduceThreads;
+  const int blocks = n < 1 ? 1 : static_cast<int>(std::min<int64_t>(n * p + 1, std::max(args->num_blocks, 1)));
   launch_combine(ctx, args, blocks, kReduceThreads, DEK_LL_PHASE_RECV, stream);
   return static_cast<int>(cudaGetLastError());
 }

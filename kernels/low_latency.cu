@@ -375,16 +375,16 @@ __device__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok,
 // Every block waits for all E words (partial: the R words d*E_l) of call `seq` on `half`, then
 // reduces work items blockIdx.x, +gridDim.x, ...: item w = slice w % P of token w / P (P blocks
 // share a token when there are more blocks than tokens: a 1-token combine is not one block's
-// loads; P = 1 for LogFMT);
-// thread j of a slice owns channels 8j..8j+7: acc = fma(y_k, w_k, acc) over k in order (crate:
-// f32::mul_add); partial: acc += the partial row of each expert rank d ascending that holds one of
-// the token's (unmasked) experts.
+// loads; P = 1 for LogFMT); thread j of a slice owns channels 8j..8j+7: acc = fma(y_k, w_k, acc)
+// over k in order (crate: f32::mul_add); partial: acc += the partial row of each expert rank d
+// ascending that holds one of the token's (unmasked) experts.
 // kRowBatch: rows' loads in flight per thread before their FMAs (per-expert rows). kOwn (the
 // one-launch kernel, rows, own_rows_direct): a selection of this rank's experts reads its row where
 // the send left it (its index at the row's place: x or the zero-copy slot; an index outside the
-// expert's rows drops the selection, so no stale word can send a load out of bounds).
+// expert's rows drops the selection, so no stale word can send a load out of bounds). direct: a
+// one-launch kernel's (check_routing).
 template <class Net, int kRowBatch = 4, bool kOwn = false>
-__device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a, int half, uint32_t seq, bool partial, bool logfmt) {
+__device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a, int half, uint32_t seq, bool partial, bool logfmt, bool direct) {
   __shared__ int s_ok, s_npart;
   __shared__ unsigned long long s_wait[kMaxLlRanks];
   __shared__ int64_t s_e[kMaxLlTopk];
@@ -426,7 +426,7 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
   }
   __syncthreads();
   if (!s_ok) return;
-  if (blockIdx.x == gridDim.x - 1) check_routing(c, a, half);  // with N * P < the grid it has no item (combine_local's)
+  if (blockIdx.x == gridDim.x - 1) check_routing(c, a, half, direct);  // with N * P < the grid it has no item
   for (int d = tid; blockIdx.x == 0 && d < R && a.wait_stats != nullptr; d += blockDim.x) {
     atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + d), s_wait[d]);
   }
@@ -537,7 +537,7 @@ __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
     s_flags = fl;
   }
   __syncthreads();
-  if (s_ok) combine_recv_tokens<Net, 8>(c, a, s_half, s_seq, (s_flags & DEK_LL_FLAG_PARTIAL) != 0, (s_flags & DEK_LL_FLAG_LOGFMT) != 0);
+  if (s_ok) combine_recv_tokens<Net, 8>(c, a, s_half, s_seq, (s_flags & DEK_LL_FLAG_PARTIAL) != 0, (s_flags & DEK_LL_FLAG_LOGFMT) != 0, false);
 }
 
 }  // namespace
@@ -580,18 +580,18 @@ __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kRedu
   if constexpr (kSpread) {
     // Rows only, an instantiation of its own (112 registers; the other one-launch paths keep their
     // code): its receive has every top-8 row's load in flight at once.
-    if (combine_send<Net, false, true>(c, a, &seq)) combine_recv_tokens<Net, 8>(c, a, a.half, seq, false, false);
+    if (combine_send<Net, false, true>(c, a, &seq)) combine_recv_tokens<Net, 8>(c, a, a.half, seq, false, false, true);
     return;
   }
   if constexpr (kOwn) {
     // Rows only, an instantiation of its own (140 registers: a top-8 token's 8 row loads at once; in the
     // shared kernel the own-rows code cost the partial combine 0.1-0.3 µs, session 31). Own rows: own_rows.
-    if (combine_send<Net, false, false, true, true>(c, a, &seq)) combine_recv_tokens<Net, 8, true>(c, a, a.half, seq, false, false);
+    if (combine_send<Net, false, false, true, true>(c, a, &seq)) combine_recv_tokens<Net, 8, true>(c, a, a.half, seq, false, false, true);
     return;
   }
   const bool partial = kBoth ? kPartial : a.partial != 0;
   const bool sent = partial ? combine_send_partial<Net, kSig, kBoth>(c, a, &seq) : combine_send<Net, kSig, false, false, kBoth>(c, a, &seq);
-  if (kBoth && sent) combine_recv_tokens<Net>(c, a, a.half, seq, partial, false);
+  if (kBoth && sent) combine_recv_tokens<Net>(c, a, a.half, seq, partial, false, true);
 }
 
 template <class Net>

@@ -8,6 +8,7 @@
 # timed in every bench process (--baseline deepep_v1). SUITE=0 skips the suite. HOST=1 adds
 # bench/host_overhead.py per build after the benches (DeepEP V1 too when DEEPEP_V1 is given;
 # HOST_ROUNDS, default 10). TRACE=1 adds bench/ll_step_trace.py per build (OUT_DIR/trace-<i>.json).
+# HOOK=1 adds the hook-mode step row (bench/low_latency.py --hook: the two-launch kernels).
 # With 4 or more GPUs the suite adds the [2x2] case. Every step runs
 # under `timeout`; no step kills processes by name (a pattern can match the caller's own command).
 # Writes OUT_DIR/ab.log, OUT_DIR/<i>-<round>.json (bench/low_latency.py format) and
@@ -33,7 +34,8 @@ for round in $(seq 1 "${ROUNDS:-3}"); do
   for side in "${!wheels[@]}"; do
     echo "=== bench $side round $round" | tee -a "$log"
     DEEP_EP_LIBRARY=$(lib $side) timeout 120 python3 -m torch.distributed.run --nproc-per-node "$np" --master-port $((29400 + round)) \
-      bench/low_latency.py --tokens ${TOKENS:-1 128} ${DEEPEP_V1:+--baseline deepep_v1} --out "$out/$side-$round.json" >>"$log" 2>&1
+      bench/low_latency.py --tokens ${TOKENS:-1 128} ${DEEPEP_V1:+--baseline deepep_v1} $([ "${HOOK:-0}" = 1 ] && echo --hook) \
+      --out "$out/$side-$round.json" >>"$log" 2>&1
     echo "=== rc=$?" | tee -a "$log"
   done
 done
@@ -79,9 +81,9 @@ for side in range(n):
             rows.setdefault(key, [[] for _ in range(n)])[side].append(r["us_median"])
 def med(v):
     return statistics.median(v) if v else float("nan")
-print(f"{'op':<18}{'dtype':<10}{'combine':<9}{'tokens':>7}{'':>7}" + "".join(f"{f'#{i} us':>9}" for i in range(n)) + f"{'last-#0':>9}{'DeepEP':>9}")
+print(f"{'op':<18}{'dtype':<10}{'combine':<11}{'tokens':>7}{'':>7}" + "".join(f"{f'#{i} us':>9}" for i in range(n)) + f"{'last-#0':>9}{'DeepEP':>9}")
 for key, v in sorted(rows.items()):
     m = [med(x) for x in v]
-    print(f"{key[0]:<18}{key[1]:<10}{key[2]:<9}{key[3]:>7}{key[4]:>7}" + "".join(f"{x:>9.2f}" for x in m) + f"{m[-1] - m[0]:>9.2f}"
+    print(f"{key[0]:<18}{key[1]:<10}{key[2]:<11}{key[3]:>7}{key[4]:>7}" + "".join(f"{x:>9.2f}" for x in m) + f"{m[-1] - m[0]:>9.2f}"
           + f"{med(v1.get(key, [])):>9.2f}")
 EOF

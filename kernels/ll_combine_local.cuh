@@ -90,11 +90,12 @@ __device__ void check_routing_at(const Ctx& c, const Args& a, int id_word, int w
   }
 }
 
-// A combine's routing check: the copies its send kernel made (kLlRouting [2 + half], [6 + half]), or
-// in a one-launch kernel (`direct`) the dispatch's words themselves: block 0 copies them in the same
-// kernel, with nothing ordering that store before another block's check.
-__device__ __forceinline__ void check_routing(const Ctx& c, const Args& a, int half, bool direct) {
-  if (!direct) return check_routing_at(c, a, 2 + half, 6 + half);
+// A two-launch combine receive's routing check: the copies its send kernel made (kLlRouting
+// [2 + half], [6 + half]).
+__device__ __forceinline__ void check_routing(const Ctx& c, const Args& a, int half) { check_routing_at(c, a, 2 + half, 6 + half); }
+// A one-launch combine's: the dispatch's words themselves (block 0 copies them in the same kernel,
+// with nothing ordering that store before another block's check).
+__device__ __forceinline__ void check_routing_direct(const Ctx& c, const Args& a) {
   if (a.routing_half == 0 || a.routing_half == 1) check_routing_at(c, a, a.routing_half, a.partial ? 4 + a.routing_half : -1);
 }
 
@@ -139,7 +140,7 @@ __device__ __forceinline__ void combine_local(const Ctx& c, const Args& a) {
   if (!begin_send(c, a, DEK_LL_KIND_COMBINE, &s_seq, &s_skip)) return;
   // The grid's last block checks the routing: the items end before it when N * P < the grid, so the
   // check (two passes over N * K entries with weights) is off the critical path.
-  if (blockIdx.x == gridDim.x - 1) check_routing(c, a, 0, true);
+  if (blockIdx.x == gridDim.x - 1) check_routing_direct(c, a);
   const int tid = threadIdx.x, K = a.num_topk, E = a.num_experts, H = a.hidden, N = a.num_tokens;
   const int64_t RT = a.num_max_tokens, M = H + H / 128 * 2;
   const bool dead = rank_masked(a, 0);

@@ -654,25 +654,23 @@ __global__ void __launch_bounds__(kSendThreads, 2) dispatch(const __grid_constan
   print_stamps(c, seq);
 }
 
+// `dispatch` over Net with the NVFP4 payload or not (not the one-rank or the split form).
+template <class Net>
+auto dispatch_for(bool fp4) { return fp4 ? dispatch<Net, true> : dispatch<Net, false>; }
+
 // `dispatch` for the Net and payload of `args`.
 int launch_dispatch(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, dim3 grid, int threads, void* stream, int phase) {
   const bool gin = args->net != nullptr && args->net_kind == DEK_LL_NET_GIN, fp4 = args->use_nvfp4 != 0;
   const cudaStream_t s = as_stream(stream);
-  if (gin) {
-    if (fp4) dispatch<GinNet, true><<<grid, threads, 0, s>>>(*ctx, *args, phase);
-    else dispatch<GinNet, false><<<grid, threads, 0, s>>>(*ctx, *args, phase);
-  } else if (phase == DEK_LL_PHASE_BOTH) {  // one launch over NVLink: early, as the one-rank form
+  if (!gin && phase == DEK_LL_PHASE_BOTH) {  // one launch over NVLink: early, as the one-rank form
     // A cast payload (FP8 / NVFP4) of few tokens: each token's groups over P blocks (kSplit).
     const bool split = (fp4 || args->use_fp8) && peer_split(args->num_tokens, std::min<int>(grid.x, 64), args->hidden / 128) > 1;
-    auto* k = split ? (fp4 ? dispatch<NvlNet, true, false, true> : dispatch<NvlNet, false, false, true>) : fp4 ? dispatch<NvlNet, true> : dispatch<NvlNet, false>;
+    auto* k = split ? (fp4 ? dispatch<NvlNet, true, false, true> : dispatch<NvlNet, false, false, true>) : dispatch_for<NvlNet>(fp4);
     return launch_pdl(k, static_cast<int>(grid.x), threads, s, *ctx, *args, phase);
-  } else if (args->net == nullptr) {  // two launches (hook) over NVLink: the one-launch form's kernel, no seam code
-    if (fp4) dispatch<NvlNet, true><<<grid, threads, 0, s>>>(*ctx, *args, phase);
-    else dispatch<NvlNet, false><<<grid, threads, 0, s>>>(*ctx, *args, phase);
-  } else {
-    if (fp4) dispatch<LsaNet, true><<<grid, threads, 0, s>>>(*ctx, *args, phase);
-    else dispatch<LsaNet, false><<<grid, threads, 0, s>>>(*ctx, *args, phase);
   }
+  // Two launches (hook): with no seam the one-launch form's kernel (no seam code).
+  auto* k = gin ? dispatch_for<GinNet>(fp4) : args->net == nullptr ? dispatch_for<NvlNet>(fp4) : dispatch_for<LsaNet>(fp4);
+  k<<<grid, threads, 0, s>>>(*ctx, *args, phase);
   return static_cast<int>(cudaGetLastError());
 }
 }  // namespace ll

@@ -382,7 +382,7 @@ __device__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok,
 // one-launch kernel, rows, own_rows_direct): a selection of this rank's experts reads its row where
 // the send left it (its index at the row's place: x or the zero-copy slot; an index outside the
 // expert's rows drops the selection, so no stale word can send a load out of bounds). direct: a
-// one-launch kernel's (check_routing).
+// one-launch kernel's (check_routing_direct).
 template <class Net, int kRowBatch = 4, bool kOwn = false>
 __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a, int half, uint32_t seq, bool partial, bool logfmt, bool direct) {
   __shared__ int s_ok, s_npart;
@@ -426,7 +426,10 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
   }
   __syncthreads();
   if (!s_ok) return;
-  if (blockIdx.x == gridDim.x - 1) check_routing(c, a, half, direct);  // with N * P < the grid it has no item
+  if (blockIdx.x == gridDim.x - 1) {  // with N * P < the grid it has no item
+    if (direct) check_routing_direct(c, a);
+    else check_routing(c, a, half);
+  }
   for (int d = tid; blockIdx.x == 0 && d < R && a.wait_stats != nullptr; d += blockDim.x) {
     atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + d), s_wait[d]);
   }
@@ -614,20 +617,16 @@ __global__ void clean_signals(const __grid_constant__ Ctx c, const __grid_consta
 
 namespace {
 
+// `combine` over Net, with the signal waits (overlap) or without.
+template <class Net>
+auto combine_for(bool sig) { return sig ? combine<Net, true> : combine<Net, false>; }
+
 // The combine on the seam of `a` (none and no LogFMT: NvlNet), with the signal waits (overlap) or without.
 void launch_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* a, dim3 grid, int threads, int phase, void* stream) {
-  const cudaStream_t st = deep_ep::as_stream(stream);
   const bool gin = a->net != nullptr && a->net_kind == DEK_LL_NET_GIN, sig = a->signal != nullptr && phase == DEK_LL_PHASE_SEND;
-  if (gin) {
-    if (sig) combine<GinNet, true><<<grid, threads, 0, st>>>(*ctx, *a, phase);
-    else combine<GinNet, false><<<grid, threads, 0, st>>>(*ctx, *a, phase);
-  } else if (a->net == nullptr && (a->flags & DEK_LL_FLAG_LOGFMT) == 0) {
-    if (sig) combine<NvlNet, true><<<grid, threads, 0, st>>>(*ctx, *a, phase);
-    else combine<NvlNet, false><<<grid, threads, 0, st>>>(*ctx, *a, phase);
-  } else {
-    if (sig) combine<LsaNet, true><<<grid, threads, 0, st>>>(*ctx, *a, phase);
-    else combine<LsaNet, false><<<grid, threads, 0, st>>>(*ctx, *a, phase);
-  }
+  const bool nvl = a->net == nullptr && (a->flags & DEK_LL_FLAG_LOGFMT) == 0;
+  auto* k = gin ? combine_for<GinNet>(sig) : nvl ? combine_for<NvlNet>(sig) : combine_for<LsaNet>(sig);
+  k<<<grid, threads, 0, deep_ep::as_stream(stream)>>>(*ctx, *a, phase);
 }
 
 // The launch of an LL kernel on the seam of `a` (the LSA instance also serves intranode buffers).

@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from intranode import short_name, write_record  # noqa: E402
-from low_latency import capture, ll_inputs, ll_setup  # noqa: E402
+from low_latency import capture, hook_step, ll_inputs, ll_setup, v1_hook_step  # noqa: E402
 
 
 def kernels_of(prof):
@@ -86,11 +86,6 @@ def cases(buf, v1, n, args):
         torch.cuda.synchronize()
         return hd
 
-    def hook_step():
-        r = buf.low_latency_dispatch(x, idx, t, e, use_fp8=True, return_recv_hook=True)
-        r[4]()
-        buf.low_latency_combine(y, idx, w, r[2], out=out, return_recv_hook=True)[2]()
-
     def twice(weights):
         """Two combines answering a dispatch issued now (the latest one: partial with weights)."""
         hd = fresh(weights)
@@ -107,7 +102,7 @@ def cases(buf, v1, n, args):
         ("deep_ep", "step partial"): lambda: lambda: comb(disp(True)[2]),
         ("deep_ep", "step rows"): lambda: lambda: comb(disp(False)[2]),
         # Hook mode (SGLang's two-batch overlap): send op, its receive hook, for both ops.
-        ("deep_ep", "step rows+hook"): lambda: hook_step,
+        ("deep_ep", "step rows+hook"): lambda: lambda: hook_step(buf, x, idx, t, e, y, w, out),
     }
     if v1 is not None:
         yv = v1.dispatch(x, idx, use_fp8=False)[0].clone()
@@ -123,13 +118,7 @@ def cases(buf, v1, n, args):
         c[("deepep_v1", "dispatch fp8+bf16")] = lambda: lambda: (v1.dispatch(x, idx), v1.dispatch(x, idx, use_fp8=False))
         c[("deepep_v1", "combine x2 rows")] = v1_twice
         c[("deepep_v1", "step rows")] = lambda: lambda: v1.combine(yv, idx, w, v1.dispatch(x, idx)[2], out=outv)
-
-        def v1_hook_step():
-            r = v1.dispatch(x, idx, hook=True)
-            r[4]()
-            v1.combine(yv, idx, w, r[2], hook=True, out=outv)[2]()
-
-        c[("deepep_v1", "step rows+hook")] = lambda: v1_hook_step
+        c[("deepep_v1", "step rows+hook")] = lambda: lambda: v1_hook_step(v1, x, idx, yv, w, outv)
     return c
 
 

@@ -95,6 +95,21 @@ def split_time(send, iters):
     return slowest(ts[len(ts) // 2]), slowest(tr[len(tr) // 2])
 
 
+def hook_step(buf, x, idx, t, e, y, w, out):
+    """The rows step in hook mode (SGLang's two-batch overlap captures it so): the FP8 dispatch's
+    send op (no weights), its receive hook, the rows combine's send op, its hook."""
+    r = buf.low_latency_dispatch(x, idx, t, e, use_fp8=True, return_recv_hook=True)
+    r[4]()
+    buf.low_latency_combine(y, idx, w, r[2], out=out, return_recv_hook=True)[2]()
+
+
+def v1_hook_step(v1, x, idx, y, w, out):
+    """hook_step on DeepEP V1's buffer (bench/deepep_v1.py's LL)."""
+    r = v1.dispatch(x, idx, hook=True)
+    r[4]()
+    v1.combine(y, idx, w, r[2], hook=True, out=out)[2]()
+
+
 def ll_inputs(n, args, rank):
     """This rank's inputs for n tokens (seeded by rank): x [n, hidden] BF16, topk_idx [n, topk] of
     distinct experts, topk_weights [n, topk] FP32."""
@@ -168,14 +183,9 @@ def run_case(buf, args, n, rank, world, v1=None):
     row("dispatch+combine", "fp8/bf16", graph_time(lambda: comb(disp(True, weights=False)[2]), 1, args.replays), fp8_bytes + bf16_bytes,
         graph=True, combine="rows")
     if args.hook:
-        # The same step in hook mode (send op, then its receive hook; SGLang's two-batch overlap
-        # captures it so): the two-launch kernels, which the rows above do not run.
-        def hook_step():
-            r = disp(True, hook=True, weights=False)
-            r[4]()
-            comb(r[2], hook=True)[2]()
-
-        row("dispatch+combine", "fp8/bf16", graph_time(hook_step, 1, args.replays), fp8_bytes + bf16_bytes, graph=True, combine="rows+hook")
+        # The same step in hook mode: the two-launch kernels, which the rows above do not run.
+        row("dispatch+combine", "fp8/bf16", graph_time(lambda: hook_step(buf, x, idx, t, e, y, w, out), 1, args.replays), fp8_bytes + bf16_bytes,
+            graph=True, combine="rows+hook")
     d_send, d_recv = split_time(lambda: disp(True, True)[4], args.iters)
     row("dispatch", "fp8", timed(lambda: disp(True), args.iters)[0], fp8_bytes, send_us=d_send, recv_us=d_recv)
     hp = fresh()
@@ -221,13 +231,8 @@ def v1_rows(v1, args, x, idx, w, fp8_bytes, bf16_bytes, row, hook=False):
     row("dispatch+combine", "fp8/bf16", graph_time(lambda: comb(disp()[2]), 1, args.replays), fp8_bytes + bf16_bytes, graph=True,
         combine="rows", **kw)
     if hook:
-        def hook_step():
-            r = v1.dispatch(x, idx, hook=True)
-            r[4]()
-            v1.combine(y, idx, w, r[2], hook=True, out=out)[2]()
-
-        row("dispatch+combine", "fp8/bf16", graph_time(hook_step, 1, args.replays), fp8_bytes + bf16_bytes, graph=True,
-            combine="rows+hook", **kw)
+        row("dispatch+combine", "fp8/bf16", graph_time(lambda: v1_hook_step(v1, x, idx, y, w, out), 1, args.replays), fp8_bytes + bf16_bytes,
+            graph=True, combine="rows+hook", **kw)
     row("dispatch", "fp8", timed(disp, args.iters)[0], fp8_bytes, **kw)
     hd = disp()[2]
     torch.cuda.synchronize()

@@ -668,8 +668,16 @@ int launch_dispatch(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, dim3 gri
     auto* k = split ? (fp4 ? dispatch<NvlNet, true, false, true> : dispatch<NvlNet, false, false, true>) : dispatch_for<NvlNet>(fp4);
     return launch_pdl(k, static_cast<int>(grid.x), threads, s, *ctx, *args, phase);
   }
-  // Two launches (hook): with no seam the one-launch form's kernel (no seam code).
+  // Two launches (hook): with no seam the one-launch form's kernels (no seam code), the send of a
+  // cast payload of few tokens split as there (grid N * P: every block has a slice).
   auto* k = gin ? dispatch_for<GinNet>(fp4) : args->net == nullptr ? dispatch_for<NvlNet>(fp4) : dispatch_for<LsaNet>(fp4);
+  if (args->net == nullptr && phase == DEK_LL_PHASE_SEND && (fp4 || args->use_fp8)) {
+    const int p = peer_split(args->num_tokens, std::min(args->num_blocks, 64), args->hidden / 128);
+    if (p > 1) {
+      k = fp4 ? dispatch<NvlNet, true, false, true> : dispatch<NvlNet, false, false, true>;
+      grid = dim3(args->num_tokens * p);
+    }
+  }
   k<<<grid, threads, 0, s>>>(*ctx, *args, phase);
   return static_cast<int>(cudaGetLastError());
 }

@@ -1,0 +1,271 @@
+// ll_combine_recv.cuh: the receive half of the LL combine (every form that has one): the wait for
+// the senders' signals, the routing check, then per token (over P blocks) the reduction of its
+// selections' rows (rows), of its ranks' partial sums (partial) or of LogFMT rows. The two-launch
+// receive kernel reads the call's half, number and format from recv_state (combine_recv).
+#pragma once
+
+#include <cstdint>
+
+#include "ll_combine_local.cuh"
+#include "ll_combine_spread.cuh"
+#include "logfmt.cuh"
+#include "low_latency.cuh"
+
+namespace deep_ep {
+namespace ll {
+namespace {
+
+
+// LogFMT reduction of token `tok` (combine receive, blockDim = kReduceThreads): per pass of 32
+// groups (4096 channels), thread (k, g) = (tid / 32, tid % 32) derives selection k's parameters of
+// group g from the meta and then its chunk's cast decision; then thread j reduces channels
+// 8j..8j+7 of the pass: acc = fma(decoded value, w_k, acc) over k in order (crate:
+// logfmt::decode_accumulate), one bf16 rounding. s_e / s_w: the token's experts and weights.
+static_assert(kReduceThreads == kMaxLlTopk * 32, "one thread per (selection, group) of a LogFMT pass");
+__device__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok, const int64_t* s_e, const float* s_w) {
+  __shared__ float s_lamin[kMaxLlTopk][32], s_step[kMaxLlTopk][32];
+  __shared__ int s_castable[kMaxLlTopk][32], s_cast[kMaxLlTopk][32];
+  const int tid = threadIdx.x, K = a.num_topk, E = a.num_experts, T = a.num_max_tokens, H = a.hidden, S = H / 128;
+  const int per_chunk = logfmt::chunk_channels(H) / 128;  // divides 32: passes start at chunk starts
+  const uint64_t pay = static_cast<uint64_t>(E) * T * S * 4;
+  const int k = tid / 32, gi = tid % 32;
+  const int64_t ek = k < K ? s_e[k] : -1;
+  for (int base = 0; base < S; base += 32) {
+    const int g = base + gi;
+    const bool mine = ek >= 0 && ek < E && g < S;
+    if (mine) {
+      const uint32_t m = __ldcg(reinterpret_cast<const unsigned int*>(recv + ((static_cast<uint64_t>(ek) * T + tok) * S + g) * 4));
+      const logfmt::Group p = logfmt::group_of_meta(m);
+      s_lamin[k][gi] = p.log_amin;
+      s_step[k][gi] = logfmt::group_step(p);
+      s_castable[k][gi] = p.castable;
+    }
+    __syncthreads();
+    if (mine) {
+      const int q0 = gi / per_chunk * per_chunk, q1 = min(q0 + per_chunk, S - base);
+      int all = 1;
+      for (int q = q0; q < q1; ++q) all &= s_castable[k][q];
+      s_cast[k][gi] = all;
+    }
+    __syncthreads();
+    const int j = base * 16 + tid, gl = tid / 16, mm = tid % 16;  // 8-channel unit j lies in group base + gl
+    if (j * 8 < H) {
+      float acc[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) acc[u] = 0.0f;
+      for (int q = 0; q < K; ++q) {
+        const int64_t e = s_e[q];
+        if (e < 0 || e >= E) continue;
+        const char* row = recv + pay + (static_cast<uint64_t>(e) * T + tok) * 2 * H;
+        if (s_cast[q][gl]) {
+          const unsigned int* w = reinterpret_cast<const unsigned int*>(row + (base + gl) * 256 + (10 * mm & ~3));
+          const uint32_t wv[3] = {__ldcg(w), __ldcg(w + 1), __ldcg(w + 2)};
+          logfmt::accumulate_cast8(acc, wv, 10 * mm & 3, s_step[q][gl], s_lamin[q][gl], s_w[q]);
+        } else {
+          const int4 v = __ldcg(reinterpret_cast<const int4*>(row) + j);
+          const uint32_t wv[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z), static_cast<uint32_t>(v.w)};
+          logfmt::accumulate_raw8(acc, wv, s_w[q]);
+        }
+      }
+      reinterpret_cast<int4*>(a.out + static_cast<int64_t>(tok) * H)[j] = pack_bf16x8(acc);
+    }
+    __syncthreads();  // the parameters are rewritten by the next pass (and s_e / s_w by the next token)
+  }
+}
+
+// Every block waits for all E words (partial: the R words d*E_l) of call `seq` on `half`, then
+// reduces work items blockIdx.x, +gridDim.x, ...: item w = slice w % P of token w / P (P blocks
+// share a token when there are more blocks than tokens: a 1-token combine is not one block's
+// loads; P = 1 for LogFMT); thread j of a slice owns channels 8j..8j+7: acc = fma(y_k, w_k, acc)
+// over k in order (crate: f32::mul_add); partial: acc += the partial row of each expert rank d
+// ascending that holds one of the token's (unmasked) experts.
+// kRowBatch: rows' loads in flight per thread before their FMAs (per-expert rows). kOwn (the
+// one-launch kernel, rows, own_rows_direct): a selection of this rank's experts reads its row where
+// the send left it (its index at the row's place: x or the zero-copy slot; an index outside the
+// expert's rows drops the selection, so no stale word can send a load out of bounds). direct: a
+// one-launch kernel's (check_routing_direct). kState (the receive launch): thread 0 reads half,
+// seq and the format from recv_state while the block reads the rank mask (one latency, not two).
+// Before the wait, warp 0 loads the block's first token's ids and weights (the caller's tensors),
+// and the format words are checked after the rows: neither is a latency between wait and rows.
+template <class Net, int kRowBatch = 4, bool kOwn = false, bool kState = false>
+__device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a, int half, uint32_t seq, bool partial, bool logfmt, bool direct) {
+  __shared__ int s_ok, s_npart, s_state[3];
+  __shared__ int s_live[kMaxLlRanks];  // ranks whose words arrived (their format words are checked)
+  __shared__ unsigned long long s_wait[kMaxLlRanks];
+  __shared__ int64_t s_e[kMaxLlTopk];
+  __shared__ float s_w[kMaxLlTopk];
+  __shared__ int s_part[kMaxLlTopk];  // partial sums: the token's distinct expert ranks, ascending
+  __shared__ int s_dead[kMaxLlRanks];  // the rank mask, read once (no shrink mode: it cannot change during the call)
+  __shared__ const char* s_row[kOwn ? kMaxLlTopk : 1];  // kOwn: selection k's row
+  const int tid = threadIdx.x, R = c.num_ranks, El = a.num_experts / R, E = a.num_experts, T = a.num_max_tokens, H = a.hidden;
+  const int K = a.num_topk;
+  const bool snap = a.shrink_mask == nullptr;  // shrink mode: a wait may mask a rank, read the mask each time
+  const auto masked = [&](int d) { return snap ? s_dead[d] != 0 : rank_masked(a, d); };
+  if (tid == 0) {
+    s_ok = 1;
+    if (kState) {
+      int h = 0, fl = 0;
+      uint32_t q = 0;
+      s_ok = read_state(c, a, DEK_LL_KIND_COMBINE, false, DEK_IC_SITE_LL_COMBINE, &h, &q, &fl);
+      s_state[0] = h;
+      s_state[1] = static_cast<int>(q);
+      s_state[2] = fl;
+    }
+  }
+  for (int d = tid; d < R; d += blockDim.x) {
+    s_wait[d] = 0;
+    s_live[d] = 0;
+    if (snap) s_dead[d] = rank_masked(a, d);
+  }
+  __syncthreads();
+  if (kState) {
+    if (!s_ok) return;
+    half = s_state[0];
+    seq = static_cast<uint32_t>(s_state[1]);
+    partial = (s_state[2] & DEK_LL_FLAG_PARTIAL) != 0;
+    logfmt = (s_state[2] & DEK_LL_FLAG_LOGFMT) != 0;
+  }
+  char* me = local(c);
+  const int U = H / 8, N = a.num_tokens, blocks = static_cast<int>(gridDim.x);
+  const int P = logfmt || N < 1 ? 1 : max(1, min(blocks / N, static_cast<int>((U + blockDim.x - 1) / blockDim.x)));
+  int64_t e0 = -1;  // warp 0: the first item's selection tid (its loads in flight across the wait)
+  float w0 = 0.0f;
+  if (tid < K && static_cast<int>(blockIdx.x) < N * P) {
+    const int64_t j = static_cast<int64_t>(blockIdx.x / P) * K + tid;
+    e0 = topk_at(a, j);
+    w0 = a.topk_weights[j];
+  }
+  for (int w = tid; w < E; w += blockDim.x) {
+    if (masked(w / El)) continue;  // a masked rank returns nothing and is not waited for
+    if (partial && w % El != 0) continue;  // partial: one word per expert rank
+    const long long t0 = clock64();
+    uint32_t v = 0;
+    bool gave_up = false;
+    const int got = wait_from<Net>(c, a, w / El, at<const uint32_t>(me, sig_off(a, half) + static_cast<uint64_t>(w) * 4), kSeamCombine, half,
+                                   w % El, seq, DEK_IC_SITE_LL_COMBINE, &v, &gave_up);
+    if (gave_up) abandon_call<Net>(c, a, kSeamCombine, half, seq, a.shrink_mask != nullptr ? w / El : -1, partial);
+    if (got < 0) {
+      s_ok = 0;
+      break;
+    }
+    if (got == 0) continue;  // shrink mode masked the rank: its experts are dropped below
+    // Only when asked: a 64-bit shared atomicMax is a compare-and-swap loop on one word.
+    if (a.wait_stats != nullptr) atomicMax(&s_wait[w / El], static_cast<unsigned long long>(clock64() - t0));
+    if (w % El == 0) s_live[w / El] = 1;
+  }
+  __syncthreads();
+  if (!s_ok) return;
+  if (blockIdx.x == gridDim.x - 1) {  // with N * P < the grid it has no item
+    if (direct) check_routing_direct(c, a);
+    else check_routing(c, a, half);
+  }
+  for (int d = tid; blockIdx.x == 0 && d < R && a.wait_stats != nullptr; d += blockDim.x) {
+    atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + d), s_wait[d]);
+  }
+  const char* recv = me + recv_off(a, half);
+  const uint64_t row_bytes = 2 * static_cast<uint64_t>(H);
+  const bool own = kOwn && !partial && !logfmt && own_rows(a);
+  const int64_t RT = static_cast<int64_t>(R) * T;
+  const uint64_t zc_row = 2 * static_cast<uint64_t>(H + H / 128 * 2);  // a zero-copy slot row's bytes
+  for (int item = blockIdx.x; item < N * P; item += blocks) {
+    const int tok = item / P, u_lo = (item % P) * U / P, u_hi = (item % P + 1) * U / P;
+    if (tid < 32) {  // warp 0, lane k: selection k (K <= kMaxLlTopk <= 32)
+      int64_t e = -1;
+      if (tid < K) {
+        const bool first = item == static_cast<int>(blockIdx.x);
+        e = first ? e0 : topk_at(a, static_cast<int64_t>(tok) * K + tid);
+        if (e >= 0 && e < E && masked(static_cast<int>(e / El))) e = -1;  // experts of masked ranks: dropped
+        if constexpr (kOwn) {
+          const char* row = nullptr;
+          if (e >= 0 && e < E) {
+            row = recv + static_cast<uint64_t>(e) * T * row_bytes + static_cast<uint64_t>(tok) * row_bytes;
+            if (own && e / El == c.rank) {
+              const int64_t idx = __ldcg(reinterpret_cast<const long long*>(row)), l = e % El;
+              const bool in = idx >= l * RT && idx < (l + 1) * RT;
+              row = !in ? nullptr : a.zero_copy ? me + send_off(a, half) + static_cast<uint64_t>(idx) * zc_row
+                                                : static_cast<const char*>(a.x) + static_cast<uint64_t>(idx) * row_bytes;
+              if (!in) e = -1;
+            }
+          }
+          s_row[tid] = row;
+        }
+        s_e[tid] = e;
+        s_w[tid] = first ? w0 : a.topk_weights[static_cast<int64_t>(tok) * K + tid];
+      }
+      // The distinct ranks of the valid experts, ascending.
+      const bool valid = e >= 0 && e < E;
+      const int d = valid ? static_cast<int>(e / El) : 0;
+      const RankList part = rank_list(valid, d);
+      if (part.first) s_part[part.idx] = d;
+      if (tid == 0) s_npart = part.count;
+    }
+    __syncthreads();
+    if (partial) {
+      for (int j = u_lo + tid; j < u_hi; j += blockDim.x) {
+        float acc[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) acc[u] = 0.0f;
+        for (int i = 0; i < s_npart; ++i) {
+          const int d = s_part[i];
+          const int4 v = __ldcg(reinterpret_cast<const int4*>(recv + a.partial_off + (static_cast<uint64_t>(d) * T + tok) * row_bytes) + j);
+          const uint32_t wv[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z), static_cast<uint32_t>(v.w)};
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            acc[2 * u] = __fadd_rn(acc[2 * u], bf16_to_f32(wv[u] & 0xffffu));
+            acc[2 * u + 1] = __fadd_rn(acc[2 * u + 1], bf16_to_f32(wv[u] >> 16));
+          }
+        }
+        reinterpret_cast<int4*>(a.out + static_cast<int64_t>(tok) * H)[j] = pack_bf16x8(acc);
+      }
+      __syncthreads();  // s_e, s_w, s_part are rewritten for the next token
+      continue;
+    }
+    if (logfmt) {
+      ll_combine_recv_logfmt(a, recv, tok, s_e, s_w);
+      continue;
+    }
+    for (int j = u_lo + tid; j < u_hi; j += blockDim.x) {
+      float acc[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) acc[u] = 0.0f;
+      // kRowBatch rows' loads in flight before their FMAs (each load used at once made K serial
+      // latencies); the FMAs keep the order k = 0, 1, ... so the sums are unchanged.
+      for (int k0 = 0; k0 < K; k0 += kRowBatch) {
+        int4 v[kRowBatch];
+#pragma unroll
+        for (int u = 0; u < kRowBatch; ++u) {
+          const int64_t e = k0 + u < K ? s_e[k0 + u] : -1;
+          if (e >= 0 && e < E) {
+            const char* row = kOwn ? s_row[k0 + u] : recv + (static_cast<uint64_t>(e) * T + tok) * row_bytes;
+            v[u] = __ldcg(reinterpret_cast<const int4*>(row) + j);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kRowBatch; ++u) {
+          const int64_t e = k0 + u < K ? s_e[k0 + u] : -1;
+          if (e < 0 || e >= E) continue;
+          const uint32_t wv[4] = {static_cast<uint32_t>(v[u].x), static_cast<uint32_t>(v[u].y), static_cast<uint32_t>(v[u].z), static_cast<uint32_t>(v[u].w)};
+          fma_bf16x8(acc, wv, s_w[k0 + u]);
+        }
+      }
+      reinterpret_cast<int4*>(a.out + static_cast<int64_t>(tok) * H)[j] = pack_bf16x8(acc);
+    }
+    __syncthreads();  // s_e / s_w are rewritten for the next token
+  }
+  // Block 0: the senders' format words, after the rows. The reduction read this rank's own layout
+  // only, so a sender of another format changed nothing outside the call's output, which a
+  // raising call leaves unspecified.
+  for (int d = tid; blockIdx.x == 0 && d < R; d += blockDim.x) {
+    if (s_live[d] && !remote<Net>(c, a, d)) fmt_agrees(c, a, 1, half, d, fmt_combine(logfmt, partial), DEK_IC_SITE_LL_COMBINE);
+  }
+}
+
+// The receive launch: the call's half, number and format from recv_state (written by the send).
+template <class Net>
+__device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
+  combine_recv_tokens<Net, 8, false, true>(c, a, 0, 0, false, false, false);
+}
+
+}  // namespace
+}  // namespace ll
+}  // namespace deep_ep

@@ -491,7 +491,7 @@ __device__ __forceinline__ bool dispatch_recv_column(const Ctx& c, const Args& a
                                                      const int* mask) {
   constexpr int kWarps = kThreads / 32;
   __shared__ int s_ok;
-  __shared__ int s_cnt[kMaxLlRanks], s_begin[kMaxLlRanks + 1], s_got[kMaxLlRanks];
+  __shared__ int s_cnt[kMaxLlRanks], s_begin[kMaxLlRanks + 1];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int R = c.num_ranks, T = a.num_max_tokens, H = a.hidden, S = H / 128;
   const int64_t RT = static_cast<int64_t>(R) * T;
@@ -509,10 +509,9 @@ __device__ __forceinline__ bool dispatch_recv_column(const Ctx& c, const Args& a
     if (gave_up) abandon_call<Net>(c, a, kSeamDispatch, half, seq, a.shrink_mask != nullptr ? s : -1, false);
     if (got == 0) {
       s_cnt[s] = 0;  // a masked source (or, in shrink mode, one that timed out) counts as sending nothing
-      s_got[s] = 0;
     } else if (got > 0) {
       s_cnt[s] = min(static_cast<int>(v & 0xffffu) - 1, T);
-      s_got[s] = 1;
+      if (l == 0 && y == 0 && !remote<Net>(c, a, s) && !fmt_agrees(c, a, 0, half, s, fmt_dispatch(a), DEK_IC_SITE_LL_DISPATCH)) s_ok = 0;
       if (y == 0 && a.wait_stats != nullptr) {
         atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + s), static_cast<unsigned long long>(clock64() - t0));
       }
@@ -594,28 +593,16 @@ __device__ __forceinline__ bool dispatch_recv_column(const Ctx& c, const Args& a
       for (int g = lane; g < S; g += 32) static_cast<float*>(a.recv_scales)[sbase + g * a.scale_stride[2]] = __ldcg(si + g);
     }
   }
-  // Column (0, 0): the sources' format words, after the rows (their loads were a latency of their
-  // own between the wait and the copy). The copy used this rank's geometry only, so a source of
-  // another format wrote nothing outside this call's outputs, which a raising call leaves unspecified.
-  if (l == 0 && y == 0) {
-#pragma unroll 1
-    for (int s = tid; s < R && tid < kWaiters; s += kWaiters) {
-      if (s_got[s] && !remote<Net>(c, a, s) && !fmt_agrees(c, a, 0, half, s, fmt_dispatch(a), DEK_IC_SITE_LL_DISPATCH)) s_ok = 0;
-    }
-  }
-  __syncthreads();  // s_cnt, s_begin, s_got and s_ok are rewritten by the block's next column
-  return s_ok != 0;
+  __syncthreads();  // s_cnt, s_begin and s_ok are rewritten by the block's next column
+  return true;
 }
 
 // The receive launch: block (l, y) of grid (E_l, Y) is column (l, y), the call's half and number
 // from recv_state (written by the send launch).
 template <class Net, bool kFp4>
 __device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a) {
-  __shared__ int s_ok, s_half, s_mask[kMaxLlRanks];
+  __shared__ int s_ok, s_half;
   __shared__ uint32_t s_seq;
-  // The rank mask beside recv_state (was read after it, one more latency before the wait); shrink
-  // mode reads it at each wait instead (a wait may change it).
-  for (int r = threadIdx.x; r < c.num_ranks; r += blockDim.x) s_mask[r] = rank_masked(a, r);
   if (threadIdx.x == 0) {
     int h = 0, fl = 0;
     uint32_t q = 0;
@@ -624,7 +611,7 @@ __device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a) {
     s_seq = q;
   }
   __syncthreads();
-  if (s_ok) dispatch_recv_column<Net, kFp4, kLlThreads>(c, a, blockIdx.x, blockIdx.y, gridDim.y, s_half, s_seq, a.shrink_mask != nullptr ? nullptr : s_mask);
+  if (s_ok) dispatch_recv_column<Net, kFp4, kLlThreads>(c, a, blockIdx.x, blockIdx.y, gridDim.y, s_half, s_seq, nullptr);
 }
 
 }  // namespace

@@ -84,7 +84,7 @@ __device__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok,
 // the send left it (its index at the row's place: x or the zero-copy slot; an index outside the
 // expert's rows drops the selection, so no stale word can send a load out of bounds). direct: a
 // one-launch kernel's (check_routing_direct). kState (the receive launch): thread 0 reads half,
-// seq and the format from recv_state while the block reads the rank mask (one latency, not two).
+// seq and the format from recv_state before the block's first barrier, beside the mask loads.
 // Before the wait, warp 0 loads the block's first token's ids and weights (the caller's tensors),
 // and the format words are checked after the rows: neither is a latency between wait and rows.
 template <class Net, int kRowBatch = 4, bool kOwn = false, bool kState = false>

@@ -295,7 +295,8 @@ static_assert(kMsgMeta == DEK_LL_MSG_META, "message meta size");
 // Reads recv_state: false (after reporting) when it does not come from a send of `kind` with
 // `flags`, or the buffer timed out.
 __device__ bool read_state(const Ctx& c, const Args& a, int kind, bool check_flags, int site, int* half, uint32_t* seq, int* flags) {
-  // Every load issued before any test: one memory latency instead of five in a chain.
+  // Every load before any test in the source; but the compiler sinks the plain recv_state loads
+  // below the stale test, so thread 0 waits two latencies (SASS, bench/NOTES.md session 37; branch rs1).
   const bool stale = timed_out(c);
   const int64_t* st = a.recv_state;
   const int64_t st0 = st[0], st1 = st[1], st2 = st[2], st3 = st[3];

@@ -82,13 +82,14 @@ __device__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok,
 // kRowBatch: rows' loads in flight per thread before their FMAs (per-expert rows). kOwn (the
 // one-launch kernel, rows, own_rows_direct): a selection of this rank's experts reads its row where
 // the send left it (its index at the row's place: x or the zero-copy slot; an index outside the
-// expert's rows drops the selection, so no stale word can send a load out of bounds). direct: a
-// one-launch kernel's (check_routing_direct). kState (the receive launch): thread 0 reads half,
-// seq and the format from recv_state before the block's first barrier, beside the mask loads.
+// expert's rows drops the selection, so no stale word can send a load out of bounds). kState (the
+// receive launch): thread 0 reads half, seq and the format from recv_state before the block's
+// first barrier, beside the mask loads, and the routing check reads the copies its send kernel
+// made (check_routing); a one-launch kernel's reads the dispatch's words (check_routing_direct).
 // Before the wait, warp 0 loads the block's first token's ids and weights (the caller's tensors),
 // and the format words are checked after the rows: neither is a latency between wait and rows.
 template <class Net, int kRowBatch = 4, bool kOwn = false, bool kState = false>
-__device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a, int half, uint32_t seq, bool partial, bool logfmt, bool direct) {
+__device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a, int half, uint32_t seq, bool partial, bool logfmt) {
   __shared__ int s_ok, s_npart, s_state[3];
   __shared__ int s_live[kMaxLlRanks];  // ranks whose words arrived (their format words are checked)
   __shared__ unsigned long long s_wait[kMaxLlRanks];
@@ -156,8 +157,8 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
   __syncthreads();
   if (!s_ok) return;
   if (blockIdx.x == gridDim.x - 1) {  // with N * P < the grid it has no item
-    if (direct) check_routing_direct(c, a);
-    else check_routing(c, a, half);
+    if (kState) check_routing(c, a, half);
+    else check_routing_direct(c, a);
   }
   for (int d = tid; blockIdx.x == 0 && d < R && a.wait_stats != nullptr; d += blockDim.x) {
     atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + d), s_wait[d]);
@@ -263,7 +264,7 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
 // The receive launch: the call's half, number and format from recv_state (written by the send).
 template <class Net>
 __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
-  combine_recv_tokens<Net, 8, false, true>(c, a, 0, 0, false, false, false);
+  combine_recv_tokens<Net, 8, false, true>(c, a, 0, 0, false, false);
 }
 
 }  // namespace

@@ -356,18 +356,18 @@ __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kRedu
   if constexpr (kSpread) {
     // Rows only, an instantiation of its own (112 registers; the other one-launch paths keep their
     // code): its receive has every top-8 row's load in flight at once.
-    if (combine_send<Net, false, true>(c, a, &seq)) combine_recv_tokens<Net, 8>(c, a, a.half, seq, false, false, true);
+    if (combine_send<Net, false, true>(c, a, &seq)) combine_recv_tokens<Net, 8>(c, a, a.half, seq, false, false);
     return;
   }
   if constexpr (kOwn) {
     // Rows only, an instantiation of its own (140 registers: a top-8 token's 8 row loads at once; in the
     // shared kernel the own-rows code cost the partial combine 0.1-0.3 µs, session 31). Own rows: own_rows.
-    if (combine_send<Net, false, false, true, true>(c, a, &seq)) combine_recv_tokens<Net, 8, true>(c, a, a.half, seq, false, false, true);
+    if (combine_send<Net, false, false, true, true>(c, a, &seq)) combine_recv_tokens<Net, 8, true>(c, a, a.half, seq, false, false);
     return;
   }
   const bool partial = kBoth ? kPartial : a.partial != 0;
   const bool sent = partial ? combine_send_partial<Net, kSig, kBoth>(c, a, &seq) : combine_send<Net, kSig, false, false, kBoth>(c, a, &seq);
-  if (kBoth && sent) combine_recv_tokens<Net>(c, a, a.half, seq, partial, false, true);
+  if (kBoth && sent) combine_recv_tokens<Net>(c, a, a.half, seq, partial, false);
 }
 
 template <class Net>

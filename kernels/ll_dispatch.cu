@@ -658,25 +658,28 @@ __global__ void __launch_bounds__(kSendThreads, 2) dispatch(const __grid_constan
 template <class Net>
 auto dispatch_for(bool fp4) { return fp4 ? dispatch<Net, true> : dispatch<Net, false>; }
 
+// Blocks per token of the split NVLink send (kSplit) of `args` over at most `blocks` (the kernel's
+// own peer_split on the same grid): a cast payload (FP8 / NVFP4) of few tokens; 1: not split.
+int split_of(const dek_ll_args_t* args, int blocks) {
+  return args->use_nvfp4 || args->use_fp8 ? peer_split(args->num_tokens, std::min(blocks, 64), args->hidden / 128) : 1;
+}
+
 // `dispatch` for the Net and payload of `args`.
 int launch_dispatch(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, dim3 grid, int threads, void* stream, int phase) {
   const bool gin = args->net != nullptr && args->net_kind == DEK_LL_NET_GIN, fp4 = args->use_nvfp4 != 0;
   const cudaStream_t s = as_stream(stream);
+  auto* const split = fp4 ? dispatch<NvlNet, true, false, true> : dispatch<NvlNet, false, false, true>;
   if (!gin && phase == DEK_LL_PHASE_BOTH) {  // one launch over NVLink: early, as the one-rank form
-    // A cast payload (FP8 / NVFP4) of few tokens: each token's groups over P blocks (kSplit).
-    const bool split = (fp4 || args->use_fp8) && peer_split(args->num_tokens, std::min<int>(grid.x, 64), args->hidden / 128) > 1;
-    auto* k = split ? (fp4 ? dispatch<NvlNet, true, false, true> : dispatch<NvlNet, false, false, true>) : dispatch_for<NvlNet>(fp4);
+    auto* k = split_of(args, static_cast<int>(grid.x)) > 1 ? split : dispatch_for<NvlNet>(fp4);
     return launch_pdl(k, static_cast<int>(grid.x), threads, s, *ctx, *args, phase);
   }
-  // Two launches (hook): with no seam the one-launch form's kernels (no seam code), the send of a
-  // cast payload of few tokens split as there (grid N * P: every block has a slice).
+  // Two launches (hook): with no seam the one-launch form's kernels (no seam code), the split send
+  // on N * P blocks (every block has a slice).
   auto* k = gin ? dispatch_for<GinNet>(fp4) : args->net == nullptr ? dispatch_for<NvlNet>(fp4) : dispatch_for<LsaNet>(fp4);
-  if (args->net == nullptr && phase == DEK_LL_PHASE_SEND && (fp4 || args->use_fp8)) {
-    const int p = peer_split(args->num_tokens, std::min(args->num_blocks, 64), args->hidden / 128);
-    if (p > 1) {
-      k = fp4 ? dispatch<NvlNet, true, false, true> : dispatch<NvlNet, false, false, true>;
-      grid = dim3(args->num_tokens * p);
-    }
+  const int p = args->net == nullptr && phase == DEK_LL_PHASE_SEND ? split_of(args, args->num_blocks) : 1;
+  if (p > 1) {
+    k = split;
+    grid = dim3(args->num_tokens * p);
   }
   k<<<grid, threads, 0, s>>>(*ctx, *args, phase);
   return static_cast<int>(cudaGetLastError());

@@ -402,16 +402,6 @@ void launch_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* a, dim3 grid, 
   k<<<grid, threads, 0, deep_ep::as_stream(stream)>>>(*ctx, *a, phase);
 }
 
-// The launch of an LL kernel on the seam of `a` (the LSA instance also serves intranode buffers).
-#define DEEP_EP_LL_LAUNCH(kernel, grid, block, a, ...)                                     \
-  do {                                                                                     \
-    if ((a)->net != nullptr && (a)->net_kind == DEK_LL_NET_GIN) {                      \
-      kernel<GinNet><<<grid, block, 0, deep_ep::as_stream(stream)>>>(__VA_ARGS__);         \
-    } else {                                                                               \
-      kernel<LsaNet><<<grid, block, 0, deep_ep::as_stream(stream)>>>(__VA_ARGS__);         \
-    }                                                                                      \
-  } while (0)
-
 }  // namespace
 }  // namespace ll
 }  // namespace deep_ep
@@ -515,7 +505,10 @@ extern "C" int dek_ll_combine_local(const dek_ic_ctx_t* ctx, const dek_ll_args_t
 
 extern "C" int dek_ll_zero_signals(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream) {
   if (!ll_ok(ctx, args)) return static_cast<int>(cudaErrorInvalidValue);
-  DEEP_EP_LL_LAUNCH(deep_ep::ll::clean_signals, 16, 256, args, *ctx, *args);
+  // The seam's instance of the signal reset (the LSA one also serves intranode buffers).
+  const bool gin = args->net != nullptr && args->net_kind == DEK_LL_NET_GIN;
+  auto* k = gin ? clean_signals<GinNet> : clean_signals<LsaNet>;
+  k<<<16, 256, 0, deep_ep::as_stream(stream)>>>(*ctx, *args);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -116,8 +116,10 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
   for (int d = tid; d < R; d += blockDim.x) {
     s_wait[d] = 0;
     s_live[d] = 0;
-    if (snap) s_dead[d] = rank_masked(a, d);
   }
+  // kState: warps 1.. read the mask, thread 0 recv_state (on one thread they were in a chain).
+  const int first = kState ? 32 : 0;
+  for (int d = tid - first; snap && d >= 0 && d < R; d += static_cast<int>(blockDim.x) - first) s_dead[d] = rank_masked(a, d);
   __syncthreads();
   if (kState) {
     if (!s_ok) return;

@@ -601,8 +601,11 @@ __device__ __forceinline__ bool dispatch_recv_column(const Ctx& c, const Args& a
 // from recv_state (written by the send launch).
 template <class Net, bool kFp4>
 __device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a) {
-  __shared__ int s_ok, s_half;
+  __shared__ int s_ok, s_half, s_mask[kMaxLlRanks];
   __shared__ uint32_t s_seq;
+  // Warps 1.. read the rank mask while thread 0 reads recv_state (on thread 0 the two were two
+  // latencies in a chain); shrink mode reads it at each wait instead (a wait may change it).
+  for (int r = static_cast<int>(threadIdx.x) - 32; r >= 0 && r < c.num_ranks; r += kLlThreads - 32) s_mask[r] = rank_masked(a, r);
   if (threadIdx.x == 0) {
     int h = 0, fl = 0;
     uint32_t q = 0;
@@ -611,7 +614,7 @@ __device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a) {
     s_seq = q;
   }
   __syncthreads();
-  if (s_ok) dispatch_recv_column<Net, kFp4, kLlThreads>(c, a, blockIdx.x, blockIdx.y, gridDim.y, s_half, s_seq, nullptr);
+  if (s_ok) dispatch_recv_column<Net, kFp4, kLlThreads>(c, a, blockIdx.x, blockIdx.y, gridDim.y, s_half, s_seq, a.shrink_mask != nullptr ? nullptr : s_mask);
 }
 
 }  // namespace

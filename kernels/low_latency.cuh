@@ -295,10 +295,11 @@ static_assert(kMsgMeta == DEK_LL_MSG_META, "message meta size");
 // Reads recv_state: false (after reporting) when it does not come from a send of `kind` with
 // `flags`, or the buffer timed out.
 __device__ bool read_state(const Ctx& c, const Args& a, int kind, bool check_flags, int site, int* half, uint32_t* seq, int* flags) {
-  // Every load before any test in the source; but the compiler sinks the plain recv_state loads
-  // below the stale test, so thread 0 waits two latencies (SASS, bench/NOTES.md session 37; branch rs1).
+  // Every load issued before any test: one memory latency instead of five in a chain. Volatile
+  // like the timed-out word's, so that they are made on the stale path too and stay above its test
+  // (plain loads were moved below it: two latencies in a chain, the SASS of session 37).
   const bool stale = timed_out(c);
-  const int64_t* st = a.recv_state;
+  const volatile int64_t* st = a.recv_state;
   const int64_t st0 = st[0], st1 = st[1], st2 = st[2], st3 = st[3];
   if (stale) return false;
   if (st3 != kind || (check_flags && st2 != a.flags) || st0 < 0 || st0 > 1) {

@@ -195,7 +195,11 @@ __device__ bool begin_send(const Ctx& c, const Args& a, int kind, uint32_t* s_se
       a.recv_state[2] = a.flags;
       a.recv_state[3] = *s_skip ? -1 : kind;
     }
-    if (!*s_skip && blockIdx.x == 0 && blockIdx.y == 0) {
+    // The dispatch's fingerprints copied for the receive launch's routing check (check_routing:
+    // a later dispatch may reuse the words before a hook runs). A one-launch combine (no
+    // recv_state) reads the dispatch's words itself (check_routing_direct): no copy, whose load
+    // waited for the timed-out word's on block 0's path to its first barrier.
+    if (!*s_skip && blockIdx.x == 0 && blockIdx.y == 0 && a.recv_state != nullptr) {
       if (kind == DEK_LL_KIND_COMBINE) {
         uint64_t* fp = at<uint64_t>(local(c), kLlRouting);
         const bool known = a.routing_half == 0 || a.routing_half == 1;

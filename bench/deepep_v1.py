@@ -86,5 +86,5 @@ class LL:
     def dispatch(self, x, idx, use_fp8=True, hook=False):
         return self.buf.low_latency_dispatch(x, idx, self.tokens, self.experts, use_fp8=use_fp8, return_recv_hook=hook)
 
-    def combine(self, y, idx, w, handle, hook=False, out=None):
-        return self.buf.low_latency_combine(y, idx, w, handle, return_recv_hook=hook, out=out)
+    def combine(self, y, idx, w, handle, hook=False, out=None, logfmt=False):
+        return self.buf.low_latency_combine(y, idx, w, handle, return_recv_hook=hook, out=out, use_logfmt=logfmt)

@@ -15,7 +15,8 @@ top-8 of 288 experts, FP8 dispatch, BF16 combine):
 - `torch_all_to_all`: the naive baseline (counts exchange + all_to_all_single of deduplicated
   tokens, host sync), BF16 payload both ways, median per call.
 With `--hook`, `combine: rows+hook` is the rows step in hook mode (the send ops, then their receive
-hooks, in one graph): the two-launch kernels, for both libraries.
+hooks, in one graph): the two-launch kernels, for both libraries. With `--logfmt`, `dtype: logfmt`
+is the rows combine with LogFMT-encoded rows (`use_logfmt=True`), for both libraries.
 `combine: partial` rows answer a dispatch that carried `topk_weights` (one partial sum per
 (token, expert rank) on the wire); `rows` answer one without (DeepEP's one row per (token,
 expert)). Every combine uses the handle of the latest dispatch (a combine whose dispatch half was
@@ -157,8 +158,8 @@ def run_case(buf, args, n, rank, world, v1=None):
     y = recv.clone()
     out = torch.empty(n, h, dtype=torch.bfloat16, device="cuda")
 
-    def comb(hd, hook=False):
-        return buf.low_latency_combine(y, idx, w, hd, out=out, return_recv_hook=hook)
+    def comb(hd, hook=False, logfmt=False):
+        return buf.low_latency_combine(y, idx, w, hd, out=out, return_recv_hook=hook, use_logfmt=logfmt)
 
     def two(f):
         return lambda: (f(), f())
@@ -182,6 +183,9 @@ def run_case(buf, args, n, rank, world, v1=None):
     # The step DeepEP's callers run (their dispatch carries no weights): FP8 dispatch -> rows combine.
     row("dispatch+combine", "fp8/bf16", graph_time(lambda: comb(disp(True, weights=False)[2]), 1, args.replays), fp8_bytes + bf16_bytes,
         graph=True, combine="rows")
+    if args.logfmt:
+        # The rows combine with LogFMT-encoded rows (DeepEP's use_logfmt): the two-launch kernels.
+        row("combine", "logfmt", graph_time(two(lambda: comb(hr, logfmt=True)), 2, args.replays), bf16_bytes, graph=True, combine="rows")
     if args.hook:
         # The same step in hook mode: the two-launch kernels, which the rows above do not run.
         row("dispatch+combine", "fp8/bf16", graph_time(lambda: hook_step(buf, x, idx, t, e, y, w, out), 1, args.replays), fp8_bytes + bf16_bytes,
@@ -197,7 +201,7 @@ def run_case(buf, args, n, rank, world, v1=None):
     row("dispatch+combine", "fp8/bf16", timed(lambda: comb(disp(True)[2]), args.iters, pipelined=True)[0], fp8_bytes + bf16_bytes,
         combine="partial", timing="pipelined")
     if v1 is not None:
-        v1_rows(v1, args, x, idx, w, fp8_bytes, bf16_bytes, row, hook=args.hook)
+        v1_rows(v1, args, x, idx, w, fp8_bytes, bf16_bytes, row, hook=args.hook, logfmt=args.logfmt)
     in_rank = torch.zeros(n, world, dtype=torch.bool, device="cuda")
     in_rank.scatter_(1, idx // (e // world), True)
     bd, bc, _ = baseline(x, in_rank, world, args.iters)
@@ -206,10 +210,10 @@ def run_case(buf, args, n, rank, world, v1=None):
     return rows
 
 
-def v1_rows(v1, args, x, idx, w, fp8_bytes, bf16_bytes, row, hook=False):
+def v1_rows(v1, args, x, idx, w, fp8_bytes, bf16_bytes, row, hook=False, logfmt=False):
     """DeepEP V1's low-latency dispatch (FP8) and combine (its per-expert rows) on the same inputs:
     graph replays, eager calls and the eager step, as for this library (with `hook`, also the
-    step in hook mode). Rows go through `row`; DeepEP's LL buffer is sized for the largest
+    step in hook mode; with `logfmt`, also the LogFMT combine). Rows go through `row`; DeepEP's LL buffer is sized for the largest
     --tokens value, as this library's."""
     y = v1.dispatch(x, idx, use_fp8=False)[0].clone()
     out = torch.empty(x.size(0), x.size(1), dtype=torch.bfloat16, device="cuda")
@@ -228,6 +232,9 @@ def v1_rows(v1, args, x, idx, w, fp8_bytes, bf16_bytes, row, hook=False):
     hd = disp()[2]
     torch.cuda.synchronize()
     row("combine", "bf16", graph_time(two(lambda: comb(hd)), 2, args.replays), bf16_bytes, graph=True, combine="rows", **kw)
+    if logfmt:
+        row("combine", "logfmt", graph_time(two(lambda: v1.combine(y, idx, w, hd, out=out, logfmt=True)), 2, args.replays), bf16_bytes,
+            graph=True, combine="rows", **kw)
     row("dispatch+combine", "fp8/bf16", graph_time(lambda: comb(disp()[2]), 1, args.replays), fp8_bytes + bf16_bytes, graph=True,
         combine="rows", **kw)
     if hook:
@@ -254,6 +261,8 @@ def main():
     p.add_argument("--plot", default="")
     p.add_argument("--baseline", choices=["deepep_v1"], nargs="*", default=[],
                    help="also time DeepEP V1 (PYTHONPATH must give the real deep_ep) on the same inputs")
+    p.add_argument("--logfmt", action="store_true",
+                   help="also the rows combine with LogFMT rows (graph replays; both libraries)")
     p.add_argument("--hook", action="store_true",
                    help="also the step FP8 dispatch -> rows combine in hook mode (graph replays; both libraries)")
     args = p.parse_args()

@@ -565,6 +565,20 @@ __device__ __forceinline__ bool dispatch_recv_column(const Ctx& c, const Args& a
     // loaded ahead too made the kernel spill: it stays at 128 registers for both phases.)
     const int4 hdr = __ldcg(reinterpret_cast<const int4*>(msg));
     const float* si = reinterpret_cast<const float*>(msg + kMsgMeta + H);
+    // An FP8 row's first scales per lane go out with the header too (after the copy, its stores
+    // kept them one latency behind): float scales g = lane, lane + 32; UE8M0 pack p = lane's four.
+    float sc[4] = {0.f, 0.f, 0.f, 0.f};
+    if (!kFp4 && a.use_fp8) {
+      if (a.use_ue8m0) {
+        if (lane < S / 4) {
+#pragma unroll
+          for (int b = 0; b < 4; ++b) sc[b] = __ldcg(si + 4 * lane + b);
+        }
+      } else {
+        if (lane < S) sc[0] = __ldcg(si + lane);
+        if (lane + 32 < S) sc[1] = __ldcg(si + lane + 32);
+      }
+    }
     const int64_t row = l * RT + i;
     warp_copy(static_cast<char*>(a.recv_x) + row * xrow_bytes, msg + kMsgMeta, xrow_bytes, lane);
     if (hdr.y != H || hdr.z != T || hdr.w != a.num_experts) {
@@ -586,11 +600,14 @@ __device__ __forceinline__ bool dispatch_recv_column(const Ctx& c, const Args& a
       for (int p = lane; p < S / 4; p += 32) {
         uint32_t pack = 0;
 #pragma unroll
-        for (int b = 0; b < 4; ++b) pack |= ((__float_as_uint(__ldcg(si + 4 * p + b)) >> 23) & 0xffu) << (8 * b);
+        for (int b = 0; b < 4; ++b) pack |= ((__float_as_uint(p == lane ? sc[b] : __ldcg(si + 4 * p + b)) >> 23) & 0xffu) << (8 * b);
         static_cast<int32_t*>(a.recv_scales)[sbase + p * a.scale_stride[2]] = static_cast<int32_t>(pack);
       }
     } else {
-      for (int g = lane; g < S; g += 32) static_cast<float*>(a.recv_scales)[sbase + g * a.scale_stride[2]] = __ldcg(si + g);
+      for (int g = lane; g < S; g += 32) {
+        const float v = g == lane ? sc[0] : g == lane + 32 ? sc[1] : __ldcg(si + g);
+        static_cast<float*>(a.recv_scales)[sbase + g * a.scale_stride[2]] = v;
+      }
     }
   }
   __syncthreads();  // s_cnt, s_begin and s_ok are rewritten by the block's next column

@@ -10,7 +10,8 @@ taking turns against each alone), `combine x2` (partial and rows answering
 the latest dispatch), `step partial` (FP8 dispatch with weights -> partial combine) and `step rows`
 (FP8 dispatch without weights -> rows combine: what DeepEP's callers run), `step rows+hook` (the
 same in hook mode: four kernels); DeepEP V1: the three dispatch pairs, `combine x2` (rows), `step
-rows` and `step rows+hook`. Per graph and rank: the replay period, each kernel's
+rows` and `step rows+hook`. With `--logfmt`, `combine x2 logfmt` for both (ours: two launches per
+combine, the encoding send and the decoding receive apart). Per graph and rank: the replay period, each kernel's
 duration and the gaps (kernel i's end to kernel i+1's start; `boundary`: the last kernel's end to
 the next replay's first start), medians over the replays. The profiler's own cost inflates gaps
 alike for both libraries: compare within a run, and use bench/low_latency.py for the times.
@@ -78,8 +79,8 @@ def cases(buf, v1, n, args):
 
     y = buf.low_latency_dispatch(x, idx, t, e, use_fp8=False)[0].clone()
 
-    def comb(hd):
-        return buf.low_latency_combine(y, idx, w, hd, out=out)
+    def comb(hd, logfmt=False):
+        return buf.low_latency_combine(y, idx, w, hd, out=out, use_logfmt=logfmt)
 
     def fresh(weights):
         hd = disp(weights)[2]
@@ -104,6 +105,9 @@ def cases(buf, v1, n, args):
         # Hook mode (SGLang's two-batch overlap): send op, its receive hook, for both ops.
         ("deep_ep", "step rows+hook"): lambda: lambda: hook_step(buf, x, idx, t, e, y, w, out),
     }
+    if args.logfmt:
+        # LogFMT rows (two launches each: the send's encode and the receive's decode apart).
+        c[("deep_ep", "combine x2 logfmt")] = lambda: (lambda hd: lambda: (comb(hd, True), comb(hd, True)))(fresh(False))
     if v1 is not None:
         yv = v1.dispatch(x, idx, use_fp8=False)[0].clone()
         outv = torch.empty(n, h, dtype=torch.bfloat16, device="cuda")
@@ -119,6 +123,13 @@ def cases(buf, v1, n, args):
         c[("deepep_v1", "combine x2 rows")] = v1_twice
         c[("deepep_v1", "step rows")] = lambda: lambda: v1.combine(yv, idx, w, v1.dispatch(x, idx)[2], out=outv)
         c[("deepep_v1", "step rows+hook")] = lambda: lambda: v1_hook_step(v1, x, idx, yv, w, outv)
+        if args.logfmt:
+            def v1_twice_logfmt():
+                hv = v1.dispatch(x, idx)[2]
+                torch.cuda.synchronize()
+                return lambda: (v1.combine(yv, idx, w, hv, out=outv, logfmt=True), v1.combine(yv, idx, w, hv, out=outv, logfmt=True))
+
+            c[("deepep_v1", "combine x2 logfmt")] = v1_twice_logfmt
     return c
 
 
@@ -130,6 +141,7 @@ def main():
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 128])
     p.add_argument("--replays", type=int, default=100)
     p.add_argument("--baseline", choices=["deepep_v1"], nargs="*", default=[])
+    p.add_argument("--logfmt", action="store_true", help="also two LogFMT rows combines per replay (both libraries)")
     p.add_argument("--out", default="")
     args = p.parse_args()
     rank, world, buf, v1 = ll_setup(args)

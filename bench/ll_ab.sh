@@ -9,6 +9,7 @@
 # bench/host_overhead.py per build after the benches (DeepEP V1 too when DEEPEP_V1 is given;
 # HOST_ROUNDS, default 10). TRACE=1 adds bench/ll_step_trace.py per build (OUT_DIR/trace-<i>.json).
 # HOOK=1 adds the hook-mode step row (bench/low_latency.py --hook: the two-launch kernels).
+# LOGFMT=1 adds the LogFMT rows combine (bench/low_latency.py / ll_step_trace.py --logfmt).
 # With 4 or more GPUs the suite adds the [2x2] case. Every step runs
 # under `timeout`; no step kills processes by name (a pattern can match the caller's own command).
 # Writes OUT_DIR/ab.log, OUT_DIR/<i>-<round>.json (bench/low_latency.py format) and
@@ -35,7 +36,7 @@ for round in $(seq 1 "${ROUNDS:-3}"); do
     echo "=== bench $side round $round" | tee -a "$log"
     DEEP_EP_LIBRARY=$(lib $side) timeout 120 python3 -m torch.distributed.run --nproc-per-node "$np" --master-port $((29400 + round)) \
       bench/low_latency.py --tokens ${TOKENS:-1 128} ${DEEPEP_V1:+--baseline deepep_v1} $([ "${HOOK:-0}" = 1 ] && echo --hook) \
-      --out "$out/$side-$round.json" >>"$log" 2>&1
+      $([ "${LOGFMT:-0}" = 1 ] && echo --logfmt) --out "$out/$side-$round.json" >>"$log" 2>&1
     echo "=== rc=$?" | tee -a "$log"
   done
 done
@@ -43,7 +44,8 @@ done
 [ "${TRACE:-0}" = 1 ] && for side in "${!wheels[@]}"; do
   echo "=== trace $side" | tee -a "$log"
   DEEP_EP_LIBRARY=$(lib $side) timeout 150 python3 -m torch.distributed.run --nproc-per-node "$np" --master-port $((29480 + side)) \
-    bench/ll_step_trace.py --tokens ${TOKENS:-1 128} ${DEEPEP_V1:+--baseline deepep_v1} --out "$out/trace-$side.json" >>"$log" 2>&1
+    bench/ll_step_trace.py --tokens ${TOKENS:-1 128} ${DEEPEP_V1:+--baseline deepep_v1} $([ "${LOGFMT:-0}" = 1 ] && echo --logfmt) \
+    --out "$out/trace-$side.json" >>"$log" 2>&1
   echo "=== rc=$?" | tee -a "$log"
 done
 # Host time per call of every build (issue 30's target 1), taking turns with DeepEP V1's in one run.

@@ -87,10 +87,10 @@ def cases(buf, v1, n, args):
         torch.cuda.synchronize()
         return hd
 
-    def twice(weights):
+    def twice(weights, logfmt=False):
         """Two combines answering a dispatch issued now (the latest one: partial with weights)."""
         hd = fresh(weights)
-        return lambda: (comb(hd), comb(hd))
+        return lambda: (comb(hd, logfmt), comb(hd, logfmt))
 
     # Factories: each is called right before its capture (a combine answers the latest dispatch).
     c = {
@@ -107,15 +107,15 @@ def cases(buf, v1, n, args):
     }
     if args.logfmt:
         # LogFMT rows (two launches each: the send's encode and the receive's decode apart).
-        c[("deep_ep", "combine x2 logfmt")] = lambda: (lambda hd: lambda: (comb(hd, True), comb(hd, True)))(fresh(False))
+        c[("deep_ep", "combine x2 logfmt")] = lambda: twice(False, logfmt=True)
     if v1 is not None:
         yv = v1.dispatch(x, idx, use_fp8=False)[0].clone()
         outv = torch.empty(n, h, dtype=torch.bfloat16, device="cuda")
 
-        def v1_twice():
+        def v1_twice(logfmt=False):
             hv = v1.dispatch(x, idx)[2]
             torch.cuda.synchronize()
-            return lambda: (v1.combine(yv, idx, w, hv, out=outv), v1.combine(yv, idx, w, hv, out=outv))
+            return lambda: (v1.combine(yv, idx, w, hv, out=outv, logfmt=logfmt), v1.combine(yv, idx, w, hv, out=outv, logfmt=logfmt))
 
         c[("deepep_v1", "dispatch x2")] = lambda: lambda: (v1.dispatch(x, idx), v1.dispatch(x, idx))
         c[("deepep_v1", "dispatch bf16 x2")] = lambda: lambda: (v1.dispatch(x, idx, use_fp8=False), v1.dispatch(x, idx, use_fp8=False))
@@ -124,12 +124,7 @@ def cases(buf, v1, n, args):
         c[("deepep_v1", "step rows")] = lambda: lambda: v1.combine(yv, idx, w, v1.dispatch(x, idx)[2], out=outv)
         c[("deepep_v1", "step rows+hook")] = lambda: lambda: v1_hook_step(v1, x, idx, yv, w, outv)
         if args.logfmt:
-            def v1_twice_logfmt():
-                hv = v1.dispatch(x, idx)[2]
-                torch.cuda.synchronize()
-                return lambda: (v1.combine(yv, idx, w, hv, out=outv, logfmt=True), v1.combine(yv, idx, w, hv, out=outv, logfmt=True))
-
-            c[("deepep_v1", "combine x2 logfmt")] = v1_twice_logfmt
+            c[("deepep_v1", "combine x2 logfmt")] = lambda: v1_twice(logfmt=True)
     return c
 
 

@@ -221,8 +221,8 @@ def v1_rows(v1, args, x, idx, w, fp8_bytes, bf16_bytes, row, hook=False, logfmt=
     def disp():
         return v1.dispatch(x, idx)
 
-    def comb(hd):
-        return v1.combine(y, idx, w, hd, out=out)
+    def comb(hd, logfmt=False):
+        return v1.combine(y, idx, w, hd, out=out, logfmt=logfmt)
 
     def two(f):
         return lambda: (f(), f())
@@ -233,8 +233,7 @@ def v1_rows(v1, args, x, idx, w, fp8_bytes, bf16_bytes, row, hook=False, logfmt=
     torch.cuda.synchronize()
     row("combine", "bf16", graph_time(two(lambda: comb(hd)), 2, args.replays), bf16_bytes, graph=True, combine="rows", **kw)
     if logfmt:
-        row("combine", "logfmt", graph_time(two(lambda: v1.combine(y, idx, w, hd, out=out, logfmt=True)), 2, args.replays), bf16_bytes,
-            graph=True, combine="rows", **kw)
+        row("combine", "logfmt", graph_time(two(lambda: comb(hd, logfmt=True)), 2, args.replays), bf16_bytes, graph=True, combine="rows", **kw)
     row("dispatch+combine", "fp8/bf16", graph_time(lambda: comb(disp()[2]), 1, args.replays), fp8_bytes + bf16_bytes, graph=True,
         combine="rows", **kw)
     if hook:

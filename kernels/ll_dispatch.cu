@@ -561,8 +561,8 @@ __device__ __forceinline__ bool dispatch_recv_column(const Ctx& c, const Args& a
     // The header and the row's first loads go out together (both addresses depend on m only): one
     // memory latency per row less in the chain (bench/LL_PROFILE.md section 11). A header of
     // another geometry is reported after its row was copied into the row's own place in recv_x:
-    // a raising call's outputs are unspecified, and nothing outside them is written. (Scales
-    // loaded ahead too made the kernel spill: it stays at 128 registers for both phases.)
+    // a raising call's outputs are unspecified, and nothing outside them is written. (A row's
+    // scales all loaded ahead made the kernel spill; each lane's first ones, below, do not.)
     const int4 hdr = __ldcg(reinterpret_cast<const int4*>(msg));
     const float* si = reinterpret_cast<const float*>(msg + kMsgMeta + H);
     // An FP8 row's first scales per lane go out with the header too (after the copy, its stores

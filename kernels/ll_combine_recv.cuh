@@ -16,13 +16,18 @@ namespace ll {
 namespace {
 
 
-// LogFMT reduction of token `tok` (combine receive, blockDim = kReduceThreads): per pass of 32
-// groups (4096 channels), thread (k, g) = (tid / 32, tid % 32) derives selection k's parameters of
-// group g from the meta and then its chunk's cast decision; then thread j reduces channels
-// 8j..8j+7 of the pass: acc = fma(decoded value, w_k, acc) over k in order (crate:
-// logfmt::decode_accumulate), one bf16 rounding. s_e / s_w: the token's experts and weights.
+// LogFMT reduction of passes [pass_lo, pass_hi) of token `tok` (combine receive, blockDim =
+// kReduceThreads): per pass of 32 groups (4096 channels), thread (k, g) = (tid / 32, tid % 32)
+// derives selection k's parameters of group g from the meta and then its chunk's cast decision;
+// then thread j reduces channels 8j..8j+7 of the pass: acc = fma(decoded value, w_k, acc) over k in
+// order (crate: logfmt::decode_accumulate), one bf16 rounding, kLogfmtBatch selections' loads in
+// flight before their decodes (one load per selection used at once made K serial latencies).
+// s_e / s_w: the token's experts and weights.
 static_assert(kReduceThreads == kMaxLlTopk * 32, "one thread per (selection, group) of a LogFMT pass");
-__device__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok, const int64_t* s_e, const float* s_w) {
+constexpr int kLogfmtPass = 32;  // groups of 128 channels per pass
+constexpr int kLogfmtBatch = 4;
+__device__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok, const int64_t* s_e, const float* s_w, int pass_lo,
+                                       int pass_hi) {
   __shared__ float s_lamin[kMaxLlTopk][32], s_step[kMaxLlTopk][32];
   __shared__ int s_castable[kMaxLlTopk][32], s_cast[kMaxLlTopk][32];
   const int tid = threadIdx.x, K = a.num_topk, E = a.num_experts, T = a.num_max_tokens, H = a.hidden, S = H / 128;
@@ -30,7 +35,7 @@ __device__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok,
   const uint64_t pay = static_cast<uint64_t>(E) * T * S * 4;
   const int k = tid / 32, gi = tid % 32;
   const int64_t ek = k < K ? s_e[k] : -1;
-  for (int base = 0; base < S; base += 32) {
+  for (int base = pass_lo * kLogfmtPass; base < S && base < pass_hi * kLogfmtPass; base += kLogfmtPass) {
     const int g = base + gi;
     const bool mine = ek >= 0 && ek < E && g < S;
     if (mine) {
@@ -53,18 +58,38 @@ __device__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok,
       float acc[8];
 #pragma unroll
       for (int u = 0; u < 8; ++u) acc[u] = 0.0f;
-      for (int q = 0; q < K; ++q) {
-        const int64_t e = s_e[q];
-        if (e < 0 || e >= E) continue;
-        const char* row = recv + pay + (static_cast<uint64_t>(e) * T + tok) * 2 * H;
-        if (s_cast[q][gl]) {
-          const unsigned int* w = reinterpret_cast<const unsigned int*>(row + (base + gl) * 256 + (10 * mm & ~3));
-          const uint32_t wv[3] = {__ldcg(w), __ldcg(w + 1), __ldcg(w + 2)};
-          logfmt::accumulate_cast8(acc, wv, 10 * mm & 3, s_step[q][gl], s_lamin[q][gl], s_w[q]);
-        } else {
-          const int4 v = __ldcg(reinterpret_cast<const int4*>(row) + j);
-          const uint32_t wv[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z), static_cast<uint32_t>(v.w)};
-          logfmt::accumulate_raw8(acc, wv, s_w[q]);
+      for (int q0 = 0; q0 < K; q0 += kLogfmtBatch) {
+        uint32_t wv[kLogfmtBatch][4];  // cast: the 3 words holding the unit's 8 codes; raw: its 8 bf16
+        int kind[kLogfmtBatch];         // 0: no row (invalid or masked expert, past K), 1: cast, 2: raw
+#pragma unroll
+        for (int u = 0; u < kLogfmtBatch; ++u) {
+          const int q = q0 + u;
+          const int64_t e = q < K ? s_e[q] : -1;
+          kind[u] = e < 0 || e >= E ? 0 : s_cast[q][gl] ? 1 : 2;
+          const char* row = recv + pay + (static_cast<uint64_t>(e < 0 ? 0 : e) * T + tok) * 2 * H;
+          if (kind[u] == 1) {
+            const unsigned int* w = reinterpret_cast<const unsigned int*>(row + (base + gl) * 256 + (10 * mm & ~3));
+            wv[u][0] = __ldcg(w);
+            wv[u][1] = __ldcg(w + 1);
+            wv[u][2] = __ldcg(w + 2);
+            wv[u][3] = 0;
+          } else if (kind[u] == 2) {
+            const int4 v = __ldcg(reinterpret_cast<const int4*>(row) + j);
+            wv[u][0] = static_cast<uint32_t>(v.x);
+            wv[u][1] = static_cast<uint32_t>(v.y);
+            wv[u][2] = static_cast<uint32_t>(v.z);
+            wv[u][3] = static_cast<uint32_t>(v.w);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kLogfmtBatch; ++u) {  // in order q = q0, q0 + 1, ...: the sums are unchanged
+          const int q = q0 + u;
+          if (kind[u] == 1) {
+            const uint32_t w3[3] = {wv[u][0], wv[u][1], wv[u][2]};
+            logfmt::accumulate_cast8(acc, w3, 10 * mm & 3, s_step[q][gl], s_lamin[q][gl], s_w[q]);
+          } else if (kind[u] == 2) {
+            logfmt::accumulate_raw8(acc, wv[u], s_w[q]);
+          }
         }
       }
       reinterpret_cast<int4*>(a.out + static_cast<int64_t>(tok) * H)[j] = pack_bf16x8(acc);
@@ -130,7 +155,9 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
   }
   char* me = local(c);
   const int U = H / 8, N = a.num_tokens, blocks = static_cast<int>(gridDim.x);
-  const int P = logfmt || N < 1 ? 1 : max(1, min(blocks / N, static_cast<int>((U + blockDim.x - 1) / blockDim.x)));
+  // A token over P blocks: slices of U / P units, LogFMT: of its passes (kLogfmtPass groups each).
+  const int passes = (H / 128 + kLogfmtPass - 1) / kLogfmtPass;
+  const int P = N < 1 ? 1 : max(1, min(blocks / N, logfmt ? passes : static_cast<int>((U + blockDim.x - 1) / blockDim.x)));
   int64_t e0 = -1;  // warp 0: the first item's selection tid (its loads in flight across the wait)
   float w0 = 0.0f;
   if (tid < K && static_cast<int>(blockIdx.x) < N * P) {
@@ -224,7 +251,7 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
       continue;
     }
     if (logfmt) {
-      ll_combine_recv_logfmt(a, recv, tok, s_e, s_w);
+      ll_combine_recv_logfmt(a, recv, tok, s_e, s_w, (item % P) * passes / P, (item % P + 1) * passes / P);
       continue;
     }
     for (int j = u_lo + tid; j < u_hi; j += blockDim.x) {

@@ -16,15 +16,27 @@ namespace {
 
 constexpr int kMaxGroups = 1024;  // rows up to 128K channels
 
+// The kernels' log2 table (log2_entry), filled once.
+const float2* log2_table() {
+  static const struct Table {
+    float2 tq[kLog2Entries];
+    Table() {
+      for (int i = 0; i < kLog2Entries; ++i) tq[i] = log2_entry(i);
+    }
+  } table;
+  return table.tq;
+}
+
 bool row_ok(int hidden) { return hidden >= kGroup && hidden % kGroup == 0 && hidden / kGroup <= kMaxGroups; }
 
-// Per group: parameters and the chunk-wide cast decision, from a slot's meta words.
-void plan(const uint8_t* slot, int hidden, Group* gp, bool* cast) {
+// Per group: parameters and the chunk-wide cast decision, from a slot's meta words; `table`: as the
+// send's encoder derives them (log2_table), else as the receive's decoder (log2_det).
+void plan(const uint8_t* slot, int hidden, bool table, Group* gp, bool* cast) {
   const int s = hidden / kGroup, per_chunk = chunk_channels(hidden) / kGroup;
   for (int g = 0; g < s; ++g) {
     uint32_t m;
     std::memcpy(&m, slot + 4 * g, 4);
-    gp[g] = group_of_meta(m);
+    gp[g] = table ? group_params_t(log2_table(), m & 0xffffu, m >> 16) : group_of_meta(m);
   }
   for (int c = 0; c < s; c += per_chunk) {
     const int end = std::min(s, c + per_chunk);
@@ -51,7 +63,7 @@ extern "C" int dek_logfmt_encode_row_host(const uint16_t* x, int hidden, uint8_t
   }
   Group gp[kMaxGroups];
   bool cast[kMaxGroups];
-  plan(slot, hidden, gp, cast);
+  plan(slot, hidden, true, gp, cast);
   uint8_t* pay = slot + 4 * s;
   for (int g = 0; g < s; ++g) {
     const uint16_t* src = x + g * kGroup;
@@ -62,10 +74,11 @@ extern "C" int dek_logfmt_encode_row_host(const uint16_t* x, int hidden, uint8_t
     }
     // As lane `l` of encode_chunk_warp: channels 4l..4l+3 as 40 bits at byte 5l.
     const Encoder e = encoder(gp[g]);
+    const float2* tq = log2_table();
     for (int l = 0; l < 32; ++l) {
       const uint32_t w0 = src[4 * l] | static_cast<uint32_t>(src[4 * l + 1]) << 16;
       const uint32_t w1 = src[4 * l + 2] | static_cast<uint32_t>(src[4 * l + 3]) << 16;
-      const uint64_t p = encode4(e, w0, w1);
+      const uint64_t p = encode4(tq, e, w0, w1);
       for (int b = 0; b < 5; ++b) dst[5 * l + b] = static_cast<uint8_t>(p >> (8 * b));
     }
   }
@@ -77,7 +90,7 @@ extern "C" int dek_logfmt_decode_accumulate_host(const uint8_t* slot, int hidden
   const int s = hidden / kGroup;
   Group gp[kMaxGroups];
   bool cast[kMaxGroups];
-  plan(slot, hidden, gp, cast);
+  plan(slot, hidden, false, gp, cast);
   const uint8_t* pay = slot + 4 * s;
   // As thread j of the combine receive: channels 8j..8j+7 of group j/16.
   for (int j = 0; j < hidden / 8; ++j) {
@@ -99,7 +112,10 @@ extern "C" int dek_logfmt_decode_accumulate_host(const uint8_t* slot, int hidden
 }
 
 extern "C" int dek_logfmt_math_host(int fn, const float* in, float* out, int64_t n) {
-  if (in == nullptr || out == nullptr || n < 0 || (fn != 0 && fn != 1)) return -1;
-  for (int64_t i = 0; i < n; ++i) out[i] = fn == 0 ? log2_det(in[i]) : exp2_det(in[i]);
+  if (in == nullptr || out == nullptr || n < 0 || fn < 0 || fn > 2) return -1;
+  for (int64_t i = 0; i < n; ++i) {
+    // fn 2: the table's log2 of the magnitude of in[i]'s upper 16 bits (a bf16).
+    out[i] = fn == 0 ? log2_det(in[i]) : fn == 1 ? exp2_det(in[i]) : log2_bf16(log2_table(), bits_of(in[i]) >> 16 & 0x7fffu);
+  }
   return 0;
 }

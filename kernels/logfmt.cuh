@@ -176,6 +176,55 @@ __host__ __device__ __forceinline__ Group group_params(uint32_t amax, uint32_t a
 __host__ __device__ __forceinline__ Group group_of_meta(uint32_t meta) { return group_params(meta & 0xffffu, meta >> 16); }
 __host__ __device__ __forceinline__ float group_step(const Group& g) { return f_div(f_sub(g.log_amax, g.log_amin), 510.0f); }
 
+// log2_det of a bf16 magnitude from a table by mantissa. log2_det derives t and q from the
+// normalised mantissa alone (at most 7 significant bits for any bf16, subnormals included) and
+// ends with fma(t, q, e), so fma(tq[i].x, tq[i].y, e) over the 128 entries is the same function, bit
+// for bit (tested on every bf16: dek_logfmt_math_host fn 2).
+constexpr int kLog2Entries = 128;
+// Entry i: (t, q) of log2_det for the mantissa 1.i (7 bits), halved above sqrt(2) as log2_det does.
+__host__ __device__ __forceinline__ float2 log2_entry(int i) {
+  float m = f_bits(0x3f800000u | static_cast<uint32_t>(i) << 16);
+  if (m > f_bits(kSqrt2)) m = f_mul(m, 0.5f);
+  const float t = f_div(f_sub(m, 1.0f), f_add(m, 1.0f));
+  const float s = f_mul(t, t);
+  float q = f_bits(kA11);
+  q = f_fma(q, s, f_bits(kA9));
+  q = f_fma(q, s, f_bits(kA7));
+  q = f_fma(q, s, f_bits(kA5));
+  q = f_fma(q, s, f_bits(kA3));
+  q = f_fma(q, s, f_bits(kA1));
+  return float2{t, q};
+}
+// log2_det(bf16 magnitude `b`, 15 bits) with `tq` the log2_entry table.
+__host__ __device__ __forceinline__ float log2_bf16(const float2* tq, uint32_t b) {
+  if (b == 0) return f_bits(kNegInf);
+  if (b >= 0x7f80u) return b == 0x7f80u ? f_bits(kInf) : f_bits(kNan);
+  int e = static_cast<int>(b >> 7) - 127;
+  uint32_t i = b & 0x7fu;
+  if (e == -127) {  // subnormal: i * 2^-133; log2_det normalises it (through a scale by 2^23)
+#ifdef __CUDA_ARCH__
+    const int p = 31 - __clz(i);
+#else
+    int p = 6;
+    while (!(i >> p)) --p;
+#endif
+    e = p - 133;
+    i = (i << (7 - p)) & 0x7fu;
+  }
+  if (f_bits(0x3f800000u | i << 16) > f_bits(kSqrt2)) e += 1;
+  const float2 v = tq[i];
+  return f_fma(v.x, v.y, static_cast<float>(e));
+}
+// Group parameters from its amax / amin bf16 magnitudes (group_params' values, by the table).
+__host__ __device__ __forceinline__ Group group_params_t(const float2* tq, uint32_t amax, uint32_t amin) {
+  Group g;
+  g.log_amax = log2_bf16(tq, amax);
+  const float clip = f_sub(g.log_amax, 32.0f);
+  g.log_amin = amin == 0 ? clip : f_max(log2_bf16(tq, amin), clip);
+  g.castable = g.log_amax < 0.0f && g.log_amin < g.log_amax;
+  return g;
+}
+
 // Encoder constants of a cast group: code(a) = min(511, floor(max(fma(log2(a), step_inv, fused), 0))).
 struct Encoder {
   float step_inv, fused;
@@ -189,15 +238,15 @@ __host__ __device__ __forceinline__ Encoder encoder(const Group& g) {
   return e;
 }
 // 10-bit value (sign << 9 | code) of one bf16 (bits).
-__host__ __device__ __forceinline__ uint32_t encode_value(const Encoder& e, uint32_t b) {
-  const float v = f_floor(f_max(f_fma(log2_det(bf16_f32(b & 0x7fffu)), e.step_inv, e.fused), 0.0f));
+__host__ __device__ __forceinline__ uint32_t encode_value(const float2* tq, const Encoder& e, uint32_t b) {
+  const float v = f_floor(f_max(f_fma(log2_bf16(tq, b & 0x7fffu), e.step_inv, e.fused), 0.0f));
   const uint32_t code = v >= static_cast<float>(kMaxCode) ? kMaxCode : static_cast<uint32_t>(v);
   return ((b >> 15) & 1u) << 9 | code;
 }
 // Four consecutive channels (bf16 pairs lo, hi of two words) as 40 bits, the first lowest.
-__host__ __device__ __forceinline__ uint64_t encode4(const Encoder& e, uint32_t w0, uint32_t w1) {
-  return static_cast<uint64_t>(encode_value(e, w0 & 0xffffu)) | static_cast<uint64_t>(encode_value(e, w0 >> 16)) << 10 |
-         static_cast<uint64_t>(encode_value(e, w1 & 0xffffu)) << 20 | static_cast<uint64_t>(encode_value(e, w1 >> 16)) << 30;
+__host__ __device__ __forceinline__ uint64_t encode4(const float2* tq, const Encoder& e, uint32_t w0, uint32_t w1) {
+  return static_cast<uint64_t>(encode_value(tq, e, w0 & 0xffffu)) | static_cast<uint64_t>(encode_value(tq, e, w0 >> 16)) << 10 |
+         static_cast<uint64_t>(encode_value(tq, e, w1 & 0xffffu)) << 20 | static_cast<uint64_t>(encode_value(tq, e, w1 >> 16)) << 30;
 }
 
 // Decoded value of a 10-bit value (crate: GroupParams::decode, negated by the sign bit).
@@ -232,41 +281,61 @@ DEEP_EP_LF_UNROLL
 }
 
 #ifdef __CUDACC__
+// Fills a warp's log2_entry table (kLog2Entries float2 in shared memory), four entries per lane.
+__device__ __forceinline__ void fill_log2_table_warp(float2* tq, int lane) {
+#pragma unroll
+  for (int i = lane; i < kLog2Entries; i += 32) tq[i] = log2_entry(i);
+  __syncwarp();
+}
+
+constexpr int kChunkGroups = 8;  // groups per chunk at most (chunk_channels / kGroup)
 // One warp encodes one chunk of a row: groups 0..ng-1 (ng <= 8, see chunk_channels) of the bf16
 // channels at `src` (8-byte aligned) into `meta` (ng u32) and `pay` (ng x 256 bytes, 16-byte
-// aligned); `pack` is 160 bytes of the warp's shared memory. Lane l owns channels 4l..4l+3 of each
-// group; the group's amax / amin are warp reductions of the bf16 bits (exact, in any order). The
-// host twin is dek_logfmt_encode_row_host (kernels/logfmt.cu).
-__device__ __forceinline__ void encode_chunk_warp(const uint16_t* src, int ng, uint32_t* meta, char* pay, uint8_t* pack, int lane) {
-  uint2 v[8];
-  Group gp[8];
+// aligned); `tq` is the warp's log2 table (fill_log2_table_warp), `pack` kChunkGroups x 160 bytes
+// of its shared memory (16-byte aligned). Lane l owns channels 4l..4l+3 of each group; the group's
+// amax / amin are warp reductions of the bf16 bits (exact, in any order). The eight groups' loads,
+// then their encoders (lane g computes group g's, read by shuffles), then all codes, then one pack:
+// no chain waits on another group's. The host twin is dek_logfmt_encode_row_host (kernels/logfmt.cu).
+__device__ __forceinline__ void encode_chunk_warp(const uint16_t* src, int ng, uint32_t* meta, char* pay, const float2* tq, uint8_t* pack,
+                                                  int lane) {
+  uint2 v[kChunkGroups];
+#pragma unroll
+  for (int g = 0; g < kChunkGroups; ++g)
+    if (g < ng) v[g] = __ldcg(reinterpret_cast<const uint2*>(src + g * kGroup) + lane);
+  Group gp[kChunkGroups], mine{};
   bool cast = true;
 #pragma unroll
-  for (int g = 0; g < 8; ++g) {
+  for (int g = 0; g < kChunkGroups; ++g) {
     if (g < ng) {
-      v[g] = __ldcg(reinterpret_cast<const uint2*>(src + g * kGroup) + lane);
       const uint32_t a0 = v[g].x & 0x7fffu, a1 = (v[g].x >> 16) & 0x7fffu, a2 = v[g].y & 0x7fffu, a3 = (v[g].y >> 16) & 0x7fffu;
       const uint32_t mx = __reduce_max_sync(0xffffffffu, max(max(a0, a1), max(a2, a3)));
       const uint32_t mn = __reduce_min_sync(0xffffffffu, min(min(a0, a1), min(a2, a3)));
-      gp[g] = group_params(mx, mn);
+      gp[g] = group_params_t(tq, mx, mn);
       cast = cast && gp[g].castable;
+      if (lane == g) mine = gp[g];
       if (lane == 0) meta[g] = mx | mn << 16;
     }
   }
+  if (!cast) {
 #pragma unroll
-  for (int g = 0; g < 8; ++g) {
-    if (g >= ng) continue;
-    if (!cast) {
-      reinterpret_cast<uint2*>(pay + g * 2 * kGroup)[lane] = v[g];
-      continue;
-    }
-    const uint64_t p = encode4(encoder(gp[g]), v[g].x, v[g].y);
-#pragma unroll
-    for (int b = 0; b < 5; ++b) pack[5 * lane + b] = static_cast<uint8_t>(p >> (8 * b));
-    __syncwarp();
-    if (lane < kCastGroupBytes / 16) reinterpret_cast<int4*>(pay + g * 2 * kGroup)[lane] = reinterpret_cast<const int4*>(pack)[lane];
-    __syncwarp();  // pack is rewritten for the next group
+    for (int g = 0; g < kChunkGroups; ++g)
+      if (g < ng) reinterpret_cast<uint2*>(pay + g * 2 * kGroup)[lane] = v[g];
+    return;
   }
+  const Encoder me = lane < ng ? encoder(mine) : Encoder{0.0f, 0.0f};
+#pragma unroll
+  for (int g = 0; g < kChunkGroups; ++g) {
+    if (g >= ng) continue;
+    const Encoder e{__shfl_sync(0xffffffffu, me.step_inv, g), __shfl_sync(0xffffffffu, me.fused, g)};
+    const uint64_t p = encode4(tq, e, v[g].x, v[g].y);
+#pragma unroll
+    for (int b = 0; b < 5; ++b) pack[g * kCastGroupBytes + 5 * lane + b] = static_cast<uint8_t>(p >> (8 * b));
+  }
+  __syncwarp();
+  constexpr int kVecs = kCastGroupBytes / 16;  // 16-byte stores per group
+  for (int i = lane; i < ng * kVecs; i += 32)
+    reinterpret_cast<int4*>(pay + (i / kVecs) * 2 * kGroup)[i % kVecs] = reinterpret_cast<const int4*>(pack)[i];
+  __syncwarp();  // pack is rewritten by the warp's next chunk
 }
 #endif
 

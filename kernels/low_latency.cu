@@ -62,7 +62,9 @@ __device__ __forceinline__ bool warp_rows_ready(const Ctx& c, const Args& a, int
 // Returns false when a signal wait (Args::signal) failed: the rest is not sent.
 template <class Net, bool kSig>
 __device__ bool ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l, int64_t b, int64_t cnt, int warp, int lane) {
-  __shared__ __align__(16) uint8_t s_pack[kLlWarps][logfmt::kCastGroupBytes];
+  __shared__ __align__(16) uint8_t s_pack[kLlWarps][logfmt::kChunkGroups * logfmt::kCastGroupBytes];
+  __shared__ float2 s_tq[kLlWarps][logfmt::kLog2Entries];
+  logfmt::fill_log2_table_warp(s_tq[warp], lane);
   const int R = c.num_ranks, El = a.num_experts / R, T = a.num_max_tokens, H = a.hidden, S = H / 128;
   const int64_t RT = static_cast<int64_t>(R) * T;
   const int chunk = logfmt::chunk_channels(H), nch = (H + chunk - 1) / chunk;
@@ -86,7 +88,7 @@ __device__ bool ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l
       p_at = st + (r * H + c0) * 2;
       m_at = st + static_cast<uint64_t>(El) * RT * 2 * H + (r * S + c0 / 128) * 4;
     }
-    logfmt::encode_chunk_warp(src, ng, at<uint32_t>(dst, m_at), dst + p_at, s_pack[warp], lane);
+    logfmt::encode_chunk_warp(src, ng, at<uint32_t>(dst, m_at), dst + p_at, s_tq[warp], s_pack[warp], lane);
     if (far) {
       __syncwarp();  // every lane's staged bytes (and lane 0's meta words) before the puts read them
       put_to<Net>(c, a, s, p_off, p_at, 256 * static_cast<uint64_t>(ng), lane);

@@ -54,6 +54,12 @@ pub fn exp2_det(x: &[f32]) -> Vec<f32> {
     math(1, x)
 }
 
+/// The send encoder's table `log2_bf16` (host) of the bf16 magnitude in each value's upper 16 bits
+/// (`log2_det(|x|)` for a bf16-representable `x`).
+pub fn log2_bf16_table(x: &[f32]) -> Vec<f32> {
+    math(2, x)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -81,6 +87,15 @@ mod tests {
             for (&x, &k) in xs.iter().zip(&kernels) {
                 assert!(same(k, host(x)), "{name}({x:e} = {:#x}): kernels {k} crate {}", x.to_bits(), host(x));
             }
+        }
+    }
+
+    #[test]
+    fn table_log2_is_log2_det_on_every_bf16() {
+        let xs: Vec<f32> = (0..=u16::MAX).map(bf16::to_f32).collect();
+        for (&x, &k) in xs.iter().zip(&log2_bf16_table(&xs)) {
+            let want = logfmt::log2_det(x.abs());
+            assert!(same(k, want), "log2 table({x:e} = {:#x}): kernels {k} crate {want}", x.to_bits());
         }
     }
 

@@ -8,7 +8,7 @@ library, `--impl deep_ep` DeepEP V1 on the same inputs (PYTHONPATH must give the
 each token count in --tokens, --warmup calls of FP8 dispatch and BF16 combine (rows; ours also
 partial sums), then the profiled region (torch.cuda.profiler start/stop, so `ncu
 --profile-from-start off` sees only it): one FP8 dispatch and the combines, each in an NVTX range
-naming the case (`ll/<op>/<tokens>`). The other ranks run the same calls unprofiled: rank 0's
+naming the case (`ll/<op>/<tokens>`). `--logfmt`: the combine is one LogFMT rows combine instead. The other ranks run the same calls unprofiled: rank 0's
 kernels are serialised by ncu, so its peers' messages have arrived when its receive runs, and the
 profile is rank 0's own path (its sends, its signals, its copies).
 """
@@ -29,6 +29,8 @@ def main():
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--experts", type=int, default=288)
     p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--logfmt", action="store_true",
+                   help="each step: one FP8 dispatch and one LogFMT rows combine (use_logfmt=True) only")
     p.add_argument("--num-max", type=int, default=0,
                    help="num_max_dispatch_tokens_per_rank (default: the largest --tokens; DeepEP needs ranks * it % 4 == 0)")
     args = p.parse_args()
@@ -69,6 +71,10 @@ def main():
         with rng("dispatch_fp8"):
             recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, tmax, e, use_fp8=True)
         y = recv[0].float().to(torch.bfloat16) if isinstance(recv, tuple) else recv
+        if args.logfmt:
+            with rng("combine_logfmt"):
+                buf.low_latency_combine(y, idx, w, handle, use_logfmt=True, out=out)
+            return
         with rng("combine_rows"):
             buf.low_latency_combine(y, idx, w, handle, out=out)
         if args.impl == "ours":

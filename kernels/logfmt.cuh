@@ -195,25 +195,24 @@ __host__ __device__ __forceinline__ float2 log2_entry(int i) {
   q = f_fma(q, s, f_bits(kA1));
   return float2{t, q};
 }
-// log2_det(bf16 magnitude `b`, 15 bits) with `tq` the log2_entry table.
+// log2_det(bf16 magnitude `b`, 15 bits) with `tq` the log2_entry table. Selects, no branches: a
+// warp's 32 values per chunk interleave (branches per value kept their chains apart: ncu, session 39).
 __host__ __device__ __forceinline__ float log2_bf16(const float2* tq, uint32_t b) {
-  if (b == 0) return f_bits(kNegInf);
-  if (b >= 0x7f80u) return b == 0x7f80u ? f_bits(kInf) : f_bits(kNan);
-  int e = static_cast<int>(b >> 7) - 127;
-  uint32_t i = b & 0x7fu;
-  if (e == -127) {  // subnormal: i * 2^-133; log2_det normalises it (through a scale by 2^23)
+  const uint32_t mant = b & 0x7fu;
 #ifdef __CUDA_ARCH__
-    const int p = 31 - __clz(i);
+  const int p = 31 - __clz(mant | 1u);
 #else
-    int p = 6;
-    while (!(i >> p)) --p;
+  const int p = 31 - __builtin_clz(mant | 1u);
 #endif
-    e = p - 133;
-    i = (i << (7 - p)) & 0x7fu;
-  }
-  if (f_bits(0x3f800000u | i << 16) > f_bits(kSqrt2)) e += 1;
+  // Subnormal (exponent field 0): mant * 2^-133, normalised as log2_det's scale by 2^23 does.
+  const bool sub = b < 0x80u;
+  int e = sub ? p - 133 : static_cast<int>(b >> 7) - 127;
+  const uint32_t i = sub ? (mant << (7 - p)) & 0x7fu : mant;
+  e += f_bits(0x3f800000u | i << 16) > f_bits(kSqrt2) ? 1 : 0;
   const float2 v = tq[i];
-  return f_fma(v.x, v.y, static_cast<float>(e));
+  const float r = f_fma(v.x, v.y, static_cast<float>(e));
+  const float special = b == 0 ? f_bits(kNegInf) : b == 0x7f80u ? f_bits(kInf) : f_bits(kNan);
+  return b == 0 || b >= 0x7f80u ? special : r;
 }
 // Group parameters from its amax / amin bf16 magnitudes (group_params' values, by the table).
 __host__ __device__ __forceinline__ Group group_params_t(const float2* tq, uint32_t amax, uint32_t amin) {
@@ -289,19 +288,22 @@ __device__ __forceinline__ void fill_log2_table_warp(float2* tq, int lane) {
 }
 
 constexpr int kChunkGroups = 8;  // groups per chunk at most (chunk_channels / kGroup)
-// One warp encodes one chunk of a row: groups 0..ng-1 (ng <= 8, see chunk_channels) of the bf16
-// channels at `src` (8-byte aligned) into `meta` (ng u32) and `pay` (ng x 256 bytes, 16-byte
-// aligned); `tq` is the warp's log2 table (fill_log2_table_warp), `pack` kChunkGroups x 160 bytes
-// of its shared memory (16-byte aligned). Lane l owns channels 4l..4l+3 of each group; the group's
-// amax / amin are warp reductions of the bf16 bits (exact, in any order). The eight groups' loads,
-// then their encoders (lane g computes group g's, read by shuffles), then all codes, then one pack:
-// no chain waits on another group's. The host twin is dek_logfmt_encode_row_host (kernels/logfmt.cu).
-__device__ __forceinline__ void encode_chunk_warp(const uint16_t* src, int ng, uint32_t* meta, char* pay, const float2* tq, uint8_t* pack,
-                                                  int lane) {
-  uint2 v[kChunkGroups];
+// Lane l's channels 4l..4l+3 of groups 0..ng-1 (ng <= 8) of the bf16 channels at `src` (8-byte aligned).
+__device__ __forceinline__ void load_chunk_warp(const uint16_t* src, int ng, uint2 (&v)[kChunkGroups], int lane) {
 #pragma unroll
   for (int g = 0; g < kChunkGroups; ++g)
     if (g < ng) v[g] = __ldcg(reinterpret_cast<const uint2*>(src + g * kGroup) + lane);
+}
+
+// One warp encodes one chunk of a row: groups 0..ng-1 (ng <= 8, see chunk_channels), lane l's
+// channels 4l..4l+3 of each in v (load_chunk_warp), into `meta` (ng u32) and `pay` (ng x 256 bytes,
+// 16-byte aligned); `tq` is the warp's log2 table (fill_log2_table_warp), `pack` kChunkGroups x 160
+// bytes of its shared memory (16-byte aligned). The group's amax / amin are warp reductions of the
+// bf16 bits (exact, in any order). The encoders (lane g computes group g's, read by shuffles), then
+// all codes, then one pack: no chain waits on another group's. The host twin is
+// dek_logfmt_encode_row_host (kernels/logfmt.cu).
+__device__ __forceinline__ void encode_chunk_warp(const uint2 (&v)[kChunkGroups], int ng, uint32_t* meta, char* pay, const float2* tq,
+                                                  uint8_t* pack, int lane) {
   Group gp[kChunkGroups], mine{};
   bool cast = true;
 #pragma unroll

@@ -74,13 +74,28 @@ __device__ bool ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l
   const bool far = remote<Net>(c, a, s);
   char* const dst = window(c, far ? c.rank : s);
   int64_t ready = -1;
+  const uint16_t* const x = static_cast<const uint16_t*>(a.x) + l * RT * H;
+  // Item i: row b + i / nch, chunk i % nch. Without Args::signal the next item's rows are loaded
+  // before this one's encode (its loads were the top stall: ncu, session 39); any row of the range
+  // may be read (src_info says which to send). With it a row is read only once signalled.
+  auto chunk_of = [&](int64_t i) { return static_cast<int>(i % nch) * chunk; };
+  auto groups_of = [&](int c0) { return (min(H, c0 + chunk) - c0) / 128; };
+  uint2 v[logfmt::kChunkGroups], vn[logfmt::kChunkGroups];
+  if (!kSig && warp < cnt * nch) logfmt::load_chunk_warp(x + (b + warp / nch) * H + chunk_of(warp), groups_of(chunk_of(warp)), vn, lane);
   for (int64_t it = warp; it < cnt * nch; it += kLlWarps) {
     const int64_t row = b + it / nch;
-    if (kSig && !warp_rows_ready(c, a, l, row, lane, &ready)) return false;
-    const int c0 = static_cast<int>(it % nch) * chunk, c1 = min(H, c0 + chunk), ng = (c1 - c0) / 128;
+    const int c0 = chunk_of(it), ng = groups_of(c0);
+    if constexpr (kSig) {
+      if (!warp_rows_ready(c, a, l, row, lane, &ready)) return false;
+      logfmt::load_chunk_warp(x + row * H + c0, ng, v, lane);
+    } else {
+#pragma unroll
+      for (int g = 0; g < logfmt::kChunkGroups; ++g) v[g] = vn[g];
+      const int64_t nx = it + kLlWarps;
+      if (nx < cnt * nch) logfmt::load_chunk_warp(x + (b + nx / nch) * H + chunk_of(nx), groups_of(chunk_of(nx)), vn, lane);
+    }
     const int tok = a.src_info[l * RT + row];
     if (tok < 0 || tok >= T) continue;
-    const uint16_t* src = static_cast<const uint16_t*>(a.x) + (l * RT + row) * H + c0;
     const uint64_t m_off = meta + (static_cast<uint64_t>(tok) * S + c0 / 128) * 4, p_off = pay + (static_cast<uint64_t>(tok) * H + c0) * 2;
     uint64_t m_at = m_off, p_at = p_off;
     if (far) {
@@ -88,7 +103,7 @@ __device__ bool ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l
       p_at = st + (r * H + c0) * 2;
       m_at = st + static_cast<uint64_t>(El) * RT * 2 * H + (r * S + c0 / 128) * 4;
     }
-    logfmt::encode_chunk_warp(src, ng, at<uint32_t>(dst, m_at), dst + p_at, s_tq[warp], s_pack[warp], lane);
+    logfmt::encode_chunk_warp(v, ng, at<uint32_t>(dst, m_at), dst + p_at, s_tq[warp], s_pack[warp], lane);
     if (far) {
       __syncwarp();  // every lane's staged bytes (and lane 0's meta words) before the puts read them
       put_to<Net>(c, a, s, p_off, p_at, 256 * static_cast<uint64_t>(ng), lane);

@@ -60,6 +60,7 @@ __device__ __forceinline__ bool warp_rows_ready(const Ctx& c, const Args& a, int
 // the chunk's payload and meta words to the offsets of s that the NVLink stores would reach. The
 // payload put covers whole 256-byte groups: bytes 160.. of a cast group are not part of the layout.
 // Returns false when a signal wait (Args::signal) failed: the rest is not sent.
+constexpr bool kPrefetch = false;
 template <class Net, bool kSig>
 __device__ bool ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l, int64_t b, int64_t cnt, int warp, int lane) {
   __shared__ __align__(16) uint8_t s_pack[kLlWarps][logfmt::kChunkGroups * logfmt::kCastGroupBytes];
@@ -81,12 +82,12 @@ __device__ bool ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l
   auto chunk_of = [&](int64_t i) { return static_cast<int>(i % nch) * chunk; };
   auto groups_of = [&](int c0) { return (min(H, c0 + chunk) - c0) / 128; };
   uint2 v[logfmt::kChunkGroups], vn[logfmt::kChunkGroups];
-  if (!kSig && warp < cnt * nch) logfmt::load_chunk_warp(x + (b + warp / nch) * H + chunk_of(warp), groups_of(chunk_of(warp)), vn, lane);
+  if (kPrefetch && !kSig && warp < cnt * nch) logfmt::load_chunk_warp(x + (b + warp / nch) * H + chunk_of(warp), groups_of(chunk_of(warp)), vn, lane);
   for (int64_t it = warp; it < cnt * nch; it += kLlWarps) {
     const int64_t row = b + it / nch;
     const int c0 = chunk_of(it), ng = groups_of(c0);
-    if constexpr (kSig) {
-      if (!warp_rows_ready(c, a, l, row, lane, &ready)) return false;
+    if constexpr (kSig || !kPrefetch) {
+      if (kSig && !warp_rows_ready(c, a, l, row, lane, &ready)) return false;
       logfmt::load_chunk_warp(x + row * H + c0, ng, v, lane);
     } else {
 #pragma unroll

@@ -280,13 +280,6 @@ DEEP_EP_LF_UNROLL
 }
 
 #ifdef __CUDACC__
-// Fills a warp's log2_entry table (kLog2Entries float2 in shared memory), four entries per lane.
-__device__ __forceinline__ void fill_log2_table_warp(float2* tq, int lane) {
-#pragma unroll
-  for (int i = lane; i < kLog2Entries; i += 32) tq[i] = log2_entry(i);
-  __syncwarp();
-}
-
 constexpr int kChunkGroups = 8;  // groups per chunk at most (chunk_channels / kGroup)
 // Lane l's channels 4l..4l+3 of groups 0..ng-1 (ng <= 8) of the bf16 channels at `src` (8-byte aligned).
 __device__ __forceinline__ void load_chunk_warp(const uint16_t* src, int ng, uint2 (&v)[kChunkGroups], int lane) {
@@ -297,7 +290,7 @@ __device__ __forceinline__ void load_chunk_warp(const uint16_t* src, int ng, uin
 
 // One warp encodes one chunk of a row: groups 0..ng-1 (ng <= 8, see chunk_channels), lane l's
 // channels 4l..4l+3 of each in v (load_chunk_warp), into `meta` (ng u32) and `pay` (ng x 256 bytes,
-// 16-byte aligned); `tq` is the warp's log2 table (fill_log2_table_warp), `pack` kChunkGroups x 160
+// 16-byte aligned); `tq` is a log2_entry table in shared memory, `pack` kChunkGroups x 160
 // bytes of its shared memory (16-byte aligned). The group's amax / amin are warp reductions of the
 // bf16 bits (exact, in any order). The encoders (lane g computes group g's, read by shuffles), then
 // all codes, then one pack: no chain waits on another group's. The host twin is

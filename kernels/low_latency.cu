@@ -53,50 +53,38 @@ __device__ __forceinline__ bool warp_rows_ready(const Ctx& c, const Args& a, int
 }
 
 // LogFMT rows [b, b + cnt) of local expert l to rank s (combine send, flags DEK_LL_FLAG_LOGFMT):
-// one warp per (row, chunk) encodes into the LogFMT layout of logfmt.cuh at global expert
+// one warp per (row, chunk) (blocks of kLogfmtSendThreads without Args::signal, else kLlThreads)
+// encodes into the LogFMT layout of logfmt.cuh at global expert
 // rank*E_l + l, source token. A rank s outside the NVLink domain is not written through a pointer:
 // the warp encodes into this rank's send half (the zero-copy buffer's bytes, unused by a LogFMT
 // combine: payloads [E_l][R*T] of 2H bytes from its start, then meta words [E_l][R*T][S]) and puts
 // the chunk's payload and meta words to the offsets of s that the NVLink stores would reach. The
 // payload put covers whole 256-byte groups: bytes 160.. of a cast group are not part of the layout.
 // Returns false when a signal wait (Args::signal) failed: the rest is not sent.
-constexpr bool kPrefetch = false;
 template <class Net, bool kSig>
 __device__ bool ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l, int64_t b, int64_t cnt, int warp, int lane) {
-  __shared__ __align__(16) uint8_t s_pack[kLlWarps][logfmt::kChunkGroups * logfmt::kCastGroupBytes];
-  __shared__ float2 s_tq[kLlWarps][logfmt::kLog2Entries];
-  logfmt::fill_log2_table_warp(s_tq[warp], lane);
+  __shared__ __align__(16) uint8_t s_pack[kLogfmtSendWarps][logfmt::kChunkGroups * logfmt::kCastGroupBytes];
+  __shared__ float2 s_tq[logfmt::kLog2Entries];
+  // Every thread of the block is here (the LogFMT flag and the item are the block's): one table.
+  for (int i = threadIdx.x; i < logfmt::kLog2Entries; i += blockDim.x) s_tq[i] = logfmt::log2_entry(i);
+  __syncthreads();
   const int R = c.num_ranks, El = a.num_experts / R, T = a.num_max_tokens, H = a.hidden, S = H / 128;
   const int64_t RT = static_cast<int64_t>(R) * T;
-  const int chunk = logfmt::chunk_channels(H), nch = (H + chunk - 1) / chunk;
+  const int chunk = logfmt::chunk_channels(H), nch = (H + chunk - 1) / chunk, nw = static_cast<int>(blockDim.x / 32);
   const uint64_t ge = static_cast<uint64_t>(c.rank) * El + l;
   const uint64_t meta = recv_off(a, a.half) + ge * T * S * 4;
   const uint64_t pay = recv_off(a, a.half) + static_cast<uint64_t>(a.num_experts) * T * S * 4 + ge * T * 2 * H;
   const bool far = remote<Net>(c, a, s);
   char* const dst = window(c, far ? c.rank : s);
   int64_t ready = -1;
-  const uint16_t* const x = static_cast<const uint16_t*>(a.x) + l * RT * H;
-  // Item i: row b + i / nch, chunk i % nch. Without Args::signal the next item's rows are loaded
-  // before this one's encode (its loads were the top stall: ncu, session 39); any row of the range
-  // may be read (src_info says which to send). With it a row is read only once signalled.
-  auto chunk_of = [&](int64_t i) { return static_cast<int>(i % nch) * chunk; };
-  auto groups_of = [&](int c0) { return (min(H, c0 + chunk) - c0) / 128; };
-  uint2 v[logfmt::kChunkGroups], vn[logfmt::kChunkGroups];
-  if (kPrefetch && !kSig && warp < cnt * nch) logfmt::load_chunk_warp(x + (b + warp / nch) * H + chunk_of(warp), groups_of(chunk_of(warp)), vn, lane);
-  for (int64_t it = warp; it < cnt * nch; it += kLlWarps) {
+  for (int64_t it = warp; it < cnt * nch; it += nw) {
     const int64_t row = b + it / nch;
-    const int c0 = chunk_of(it), ng = groups_of(c0);
-    if constexpr (kSig || !kPrefetch) {
-      if (kSig && !warp_rows_ready(c, a, l, row, lane, &ready)) return false;
-      logfmt::load_chunk_warp(x + row * H + c0, ng, v, lane);
-    } else {
-#pragma unroll
-      for (int g = 0; g < logfmt::kChunkGroups; ++g) v[g] = vn[g];
-      const int64_t nx = it + kLlWarps;
-      if (nx < cnt * nch) logfmt::load_chunk_warp(x + (b + nx / nch) * H + chunk_of(nx), groups_of(chunk_of(nx)), vn, lane);
-    }
+    if (kSig && !warp_rows_ready(c, a, l, row, lane, &ready)) return false;
+    const int c0 = static_cast<int>(it % nch) * chunk, ng = (min(H, c0 + chunk) - c0) / 128;
     const int tok = a.src_info[l * RT + row];
     if (tok < 0 || tok >= T) continue;
+    uint2 v[logfmt::kChunkGroups];
+    logfmt::load_chunk_warp(static_cast<const uint16_t*>(a.x) + (l * RT + row) * H + c0, ng, v, lane);
     const uint64_t m_off = meta + (static_cast<uint64_t>(tok) * S + c0 / 128) * 4, p_off = pay + (static_cast<uint64_t>(tok) * H + c0) * 2;
     uint64_t m_at = m_off, p_at = p_off;
     if (far) {
@@ -104,7 +92,7 @@ __device__ bool ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l
       p_at = st + (r * H + c0) * 2;
       m_at = st + static_cast<uint64_t>(El) * RT * 2 * H + (r * S + c0 / 128) * 4;
     }
-    logfmt::encode_chunk_warp(v, ng, at<uint32_t>(dst, m_at), dst + p_at, s_tq[warp], s_pack[warp], lane);
+    logfmt::encode_chunk_warp(v, ng, at<uint32_t>(dst, m_at), dst + p_at, s_tq, s_pack[warp], lane);
     if (far) {
       __syncwarp();  // every lane's staged bytes (and lane 0's meta words) before the puts read them
       put_to<Net>(c, a, s, p_off, p_at, 256 * static_cast<uint64_t>(ng), lane);
@@ -453,7 +441,8 @@ extern "C" int dek_ll_combine_send(const dek_ic_ctx_t* ctx, const dek_ll_args_t*
     return static_cast<int>(cudaGetLastError());
   }
   const dim3 grid = cap > 0 && cap < el * ctx->num_ranks ? dim3(cap) : dim3(el, ctx->num_ranks);
-  launch_combine(ctx, args, grid, kLlThreads, DEK_LL_PHASE_SEND, stream);
+  const bool wide = (args->flags & DEK_LL_FLAG_LOGFMT) && args->signal == nullptr;  // the kernel bound is kReduceThreads
+  launch_combine(ctx, args, grid, wide ? kLogfmtSendThreads : kLlThreads, DEK_LL_PHASE_SEND, stream);
   return static_cast<int>(cudaGetLastError());
 }
 

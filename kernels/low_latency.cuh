@@ -37,6 +37,12 @@ constexpr int kLlThreads = 128;
 constexpr int kBothBlocksPerSm = 3;
 constexpr int kLlWarps = kLlThreads / 32;
 constexpr int kReduceThreads = 512;
+// A LogFMT combine send without Args::signal: 8 warps per (expert, rank) block (its encode is
+// latency-bound; 4 warps per block left ~6 warps per SM: ncu, session 39). Within kReduceThreads,
+// the bound of the kernel that launches it.
+constexpr int kLogfmtSendThreads = 256;
+constexpr int kLogfmtSendWarps = kLogfmtSendThreads / 32;
+static_assert(kLogfmtSendThreads <= kReduceThreads && kLogfmtSendThreads >= kLlThreads, "a LogFMT send block: within the bound, at least a kLlThreads block");
 constexpr int kSendThreads = 256;
 constexpr int kSendWarps = kSendThreads / 32;
 constexpr int kMaxLlRanks = DEK_IN_MAX_RANKS;  // per-rank tables of the LL kernels (docs/RANKS.md)

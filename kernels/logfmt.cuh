@@ -195,8 +195,8 @@ __host__ __device__ __forceinline__ float2 log2_entry(int i) {
   q = f_fma(q, s, f_bits(kA1));
   return float2{t, q};
 }
-// log2_det(bf16 magnitude `b`, 15 bits) with `tq` the log2_entry table. Selects, no branches: a
-// warp's 32 values per chunk interleave (branches per value kept their chains apart: ncu, session 39).
+// log2_det(bf16 magnitude `b`, 15 bits) with `tq` the log2_entry table. Selects, no branches (as
+// fast as the branching form, bench/NOTES.md session 39; one path for every value).
 __host__ __device__ __forceinline__ float log2_bf16(const float2* tq, uint32_t b) {
   const uint32_t mant = b & 0x7fu;
 #ifdef __CUDA_ARCH__

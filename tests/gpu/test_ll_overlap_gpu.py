@@ -6,6 +6,7 @@ The "GEMM" here writes the expert outputs into a tensor first filled with NaN (o
 before the event the combine waits for), after a device sleep, then raises the signals; the combine
 on another stream must give the bit-exact result of the combine without overlap (its reference, at
 the same ranks), with per-expert rows (no weights in the dispatch) and with partial sums (weights),
+with per-expert rows as LogFMT (the send's encode waits for the signals too),
 with and without the receive hook, with `num_sms` capping the send grid and without. A send that
 read rows before their signal would return NaN. Ranks share one GPU through the ipc backend where
 there are fewer GPUs. A signal never raised: the send times out (DEEP_EP_TIMEOUT_MS) with an error
@@ -39,10 +40,12 @@ def _worker(rank, world, seed):
     g = torch.Generator().manual_seed(seed * 100 + rank)
     checked = 0
     try:
-        for step, (weighted, hook, form, sms) in enumerate([(False, False, "hopper", 0), (True, False, "hopper", 4),
-                                                            (False, True, "blackwell", 0), (True, True, "hopper", 2),
-                                                            (True, False, "blackwell", 1), (False, False, "hopper", 1)]):
-            n = [T, 9, 1, T, 5, 12][step]
+        # (weighted, hook, form, num_sms, LogFMT): LogFMT combines rows only (no partial sums).
+        for step, (weighted, hook, form, sms, lf) in enumerate([(False, False, "hopper", 0, False), (True, False, "hopper", 4, False),
+                                                                (False, True, "blackwell", 0, False), (True, True, "hopper", 2, False),
+                                                                (True, False, "blackwell", 1, False), (False, False, "hopper", 1, False),
+                                                                (False, False, "hopper", 0, True), (False, True, "blackwell", 2, True)]):
+            n = [T, 9, 1, T, 5, 12, T, 7][step]
             x = (torch.randn((n, H), generator=g) * 4).to(torch.bfloat16).to(dev)
             idx = torch.stack([torch.randperm(experts, generator=g)[:3] for _ in range(n)]).to(dev)
             w = torch.rand((n, 3), generator=g).to(dev)
@@ -50,8 +53,13 @@ def _worker(rank, world, seed):
                                                                  topk_weights=w if weighted else None)
             if h is not None:
                 h()
-            y_ref = recv * 3
-            want, _, _ = buf.low_latency_combine(y_ref, idx, w, handle)
+            # LogFMT casts groups below 1 only: its outputs are scaled by 2^-6 (exact) so its encode runs.
+            scale = 2.0 ** -6 if lf else 3.0
+            y_ref = recv * scale
+            want, _, _ = buf.low_latency_combine(y_ref, idx, w, handle, use_logfmt=lf)
+            if lf:  # the groups were cast (LogFMT's values differ from the BF16 combine's), not sent raw
+                plain, _, _ = buf.low_latency_combine(y_ref, idx, w, handle)
+                assert not torch.equal(want.cpu(), plain.cpu()), f"step {step}: LogFMT sent every group raw"
             block_m = [1, 4, 64][step % 3]
             per = -(-world * T // block_m)
             counts = count.tolist()
@@ -63,7 +71,7 @@ def _worker(rank, world, seed):
             if start is not None:
                 start.record()
                 torch.cuda._sleep(3_000_000)  # the GEMM is still running when the combine starts
-            torch.mul(recv, 3, out=y)
+            torch.mul(recv, scale, out=y)
             if form == "hopper":
                 for l, r in enumerate(counts):
                     sig[l * per:l * per + -(-r // block_m)] = 5  # DeepGEMM: ceil(N / block_n) tiles per block
@@ -75,13 +83,13 @@ def _worker(rank, world, seed):
             if alt is not None:
                 alt.wait_event(start)
             with ctx:
-                got, _, rh = buf.low_latency_combine(y, idx, w, handle, overlap=True, return_recv_hook=hook, **kw)
+                got, _, rh = buf.low_latency_combine(y, idx, w, handle, overlap=True, return_recv_hook=hook, use_logfmt=lf, **kw)
                 if rh is not None:
                     rh()
             if alt is not None:
                 torch.cuda.current_stream().wait_stream(alt)
             assert not torch.isnan(got.float()).any(), f"step {step}: the send read rows before their signal"
-            assert torch.equal(got.cpu(), want.cpu()), f"step {step} ({form}, weighted={weighted}, hook={hook}, num_sms={sms})"
+            assert torch.equal(got.cpu(), want.cpu()), f"step {step} ({form}, weighted={weighted}, hook={hook}, num_sms={sms}, logfmt={lf})"
             checked += n
             dist.barrier()
     finally:

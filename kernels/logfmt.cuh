@@ -105,6 +105,20 @@ constexpr uint32_t kA1 = 0x4038aa3bu, kA3 = 0x3f76384fu, kA5 = 0x3f13bb63u, kA7 
 constexpr uint32_t kB0 = 0x3f800000u, kB1 = 0x3f317218u, kB2 = 0x3e75fdf0u, kB3 = 0x3d635847u, kB4 = 0x3c1d955bu,
                    kB5 = 0x3aaec3ffu, kB6 = 0x39218489u, kB7 = 0x377fe5feu;
 
+// log2_det's terms of a normalised mantissa m in (sqrt(2)/2, sqrt(2)]: t = (m-1)/(m+1) and the
+// polynomial q in t*t; log2 = fma(t, q, e). Shared with the encoder's table (log2_entry).
+__host__ __device__ __forceinline__ float2 log2_terms(float m) {
+  const float t = f_div(f_sub(m, 1.0f), f_add(m, 1.0f));
+  const float s = f_mul(t, t);
+  float q = f_bits(kA11);
+  q = f_fma(q, s, f_bits(kA9));
+  q = f_fma(q, s, f_bits(kA7));
+  q = f_fma(q, s, f_bits(kA5));
+  q = f_fma(q, s, f_bits(kA3));
+  q = f_fma(q, s, f_bits(kA1));
+  return float2{t, q};
+}
+
 // crate: logfmt::log2_det.
 __host__ __device__ __forceinline__ float log2_det(float x) {
   if (x != x || x < 0.0f) return f_bits(kNan);
@@ -122,15 +136,8 @@ __host__ __device__ __forceinline__ float log2_det(float x) {
     m = f_mul(m, 0.5f);
     e += 1;
   }
-  const float t = f_div(f_sub(m, 1.0f), f_add(m, 1.0f));
-  const float s = f_mul(t, t);
-  float q = f_bits(kA11);
-  q = f_fma(q, s, f_bits(kA9));
-  q = f_fma(q, s, f_bits(kA7));
-  q = f_fma(q, s, f_bits(kA5));
-  q = f_fma(q, s, f_bits(kA3));
-  q = f_fma(q, s, f_bits(kA1));
-  return f_fma(t, q, static_cast<float>(e));
+  const float2 tq = log2_terms(m);
+  return f_fma(tq.x, tq.y, static_cast<float>(e));
 }
 
 __host__ __device__ __forceinline__ float pow2i(int e) { return f_bits(static_cast<uint32_t>(e + 127) << 23); }
@@ -164,14 +171,19 @@ struct Group {
   float log_amax, log_amin;
   bool castable;
 };
-__host__ __device__ __forceinline__ Group group_params(uint32_t amax, uint32_t amin) {
+// From the group's amax / amin bf16 magnitudes, `log2` of a magnitude being log2_det's (group_params)
+// or the encoder's table (group_params_t): the same values.
+template <class Log2>
+__host__ __device__ __forceinline__ Group group_from(uint32_t amax, uint32_t amin, Log2 log2) {
   Group g;
-  g.log_amax = log2_det(bf16_f32(amax));
-  const float lo = bf16_f32(amin);
+  g.log_amax = log2(amax);
   const float clip = f_sub(g.log_amax, 32.0f);
-  g.log_amin = lo == 0.0f ? clip : f_max(log2_det(lo), clip);
+  g.log_amin = amin == 0 ? clip : f_max(log2(amin), clip);
   g.castable = g.log_amax < 0.0f && g.log_amin < g.log_amax;
   return g;
+}
+__host__ __device__ __forceinline__ Group group_params(uint32_t amax, uint32_t amin) {
+  return group_from(amax, amin, [](uint32_t b) { return log2_det(bf16_f32(b)); });
 }
 __host__ __device__ __forceinline__ Group group_of_meta(uint32_t meta) { return group_params(meta & 0xffffu, meta >> 16); }
 __host__ __device__ __forceinline__ float group_step(const Group& g) { return f_div(f_sub(g.log_amax, g.log_amin), 510.0f); }
@@ -183,17 +195,8 @@ __host__ __device__ __forceinline__ float group_step(const Group& g) { return f_
 constexpr int kLog2Entries = 128;
 // Entry i: (t, q) of log2_det for the mantissa 1.i (7 bits), halved above sqrt(2) as log2_det does.
 __host__ __device__ __forceinline__ float2 log2_entry(int i) {
-  float m = f_bits(0x3f800000u | static_cast<uint32_t>(i) << 16);
-  if (m > f_bits(kSqrt2)) m = f_mul(m, 0.5f);
-  const float t = f_div(f_sub(m, 1.0f), f_add(m, 1.0f));
-  const float s = f_mul(t, t);
-  float q = f_bits(kA11);
-  q = f_fma(q, s, f_bits(kA9));
-  q = f_fma(q, s, f_bits(kA7));
-  q = f_fma(q, s, f_bits(kA5));
-  q = f_fma(q, s, f_bits(kA3));
-  q = f_fma(q, s, f_bits(kA1));
-  return float2{t, q};
+  const float m = f_bits(0x3f800000u | static_cast<uint32_t>(i) << 16);
+  return log2_terms(m > f_bits(kSqrt2) ? f_mul(m, 0.5f) : m);
 }
 // log2_det(bf16 magnitude `b`, 15 bits) with `tq` the log2_entry table. Selects, no branches (as
 // fast as the branching form, bench/NOTES.md session 39; one path for every value).
@@ -216,12 +219,7 @@ __host__ __device__ __forceinline__ float log2_bf16(const float2* tq, uint32_t b
 }
 // Group parameters from its amax / amin bf16 magnitudes (group_params' values, by the table).
 __host__ __device__ __forceinline__ Group group_params_t(const float2* tq, uint32_t amax, uint32_t amin) {
-  Group g;
-  g.log_amax = log2_bf16(tq, amax);
-  const float clip = f_sub(g.log_amax, 32.0f);
-  g.log_amin = amin == 0 ? clip : f_max(log2_bf16(tq, amin), clip);
-  g.castable = g.log_amax < 0.0f && g.log_amin < g.log_amax;
-  return g;
+  return group_from(amax, amin, [tq](uint32_t b) { return log2_bf16(tq, b); });
 }
 
 // Encoder constants of a cast group: code(a) = min(511, floor(max(fma(log2(a), step_inv, fused), 0))).

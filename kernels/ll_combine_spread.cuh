@@ -38,6 +38,8 @@ __device__ __forceinline__ bool own_rows(const Args& a) {
 // current call, back to 0 once the item is signalled (zeroed with the window at creation).
 constexpr size_t kLlItemDone = (DEK_IC_RANK_TABLES_END + 127) / 128 * 128;
 static_assert(kLlItemDone + 4 * static_cast<size_t>(kMaxLlExperts) <= DEK_GB_OFF, "item counters overlap the barrier area");
+// Warps per block of a spread send at most (its blocks: kLlThreads, or kLogfmtSendThreads).
+constexpr int kMaxSpreadWarps = kReduceThreads / 32;
 
 // The last i with pre[i] <= r (pre ascending, pre[0] = 0 <= r): the non-empty item holding row r.
 __device__ __forceinline__ int spread_find(const int* pre, int n, int64_t r) {
@@ -53,25 +55,29 @@ __device__ __forceinline__ int spread_find(const int* pre, int n, int64_t r) {
   return lo;
 }
 
-// The rows combine send of a one-launch call (no hook, no overlap, no LogFMT, no seam: NVLink
-// stores only). Units are (row, chunk of kSpreadChunk channels) of the items in order i = l*R + s;
-// global warp w takes units [U*w/W, U*(w+1)/W). After its units a warp adds, per item it touched
-// (one lane each, after a fence: cumulative over the warp's stores, the grid-sync pattern), its
-// units to the item's counter; the lane whose add completes an item fences again and signals
-// word rank*E_l + l on source s (tag(seq, 0)), after the format words for l = 0. An item with no
-// rows is signalled at once by one thread of the grid. Same bytes at the same places as
-// combine_send_rows.
-template <class Net, int kSpreadChunk>
-__device__ __forceinline__ void combine_send_rows_spread(const Ctx& c, const Args& a, uint32_t seq) {
+// The rows of every item of a per-expert combine send spread evenly over the grid's warps (1-D
+// grid; no hook overlap, no seam: NVLink stores only). Units are (row, `unit` channels) of the
+// items in order i = l*R + s; global warp w takes units [U*w/W, U*(w+1)/W). `body(l, s, row, tok,
+// c0, c1)` sends channels [c0, c1) of row `row` of local expert l (source token tok, valid) to
+// rank s: a run of the row's consecutive units (a row's units are contiguous: more in flight than
+// one unit at a time). After its units a warp adds, per item it touched (one lane each, after a
+// fence: cumulative over the warp's stores, the grid-sync pattern), its units to the item's
+// counter; the lane whose add completes an item fences again and signals word rank*E_l + l on
+// source s (tag(seq, 0)), after the format words (fmt_combine(logfmt, false)) for l = 0. An item
+// with no rows is signalled at once by one thread of the grid. Same bytes at the same places and
+// the same signals as the per-item sends (combine_send_rows, ll_combine_send_logfmt).
+template <class Net, class Body>
+__device__ __forceinline__ void spread_rows(const Ctx& c, const Args& a, uint32_t seq, int unit, bool logfmt, Body body) {
   __shared__ int s_pre[kMaxLlExperts + 1];  // rows of the items before item i
-  __shared__ int s_warp[kLlWarps];
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  __shared__ int s_warp[kMaxSpreadWarps];
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, nw = static_cast<int>(blockDim.x / 32);
   const int R = c.num_ranks, E = a.num_experts, El = E / R, T = a.num_max_tokens, H = a.hidden;
-  const int64_t RT = static_cast<int64_t>(R) * T, M = H + H / 128 * 2;
-  const int nchunks = (H + kSpreadChunk - 1) / kSpreadChunk;
-  // Thread tid owns items [i0, i1), its loads issued together (one memory latency: a chain of
-  // them per item cost ~5 us at one token, session 24). Rows of item i = l*R + s to send: 0 for a
-  // masked source, or for a range no dispatch of this geometry makes (the host checks shapes).
+  const int64_t RT = static_cast<int64_t>(R) * T;
+  const int nchunks = (H + unit - 1) / unit;
+  const uint32_t fmt = fmt_combine(logfmt, false);
+  // Thread tid < kLlThreads owns items [i0, i1), its loads issued together (one memory latency: a
+  // chain of them per item cost ~5 us at one token, session 24). Rows of item i = l*R + s to send:
+  // 0 for a masked source, or for a range no dispatch of this geometry makes (the host checks shapes).
   constexpr int kPer = (kMaxLlExperts + kLlThreads - 1) / kLlThreads;
   const int per = (E + kLlThreads - 1) / kLlThreads, i0 = min(E, tid * per), i1 = min(E, i0 + per);
   int mine = 0;
@@ -100,20 +106,19 @@ __device__ __forceinline__ void combine_send_rows_spread(const Ctx& c, const Arg
   __syncthreads();
   // Items without rows: signalled now (nothing of theirs to order before the word but the format
   // words, which the release store orders).
-  for (int i = blockIdx.x * kLlThreads + tid; i < E; i += gridDim.x * kLlThreads) {
+  for (int i = blockIdx.x * blockDim.x + tid; i < E; i += gridDim.x * blockDim.x) {
     const int l = i / R, s = i % R;
     if (s_pre[i + 1] != s_pre[i] || rank_masked(a, s)) continue;
-    if (l == 0) put_fmt(c, a, 1, s, fmt_combine(false, false));
+    if (l == 0) put_fmt(c, a, 1, s, fmt);
     raise_to<Net>(c, a, s, at<uint32_t>(window(c, s), sig_off(a, a.half) + static_cast<uint64_t>(c.rank * El + l) * 4), kSeamCombine,
                      a.half, l, tag(seq, 0));
   }
-  const int64_t U = static_cast<int64_t>(s_pre[E]) * nchunks, W = static_cast<int64_t>(gridDim.x) * kLlWarps;
-  const int64_t gw = static_cast<int64_t>(blockIdx.x) * kLlWarps + warp;
+  const int64_t U = static_cast<int64_t>(s_pre[E]) * nchunks, W = static_cast<int64_t>(gridDim.x) * nw;
+  const int64_t gw = static_cast<int64_t>(blockIdx.x) * nw + warp;
   const int64_t u0 = U * gw / W, u1 = U * (gw + 1) / W;
   if (u0 >= u1) return;
   // The warp's units cover rows r_first..: lane j loads the source token of row r_first + j ahead
-  // (one latency for up to 32 rows); the loop copies each row's run of units in one warp_copy
-  // (consecutive chunks of a row are contiguous: more loads in flight than a chunk at a time).
+  // (one latency for up to 32 rows).
   const int64_t r_first = u0 / nchunks;
   int tok_ahead = -1;
   if (r_first + lane <= (u1 - 1) / nchunks) {
@@ -135,14 +140,10 @@ __device__ __forceinline__ void combine_send_rows_spread(const Ctx& c, const Arg
     const int l = i / R, s = i % R;
     const int64_t row = b + (r - s_pre[i]);
     const int tok = r - r_first < 32 ? __shfl_sync(0xffffffffu, tok_ahead, static_cast<int>(r - r_first)) : __ldg(a.src_info + l * RT + row);
-    const int c0 = static_cast<int>(u - r * nchunks) * kSpreadChunk, c1 = min(H, static_cast<int>(v - r * nchunks) * kSpreadChunk);
+    const int c0 = static_cast<int>(u - r * nchunks) * unit, c1 = min(H, static_cast<int>(v - r * nchunks) * unit);
     u = v;
     if (tok < 0 || tok >= T) continue;
-    const uint64_t slot = send_off(a, a.half) + (l * RT + row) * M * 2;  // the zero-copy slot
-    const uint16_t* src = a.zero_copy ? reinterpret_cast<const uint16_t*>(local(c) + slot) : static_cast<const uint16_t*>(a.x) + (l * RT + row) * H;
-    const uint64_t dst = recv_off(a, a.half) + static_cast<uint64_t>(c.rank * El + l) * T * (2 * static_cast<uint64_t>(H)) +
-                         (static_cast<uint64_t>(tok) * H + c0) * 2;
-    warp_copy(window(c, s) + dst, src + c0, 2 * static_cast<int64_t>(c1 - c0), lane);
+    body(l, s, row, tok, c0, c1);
   }
   const int i_last = i;
   __syncwarp();
@@ -161,10 +162,25 @@ __device__ __forceinline__ void combine_send_rows_spread(const Ctx& c, const Arg
     // then add); the fence below orders them, and the format words, before the signal.
     const int l = k / R, s = k % R;
     done[k] = 0;
-    if (l == 0) put_fmt(c, a, 1, s, fmt_combine(false, false));
+    if (l == 0) put_fmt(c, a, 1, s, fmt);
     fence_acq_rel_sys();
     st_relaxed_sys_u32(at<uint32_t>(window(c, s), sig_off(a, a.half) + static_cast<uint64_t>(c.rank * El + l) * 4), tag(seq, 0));
   }
+}
+
+// The rows combine send of a one-launch call (no hook, no overlap, no LogFMT, no seam): spread_rows
+// with units of kSpreadChunk channels, each run of a row one warp_copy from x (or the zero-copy slot).
+template <class Net, int kSpreadChunk>
+__device__ __forceinline__ void combine_send_rows_spread(const Ctx& c, const Args& a, uint32_t seq) {
+  const int lane = threadIdx.x % 32, R = c.num_ranks, El = a.num_experts / R, T = a.num_max_tokens, H = a.hidden;
+  const int64_t RT = static_cast<int64_t>(R) * T, M = H + H / 128 * 2;
+  spread_rows<Net>(c, a, seq, kSpreadChunk, false, [&](int l, int s, int64_t row, int tok, int c0, int c1) {
+    const uint64_t slot = send_off(a, a.half) + (l * RT + row) * M * 2;  // the zero-copy slot
+    const uint16_t* src = a.zero_copy ? reinterpret_cast<const uint16_t*>(local(c) + slot) : static_cast<const uint16_t*>(a.x) + (l * RT + row) * H;
+    const uint64_t dst = recv_off(a, a.half) + static_cast<uint64_t>(c.rank * El + l) * T * (2 * static_cast<uint64_t>(H)) +
+                         (static_cast<uint64_t>(tok) * H + c0) * 2;
+    warp_copy(window(c, s) + dst, src + c0, 2 * static_cast<int64_t>(c1 - c0), lane);
+  });
 }
 
 }  // namespace

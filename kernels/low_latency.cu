@@ -52,6 +52,20 @@ __device__ __forceinline__ bool warp_rows_ready(const Ctx& c, const Args& a, int
   return ok;
 }
 
+// The LogFMT send's shared memory: a pack area per warp (encode_chunk_warp) and the log2 table,
+// one per block. logfmt_send_shared() fills the table (every thread of the block calls it, then a
+// barrier) and returns the block's one instance (a function-scope __shared__: one per kernel).
+struct __align__(16) LogfmtSendShared {
+  uint8_t pack[kLogfmtSendWarps][logfmt::kChunkGroups * logfmt::kCastGroupBytes];
+  float2 tq[logfmt::kLog2Entries];
+};
+__device__ __forceinline__ LogfmtSendShared& logfmt_send_shared() {
+  __shared__ LogfmtSendShared s;
+  for (int i = threadIdx.x; i < logfmt::kLog2Entries; i += blockDim.x) s.tq[i] = logfmt::log2_entry(i);
+  __syncthreads();
+  return s;
+}
+
 // LogFMT rows [b, b + cnt) of local expert l to rank s (combine send, flags DEK_LL_FLAG_LOGFMT):
 // one warp per (row, chunk) (blocks of kLogfmtSendThreads without Args::signal, else kLlThreads)
 // encodes into the LogFMT layout of logfmt.cuh at global expert
@@ -63,11 +77,8 @@ __device__ __forceinline__ bool warp_rows_ready(const Ctx& c, const Args& a, int
 // Returns false when a signal wait (Args::signal) failed: the rest is not sent.
 template <class Net, bool kSig>
 __device__ bool ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l, int64_t b, int64_t cnt, int warp, int lane) {
-  __shared__ __align__(16) uint8_t s_pack[kLogfmtSendWarps][logfmt::kChunkGroups * logfmt::kCastGroupBytes];
-  __shared__ float2 s_tq[logfmt::kLog2Entries];
   // Every thread of the block is here (the LogFMT flag and the item are the block's): one table.
-  for (int i = threadIdx.x; i < logfmt::kLog2Entries; i += blockDim.x) s_tq[i] = logfmt::log2_entry(i);
-  __syncthreads();
+  LogfmtSendShared& sh = logfmt_send_shared();
   const int R = c.num_ranks, El = a.num_experts / R, T = a.num_max_tokens, H = a.hidden, S = H / 128;
   const int64_t RT = static_cast<int64_t>(R) * T;
   const int chunk = logfmt::chunk_channels(H), nch = (H + chunk - 1) / chunk, nw = static_cast<int>(blockDim.x / 32);
@@ -92,7 +103,7 @@ __device__ bool ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l
       p_at = st + (r * H + c0) * 2;
       m_at = st + static_cast<uint64_t>(El) * RT * 2 * H + (r * S + c0 / 128) * 4;
     }
-    logfmt::encode_chunk_warp(v, ng, at<uint32_t>(dst, m_at), dst + p_at, s_tq, s_pack[warp], lane);
+    logfmt::encode_chunk_warp(v, ng, at<uint32_t>(dst, m_at), dst + p_at, sh.tq, sh.pack[warp], lane);
     if (far) {
       __syncwarp();  // every lane's staged bytes (and lane 0's meta words) before the puts read them
       put_to<Net>(c, a, s, p_off, p_at, 256 * static_cast<uint64_t>(ng), lane);
@@ -100,6 +111,31 @@ __device__ bool ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l
     }
   }
   return true;
+}
+
+// The LogFMT send with its rows spread over the grid's warps (spread_rows; the launcher's choice,
+// logfmt_spread): per run of a row, each chunk loaded and encoded into the LogFMT layout of rank s
+// by NVLink stores, at the places ll_combine_send_logfmt writes for a peer inside the domain.
+template <class Net>
+__device__ void combine_send_logfmt_spread(const Ctx& c, const Args& a, uint32_t seq) {
+  LogfmtSendShared& sh = logfmt_send_shared();
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int R = c.num_ranks, El = a.num_experts / R, T = a.num_max_tokens, H = a.hidden, S = H / 128;
+  const int64_t RT = static_cast<int64_t>(R) * T;
+  const int chunk = logfmt::chunk_channels(H);
+  spread_rows<Net>(c, a, seq, chunk, true, [&](int l, int s, int64_t row, int tok, int c0, int c1) {
+    const uint64_t et = (static_cast<uint64_t>(c.rank) * El + l) * T + tok;  // (global expert, source token)
+    const uint64_t meta = recv_off(a, a.half) + et * S * 4;
+    const uint64_t pay = recv_off(a, a.half) + static_cast<uint64_t>(a.num_experts) * T * S * 4 + et * 2 * H;
+    char* const dst = window(c, s);
+    for (int k = c0; k < c1; k += chunk) {
+      const int ng = (min(H, k + chunk) - k) / 128;
+      uint2 v[logfmt::kChunkGroups];
+      logfmt::load_chunk_warp(static_cast<const uint16_t*>(a.x) + (l * RT + row) * H + k, ng, v, lane);
+      logfmt::encode_chunk_warp(v, ng, at<uint32_t>(dst, meta + k / 128 * 4), dst + pay + 2 * static_cast<uint64_t>(k), sh.tq,
+                                sh.pack[warp], lane);
+    }
+  });
 }
 
 // Item (l, s) of the per-expert combine send: pushes rows layout_range[l][s] of local expert l
@@ -186,6 +222,8 @@ __device__ __forceinline__ bool combine_send(const Ctx& c, const Args& a, uint32
     for (int w = lin; w < El * c.num_ranks; w += gridDim.x * gridDim.y) {
       if (!combine_send_rows<Net, true>(c, a, w % El, w / El, s_seq)) break;
     }
+  } else if (!kNvlOnly<Net> && !kOwn && !kWide && logfmt_spread(a)) {
+    combine_send_logfmt_spread<Net>(c, a, s_seq);  // a 1-D grid (the launcher's, as it chose this form)
   } else {
     // E blocks: one item each; blocks past E (the kOwn kernel's wider grid) only receive.
     if (!kOwn || lin < El * c.num_ranks) combine_send_rows<Net, false, kOwn, kWide>(c, a, lin % El, lin / El, s_seq);
@@ -440,8 +478,12 @@ extern "C" int dek_ll_combine_send(const dek_ic_ctx_t* ctx, const dek_ll_args_t*
     launch_combine(ctx, args, dim3(ctx->num_ranks, y), kLlThreads, DEK_LL_PHASE_SEND, stream);
     return static_cast<int>(cudaGetLastError());
   }
-  const dim3 grid = cap > 0 && cap < el * ctx->num_ranks ? dim3(cap) : dim3(el, ctx->num_ranks);
   const bool wide = (args->flags & DEK_LL_FLAG_LOGFMT) && args->signal == nullptr;  // the kernel bound is kReduceThreads
+  // The spread LogFMT send: kLogfmtSpreadBlocksPerSm blocks per SM (all resident: its warps split
+  // the units evenly and none waits for another), whatever E is.
+  const dim3 grid = logfmt_spread(*args) ? dim3(ctx->num_sms > 0 ? kLogfmtSpreadBlocksPerSm * ctx->num_sms : el * ctx->num_ranks)
+                    : cap > 0 && cap < el * ctx->num_ranks ? dim3(cap)
+                                                           : dim3(el, ctx->num_ranks);
   launch_combine(ctx, args, grid, wide ? kLogfmtSendThreads : kLlThreads, DEK_LL_PHASE_SEND, stream);
   return static_cast<int>(cudaGetLastError());
 }

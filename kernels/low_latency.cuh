@@ -149,6 +149,22 @@ __device__ __forceinline__ uint64_t routing_seal(uint64_t sum, int n, int k) {
 
 using Args = dek_ll_args_t;
 
+// The LogFMT combine send spreads its rows over the grid (combine_send_logfmt_spread, a 1-D grid of
+// kLogfmtSpreadBlocksPerSm blocks per SM) from kLogfmtSpreadFrom selections of the handle's
+// dispatch on (N·K: the host passes that dispatch's num_tokens and num_topk in the send's Args);
+// below, one block per (expert, rank) item (the heaviest item's block sets the send's time: ~10
+// rows x 7 chunks at 128 tokens, bench/NOTES.md session 40). Not with overlap signals or a seam.
+// Launcher and kernel decide alike.
+#ifndef DEEP_EP_LOGFMT_SPREAD_FROM
+#define DEEP_EP_LOGFMT_SPREAD_FROM 0
+#endif
+constexpr int64_t kLogfmtSpreadFrom = DEEP_EP_LOGFMT_SPREAD_FROM;
+constexpr int kLogfmtSpreadBlocksPerSm = 2;  // 256 threads at the kernel's 128 registers: the SM's register file
+__host__ __device__ __forceinline__ bool logfmt_spread(const Args& a) {
+  return (a.flags & DEK_LL_FLAG_LOGFMT) != 0 && a.signal == nullptr && a.net == nullptr &&
+         static_cast<int64_t>(a.num_tokens) * a.num_topk >= kLogfmtSpreadFrom;
+}
+
 __device__ __forceinline__ uint64_t sig_off(const Args& a, int h) { return a.ll_off + h * a.signal_bytes; }
 __device__ __forceinline__ uint64_t send_off(const Args& a, int h) { return a.ll_off + 2 * a.signal_bytes + h * a.send_bytes; }
 __device__ __forceinline__ uint64_t recv_off(const Args& a, int h) {

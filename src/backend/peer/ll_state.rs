@@ -19,6 +19,9 @@ pub struct LlState {
     pub(super) received: [bool; 2],
     /// Dispatches recorded so far (orders `dispatch`: the latest match wins).
     pub(super) dispatches: u64,
+    /// Per half: (num_tokens, num_topk) of the recorded dispatch, which its combine's send passes
+    /// on (the LogFMT send's form, `logfmt_spread` in `kernels/low_latency.cuh`).
+    pub(super) selections: [(i32, i32); 2],
 }
 
 /// Bytes the window needs beyond `num_nvl_bytes` for LL mode (`num_rdma_bytes`, plus alignment).

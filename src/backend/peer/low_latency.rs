@@ -317,8 +317,10 @@ impl PeerBackend {
         }
         // The dispatch's routing fingerprint goes with the combine; its receive checks topk_idx
         // against it (`DEEP_EP_CHECK_INPUTS=0` skips the check).
-        let routed = crate::backend::ll_dispatch_half(&self.ll.dispatch, src_ptr).filter(|_| crate::settings::check_inputs());
-        a.routing_half = routed.map_or(-1, |h| h as i32);
+        let half = crate::backend::ll_dispatch_half(&self.ll.dispatch, src_ptr);
+        a.routing_half = half.filter(|_| crate::settings::check_inputs()).map_or(-1, |h| h as i32);
+        // The send's form by the dispatch's N·K (LogFMT: `logfmt_spread`); a receive sets its own.
+        (a.num_tokens, a.num_topk) = half.map_or((0, 0), |h| self.ll.selections[h]);
         // Overlap: the send's warps wait on the device for the producer's signals (kernels/low_latency.cu).
         if let Some(sig) = &s.signal {
             a.signal = sig.signal.data_ptr() as *const i32;
@@ -342,6 +344,7 @@ impl PeerBackend {
     fn ll_dispatch_sent(&mut self, a: &LlArgs, s: &LlDispatchSendArgs, out: &LlDispatchOutputs) {
         self.ll.dispatches += 1;
         self.ll.dispatch[a.half as usize] = Some((out.src_info.data_ptr() as usize, s.topk_weights.is_some(), self.ll.dispatches));
+        self.ll.selections[a.half as usize] = (a.num_tokens, a.num_topk);
         self.ll.received[a.half as usize] = false;
     }
 

@@ -10,7 +10,7 @@ taking turns against each alone), `combine x2` (partial and rows answering
 the latest dispatch), `step partial` (FP8 dispatch with weights -> partial combine) and `step rows`
 (FP8 dispatch without weights -> rows combine: what DeepEP's callers run), `step rows+hook` (the
 same in hook mode: four kernels); DeepEP V1: the three dispatch pairs, `combine x2` (rows), `step
-rows` and `step rows+hook`. With `--logfmt`, `combine x2 logfmt` for both (ours: two launches per
+rows` and `step rows+hook`. With `--logfmt`, `combine x2 logfmt` (and `logfmt-cast`: outputs scaled by 2^-6, cast) for both (ours: two launches per
 combine, the encoding send and the decoding receive apart). Per graph and rank: the replay period, each kernel's
 duration and the gaps (kernel i's end to kernel i+1's start; `boundary`: the last kernel's end to
 the next replay's first start), medians over the replays. The profiler's own cost inflates gaps
@@ -79,18 +79,20 @@ def cases(buf, v1, n, args):
 
     y = buf.low_latency_dispatch(x, idx, t, e, use_fp8=False)[0].clone()
 
-    def comb(hd, logfmt=False):
-        return buf.low_latency_combine(y, idx, w, hd, out=out, use_logfmt=logfmt)
+    y_cast = y * 2.0**-6  # every group's amax below 1: LogFMT casts (the randn outputs travel raw)
+
+    def comb(hd, logfmt=False, ys=None):
+        return buf.low_latency_combine(y if ys is None else ys, idx, w, hd, out=out, use_logfmt=logfmt)
 
     def fresh(weights):
         hd = disp(weights)[2]
         torch.cuda.synchronize()
         return hd
 
-    def twice(weights, logfmt=False):
+    def twice(weights, logfmt=False, ys=None):
         """Two combines answering a dispatch issued now (the latest one: partial with weights)."""
         hd = fresh(weights)
-        return lambda: (comb(hd, logfmt), comb(hd, logfmt))
+        return lambda: (comb(hd, logfmt, ys), comb(hd, logfmt, ys))
 
     # Factories: each is called right before its capture (a combine answers the latest dispatch).
     c = {
@@ -108,14 +110,16 @@ def cases(buf, v1, n, args):
     if args.logfmt:
         # LogFMT rows (two launches each: the send's encode and the receive's decode apart).
         c[("deep_ep", "combine x2 logfmt")] = lambda: twice(False, logfmt=True)
+        c[("deep_ep", "combine x2 logfmt-cast")] = lambda: twice(False, logfmt=True, ys=y_cast)
     if v1 is not None:
         yv = v1.dispatch(x, idx, use_fp8=False)[0].clone()
         outv = torch.empty(n, h, dtype=torch.bfloat16, device="cuda")
 
-        def v1_twice(logfmt=False):
+        def v1_twice(logfmt=False, ys=None):
             hv = v1.dispatch(x, idx)[2]
             torch.cuda.synchronize()
-            return lambda: (v1.combine(yv, idx, w, hv, out=outv, logfmt=logfmt), v1.combine(yv, idx, w, hv, out=outv, logfmt=logfmt))
+            yy = yv if ys is None else ys
+            return lambda: (v1.combine(yy, idx, w, hv, out=outv, logfmt=logfmt), v1.combine(yy, idx, w, hv, out=outv, logfmt=logfmt))
 
         c[("deepep_v1", "dispatch x2")] = lambda: lambda: (v1.dispatch(x, idx), v1.dispatch(x, idx))
         c[("deepep_v1", "dispatch bf16 x2")] = lambda: lambda: (v1.dispatch(x, idx, use_fp8=False), v1.dispatch(x, idx, use_fp8=False))
@@ -125,6 +129,7 @@ def cases(buf, v1, n, args):
         c[("deepep_v1", "step rows+hook")] = lambda: lambda: v1_hook_step(v1, x, idx, yv, w, outv)
         if args.logfmt:
             c[("deepep_v1", "combine x2 logfmt")] = lambda: v1_twice(logfmt=True)
+            c[("deepep_v1", "combine x2 logfmt-cast")] = lambda: v1_twice(logfmt=True, ys=yv * 2.0**-6)
     return c
 
 

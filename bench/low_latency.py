@@ -16,7 +16,8 @@ top-8 of 288 experts, FP8 dispatch, BF16 combine):
   tokens, host sync), BF16 payload both ways, median per call.
 With `--hook`, `combine: rows+hook` is the rows step in hook mode (the send ops, then their receive
 hooks, in one graph): the two-launch kernels, for both libraries. With `--logfmt`, `dtype: logfmt`
-is the rows combine with LogFMT-encoded rows (`use_logfmt=True`), for both libraries.
+is the rows combine with LogFMT-encoded rows (`use_logfmt=True`), for both libraries: on the randn
+outputs (groups over 1 travel raw) and, `dtype: logfmt-cast`, on the outputs scaled by 2^-6 (cast).
 `combine: partial` rows answer a dispatch that carried `topk_weights` (one partial sum per
 (token, expert rank) on the wire); `rows` answer one without (DeepEP's one row per (token,
 expert)). Every combine uses the handle of the latest dispatch (a combine whose dispatch half was
@@ -158,8 +159,12 @@ def run_case(buf, args, n, rank, world, v1=None):
     y = recv.clone()
     out = torch.empty(n, h, dtype=torch.bfloat16, device="cuda")
 
-    def comb(hd, hook=False, logfmt=False):
-        return buf.low_latency_combine(y, idx, w, hd, out=out, return_recv_hook=hook, use_logfmt=logfmt)
+    # Expert outputs scaled by 2^-6 (exact): every 128-channel group's amax below 1, so LogFMT casts
+    # them (`logfmt-cast` rows); the randn rows' groups reach ~4 and travel raw (`logfmt` rows).
+    y_cast = y * 2.0**-6
+
+    def comb(hd, hook=False, logfmt=False, ys=None):
+        return buf.low_latency_combine(y if ys is None else ys, idx, w, hd, out=out, return_recv_hook=hook, use_logfmt=logfmt)
 
     def two(f):
         return lambda: (f(), f())
@@ -186,6 +191,8 @@ def run_case(buf, args, n, rank, world, v1=None):
     if args.logfmt:
         # The rows combine with LogFMT-encoded rows (DeepEP's use_logfmt): the two-launch kernels.
         row("combine", "logfmt", graph_time(two(lambda: comb(hr, logfmt=True)), 2, args.replays), bf16_bytes, graph=True, combine="rows")
+        row("combine", "logfmt-cast", graph_time(two(lambda: comb(hr, logfmt=True, ys=y_cast)), 2, args.replays), bf16_bytes, graph=True,
+            combine="rows")
     if args.hook:
         # The same step in hook mode: the two-launch kernels, which the rows above do not run.
         row("dispatch+combine", "fp8/bf16", graph_time(lambda: hook_step(buf, x, idx, t, e, y, w, out), 1, args.replays), fp8_bytes + bf16_bytes,
@@ -221,8 +228,10 @@ def v1_rows(v1, args, x, idx, w, fp8_bytes, bf16_bytes, row, hook=False, logfmt=
     def disp():
         return v1.dispatch(x, idx)
 
-    def comb(hd, logfmt=False):
-        return v1.combine(y, idx, w, hd, out=out, logfmt=logfmt)
+    y_cast = y * 2.0**-6  # as this library's logfmt-cast rows
+
+    def comb(hd, logfmt=False, ys=None):
+        return v1.combine(y if ys is None else ys, idx, w, hd, out=out, logfmt=logfmt)
 
     def two(f):
         return lambda: (f(), f())
@@ -234,6 +243,8 @@ def v1_rows(v1, args, x, idx, w, fp8_bytes, bf16_bytes, row, hook=False, logfmt=
     row("combine", "bf16", graph_time(two(lambda: comb(hd)), 2, args.replays), bf16_bytes, graph=True, combine="rows", **kw)
     if logfmt:
         row("combine", "logfmt", graph_time(two(lambda: comb(hd, logfmt=True)), 2, args.replays), bf16_bytes, graph=True, combine="rows", **kw)
+        row("combine", "logfmt-cast", graph_time(two(lambda: comb(hd, logfmt=True, ys=y_cast)), 2, args.replays), bf16_bytes, graph=True,
+            combine="rows", **kw)
     row("dispatch+combine", "fp8/bf16", graph_time(lambda: comb(disp()[2]), 1, args.replays), fp8_bytes + bf16_bytes, graph=True,
         combine="rows", **kw)
     if hook:

@@ -41,6 +41,10 @@ constexpr int kReduceThreads = 512;
 // latency-bound; 4 warps per block left ~6 warps per SM: ncu, session 39). Within kReduceThreads,
 // the bound of the kernel that launches it.
 constexpr int kLogfmtSendThreads = 256;
+// Below this many selections of the handle's dispatch (N·K, which the host passes in the send's
+// Args) the LogFMT send runs kLlThreads blocks: E = 288 blocks of 256 threads do not fit at once
+// (2 per SM at the kernel's 128 registers), and at 1 token that cost 1.6 µs (bench/NOTES.md s40).
+constexpr int64_t kLogfmtWideFrom = 64;
 constexpr int kLogfmtSendWarps = kLogfmtSendThreads / 32;
 static_assert(kLogfmtSendThreads <= kReduceThreads && kLogfmtSendThreads >= kLlThreads, "a LogFMT send block: within the bound, at least a kLlThreads block");
 constexpr int kSendThreads = 256;
@@ -156,7 +160,7 @@ using Args = dek_ll_args_t;
 // rows x 7 chunks at 128 tokens, bench/NOTES.md session 40). Not with overlap signals or a seam.
 // Launcher and kernel decide alike.
 #ifndef DEEP_EP_LOGFMT_SPREAD_FROM
-#define DEEP_EP_LOGFMT_SPREAD_FROM 0
+#define DEEP_EP_LOGFMT_SPREAD_FROM 1024
 #endif
 constexpr int64_t kLogfmtSpreadFrom = DEEP_EP_LOGFMT_SPREAD_FROM;
 constexpr int kLogfmtSpreadBlocksPerSm = 2;  // 256 threads at the kernel's 128 registers: the SM's register file

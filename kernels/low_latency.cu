@@ -484,7 +484,8 @@ extern "C" int dek_ll_combine_send(const dek_ic_ctx_t* ctx, const dek_ll_args_t*
   const dim3 grid = logfmt_spread(*args) ? dim3(ctx->num_sms > 0 ? kLogfmtSpreadBlocksPerSm * ctx->num_sms : el * ctx->num_ranks)
                     : cap > 0 && cap < el * ctx->num_ranks ? dim3(cap)
                                                            : dim3(el, ctx->num_ranks);
-  launch_combine(ctx, args, grid, wide ? kLogfmtSendThreads : kLlThreads, DEK_LL_PHASE_SEND, stream);
+  const bool many = static_cast<int64_t>(args->num_tokens) * args->num_topk >= kLogfmtWideFrom;
+  launch_combine(ctx, args, grid, wide && many ? kLogfmtSendThreads : kLlThreads, DEK_LL_PHASE_SEND, stream);
   return static_cast<int>(cudaGetLastError());
 }
 

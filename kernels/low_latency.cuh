@@ -160,7 +160,7 @@ using Args = dek_ll_args_t;
 // rows x 7 chunks at 128 tokens, bench/NOTES.md session 40). Not with overlap signals or a seam.
 // Launcher and kernel decide alike.
 #ifndef DEEP_EP_LOGFMT_SPREAD_FROM
-#define DEEP_EP_LOGFMT_SPREAD_FROM 1024
+#define DEEP_EP_LOGFMT_SPREAD_FROM 256
 #endif
 constexpr int64_t kLogfmtSpreadFrom = DEEP_EP_LOGFMT_SPREAD_FROM;
 constexpr int kLogfmtSpreadBlocksPerSm = 2;  // 256 threads at the kernel's 128 registers: the SM's register file

@@ -666,7 +666,7 @@ typedef struct {
   uint64_t idx_off, msgs_off, partial_off;  /* in a receive half: index table, messages, partial rows */
   int32_t num_max_tokens, hidden, num_experts, half; /* T, H, E; half used by a send */
   int32_t use_fp8, round_scale, use_ue8m0, flags;    /* flags: recorded / checked in recv_state */
-  int32_t zero_copy, num_tokens, num_topk, topk_is_int64; /* N: tokens of x / out */
+  int32_t zero_copy, num_tokens, num_topk, topk_is_int64; /* N: tokens of x / out; a combine send: N, K of its handle's dispatch */
   int32_t use_nvfp4, signal_threshold; /* dispatch: NVFP4 payload (docs/NVFP4.md section 9); combine send: see signal */
   const void* x;             /* dispatch: [N, H] bf16; combine: [E_l, R*T, H] bf16 (contiguous) */
   const void* topk_idx;      /* [N, K] int32/int64 */
@@ -730,7 +730,9 @@ int dek_ll_dispatch_local(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, vo
  * back to the source rank at (global expert, src token), then signals. `partial`: blocks (source rank, y) sum each
  * message of the dispatch (dispatch_half) with its weights, push one bf16 row per (token, source rank); the last
  * signals. flags & DEK_LL_FLAG_LOGFMT (not partial or zero_copy): a warp encodes a chunk (1024 channels, 512 when
- * H % 1024 != 0) of a row as LogFMT-10 into the LogFMT layout. */
+ * H % 1024 != 0) of a row as LogFMT-10 into the LogFMT layout; without signal or seam, blocks of 128 threads below 64
+ * selections N·K (num_tokens, num_topk: the handle's dispatch), 256 from there, and from 256 selections the rows of
+ * all items spread over a grid of 2 blocks per SM (completion counters per item; the last warp signals it). */
 int dek_ll_combine_send(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream);
 /* Receive phase: waits for all E words (partial: the R words d*E_l), out[n] = bf16(sum over k in
  * order of fma(y, w_k, acc)) (partial: bf16(sum over expert ranks d ascending of the fp32 of d's partial row),

@@ -1,10 +1,12 @@
-// ll_combine_spread.cuh: the per-expert (rows) send of the one-launch LL combine, its rows spread
-// evenly over every warp of the grid. The two-launch send (low_latency.cu, combine_send_rows) gives
-// each (expert, source) item one block of 4 warps, so the heaviest expert's block sets the send's
-// time (bench/LL_PROFILE.md 11.6: ~10 rows x 7 chunks on 4 warps, 15 of the 31.8 us at 128 tokens
-// on one rank). Here the grid's warps split the (row, chunk) units of all items in item order, and
-// per-item completion counters say which warp finished an item: that warp signals it. Also the
-// selection count where the one-launch rows forms change (kSpreadMinSelections) and own_rows.
+// ll_combine_spread.cuh: the per-expert (rows) send with its rows spread evenly over every warp of
+// the grid (spread_rows): the one-launch LL combine's BF16 rows (combine_send_rows_spread) and the
+// two-launch LogFMT send from kLogfmtSpreadFrom selections (low_latency.cu). The per-item send
+// (combine_send_rows) gives each (expert, source) item one block, so the heaviest expert's block
+// sets the send's time (bench/LL_PROFILE.md 11.6: ~10 rows x 7 chunks on 4 warps, 15 of the 31.8
+// us at 128 tokens on one rank). Here the grid's warps split the (row, chunk) units of all items
+// in item order, and per-item completion counters say which warp finished an item: that warp
+// signals it. Also the selection count where the one-launch rows forms change
+// (kSpreadMinSelections) and own_rows.
 #pragma once
 
 #include <cstdint>

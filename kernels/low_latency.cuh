@@ -43,7 +43,8 @@ constexpr int kReduceThreads = 512;
 constexpr int kLogfmtSendThreads = 256;
 // Below this many selections of the handle's dispatch (N·K, which the host passes in the send's
 // Args) the LogFMT send runs kLlThreads blocks: E = 288 blocks of 256 threads do not fit at once
-// (2 per SM at the kernel's 128 registers), and at 1 token that cost 1.6 µs (bench/NOTES.md s40).
+// (2 per SM at the kernel's 128 registers). At 1 token (bench/NOTES.md session 40): raw chunks
+// -1.8 µs, cast chunks +1.0 (a row's 7 chunks on 4 warps take two rounds).
 constexpr int64_t kLogfmtWideFrom = 64;
 constexpr int kLogfmtSendWarps = kLogfmtSendThreads / 32;
 static_assert(kLogfmtSendThreads <= kReduceThreads && kLogfmtSendThreads >= kLlThreads, "a LogFMT send block: within the bound, at least a kLlThreads block");
@@ -155,14 +156,13 @@ using Args = dek_ll_args_t;
 
 // The LogFMT combine send spreads its rows over the grid (combine_send_logfmt_spread, a 1-D grid of
 // kLogfmtSpreadBlocksPerSm blocks per SM) from kLogfmtSpreadFrom selections of the handle's
-// dispatch on (N·K: the host passes that dispatch's num_tokens and num_topk in the send's Args);
-// below, one block per (expert, rank) item (the heaviest item's block sets the send's time: ~10
-// rows x 7 chunks at 128 tokens, bench/NOTES.md session 40). Not with overlap signals or a seam.
-// Launcher and kernel decide alike.
-#ifndef DEEP_EP_LOGFMT_SPREAD_FROM
-#define DEEP_EP_LOGFMT_SPREAD_FROM 256
-#endif
-constexpr int64_t kLogfmtSpreadFrom = DEEP_EP_LOGFMT_SPREAD_FROM;
+// dispatch on (N·K: the host passes that dispatch's num_tokens and num_topk in the send's Args).
+// Below, one block per (expert, rank) item. Measured at 2 ranks (bench/NOTES.md session 40): on
+// cast chunks, where a unit's encode is long and the heaviest item set the send's time, -8 µs at
+// 32 tokens and -20 at 128; on raw chunks (amax >= 1) +3 and +4 (not measured apart: the scan,
+// the completion counters, the store order). Not with overlap signals or a seam. Launcher and kernel
+// decide alike.
+constexpr int64_t kLogfmtSpreadFrom = 256;
 constexpr int kLogfmtSpreadBlocksPerSm = 2;  // 256 threads at the kernel's 128 registers: the SM's register file
 __host__ __device__ __forceinline__ bool logfmt_spread(const Args& a) {
   return (a.flags & DEK_LL_FLAG_LOGFMT) != 0 && a.signal == nullptr && a.net == nullptr &&

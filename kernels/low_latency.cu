@@ -494,10 +494,9 @@ extern "C" int dek_ll_combine_recv(const dek_ic_ctx_t* ctx, const dek_ll_args_t*
                                                                                   args->topk_weights == nullptr)))
     return static_cast<int>(cudaErrorInvalidValue);
   // No token: it still waits for every word. A token's H/8 units over P blocks (one round of loads
-  // each; LogFMT: one pass of 4096 channels each, the same P, or in its narrow form one half pass
-  // each: twice as many, which a BF16 receive leaves idle) and a block for the routing check,
-  // within num_blocks (one per SM). The format is the send's (recv_state), not known here.
-  const int64_t n = args->num_tokens, p = 2 * ((args->hidden / 8 + kReduceThreads - 1) / kReduceThreads);
+  // each; LogFMT: one pass of 4096 channels each, the same P) and a block for the routing check,
+  // within num_blocks (one per SM).
+  const int64_t n = args->num_tokens, p = (args->hidden / 8 + kReduceThreads - 1) / kReduceThreads;
   const int blocks = n < 1 ? 1 : static_cast<int>(std::min<int64_t>(n * p + 1, std::max(args->num_blocks, 1)));
   launch_combine(ctx, args, blocks, kReduceThreads, DEK_LL_PHASE_RECV, stream);
   return static_cast<int>(cudaGetLastError());

@@ -730,9 +730,7 @@ int dek_ll_dispatch_local(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, vo
  * back to the source rank at (global expert, src token), then signals. `partial`: blocks (source rank, y) sum each
  * message of the dispatch (dispatch_half) with its weights, push one bf16 row per (token, source rank); the last
  * signals. flags & DEK_LL_FLAG_LOGFMT (not partial or zero_copy): a warp encodes a chunk (1024 channels, 512 when
- * H % 1024 != 0) of a row as LogFMT-10 into the LogFMT layout; without signal or seam, blocks of 128 threads below 64
- * selections N·K (num_tokens, num_topk: the handle's dispatch), 256 from there, and from 256 selections the rows of
- * all items spread over a grid of 2 blocks per SM (completion counters per item; the last warp signals it). */
+ * H % 1024 != 0) of a row as LogFMT-10 into the LogFMT layout (block shape, spread by num_tokens * num_topk: logfmt_spread). */
 int dek_ll_combine_send(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream);
 /* Receive phase: waits for all E words (partial: the R words d*E_l), out[n] = bf16(sum over k in
  * order of fma(y, w_k, acc)) (partial: bf16(sum over expert ranks d ascending of the fp32 of d's partial row),

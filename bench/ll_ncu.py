@@ -8,7 +8,8 @@ library, `--impl deep_ep` DeepEP V1 on the same inputs (PYTHONPATH must give the
 each token count in --tokens, --warmup calls of FP8 dispatch and BF16 combine (rows; ours also
 partial sums), then the profiled region (torch.cuda.profiler start/stop, so `ncu
 --profile-from-start off` sees only it): one FP8 dispatch and the combines, each in an NVTX range
-naming the case (`ll/<op>/<tokens>`). `--logfmt`: the combine is one LogFMT rows combine instead. The other ranks run the same calls unprofiled: rank 0's
+naming the case (`ll/<op>/<tokens>`). `--logfmt`: the combine is one LogFMT rows combine instead
+(`--scale 0.015625`: on its cast path). The other ranks run the same calls unprofiled: rank 0's
 kernels are serialised by ncu, so its peers' messages have arrived when its receive runs, and the
 profile is rank 0's own path (its sends, its signals, its copies).
 """
@@ -31,6 +32,9 @@ def main():
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--logfmt", action="store_true",
                    help="each step: one FP8 dispatch and one LogFMT rows combine (use_logfmt=True) only")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="expert outputs times this before the combine (2**-6: every LogFMT group's amax < 1, the cast path;"
+                        " 1: randn outputs, LogFMT's raw fallback)")
     p.add_argument("--num-max", type=int, default=0,
                    help="num_max_dispatch_tokens_per_rank (default: the largest --tokens; DeepEP needs ranks * it % 4 == 0)")
     args = p.parse_args()
@@ -71,6 +75,8 @@ def main():
         with rng("dispatch_fp8"):
             recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, tmax, e, use_fp8=True)
         y = recv[0].float().to(torch.bfloat16) if isinstance(recv, tuple) else recv
+        if args.scale != 1.0:
+            y = y * args.scale  # exact (a power of two): the cast path of bench/low_latency.py's logfmt-cast rows
         if args.logfmt:
             with rng("combine_logfmt"):
                 buf.low_latency_combine(y, idx, w, handle, use_logfmt=True, out=out)

@@ -713,8 +713,7 @@ typedef struct {
 } dek_ll_args_t;
 #define DEK_LL_NET_LSA 1 /* the LSA emulation of the RDMA leg (one NVLink machine as several nodes) */
 #define DEK_LL_NET_GIN 2 /* NCCL GIN */
-/* Seam signals per rank the LL kernels use at most: 4 * DEK_LL_MAX_EXPERTS. */
-#define DEK_LL_SEAM_SIGNALS (4 * DEK_LL_MAX_EXPERTS)
+#define DEK_LL_SEAM_SIGNALS (4 * DEK_LL_MAX_EXPERTS) /* seam signals per rank the LL kernels use at most */
 /* Send phase of a dispatch: blocks of one or a few tokens (at most num_blocks) count expert slots and message slots
  * in shared memory, push one message per (token, destination rank) (cast to FP8 once when use_fp8) with its index
  * entries; the last block signals every count. topk_weights ([N, K] f32 or NULL) travel in the messages. */
@@ -732,9 +731,10 @@ int dek_ll_dispatch_local(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, vo
  * signals. flags & DEK_LL_FLAG_LOGFMT (not partial or zero_copy): a warp encodes a chunk (1024 channels, 512 when
  * H % 1024 != 0) of a row as LogFMT-10 into the LogFMT layout (block shape, spread by num_tokens * num_topk: logfmt_spread). */
 int dek_ll_combine_send(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream);
-/* Receive phase: waits for all E words (partial: the R words d*E_l), out[n] = bf16(sum over k in
- * order of fma(y, w_k, acc)) (partial: bf16(sum over expert ranks d ascending of the fp32 of d's partial row),
- * d unmasked with an expert in the token's top-k; LogFMT: the decoded values in place of y). */
+/* Receive phase: waits for all E words (partial: the R words d*E_l), out[n] = bf16(sum over k in order of fma(y, w_k,
+ * acc)) (partial: bf16(sum over expert ranks d ascending of the fp32 of d's partial row), d unmasked with an expert in
+ * the token's top-k; LogFMT: the decoded values in place of y). The format is recv_state's; flags & DEK_LL_FLAG_LOGFMT
+ * hints it (the LogFMT receive kernel and grid: a wrong hint costs only time). */
 int dek_ll_combine_recv(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream);
 /* Both phases in one launch of 128-thread blocks, all resident: E (rows) or num_blocks (partial); not LogFMT, signal, seam. */
 int dek_ll_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream);

@@ -17,17 +17,64 @@ namespace {
 
 
 // LogFMT reduction of passes [pass_lo, pass_hi) of token `tok` (combine receive, blockDim =
-// kReduceThreads): per pass of 32 groups (4096 channels), thread (k, g) = (tid / 32, tid % 32)
-// derives selection k's parameters of group g from the meta and then its chunk's cast decision;
-// then thread j reduces channels 8j..8j+7 of the pass: acc = fma(decoded value, w_k, acc) over k in
-// order (crate: logfmt::decode_accumulate), one bf16 rounding, kLogfmtBatch selections' loads in
-// flight before their decodes (one load per selection used at once made K serial latencies).
-// s_e / s_w: the token's experts and weights.
+// kReduceThreads): per pass of 32 groups (4096 channels; `narrow`: 16), thread (k, g) =
+// (tid / 32, tid % 32) derives selection k's parameters of group g from the meta and then its
+// chunk's cast decision; then thread j reduces channels 8j..8j+7 of the pass (narrow: 4j..4j+3):
+// acc = fma(decoded value, w_k, acc) over k in order (crate: logfmt::decode_accumulate), one bf16
+// rounding, kLogfmtBatch selections' loads in flight before their decodes (one load per selection
+// used at once made K serial latencies). The narrow form (kNarrow instantiations only: the LogFMT
+// receive kernel, combine_recv_logfmt) halves each thread's chain of decodes (K x 4 exp2 instead
+// of K x 8) where the grid has a block for every half pass (few tokens: the cast receive is
+// latency-bound there, bench/NOTES.md session 40). s_e / s_w: the token's experts and weights.
 static_assert(kReduceThreads == kMaxLlTopk * 32, "one thread per (selection, group) of a LogFMT pass");
 constexpr int kLogfmtPass = 32;  // groups of 128 channels per pass
+constexpr int kLogfmtHalf = kLogfmtPass / 2;  // the narrow form's
 constexpr int kLogfmtBatch = 4;
+// The narrow form's reduction of the half pass of 16 groups from group `base`: thread j reduces
+// channels 4j..4j+3 (group base + tid / 32) with the pass's parameters.
+__device__ __noinline__ void recv_logfmt_narrow(const Args& a, const char* recv, int tok, const int64_t* s_e, const float* s_w, int base,
+                                                   const float (*s_step)[32], const float (*s_lamin)[32], const int (*s_cast)[32]) {
+  const int tid = threadIdx.x, K = a.num_topk, E = a.num_experts, T = a.num_max_tokens, H = a.hidden, S = H / 128;
+  const uint64_t pay = static_cast<uint64_t>(E) * T * S * 4;
+  const int j = base * 32 + tid, gl = tid / 32, m4 = tid % 32;  // 4-channel unit j lies in group base + gl
+  if (j * 4 >= H) return;
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int q0 = 0; q0 < K; q0 += kLogfmtBatch) {
+    uint32_t wv[kLogfmtBatch][2];  // cast: the 2 words holding the unit's 4 codes; raw: its 4 bf16
+    int kind[kLogfmtBatch];         // 0: no row (invalid or masked expert, past K), 1: cast, 2: raw
+#pragma unroll
+    for (int u = 0; u < kLogfmtBatch; ++u) {
+      const int q = q0 + u;
+      const int64_t e = q < K ? s_e[q] : -1;
+      kind[u] = e < 0 || e >= E ? 0 : s_cast[q][gl] ? 1 : 2;
+      const char* row = recv + pay + (static_cast<uint64_t>(e < 0 ? 0 : e) * T + tok) * 2 * H;
+      if (kind[u] == 1) {
+        const unsigned int* w = reinterpret_cast<const unsigned int*>(row + (base + gl) * 256 + (5 * m4 & ~3));
+        wv[u][0] = __ldcg(w);
+        wv[u][1] = __ldcg(w + 1);
+      } else if (kind[u] == 2) {
+        const uint2 v = __ldcg(reinterpret_cast<const uint2*>(row) + j);
+        wv[u][0] = v.x;
+        wv[u][1] = v.y;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kLogfmtBatch; ++u) {  // in order q = q0, q0 + 1, ...: the sums are unchanged
+      const int q = q0 + u;
+      if (kind[u] == 1) {
+        logfmt::accumulate_cast4(acc, wv[u], 5 * m4 & 3, s_step[q][gl], s_lamin[q][gl], s_w[q]);
+      } else if (kind[u] == 2) {
+        logfmt::accumulate_raw4(acc, wv[u], s_w[q]);
+      }
+    }
+  }
+  const uint2 o{bf16_bits(acc[0]) | static_cast<uint32_t>(bf16_bits(acc[1])) << 16, bf16_bits(acc[2]) | static_cast<uint32_t>(bf16_bits(acc[3])) << 16};
+  reinterpret_cast<uint2*>(a.out + static_cast<int64_t>(tok) * H)[j] = o;
+}
+
+template <bool kNarrow>
 __device__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok, const int64_t* s_e, const float* s_w, int pass_lo,
-                                       int pass_hi) {
+                                       int pass_hi, bool narrow) {
   __shared__ float s_lamin[kMaxLlTopk][32], s_step[kMaxLlTopk][32];
   __shared__ int s_castable[kMaxLlTopk][32], s_cast[kMaxLlTopk][32];
   const int tid = threadIdx.x, K = a.num_topk, E = a.num_experts, T = a.num_max_tokens, H = a.hidden, S = H / 128;
@@ -35,9 +82,11 @@ __device__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok,
   const uint64_t pay = static_cast<uint64_t>(E) * T * S * 4;
   const int k = tid / 32, gi = tid % 32;
   const int64_t ek = k < K ? s_e[k] : -1;
-  for (int base = pass_lo * kLogfmtPass; base < S && base < pass_hi * kLogfmtPass; base += kLogfmtPass) {
+  narrow = kNarrow && narrow;
+  const int pg = narrow ? kLogfmtHalf : kLogfmtPass;  // groups per pass (per_chunk divides both)
+  for (int base = pass_lo * pg; base < S && base < pass_hi * pg; base += pg) {
     const int g = base + gi;
-    const bool mine = ek >= 0 && ek < E && g < S;
+    const bool mine = ek >= 0 && ek < E && gi < pg && g < S;
     if (mine) {
       const uint32_t m = __ldcg(reinterpret_cast<const unsigned int*>(recv + ((static_cast<uint64_t>(ek) * T + tok) * S + g) * 4));
       const logfmt::Group p = logfmt::group_of_meta(m);
@@ -53,8 +102,9 @@ __device__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok,
       s_cast[k][gi] = all;
     }
     __syncthreads();
-    const int j = base * 16 + tid, gl = tid / 16, mm = tid % 16;  // 8-channel unit j lies in group base + gl
-    if (j * 8 < H) {
+    if (kNarrow && narrow) {
+      recv_logfmt_narrow(a, recv, tok, s_e, s_w, base, s_step, s_lamin, s_cast);
+    } else if (const int j = base * 16 + tid, gl = tid / 16, mm = tid % 16; j * 8 < H) {  // 8-channel unit j lies in group base + gl
       float acc[8];
 #pragma unroll
       for (int u = 0; u < 8; ++u) acc[u] = 0.0f;
@@ -101,7 +151,7 @@ __device__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok,
 // Every block waits for all E words (partial: the R words d*E_l) of call `seq` on `half`, then
 // reduces work items blockIdx.x, +gridDim.x, ...: item w = slice w % P of token w / P (P blocks
 // share a token when there are more blocks than tokens: a 1-token combine is not one block's
-// loads; P = 1 for LogFMT); thread j of a slice owns channels 8j..8j+7: acc = fma(y_k, w_k, acc)
+// loads; LogFMT: passes of groups, ll_combine_recv_logfmt); thread j of a slice owns channels 8j..8j+7: acc = fma(y_k, w_k, acc)
 // over k in order (crate: f32::mul_add); partial: acc += the partial row of each expert rank d
 // ascending that holds one of the token's (unmasked) experts.
 // kRowBatch: rows' loads in flight per thread before their FMAs (per-expert rows). kOwn (the
@@ -113,7 +163,7 @@ __device__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok,
 // made (check_routing); a one-launch kernel's reads the dispatch's words (check_routing_direct).
 // Before the wait, warp 0 loads the block's first token's ids and weights (the caller's tensors),
 // and the format words are checked after the rows: neither is a latency between wait and rows.
-template <class Net, int kRowBatch = 4, bool kOwn = false, bool kState = false>
+template <class Net, int kRowBatch = 4, bool kOwn = false, bool kState = false, bool kNarrow = false>
 __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a, int half, uint32_t seq, bool partial, bool logfmt) {
   __shared__ int s_ok, s_npart, s_state[3];
   __shared__ int s_live[kMaxLlRanks];  // ranks whose words arrived (their format words are checked)
@@ -155,9 +205,11 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
   }
   char* me = local(c);
   const int U = H / 8, N = a.num_tokens, blocks = static_cast<int>(gridDim.x);
-  // A token over P blocks: slices of U / P units, LogFMT: of its passes (kLogfmtPass groups each).
-  const int passes = (H / 128 + kLogfmtPass - 1) / kLogfmtPass;
-  const int P = N < 1 ? 1 : max(1, min(blocks / N, logfmt ? passes : static_cast<int>((U + blockDim.x - 1) / blockDim.x)));
+  // A token over P blocks: slices of U / P units, LogFMT: of its passes (kLogfmtPass groups each),
+  // kNarrow: a block per half pass of every token when the grid has them (ll_combine_recv_logfmt).
+  const int passes = (H / 128 + kLogfmtPass - 1) / kLogfmtPass, halves = (H / 128 + kLogfmtHalf - 1) / kLogfmtHalf;
+  const bool narrow = kNarrow && logfmt && N > 0 && blocks / N >= halves && halves > passes;
+  const int P = N < 1 ? 1 : narrow ? halves : max(1, min(blocks / N, logfmt ? passes : static_cast<int>((U + blockDim.x - 1) / blockDim.x)));
   int64_t e0 = -1;  // warp 0: the first item's selection tid (its loads in flight across the wait)
   float w0 = 0.0f;
   if (tid < K && static_cast<int>(blockIdx.x) < N * P) {
@@ -251,7 +303,8 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
       continue;
     }
     if (logfmt) {
-      ll_combine_recv_logfmt(a, recv, tok, s_e, s_w, (item % P) * passes / P, (item % P + 1) * passes / P);
+      const int np = narrow ? halves : passes;
+      ll_combine_recv_logfmt<kNarrow>(a, recv, tok, s_e, s_w, (item % P) * np / P, (item % P + 1) * np / P, narrow);
       continue;
     }
     for (int j = u_lo + tid; j < u_hi; j += blockDim.x) {
@@ -291,9 +344,10 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
 }
 
 // The receive launch: the call's half, number and format from recv_state (written by the send).
-template <class Net>
+// kNarrow: the LogFMT receive kernel's (combine_recv_logfmt), which may take the narrow form.
+template <class Net, bool kNarrow = false>
 __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
-  combine_recv_tokens<Net, 8, false, true>(c, a, 0, 0, false, false);
+  combine_recv_tokens<Net, 8, false, true, kNarrow>(c, a, 0, 0, false, false);
 }
 
 }  // namespace

@@ -33,7 +33,7 @@ __host__ __device__ __forceinline__ bool own_rows_direct(const Args& a) { return
 // kSpreadMinSelections selections on (below, the index load per own selection cost 0.4-0.5 µs at
 // 2 ranks, bench/NOTES.md session 31). Send and receive (the same rank) decide alike.
 __device__ __forceinline__ bool own_rows(const Args& a) {
-  return own_rows_direct(a) && static_cast<int64_t>(a.num_tokens) * a.num_topk >= kSpreadMinSelections;
+  return own_rows_direct(a) && ll_selections(a) >= kSpreadMinSelections;
 }
 
 // Local scratch of the control area: u32 [DEK_LL_MAX_EXPERTS] units done per item (l*R + s) of the

@@ -268,6 +268,23 @@ DEEP_EP_LF_UNROLL
     acc[i] = f_fma(decode_value(v, step, log_amin), wt, acc[i]);
   }
 }
+// Channels 4m..4m+3 of a cast group (the receive's narrow form): `w` are the two u32 words of the
+// group's payload from byte (5m & ~3), `shift` = 5m & 3 bytes before the codes (40 bits from bit
+// 8 * shift <= 24: within the two words).
+__host__ __device__ __forceinline__ void accumulate_cast4(float (&acc)[4], const uint32_t (&w)[2], int shift, float step,
+                                                         float log_amin, float wt) {
+  const uint64_t bits = (static_cast<uint64_t>(w[0]) | static_cast<uint64_t>(w[1]) << 32) >> (8 * shift);
+DEEP_EP_LF_UNROLL
+  for (int i = 0; i < 4; ++i) acc[i] = f_fma(decode_value(static_cast<uint32_t>(bits >> (10 * i)) & 0x3ffu, step, log_amin), wt, acc[i]);
+}
+// The same for a raw group: the four bf16 of `w` (two per word, lower channel first).
+__host__ __device__ __forceinline__ void accumulate_raw4(float (&acc)[4], const uint32_t (&w)[2], float wt) {
+DEEP_EP_LF_UNROLL
+  for (int u = 0; u < 2; ++u) {
+    acc[2 * u] = f_fma(bf16_f32(w[u] & 0xffffu), wt, acc[2 * u]);
+    acc[2 * u + 1] = f_fma(bf16_f32(w[u] >> 16), wt, acc[2 * u + 1]);
+  }
+}
 // The same for a raw group: the eight bf16 of `w` (two per word, lower channel first).
 __host__ __device__ __forceinline__ void accumulate_raw8(float (&acc)[8], const uint32_t (&w)[4], float wt) {
 DEEP_EP_LF_UNROLL

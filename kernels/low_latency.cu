@@ -66,6 +66,17 @@ __device__ __forceinline__ LogfmtSendShared& logfmt_send_shared() {
   return s;
 }
 
+// The byte offsets in this call's receive half (from the window's start) of the LogFMT row of
+// (global expert ge, source token tok): its S meta words and its payload (the layout of logfmt.cuh:
+// meta [E][T][S] u32, then payloads [E][T] of 2H bytes). Both LogFMT sends write there.
+struct LogfmtRow {
+  uint64_t meta, pay;
+};
+__device__ __forceinline__ LogfmtRow logfmt_row_at(const Args& a, uint64_t ge, int tok) {
+  const uint64_t T = a.num_max_tokens, H = a.hidden, S = H / 128, et = ge * T + tok, half = recv_off(a, a.half);
+  return {half + et * S * 4, half + static_cast<uint64_t>(a.num_experts) * T * S * 4 + et * 2 * H};
+}
+
 // LogFMT rows [b, b + cnt) of local expert l to rank s (combine send, flags DEK_LL_FLAG_LOGFMT):
 // one warp per (row, chunk) (blocks of kLogfmtSendThreads without Args::signal, else kLlThreads)
 // encodes into the LogFMT layout of logfmt.cuh at global expert
@@ -82,9 +93,7 @@ __device__ bool ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l
   const int R = c.num_ranks, El = a.num_experts / R, T = a.num_max_tokens, H = a.hidden, S = H / 128;
   const int64_t RT = static_cast<int64_t>(R) * T;
   const int chunk = logfmt::chunk_channels(H), nch = (H + chunk - 1) / chunk, nw = static_cast<int>(blockDim.x / 32);
-  const uint64_t ge = static_cast<uint64_t>(c.rank) * El + l;
-  const uint64_t meta = recv_off(a, a.half) + ge * T * S * 4;
-  const uint64_t pay = recv_off(a, a.half) + static_cast<uint64_t>(a.num_experts) * T * S * 4 + ge * T * 2 * H;
+  const LogfmtRow first = logfmt_row_at(a, static_cast<uint64_t>(c.rank) * El + l, 0);  // the expert's token 0: a row per token from there
   const bool far = remote<Net>(c, a, s);
   char* const dst = window(c, far ? c.rank : s);
   int64_t ready = -1;
@@ -96,7 +105,7 @@ __device__ bool ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l
     if (tok < 0 || tok >= T) continue;
     uint2 v[logfmt::kChunkGroups];
     logfmt::load_chunk_warp(static_cast<const uint16_t*>(a.x) + (l * RT + row) * H + c0, ng, v, lane);
-    const uint64_t m_off = meta + (static_cast<uint64_t>(tok) * S + c0 / 128) * 4, p_off = pay + (static_cast<uint64_t>(tok) * H + c0) * 2;
+    const uint64_t m_off = first.meta + (static_cast<uint64_t>(tok) * S + c0 / 128) * 4, p_off = first.pay + (static_cast<uint64_t>(tok) * H + c0) * 2;
     uint64_t m_at = m_off, p_at = p_off;
     if (far) {
       const uint64_t r = static_cast<uint64_t>(l * RT + row), st = send_off(a, a.half);
@@ -120,20 +129,18 @@ template <class Net>
 __device__ void combine_send_logfmt_spread(const Ctx& c, const Args& a, uint32_t seq) {
   LogfmtSendShared& sh = logfmt_send_shared();
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int R = c.num_ranks, El = a.num_experts / R, T = a.num_max_tokens, H = a.hidden, S = H / 128;
+  const int R = c.num_ranks, El = a.num_experts / R, T = a.num_max_tokens, H = a.hidden;
   const int64_t RT = static_cast<int64_t>(R) * T;
   const int chunk = logfmt::chunk_channels(H);
   spread_rows<Net>(c, a, seq, chunk, true, [&](int l, int s, int64_t row, int tok, int c0, int c1) {
-    const uint64_t et = (static_cast<uint64_t>(c.rank) * El + l) * T + tok;  // (global expert, source token)
-    const uint64_t meta = recv_off(a, a.half) + et * S * 4;
-    const uint64_t pay = recv_off(a, a.half) + static_cast<uint64_t>(a.num_experts) * T * S * 4 + et * 2 * H;
+    const LogfmtRow at_row = logfmt_row_at(a, static_cast<uint64_t>(c.rank) * El + l, tok);
     char* const dst = window(c, s);
     for (int k = c0; k < c1; k += chunk) {
       const int ng = (min(H, k + chunk) - k) / 128;
       uint2 v[logfmt::kChunkGroups];
       logfmt::load_chunk_warp(static_cast<const uint16_t*>(a.x) + (l * RT + row) * H + k, ng, v, lane);
-      logfmt::encode_chunk_warp(v, ng, at<uint32_t>(dst, meta + k / 128 * 4), dst + pay + 2 * static_cast<uint64_t>(k), sh.tq,
-                                sh.pack[warp], lane);
+      logfmt::encode_chunk_warp(v, ng, at<uint32_t>(dst, at_row.meta + k / 128 * 4), dst + at_row.pay + 2 * static_cast<uint64_t>(k),
+                                sh.tq, sh.pack[warp], lane);
     }
   });
 }
@@ -414,6 +421,15 @@ __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kRedu
   if (kBoth && sent) combine_recv_tokens<Net>(c, a, a.half, seq, partial, false);
 }
 
+// The receive launch of a combine whose send the host recorded as LogFMT (dek_ll_combine_recv): an
+// instantiation of its own with the narrow form, so that the BF16 receive keeps none of its code
+// (in the shared kernel it spilled 48 bytes and cost the hook step 0.3-0.5 µs, session 40). It
+// reads the format from recv_state like every receive: a wrong hint costs time, never results.
+template <class Net>
+__global__ void __launch_bounds__(kReduceThreads, 1) combine_recv_logfmt(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
+  combine_recv<Net, true>(c, a);
+}
+
 template <class Net>
 __global__ void clean_signals(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
   uint32_t* w = at<uint32_t>(local(c), a.ll_off);
@@ -484,7 +500,7 @@ extern "C" int dek_ll_combine_send(const dek_ic_ctx_t* ctx, const dek_ll_args_t*
   const dim3 grid = logfmt_spread(*args) ? dim3(ctx->num_sms > 0 ? kLogfmtSpreadBlocksPerSm * ctx->num_sms : el * ctx->num_ranks)
                     : cap > 0 && cap < el * ctx->num_ranks ? dim3(cap)
                                                            : dim3(el, ctx->num_ranks);
-  const bool many = static_cast<int64_t>(args->num_tokens) * args->num_topk >= kLogfmtWideFrom;
+  const bool many = ll_selections(*args) >= kLogfmtWideFrom;
   launch_combine(ctx, args, grid, wide && many ? kLogfmtSendThreads : kLlThreads, DEK_LL_PHASE_SEND, stream);
   return static_cast<int>(cudaGetLastError());
 }
@@ -494,11 +510,19 @@ extern "C" int dek_ll_combine_recv(const dek_ic_ctx_t* ctx, const dek_ll_args_t*
                                                                                   args->topk_weights == nullptr)))
     return static_cast<int>(cudaErrorInvalidValue);
   // No token: it still waits for every word. A token's H/8 units over P blocks (one round of loads
-  // each; LogFMT: one pass of 4096 channels each, the same P) and a block for the routing check,
-  // within num_blocks (one per SM).
-  const int64_t n = args->num_tokens, p = (args->hidden / 8 + kReduceThreads - 1) / kReduceThreads;
+  // each; LogFMT: one pass of 4096 channels each, the same P or fewer) and a block for the routing
+  // check, within num_blocks (one per SM). flags & DEK_LL_FLAG_LOGFMT is the host's hint that the
+  // send was LogFMT (the format itself is the send's, in recv_state): then a block per half pass
+  // of 2048 channels (the narrow form) on the LogFMT receive kernel, where no seam is in between.
+  const bool lf = (args->flags & DEK_LL_FLAG_LOGFMT) != 0 && args->net == nullptr;
+  const int64_t n = args->num_tokens, units = (args->hidden / 8 + kReduceThreads - 1) / kReduceThreads;
+  const int64_t p = lf ? std::max<int64_t>(units, (args->hidden / 128 + kLogfmtHalf - 1) / kLogfmtHalf) : units;
   const int blocks = n < 1 ? 1 : static_cast<int>(std::min<int64_t>(n * p + 1, std::max(args->num_blocks, 1)));
-  launch_combine(ctx, args, blocks, kReduceThreads, DEK_LL_PHASE_RECV, stream);
+  if (lf) {
+    combine_recv_logfmt<NvlNet><<<blocks, kReduceThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args);
+  } else {
+    launch_combine(ctx, args, blocks, kReduceThreads, DEK_LL_PHASE_RECV, stream);
+  }
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -524,7 +548,7 @@ extern "C" int dek_ll_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args
   // per-item send (2 ranks, bench/NOTES.md session 29; +4 with the own rows read in place, session
   // 35); at one rank it runs only when the library chose this peer path over
   // dek_ll_combine_local (DEEP_EP_LL_LOCAL=peer).
-  const int64_t selections = static_cast<int64_t>(args->num_tokens) * args->num_topk;
+  const int64_t selections = ll_selections(*args);
   const bool many = selections >= kSpreadMinSelections;
   if (ctx->num_ranks == 1 && !args->partial && many) {
     // Its work does not follow the grid: 3 blocks per SM, all resident (112 registers: 4 would fit;

@@ -153,6 +153,9 @@ __device__ __forceinline__ uint64_t routing_seal(uint64_t sum, int n, int k) {
 }
 
 using Args = dek_ll_args_t;
+// The call's top-k selections N·K (a combine's: its handle's dispatch's, recorded by the host):
+// what the send and receive forms are chosen by.
+__host__ __device__ __forceinline__ int64_t ll_selections(const Args& a) { return static_cast<int64_t>(a.num_tokens) * a.num_topk; }
 
 // The LogFMT combine send spreads its rows over the grid (combine_send_logfmt_spread, a 1-D grid of
 // kLogfmtSpreadBlocksPerSm blocks per SM) from kLogfmtSpreadFrom selections of the handle's
@@ -165,8 +168,7 @@ using Args = dek_ll_args_t;
 constexpr int64_t kLogfmtSpreadFrom = 256;
 constexpr int kLogfmtSpreadBlocksPerSm = 2;  // 256 threads at the kernel's 128 registers: the SM's register file
 __host__ __device__ __forceinline__ bool logfmt_spread(const Args& a) {
-  return (a.flags & DEK_LL_FLAG_LOGFMT) != 0 && a.signal == nullptr && a.net == nullptr &&
-         static_cast<int64_t>(a.num_tokens) * a.num_topk >= kLogfmtSpreadFrom;
+  return (a.flags & DEK_LL_FLAG_LOGFMT) != 0 && a.signal == nullptr && a.net == nullptr && ll_selections(a) >= kLogfmtSpreadFrom;
 }
 
 __device__ __forceinline__ uint64_t sig_off(const Args& a, int h) { return a.ll_off + h * a.signal_bytes; }

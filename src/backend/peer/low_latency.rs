@@ -337,7 +337,9 @@ impl PeerBackend {
         a.recv_state = opt_ptr(s.recv_state.as_ref());
         self.ll_begin_send(OP_COMBINE, &mut a, stream)?;
         // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
-        unsafe { k::combine_send(OP_COMBINE, self.window.ctx(), &a, stream) }
+        unsafe { k::combine_send(OP_COMBINE, self.window.ctx(), &a, stream) }?;
+        self.ll.combine_sent(a.half as usize, a.recv_state as usize, a.flags & FLAG_LOGFMT != 0);
+        Ok(())
     }
 
     /// What a launched dispatch send leaves for the combine of its handle.
@@ -515,6 +517,10 @@ impl LowLatencyMode for PeerBackend {
         let mut a = self.ll_args(OP_COMBINE, g)?;
         ll_combine_recv_args(&mut a, g, r, st)?;
         a.recv_state = opt_ptr(r.recv_state.as_ref());
+        // The send's format as a hint for the receive's kernel and grid (the kernel reads recv_state).
+        if self.ll.combine_sent_logfmt(a.recv_state as usize) {
+            a.flags = FLAG_LOGFMT;
+        }
         a.num_blocks = self.ll_grid().reduce;
         // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
         unsafe { k::combine_recv(OP_COMBINE, self.window.ctx(), &a, stream) }

@@ -13,9 +13,8 @@ set -u
 here=$(cd "$(dirname "$0")" && pwd)
 if [ "${1:-}" = "--rank" ]; then  # one rank under torchrun: ncu for rank 0, the script for the others
   . "$here/ncu_lib.sh"
-  # The LL kernels of both libraries are named dispatch / combine (function name, no namespace);
-  # ours has the LogFMT receive kernel beside them.
-  NCU_KERNEL=${NCU_KERNEL:-'^(dispatch|combine|combine_recv_logfmt)$'} ncu_rank "$2/ll" "$here/ll_ncu.py" "$3" "${@:4}"
+  # The LL kernels of both libraries are named dispatch / combine (function name, no namespace).
+  NCU_KERNEL=${NCU_KERNEL:-'^(dispatch|combine)$'} ncu_rank "$2/ll" "$here/ll_ncu.py" "$3" "${@:4}"
 fi
 out=${1:?usage: bench/ll_ncu.sh OUT_DIR [PYTHON] [RANKS] [ll_ncu.py ARGS...]}
 py=${2:-python3}
@@ -34,7 +33,7 @@ rc=$?
 echo "ll_ncu: rc=$rc at $ranks ranks" | tee -a "$out/ncu.log"
 [ -f "$out/ll.ncu-rep" ] || exit 1
 ncu_pages "$NCU" "$out/ll.ncu-rep" "$out"
-for k in dispatch combine combine_recv_logfmt; do
+for k in dispatch combine; do
   "$NCU" --import "$out/ll.ncu-rep" --page source --csv --kernel-name regex:"^$k\$" --print-source sass \
     >"$out/source-$k.csv" 2>>"$out/ncu.log" || echo "ll_ncu: no source page for $k" >>"$out/ncu.log"
 done

@@ -23,7 +23,7 @@ namespace {
 // acc = fma(decoded value, w_k, acc) over k in order (crate: logfmt::decode_accumulate), one bf16
 // rounding, kLogfmtBatch selections' loads in flight before their decodes (one load per selection
 // used at once made K serial latencies). The narrow form (kNarrow instantiations only: the LogFMT
-// receive kernel, combine_recv_logfmt) halves each thread's chain of decodes (K x 4 exp2 instead
+// receive instantiation of combine, kLfRecv) halves each thread's chain of decodes (K x 4 exp2 instead
 // of K x 8) where the grid has a block for every half pass (few tokens: the cast receive is
 // latency-bound there, bench/NOTES.md session 40). s_e / s_w: the token's experts and weights.
 static_assert(kReduceThreads == kMaxLlTopk * 32, "one thread per (selection, group) of a LogFMT pass");
@@ -344,7 +344,7 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
 }
 
 // The receive launch: the call's half, number and format from recv_state (written by the send).
-// kNarrow: the LogFMT receive kernel's (combine_recv_logfmt), which may take the narrow form.
+// kNarrow: the LogFMT receive instantiation's (combine, kLfRecv), which may take the narrow form.
 template <class Net, bool kNarrow = false>
 __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
   combine_recv_tokens<Net, 8, false, true, kNarrow>(c, a, 0, 0, false, false);

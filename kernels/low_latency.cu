@@ -384,11 +384,18 @@ __device__ __forceinline__ bool combine_send_partial(const Ctx& c, const Args& a
 // rows' loads in flight per thread; from kSpreadMinSelections selections on (own_rows) this rank's
 // own rows are reduced from where they are, not copied (combine_send_rows, combine_recv_tokens). kPartial
 // (with kBoth): partial sums only, kBoth alone rows only, each without the other's code (NOTES s34).
-template <class Net, bool kSig, bool kBoth = false, bool kSpread = false, bool kLocal = false, bool kOwn = false, bool kPartial = false>
+// kLfRecv: the receive launch of a combine whose send the host recorded as LogFMT
+// (dek_ll_combine_recv), an instantiation of its own with the receive's narrow form, so that the
+// BF16 receive keeps none of its code (in the shared kernel it spilled 48 bytes and cost the hook
+// step 0.3-0.5 µs, session 40). It reads the format from recv_state like every receive: a wrong
+// hint costs time, never results. Under the op's one kernel name, as DeepEP's (whose benchmark
+// counts the profiler's lines holding "combine").
+template <class Net, bool kSig, bool kBoth = false, bool kSpread = false, bool kLocal = false, bool kOwn = false, bool kPartial = false,
+          bool kLfRecv = false>
 __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kReduceThreads, kBoth ? kBothBlocksPerSm : 1)
     combine(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
-  if (!kBoth && phase == DEK_LL_PHASE_RECV) {
-    if constexpr (!kSig) combine_recv<Net>(c, a);
+  if (!kBoth && (kLfRecv || phase == DEK_LL_PHASE_RECV)) {
+    if constexpr (!kSig) combine_recv<Net, kLfRecv>(c, a);
     return;
   }
   if constexpr (kBoth) {  // the one-launch forms are launched early (launch_pdl): wait for the kernel before
@@ -419,15 +426,6 @@ __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kRedu
   const bool partial = kBoth ? kPartial : a.partial != 0;
   const bool sent = partial ? combine_send_partial<Net, kSig, kBoth>(c, a, &seq) : combine_send<Net, kSig, false, false, kBoth>(c, a, &seq);
   if (kBoth && sent) combine_recv_tokens<Net>(c, a, a.half, seq, partial, false);
-}
-
-// The receive launch of a combine whose send the host recorded as LogFMT (dek_ll_combine_recv): an
-// instantiation of its own with the narrow form, so that the BF16 receive keeps none of its code
-// (in the shared kernel it spilled 48 bytes and cost the hook step 0.3-0.5 µs, session 40). It
-// reads the format from recv_state like every receive: a wrong hint costs time, never results.
-template <class Net>
-__global__ void __launch_bounds__(kReduceThreads, 1) combine_recv_logfmt(const __grid_constant__ Ctx c, const __grid_constant__ Args a) {
-  combine_recv<Net, true>(c, a);
 }
 
 template <class Net>
@@ -519,7 +517,8 @@ extern "C" int dek_ll_combine_recv(const dek_ic_ctx_t* ctx, const dek_ll_args_t*
   const int64_t p = lf ? std::max<int64_t>(units, (args->hidden / 128 + kLogfmtHalf - 1) / kLogfmtHalf) : units;
   const int blocks = n < 1 ? 1 : static_cast<int>(std::min<int64_t>(n * p + 1, std::max(args->num_blocks, 1)));
   if (lf) {
-    combine_recv_logfmt<NvlNet><<<blocks, kReduceThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args);
+    combine<NvlNet, false, false, false, false, false, false, true><<<blocks, kReduceThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args,
+                                                                                                         DEK_LL_PHASE_RECV);
   } else {
     launch_combine(ctx, args, blocks, kReduceThreads, DEK_LL_PHASE_RECV, stream);
   }

@@ -193,10 +193,17 @@ def test_moe_decode_reduce_overhead_equals_eager(ll_buffer):
     with torch.no_grad():
         want = ll(layer.decode, x)
         compiled = torch.compile(layer.decode, mode="reduce-overhead", fullgraph=True)
-        for _ in range(4):  # warm-up, recording, then CUDA-graph replays
+        first = None
+        for i in range(4):  # warm-up, recording, then CUDA-graph replays
             got = compiled(x).clone()
             torch.cuda.synchronize()
-            assert torch.equal(got, want)
+            # The router's softmax is inductor's kernel under compile, whose f32 rounding may differ
+            # from eager's in the last bit (as in the prefill test above), and a top-k weight one ulp
+            # off moves a bf16 output by one ulp: eager within bf16 tolerance; the graph replays
+            # (what reduce-overhead adds) bit-exact with the first compiled call.
+            torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2, msg=lambda m: f"call {i}: {m}")
+            first = got if first is None else first
+            assert torch.equal(got, first), f"call {i}: a CUDA-graph replay differs from the first compiled call"
     router, w_all = make_params(1, H, EL)
     ref = reference([x.cpu()], router, w_all, K)[0]
     assert ((want.float().cpu() - ref).norm() / ref.norm()) < 1e-2

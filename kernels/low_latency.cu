@@ -388,8 +388,8 @@ __device__ __forceinline__ bool combine_send_partial(const Ctx& c, const Args& a
 // (dek_ll_combine_recv), an instantiation of its own with the receive's narrow form, so that the
 // BF16 receive keeps none of its code (in the shared kernel it spilled 48 bytes and cost the hook
 // step 0.3-0.5 µs, session 40). It reads the format from recv_state like every receive: a wrong
-// hint costs time, never results. Under the op's one kernel name, as DeepEP's (whose benchmark
-// counts the profiler's lines holding "combine").
+// hint costs time, never results. Under the op's one kernel name (docs/OPS.md's kernel table:
+// profiler lookups by name, as DeepEP's benchmark makes, see one `combine`).
 template <class Net, bool kSig, bool kBoth = false, bool kSpread = false, bool kLocal = false, bool kOwn = false, bool kPartial = false,
           bool kLfRecv = false>
 __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kReduceThreads, kBoth ? kBothBlocksPerSm : 1)

@@ -511,7 +511,7 @@ extern "C" int dek_ll_combine_recv(const dek_ic_ctx_t* ctx, const dek_ll_args_t*
   // each; LogFMT: one pass of 4096 channels each, the same P or fewer) and a block for the routing
   // check, within num_blocks (one per SM). flags & DEK_LL_FLAG_LOGFMT is the host's hint that the
   // send was LogFMT (the format itself is the send's, in recv_state): then a block per half pass
-  // of 2048 channels (the narrow form) on the LogFMT receive kernel, where no seam is in between.
+  // of 2048 channels (the narrow form) on the LogFMT receive instantiation, where no seam is between.
   const bool lf = (args->flags & DEK_LL_FLAG_LOGFMT) != 0 && args->net == nullptr;
   const int64_t n = args->num_tokens, units = (args->hidden / 8 + kReduceThreads - 1) / kReduceThreads;
   const int64_t p = lf ? std::max<int64_t>(units, (args->hidden / 128 + kLogfmtHalf - 1) / kLogfmtHalf) : units;

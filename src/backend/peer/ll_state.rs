@@ -23,7 +23,7 @@ pub struct LlState {
     /// on (the LogFMT send's form, `logfmt_spread` in `kernels/low_latency.cuh`).
     pub(super) selections: [(i32, i32); 2],
     /// Per half: the combine send that used it last, as (address of its `recv_state`, whether it
-    /// sent LogFMT); a receive given that `recv_state` launches the LogFMT receive kernel (a hint:
+    /// sent LogFMT); a receive given that `recv_state` launches the LogFMT receive instantiation (a hint:
     /// the kernel reads the format from `recv_state`, `dek_ll_combine_recv`).
     pub(super) combine_sent: [Option<(usize, bool)>; 2],
 }

@@ -217,6 +217,25 @@ __host__ __device__ __forceinline__ float log2_bf16(const float2* tq, uint32_t b
   const float special = b == 0 ? f_bits(kNegInf) : b == 0x7f80u ? f_bits(kInf) : f_bits(kNan);
   return b == 0 || b >= 0x7f80u ? special : r;
 }
+// log2_bf16 of a magnitude below 1 (b < 0x3f80: every value of a cast chunk, whose amax is below
+// 1), zero included: without the infinity / NaN cases, and the exponent step as an integer
+// compare (the float 1.i is above sqrt(2) exactly when i > 53). The same values (checked on every
+// such bf16 by dek_logfmt_math_host fn 3).
+__host__ __device__ __forceinline__ float log2_bf16_unit(const float2* tq, uint32_t b) {
+  const uint32_t mant = b & 0x7fu;
+#ifdef __CUDA_ARCH__
+  const int p = 31 - __clz(mant | 1u);
+#else
+  const int p = 31 - __builtin_clz(mant | 1u);
+#endif
+  const bool sub = b < 0x80u;
+  int e = sub ? p - 133 : static_cast<int>(b >> 7) - 127;
+  const uint32_t i = sub ? (mant << (7 - p)) & 0x7fu : mant;
+  e += i > 53u ? 1 : 0;
+  const float2 v = tq[i];
+  const float r = f_fma(v.x, v.y, static_cast<float>(e));
+  return b == 0 ? f_bits(kNegInf) : r;
+}
 // Group parameters from its amax / amin bf16 magnitudes (group_params' values, by the table).
 __host__ __device__ __forceinline__ Group group_params_t(const float2* tq, uint32_t amax, uint32_t amin) {
   return group_from(amax, amin, [tq](uint32_t b) { return log2_bf16(tq, b); });
@@ -234,10 +253,17 @@ __host__ __device__ __forceinline__ Encoder encoder(const Group& g) {
   e.fused = f_fma(-g.log_amin, e.step_inv, rounding);
   return e;
 }
-// 10-bit value (sign << 9 | code) of one bf16 (bits).
+// 10-bit value (sign << 9 | code) of one bf16 (bits) of a cast group (magnitude below 1). The
+// code is min(511, floor(v)) of v = max(fma(log2, step_inv, fused), 0) >= 0: on the device one
+// round-down conversion, which saturates above 2^32 (min then gives 511, as the host's compare).
 __host__ __device__ __forceinline__ uint32_t encode_value(const float2* tq, const Encoder& e, uint32_t b) {
-  const float v = f_floor(f_max(f_fma(log2_bf16(tq, b & 0x7fffu), e.step_inv, e.fused), 0.0f));
-  const uint32_t code = v >= static_cast<float>(kMaxCode) ? kMaxCode : static_cast<uint32_t>(v);
+  const float v = f_max(f_fma(log2_bf16_unit(tq, b & 0x7fffu), e.step_inv, e.fused), 0.0f);
+#ifdef __CUDA_ARCH__
+  const uint32_t code = min(__float2uint_rd(v), kMaxCode);
+#else
+  const float fl = f_floor(v);
+  const uint32_t code = fl >= static_cast<float>(kMaxCode) ? kMaxCode : static_cast<uint32_t>(fl);
+#endif
   return ((b >> 15) & 1u) << 9 | code;
 }
 // Four consecutive channels (bf16 pairs lo, hi of two words) as 40 bits, the first lowest.

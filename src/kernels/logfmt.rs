@@ -60,6 +60,12 @@ pub fn log2_bf16_table(x: &[f32]) -> Vec<f32> {
     math(2, x)
 }
 
+/// The send encoder's `log2_bf16_unit` (host): as [`log2_bf16_table`], for bf16 magnitudes below 1
+/// only (the values of a cast chunk).
+pub fn log2_bf16_unit(x: &[f32]) -> Vec<f32> {
+    math(3, x)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -96,6 +102,16 @@ mod tests {
         for (&x, &k) in xs.iter().zip(&log2_bf16_table(&xs)) {
             let want = logfmt::log2_det(x.abs());
             assert!(same(k, want), "log2 table({x:e} = {:#x}): kernels {k} crate {want}", x.to_bits());
+        }
+    }
+
+    #[test]
+    fn unit_log2_is_the_table_log2_below_1() {
+        // Every bf16 whose magnitude is below 1 (bits below 0x3f80), both signs, zeros included.
+        let xs: Vec<f32> = (0..=u16::MAX).filter(|b| b & 0x7fff < 0x3f80).map(bf16::to_f32).collect();
+        assert_eq!(xs.len(), 2 * 0x3f80);
+        for ((&x, &u), &t) in xs.iter().zip(&log2_bf16_unit(&xs)).zip(&log2_bf16_table(&xs)) {
+            assert!(same(u, t), "log2 unit({x:e} = {:#x}): {u}, table {t}", x.to_bits());
         }
     }
 

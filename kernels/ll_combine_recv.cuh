@@ -30,18 +30,30 @@ static_assert(kReduceThreads == kMaxLlTopk * 32, "one thread per (selection, gro
 constexpr int kLogfmtPass = 32;  // groups of 128 channels per pass
 constexpr int kLogfmtHalf = kLogfmtPass / 2;  // the narrow form's
 constexpr int kLogfmtBatch = 4;
-// The narrow form's reduction of the half pass of 16 groups from group `base`: thread j reduces
-// channels 4j..4j+3 (group base + tid / 32) with the pass's parameters.
-__device__ __noinline__ void recv_logfmt_narrow(const Args& a, const char* recv, int tok, const int64_t* s_e, const float* s_w, int base,
-                                                   const float (*s_step)[32], const float (*s_lamin)[32], const int (*s_cast)[32]) {
+// The number of LogFMT passes of `pass_groups` groups of 128 channels over a row of `hidden`
+// channels (kLogfmtPass: the wide form's; kLogfmtHalf: the narrow form's). The one home of that
+// count: the receive launcher's grid and the kernel's slices both use it.
+__host__ __device__ __forceinline__ int logfmt_pass_count(int hidden, int pass_groups) {
+  return (hidden / 128 + pass_groups - 1) / pass_groups;
+}
+
+// One pass's reduction in units of kW channels (8 or 4): thread j reduces channels kW*j..kW*j+kW-1
+// (group base + tid / (128 / kW)) with the pass's parameters.
+template <int kW>
+__device__ __forceinline__ void recv_logfmt_units(const Args& a, const char* recv, int tok, const int64_t* s_e, const float* s_w, int base,
+                                                  const float (*s_step)[32], const float (*s_lamin)[32], const int (*s_cast)[32]) {
+  static_assert(kW == 4 || kW == 8, "a unit of 4 or 8 channels");
+  constexpr int kPerGroup = 128 / kW, kCodeBytes = 5 * kW / 4;  // units per group; a unit's bytes of 10-bit codes
   const int tid = threadIdx.x, K = a.num_topk, E = a.num_experts, T = a.num_max_tokens, H = a.hidden, S = H / 128;
   const uint64_t pay = static_cast<uint64_t>(E) * T * S * 4;
-  const int j = base * 32 + tid, gl = tid / 32, m4 = tid % 32;  // 4-channel unit j lies in group base + gl
-  if (j * 4 >= H) return;
-  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  const int j = base * kPerGroup + tid, gl = tid / kPerGroup, m = tid % kPerGroup;  // unit j lies in group base + gl
+  if (j * kW >= H) return;
+  float acc[kW];
+#pragma unroll
+  for (int u = 0; u < kW; ++u) acc[u] = 0.0f;
   for (int q0 = 0; q0 < K; q0 += kLogfmtBatch) {
-    uint32_t wv[kLogfmtBatch][2];  // cast: the 2 words holding the unit's 4 codes; raw: its 4 bf16
-    int kind[kLogfmtBatch];         // 0: no row (invalid or masked expert, past K), 1: cast, 2: raw
+    uint32_t wv[kLogfmtBatch][kW / 2];  // cast: the words holding the unit's codes (8: 3, 4: 2); raw: its bf16
+    int kind[kLogfmtBatch];              // 0: no row (invalid or masked expert, past K), 1: cast, 2: raw
 #pragma unroll
     for (int u = 0; u < kLogfmtBatch; ++u) {
       const int q = q0 + u;
@@ -49,27 +61,60 @@ __device__ __noinline__ void recv_logfmt_narrow(const Args& a, const char* recv,
       kind[u] = e < 0 || e >= E ? 0 : s_cast[q][gl] ? 1 : 2;
       const char* row = recv + pay + (static_cast<uint64_t>(e < 0 ? 0 : e) * T + tok) * 2 * H;
       if (kind[u] == 1) {
-        const unsigned int* w = reinterpret_cast<const unsigned int*>(row + (base + gl) * 256 + (5 * m4 & ~3));
+        const unsigned int* w = reinterpret_cast<const unsigned int*>(row + (base + gl) * 256 + (kCodeBytes * m & ~3));
         wv[u][0] = __ldcg(w);
         wv[u][1] = __ldcg(w + 1);
+        if constexpr (kW == 8) {
+          wv[u][2] = __ldcg(w + 2);
+          wv[u][3] = 0;
+        }
       } else if (kind[u] == 2) {
-        const uint2 v = __ldcg(reinterpret_cast<const uint2*>(row) + j);
-        wv[u][0] = v.x;
-        wv[u][1] = v.y;
+        if constexpr (kW == 8) {
+          const int4 v = __ldcg(reinterpret_cast<const int4*>(row) + j);
+          wv[u][0] = static_cast<uint32_t>(v.x);
+          wv[u][1] = static_cast<uint32_t>(v.y);
+          wv[u][2] = static_cast<uint32_t>(v.z);
+          wv[u][3] = static_cast<uint32_t>(v.w);
+        } else {
+          const uint2 v = __ldcg(reinterpret_cast<const uint2*>(row) + j);
+          wv[u][0] = v.x;
+          wv[u][1] = v.y;
+        }
       }
     }
 #pragma unroll
     for (int u = 0; u < kLogfmtBatch; ++u) {  // in order q = q0, q0 + 1, ...: the sums are unchanged
       const int q = q0 + u;
       if (kind[u] == 1) {
-        logfmt::accumulate_cast4(acc, wv[u], 5 * m4 & 3, s_step[q][gl], s_lamin[q][gl], s_w[q]);
+        if constexpr (kW == 8) {
+          const uint32_t w3[3] = {wv[u][0], wv[u][1], wv[u][2]};
+          logfmt::accumulate_cast8(acc, w3, kCodeBytes * m & 3, s_step[q][gl], s_lamin[q][gl], s_w[q]);
+        } else {
+          logfmt::accumulate_cast4(acc, wv[u], kCodeBytes * m & 3, s_step[q][gl], s_lamin[q][gl], s_w[q]);
+        }
       } else if (kind[u] == 2) {
-        logfmt::accumulate_raw4(acc, wv[u], s_w[q]);
+        if constexpr (kW == 8) {
+          logfmt::accumulate_raw8(acc, wv[u], s_w[q]);
+        } else {
+          logfmt::accumulate_raw4(acc, wv[u], s_w[q]);
+        }
       }
     }
   }
-  const uint2 o{bf16_bits(acc[0]) | static_cast<uint32_t>(bf16_bits(acc[1])) << 16, bf16_bits(acc[2]) | static_cast<uint32_t>(bf16_bits(acc[3])) << 16};
-  reinterpret_cast<uint2*>(a.out + static_cast<int64_t>(tok) * H)[j] = o;
+  if constexpr (kW == 8) {
+    reinterpret_cast<int4*>(a.out + static_cast<int64_t>(tok) * H)[j] = pack_bf16x8(acc);
+  } else {
+    const uint2 o{bf16_bits(acc[0]) | static_cast<uint32_t>(bf16_bits(acc[1])) << 16,
+                  bf16_bits(acc[2]) | static_cast<uint32_t>(bf16_bits(acc[3])) << 16};
+    reinterpret_cast<uint2*>(a.out + static_cast<int64_t>(tok) * H)[j] = o;
+  }
+}
+
+// The narrow form's pass (16 groups), out of line as before the template (its registers stay
+// apart from the wide form's in the kLfRecv instantiation).
+__device__ __noinline__ void recv_logfmt_narrow(const Args& a, const char* recv, int tok, const int64_t* s_e, const float* s_w, int base,
+                                                   const float (*s_step)[32], const float (*s_lamin)[32], const int (*s_cast)[32]) {
+  recv_logfmt_units<4>(a, recv, tok, s_e, s_w, base, s_step, s_lamin, s_cast);
 }
 
 template <bool kNarrow>
@@ -79,10 +124,8 @@ __device__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok,
   __shared__ int s_castable[kMaxLlTopk][32], s_cast[kMaxLlTopk][32];
   const int tid = threadIdx.x, K = a.num_topk, E = a.num_experts, T = a.num_max_tokens, H = a.hidden, S = H / 128;
   const int per_chunk = logfmt::chunk_channels(H) / 128;  // divides 32: passes start at chunk starts
-  const uint64_t pay = static_cast<uint64_t>(E) * T * S * 4;
   const int k = tid / 32, gi = tid % 32;
   const int64_t ek = k < K ? s_e[k] : -1;
-  narrow = kNarrow && narrow;
   const int pg = narrow ? kLogfmtHalf : kLogfmtPass;  // groups per pass (per_chunk divides both)
   for (int base = pass_lo * pg; base < S && base < pass_hi * pg; base += pg) {
     const int g = base + gi;
@@ -104,45 +147,8 @@ __device__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok,
     __syncthreads();
     if (kNarrow && narrow) {
       recv_logfmt_narrow(a, recv, tok, s_e, s_w, base, s_step, s_lamin, s_cast);
-    } else if (const int j = base * 16 + tid, gl = tid / 16, mm = tid % 16; j * 8 < H) {  // 8-channel unit j lies in group base + gl
-      float acc[8];
-#pragma unroll
-      for (int u = 0; u < 8; ++u) acc[u] = 0.0f;
-      for (int q0 = 0; q0 < K; q0 += kLogfmtBatch) {
-        uint32_t wv[kLogfmtBatch][4];  // cast: the 3 words holding the unit's 8 codes; raw: its 8 bf16
-        int kind[kLogfmtBatch];         // 0: no row (invalid or masked expert, past K), 1: cast, 2: raw
-#pragma unroll
-        for (int u = 0; u < kLogfmtBatch; ++u) {
-          const int q = q0 + u;
-          const int64_t e = q < K ? s_e[q] : -1;
-          kind[u] = e < 0 || e >= E ? 0 : s_cast[q][gl] ? 1 : 2;
-          const char* row = recv + pay + (static_cast<uint64_t>(e < 0 ? 0 : e) * T + tok) * 2 * H;
-          if (kind[u] == 1) {
-            const unsigned int* w = reinterpret_cast<const unsigned int*>(row + (base + gl) * 256 + (10 * mm & ~3));
-            wv[u][0] = __ldcg(w);
-            wv[u][1] = __ldcg(w + 1);
-            wv[u][2] = __ldcg(w + 2);
-            wv[u][3] = 0;
-          } else if (kind[u] == 2) {
-            const int4 v = __ldcg(reinterpret_cast<const int4*>(row) + j);
-            wv[u][0] = static_cast<uint32_t>(v.x);
-            wv[u][1] = static_cast<uint32_t>(v.y);
-            wv[u][2] = static_cast<uint32_t>(v.z);
-            wv[u][3] = static_cast<uint32_t>(v.w);
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < kLogfmtBatch; ++u) {  // in order q = q0, q0 + 1, ...: the sums are unchanged
-          const int q = q0 + u;
-          if (kind[u] == 1) {
-            const uint32_t w3[3] = {wv[u][0], wv[u][1], wv[u][2]};
-            logfmt::accumulate_cast8(acc, w3, 10 * mm & 3, s_step[q][gl], s_lamin[q][gl], s_w[q]);
-          } else if (kind[u] == 2) {
-            logfmt::accumulate_raw8(acc, wv[u], s_w[q]);
-          }
-        }
-      }
-      reinterpret_cast<int4*>(a.out + static_cast<int64_t>(tok) * H)[j] = pack_bf16x8(acc);
+    } else {
+      recv_logfmt_units<8>(a, recv, tok, s_e, s_w, base, s_step, s_lamin, s_cast);
     }
     __syncthreads();  // the parameters are rewritten by the next pass (and s_e / s_w by the next token)
   }
@@ -207,7 +213,7 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
   const int U = H / 8, N = a.num_tokens, blocks = static_cast<int>(gridDim.x);
   // A token over P blocks: slices of U / P units, LogFMT: of its passes (kLogfmtPass groups each),
   // kNarrow: a block per half pass of every token when the grid has them (ll_combine_recv_logfmt).
-  const int passes = (H / 128 + kLogfmtPass - 1) / kLogfmtPass, halves = (H / 128 + kLogfmtHalf - 1) / kLogfmtHalf;
+  const int passes = logfmt_pass_count(H, kLogfmtPass), halves = logfmt_pass_count(H, kLogfmtHalf);
   const bool narrow = kNarrow && logfmt && N > 0 && blocks / N >= halves && halves > passes;
   const int P = N < 1 ? 1 : narrow ? halves : max(1, min(blocks / N, logfmt ? passes : static_cast<int>((U + blockDim.x - 1) / blockDim.x)));
   int64_t e0 = -1;  // warp 0: the first item's selection tid (its loads in flight across the wait)

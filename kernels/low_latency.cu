@@ -514,7 +514,7 @@ extern "C" int dek_ll_combine_recv(const dek_ic_ctx_t* ctx, const dek_ll_args_t*
   // of 2048 channels (the narrow form) on the LogFMT receive instantiation, where no seam is between.
   const bool lf = (args->flags & DEK_LL_FLAG_LOGFMT) != 0 && args->net == nullptr;
   const int64_t n = args->num_tokens, units = (args->hidden / 8 + kReduceThreads - 1) / kReduceThreads;
-  const int64_t p = lf ? std::max<int64_t>(units, (args->hidden / 128 + kLogfmtHalf - 1) / kLogfmtHalf) : units;
+  const int64_t p = lf ? std::max<int64_t>(units, logfmt_pass_count(static_cast<int>(args->hidden), kLogfmtHalf)) : units;
   const int blocks = n < 1 ? 1 : static_cast<int>(std::min<int64_t>(n * p + 1, std::max(args->num_blocks, 1)));
   if (lf) {
     combine<NvlNet, false, false, false, false, false, false, true><<<blocks, kReduceThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args,

@@ -53,17 +53,18 @@ __device__ __forceinline__ bool warp_rows_ready(const Ctx& c, const Args& a, int
 }
 
 // The LogFMT send's shared memory: a pack area per warp (encode_chunk_warp) and the log2 table,
-// one per block. logfmt_send_shared() fills the table (every thread of the block calls it, then a
-// barrier) and returns the block's one instance (a function-scope __shared__: one per kernel).
+// one per block, declared at kernel scope by the kernels that may send LogFMT (`combine` over a
+// seam type other than NvlNet) and handed down. Not a function-scope __shared__: in this
+// separately compiled (rdc) build the device link places such a variable beside every kernel's
+// own shared data once two kernels reach it (the dispatch kernels then exceeded 48 KB, branch lfk).
+// logfmt_fill_table: every thread of the block calls it, then a barrier.
 struct __align__(16) LogfmtSendShared {
   uint8_t pack[kLogfmtSendWarps][logfmt::kChunkGroups * logfmt::kCastGroupBytes];
   float2 tq[logfmt::kLog2Entries];
 };
-__device__ __forceinline__ LogfmtSendShared& logfmt_send_shared() {
-  __shared__ LogfmtSendShared s;
+__device__ __forceinline__ void logfmt_fill_table(LogfmtSendShared& s) {
   for (int i = threadIdx.x; i < logfmt::kLog2Entries; i += blockDim.x) s.tq[i] = logfmt::log2_entry(i);
   __syncthreads();
-  return s;
 }
 
 // The byte offsets in this call's receive half (from the window's start) of the LogFMT row of
@@ -87,9 +88,10 @@ __device__ __forceinline__ LogfmtRow logfmt_row_at(const Args& a, uint64_t ge, i
 // payload put covers whole 256-byte groups: bytes 160.. of a cast group are not part of the layout.
 // Returns false when a signal wait (Args::signal) failed: the rest is not sent.
 template <class Net, bool kSig>
-__device__ bool ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l, int64_t b, int64_t cnt, int warp, int lane) {
+__device__ bool ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l, int64_t b, int64_t cnt, int warp, int lane,
+                                       LogfmtSendShared& sh) {
   // Every thread of the block is here (the LogFMT flag and the item are the block's): one table.
-  LogfmtSendShared& sh = logfmt_send_shared();
+  logfmt_fill_table(sh);
   const int R = c.num_ranks, El = a.num_experts / R, T = a.num_max_tokens, H = a.hidden, S = H / 128;
   const int64_t RT = static_cast<int64_t>(R) * T;
   const int chunk = logfmt::chunk_channels(H), nch = (H + chunk - 1) / chunk, nw = static_cast<int>(blockDim.x / 32);
@@ -126,8 +128,8 @@ __device__ bool ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l
 // logfmt_spread): per run of a row, each chunk loaded and encoded into the LogFMT layout of rank s
 // by NVLink stores, at the places ll_combine_send_logfmt writes for a peer inside the domain.
 template <class Net>
-__device__ void combine_send_logfmt_spread(const Ctx& c, const Args& a, uint32_t seq) {
-  LogfmtSendShared& sh = logfmt_send_shared();
+__device__ void combine_send_logfmt_spread(const Ctx& c, const Args& a, uint32_t seq, LogfmtSendShared& sh) {
+  logfmt_fill_table(sh);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int R = c.num_ranks, El = a.num_experts / R, T = a.num_max_tokens, H = a.hidden;
   const int64_t RT = static_cast<int64_t>(R) * T;
@@ -152,8 +154,10 @@ __device__ void combine_send_logfmt_spread(const Ctx& c, const Args& a, uint32_t
 // (ll_combine_send_logfmt). With Args::signal a warp waits for each GEMM block of rows before
 // sending from it (warp_rows_ready); false: a wait failed. kOwn (one launch): for s = this rank under
 // own_rows_direct, only the rows' indices go to their places (no copy). kWide: kRowsChunk's.
-template <class Net, bool kSig, bool kOwn = false, bool kWide = false>
-__device__ __forceinline__ bool combine_send_rows(const Ctx& c, const Args& a, int l, int s, uint32_t seq) {
+// lf: the kernel's LogFMT send area (null over NvlNet: no LogFMT). kLf (the LogFMT send
+// instantiation): LogFMT rows only, no BF16 code.
+template <class Net, bool kSig, bool kOwn = false, bool kWide = false, bool kLf = false>
+__device__ __forceinline__ bool combine_send_rows(const Ctx& c, const Args& a, int l, int s, uint32_t seq, LogfmtSendShared* lf) {
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int R = c.num_ranks, El = a.num_experts / R, T = a.num_max_tokens, H = a.hidden;
   const int64_t RT = static_cast<int64_t>(R) * T, M = H + H / 128 * 2;
@@ -166,13 +170,16 @@ __device__ __forceinline__ bool combine_send_rows(const Ctx& c, const Args& a, i
   char* peer = window(c, s);
   const uint64_t dst_base = recv_off(a, a.half) + static_cast<uint64_t>(c.rank * El + l) * T * (2 * static_cast<uint64_t>(H));
   bool ok = true;
-  if constexpr (!kNvlOnly<Net>) {  // NvlNet launchers refuse LogFMT (one_launch_combine_ok, launch_combine)
+  if constexpr (kLf) {
+    ok = ll_combine_send_logfmt<Net, kSig>(c, a, s, l, b, cnt, warp, lane, *lf);
+    cnt = 0;
+  } else if constexpr (!kNvlOnly<Net>) {  // NvlNet launchers refuse LogFMT (one_launch_combine_ok, launch_combine)
     if (a.flags & DEK_LL_FLAG_LOGFMT) {
-      ok = ll_combine_send_logfmt<Net, kSig>(c, a, s, l, b, cnt, warp, lane);
+      ok = ll_combine_send_logfmt<Net, kSig>(c, a, s, l, b, cnt, warp, lane, *lf);
       cnt = 0;  // every row went out as LogFMT: nothing left for the BF16 loop
     }
   }
-  if (kOwn && s == c.rank && own_rows(a)) {
+  if (!kLf && kOwn && s == c.rank && own_rows(a)) {
     for (int64_t r = tid; r < cnt; r += blockDim.x) {
       const int64_t row = b + r;
       const int tok = a.src_info[l * RT + row];
@@ -182,7 +189,7 @@ __device__ __forceinline__ bool combine_send_rows(const Ctx& c, const Args& a, i
   }
   const int nchunks = (H + kRowsChunk<kWide> - 1) / kRowsChunk<kWide>;
   int64_t ready = -1;  // the GEMM block of rows this warp last found signalled
-  for (int64_t it = warp; it < cnt * nchunks; it += kLlWarps) {
+  for (int64_t it = warp; !kLf && it < cnt * nchunks; it += kLlWarps) {
     const int64_t row = b + it / nchunks;
     if (kSig && !(ok = warp_rows_ready(c, a, l, row, lane, &ready))) break;
     const int c0 = static_cast<int>(it % nchunks) * kRowsChunk<kWide>, c1 = min(H, c0 + kRowsChunk<kWide>);
@@ -215,9 +222,10 @@ __device__ __forceinline__ bool combine_send_rows(const Ctx& c, const Args& a, i
 // takes item (b % E_l, b / E_l); with Args::signal_grid at most that many blocks, each taking
 // items l + E_l*s in turn; kSpread (a one-launch call): the items' rows spread over the grid's
 // warps (ll_combine_spread.cuh), whatever the grid. Returns false when the buffer timed out
-// (nothing sent); *seq: the call's number. kOwn, kWide: combine_send_rows' (kWide: a one-launch kernel).
-template <class Net, bool kSig, bool kSpread = false, bool kOwn = false, bool kWide = false>
-__device__ __forceinline__ bool combine_send(const Ctx& c, const Args& a, uint32_t* seq) {
+// (nothing sent); *seq: the call's number. kOwn, kWide, kLf, lf: combine_send_rows' (kWide: a
+// one-launch kernel).
+template <class Net, bool kSig, bool kSpread = false, bool kOwn = false, bool kWide = false, bool kLf = false>
+__device__ __forceinline__ bool combine_send(const Ctx& c, const Args& a, uint32_t* seq, LogfmtSendShared* lf = nullptr) {
   __shared__ uint32_t s_seq;
   __shared__ int s_skip;
   if (!begin_send(c, a, DEK_LL_KIND_COMBINE, &s_seq, &s_skip)) return false;
@@ -227,13 +235,13 @@ __device__ __forceinline__ bool combine_send(const Ctx& c, const Args& a, uint32
     combine_send_rows_spread<Net, kChunk>(c, a, s_seq);
   } else if constexpr (kSig) {
     for (int w = lin; w < El * c.num_ranks; w += gridDim.x * gridDim.y) {
-      if (!combine_send_rows<Net, true>(c, a, w % El, w / El, s_seq)) break;
+      if (!combine_send_rows<Net, true>(c, a, w % El, w / El, s_seq, lf)) break;
     }
   } else if (!kNvlOnly<Net> && !kOwn && !kWide && logfmt_spread(a)) {
-    combine_send_logfmt_spread<Net>(c, a, s_seq);  // a 1-D grid (the launcher's, as it chose this form)
+    combine_send_logfmt_spread<Net>(c, a, s_seq, *lf);  // a 1-D grid (the launcher's, as it chose this form)
   } else {
     // E blocks: one item each; blocks past E (the kOwn kernel's wider grid) only receive.
-    if (!kOwn || lin < El * c.num_ranks) combine_send_rows<Net, false, kOwn, kWide>(c, a, lin % El, lin / El, s_seq);
+    if (!kOwn || lin < El * c.num_ranks) combine_send_rows<Net, false, kOwn, kWide, kLf>(c, a, lin % El, lin / El, s_seq, lf);
   }
   finish_send(c, s_seq);
   return true;
@@ -390,12 +398,26 @@ __device__ __forceinline__ bool combine_send_partial(const Ctx& c, const Args& a
 // step 0.3-0.5 µs, session 40). It reads the format from recv_state like every receive: a wrong
 // hint costs time, never results. Under the op's one kernel name (docs/OPS.md's kernel table:
 // profiler lookups by name, as DeepEP's benchmark makes, see one `combine`).
+// kLfSend: the send launch of a LogFMT combine without overlap waits or seam (dek_ll_combine_send),
+// an instantiation of its own with no BF16, partial or receive code (in the shared LsaNet kernel
+// the LogFMT send spilled 74 bytes), at 2 blocks of 256 threads per SM.
 template <class Net, bool kSig, bool kBoth = false, bool kSpread = false, bool kLocal = false, bool kOwn = false, bool kPartial = false,
-          bool kLfRecv = false>
-__global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kReduceThreads, kBoth ? kBothBlocksPerSm : 1)
+          bool kLfRecv = false, bool kLfSend = false>
+__global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kLfSend ? kLogfmtSendThreads : kReduceThreads,
+                                  kBoth ? kBothBlocksPerSm : kLfSend ? kLogfmtSpreadBlocksPerSm : 1)
     combine(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
-  if (!kBoth && (kLfRecv || phase == DEK_LL_PHASE_RECV)) {
+  if (!kBoth && !kLfSend && (kLfRecv || phase == DEK_LL_PHASE_RECV)) {
     if constexpr (!kSig) combine_recv<Net, kLfRecv>(c, a);
+    return;
+  }
+  LogfmtSendShared* lf = nullptr;  // the LogFMT send's area, in the kernels that may send LogFMT
+  if constexpr (!kNvlOnly<Net>) {
+    __shared__ LogfmtSendShared s_lf;
+    lf = &s_lf;
+  }
+  uint32_t seq = 0;
+  if constexpr (kLfSend) {
+    combine_send<Net, false, false, false, false, true>(c, a, &seq, lf);
     return;
   }
   if constexpr (kBoth) {  // the one-launch forms are launched early (launch_pdl): wait for the kernel before
@@ -410,7 +432,6 @@ __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kRedu
     combine_local<Net>(c, a);
     return;
   }
-  uint32_t seq = 0;
   if constexpr (kSpread) {
     // Rows only, an instantiation of its own (112 registers; the other one-launch paths keep their
     // code): its receive has every top-8 row's load in flight at once.
@@ -424,7 +445,7 @@ __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kRedu
     return;
   }
   const bool partial = kBoth ? kPartial : a.partial != 0;
-  const bool sent = partial ? combine_send_partial<Net, kSig, kBoth>(c, a, &seq) : combine_send<Net, kSig, false, false, kBoth>(c, a, &seq);
+  const bool sent = partial ? combine_send_partial<Net, kSig, kBoth>(c, a, &seq) : combine_send<Net, kSig, false, false, kBoth>(c, a, &seq, lf);
   if (kBoth && sent) combine_recv_tokens<Net>(c, a, a.half, seq, partial, false);
 }
 
@@ -498,8 +519,13 @@ extern "C" int dek_ll_combine_send(const dek_ic_ctx_t* ctx, const dek_ll_args_t*
   const dim3 grid = logfmt_spread(*args) ? dim3(ctx->num_sms > 0 ? kLogfmtSpreadBlocksPerSm * ctx->num_sms : el * ctx->num_ranks)
                     : cap > 0 && cap < el * ctx->num_ranks ? dim3(cap)
                                                            : dim3(el, ctx->num_ranks);
-  const bool many = ll_selections(*args) >= kLogfmtWideFrom;
-  launch_combine(ctx, args, grid, wide && many ? kLogfmtSendThreads : kLlThreads, DEK_LL_PHASE_SEND, stream);
+  const int threads = wide && ll_selections(*args) >= kLogfmtWideFrom ? kLogfmtSendThreads : kLlThreads;
+  if (wide && args->net == nullptr) {  // the LogFMT send's own instantiation (no seam: LsaNet's NVLink stores)
+    combine<LsaNet, false, false, false, false, false, false, false, true><<<grid, threads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args,
+                                                                                                                 DEK_LL_PHASE_SEND);
+  } else {
+    launch_combine(ctx, args, grid, threads, DEK_LL_PHASE_SEND, stream);
+  }
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -142,13 +142,8 @@ __host__ __device__ __forceinline__ float log2_det(float x) {
 
 __host__ __device__ __forceinline__ float pow2i(int e) { return f_bits(static_cast<uint32_t>(e + 127) << 23); }
 
-// crate: logfmt::exp2_det.
-__host__ __device__ __forceinline__ float exp2_det(float y) {
-  if (y != y) return y;
-  if (y >= 128.0f) return f_bits(kInf);
-  if (y < -152.0f) return 0.0f;
-  const float n = f_round(y);
-  const float f = f_sub(y, n);
+// The polynomial of exp2_det: 2^f for f = y - round(y) in [-0.5, 0.5].
+__host__ __device__ __forceinline__ float exp2_poly(float f) {
   float p = f_bits(kB7);
   p = f_fma(p, f, f_bits(kB6));
   p = f_fma(p, f, f_bits(kB5));
@@ -156,11 +151,31 @@ __host__ __device__ __forceinline__ float exp2_det(float y) {
   p = f_fma(p, f, f_bits(kB3));
   p = f_fma(p, f, f_bits(kB2));
   p = f_fma(p, f, f_bits(kB1));
-  p = f_fma(p, f, f_bits(kB0));
+  return f_fma(p, f, f_bits(kB0));
+}
+
+// crate: logfmt::exp2_det.
+__host__ __device__ __forceinline__ float exp2_det(float y) {
+  if (y != y) return y;
+  if (y >= 128.0f) return f_bits(kInf);
+  if (y < -152.0f) return 0.0f;
+  const float n = f_round(y);
+  const float p = exp2_poly(f_sub(y, n));
   const int ni = static_cast<int>(n);
   if (ni > 127) return f_mul(f_mul(p, pow2i(127)), pow2i(ni - 127));
   if (ni >= -126) return f_mul(p, pow2i(ni));
   return f_mul(f_mul(p, pow2i(ni + 64)), pow2i(-64));
+}
+
+// exp2_det(y) for y in [-190, 63): every decode of a cast group (y lies between its log_amin,
+// at least log2(2^-133) - 32, and its log_amax < 0). The power 2^n applied as 2^(n+64), exact,
+// then 2^-64, the one rounding: exp2_det's value for every such y (its own form below 2^-126; above,
+// the product it rounds once; below -152 a value under half the least subnormal, rounded to the
+// 0 exp2_det returns), without its range cases. Checked against exp2_det: dek_logfmt_math_host fn 4.
+__host__ __device__ __forceinline__ float exp2_cast(float y) {
+  const float n = f_round(y);
+  const float p = exp2_poly(f_sub(y, n));
+  return f_mul(f_mul(p, pow2i(static_cast<int>(n) + 64)), pow2i(-64));
 }
 
 // Channels decided together (cast or raw): crate logfmt::chunk_channels.
@@ -272,10 +287,11 @@ __host__ __device__ __forceinline__ uint64_t encode4(const float2* tq, const Enc
          static_cast<uint64_t>(encode_value(tq, e, w1 & 0xffffu)) << 20 | static_cast<uint64_t>(encode_value(tq, e, w1 >> 16)) << 30;
 }
 
-// Decoded value of a 10-bit value (crate: GroupParams::decode, negated by the sign bit).
+// Decoded value of a 10-bit value of a cast group (crate: GroupParams::decode, negated by the
+// sign bit; exp2_cast is exp2_det on the values a cast group's parameters give).
 __host__ __device__ __forceinline__ float decode_value(uint32_t v, float step, float log_amin) {
   const uint32_t code = v & kMaxCode;
-  const float mag = code == 0 ? 0.0f : exp2_det(f_fma(static_cast<float>(code - 1), step, log_amin));
+  const float mag = code == 0 ? 0.0f : exp2_cast(f_fma(static_cast<float>(code - 1), step, log_amin));
   return (v >> 9) & 1u ? -mag : mag;
 }
 

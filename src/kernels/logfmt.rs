@@ -66,6 +66,12 @@ pub fn log2_bf16_unit(x: &[f32]) -> Vec<f32> {
     math(3, x)
 }
 
+/// The receive decoder's `exp2_cast` (host): `exp2_det` for `y` in `[-190, 63)` only (the
+/// values a cast group's decodes take).
+pub fn exp2_cast(x: &[f32]) -> Vec<f32> {
+    math(4, x)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -112,6 +118,18 @@ mod tests {
         assert_eq!(xs.len(), 2 * 0x3f80);
         for ((&x, &u), &t) in xs.iter().zip(&log2_bf16_unit(&xs)).zip(&log2_bf16_table(&xs)) {
             assert!(same(u, t), "log2 unit({x:e} = {:#x}): {u}, table {t}", x.to_bits());
+        }
+    }
+
+    #[test]
+    fn cast_exp2_is_exp2_det_from_minus_190_to_63() {
+        // Every 331st f32 of [-190, 63) (each sign's bit range), the ends, the range cases' edges.
+        let neg = (0x8000_0000..=(-190f32).to_bits()).step_by(331).map(f32::from_bits);
+        let pos = (0..63f32.to_bits()).step_by(331).map(f32::from_bits);
+        let mut xs: Vec<f32> = neg.chain(pos).collect();
+        xs.extend([-190.0, -165.0, -152.5, -152.0, -151.5, -126.5, -126.0, -125.5, -0.5, 0.5, 62.5, -0.0, 0.0]);
+        for ((&x, &c), &d) in xs.iter().zip(&exp2_cast(&xs)).zip(&exp2_det(&xs)) {
+            assert!(same(c, d), "exp2 cast({x:e} = {:#x}): {c}, exp2_det {d}", x.to_bits());
         }
     }
 

@@ -399,8 +399,8 @@ __device__ __forceinline__ bool combine_send_partial(const Ctx& c, const Args& a
 // hint costs time, never results. Under the op's one kernel name (docs/OPS.md's kernel table:
 // profiler lookups by name, as DeepEP's benchmark makes, see one `combine`).
 // kLfSend: the send launch of a LogFMT combine without overlap waits or seam (dek_ll_combine_send),
-// an instantiation of its own with no BF16, partial or receive code (in the shared LsaNet kernel
-// the LogFMT send spilled 74 bytes), at 2 blocks of 256 threads per SM.
+// an instantiation of its own with no BF16, partial or receive code (no stack; the shared LsaNet
+// kernel spills), at 2 blocks of 256 threads per SM (cast -1.5 to -5 µs with enc1, session 42).
 template <class Net, bool kSig, bool kBoth = false, bool kSpread = false, bool kLocal = false, bool kOwn = false, bool kPartial = false,
           bool kLfRecv = false, bool kLfSend = false>
 __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kLfSend ? kLogfmtSendThreads : kReduceThreads,

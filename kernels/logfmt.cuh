@@ -213,9 +213,10 @@ __host__ __device__ __forceinline__ float2 log2_entry(int i) {
   const float m = f_bits(0x3f800000u | static_cast<uint32_t>(i) << 16);
   return log2_terms(m > f_bits(kSqrt2) ? f_mul(m, 0.5f) : m);
 }
-// log2_det(bf16 magnitude `b`, 15 bits) with `tq` the log2_entry table. Selects, no branches (as
-// fast as the branching form, bench/NOTES.md session 39; one path for every value).
-__host__ __device__ __forceinline__ float log2_bf16(const float2* tq, uint32_t b) {
+// log2_det of a finite bf16 magnitude (`b` < 0x7f80, 15 bits; zero gives -inf) with `tq` the
+// log2_entry table. The exponent step is an integer compare: the float 1.i is above sqrt(2) exactly
+// when i > 53. Selects, no branches (as fast as the branching form, bench/NOTES.md session 39).
+__host__ __device__ __forceinline__ float log2_bf16_finite(const float2* tq, uint32_t b) {
   const uint32_t mant = b & 0x7fu;
 #ifdef __CUDA_ARCH__
   const int p = 31 - __clz(mant | 1u);
@@ -226,30 +227,16 @@ __host__ __device__ __forceinline__ float log2_bf16(const float2* tq, uint32_t b
   const bool sub = b < 0x80u;
   int e = sub ? p - 133 : static_cast<int>(b >> 7) - 127;
   const uint32_t i = sub ? (mant << (7 - p)) & 0x7fu : mant;
-  e += f_bits(0x3f800000u | i << 16) > f_bits(kSqrt2) ? 1 : 0;
-  const float2 v = tq[i];
-  const float r = f_fma(v.x, v.y, static_cast<float>(e));
-  const float special = b == 0 ? f_bits(kNegInf) : b == 0x7f80u ? f_bits(kInf) : f_bits(kNan);
-  return b == 0 || b >= 0x7f80u ? special : r;
-}
-// log2_bf16 of a magnitude below 1 (b < 0x3f80: every value of a cast chunk, whose amax is below
-// 1), zero included: without the infinity / NaN cases, and the exponent step as an integer
-// compare (the float 1.i is above sqrt(2) exactly when i > 53). The same values (checked on every
-// such bf16 by dek_logfmt_math_host fn 3).
-__host__ __device__ __forceinline__ float log2_bf16_unit(const float2* tq, uint32_t b) {
-  const uint32_t mant = b & 0x7fu;
-#ifdef __CUDA_ARCH__
-  const int p = 31 - __clz(mant | 1u);
-#else
-  const int p = 31 - __builtin_clz(mant | 1u);
-#endif
-  const bool sub = b < 0x80u;
-  int e = sub ? p - 133 : static_cast<int>(b >> 7) - 127;
-  const uint32_t i = sub ? (mant << (7 - p)) & 0x7fu : mant;
   e += i > 53u ? 1 : 0;
   const float2 v = tq[i];
   const float r = f_fma(v.x, v.y, static_cast<float>(e));
   return b == 0 ? f_bits(kNegInf) : r;
+}
+// log2_det of any bf16 magnitude (15 bits): log2_bf16_finite with infinity and NaN (checked on
+// every bf16 by dek_logfmt_math_host fn 2; fn 3 is log2_bf16_finite alone).
+__host__ __device__ __forceinline__ float log2_bf16(const float2* tq, uint32_t b) {
+  const float r = log2_bf16_finite(tq, b);
+  return b >= 0x7f80u ? (b == 0x7f80u ? f_bits(kInf) : f_bits(kNan)) : r;
 }
 // Group parameters from its amax / amin bf16 magnitudes (group_params' values, by the table).
 __host__ __device__ __forceinline__ Group group_params_t(const float2* tq, uint32_t amax, uint32_t amin) {
@@ -272,7 +259,7 @@ __host__ __device__ __forceinline__ Encoder encoder(const Group& g) {
 // code is min(511, floor(v)) of v = max(fma(log2, step_inv, fused), 0) >= 0: on the device one
 // round-down conversion, which saturates above 2^32 (min then gives 511, as the host's compare).
 __host__ __device__ __forceinline__ uint32_t encode_value(const float2* tq, const Encoder& e, uint32_t b) {
-  const float v = f_max(f_fma(log2_bf16_unit(tq, b & 0x7fffu), e.step_inv, e.fused), 0.0f);
+  const float v = f_max(f_fma(log2_bf16_finite(tq, b & 0x7fffu), e.step_inv, e.fused), 0.0f);
 #ifdef __CUDA_ARCH__
   const uint32_t code = min(__float2uint_rd(v), kMaxCode);
 #else

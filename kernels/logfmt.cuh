@@ -336,25 +336,27 @@ __device__ __forceinline__ void load_chunk_warp(const uint16_t* src, int ng, uin
 // channels 4l..4l+3 of each in v (load_chunk_warp), into `meta` (ng u32) and `pay` (ng x 256 bytes,
 // 16-byte aligned); `tq` is a log2_entry table in shared memory, `pack` kChunkGroups x 160
 // bytes of its shared memory (16-byte aligned). The group's amax / amin are warp reductions of the
-// bf16 bits (exact, in any order). The encoders (lane g computes group g's, read by shuffles), then
-// all codes, then one pack: no chain waits on another group's. The host twin is
-// dek_logfmt_encode_row_host (kernels/logfmt.cu).
+// bf16 bits (exact, in any order); lane g then computes group g's parameters and encoder (the
+// groups side by side, not each by all 32 lanes), read by shuffles; then all codes, then one
+// pack: no chain waits on another group's. The host twin is dek_logfmt_encode_row_host
+// (kernels/logfmt.cu).
 __device__ __forceinline__ void encode_chunk_warp(const uint2 (&v)[kChunkGroups], int ng, uint32_t* meta, char* pay, const float2* tq,
                                                   uint8_t* pack, int lane) {
-  Group gp[kChunkGroups], mine{};
-  bool cast = true;
+  uint32_t my_max = 0, my_min = 0;  // lane g: group g's amax / amin bits
 #pragma unroll
   for (int g = 0; g < kChunkGroups; ++g) {
     if (g < ng) {
       const uint32_t a0 = v[g].x & 0x7fffu, a1 = (v[g].x >> 16) & 0x7fffu, a2 = v[g].y & 0x7fffu, a3 = (v[g].y >> 16) & 0x7fffu;
       const uint32_t mx = __reduce_max_sync(0xffffffffu, max(max(a0, a1), max(a2, a3)));
       const uint32_t mn = __reduce_min_sync(0xffffffffu, min(min(a0, a1), min(a2, a3)));
-      gp[g] = group_params_t(tq, mx, mn);
-      cast = cast && gp[g].castable;
-      if (lane == g) mine = gp[g];
-      if (lane == 0) meta[g] = mx | mn << 16;
+      my_max = lane == g ? mx : my_max;
+      my_min = lane == g ? mn : my_min;
     }
   }
+  const Group mine = group_params_t(tq, my_max, my_min);
+  if (lane < ng) meta[lane] = my_max | my_min << 16;
+  // Cast when every group of the chunk is castable (lanes past ng vote yes).
+  const bool cast = __all_sync(0xffffffffu, lane >= ng || mine.castable);
   if (!cast) {
 #pragma unroll
     for (int g = 0; g < kChunkGroups; ++g)

@@ -214,23 +214,27 @@ __host__ __device__ __forceinline__ float2 log2_entry(int i) {
   return log2_terms(m > f_bits(kSqrt2) ? f_mul(m, 0.5f) : m);
 }
 // log2_det of a finite bf16 magnitude (`b` < 0x7f80, 15 bits; zero gives -inf) with `tq` the
-// log2_entry table. The exponent step is an integer compare: the float 1.i is above sqrt(2) exactly
-// when i > 53. Selects, no branches (as fast as the branching form, bench/NOTES.md session 39).
+// log2_entry table. The magnitude as an f32, a subnormal one times 2^64 (exact), is a normal f32
+// whose exponent and top 7 mantissa bits are log2_det's normalised ones (no leading-zero count);
+// the exponent step is an integer compare (the float 1.i is above sqrt(2) exactly when i > 53),
+// and the exponent becomes a float as 2^23 + E minus a constant (exact; no conversion).
+// kSmall (the cast encoder's form): `b` < 0x5f80 (below 2^64, as every value of a cast group):
+// every magnitude is scaled, and zero gives -191 instead of -inf, no select: the code of either
+// is 0, as a cast group's log_amin is at least -165 (its amax's log2 is, less 32) and its step at
+// most 32 / 510, so v < -(191 - 165) * 510 / 32 + 2 < 0. Selects, no branches (as fast as the
+// branching form, bench/NOTES.md session 39).
+template <bool kSmall = false>
 __host__ __device__ __forceinline__ float log2_bf16_finite(const float2* tq, uint32_t b) {
-  const uint32_t mant = b & 0x7fu;
-#ifdef __CUDA_ARCH__
-  const int p = 31 - __clz(mant | 1u);
-#else
-  const int p = 31 - __builtin_clz(mant | 1u);
-#endif
-  // Subnormal (exponent field 0): mant * 2^-133, normalised as log2_det's scale by 2^23 does.
-  const bool sub = b < 0x80u;
-  int e = sub ? p - 133 : static_cast<int>(b >> 7) - 127;
-  const uint32_t i = sub ? (mant << (7 - p)) & 0x7fu : mant;
-  e += i > 53u ? 1 : 0;
+  const bool scale = kSmall || b < 0x80u;
+  const float f = f_bits(b << 16);
+  const uint32_t u = bits_of(scale ? f_mul(f, 0x1p64f) : f);
+  const uint32_t i = u >> 16 & 0x7fu;
+  // e = E - bias (+1 above sqrt(2)), as (2^23 + E) - (2^23 + bias): integers below 2^24, exact.
+  const float bias = scale ? 8388799.0f : 8388735.0f;  // 2^23 + 191, 2^23 + 127
+  const float e = f_sub(f_bits(0x4b000000u | u >> 23), i > 53u ? f_sub(bias, 1.0f) : bias);
   const float2 v = tq[i];
-  const float r = f_fma(v.x, v.y, static_cast<float>(e));
-  return b == 0 ? f_bits(kNegInf) : r;
+  const float r = f_fma(v.x, v.y, e);
+  return kSmall || b != 0 ? r : f_bits(kNegInf);
 }
 // log2_det of any bf16 magnitude (15 bits): log2_bf16_finite with infinity and NaN (checked on
 // every bf16 by dek_logfmt_math_host fn 2; fn 3 is log2_bf16_finite alone).
@@ -256,12 +260,12 @@ __host__ __device__ __forceinline__ Encoder encoder(const Group& g) {
   return e;
 }
 // 10-bit value (sign << 9 | code) of one bf16 (bits) of a cast group (magnitude below 1). The
-// code is min(511, floor(v)) of v = max(fma(log2, step_inv, fused), 0) >= 0: on the device one
-// round-down conversion, which saturates above 2^32 (min then gives 511, as the host's compare).
+// code is min(511, floor(v)) of v = max(fma(log2, step_inv, fused), 0) >= 0: on the device the
+// low bits of min(v, 511) + 2^23 rounded down (exact, no conversion), as the host's floor.
 __host__ __device__ __forceinline__ uint32_t encode_value(const float2* tq, const Encoder& e, uint32_t b) {
-  const float v = f_max(f_fma(log2_bf16_finite(tq, b & 0x7fffu), e.step_inv, e.fused), 0.0f);
+  const float v = f_max(f_fma(log2_bf16_finite<true>(tq, b & 0x7fffu), e.step_inv, e.fused), 0.0f);
 #ifdef __CUDA_ARCH__
-  const uint32_t code = min(__float2uint_rd(v), kMaxCode);
+  const uint32_t code = __float_as_uint(__fadd_rd(fminf(v, 511.0f), 8388608.0f)) & kMaxCode;
 #else
   const float fl = f_floor(v);
   const uint32_t code = fl >= static_cast<float>(kMaxCode) ? kMaxCode : static_cast<uint32_t>(fl);

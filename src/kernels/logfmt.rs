@@ -72,6 +72,13 @@ pub fn exp2_cast(x: &[f32]) -> Vec<f32> {
     math(4, x)
 }
 
+/// The send encoder's `log2_bf16_finite<true>` (host): as [`log2_bf16_finite`], for bf16
+/// magnitudes below 2^64 only (every value of a cast group is below 1), except -191 for zero
+/// (whose code is 0 either way).
+pub fn log2_bf16_small(x: &[f32]) -> Vec<f32> {
+    math(5, x)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -118,6 +125,40 @@ mod tests {
         assert_eq!(xs.len(), 2 * 0x7f80);
         for ((&x, &u), &t) in xs.iter().zip(&log2_bf16_finite(&xs)).zip(&log2_bf16_table(&xs)) {
             assert!(same(u, t), "log2 finite({x:e} = {:#x}): {u}, table {t}", x.to_bits());
+        }
+    }
+
+    #[test]
+    fn small_log2_is_the_finite_log2_below_2_pow_64() {
+        // Every bf16 whose magnitude is below 2^64 (bits below 0x5f80), both signs, zeros included.
+        let xs: Vec<f32> = (0..=u16::MAX).filter(|b| b & 0x7fff < 0x5f80).map(bf16::to_f32).collect();
+        assert_eq!(xs.len(), 2 * 0x5f80);
+        for ((&x, &s), &f) in xs.iter().zip(&log2_bf16_small(&xs)).zip(&log2_bf16_finite(&xs)) {
+            let want = if x == 0.0 { -191.0 } else { f };
+            assert!(same(s, want), "log2 small({x:e} = {:#x}): {s}, want {want}", x.to_bits());
+        }
+    }
+
+    #[test]
+    fn host_encode_matches_the_crate_on_extreme_cast_groups() {
+        // Zeros beside every bf16 magnitude below 1 as the amax: the widest cast groups (amin 0,
+        // log_amin = log_amax - 32), down to the smallest subnormal amax (log_amin -165), where a
+        // zero's log2 (-191 in the encoder) is nearest a group's range.
+        let mut x = Vec::new();
+        for amax in 1u16..0x3f80 {
+            let mut g = [0u16; 128];
+            g[amax as usize % 128] = amax;
+            g[(amax as usize + 64) % 128] = amax | 0x8000;
+            g[(amax as usize + 7) % 128] = amax / 2;
+            x.extend_from_slice(&g);
+        }
+        for (c, chunk) in x.chunks(7168).enumerate() {
+            let mut want = vec![0u8; logfmt::slot_bytes(chunk.len())];
+            logfmt::encode(chunk, &mut want);
+            let got = encode_row(chunk);
+            if let Some(i) = got.iter().zip(&want).position(|(a, b)| a != b) {
+                panic!("chunk {c}: slot byte {i} differs (kernels {:#x}, crate {:#x})", got[i], want[i]);
+            }
         }
     }
 

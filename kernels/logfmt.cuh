@@ -171,11 +171,13 @@ __host__ __device__ __forceinline__ float exp2_det(float y) {
 // at least log2(2^-133) - 32, and its log_amax < 0). The power 2^n applied as 2^(n+64), exact,
 // then 2^-64, the one rounding: exp2_det's value for every such y (its own form below 2^-126; above,
 // the product it rounds once; below -152 a value under half the least subnormal, rounded to the
-// 0 exp2_det returns), without its range cases. Checked against exp2_det: dek_logfmt_math_host fn 4.
+// 0 exp2_det returns), without its range cases. 2^(n+64)'s bits are those of n + 2^23 + 191
+// shifted by 23 (n an integer float in [-190, 63): the sum exact, 2^23's bit shifted out), not a
+// float-to-int conversion. Checked against exp2_det: dek_logfmt_math_host fn 4.
 __host__ __device__ __forceinline__ float exp2_cast(float y) {
   const float n = f_round(y);
   const float p = exp2_poly(f_sub(y, n));
-  return f_mul(f_mul(p, pow2i(static_cast<int>(n) + 64)), pow2i(-64));
+  return f_mul(f_mul(p, f_bits(bits_of(f_add(n, 8388799.0f)) << 23)), pow2i(-64));
 }
 
 // Channels decided together (cast or raw): crate logfmt::chunk_channels.
@@ -279,11 +281,15 @@ __host__ __device__ __forceinline__ uint64_t encode4(const float2* tq, const Enc
 }
 
 // Decoded value of a 10-bit value of a cast group (crate: GroupParams::decode, negated by the
-// sign bit; exp2_cast is exp2_det on the values a cast group's parameters give).
+// sign bit; exp2_cast is exp2_det on the values a cast group's parameters give). No branch or
+// conversion: code - 1 as a float is (2^23 + code) - (2^23 + 1), exact; exp2_cast runs for code 0
+// too (y = log_amin - step >= -166, in its range) and a mask makes it 0; the sign bit is or-ed in
+// (the magnitude is +0 or positive: the same bits as negating it).
 __host__ __device__ __forceinline__ float decode_value(uint32_t v, float step, float log_amin) {
   const uint32_t code = v & kMaxCode;
-  const float mag = code == 0 ? 0.0f : exp2_cast(f_fma(static_cast<float>(code - 1), step, log_amin));
-  return (v >> 9) & 1u ? -mag : mag;
+  const float c1 = f_sub(f_bits(0x4b000000u | code), 8388609.0f);
+  const uint32_t mag = bits_of(exp2_cast(f_fma(c1, step, log_amin))) & (code == 0 ? 0u : ~0u);
+  return f_bits(mag | (v >> 9 & 1u) << 31);
 }
 
 // Channels 8m..8m+7 of a cast group: acc[i] = fma(value_i, wt, acc[i]). `w` are the three u32 words

@@ -91,6 +91,12 @@ __host__ __device__ __forceinline__ uint32_t bits_of(float f) {
   return u;
 #endif
 }
+// 2^23 + u as a float, for an integer u < 2^23: the float's bits are those of 2^23 or-ed with u,
+// and float sums or differences of such values are integers below 2^24, exact. The kernels turn
+// small integers into floats (and back, by the bits) this way rather than by conversions, which
+// run at 16 lanes per clock per SM on sm_90 (bench/NOTES.md session 43).
+constexpr float kTwo23 = 8388608.0f;
+__host__ __device__ __forceinline__ float two23_plus(uint32_t u) { return f_bits(0x4b000000u | u); }
 // Exact operations (no rounding involved): max / floor / round half away from zero.
 __host__ __device__ __forceinline__ float f_max(float a, float b) { return fmaxf(a, b); }
 __host__ __device__ __forceinline__ float f_floor(float a) { return floorf(a); }
@@ -172,12 +178,12 @@ __host__ __device__ __forceinline__ float exp2_det(float y) {
 // then 2^-64, the one rounding: exp2_det's value for every such y (its own form below 2^-126; above,
 // the product it rounds once; below -152 a value under half the least subnormal, rounded to the
 // 0 exp2_det returns), without its range cases. 2^(n+64)'s bits are those of n + 2^23 + 191
-// shifted by 23 (n an integer float in [-190, 63): the sum exact, 2^23's bit shifted out), not a
-// float-to-int conversion. Checked against exp2_det: dek_logfmt_math_host fn 4.
+// shifted by 23 (n an integer float in [-190, 63): two23_plus's sum, 2^23's bit shifted out), not
+// a float-to-int conversion. Checked against exp2_det: dek_logfmt_math_host fn 4.
 __host__ __device__ __forceinline__ float exp2_cast(float y) {
   const float n = f_round(y);
   const float p = exp2_poly(f_sub(y, n));
-  return f_mul(f_mul(p, f_bits(bits_of(f_add(n, 8388799.0f)) << 23)), pow2i(-64));
+  return f_mul(f_mul(p, f_bits(bits_of(f_add(n, kTwo23 + 191.0f)) << 23)), pow2i(-64));
 }
 
 // Channels decided together (cast or raw): crate logfmt::chunk_channels.
@@ -219,7 +225,7 @@ __host__ __device__ __forceinline__ float2 log2_entry(int i) {
 // log2_entry table. The magnitude as an f32, a subnormal one times 2^64 (exact), is a normal f32
 // whose exponent and top 7 mantissa bits are log2_det's normalised ones (no leading-zero count);
 // the exponent step is an integer compare (the float 1.i is above sqrt(2) exactly when i > 53),
-// and the exponent becomes a float as 2^23 + E minus a constant (exact; no conversion).
+// and the exponent becomes a float as two23_plus(E) minus a constant (exact; no conversion).
 // kSmall (the cast encoder's form): `b` < 0x5f80 (below 2^64, as every value of a cast group):
 // every magnitude is scaled, and zero gives -191 instead of -inf, no select: the code of either
 // is 0, as a cast group's log_amin is at least -165 (its amax's log2 is, less 32) and its step at
@@ -231,9 +237,9 @@ __host__ __device__ __forceinline__ float log2_bf16_finite(const float2* tq, uin
   const float f = f_bits(b << 16);
   const uint32_t u = bits_of(scale ? f_mul(f, 0x1p64f) : f);
   const uint32_t i = u >> 16 & 0x7fu;
-  // e = E - bias (+1 above sqrt(2)), as (2^23 + E) - (2^23 + bias): integers below 2^24, exact.
-  const float bias = scale ? 8388799.0f : 8388735.0f;  // 2^23 + 191, 2^23 + 127
-  const float e = f_sub(f_bits(0x4b000000u | u >> 23), i > 53u ? f_sub(bias, 1.0f) : bias);
+  // e = E - bias (+1 above sqrt(2)), as (2^23 + E) - (2^23 + bias).
+  const float bias = kTwo23 + (scale ? 191.0f : 127.0f);
+  const float e = f_sub(two23_plus(u >> 23), i > 53u ? f_sub(bias, 1.0f) : bias);
   const float2 v = tq[i];
   const float r = f_fma(v.x, v.y, e);
   return kSmall || b != 0 ? r : f_bits(kNegInf);
@@ -263,11 +269,11 @@ __host__ __device__ __forceinline__ Encoder encoder(const Group& g) {
 }
 // 10-bit value (sign << 9 | code) of one bf16 (bits) of a cast group (magnitude below 1). The
 // code is min(511, floor(v)) of v = max(fma(log2, step_inv, fused), 0) >= 0: on the device the
-// low bits of min(v, 511) + 2^23 rounded down (exact, no conversion), as the host's floor.
+// low bits of min(v, 511) + 2^23 rounded down (two23_plus(floor), no conversion), as the host's floor.
 __host__ __device__ __forceinline__ uint32_t encode_value(const float2* tq, const Encoder& e, uint32_t b) {
   const float v = f_max(f_fma(log2_bf16_finite<true>(tq, b & 0x7fffu), e.step_inv, e.fused), 0.0f);
 #ifdef __CUDA_ARCH__
-  const uint32_t code = __float_as_uint(__fadd_rd(fminf(v, 511.0f), 8388608.0f)) & kMaxCode;
+  const uint32_t code = __float_as_uint(__fadd_rd(fminf(v, 511.0f), kTwo23)) & kMaxCode;
 #else
   const float fl = f_floor(v);
   const uint32_t code = fl >= static_cast<float>(kMaxCode) ? kMaxCode : static_cast<uint32_t>(fl);
@@ -282,12 +288,12 @@ __host__ __device__ __forceinline__ uint64_t encode4(const float2* tq, const Enc
 
 // Decoded value of a 10-bit value of a cast group (crate: GroupParams::decode, negated by the
 // sign bit; exp2_cast is exp2_det on the values a cast group's parameters give). No branch or
-// conversion: code - 1 as a float is (2^23 + code) - (2^23 + 1), exact; exp2_cast runs for code 0
+// conversion: code - 1 as a float is two23_plus(code) - (2^23 + 1), exact; exp2_cast runs for code 0
 // too (y = log_amin - step >= -166, in its range) and a mask makes it 0; the sign bit is or-ed in
 // (the magnitude is +0 or positive: the same bits as negating it).
 __host__ __device__ __forceinline__ float decode_value(uint32_t v, float step, float log_amin) {
   const uint32_t code = v & kMaxCode;
-  const float c1 = f_sub(f_bits(0x4b000000u | code), 8388609.0f);
+  const float c1 = f_sub(two23_plus(code), kTwo23 + 1.0f);
   const uint32_t mag = bits_of(exp2_cast(f_fma(c1, step, log_amin))) & (code == 0 ? 0u : ~0u);
   return f_bits(mag | (v >> 9 & 1u) << 31);
 }

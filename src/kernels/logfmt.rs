@@ -153,12 +153,7 @@ mod tests {
             x.extend_from_slice(&g);
         }
         for (c, chunk) in x.chunks(7168).enumerate() {
-            let mut want = vec![0u8; logfmt::slot_bytes(chunk.len())];
-            logfmt::encode(chunk, &mut want);
-            let got = encode_row(chunk);
-            if let Some(i) = got.iter().zip(&want).position(|(a, b)| a != b) {
-                panic!("chunk {c}: slot byte {i} differs (kernels {:#x}, crate {:#x})", got[i], want[i]);
-            }
+            assert_host_encode_is_crate(chunk, &format!("chunk {c}"));
         }
     }
 
@@ -207,6 +202,16 @@ mod tests {
         x
     }
 
+    /// The host encode of `x` is the crate's, byte for byte (else a panic naming `what` and the byte).
+    fn assert_host_encode_is_crate(x: &[u16], what: &str) {
+        let mut want = vec![0u8; logfmt::slot_bytes(x.len())];
+        logfmt::encode(x, &mut want);
+        let got = encode_row(x);
+        if let Some(i) = got.iter().zip(&want).position(|(a, b)| a != b) {
+            panic!("{what}: slot byte {i} differs (kernels {:#x}, crate {:#x})", got[i], want[i]);
+        }
+    }
+
     #[test]
     fn host_encode_matches_the_crate_byte_for_byte() {
         let mut seed = 17;
@@ -214,12 +219,7 @@ mod tests {
         for round in 0..600 {
             let h = [128, 256, 512, 640, 1024, 1536, 2048, 2176, 4096, 5120, 7168][round % 11];
             let x = row(h, &mut seed);
-            let mut want = vec![0u8; logfmt::slot_bytes(h)];
-            logfmt::encode(&x, &mut want);
-            let got = encode_row(&x);
-            if let Some(i) = got.iter().zip(&want).position(|(a, b)| a != b) {
-                panic!("hidden {h} round {round}: slot byte {i} differs (kernels {:#x}, crate {:#x})", got[i], want[i]);
-            }
+            assert_host_encode_is_crate(&x, &format!("hidden {h} round {round}"));
             let y = logfmt::round_trip(&x);
             cast += y.iter().zip(&x).filter(|(a, &b)| !same(**a, bf16::to_f32(b))).count();
             raw += h;

@@ -394,6 +394,24 @@ __device__ __forceinline__ void encode_chunk_warp(const uint2 (&v)[kChunkGroups]
     reinterpret_cast<int4*>(pay + (i / kVecs) * 2 * kGroup)[i % kVecs] = reinterpret_cast<const int4*>(pack)[i];
   __syncwarp();  // pack is rewritten by the warp's next chunk
 }
+
+// One warp loads (load_chunk_warp) and encodes (encode_chunk_warp) one chunk of ng groups from
+// `src`. kFull (the per-item form of the LogFMT send kernel, ll_combine_send_logfmt): a full chunk
+// (8 groups: every chunk of a hidden divisible by 1024) is compiled apart with ng a constant, one
+// straight run of code without a branch per group (-1.3 µs at 1 and 8 tokens, bench/NOTES.md
+// session 43); the spread form and the kernels that share registers with other paths keep one copy.
+template <bool kFull>
+__device__ __forceinline__ void send_chunk_warp(const uint16_t* src, int ng, uint32_t* meta, char* pay, const float2* tq, uint8_t* pack,
+                                                int lane) {
+  uint2 v[kChunkGroups];
+  if (kFull && ng == kChunkGroups) {
+    load_chunk_warp(src, kChunkGroups, v, lane);
+    encode_chunk_warp(v, kChunkGroups, meta, pay, tq, pack, lane);
+  } else {
+    load_chunk_warp(src, ng, v, lane);
+    encode_chunk_warp(v, ng, meta, pay, tq, pack, lane);
+  }
+}
 #endif
 
 }  // namespace

@@ -87,7 +87,7 @@ __device__ __forceinline__ LogfmtRow logfmt_row_at(const Args& a, uint64_t ge, i
 // the chunk's payload and meta words to the offsets of s that the NVLink stores would reach. The
 // payload put covers whole 256-byte groups: bytes 160.. of a cast group are not part of the layout.
 // Returns false when a signal wait (Args::signal) failed: the rest is not sent.
-template <class Net, bool kSig>
+template <class Net, bool kSig, bool kFull = false>
 __device__ bool ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l, int64_t b, int64_t cnt, int warp, int lane,
                                        LogfmtSendShared& sh) {
   // Every thread of the block is here (the LogFMT flag and the item are the block's): one table.
@@ -105,8 +105,6 @@ __device__ bool ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l
     const int c0 = static_cast<int>(it % nch) * chunk, ng = (min(H, c0 + chunk) - c0) / 128;
     const int tok = a.src_info[l * RT + row];
     if (tok < 0 || tok >= T) continue;
-    uint2 v[logfmt::kChunkGroups];
-    logfmt::load_chunk_warp(static_cast<const uint16_t*>(a.x) + (l * RT + row) * H + c0, ng, v, lane);
     const uint64_t m_off = first.meta + (static_cast<uint64_t>(tok) * S + c0 / 128) * 4, p_off = first.pay + (static_cast<uint64_t>(tok) * H + c0) * 2;
     uint64_t m_at = m_off, p_at = p_off;
     if (far) {
@@ -114,7 +112,8 @@ __device__ bool ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l
       p_at = st + (r * H + c0) * 2;
       m_at = st + static_cast<uint64_t>(El) * RT * 2 * H + (r * S + c0 / 128) * 4;
     }
-    logfmt::encode_chunk_warp(v, ng, at<uint32_t>(dst, m_at), dst + p_at, sh.tq, sh.pack[warp], lane);
+    logfmt::send_chunk_warp<kFull>(static_cast<const uint16_t*>(a.x) + (l * RT + row) * H + c0, ng, at<uint32_t>(dst, m_at), dst + p_at, sh.tq,
+                            sh.pack[warp], lane);
     if (far) {
       __syncwarp();  // every lane's staged bytes (and lane 0's meta words) before the puts read them
       put_to<Net>(c, a, s, p_off, p_at, 256 * static_cast<uint64_t>(ng), lane);
@@ -139,10 +138,8 @@ __device__ void combine_send_logfmt_spread(const Ctx& c, const Args& a, uint32_t
     char* const dst = window(c, s);
     for (int k = c0; k < c1; k += chunk) {
       const int ng = (min(H, k + chunk) - k) / 128;
-      uint2 v[logfmt::kChunkGroups];
-      logfmt::load_chunk_warp(static_cast<const uint16_t*>(a.x) + (l * RT + row) * H + k, ng, v, lane);
-      logfmt::encode_chunk_warp(v, ng, at<uint32_t>(dst, at_row.meta + k / 128 * 4), dst + at_row.pay + 2 * static_cast<uint64_t>(k),
-                                sh.tq, sh.pack[warp], lane);
+      logfmt::send_chunk_warp<false>(static_cast<const uint16_t*>(a.x) + (l * RT + row) * H + k, ng, at<uint32_t>(dst, at_row.meta + k / 128 * 4),
+                              dst + at_row.pay + 2 * static_cast<uint64_t>(k), sh.tq, sh.pack[warp], lane);
     }
   });
 }
@@ -171,7 +168,7 @@ __device__ __forceinline__ bool combine_send_rows(const Ctx& c, const Args& a, i
   const uint64_t dst_base = recv_off(a, a.half) + static_cast<uint64_t>(c.rank * El + l) * T * (2 * static_cast<uint64_t>(H));
   bool ok = true;
   if constexpr (kLf) {
-    ok = ll_combine_send_logfmt<Net, kSig>(c, a, s, l, b, cnt, warp, lane, *lf);
+    ok = ll_combine_send_logfmt<Net, kSig, true>(c, a, s, l, b, cnt, warp, lane, *lf);
     cnt = 0;
   } else if constexpr (!kNvlOnly<Net>) {  // NvlNet launchers refuse LogFMT (one_launch_combine_ok, launch_combine)
     if (a.flags & DEK_LL_FLAG_LOGFMT) {
@@ -223,8 +220,9 @@ __device__ __forceinline__ bool combine_send_rows(const Ctx& c, const Args& a, i
 // items l + E_l*s in turn; kSpread (a one-launch call): the items' rows spread over the grid's
 // warps (ll_combine_spread.cuh), whatever the grid. Returns false when the buffer timed out
 // (nothing sent); *seq: the call's number. kOwn, kWide, kLf, lf: combine_send_rows' (kWide: a
-// one-launch kernel).
-template <class Net, bool kSig, bool kSpread = false, bool kOwn = false, bool kWide = false, bool kLf = false>
+// one-launch kernel). kLfSpread (kLf only): the LogFMT send kernel's form, the launcher's
+// logfmt_spread choice made at compile time (each form's instantiation holds only its own code).
+template <class Net, bool kSig, bool kSpread = false, bool kOwn = false, bool kWide = false, bool kLf = false, bool kLfSpread = false>
 __device__ __forceinline__ bool combine_send(const Ctx& c, const Args& a, uint32_t* seq, LogfmtSendShared* lf = nullptr) {
   __shared__ uint32_t s_seq;
   __shared__ int s_skip;
@@ -237,7 +235,7 @@ __device__ __forceinline__ bool combine_send(const Ctx& c, const Args& a, uint32
     for (int w = lin; w < El * c.num_ranks; w += gridDim.x * gridDim.y) {
       if (!combine_send_rows<Net, true>(c, a, w % El, w / El, s_seq, lf)) break;
     }
-  } else if (!kNvlOnly<Net> && !kOwn && !kWide && logfmt_spread(a)) {
+  } else if (!kNvlOnly<Net> && !kOwn && !kWide && (kLf ? kLfSpread : logfmt_spread(a))) {
     combine_send_logfmt_spread<Net>(c, a, s_seq, *lf);  // a 1-D grid (the launcher's, as it chose this form)
   } else {
     // E blocks: one item each; blocks past E (the kOwn kernel's wider grid) only receive.
@@ -400,7 +398,9 @@ __device__ __forceinline__ bool combine_send_partial(const Ctx& c, const Args& a
 // profiler lookups by name, as DeepEP's benchmark makes, see one `combine`).
 // kLfSend: the send launch of a LogFMT combine without overlap waits or seam (dek_ll_combine_send),
 // an instantiation of its own with no BF16, partial or receive code (no stack; the shared LsaNet
-// kernel spills), at 2 blocks of 256 threads per SM (cast -1.5 to -5 µs with enc1, session 42).
+// kernel spills), at 2 blocks of 256 threads per SM (cast -1.5 to -5 µs with enc1, session 42);
+// with kSpread its spread form (logfmt_spread), without its per-item form: two instantiations, as
+// one kernel holding both moved the spread form's time with the other's code (session 43).
 template <class Net, bool kSig, bool kBoth = false, bool kSpread = false, bool kLocal = false, bool kOwn = false, bool kPartial = false,
           bool kLfRecv = false, bool kLfSend = false>
 __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kLfSend ? kLogfmtSendThreads : kReduceThreads,
@@ -417,7 +417,7 @@ __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kLfSe
   }
   uint32_t seq = 0;
   if constexpr (kLfSend) {
-    combine_send<Net, false, false, false, false, true>(c, a, &seq, lf);
+    combine_send<Net, false, false, false, false, true, kSpread>(c, a, &seq, lf);
     return;
   }
   if constexpr (kBoth) {  // the one-launch forms are launched early (launch_pdl): wait for the kernel before
@@ -521,8 +521,10 @@ extern "C" int dek_ll_combine_send(const dek_ic_ctx_t* ctx, const dek_ll_args_t*
                                                            : dim3(el, ctx->num_ranks);
   const int threads = wide && ll_selections(*args) >= kLogfmtWideFrom ? kLogfmtSendThreads : kLlThreads;
   if (wide && args->net == nullptr) {  // the LogFMT send's own instantiation (no seam: LsaNet's NVLink stores)
-    combine<LsaNet, false, false, false, false, false, false, false, true><<<grid, threads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args,
-                                                                                                                 DEK_LL_PHASE_SEND);
+    // Its two forms are two instantiations (kSpread: the spread one), chosen as the grid was.
+    const auto kernel = logfmt_spread(*args) ? combine<LsaNet, false, false, true, false, false, false, false, true>
+                                             : combine<LsaNet, false, false, false, false, false, false, false, true>;
+    kernel<<<grid, threads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args, DEK_LL_PHASE_SEND);
   } else {
     launch_combine(ctx, args, grid, threads, DEK_LL_PHASE_SEND, stream);
   }

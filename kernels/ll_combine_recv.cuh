@@ -17,18 +17,21 @@ namespace {
 
 
 // LogFMT reduction of passes [pass_lo, pass_hi) of token `tok` (combine receive, blockDim =
-// kReduceThreads): per pass of 32 groups (4096 channels; `narrow`: 16), thread (k, g) =
-// (tid / 32, tid % 32) derives selection k's parameters of group g from the meta and then its
-// chunk's cast decision; then thread j reduces channels 8j..8j+7 of the pass (narrow: 4j..4j+3):
+// kReduceThreads), in windows of up to kLogfmtWindow groups (hidden <= 8192: one window per
+// token): the block derives every selection's parameters of the window's groups from the meta (one
+// latency, slot (k, g) per thread), then each chunk's cast decision, then per pass of 32 groups
+// (4096 channels; `narrow`: 16) thread j reduces channels 8j..8j+7 (narrow: 4j..4j+3):
 // acc = fma(decoded value, w_k, acc) over k in order (crate: logfmt::decode_accumulate), one bf16
 // rounding, kLogfmtBatch selections' loads in flight before their decodes (one load per selection
-// used at once made K serial latencies). The narrow form (kNarrow instantiations only: the LogFMT
-// receive instantiation of combine, kLfRecv) halves each thread's chain of decodes (K x 4 exp2 instead
-// of K x 8) where the grid has a block for every half pass (few tokens: the cast receive is
-// latency-bound there, bench/NOTES.md session 40). s_e / s_w: the token's experts and weights.
+// used at once made K serial latencies). Three barriers per window, not per pass (bench/NOTES.md
+// session 44). The narrow form (kNarrow instantiations only: the LogFMT receive instantiation of
+// combine, kLfRecv) halves each thread's chain of decodes (K x 4 exp2 instead of K x 8) where the
+// grid has a block for every half pass (few tokens: the cast receive is latency-bound there,
+// bench/NOTES.md session 40). s_e / s_w: the token's experts and weights.
 static_assert(kReduceThreads == kMaxLlTopk * 32, "one thread per (selection, group) of a LogFMT pass");
 constexpr int kLogfmtPass = 32;  // groups of 128 channels per pass
 constexpr int kLogfmtHalf = kLogfmtPass / 2;  // the narrow form's
+constexpr int kLogfmtWindow = 2 * kLogfmtPass;  // groups whose parameters one round of barriers derives
 constexpr int kLogfmtBatch = 4;
 // The number of LogFMT passes of `pass_groups` groups of 128 channels over a row of `hidden`
 // channels (kLogfmtPass: the wide form's; kLogfmtHalf: the narrow form's). The one home of that
@@ -37,17 +40,24 @@ __host__ __device__ __forceinline__ int logfmt_pass_count(int hidden, int pass_g
   return (hidden / 128 + pass_groups - 1) / pass_groups;
 }
 
+// A window's parameters in shared memory: [selection][group - window start].
+struct LogfmtWindow {
+  const float (*step)[kLogfmtWindow];
+  const float (*lamin)[kLogfmtWindow];
+  const unsigned char (*cast)[kLogfmtWindow];
+  const char* const* row;  // selection k's payload row of the token (nullptr: no row)
+};
+
 // One pass's reduction in units of kW channels (8 or 4): thread j reduces channels kW*j..kW*j+kW-1
-// (group base + tid / (128 / kW)) with the pass's parameters.
+// (group base + tid / (128 / kW), `wg` = base - the window's first group) with the window's parameters.
 template <int kW>
-__device__ __forceinline__ void recv_logfmt_units(const Args& a, const char* recv, int tok, const int64_t* s_e, const float* s_w, int base,
-                                                  const float (*s_step)[32], const float (*s_lamin)[32], const int (*s_cast)[32]) {
+__device__ __forceinline__ void recv_logfmt_units(const Args& a, int tok, const float* s_w, int base, int wg, const LogfmtWindow& win) {
   static_assert(kW == 4 || kW == 8, "a unit of 4 or 8 channels");
   constexpr int kPerGroup = 128 / kW, kCodeBytes = 5 * kW / 4;  // units per group; a unit's bytes of 10-bit codes
-  const int tid = threadIdx.x, K = a.num_topk, E = a.num_experts, T = a.num_max_tokens, H = a.hidden, S = H / 128;
-  const uint64_t pay = static_cast<uint64_t>(E) * T * S * 4;
+  const int tid = threadIdx.x, K = a.num_topk, H = a.hidden;
   const int j = base * kPerGroup + tid, gl = tid / kPerGroup, m = tid % kPerGroup;  // unit j lies in group base + gl
   if (j * kW >= H) return;
+  const int gw = wg + gl;
   float acc[kW];
 #pragma unroll
   for (int u = 0; u < kW; ++u) acc[u] = 0.0f;
@@ -57,9 +67,8 @@ __device__ __forceinline__ void recv_logfmt_units(const Args& a, const char* rec
 #pragma unroll
     for (int u = 0; u < kLogfmtBatch; ++u) {
       const int q = q0 + u;
-      const int64_t e = q < K ? s_e[q] : -1;
-      kind[u] = e < 0 || e >= E ? 0 : s_cast[q][gl] ? 1 : 2;
-      const char* row = recv + pay + (static_cast<uint64_t>(e < 0 ? 0 : e) * T + tok) * 2 * H;
+      const char* row = q < K ? win.row[q] : nullptr;
+      kind[u] = row == nullptr ? 0 : win.cast[q][gw] ? 1 : 2;
       if (kind[u] == 1) {
         const unsigned int* w = reinterpret_cast<const unsigned int*>(row + (base + gl) * 256 + (kCodeBytes * m & ~3));
         wv[u][0] = __ldcg(w);
@@ -88,9 +97,9 @@ __device__ __forceinline__ void recv_logfmt_units(const Args& a, const char* rec
       if (kind[u] == 1) {
         if constexpr (kW == 8) {
           const uint32_t w3[3] = {wv[u][0], wv[u][1], wv[u][2]};
-          logfmt::accumulate_cast8(acc, w3, kCodeBytes * m & 3, s_step[q][gl], s_lamin[q][gl], s_w[q]);
+          logfmt::accumulate_cast8(acc, w3, kCodeBytes * m & 3, win.step[q][gw], win.lamin[q][gw], s_w[q]);
         } else {
-          logfmt::accumulate_cast4(acc, wv[u], kCodeBytes * m & 3, s_step[q][gl], s_lamin[q][gl], s_w[q]);
+          logfmt::accumulate_cast4(acc, wv[u], kCodeBytes * m & 3, win.step[q][gw], win.lamin[q][gw], s_w[q]);
         }
       } else if (kind[u] == 2) {
         if constexpr (kW == 8) {
@@ -112,45 +121,58 @@ __device__ __forceinline__ void recv_logfmt_units(const Args& a, const char* rec
 
 // The narrow form's pass (16 groups), out of line as before the template (its registers stay
 // apart from the wide form's in the kLfRecv instantiation).
-__device__ __noinline__ void recv_logfmt_narrow(const Args& a, const char* recv, int tok, const int64_t* s_e, const float* s_w, int base,
-                                                   const float (*s_step)[32], const float (*s_lamin)[32], const int (*s_cast)[32]) {
-  recv_logfmt_units<4>(a, recv, tok, s_e, s_w, base, s_step, s_lamin, s_cast);
+__device__ __noinline__ void recv_logfmt_narrow(const Args& a, int tok, const float* s_w, int base, int wg, const LogfmtWindow& win) {
+  recv_logfmt_units<4>(a, tok, s_w, base, wg, win);
 }
 
 template <bool kNarrow>
 __device__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok, const int64_t* s_e, const float* s_w, int pass_lo,
                                        int pass_hi, bool narrow) {
-  __shared__ float s_lamin[kMaxLlTopk][32], s_step[kMaxLlTopk][32];
-  __shared__ int s_castable[kMaxLlTopk][32], s_cast[kMaxLlTopk][32];
+  __shared__ float s_lamin[kMaxLlTopk][kLogfmtWindow], s_step[kMaxLlTopk][kLogfmtWindow];
+  __shared__ unsigned char s_castable[kMaxLlTopk][kLogfmtWindow], s_cast[kMaxLlTopk][kLogfmtWindow];
+  __shared__ const char* s_row[kMaxLlTopk];
   const int tid = threadIdx.x, K = a.num_topk, E = a.num_experts, T = a.num_max_tokens, H = a.hidden, S = H / 128;
-  const int per_chunk = logfmt::chunk_channels(H) / 128;  // divides 32: passes start at chunk starts
-  const int k = tid / 32, gi = tid % 32;
-  const int64_t ek = k < K ? s_e[k] : -1;
-  const int pg = narrow ? kLogfmtHalf : kLogfmtPass;  // groups per pass (per_chunk divides both)
-  for (int base = pass_lo * pg; base < S && base < pass_hi * pg; base += pg) {
-    const int g = base + gi;
-    const bool mine = ek >= 0 && ek < E && gi < pg && g < S;
-    if (mine) {
-      const uint32_t m = __ldcg(reinterpret_cast<const unsigned int*>(recv + ((static_cast<uint64_t>(ek) * T + tok) * S + g) * 4));
+  const int per_chunk = logfmt::chunk_channels(H) / 128;  // divides 16: windows and passes start at chunk starts
+  const int pg = narrow ? kLogfmtHalf : kLogfmtPass;  // groups per pass
+  const int g_lo = pass_lo * pg, g_hi = min(S, pass_hi * pg);
+  const uint64_t pay = static_cast<uint64_t>(E) * T * S * 4;  // the meta words precede the payload rows
+  if (tid < K) {  // read after the window's first barrier
+    const int64_t e = s_e[tid];
+    s_row[tid] = e < 0 || e >= E ? nullptr : recv + pay + (static_cast<uint64_t>(e) * T + tok) * 2 * H;
+  }
+  const LogfmtWindow win{s_step, s_lamin, s_cast, s_row};
+  for (int wb = g_lo; wb < g_hi; wb += kLogfmtWindow) {
+    const int ng = min(kLogfmtWindow, g_hi - wb);
+    // Slot i = (k, g): selection k's parameters of group wb + g (one meta load per slot).
+    for (int i = tid; i < K * kLogfmtWindow; i += static_cast<int>(blockDim.x)) {
+      const int k = i / kLogfmtWindow, g = i % kLogfmtWindow;
+      const int64_t ek = s_e[k];
+      if (g >= ng || ek < 0 || ek >= E) continue;
+      const uint32_t m = __ldcg(reinterpret_cast<const unsigned int*>(recv + ((static_cast<uint64_t>(ek) * T + tok) * S + wb + g) * 4));
       const logfmt::Group p = logfmt::group_of_meta(m);
-      s_lamin[k][gi] = p.log_amin;
-      s_step[k][gi] = logfmt::group_step(p);
-      s_castable[k][gi] = p.castable;
+      s_lamin[k][g] = p.log_amin;
+      s_step[k][g] = logfmt::group_step(p);
+      s_castable[k][g] = p.castable;
     }
     __syncthreads();
-    if (mine) {
-      const int q0 = gi / per_chunk * per_chunk, q1 = min(q0 + per_chunk, S - base);
-      int all = 1;
+    for (int i = tid; i < K * kLogfmtWindow; i += static_cast<int>(blockDim.x)) {  // a chunk is cast when all its groups are castable
+      const int k = i / kLogfmtWindow, g = i % kLogfmtWindow;
+      const int64_t ek = s_e[k];
+      if (g >= ng || ek < 0 || ek >= E) continue;
+      const int q0 = g / per_chunk * per_chunk, q1 = min(q0 + per_chunk, ng);
+      unsigned char all = 1;
       for (int q = q0; q < q1; ++q) all &= s_castable[k][q];
-      s_cast[k][gi] = all;
+      s_cast[k][g] = all;
     }
     __syncthreads();
-    if (kNarrow && narrow) {
-      recv_logfmt_narrow(a, recv, tok, s_e, s_w, base, s_step, s_lamin, s_cast);
-    } else {
-      recv_logfmt_units<8>(a, recv, tok, s_e, s_w, base, s_step, s_lamin, s_cast);
+    for (int base = wb; base < wb + ng; base += pg) {
+      if (kNarrow && narrow) {
+        recv_logfmt_narrow(a, tok, s_w, base, base - wb, win);
+      } else {
+        recv_logfmt_units<8>(a, tok, s_w, base, base - wb, win);
+      }
     }
-    __syncthreads();  // the parameters are rewritten by the next pass (and s_e / s_w by the next token)
+    __syncthreads();  // the parameters are rewritten by the next window (and s_e / s_w / s_row by the next token)
   }
 }
 

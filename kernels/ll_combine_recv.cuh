@@ -40,18 +40,15 @@ __host__ __device__ __forceinline__ int logfmt_pass_count(int hidden, int pass_g
   return (hidden / 128 + pass_groups - 1) / pass_groups;
 }
 
-// A window's parameters in shared memory: [selection][group - window start].
-struct LogfmtWindow {
-  const float (*step)[kLogfmtWindow];
-  const float (*lamin)[kLogfmtWindow];
-  const unsigned char (*cast)[kLogfmtWindow];
-  const char* const* row;  // selection k's payload row of the token (nullptr: no row)
-};
-
 // One pass's reduction in units of kW channels (8 or 4): thread j reduces channels kW*j..kW*j+kW-1
-// (group base + tid / (128 / kW), `wg` = base - the window's first group) with the window's parameters.
+// (group base + tid / (128 / kW), `wg` = base - the window's first group) with the window's
+// parameters in shared memory ([selection][group - window start]) and s_row[k], selection k's
+// payload row of the token (nullptr: no row). The pointers are passed one by one: in a struct by
+// reference the out-of-line narrow form read them from the stack and the arrays by generic loads.
 template <int kW>
-__device__ __forceinline__ void recv_logfmt_units(const Args& a, int tok, const float* s_w, int base, int wg, const LogfmtWindow& win) {
+__device__ __forceinline__ void recv_logfmt_units(const Args& a, int tok, const float* s_w, int base, int wg,
+                                                  const float (*s_step)[kLogfmtWindow], const float (*s_lamin)[kLogfmtWindow],
+                                                  const unsigned char (*s_cast)[kLogfmtWindow], const char* const* s_row) {
   static_assert(kW == 4 || kW == 8, "a unit of 4 or 8 channels");
   constexpr int kPerGroup = 128 / kW, kCodeBytes = 5 * kW / 4;  // units per group; a unit's bytes of 10-bit codes
   const int tid = threadIdx.x, K = a.num_topk, H = a.hidden;
@@ -67,8 +64,8 @@ __device__ __forceinline__ void recv_logfmt_units(const Args& a, int tok, const 
 #pragma unroll
     for (int u = 0; u < kLogfmtBatch; ++u) {
       const int q = q0 + u;
-      const char* row = q < K ? win.row[q] : nullptr;
-      kind[u] = row == nullptr ? 0 : win.cast[q][gw] ? 1 : 2;
+      const char* row = q < K ? s_row[q] : nullptr;
+      kind[u] = row == nullptr ? 0 : s_cast[q][gw] ? 1 : 2;
       if (kind[u] == 1) {
         const unsigned int* w = reinterpret_cast<const unsigned int*>(row + (base + gl) * 256 + (kCodeBytes * m & ~3));
         wv[u][0] = __ldcg(w);
@@ -97,9 +94,9 @@ __device__ __forceinline__ void recv_logfmt_units(const Args& a, int tok, const 
       if (kind[u] == 1) {
         if constexpr (kW == 8) {
           const uint32_t w3[3] = {wv[u][0], wv[u][1], wv[u][2]};
-          logfmt::accumulate_cast8(acc, w3, kCodeBytes * m & 3, win.step[q][gw], win.lamin[q][gw], s_w[q]);
+          logfmt::accumulate_cast8(acc, w3, kCodeBytes * m & 3, s_step[q][gw], s_lamin[q][gw], s_w[q]);
         } else {
-          logfmt::accumulate_cast4(acc, wv[u], kCodeBytes * m & 3, win.step[q][gw], win.lamin[q][gw], s_w[q]);
+          logfmt::accumulate_cast4(acc, wv[u], kCodeBytes * m & 3, s_step[q][gw], s_lamin[q][gw], s_w[q]);
         }
       } else if (kind[u] == 2) {
         if constexpr (kW == 8) {
@@ -121,8 +118,10 @@ __device__ __forceinline__ void recv_logfmt_units(const Args& a, int tok, const 
 
 // The narrow form's pass (16 groups), out of line as before the template (its registers stay
 // apart from the wide form's in the kLfRecv instantiation).
-__device__ __noinline__ void recv_logfmt_narrow(const Args& a, int tok, const float* s_w, int base, int wg, const LogfmtWindow& win) {
-  recv_logfmt_units<4>(a, tok, s_w, base, wg, win);
+__device__ __noinline__ void recv_logfmt_narrow(const Args& a, int tok, const float* s_w, int base, int wg,
+                                                const float (*s_step)[kLogfmtWindow], const float (*s_lamin)[kLogfmtWindow],
+                                                const unsigned char (*s_cast)[kLogfmtWindow], const char* const* s_row) {
+  recv_logfmt_units<4>(a, tok, s_w, base, wg, s_step, s_lamin, s_cast, s_row);
 }
 
 template <bool kNarrow>
@@ -140,7 +139,6 @@ __device__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok,
     const int64_t e = s_e[tid];
     s_row[tid] = e < 0 || e >= E ? nullptr : recv + pay + (static_cast<uint64_t>(e) * T + tok) * 2 * H;
   }
-  const LogfmtWindow win{s_step, s_lamin, s_cast, s_row};
   for (int wb = g_lo; wb < g_hi; wb += kLogfmtWindow) {
     const int ng = min(kLogfmtWindow, g_hi - wb);
     // Slot i = (k, g): selection k's parameters of group wb + g (one meta load per slot).
@@ -167,9 +165,9 @@ __device__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok,
     __syncthreads();
     for (int base = wb; base < wb + ng; base += pg) {
       if (kNarrow && narrow) {
-        recv_logfmt_narrow(a, tok, s_w, base, base - wb, win);
+        recv_logfmt_narrow(a, tok, s_w, base, base - wb, s_step, s_lamin, s_cast, s_row);
       } else {
-        recv_logfmt_units<8>(a, tok, s_w, base, base - wb, win);
+        recv_logfmt_units<8>(a, tok, s_w, base, base - wb, s_step, s_lamin, s_cast, s_row);
       }
     }
     __syncthreads();  // the parameters are rewritten by the next window (and s_e / s_w / s_row by the next token)

@@ -174,6 +174,15 @@ __device__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok,
   }
 }
 
+// The LogFMT reduction in the receives that are not the LogFMT receive instantiation (kLfRecv): a
+// wrong format hint, overlap or seam calls. Out of line, so that its registers stay apart from the
+// BF16 / partial rows' (inline, the window form spilled 20 bytes in the shared NvlNet kernel and
+// cost the hook step's receive 0.16 µs, session 44).
+__device__ __noinline__ void recv_logfmt_out_of_line(const Args& a, const char* recv, int tok, const int64_t* s_e, const float* s_w,
+                                                     int pass_lo, int pass_hi) {
+  ll_combine_recv_logfmt<false>(a, recv, tok, s_e, s_w, pass_lo, pass_hi, false);
+}
+
 // Every block waits for all E words (partial: the R words d*E_l) of call `seq` on `half`, then
 // reduces work items blockIdx.x, +gridDim.x, ...: item w = slice w % P of token w / P (P blocks
 // share a token when there are more blocks than tokens: a 1-token combine is not one block's
@@ -329,8 +338,12 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
       continue;
     }
     if (logfmt) {
-      const int np = narrow ? halves : passes;
-      ll_combine_recv_logfmt<kNarrow>(a, recv, tok, s_e, s_w, (item % P) * np / P, (item % P + 1) * np / P, narrow);
+      const int np = narrow ? halves : passes, lo = (item % P) * np / P, hi = (item % P + 1) * np / P;
+      if constexpr (kNarrow) {
+        ll_combine_recv_logfmt<true>(a, recv, tok, s_e, s_w, lo, hi, narrow);
+      } else {
+        recv_logfmt_out_of_line(a, recv, tok, s_e, s_w, lo, hi);
+      }
       continue;
     }
     for (int j = u_lo + tid; j < u_hi; j += blockDim.x) {

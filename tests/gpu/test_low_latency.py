@@ -8,7 +8,7 @@ inputs for both, runs low_latency_dispatch -> stand-in expert -> low_latency_com
 compares: recv_count, layout_range, cumulative stats exactly; recv_x, scales and src_info on the
 valid rows bitwise (both backends receive per (expert, source) in increasing token index); the
 combined output bitwise. Random configurations (default 200 per rank count): tokens 0..T with 0
-and 1, T up to 1500, hidden 2048/4096/5120/7168/8192 and 2176, top-k 1..9 with -1 entries, 8..288
+and 1, T up to 1500, hidden 2048/4096/5120/7168/8192, 2176 and 12288, top-k 1..9 with -1 entries, 8..288
 experts, int32/int64 ids, BF16 / FP8 / FP8 round_scale / FP8 UE8M0, combine fused, with hooks,
 zero-copy or into a caller-supplied out, after a dispatch with top-k weights (partial sums) or
 without (DeepEP's call, DEEP_EP_LL_ROWS of the configurations, default 0.4: per-expert rows), with
@@ -62,7 +62,8 @@ from test_intranode import DRY, bits, diff, sync, to_gpu
 # the CPU backend alone.
 SUPPORTS_DRY = DRY
 
-HIDDENS = [2048, 4096, 5120, 7168, 8192, 2176]
+# 12288: more than 64 groups of 128 channels, the LogFMT receive's two windows (kLogfmtWindow).
+HIDDENS = [2048, 4096, 5120, 7168, 8192, 2176, 12288]
 TS = [1, 4, 16, 64, 128, 256, 512, 1024, 1500]
 MODES = {"bf16": (False, False, False), "fp8": (True, False, False), "fp8-round": (True, True, False), "fp8-ue8m0": (True, True, True)}
 COMBINES = ["fused", "hook", "zero_copy", "out"]

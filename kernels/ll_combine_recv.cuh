@@ -141,27 +141,28 @@ __device__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok,
   }
   for (int wb = g_lo; wb < g_hi; wb += kLogfmtWindow) {
     const int ng = min(kLogfmtWindow, g_hi - wb);
-    // Slot i = (k, g): selection k's parameters of group wb + g (one meta load per slot).
-    for (int i = tid; i < K * kLogfmtWindow; i += static_cast<int>(blockDim.x)) {
-      const int k = i / kLogfmtWindow, g = i % kLogfmtWindow;
-      const int64_t ek = s_e[k];
-      if (g >= ng || ek < 0 || ek >= E) continue;
+    // Slot i = (k, g): selection k's group wb + g, for every valid selection k (both loops below).
+    const auto each_slot = [&](auto&& f) {
+      for (int i = tid; i < K * kLogfmtWindow; i += static_cast<int>(blockDim.x)) {
+        const int k = i / kLogfmtWindow, g = i % kLogfmtWindow;
+        const int64_t ek = s_e[k];
+        if (g < ng && ek >= 0 && ek < E) f(k, g, ek);
+      }
+    };
+    each_slot([&](int k, int g, int64_t ek) {  // its parameters: one meta load per slot
       const uint32_t m = __ldcg(reinterpret_cast<const unsigned int*>(recv + ((static_cast<uint64_t>(ek) * T + tok) * S + wb + g) * 4));
       const logfmt::Group p = logfmt::group_of_meta(m);
       s_lamin[k][g] = p.log_amin;
       s_step[k][g] = logfmt::group_step(p);
       s_castable[k][g] = p.castable;
-    }
+    });
     __syncthreads();
-    for (int i = tid; i < K * kLogfmtWindow; i += static_cast<int>(blockDim.x)) {  // a chunk is cast when all its groups are castable
-      const int k = i / kLogfmtWindow, g = i % kLogfmtWindow;
-      const int64_t ek = s_e[k];
-      if (g >= ng || ek < 0 || ek >= E) continue;
+    each_slot([&](int k, int g, int64_t) {  // a chunk is cast when all its groups are castable
       const int q0 = g / per_chunk * per_chunk, q1 = min(q0 + per_chunk, ng);
       unsigned char all = 1;
       for (int q = q0; q < q1; ++q) all &= s_castable[k][q];
       s_cast[k][g] = all;
-    }
+    });
     __syncthreads();
     for (int base = wb; base < wb + ng; base += pg) {
       if (kNarrow && narrow) {

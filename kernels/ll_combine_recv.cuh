@@ -20,14 +20,14 @@ namespace {
 // kReduceThreads), in windows of up to kLogfmtWindow groups (hidden <= 8192: one window per
 // token): the block derives every selection's parameters of the window's groups from the meta (one
 // latency, slot (k, g) per thread), then each chunk's cast decision, then per pass of 32 groups
-// (4096 channels; `narrow`: 16) thread j reduces channels 8j..8j+7 (narrow: 4j..4j+3):
-// acc = fma(decoded value, w_k, acc) over k in order (crate: logfmt::decode_accumulate), one bf16
-// rounding, kLogfmtBatch selections' loads in flight before their decodes (one load per selection
-// used at once made K serial latencies). Three barriers per window, not per pass (bench/NOTES.md
-// session 44). The narrow form (kNarrow instantiations only: the LogFMT receive instantiation of
-// combine, kLfRecv) halves each thread's chain of decodes (K x 4 exp2 instead of K x 8) where the
-// grid has a block for every half pass (few tokens: the cast receive is latency-bound there,
-// bench/NOTES.md session 40). s_e / s_w: the token's experts and weights.
+// (4096 channels) thread j reduces channels 8j..8j+7: acc = fma(decoded value, w_k, acc) over k
+// in order (crate: logfmt::decode_accumulate), one bf16 rounding, kLogfmtBatch selections' loads
+// in flight before their decodes (one load per selection used at once made K serial latencies).
+// Three barriers per window, not per pass (bench/NOTES.md session 44). The narrow form
+// (recv_logfmt_half: kNarrow instantiations only, the LogFMT receive instantiation of combine,
+// kLfRecv) halves each thread's chain of decodes (K x 4 exp2 instead of K x 8) where the grid has a
+// block for every half pass (few tokens: the cast receive is latency-bound there, bench/NOTES.md
+// session 40). s_e / s_w: the token's experts and weights.
 static_assert(kReduceThreads == kMaxLlTopk * 32, "one thread per (selection, group) of a LogFMT pass");
 constexpr int kLogfmtPass = 32;  // groups of 128 channels per pass
 constexpr int kLogfmtHalf = kLogfmtPass / 2;  // the narrow form's
@@ -40,27 +40,25 @@ __host__ __device__ __forceinline__ int logfmt_pass_count(int hidden, int pass_g
   return (hidden / 128 + pass_groups - 1) / pass_groups;
 }
 
-// One pass's reduction in units of kW channels (8 or 4): thread j reduces channels kW*j..kW*j+kW-1
-// (group base + tid / (128 / kW), `wg` = base - the window's first group) with the window's
-// parameters in shared memory ([selection][group - window start]) and s_row[k], selection k's
-// payload row of the token (nullptr: no row). The pointers are passed one by one: in a struct by
-// reference the out-of-line narrow form read them from the stack and the arrays by generic loads.
-template <int kW>
+// One pass's reduction (the wide form): thread j reduces channels 8j..8j+7 (group base + tid / 16,
+// `wg` = base - the window's first group) with the window's parameters in shared memory
+// ([selection][group - window start]) and s_row[k], selection k's payload row of the token
+// (nullptr: no row). The pointers are passed one by one: in a struct by reference an out-of-line
+// caller read them from the stack and the arrays by generic loads (session 44).
 __device__ __forceinline__ void recv_logfmt_units(const Args& a, int tok, const float* s_w, int base, int wg,
                                                   const float (*s_step)[kLogfmtWindow], const float (*s_lamin)[kLogfmtWindow],
                                                   const unsigned char (*s_cast)[kLogfmtWindow], const char* const* s_row) {
-  static_assert(kW == 4 || kW == 8, "a unit of 4 or 8 channels");
-  constexpr int kPerGroup = 128 / kW, kCodeBytes = 5 * kW / 4;  // units per group; a unit's bytes of 10-bit codes
+  constexpr int kPerGroup = 16, kCodeBytes = 10;  // units per group; a unit's bytes of 10-bit codes
   const int tid = threadIdx.x, K = a.num_topk, H = a.hidden;
   const int j = base * kPerGroup + tid, gl = tid / kPerGroup, m = tid % kPerGroup;  // unit j lies in group base + gl
-  if (j * kW >= H) return;
+  if (j * 8 >= H) return;
   const int gw = wg + gl;
-  float acc[kW];
+  float acc[8];
 #pragma unroll
-  for (int u = 0; u < kW; ++u) acc[u] = 0.0f;
+  for (int u = 0; u < 8; ++u) acc[u] = 0.0f;
   for (int q0 = 0; q0 < K; q0 += kLogfmtBatch) {
-    uint32_t wv[kLogfmtBatch][kW / 2];  // cast: the words holding the unit's codes (8: 3, 4: 2); raw: its bf16
-    int kind[kLogfmtBatch];              // 0: no row (invalid or masked expert, past K), 1: cast, 2: raw
+    uint32_t wv[kLogfmtBatch][4];  // cast: the three words holding the unit's codes; raw: its bf16
+    int kind[kLogfmtBatch];        // 0: no row (invalid or masked expert, past K), 1: cast, 2: raw
 #pragma unroll
     for (int u = 0; u < kLogfmtBatch; ++u) {
       const int q = q0 + u;
@@ -70,70 +68,139 @@ __device__ __forceinline__ void recv_logfmt_units(const Args& a, int tok, const 
         const unsigned int* w = reinterpret_cast<const unsigned int*>(row + (base + gl) * 256 + (kCodeBytes * m & ~3));
         wv[u][0] = __ldcg(w);
         wv[u][1] = __ldcg(w + 1);
-        if constexpr (kW == 8) {
-          wv[u][2] = __ldcg(w + 2);
-          wv[u][3] = 0;
-        }
+        wv[u][2] = __ldcg(w + 2);
+        wv[u][3] = 0;
       } else if (kind[u] == 2) {
-        if constexpr (kW == 8) {
-          const int4 v = __ldcg(reinterpret_cast<const int4*>(row) + j);
-          wv[u][0] = static_cast<uint32_t>(v.x);
-          wv[u][1] = static_cast<uint32_t>(v.y);
-          wv[u][2] = static_cast<uint32_t>(v.z);
-          wv[u][3] = static_cast<uint32_t>(v.w);
-        } else {
-          const uint2 v = __ldcg(reinterpret_cast<const uint2*>(row) + j);
-          wv[u][0] = v.x;
-          wv[u][1] = v.y;
-        }
+        const int4 v = __ldcg(reinterpret_cast<const int4*>(row) + j);
+        wv[u][0] = static_cast<uint32_t>(v.x);
+        wv[u][1] = static_cast<uint32_t>(v.y);
+        wv[u][2] = static_cast<uint32_t>(v.z);
+        wv[u][3] = static_cast<uint32_t>(v.w);
       }
     }
 #pragma unroll
     for (int u = 0; u < kLogfmtBatch; ++u) {  // in order q = q0, q0 + 1, ...: the sums are unchanged
       const int q = q0 + u;
       if (kind[u] == 1) {
-        if constexpr (kW == 8) {
-          const uint32_t w3[3] = {wv[u][0], wv[u][1], wv[u][2]};
-          logfmt::accumulate_cast8(acc, w3, kCodeBytes * m & 3, s_step[q][gw], s_lamin[q][gw], s_w[q]);
-        } else {
-          logfmt::accumulate_cast4(acc, wv[u], kCodeBytes * m & 3, s_step[q][gw], s_lamin[q][gw], s_w[q]);
-        }
+        const uint32_t w3[3] = {wv[u][0], wv[u][1], wv[u][2]};
+        logfmt::accumulate_cast8(acc, w3, kCodeBytes * m & 3, s_step[q][gw], s_lamin[q][gw], s_w[q]);
       } else if (kind[u] == 2) {
-        if constexpr (kW == 8) {
-          logfmt::accumulate_raw8(acc, wv[u], s_w[q]);
-        } else {
-          logfmt::accumulate_raw4(acc, wv[u], s_w[q]);
-        }
+        logfmt::accumulate_raw8(acc, wv[u], s_w[q]);
       }
     }
   }
-  if constexpr (kW == 8) {
-    reinterpret_cast<int4*>(a.out + static_cast<int64_t>(tok) * H)[j] = pack_bf16x8(acc);
-  } else {
+  reinterpret_cast<int4*>(a.out + static_cast<int64_t>(tok) * H)[j] = pack_bf16x8(acc);
+}
+
+// The narrow form (kNarrow instantiations only: the LogFMT receive instantiation of combine,
+// kLfRecv): half pass `half` (kLogfmtHalf groups, 2048 channels) of token `tok`, thread j of the
+// block reducing channels 4j..4j+3 of the half (group half * kLogfmtHalf + j / 32). Every load is
+// issued before the block's one barrier: the unit's payload words of the first kLogfmtPre
+// selections, both the cast words and the raw ones (which of the two a group holds is known only
+// from its meta), beside the meta words of the half's (selection, group) slots. One memory latency
+// then precedes the decodes where the window form has three (the meta, then two batches of
+// selections). A chunk's cast decision is a vote of the lanes holding its groups' slots (slot
+// (k, g) on thread k * kLogfmtHalf + g: a chunk's groups on consecutive lanes of one warp), not a
+// second pass and barrier. Out of line: its registers stay apart from the wide form's.
+constexpr int kLogfmtPre = 4;
+static_assert(kMaxLlTopk * kLogfmtHalf <= kReduceThreads, "one thread per (selection, group) slot of a half pass");
+__device__ __forceinline__ void recv_logfmt_half(const Args& a, const char* recv, int tok, const int64_t* s_e, const float* s_w, int half) {
+  __shared__ float s_lamin[kMaxLlTopk][kLogfmtHalf], s_step[kMaxLlTopk][kLogfmtHalf];
+  __shared__ unsigned char s_cast[kMaxLlTopk][kLogfmtHalf];
+  const int tid = threadIdx.x, K = a.num_topk, E = a.num_experts, T = a.num_max_tokens, H = a.hidden, S = H / 128;
+  const int per_chunk = logfmt::chunk_channels(H) / 128;  // 4 or 8: divides kLogfmtHalf, so chunks start at slot runs
+  const int base = half * kLogfmtHalf, ng = min(kLogfmtHalf, S - base);
+  const uint64_t pay = static_cast<uint64_t>(E) * T * S * 4;  // the meta words precede the payload rows
+  const int gl = tid / 32, m = tid % 32, j = base * 32 + tid;  // unit j: group base + gl, its m-th 4 channels
+  const bool unit = gl < ng;
+  const auto row_of = [&](int64_t e) { return recv + pay + (static_cast<uint64_t>(e) * T + tok) * 2 * H; };
+  uint32_t cw[kLogfmtPre][2], rw[kLogfmtPre][2];
+#pragma unroll
+  for (int k = 0; k < kLogfmtPre; ++k) {
+    const int64_t e = k < K ? s_e[k] : -1;
+    if (unit && e >= 0 && e < E) {
+      const char* row = row_of(e);
+      const unsigned int* w = reinterpret_cast<const unsigned int*>(row + (base + gl) * 256 + (5 * m & ~3));
+      cw[k][0] = __ldcg(w);
+      cw[k][1] = __ldcg(w + 1);
+      const uint2 v = __ldcg(reinterpret_cast<const uint2*>(row) + j);
+      rw[k][0] = v.x;
+      rw[k][1] = v.y;
+    }
+  }
+  {
+    const int k = tid / kLogfmtHalf, g = tid % kLogfmtHalf;
+    const int64_t ek = k < K ? s_e[k] : -1;
+    const bool slot = k < K && g < ng && ek >= 0 && ek < E;
+    bool castable = true;  // slots past the half's groups do not hold a chunk back (the send's short last chunk)
+    if (slot) {
+      const uint32_t mw = __ldcg(reinterpret_cast<const unsigned int*>(recv + ((static_cast<uint64_t>(ek) * T + tok) * S + base + g) * 4));
+      const logfmt::Group p = logfmt::group_of_meta(mw);
+      s_lamin[k][g] = p.log_amin;
+      s_step[k][g] = logfmt::group_step(p);
+      castable = p.castable;
+    }
+    const unsigned int votes = __ballot_sync(0xffffffffu, castable), run = (1u << per_chunk) - 1u;
+    const int first = tid % 32 / per_chunk * per_chunk;  // the chunk's first lane
+    if (slot) s_cast[k][g] = (votes >> first & run) == run;
+  }
+  __syncthreads();
+  if (unit) {
+    const int shift = 5 * m & 3;
+    // Selection k's words as its chunk holds them (after the barrier: cast or raw is known).
+    const auto load = [&](int k, uint32_t (&w)[2]) {
+      const int64_t e = k < K ? s_e[k] : -1;
+      if (e < 0 || e >= E) return;
+      const char* row = row_of(e);
+      if (s_cast[k][gl]) {
+        const unsigned int* p = reinterpret_cast<const unsigned int*>(row + (base + gl) * 256 + (5 * m & ~3));
+        w[0] = __ldcg(p);
+        w[1] = __ldcg(p + 1);
+      } else {
+        const uint2 v = __ldcg(reinterpret_cast<const uint2*>(row) + j);
+        w[0] = v.x;
+        w[1] = v.y;
+      }
+    };
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const auto add = [&](int k, const uint32_t (&c)[2], const uint32_t (&r)[2]) {  // in order k = 0, 1, ...
+      const int64_t e = k < K ? s_e[k] : -1;
+      if (e < 0 || e >= E) return;
+      if (s_cast[k][gl]) {
+        logfmt::accumulate_cast4(acc, c, shift, s_step[k][gl], s_lamin[k][gl], s_w[k]);
+      } else {
+        logfmt::accumulate_raw4(acc, r, s_w[k]);
+      }
+    };
+    // Selections kLogfmtPre.. in batches of kLogfmtPre, each batch's loads in flight while the one
+    // before it decodes (the first batch's words arrived with the meta).
+    for (int k0 = 0; k0 < K; k0 += kLogfmtPre) {
+      uint32_t nw[kLogfmtPre][2];
+#pragma unroll
+      for (int u = 0; u < kLogfmtPre; ++u) load(k0 + kLogfmtPre + u, nw[u]);
+#pragma unroll
+      for (int u = 0; u < kLogfmtPre; ++u) add(k0 + u, cw[u], rw[u]);
+#pragma unroll
+      for (int u = 0; u < kLogfmtPre; ++u) {
+        cw[u][0] = rw[u][0] = nw[u][0];
+        cw[u][1] = rw[u][1] = nw[u][1];
+      }
+    }
     const uint2 o{bf16_bits(acc[0]) | static_cast<uint32_t>(bf16_bits(acc[1])) << 16,
                   bf16_bits(acc[2]) | static_cast<uint32_t>(bf16_bits(acc[3])) << 16};
     reinterpret_cast<uint2*>(a.out + static_cast<int64_t>(tok) * H)[j] = o;
   }
+  __syncthreads();  // the parameters are rewritten by the next item (and s_e / s_w by the next token)
 }
 
-// The narrow form's pass (16 groups), out of line as before the template (its registers stay
-// apart from the wide form's in the kLfRecv instantiation).
-__device__ __noinline__ void recv_logfmt_narrow(const Args& a, int tok, const float* s_w, int base, int wg,
-                                                const float (*s_step)[kLogfmtWindow], const float (*s_lamin)[kLogfmtWindow],
-                                                const unsigned char (*s_cast)[kLogfmtWindow], const char* const* s_row) {
-  recv_logfmt_units<4>(a, tok, s_w, base, wg, s_step, s_lamin, s_cast, s_row);
-}
-
-template <bool kNarrow>
-__device__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok, const int64_t* s_e, const float* s_w, int pass_lo,
-                                       int pass_hi, bool narrow) {
+__device__ __forceinline__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok, const int64_t* s_e, const float* s_w,
+                                                       int pass_lo, int pass_hi) {
   __shared__ float s_lamin[kMaxLlTopk][kLogfmtWindow], s_step[kMaxLlTopk][kLogfmtWindow];
   __shared__ unsigned char s_castable[kMaxLlTopk][kLogfmtWindow], s_cast[kMaxLlTopk][kLogfmtWindow];
   __shared__ const char* s_row[kMaxLlTopk];
   const int tid = threadIdx.x, K = a.num_topk, E = a.num_experts, T = a.num_max_tokens, H = a.hidden, S = H / 128;
   const int per_chunk = logfmt::chunk_channels(H) / 128;  // divides 16: windows and passes start at chunk starts
-  const int pg = narrow ? kLogfmtHalf : kLogfmtPass;  // groups per pass
-  const int g_lo = pass_lo * pg, g_hi = min(S, pass_hi * pg);
+  const int g_lo = pass_lo * kLogfmtPass, g_hi = min(S, pass_hi * kLogfmtPass);
   const uint64_t pay = static_cast<uint64_t>(E) * T * S * 4;  // the meta words precede the payload rows
   if (tid < K) {  // read after the window's first barrier
     const int64_t e = s_e[tid];
@@ -164,13 +231,7 @@ __device__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok,
       s_cast[k][g] = all;
     });
     __syncthreads();
-    for (int base = wb; base < wb + ng; base += pg) {
-      if (kNarrow && narrow) {
-        recv_logfmt_narrow(a, tok, s_w, base, base - wb, s_step, s_lamin, s_cast, s_row);
-      } else {
-        recv_logfmt_units<8>(a, tok, s_w, base, base - wb, s_step, s_lamin, s_cast, s_row);
-      }
-    }
+    for (int base = wb; base < wb + ng; base += kLogfmtPass) recv_logfmt_units(a, tok, s_w, base, base - wb, s_step, s_lamin, s_cast, s_row);
     __syncthreads();  // the parameters are rewritten by the next window (and s_e / s_w / s_row by the next token)
   }
 }
@@ -181,7 +242,7 @@ __device__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok,
 // cost the hook step's receive 0.16 µs, session 44).
 __device__ __noinline__ void recv_logfmt_out_of_line(const Args& a, const char* recv, int tok, const int64_t* s_e, const float* s_w,
                                                      int pass_lo, int pass_hi) {
-  ll_combine_recv_logfmt<false>(a, recv, tok, s_e, s_w, pass_lo, pass_hi, false);
+  ll_combine_recv_logfmt(a, recv, tok, s_e, s_w, pass_lo, pass_hi);
 }
 
 // Every block waits for all E words (partial: the R words d*E_l) of call `seq` on `half`, then
@@ -341,7 +402,11 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
     if (logfmt) {
       const int np = narrow ? halves : passes, lo = (item % P) * np / P, hi = (item % P + 1) * np / P;
       if constexpr (kNarrow) {
-        ll_combine_recv_logfmt<true>(a, recv, tok, s_e, s_w, lo, hi, narrow);
+        if (narrow) {
+          recv_logfmt_half(a, recv, tok, s_e, s_w, lo);  // lo = item % P: one half pass (P = np = halves)
+        } else {
+          ll_combine_recv_logfmt(a, recv, tok, s_e, s_w, lo, hi);
+        }
       } else {
         recv_logfmt_out_of_line(a, recv, tok, s_e, s_w, lo, hi);
       }

@@ -24,8 +24,8 @@ namespace {
 // in order (crate: logfmt::decode_accumulate), one bf16 rounding, kLogfmtBatch selections' loads
 // in flight before their decodes (one load per selection used at once made K serial latencies).
 // Three barriers per window, not per pass (bench/NOTES.md session 44). The narrow form
-// (recv_logfmt_half: kNarrow instantiations only, the LogFMT receive instantiation of combine,
-// kLfRecv) halves each thread's chain of decodes (K x 4 exp2 instead of K x 8) where the grid has a
+// (recv_logfmt_half: the kLfHalf instantiation of combine only, a LogFMT receive instantiation)
+// halves each thread's chain of decodes (K x 4 exp2 instead of K x 8) where the grid has a
 // block for every half pass (few tokens: the cast receive is latency-bound there, bench/NOTES.md
 // session 40). s_e / s_w: the token's experts and weights.
 static_assert(kReduceThreads == kMaxLlTopk * 32, "one thread per (selection, group) of a LogFMT pass");
@@ -39,6 +39,15 @@ constexpr int kLogfmtBatch = 4;
 __host__ __device__ __forceinline__ int logfmt_pass_count(int hidden, int pass_groups) {
   return (hidden / 128 + pass_groups - 1) / pass_groups;
 }
+// Whether a LogFMT receive of `n` tokens on `blocks` blocks takes the narrow form (a block per half
+// pass of every token; recv_logfmt_half): the host's choice of the kLfHalf instantiation and the
+// kernel's of the form, one rule.
+__host__ __device__ __forceinline__ bool logfmt_narrow(int64_t n, int64_t blocks, int hidden) {
+  const int passes = logfmt_pass_count(hidden, kLogfmtPass), halves = logfmt_pass_count(hidden, kLogfmtHalf);
+  return n > 0 && blocks / n >= halves && halves > passes;
+}
+// The LogFMT reduction a receive instantiation holds inline (combine_recv_tokens' kLf).
+constexpr int kLfGeneric = 0, kLfWide = 1, kLfHalf = 2;
 
 // One pass's reduction (the wide form): thread j reduces channels 8j..8j+7 (group base + tid / 16,
 // `wg` = base - the window's first group) with the window's parameters in shared memory
@@ -92,8 +101,7 @@ __device__ __forceinline__ void recv_logfmt_units(const Args& a, int tok, const 
   reinterpret_cast<int4*>(a.out + static_cast<int64_t>(tok) * H)[j] = pack_bf16x8(acc);
 }
 
-// The narrow form (kNarrow instantiations only: the LogFMT receive instantiation of combine,
-// kLfRecv): half pass `half` (kLogfmtHalf groups, 2048 channels) of token `tok`, thread j of the
+// The narrow form (combine's kLfHalf instantiation only, launched where logfmt_narrow holds): half pass `half` (kLogfmtHalf groups, 2048 channels) of token `tok`, thread j of the
 // block reducing channels 4j..4j+3 of the half (group half * kLogfmtHalf + j / 32). Every load is
 // issued before the block's one barrier: the unit's payload words of the first kLogfmtPre
 // selections, both the cast words and the raw ones (which of the two a group holds is known only
@@ -260,7 +268,7 @@ __device__ __noinline__ void recv_logfmt_out_of_line(const Args& a, const char* 
 // made (check_routing); a one-launch kernel's reads the dispatch's words (check_routing_direct).
 // Before the wait, warp 0 loads the block's first token's ids and weights (the caller's tensors),
 // and the format words are checked after the rows: neither is a latency between wait and rows.
-template <class Net, int kRowBatch = 4, bool kOwn = false, bool kState = false, bool kNarrow = false>
+template <class Net, int kRowBatch = 4, bool kOwn = false, bool kState = false, int kLf = kLfGeneric>
 __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a, int half, uint32_t seq, bool partial, bool logfmt) {
   __shared__ int s_ok, s_npart, s_state[3];
   __shared__ int s_live[kMaxLlRanks];  // ranks whose words arrived (their format words are checked)
@@ -303,9 +311,9 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
   char* me = local(c);
   const int U = H / 8, N = a.num_tokens, blocks = static_cast<int>(gridDim.x);
   // A token over P blocks: slices of U / P units, LogFMT: of its passes (kLogfmtPass groups each),
-  // kNarrow: a block per half pass of every token when the grid has them (ll_combine_recv_logfmt).
+  // kLfHalf: a block per half pass of every token when the grid has them (logfmt_narrow).
   const int passes = logfmt_pass_count(H, kLogfmtPass), halves = logfmt_pass_count(H, kLogfmtHalf);
-  const bool narrow = kNarrow && logfmt && N > 0 && blocks / N >= halves && halves > passes;
+  const bool narrow = kLf == kLfHalf && logfmt && logfmt_narrow(N, blocks, H);
   const int P = N < 1 ? 1 : narrow ? halves : max(1, min(blocks / N, logfmt ? passes : static_cast<int>((U + blockDim.x - 1) / blockDim.x)));
   int64_t e0 = -1;  // warp 0: the first item's selection tid (its loads in flight across the wait)
   float w0 = 0.0f;
@@ -401,12 +409,10 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
     }
     if (logfmt) {
       const int np = narrow ? halves : passes, lo = (item % P) * np / P, hi = (item % P + 1) * np / P;
-      if constexpr (kNarrow) {
-        if (narrow) {
-          recv_logfmt_half(a, recv, tok, s_e, s_w, lo);  // lo = item % P: one half pass (P = np = halves)
-        } else {
-          ll_combine_recv_logfmt(a, recv, tok, s_e, s_w, lo, hi);
-        }
+      if (kLf == kLfHalf && narrow) {
+        recv_logfmt_half(a, recv, tok, s_e, s_w, lo);  // lo = item % P: one half pass (P = np = halves)
+      } else if constexpr (kLf != kLfGeneric) {
+        ll_combine_recv_logfmt(a, recv, tok, s_e, s_w, lo, hi);  // inline: a call here made the kernel spill around its waits
       } else {
         recv_logfmt_out_of_line(a, recv, tok, s_e, s_w, lo, hi);
       }
@@ -449,10 +455,11 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
 }
 
 // The receive launch: the call's half, number and format from recv_state (written by the send).
-// kNarrow: the LogFMT receive instantiation's (combine, kLfRecv), which may take the narrow form.
-template <class Net, bool kNarrow = false>
+// kLf: which LogFMT reduction the instantiation holds inline (kLfWide: the wide form, combine's
+// kLfRecv; kLfHalf: both forms, its kLfRecvHalf; kLfGeneric: none, the wide form out of line).
+template <class Net, int kLf = kLfGeneric>
 __device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
-  combine_recv_tokens<Net, 8, false, true, kNarrow>(c, a, 0, 0, false, false);
+  combine_recv_tokens<Net, 8, false, true, kLf>(c, a, 0, 0, false, false);
 }
 
 }  // namespace

@@ -391,10 +391,12 @@ __device__ __forceinline__ bool combine_send_partial(const Ctx& c, const Args& a
 // own rows are reduced from where they are, not copied (combine_send_rows, combine_recv_tokens). kPartial
 // (with kBoth): partial sums only, kBoth alone rows only, each without the other's code (NOTES s34).
 // kLfRecv: the receive launch of a combine whose send the host recorded as LogFMT
-// (dek_ll_combine_recv), an instantiation of its own with the receive's narrow form, so that the
-// BF16 receive keeps none of its code (in the shared kernel it spilled 48 bytes and cost the hook
-// step 0.3-0.5 µs, session 40). It reads the format from recv_state like every receive: a wrong
-// hint costs time, never results. Under the op's one kernel name (docs/OPS.md's kernel table:
+// (dek_ll_combine_recv), an instantiation of its own with the receive's wide form inline, so that
+// the BF16 receive keeps none of its code (in the shared kernel it spilled 48 bytes and cost the
+// hook step 0.3-0.5 µs, session 40); kLfRecvHalf: the same where the narrow form runs
+// (logfmt_narrow: few tokens), apart from kLfRecv so that neither form moves the other's
+// registers (together, the wide form's cast receive at 128 tokens was 1.1 µs slower, session 45).
+// Both read the format from recv_state like every receive: a wrong hint costs time, never results. Under the op's one kernel name (docs/OPS.md's kernel table:
 // profiler lookups by name, as DeepEP's benchmark makes, see one `combine`).
 // kLfSend: the send launch of a LogFMT combine without overlap waits or seam (dek_ll_combine_send),
 // an instantiation of its own with no BF16, partial or receive code (no stack; the shared LsaNet
@@ -402,12 +404,12 @@ __device__ __forceinline__ bool combine_send_partial(const Ctx& c, const Args& a
 // with kSpread its spread form (logfmt_spread), without its per-item form: two instantiations, as
 // one kernel holding both moved the spread form's time with the other's code (session 43).
 template <class Net, bool kSig, bool kBoth = false, bool kSpread = false, bool kLocal = false, bool kOwn = false, bool kPartial = false,
-          bool kLfRecv = false, bool kLfSend = false>
+          bool kLfRecv = false, bool kLfSend = false, bool kLfRecvHalf = false>
 __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kLfSend ? kLogfmtSendThreads : kReduceThreads,
                                   kBoth ? kBothBlocksPerSm : kLfSend ? kLogfmtSpreadBlocksPerSm : 1)
     combine(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
-  if (!kBoth && !kLfSend && (kLfRecv || phase == DEK_LL_PHASE_RECV)) {
-    if constexpr (!kSig) combine_recv<Net, kLfRecv>(c, a);
+  if (!kBoth && !kLfSend && (kLfRecv || kLfRecvHalf || phase == DEK_LL_PHASE_RECV)) {
+    if constexpr (!kSig) combine_recv<Net, kLfRecv ? kLfWide : kLfRecvHalf ? kLfHalf : kLfGeneric>(c, a);
     return;
   }
   LogfmtSendShared* lf = nullptr;  // the LogFMT send's area, in the kernels that may send LogFMT
@@ -545,8 +547,10 @@ extern "C" int dek_ll_combine_recv(const dek_ic_ctx_t* ctx, const dek_ll_args_t*
   const int64_t p = lf ? std::max<int64_t>(units, logfmt_pass_count(static_cast<int>(args->hidden), kLogfmtHalf)) : units;
   const int blocks = n < 1 ? 1 : static_cast<int>(std::min<int64_t>(n * p + 1, std::max(args->num_blocks, 1)));
   if (lf) {
-    combine<NvlNet, false, false, false, false, false, false, true><<<blocks, kReduceThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args,
-                                                                                                         DEK_LL_PHASE_RECV);
+    const auto kernel = logfmt_narrow(n, blocks, static_cast<int>(args->hidden))
+                            ? combine<NvlNet, false, false, false, false, false, false, false, false, true>
+                            : combine<NvlNet, false, false, false, false, false, false, true>;
+    kernel<<<blocks, kReduceThreads, 0, deep_ep::as_stream(stream)>>>(*ctx, *args, DEK_LL_PHASE_RECV);
   } else {
     launch_combine(ctx, args, blocks, kReduceThreads, DEK_LL_PHASE_RECV, stream);
   }

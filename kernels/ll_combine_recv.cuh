@@ -24,7 +24,7 @@ namespace {
 // in order (crate: logfmt::decode_accumulate), one bf16 rounding, kLogfmtBatch selections' loads
 // in flight before their decodes (one load per selection used at once made K serial latencies).
 // Three barriers per window, not per pass (bench/NOTES.md session 44). The narrow form
-// (recv_logfmt_half: the kLfHalf instantiation of combine only, a LogFMT receive instantiation)
+// (recv_logfmt_half: only in combine's kLfRecvHalf instantiation, a LogFMT receive instantiation)
 // halves each thread's chain of decodes (K x 4 exp2 instead of K x 8) where the grid has a
 // block for every half pass (few tokens: the cast receive is latency-bound there, bench/NOTES.md
 // session 40). s_e / s_w: the token's experts and weights.
@@ -40,8 +40,8 @@ __host__ __device__ __forceinline__ int logfmt_pass_count(int hidden, int pass_g
   return (hidden / 128 + pass_groups - 1) / pass_groups;
 }
 // Whether a LogFMT receive of `n` tokens on `blocks` blocks takes the narrow form (a block per half
-// pass of every token; recv_logfmt_half): the host's choice of the kLfHalf instantiation and the
-// kernel's of the form, one rule.
+// pass of every token; recv_logfmt_half): the host's choice of the kLfRecvHalf instantiation and
+// the kernel's of the form, one rule.
 __host__ __device__ __forceinline__ bool logfmt_narrow(int64_t n, int64_t blocks, int hidden) {
   const int passes = logfmt_pass_count(hidden, kLogfmtPass), halves = logfmt_pass_count(hidden, kLogfmtHalf);
   return n > 0 && blocks / n >= halves && halves > passes;
@@ -101,7 +101,8 @@ __device__ __forceinline__ void recv_logfmt_units(const Args& a, int tok, const 
   reinterpret_cast<int4*>(a.out + static_cast<int64_t>(tok) * H)[j] = pack_bf16x8(acc);
 }
 
-// The narrow form (combine's kLfHalf instantiation only, launched where logfmt_narrow holds): half pass `half` (kLogfmtHalf groups, 2048 channels) of token `tok`, thread j of the
+// The narrow form (only in combine's kLfRecvHalf instantiation, launched where logfmt_narrow
+// holds): half pass `half` (kLogfmtHalf groups, 2048 channels) of token `tok`, thread j of the
 // block reducing channels 4j..4j+3 of the half (group half * kLogfmtHalf + j / 32). Every load is
 // issued before the block's one barrier: the unit's payload words of the first kLogfmtPre
 // selections, both the cast words and the raw ones (which of the two a group holds is known only
@@ -109,7 +110,8 @@ __device__ __forceinline__ void recv_logfmt_units(const Args& a, int tok, const 
 // then precedes the decodes where the window form has three (the meta, then two batches of
 // selections). A chunk's cast decision is a vote of the lanes holding its groups' slots (slot
 // (k, g) on thread k * kLogfmtHalf + g: a chunk's groups on consecutive lanes of one warp), not a
-// second pass and barrier. Out of line: its registers stay apart from the wide form's.
+// second pass and barrier. kLogfmtPre: 8 held 32 registers of words across the barrier and ptxas
+// spilled each right after its load (session 45).
 constexpr int kLogfmtPre = 4;
 static_assert(kMaxLlTopk * kLogfmtHalf <= kReduceThreads, "one thread per (selection, group) slot of a half pass");
 __device__ __forceinline__ void recv_logfmt_half(const Args& a, const char* recv, int tok, const int64_t* s_e, const float* s_w, int half) {
@@ -239,7 +241,9 @@ __device__ __forceinline__ void ll_combine_recv_logfmt(const Args& a, const char
       s_cast[k][g] = all;
     });
     __syncthreads();
-    for (int base = wb; base < wb + ng; base += kLogfmtPass) recv_logfmt_units(a, tok, s_w, base, base - wb, s_step, s_lamin, s_cast, s_row);
+    for (int base = wb; base < wb + ng; base += kLogfmtPass) {
+      recv_logfmt_units(a, tok, s_w, base, base - wb, s_step, s_lamin, s_cast, s_row);
+    }
     __syncthreads();  // the parameters are rewritten by the next window (and s_e / s_w / s_row by the next token)
   }
 }

@@ -396,8 +396,9 @@ __device__ __forceinline__ bool combine_send_partial(const Ctx& c, const Args& a
 // hook step 0.3-0.5 µs, session 40); kLfRecvHalf: the same where the narrow form runs
 // (logfmt_narrow: few tokens), apart from kLfRecv so that neither form moves the other's
 // registers (together, the wide form's cast receive at 128 tokens was 1.1 µs slower, session 45).
-// Both read the format from recv_state like every receive: a wrong hint costs time, never results. Under the op's one kernel name (docs/OPS.md's kernel table:
-// profiler lookups by name, as DeepEP's benchmark makes, see one `combine`).
+// Both read the format from recv_state like every receive: a wrong hint costs time, never
+// results. Under the op's one kernel name (docs/OPS.md's kernel table: profiler lookups by name,
+// as DeepEP's benchmark makes, see one `combine`).
 // kLfSend: the send launch of a LogFMT combine without overlap waits or seam (dek_ll_combine_send),
 // an instantiation of its own with no BF16, partial or receive code (no stack; the shared LsaNet
 // kernel spills), at 2 blocks of 256 threads per SM (cast -1.5 to -5 µs with enc1, session 42);

@@ -48,6 +48,15 @@ __host__ __device__ __forceinline__ bool logfmt_narrow(int64_t n, int64_t blocks
 }
 // The LogFMT reduction a receive instantiation holds inline (combine_recv_tokens' kLf).
 constexpr int kLfGeneric = 0, kLfWide = 1, kLfHalf = 2;
+// In a LogFMT receive half `recv` (the layout of logfmt.cuh: meta words [E][T][S] u32, then the
+// payload rows [E][T] of 2H bytes from byte `pay` = E*T*S*4): the payload row of (expert e, token
+// tok), and its meta word of group g0 + g. Both receive forms read through these.
+__device__ __forceinline__ const char* logfmt_recv_row(const char* recv, uint64_t pay, int T, int H, int64_t e, int tok) {
+  return recv + pay + (static_cast<uint64_t>(e) * T + tok) * 2 * H;
+}
+__device__ __forceinline__ uint32_t logfmt_recv_meta(const char* recv, int T, int S, int64_t e, int tok, int g0, int g) {
+  return __ldcg(reinterpret_cast<const unsigned int*>(recv + ((static_cast<uint64_t>(e) * T + tok) * S + g0 + g) * 4));
+}
 
 // One pass's reduction (the wide form): thread j reduces channels 8j..8j+7 (group base + tid / 16,
 // `wg` = base - the window's first group) with the window's parameters in shared memory
@@ -123,19 +132,26 @@ __device__ __forceinline__ void recv_logfmt_half(const Args& a, const char* recv
   const uint64_t pay = static_cast<uint64_t>(E) * T * S * 4;  // the meta words precede the payload rows
   const int gl = tid / 32, m = tid % 32, j = base * 32 + tid;  // unit j: group base + gl, its m-th 4 channels
   const bool unit = gl < ng;
-  const auto row_of = [&](int64_t e) { return recv + pay + (static_cast<uint64_t>(e) * T + tok) * 2 * H; };
+  const auto row_of = [&](int64_t e) { return logfmt_recv_row(recv, pay, T, H, e, tok); };
+  // The unit's words of a row: the cast form's two code words, the raw form's four bf16.
+  const auto load_cast = [&](const char* row, uint32_t (&w)[2]) {
+    const unsigned int* p = reinterpret_cast<const unsigned int*>(row + (base + gl) * 256 + (5 * m & ~3));
+    w[0] = __ldcg(p);
+    w[1] = __ldcg(p + 1);
+  };
+  const auto load_raw = [&](const char* row, uint32_t (&w)[2]) {
+    const uint2 v = __ldcg(reinterpret_cast<const uint2*>(row) + j);
+    w[0] = v.x;
+    w[1] = v.y;
+  };
   uint32_t cw[kLogfmtPre][2], rw[kLogfmtPre][2];
 #pragma unroll
   for (int k = 0; k < kLogfmtPre; ++k) {
     const int64_t e = k < K ? s_e[k] : -1;
     if (unit && e >= 0 && e < E) {
       const char* row = row_of(e);
-      const unsigned int* w = reinterpret_cast<const unsigned int*>(row + (base + gl) * 256 + (5 * m & ~3));
-      cw[k][0] = __ldcg(w);
-      cw[k][1] = __ldcg(w + 1);
-      const uint2 v = __ldcg(reinterpret_cast<const uint2*>(row) + j);
-      rw[k][0] = v.x;
-      rw[k][1] = v.y;
+      load_cast(row, cw[k]);
+      load_raw(row, rw[k]);
     }
   }
   {
@@ -144,8 +160,7 @@ __device__ __forceinline__ void recv_logfmt_half(const Args& a, const char* recv
     const bool slot = k < K && g < ng && ek >= 0 && ek < E;
     bool castable = true;  // slots past the half's groups do not hold a chunk back (the send's short last chunk)
     if (slot) {
-      const uint32_t mw = __ldcg(reinterpret_cast<const unsigned int*>(recv + ((static_cast<uint64_t>(ek) * T + tok) * S + base + g) * 4));
-      const logfmt::Group p = logfmt::group_of_meta(mw);
+      const logfmt::Group p = logfmt::group_of_meta(logfmt_recv_meta(recv, T, S, ek, tok, base, g));
       s_lamin[k][g] = p.log_amin;
       s_step[k][g] = logfmt::group_step(p);
       castable = p.castable;
@@ -163,13 +178,9 @@ __device__ __forceinline__ void recv_logfmt_half(const Args& a, const char* recv
       if (e < 0 || e >= E) return;
       const char* row = row_of(e);
       if (s_cast[k][gl]) {
-        const unsigned int* p = reinterpret_cast<const unsigned int*>(row + (base + gl) * 256 + (5 * m & ~3));
-        w[0] = __ldcg(p);
-        w[1] = __ldcg(p + 1);
+        load_cast(row, w);
       } else {
-        const uint2 v = __ldcg(reinterpret_cast<const uint2*>(row) + j);
-        w[0] = v.x;
-        w[1] = v.y;
+        load_raw(row, w);
       }
     };
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -214,7 +225,7 @@ __device__ __forceinline__ void ll_combine_recv_logfmt(const Args& a, const char
   const uint64_t pay = static_cast<uint64_t>(E) * T * S * 4;  // the meta words precede the payload rows
   if (tid < K) {  // read after the window's first barrier
     const int64_t e = s_e[tid];
-    s_row[tid] = e < 0 || e >= E ? nullptr : recv + pay + (static_cast<uint64_t>(e) * T + tok) * 2 * H;
+    s_row[tid] = e < 0 || e >= E ? nullptr : logfmt_recv_row(recv, pay, T, H, e, tok);
   }
   for (int wb = g_lo; wb < g_hi; wb += kLogfmtWindow) {
     const int ng = min(kLogfmtWindow, g_hi - wb);
@@ -227,8 +238,7 @@ __device__ __forceinline__ void ll_combine_recv_logfmt(const Args& a, const char
       }
     };
     each_slot([&](int k, int g, int64_t ek) {  // its parameters: one meta load per slot
-      const uint32_t m = __ldcg(reinterpret_cast<const unsigned int*>(recv + ((static_cast<uint64_t>(ek) * T + tok) * S + wb + g) * 4));
-      const logfmt::Group p = logfmt::group_of_meta(m);
+      const logfmt::Group p = logfmt::group_of_meta(logfmt_recv_meta(recv, T, S, ek, tok, wb, g));
       s_lamin[k][g] = p.log_amin;
       s_step[k][g] = logfmt::group_step(p);
       s_castable[k][g] = p.castable;

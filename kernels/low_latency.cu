@@ -87,14 +87,18 @@ __device__ __forceinline__ LogfmtRow logfmt_row_at(const Args& a, uint64_t ge, i
 // the chunk's payload and meta words to the offsets of s that the NVLink stores would reach. The
 // payload put covers whole 256-byte groups: bytes 160.. of a cast group are not part of the layout.
 // Returns false when a signal wait (Args::signal) failed: the rest is not sent.
-template <class Net, bool kSig, bool kFull = false>
+// kWide (the one-launch LogFMT combine's 512-thread blocks): its first kLogfmtSendWarps warps send
+// (the pack area's), the rest wait at the item's barriers.
+template <class Net, bool kSig, bool kFull = false, bool kWide = false>
 __device__ bool ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l, int64_t b, int64_t cnt, int warp, int lane,
                                        LogfmtSendShared& sh) {
   // Every thread of the block is here (the LogFMT flag and the item are the block's): one table.
   logfmt_fill_table(sh);
   const int R = c.num_ranks, El = a.num_experts / R, T = a.num_max_tokens, H = a.hidden, S = H / 128;
   const int64_t RT = static_cast<int64_t>(R) * T;
-  const int chunk = logfmt::chunk_channels(H), nch = (H + chunk - 1) / chunk, nw = static_cast<int>(blockDim.x / 32);
+  const int chunk = logfmt::chunk_channels(H), nch = (H + chunk - 1) / chunk;
+  const int nw = kWide ? kLogfmtSendWarps : static_cast<int>(blockDim.x / 32);
+  if (kWide && warp >= nw) return true;
   const LogfmtRow first = logfmt_row_at(a, static_cast<uint64_t>(c.rank) * El + l, 0);  // the expert's token 0: a row per token from there
   const bool far = remote<Net>(c, a, s);
   char* const dst = window(c, far ? c.rank : s);
@@ -168,7 +172,7 @@ __device__ __forceinline__ bool combine_send_rows(const Ctx& c, const Args& a, i
   const uint64_t dst_base = recv_off(a, a.half) + static_cast<uint64_t>(c.rank * El + l) * T * (2 * static_cast<uint64_t>(H));
   bool ok = true;
   if constexpr (kLf) {
-    ok = ll_combine_send_logfmt<Net, kSig, true>(c, a, s, l, b, cnt, warp, lane, *lf);
+    ok = ll_combine_send_logfmt<Net, kSig, true, kWide>(c, a, s, l, b, cnt, warp, lane, *lf);
     cnt = 0;
   } else if constexpr (!kNvlOnly<Net>) {  // NvlNet launchers refuse LogFMT (one_launch_combine_ok, launch_combine)
     if (a.flags & DEK_LL_FLAG_LOGFMT) {
@@ -235,6 +239,9 @@ __device__ __forceinline__ bool combine_send(const Ctx& c, const Args& a, uint32
     for (int w = lin; w < El * c.num_ranks; w += gridDim.x * gridDim.y) {
       if (!combine_send_rows<Net, true>(c, a, w % El, w / El, s_seq, lf)) break;
     }
+  } else if constexpr (kLf && kWide) {
+    // The one-launch LogFMT combine: a resident grid of one block per SM takes the items in turn.
+    for (int w = lin; w < El * c.num_ranks; w += gridDim.x * gridDim.y) combine_send_rows<Net, false, false, true, true>(c, a, w % El, w / El, s_seq, lf);
   } else if (!kNvlOnly<Net> && !kOwn && !kWide && (kLf ? kLfSpread : logfmt_spread(a))) {
     combine_send_logfmt_spread<Net>(c, a, s_seq, *lf);  // a 1-D grid (the launcher's, as it chose this form)
   } else {
@@ -406,8 +413,8 @@ __device__ __forceinline__ bool combine_send_partial(const Ctx& c, const Args& a
 // one kernel holding both moved the spread form's time with the other's code (session 43).
 template <class Net, bool kSig, bool kBoth = false, bool kSpread = false, bool kLocal = false, bool kOwn = false, bool kPartial = false,
           bool kLfRecv = false, bool kLfSend = false, bool kLfRecvHalf = false>
-__global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kLfSend ? kLogfmtSendThreads : kReduceThreads,
-                                  kBoth ? kBothBlocksPerSm : kLfSend ? kLogfmtSpreadBlocksPerSm : 1)
+__global__ void __launch_bounds__(kBoth && !kLfRecvHalf ? kLlThreads : kSig ? kLlThreads : kLfSend ? kLogfmtSendThreads : kReduceThreads,
+                                  kBoth && !kLfRecvHalf ? kBothBlocksPerSm : kLfSend ? kLogfmtSpreadBlocksPerSm : 1)
     combine(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
   if (!kBoth && !kLfSend && (kLfRecv || kLfRecvHalf || phase == DEK_LL_PHASE_RECV)) {
     if constexpr (!kSig) combine_recv<Net, kLfRecv ? kLfWide : kLfRecvHalf ? kLfHalf : kLfGeneric>(c, a);
@@ -430,6 +437,14 @@ __global__ void __launch_bounds__(kBoth ? kLlThreads : kSig ? kLlThreads : kLfSe
     // With peers never: the next kernel's early blocks slowed the 128-token receive by 0.35-0.6 µs
     // (2 ranks, bench/NOTES.md session 29).
     if (kLocal && gridDim.x < kBothBlocksPerSm * static_cast<unsigned>(c.num_sms)) pdl_trigger();
+  }
+  if constexpr (kBoth && kLfRecvHalf) {
+    // The one-launch LogFMT combine (kLfBoth): the per-item LogFMT send, then the LogFMT receive with
+    // both forms inline (the half form where logfmt_narrow holds on this grid).
+    if (combine_send<Net, false, false, false, true, true>(c, a, &seq, lf)) {
+      combine_recv_tokens<Net, 8, false, false, kLfHalf>(c, a, a.half, seq, false, true);
+    }
+    return;
   }
   if constexpr (kLocal) {
     combine_local<Net>(c, a);
@@ -559,12 +574,19 @@ extern "C" int dek_ll_combine_recv(const dek_ic_ctx_t* ctx, const dek_ll_args_t*
 }
 
 namespace {
-// The arguments of a one-launch combine (dek_ll_combine, dek_ll_combine_local): BF16 rows or partial
-// sums, no LogFMT, overlap signal or seam.
+// The arguments of a one-launch combine (dek_ll_combine, dek_ll_combine_local): no overlap signal
+// or seam (LogFMT: dek_ll_combine only, one_launch_logfmt_ok).
 bool one_launch_combine_ok(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args) {
   return ll_ok(ctx, args) && args->src_info != nullptr && args->layout_range != nullptr && (args->zero_copy || args->x != nullptr) &&
          (args->num_tokens <= 0 || (args->out != nullptr && args->topk_idx != nullptr && args->topk_weights != nullptr)) &&
-         (args->flags & DEK_LL_FLAG_LOGFMT) == 0 && args->signal == nullptr && args->net == nullptr;
+         args->signal == nullptr && args->net == nullptr;
+}
+// The one-launch LogFMT combine's (dek_ll_combine with DEK_LL_FLAG_LOGFMT): rows from x, its
+// layout in the receive half (as dek_ll_combine_send checks), a grid of one block per SM.
+bool one_launch_logfmt_ok(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args) {
+  const uint64_t et = static_cast<uint64_t>(args->num_experts) * args->num_max_tokens, s = args->hidden / 128;
+  return !args->partial && !args->zero_copy && ctx->num_sms > 0 && et * (4 * s + 2 * static_cast<uint64_t>(args->hidden)) <= args->recv_bytes &&
+         et * s % 4 == 0;
 }
 // A one-launch grid of at least `blocks`, widened to kBothBlocksPerSm per SM (all resident).
 int resident_grid(const dek_ic_ctx_t* ctx, int blocks) {
@@ -574,6 +596,13 @@ int resident_grid(const dek_ic_ctx_t* ctx, int blocks) {
 
 extern "C" int dek_ll_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream) {
   if (!one_launch_combine_ok(ctx, args)) return static_cast<int>(cudaErrorInvalidValue);
+  if (args->flags & DEK_LL_FLAG_LOGFMT) {
+    // One block of kReduceThreads per SM, all resident (the kernel's bound: 128 registers), each
+    // sending items in turn, then receiving: no second launch, no recv_state.
+    if (!one_launch_logfmt_ok(ctx, args)) return static_cast<int>(cudaErrorInvalidValue);
+    return launch_pdl(combine<LsaNet, false, true, false, false, false, false, false, false, true>, ctx->num_sms, kReduceThreads,
+                      deep_ep::as_stream(stream), *ctx, *args, static_cast<int>(DEK_LL_PHASE_BOTH));
+  }
   // The send grid as one dimension: E blocks (per-expert rows), or num_blocks (partial sums).
   const int blocks = args->partial ? (args->num_blocks > ctx->num_ranks ? args->num_blocks : ctx->num_ranks) : args->num_experts;
   // One rank only: with a peer it was bit-exact but 1.2-1.4 µs slower at 128 tokens than the
@@ -600,7 +629,7 @@ extern "C" int dek_ll_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args
 }
 
 extern "C" int dek_ll_combine_local(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream) {
-  if (!one_launch_combine_ok(ctx, args) || ctx->num_ranks != 1) return static_cast<int>(cudaErrorInvalidValue);
+  if (!one_launch_combine_ok(ctx, args) || (args->flags & DEK_LL_FLAG_LOGFMT) || ctx->num_ranks != 1) return static_cast<int>(cudaErrorInvalidValue);
   // A token's H/1024 slices on blocks of their own (8 rows' loads in flight per thread), at most
   // 3 blocks per SM (the one-launch instantiations' bound).
   const int64_t slices = static_cast<int64_t>(args->num_tokens) * ((args->hidden / 8 + kLlThreads - 1) / kLlThreads);

@@ -66,6 +66,10 @@ const FLAG_PARTIAL: i32 = 32;
 /// Combine `recv_state` flag: rows travel as LogFMT-10 (`DEK_LL_FLAG_LOGFMT`; the CPU
 /// backend's `FLAG_LOGFMT`).
 const FLAG_LOGFMT: i32 = 8;
+/// Below this many selections (N·K of the handle's dispatch) a LogFMT combine without overlap or
+/// seam runs as one launch (`dek_ll_combine`): the per-item send's range, below the spread send's
+/// `kLogfmtSpreadFrom` (kernels/low_latency.cuh).
+const LOGFMT_ONE_LAUNCH_BELOW: i64 = 256;
 /// Most experts of a dispatch send on this backend (`DEK_LL_MAX_EXPERTS`).
 const MAX_EXPERTS: usize = super::signals::LL_MAX_EXPERTS;
 
@@ -529,12 +533,16 @@ impl LowLatencyMode for PeerBackend {
     /// One launch (`DEEP_EP_LL_LAUNCH`) as the dispatch's, for BF16 rows or partial sums without
     /// overlap signals, where the send grid is resident at once beside nothing else of this GPU's:
     /// E blocks of 128 threads (rows: at most 3 per SM, what the kernel's 159 registers allow) or
-    /// the partial grid (2 per SM, at least one per rank).
+    /// the partial grid (2 per SM, at least one per rank); and for LogFMT rows below
+    /// [`LOGFMT_ONE_LAUNCH_BELOW`] selections (one block of 512 threads per SM).
     fn ll_combine(&mut self, g: &LlGeometry, s: &LlCombineSendArgs, r: &LlCombineRecvArgs, st: &LlStats, stream: Stream) -> Result<()> {
         let mut a = self.ll_combine_args(g, s, stream)?;
         let sms = self.window.ctx().num_sms.max(1) as usize;
         let resident = if a.partial != 0 { self.info.num_ranks <= a.num_blocks as usize } else { g.num_experts <= 3 * sms };
-        let one = resident && !s.use_logfmt && s.signal.is_none() && self.window.ranks_on_gpu() == 1 && self.seam.is_none();
+        let selections = i64::from(a.num_tokens) * i64::from(a.num_topk);
+        let logfmt_one = s.use_logfmt && !s.zero_copy && selections < LOGFMT_ONE_LAUNCH_BELOW;
+        let form = if s.use_logfmt { logfmt_one } else { resident };
+        let one = form && s.signal.is_none() && self.window.ranks_on_gpu() == 1 && self.seam.is_none();
         if !one || !crate::settings::ll_one_launch() {
             // Two launches from the send arguments already made (ll_combine_in_two would make them again).
             let state = crate::backend::ll_combine_state(self, s, r);
@@ -545,7 +553,7 @@ impl LowLatencyMode for PeerBackend {
         self.ll_begin_send(OP_COMBINE, &mut a, stream)?;
         // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
         unsafe {
-            if self.ll_local_form() {
+            if self.ll_local_form() && !s.use_logfmt {
                 k::combine_local(OP_COMBINE, self.window.ctx(), &a, stream)
             } else {
                 k::combine(OP_COMBINE, self.window.ctx(), &a, stream)

@@ -66,6 +66,16 @@ __device__ __forceinline__ void logfmt_fill_table(LogfmtSendShared& s) {
   for (int i = threadIdx.x; i < logfmt::kLog2Entries; i += blockDim.x) s.tq[i] = logfmt::log2_entry(i);
   __syncthreads();
 }
+// The barrier of one half block (kLogfmtSendThreads threads) of the one-launch LogFMT combine, whose
+// halves send different items: named barriers 1 and 2 (0 is __syncthreads').
+static_assert(kReduceThreads == 2 * kLogfmtSendThreads, "a one-launch LogFMT block is two send halves");
+__device__ __forceinline__ void lf_half_sync() {
+  if (threadIdx.x < kLogfmtSendThreads) {  // immediate ids: ptxas then reserves 3 barriers, not 16
+    asm volatile("bar.sync 1, %0;" ::"n"(kLogfmtSendThreads) : "memory");
+  } else {
+    asm volatile("bar.sync 2, %0;" ::"n"(kLogfmtSendThreads) : "memory");
+  }
+}
 
 // The byte offsets in this call's receive half (from the window's start) of the LogFMT row of
 // (global expert ge, source token tok): its S meta words and its payload (the layout of logfmt.cuh:
@@ -87,18 +97,17 @@ __device__ __forceinline__ LogfmtRow logfmt_row_at(const Args& a, uint64_t ge, i
 // the chunk's payload and meta words to the offsets of s that the NVLink stores would reach. The
 // payload put covers whole 256-byte groups: bytes 160.. of a cast group are not part of the layout.
 // Returns false when a signal wait (Args::signal) failed: the rest is not sent.
-// kWide (the one-launch LogFMT combine's 512-thread blocks): its first kLogfmtSendWarps warps send
-// (the pack area's), the rest wait at the item's barriers.
-template <class Net, bool kSig, bool kFull = false, bool kWide = false>
+// kHalf (the one-launch LogFMT combine's 512-thread blocks): the item is one half's (kLogfmtSendWarps
+// warps, the pack area's; warp counts within the half), its table filled before (combine_send).
+template <class Net, bool kSig, bool kFull = false, bool kHalf = false>
 __device__ bool ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l, int64_t b, int64_t cnt, int warp, int lane,
                                        LogfmtSendShared& sh) {
   // Every thread of the block is here (the LogFMT flag and the item are the block's): one table.
-  logfmt_fill_table(sh);
+  if constexpr (!kHalf) logfmt_fill_table(sh);
   const int R = c.num_ranks, El = a.num_experts / R, T = a.num_max_tokens, H = a.hidden, S = H / 128;
   const int64_t RT = static_cast<int64_t>(R) * T;
   const int chunk = logfmt::chunk_channels(H), nch = (H + chunk - 1) / chunk;
-  const int nw = kWide ? kLogfmtSendWarps : static_cast<int>(blockDim.x / 32);
-  if (kWide && warp >= nw) return true;
+  const int nw = kHalf ? kLogfmtSendWarps : static_cast<int>(blockDim.x / 32);
   const LogfmtRow first = logfmt_row_at(a, static_cast<uint64_t>(c.rank) * El + l, 0);  // the expert's token 0: a row per token from there
   const bool far = remote<Net>(c, a, s);
   char* const dst = window(c, far ? c.rank : s);
@@ -159,7 +168,9 @@ __device__ void combine_send_logfmt_spread(const Ctx& c, const Args& a, uint32_t
 // instantiation): LogFMT rows only, no BF16 code.
 template <class Net, bool kSig, bool kOwn = false, bool kWide = false, bool kLf = false>
 __device__ __forceinline__ bool combine_send_rows(const Ctx& c, const Args& a, int l, int s, uint32_t seq, LogfmtSendShared* lf) {
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  // kLf && kWide (the one-launch LogFMT combine): the item is a half block's (lf_half_sync).
+  constexpr bool kHalf = kLf && kWide;
+  const int tid = kHalf ? threadIdx.x % kLogfmtSendThreads : threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int R = c.num_ranks, El = a.num_experts / R, T = a.num_max_tokens, H = a.hidden;
   const int64_t RT = static_cast<int64_t>(R) * T, M = H + H / 128 * 2;
   const int64_t lr = a.layout_range[l * R + s];
@@ -172,7 +183,7 @@ __device__ __forceinline__ bool combine_send_rows(const Ctx& c, const Args& a, i
   const uint64_t dst_base = recv_off(a, a.half) + static_cast<uint64_t>(c.rank * El + l) * T * (2 * static_cast<uint64_t>(H));
   bool ok = true;
   if constexpr (kLf) {
-    ok = ll_combine_send_logfmt<Net, kSig, true, kWide>(c, a, s, l, b, cnt, warp, lane, *lf);
+    ok = ll_combine_send_logfmt<Net, kSig, true, kHalf>(c, a, s, l, b, cnt, warp, lane, *lf);
     cnt = 0;
   } else if constexpr (!kNvlOnly<Net>) {  // NvlNet launchers refuse LogFMT (one_launch_combine_ok, launch_combine)
     if (a.flags & DEK_LL_FLAG_LOGFMT) {
@@ -205,6 +216,8 @@ __device__ __forceinline__ bool combine_send_rows(const Ctx& c, const Args& a, i
   // A failed signal wait (any warp) leaves the item unsignalled: its receiver times out naming this rank.
   if constexpr (kSig) {
     ok = __syncthreads_and(ok);
+  } else if constexpr (kHalf) {
+    lf_half_sync();
   } else {
     __syncthreads();
   }
@@ -240,8 +253,16 @@ __device__ __forceinline__ bool combine_send(const Ctx& c, const Args& a, uint32
       if (!combine_send_rows<Net, true>(c, a, w % El, w / El, s_seq, lf)) break;
     }
   } else if constexpr (kLf && kWide) {
-    // The one-launch LogFMT combine: a resident grid of one block per SM takes the items in turn.
-    for (int w = lin; w < El * c.num_ranks; w += gridDim.x * gridDim.y) combine_send_rows<Net, false, false, true, true>(c, a, w % El, w / El, s_seq, lf);
+    // The one-launch LogFMT combine: a resident grid of one block per SM, each half block of
+    // kLogfmtSendWarps warps an item at a time with its own area lf[half] (2 x SMs items at once:
+    // with the block's one at a time, a block holding two rows' items doubled the send, session 46).
+    const int h = static_cast<int>(threadIdx.x) / kLogfmtSendThreads;
+    logfmt_fill_table(lf[0]);
+    for (int i = threadIdx.x; i < logfmt::kLog2Entries; i += blockDim.x) lf[1].tq[i] = lf[0].tq[i];
+    __syncthreads();
+    for (int w = 2 * lin + h; w < El * c.num_ranks; w += 2 * gridDim.x * gridDim.y)
+      combine_send_rows<Net, false, false, true, true>(c, a, w % El, w / El, s_seq, lf + h);
+    __syncthreads();  // both halves' items before the block counts itself done
   } else if (!kNvlOnly<Net> && !kOwn && !kWide && (kLf ? kLfSpread : logfmt_spread(a))) {
     combine_send_logfmt_spread<Net>(c, a, s_seq, *lf);  // a 1-D grid (the launcher's, as it chose this form)
   } else {
@@ -422,8 +443,8 @@ __global__ void __launch_bounds__(kBoth && !kLfRecvHalf ? kLlThreads : kSig ? kL
   }
   LogfmtSendShared* lf = nullptr;  // the LogFMT send's area, in the kernels that may send LogFMT
   if constexpr (!kNvlOnly<Net>) {
-    __shared__ LogfmtSendShared s_lf;
-    lf = &s_lf;
+    __shared__ LogfmtSendShared s_lf[kBoth && kLfRecvHalf ? 2 : 1];  // one-launch LogFMT: one per half block
+    lf = s_lf;
   }
   uint32_t seq = 0;
   if constexpr (kLfSend) {

@@ -619,7 +619,7 @@ extern "C" int dek_ll_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args
   if (!one_launch_combine_ok(ctx, args)) return static_cast<int>(cudaErrorInvalidValue);
   if (args->flags & DEK_LL_FLAG_LOGFMT) {
     // One block of kReduceThreads per SM, all resident (the kernel's bound: 128 registers), each
-    // sending items in turn, then receiving: no second launch, no recv_state.
+    // half block sending an item at a time, then receiving: no second launch, no recv_state.
     if (!one_launch_logfmt_ok(ctx, args)) return static_cast<int>(cudaErrorInvalidValue);
     return launch_pdl(combine<LsaNet, false, true, false, false, false, false, false, false, true>, ctx->num_sms, kReduceThreads,
                       deep_ep::as_stream(stream), *ctx, *args, static_cast<int>(DEK_LL_PHASE_BOTH));

@@ -534,7 +534,7 @@ impl LowLatencyMode for PeerBackend {
     /// overlap signals, where the send grid is resident at once beside nothing else of this GPU's:
     /// E blocks of 128 threads (rows: at most 3 per SM, what the kernel's 159 registers allow) or
     /// the partial grid (2 per SM, at least one per rank); and for LogFMT rows below
-    /// [`LOGFMT_ONE_LAUNCH_BELOW`] selections (one block of 512 threads per SM).
+    /// [`LOGFMT_ONE_LAUNCH_BELOW`] selections (one block of 512 threads per SM, an item per half block).
     fn ll_combine(&mut self, g: &LlGeometry, s: &LlCombineSendArgs, r: &LlCombineRecvArgs, st: &LlStats, stream: Stream) -> Result<()> {
         let mut a = self.ll_combine_args(g, s, stream)?;
         let sms = self.window.ctx().num_sms.max(1) as usize;

@@ -526,6 +526,15 @@ void launch_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* a, dim3 grid, 
 
 using namespace deep_ep::ll;
 
+namespace {
+// A LogFMT combine's arguments (both launch forms): rows from x (no partial sums, no zero-copy),
+// its layout in the receive half, the payload 16-byte aligned (logfmt.cuh).
+bool logfmt_layout_ok(const dek_ll_args_t* args) {
+  const uint64_t et = static_cast<uint64_t>(args->num_experts) * args->num_max_tokens, s = args->hidden / 128;
+  return !args->partial && !args->zero_copy && et * (4 * s + 2 * static_cast<uint64_t>(args->hidden)) <= args->recv_bytes && et * s % 4 == 0;
+}
+}  // namespace
+
 extern "C" int dek_ll_combine_send(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream) {
   if (!ll_ok(ctx, args) || args->recv_state == nullptr || args->src_info == nullptr || args->layout_range == nullptr ||
       (!args->zero_copy && args->x == nullptr))
@@ -535,12 +544,7 @@ extern "C" int dek_ll_combine_send(const dek_ic_ctx_t* ctx, const dek_ll_args_t*
   // zero-copy slot, LogFMT payloads + meta words; both E_l*R*T*(2H + 4*H/128) bytes.
   const uint64_t rows = static_cast<uint64_t>(args->num_experts) * args->num_max_tokens, h = args->hidden;
   if (args->net != nullptr && !args->partial && rows * (2 * h + 4 * (h / 128)) > args->send_bytes) return static_cast<int>(cudaErrorInvalidValue);
-  if (args->flags & DEK_LL_FLAG_LOGFMT) {
-    // The LogFMT layout must fit the receive half, its payload 16-byte aligned (logfmt.cuh).
-    const uint64_t et = static_cast<uint64_t>(args->num_experts) * args->num_max_tokens, s = args->hidden / 128;
-    if (args->partial || args->zero_copy || et * (4 * s + 2 * static_cast<uint64_t>(args->hidden)) > args->recv_bytes || et * s % 4 != 0)
-      return static_cast<int>(cudaErrorInvalidValue);
-  }
+  if ((args->flags & DEK_LL_FLAG_LOGFMT) && !logfmt_layout_ok(args)) return static_cast<int>(cudaErrorInvalidValue);
   if (args->signal != nullptr && (args->signal_block_m < 1 || args->signal_blocks < 1 || args->signal_grid < 0))
     return static_cast<int>(cudaErrorInvalidValue);
   // Overlap: signal_grid > 0 caps the blocks, which spin while the producer runs beside them.
@@ -602,13 +606,9 @@ bool one_launch_combine_ok(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args) {
          (args->num_tokens <= 0 || (args->out != nullptr && args->topk_idx != nullptr && args->topk_weights != nullptr)) &&
          args->signal == nullptr && args->net == nullptr;
 }
-// The one-launch LogFMT combine's (dek_ll_combine with DEK_LL_FLAG_LOGFMT): rows from x, its
-// layout in the receive half (as dek_ll_combine_send checks), a grid of one block per SM.
-bool one_launch_logfmt_ok(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args) {
-  const uint64_t et = static_cast<uint64_t>(args->num_experts) * args->num_max_tokens, s = args->hidden / 128;
-  return !args->partial && !args->zero_copy && ctx->num_sms > 0 && et * (4 * s + 2 * static_cast<uint64_t>(args->hidden)) <= args->recv_bytes &&
-         et * s % 4 == 0;
-}
+// The one-launch LogFMT combine's (dek_ll_combine with DEK_LL_FLAG_LOGFMT): the send's layout
+// check, and a grid of one block per SM.
+bool one_launch_logfmt_ok(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args) { return logfmt_layout_ok(args) && ctx->num_sms > 0; }
 // A one-launch grid of at least `blocks`, widened to kBothBlocksPerSm per SM (all resident).
 int resident_grid(const dek_ic_ctx_t* ctx, int blocks) {
   return ctx->num_sms > 0 && kBothBlocksPerSm * ctx->num_sms > blocks ? kBothBlocksPerSm * ctx->num_sms : blocks;

@@ -540,8 +540,7 @@ impl LowLatencyMode for PeerBackend {
         let sms = self.window.ctx().num_sms.max(1) as usize;
         let resident = if a.partial != 0 { self.info.num_ranks <= a.num_blocks as usize } else { g.num_experts <= 3 * sms };
         let selections = i64::from(a.num_tokens) * i64::from(a.num_topk);
-        let logfmt_one = s.use_logfmt && !s.zero_copy && selections < LOGFMT_ONE_LAUNCH_BELOW;
-        let form = if s.use_logfmt { logfmt_one } else { resident };
+        let form = if s.use_logfmt { !s.zero_copy && selections < LOGFMT_ONE_LAUNCH_BELOW } else { resident };
         let one = form && s.signal.is_none() && self.window.ranks_on_gpu() == 1 && self.seam.is_none();
         if !one || !crate::settings::ll_one_launch() {
             // Two launches from the send arguments already made (ll_combine_in_two would make them again).

@@ -68,9 +68,11 @@ __device__ __forceinline__ int spread_find(const int* pre, int n, int64_t r) {
 // source s (tag(seq, 0)), after the format words (fmt_combine(logfmt, false)) for l = 0. An item
 // with no rows is signalled at once by one thread of the grid. Same bytes at the same places and
 // the same signals as the per-item sends (combine_send_rows, ll_combine_send_logfmt).
-template <class Net, class Body>
+// kMaxItems: the most items (E) the scan holds; the launcher keeps E within it (the one-launch
+// LogFMT kernel's 512: its static shared memory has room for no more, kOneLaunchSpreadItems).
+template <class Net, int kMaxItems = kMaxLlExperts, class Body>
 __device__ __forceinline__ void spread_rows(const Ctx& c, const Args& a, uint32_t seq, int unit, bool logfmt, Body body) {
-  __shared__ int s_pre[kMaxLlExperts + 1];  // rows of the items before item i
+  __shared__ int s_pre[kMaxItems + 1];  // rows of the items before item i
   __shared__ int s_warp[kMaxSpreadWarps];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, nw = static_cast<int>(blockDim.x / 32);
   const int R = c.num_ranks, E = a.num_experts, El = E / R, T = a.num_max_tokens, H = a.hidden;
@@ -80,7 +82,7 @@ __device__ __forceinline__ void spread_rows(const Ctx& c, const Args& a, uint32_
   // Thread tid < kLlThreads owns items [i0, i1), its loads issued together (one memory latency: a
   // chain of them per item cost ~5 us at one token, session 24). Rows of item i = l*R + s to send:
   // 0 for a masked source, or for a range no dispatch of this geometry makes (the host checks shapes).
-  constexpr int kPer = (kMaxLlExperts + kLlThreads - 1) / kLlThreads;
+  constexpr int kPer = (kMaxItems + kLlThreads - 1) / kLlThreads;
   const int per = (E + kLlThreads - 1) / kLlThreads, i0 = min(E, tid * per), i1 = min(E, i0 + per);
   int mine = 0;
 #pragma unroll

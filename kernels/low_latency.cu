@@ -136,23 +136,33 @@ __device__ bool ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l
   return true;
 }
 
+// The most items (E) of the one-launch LogFMT combine's spread send (its spread_rows scan): with
+// the scan sized for every expert (2048) the kernel's static shared memory came to 55,200 bytes,
+// over the 48 KB a static allocation may take (session 46, lf4). Above it that kernel's calls
+// send per item (one_launch_logfmt_spread).
+constexpr int kOneLaunchSpreadItems = 512;
+
 // The LogFMT send with its rows spread over the grid's warps (spread_rows; the launcher's choice,
 // logfmt_spread): per run of a row, each chunk loaded and encoded into the LogFMT layout of rank s
 // by NVLink stores, at the places ll_combine_send_logfmt writes for a peer inside the domain.
-template <class Net>
-__device__ void combine_send_logfmt_spread(const Ctx& c, const Args& a, uint32_t seq, LogfmtSendShared& sh) {
-  logfmt_fill_table(sh);
+// sh: the kernel's send areas. kHalves (the one-launch LogFMT combine's 512-thread blocks, their
+// tables filled before): warp w packs in its half's area, sh[w / kLogfmtSendWarps].
+template <class Net, int kMaxItems = kMaxLlExperts, bool kHalves = false>
+__device__ void combine_send_logfmt_spread(const Ctx& c, const Args& a, uint32_t seq, LogfmtSendShared* sh) {
+  if constexpr (!kHalves) logfmt_fill_table(*sh);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  LogfmtSendShared& mine = sh[kHalves ? warp / kLogfmtSendWarps : 0];
+  uint8_t* const pack = mine.pack[kHalves ? warp % kLogfmtSendWarps : warp];
   const int R = c.num_ranks, El = a.num_experts / R, T = a.num_max_tokens, H = a.hidden;
   const int64_t RT = static_cast<int64_t>(R) * T;
   const int chunk = logfmt::chunk_channels(H);
-  spread_rows<Net>(c, a, seq, chunk, true, [&](int l, int s, int64_t row, int tok, int c0, int c1) {
+  spread_rows<Net, kMaxItems>(c, a, seq, chunk, true, [&](int l, int s, int64_t row, int tok, int c0, int c1) {
     const LogfmtRow at_row = logfmt_row_at(a, static_cast<uint64_t>(c.rank) * El + l, tok);
     char* const dst = window(c, s);
     for (int k = c0; k < c1; k += chunk) {
       const int ng = (min(H, k + chunk) - k) / 128;
       logfmt::send_chunk_warp<false>(static_cast<const uint16_t*>(a.x) + (l * RT + row) * H + k, ng, at<uint32_t>(dst, at_row.meta + k / 128 * 4),
-                              dst + at_row.pay + 2 * static_cast<uint64_t>(k), sh.tq, sh.pack[warp], lane);
+                              dst + at_row.pay + 2 * static_cast<uint64_t>(k), mine.tq, pack, lane);
     }
   });
 }
@@ -238,7 +248,8 @@ __device__ __forceinline__ bool combine_send_rows(const Ctx& c, const Args& a, i
 // warps (ll_combine_spread.cuh), whatever the grid. Returns false when the buffer timed out
 // (nothing sent); *seq: the call's number. kOwn, kWide, kLf, lf: combine_send_rows' (kWide: a
 // one-launch kernel). kLfSpread (kLf only): the LogFMT send kernel's form, the launcher's
-// logfmt_spread choice made at compile time (each form's instantiation holds only its own code).
+// logfmt_spread (one launch: one_launch_logfmt_spread) choice made at compile time (each form's
+// instantiation holds only its own code).
 template <class Net, bool kSig, bool kSpread = false, bool kOwn = false, bool kWide = false, bool kLf = false, bool kLfSpread = false>
 __device__ __forceinline__ bool combine_send(const Ctx& c, const Args& a, uint32_t* seq, LogfmtSendShared* lf = nullptr) {
   __shared__ uint32_t s_seq;
@@ -260,11 +271,17 @@ __device__ __forceinline__ bool combine_send(const Ctx& c, const Args& a, uint32
     logfmt_fill_table(lf[0]);
     for (int i = threadIdx.x; i < logfmt::kLog2Entries; i += blockDim.x) lf[1].tq[i] = lf[0].tq[i];
     __syncthreads();
-    for (int w = 2 * lin + h; w < El * c.num_ranks; w += 2 * gridDim.x * gridDim.y)
-      combine_send_rows<Net, false, false, true, true>(c, a, w % El, w / El, s_seq, lf + h);
+    if constexpr (kLfSpread) {
+      // From kLogfmtSpreadFrom selections: the rows spread over every warp of the grid, as the
+      // two-launch send's (the per-item form's heaviest item set the cast encode's time, session 46).
+      combine_send_logfmt_spread<Net, kOneLaunchSpreadItems, true>(c, a, s_seq, lf);
+    } else {
+      for (int w = 2 * lin + h; w < El * c.num_ranks; w += 2 * gridDim.x * gridDim.y)
+        combine_send_rows<Net, false, false, true, true>(c, a, w % El, w / El, s_seq, lf + h);
+    }
     __syncthreads();  // both halves' items before the block counts itself done
   } else if (!kNvlOnly<Net> && !kOwn && !kWide && (kLf ? kLfSpread : logfmt_spread(a))) {
-    combine_send_logfmt_spread<Net>(c, a, s_seq, *lf);  // a 1-D grid (the launcher's, as it chose this form)
+    combine_send_logfmt_spread<Net>(c, a, s_seq, lf);  // a 1-D grid (the launcher's, as it chose this form)
   } else {
     // E blocks: one item each; blocks past E (the kOwn kernel's wider grid) only receive.
     if (!kOwn || lin < El * c.num_ranks) combine_send_rows<Net, false, kOwn, kWide, kLf>(c, a, lin % El, lin / El, s_seq, lf);
@@ -432,6 +449,8 @@ __device__ __forceinline__ bool combine_send_partial(const Ctx& c, const Args& a
 // kernel spills), at 2 blocks of 256 threads per SM (cast -1.5 to -5 µs with enc1, session 42);
 // with kSpread its spread form (logfmt_spread), without its per-item form: two instantiations, as
 // one kernel holding both moved the spread form's time with the other's code (session 43).
+// kBoth with kLfRecvHalf: the one-launch LogFMT combine (dek_ll_combine), the per-item send; with
+// kSpread too, the spread send (one_launch_logfmt_spread), each form its own instantiation.
 template <class Net, bool kSig, bool kBoth = false, bool kSpread = false, bool kLocal = false, bool kOwn = false, bool kPartial = false,
           bool kLfRecv = false, bool kLfSend = false, bool kLfRecvHalf = false>
 __global__ void __launch_bounds__(kBoth && !kLfRecvHalf ? kLlThreads : kSig ? kLlThreads : kLfSend ? kLogfmtSendThreads : kReduceThreads,
@@ -462,7 +481,9 @@ __global__ void __launch_bounds__(kBoth && !kLfRecvHalf ? kLlThreads : kSig ? kL
   if constexpr (kBoth && kLfRecvHalf) {
     // The one-launch LogFMT combine (kLfBoth): the per-item LogFMT send, then the LogFMT receive with
     // both forms inline (the half form where logfmt_narrow holds on this grid).
-    if (combine_send<Net, false, false, false, true, true>(c, a, &seq, lf)) {
+    // With kSpread the spread send (one_launch_logfmt_spread), an instantiation of its own: in the
+    // per-item form's kernel it cost 1-8 tokens 0.2-0.3 µs (lf4, session 46).
+    if (combine_send<Net, false, false, false, true, true, kSpread>(c, a, &seq, lf)) {
       combine_recv_tokens<Net, 8, false, false, kLfHalf>(c, a, a.half, seq, false, true);
     }
     return;
@@ -471,7 +492,7 @@ __global__ void __launch_bounds__(kBoth && !kLfRecvHalf ? kLlThreads : kSig ? kL
     combine_local<Net>(c, a);
     return;
   }
-  if constexpr (kSpread) {
+  if constexpr (kSpread && !kLfRecvHalf) {
     // Rows only, an instantiation of its own (112 registers; the other one-launch paths keep their
     // code): its receive has every top-8 row's load in flight at once.
     if (combine_send<Net, false, true>(c, a, &seq)) combine_recv_tokens<Net, 8>(c, a, a.half, seq, false, false);
@@ -609,6 +630,9 @@ bool one_launch_combine_ok(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args) {
 // The one-launch LogFMT combine's (dek_ll_combine with DEK_LL_FLAG_LOGFMT): the send's layout
 // check, and a grid of one block per SM.
 bool one_launch_logfmt_ok(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args) { return logfmt_layout_ok(args) && ctx->num_sms > 0; }
+// Its send form: spread from kLogfmtSpreadFrom selections (as the two-launch send's, logfmt_spread)
+// where the scan holds every item (kOneLaunchSpreadItems), else an item per half block.
+bool one_launch_logfmt_spread(const dek_ll_args_t* args) { return logfmt_spread(*args) && args->num_experts <= kOneLaunchSpreadItems; }
 // A one-launch grid of at least `blocks`, widened to kBothBlocksPerSm per SM (all resident).
 int resident_grid(const dek_ic_ctx_t* ctx, int blocks) {
   return ctx->num_sms > 0 && kBothBlocksPerSm * ctx->num_sms > blocks ? kBothBlocksPerSm * ctx->num_sms : blocks;
@@ -619,10 +643,12 @@ extern "C" int dek_ll_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args
   if (!one_launch_combine_ok(ctx, args)) return static_cast<int>(cudaErrorInvalidValue);
   if (args->flags & DEK_LL_FLAG_LOGFMT) {
     // One block of kReduceThreads per SM, all resident (the kernel's bound: 128 registers), each
-    // half block sending an item at a time, then receiving: no second launch, no recv_state.
+    // half block sending an item at a time (or every warp its share of the rows: the spread form),
+    // then receiving: no second launch, no recv_state.
     if (!one_launch_logfmt_ok(ctx, args)) return static_cast<int>(cudaErrorInvalidValue);
-    return launch_pdl(combine<LsaNet, false, true, false, false, false, false, false, false, true>, ctx->num_sms, kReduceThreads,
-                      deep_ep::as_stream(stream), *ctx, *args, static_cast<int>(DEK_LL_PHASE_BOTH));
+    const auto kernel = one_launch_logfmt_spread(args) ? combine<LsaNet, false, true, true, false, false, false, false, false, true>
+                                                       : combine<LsaNet, false, true, false, false, false, false, false, false, true>;
+    return launch_pdl(kernel, ctx->num_sms, kReduceThreads, deep_ep::as_stream(stream), *ctx, *args, static_cast<int>(DEK_LL_PHASE_BOTH));
   }
   // The send grid as one dimension: E blocks (per-expert rows), or num_blocks (partial sums).
   const int blocks = args->partial ? (args->num_blocks > ctx->num_ranks ? args->num_blocks : ctx->num_ranks) : args->num_experts;

@@ -1,7 +1,8 @@
-"""The low-latency LogFMT combine's launch forms, one rank on its own GPU: below 256 top-k selections
+"""The low-latency LogFMT combine's launch forms, one rank on its own GPU: below 512 top-k selections
 (the handle's tokens x top-k) a combine without hooks, overlap or seam is one `deep_ep::ll::combine`
-launch (sends, then receives in the same kernel); from 256 on, and with DEEP_EP_LL_LAUNCH=two
-always, it is two (send, receive). The test counts the launches with torch.profiler in a process
+launch (sends, then receives in the same kernel; below 256 the send takes an item per half block,
+from 256 it spreads the rows over every warp); from 512 on, and with DEEP_EP_LL_LAUNCH=two always,
+it is two (send, receive). The test counts the launches with torch.profiler in a process
 per launch setting and checks that both give the same bytes: the same LogFMT encoding and the same
 receive, so the one-launch form changes no result (the bitwise check against the CPU backend is
 tests/gpu/test_low_latency.py's)."""
@@ -13,7 +14,7 @@ import torch
 import _spawn
 
 HIDDEN, EXPERTS, TOPK, MAX_TOKENS = 7168, 256, 8, 64
-TOKENS = (1, 8, 31, 32, 64)  # 8 .. 248 selections: one launch; 256 and 512: two
+TOKENS = (1, 8, 31, 32, 48, 63, 64)  # 8 .. 504 selections: one launch (per item below 256, spread from there); 512: two
 
 
 def _combine(rank, world):
@@ -46,14 +47,14 @@ def _combine(rank, world):
     return out
 
 
-def test_logfmt_combine_is_one_launch_below_256_selections():
+def test_logfmt_combine_is_one_launch_below_512_selections():
     one = _spawn.run(_combine, 1, env={"DEEP_EP_BACKEND": "nccl", "DEEP_EP_LL_LAUNCH": "one"})[0]["ok"]
     two = _spawn.run(_combine, 1, env={"DEEP_EP_BACKEND": "nccl", "DEEP_EP_LL_LAUNCH": "two"})[0]["ok"]
     for n in TOKENS:
         l1, d1, finite, total = one[str(n)]
         l2, d2, _, _ = two[str(n)]
         assert finite and total > 0, f"{n} tokens: the combined output is not finite and non-zero"
-        assert l1 == (1 if n * TOPK < 256 else 2), f"{n} tokens ({n * TOPK} selections): {l1} combine launches with DEEP_EP_LL_LAUNCH=one"
+        assert l1 == (1 if n * TOPK < 512 else 2), f"{n} tokens ({n * TOPK} selections): {l1} combine launches with DEEP_EP_LL_LAUNCH=one"
         assert l2 == 2, f"{n} tokens: {l2} combine launches with DEEP_EP_LL_LAUNCH=two"
         assert d1 == d2, f"{n} tokens: the one- and two-launch LogFMT combines differ"
 

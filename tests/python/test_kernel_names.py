@@ -95,9 +95,9 @@ def test_low_latency_ops_have_one_kernel_each(kernels):
     only: the rows send spread over every warp or not, the rows-only form that reads its own rows in place, rows and
     partial sums each without the other's code, and the one-rank combine), all under the op's one name. The one-launch and one-rank forms are NVLink
     only (`NvlNet`: no seam code in them); the two-launch forms serve every seam, and without one are `NvlNet` too (the dispatch's
-    are the one-launch form's own kernels; the combine has seven more: with and without overlap waits, the receive of a
+    are the one-launch form's own kernels; the combine has eight more: with and without overlap waits, the receive of a
     LogFMT send, which the host hints, in its wide and its narrow form, that LogFMT send without a seam or overlap
-    waits, in its per-item and its spread form, and the one-launch LogFMT combine)."""
+    waits, in its per-item and its spread form, and the one-launch LogFMT combine, in its per-item and its spread form)."""
     names = [d for d in kernels["demangled"] if _qualified(d).startswith("deep_ep::ll::")]
     want = {
         "dispatch": ["deep_ep::tp::GinNet, false, false, false", "deep_ep::tp::GinNet, true, false, false",
@@ -111,6 +111,7 @@ def test_low_latency_ops_have_one_kernel_each(kernels):
                     "deep_ep::tp::LsaNet, false, false, false, false, false, false, false, true, false",
                     "deep_ep::tp::LsaNet, false, false, true, false, false, false, false, true, false",
                     "deep_ep::tp::LsaNet, false, true, false, false, false, false, false, false, true",
+                    "deep_ep::tp::LsaNet, false, true, true, false, false, false, false, false, true",
                     "deep_ep::tp::LsaNet, true, false, false, false, false, false, false, false, false",
                     "deep_ep::tp::NvlNet, false, false, false, false, false, false, false, false, false",
                     "deep_ep::tp::NvlNet, false, false, false, false, false, false, false, false, true",

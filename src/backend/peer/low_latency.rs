@@ -67,9 +67,15 @@ const FLAG_PARTIAL: i32 = 32;
 /// backend's `FLAG_LOGFMT`).
 const FLAG_LOGFMT: i32 = 8;
 /// Below this many selections (N·K of the handle's dispatch) a LogFMT combine without overlap or
-/// seam runs as one launch (`dek_ll_combine`): the per-item send's range, below the spread send's
-/// `kLogfmtSpreadFrom` (kernels/low_latency.cuh).
-const LOGFMT_ONE_LAUNCH_BELOW: i64 = 256;
+/// seam runs as one launch (`dek_ll_combine`): below [`LOGFMT_SPREAD_FROM`] its send takes an item
+/// per half block, from there it spreads the rows over the grid's warps, where the kernel's scan
+/// holds every expert ([`LOGFMT_ONE_LAUNCH_SPREAD_EXPERTS`]; more: two launches, as the per-item
+/// send's heaviest item set the cast encode's time there, bench/NOTES.md session 46).
+const LOGFMT_ONE_LAUNCH_BELOW: i64 = 512;
+/// The spread LogFMT send's first selection count (`kLogfmtSpreadFrom`, kernels/low_latency.cuh).
+const LOGFMT_SPREAD_FROM: i64 = 256;
+/// Most experts of the one-launch spread LogFMT send (`kOneLaunchSpreadItems`, kernels/low_latency.cu).
+const LOGFMT_ONE_LAUNCH_SPREAD_EXPERTS: usize = 512;
 /// Most experts of a dispatch send on this backend (`DEK_LL_MAX_EXPERTS`).
 const MAX_EXPERTS: usize = super::signals::LL_MAX_EXPERTS;
 
@@ -534,13 +540,19 @@ impl LowLatencyMode for PeerBackend {
     /// overlap signals, where the send grid is resident at once beside nothing else of this GPU's:
     /// E blocks of 128 threads (rows: at most 3 per SM, what the kernel's 159 registers allow) or
     /// the partial grid (2 per SM, at least one per rank); and for LogFMT rows below
-    /// [`LOGFMT_ONE_LAUNCH_BELOW`] selections (one block of 512 threads per SM, an item per half block).
+    /// [`LOGFMT_ONE_LAUNCH_BELOW`] selections (one block of 512 threads per SM, an item per half block,
+    /// or from [`LOGFMT_SPREAD_FROM`] the rows spread over every warp).
     fn ll_combine(&mut self, g: &LlGeometry, s: &LlCombineSendArgs, r: &LlCombineRecvArgs, st: &LlStats, stream: Stream) -> Result<()> {
         let mut a = self.ll_combine_args(g, s, stream)?;
         let sms = self.window.ctx().num_sms.max(1) as usize;
         let resident = if a.partial != 0 { self.info.num_ranks <= a.num_blocks as usize } else { g.num_experts <= 3 * sms };
         let selections = i64::from(a.num_tokens) * i64::from(a.num_topk);
-        let form = if s.use_logfmt { !s.zero_copy && selections < LOGFMT_ONE_LAUNCH_BELOW } else { resident };
+        let form = if s.use_logfmt {
+            let spread_fits = g.num_experts <= LOGFMT_ONE_LAUNCH_SPREAD_EXPERTS;
+            !s.zero_copy && (selections < LOGFMT_SPREAD_FROM || (selections < LOGFMT_ONE_LAUNCH_BELOW && spread_fits))
+        } else {
+            resident
+        };
         let one = form && s.signal.is_none() && self.window.ranks_on_gpu() == 1 && self.seam.is_none();
         if !one || !crate::settings::ll_one_launch() {
             // Two launches from the send arguments already made (ll_combine_in_two would make them again).

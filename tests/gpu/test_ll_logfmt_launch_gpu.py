@@ -2,7 +2,8 @@
 (the handle's tokens x top-k) a combine without hooks, overlap or seam is one `deep_ep::ll::combine`
 launch (sends, then receives in the same kernel; below 256 the send takes an item per half block,
 from 256 it spreads the rows over every warp); from 512 on, and with DEEP_EP_LL_LAUNCH=two always,
-it is two (send, receive). The test counts the launches with torch.profiler in a process
+it is two (send, receive). Above 512 experts 256-511 selections take two launches too (the spread
+one-launch kernel's scan holds 512 items). The test counts the launches with torch.profiler in a process
 per launch setting and checks that both give the same bytes: the same LogFMT encoding and the same
 receive, so the one-launch form changes no result (the bitwise check against the CPU backend is
 tests/gpu/test_low_latency.py's)."""
@@ -15,6 +16,16 @@ import _spawn
 
 HIDDEN, EXPERTS, TOPK, MAX_TOKENS = 7168, 256, 8, 64
 TOKENS = (1, 8, 31, 32, 48, 63, 64)  # 8 .. 504 selections: one launch (per item below 256, spread from there); 512: two
+# Above 512 experts the spread one-launch kernel's scan has no room (kOneLaunchSpreadItems): 256-511
+# selections stay two launches, below 256 the per-item one launch.
+WIDE_EXPERTS, WIDE_TOKENS = 576, (31, 32)
+CASES = [(EXPERTS, n) for n in TOKENS] + [(WIDE_EXPERTS, n) for n in WIDE_TOKENS]
+
+
+def _launches(experts, n):
+    if n * TOPK < 256:
+        return 1
+    return 1 if n * TOPK < 512 and experts <= 512 else 2
 
 
 def _combine(rank, world):
@@ -22,42 +33,47 @@ def _combine(rank, world):
 
     import deep_ep_rs
 
-    size = deep_ep_rs.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, HIDDEN, world, EXPERTS)
-    buf = deep_ep_rs.Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, num_qps_per_rank=EXPERTS // world, explicitly_destroy=True)
     out = {}
-    try:
-        for n in TOKENS:
-            g = torch.Generator(device=buf.device).manual_seed(1000 + n)
-            x = torch.randn((n, HIDDEN), generator=g, device=buf.device).to(torch.bfloat16)
-            idx = torch.rand((n, EXPERTS), generator=g, device=buf.device).topk(TOPK, dim=1).indices
-            w = torch.rand((n, TOPK), generator=g, device=buf.device)
-            recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, MAX_TOKENS, EXPERTS, use_fp8=False)
-            # Expert outputs with per-128-channel scales, so that groups are cast and some travel raw.
-            scale = torch.exp2(torch.randint(-12, 3, (recv.shape[0], recv.shape[1], HIDDEN // 128), generator=g, device=buf.device).float())
-            y = (recv.float() * scale.repeat_interleave(128, dim=2)).to(torch.bfloat16)
-            torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                combined, _, _ = buf.low_latency_combine(y, idx, w, handle, use_logfmt=True)
-                torch.cuda.synchronize()
-            launches = sum(e.count for e in prof.key_averages() if "deep_ep::ll::combine" in e.key)
-            digest = hashlib.sha256(combined.view(torch.int16).cpu().numpy().tobytes()).hexdigest()
-            out[str(n)] = [launches, digest, bool(torch.isfinite(combined).all()), float(combined.float().abs().sum())]
-    finally:
-        buf.destroy()
+    for experts in sorted({e for e, _ in CASES}):
+        size = deep_ep_rs.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, HIDDEN, world, experts)
+        buf = deep_ep_rs.Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, num_qps_per_rank=experts // world, explicitly_destroy=True)
+        try:
+            for n in [n for e, n in CASES if e == experts]:
+                out[f"{experts}/{n}"] = _one_combine(buf, experts, n)
+        finally:
+            buf.destroy()
     return out
+
+
+def _one_combine(buf, experts, n):
+    g = torch.Generator(device=buf.device).manual_seed(1000 + n)
+    x = torch.randn((n, HIDDEN), generator=g, device=buf.device).to(torch.bfloat16)
+    idx = torch.rand((n, experts), generator=g, device=buf.device).topk(TOPK, dim=1).indices
+    w = torch.rand((n, TOPK), generator=g, device=buf.device)
+    recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, MAX_TOKENS, experts, use_fp8=False)
+    # Expert outputs with per-128-channel scales, so that groups are cast and some travel raw.
+    scale = torch.exp2(torch.randint(-12, 3, (recv.shape[0], recv.shape[1], HIDDEN // 128), generator=g, device=buf.device).float())
+    y = (recv.float() * scale.repeat_interleave(128, dim=2)).to(torch.bfloat16)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        combined, _, _ = buf.low_latency_combine(y, idx, w, handle, use_logfmt=True)
+        torch.cuda.synchronize()
+    launches = sum(e.count for e in prof.key_averages() if "deep_ep::ll::combine" in e.key)
+    digest = hashlib.sha256(combined.view(torch.int16).cpu().numpy().tobytes()).hexdigest()
+    return [launches, digest, bool(torch.isfinite(combined).all()), float(combined.float().abs().sum())]
 
 
 def test_logfmt_combine_is_one_launch_below_512_selections():
     one = _spawn.run(_combine, 1, env={"DEEP_EP_BACKEND": "nccl", "DEEP_EP_LL_LAUNCH": "one"})[0]["ok"]
     two = _spawn.run(_combine, 1, env={"DEEP_EP_BACKEND": "nccl", "DEEP_EP_LL_LAUNCH": "two"})[0]["ok"]
-    for n in TOKENS:
-        l1, d1, finite, total = one[str(n)]
-        l2, d2, _, _ = two[str(n)]
-        assert finite and total > 0, f"{n} tokens: the combined output is not finite and non-zero"
-        assert l1 == (1 if n * TOPK < 512 else 2), f"{n} tokens ({n * TOPK} selections): {l1} combine launches with DEEP_EP_LL_LAUNCH=one"
-        assert l2 == 2, f"{n} tokens: {l2} combine launches with DEEP_EP_LL_LAUNCH=two"
-        assert d1 == d2, f"{n} tokens: the one- and two-launch LogFMT combines differ"
-
+    for experts, n in CASES:
+        case = f"{experts} experts, {n} tokens ({n * TOPK} selections)"
+        l1, d1, finite, total = one[f"{experts}/{n}"]
+        l2, d2, _, _ = two[f"{experts}/{n}"]
+        assert finite and total > 0, f"{case}: the combined output is not finite and non-zero"
+        assert l1 == _launches(experts, n), f"{case}: {l1} combine launches with DEEP_EP_LL_LAUNCH=one"
+        assert l2 == 2, f"{case}: {l2} combine launches with DEEP_EP_LL_LAUNCH=two"
+        assert d1 == d2, f"{case}: the one- and two-launch LogFMT combines differ"
 
 if __name__ == "__main__":
     pytest.main([__file__, "-q"])

@@ -76,6 +76,11 @@ const LOGFMT_ONE_LAUNCH_BELOW: i64 = 512;
 const LOGFMT_SPREAD_FROM: i64 = 256;
 /// Most experts of the one-launch spread LogFMT send (`kOneLaunchSpreadItems`, kernels/low_latency.cu).
 const LOGFMT_ONE_LAUNCH_SPREAD_EXPERTS: usize = 512;
+/// Whether a LogFMT combine of `selections` (N·K) over `num_experts` takes the one-launch form, where
+/// the call allows one (no overlap signal, seam or zero-copy; one rank per GPU).
+fn logfmt_one_launch(selections: i64, num_experts: usize) -> bool {
+    selections < LOGFMT_SPREAD_FROM || (selections < LOGFMT_ONE_LAUNCH_BELOW && num_experts <= LOGFMT_ONE_LAUNCH_SPREAD_EXPERTS)
+}
 /// Most experts of a dispatch send on this backend (`DEK_LL_MAX_EXPERTS`).
 const MAX_EXPERTS: usize = super::signals::LL_MAX_EXPERTS;
 
@@ -547,12 +552,7 @@ impl LowLatencyMode for PeerBackend {
         let sms = self.window.ctx().num_sms.max(1) as usize;
         let resident = if a.partial != 0 { self.info.num_ranks <= a.num_blocks as usize } else { g.num_experts <= 3 * sms };
         let selections = i64::from(a.num_tokens) * i64::from(a.num_topk);
-        let form = if s.use_logfmt {
-            let spread_fits = g.num_experts <= LOGFMT_ONE_LAUNCH_SPREAD_EXPERTS;
-            !s.zero_copy && (selections < LOGFMT_SPREAD_FROM || (selections < LOGFMT_ONE_LAUNCH_BELOW && spread_fits))
-        } else {
-            resident
-        };
+        let form = if s.use_logfmt { !s.zero_copy && logfmt_one_launch(selections, g.num_experts) } else { resident };
         let one = form && s.signal.is_none() && self.window.ranks_on_gpu() == 1 && self.seam.is_none();
         if !one || !crate::settings::ll_one_launch() {
             // Two launches from the send arguments already made (ll_combine_in_two would make them again).
@@ -639,6 +639,17 @@ mod tests {
         assert_eq!(LlGrid::new(132, 1), LlGrid { recv: 528, send: 264, partial: 264, reduce: 132 });
         assert_eq!(LlGrid::new(66, 2), LlGrid { recv: 132, send: 132, partial: 132, reduce: 66 });
         assert_eq!(LlGrid::new(0, 4), LlGrid { recv: 2, send: 2, partial: 2, reduce: 1 });
+    }
+
+    #[test]
+    fn logfmt_one_launch_below_512_selections_and_spread_within_512_experts() {
+        for experts in [8, 256, 288, 512, 513, 2048] {
+            assert!(logfmt_one_launch(0, experts) && logfmt_one_launch(255, experts), "{experts} experts, per-item form");
+            assert!(!logfmt_one_launch(512, experts) && !logfmt_one_launch(1024, experts), "{experts} experts, two launches");
+            // The spread one-launch kernel's scan holds 512 items (kOneLaunchSpreadItems).
+            assert_eq!(logfmt_one_launch(256, experts), experts <= 512, "{experts} experts at 256 selections");
+            assert_eq!(logfmt_one_launch(511, experts), experts <= 512, "{experts} experts at 511 selections");
+        }
     }
 
     #[test]

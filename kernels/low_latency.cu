@@ -146,9 +146,11 @@ constexpr int kOneLaunchSpreadItems = 512;
 // logfmt_spread): per run of a row, each chunk loaded and encoded into the LogFMT layout of rank s
 // by NVLink stores, at the places ll_combine_send_logfmt writes for a peer inside the domain.
 // sh: the kernel's send areas. kHalves (the one-launch LogFMT combine's 512-thread blocks, their
-// tables filled before): warp w packs in its half's area, sh[w / kLogfmtSendWarps].
-template <class Net, int kMaxItems = kMaxLlExperts, bool kHalves = false>
+// tables filled before): warp w packs in its half's area, sh[w / kLogfmtSendWarps], and the scan
+// holds kOneLaunchSpreadItems items.
+template <class Net, bool kHalves = false>
 __device__ void combine_send_logfmt_spread(const Ctx& c, const Args& a, uint32_t seq, LogfmtSendShared* sh) {
+  constexpr int kMaxItems = kHalves ? kOneLaunchSpreadItems : kMaxLlExperts;
   if constexpr (!kHalves) logfmt_fill_table(*sh);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   LogfmtSendShared& mine = sh[kHalves ? warp / kLogfmtSendWarps : 0];
@@ -274,7 +276,7 @@ __device__ __forceinline__ bool combine_send(const Ctx& c, const Args& a, uint32
     if constexpr (kLfSpread) {
       // From kLogfmtSpreadFrom selections: the rows spread over every warp of the grid, as the
       // two-launch send's (the per-item form's heaviest item set the cast encode's time, session 46).
-      combine_send_logfmt_spread<Net, kOneLaunchSpreadItems, true>(c, a, s_seq, lf);
+      combine_send_logfmt_spread<Net, true>(c, a, s_seq, lf);
     } else {
       for (int w = 2 * lin + h; w < El * c.num_ranks; w += 2 * gridDim.x * gridDim.y)
         combine_send_rows<Net, false, false, true, true>(c, a, w % El, w / El, s_seq, lf + h);

@@ -75,5 +75,6 @@ def test_logfmt_combine_is_one_launch_below_512_selections():
         assert l2 == 2, f"{case}: {l2} combine launches with DEEP_EP_LL_LAUNCH=two"
         assert d1 == d2, f"{case}: the one- and two-launch LogFMT combines differ"
 
+
 if __name__ == "__main__":
     pytest.main([__file__, "-q"])

@@ -267,6 +267,19 @@ __device__ __noinline__ void recv_logfmt_out_of_line(const Args& a, const char* 
   ll_combine_recv_logfmt(a, recv, tok, s_e, s_w, pass_lo, pass_hi);
 }
 
+// combine_recv_tokens' shared memory, declared at the scope of the kernel (`combine`) so that it
+// is that kernel's own (the reason: DispatchShared in ll_dispatch.cu).
+struct CombineRecvShared {
+  int ok, npart, state[3];
+  int live[kMaxLlRanks];  // ranks whose words arrived (their format words are checked)
+  unsigned long long wait[kMaxLlRanks];
+  int64_t e[kMaxLlTopk];
+  float w[kMaxLlTopk];
+  int part[kMaxLlTopk];  // partial sums: the token's distinct expert ranks, ascending
+  int dead[kMaxLlRanks];  // the rank mask, read once (no shrink mode: it cannot change during the call)
+  const char* row[kMaxLlTopk];  // kOwn: selection k's row
+};
+
 // Every block waits for all E words (partial: the R words d*E_l) of call `seq` on `half`, then
 // reduces work items blockIdx.x, +gridDim.x, ...: item w = slice w % P of token w / P (P blocks
 // share a token when there are more blocks than tokens: a 1-token combine is not one block's
@@ -283,15 +296,17 @@ __device__ __noinline__ void recv_logfmt_out_of_line(const Args& a, const char* 
 // Before the wait, warp 0 loads the block's first token's ids and weights (the caller's tensors),
 // and the format words are checked after the rows: neither is a latency between wait and rows.
 template <class Net, int kRowBatch = 4, bool kOwn = false, bool kState = false, int kLf = kLfGeneric>
-__device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a, int half, uint32_t seq, bool partial, bool logfmt) {
-  __shared__ int s_ok, s_npart, s_state[3];
-  __shared__ int s_live[kMaxLlRanks];  // ranks whose words arrived (their format words are checked)
-  __shared__ unsigned long long s_wait[kMaxLlRanks];
-  __shared__ int64_t s_e[kMaxLlTopk];
-  __shared__ float s_w[kMaxLlTopk];
-  __shared__ int s_part[kMaxLlTopk];  // partial sums: the token's distinct expert ranks, ascending
-  __shared__ int s_dead[kMaxLlRanks];  // the rank mask, read once (no shrink mode: it cannot change during the call)
-  __shared__ const char* s_row[kOwn ? kMaxLlTopk : 1];  // kOwn: selection k's row
+__device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a, int half, uint32_t seq, bool partial, bool logfmt,
+                                                    CombineRecvShared& sh) {
+  int &s_ok = sh.ok, &s_npart = sh.npart;
+  int(&s_state)[3] = sh.state;
+  int(&s_live)[kMaxLlRanks] = sh.live;
+  unsigned long long(&s_wait)[kMaxLlRanks] = sh.wait;
+  int64_t(&s_e)[kMaxLlTopk] = sh.e;
+  float(&s_w)[kMaxLlTopk] = sh.w;
+  int(&s_part)[kMaxLlTopk] = sh.part;
+  int(&s_dead)[kMaxLlRanks] = sh.dead;
+  const char*(&s_row)[kMaxLlTopk] = sh.row;
   const int tid = threadIdx.x, R = c.num_ranks, El = a.num_experts / R, E = a.num_experts, T = a.num_max_tokens, H = a.hidden;
   const int K = a.num_topk;
   const bool snap = a.shrink_mask == nullptr;  // shrink mode: a wait may mask a rank, read the mask each time
@@ -472,8 +487,8 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
 // kLf: which LogFMT reduction the instantiation holds inline (kLfWide: the wide form, combine's
 // kLfRecv; kLfHalf: both forms, its kLfRecvHalf; kLfGeneric: none, the wide form out of line).
 template <class Net, int kLf = kLfGeneric>
-__device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a) {
-  combine_recv_tokens<Net, 8, false, true, kLf>(c, a, 0, 0, false, false);
+__device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a, CombineRecvShared& sh) {
+  combine_recv_tokens<Net, 8, false, true, kLf>(c, a, 0, 0, false, false, sh);
 }
 
 }  // namespace

@@ -119,6 +119,35 @@ __device__ __noinline__ void local_count_tail(const Ctx& c, const Args& a, const
   LL_STAMP(10);
 }
 
+// The dispatch kernel's shared memory, declared at its scope (`dispatch`) and handed down: a helper's
+// function-scope __shared__ is one symbol in every kernel inlining it, placed at one address in all
+// (holes, moved by new kernels: bench/NOTES.md session 47); kernel scope is each kernel's own.
+struct DispatchSendShared {
+  uint32_t seq;
+  int skip, last, ndst, any_far;
+  int before[kMaxLlExperts], total[kMaxLlExperts];
+  int rc[kMaxLlRanks], rct[kMaxLlRanks], mask[kMaxLlRanks];
+  // The current token's destinations i < ndst (its distinct ranks, ascending): rank, entries,
+  // message slot, and the entries (expert << 16 | slot) and weights in k order.
+  int dst[kMaxLlTopk], n[kMaxLlTopk], msg[kMaxLlTopk];
+  uint32_t ent[kMaxLlTopk][kMaxLlTopk];
+  float w[kMaxLlTopk][kMaxLlTopk];
+  unsigned long long fp[kSendWarps], fpw[kSendWarps];  // block 0: per-warp shares of the routing fingerprints (kLlRouting)
+};
+struct DispatchColumnShared {
+  int ok;
+  int cnt[kMaxLlRanks], begin[kMaxLlRanks + 1];
+};
+struct DispatchRecvShared {
+  int ok, half, mask[kMaxLlRanks];
+  uint32_t seq;
+};
+struct DispatchShared {
+  DispatchSendShared send;
+  DispatchColumnShared column;
+  DispatchRecvShared recv;
+};
+
 // ---- dispatch send ------------------------------------------------------------------------------
 // Block b owns tokens [b*per, (b+1)*per). Every block first counts, in shared memory, the
 // selections of each expert over all tokens (s_total, for the signals) and over the tokens before
@@ -137,17 +166,21 @@ __device__ __noinline__ void local_count_tail(const Ctx& c, const Args& a, const
 // Returns false when the buffer timed out (nothing sent); *seq: this call's number; *mask: the
 // block's copy of the rank mask (shared memory), read once at its start.
 template <class Net, bool kFp4, bool kLocal, bool kSplit = false>
-__device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint32_t* seq, const int** mask) {
-  __shared__ uint32_t s_seq;
-  __shared__ int s_skip, s_last, s_ndst, s_any_far;
-  __shared__ int s_before[kMaxLlExperts], s_total[kMaxLlExperts];
-  __shared__ int s_rc[kMaxLlRanks], s_rct[kMaxLlRanks], s_mask[kMaxLlRanks];
-  // The current token's destinations i < s_ndst (its distinct ranks, ascending): rank, entries,
-  // message slot, and the entries (expert << 16 | slot) and weights in k order.
-  __shared__ int s_dst[kMaxLlTopk], s_n[kMaxLlTopk], s_msg[kMaxLlTopk];
-  __shared__ uint32_t s_ent[kMaxLlTopk][kMaxLlTopk];
-  __shared__ float s_w[kMaxLlTopk][kMaxLlTopk];
-  __shared__ unsigned long long s_fp[kSendWarps], s_fpw[kSendWarps];  // block 0: per-warp shares of the routing fingerprints (kLlRouting)
+__device__ __forceinline__ bool dispatch_send(const Ctx& c, const Args& a, uint32_t* seq, const int** mask, DispatchSendShared& sh) {
+  uint32_t& s_seq = sh.seq;
+  int &s_skip = sh.skip, &s_last = sh.last, &s_ndst = sh.ndst, &s_any_far = sh.any_far;
+  int(&s_before)[kMaxLlExperts] = sh.before;
+  int(&s_total)[kMaxLlExperts] = sh.total;
+  int(&s_rc)[kMaxLlRanks] = sh.rc;
+  int(&s_rct)[kMaxLlRanks] = sh.rct;
+  int(&s_mask)[kMaxLlRanks] = sh.mask;
+  int(&s_dst)[kMaxLlTopk] = sh.dst;
+  int(&s_n)[kMaxLlTopk] = sh.n;
+  int(&s_msg)[kMaxLlTopk] = sh.msg;
+  uint32_t(&s_ent)[kMaxLlTopk][kMaxLlTopk] = sh.ent;
+  float(&s_w)[kMaxLlTopk][kMaxLlTopk] = sh.w;
+  unsigned long long(&s_fp)[kSendWarps] = sh.fp;
+  unsigned long long(&s_fpw)[kSendWarps] = sh.fpw;
   *mask = s_mask;
   if (!begin_send(c, a, DEK_LL_KIND_DISPATCH, &s_seq, &s_skip)) return false;
   *seq = s_seq;
@@ -488,10 +521,11 @@ __device__ __forceinline__ void print_stamps(const Ctx& c, uint32_t seq, bool to
 // block (one load fewer before the wait), or NULL (read it; shrink mode: a wait may change it).
 template <class Net, bool kFp4, int kThreads>
 __device__ __forceinline__ bool dispatch_recv_column(const Ctx& c, const Args& a, int l, int y, int Y, int half, uint32_t seq,
-                                                     const int* mask) {
+                                                     const int* mask, DispatchColumnShared& sh) {
   constexpr int kWarps = kThreads / 32;
-  __shared__ int s_ok;
-  __shared__ int s_cnt[kMaxLlRanks], s_begin[kMaxLlRanks + 1];
+  int& s_ok = sh.ok;
+  int(&s_cnt)[kMaxLlRanks] = sh.cnt;
+  int(&s_begin)[kMaxLlRanks + 1] = sh.begin;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int R = c.num_ranks, T = a.num_max_tokens, H = a.hidden, S = H / 128;
   const int64_t RT = static_cast<int64_t>(R) * T;
@@ -617,9 +651,10 @@ __device__ __forceinline__ bool dispatch_recv_column(const Ctx& c, const Args& a
 // The receive launch: block (l, y) of grid (E_l, Y) is column (l, y), the call's half and number
 // from recv_state (written by the send launch).
 template <class Net, bool kFp4>
-__device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a) {
-  __shared__ int s_ok, s_half, s_mask[kMaxLlRanks];
-  __shared__ uint32_t s_seq;
+__device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a, DispatchRecvShared& sh, DispatchColumnShared& column) {
+  int &s_ok = sh.ok, &s_half = sh.half;
+  int(&s_mask)[kMaxLlRanks] = sh.mask;
+  uint32_t& s_seq = sh.seq;
   // Warps 1.. read the rank mask while thread 0 reads recv_state (on thread 0 the two were two
   // latencies in a chain); shrink mode reads it at each wait instead (a wait may change it).
   for (int r = static_cast<int>(threadIdx.x) - 32; r >= 0 && r < c.num_ranks; r += kLlThreads - 32) s_mask[r] = rank_masked(a, r);
@@ -631,7 +666,7 @@ __device__ __forceinline__ void dispatch_recv(const Ctx& c, const Args& a) {
     s_seq = q;
   }
   __syncthreads();
-  if (s_ok) dispatch_recv_column<Net, kFp4, kLlThreads>(c, a, blockIdx.x, blockIdx.y, gridDim.y, s_half, s_seq, a.shrink_mask != nullptr ? nullptr : s_mask);
+  if (s_ok) dispatch_recv_column<Net, kFp4, kLlThreads>(c, a, blockIdx.x, blockIdx.y, gridDim.y, s_half, s_seq, a.shrink_mask != nullptr ? nullptr : s_mask, column);
 }
 
 }  // namespace
@@ -650,8 +685,9 @@ template <class Net, bool kFp4, bool kLocal = false, bool kSplit = false>
 __global__ void __launch_bounds__(kSendThreads, 2) dispatch(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
   pdl_wait();  // one-launch forms: launched early (launch_pdl); wait for the kernel before, let the next one launch
   pdl_trigger();
+  __shared__ DispatchShared sh;
   if (!kLocal && phase == DEK_LL_PHASE_RECV) {
-    dispatch_recv<Net, kFp4>(c, a);
+    dispatch_recv<Net, kFp4>(c, a, sh.recv, sh.column);
     return;
   }
   uint32_t seq = 0;
@@ -662,14 +698,14 @@ __global__ void __launch_bounds__(kSendThreads, 2) dispatch(const __grid_constan
   LL_STAMP(0);
 #endif
   const int* mask = nullptr;
-  const bool sent = dispatch_send<Net, kFp4, kLocal, kSplit>(c, a, &seq, &mask);
+  const bool sent = dispatch_send<Net, kFp4, kLocal, kSplit>(c, a, &seq, &mask, sh.send);
   if (kLocal && sent) print_stamps(c, seq, true);  // the one-rank form ends at its send (blocks 0, 1, last print; no d2-d6)
   if (!sent || kLocal || phase != DEK_LL_PHASE_BOTH) return;
   if (a.shrink_mask != nullptr) mask = nullptr;  // a wait may mask a rank during the call: read it each time
   LL_STAMP(5);
   const int el = a.num_experts / c.num_ranks, blocks = static_cast<int>(gridDim.x), y_count = blocks > el ? blocks / el : 1;
   for (int col = blockIdx.x; col < el * y_count; col += blocks) {
-    if (!dispatch_recv_column<Net, kFp4, kSendThreads>(c, a, col % el, col / el, y_count, a.half, seq, mask)) return;
+    if (!dispatch_recv_column<Net, kFp4, kSendThreads>(c, a, col % el, col / el, y_count, a.half, seq, mask, sh.column)) return;
   }
   print_stamps(c, seq);
 }

@@ -268,7 +268,10 @@ __device__ __noinline__ void recv_logfmt_out_of_line(const Args& a, const char* 
 }
 
 // combine_recv_tokens' shared memory, declared at the scope of the kernel (`combine`) so that it
-// is that kernel's own (the reason: DispatchShared in ll_dispatch.cu).
+// is that kernel's own: that function is inlined by several kernels, and its function-scope
+// variables were one symbol across them (the reason: DispatchShared in ll_dispatch.cu). kRows:
+// kMaxLlTopk where kOwn reads `row`, else 1.
+template <int kRows>
 struct CombineRecvShared {
   int ok, npart, state[3];
   int live[kMaxLlRanks];  // ranks whose words arrived (their format words are checked)
@@ -277,7 +280,7 @@ struct CombineRecvShared {
   float w[kMaxLlTopk];
   int part[kMaxLlTopk];  // partial sums: the token's distinct expert ranks, ascending
   int dead[kMaxLlRanks];  // the rank mask, read once (no shrink mode: it cannot change during the call)
-  const char* row[kMaxLlTopk];  // kOwn: selection k's row
+  const char* row[kRows];  // kOwn: selection k's row
 };
 
 // Every block waits for all E words (partial: the R words d*E_l) of call `seq` on `half`, then
@@ -295,9 +298,9 @@ struct CombineRecvShared {
 // made (check_routing); a one-launch kernel's reads the dispatch's words (check_routing_direct).
 // Before the wait, warp 0 loads the block's first token's ids and weights (the caller's tensors),
 // and the format words are checked after the rows: neither is a latency between wait and rows.
-template <class Net, int kRowBatch = 4, bool kOwn = false, bool kState = false, int kLf = kLfGeneric>
+template <class Net, int kRowBatch = 4, bool kOwn = false, bool kState = false, int kLf = kLfGeneric, int kRows = 1>
 __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a, int half, uint32_t seq, bool partial, bool logfmt,
-                                                    CombineRecvShared& sh) {
+                                                    CombineRecvShared<kRows>& sh) {
   int &s_ok = sh.ok, &s_npart = sh.npart;
   int(&s_state)[3] = sh.state;
   int(&s_live)[kMaxLlRanks] = sh.live;
@@ -306,7 +309,7 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
   float(&s_w)[kMaxLlTopk] = sh.w;
   int(&s_part)[kMaxLlTopk] = sh.part;
   int(&s_dead)[kMaxLlRanks] = sh.dead;
-  const char*(&s_row)[kMaxLlTopk] = sh.row;
+  const char*(&s_row)[kRows] = sh.row;
   const int tid = threadIdx.x, R = c.num_ranks, El = a.num_experts / R, E = a.num_experts, T = a.num_max_tokens, H = a.hidden;
   const int K = a.num_topk;
   const bool snap = a.shrink_mask == nullptr;  // shrink mode: a wait may mask a rank, read the mask each time
@@ -486,8 +489,8 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
 // The receive launch: the call's half, number and format from recv_state (written by the send).
 // kLf: which LogFMT reduction the instantiation holds inline (kLfWide: the wide form, combine's
 // kLfRecv; kLfHalf: both forms, its kLfRecvHalf; kLfGeneric: none, the wide form out of line).
-template <class Net, int kLf = kLfGeneric>
-__device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a, CombineRecvShared& sh) {
+template <class Net, int kLf = kLfGeneric, int kRows = 1>
+__device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a, CombineRecvShared<kRows>& sh) {
   combine_recv_tokens<Net, 8, false, true, kLf>(c, a, 0, 0, false, false, sh);
 }
 

@@ -244,15 +244,6 @@ __device__ __forceinline__ bool combine_send_rows(const Ctx& c, const Args& a, i
   return ok;
 }
 
-// combine_send's and combine_send_partial's shared memory, declared at the scope of the kernel
-// (`combine`) so that it is that kernel's own (the reason: DispatchShared in ll_dispatch.cu).
-struct CombineSendShared {
-  uint32_t seq;
-  int skip, last, n, tok;
-  int64_t row[kMaxLlTopk];
-  float w[kMaxLlTopk];
-};
-
 // The per-expert combine send: block b of (E_l, R) blocks (the grid, or a 1-D one of E blocks)
 // takes item (b % E_l, b / E_l); with Args::signal_grid at most that many blocks, each taking
 // items l + E_l*s in turn; kSpread (a one-launch call): the items' rows spread over the grid's
@@ -262,9 +253,9 @@ struct CombineSendShared {
 // logfmt_spread (one launch: one_launch_logfmt_spread) choice made at compile time (each form's
 // instantiation holds only its own code).
 template <class Net, bool kSig, bool kSpread = false, bool kOwn = false, bool kWide = false, bool kLf = false, bool kLfSpread = false>
-__device__ __forceinline__ bool combine_send(const Ctx& c, const Args& a, uint32_t* seq, CombineSendShared& sh, LogfmtSendShared* lf = nullptr) {
-  uint32_t& s_seq = sh.seq;
-  int& s_skip = sh.skip;
+__device__ __forceinline__ bool combine_send(const Ctx& c, const Args& a, uint32_t* seq, LogfmtSendShared* lf = nullptr) {
+  __shared__ uint32_t s_seq;
+  __shared__ int s_skip;
   if (!begin_send(c, a, DEK_LL_KIND_COMBINE, &s_seq, &s_skip)) return false;
   *seq = s_seq;
   const int El = a.num_experts / c.num_ranks, lin = blockIdx.y * gridDim.x + blockIdx.x;
@@ -312,11 +303,11 @@ __device__ __forceinline__ bool combine_send(const Ctx& c, const Args& a, uint32
 // of at most 4 entries load 2 or 4 units per thread at once.
 // Returns false when the buffer timed out (nothing sent); *seq: the call's number.
 template <class Net, bool kSig, bool kWide>
-__device__ __forceinline__ bool combine_send_partial(const Ctx& c, const Args& a, uint32_t* seq, CombineSendShared& sh) {
-  uint32_t& s_seq = sh.seq;
-  int &s_skip = sh.skip, &s_last = sh.last, &s_n = sh.n, &s_tok = sh.tok;
-  int64_t(&s_row)[kMaxLlTopk] = sh.row;
-  float(&s_w)[kMaxLlTopk] = sh.w;
+__device__ __forceinline__ bool combine_send_partial(const Ctx& c, const Args& a, uint32_t* seq) {
+  __shared__ uint32_t s_seq;
+  __shared__ int s_skip, s_last, s_n, s_tok;
+  __shared__ int64_t s_row[kMaxLlTopk];
+  __shared__ float s_w[kMaxLlTopk];
   if (!begin_send(c, a, DEK_LL_KIND_COMBINE, &s_seq, &s_skip)) return false;
   *seq = s_seq;
   const int R = c.num_ranks, El = a.num_experts / R, T = a.num_max_tokens, H = a.hidden;
@@ -467,7 +458,7 @@ template <class Net, bool kSig, bool kBoth = false, bool kSpread = false, bool k
 __global__ void __launch_bounds__(kBoth && !kLfRecvHalf ? kLlThreads : kSig ? kLlThreads : kLfSend ? kLogfmtSendThreads : kReduceThreads,
                                   kBoth && !kLfRecvHalf ? kBothBlocksPerSm : kLfSend ? kLogfmtSpreadBlocksPerSm : 1)
     combine(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
-  __shared__ CombineRecvShared rsh;  // the kernel's own (CombineRecvShared)
+  __shared__ CombineRecvShared<kOwn ? kMaxLlTopk : 1> rsh;  // the kernel's own (CombineRecvShared)
   if (!kBoth && !kLfSend && (kLfRecv || kLfRecvHalf || phase == DEK_LL_PHASE_RECV)) {
     if constexpr (!kSig) combine_recv<Net, kLfRecv ? kLfWide : kLfRecvHalf ? kLfHalf : kLfGeneric>(c, a, rsh);
     return;
@@ -477,10 +468,9 @@ __global__ void __launch_bounds__(kBoth && !kLfRecvHalf ? kLlThreads : kSig ? kL
     __shared__ LogfmtSendShared s_lf[kBoth && kLfRecvHalf ? 2 : 1];  // one-launch LogFMT: one per half block
     lf = s_lf;
   }
-  __shared__ CombineSendShared ssh;
   uint32_t seq = 0;
   if constexpr (kLfSend) {
-    combine_send<Net, false, false, false, false, true, kSpread>(c, a, &seq, ssh, lf);
+    combine_send<Net, false, false, false, false, true, kSpread>(c, a, &seq, lf);
     return;
   }
   if constexpr (kBoth) {  // the one-launch forms are launched early (launch_pdl): wait for the kernel before
@@ -496,7 +486,7 @@ __global__ void __launch_bounds__(kBoth && !kLfRecvHalf ? kLlThreads : kSig ? kL
     // both forms inline (the half form where logfmt_narrow holds on this grid).
     // With kSpread the spread send (one_launch_logfmt_spread), an instantiation of its own: in the
     // per-item form's kernel it cost 1-8 tokens 0.2-0.3 µs (lf4, session 46).
-    if (combine_send<Net, false, false, false, true, true, kSpread>(c, a, &seq, ssh, lf)) {
+    if (combine_send<Net, false, false, false, true, true, kSpread>(c, a, &seq, lf)) {
       combine_recv_tokens<Net, 8, false, false, kLfHalf>(c, a, a.half, seq, false, true, rsh);
     }
     return;
@@ -508,18 +498,17 @@ __global__ void __launch_bounds__(kBoth && !kLfRecvHalf ? kLlThreads : kSig ? kL
   if constexpr (kSpread && !kLfRecvHalf) {
     // Rows only, an instantiation of its own (112 registers; the other one-launch paths keep their
     // code): its receive has every top-8 row's load in flight at once.
-    if (combine_send<Net, false, true>(c, a, &seq, ssh)) combine_recv_tokens<Net, 8>(c, a, a.half, seq, false, false, rsh);
+    if (combine_send<Net, false, true>(c, a, &seq)) combine_recv_tokens<Net, 8>(c, a, a.half, seq, false, false, rsh);
     return;
   }
   if constexpr (kOwn) {
     // Rows only, an instantiation of its own (140 registers: a top-8 token's 8 row loads at once; in the
     // shared kernel the own-rows code cost the partial combine 0.1-0.3 µs, session 31). Own rows: own_rows.
-    if (combine_send<Net, false, false, true, true>(c, a, &seq, ssh)) combine_recv_tokens<Net, 8, true>(c, a, a.half, seq, false, false, rsh);
+    if (combine_send<Net, false, false, true, true>(c, a, &seq)) combine_recv_tokens<Net, 8, true>(c, a, a.half, seq, false, false, rsh);
     return;
   }
   const bool partial = kBoth ? kPartial : a.partial != 0;
-  const bool sent =
-      partial ? combine_send_partial<Net, kSig, kBoth>(c, a, &seq, ssh) : combine_send<Net, kSig, false, false, kBoth>(c, a, &seq, ssh, lf);
+  const bool sent = partial ? combine_send_partial<Net, kSig, kBoth>(c, a, &seq) : combine_send<Net, kSig, false, false, kBoth>(c, a, &seq, lf);
   if (kBoth && sent) combine_recv_tokens<Net>(c, a, a.half, seq, partial, false, rsh);
 }
 

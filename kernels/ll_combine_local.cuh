@@ -66,9 +66,10 @@ __device__ __forceinline__ void partial_units(const Ctx& c, const Args& a, int u
 // partial sums, of its topk_weights) against the dispatch's the combine answers: routing words
 // id_word and w_word (kLlRouting; 0 = unknown, w_word < 0: no weights). Others would silently sum
 // the wrong rows or weights: reported (DEK_IC_ERR_LL_ROUTING, raised at the next call), as the CPU
-// backend raises at once.
-__device__ void check_routing_at(const Ctx& c, const Args& a, int id_word, int w_word) {
-  __shared__ unsigned long long s_fp[kReduceThreads / 32], s_fpw[kReduceThreads / 32];  // per-warp shares
+// backend raises at once. s_fp, s_fpw: kReduceThreads / 32 words each of the caller's kernel-scope
+// shared memory (the per-warp shares; a function-scope array here was one symbol across every
+// combine kernel, which the device link placed past all of their variables: CombineRecvShared).
+__device__ void check_routing_at(const Ctx& c, const Args& a, int id_word, int w_word, unsigned long long* s_fp, unsigned long long* s_fpw) {
   const uint64_t want = ld_volatile(at<uint64_t>(local(c), kLlRouting) + id_word);
   const uint64_t want_w = w_word < 0 ? 0 : ld_volatile(at<uint64_t>(local(c), kLlRouting) + w_word);
   if (want == 0) return;  // the same word for every thread: the branch is uniform
@@ -92,11 +93,13 @@ __device__ void check_routing_at(const Ctx& c, const Args& a, int id_word, int w
 
 // A two-launch combine receive's routing check: the copies its send kernel made (kLlRouting
 // [2 + half], [6 + half]).
-__device__ __forceinline__ void check_routing(const Ctx& c, const Args& a, int half) { check_routing_at(c, a, 2 + half, 6 + half); }
+__device__ __forceinline__ void check_routing(const Ctx& c, const Args& a, int half, unsigned long long* fp, unsigned long long* fpw) {
+  check_routing_at(c, a, 2 + half, 6 + half, fp, fpw);
+}
 // A one-launch combine's: the dispatch's words themselves (block 0 copies them in the same kernel,
 // with nothing ordering that store before another block's check).
-__device__ __forceinline__ void check_routing_direct(const Ctx& c, const Args& a) {
-  if (a.routing_half == 0 || a.routing_half == 1) check_routing_at(c, a, a.routing_half, a.partial ? 4 + a.routing_half : -1);
+__device__ __forceinline__ void check_routing_direct(const Ctx& c, const Args& a, unsigned long long* fp, unsigned long long* fpw) {
+  if (a.routing_half == 0 || a.routing_half == 1) check_routing_at(c, a, a.routing_half, a.partial ? 4 + a.routing_half : -1, fp, fpw);
 }
 
 // The row of y (l * R*T + row) holding token tok's selection of local expert l at one rank, or -1:
@@ -137,10 +140,11 @@ __device__ __forceinline__ void combine_local(const Ctx& c, const Args& a) {
   __shared__ int s_skip;
   __shared__ int64_t s_row[kMaxLlTopk];
   __shared__ float s_w[kMaxLlTopk];
+  __shared__ unsigned long long s_fp[kReduceThreads / 32], s_fpw[kReduceThreads / 32];  // check_routing_at's shares (one kernel inlines this)
   if (!begin_send(c, a, DEK_LL_KIND_COMBINE, &s_seq, &s_skip)) return;
   // The grid's last block checks the routing: the items end before it when N * P < the grid, so the
   // check (two passes over N * K entries with weights) is off the critical path.
-  if (blockIdx.x == gridDim.x - 1) check_routing_direct(c, a);
+  if (blockIdx.x == gridDim.x - 1) check_routing_direct(c, a, s_fp, s_fpw);
   const int tid = threadIdx.x, K = a.num_topk, E = a.num_experts, H = a.hidden, N = a.num_tokens;
   const int64_t RT = a.num_max_tokens, M = H + H / 128 * 2;
   const bool dead = rank_masked(a, 0);

@@ -281,6 +281,7 @@ struct CombineRecvShared {
   int part[kMaxLlTopk];  // partial sums: the token's distinct expert ranks, ascending
   int dead[kMaxLlRanks];  // the rank mask, read once (no shrink mode: it cannot change during the call)
   const char* row[kRows];  // kOwn: selection k's row
+  unsigned long long fp[kReduceThreads / 32], fpw[kReduceThreads / 32];  // check_routing_at's per-warp shares
 };
 
 // Every block waits for all E words (partial: the R words d*E_l) of call `seq` on `half`, then
@@ -375,8 +376,8 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
   __syncthreads();
   if (!s_ok) return;
   if (blockIdx.x == gridDim.x - 1) {  // with N * P < the grid it has no item
-    if (kState) check_routing(c, a, half);
-    else check_routing_direct(c, a);
+    if (kState) check_routing(c, a, half, sh.fp, sh.fpw);
+    else check_routing_direct(c, a, sh.fp, sh.fpw);
   }
   for (int d = tid; blockIdx.x == 0 && d < R && a.wait_stats != nullptr; d += blockDim.x) {
     atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + d), s_wait[d]);

@@ -385,15 +385,8 @@ __device__ __forceinline__ void encode_chunk_warp(const uint2 (&v)[kChunkGroups]
     if (g >= ng) continue;
     const Encoder e{__shfl_sync(0xffffffffu, me.step_inv, g), __shfl_sync(0xffffffffu, me.fused, g)};
     const uint64_t p = encode4(tq, e, v[g].x, v[g].y);
-    // Lane l's 40 bits go to bytes 5l..5l+4: a quad of lanes fills five words. Lane r of a quad
-    // writes word r (its neighbour r-1's bits from 40-8r on, then its own low bits), lane 3 word 4
-    // too: two shuffles and one or two word stores instead of five byte stores.
-    const uint32_t lo = static_cast<uint32_t>(p), hi = static_cast<uint32_t>(p >> 32);
-    const uint32_t plo = __shfl_up_sync(0xffffffffu, lo, 1), phi = __shfl_up_sync(0xffffffffu, hi, 1);
-    const int r = lane & 3;
-    uint32_t* const words = reinterpret_cast<uint32_t*>(pack + g * kCastGroupBytes) + 5 * (lane >> 2);
-    words[r] = (r == 0 ? 0u : __funnelshift_rc(plo, phi, 40 - 8 * r)) | lo << (8 * r);
-    if (r == 3) words[4] = __funnelshift_r(lo, hi, 8);
+#pragma unroll
+    for (int b = 0; b < 5; ++b) pack[g * kCastGroupBytes + 5 * lane + b] = static_cast<uint8_t>(p >> (8 * b));
   }
   __syncwarp();
   constexpr int kVecs = kCastGroupBytes / 16;  // 16-byte stores per group

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "ll_combine_local.cuh"
 #include "ll_combine_spread.cuh"
@@ -123,9 +124,24 @@ __device__ __forceinline__ void recv_logfmt_units(const Args& a, int tok, const 
 // spilled each right after its load (session 45).
 constexpr int kLogfmtPre = 4;
 static_assert(kMaxLlTopk * kLogfmtHalf <= kReduceThreads, "one thread per (selection, group) slot of a half pass");
-__device__ __forceinline__ void recv_logfmt_half(const Args& a, const char* recv, int tok, const int64_t* s_e, const float* s_w, int half) {
-  __shared__ float s_lamin[kMaxLlTopk][kLogfmtHalf], s_step[kMaxLlTopk][kLogfmtHalf];
-  __shared__ unsigned char s_cast[kMaxLlTopk][kLogfmtHalf];
+// The LogFMT receives' parameters: the narrow form's (half) and the window form's (wide), in the
+// inline forms' kernels declared at kernel scope (CombineRecvShared), in the out-of-line form by it.
+struct LogfmtRecvShared {
+  struct {
+    float lamin[kMaxLlTopk][kLogfmtHalf], step[kMaxLlTopk][kLogfmtHalf];
+    unsigned char cast[kMaxLlTopk][kLogfmtHalf];
+  } half;
+  struct {
+    float lamin[kMaxLlTopk][kLogfmtWindow], step[kMaxLlTopk][kLogfmtWindow];
+    unsigned char castable[kMaxLlTopk][kLogfmtWindow], cast[kMaxLlTopk][kLogfmtWindow];
+    const char* row[kMaxLlTopk];
+  } wide;
+};
+__device__ __forceinline__ void recv_logfmt_half(const Args& a, const char* recv, int tok, const int64_t* s_e, const float* s_w, int half,
+                                                 LogfmtRecvShared& sh) {
+  float(&s_lamin)[kMaxLlTopk][kLogfmtHalf] = sh.half.lamin;
+  float(&s_step)[kMaxLlTopk][kLogfmtHalf] = sh.half.step;
+  unsigned char(&s_cast)[kMaxLlTopk][kLogfmtHalf] = sh.half.cast;
   const int tid = threadIdx.x, K = a.num_topk, E = a.num_experts, T = a.num_max_tokens, H = a.hidden, S = H / 128;
   const int per_chunk = logfmt::chunk_channels(H) / 128;  // 4 or 8: divides kLogfmtHalf, so chunks start at slot runs
   const int base = half * kLogfmtHalf, ng = min(kLogfmtHalf, S - base);
@@ -215,10 +231,12 @@ __device__ __forceinline__ void recv_logfmt_half(const Args& a, const char* recv
 }
 
 __device__ __forceinline__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok, const int64_t* s_e, const float* s_w,
-                                                       int pass_lo, int pass_hi) {
-  __shared__ float s_lamin[kMaxLlTopk][kLogfmtWindow], s_step[kMaxLlTopk][kLogfmtWindow];
-  __shared__ unsigned char s_castable[kMaxLlTopk][kLogfmtWindow], s_cast[kMaxLlTopk][kLogfmtWindow];
-  __shared__ const char* s_row[kMaxLlTopk];
+                                                       int pass_lo, int pass_hi, LogfmtRecvShared& sh) {
+  float(&s_lamin)[kMaxLlTopk][kLogfmtWindow] = sh.wide.lamin;
+  float(&s_step)[kMaxLlTopk][kLogfmtWindow] = sh.wide.step;
+  unsigned char(&s_castable)[kMaxLlTopk][kLogfmtWindow] = sh.wide.castable;
+  unsigned char(&s_cast)[kMaxLlTopk][kLogfmtWindow] = sh.wide.cast;
+  const char*(&s_row)[kMaxLlTopk] = sh.wide.row;
   const int tid = threadIdx.x, K = a.num_topk, E = a.num_experts, T = a.num_max_tokens, H = a.hidden, S = H / 128;
   const int per_chunk = logfmt::chunk_channels(H) / 128;  // divides 16: windows and passes start at chunk starts
   const int g_lo = pass_lo * kLogfmtPass, g_hi = min(S, pass_hi * kLogfmtPass);
@@ -264,14 +282,17 @@ __device__ __forceinline__ void ll_combine_recv_logfmt(const Args& a, const char
 // cost the hook step's receive 0.16 µs, session 44).
 __device__ __noinline__ void recv_logfmt_out_of_line(const Args& a, const char* recv, int tok, const int64_t* s_e, const float* s_w,
                                                      int pass_lo, int pass_hi) {
-  ll_combine_recv_logfmt(a, recv, tok, s_e, s_w, pass_lo, pass_hi);
+  __shared__ LogfmtRecvShared s_lf;  // one symbol for every kernel calling this function (cold paths)
+  ll_combine_recv_logfmt(a, recv, tok, s_e, s_w, pass_lo, pass_hi, s_lf);
 }
 
 // combine_recv_tokens' shared memory, declared at the scope of the kernel (`combine`) so that it
 // is that kernel's own: that function is inlined by several kernels, and its function-scope
 // variables were one symbol across them (the reason: DispatchShared in ll_dispatch.cu). kRows:
-// kMaxLlTopk where kOwn reads `row`, else 1.
-template <int kRows>
+// kMaxLlTopk where kOwn reads `row`, else 1. kLfInline: the kernel holds a LogFMT receive inline
+// (its parameters `lf`).
+struct NoLogfmtRecvShared {};
+template <int kRows, bool kLfInline = false>
 struct CombineRecvShared {
   int ok, npart, state[3];
   int live[kMaxLlRanks];  // ranks whose words arrived (their format words are checked)
@@ -282,6 +303,7 @@ struct CombineRecvShared {
   int dead[kMaxLlRanks];  // the rank mask, read once (no shrink mode: it cannot change during the call)
   const char* row[kRows];  // kOwn: selection k's row
   unsigned long long fp[kReduceThreads / 32], fpw[kReduceThreads / 32];  // check_routing_at's per-warp shares
+  std::conditional_t<kLfInline, LogfmtRecvShared, NoLogfmtRecvShared> lf;
 };
 
 // Every block waits for all E words (partial: the R words d*E_l) of call `seq` on `half`, then
@@ -299,9 +321,10 @@ struct CombineRecvShared {
 // made (check_routing); a one-launch kernel's reads the dispatch's words (check_routing_direct).
 // Before the wait, warp 0 loads the block's first token's ids and weights (the caller's tensors),
 // and the format words are checked after the rows: neither is a latency between wait and rows.
-template <class Net, int kRowBatch = 4, bool kOwn = false, bool kState = false, int kLf = kLfGeneric, int kRows = 1>
+template <class Net, int kRowBatch = 4, bool kOwn = false, bool kState = false, int kLf = kLfGeneric, int kRows = 1, bool kLfInline = false>
 __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a, int half, uint32_t seq, bool partial, bool logfmt,
-                                                    CombineRecvShared<kRows>& sh) {
+                                                    CombineRecvShared<kRows, kLfInline>& sh) {
+  static_assert(kLf == kLfGeneric || kLfInline, "an inline LogFMT receive needs its parameters' memory");
   int &s_ok = sh.ok, &s_npart = sh.npart;
   int(&s_state)[3] = sh.state;
   int(&s_live)[kMaxLlRanks] = sh.live;
@@ -442,10 +465,12 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
     }
     if (logfmt) {
       const int np = narrow ? halves : passes, lo = (item % P) * np / P, hi = (item % P + 1) * np / P;
-      if (kLf == kLfHalf && narrow) {
-        recv_logfmt_half(a, recv, tok, s_e, s_w, lo);  // lo = item % P: one half pass (P = np = halves)
-      } else if constexpr (kLf != kLfGeneric) {
-        ll_combine_recv_logfmt(a, recv, tok, s_e, s_w, lo, hi);  // inline: a call here made the kernel spill around its waits
+      if constexpr (kLf != kLfGeneric) {
+        if (kLf == kLfHalf && narrow) {
+          recv_logfmt_half(a, recv, tok, s_e, s_w, lo, sh.lf);  // lo = item % P: one half pass (P = np = halves)
+        } else {
+          ll_combine_recv_logfmt(a, recv, tok, s_e, s_w, lo, hi, sh.lf);  // inline: a call here made the kernel spill around its waits
+        }
       } else {
         recv_logfmt_out_of_line(a, recv, tok, s_e, s_w, lo, hi);
       }
@@ -490,8 +515,8 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
 // The receive launch: the call's half, number and format from recv_state (written by the send).
 // kLf: which LogFMT reduction the instantiation holds inline (kLfWide: the wide form, combine's
 // kLfRecv; kLfHalf: both forms, its kLfRecvHalf; kLfGeneric: none, the wide form out of line).
-template <class Net, int kLf = kLfGeneric, int kRows = 1>
-__device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a, CombineRecvShared<kRows>& sh) {
+template <class Net, int kLf = kLfGeneric, int kRows = 1, bool kLfInline = false>
+__device__ __forceinline__ void combine_recv(const Ctx& c, const Args& a, CombineRecvShared<kRows, kLfInline>& sh) {
   combine_recv_tokens<Net, 8, false, true, kLf>(c, a, 0, 0, false, false, sh);
 }
 

@@ -70,7 +70,10 @@ __device__ __forceinline__ int spread_find(const int* pre, int n, int64_t r) {
 // the same signals as the per-item sends (combine_send_rows, ll_combine_send_logfmt).
 // kMaxItems: the most items (E) the scan holds; the launcher keeps E within it (the one-launch
 // LogFMT kernel's 512: its static shared memory has room for no more, kOneLaunchSpreadItems).
-template <class Net, int kMaxItems = kMaxLlExperts, class Body>
+// kTag: callers that different kernels inline pass different tags, so that the scan's function-scope
+// arrays are a symbol of their own in each (one symbol shared by several kernels is placed past all
+// of their variables by the device link: bench/NOTES.md session 48).
+template <class Net, int kMaxItems = kMaxLlExperts, int kTag = 0, class Body>
 __device__ __forceinline__ void spread_rows(const Ctx& c, const Args& a, uint32_t seq, int unit, bool logfmt, Body body) {
   __shared__ int s_pre[kMaxItems + 1];  // rows of the items before item i
   __shared__ int s_warp[kMaxSpreadWarps];

@@ -147,8 +147,9 @@ constexpr int kOneLaunchSpreadItems = 512;
 // by NVLink stores, at the places ll_combine_send_logfmt writes for a peer inside the domain.
 // sh: the kernel's send areas. kHalves (the one-launch LogFMT combine's 512-thread blocks, their
 // tables filled before): warp w packs in its half's area, sh[w / kLogfmtSendWarps], and the scan
-// holds kOneLaunchSpreadItems items.
-template <class Net, bool kHalves = false>
+// holds kOneLaunchSpreadItems items. kTag: spread_rows' (1 in the LogFMT send kernel, 0 in the
+// general send kernels that take this form at run time).
+template <class Net, bool kHalves = false, int kTag = 0>
 __device__ void combine_send_logfmt_spread(const Ctx& c, const Args& a, uint32_t seq, LogfmtSendShared* sh) {
   constexpr int kMaxItems = kHalves ? kOneLaunchSpreadItems : kMaxLlExperts;
   if constexpr (!kHalves) logfmt_fill_table(*sh);
@@ -158,7 +159,7 @@ __device__ void combine_send_logfmt_spread(const Ctx& c, const Args& a, uint32_t
   const int R = c.num_ranks, El = a.num_experts / R, T = a.num_max_tokens, H = a.hidden;
   const int64_t RT = static_cast<int64_t>(R) * T;
   const int chunk = logfmt::chunk_channels(H);
-  spread_rows<Net, kMaxItems>(c, a, seq, chunk, true, [&](int l, int s, int64_t row, int tok, int c0, int c1) {
+  spread_rows<Net, kMaxItems, kTag>(c, a, seq, chunk, true, [&](int l, int s, int64_t row, int tok, int c0, int c1) {
     const LogfmtRow at_row = logfmt_row_at(a, static_cast<uint64_t>(c.rank) * El + l, tok);
     char* const dst = window(c, s);
     for (int k = c0; k < c1; k += chunk) {
@@ -283,7 +284,7 @@ __device__ __forceinline__ bool combine_send(const Ctx& c, const Args& a, uint32
     }
     __syncthreads();  // both halves' items before the block counts itself done
   } else if (!kNvlOnly<Net> && !kOwn && !kWide && (kLf ? kLfSpread : logfmt_spread(a))) {
-    combine_send_logfmt_spread<Net>(c, a, s_seq, lf);  // a 1-D grid (the launcher's, as it chose this form)
+    combine_send_logfmt_spread<Net, false, kLf ? 1 : 0>(c, a, s_seq, lf);  // a 1-D grid (the launcher's, as it chose this form)
   } else {
     // E blocks: one item each; blocks past E (the kOwn kernel's wider grid) only receive.
     if (!kOwn || lin < El * c.num_ranks) combine_send_rows<Net, false, kOwn, kWide, kLf>(c, a, lin % El, lin / El, s_seq, lf);

@@ -230,13 +230,13 @@ __device__ __forceinline__ void recv_logfmt_half(const Args& a, const char* recv
   __syncthreads();  // the parameters are rewritten by the next item (and s_e / s_w by the next token)
 }
 
+// The window form's parameters are arrays of the caller's: the fields of LogfmtRecvShared::wide, or
+// arrays of their own (the wide receive kernel's; the out-of-line form's).
 __device__ __forceinline__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok, const int64_t* s_e, const float* s_w,
-                                                       int pass_lo, int pass_hi, LogfmtRecvShared& sh) {
-  float(&s_lamin)[kMaxLlTopk][kLogfmtWindow] = sh.wide.lamin;
-  float(&s_step)[kMaxLlTopk][kLogfmtWindow] = sh.wide.step;
-  unsigned char(&s_castable)[kMaxLlTopk][kLogfmtWindow] = sh.wide.castable;
-  unsigned char(&s_cast)[kMaxLlTopk][kLogfmtWindow] = sh.wide.cast;
-  const char*(&s_row)[kMaxLlTopk] = sh.wide.row;
+                                                       int pass_lo, int pass_hi, float (&s_lamin)[kMaxLlTopk][kLogfmtWindow],
+                                                       float (&s_step)[kMaxLlTopk][kLogfmtWindow],
+                                                       unsigned char (&s_castable)[kMaxLlTopk][kLogfmtWindow],
+                                                       unsigned char (&s_cast)[kMaxLlTopk][kLogfmtWindow], const char* (&s_row)[kMaxLlTopk]) {
   const int tid = threadIdx.x, K = a.num_topk, E = a.num_experts, T = a.num_max_tokens, H = a.hidden, S = H / 128;
   const int per_chunk = logfmt::chunk_channels(H) / 128;  // divides 16: windows and passes start at chunk starts
   const int g_lo = pass_lo * kLogfmtPass, g_hi = min(S, pass_hi * kLogfmtPass);
@@ -282,15 +282,18 @@ __device__ __forceinline__ void ll_combine_recv_logfmt(const Args& a, const char
 // cost the hook step's receive 0.16 µs, session 44).
 __device__ __noinline__ void recv_logfmt_out_of_line(const Args& a, const char* recv, int tok, const int64_t* s_e, const float* s_w,
                                                      int pass_lo, int pass_hi) {
-  __shared__ LogfmtRecvShared s_lf;  // one symbol for every kernel calling this function (cold paths)
-  ll_combine_recv_logfmt(a, recv, tok, s_e, s_w, pass_lo, pass_hi, s_lf);
+  // One symbol for every kernel calling this function (cold paths).
+  __shared__ float s_lamin[kMaxLlTopk][kLogfmtWindow], s_step[kMaxLlTopk][kLogfmtWindow];
+  __shared__ unsigned char s_castable[kMaxLlTopk][kLogfmtWindow], s_cast[kMaxLlTopk][kLogfmtWindow];
+  __shared__ const char* s_row[kMaxLlTopk];
+  ll_combine_recv_logfmt(a, recv, tok, s_e, s_w, pass_lo, pass_hi, s_lamin, s_step, s_castable, s_cast, s_row);
 }
 
 // combine_recv_tokens' shared memory, declared at the scope of the kernel (`combine`) so that it
 // is that kernel's own: that function is inlined by several kernels, and its function-scope
 // variables were one symbol across them (the reason: DispatchShared in ll_dispatch.cu). kRows:
-// kMaxLlTopk where kOwn reads `row`, else 1. kLfInline: the kernel holds a LogFMT receive inline
-// (its parameters `lf`).
+// kMaxLlTopk where kOwn reads `row`, else 1. kLfInline: the kernel holds both LogFMT receive forms
+// inline (kLfHalf; their parameters `lf`).
 struct NoLogfmtRecvShared {};
 template <int kRows, bool kLfInline = false>
 struct CombineRecvShared {
@@ -324,7 +327,7 @@ struct CombineRecvShared {
 template <class Net, int kRowBatch = 4, bool kOwn = false, bool kState = false, int kLf = kLfGeneric, int kRows = 1, bool kLfInline = false>
 __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a, int half, uint32_t seq, bool partial, bool logfmt,
                                                     CombineRecvShared<kRows, kLfInline>& sh) {
-  static_assert(kLf == kLfGeneric || kLfInline, "an inline LogFMT receive needs its parameters' memory");
+  static_assert(kLf != kLfHalf || kLfInline, "the inline LogFMT receive forms need their parameters' memory");
   int &s_ok = sh.ok, &s_npart = sh.npart;
   int(&s_state)[3] = sh.state;
   int(&s_live)[kMaxLlRanks] = sh.live;
@@ -465,12 +468,21 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
     }
     if (logfmt) {
       const int np = narrow ? halves : passes, lo = (item % P) * np / P, hi = (item % P + 1) * np / P;
-      if constexpr (kLf != kLfGeneric) {
-        if (kLf == kLfHalf && narrow) {
+      if constexpr (kLf == kLfHalf) {
+        auto& w = sh.lf.wide;
+        if (narrow) {
           recv_logfmt_half(a, recv, tok, s_e, s_w, lo, sh.lf);  // lo = item % P: one half pass (P = np = halves)
         } else {
-          ll_combine_recv_logfmt(a, recv, tok, s_e, s_w, lo, hi, sh.lf);  // inline: a call here made the kernel spill around its waits
+          ll_combine_recv_logfmt(a, recv, tok, s_e, s_w, lo, hi, w.lamin, w.step, w.castable, w.cast, w.row);
         }
+      } else if constexpr (kLf == kLfWide) {
+        // Inline (a call here made the kernel spill around its waits), its parameters in arrays of this
+        // instantiation's own (the wide receive kernel's alone): in one struct its code kept 8 bytes on
+        // the stack and the 128-token cast receive read +0.2 to +0.4 µs (bench/NOTES.md session 48).
+        __shared__ float s_lamin[kMaxLlTopk][kLogfmtWindow], s_step[kMaxLlTopk][kLogfmtWindow];
+        __shared__ unsigned char s_castable[kMaxLlTopk][kLogfmtWindow], s_cast[kMaxLlTopk][kLogfmtWindow];
+        __shared__ const char* s_lrow[kMaxLlTopk];
+        ll_combine_recv_logfmt(a, recv, tok, s_e, s_w, lo, hi, s_lamin, s_step, s_castable, s_cast, s_lrow);
       } else {
         recv_logfmt_out_of_line(a, recv, tok, s_e, s_w, lo, hi);
       }

@@ -459,7 +459,7 @@ template <class Net, bool kSig, bool kBoth = false, bool kSpread = false, bool k
 __global__ void __launch_bounds__(kBoth && !kLfRecvHalf ? kLlThreads : kSig ? kLlThreads : kLfSend ? kLogfmtSendThreads : kReduceThreads,
                                   kBoth && !kLfRecvHalf ? kBothBlocksPerSm : kLfSend ? kLogfmtSpreadBlocksPerSm : 1)
     combine(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
-  __shared__ CombineRecvShared<kOwn ? kMaxLlTopk : 1, kLfRecv || kLfRecvHalf> rsh;  // the kernel's own (CombineRecvShared)
+  __shared__ CombineRecvShared<kOwn ? kMaxLlTopk : 1, kLfRecvHalf> rsh;  // the kernel's own (CombineRecvShared)
   if (!kBoth && !kLfSend && (kLfRecv || kLfRecvHalf || phase == DEK_LL_PHASE_RECV)) {
     if constexpr (!kSig) combine_recv<Net, kLfRecv ? kLfWide : kLfRecvHalf ? kLfHalf : kLfGeneric>(c, a, rsh);
     return;

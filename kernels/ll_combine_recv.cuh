@@ -477,8 +477,8 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
         }
       } else if constexpr (kLf == kLfWide) {
         // Inline (a call here made the kernel spill around its waits), its parameters in arrays of this
-        // instantiation's own (the wide receive kernel's alone): in one struct its code kept 8 bytes on
-        // the stack and the 128-token cast receive read +0.2 to +0.4 µs (bench/NOTES.md session 48).
+        // instantiation's own (the wide receive kernel's alone): with them in one struct ptxas kept 8
+        // bytes of this kernel on the stack (bench/NOTES.md session 48).
         __shared__ float s_lamin[kMaxLlTopk][kLogfmtWindow], s_step[kMaxLlTopk][kLogfmtWindow];
         __shared__ unsigned char s_castable[kMaxLlTopk][kLogfmtWindow], s_cast[kMaxLlTopk][kLogfmtWindow];
         __shared__ const char* s_lrow[kMaxLlTopk];

@@ -124,8 +124,9 @@ __device__ __forceinline__ void recv_logfmt_units(const Args& a, int tok, const 
 // spilled each right after its load (session 45).
 constexpr int kLogfmtPre = 4;
 static_assert(kMaxLlTopk * kLogfmtHalf <= kReduceThreads, "one thread per (selection, group) slot of a half pass");
-// The LogFMT receives' parameters: the narrow form's (half) and the window form's (wide), in the
-// inline forms' kernels declared at kernel scope (CombineRecvShared), in the out-of-line form by it.
+// The LogFMT receives' parameters: the narrow form's (half) and the window form's (wide), part of
+// the CombineRecvShared of the kernels that hold both forms inline (kLfHalf). The wide receive
+// kernel (kLfWide) and the out-of-line form keep arrays of their own (ll_combine_recv_logfmt).
 struct LogfmtRecvShared {
   struct {
     float lamin[kMaxLlTopk][kLogfmtHalf], step[kMaxLlTopk][kLogfmtHalf];

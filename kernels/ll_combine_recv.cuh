@@ -281,13 +281,19 @@ __device__ __forceinline__ void ll_combine_recv_logfmt(const Args& a, const char
 // wrong format hint, overlap or seam calls. Out of line, so that its registers stay apart from the
 // BF16 / partial rows' (inline, the window form spilled 20 bytes in the shared NvlNet kernel and
 // cost the hook step's receive 0.16 µs, session 44).
-__device__ __noinline__ void recv_logfmt_out_of_line(const Args& a, const char* recv, int tok, const int64_t* s_e, const float* s_w,
-                                                     int pass_lo, int pass_hi) {
-  // One symbol for every kernel calling this function (cold paths).
+// The window form with parameter arrays of its own, one set per kOwner (each instantiation's arrays
+// are symbols of their own): kOwner 0 the out-of-line form's, 1 the wide receive kernel's.
+template <int kOwner>
+__device__ __forceinline__ void recv_logfmt_own_arrays(const Args& a, const char* recv, int tok, const int64_t* s_e, const float* s_w,
+                                                       int pass_lo, int pass_hi) {
   __shared__ float s_lamin[kMaxLlTopk][kLogfmtWindow], s_step[kMaxLlTopk][kLogfmtWindow];
   __shared__ unsigned char s_castable[kMaxLlTopk][kLogfmtWindow], s_cast[kMaxLlTopk][kLogfmtWindow];
   __shared__ const char* s_row[kMaxLlTopk];
   ll_combine_recv_logfmt(a, recv, tok, s_e, s_w, pass_lo, pass_hi, s_lamin, s_step, s_castable, s_cast, s_row);
+}
+__device__ __noinline__ void recv_logfmt_out_of_line(const Args& a, const char* recv, int tok, const int64_t* s_e, const float* s_w,
+                                                     int pass_lo, int pass_hi) {
+  recv_logfmt_own_arrays<0>(a, recv, tok, s_e, s_w, pass_lo, pass_hi);  // one symbol for every kernel calling this function (cold paths)
 }
 
 // combine_recv_tokens' shared memory, declared at the scope of the kernel (`combine`) so that it
@@ -477,13 +483,10 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
           ll_combine_recv_logfmt(a, recv, tok, s_e, s_w, lo, hi, w.lamin, w.step, w.castable, w.cast, w.row);
         }
       } else if constexpr (kLf == kLfWide) {
-        // Inline (a call here made the kernel spill around its waits), its parameters in arrays of this
-        // instantiation's own (the wide receive kernel's alone): with them in one struct ptxas kept 8
-        // bytes of this kernel on the stack (bench/NOTES.md session 48).
-        __shared__ float s_lamin[kMaxLlTopk][kLogfmtWindow], s_step[kMaxLlTopk][kLogfmtWindow];
-        __shared__ unsigned char s_castable[kMaxLlTopk][kLogfmtWindow], s_cast[kMaxLlTopk][kLogfmtWindow];
-        __shared__ const char* s_lrow[kMaxLlTopk];
-        ll_combine_recv_logfmt(a, recv, tok, s_e, s_w, lo, hi, s_lamin, s_step, s_castable, s_cast, s_lrow);
+        // Inline (a call here made the kernel spill around its waits), its parameters in arrays of its
+        // own (the wide receive kernel's alone): with them in one struct ptxas kept 8 bytes of this
+        // kernel on the stack (bench/NOTES.md session 48).
+        recv_logfmt_own_arrays<1>(a, recv, tok, s_e, s_w, lo, hi);
       } else {
         recv_logfmt_out_of_line(a, recv, tok, s_e, s_w, lo, hi);
       }

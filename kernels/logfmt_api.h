@@ -8,6 +8,13 @@
 
 #include <stdint.h>
 
+/* The LogFMT combine's forms, which the host and the kernels choose alike: from DEK_LL_LOGFMT_SPREAD_FROM
+ * selections (N*K of the handle's dispatch) its send spreads the rows over every warp of the grid (below: a
+ * block per (expert, rank) item); the one-launch spread form takes at most DEK_LL_LOGFMT_ONE_LAUNCH_SPREAD_EXPERTS
+ * experts (its scan's items, in static shared memory). */
+#define DEK_LL_LOGFMT_SPREAD_FROM 256
+#define DEK_LL_LOGFMT_ONE_LAUNCH_SPREAD_EXPERTS 512
+
 #ifdef __cplusplus
 extern "C" {
 #endif

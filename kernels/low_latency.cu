@@ -140,7 +140,7 @@ __device__ bool ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l
 // the scan sized for every expert (2048) the kernel's static shared memory came to 55,200 bytes,
 // over the 48 KB a static allocation may take (session 46, lf4). Above it that kernel's calls
 // send per item (one_launch_logfmt_spread).
-constexpr int kOneLaunchSpreadItems = 512;
+constexpr int kOneLaunchSpreadItems = DEK_LL_LOGFMT_ONE_LAUNCH_SPREAD_EXPERTS;
 
 // The LogFMT send with its rows spread over the grid's warps (spread_rows; the launcher's choice,
 // logfmt_spread): per run of a row, each chunk loaded and encoded into the LogFMT layout of rank s

@@ -165,7 +165,7 @@ __host__ __device__ __forceinline__ int64_t ll_selections(const Args& a) { retur
 // 32 tokens and -20 at 128; on raw chunks (amax >= 1) +3 and +4 (not measured apart: the scan,
 // the completion counters, the store order). Not with overlap signals or a seam. Launcher and kernel
 // decide alike.
-constexpr int64_t kLogfmtSpreadFrom = 256;
+constexpr int64_t kLogfmtSpreadFrom = DEK_LL_LOGFMT_SPREAD_FROM;
 constexpr int kLogfmtSpreadBlocksPerSm = 2;  // 256 threads at the kernel's 128 registers: the SM's register file
 __host__ __device__ __forceinline__ bool logfmt_spread(const Args& a) {
   return (a.flags & DEK_LL_FLAG_LOGFMT) != 0 && a.signal == nullptr && a.net == nullptr && ll_selections(a) >= kLogfmtSpreadFrom;

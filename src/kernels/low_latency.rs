@@ -23,6 +23,17 @@ pub const KIND_COMBINE: i32 = DEK_LL_KIND_COMBINE as i32;
 /// Most tokens per rank the LL kernels take: a tag's count field holds count + 1 below `0xffff`,
 /// the mark of an abandoned call.
 pub const MAX_TOKENS: usize = DEK_LL_MAX_TOKENS as usize;
+/// Combine `recv_state` flag: partial sums were sent (`DEK_LL_FLAG_PARTIAL`).
+pub const FLAG_PARTIAL: i32 = DEK_LL_FLAG_PARTIAL as i32;
+/// Combine `recv_state` flag: rows travel as LogFMT-10 (`DEK_LL_FLAG_LOGFMT`; the CPU backend's
+/// `FLAG_LOGFMT`).
+pub const FLAG_LOGFMT: i32 = DEK_LL_FLAG_LOGFMT as i32;
+/// Selections (N·K of the handle's dispatch) from which the LogFMT combine send spreads its rows
+/// over every warp of the grid (`DEK_LL_LOGFMT_SPREAD_FROM`, the kernels' `kLogfmtSpreadFrom`).
+pub const LOGFMT_SPREAD_FROM: i64 = DEK_LL_LOGFMT_SPREAD_FROM as i64;
+/// Most experts of the one-launch spread LogFMT combine (`DEK_LL_LOGFMT_ONE_LAUNCH_SPREAD_EXPERTS`,
+/// the kernels' `kOneLaunchSpreadItems`: its scan's items in static shared memory).
+pub const LOGFMT_ONE_LAUNCH_SPREAD_EXPERTS: usize = DEK_LL_LOGFMT_ONE_LAUNCH_SPREAD_EXPERTS as usize;
 
 /// `dek_ll_args_t`: one struct for the five LL launches (unused fields null / 0).
 pub type LlArgs = dek_ll_args_t;

@@ -52,7 +52,7 @@ use crate::config::BUFFER_ALIGNMENT;
 use crate::error::{Error, Result};
 use crate::kernels::host_mask::SHRINK_WORD;
 use crate::kernels::intranode::{self, err, site, CONTROL_BYTES};
-use crate::kernels::low_latency::{self as k, LlArgs};
+use crate::kernels::low_latency::{self as k, LlArgs, FLAG_LOGFMT, FLAG_PARTIAL, LOGFMT_ONE_LAUNCH_SPREAD_EXPERTS, LOGFMT_SPREAD_FROM};
 use crate::op_names::{
     CLEAN_LOW_LATENCY_BUFFER as OP_CLEAN, GET_NEXT_LOW_LATENCY_COMBINE_BUFFER as OP_NEXT, LOW_LATENCY_COMBINE as OP_COMBINE,
     LOW_LATENCY_DISPATCH as OP_DISPATCH,
@@ -61,21 +61,12 @@ use crate::tensor::{DType, TensorRef};
 
 // The kernels refuse what the backends' one check lets through otherwise.
 const _: () = assert!(crate::backend::low_latency::LL_MAX_TOKENS == k::MAX_TOKENS);
-/// Combine `recv_state` flag: partial sums were sent (`DEK_LL_FLAG_PARTIAL`).
-const FLAG_PARTIAL: i32 = 32;
-/// Combine `recv_state` flag: rows travel as LogFMT-10 (`DEK_LL_FLAG_LOGFMT`; the CPU
-/// backend's `FLAG_LOGFMT`).
-const FLAG_LOGFMT: i32 = 8;
 /// Below this many selections (N·K of the handle's dispatch) a LogFMT combine without overlap or
 /// seam runs as one launch (`dek_ll_combine`): below [`LOGFMT_SPREAD_FROM`] its send takes an item
 /// per half block, from there it spreads the rows over the grid's warps, where the kernel's scan
 /// holds every expert ([`LOGFMT_ONE_LAUNCH_SPREAD_EXPERTS`]; more: two launches, as the per-item
 /// send's heaviest item set the cast encode's time there, bench/NOTES.md session 46).
 const LOGFMT_ONE_LAUNCH_BELOW: i64 = 512;
-/// The spread LogFMT send's first selection count (`kLogfmtSpreadFrom`, kernels/low_latency.cuh).
-const LOGFMT_SPREAD_FROM: i64 = 256;
-/// Most experts of the one-launch spread LogFMT send (`kOneLaunchSpreadItems`, kernels/low_latency.cu).
-const LOGFMT_ONE_LAUNCH_SPREAD_EXPERTS: usize = 512;
 /// Whether a LogFMT combine of `selections` (N·K) over `num_experts` takes the one-launch form, where
 /// the call allows one (no overlap signal, seam or zero-copy; one rank per GPU).
 fn logfmt_one_launch(selections: i64, num_experts: usize) -> bool {

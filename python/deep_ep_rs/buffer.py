@@ -89,6 +89,10 @@ _CACHED_DISPATCH = _direct("cached_dispatch")
 _COMBINE = _direct("combine")
 
 
+def _received() -> None:
+    """The receive hook of a one-rank low-latency call whose send ran the whole op: nothing to wait for."""
+
+
 def _no_autograd(*tensors):
     """Skips the op's (Python) autograd kernel when no input needs a gradient, as in inference
     and under no_grad: the op then costs no Python round trip in torch's dispatcher. Under
@@ -196,6 +200,12 @@ class Buffer:
         self._num_rdma_ranks = max(1, self.group_size // d) if self.group_size > d else 1
         if self.enable_shrink:
             ops.low_latency_set_shrink(self._handle, True)
+        # One rank on a GPU backend: a low-latency receive has nothing to wait for, so a call with
+        # return_recv_hook=True runs the whole op (the one-rank form: one launch writing the outputs)
+        # and returns a hook with nothing left to do (_received). DeepEP's contract holds: the
+        # outputs are valid once the hook has run (here: already when the call returns).
+        self._ll_whole_hook = self.group_size == 1 and int(ops.buffer_info(self._handle)[6]) != 0 \
+            and os.environ.get("DEEP_EP_TEST_HOOK_WHOLE", "1") != "0"
         self._comm_stream = torch.cuda.Stream(device=self.device, priority=-1) if self.device.type == "cuda" else None
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -543,7 +553,7 @@ class Buffer:
         t, e = num_max_dispatch_tokens_per_rank, num_experts
         if not use_nvfp4:
             x_global_scale = None  # DeepEP's forks ignore it then; the op refuses a scale without NVFP4
-        if return_recv_hook:
+        if return_recv_hook and not self._ll_whole_hook:
             recv_x, scales, count, src_info, layout_range, state = ops.low_latency_dispatch_send(
                 self.handle, x, topk_idx, topk_weights, t, e, use_fp8, round_scale, use_ue8m0, num_tokens, use_nvfp4,
                 x_global_scale)
@@ -553,7 +563,7 @@ class Buffer:
                                               cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, t, e, use_fp8,
                                               round_scale, use_ue8m0, use_nvfp4)
         else:
-            hook = None
+            hook = _received if return_recv_hook else None
             op = ops.low_latency_dispatch if _is_compiling() else _LL_DISPATCH
             # Trailing arguments at their schema defaults are left out: each costs ~0.15-0.6 µs to cross.
             tail = (num_tokens, use_nvfp4, x_global_scale) if use_nvfp4 else () if num_tokens is None else (num_tokens,)
@@ -595,7 +605,8 @@ class Buffer:
             ov = _overlap_args(self.device, self.group_size, handle, packed_recv_count, comp_signal, block_m, threshold, num_sms,
                                src_signals, src_signal_expect_value)
         src_info, layout_range, t, hidden, e = handle
-        if return_recv_hook:
+        # With overlap the send waits for the producer's signals: the hook stays apart there.
+        if return_recv_hook and not (self._ll_whole_hook and not overlap):
             if out is None:
                 out = torch.empty((topk_idx.size(0), hidden), dtype=torch.bfloat16, device=x.device)
             state = ops.low_latency_combine_send(self.handle, x, src_info, layout_range, t, e, use_logfmt, zero_copy, *ov)
@@ -604,7 +615,7 @@ class Buffer:
                 ops.low_latency_combine_recv(self.handle, state, topk_idx, topk_weights, out, combine_wait_recv_cost_stats, t,
                                              hidden, e, num_tokens)
         else:
-            hook = None
+            hook = _received if return_recv_hook else None
             # Trailing arguments at their schema defaults are left out (as in low_latency_dispatch).
             tail = (num_tokens, *ov) if overlap else () if num_tokens is None else (num_tokens,)
             if out is None:

@@ -70,7 +70,11 @@ const LOGFMT_ONE_LAUNCH_BELOW: i64 = 512;
 /// Whether a LogFMT combine of `selections` (N·K) over `num_experts` takes the one-launch form, where
 /// the call allows one (no overlap signal, seam or zero-copy; one rank per GPU).
 fn logfmt_one_launch(selections: i64, num_experts: usize) -> bool {
-    selections < LOGFMT_SPREAD_FROM || (selections < LOGFMT_ONE_LAUNCH_BELOW && num_experts <= LOGFMT_ONE_LAUNCH_SPREAD_EXPERTS)
+    static BELOW: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
+    let below = *BELOW.get_or_init(|| {
+        std::env::var("DEEP_EP_TEST_LF_ONE_LAUNCH_BELOW").ok().and_then(|v| v.parse().ok()).unwrap_or(LOGFMT_ONE_LAUNCH_BELOW)
+    });
+    selections < LOGFMT_SPREAD_FROM || (selections < below && num_experts <= LOGFMT_ONE_LAUNCH_SPREAD_EXPERTS)
 }
 /// Most experts of a dispatch send on this backend (`DEK_LL_MAX_EXPERTS`).
 const MAX_EXPERTS: usize = super::signals::LL_MAX_EXPERTS;

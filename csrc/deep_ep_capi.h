@@ -59,6 +59,10 @@ int deep_ep_bind_buffer_slot(int64_t handle, int64_t slot);
 // out[7] = rank, num_ranks, device, num_nvl_bytes, num_rdma_bytes, low_latency_mode, backend (0 cpu, 1 nccl, 2 nvshmem, 3 ipc).
 // `op` names the calling op in errors (NULL: "deep_ep::buffer_info").
 int deep_ep_buffer_info(int64_t handle, const char* op, int64_t* out);
+/* Local, a fact of the buffer: *out = 1 when its hook-mode low-latency calls run the whole op in the
+ * call (one rank on a GPU backend, DEEP_EP_LL_LAUNCH=one: the receive has no peer to wait for), so
+ * that their receive hooks have nothing left to do; else 0. `op` as in deep_ep_buffer_info. */
+int deep_ep_ll_whole_hooks(int64_t handle, const char* op, int32_t* out);
 /* Local. This rank's part of the buffer as raw memory (DeepEP's get_local_buffer_tensor): the
  * normal-mode (NVLink) part of num_nvl_bytes or, with use_rdma_buffer != 0, the RDMA / low-latency
  * part of num_rdma_bytes, from byte `offset` on: *data = its address + offset, *numel =

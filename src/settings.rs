@@ -78,7 +78,8 @@ pub fn intranode_combine_fused() -> bool {
 /// `DEEP_EP_LL_LAUNCH`: `one` (default: a whole low-latency dispatch, no hook, runs its send and
 /// receive in one kernel launch where its grid is resident at once: one rank on the GPU, no peer
 /// behind the seam) or `two` (a send launch, then a receive launch, as with a hook); read once per
-/// process. Same results; ranks may differ.
+/// process. Same results; ranks may differ. With `one`, a hook-mode call at one rank on a GPU runs
+/// the whole op ([`crate::backend::BufferInfo::ll_whole_hooks`]); with `two` its hook stays apart.
 pub fn ll_one_launch() -> bool {
     static ONE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ONE.get_or_init(|| two_way_knob("DEEP_EP_LL_LAUNCH", "one", "two"))

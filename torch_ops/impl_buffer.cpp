@@ -38,8 +38,13 @@ void destroy_buffer(int64_t handle) { check(deep_ep_destroy_buffer(handle)); }
 void bind_buffer_slot(int64_t handle, int64_t slot) { check(deep_ep_bind_buffer_slot(handle, slot)); }
 
 std::vector<int64_t> buffer_info_op(int64_t handle) {
-  auto b = buffer_info(handle, "deep_ep::buffer_info");
-  return std::vector<int64_t>(b.v, b.v + 7);
+  const char* op = "deep_ep::buffer_info";
+  auto b = buffer_info(handle, op);
+  int32_t whole_hooks = 0;
+  check(deep_ep_ll_whole_hooks(handle, op, &whole_hooks));
+  std::vector<int64_t> v(b.v, b.v + 7);
+  v.push_back(whole_hooks);
+  return v;
 }
 
 // A non-owning view (from_blob, no deleter: the stable ABI before torch 2.11 has none) of this

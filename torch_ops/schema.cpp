@@ -21,7 +21,8 @@ STABLE_TORCH_LIBRARY(deep_ep, m) {
   // Local. From now on the slot handle -(slot + 1) names this buffer in this process: models
   // scripted, exported or AOT-compiled with a slot handle run in any process that binds one.
   m.def("bind_buffer_slot(int handle, int slot) -> ()");
-  // [rank, num_ranks, device, num_nvl_bytes, num_rdma_bytes, low_latency_mode, backend(0 cpu,1 nccl,2 nvshmem, 3 ipc)].
+  // [rank, num_ranks, device, num_nvl_bytes, num_rdma_bytes, low_latency_mode, backend(0 cpu,1 nccl,2 nvshmem, 3 ipc),
+  // ll_whole_hooks (1: a hook-mode LL call runs the whole op, its hook has nothing left to do; deep_ep_ll_whole_hooks)].
   m.def("buffer_info(int handle) -> int[]");
   // Local. DeepEP's get_local_buffer_tensor: this rank's part of the buffer as a 1-D `dtype` view of
   // (part bytes - offset) / element size elements, from byte `offset` (a multiple of the element size):

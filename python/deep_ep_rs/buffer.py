@@ -200,12 +200,12 @@ class Buffer:
         self._num_rdma_ranks = max(1, self.group_size // d) if self.group_size > d else 1
         if self.enable_shrink:
             ops.low_latency_set_shrink(self._handle, True)
-        # One rank on a GPU backend: a low-latency receive has nothing to wait for, so a call with
-        # return_recv_hook=True runs the whole op (the one-rank form: one launch writing the outputs)
-        # and returns a hook with nothing left to do (_received). DeepEP's contract holds: the
-        # outputs are valid once the hook has run (here: already when the call returns).
-        self._ll_whole_hook = self.group_size == 1 and int(ops.buffer_info(self._handle)[6]) != 0 \
-            and os.environ.get("DEEP_EP_TEST_HOOK_WHOLE", "1") != "0"
+        # One rank on a GPU backend (the library's answer, buffer_info's last value): a low-latency
+        # receive has nothing to wait for, so a call with return_recv_hook=True runs the whole op (the
+        # one-rank form: one launch writing the outputs) and returns a hook with nothing left to do
+        # (_received). DeepEP's contract holds: the outputs are valid once the hook has run (here:
+        # already when the call returns).
+        self._ll_whole_hook = bool(ops.buffer_info(self._handle)[7])
         self._comm_stream = torch.cuda.Stream(device=self.device, priority=-1) if self.device.type == "cuda" else None
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -261,7 +261,7 @@ class Buffer:
         size hints; rank counts without a default config are left out) and `meets_size_hints`
         (the normal-mode hints count only for a buffer with NVL bytes).
         With `num_max_dispatch_tokens_per_rank` and `num_experts` too, adds the low-latency hint."""
-        rank, num_ranks, dev, nvl, rdma, ll, backend = (int(v) for v in ops.buffer_info(self.handle))
+        rank, num_ranks, dev, nvl, rdma, ll, backend = (int(v) for v in ops.buffer_info(self.handle)[:7])
         report = {"rank": rank, "num_ranks": num_ranks, "device": "cpu" if dev < 0 else f"cuda:{dev}",
                   "backend": {0: "cpu", 1: "nccl", 2: "nvshmem", 3: "ipc"}.get(backend, str(backend)), "num_nvl_bytes": nvl,
                   "num_rdma_bytes": rdma, "low_latency_mode": bool(ll)}

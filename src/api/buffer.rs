@@ -176,6 +176,18 @@ pub unsafe extern "C" fn deep_ep_buffer_info(handle: i64, op: *const c_char, out
     })
 }
 
+/// See `deep_ep_ll_whole_hooks` in the header.
+///
+/// # Safety
+/// `out` points to one writable int32; `op` is NULL or a C string.
+#[no_mangle]
+pub unsafe extern "C" fn deep_ep_ll_whole_hooks(handle: i64, op: *const c_char, out: *mut i32) -> c_int {
+    guard(|| {
+        *out = ops::low_latency_whole_hooks(handle, op_name(&str_arg(op)))? as i32;
+        Ok(())
+    })
+}
+
 /// See `deep_ep_get_local_buffer` in the header.
 ///
 /// # Safety

@@ -95,6 +95,15 @@ impl BufferInfo {
                 .unwrap_or(crate::topology::DEFAULT_NVL_DOMAIN_SIZE),
         }
     }
+
+    /// Whether a hook-mode low-latency call on this buffer runs the whole op in the call, its
+    /// receive hook having nothing left to do: one rank on a GPU backend, where the receive has no
+    /// peer to wait for and the whole op takes its one-rank form (one launch writing the outputs),
+    /// unless `DEEP_EP_LL_LAUNCH=two` asks for the send and receive launches apart. The Python
+    /// `Buffer` reads it (`deep_ep::buffer_info`); the ops themselves do not change.
+    pub fn ll_whole_hooks(&self) -> bool {
+        self.num_ranks == 1 && self.backend != BackendKind::Cpu && crate::settings::ll_one_launch()
+    }
 }
 
 /// Arguments of `create_buffer` (collective over `num_ranks` processes).

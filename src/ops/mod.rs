@@ -93,6 +93,12 @@ pub fn buffer_info(handle: i64, op: &'static str) -> Result<[i64; 7]> {
     ])
 }
 
+/// Whether the buffer's hook-mode low-latency calls run whole ([`crate::backend::BufferInfo::ll_whole_hooks`]);
+/// local, a fact of the buffer (answered while its ops run, as `buffer_info`).
+pub fn low_latency_whole_hooks(handle: i64, op: &'static str) -> Result<bool> {
+    Ok(buffer::info(op, handle)?.ll_whole_hooks())
+}
+
 /// A view of this rank's part of a buffer ([`get_local_buffer`]): `numel` elements at `ptr`.
 #[derive(Copy, Clone, Debug)]
 pub struct LocalBufferView {

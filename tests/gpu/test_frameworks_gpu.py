@@ -2,7 +2,8 @@
 (tests/python/_frameworks.py) at one rank on one GPU (the nccl backend), under DeepEP's harness
 defaults with `torch.set_default_device('cuda')`; `deep_ep` aliasing; the profiler's kernel table
 of one low-latency dispatch + combine has exactly one kernel whose name contains `dispatch` and one
-containing `combine` (as DeepEP's, whose halves are launches of one kernel)."""
+containing `combine` (as DeepEP's, whose halves are launches of one kernel), each launched once, with
+a hook too (at one rank a hook-mode call runs the whole op)."""
 import sys
 from pathlib import Path
 
@@ -52,15 +53,16 @@ def _kernel_names(rank, world):
             if hk:
                 hk()
             torch.cuda.synchronize()
-        keys = [evt.key for evt in prof.key_averages() if evt.device_type == torch.autograd.DeviceType.CUDA]
-        names[f"hook={hook}"] = keys
+        names[f"hook={hook}"] = {evt.key: evt.count for evt in prof.key_averages() if evt.device_type == torch.autograd.DeviceType.CUDA}
     buf.destroy()
     return names
 
 
 def test_profiler_finds_one_dispatch_and_one_combine_kernel():
     out = _spawn.run(_kernel_names, 1, env={"DEEP_EP_BACKEND": _spawn.gpu_backend(1)})
-    for mode, keys in out[0]["ok"].items():
+    for mode, counts in out[0]["ok"].items():
         for word in ("dispatch", "combine"):
-            hits = [k for k in keys if word in k]
-            assert len(hits) == 1, f"{mode}: kernels naming {word!r}: {hits} (all: {keys})"
+            hits = [k for k in counts if word in k]
+            assert len(hits) == 1, f"{mode}: kernels naming {word!r}: {hits} (all: {counts})"
+            # One launch per op, with a hook too: at one rank a hook-mode call runs the whole op.
+            assert counts[hits[0]] == 1, f"{mode}: {counts[hits[0]]} launches of {hits[0]} (all: {counts})"

@@ -1,12 +1,14 @@
-"""The low-latency LogFMT combine's launch forms, one rank on its own GPU: below 512 top-k selections
-(the handle's tokens x top-k) a combine without hooks, overlap or seam is one `deep_ep::ll::combine`
-launch (sends, then receives in the same kernel; below 256 the send takes an item per half block,
-from 256 it spreads the rows over every warp); from 512 on, and with DEEP_EP_LL_LAUNCH=two always,
-it is two (send, receive). Above 512 experts 256-511 selections take two launches too (the spread
-one-launch kernel's scan holds 512 items). The test counts the launches with torch.profiler in a process
-per launch setting and checks that both give the same bytes: the same LogFMT encoding and the same
-receive, so the one-launch form changes no result (the bitwise check against the CPU backend is
-tests/gpu/test_low_latency.py's)."""
+"""The low-latency LogFMT combine's launch forms, one rank on its own GPU: a combine without hooks,
+overlap or seam is one `deep_ep::ll::combine` launch (sends, then receives in the same kernel; below
+256 top-k selections (the handle's tokens x top-k) the send takes an item per half block, from 256
+it spreads the rows over every warp); with DEEP_EP_LL_LAUNCH=two always two (send, receive). Above
+512 experts 256 selections and more take two launches too (the spread one-launch kernel's scan holds
+512 items). Before session 49 512 selections and more took two launches as well. A hook-mode combine
+at one rank runs the whole op in the call (its hook has nothing left to do): the same launches as
+without a hook, and two apart under DEEP_EP_LL_LAUNCH=two. The test counts the launches with
+torch.profiler in a process per launch setting and checks that every form gives the same bytes: the
+same LogFMT encoding and the same receive, so the launch form changes no result (the bitwise check
+against the CPU backend is tests/gpu/test_low_latency.py's)."""
 import hashlib
 
 import pytest
@@ -14,18 +16,16 @@ import torch
 
 import _spawn
 
-HIDDEN, EXPERTS, TOPK, MAX_TOKENS = 7168, 256, 8, 64
-TOKENS = (1, 8, 31, 32, 48, 63, 64)  # 8 .. 504 selections: one launch (per item below 256, spread from there); 512: two
-# Above 512 experts the spread one-launch kernel's scan has no room (kOneLaunchSpreadItems): 256-511
-# selections stay two launches, below 256 the per-item one launch.
-WIDE_EXPERTS, WIDE_TOKENS = 576, (31, 32)
+HIDDEN, EXPERTS, TOPK, MAX_TOKENS = 7168, 256, 8, 128
+TOKENS = (1, 8, 31, 32, 48, 63, 64, 128)  # 8 .. 1024 selections: one launch (per item below 256, spread from there)
+# Above 512 experts the spread one-launch kernel's scan has no room (kOneLaunchSpreadItems): 256
+# selections and more take two launches, below 256 the per-item one launch.
+WIDE_EXPERTS, WIDE_TOKENS = 576, (31, 32, 64)
 CASES = [(EXPERTS, n) for n in TOKENS] + [(WIDE_EXPERTS, n) for n in WIDE_TOKENS]
 
 
 def _launches(experts, n):
-    if n * TOPK < 256:
-        return 1
-    return 1 if n * TOPK < 512 and experts <= 512 else 2
+    return 1 if n * TOPK < 256 or experts <= 512 else 2
 
 
 def _combine(rank, world):
@@ -60,20 +60,28 @@ def _one_combine(buf, experts, n):
         torch.cuda.synchronize()
     launches = sum(e.count for e in prof.key_averages() if "deep_ep::ll::combine" in e.key)
     digest = hashlib.sha256(combined.view(torch.int16).cpu().numpy().tobytes()).hexdigest()
-    return [launches, digest, bool(torch.isfinite(combined).all()), float(combined.float().abs().sum())]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        hooked, _, hook = buf.low_latency_combine(y, idx, w, handle, use_logfmt=True, return_recv_hook=True)
+        hook()
+        torch.cuda.synchronize()
+    hook_launches = sum(e.count for e in prof.key_averages() if "deep_ep::ll::combine" in e.key)
+    hook_digest = hashlib.sha256(hooked.view(torch.int16).cpu().numpy().tobytes()).hexdigest()
+    return [launches, digest, bool(torch.isfinite(combined).all()), float(combined.float().abs().sum()), hook_launches, hook_digest]
 
 
-def test_logfmt_combine_is_one_launch_below_512_selections():
+def test_logfmt_combine_is_one_launch_within_512_experts_and_a_hook_at_one_rank_runs_whole():
     one = _spawn.run(_combine, 1, env={"DEEP_EP_BACKEND": "nccl", "DEEP_EP_LL_LAUNCH": "one"})[0]["ok"]
     two = _spawn.run(_combine, 1, env={"DEEP_EP_BACKEND": "nccl", "DEEP_EP_LL_LAUNCH": "two"})[0]["ok"]
     for experts, n in CASES:
         case = f"{experts} experts, {n} tokens ({n * TOPK} selections)"
-        l1, d1, finite, total = one[f"{experts}/{n}"]
-        l2, d2, _, _ = two[f"{experts}/{n}"]
+        l1, d1, finite, total, h1, hd1 = one[f"{experts}/{n}"]
+        l2, d2, _, _, h2, hd2 = two[f"{experts}/{n}"]
         assert finite and total > 0, f"{case}: the combined output is not finite and non-zero"
         assert l1 == _launches(experts, n), f"{case}: {l1} combine launches with DEEP_EP_LL_LAUNCH=one"
         assert l2 == 2, f"{case}: {l2} combine launches with DEEP_EP_LL_LAUNCH=two"
-        assert d1 == d2, f"{case}: the one- and two-launch LogFMT combines differ"
+        assert h1 == l1, f"{case}: a hook-mode combine made {h1} launches, the whole op {l1} (DEEP_EP_LL_LAUNCH=one)"
+        assert h2 == 2, f"{case}: a hook-mode combine made {h2} launches with DEEP_EP_LL_LAUNCH=two"
+        assert d1 == d2 == hd1 == hd2, f"{case}: the LogFMT combines differ between launch forms or with a hook"
 
 
 if __name__ == "__main__":

@@ -61,20 +61,16 @@ use crate::tensor::{DType, TensorRef};
 
 // The kernels refuse what the backends' one check lets through otherwise.
 const _: () = assert!(crate::backend::low_latency::LL_MAX_TOKENS == k::MAX_TOKENS);
-/// Below this many selections (N·K of the handle's dispatch) a LogFMT combine without overlap or
-/// seam runs as one launch (`dek_ll_combine`): below [`LOGFMT_SPREAD_FROM`] its send takes an item
-/// per half block, from there it spreads the rows over the grid's warps, where the kernel's scan
-/// holds every expert ([`LOGFMT_ONE_LAUNCH_SPREAD_EXPERTS`]; more: two launches, as the per-item
-/// send's heaviest item set the cast encode's time there, bench/NOTES.md session 46).
-const LOGFMT_ONE_LAUNCH_BELOW: i64 = 512;
-/// Whether a LogFMT combine of `selections` (N·K) over `num_experts` takes the one-launch form, where
-/// the call allows one (no overlap signal, seam or zero-copy; one rank per GPU).
+/// Whether a LogFMT combine of `selections` (N·K of the handle's dispatch) over `num_experts` takes
+/// the one-launch form (`dek_ll_combine`), where the call allows one (no overlap signal, seam or
+/// zero-copy; one rank per GPU): below [`LOGFMT_SPREAD_FROM`] its send takes an item per half block;
+/// from there it spreads the rows over the grid's warps, where the kernel's scan holds every expert
+/// ([`LOGFMT_ONE_LAUNCH_SPREAD_EXPERTS`]; more: two launches, as the per-item send's heaviest item
+/// set the cast encode's time there, bench/NOTES.md session 46). Until session 49 512 selections
+/// and more took two launches: one launch at 64 / 128 tokens x top-8 was 1.4-2.0 µs faster (one rank,
+/// bench/NOTES.md session 49).
 fn logfmt_one_launch(selections: i64, num_experts: usize) -> bool {
-    static BELOW: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
-    let below = *BELOW.get_or_init(|| {
-        std::env::var("DEEP_EP_TEST_LF_ONE_LAUNCH_BELOW").ok().and_then(|v| v.parse().ok()).unwrap_or(LOGFMT_ONE_LAUNCH_BELOW)
-    });
-    selections < LOGFMT_SPREAD_FROM || (selections < below && num_experts <= LOGFMT_ONE_LAUNCH_SPREAD_EXPERTS)
+    selections < LOGFMT_SPREAD_FROM || num_experts <= LOGFMT_ONE_LAUNCH_SPREAD_EXPERTS
 }
 /// Most experts of a dispatch send on this backend (`DEK_LL_MAX_EXPERTS`).
 const MAX_EXPERTS: usize = super::signals::LL_MAX_EXPERTS;
@@ -539,9 +535,9 @@ impl LowLatencyMode for PeerBackend {
     /// One launch (`DEEP_EP_LL_LAUNCH`) as the dispatch's, for BF16 rows or partial sums without
     /// overlap signals, where the send grid is resident at once beside nothing else of this GPU's:
     /// E blocks of 128 threads (rows: at most 3 per SM, what the kernel's 159 registers allow) or
-    /// the partial grid (2 per SM, at least one per rank); and for LogFMT rows below
-    /// [`LOGFMT_ONE_LAUNCH_BELOW`] selections (one block of 512 threads per SM, an item per half block,
-    /// or from [`LOGFMT_SPREAD_FROM`] the rows spread over every warp).
+    /// the partial grid (2 per SM, at least one per rank); and for LogFMT rows as
+    /// [`logfmt_one_launch`] says (one block of 512 threads per SM, an item per half block, or from
+    /// [`LOGFMT_SPREAD_FROM`] the rows spread over every warp).
     fn ll_combine(&mut self, g: &LlGeometry, s: &LlCombineSendArgs, r: &LlCombineRecvArgs, st: &LlStats, stream: Stream) -> Result<()> {
         let mut a = self.ll_combine_args(g, s, stream)?;
         let sms = self.window.ctx().num_sms.max(1) as usize;
@@ -637,13 +633,13 @@ mod tests {
     }
 
     #[test]
-    fn logfmt_one_launch_below_512_selections_and_spread_within_512_experts() {
+    fn logfmt_one_launch_per_item_below_256_selections_and_spread_within_512_experts() {
         for experts in [8, 256, 288, 512, 513, 2048] {
             assert!(logfmt_one_launch(0, experts) && logfmt_one_launch(255, experts), "{experts} experts, per-item form");
-            assert!(!logfmt_one_launch(512, experts) && !logfmt_one_launch(1024, experts), "{experts} experts, two launches");
-            // The spread one-launch kernel's scan holds 512 items (kOneLaunchSpreadItems).
-            assert_eq!(logfmt_one_launch(256, experts), experts <= 512, "{experts} experts at 256 selections");
-            assert_eq!(logfmt_one_launch(511, experts), experts <= 512, "{experts} experts at 511 selections");
+            // The spread one-launch kernel's scan holds 512 items (kOneLaunchSpreadItems): beyond, two launches.
+            for selections in [256, 511, 512, 1024, 65533 * 16] {
+                assert_eq!(logfmt_one_launch(selections, experts), experts <= 512, "{experts} experts at {selections} selections");
+            }
         }
     }
 

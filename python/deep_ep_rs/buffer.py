@@ -172,6 +172,8 @@ class Buffer:
 
     num_sms: int = 20
 
+    _ll_whole_hooks = False  # set per buffer in __init__ (a wrapper made without it keeps its hooks apart)
+
     def __init__(self, group: Optional[dist.ProcessGroup], num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
                  allow_mnnvl: bool = False, use_fabric: bool = False, explicitly_destroy: bool = False,
@@ -205,7 +207,7 @@ class Buffer:
         # one-rank form: one launch writing the outputs) and returns a hook with nothing left to do
         # (_received). DeepEP's contract holds: the outputs are valid once the hook has run (here:
         # already when the call returns).
-        self._ll_whole_hook = bool(ops.buffer_info(self._handle)[7])
+        self._ll_whole_hooks = bool(ops.buffer_info(self._handle)[7])
         self._comm_stream = torch.cuda.Stream(device=self.device, priority=-1) if self.device.type == "cuda" else None
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -553,7 +555,7 @@ class Buffer:
         t, e = num_max_dispatch_tokens_per_rank, num_experts
         if not use_nvfp4:
             x_global_scale = None  # DeepEP's forks ignore it then; the op refuses a scale without NVFP4
-        if return_recv_hook and not self._ll_whole_hook:
+        if return_recv_hook and not self._ll_whole_hooks:
             recv_x, scales, count, src_info, layout_range, state = ops.low_latency_dispatch_send(
                 self.handle, x, topk_idx, topk_weights, t, e, use_fp8, round_scale, use_ue8m0, num_tokens, use_nvfp4,
                 x_global_scale)
@@ -606,7 +608,7 @@ class Buffer:
                                src_signals, src_signal_expect_value)
         src_info, layout_range, t, hidden, e = handle
         # With overlap the send waits for the producer's signals: the hook stays apart there.
-        if return_recv_hook and not (self._ll_whole_hook and not overlap):
+        if return_recv_hook and not (self._ll_whole_hooks and not overlap):
             if out is None:
                 out = torch.empty((topk_idx.size(0), hidden), dtype=torch.bfloat16, device=x.device)
             state = ops.low_latency_combine_send(self.handle, x, src_info, layout_range, t, e, use_logfmt, zero_copy, *ov)

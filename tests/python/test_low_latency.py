@@ -378,3 +378,34 @@ def geometry_change_worker(rank, world):
 @pytest.mark.lowlatency
 def test_geometry_change_while_a_peer_still_receives(rank_pool):
     rank_pool(2).run(geometry_change_worker, timeout=60)
+
+
+@pytest.mark.parametrize("logfmt", [False, True])
+def test_a_whole_hook_gives_the_split_hooks_results(deep_ep, group, logfmt):
+    """The Python branch a one-rank GPU buffer takes (its hook-mode calls run the whole op, as
+    buffer_info's last value says), forced on a one-rank CPU buffer, against the split ops of the
+    same calls: the same outputs bit for bit, and a hook that has nothing left to do."""
+    t, h, e, k = 8, 512, 8, 4
+    buf = deep_ep.Buffer(group, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(t, h, 1, e), low_latency_mode=True, device="cpu",
+                         explicitly_destroy=True)
+    try:
+        assert buf._ll_whole_hooks is False  # a CPU buffer keeps its hooks apart
+        g = torch.Generator().manual_seed(11)
+        x = (torch.randn((t, h), generator=g) * 0.1).to(torch.bfloat16)
+        idx = torch.topk(torch.rand((t, e), generator=g), k, dim=-1).indices
+        w = torch.rand((t, k), generator=g)
+        got = {}
+        for whole in (False, True):
+            buf._ll_whole_hooks = whole
+            rx, count, handle, _, hook = buf.low_latency_dispatch(x, idx, t, e, use_fp8=False, return_recv_hook=True)
+            assert (hook.__name__ == "_received") == whole
+            hook()
+            out, _, chook = buf.low_latency_combine(rx * 0.5, idx, w, handle, use_logfmt=logfmt, return_recv_hook=True)
+            assert (chook.__name__ == "_received") == whole
+            chook()
+            got[whole] = [rx.clone(), count.clone(), handle[0].clone(), handle[1].clone(), out.clone()]
+        for a, b in zip(got[False], got[True]):
+            assert torch.equal(a, b)
+        assert got[True][-1].abs().sum() > 0
+    finally:
+        buf.destroy()

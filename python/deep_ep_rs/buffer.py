@@ -608,7 +608,8 @@ class Buffer:
                                src_signals, src_signal_expect_value)
         src_info, layout_range, t, hidden, e = handle
         # With overlap the send waits for the producer's signals: the hook stays apart there.
-        if return_recv_hook and not (self._ll_whole_hooks and not overlap):
+        whole_hook = self._ll_whole_hooks and not overlap
+        if return_recv_hook and not whole_hook:
             if out is None:
                 out = torch.empty((topk_idx.size(0), hidden), dtype=torch.bfloat16, device=x.device)
             state = ops.low_latency_combine_send(self.handle, x, src_info, layout_range, t, e, use_logfmt, zero_copy, *ov)

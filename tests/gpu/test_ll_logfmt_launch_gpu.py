@@ -45,6 +45,22 @@ def _combine(rank, world):
     return out
 
 
+def _counted(combine):
+    """(output, its `deep_ep::ll::combine` launches, the sha256 of its bytes) of `combine()`."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = combine()
+        torch.cuda.synchronize()
+    launches = sum(e.count for e in prof.key_averages() if "deep_ep::ll::combine" in e.key)
+    return out, launches, hashlib.sha256(out.view(torch.int16).cpu().numpy().tobytes()).hexdigest()
+
+
+def _hooked(buf, *args, **kw):
+    """A hook-mode combine and its hook, called: the output."""
+    out, _, hook = buf.low_latency_combine(*args, return_recv_hook=True, **kw)
+    hook()
+    return out
+
+
 def _one_combine(buf, experts, n):
     g = torch.Generator(device=buf.device).manual_seed(1000 + n)
     x = torch.randn((n, HIDDEN), generator=g, device=buf.device).to(torch.bfloat16)
@@ -55,17 +71,8 @@ def _one_combine(buf, experts, n):
     scale = torch.exp2(torch.randint(-12, 3, (recv.shape[0], recv.shape[1], HIDDEN // 128), generator=g, device=buf.device).float())
     y = (recv.float() * scale.repeat_interleave(128, dim=2)).to(torch.bfloat16)
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        combined, _, _ = buf.low_latency_combine(y, idx, w, handle, use_logfmt=True)
-        torch.cuda.synchronize()
-    launches = sum(e.count for e in prof.key_averages() if "deep_ep::ll::combine" in e.key)
-    digest = hashlib.sha256(combined.view(torch.int16).cpu().numpy().tobytes()).hexdigest()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        hooked, _, hook = buf.low_latency_combine(y, idx, w, handle, use_logfmt=True, return_recv_hook=True)
-        hook()
-        torch.cuda.synchronize()
-    hook_launches = sum(e.count for e in prof.key_averages() if "deep_ep::ll::combine" in e.key)
-    hook_digest = hashlib.sha256(hooked.view(torch.int16).cpu().numpy().tobytes()).hexdigest()
+    combined, launches, digest = _counted(lambda: buf.low_latency_combine(y, idx, w, handle, use_logfmt=True)[0])
+    _, hook_launches, hook_digest = _counted(lambda: _hooked(buf, y, idx, w, handle, use_logfmt=True))
     return [launches, digest, bool(torch.isfinite(combined).all()), float(combined.float().abs().sum()), hook_launches, hook_digest]
 
 

@@ -65,7 +65,7 @@ __device__ __forceinline__ uint32_t logfmt_recv_meta(const char* recv, int T, in
 // (nullptr: no row). The pointers are passed one by one: in a struct by reference an out-of-line
 // caller read them from the stack and the arrays by generic loads (session 44).
 __device__ __forceinline__ void recv_logfmt_units(const Args& a, int tok, const float* s_w, int base, int wg,
-                                                  const float (*s_step)[kLogfmtWindow], const float (*s_lamin)[kLogfmtWindow],
+                                                  const int32_t (*s_step)[kLogfmtWindow], const int32_t (*s_base)[kLogfmtWindow],
                                                   const unsigned char (*s_cast)[kLogfmtWindow], const char* const* s_row) {
   constexpr int kPerGroup = 16, kCodeBytes = 10;  // units per group; a unit's bytes of 10-bit codes
   const int tid = threadIdx.x, K = a.num_topk, H = a.hidden;
@@ -102,7 +102,7 @@ __device__ __forceinline__ void recv_logfmt_units(const Args& a, int tok, const 
       const int q = q0 + u;
       if (kind[u] == 1) {
         const uint32_t w3[3] = {wv[u][0], wv[u][1], wv[u][2]};
-        logfmt::accumulate_cast8(acc, w3, kCodeBytes * m & 3, s_step[q][gw], s_lamin[q][gw], s_w[q]);
+        logfmt::accumulate_cast8(acc, w3, kCodeBytes * m & 3, s_step[q][gw], s_base[q][gw], s_w[q]);
       } else if (kind[u] == 2) {
         logfmt::accumulate_raw8(acc, wv[u], s_w[q]);
       }
@@ -129,19 +129,19 @@ static_assert(kMaxLlTopk * kLogfmtHalf <= kReduceThreads, "one thread per (selec
 // kernel (kLfWide) and the out-of-line form keep arrays of their own (ll_combine_recv_logfmt).
 struct LogfmtRecvShared {
   struct {
-    float lamin[kMaxLlTopk][kLogfmtHalf], step[kMaxLlTopk][kLogfmtHalf];
+    int32_t base[kMaxLlTopk][kLogfmtHalf], step[kMaxLlTopk][kLogfmtHalf];  // logfmt::decode_base, step_q
     unsigned char cast[kMaxLlTopk][kLogfmtHalf];
   } half;
   struct {
-    float lamin[kMaxLlTopk][kLogfmtWindow], step[kMaxLlTopk][kLogfmtWindow];
+    int32_t base[kMaxLlTopk][kLogfmtWindow], step[kMaxLlTopk][kLogfmtWindow];
     unsigned char castable[kMaxLlTopk][kLogfmtWindow], cast[kMaxLlTopk][kLogfmtWindow];
     const char* row[kMaxLlTopk];
   } wide;
 };
 __device__ __forceinline__ void recv_logfmt_half(const Args& a, const char* recv, int tok, const int64_t* s_e, const float* s_w, int half,
                                                  LogfmtRecvShared& sh) {
-  float(&s_lamin)[kMaxLlTopk][kLogfmtHalf] = sh.half.lamin;
-  float(&s_step)[kMaxLlTopk][kLogfmtHalf] = sh.half.step;
+  int32_t(&s_base)[kMaxLlTopk][kLogfmtHalf] = sh.half.base;
+  int32_t(&s_step)[kMaxLlTopk][kLogfmtHalf] = sh.half.step;
   unsigned char(&s_cast)[kMaxLlTopk][kLogfmtHalf] = sh.half.cast;
   const int tid = threadIdx.x, K = a.num_topk, E = a.num_experts, T = a.num_max_tokens, H = a.hidden, S = H / 128;
   const int per_chunk = logfmt::chunk_channels(H) / 128;  // 4 or 8: divides kLogfmtHalf, so chunks start at slot runs
@@ -178,8 +178,8 @@ __device__ __forceinline__ void recv_logfmt_half(const Args& a, const char* recv
     bool castable = true;  // slots past the half's groups do not hold a chunk back (the send's short last chunk)
     if (slot) {
       const logfmt::Group p = logfmt::group_of_meta(logfmt_recv_meta(recv, T, S, ek, tok, base, g));
-      s_lamin[k][g] = p.log_amin;
-      s_step[k][g] = logfmt::group_step(p);
+      s_base[k][g] = logfmt::decode_base(p);
+      s_step[k][g] = p.step_q;
       castable = p.castable;
     }
     const unsigned int votes = __ballot_sync(0xffffffffu, castable), run = (1u << per_chunk) - 1u;
@@ -205,7 +205,7 @@ __device__ __forceinline__ void recv_logfmt_half(const Args& a, const char* recv
       const int64_t e = k < K ? s_e[k] : -1;
       if (e < 0 || e >= E) return;
       if (s_cast[k][gl]) {
-        logfmt::accumulate_cast4(acc, c, shift, s_step[k][gl], s_lamin[k][gl], s_w[k]);
+        logfmt::accumulate_cast4(acc, c, shift, s_step[k][gl], s_base[k][gl], s_w[k]);
       } else {
         logfmt::accumulate_raw4(acc, r, s_w[k]);
       }
@@ -234,8 +234,8 @@ __device__ __forceinline__ void recv_logfmt_half(const Args& a, const char* recv
 // The window form's parameters are arrays of the caller's: the fields of LogfmtRecvShared::wide, or
 // arrays of their own (the wide receive kernel's; the out-of-line form's).
 __device__ __forceinline__ void ll_combine_recv_logfmt(const Args& a, const char* recv, int tok, const int64_t* s_e, const float* s_w,
-                                                       int pass_lo, int pass_hi, float (&s_lamin)[kMaxLlTopk][kLogfmtWindow],
-                                                       float (&s_step)[kMaxLlTopk][kLogfmtWindow],
+                                                       int pass_lo, int pass_hi, int32_t (&s_base)[kMaxLlTopk][kLogfmtWindow],
+                                                       int32_t (&s_step)[kMaxLlTopk][kLogfmtWindow],
                                                        unsigned char (&s_castable)[kMaxLlTopk][kLogfmtWindow],
                                                        unsigned char (&s_cast)[kMaxLlTopk][kLogfmtWindow], const char* (&s_row)[kMaxLlTopk]) {
   const int tid = threadIdx.x, K = a.num_topk, E = a.num_experts, T = a.num_max_tokens, H = a.hidden, S = H / 128;
@@ -258,8 +258,8 @@ __device__ __forceinline__ void ll_combine_recv_logfmt(const Args& a, const char
     };
     each_slot([&](int k, int g, int64_t ek) {  // its parameters: one meta load per slot
       const logfmt::Group p = logfmt::group_of_meta(logfmt_recv_meta(recv, T, S, ek, tok, wb, g));
-      s_lamin[k][g] = p.log_amin;
-      s_step[k][g] = logfmt::group_step(p);
+      s_base[k][g] = logfmt::decode_base(p);
+      s_step[k][g] = p.step_q;
       s_castable[k][g] = p.castable;
     });
     __syncthreads();
@@ -271,7 +271,7 @@ __device__ __forceinline__ void ll_combine_recv_logfmt(const Args& a, const char
     });
     __syncthreads();
     for (int base = wb; base < wb + ng; base += kLogfmtPass) {
-      recv_logfmt_units(a, tok, s_w, base, base - wb, s_step, s_lamin, s_cast, s_row);
+      recv_logfmt_units(a, tok, s_w, base, base - wb, s_step, s_base, s_cast, s_row);
     }
     __syncthreads();  // the parameters are rewritten by the next window (and s_e / s_w / s_row by the next token)
   }
@@ -286,10 +286,10 @@ __device__ __forceinline__ void ll_combine_recv_logfmt(const Args& a, const char
 template <int kOwner>
 __device__ __forceinline__ void recv_logfmt_own_arrays(const Args& a, const char* recv, int tok, const int64_t* s_e, const float* s_w,
                                                        int pass_lo, int pass_hi) {
-  __shared__ float s_lamin[kMaxLlTopk][kLogfmtWindow], s_step[kMaxLlTopk][kLogfmtWindow];
+  __shared__ int32_t s_base[kMaxLlTopk][kLogfmtWindow], s_step[kMaxLlTopk][kLogfmtWindow];
   __shared__ unsigned char s_castable[kMaxLlTopk][kLogfmtWindow], s_cast[kMaxLlTopk][kLogfmtWindow];
   __shared__ const char* s_row[kMaxLlTopk];
-  ll_combine_recv_logfmt(a, recv, tok, s_e, s_w, pass_lo, pass_hi, s_lamin, s_step, s_castable, s_cast, s_row);
+  ll_combine_recv_logfmt(a, recv, tok, s_e, s_w, pass_lo, pass_hi, s_base, s_step, s_castable, s_cast, s_row);
 }
 __device__ __noinline__ void recv_logfmt_out_of_line(const Args& a, const char* recv, int tok, const int64_t* s_e, const float* s_w,
                                                      int pass_lo, int pass_hi) {
@@ -480,7 +480,7 @@ __device__ __forceinline__ void combine_recv_tokens(const Ctx& c, const Args& a,
         if (narrow) {
           recv_logfmt_half(a, recv, tok, s_e, s_w, lo, sh.lf);  // lo = item % P: one half pass (P = np = halves)
         } else {
-          ll_combine_recv_logfmt(a, recv, tok, s_e, s_w, lo, hi, w.lamin, w.step, w.castable, w.cast, w.row);
+          ll_combine_recv_logfmt(a, recv, tok, s_e, s_w, lo, hi, w.base, w.step, w.castable, w.cast, w.row);
         }
       } else if constexpr (kLf == kLfWide) {
         // Inline (a call here made the kernel spill around its waits), its parameters in arrays of its

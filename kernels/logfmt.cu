@@ -100,7 +100,7 @@ extern "C" int dek_logfmt_decode_accumulate_host(const uint8_t* slot, int hidden
     if (cast[g]) {
       uint32_t w[3];
       std::memcpy(w, pay + g * 2 * kGroup + (10 * m & ~3), sizeof(w));
-      accumulate_cast8(a, w, 10 * m & 3, group_step(gp[g]), gp[g].log_amin, weight);
+      accumulate_cast8(a, w, 10 * m & 3, gp[g].step_q, decode_base(gp[g]), weight);
     } else {
       uint32_t w[4];
       std::memcpy(w, pay + 16 * j, sizeof(w));
@@ -112,17 +112,16 @@ extern "C" int dek_logfmt_decode_accumulate_host(const uint8_t* slot, int hidden
 }
 
 extern "C" int dek_logfmt_math_host(int fn, const float* in, float* out, int64_t n) {
-  if (in == nullptr || out == nullptr || n < 0 || fn < 0 || fn > 5) return -1;
+  if (in == nullptr || out == nullptr || n < 0 || fn < 0 || fn > 4) return -1;
   for (int64_t i = 0; i < n; ++i) {
-    // fn 2: the table's log2 of the magnitude of in[i]'s upper 16 bits (a bf16); fn 3: the same by
-    // log2_bf16_finite (finite magnitudes only); fn 4: exp2_cast (y in [-190, 63) only); fn 5:
+    // fn 1: pow2_q of in[i]'s bits as an int32; fn 2: the table's log2 of the magnitude of in[i]'s
+    // upper 16 bits (a bf16); fn 3: the same by log2_bf16_finite (finite magnitudes only); fn 4:
     // log2_bf16_finite<true> (magnitudes below 2^64 only).
     const uint32_t b = bits_of(in[i]) >> 16 & 0x7fffu;
     out[i] = fn == 0   ? log2_det(in[i])
-             : fn == 1 ? exp2_det(in[i])
+             : fn == 1 ? pow2_q(static_cast<int32_t>(bits_of(in[i])))
              : fn == 2 ? log2_bf16(log2_table(), b)
              : fn == 3 ? log2_bf16_finite(log2_table(), b)
-             : fn == 4 ? exp2_cast(in[i])
                        : log2_bf16_finite<true>(log2_table(), b);
   }
   return 0;

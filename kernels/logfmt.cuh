@@ -97,19 +97,19 @@ __host__ __device__ __forceinline__ uint32_t bits_of(float f) {
 // run at 16 lanes per clock per SM on sm_90 (bench/NOTES.md session 43).
 constexpr float kTwo23 = 8388608.0f;
 __host__ __device__ __forceinline__ float two23_plus(uint32_t u) { return f_bits(0x4b000000u | u); }
-// Exact operations (no rounding involved): max / floor / round half away from zero.
+// Exact operations (no rounding involved): max / floor.
 __host__ __device__ __forceinline__ float f_max(float a, float b) { return fmaxf(a, b); }
 __host__ __device__ __forceinline__ float f_floor(float a) { return floorf(a); }
-__host__ __device__ __forceinline__ float f_round(float a) { return roundf(a); }
 __host__ __device__ __forceinline__ float bf16_f32(uint32_t b) { return f_bits((b & 0xffffu) << 16); }
 
 constexpr uint32_t kNan = 0x7fc00000u, kInf = 0x7f800000u, kNegInf = 0xff800000u;
 // log2(m) = t*(A1 + s*(A3 + ...)), t = (m-1)/(m+1), s = t*t (crate: logfmt::A1..A11, SQRT2).
 constexpr uint32_t kA1 = 0x4038aa3bu, kA3 = 0x3f76384fu, kA5 = 0x3f13bb63u, kA7 = 0x3ed30bb1u, kA9 = 0x3ea4258au,
                    kA11 = 0x3e864d42u, kSqrt2 = 0x3fb504f3u;
-// 2^f = sum_k B_k f^k, k = 0..7 (crate: logfmt::B).
-constexpr uint32_t kB0 = 0x3f800000u, kB1 = 0x3f317218u, kB2 = 0x3e75fdf0u, kB3 = 0x3d635847u, kB4 = 0x3c1d955bu,
-                   kB5 = 0x3aaec3ffu, kB6 = 0x39218489u, kB7 = 0x377fe5feu;
+// P(m) ~ 2^(m-1) on [1, 2) (crate: logfmt::P); ln2 / 8 (crate: logfmt::ROUND_C).
+constexpr uint32_t kP0 = 0x3ee77e21u, kP1 = 0x3ef49e86u, kP2 = 0xbc03277du, kP3 = 0x3d9fcb10u, kRoundC = 0x3db17218u;
+constexpr int kFixBits = 23;           // crate: logfmt::FIX_BITS
+constexpr float kLogAminFloor = -125.0f;  // crate: logfmt::LOG_AMIN_FLOOR
 
 // log2_det's terms of a normalised mantissa m in (sqrt(2)/2, sqrt(2)]: t = (m-1)/(m+1) and the
 // polynomial q in t*t; log2 = fma(t, q, e). Shared with the encoder's table (log2_entry).
@@ -146,44 +146,22 @@ __host__ __device__ __forceinline__ float log2_det(float x) {
   return f_fma(tq.x, tq.y, static_cast<float>(e));
 }
 
-__host__ __device__ __forceinline__ float pow2i(int e) { return f_bits(static_cast<uint32_t>(e + 127) << 23); }
-
-// The polynomial of exp2_det: 2^f for f = y - round(y) in [-0.5, 0.5].
-__host__ __device__ __forceinline__ float exp2_poly(float f) {
-  float p = f_bits(kB7);
-  p = f_fma(p, f, f_bits(kB6));
-  p = f_fma(p, f, f_bits(kB5));
-  p = f_fma(p, f, f_bits(kB4));
-  p = f_fma(p, f, f_bits(kB3));
-  p = f_fma(p, f, f_bits(kB2));
-  p = f_fma(p, f, f_bits(kB1));
-  return f_fma(p, f, f_bits(kB0));
+// crate: logfmt::pow2_q. The decoded magnitude of the fixed-point log2 y (units of 2^-23): P(m)
+// with m = 1.(y's 23 fraction bits), its exponent raised by y >> 23 (an integer add of y's upper
+// bits, exact while the result is normal: y >= -125 * 2^23, every code of a cast group).
+__host__ __device__ __forceinline__ float pow2_q(int32_t y) {
+  const float m = f_bits(0x3f800000u | (static_cast<uint32_t>(y) & 0x7fffffu));
+  const float p = f_fma(f_fma(f_fma(f_bits(kP3), m, f_bits(kP2)), m, f_bits(kP1)), m, f_bits(kP0));
+  return f_bits(bits_of(p) + (static_cast<uint32_t>(y) & 0xff800000u));
 }
 
-// crate: logfmt::exp2_det.
-__host__ __device__ __forceinline__ float exp2_det(float y) {
-  if (y != y) return y;
-  if (y >= 128.0f) return f_bits(kInf);
-  if (y < -152.0f) return 0.0f;
-  const float n = f_round(y);
-  const float p = exp2_poly(f_sub(y, n));
-  const int ni = static_cast<int>(n);
-  if (ni > 127) return f_mul(f_mul(p, pow2i(127)), pow2i(ni - 127));
-  if (ni >= -126) return f_mul(p, pow2i(ni));
-  return f_mul(f_mul(p, pow2i(ni + 64)), pow2i(-64));
-}
-
-// exp2_det(y) for y in [-190, 63): every decode of a cast group (y lies between its log_amin,
-// at least log2(2^-133) - 32, and its log_amax < 0). The power 2^n applied as 2^(n+64), exact,
-// then 2^-64, the one rounding: exp2_det's value for every such y (its own form below 2^-126; above,
-// the product it rounds once; below -152 a value under half the least subnormal, rounded to the
-// 0 exp2_det returns), without its range cases. 2^(n+64)'s bits are those of n + 2^23 + 191
-// shifted by 23 (n an integer float in [-190, 63): two23_plus's sum, 2^23's bit shifted out), not
-// a float-to-int conversion. Checked against exp2_det: dek_logfmt_math_host fn 4.
-__host__ __device__ __forceinline__ float exp2_cast(float y) {
-  const float n = f_round(y);
-  const float p = exp2_poly(f_sub(y, n));
-  return f_mul(f_mul(p, f_bits(bits_of(f_add(n, kTwo23 + 191.0f)) << 23)), pow2i(-64));
+// rne(v * 2^23) of a finite v, |v| < 256 (crate: logfmt's `fix`).
+__host__ __device__ __forceinline__ int32_t fix_q(float v) {
+#ifdef __CUDA_ARCH__
+  return __float2int_rn(f_mul(v, 0x1p23f));
+#else
+  return static_cast<int32_t>(std::nearbyintf(f_mul(v, 0x1p23f)));  // the default rounding mode: to nearest even
+#endif
 }
 
 // Channels decided together (cast or raw): crate logfmt::chunk_channels.
@@ -192,6 +170,7 @@ __host__ __device__ __forceinline__ int chunk_channels(int hidden) { return hidd
 // One group's parameters from its meta (crate: logfmt::GroupParams).
 struct Group {
   float log_amax, log_amin;
+  int32_t lmin_q, step_q;  // fixed-point log_amin and step (0 unless castable)
   bool castable;
 };
 // From the group's amax / amin bf16 magnitudes, `log2` of a magnitude being log2_det's (group_params)
@@ -202,14 +181,16 @@ __host__ __device__ __forceinline__ Group group_from(uint32_t amax, uint32_t ami
   g.log_amax = log2(amax);
   const float clip = f_sub(g.log_amax, 32.0f);
   g.log_amin = amin == 0 ? clip : f_max(log2(amin), clip);
-  g.castable = g.log_amax < 0.0f && g.log_amin < g.log_amax;
+  const bool may = g.log_amax < 0.0f && g.log_amin < g.log_amax && g.log_amin >= kLogAminFloor;
+  g.lmin_q = may ? fix_q(g.log_amin) : 0;
+  g.step_q = may ? (fix_q(g.log_amax) - g.lmin_q + 255) / 510 : 0;
+  g.castable = g.step_q >= 1;
   return g;
 }
 __host__ __device__ __forceinline__ Group group_params(uint32_t amax, uint32_t amin) {
   return group_from(amax, amin, [](uint32_t b) { return log2_det(bf16_f32(b)); });
 }
 __host__ __device__ __forceinline__ Group group_of_meta(uint32_t meta) { return group_params(meta & 0xffffu, meta >> 16); }
-__host__ __device__ __forceinline__ float group_step(const Group& g) { return f_div(f_sub(g.log_amax, g.log_amin), 510.0f); }
 
 // log2_det of a bf16 magnitude from a table by mantissa. log2_det derives t and q from the
 // normalised mantissa alone (at most 7 significant bits for any bf16, subnormals included) and
@@ -259,12 +240,12 @@ __host__ __device__ __forceinline__ Group group_params_t(const float2* tq, uint3
 struct Encoder {
   float step_inv, fused;
 };
+// (crate: GroupParams::encode; step and lmin are the fixed-point ones, exact as floats.)
 __host__ __device__ __forceinline__ Encoder encoder(const Group& g) {
-  const float step = group_step(g);
+  const float step = f_mul(static_cast<float>(g.step_q), 0x1p-23f), lmin = f_mul(static_cast<float>(g.lmin_q), 0x1p-23f);
   Encoder e;
   e.step_inv = f_div(1.0f, step);
-  const float rounding = f_fma(-log2_det(f_mul(f_add(1.0f, exp2_det(step)), 0.5f)), e.step_inv, 2.0f);
-  e.fused = f_fma(-g.log_amin, e.step_inv, rounding);
+  e.fused = f_fma(-lmin, e.step_inv, f_fma(-f_bits(kRoundC), step, 1.5f));
   return e;
 }
 // 10-bit value (sign << 9 | code) of one bf16 (bits) of a cast group (magnitude below 1). The
@@ -287,21 +268,21 @@ __host__ __device__ __forceinline__ uint64_t encode4(const float2* tq, const Enc
 }
 
 // Decoded value of a 10-bit value of a cast group (crate: GroupParams::decode, negated by the
-// sign bit; exp2_cast is exp2_det on the values a cast group's parameters give). No branch or
-// conversion: code - 1 as a float is two23_plus(code) - (2^23 + 1), exact; exp2_cast runs for code 0
-// too (y = log_amin - step >= -166, in its range) and a mask makes it 0; the sign bit is or-ed in
+// sign bit), with `base` = lmin_q - step_q: y = code * step_q + base, one integer multiply-add, then
+// pow2_q. No branch: pow2_q runs for code 0 too and a mask makes it 0; the sign bit is or-ed in
 // (the magnitude is +0 or positive: the same bits as negating it).
-__host__ __device__ __forceinline__ float decode_value(uint32_t v, float step, float log_amin) {
+__host__ __device__ __forceinline__ float decode_value(uint32_t v, int32_t step_q, int32_t base) {
   const uint32_t code = v & kMaxCode;
-  const float c1 = f_sub(two23_plus(code), kTwo23 + 1.0f);
-  const uint32_t mag = bits_of(exp2_cast(f_fma(c1, step, log_amin))) & (code == 0 ? 0u : ~0u);
+  const uint32_t mag = bits_of(pow2_q(static_cast<int32_t>(code) * step_q + base)) & (code == 0 ? 0u : ~0u);
   return f_bits(mag | (v >> 9 & 1u) << 31);
 }
+// The decoders' second parameter (decode_value's `base`).
+__host__ __device__ __forceinline__ int32_t decode_base(const Group& g) { return g.lmin_q - g.step_q; }
 
 // Channels 8m..8m+7 of a cast group: acc[i] = fma(value_i, wt, acc[i]). `w` are the three u32 words
 // of the group's payload from byte (10m & ~3), `shift` = 10m & 3 (0 or 2) bytes before the codes.
-__host__ __device__ __forceinline__ void accumulate_cast8(float (&acc)[8], const uint32_t (&w)[3], int shift, float step,
-                                                         float log_amin, float wt) {
+__host__ __device__ __forceinline__ void accumulate_cast8(float (&acc)[8], const uint32_t (&w)[3], int shift, int32_t step_q,
+                                                         int32_t base, float wt) {
   const uint64_t lo = static_cast<uint64_t>(w[0]) | static_cast<uint64_t>(w[1]) << 32;
   const uint64_t hi = w[2];
   // 80 bits from bit 8*shift (0 or 16): codes 0..5 lie in the low word, 6 and 7 straddle.
@@ -310,17 +291,17 @@ __host__ __device__ __forceinline__ void accumulate_cast8(float (&acc)[8], const
 DEEP_EP_LF_UNROLL
   for (int i = 0; i < 8; ++i) {
     const uint32_t v = static_cast<uint32_t>(i < 6 ? a >> (10 * i) : b >> (10 * i - 60)) & 0x3ffu;
-    acc[i] = f_fma(decode_value(v, step, log_amin), wt, acc[i]);
+    acc[i] = f_fma(decode_value(v, step_q, base), wt, acc[i]);
   }
 }
 // Channels 4m..4m+3 of a cast group (the receive's narrow form): `w` are the two u32 words of the
 // group's payload from byte (5m & ~3), `shift` = 5m & 3 bytes before the codes (40 bits from bit
 // 8 * shift <= 24: within the two words).
-__host__ __device__ __forceinline__ void accumulate_cast4(float (&acc)[4], const uint32_t (&w)[2], int shift, float step,
-                                                         float log_amin, float wt) {
+__host__ __device__ __forceinline__ void accumulate_cast4(float (&acc)[4], const uint32_t (&w)[2], int shift, int32_t step_q,
+                                                         int32_t base, float wt) {
   const uint64_t bits = (static_cast<uint64_t>(w[0]) | static_cast<uint64_t>(w[1]) << 32) >> (8 * shift);
 DEEP_EP_LF_UNROLL
-  for (int i = 0; i < 4; ++i) acc[i] = f_fma(decode_value(static_cast<uint32_t>(bits >> (10 * i)) & 0x3ffu, step, log_amin), wt, acc[i]);
+  for (int i = 0; i < 4; ++i) acc[i] = f_fma(decode_value(static_cast<uint32_t>(bits >> (10 * i)) & 0x3ffu, step_q, base), wt, acc[i]);
 }
 // The same for a raw group: the four bf16 of `w` (two per word, lower channel first).
 __host__ __device__ __forceinline__ void accumulate_raw4(float (&acc)[4], const uint32_t (&w)[2], float wt) {

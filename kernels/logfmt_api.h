@@ -22,10 +22,10 @@ extern "C" {
 /* A row x [hidden] bf16 (hidden % 128 == 0, at most 131072) is encoded into slot
  * [hidden/128*4 + 2*hidden] bytes (meta then payload, the crate's slot layout; unused bytes zero);
  * decode_accumulate does acc[i] = fma(value_i, weight, acc[i]) over a slot; math: out[i] =
- * log2_det(in[i]) (fn 0), exp2_det(in[i]) (fn 1), or the encoder's table log2 of the bf16 magnitude in
- * in[i]'s upper 16 bits (fn 2), log2_bf16_finite of it (fn 3: finite magnitudes), the decoder's
- * exp2_cast(in[i]) (fn 4: in [-190, 63) only), or the cast encoder's log2_bf16_finite<true> of the
- * magnitude (fn 5: below 2^64; -191 for zero). Return 0, or -1 on bad arguments. No GPU needed. */
+ * log2_det(in[i]) (fn 0), the decoder's pow2_q of in[i]'s bits as an int32 (fn 1), or the encoder's
+ * table log2 of the bf16 magnitude in in[i]'s upper 16 bits (fn 2), log2_bf16_finite of it (fn 3:
+ * finite magnitudes), or the cast encoder's log2_bf16_finite<true> of the magnitude (fn 4: below
+ * 2^64; -191 for zero). Return 0, or -1 on bad arguments. No GPU needed. */
 int dek_logfmt_encode_row_host(const uint16_t* x, int hidden, uint8_t* slot);
 int dek_logfmt_decode_accumulate_host(const uint8_t* slot, int hidden, float weight, float* acc);
 int dek_logfmt_math_host(int fn, const float* in, float* out, int64_t n);

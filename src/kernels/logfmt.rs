@@ -49,9 +49,10 @@ pub fn log2_det(x: &[f32]) -> Vec<f32> {
     math(0, x)
 }
 
-/// The kernels' `exp2_det` of every value (host).
-pub fn exp2_det(x: &[f32]) -> Vec<f32> {
-    math(1, x)
+/// The decoder's `pow2_q` (host) of every fixed-point log2 `y` (units of 2^-23).
+pub fn pow2_q(y: &[i32]) -> Vec<f32> {
+    let x: Vec<f32> = y.iter().map(|&v| f32::from_bits(v as u32)).collect();
+    math(1, &x)
 }
 
 /// The send encoder's table `log2_bf16` (host) of the bf16 magnitude in each value's upper 16 bits
@@ -66,17 +67,11 @@ pub fn log2_bf16_finite(x: &[f32]) -> Vec<f32> {
     math(3, x)
 }
 
-/// The receive decoder's `exp2_cast` (host): `exp2_det` for `y` in `[-190, 63)` only (the
-/// values a cast group's decodes take).
-pub fn exp2_cast(x: &[f32]) -> Vec<f32> {
-    math(4, x)
-}
-
 /// The send encoder's `log2_bf16_finite<true>` (host): as [`log2_bf16_finite`], for bf16
 /// magnitudes below 2^64 only (every value of a cast group is below 1), except -191 for zero
 /// (whose code is 0 either way).
 pub fn log2_bf16_small(x: &[f32]) -> Vec<f32> {
-    math(5, x)
+    math(4, x)
 }
 
 #[cfg(test)]
@@ -95,17 +90,15 @@ mod tests {
     }
 
     #[test]
-    fn host_log2_and_exp2_match_the_crate_on_every_bf16_and_random_f32() {
+    fn host_log2_matches_the_crate_on_every_bf16_and_random_f32() {
         let mut xs: Vec<f32> = (0..=u16::MAX).map(bf16::to_f32).collect();
         let mut seed = 1;
         xs.extend((0..400_000).map(|_| f32::from_bits((lcg(&mut seed) * u32::MAX as f64) as u32)));
         xs.extend((0..200_000).map(|_| (lcg(&mut seed) * 320.0 - 170.0) as f32));
         xs.extend([0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, f32::MIN_POSITIVE, 1e-45, 127.5, 128.0, -152.0, -152.5, -126.5]);
-        let host_log2: fn(f32) -> f32 = logfmt::log2_det;
-        for (name, kernels, host) in [("log2_det", log2_det(&xs), host_log2), ("exp2_det", exp2_det(&xs), logfmt::exp2_det)] {
-            for (&x, &k) in xs.iter().zip(&kernels) {
-                assert!(same(k, host(x)), "{name}({x:e} = {:#x}): kernels {k} crate {}", x.to_bits(), host(x));
-            }
+        for (&x, &k) in xs.iter().zip(&log2_det(&xs)) {
+            let want = logfmt::log2_det(x);
+            assert!(same(k, want), "log2_det({x:e} = {:#x}): kernels {k} crate {want}", x.to_bits());
         }
     }
 
@@ -158,14 +151,12 @@ mod tests {
     }
 
     #[test]
-    fn cast_exp2_is_exp2_det_from_minus_190_to_63() {
-        // Every 331st f32 of [-190, 63) (each sign's bit range), the ends, the range cases' edges.
-        let neg = (0x8000_0000..=(-190f32).to_bits()).step_by(331).map(f32::from_bits);
-        let pos = (0..63f32.to_bits()).step_by(331).map(f32::from_bits);
-        let mut xs: Vec<f32> = neg.chain(pos).collect();
-        xs.extend([-190.0, -165.0, -152.5, -152.0, -151.5, -126.5, -126.0, -125.5, -0.5, 0.5, 62.5, -0.0, 0.0]);
-        for ((&x, &c), &d) in xs.iter().zip(&exp2_cast(&xs)).zip(&exp2_det(&xs)) {
-            assert!(same(c, d), "exp2 cast({x:e} = {:#x}): {c}, exp2_det {d}", x.to_bits());
+    fn host_pow2_q_matches_the_crate_over_a_cast_groups_range() {
+        // Every 997th y from -125 · 2^23 (the least a cast group's code reaches) to 2^23, the ends.
+        let mut ys: Vec<i32> = (-125i32 << 23..1 << 23).step_by(997).collect();
+        ys.extend([-125 << 23, (-125 << 23) + 1, -1, 0, 1, (1 << 23) - 1, 1 << 23]);
+        for (&y, &k) in ys.iter().zip(&pow2_q(&ys)) {
+            assert!(same(k, logfmt::pow2_q(y)), "pow2_q({y}): kernels {k} crate {}", logfmt::pow2_q(y));
         }
     }
 

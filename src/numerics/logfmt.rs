@@ -10,20 +10,35 @@
 //! - Groups are decided together per chunk of [`chunk_channels`] channels (DeepEP decides per
 //!   warp of 32 lanes × `kNumSendUnrolls` int4: 1024 channels if `H % 1024 == 0`, else 512): a
 //!   chunk is cast iff every group in it may be; otherwise all its groups travel as raw bf16.
-//! - Cast group: `step = (log_amax - log_amin) / 510`, `step_inv = 1 / step`,
-//!   `rounding = fma(-log2_det((1 + exp2_det(step)) * 0.5), step_inv, 2)`,
-//!   `fused = fma(-log_amin, step_inv, rounding)`,
+//! - Cast group (fixed-point parameters, units of 2^-23, so that both ends use one grid):
+//!   `lmin_q = rne(log_amin · 2^23)`, `lmax_q = rne(log_amax · 2^23)` (i32),
+//!   `step_q = (lmax_q - lmin_q + 255) / 510` (integer division, rounded to nearest). A group may
+//!   be cast only if also `log_amin >= -125` (every decoded value is then a normal f32; groups of
+//!   magnitudes below 2^-93 travel raw) and `step_q >= 1`.
+//! - Encode: `step = step_q · 2^-23`, `lmin = lmin_q · 2^-23` (both exact f32), `step_inv = 1 /
+//!   step`, `rounding = fma(-ln2/8, step, 1.5)`, `fused = fma(-lmin, step_inv, rounding)`,
 //!   `code_i = min(511, floor(max(fma(log2_det(a_i), step_inv, fused), 0)))` (9 bits) plus the
-//!   sign bit: 10 bits. The rounding offset makes the code round to nearest *in linear space*.
-//! - Decode: `v = 0` if `code == 0`, else `exp2_det(fma(code - 1, step, log_amin))`, negated
-//!   by the sign bit; raw groups decode to `f32(bf16)`.
+//!   sign bit: 10 bits. The rounding offset makes the code round to nearest *in linear space*: the
+//!   midpoint of `2^y` and `2^(y + s)` is `2^(y + L(s))` with `L(s) = log2((1 + 2^s) / 2) = s/2 +
+//!   (ln2/8)·s² + O(s⁴)`; at `s <= 32/510` the dropped terms move a boundary by under 10^-6 of a
+//!   code.
+//! - Decode: `v = 0` if `code == 0`; else `y = lmin_q + (code - 1) · step_q` (i32, the log2 in
+//!   units of 2^-23), `v = P(m) · 2^(y >> 23)` with `m = 1 + (y mod 2^23) · 2^-23 ∈ [1, 2)` and
+//!   `P(m) = fma(fma(fma(P3, m, P2), m, P1), m, P0)` (f32; a minimax fit of `2^(m-1)`, relative
+//!   error below 7.5e-5 on every f32 of `[1, 2)`), the power of two applied by adding `y`'s upper
+//!   bits to `P(m)`'s exponent (exact); negated by the sign bit; raw groups decode to `f32(bf16)`.
+//!   Against `2^y` exactly the decode adds at most [`DECODE_REL_ERROR`] relative error, a 26th of
+//!   the half-ulp to which the combine's bf16 output is rounded anyway. This is where this crate's
+//!   LogFMT differs from DeepEP's, whose decode is `ex2.approx` of a float `y`: it takes a handful
+//!   of integer and `fma` instructions per value instead of an exp2 (bench/NOTES.md session 50).
 //! - Combine accumulates `acc = fma(v, w, acc)` per selection ([`decode_accumulate`]).
 //!
 //! DeepEP evaluates log2/exp2 with the `lg2.approx`/`ex2.approx` instructions, which no CPU can
-//! reproduce; [`log2_det`] and [`exp2_det`] are instead fixed sequences of IEEE f32 operations
-//! (exponent split, one division, `fma` Horner polynomials with the constants given as bits),
-//! accurate to ~1 ulp, so a CUDA port using `__fmaf_rn`/`__fdiv_rn` gets identical bits. The
-//! `min(511, ..)` clamp guards against a rounding overflow DeepEP leaves unchecked.
+//! reproduce; [`log2_det`] is instead a fixed sequence of IEEE f32 operations (exponent split, one
+//! division, an `fma` Horner polynomial with the constants given as bits), accurate to ~1 ulp, and
+//! the decode above is integer and `fma` work, so a CUDA port using `__fmaf_rn`/`__fdiv_rn` gets
+//! identical bits. The `min(511, ..)` clamp guards against a rounding overflow DeepEP leaves
+//! unchecked.
 //!
 //! # Slot layout (internal to this crate; DeepEP packs cast chunks densely instead)
 //! `slot_bytes(H) = 4·S + 2·H`, `S = H / 128`: `[0, 4S)` meta, per group `u16 amax, u16 amin`
@@ -41,6 +56,16 @@ pub const CAST_GROUP_BYTES: usize = GROUP * 10 / 8;
 const RAW_GROUP_BYTES: usize = GROUP * 2;
 const LOG_THRESHOLD: f32 = 0.0;
 const MIN_CLIP: f32 = 32.0;
+/// Fraction bits of the fixed-point log2 parameters (`lmin_q`, `step_q`).
+pub const FIX_BITS: u32 = 23;
+/// The least `log_amin` of a cast group: every decoded value is then a normal f32.
+pub const LOG_AMIN_FLOOR: f32 = -125.0;
+/// `ln2 / 8` (f32 bits): the encoder's second-order rounding term (module docs).
+const ROUND_C: u32 = 0x3db1_7218;
+// P(m) ≈ 2^(m-1) on [1, 2): minimax for relative error, coefficients as f32 bits (P0..P3).
+const P: [u32; 4] = [0x3ee7_7e21, 0x3ef4_9e86, 0xbc03_277d, 0x3d9f_cb10];
+/// Most relative error of a decoded magnitude against `2^y` (checked on every f32 `m` of `[1, 2)`).
+pub const DECODE_REL_ERROR: f64 = 7.5e-5;
 
 // log2(m) = t·(A1 + s·(A3 + s·(A5 + ...))), t = (m-1)/(m+1), s = t², A_k = 2/(k·ln 2).
 const A1: u32 = 0x4038_aa3b;
@@ -50,8 +75,6 @@ const A7: u32 = 0x3ed3_0bb1;
 const A9: u32 = 0x3ea4_258a;
 const A11: u32 = 0x3e86_4d42;
 const SQRT2: u32 = 0x3fb5_04f3;
-// 2^f = Σ_k B_k f^k, B_k = ln(2)^k / k!, k = 0..=7.
-const B: [u32; 8] = [0x3f80_0000, 0x3f31_7218, 0x3e75_fdf0, 0x3d63_5847, 0x3c1d_955b, 0x3aae_c3ff, 0x3921_8489, 0x377f_e5fe];
 
 fn c(bits: u32) -> f32 {
     f32::from_bits(bits)
@@ -105,34 +128,13 @@ pub fn log2_det(x: f32) -> f32 {
     t.mul_add(q, e as f32)
 }
 
-/// Deterministic 2^y (≈1 ulp relative): `n = round(y)` (half away from zero), `f = y - n`
-/// (exact, |f| ≤ ½), degree-7 fma Horner polynomial times `2^n` built from exponent bits
-/// (two steps below 2^-126 so subnormal results round once, deterministically).
-pub fn exp2_det(y: f32) -> f32 {
-    if y.is_nan() {
-        return y;
-    }
-    if y >= 128.0 {
-        return f32::INFINITY;
-    }
-    if y < -152.0 {
-        return 0.0;
-    }
-    let n = y.round();
-    let f = y - n;
-    let mut p = c(B[7]);
-    for k in (0..7).rev() {
-        p = p.mul_add(f, c(B[k]));
-    }
-    let n = n as i32;
-    let pow2 = |e: i32| f32::from_bits(((e + 127) as u32) << 23);
-    if n > 127 {
-        (p * pow2(127)) * pow2(n - 127)
-    } else if n >= -126 {
-        p * pow2(n)
-    } else {
-        (p * pow2(n + 64)) * pow2(-64)
-    }
+/// The decoded magnitude of the fixed-point log2 `y` (units of 2^-23): `P(m) · 2^(y >> 23)`, `m`
+/// the fraction of `y` as a mantissa in `[1, 2)` (module docs). For `y >= -125 · 2^23` (every code
+/// of a cast group) the result is a normal f32.
+pub fn pow2_q(y: i32) -> f32 {
+    let m = f32::from_bits(0x3f80_0000 | (y as u32 & 0x7f_ffff));
+    let p = c(P[3]).mul_add(m, c(P[2])).mul_add(m, c(P[1])).mul_add(m, c(P[0]));
+    f32::from_bits(p.to_bits().wrapping_add(y as u32 & 0xff80_0000))
 }
 
 /// Per-group quantisation parameters, computed identically by encoder and decoder from the
@@ -143,8 +145,17 @@ pub struct GroupParams {
     pub log_amax: f32,
     /// `max(log2_det(amin), log_amax - 32)` (`log_amax - 32` when `amin == 0`).
     pub log_amin: f32,
+    /// `rne(log_amin · 2^23)` (0 unless castable).
+    pub lmin_q: i32,
+    /// `(lmax_q - lmin_q + 255) / 510` (0 unless castable).
+    pub step_q: i32,
     /// The group's own cast condition (the chunk decision ANDs these).
     pub castable: bool,
+}
+
+/// `rne(v · 2^23)` of a finite `v` with `|v| < 256`.
+fn fix(v: f32) -> i32 {
+    (v * (1u32 << FIX_BITS) as f32).round_ties_even() as i32
 }
 
 impl GroupParams {
@@ -153,29 +164,37 @@ impl GroupParams {
         let log_amax = log2_det(bf16::to_f32(amax));
         let amin = bf16::to_f32(amin);
         let log_amin = if amin == 0.0 { log_amax - MIN_CLIP } else { log2_det(amin).max(log_amax - MIN_CLIP) };
-        GroupParams { log_amax, log_amin, castable: log_amax < LOG_THRESHOLD && log_amin < log_amax }
+        let mut p = GroupParams { log_amax, log_amin, lmin_q: 0, step_q: 0, castable: false };
+        if log_amax < LOG_THRESHOLD && log_amin < log_amax && log_amin >= LOG_AMIN_FLOOR {
+            p.lmin_q = fix(log_amin);
+            p.step_q = (fix(log_amax) - p.lmin_q + 255) / (NUM_VALUES - 2) as i32;
+            p.castable = p.step_q >= 1;
+        }
+        p
     }
 
-    /// `(log_amax - log_amin) / 510`.
+    /// `step_q · 2^-23` (exact).
     pub fn step(&self) -> f32 {
-        (self.log_amax - self.log_amin) / (NUM_VALUES - 2) as f32
+        self.step_q as f32 / (1u32 << FIX_BITS) as f32
     }
 
-    /// 9-bit magnitude code of `a = |x|` (see the module docs).
+    /// 9-bit magnitude code of `a = |x|` (see the module docs). Castable groups only.
     pub fn encode(&self, a: f32) -> u32 {
-        let step_inv = 1.0 / self.step();
-        let rounding = (-log2_det((1.0 + exp2_det(self.step())) * 0.5)).mul_add(step_inv, 2.0);
-        let fused = (-self.log_amin).mul_add(step_inv, rounding);
+        let step = self.step();
+        let step_inv = 1.0 / step;
+        let rounding = (-c(ROUND_C)).mul_add(step, 1.5);
+        let lmin = self.lmin_q as f32 / (1u32 << FIX_BITS) as f32;
+        let fused = (-lmin).mul_add(step_inv, rounding);
         let v = log2_det(a).mul_add(step_inv, fused).max(0.0).floor();
         (v as u32).min(NUM_VALUES - 1)
     }
 
-    /// Magnitude of a 9-bit code.
+    /// Magnitude of a 9-bit code. Castable groups only.
     pub fn decode(&self, code: u32) -> f32 {
         if code == 0 {
             0.0
         } else {
-            exp2_det(((code - 1) as f32).mul_add(self.step(), self.log_amin))
+            pow2_q(self.lmin_q + (code as i32 - 1) * self.step_q)
         }
     }
 }
@@ -296,11 +315,9 @@ mod tests {
     }
 
     #[test]
-    fn log2_and_exp2_are_accurate_and_exact_on_powers_of_two() {
+    fn log2_is_accurate_and_exact_on_powers_of_two() {
         for e in -149..128 {
-            let p = 2f64.powi(e) as f32;
-            assert_eq!(log2_det(p), e as f32, "log2(2^{e})");
-            assert_eq!(exp2_det(e as f32), p, "exp2({e})");
+            assert_eq!(log2_det(2f64.powi(e) as f32), e as f32, "log2(2^{e})");
         }
         assert_eq!(log2_det(0.0), f32::NEG_INFINITY);
         assert!(log2_det(-1.0).is_nan());
@@ -310,11 +327,30 @@ mod tests {
             let l = log2_det(x);
             let want = (x as f64).log2();
             assert!((l as f64 - want).abs() <= 2.5e-7 * want.abs().max(0.5), "log2({x}) = {l}, want {want}");
-            let y = (lcg(&mut seed) * 300.0 - 160.0) as f32;
-            let p = exp2_det(y) as f64;
-            let want = 2f64.powf(y as f64);
-            if want > 1.2e-38 && want < 3.0e38 {
-                assert!((p - want).abs() <= 2.5e-7 * want, "exp2({y}) = {p}, want {want}");
+        }
+    }
+
+    #[test]
+    fn pow2_q_is_within_its_bound_on_every_fraction_and_exact_in_the_exponent() {
+        let one = 1i64 << FIX_BITS;
+        let mut worst = 0f64;
+        for f in 0..one {
+            let got = pow2_q((-one + f) as i32) as f64; // y in [-1, 0): 2^(y) = 2^(f/2^23 - 1)
+            let want = (f as f64 / one as f64 - 1.0).exp2();
+            worst = worst.max((got / want - 1.0).abs());
+        }
+        assert!(worst <= DECODE_REL_ERROR, "worst relative error {worst:e}");
+        assert!(worst > DECODE_REL_ERROR / 2.0, "the bound is loose: {worst:e}");
+        // Every exponent a cast group reaches scales exactly: 2^n · (the value at n = -1) · 2.
+        let mut seed = 3;
+        for _ in 0..2000 {
+            let f = (lcg(&mut seed) * one as f64) as i64;
+            let base = pow2_q((-one + f) as i32);
+            for n in -125i64..=0 {
+                let y = n * one + f;
+                let want = base * 2f32.powi(n as i32 + 1);
+                assert_eq!(pow2_q(y as i32).to_bits(), want.to_bits(), "y {y}");
+                assert!(pow2_q(y as i32).is_normal());
             }
         }
     }
@@ -342,7 +378,7 @@ mod tests {
                     let (amax, amin) = meta(&slot, g);
                     let p = GroupParams::new(amax, amin);
                     assert!(p.castable);
-                    let bound = (exp2_det(p.step()) as f64 - 1.0) / 2.0 + 1e-6;
+                    let bound = ((p.step() as f64).exp2() - 1.0) / 2.0 + DECODE_REL_ERROR + 1e-6;
                     for i in g * GROUP..(g + 1) * GROUP {
                         let a = bf16::to_f32(x[i]) as f64;
                         assert_eq!(a.signum(), (y[i] as f64).signum());
@@ -380,13 +416,78 @@ mod tests {
         let y = round_trip(&x);
         assert_eq!((y[3], y[4]), (0.0, 0.0));
         let p = GroupParams::new(x[..128].iter().map(|b| b & 0x7fff).max().unwrap(), 0);
-        assert!(y[5] == 0.0 || y[5] == exp2_det(p.log_amin));
+        assert!(y[5] == 0.0 || y[5] == p.decode(1));
+        // A group whose log_amin is below -125 (amax about 2^-100 and a zero, so log_amin about -132)
+        // makes its chunk raw.
+        let mut x = row(1024, &mut seed, |g| if g == 2 { 2f64.powi(-100) } else { 0.5 });
+        x[300] = 0;
+        assert!(!GroupParams::new(x[256..384].iter().map(|b| b & 0x7fff).max().unwrap(), 0).castable);
+        assert!(round_trip(&x).iter().zip(&x).all(|(a, &b)| *a == bf16::to_f32(b)));
         // NaN / inf force raw and survive.
         let mut x = row(512, &mut seed, |_| 0.5);
         x[0] = 0x7fc0;
         x[1] = 0xff80;
         let y = round_trip(&x);
         assert!(y[0].is_nan() && y[1] == f32::NEG_INFINITY && y[2] == bf16::to_f32(x[2]));
+    }
+
+    /// DeepEP's LogFMT round trip of one castable group in exact arithmetic (its `lg2.approx` and
+    /// `ex2.approx` taken as exact, which flatters it): the values `internode_ll.cu` decodes.
+    fn deepep_ideal_group(xg: &[u16]) -> Vec<f64> {
+        let a: Vec<f64> = xg.iter().map(|&b| bf16::to_f32(b & 0x7fff) as f64).collect();
+        let (amax, amin) = (a.iter().cloned().fold(0.0, f64::max), a.iter().cloned().fold(f64::INFINITY, f64::min));
+        let lmax = amax.log2();
+        let lmin = if amin == 0.0 { lmax - 32.0 } else { amin.log2().max(lmax - 32.0) };
+        let step = (lmax - lmin) / 510.0;
+        let rounding = 2.0 - ((1.0 + step.exp2()) * 0.5).log2() / step - lmin / step;
+        a.iter()
+            .zip(xg)
+            .map(|(&v, &b)| {
+                let code = (v.log2() / step + rounding).max(0.0).floor().min(511.0);
+                let d = if code == 0.0 { 0.0 } else { ((code - 1.0) * step + lmin).exp2() };
+                if b & 0x8000 != 0 {
+                    -d
+                } else {
+                    d
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn round_trip_error_is_deepeps_plus_at_most_the_decode_bound() {
+        let mut seed = 23;
+        let (mut ours, mut theirs) = ((0f64, 0f64), (0f64, 0f64)); // (max, sum) of relative errors
+        let mut n = 0usize;
+        for round in 0..400 {
+            // Groups spanning 1 to 30 octaves (amin clipped at 32), scales down to 2^-60.
+            let span = 2f64.powf(-(1.0 + (round % 30) as f64));
+            let x: Vec<u16> = (0..1024)
+                .map(|i| {
+                    let u = lcg(&mut seed);
+                    let v = 0.9 * 2f64.powi(-((i / GROUP + round) as i32 % 60)) * span.powf(u);
+                    bf16::from_f32(if lcg(&mut seed) < 0.5 { -v } else { v } as f32)
+                })
+                .collect();
+            let y = round_trip(&x);
+            for (g, xg) in x.chunks_exact(GROUP).enumerate() {
+                let d = deepep_ideal_group(xg);
+                for (i, &b) in xg.iter().enumerate() {
+                    let v = bf16::to_f32(b) as f64;
+                    let (eo, et) = ((y[g * GROUP + i] as f64 - v).abs() / v.abs(), (d[i] - v).abs() / v.abs());
+                    ours = (ours.0.max(eo), ours.1 + eo);
+                    theirs = (theirs.0.max(et), theirs.1 + et);
+                    n += 1;
+                }
+            }
+        }
+        let (mo, mt) = (ours.1 / n as f64, theirs.1 / n as f64);
+        eprintln!(
+            "LogFMT relative error over {n} values: ours max {:.3e} mean {mo:.3e}, DeepEP (exact math) max {:.3e} mean {mt:.3e}",
+            ours.0, theirs.0
+        );
+        assert!(ours.0 <= theirs.0 + DECODE_REL_ERROR + 1e-6, "max {} against {}", ours.0, theirs.0);
+        assert!(mo <= mt + DECODE_REL_ERROR, "mean {mo} against {mt}");
     }
 
     #[test]

@@ -16,16 +16,17 @@ namespace {
 
 constexpr int kMaxGroups = 1024;  // rows up to 128K channels
 
-// The kernels' log2 table (log2_entry), filled once.
-const float2* log2_table() {
+// The send's tables (Log2Table), filled once.
+const Log2Table& send_tables() {
   static const struct Table {
-    float2 tq[kLog2Entries];
+    Log2Table t;
     Table() {
-      for (int i = 0; i < kLog2Entries; ++i) tq[i] = log2_entry(i);
+      for (int i = 0; i < kLog2Entries; ++i) fill_log2_entry(t, i);
     }
   } table;
-  return table.tq;
+  return table.t;
 }
+const float2* log2_table() { return send_tables().tq; }
 
 bool row_ok(int hidden) { return hidden >= kGroup && hidden % kGroup == 0 && hidden / kGroup <= kMaxGroups; }
 
@@ -74,11 +75,11 @@ extern "C" int dek_logfmt_encode_row_host(const uint16_t* x, int hidden, uint8_t
     }
     // As lane `l` of encode_chunk_warp: channels 4l..4l+3 as 40 bits at byte 5l.
     const Encoder e = encoder(gp[g]);
-    const float2* tq = log2_table();
+    const uint32_t* lq = send_tables().lq;
     for (int l = 0; l < 32; ++l) {
       const uint32_t w0 = src[4 * l] | static_cast<uint32_t>(src[4 * l + 1]) << 16;
       const uint32_t w1 = src[4 * l + 2] | static_cast<uint32_t>(src[4 * l + 3]) << 16;
-      const uint64_t p = encode4(tq, e, w0, w1);
+      const uint64_t p = encode4(lq, e, w0, w1);
       for (int b = 0; b < 5; ++b) dst[5 * l + b] = static_cast<uint8_t>(p >> (8 * b));
     }
   }
@@ -112,17 +113,15 @@ extern "C" int dek_logfmt_decode_accumulate_host(const uint8_t* slot, int hidden
 }
 
 extern "C" int dek_logfmt_math_host(int fn, const float* in, float* out, int64_t n) {
-  if (in == nullptr || out == nullptr || n < 0 || fn < 0 || fn > 4) return -1;
+  if (in == nullptr || out == nullptr || n < 0 || fn < 0 || fn > 3) return -1;
   for (int64_t i = 0; i < n; ++i) {
     // fn 1: pow2_q of in[i]'s bits as an int32; fn 2: the table's log2 of the magnitude of in[i]'s
-    // upper 16 bits (a bf16); fn 3: the same by log2_bf16_finite (finite magnitudes only); fn 4:
-    // log2_bf16_finite<true> (magnitudes below 2^64 only).
+    // upper 16 bits (a bf16); fn 3: the same by log2_bf16_finite (finite magnitudes only).
     const uint32_t b = bits_of(in[i]) >> 16 & 0x7fffu;
     out[i] = fn == 0   ? log2_det(in[i])
              : fn == 1 ? pow2_q(static_cast<int32_t>(bits_of(in[i])))
              : fn == 2 ? log2_bf16(log2_table(), b)
-             : fn == 3 ? log2_bf16_finite(log2_table(), b)
-                       : log2_bf16_finite<true>(log2_table(), b);
+                       : log2_bf16_finite(log2_table(), b);
   }
   return 0;
 }

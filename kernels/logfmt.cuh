@@ -207,14 +207,9 @@ __host__ __device__ __forceinline__ float2 log2_entry(int i) {
 // whose exponent and top 7 mantissa bits are log2_det's normalised ones (no leading-zero count);
 // the exponent step is an integer compare (the float 1.i is above sqrt(2) exactly when i > 53),
 // and the exponent becomes a float as two23_plus(E) minus a constant (exact; no conversion).
-// kSmall (the cast encoder's form): `b` < 0x5f80 (below 2^64, as every value of a cast group):
-// every magnitude is scaled, and zero gives -191 instead of -inf, no select: the code of either
-// is 0, as a cast group's log_amin is at least -165 (its amax's log2 is, less 32) and its step at
-// most 32 / 510, so v < -(191 - 165) * 510 / 32 + 2 < 0. Selects, no branches (as fast as the
-// branching form, bench/NOTES.md session 39).
-template <bool kSmall = false>
+// Selects, no branches (as fast as the branching form, bench/NOTES.md session 39).
 __host__ __device__ __forceinline__ float log2_bf16_finite(const float2* tq, uint32_t b) {
-  const bool scale = kSmall || b < 0x80u;
+  const bool scale = b < 0x80u;
   const float f = f_bits(b << 16);
   const uint32_t u = bits_of(scale ? f_mul(f, 0x1p64f) : f);
   const uint32_t i = u >> 16 & 0x7fu;
@@ -223,7 +218,7 @@ __host__ __device__ __forceinline__ float log2_bf16_finite(const float2* tq, uin
   const float e = f_sub(two23_plus(u >> 23), i > 53u ? f_sub(bias, 1.0f) : bias);
   const float2 v = tq[i];
   const float r = f_fma(v.x, v.y, e);
-  return kSmall || b != 0 ? r : f_bits(kNegInf);
+  return b != 0 ? r : f_bits(kNegInf);
 }
 // log2_det of any bf16 magnitude (15 bits): log2_bf16_finite with infinity and NaN (checked on
 // every bf16 by dek_logfmt_math_host fn 2; fn 3 is log2_bf16_finite alone).
@@ -236,35 +231,51 @@ __host__ __device__ __forceinline__ Group group_params_t(const float2* tq, uint3
   return group_from(amax, amin, [tq](uint32_t b) { return log2_bf16(tq, b); });
 }
 
-// Encoder constants of a cast group: code(a) = min(511, floor(max(fma(log2(a), step_inv, fused), 0))).
-struct Encoder {
-  float step_inv, fused;
+// The send's tables, one per block in shared memory: `tq` the log2_entry table (the group
+// parameters' log2 of amax / amin), `lq` the encoder's fixed-point log2 by mantissa (crate:
+// logfmt's LOG2_Q: rne(log2_det(1.i) * 2^23)).
+struct Log2Table {
+  float2 tq[kLog2Entries];
+  uint32_t lq[kLog2Entries];
 };
-// (crate: GroupParams::encode; step and lmin are the fixed-point ones, exact as floats.)
+__host__ __device__ __forceinline__ void fill_log2_entry(Log2Table& t, int i) {
+  t.tq[i] = log2_entry(i);
+  t.lq[i] = static_cast<uint32_t>(fix_q(log2_det(f_bits(0x3f800000u | static_cast<uint32_t>(i) << 16))));
+}
+
+// Encoder constants of a cast group (crate: GroupParams::encoder): code(b) = clamp((a_q(b) * m + c) >> 36,
+// 0, 511), a_q the biased fixed-point log2 of the magnitude, m = rne(2^36 / step_q) (< 2^32: step_q >= 32).
+struct Encoder {
+  uint32_t m;
+  int64_t c;
+};
 __host__ __device__ __forceinline__ Encoder encoder(const Group& g) {
-  const float step = f_mul(static_cast<float>(g.step_q), 0x1p-23f), lmin = f_mul(static_cast<float>(g.lmin_q), 0x1p-23f);
+  const float step_q = static_cast<float>(g.step_q);  // exact (< 2^24)
+  const float r = f_mul(f_fma(-f_bits(kRoundC), f_mul(step_q, 0x1p-23f), 1.5f), 0x1p36f);  // an integer
   Encoder e;
-  e.step_inv = f_div(1.0f, step);
-  e.fused = f_fma(-lmin, e.step_inv, f_fma(-f_bits(kRoundC), step, 1.5f));
+#ifdef __CUDA_ARCH__
+  e.m = __float2uint_rn(f_div(0x1p36f, step_q));
+  const int64_t rq = __float2ll_rn(r);
+#else
+  e.m = static_cast<uint32_t>(std::nearbyintf(f_div(0x1p36f, step_q)));
+  const int64_t rq = static_cast<int64_t>(r);
+#endif
+  e.c = rq - (static_cast<int64_t>(g.lmin_q) + (int64_t{127} << 23)) * static_cast<int64_t>(e.m);
   return e;
 }
-// 10-bit value (sign << 9 | code) of one bf16 (bits) of a cast group (magnitude below 1). The
-// code is min(511, floor(v)) of v = max(fma(log2, step_inv, fused), 0) >= 0: on the device the
-// low bits of min(v, 511) + 2^23 rounded down (two23_plus(floor), no conversion), as the host's floor.
-__host__ __device__ __forceinline__ uint32_t encode_value(const float2* tq, const Encoder& e, uint32_t b) {
-  const float v = f_max(f_fma(log2_bf16_finite<true>(tq, b & 0x7fffu), e.step_inv, e.fused), 0.0f);
-#ifdef __CUDA_ARCH__
-  const uint32_t code = __float_as_uint(__fadd_rd(fminf(v, 511.0f), kTwo23)) & kMaxCode;
-#else
-  const float fl = f_floor(v);
-  const uint32_t code = fl >= static_cast<float>(kMaxCode) ? kMaxCode : static_cast<uint32_t>(fl);
-#endif
-  return ((b >> 15) & 1u) << 9 | code;
+// 10-bit value (sign << 9 | code) of one bf16 (bits, 16) of a cast group: the magnitude's biased
+// fixed-point log2 (exponent bits << 23 plus lq[mantissa]), one 32 x 32 -> 64-bit multiply-add, the
+// upper bits, a clamp.
+__host__ __device__ __forceinline__ uint32_t encode_value(const uint32_t* lq, const Encoder& e, uint32_t b) {
+  const uint32_t aq = ((b & 0x7f80u) << 16) + lq[b & 0x7fu];
+  const int64_t v = static_cast<int64_t>(static_cast<uint64_t>(aq) * e.m) + e.c;
+  const int32_t code = min(max(static_cast<int32_t>(v >> 36), 0), static_cast<int32_t>(kMaxCode));
+  return ((b >> 15) & 1u) << 9 | static_cast<uint32_t>(code);
 }
 // Four consecutive channels (bf16 pairs lo, hi of two words) as 40 bits, the first lowest.
-__host__ __device__ __forceinline__ uint64_t encode4(const float2* tq, const Encoder& e, uint32_t w0, uint32_t w1) {
-  return static_cast<uint64_t>(encode_value(tq, e, w0 & 0xffffu)) | static_cast<uint64_t>(encode_value(tq, e, w0 >> 16)) << 10 |
-         static_cast<uint64_t>(encode_value(tq, e, w1 & 0xffffu)) << 20 | static_cast<uint64_t>(encode_value(tq, e, w1 >> 16)) << 30;
+__host__ __device__ __forceinline__ uint64_t encode4(const uint32_t* lq, const Encoder& e, uint32_t w0, uint32_t w1) {
+  return static_cast<uint64_t>(encode_value(lq, e, w0 & 0xffffu)) | static_cast<uint64_t>(encode_value(lq, e, w0 >> 16)) << 10 |
+         static_cast<uint64_t>(encode_value(lq, e, w1 & 0xffffu)) << 20 | static_cast<uint64_t>(encode_value(lq, e, w1 >> 16)) << 30;
 }
 
 // Decoded value of a 10-bit value of a cast group (crate: GroupParams::decode, negated by the
@@ -331,13 +342,13 @@ __device__ __forceinline__ void load_chunk_warp(const uint16_t* src, int ng, uin
 
 // One warp encodes one chunk of a row: groups 0..ng-1 (ng <= 8, see chunk_channels), lane l's
 // channels 4l..4l+3 of each in v (load_chunk_warp), into `meta` (ng u32) and `pay` (ng x 256 bytes,
-// 16-byte aligned); `tq` is a log2_entry table in shared memory, `pack` kChunkGroups x 160
+// 16-byte aligned); `lt` the send's tables in shared memory, `pack` kChunkGroups x 160
 // bytes of its shared memory (16-byte aligned). The group's amax / amin are warp reductions of the
 // bf16 bits (exact, in any order); lane g then computes group g's parameters and encoder (the
 // groups side by side, not each by all 32 lanes), read by shuffles; then all codes, then one
 // pack: no chain waits on another group's. The host twin is dek_logfmt_encode_row_host
 // (kernels/logfmt.cu).
-__device__ __forceinline__ void encode_chunk_warp(const uint2 (&v)[kChunkGroups], int ng, uint32_t* meta, char* pay, const float2* tq,
+__device__ __forceinline__ void encode_chunk_warp(const uint2 (&v)[kChunkGroups], int ng, uint32_t* meta, char* pay, const Log2Table* lt,
                                                   uint8_t* pack, int lane) {
   uint32_t my_max = 0, my_min = 0;  // lane g: group g's amax / amin bits
 #pragma unroll
@@ -350,7 +361,7 @@ __device__ __forceinline__ void encode_chunk_warp(const uint2 (&v)[kChunkGroups]
       my_min = lane == g ? mn : my_min;
     }
   }
-  const Group mine = group_params_t(tq, my_max, my_min);
+  const Group mine = group_params_t(lt->tq, my_max, my_min);
   if (lane < ng) meta[lane] = my_max | my_min << 16;
   // Cast when every group of the chunk is castable (lanes past ng vote yes).
   const bool cast = __all_sync(0xffffffffu, lane >= ng || mine.castable);
@@ -360,12 +371,12 @@ __device__ __forceinline__ void encode_chunk_warp(const uint2 (&v)[kChunkGroups]
       if (g < ng) reinterpret_cast<uint2*>(pay + g * 2 * kGroup)[lane] = v[g];
     return;
   }
-  const Encoder me = lane < ng ? encoder(mine) : Encoder{0.0f, 0.0f};
+  const Encoder me = lane < ng ? encoder(mine) : Encoder{0u, 0};
 #pragma unroll
   for (int g = 0; g < kChunkGroups; ++g) {
     if (g >= ng) continue;
-    const Encoder e{__shfl_sync(0xffffffffu, me.step_inv, g), __shfl_sync(0xffffffffu, me.fused, g)};
-    const uint64_t p = encode4(tq, e, v[g].x, v[g].y);
+    const Encoder e{__shfl_sync(0xffffffffu, me.m, g), __shfl_sync(0xffffffffu, me.c, g)};
+    const uint64_t p = encode4(lt->lq, e, v[g].x, v[g].y);
 #pragma unroll
     for (int b = 0; b < 5; ++b) pack[g * kCastGroupBytes + 5 * lane + b] = static_cast<uint8_t>(p >> (8 * b));
   }
@@ -382,15 +393,15 @@ __device__ __forceinline__ void encode_chunk_warp(const uint2 (&v)[kChunkGroups]
 // straight run of code without a branch per group (-1.3 µs at 1 and 8 tokens, bench/NOTES.md
 // session 43); the spread form and the kernels that share registers with other paths keep one copy.
 template <bool kFull>
-__device__ __forceinline__ void send_chunk_warp(const uint16_t* src, int ng, uint32_t* meta, char* pay, const float2* tq, uint8_t* pack,
+__device__ __forceinline__ void send_chunk_warp(const uint16_t* src, int ng, uint32_t* meta, char* pay, const Log2Table* lt, uint8_t* pack,
                                                 int lane) {
   uint2 v[kChunkGroups];
   if (kFull && ng == kChunkGroups) {
     load_chunk_warp(src, kChunkGroups, v, lane);
-    encode_chunk_warp(v, kChunkGroups, meta, pay, tq, pack, lane);
+    encode_chunk_warp(v, kChunkGroups, meta, pay, lt, pack, lane);
   } else {
     load_chunk_warp(src, ng, v, lane);
-    encode_chunk_warp(v, ng, meta, pay, tq, pack, lane);
+    encode_chunk_warp(v, ng, meta, pay, lt, pack, lane);
   }
 }
 #endif

@@ -23,9 +23,8 @@ extern "C" {
  * [hidden/128*4 + 2*hidden] bytes (meta then payload, the crate's slot layout; unused bytes zero);
  * decode_accumulate does acc[i] = fma(value_i, weight, acc[i]) over a slot; math: out[i] =
  * log2_det(in[i]) (fn 0), the decoder's pow2_q of in[i]'s bits as an int32 (fn 1), or the encoder's
- * table log2 of the bf16 magnitude in in[i]'s upper 16 bits (fn 2), log2_bf16_finite of it (fn 3:
- * finite magnitudes), or the cast encoder's log2_bf16_finite<true> of the magnitude (fn 4: below
- * 2^64; -191 for zero). Return 0, or -1 on bad arguments. No GPU needed. */
+ * table log2 of the bf16 magnitude in in[i]'s upper 16 bits (fn 2), or log2_bf16_finite of it (fn 3:
+ * finite magnitudes). Return 0, or -1 on bad arguments. No GPU needed. */
 int dek_logfmt_encode_row_host(const uint16_t* x, int hidden, uint8_t* slot);
 int dek_logfmt_decode_accumulate_host(const uint8_t* slot, int hidden, float weight, float* acc);
 int dek_logfmt_math_host(int fn, const float* in, float* out, int64_t n);

@@ -60,10 +60,10 @@ __device__ __forceinline__ bool warp_rows_ready(const Ctx& c, const Args& a, int
 // logfmt_fill_table: every thread of the block calls it, then a barrier.
 struct __align__(16) LogfmtSendShared {
   uint8_t pack[kLogfmtSendWarps][logfmt::kChunkGroups * logfmt::kCastGroupBytes];
-  float2 tq[logfmt::kLog2Entries];
+  logfmt::Log2Table tab;
 };
 __device__ __forceinline__ void logfmt_fill_table(LogfmtSendShared& s) {
-  for (int i = threadIdx.x; i < logfmt::kLog2Entries; i += blockDim.x) s.tq[i] = logfmt::log2_entry(i);
+  for (int i = threadIdx.x; i < logfmt::kLog2Entries; i += blockDim.x) logfmt::fill_log2_entry(s.tab, i);
   __syncthreads();
 }
 // The barrier of one half block (kLogfmtSendThreads threads) of the one-launch LogFMT combine, whose
@@ -125,7 +125,7 @@ __device__ bool ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l
       p_at = st + (r * H + c0) * 2;
       m_at = st + static_cast<uint64_t>(El) * RT * 2 * H + (r * S + c0 / 128) * 4;
     }
-    logfmt::send_chunk_warp<kFull>(static_cast<const uint16_t*>(a.x) + (l * RT + row) * H + c0, ng, at<uint32_t>(dst, m_at), dst + p_at, sh.tq,
+    logfmt::send_chunk_warp<kFull>(static_cast<const uint16_t*>(a.x) + (l * RT + row) * H + c0, ng, at<uint32_t>(dst, m_at), dst + p_at, &sh.tab,
                             sh.pack[warp], lane);
     if (far) {
       __syncwarp();  // every lane's staged bytes (and lane 0's meta words) before the puts read them
@@ -165,7 +165,7 @@ __device__ void combine_send_logfmt_spread(const Ctx& c, const Args& a, uint32_t
     for (int k = c0; k < c1; k += chunk) {
       const int ng = (min(H, k + chunk) - k) / 128;
       logfmt::send_chunk_warp<false>(static_cast<const uint16_t*>(a.x) + (l * RT + row) * H + k, ng, at<uint32_t>(dst, at_row.meta + k / 128 * 4),
-                              dst + at_row.pay + 2 * static_cast<uint64_t>(k), mine.tq, pack, lane);
+                              dst + at_row.pay + 2 * static_cast<uint64_t>(k), &mine.tab, pack, lane);
     }
   });
 }
@@ -272,7 +272,10 @@ __device__ __forceinline__ bool combine_send(const Ctx& c, const Args& a, uint32
     // with the block's one at a time, a block holding two rows' items doubled the send, session 46).
     const int h = static_cast<int>(threadIdx.x) / kLogfmtSendThreads;
     logfmt_fill_table(lf[0]);
-    for (int i = threadIdx.x; i < logfmt::kLog2Entries; i += blockDim.x) lf[1].tq[i] = lf[0].tq[i];
+    for (int i = threadIdx.x; i < logfmt::kLog2Entries; i += blockDim.x) {
+      lf[1].tab.tq[i] = lf[0].tab.tq[i];
+      lf[1].tab.lq[i] = lf[0].tab.lq[i];
+    }
     __syncthreads();
     if constexpr (kLfSpread) {
       // From kLogfmtSpreadFrom selections: the rows spread over every warp of the grid, as the

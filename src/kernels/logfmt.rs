@@ -55,23 +55,16 @@ pub fn pow2_q(y: &[i32]) -> Vec<f32> {
     math(1, &x)
 }
 
-/// The send encoder's table `log2_bf16` (host) of the bf16 magnitude in each value's upper 16 bits
+/// The send's table `log2_bf16` (host; the group parameters' log2) of the bf16 magnitude in each value's upper 16 bits
 /// (`log2_det(|x|)` for a bf16-representable `x`).
 pub fn log2_bf16_table(x: &[f32]) -> Vec<f32> {
     math(2, x)
 }
 
-/// The send encoder's `log2_bf16_finite` (host): as [`log2_bf16_table`], for finite bf16
+/// The send's `log2_bf16_finite` (host): as [`log2_bf16_table`], for finite bf16
 /// magnitudes only (the cast encoder's values are all below 1).
 pub fn log2_bf16_finite(x: &[f32]) -> Vec<f32> {
     math(3, x)
-}
-
-/// The send encoder's `log2_bf16_finite<true>` (host): as [`log2_bf16_finite`], for bf16
-/// magnitudes below 2^64 only (every value of a cast group is below 1), except -191 for zero
-/// (whose code is 0 either way).
-pub fn log2_bf16_small(x: &[f32]) -> Vec<f32> {
-    math(4, x)
 }
 
 #[cfg(test)]
@@ -122,21 +115,32 @@ mod tests {
     }
 
     #[test]
-    fn small_log2_is_the_finite_log2_below_2_pow_64() {
-        // Every bf16 whose magnitude is below 2^64 (bits below 0x5f80), both signs, zeros included.
-        let xs: Vec<f32> = (0..=u16::MAX).filter(|b| b & 0x7fff < 0x5f80).map(bf16::to_f32).collect();
-        assert_eq!(xs.len(), 2 * 0x5f80);
-        for ((&x, &s), &f) in xs.iter().zip(&log2_bf16_small(&xs)).zip(&log2_bf16_finite(&xs)) {
-            let want = if x == 0.0 { -191.0 } else { f };
-            assert!(same(s, want), "log2 small({x:e} = {:#x}): {s}, want {want}", x.to_bits());
+    fn host_encode_matches_the_crate_on_every_magnitude_of_cast_groups() {
+        // Groups of 127 consecutive bf16 magnitudes plus a fixed amax (0.9, 2^-40, 2^-90) and, for
+        // half of them, a zero (amin clipped): every magnitude below each amax is encoded once.
+        for amax in [bf16::from_f32(0.9), bf16::from_f32(2f32.powi(-40)), bf16::from_f32(2f32.powi(-90))] {
+            let mut x = Vec::new();
+            for (i, lo) in (1..amax).step_by(127).enumerate() {
+                let mut g: Vec<u16> = (lo..lo + 127).map(|b| b.min(amax)).collect();
+                g.push(amax);
+                if i % 2 == 0 {
+                    g[5] = 0;
+                }
+                g.iter_mut().step_by(3).for_each(|b| *b |= 0x8000);
+                x.extend(g);
+            }
+            x.resize(x.len().div_ceil(1024) * 1024, 0);
+            for (c, chunk) in x.chunks(7168).enumerate() {
+                assert_host_encode_is_crate(chunk, &format!("amax {amax:#x} chunk {c}"));
+            }
         }
     }
 
     #[test]
     fn host_encode_matches_the_crate_on_extreme_cast_groups() {
         // Zeros beside every bf16 magnitude below 1 as the amax: the widest cast groups (amin 0,
-        // log_amin = log_amax - 32), down to the smallest subnormal amax (log_amin -165), where a
-        // zero's log2 (-191 in the encoder) is nearest a group's range.
+        // log_amin = log_amax - 32), down to the smallest subnormal amax (such groups travel raw
+        // from log_amin < -125).
         let mut x = Vec::new();
         for amax in 1u16..0x3f80 {
             let mut g = [0u16; 128];

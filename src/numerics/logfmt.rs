@@ -14,14 +14,20 @@
 //!   `lmin_q = rne(log_amin · 2^23)`, `lmax_q = rne(log_amax · 2^23)` (i32),
 //!   `step_q = (lmax_q - lmin_q + 255) / 510` (integer division, rounded to nearest). A group may
 //!   be cast only if also `log_amin >= -125` (every decoded value is then a normal f32; groups of
-//!   magnitudes below 2^-93 travel raw) and `step_q >= 1`.
-//! - Encode: `step = step_q · 2^-23`, `lmin = lmin_q · 2^-23` (both exact f32), `step_inv = 1 /
-//!   step`, `rounding = fma(-ln2/8, step, 1.5)`, `fused = fma(-lmin, step_inv, rounding)`,
-//!   `code_i = min(511, floor(max(fma(log2_det(a_i), step_inv, fused), 0)))` (9 bits) plus the
-//!   sign bit: 10 bits. The rounding offset makes the code round to nearest *in linear space*: the
-//!   midpoint of `2^y` and `2^(y + s)` is `2^(y + L(s))` with `L(s) = log2((1 + 2^s) / 2) = s/2 +
-//!   (ln2/8)·s² + O(s⁴)`; at `s <= 32/510` the dropped terms move a boundary by under 10^-6 of a
-//!   code.
+//!   magnitudes below 2^-93 travel raw) and `step_q >= 32` (a range of 0.002 octaves: distinct
+//!   bf16 magnitudes lie at least 0.0056 apart).
+//! - Encode, in integers: a magnitude's fixed-point log2 (biased by 127·2^23) is
+//!   `a_q = (E << 23) + LOG2_Q[m]` for its bf16 exponent bits `E` and 7 mantissa bits `m`, with
+//!   `LOG2_Q[m] = rne(log2_det(1 + m/128) · 2^23)` (for subnormals and zero the same formula, whose
+//!   code is 0 in every cast group: their log2 lies more than 1 below `log_amin >= -125`). Per
+//!   group `M = rne(2^36 / f32(step_q))` (an f32 division; `step_q >= 32` keeps it below 2^32),
+//!   `R_q = f32(fma(-ln2/8, step_q · 2^-23, 1.5)) · 2^36` (an integer), `c = R_q - (lmin_q +
+//!   127·2^23) · M` (i64); `code_i = clamp((a_q · M + c) >> 36, 0, 511)` (9 bits: the code of
+//!   `(log2 a - log_amin) / step + R`) plus the sign bit: 10 bits. The rounding offset `R` makes
+//!   the code round to nearest *in linear space*: the midpoint of `2^y` and `2^(y + s)` is
+//!   `2^(y + L(s))` with `L(s) = log2((1 + 2^s) / 2) = s/2 + (ln2/8)·s² + O(s⁴)`, and the code
+//!   counts from 1 at `log_amin`, so `R = 2 - L(s)/s = 1.5 - (ln2/8)·s`; at `s <= 32/510` the dropped
+//!   terms move a boundary by under 10^-6 of a code, `M`'s rounding by under 10^-4.
 //! - Decode: `v = 0` if `code == 0`; else `y = lmin_q + (code - 1) · step_q` (i32, the log2 in
 //!   units of 2^-23), `v = P(m) · 2^(y >> 23)` with `m = 1 + (y mod 2^23) · 2^-23 ∈ [1, 2)` and
 //!   `P(m) = fma(fma(fma(P3, m, P2), m, P1), m, P0)` (f32; a minimax fit of `2^(m-1)`, relative
@@ -64,6 +70,10 @@ pub const LOG_AMIN_FLOOR: f32 = -125.0;
 const ROUND_C: u32 = 0x3db1_7218;
 // P(m) ≈ 2^(m-1) on [1, 2): minimax for relative error, coefficients as f32 bits (P0..P3).
 const P: [u32; 4] = [0x3ee7_7e21, 0x3ef4_9e86, 0xbc03_277d, 0x3d9f_cb10];
+/// Fraction bits of the encoder's code arithmetic (`M`, `R_q`).
+const CODE_BITS: u32 = 36;
+/// The least `step_q` of a cast group (keeps `M` below 2^32).
+const MIN_STEP_Q: i32 = 32;
 /// Most relative error of a decoded magnitude against `2^y` (checked on every f32 `m` of `[1, 2)`).
 pub const DECODE_REL_ERROR: f64 = 7.5e-5;
 
@@ -158,6 +168,18 @@ fn fix(v: f32) -> i32 {
     (v * (1u32 << FIX_BITS) as f32).round_ties_even() as i32
 }
 
+/// The encoder's log2 table: `LOG2_Q[m] = rne(log2_det(1 + m/128) · 2^23)`, `m` in `0..128`.
+fn log2_q_table() -> &'static [u32; 128] {
+    static T: std::sync::OnceLock<[u32; 128]> = std::sync::OnceLock::new();
+    T.get_or_init(|| std::array::from_fn(|m| fix(log2_det(1.0 + m as f32 / 128.0)) as u32))
+}
+
+/// The encoder's fixed-point log2 of a bf16 magnitude (15 bits), biased by 127·2^23:
+/// `(E << 23) + LOG2_Q[m]`.
+pub fn log2_q_biased(b: u16) -> u32 {
+    ((b as u32 & 0x7f80) << 16) + log2_q_table()[(b & 0x7f) as usize]
+}
+
 impl GroupParams {
     /// From the meta pair (bf16 bits of `max|x|` and `min|x|`).
     pub fn new(amax: u16, amin: u16) -> Self {
@@ -168,7 +190,7 @@ impl GroupParams {
         if log_amax < LOG_THRESHOLD && log_amin < log_amax && log_amin >= LOG_AMIN_FLOOR {
             p.lmin_q = fix(log_amin);
             p.step_q = (fix(log_amax) - p.lmin_q + 255) / (NUM_VALUES - 2) as i32;
-            p.castable = p.step_q >= 1;
+            p.castable = p.step_q >= MIN_STEP_Q;
         }
         p
     }
@@ -178,15 +200,18 @@ impl GroupParams {
         self.step_q as f32 / (1u32 << FIX_BITS) as f32
     }
 
-    /// 9-bit magnitude code of `a = |x|` (see the module docs). Castable groups only.
-    pub fn encode(&self, a: f32) -> u32 {
-        let step = self.step();
-        let step_inv = 1.0 / step;
-        let rounding = (-c(ROUND_C)).mul_add(step, 1.5);
-        let lmin = self.lmin_q as f32 / (1u32 << FIX_BITS) as f32;
-        let fused = (-lmin).mul_add(step_inv, rounding);
-        let v = log2_det(a).mul_add(step_inv, fused).max(0.0).floor();
-        (v as u32).min(NUM_VALUES - 1)
+    /// The encoder's per-group constants `(M, c)` (module docs). Castable groups only.
+    pub fn encoder(&self) -> (u32, i64) {
+        let m = ((1u64 << CODE_BITS) as f32 / self.step_q as f32).round_ties_even() as u32;
+        let r = (-c(ROUND_C)).mul_add(self.step(), 1.5) * (1u64 << CODE_BITS) as f32;
+        (m, r as i64 - (self.lmin_q as i64 + (127 << FIX_BITS)) * m as i64)
+    }
+
+    /// 9-bit magnitude code of the bf16 magnitude `b` (15 bits) with [`Self::encoder`]'s
+    /// constants (see the module docs). Castable groups only.
+    pub fn encode(&self, (m, c): (u32, i64), b: u16) -> u32 {
+        let v = (log2_q_biased(b) as u64 * m as u64) as i64 + c;
+        (v >> CODE_BITS).clamp(0, (NUM_VALUES - 1) as i64) as u32
     }
 
     /// Magnitude of a 9-bit code. Castable groups only.
@@ -238,9 +263,10 @@ pub fn encode(x: &[u16], out: &mut [u8]) {
             continue;
         }
         pg.fill(0);
+        let e = p.encoder();
         let (mut acc, mut nbits, mut pos) = (0u64, 0u32, 0usize);
         for &b in xg {
-            let v = ((b as u64 >> 15) << 9) | p.encode(bf16::to_f32(b & 0x7fff)) as u64;
+            let v = ((b as u64 >> 15) << 9) | p.encode(e, b & 0x7fff) as u64;
             acc |= v << nbits;
             nbits += 10;
             while nbits >= 8 {

@@ -333,6 +333,8 @@ DEEP_EP_LF_UNROLL
 
 #ifdef __CUDACC__
 constexpr int kChunkGroups = 8;  // groups per chunk at most (chunk_channels / kGroup)
+// A warp's pack area (encode_chunk_warp): a chunk's packed codes, then its groups' encoder constants.
+constexpr int kPackBytes = kChunkGroups * kCastGroupBytes + kChunkGroups * static_cast<int>(sizeof(Encoder));
 // Lane l's channels 4l..4l+3 of groups 0..ng-1 (ng <= 8) of the bf16 channels at `src` (8-byte aligned).
 __device__ __forceinline__ void load_chunk_warp(const uint16_t* src, int ng, uint2 (&v)[kChunkGroups], int lane) {
 #pragma unroll
@@ -342,10 +344,10 @@ __device__ __forceinline__ void load_chunk_warp(const uint16_t* src, int ng, uin
 
 // One warp encodes one chunk of a row: groups 0..ng-1 (ng <= 8, see chunk_channels), lane l's
 // channels 4l..4l+3 of each in v (load_chunk_warp), into `meta` (ng u32) and `pay` (ng x 256 bytes,
-// 16-byte aligned); `lt` the send's tables in shared memory, `pack` kChunkGroups x 160
-// bytes of its shared memory (16-byte aligned). The group's amax / amin are warp reductions of the
-// bf16 bits (exact, in any order); lane g then computes group g's parameters and encoder (the
-// groups side by side, not each by all 32 lanes), read by shuffles; then all codes, then one
+// 16-byte aligned); `lt` the send's tables in shared memory, `pack` kPackBytes of its shared
+// memory (16-byte aligned). The group's amax / amin are warp reductions of the bf16 bits (exact, in
+// any order); lane g then computes group g's parameters and encoder (the groups side by side, not
+// each by all 32 lanes), read from the pack area; then all codes, then one
 // pack: no chain waits on another group's. The host twin is dek_logfmt_encode_row_host
 // (kernels/logfmt.cu).
 __device__ __forceinline__ void encode_chunk_warp(const uint2 (&v)[kChunkGroups], int ng, uint32_t* meta, char* pay, const Log2Table* lt,
@@ -371,11 +373,15 @@ __device__ __forceinline__ void encode_chunk_warp(const uint2 (&v)[kChunkGroups]
       if (g < ng) reinterpret_cast<uint2*>(pay + g * 2 * kGroup)[lane] = v[g];
     return;
   }
-  const Encoder me = lane < ng ? encoder(mine) : Encoder{0u, 0};
+  // Group g's encoder constants from lane g through the pack area's tail (not shuffles: three words
+  // a lane held across the group loop made the per-item kernels spill, bench/NOTES.md session 50).
+  Encoder* const enc = reinterpret_cast<Encoder*>(pack + kChunkGroups * kCastGroupBytes);
+  if (lane < ng) enc[lane] = encoder(mine);
+  __syncwarp();
 #pragma unroll
   for (int g = 0; g < kChunkGroups; ++g) {
     if (g >= ng) continue;
-    const Encoder e{__shfl_sync(0xffffffffu, me.m, g), __shfl_sync(0xffffffffu, me.c, g)};
+    const Encoder e = enc[g];
     const uint64_t p = encode4(lt->lq, e, v[g].x, v[g].y);
 #pragma unroll
     for (int b = 0; b < 5; ++b) pack[g * kCastGroupBytes + 5 * lane + b] = static_cast<uint8_t>(p >> (8 * b));

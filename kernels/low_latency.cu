@@ -59,7 +59,7 @@ __device__ __forceinline__ bool warp_rows_ready(const Ctx& c, const Args& a, int
 // own shared data once two kernels reach it (the dispatch kernels then exceeded 48 KB, branch lfk).
 // logfmt_fill_table: every thread of the block calls it, then a barrier.
 struct __align__(16) LogfmtSendShared {
-  uint8_t pack[kLogfmtSendWarps][logfmt::kChunkGroups * logfmt::kCastGroupBytes];
+  uint8_t pack[kLogfmtSendWarps][logfmt::kPackBytes];
   logfmt::Log2Table tab;
 };
 __device__ __forceinline__ void logfmt_fill_table(LogfmtSendShared& s) {

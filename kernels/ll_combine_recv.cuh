@@ -26,7 +26,7 @@ namespace {
 // in flight before their decodes (one load per selection used at once made K serial latencies).
 // Three barriers per window, not per pass (bench/NOTES.md session 44). The narrow form
 // (recv_logfmt_half: only in combine's kLfRecvHalf instantiation, a LogFMT receive instantiation)
-// halves each thread's chain of decodes (K x 4 exp2 instead of K x 8) where the grid has a
+// halves each thread's chain of decodes (K x 4 instead of K x 8) where the grid has a
 // block for every half pass (few tokens: the cast receive is latency-bound there, bench/NOTES.md
 // session 40). s_e / s_w: the token's experts and weights.
 static_assert(kReduceThreads == kMaxLlTopk * 32, "one thread per (selection, group) of a LogFMT pass");

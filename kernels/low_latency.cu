@@ -52,7 +52,7 @@ __device__ __forceinline__ bool warp_rows_ready(const Ctx& c, const Args& a, int
   return ok;
 }
 
-// The LogFMT send's shared memory: a pack area per warp (encode_chunk_warp) and the log2 table,
+// The LogFMT send's shared memory: a pack area per warp (encode_chunk_warp) and the log2 tables (Log2Table),
 // one per block, declared at kernel scope by the kernels that may send LogFMT (`combine` over a
 // seam type other than NvlNet) and handed down. Not a function-scope __shared__: in this
 // separately compiled (rdc) build the device link places such a variable beside every kernel's

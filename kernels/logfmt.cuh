@@ -97,9 +97,8 @@ __host__ __device__ __forceinline__ uint32_t bits_of(float f) {
 // run at 16 lanes per clock per SM on sm_90 (bench/NOTES.md session 43).
 constexpr float kTwo23 = 8388608.0f;
 __host__ __device__ __forceinline__ float two23_plus(uint32_t u) { return f_bits(0x4b000000u | u); }
-// Exact operations (no rounding involved): max / floor.
+// An exact operation (no rounding involved).
 __host__ __device__ __forceinline__ float f_max(float a, float b) { return fmaxf(a, b); }
-__host__ __device__ __forceinline__ float f_floor(float a) { return floorf(a); }
 __host__ __device__ __forceinline__ float bf16_f32(uint32_t b) { return f_bits((b & 0xffffu) << 16); }
 
 constexpr uint32_t kNan = 0x7fc00000u, kInf = 0x7f800000u, kNegInf = 0xff800000u;
@@ -108,8 +107,8 @@ constexpr uint32_t kA1 = 0x4038aa3bu, kA3 = 0x3f76384fu, kA5 = 0x3f13bb63u, kA7 
                    kA11 = 0x3e864d42u, kSqrt2 = 0x3fb504f3u;
 // P(m) ~ 2^(m-1) on [1, 2) (crate: logfmt::P); ln2 / 8 (crate: logfmt::ROUND_C).
 constexpr uint32_t kP0 = 0x3ee77e21u, kP1 = 0x3ef49e86u, kP2 = 0xbc03277du, kP3 = 0x3d9fcb10u, kRoundC = 0x3db17218u;
-constexpr int kFixBits = 23;           // crate: logfmt::FIX_BITS
 constexpr float kLogAminFloor = -125.0f;  // crate: logfmt::LOG_AMIN_FLOOR
+constexpr int32_t kMinStepQ = 32;         // crate: logfmt::MIN_STEP_Q (keeps the encoder's m below 2^32)
 
 // log2_det's terms of a normalised mantissa m in (sqrt(2)/2, sqrt(2)]: t = (m-1)/(m+1) and the
 // polynomial q in t*t; log2 = fma(t, q, e). Shared with the encoder's table (log2_entry).
@@ -184,7 +183,7 @@ __host__ __device__ __forceinline__ Group group_from(uint32_t amax, uint32_t ami
   const bool may = g.log_amax < 0.0f && g.log_amin < g.log_amax && g.log_amin >= kLogAminFloor;
   g.lmin_q = may ? fix_q(g.log_amin) : 0;
   g.step_q = may ? (fix_q(g.log_amax) - g.lmin_q + 255) / 510 : 0;
-  g.castable = g.step_q >= 1;
+  g.castable = g.step_q >= kMinStepQ;
   return g;
 }
 __host__ __device__ __forceinline__ Group group_params(uint32_t amax, uint32_t amin) {

@@ -457,6 +457,23 @@ mod tests {
         assert!(y[0].is_nan() && y[1] == f32::NEG_INFINITY && y[2] == bf16::to_f32(x[2]));
     }
 
+    #[test]
+    fn distinct_bf16_magnitudes_never_meet_the_step_floor() {
+        // The least log range of a group with amin < amax is between adjacent bf16 magnitudes (or
+        // the 32-octave clip with a zero): its step_q stays far above MIN_STEP_Q, which only
+        // guards the encoder's M < 2^32.
+        let mut least = i32::MAX;
+        for amax in 1u16..0x3f80 {
+            for amin in [amax - 1, 0] {
+                let p = GroupParams::new(amax, amin);
+                if p.log_amax < 0.0 && p.log_amin < p.log_amax && p.log_amin >= LOG_AMIN_FLOOR {
+                    least = least.min(p.step_q);
+                }
+            }
+        }
+        assert!(least >= 2 * MIN_STEP_Q, "least step_q {least}");
+    }
+
     /// DeepEP's LogFMT round trip of one castable group in exact arithmetic (its `lg2.approx` and
     /// `ex2.approx` taken as exact, which flatters it): the values `internode_ll.cu` decodes.
     fn deepep_ideal_group(xg: &[u16]) -> Vec<f64> {

@@ -241,6 +241,11 @@ __host__ __device__ __forceinline__ void fill_log2_entry(Log2Table& t, int i) {
   t.tq[i] = log2_entry(i);
   t.lq[i] = static_cast<uint32_t>(fix_q(log2_det(f_bits(0x3f800000u | static_cast<uint32_t>(i) << 16))));
 }
+// Entry i of `src` into `dst` (a block's second copy of the tables).
+__host__ __device__ __forceinline__ void copy_log2_entry(Log2Table& dst, const Log2Table& src, int i) {
+  dst.tq[i] = src.tq[i];
+  dst.lq[i] = src.lq[i];
+}
 
 // Encoder constants of a cast group (crate: GroupParams::encoder): code(b) = clamp((a_q(b) * m + c) >> 36,
 // 0, 511), a_q the biased fixed-point log2 of the magnitude, m = rne(2^36 / step_q) (< 2^32: step_q >= 32).

@@ -272,10 +272,7 @@ __device__ __forceinline__ bool combine_send(const Ctx& c, const Args& a, uint32
     // with the block's one at a time, a block holding two rows' items doubled the send, session 46).
     const int h = static_cast<int>(threadIdx.x) / kLogfmtSendThreads;
     logfmt_fill_table(lf[0]);
-    for (int i = threadIdx.x; i < logfmt::kLog2Entries; i += blockDim.x) {
-      lf[1].tab.tq[i] = lf[0].tab.tq[i];
-      lf[1].tab.lq[i] = lf[0].tab.lq[i];
-    }
+    for (int i = threadIdx.x; i < logfmt::kLog2Entries; i += blockDim.x) logfmt::copy_log2_entry(lf[1].tab, lf[0].tab, i);
     __syncthreads();
     if constexpr (kLfSpread) {
       // From kLogfmtSpreadFrom selections: the rows spread over every warp of the grid, as the

@@ -180,6 +180,23 @@ pub fn log2_q_biased(b: u16) -> u32 {
     ((b as u32 & 0x7f80) << 16) + log2_q_table()[(b & 0x7f) as usize]
 }
 
+/// A cast group's encoder constants ([`GroupParams::encoder`]; the kernels' `Encoder`).
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub struct Encoder {
+    /// `rne(2^36 / f32(step_q))`.
+    pub m: u32,
+    /// `R_q - (lmin_q + 127·2^23) · M`.
+    pub c: i64,
+}
+
+impl Encoder {
+    /// 9-bit magnitude code of the bf16 magnitude `b` (15 bits): `clamp((a_q · M + c) >> 36, 0, 511)`.
+    pub fn code(&self, b: u16) -> u32 {
+        let v = (log2_q_biased(b) as u64 * self.m as u64) as i64 + self.c;
+        (v >> CODE_BITS).clamp(0, (NUM_VALUES - 1) as i64) as u32
+    }
+}
+
 impl GroupParams {
     /// From the meta pair (bf16 bits of `max|x|` and `min|x|`).
     pub fn new(amax: u16, amin: u16) -> Self {
@@ -200,18 +217,11 @@ impl GroupParams {
         self.step_q as f32 / (1u32 << FIX_BITS) as f32
     }
 
-    /// The encoder's per-group constants `(M, c)` (module docs). Castable groups only.
-    pub fn encoder(&self) -> (u32, i64) {
+    /// The encoder's per-group constants `M` and `c` (module docs). Castable groups only.
+    pub fn encoder(&self) -> Encoder {
         let m = ((1u64 << CODE_BITS) as f32 / self.step_q as f32).round_ties_even() as u32;
         let r = (-c(ROUND_C)).mul_add(self.step(), 1.5) * (1u64 << CODE_BITS) as f32;
-        (m, r as i64 - (self.lmin_q as i64 + (127 << FIX_BITS)) * m as i64)
-    }
-
-    /// 9-bit magnitude code of the bf16 magnitude `b` (15 bits) with [`Self::encoder`]'s
-    /// constants (see the module docs). Castable groups only.
-    pub fn encode(&self, (m, c): (u32, i64), b: u16) -> u32 {
-        let v = (log2_q_biased(b) as u64 * m as u64) as i64 + c;
-        (v >> CODE_BITS).clamp(0, (NUM_VALUES - 1) as i64) as u32
+        Encoder { m, c: r as i64 - (self.lmin_q as i64 + (127 << FIX_BITS)) * m as i64 }
     }
 
     /// Magnitude of a 9-bit code. Castable groups only.
@@ -266,7 +276,7 @@ pub fn encode(x: &[u16], out: &mut [u8]) {
         let e = p.encoder();
         let (mut acc, mut nbits, mut pos) = (0u64, 0u32, 0usize);
         for &b in xg {
-            let v = ((b as u64 >> 15) << 9) | p.encode(e, b & 0x7fff) as u64;
+            let v = ((b as u64 >> 15) << 9) | e.code(b & 0x7fff) as u64;
             acc |= v << nbits;
             nbits += 10;
             while nbits >= 8 {

@@ -241,12 +241,6 @@ __host__ __device__ __forceinline__ void fill_log2_entry(Log2Table& t, int i) {
   t.tq[i] = log2_entry(i);
   t.lq[i] = static_cast<uint32_t>(fix_q(log2_det(f_bits(0x3f800000u | static_cast<uint32_t>(i) << 16))));
 }
-// Entry i of `src` into `dst` (a block's second copy of the tables).
-__host__ __device__ __forceinline__ void copy_log2_entry(Log2Table& dst, const Log2Table& src, int i) {
-  dst.tq[i] = src.tq[i];
-  dst.lq[i] = src.lq[i];
-}
-
 // Encoder constants of a cast group (crate: GroupParams::encoder): code(b) = clamp((a_q(b) * m + c) >> 36,
 // 0, 511), a_q the biased fixed-point log2 of the magnitude, m = rne(2^36 / step_q) (< 2^32: step_q >= 32).
 struct Encoder {
@@ -273,7 +267,11 @@ __host__ __device__ __forceinline__ Encoder encoder(const Group& g) {
 __host__ __device__ __forceinline__ uint32_t encode_value(const uint32_t* lq, const Encoder& e, uint32_t b) {
   const uint32_t aq = ((b & 0x7f80u) << 16) + lq[b & 0x7fu];
   const int64_t v = static_cast<int64_t>(static_cast<uint64_t>(aq) * e.m) + e.c;
+#ifdef __CUDA_ARCH__
+  const int32_t code = __vimin_s32_relu(static_cast<int32_t>(v >> 36), static_cast<int32_t>(kMaxCode));  // max(min(x, 511), 0): one instruction
+#else
   const int32_t code = min(max(static_cast<int32_t>(v >> 36), 0), static_cast<int32_t>(kMaxCode));
+#endif
   return ((b >> 15) & 1u) << 9 | static_cast<uint32_t>(code);
 }
 // Four consecutive channels (bf16 pairs lo, hi of two words) as 40 bits, the first lowest.
@@ -283,16 +281,25 @@ __host__ __device__ __forceinline__ uint64_t encode4(const uint32_t* lq, const E
 }
 
 // Decoded value of a 10-bit value of a cast group (crate: GroupParams::decode, negated by the
-// sign bit), with `base` = lmin_q - step_q: y = code * step_q + base, one integer multiply-add, then
-// pow2_q. No branch: pow2_q runs for code 0 too and a mask makes it 0; the sign bit is or-ed in
-// (the magnitude is +0 or positive: the same bits as negating it).
+// sign bit), with `base` = decode_base: y1 = code * step_q + base is the fixed-point log2 y =
+// lmin_q + (code - 1) * step_q plus 1.0f's bits (kOneBits), one integer multiply-add. Then pow2_q
+// without its two masks: y1's 23 fraction bits are y's (kOneBits has none), so the mantissa is one
+// mask-or of y1, and pow2_q's exponent add, bits(P) + (y & 0xff800000), is bits(P) + y1 - bits(m)
+// (mod 2^32; the same bits), one 3-input add. No branch: code 0 too, then a mask makes it 0; the
+// sign bit is or-ed in (the magnitude is +0 or positive: the same bits as negating it).
+constexpr uint32_t kOneBits = 0x3f800000u;  // 1.0f
 __host__ __device__ __forceinline__ float decode_value(uint32_t v, int32_t step_q, int32_t base) {
   const uint32_t code = v & kMaxCode;
-  const uint32_t mag = bits_of(pow2_q(static_cast<int32_t>(code) * step_q + base)) & (code == 0 ? 0u : ~0u);
+  const uint32_t y1 = static_cast<uint32_t>(static_cast<int32_t>(code) * step_q + base);  // in (0, 2^31): no overflow
+  const uint32_t mb = (y1 & 0x7fffffu) | kOneBits;
+  const float m = f_bits(mb);
+  const float p = f_fma(f_fma(f_fma(f_bits(kP3), m, f_bits(kP2)), m, f_bits(kP1)), m, f_bits(kP0));
+  const uint32_t mag = (bits_of(p) + y1 - mb) & (code == 0 ? 0u : ~0u);
   return f_bits(mag | (v >> 9 & 1u) << 31);
 }
-// The decoders' second parameter (decode_value's `base`).
-__host__ __device__ __forceinline__ int32_t decode_base(const Group& g) { return g.lmin_q - g.step_q; }
+// The decoders' second parameter (decode_value's `base`): lmin_q - step_q + kOneBits (below 2^31:
+// lmin_q + 510 * step_q is about lmax_q < 0; above 0: lmin_q >= -125 * 2^23).
+__host__ __device__ __forceinline__ int32_t decode_base(const Group& g) { return g.lmin_q - g.step_q + static_cast<int32_t>(kOneBits); }
 
 // Channels 8m..8m+7 of a cast group: acc[i] = fma(value_i, wt, acc[i]). `w` are the three u32 words
 // of the group's payload from byte (10m & ~3), `shift` = 10m & 3 (0 or 2) bytes before the codes.

@@ -99,9 +99,10 @@ __device__ __forceinline__ LogfmtRow logfmt_row_at(const Args& a, uint64_t ge, i
 // Returns false when a signal wait (Args::signal) failed: the rest is not sent.
 // kHalf (the one-launch LogFMT combine's 512-thread blocks): the item is one half's (kLogfmtSendWarps
 // warps, the pack area's; warp counts within the half), its table filled before (combine_send).
+// tab: the log2 tables the encoder reads (sh.tab, or with kHalf the block's one, lf[0].tab).
 template <class Net, bool kSig, bool kFull = false, bool kHalf = false>
 __device__ bool ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l, int64_t b, int64_t cnt, int warp, int lane,
-                                       LogfmtSendShared& sh) {
+                                       LogfmtSendShared& sh, const logfmt::Log2Table& tab) {
   // Every thread of the block is here (the LogFMT flag and the item are the block's): one table.
   if constexpr (!kHalf) logfmt_fill_table(sh);
   const int R = c.num_ranks, El = a.num_experts / R, T = a.num_max_tokens, H = a.hidden, S = H / 128;
@@ -125,7 +126,7 @@ __device__ bool ll_combine_send_logfmt(const Ctx& c, const Args& a, int s, int l
       p_at = st + (r * H + c0) * 2;
       m_at = st + static_cast<uint64_t>(El) * RT * 2 * H + (r * S + c0 / 128) * 4;
     }
-    logfmt::send_chunk_warp<kFull>(static_cast<const uint16_t*>(a.x) + (l * RT + row) * H + c0, ng, at<uint32_t>(dst, m_at), dst + p_at, &sh.tab,
+    logfmt::send_chunk_warp<kFull>(static_cast<const uint16_t*>(a.x) + (l * RT + row) * H + c0, ng, at<uint32_t>(dst, m_at), dst + p_at, &tab,
                             sh.pack[warp], lane);
     if (far) {
       __syncwarp();  // every lane's staged bytes (and lane 0's meta words) before the puts read them
@@ -145,8 +146,8 @@ constexpr int kOneLaunchSpreadItems = DEK_LL_LOGFMT_ONE_LAUNCH_SPREAD_EXPERTS;
 // The LogFMT send with its rows spread over the grid's warps (spread_rows; the launcher's choice,
 // logfmt_spread): per run of a row, each chunk loaded and encoded into the LogFMT layout of rank s
 // by NVLink stores, at the places ll_combine_send_logfmt writes for a peer inside the domain.
-// sh: the kernel's send areas. kHalves (the one-launch LogFMT combine's 512-thread blocks, their
-// tables filled before): warp w packs in its half's area, sh[w / kLogfmtSendWarps], and the scan
+// sh: the kernel's send areas. kHalves (the one-launch LogFMT combine's 512-thread blocks, the
+// block's one table, sh[0]'s, filled before): warp w packs in its half's area, sh[w / kLogfmtSendWarps], and the scan
 // holds kOneLaunchSpreadItems items. kTag: spread_rows' (1 in the LogFMT send kernel, 0 in the
 // general send kernels that take this form at run time).
 template <class Net, bool kHalves = false, int kTag = 0>
@@ -165,7 +166,7 @@ __device__ void combine_send_logfmt_spread(const Ctx& c, const Args& a, uint32_t
     for (int k = c0; k < c1; k += chunk) {
       const int ng = (min(H, k + chunk) - k) / 128;
       logfmt::send_chunk_warp<false>(static_cast<const uint16_t*>(a.x) + (l * RT + row) * H + k, ng, at<uint32_t>(dst, at_row.meta + k / 128 * 4),
-                              dst + at_row.pay + 2 * static_cast<uint64_t>(k), &mine.tab, pack, lane);
+                              dst + at_row.pay + 2 * static_cast<uint64_t>(k), &sh->tab, pack, lane);
     }
   });
 }
@@ -196,11 +197,13 @@ __device__ __forceinline__ bool combine_send_rows(const Ctx& c, const Args& a, i
   const uint64_t dst_base = recv_off(a, a.half) + static_cast<uint64_t>(c.rank * El + l) * T * (2 * static_cast<uint64_t>(H));
   bool ok = true;
   if constexpr (kLf) {
-    ok = ll_combine_send_logfmt<Net, kSig, true, kHalf>(c, a, s, l, b, cnt, warp, lane, *lf);
+    // kHalf: lf is the block's two areas; this half packs in its own and reads the block's one table
+    // (lf[0]'s: a static shared address, no per-lookup base add).
+    ok = ll_combine_send_logfmt<Net, kSig, true, kHalf>(c, a, s, l, b, cnt, warp, lane, lf[kHalf ? threadIdx.x / kLogfmtSendThreads : 0], lf->tab);
     cnt = 0;
   } else if constexpr (!kNvlOnly<Net>) {  // NvlNet launchers refuse LogFMT (one_launch_combine_ok, launch_combine)
     if (a.flags & DEK_LL_FLAG_LOGFMT) {
-      ok = ll_combine_send_logfmt<Net, kSig>(c, a, s, l, b, cnt, warp, lane, *lf);
+      ok = ll_combine_send_logfmt<Net, kSig>(c, a, s, l, b, cnt, warp, lane, *lf, lf->tab);
       cnt = 0;  // every row went out as LogFMT: nothing left for the BF16 loop
     }
   }
@@ -268,19 +271,17 @@ __device__ __forceinline__ bool combine_send(const Ctx& c, const Args& a, uint32
     }
   } else if constexpr (kLf && kWide) {
     // The one-launch LogFMT combine: a resident grid of one block per SM, each half block of
-    // kLogfmtSendWarps warps an item at a time with its own area lf[half] (2 x SMs items at once:
+    // kLogfmtSendWarps warps an item at a time with its own pack area lf[half] (2 x SMs items at once:
     // with the block's one at a time, a block holding two rows' items doubled the send, session 46).
     const int h = static_cast<int>(threadIdx.x) / kLogfmtSendThreads;
-    logfmt_fill_table(lf[0]);
-    for (int i = threadIdx.x; i < logfmt::kLog2Entries; i += blockDim.x) logfmt::copy_log2_entry(lf[1].tab, lf[0].tab, i);
-    __syncthreads();
+    logfmt_fill_table(lf[0]);  // the block's one table: both halves read lf[0].tab
     if constexpr (kLfSpread) {
       // From kLogfmtSpreadFrom selections: the rows spread over every warp of the grid, as the
       // two-launch send's (the per-item form's heaviest item set the cast encode's time, session 46).
       combine_send_logfmt_spread<Net, true>(c, a, s_seq, lf);
     } else {
       for (int w = 2 * lin + h; w < El * c.num_ranks; w += 2 * gridDim.x * gridDim.y)
-        combine_send_rows<Net, false, false, true, true>(c, a, w % El, w / El, s_seq, lf + h);
+        combine_send_rows<Net, false, false, true, true>(c, a, w % El, w / El, s_seq, lf);
     }
     __syncthreads();  // both halves' items before the block counts itself done
   } else if (!kNvlOnly<Net> && !kOwn && !kWide && (kLf ? kLfSpread : logfmt_spread(a))) {

@@ -291,7 +291,14 @@ constexpr uint32_t kOneBits = 0x3f800000u;  // 1.0f
 __host__ __device__ __forceinline__ float decode_value(uint32_t v, int32_t step_q, int32_t base) {
   const uint32_t code = v & kMaxCode;
   const uint32_t y1 = static_cast<uint32_t>(static_cast<int32_t>(code) * step_q + base);  // in (0, 2^31): no overflow
+#ifdef __CUDA_ARCH__
+  // One LOP3 with 1.0f's bits in a register ((a & b) | c); as C, two (a mask, then an or: one
+  // immediate operand an instruction).
+  uint32_t mb;
+  asm("lop3.b32 %0, %1, 0x7fffff, %2, 0xea;" : "=r"(mb) : "r"(y1), "r"(kOneBits));
+#else
   const uint32_t mb = (y1 & 0x7fffffu) | kOneBits;
+#endif
   const float m = f_bits(mb);
   const float p = f_fma(f_fma(f_fma(f_bits(kP3), m, f_bits(kP2)), m, f_bits(kP1)), m, f_bits(kP0));
   const uint32_t mag = (bits_of(p) + y1 - mb) & (code == 0 ? 0u : ~0u);

@@ -282,10 +282,10 @@ __host__ __device__ __forceinline__ uint64_t encode4(const uint32_t* lq, const E
 
 // Decoded value of a 10-bit value of a cast group (crate: GroupParams::decode, negated by the
 // sign bit), with `base` = decode_base: y1 = code * step_q + base is the fixed-point log2 y =
-// lmin_q + (code - 1) * step_q plus 1.0f's bits (kOneBits), one integer multiply-add. Then pow2_q
-// without its two masks: y1's 23 fraction bits are y's (kOneBits has none), so the mantissa is one
-// mask-or of y1, and pow2_q's exponent add, bits(P) + (y & 0xff800000), is bits(P) + y1 - bits(m)
-// (mod 2^32; the same bits), one 3-input add. No branch: code 0 too, then a mask makes it 0; the
+// lmin_q + (code - 1) * step_q plus 1.0f's bits (kOneBits), one integer multiply-add. Then pow2_q(y)
+// from y1: y1's 23 fraction bits are y's (kOneBits has none), so the mantissa m is one mask-or of
+// y1, and pow2_q's exponent add, bits(P) + (y & 0xff800000), is bits(P) + y1 - bits(m) (mod 2^32:
+// the same bits), one 3-input add. No branch: code 0 too, then a mask makes it 0; the
 // sign bit is or-ed in (the magnitude is +0 or positive: the same bits as negating it).
 constexpr uint32_t kOneBits = 0x3f800000u;  // 1.0f
 __host__ __device__ __forceinline__ float decode_value(uint32_t v, int32_t step_q, int32_t base) {

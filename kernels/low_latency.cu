@@ -467,7 +467,8 @@ __global__ void __launch_bounds__(kBoth && !kLfRecvHalf ? kLlThreads : kSig ? kL
   }
   LogfmtSendShared* lf = nullptr;  // the LogFMT send's area, in the kernels that may send LogFMT
   if constexpr (!kNvlOnly<Net>) {
-    __shared__ LogfmtSendShared s_lf[kBoth && kLfRecvHalf ? 2 : 1];  // one-launch LogFMT: one per half block
+    // One-launch LogFMT: one per half block (their pack areas; both halves read s_lf[0].tab).
+    __shared__ LogfmtSendShared s_lf[kBoth && kLfRecvHalf ? 2 : 1];
     lf = s_lf;
   }
   uint32_t seq = 0;

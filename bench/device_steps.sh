@@ -22,6 +22,18 @@ lib() {
   if [ ! -f $d/.ok ]; then rm -rf $d; mkdir -p $d; (cd $d && python3 -m zipfile -e $w .) >/dev/null && touch $d/.ok; fi
   find $d -name libdeep_ep.so | head -1
 }
+# patched W BASE: the libdeep_ep.so of wheel W carried as `.carry/W.patch.zst` (zstd --patch-from
+# BASE's library, made here: `zstd --long=27 -19 --patch-from=BASE.so W.so -o W.patch.zst`) beside
+# `.carry/W.md5` (md5sum of W.so); /tmp/w/W is BASE's wheel with W's library, so `lib W` finds it.
+# Two wheels and the tree exceed a call's carry; a wheel and a patch (4.4-4.5 MB) do not (session
+# 51). Uses the machine's zstd, else `.carry/zstd`. Non-zero when the md5 does not match.
+patched() {
+  local z=$(command -v zstd || echo $PWD/.carry/zstd) base=$(lib $2) d=/tmp/w/$1
+  rm -rf $d && mkdir -p $d && cp -r /tmp/w/$2/. $d/ && rm -f $d/.ok || return 1
+  local so=$(find $d -name libdeep_ep.so | head -1)
+  $z -q -d -f --long=27 --patch-from=$base .carry/$1.patch.zst -o $so || return 1
+  [ "$(md5sum < $so | cut -d' ' -f1)" = "$(cut -d' ' -f1 .carry/$1.md5)" ] && touch $d/.ok
+}
 # dv1_start: DeepEP V1 in /tmp/dv1/deepep_v1 (PYTHONPATH=$PWD/python:/tmp/dv1/deepep_v1). From
 # .carry/dv1-built.tgz when a call carries it (an earlier call's build of the same machine image,
 # its .so stripped: 6 MB, saves the 4-5 min build; session 49), else built in the background.

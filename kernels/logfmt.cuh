@@ -145,12 +145,17 @@ __host__ __device__ __forceinline__ float log2_det(float x) {
   return f_fma(tq.x, tq.y, static_cast<float>(e));
 }
 
+// P(m) ~ 2^(m-1) on [1, 2), Horner in three fmas (crate: logfmt::P); pow2_q's and decode_value's.
+__host__ __device__ __forceinline__ float pow2_poly(float m) {
+  return f_fma(f_fma(f_fma(f_bits(kP3), m, f_bits(kP2)), m, f_bits(kP1)), m, f_bits(kP0));
+}
+
 // crate: logfmt::pow2_q. The decoded magnitude of the fixed-point log2 y (units of 2^-23): P(m)
 // with m = 1.(y's 23 fraction bits), its exponent raised by y >> 23 (an integer add of y's upper
 // bits, exact while the result is normal: y >= -125 * 2^23, every code of a cast group).
 __host__ __device__ __forceinline__ float pow2_q(int32_t y) {
   const float m = f_bits(0x3f800000u | (static_cast<uint32_t>(y) & 0x7fffffu));
-  const float p = f_fma(f_fma(f_fma(f_bits(kP3), m, f_bits(kP2)), m, f_bits(kP1)), m, f_bits(kP0));
+  const float p = pow2_poly(m);
   return f_bits(bits_of(p) + (static_cast<uint32_t>(y) & 0xff800000u));
 }
 
@@ -241,6 +246,7 @@ __host__ __device__ __forceinline__ void fill_log2_entry(Log2Table& t, int i) {
   t.tq[i] = log2_entry(i);
   t.lq[i] = static_cast<uint32_t>(fix_q(log2_det(f_bits(0x3f800000u | static_cast<uint32_t>(i) << 16))));
 }
+
 // Encoder constants of a cast group (crate: GroupParams::encoder): code(b) = clamp((a_q(b) * m + c) >> 36,
 // 0, 511), a_q the biased fixed-point log2 of the magnitude, m = rne(2^36 / step_q) (< 2^32: step_q >= 32).
 struct Encoder {
@@ -300,7 +306,7 @@ __host__ __device__ __forceinline__ float decode_value(uint32_t v, int32_t step_
   const uint32_t mb = (y1 & 0x7fffffu) | kOneBits;
 #endif
   const float m = f_bits(mb);
-  const float p = f_fma(f_fma(f_fma(f_bits(kP3), m, f_bits(kP2)), m, f_bits(kP1)), m, f_bits(kP0));
+  const float p = pow2_poly(m);
   const uint32_t mag = (bits_of(p) + y1 - mb) & (code == 0 ? 0u : ~0u);
   return f_bits(mag | (v >> 9 & 1u) << 31);
 }

@@ -149,7 +149,10 @@ def test_shm_dir_that_is_not_a_folder_names_the_variable(ops, monkeypatch, tmp_p
 
 # ---- Ctrl-C during a wait for a peer ---------------------------------------------------------------
 SIGINT_RANK = """
-import os, sys, time, torch, deep_ep_rs
+import os, signal, sys, time, torch, deep_ep_rs
+# Python's own handler, whatever this process inherited: a test run started with SIGINT ignored
+# (under nohup, or as a background job of a shell without job control) passes the ignore on.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 ops, cpu = torch.ops.deep_ep, torch.device("cpu")
 rank, uid_file, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 if rank == 0:

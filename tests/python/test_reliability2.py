@@ -103,7 +103,10 @@ def test_interpreter_exit_with_a_daemon_thread_inside_an_op_does_not_abort(tmp_p
 
 # ---- 6: Ctrl-C during create_buffer's rendezvous ------------------------------------------------
 CREATE_ALONE = textwrap.dedent("""
-    import sys, time, torch, deep_ep_rs
+    import signal, sys, time, torch, deep_ep_rs
+    # Python's own handler, whatever this process inherited: a test run started with SIGINT ignored
+    # (under nohup, or as a background job of a shell without job control) passes the ignore on.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     ops, cpu = torch.ops.deep_ep, torch.device("cpu")
     rank, uid_file = int(sys.argv[1]), sys.argv[2]
     if rank == 0:

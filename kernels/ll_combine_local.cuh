@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "logfmt.cuh"
 #include "low_latency.cuh"
 
 namespace deep_ep {
@@ -187,6 +188,123 @@ __device__ __forceinline__ void combine_local(const Ctx& c, const Args& a) {
   }
   // The call counter, by block 0 with no ticket (as the one-rank dispatch: nothing of the local
   // form reads s_seq, so a block that reads the counter after this store is harmless).
+  if (blockIdx.x == 0 && tid == 0) *at<volatile int>(local(c), kLlCalls) = static_cast<int>(s_seq);
+}
+
+// The one-rank LogFMT combine (combine_local_logfmt): blocks of 8 warps, a chunk's groups at most.
+constexpr int kLfLocalThreads = 32 * logfmt::kChunkGroups;
+// Selections whose loads a thread of the sum has in flight at once.
+constexpr int kLfLocalBatch = 8;
+// A cast group's parameters for the sum (phase B): the encoder constants and the decoder's.
+struct LfLocalParam {
+  int64_t c;
+  uint32_t m;
+  int32_t step, base;
+};
+
+// The one-launch combine at one rank with LogFMT: combine_local's sums, each expert row
+// LogFMT-encoded and decoded on the way (logfmt.cuh: encode_value then decode_value, the bits the
+// receive of the peer path decodes from what its send encoded), with no receive area between. At one
+// rank the peer path encodes every row into its own receive area, waits for the grid, and reads it
+// back (bench/NOTES.md session 52). Work item w of the grid is chunk w % C of token w / C (C chunks
+// of logfmt::chunk_channels a row, the cast decision's unit):
+// - phase A, warp k per selection k: its row of y (local_row, as combine_local), the chunk's group
+//   amax / amin (warp reductions), lane g's group g parameters and the chunk's cast vote (as the
+//   send's encode_chunk_warp), into shared memory;
+// - phase B, warp g per group g: lane l's channels 4l..4l+3, fma(value, w_k, acc) over k in order
+//   (the peer receive's order and rounding: bit for bit), one BF16 rounding.
+// Phase B reads the rows phase A read on this SM (`__ldg`: through L1). Kept from combine_local:
+// begin_send, the routing check (by the last block), the call counter (block 0).
+template <class Net>
+__device__ __forceinline__ void combine_local_logfmt(const Ctx& c, const Args& a) {
+  __shared__ uint32_t s_seq;
+  __shared__ int s_skip;
+  __shared__ logfmt::Log2Table s_tab;
+  __shared__ int64_t s_row[kMaxLlTopk];
+  __shared__ float s_w[kMaxLlTopk];
+  __shared__ int s_cast[kMaxLlTopk];
+  __shared__ LfLocalParam s_par[kMaxLlTopk][logfmt::kChunkGroups];
+  __shared__ unsigned long long s_fp[kReduceThreads / 32], s_fpw[kReduceThreads / 32];  // check_routing_at's shares
+  if (!begin_send(c, a, DEK_LL_KIND_COMBINE, &s_seq, &s_skip)) return;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, nw = static_cast<int>(blockDim.x / 32);
+  for (int i = tid; i < logfmt::kLog2Entries; i += blockDim.x) logfmt::fill_log2_entry(s_tab, i);  // read after the first barrier
+  if (blockIdx.x == gridDim.x - 1) check_routing_direct(c, a, s_fp, s_fpw);
+  const int K = a.num_topk, E = a.num_experts, H = a.hidden, N = a.num_tokens;
+  const int64_t RT = a.num_max_tokens;
+  const bool dead = rank_masked(a, 0);
+  const int chunk = logfmt::chunk_channels(H), C = (H + chunk - 1) / chunk;
+  const uint16_t* const y = static_cast<const uint16_t*>(a.x);
+  for (int item = blockIdx.x; item < N * C; item += static_cast<int>(gridDim.x)) {
+    const int tok = item / C, c0 = (item % C) * chunk, ng = min(chunk, H - c0) / logfmt::kGroup;
+    for (int k = warp; k < K; k += nw) {  // phase A
+      int64_t row = -1;
+      if (lane == 0) {
+        const int64_t j = static_cast<int64_t>(tok) * K + k, e = topk_at(a, j);
+        row = e >= 0 && e < E && !dead ? local_row(a, static_cast<int>(e), tok, RT) : -1;
+        s_row[k] = row;
+        s_w[k] = a.topk_weights[j];
+      }
+      row = __shfl_sync(0xffffffffu, row, 0);
+      if (row < 0) continue;
+      const uint2* src = reinterpret_cast<const uint2*>(y + row * H + c0) + lane;
+      uint2 v[logfmt::kChunkGroups];
+#pragma unroll
+      for (int g = 0; g < logfmt::kChunkGroups; ++g)
+        if (g < ng) v[g] = __ldg(src + g * (logfmt::kGroup / 4));
+      uint32_t my_max = 0, my_min = 0;  // lane g: group g's amax / amin bits
+#pragma unroll
+      for (int g = 0; g < logfmt::kChunkGroups; ++g) {
+        if (g < ng) {
+          const uint32_t a0 = v[g].x & 0x7fffu, a1 = (v[g].x >> 16) & 0x7fffu, a2 = v[g].y & 0x7fffu, a3 = (v[g].y >> 16) & 0x7fffu;
+          const uint32_t mx = __reduce_max_sync(0xffffffffu, max(max(a0, a1), max(a2, a3)));
+          const uint32_t mn = __reduce_min_sync(0xffffffffu, min(min(a0, a1), min(a2, a3)));
+          my_max = lane == g ? mx : my_max;
+          my_min = lane == g ? mn : my_min;
+        }
+      }
+      const logfmt::Group mine = logfmt::group_params_t(s_tab.tq, my_max, my_min);
+      const bool cast = __all_sync(0xffffffffu, lane >= ng || mine.castable);
+      if (lane == 0) s_cast[k] = cast;
+      if (cast && lane < ng) {
+        const logfmt::Encoder en = logfmt::encoder(mine);
+        s_par[k][lane] = LfLocalParam{en.c, en.m, mine.step_q, logfmt::decode_base(mine)};
+      }
+    }
+    __syncthreads();  // (the first item's: the table too)
+    if (warp < ng) {  // phase B: group `warp` of the chunk
+      const uint2* src = reinterpret_cast<const uint2*>(y + c0 + warp * logfmt::kGroup) + lane;
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      for (int k0 = 0; k0 < K; k0 += kLfLocalBatch) {
+        uint2 v[kLfLocalBatch];
+#pragma unroll
+        for (int u = 0; u < kLfLocalBatch; ++u) {
+          const int64_t row = k0 + u < K ? s_row[k0 + u] : -1;
+          if (row >= 0) v[u] = __ldg(src + row * (H / 4));
+        }
+#pragma unroll
+        for (int u = 0; u < kLfLocalBatch; ++u) {  // in order k = k0, k0 + 1, ...
+          const int k = k0 + u;
+          if (k >= K || s_row[k] < 0) continue;
+          const uint32_t w2[2] = {v[u].x, v[u].y};
+          if (s_cast[k]) {
+            const LfLocalParam p = s_par[k][warp];
+            const logfmt::Encoder en{p.m, p.c};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const uint32_t b = w2[i / 2] >> (16 * (i % 2)) & 0xffffu;
+              acc[i] = logfmt::f_fma(logfmt::decode_value(logfmt::encode_value(s_tab.lq, en, b), p.step, p.base), s_w[k], acc[i]);
+            }
+          } else {
+            logfmt::accumulate_raw4(acc, w2, s_w[k]);
+          }
+        }
+      }
+      const uint2 o{bf16_bits(acc[0]) | static_cast<uint32_t>(bf16_bits(acc[1])) << 16,
+                    bf16_bits(acc[2]) | static_cast<uint32_t>(bf16_bits(acc[3])) << 16};
+      reinterpret_cast<uint2*>(a.out + static_cast<int64_t>(tok) * H + c0 + warp * logfmt::kGroup)[lane] = o;
+    }
+    __syncthreads();  // s_row / s_w / s_cast / s_par are rewritten by the next item
+  }
   if (blockIdx.x == 0 && tid == 0) *at<volatile int>(local(c), kLlCalls) = static_cast<int>(s_seq);
 }
 

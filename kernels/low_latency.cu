@@ -434,7 +434,8 @@ __device__ __forceinline__ bool combine_send_partial(const Ctx& c, const Args& a
 // of kLlThreads sends, then reduces work items with the call's half and number its own (no
 // recv_state), over NvlNet. Its own instantiation: beside the two-launch code its registers spilled
 // and the way out made the partial combine 40 % slower at 128 tokens (NOTES-2026-11-28.md, s19).
-// kLocal (one rank, dek_ll_combine_local): the sums straight from y (ll_combine_local.cuh).
+// kLocal (one rank, dek_ll_combine_local): the sums straight from y (ll_combine_local.cuh); with
+// kLfLocal the LogFMT form (combine_local_logfmt), kLfLocalThreads per block.
 // kOwn (with kBoth): the rows-only one-launch combine (dek_ll_combine's choice by selections): 8
 // rows' loads in flight per thread; from kSpreadMinSelections selections on (own_rows) this rank's
 // own rows are reduced from where they are, not copied (combine_send_rows, combine_recv_tokens). kPartial
@@ -456,8 +457,12 @@ __device__ __forceinline__ bool combine_send_partial(const Ctx& c, const Args& a
 // kBoth with kLfRecvHalf: the one-launch LogFMT combine (dek_ll_combine), the per-item send; with
 // kSpread too, the spread send (one_launch_logfmt_spread), each form its own instantiation.
 template <class Net, bool kSig, bool kBoth = false, bool kSpread = false, bool kLocal = false, bool kOwn = false, bool kPartial = false,
-          bool kLfRecv = false, bool kLfSend = false, bool kLfRecvHalf = false>
-__global__ void __launch_bounds__(kBoth && !kLfRecvHalf ? kLlThreads : kSig ? kLlThreads : kLfSend ? kLogfmtSendThreads : kReduceThreads,
+          bool kLfRecv = false, bool kLfSend = false, bool kLfRecvHalf = false, bool kLfLocal = false>
+__global__ void __launch_bounds__(kLfLocal                   ? kLfLocalThreads
+                                  : kBoth && !kLfRecvHalf    ? kLlThreads
+                                  : kSig                     ? kLlThreads
+                                  : kLfSend                  ? kLogfmtSendThreads
+                                                             : kReduceThreads,
                                   kBoth && !kLfRecvHalf ? kBothBlocksPerSm : kLfSend ? kLogfmtSpreadBlocksPerSm : 1)
     combine(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
   __shared__ CombineRecvShared<kOwn ? kMaxLlTopk : 1, kLfRecvHalf> rsh;  // the kernel's own (CombineRecvShared)
@@ -495,7 +500,11 @@ __global__ void __launch_bounds__(kBoth && !kLfRecvHalf ? kLlThreads : kSig ? kL
     return;
   }
   if constexpr (kLocal) {
-    combine_local<Net>(c, a);
+    if constexpr (kLfLocal) {
+      combine_local_logfmt<Net>(c, a);
+    } else {
+      combine_local<Net>(c, a);
+    }
     return;
   }
   if constexpr (kSpread && !kLfRecvHalf) {
@@ -682,7 +691,19 @@ extern "C" int dek_ll_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args
 }
 
 extern "C" int dek_ll_combine_local(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream) {
-  if (!one_launch_combine_ok(ctx, args) || (args->flags & DEK_LL_FLAG_LOGFMT) || ctx->num_ranks != 1) return static_cast<int>(cudaErrorInvalidValue);
+  if (!one_launch_combine_ok(ctx, args) || ctx->num_ranks != 1) return static_cast<int>(cudaErrorInvalidValue);
+  if (args->flags & DEK_LL_FLAG_LOGFMT) {
+    // LogFMT (rows of x only, whole groups): a block per (token, chunk) item at a time, at most
+    // kBothBlocksPerSm per SM.
+    if (args->partial || args->zero_copy || args->x == nullptr || args->hidden % deep_ep::logfmt::kGroup != 0)
+      return static_cast<int>(cudaErrorInvalidValue);
+    const int64_t chunk = deep_ep::logfmt::chunk_channels(static_cast<int>(args->hidden));
+    const int64_t items = static_cast<int64_t>(args->num_tokens) * ((args->hidden + chunk - 1) / chunk);
+    const int64_t cap = ctx->num_sms > 0 ? kBothBlocksPerSm * static_cast<int64_t>(ctx->num_sms) : 1;
+    const int blocks = static_cast<int>(items < 1 ? 1 : items < cap ? items : cap);
+    return launch_pdl(combine<NvlNet, false, true, false, true, false, false, false, false, false, true>, blocks, kLfLocalThreads,
+                      deep_ep::as_stream(stream), *ctx, *args, static_cast<int>(DEK_LL_PHASE_BOTH));
+  }
   // A token's H/1024 slices on blocks of their own (8 rows' loads in flight per thread), at most
   // 3 blocks per SM (the one-launch instantiations' bound).
   const int64_t slices = static_cast<int64_t>(args->num_tokens) * ((args->hidden / 8 + kLlThreads - 1) / kLlThreads);

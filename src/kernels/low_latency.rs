@@ -66,7 +66,8 @@ crate::kernels::intranode::launchers! {
     /// every block resident at once (no `recv_state`).
     combine(a: &LlArgs) => dek_ll_combine, "low-latency combine kernel launch";
     /// `combine` at one rank (`num_ranks == 1`): every output row summed straight from the expert
-    /// outputs (or the zero-copy slots), no signal and no receive area.
+    /// outputs (or the zero-copy slots), no signal and no receive area; with LogFMT each row
+    /// encoded and decoded on the way (the peer path's values, bit for bit).
     combine_local(a: &LlArgs) => dek_ll_combine_local, "low-latency one-rank combine kernel launch";
     /// Zeroes this rank's LL signal words of both halves (2 * signal_bytes of its own window at
     /// ll_off, checked on the C side).

@@ -543,7 +543,9 @@ impl LowLatencyMode for PeerBackend {
         let sms = self.window.ctx().num_sms.max(1) as usize;
         let resident = if a.partial != 0 { self.info.num_ranks <= a.num_blocks as usize } else { g.num_experts <= 3 * sms };
         let selections = i64::from(a.num_tokens) * i64::from(a.num_topk);
-        let form = if s.use_logfmt { !s.zero_copy && logfmt_one_launch(selections, g.num_experts) } else { resident };
+        // LogFMT at one rank in the local form (`combine_local_logfmt`): any expert count.
+        let form =
+            if s.use_logfmt { !s.zero_copy && (self.ll_local_form() || logfmt_one_launch(selections, g.num_experts)) } else { resident };
         let one = form && s.signal.is_none() && self.window.ranks_on_gpu() == 1 && self.seam.is_none();
         if !one || !crate::settings::ll_one_launch() {
             // Two launches from the send arguments already made (ll_combine_in_two would make them again).
@@ -555,7 +557,7 @@ impl LowLatencyMode for PeerBackend {
         self.ll_begin_send(OP_COMBINE, &mut a, stream)?;
         // SAFETY: launch contract: the args hold only the op's tensors (validated by crate::ops and above) and this buffer's window.
         unsafe {
-            if self.ll_local_form() && !s.use_logfmt {
+            if self.ll_local_form() {
                 k::combine_local(OP_COMBINE, self.window.ctx(), &a, stream)
             } else {
                 k::combine(OP_COMBINE, self.window.ctx(), &a, stream)

@@ -3,7 +3,7 @@
 // compares a combine's topk_idx / topk_weights with its dispatch's. combine_local (one rank, one
 // launch) reduces straight from y: at one rank the peer path copies every selected row into its
 // own receive area and reads it back (twice the bytes, a grid-wide wait between; bench/LL_PROFILE.md
-// 11.4 item 10, bench/NOTES.md session 25).
+// 11.4 item 10, bench/NOTES.md session 25); combine_local_logfmt is its LogFMT form (session 52).
 #pragma once
 
 #include <cstdint>

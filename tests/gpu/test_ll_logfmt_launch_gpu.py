@@ -1,14 +1,16 @@
 """The low-latency LogFMT combine's launch forms, one rank on its own GPU: a combine without hooks,
-overlap or seam is one `deep_ep::ll::combine` launch (sends, then receives in the same kernel; below
-256 top-k selections (the handle's tokens x top-k) the send takes an item per half block, from 256
-it spreads the rows over every warp); with DEEP_EP_LL_LAUNCH=two always two (send, receive). Above
-512 experts 256 selections and more take two launches too (the spread one-launch kernel's scan holds
-512 items). Before session 49 512 selections and more took two launches as well. A hook-mode combine
-at one rank runs the whole op in the call (its hook has nothing left to do): the same launches as
-without a hook, and two apart under DEEP_EP_LL_LAUNCH=two. The test counts the launches with
-torch.profiler in a process per launch setting and checks that every form gives the same bytes: the
-same LogFMT encoding and the same receive, so the launch form changes no result (the bitwise check
-against the CPU backend is tests/gpu/test_low_latency.py's)."""
+overlap or seam is one `deep_ep::ll::combine` launch. By default (DEEP_EP_LL_LOCAL=direct) that is
+the one-rank form at any expert count (combine_local_logfmt: each row encoded and decoded on its way
+into the sums, no receive area; session 52). On the peer path (DEEP_EP_LL_LOCAL=peer) the kernel
+sends, then receives (below 256 top-k selections, the handle's tokens x top-k, the send takes an
+item per half block; from 256 it spreads the rows over every warp), and above 512 experts 256
+selections and more take two launches (the spread one-launch kernel's scan holds 512 items). With
+DEEP_EP_LL_LAUNCH=two always two (send, receive). A hook-mode combine at one rank runs the whole op
+in the call (its hook has nothing left to do): the same launches as without a hook, and two apart
+under DEEP_EP_LL_LAUNCH=two. The test counts the launches with torch.profiler in a process per
+setting and checks that every form gives the same bytes (the local form's values, the peer
+path's encoding and receive): the form changes no result (the bitwise check against the CPU backend
+is tests/gpu/test_low_latency.py's)."""
 import hashlib
 
 import pytest
@@ -24,7 +26,8 @@ WIDE_EXPERTS, WIDE_TOKENS = 576, (31, 32, 64)
 CASES = [(EXPERTS, n) for n in TOKENS] + [(WIDE_EXPERTS, n) for n in WIDE_TOKENS]
 
 
-def _launches(experts, n):
+def _peer_launches(experts, n):
+    """Launches of a combine on the peer path (DEEP_EP_LL_LAUNCH=one, DEEP_EP_LL_LOCAL=peer)."""
     return 1 if n * TOPK < 256 or experts <= 512 else 2
 
 
@@ -76,19 +79,22 @@ def _one_combine(buf, experts, n):
     return [launches, digest, bool(torch.isfinite(combined).all()), float(combined.float().abs().sum()), hook_launches, hook_digest]
 
 
-def test_logfmt_combine_is_one_launch_within_512_experts_and_a_hook_at_one_rank_runs_whole():
-    one = _spawn.run(_combine, 1, env={"DEEP_EP_BACKEND": "nccl", "DEEP_EP_LL_LAUNCH": "one"})[0]["ok"]
-    two = _spawn.run(_combine, 1, env={"DEEP_EP_BACKEND": "nccl", "DEEP_EP_LL_LAUNCH": "two"})[0]["ok"]
+def test_logfmt_combine_is_one_launch_at_one_rank_and_a_hook_runs_whole():
+    env = {"DEEP_EP_BACKEND": "nccl"}
+    local = _spawn.run(_combine, 1, env=dict(env, DEEP_EP_LL_LAUNCH="one"))[0]["ok"]
+    peer = _spawn.run(_combine, 1, env=dict(env, DEEP_EP_LL_LAUNCH="one", DEEP_EP_LL_LOCAL="peer"))[0]["ok"]
+    two = _spawn.run(_combine, 1, env=dict(env, DEEP_EP_LL_LAUNCH="two"))[0]["ok"]
     for experts, n in CASES:
         case = f"{experts} experts, {n} tokens ({n * TOPK} selections)"
-        l1, d1, finite, total, h1, hd1 = one[f"{experts}/{n}"]
+        l0, d0, finite, total, h0, hd0 = local[f"{experts}/{n}"]
+        l1, d1, _, _, h1, hd1 = peer[f"{experts}/{n}"]
         l2, d2, _, _, h2, hd2 = two[f"{experts}/{n}"]
         assert finite and total > 0, f"{case}: the combined output is not finite and non-zero"
-        assert l1 == _launches(experts, n), f"{case}: {l1} combine launches with DEEP_EP_LL_LAUNCH=one"
-        assert l2 == 2, f"{case}: {l2} combine launches with DEEP_EP_LL_LAUNCH=two"
-        assert h1 == l1, f"{case}: a hook-mode combine made {h1} launches, the whole op {l1} (DEEP_EP_LL_LAUNCH=one)"
-        assert h2 == 2, f"{case}: a hook-mode combine made {h2} launches with DEEP_EP_LL_LAUNCH=two"
-        assert d1 == d2 == hd1 == hd2, f"{case}: the LogFMT combines differ between launch forms or with a hook"
+        assert l0 == h0 == 1, f"{case}: {l0} combine launches ({h0} with a hook) in the one-rank form"
+        assert l1 == _peer_launches(experts, n), f"{case}: {l1} combine launches on the peer path"
+        assert h1 == l1, f"{case}: a hook-mode combine made {h1} launches, the whole op {l1} (peer path)"
+        assert l2 == h2 == 2, f"{case}: {l2} combine launches ({h2} with a hook) with DEEP_EP_LL_LAUNCH=two"
+        assert d0 == hd0 == d1 == hd1 == d2 == hd2, f"{case}: the LogFMT combines differ between forms or with a hook"
 
 
 if __name__ == "__main__":

@@ -537,7 +537,9 @@ impl LowLatencyMode for PeerBackend {
     /// E blocks of 128 threads (rows: at most 3 per SM, what the kernel's 159 registers allow) or
     /// the partial grid (2 per SM, at least one per rank); and for LogFMT rows as
     /// [`logfmt_one_launch`] says (one block of 512 threads per SM, an item per half block, or from
-    /// [`LOGFMT_SPREAD_FROM`] the rows spread over every warp).
+    /// [`LOGFMT_SPREAD_FROM`] the rows spread over every warp); at one rank in the local form
+    /// (`DEEP_EP_LL_LOCAL=direct`) BF16 rows and partial sums where resident, and LogFMT rows at
+    /// any expert count (`combine_local_logfmt`: no receive area).
     fn ll_combine(&mut self, g: &LlGeometry, s: &LlCombineSendArgs, r: &LlCombineRecvArgs, st: &LlStats, stream: Stream) -> Result<()> {
         let mut a = self.ll_combine_args(g, s, stream)?;
         let sms = self.window.ctx().num_sms.max(1) as usize;

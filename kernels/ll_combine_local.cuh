@@ -191,8 +191,10 @@ __device__ __forceinline__ void combine_local(const Ctx& c, const Args& a) {
   if (blockIdx.x == 0 && tid == 0) *at<volatile int>(local(c), kLlCalls) = static_cast<int>(s_seq);
 }
 
-// The one-rank LogFMT combine (combine_local_logfmt): blocks of 8 warps, a chunk's groups at most.
+// The one-rank LogFMT combine (combine_local_logfmt): blocks of 8 warps, a chunk's groups at most,
+// 4 per SM (64 registers: 32 warps per SM to hide its loads' and reductions' latency).
 constexpr int kLfLocalThreads = 32 * logfmt::kChunkGroups;
+constexpr int kLfLocalBlocksPerSm = 4;
 // Selections whose loads a thread of the sum has in flight at once.
 constexpr int kLfLocalBatch = 8;
 // A cast group's parameters for the sum (phase B): the encoder constants and the decoder's.
@@ -212,7 +214,8 @@ struct LfLocalParam {
 //   amax / amin (warp reductions), lane g's group g parameters and the chunk's cast vote (as the
 //   send's encode_chunk_warp), into shared memory;
 // - phase B, warp g per group g: lane l's channels 4l..4l+3, fma(value, w_k, acc) over k in order
-//   (the peer receive's order and rounding: bit for bit), one BF16 rounding.
+//   (the peer receive's order and rounding: bit for bit), one BF16 rounding; a cast value is
+//   roundtrip_value (decode_value of encode_value without the 10-bit value between).
 // Phase B reads the rows phase A read on this SM (`__ldg`: through L1). Kept from combine_local:
 // begin_send, the routing check (by the last block), the call counter (block 0).
 template <class Net>
@@ -249,18 +252,18 @@ __device__ __forceinline__ void combine_local_logfmt(const Ctx& c, const Args& a
       const uint2* src = reinterpret_cast<const uint2*>(y + row * H + c0) + lane;
       uint2 v[logfmt::kChunkGroups];
 #pragma unroll
-      for (int g = 0; g < logfmt::kChunkGroups; ++g)
-        if (g < ng) v[g] = __ldg(src + g * (logfmt::kGroup / 4));
-      uint32_t my_max = 0, my_min = 0;  // lane g: group g's amax / amin bits
+      for (int g = 0; g < logfmt::kChunkGroups; ++g) v[g] = g < ng ? __ldg(src + g * (logfmt::kGroup / 4)) : make_uint2(0, 0);
+      // Lane g: group g's amax / amin bits. Every group reduced, past ng too (their results unused):
+      // no warp-wide reduction under a branch (each was a divergence check).
+      uint32_t my_max = 0, my_min = 0;
 #pragma unroll
       for (int g = 0; g < logfmt::kChunkGroups; ++g) {
-        if (g < ng) {
-          const uint32_t a0 = v[g].x & 0x7fffu, a1 = (v[g].x >> 16) & 0x7fffu, a2 = v[g].y & 0x7fffu, a3 = (v[g].y >> 16) & 0x7fffu;
-          const uint32_t mx = __reduce_max_sync(0xffffffffu, max(max(a0, a1), max(a2, a3)));
-          const uint32_t mn = __reduce_min_sync(0xffffffffu, min(min(a0, a1), min(a2, a3)));
-          my_max = lane == g ? mx : my_max;
-          my_min = lane == g ? mn : my_min;
-        }
+        const uint32_t x = v[g].x & 0x7fff7fffu, y = v[g].y & 0x7fff7fffu;  // magnitudes, two per word
+        const uint32_t hi = __vmaxu2(x, y), lo = __vminu2(x, y);
+        const uint32_t mx = __reduce_max_sync(0xffffffffu, max(hi & 0xffffu, hi >> 16));
+        const uint32_t mn = __reduce_min_sync(0xffffffffu, min(lo & 0xffffu, lo >> 16));
+        my_max = lane == g ? mx : my_max;
+        my_min = lane == g ? mn : my_min;
       }
       const logfmt::Group mine = logfmt::group_params_t(s_tab.tq, my_max, my_min);
       const bool cast = __all_sync(0xffffffffu, lane >= ng || mine.castable);
@@ -292,7 +295,7 @@ __device__ __forceinline__ void combine_local_logfmt(const Ctx& c, const Args& a
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
               const uint32_t b = w2[i / 2] >> (16 * (i % 2)) & 0xffffu;
-              acc[i] = logfmt::f_fma(logfmt::decode_value(logfmt::encode_value(s_tab.lq, en, b), p.step, p.base), s_w[k], acc[i]);
+              acc[i] = logfmt::f_fma(logfmt::roundtrip_value(s_tab.lq, en, p.step, p.base, b), s_w[k], acc[i]);
             }
           } else {
             logfmt::accumulate_raw4(acc, w2, s_w[k]);

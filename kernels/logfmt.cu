@@ -112,6 +112,36 @@ extern "C" int dek_logfmt_decode_accumulate_host(const uint8_t* slot, int hidden
   return 0;
 }
 
+extern "C" int dek_logfmt_roundtrip_accumulate_host(const uint16_t* x, int hidden, float weight, float* acc) {
+  if (x == nullptr || acc == nullptr || !row_ok(hidden)) return -1;
+  // The row's plan as the encoder derives it (its meta words, then the table's parameters), then
+  // as combine_local_logfmt: acc[i] = fma(roundtrip_value, weight, acc[i]) in a cast chunk, the
+  // bf16 itself in a raw one.
+  const int s = hidden / kGroup;
+  uint8_t meta[4 * kMaxGroups];
+  for (int g = 0; g < s; ++g) {
+    uint32_t mx = 0, mn = 0x7fffu;
+    for (int i = 0; i < kGroup; ++i) {
+      mx = std::max<uint32_t>(mx, x[g * kGroup + i] & 0x7fffu);
+      mn = std::min<uint32_t>(mn, x[g * kGroup + i] & 0x7fffu);
+    }
+    const uint32_t m = mx | mn << 16;
+    std::memcpy(meta + 4 * g, &m, 4);
+  }
+  Group gp[kMaxGroups];
+  bool cast[kMaxGroups];
+  plan(meta, hidden, true, gp, cast);
+  for (int g = 0; g < s; ++g) {
+    const Encoder e = encoder(gp[g]);
+    const int32_t base = decode_base(gp[g]);
+    for (int i = g * kGroup; i < (g + 1) * kGroup; ++i) {
+      const float v = cast[g] ? roundtrip_value(send_tables().lq, e, gp[g].step_q, base, x[i]) : bf16_f32(x[i]);
+      acc[i] = f_fma(v, weight, acc[i]);
+    }
+  }
+  return 0;
+}
+
 extern "C" int dek_logfmt_math_host(int fn, const float* in, float* out, int64_t n) {
   if (in == nullptr || out == nullptr || n < 0 || fn < 0 || fn > 3) return -1;
   for (int64_t i = 0; i < n; ++i) {

@@ -267,10 +267,10 @@ __host__ __device__ __forceinline__ Encoder encoder(const Group& g) {
   e.c = rq - (static_cast<int64_t>(g.lmin_q) + (int64_t{127} << 23)) * static_cast<int64_t>(e.m);
   return e;
 }
-// 10-bit value (sign << 9 | code) of one bf16 (bits, 16) of a cast group: the magnitude's biased
-// fixed-point log2 (exponent bits << 23 plus lq[mantissa]), one 32 x 32 -> 64-bit multiply-add, the
-// upper bits, a clamp.
-__host__ __device__ __forceinline__ uint32_t encode_value(const uint32_t* lq, const Encoder& e, uint32_t b) {
+// The 9-bit magnitude code of one bf16 (bits, 16; the sign bit is ignored) of a cast group: the
+// magnitude's biased fixed-point log2 (exponent bits << 23 plus lq[mantissa]), one 32 x 32 -> 64-bit
+// multiply-add, the upper bits, a clamp.
+__host__ __device__ __forceinline__ uint32_t encode_code(const uint32_t* lq, const Encoder& e, uint32_t b) {
   const uint32_t aq = ((b & 0x7f80u) << 16) + lq[b & 0x7fu];
   const int64_t v = static_cast<int64_t>(static_cast<uint64_t>(aq) * e.m) + e.c;
 #ifdef __CUDA_ARCH__
@@ -278,7 +278,11 @@ __host__ __device__ __forceinline__ uint32_t encode_value(const uint32_t* lq, co
 #else
   const int32_t code = min(max(static_cast<int32_t>(v >> 36), 0), static_cast<int32_t>(kMaxCode));
 #endif
-  return ((b >> 15) & 1u) << 9 | static_cast<uint32_t>(code);
+  return static_cast<uint32_t>(code);
+}
+// 10-bit value (sign << 9 | code) of one bf16 (bits, 16) of a cast group.
+__host__ __device__ __forceinline__ uint32_t encode_value(const uint32_t* lq, const Encoder& e, uint32_t b) {
+  return ((b >> 15) & 1u) << 9 | encode_code(lq, e, b);
 }
 // Four consecutive channels (bf16 pairs lo, hi of two words) as 40 bits, the first lowest.
 __host__ __device__ __forceinline__ uint64_t encode4(const uint32_t* lq, const Encoder& e, uint32_t w0, uint32_t w1) {
@@ -294,8 +298,8 @@ __host__ __device__ __forceinline__ uint64_t encode4(const uint32_t* lq, const E
 // the same bits), one 3-input add. No branch: code 0 too, then a mask makes it 0; the
 // sign bit is or-ed in (the magnitude is +0 or positive: the same bits as negating it).
 constexpr uint32_t kOneBits = 0x3f800000u;  // 1.0f
-__host__ __device__ __forceinline__ float decode_value(uint32_t v, int32_t step_q, int32_t base) {
-  const uint32_t code = v & kMaxCode;
+// The decoded magnitude's bits of a 9-bit code (decode_value without the sign).
+__host__ __device__ __forceinline__ uint32_t decode_magnitude(uint32_t code, int32_t step_q, int32_t base) {
   const uint32_t y1 = static_cast<uint32_t>(static_cast<int32_t>(code) * step_q + base);  // in (0, 2^31): no overflow
 #ifdef __CUDA_ARCH__
   // One LOP3 with 1.0f's bits in a register ((a & b) | c); as C, two (a mask, then an or: one
@@ -307,8 +311,16 @@ __host__ __device__ __forceinline__ float decode_value(uint32_t v, int32_t step_
 #endif
   const float m = f_bits(mb);
   const float p = pow2_poly(m);
-  const uint32_t mag = (bits_of(p) + y1 - mb) & (code == 0 ? 0u : ~0u);
-  return f_bits(mag | (v >> 9 & 1u) << 31);
+  return (bits_of(p) + y1 - mb) & (code == 0 ? 0u : ~0u);
+}
+__host__ __device__ __forceinline__ float decode_value(uint32_t v, int32_t step_q, int32_t base) {
+  return f_bits(decode_magnitude(v & kMaxCode, step_q, base) | (v >> 9 & 1u) << 31);
+}
+// decode_value(encode_value(lq, e, b), step_q, base) of one bf16 (bits, 16) of a cast group, with no
+// 10-bit value between: the sign goes from b's bit 15 to the float's bit 31 (the one-rank LogFMT
+// combine, which encodes and decodes each value in place).
+__host__ __device__ __forceinline__ float roundtrip_value(const uint32_t* lq, const Encoder& e, int32_t step_q, int32_t base, uint32_t b) {
+  return f_bits(decode_magnitude(encode_code(lq, e, b), step_q, base) | (b & 0x8000u) << 16);
 }
 // The decoders' second parameter (decode_value's `base`): lmin_q - step_q + kOneBits (below 2^31:
 // lmin_q + 510 * step_q is about lmax_q < 0; above 0: lmin_q >= -125 * 2^23).

@@ -28,6 +28,10 @@ extern "C" {
 int dek_logfmt_encode_row_host(const uint16_t* x, int hidden, uint8_t* slot);
 int dek_logfmt_decode_accumulate_host(const uint8_t* slot, int hidden, float weight, float* acc);
 int dek_logfmt_math_host(int fn, const float* in, float* out, int64_t n);
+/* acc[i] = fma(value_i, weight, acc[i]) over the row x [hidden] encoded and decoded in place, as the
+ * one-rank LogFMT combine computes it (no slot between; the same values as encode_row then
+ * decode_accumulate). Returns 0, or -1 on bad arguments. No GPU needed. */
+int dek_logfmt_roundtrip_accumulate_host(const uint16_t* x, int hidden, float weight, float* acc);
 
 #ifdef __cplusplus
 }

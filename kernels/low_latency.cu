@@ -463,7 +463,10 @@ __global__ void __launch_bounds__(kLfLocal                   ? kLfLocalThreads
                                   : kSig                     ? kLlThreads
                                   : kLfSend                  ? kLogfmtSendThreads
                                                              : kReduceThreads,
-                                  kBoth && !kLfRecvHalf ? kBothBlocksPerSm : kLfSend ? kLogfmtSpreadBlocksPerSm : 1)
+                                  kLfLocal                ? kLfLocalBlocksPerSm
+                                  : kBoth && !kLfRecvHalf ? kBothBlocksPerSm
+                                  : kLfSend               ? kLogfmtSpreadBlocksPerSm
+                                                          : 1)
     combine(const __grid_constant__ Ctx c, const __grid_constant__ Args a, int phase) {
   __shared__ CombineRecvShared<kOwn ? kMaxLlTopk : 1, kLfRecvHalf> rsh;  // the kernel's own (CombineRecvShared)
   if (!kBoth && !kLfSend && (kLfRecv || kLfRecvHalf || phase == DEK_LL_PHASE_RECV)) {
@@ -487,7 +490,7 @@ __global__ void __launch_bounds__(kLfLocal                   ? kLfLocalThreads
     // SMs: at 128 tokens the trigger cost 0.2 µs there and gained 0.25 below it, NOTES session 28).
     // With peers never: the next kernel's early blocks slowed the 128-token receive by 0.35-0.6 µs
     // (2 ranks, bench/NOTES.md session 29).
-    if (kLocal && gridDim.x < kBothBlocksPerSm * static_cast<unsigned>(c.num_sms)) pdl_trigger();
+    if (kLocal && gridDim.x < (kLfLocal ? kLfLocalBlocksPerSm : kBothBlocksPerSm) * static_cast<unsigned>(c.num_sms)) pdl_trigger();
   }
   if constexpr (kBoth && kLfRecvHalf) {
     // The one-launch LogFMT combine (kLfBoth): the per-item LogFMT send, then the LogFMT receive with
@@ -694,12 +697,12 @@ extern "C" int dek_ll_combine_local(const dek_ic_ctx_t* ctx, const dek_ll_args_t
   if (!one_launch_combine_ok(ctx, args) || ctx->num_ranks != 1) return static_cast<int>(cudaErrorInvalidValue);
   if (args->flags & DEK_LL_FLAG_LOGFMT) {
     // LogFMT (rows of x only, whole groups): a block per (token, chunk) item at a time, at most
-    // kBothBlocksPerSm per SM.
+    // kLfLocalBlocksPerSm per SM.
     if (args->partial || args->zero_copy || args->x == nullptr || args->hidden % deep_ep::logfmt::kGroup != 0)
       return static_cast<int>(cudaErrorInvalidValue);
     const int64_t chunk = deep_ep::logfmt::chunk_channels(static_cast<int>(args->hidden));
     const int64_t items = static_cast<int64_t>(args->num_tokens) * ((args->hidden + chunk - 1) / chunk);
-    const int64_t cap = ctx->num_sms > 0 ? kBothBlocksPerSm * static_cast<int64_t>(ctx->num_sms) : 1;
+    const int64_t cap = ctx->num_sms > 0 ? kLfLocalBlocksPerSm * static_cast<int64_t>(ctx->num_sms) : 1;
     const int blocks = static_cast<int>(items < 1 ? 1 : items < cap ? items : cap);
     return launch_pdl(combine<NvlNet, false, true, false, true, false, false, false, false, false, true>, blocks, kLfLocalThreads,
                       deep_ep::as_stream(stream), *ctx, *args, static_cast<int>(DEK_LL_PHASE_BOTH));

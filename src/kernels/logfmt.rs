@@ -36,6 +36,18 @@ pub fn decode_accumulate(slot: &[u8], weight: f32, acc: &mut [f32]) {
     assert_eq!(rc, 0, "dek_logfmt_decode_accumulate_host refused hidden {}", acc.len());
 }
 
+/// `acc[i] = fma(value_i, weight, acc[i])` over the row `x [H]` encoded and decoded in place, as
+/// the one-rank LogFMT combine kernel (`combine_local_logfmt`) computes it, with the kernels' code:
+/// the values of [`encode_row`] then [`decode_accumulate`]. Host only. Panics on a bad `H` or
+/// `acc` of another length.
+pub fn roundtrip_accumulate(x: &[u16], weight: f32, acc: &mut [f32]) {
+    check_hidden(x.len());
+    assert_eq!(x.len(), acc.len(), "logfmt host: a row of {} channels into {} sums", x.len(), acc.len());
+    // SAFETY: `x` and `acc` hold H values each, what the function reads / writes.
+    let rc = unsafe { dek_logfmt_roundtrip_accumulate_host(x.as_ptr(), x.len() as c_int, weight, acc.as_mut_ptr()) };
+    assert_eq!(rc, 0, "dek_logfmt_roundtrip_accumulate_host refused hidden {}", x.len());
+}
+
 fn math(func: c_int, x: &[f32]) -> Vec<f32> {
     let mut out = vec![0f32; x.len()];
     // SAFETY: `x` and `out` hold n floats each.
@@ -244,6 +256,34 @@ mod tests {
                 assert!(same(acc_k[i], acc_c[i]), "hidden {h} round {round} channel {i}: kernels {} crate {}", acc_k[i], acc_c[i]);
             }
         }
+    }
+
+    #[test]
+    fn in_place_round_trip_is_encode_then_decode_bit_for_bit() {
+        // The one-rank combine's values (no slot between) against the crate's encode and decode.
+        let mut seed = 41;
+        for round in 0..300 {
+            let h = [128, 512, 640, 1024, 2176, 4096, 7168][round % 7];
+            let mut acc_c: Vec<f32> = (0..h).map(|_| (lcg(&mut seed) * 2.0 - 1.0) as f32 * (round % 2) as f32).collect();
+            let mut acc_k = acc_c.clone();
+            for _ in 0..1 + round % 4 {
+                let x = row(h, &mut seed);
+                let mut slot = vec![0u8; logfmt::slot_bytes(h)];
+                logfmt::encode(&x, &mut slot);
+                let w = (lcg(&mut seed) * 4.0 - 2.0) as f32;
+                logfmt::decode_accumulate(&slot, w, &mut acc_c);
+                roundtrip_accumulate(&x, w, &mut acc_k);
+            }
+            for i in 0..h {
+                assert!(same(acc_k[i], acc_c[i]), "hidden {h} round {round} channel {i}: in place {} crate {}", acc_k[i], acc_c[i]);
+            }
+        }
+        // Every code of a geometric ramp, and a raw chunk beside cast ones.
+        let mut x: Vec<u16> = (0..1536).map(|i| bf16::from_f32((-((i % 1024) as f32) * 32.0 / 1023.0).exp2() * 0.5)).collect();
+        x[100] = bf16::from_f32(3.0);
+        let mut acc = vec![0f32; 1536];
+        roundtrip_accumulate(&x, 1.0, &mut acc);
+        assert_eq!(acc, logfmt::round_trip(&x));
     }
 
     #[test]

@@ -738,9 +738,7 @@ int dek_ll_combine_send(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void
 int dek_ll_combine_recv(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream);
 /* Both phases in one launch of 128-thread blocks, all resident: E (rows) or num_blocks (partial); not LogFMT, signal, seam. */
 int dek_ll_combine(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream);
-/* dek_ll_combine at one rank (num_ranks == 1), each out row summed straight from y: no signal, no receive area. With
- * flags & DEK_LL_FLAG_LOGFMT (not partial or zero_copy, H % 128 == 0) each row's chunks LogFMT-encoded and decoded on the
- * way (the values dek_ll_combine_recv decodes from dek_ll_combine_send's), in blocks of 256 threads. */
+/* dek_ll_combine at one rank: out summed straight from y, no receive area (LogFMT: each value encoded, decoded in place). */
 int dek_ll_combine_local(const dek_ic_ctx_t* ctx, const dek_ll_args_t* args, void* stream);
 /* Zeroes this rank's signal words of both halves (between two barriers on the host side), and
  * with a seam its seam signals [0, 4E) of every context and their shadows. */

@@ -47,21 +47,26 @@ void plan(const uint8_t* slot, int hidden, bool table, Group* gp, bool* cast) {
   }
 }
 
-}  // namespace
-
-extern "C" int dek_logfmt_encode_row_host(const uint16_t* x, int hidden, uint8_t* slot) {
-  if (x == nullptr || slot == nullptr || !row_ok(hidden)) return -1;
-  const int s = hidden / kGroup;
-  std::memset(slot, 0, 4 * static_cast<size_t>(s) + 2 * static_cast<size_t>(hidden));
-  for (int g = 0; g < s; ++g) {
+// The row's meta words (amax | amin << 16 of each group's bf16 magnitudes) into `meta` (4 bytes a group).
+void row_meta(const uint16_t* x, int hidden, uint8_t* meta) {
+  for (int g = 0; g < hidden / kGroup; ++g) {
     uint32_t mx = 0, mn = 0x7fffu;
     for (int i = 0; i < kGroup; ++i) {
       mx = std::max<uint32_t>(mx, x[g * kGroup + i] & 0x7fffu);
       mn = std::min<uint32_t>(mn, x[g * kGroup + i] & 0x7fffu);
     }
     const uint32_t m = mx | mn << 16;
-    std::memcpy(slot + 4 * g, &m, 4);
+    std::memcpy(meta + 4 * g, &m, 4);
   }
+}
+
+}  // namespace
+
+extern "C" int dek_logfmt_encode_row_host(const uint16_t* x, int hidden, uint8_t* slot) {
+  if (x == nullptr || slot == nullptr || !row_ok(hidden)) return -1;
+  const int s = hidden / kGroup;
+  std::memset(slot, 0, 4 * static_cast<size_t>(s) + 2 * static_cast<size_t>(hidden));
+  row_meta(x, hidden, slot);
   Group gp[kMaxGroups];
   bool cast[kMaxGroups];
   plan(slot, hidden, true, gp, cast);
@@ -119,15 +124,7 @@ extern "C" int dek_logfmt_roundtrip_accumulate_host(const uint16_t* x, int hidde
   // bf16 itself in a raw one.
   const int s = hidden / kGroup;
   uint8_t meta[4 * kMaxGroups];
-  for (int g = 0; g < s; ++g) {
-    uint32_t mx = 0, mn = 0x7fffu;
-    for (int i = 0; i < kGroup; ++i) {
-      mx = std::max<uint32_t>(mx, x[g * kGroup + i] & 0x7fffu);
-      mn = std::min<uint32_t>(mn, x[g * kGroup + i] & 0x7fffu);
-    }
-    const uint32_t m = mx | mn << 16;
-    std::memcpy(meta + 4 * g, &m, 4);
-  }
+  row_meta(x, hidden, meta);
   Group gp[kMaxGroups];
   bool cast[kMaxGroups];
   plan(meta, hidden, true, gp, cast);

@@ -235,22 +235,22 @@ mod tests {
         assert!(cast > raw / 10, "only {cast} of {raw} values were quantised");
     }
 
-    #[test]
-    fn host_decode_accumulate_matches_the_crate_bit_for_bit() {
-        let mut seed = 29;
+    /// Sums over several selections in order (as a combine receive makes them) of random rows
+    /// (`row`), by the crate's encode and decode and by `kernels(x, slot, weight, acc)` (the
+    /// kernels' host code given the row and the crate's slot of it): the same bits, or a panic.
+    fn assert_sums_are_crate(mut seed: u64, kernels: impl Fn(&[u16], &[u8], f32, &mut [f32])) {
         for round in 0..300 {
             let h = [128, 512, 640, 1024, 2176, 4096, 7168][round % 7];
             let mut acc_c: Vec<f32> =
                 (0..h).map(|_| (lcg(&mut seed) * 2.0 - 1.0) as f32 * if round % 3 == 0 { 0.0 } else { 1.0 }).collect();
             let mut acc_k = acc_c.clone();
-            // Several selections in order, as a combine receive does.
             for _ in 0..1 + round % 4 {
                 let x = row(h, &mut seed);
                 let mut slot = vec![0u8; logfmt::slot_bytes(h)];
                 logfmt::encode(&x, &mut slot);
                 let w = (lcg(&mut seed) * 4.0 - 2.0) as f32;
                 logfmt::decode_accumulate(&slot, w, &mut acc_c);
-                decode_accumulate(&slot, w, &mut acc_k);
+                kernels(&x, &slot, w, &mut acc_k);
             }
             for i in 0..h {
                 assert!(same(acc_k[i], acc_c[i]), "hidden {h} round {round} channel {i}: kernels {} crate {}", acc_k[i], acc_c[i]);
@@ -259,25 +259,14 @@ mod tests {
     }
 
     #[test]
+    fn host_decode_accumulate_matches_the_crate_bit_for_bit() {
+        assert_sums_are_crate(29, |_, slot, w, acc| decode_accumulate(slot, w, acc));
+    }
+
+    #[test]
     fn in_place_round_trip_is_encode_then_decode_bit_for_bit() {
         // The one-rank combine's values (no slot between) against the crate's encode and decode.
-        let mut seed = 41;
-        for round in 0..300 {
-            let h = [128, 512, 640, 1024, 2176, 4096, 7168][round % 7];
-            let mut acc_c: Vec<f32> = (0..h).map(|_| (lcg(&mut seed) * 2.0 - 1.0) as f32 * (round % 2) as f32).collect();
-            let mut acc_k = acc_c.clone();
-            for _ in 0..1 + round % 4 {
-                let x = row(h, &mut seed);
-                let mut slot = vec![0u8; logfmt::slot_bytes(h)];
-                logfmt::encode(&x, &mut slot);
-                let w = (lcg(&mut seed) * 4.0 - 2.0) as f32;
-                logfmt::decode_accumulate(&slot, w, &mut acc_c);
-                roundtrip_accumulate(&x, w, &mut acc_k);
-            }
-            for i in 0..h {
-                assert!(same(acc_k[i], acc_c[i]), "hidden {h} round {round} channel {i}: in place {} crate {}", acc_k[i], acc_c[i]);
-            }
-        }
+        assert_sums_are_crate(41, |x, _, w, acc| roundtrip_accumulate(x, w, acc));
         // Every code of a geometric ramp, and a raw chunk beside cast ones.
         let mut x: Vec<u16> = (0..1536).map(|i| bf16::from_f32((-((i % 1024) as f32) * 32.0 / 1023.0).exp2() * 0.5)).collect();
         x[100] = bf16::from_f32(3.0);

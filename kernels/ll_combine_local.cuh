@@ -258,8 +258,8 @@ __device__ __forceinline__ void combine_local_logfmt(const Ctx& c, const Args& a
       uint32_t my_max = 0, my_min = 0;
 #pragma unroll
       for (int g = 0; g < logfmt::kChunkGroups; ++g) {
-        const uint32_t x = v[g].x & 0x7fff7fffu, y = v[g].y & 0x7fff7fffu;  // magnitudes, two per word
-        const uint32_t hi = __vmaxu2(x, y), lo = __vminu2(x, y);
+        const uint32_t m0 = v[g].x & 0x7fff7fffu, m1 = v[g].y & 0x7fff7fffu;  // magnitudes, two per word
+        const uint32_t hi = __vmaxu2(m0, m1), lo = __vminu2(m0, m1);
         const uint32_t mx = __reduce_max_sync(0xffffffffu, max(hi & 0xffffu, hi >> 16));
         const uint32_t mn = __reduce_min_sync(0xffffffffu, min(lo & 0xffffu, lo >> 16));
         my_max = lane == g ? mx : my_max;

@@ -93,7 +93,7 @@ def test_low_latency_ops_have_one_kernel_each(kernels):
     """As DeepEP: one kernel per LL op (both halves), per seam and variant instantiation (dispatch:
     NVFP4 or not, the one-rank form, and the split peer send of a cast payload; combine: single-batch-overlap waits or not, and the one-launch forms, NVLink
     only: the rows send spread over every warp or not, the rows-only form that reads its own rows in place, rows and
-    partial sums each without the other's code, and the one-rank combine), all under the op's one name. The one-launch and one-rank forms are NVLink
+    partial sums each without the other's code, and the one-rank combine, BF16 and LogFMT), all under the op's one name. The one-launch and one-rank forms are NVLink
     only (`NvlNet`: no seam code in them); the two-launch forms serve every seam, and without one are `NvlNet` too (the dispatch's
     are the one-launch form's own kernels; the combine has eight more: with and without overlap waits, the receive of a
     LogFMT send, which the host hints, in its wide and its narrow form, that LogFMT send without a seam or overlap
@@ -105,23 +105,24 @@ def test_low_latency_ops_have_one_kernel_each(kernels):
                      "deep_ep::tp::NvlNet, false, false, false", "deep_ep::tp::NvlNet, false, false, true",
                      "deep_ep::tp::NvlNet, false, true, false", "deep_ep::tp::NvlNet, true, false, false",
                      "deep_ep::tp::NvlNet, true, false, true", "deep_ep::tp::NvlNet, true, true, false"],
-        "combine": ["deep_ep::tp::GinNet, false, false, false, false, false, false, false, false, false",
-                    "deep_ep::tp::GinNet, true, false, false, false, false, false, false, false, false",
-                    "deep_ep::tp::LsaNet, false, false, false, false, false, false, false, false, false",
-                    "deep_ep::tp::LsaNet, false, false, false, false, false, false, false, true, false",
-                    "deep_ep::tp::LsaNet, false, false, true, false, false, false, false, true, false",
-                    "deep_ep::tp::LsaNet, false, true, false, false, false, false, false, false, true",
-                    "deep_ep::tp::LsaNet, false, true, true, false, false, false, false, false, true",
-                    "deep_ep::tp::LsaNet, true, false, false, false, false, false, false, false, false",
-                    "deep_ep::tp::NvlNet, false, false, false, false, false, false, false, false, false",
-                    "deep_ep::tp::NvlNet, false, false, false, false, false, false, false, false, true",
-                    "deep_ep::tp::NvlNet, false, false, false, false, false, false, true, false, false",
-                    "deep_ep::tp::NvlNet, false, true, false, false, false, false, false, false, false",
-                    "deep_ep::tp::NvlNet, false, true, false, false, false, true, false, false, false",
-                    "deep_ep::tp::NvlNet, false, true, false, false, true, false, false, false, false",
-                    "deep_ep::tp::NvlNet, false, true, false, true, false, false, false, false, false",
-                    "deep_ep::tp::NvlNet, false, true, true, false, false, false, false, false, false",
-                    "deep_ep::tp::NvlNet, true, false, false, false, false, false, false, false, false"],
+        "combine": ["deep_ep::tp::GinNet, false, false, false, false, false, false, false, false, false, false",
+                    "deep_ep::tp::GinNet, true, false, false, false, false, false, false, false, false, false",
+                    "deep_ep::tp::LsaNet, false, false, false, false, false, false, false, false, false, false",
+                    "deep_ep::tp::LsaNet, false, false, false, false, false, false, false, true, false, false",
+                    "deep_ep::tp::LsaNet, false, false, true, false, false, false, false, true, false, false",
+                    "deep_ep::tp::LsaNet, false, true, false, false, false, false, false, false, true, false",
+                    "deep_ep::tp::LsaNet, false, true, true, false, false, false, false, false, true, false",
+                    "deep_ep::tp::LsaNet, true, false, false, false, false, false, false, false, false, false",
+                    "deep_ep::tp::NvlNet, false, false, false, false, false, false, false, false, false, false",
+                    "deep_ep::tp::NvlNet, false, false, false, false, false, false, false, false, true, false",
+                    "deep_ep::tp::NvlNet, false, false, false, false, false, false, true, false, false, false",
+                    "deep_ep::tp::NvlNet, false, true, false, false, false, false, false, false, false, false",
+                    "deep_ep::tp::NvlNet, false, true, false, false, false, true, false, false, false, false",
+                    "deep_ep::tp::NvlNet, false, true, false, false, true, false, false, false, false, false",
+                    "deep_ep::tp::NvlNet, false, true, false, true, false, false, false, false, false, false",
+                    "deep_ep::tp::NvlNet, false, true, false, true, false, false, false, false, false, true",
+                    "deep_ep::tp::NvlNet, false, true, true, false, false, false, false, false, false, false",
+                    "deep_ep::tp::NvlNet, true, false, false, false, false, false, false, false, false, false"],
     }
     for op in ("dispatch", "combine"):
         hits = sorted(d for d in names if _qualified(d) == f"deep_ep::ll::{op}")
